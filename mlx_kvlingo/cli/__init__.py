@@ -1,0 +1,26 @@
+"""`kvlingo`: a thin command line over the public Python API. One module per command."""
+
+from __future__ import annotations
+
+import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
+
+import click
+
+from .generate import generate_cmd
+from .info import info_cmd
+from .translate import translate_cmd
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(mlx_kvlingo.__version__, prog_name="kvlingo")
+def cli():
+    """KV-cache translation between two language models on MLX."""
+
+
+cli.add_command(info_cmd)
+cli.add_command(translate_cmd)
+cli.add_command(generate_cmd)
+
+
+def main():
+    cli()

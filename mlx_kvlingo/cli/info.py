@@ -1,0 +1,57 @@
+"""`kvlingo info`: the machine (backend, BLAS, measured GEMM speed) and models' KV geometry."""
+
+from __future__ import annotations
+
+import platform
+import time
+
+import click
+import mlx.core as mx
+from rich.console import Console
+from rich.table import Table
+
+from .. import _blas
+
+
+def gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
+    a = mx.random.normal((n, n))
+    b = mx.random.normal((n, n))
+    mx.eval(a @ b)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        mx.eval(a @ b)
+    return 2 * n**3 * repeats / (time.perf_counter() - t) / 1e9
+
+
+def blas_status() -> str:
+    if _blas.loaded_path:
+        return f"OpenBLAS preloaded ({_blas.loaded_path})"
+    return f"no preload: {_blas.reason}"
+
+
+@click.command("info")
+@click.argument("models", nargs=-1)
+def info_cmd(models):
+    """Backend, BLAS and float32 GEMM speed; KV geometry of MODELS (hub ids or folders)."""
+    console = Console()
+    device = "Metal GPU" if mx.metal.is_available() else "CPU"
+    console.print(f"mlx {mx.__version__} on {device} ({platform.system()} {platform.machine()})")
+    if platform.system() == "Linux":
+        console.print(f"BLAS: {blas_status()}")
+    console.print(f"float32 GEMM 1024^3: {gemm_gflops():.1f} GFLOP/s")
+    if not models:
+        return
+    from ..pair import describe_model, load_model
+
+    described = [describe_model(load_model(name, dtype=None)) for name in models]
+    table = Table("", *[d["name"] for d in described])
+    for key in ("model_type", "layers", "kv_heads", "head_dim", "rope", "has_k_norm", "dtype",
+                "parameters_MB", "kv_bytes_per_token"):  # fmt: skip
+        cells = []
+        for d in described:
+            v = d[key]
+            if key == "rope":
+                v = f"{v['kind']} dims={v['dims']} base={v['base']} traditional={v['traditional']}"
+            cells.append(str(v))
+        table.add_row(key, *cells)
+    console.print(table)

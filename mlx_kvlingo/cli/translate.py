@@ -1,0 +1,52 @@
+"""`kvlingo translate`: a source prompt cache file in, a target prompt cache file out."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+from ..capture import capture_from_cache, prefill
+from ..decode import new_cache, translate_into
+from ._common import resolve_pair, source_option, target_option, translator_option
+
+
+@click.command("translate")
+@source_option
+@target_option
+@translator_option
+@click.option("--prompt-cache-file", "cache_in", type=click.Path(exists=True, dir_okay=False),
+              help="Source cache written by `mlx_lm.cache_prompt`")  # fmt: skip
+@click.option("--prompt", help="Or: a prompt the source prefills now (instead of a cache file)")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Target prompt cache file for `mlx_lm.generate --prompt-cache-file`")  # fmt: skip
+def translate_cmd(source, target, translator, cache_in, prompt, output):
+    """Translate a source prompt cache into the target's, with no target prefill."""
+    pair, tr = resolve_pair(source, target, translator)
+    if (cache_in is None) == (prompt is None):
+        raise click.UsageError("give exactly one of --prompt-cache-file and --prompt")
+    metadata = {}
+    if cache_in:
+        if tr.config.key_cut == "pre_norm" and pair.source.geometry.has_k_norm:
+            raise click.ClickException(
+                "this translator reads pre-k_norm keys, which a prompt cache file does not hold; "
+                "use --prompt so the source prefills with recording"
+            )
+        src_cache, metadata = load_prompt_cache(cache_in, return_metadata=True)
+        if len(src_cache) != pair.source.geometry.layers:
+            raise click.ClickException(
+                f"{cache_in} has {len(src_cache)} layers; the source has {pair.source.geometry.layers}"
+            )
+        span = capture_from_cache(pair.source, src_cache, 0, src_cache[0].offset)
+    else:
+        tokens = pair.tokenizer.encode(prompt)
+        span = prefill(pair.source, tokens, new_cache(pair.source), cut=tr.config.key_cut)
+    tgt_cache = new_cache(pair.target)
+    translate_into(pair, tr, span, tgt_cache)
+    metadata = dict(metadata)
+    metadata["model"] = pair.target.name
+    metadata.setdefault("tokenizer_config", json.dumps({}))
+    metadata["kvlingo_translated_from"] = pair.source.name
+    save_prompt_cache(output, tgt_cache, metadata)
+    click.echo(f"wrote {output}: {span.length} tokens translated for {pair.target.name}")

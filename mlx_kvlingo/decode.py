@@ -1,0 +1,133 @@
+"""From a prompt to target tokens: source prefill, translate, fill the target's cache, decode.
+
+The target always processes at least the last prompt token itself, so the translated cache
+covers tokens [0, n-1) and `stream_generate` starts from token n-1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+from .capture import SpanKV, capture_from_cache, needs_recording, prefill
+from .pair import LoadedModel, ModelPair
+from .translator import Translator
+
+
+def new_cache(
+    model: LoadedModel, kv_bits: int | None = None, kv_group_size: int | None = None, max_kv_size=None
+) -> list:
+    """An empty mlx-lm cache for `model`: plain, quantized (`kv_bits`) or rotating."""
+    n = model.geometry.layers
+    if kv_bits is not None:
+        D = model.geometry.head_dim
+        if kv_group_size is None:
+            kv_group_size = next((g for g in (64, 32) if D % g == 0), None)
+        if kv_group_size is None or D % kv_group_size:
+            raise ValueError(f"quantized KV needs a head dim divisible by 32 or 64 (have {D})")
+        return [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) for _ in range(n)]
+    if max_kv_size is not None:
+        return [RotatingKVCache(max_size=max_kv_size, keep=4) for _ in range(n)]
+    return [KVCache() for _ in range(n)]
+
+
+def append_kv(cache: list, keys: list, values: list) -> None:
+    """Append translated K/V (per layer, (B, H, T, D)) at the cache's current end."""
+    for c, k, v in zip(cache, keys, values, strict=True):
+        c.update_and_fetch(k, v)
+    mx.eval([(c.keys, c.values) for c in cache])
+
+
+def translate_into(
+    pair: ModelPair, translator: Translator, span: SpanKV, cache: list
+) -> None:
+    """Translate `span` and append it to the target's `cache`, which must end where it starts."""
+    if cache[0].offset != span.start:
+        raise ValueError(
+            f"target cache holds {cache[0].offset} tokens but the span starts at {span.start}"
+        )
+    keys, values = translator.translate(span, pair.target)
+    append_kv(cache, keys, values)
+
+
+@dataclass
+class Handoff:
+    """What a switch produced: both caches and what it cost."""
+
+    source_cache: list
+    target_cache: list
+    source_prefill_s: float
+    translate_s: float
+    translated_tokens: int
+
+
+def handoff(
+    pair: ModelPair,
+    translator: Translator,
+    tokens: list[int],
+    *,
+    kv_bits: int | None = None,
+    source_cache: list | None = None,
+) -> Handoff:
+    """Source reads `tokens[:-1]`; the target gets them translated, ready to decode from.
+
+    With `source_cache` already holding a prefix, only the rest is prefilled.
+    """
+    if len(tokens) < 2:
+        raise ValueError("need at least 2 prompt tokens: the target must process the last itself")
+    src_cache = source_cache if source_cache is not None else new_cache(pair.source)
+    have, end = src_cache[0].offset, len(tokens) - 1
+    if have > end:
+        raise ValueError(f"source cache holds {have} tokens, more than the {end} to hand off")
+    t0 = time.perf_counter()
+    if have and needs_recording(pair.source, translator.config.key_cut):
+        raise ValueError("a pre_norm translator needs the source to prefill the whole span itself")
+    if have < end:
+        span = prefill(pair.source, tokens[have:end], src_cache, cut=translator.config.key_cut)
+        if have:
+            old = capture_from_cache(pair.source, src_cache, 0, have)
+            span = SpanKV(
+                mx.concatenate([old.keys, span.keys], axis=3),
+                mx.concatenate([old.values, span.values], axis=3),
+                0,
+            )
+    else:
+        span = capture_from_cache(pair.source, src_cache, 0, end)
+    t1 = time.perf_counter()
+    tgt_cache = new_cache(pair.target, kv_bits=kv_bits)
+    translate_into(pair, translator, span, tgt_cache)
+    t2 = time.perf_counter()
+    return Handoff(src_cache, tgt_cache, t1 - t0, t2 - t1, span.length)
+
+
+def generate(
+    pair: ModelPair,
+    translator: Translator,
+    prompt: str | list[int],
+    *,
+    max_tokens: int = 256,
+    kv_bits: int | None = None,
+    **kwargs,
+) -> Iterator:
+    """Stream target tokens (mlx-lm `GenerationResponse`s) without any target prefill."""
+    tokens = _tokenize(pair, prompt)
+    h = handoff(pair, translator, tokens, kv_bits=kv_bits)
+    yield from stream_generate(
+        pair.target.model,
+        pair.tokenizer,
+        prompt=mx.array(tokens[-1:]),
+        max_tokens=max_tokens,
+        prompt_cache=h.target_cache,
+        **kwargs,
+    )
+
+
+def _tokenize(pair: ModelPair, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        return pair.tokenizer.encode(prompt)
+    return list(prompt)

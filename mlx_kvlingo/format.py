@@ -1,0 +1,209 @@
+"""One translator file: a `.safetensors` file with the tensors and JSON metadata.
+
+Metadata key `kvlingo` holds a JSON object:
+    schema, schema_version, variant, key_cut, bias, key_layers, value_layers,
+    source / target: {name, model_type, layers, kv_heads, head_dim, value_dim, rope, has_k_norm},
+    tokenizer (vocab fingerprint), dtype, and free-form `calibration` / `provenance` reports.
+Loading checks the file itself (truncation, schema, tensors, shapes, NaN/Inf) and then, when a
+pair is given, that the file was made for that pair.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from .translator import Side, Translator, TranslatorConfig
+
+SCHEMA = "mlx-kvlingo/translator"
+SCHEMA_VERSION = 1
+
+
+class TranslatorFileError(ValueError):
+    """A translator file that is unreadable, inconsistent, or made for another pair."""
+
+
+def _side_meta(model, side: Side) -> dict:
+    meta = {"name": None, **side.as_dict()}
+    if model is not None:
+        g = model.geometry
+        meta.update(
+            name=model.name,
+            model_type=g.model_type,
+            rope=g.rope.as_dict(),
+            has_k_norm=g.has_k_norm,
+        )
+    return meta
+
+
+def build_metadata(translator: Translator, pair=None, **extra) -> dict:
+    c = translator.config
+    meta = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "variant": c.variant,
+        "key_cut": c.key_cut,
+        "bias": c.bias,
+        "key_layers": [list(r) for r in c.key_layers],
+        "value_layers": [list(r) for r in c.value_layers],
+        "source": _side_meta(pair.source if pair else None, c.source),
+        "target": _side_meta(pair.target if pair else None, c.target),
+        "tokenizer": pair.tokenizer_fingerprint if pair else None,
+        "dtype": str(translator.key["weight"].dtype).replace("mlx.core.", ""),
+    }
+    meta.update(c.metadata)
+    meta.update(extra)
+    return meta
+
+
+def save_translator(translator: Translator, path: str | Path, pair=None, **extra) -> Path:
+    """Write the translator (atomically) with metadata describing `pair` and any `extra` keys."""
+    path = Path(path)
+    meta = build_metadata(translator, pair, **extra)
+    tensors = {f"key.{k}": v for k, v in translator.key.items()}
+    tensors.update({f"value.{k}": v for k, v in translator.value.items()})
+    tmp = path.with_name(path.name + ".tmp.safetensors")
+    mx.save_safetensors(str(tmp), tensors, metadata={"kvlingo": json.dumps(meta)})
+    os.replace(tmp, path)
+    return path
+
+
+def read_header(path: str | Path) -> dict:
+    """Parse and sanity-check the safetensors header without loading tensors."""
+    path = Path(path)
+    if not path.is_file():
+        raise TranslatorFileError(f"{path}: no such translator file")
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise TranslatorFileError(f"{path}: truncated or not a safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 * 2**20:
+            if head[:2] == b"\x80\x02" or head[:1] == b"\x80":
+                raise TranslatorFileError(
+                    f"{path}: this is a Python pickle (PyTorch file?), not a translator; "
+                    "convert it with `kvlingo convert`"
+                )
+            raise TranslatorFileError(f"{path}: truncated or not a safetensors file")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise TranslatorFileError(f"{path}: corrupt safetensors header ({e})") from None
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise TranslatorFileError(
+            f"{path}: truncated: tensors need {8 + n + end} bytes, file has {size}"
+        )
+    return header
+
+
+def read_metadata(path: str | Path) -> dict:
+    header = read_header(path)
+    raw = (header.get("__metadata__") or {}).get("kvlingo")
+    if raw is None:
+        raise TranslatorFileError(f"{path}: no kvlingo metadata: not a translator file")
+    meta = json.loads(raw)
+    if meta.get("schema") != SCHEMA:
+        raise TranslatorFileError(f"{path}: unknown schema {meta.get('schema')!r}")
+    if meta.get("schema_version") != SCHEMA_VERSION:
+        raise TranslatorFileError(
+            f"{path}: unsupported schema_version {meta.get('schema_version')!r} "
+            f"(this version of mlx-kvlingo reads {SCHEMA_VERSION})"
+        )
+    return meta
+
+
+def config_from_metadata(meta: dict) -> TranslatorConfig:
+    def side(d):
+        return Side(d["layers"], d["kv_heads"], d["head_dim"], d.get("value_dim", d["head_dim"]))
+
+    skip = {
+        "schema", "schema_version", "variant", "key_cut", "bias", "key_layers",
+        "value_layers", "source", "target",
+    }  # fmt: skip
+    return TranslatorConfig(
+        variant=meta["variant"],
+        source=side(meta["source"]),
+        target=side(meta["target"]),
+        key_layers=tuple(tuple(r) for r in meta["key_layers"]),
+        value_layers=tuple(tuple(r) for r in meta["value_layers"]),
+        key_cut=meta["key_cut"],
+        bias=bool(meta["bias"]),
+        metadata={k: v for k, v in meta.items() if k not in skip},
+    )
+
+
+def load_translator(path: str | Path, pair=None) -> Translator:
+    """Load and validate a translator file; with `pair`, also check it was made for it."""
+    path = Path(path)
+    meta = read_metadata(path)
+    try:
+        config = config_from_metadata(meta)
+    except (KeyError, TypeError, ValueError) as e:
+        raise TranslatorFileError(f"{path}: inconsistent metadata: {e}") from None
+    if pair is not None:
+        check_pair(meta, config, pair, path)
+    try:
+        tensors = mx.load(str(path))
+    except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError
+        raise TranslatorFileError(f"{path}: cannot read tensors: {e}") from None
+    expected = config.weight_shapes()
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing:
+        raise TranslatorFileError(f"{path}: missing tensors {missing}")
+    if extra:
+        raise TranslatorFileError(f"{path}: unexpected tensors {extra}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            raise TranslatorFileError(
+                f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+                f"the metadata implies {shape}"
+            )
+        if not np.isfinite(np.array(tensors[name].astype(mx.float32))).all():
+            raise TranslatorFileError(f"{path}: tensor {name} contains NaN or Inf")
+    dtype = tensors["key.weight"].dtype
+    tr = Translator(config, dtype=dtype)
+    tr.key = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("key.")}
+    tr.value = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("value.")}
+    return tr
+
+
+def check_pair(meta: dict, config: TranslatorConfig, pair, path) -> None:
+    src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
+    if (config.source, config.target) == (tgt, src) and src != tgt:
+        raise TranslatorFileError(
+            f"{path}: this translator goes the other way ({meta['source'].get('name')} -> "
+            f"{meta['target'].get('name')}); swap source and target or use the reverse file"
+        )
+    for label, want, have, model in (
+        ("source", config.source, src, pair.source),
+        ("target", config.target, tgt, pair.target),
+    ):
+        if want != have:
+            raise TranslatorFileError(
+                f"{path}: made for a {label} with {want.layers} layers, {want.kv_heads} KV heads, "
+                f"head dim {want.head_dim}; {model.name} has {have.layers} layers, "
+                f"{have.kv_heads} KV heads, head dim {have.head_dim}: wrong model pair"
+            )
+        mt = meta[label].get("model_type")
+        if mt and mt != model.geometry.model_type:
+            raise TranslatorFileError(
+                f"{path}: made for a {mt} {label}, {model.name} is {model.geometry.model_type}"
+            )
+        if meta[label].get("has_k_norm") is not None and meta[label]["has_k_norm"] != (
+            model.geometry.has_k_norm
+        ):
+            raise TranslatorFileError(f"{path}: {label} k_norm presence differs from {model.name}")
+    fp = meta.get("tokenizer")
+    if fp and pair.tokenizer_fingerprint and fp != pair.tokenizer_fingerprint:
+        raise TranslatorFileError(
+            f"{path}: made for a different tokenizer (fingerprint {fp}, pair has "
+            f"{pair.tokenizer_fingerprint})"
+        )

@@ -1,0 +1,196 @@
+"""Load a source/target model pair through mlx-lm and describe each one's KV geometry."""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.utils import dequantize_model
+
+from .families import Family, family_of
+from .rope import RopeSpec, describe
+
+
+class TokenizerMismatchError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The shape of one model's KV cache, and how its keys are made."""
+
+    model_type: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    value_dim: int
+    rope: RopeSpec
+    has_k_norm: bool
+    dtype: str
+
+    @property
+    def key_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def value_width(self) -> int:
+        return self.kv_heads * self.value_dim
+
+    def as_dict(self) -> dict:
+        return {
+            "model_type": self.model_type,
+            "layers": self.layers,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "value_dim": self.value_dim,
+            "rope": self.rope.as_dict(),
+            "has_k_norm": self.has_k_norm,
+            "dtype": self.dtype,
+        }
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: nn.Module
+    tokenizer: object
+    config: dict
+    family: Family
+    geometry: KVGeometry
+
+    @property
+    def layers(self) -> list:
+        return self.model.layers
+
+    def attention(self, layer: int) -> nn.Module:
+        return getattr(self.model.layers[layer], self.family.attention)
+
+    @property
+    def rope(self) -> nn.Module:
+        return self.attention(0).rope
+
+    def nbytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+
+@dataclass
+class ModelPair:
+    """The small model that prefills (source) and the model that decodes (target)."""
+
+    source: LoadedModel
+    target: LoadedModel
+    tokenizer: object = field(repr=False)
+    tokenizer_fingerprint: str = ""
+
+    def reversed(self) -> ModelPair:
+        return ModelPair(self.target, self.source, self.tokenizer, self.tokenizer_fingerprint)
+
+
+def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
+    model_type = config["model_type"]
+    family = family_of(model_type)
+    layers = model.layers
+    attn = getattr(layers[0], family.attention)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get(family.kv_heads_key) or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    dtype = str(model.parameters()["model"]["embed_tokens"]["weight"].dtype)
+    if hasattr(attn, "n_kv_heads") and attn.n_kv_heads != kv_heads:  # config and module disagree
+        kv_heads = attn.n_kv_heads
+    return KVGeometry(
+        model_type=model_type,
+        layers=len(layers),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        value_dim=head_dim,
+        rope=describe(attn.rope),
+        has_k_norm=family.has_k_norm,
+        dtype=dtype.replace("mlx.core.", ""),
+    )
+
+
+def default_dtype() -> mx.Dtype | None:
+    """float32 on the CPU backend (bf16 and quantized matmuls are slow there); keep as-is on Metal."""
+    return None if mx.metal.is_available() else mx.float32
+
+
+def load_model(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") -> LoadedModel:
+    """Load one model by hub id or local folder through `mlx_lm.load`."""
+    name = str(path_or_repo)
+    model, tokenizer, config = mlx_lm_load(name, return_config=True)
+    if dtype == "auto":
+        dtype = default_dtype()
+    if dtype is not None:
+        if "quantization" in config or "quantization_config" in config:
+            model = dequantize_model(model)
+        model.set_dtype(dtype)
+        mx.eval(model.parameters())
+    family = family_of(config["model_type"])
+    return LoadedModel(name, model, tokenizer, config, family, geometry_of(model, config))
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    vocab = tokenizer.get_vocab()
+    items = "\n".join(f"{i}\t{t}" for t, i in sorted(vocab.items(), key=lambda kv: kv[1]))
+    return hashlib.sha256(items.encode()).hexdigest()[:16]
+
+
+def check_same_tokenizer(a, b, names=("source", "target")) -> None:
+    """Refuse a pair whose tokenizers map ids to different tokens; name the first difference."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    ia = {i: t for t, i in va.items()}
+    ib = {i: t for t, i in vb.items()}
+    for i in range(max(len(ia), len(ib), max(ia, default=0) + 1, max(ib, default=0) + 1)):
+        ta, tb = ia.get(i), ib.get(i)
+        if ta != tb:
+            raise TokenizerMismatchError(
+                f"the {names[0]} and {names[1]} tokenizers differ: first differing token id {i} "
+                f"is {ta!r} in the {names[0]} and {tb!r} in the {names[1]} "
+                f"(vocab sizes {len(va)} and {len(vb)}); KV translation needs one shared tokenizer"
+            )
+    ea, eb = set(a.eos_token_ids), set(b.eos_token_ids)
+    if ea != eb:
+        raise TokenizerMismatchError(
+            f"the {names[0]} and {names[1]} tokenizers differ in end-of-sequence ids: "
+            f"{sorted(ea)} vs {sorted(eb)}"
+        )
+
+
+def load_pair(
+    source: str | Path | LoadedModel,
+    target: str | Path | LoadedModel,
+    dtype: mx.Dtype | None = "auto",
+) -> ModelPair:
+    """Load source and target (hub ids, local folders or already loaded models).
+
+    Raises `TokenizerMismatchError` if they do not share a tokenizer.
+    """
+    src = source if isinstance(source, LoadedModel) else load_model(source, dtype)
+    tgt = target if isinstance(target, LoadedModel) else load_model(target, dtype)
+    check_same_tokenizer(src.tokenizer, tgt.tokenizer)
+    return ModelPair(src, tgt, tgt.tokenizer, vocab_fingerprint(tgt.tokenizer))
+
+
+def describe_model(m: LoadedModel) -> dict:
+    g = m.geometry
+    return {
+        "name": m.name,
+        **g.as_dict(),
+        "parameters_MB": round(m.nbytes() / 2**20, 1),
+        "kv_bytes_per_token": 2 * g.layers * g.kv_heads * g.head_dim * _itemsize(g.dtype),
+    }
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(mx, dtype).size if hasattr(mx, dtype) else 4
+
+
+def _warn(msg: str) -> None:
+    print(msg, file=sys.stderr)

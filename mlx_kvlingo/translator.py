@@ -1,0 +1,229 @@
+"""The KV-Lingo translator: per target layer, one linear map for keys and one for values.
+
+For a span of tokens, the source's RoPE-free keys and its values at the `nu` source layers
+listed for target layer t are concatenated per token and mapped:
+
+    mixing:    y_t = [x_{l1}, ..., x_{l_nu}] @ W_t + b_t         (all heads -> all heads)
+    headwise:  y_{t,h} = [x_{l1,h}, ..., x_{l_nu,h}] @ W_{t,h} + b_{t,h}   (head h -> head h)
+
+Mapped keys then get the target's own k_norm (if the translator works at the pre-norm cut)
+and are rotated with the target's RoPE at their true absolute positions. All target layers
+are mapped in one batched matmul; nothing loops over heads or tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .capture import SpanKV, check_cut
+
+VARIANTS = ("headwise", "mixing")
+
+
+@dataclass(frozen=True)
+class Side:
+    """The geometry a translator was made for, on one side."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    value_dim: int
+
+    @classmethod
+    def of(cls, geometry) -> Side:
+        return cls(geometry.layers, geometry.kv_heads, geometry.head_dim, geometry.value_dim)
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("layers", "kv_heads", "head_dim", "value_dim")}
+
+
+@dataclass(frozen=True)
+class TranslatorConfig:
+    variant: str
+    source: Side
+    target: Side
+    key_layers: tuple[tuple[int, ...], ...]  # per target layer: source layers read by the key map
+    value_layers: tuple[tuple[int, ...], ...]
+    key_cut: str = "post_norm"
+    bias: bool = False
+    metadata: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {self.variant!r}; expected one of {VARIANTS}")
+        check_cut(self.key_cut)
+        if self.variant == "headwise" and self.source.kv_heads != self.target.kv_heads:
+            raise ValueError(
+                f"headwise translation needs equal KV head counts "
+                f"(source {self.source.kv_heads}, target {self.target.kv_heads}); use 'mixing'"
+            )
+        for kind, lm in (("key", self.key_layers), ("value", self.value_layers)):
+            if len(lm) != self.target.layers:
+                raise ValueError(
+                    f"{kind} layer map has {len(lm)} rows, target has {self.target.layers} layers"
+                )
+            if len({len(r) for r in lm}) != 1 or len(lm[0]) < 1:
+                raise ValueError(f"{kind} layer map rows must all list the same nu >= 1 layers")
+            bad = [s for r in lm for s in r if not 0 <= s < self.source.layers]
+            if bad:
+                raise ValueError(
+                    f"{kind} layer map names source layer {bad[0]}, source has {self.source.layers}"
+                )
+
+    @property
+    def nu_k(self) -> int:
+        return len(self.key_layers[0])
+
+    @property
+    def nu_v(self) -> int:
+        return len(self.value_layers[0])
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        s, t, L = self.source, self.target, self.target.layers
+        if self.variant == "mixing":
+            shapes = {
+                "key.weight": (L, self.nu_k * s.kv_heads * s.head_dim, t.kv_heads * t.head_dim),
+                "value.weight": (L, self.nu_v * s.kv_heads * s.value_dim, t.kv_heads * t.value_dim),
+            }
+            if self.bias:
+                shapes["key.bias"] = (L, t.kv_heads * t.head_dim)
+                shapes["value.bias"] = (L, t.kv_heads * t.value_dim)
+        else:
+            H = t.kv_heads
+            shapes = {
+                "key.weight": (L, H, self.nu_k * s.head_dim, t.head_dim),
+                "value.weight": (L, H, self.nu_v * s.value_dim, t.value_dim),
+            }
+            if self.bias:
+                shapes["key.bias"] = (L, H, t.head_dim)
+                shapes["value.bias"] = (L, H, t.value_dim)
+        return shapes
+
+
+def nearest_layer_map(source_layers: int, target_layers: int, nu: int = 1) -> list[list[int]]:
+    """Default layer map: each target layer reads the nu source layers nearest in relative depth."""
+    if nu > source_layers:
+        raise ValueError(f"nu={nu} exceeds the source's {source_layers} layers")
+    rows = []
+    for t in range(target_layers):
+        rel = (t + 0.5) / target_layers * source_layers - 0.5
+        order = sorted(range(source_layers), key=lambda s: (abs(s - rel), s))
+        rows.append(sorted(order[:nu]))
+    return rows
+
+
+class Translator(nn.Module):
+    """Maps a source span's K/V to the target's cache layout (see module docstring)."""
+
+    def __init__(self, config: TranslatorConfig, dtype: mx.Dtype = mx.float32):
+        super().__init__()
+        self.config = config
+        shapes = config.weight_shapes()
+        self.key = {"weight": mx.zeros(shapes["key.weight"], dtype=dtype)}
+        self.value = {"weight": mx.zeros(shapes["value.weight"], dtype=dtype)}
+        if config.bias:
+            self.key["bias"] = mx.zeros(shapes["key.bias"], dtype=dtype)
+            self.value["bias"] = mx.zeros(shapes["value.bias"], dtype=dtype)
+        self._key_index = mx.array(config.key_layers)
+        self._value_index = mx.array(config.value_layers)
+
+    # -- the maps -------------------------------------------------------------------------
+
+    def map_features(self, x: mx.array, kind: str) -> mx.array:
+        """x: source features (Ls, B, Hs, T, D) -> mapped (Lt, B, Ht, T, D') for `kind`."""
+        params = self.key if kind == "key" else self.value
+        index = self._key_index if kind == "key" else self._value_index
+        w = params["weight"]
+        Lt, nu = index.shape
+        Ls, B, Hs, T, D = x.shape
+        x = x.astype(w.dtype)[index.reshape(-1)].reshape(Lt, nu, B, Hs, T, D)
+        if self.config.variant == "mixing":
+            x = x.transpose(0, 2, 4, 1, 3, 5).reshape(Lt, B * T, nu * Hs * D)
+            y = x @ w
+            if "bias" in params:
+                y = y + params["bias"][:, None, :]
+            Ht = self.config.target.kv_heads
+            return y.reshape(Lt, B, T, Ht, -1).transpose(0, 1, 3, 2, 4)
+        x = x.transpose(0, 3, 2, 4, 1, 5).reshape(Lt, Hs, B * T, nu * D)
+        y = x @ w
+        if "bias" in params:
+            y = y + params["bias"][:, :, None, :]
+        return y.reshape(Lt, Hs, B, T, -1).transpose(0, 2, 1, 3, 4)
+
+    def __call__(self, span: SpanKV) -> tuple[mx.array, mx.array]:
+        """RoPE-free translated keys and values, (Lt, B, Ht, T, D), before target-side steps."""
+        return self.map_features(span.keys, "key"), self.map_features(span.values, "value")
+
+    # -- into the target's cache ----------------------------------------------------------
+
+    def translate(self, span: SpanKV, target, chunk: int = 4096) -> tuple[list, list]:
+        """Keys and values per target layer, ready for its cache: (B, Ht, T, D) in its dtype.
+
+        `target` is the LoadedModel whose k_norm and RoPE finish the keys. Long spans are
+        processed in chunks of `chunk` tokens to bound memory.
+        """
+        if span.length > chunk:
+            parts = [
+                self.translate(
+                    SpanKV(
+                        span.keys[..., s : s + chunk, :], span.values[..., s : s + chunk, :], span.start + s
+                    ),
+                    target,
+                    chunk,
+                )
+                for s in range(0, span.length, chunk)
+            ]
+            ks = [mx.concatenate([p[0][i] for p in parts], axis=2) for i in range(len(parts[0][0]))]
+            vs = [mx.concatenate([p[1][i] for p in parts], axis=2) for i in range(len(parts[0][1]))]
+            return ks, vs
+        self.check_target(target)
+        keys, values = self(span)
+        keys = keys.astype(mx.float32)
+        if self.config.key_cut == "pre_norm" and target.geometry.has_k_norm:
+            keys = mx.stack([target.attention(t).k_norm(keys[t]) for t in range(keys.shape[0])])
+        Lt, B, H, T, D = keys.shape
+        keys = target.rope(keys.reshape(Lt * B, H, T, D), offset=span.start).reshape(Lt, B, H, T, D)
+        dtype = target_dtype(target)
+        return [k.astype(dtype) for k in keys], [v.astype(dtype) for v in values]
+
+    def check_target(self, target) -> None:
+        if Side.of(target.geometry) != self.config.target:
+            raise ValueError(
+                f"translator targets {self.config.target}, model has {Side.of(target.geometry)}"
+            )
+
+
+def target_dtype(target) -> mx.Dtype:
+    return target.model.parameters()["model"]["embed_tokens"]["weight"].dtype if hasattr(
+        target, "model"
+    ) else mx.float32
+
+
+def identity_translator(config: TranslatorConfig) -> Translator:
+    """A translator that copies layer-mapped K/V unchanged (raw transfer; needs equal geometry)."""
+    if config.source.kv_heads * config.source.head_dim != config.target.kv_heads * config.target.head_dim:
+        raise ValueError("raw transfer needs equal KV widths")
+    tr = Translator(config)
+    shapes = config.weight_shapes()
+    if config.variant == "mixing":
+        k_eye = mx.eye(shapes["key.weight"][2])
+        v_eye = mx.eye(shapes["value.weight"][2])
+        tr.key["weight"] = mx.broadcast_to(
+            mx.concatenate([k_eye] + [mx.zeros_like(k_eye)] * (config.nu_k - 1)), shapes["key.weight"]
+        )
+        tr.value["weight"] = mx.broadcast_to(
+            mx.concatenate([v_eye] + [mx.zeros_like(v_eye)] * (config.nu_v - 1)), shapes["value.weight"]
+        )
+    else:
+        k_eye = mx.eye(config.target.head_dim)
+        v_eye = mx.eye(config.target.value_dim)
+        tr.key["weight"] = mx.broadcast_to(
+            mx.concatenate([k_eye] + [mx.zeros_like(k_eye)] * (config.nu_k - 1)), shapes["key.weight"]
+        )
+        tr.value["weight"] = mx.broadcast_to(
+            mx.concatenate([v_eye] + [mx.zeros_like(v_eye)] * (config.nu_v - 1)), shapes["value.weight"]
+        )
+    return tr

@@ -1,0 +1,23 @@
+import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
+import pytest
+
+from mlx_kvlingo import synthetic as syn
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """Tiny offline model folders shared by the whole test session."""
+    d = tmp_path_factory.mktemp("tiny")
+    tok = syn.build_tokenizer(d / "tokenizer")
+    folders = {
+        "tokenizer": tok,
+        "qwen3": syn.make_model_folder(d / "qwen3", "qwen3", tok, seed=0),
+        "qwen3_moe": syn.make_model_folder(d / "qwen3_moe", "qwen3_moe", tok, seed=1),
+        "llama": syn.make_model_folder(d / "llama", "llama", tok, seed=2),
+        "qwen2": syn.make_model_folder(d / "qwen2", "qwen2", tok, seed=3),
+    }
+    answer = syn.known_answer_target(folders["qwen3"], d / "known", seed=4)
+    folders["known"] = d / "known"
+    folders["known_answer"] = answer
+    folders["root"] = d
+    return folders

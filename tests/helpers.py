@@ -1,0 +1,19 @@
+"""Shared test helpers: exact translators for the known-answer pair."""
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
+
+
+def exact_translator(pair, answer, key_cut="post_norm", dtype=mx.float32) -> Translator:
+    src, tgt = pair.source.geometry, pair.target.geometry
+    L = tgt.layers
+    rows = tuple((layer,) for layer in range(L))
+    config = TranslatorConfig(
+        "mixing", Side.of(src), Side.of(tgt), rows, rows, key_cut=key_cut, bias=False
+    )
+    tr = Translator(config, dtype=dtype)
+    tr.key["weight"] = mx.array(np.stack(answer["key_maps"])).astype(dtype)
+    tr.value["weight"] = mx.array(np.stack(answer["value_maps"])).astype(dtype)
+    return tr
