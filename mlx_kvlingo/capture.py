@@ -56,8 +56,13 @@ def capture_from_cache(model: LoadedModel, cache: list, start: int, end: int) ->
         k, v = _layer_kv(c)
         k = k[..., start:end, :]
         keys.append(unrotate(model.attention(i).rope, k, start))
-        values.append(v[..., start:end, :].astype(mx.float32))
+        values.append(_float(v[..., start:end, :]))
     return SpanKV(mx.stack(keys), mx.stack(values), start)
+
+
+def _float(x: mx.array) -> mx.array:
+    """float32 for translation; float64 is kept (exactness tests run models in float64)."""
+    return x if x.dtype == mx.float64 else x.astype(mx.float32)
 
 
 def _layer_kv(c):
@@ -67,7 +72,9 @@ def _layer_kv(c):
         v = mx.dequantize(*vq, group_size=c.group_size, bits=c.bits)
         return k, v
     if type(c).__name__ == "RotatingKVCache":
-        raise ValueError("cannot capture from a RotatingKVCache (use a plain KVCache for the source)")
+        raise ValueError(
+            "cannot capture from a RotatingKVCache (use a plain KVCache for the source)"
+        )
     return c.keys, c.values
 
 
@@ -122,7 +129,7 @@ def prefill(
             mx.concatenate(r.outputs, axis=1)
             .reshape(B, -1, g.kv_heads, g.head_dim)
             .transpose(0, 2, 1, 3)
-            .astype(mx.float32)
+            .astype(span.values.dtype)
             for r in recorders
         ]
         span = SpanKV(mx.stack(keys), span.values, start)

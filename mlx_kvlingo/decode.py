@@ -20,7 +20,10 @@ from .translator import Translator
 
 
 def new_cache(
-    model: LoadedModel, kv_bits: int | None = None, kv_group_size: int | None = None, max_kv_size=None
+    model: LoadedModel,
+    kv_bits: int | None = None,
+    kv_group_size: int | None = None,
+    max_kv_size=None,
 ) -> list:
     """An empty mlx-lm cache for `model`: plain, quantized (`kv_bits`) or rotating."""
     n = model.geometry.layers
@@ -43,9 +46,7 @@ def append_kv(cache: list, keys: list, values: list) -> None:
     mx.eval([(c.keys, c.values) for c in cache])
 
 
-def translate_into(
-    pair: ModelPair, translator: Translator, span: SpanKV, cache: list
-) -> None:
+def translate_into(pair: ModelPair, translator: Translator, span: SpanKV, cache: list) -> None:
     """Translate `span` and append it to the target's `cache`, which must end where it starts."""
     if cache[0].offset != span.start:
         raise ValueError(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,6 +173,7 @@ def load_pair(
 
     Raises `TokenizerMismatchError` if they do not share a tokenizer.
     """
+    check_fits(*[p for p in (source, target) if not isinstance(p, LoadedModel)], dtype=dtype)
     src = source if isinstance(source, LoadedModel) else load_model(source, dtype)
     tgt = target if isinstance(target, LoadedModel) else load_model(target, dtype)
     check_same_tokenizer(src.tokenizer, tgt.tokenizer)
@@ -192,5 +194,44 @@ def _itemsize(dtype: str) -> int:
     return getattr(mx, dtype).size if hasattr(mx, dtype) else 4
 
 
-def _warn(msg: str) -> None:
-    print(msg, file=sys.stderr)
+class InsufficientMemoryError(MemoryError):
+    pass
+
+
+def estimate_bytes(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") -> int | None:
+    """Bytes a local model folder will take once loaded (None for a hub id not on disk)."""
+    import json
+
+    folder = Path(path_or_repo)
+    if not (folder / "config.json").exists():
+        return None
+    stored = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    if dtype == "auto":
+        dtype = default_dtype()
+    if dtype is None:
+        return stored
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    bits = quant.get("bits", 16) if quant else 16
+    if not quant and "float32" in str(config.get("torch_dtype", "")):
+        bits = 32
+    return int(stored * dtype.size * 8 / bits)
+
+
+def physical_memory() -> int:
+    if sys.platform == "darwin":
+        return int(mx.metal.device_info().get("memory_size", 0)) or 16 * 2**30
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(*paths, dtype="auto", headroom: float = 0.85) -> None:
+    """Refuse, before loading, models whose weights alone exceed the machine's memory."""
+    sizes = [estimate_bytes(p, dtype) for p in paths]
+    need = sum(s for s in sizes if s)
+    have = physical_memory()
+    if need > headroom * have:
+        detail = ", ".join(f"{p}: {s / 2**30:.1f} GiB" for p, s in zip(paths, sizes) if s)
+        raise InsufficientMemoryError(
+            f"the models need about {need / 2**30:.1f} GiB once loaded ({detail}); this machine "
+            f"has {have / 2**30:.1f} GiB. Use smaller or quantized models"
+        )

@@ -54,7 +54,7 @@ def rotate(rope: nn.Module, x: mx.array, offset: int) -> mx.array:
 
 def unrotate(rope: nn.Module, x: mx.array, offset: int) -> mx.array:
     """Exact inverse of `rotate`, computed in float32: negative angles, same frequencies."""
-    x = x.astype(mx.float32)
+    x = x if x.dtype == mx.float64 else x.astype(mx.float32)
     dims = _dims(rope)
     if isinstance(rope, nn.RoPE):
         return mx.fast.rope(

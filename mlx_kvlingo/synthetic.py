@@ -49,11 +49,14 @@ BASE = {
 
 def training_text() -> str:
     """Local English + code text for the tokenizer: the standard library's own sources."""
+    import argparse  # noqa: E401
+    import collections
+    import dataclasses
+    import functools
     import inspect
     import json as json_mod
+    import pathlib
     import textwrap
-
-    import argparse, collections, dataclasses, functools, pathlib  # noqa: E401
 
     mods = (argparse, collections, dataclasses, functools, pathlib, json_mod, textwrap, inspect)
     return "\n".join(inspect.getsource(m) for m in mods)
@@ -184,8 +187,31 @@ def known_answer_target(
         key_maps.append(K)
         value_maps.append(V)
     out_dir.mkdir(parents=True, exist_ok=True)
-    mx.save_safetensors(str(out_dir / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()})
+    mx.save_safetensors(
+        str(out_dir / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()}
+    )
     for f in source_dir.iterdir():
         if f.name != "model.safetensors" and f.is_file():
             shutil.copy(f, out_dir / f.name)
     return {"key_maps": key_maps, "value_maps": value_maps, "permuted": permute}
+
+
+def with_new_head(
+    source_dir: str | Path, out_dir: str | Path, seed: int = 5, scale: float = 0.5
+) -> Path:
+    """A copy whose output head is perturbed: same KV cache as the source, different predictions.
+
+    Paired with `known_answer_target(source_dir)`, the exact translator still applies, while
+    the model alone scores worse than the target: gap recovered is known to be exactly 1.
+    """
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    weights = dict(mx.load(str(source_dir / "model.safetensors")))
+    head = weights["lm_head.weight"]
+    mx.random.seed(seed)
+    weights["lm_head.weight"] = head + scale * mx.random.normal(head.shape) * head.std()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights)
+    for f in source_dir.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copy(f, out_dir / f.name)
+    return out_dir

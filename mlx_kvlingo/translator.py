@@ -169,7 +169,9 @@ class Translator(nn.Module):
             parts = [
                 self.translate(
                     SpanKV(
-                        span.keys[..., s : s + chunk, :], span.values[..., s : s + chunk, :], span.start + s
+                        span.keys[..., s : s + chunk, :],
+                        span.values[..., s : s + chunk, :],
+                        span.start + s,
                     ),
                     target,
                     chunk,
@@ -197,14 +199,19 @@ class Translator(nn.Module):
 
 
 def target_dtype(target) -> mx.Dtype:
-    return target.model.parameters()["model"]["embed_tokens"]["weight"].dtype if hasattr(
-        target, "model"
-    ) else mx.float32
+    return (
+        target.model.parameters()["model"]["embed_tokens"]["weight"].dtype
+        if hasattr(target, "model")
+        else mx.float32
+    )
 
 
 def identity_translator(config: TranslatorConfig) -> Translator:
     """A translator that copies layer-mapped K/V unchanged (raw transfer; needs equal geometry)."""
-    if config.source.kv_heads * config.source.head_dim != config.target.kv_heads * config.target.head_dim:
+    if (
+        config.source.kv_heads * config.source.head_dim
+        != config.target.kv_heads * config.target.head_dim
+    ):
         raise ValueError("raw transfer needs equal KV widths")
     tr = Translator(config)
     shapes = config.weight_shapes()
@@ -212,18 +219,22 @@ def identity_translator(config: TranslatorConfig) -> Translator:
         k_eye = mx.eye(shapes["key.weight"][2])
         v_eye = mx.eye(shapes["value.weight"][2])
         tr.key["weight"] = mx.broadcast_to(
-            mx.concatenate([k_eye] + [mx.zeros_like(k_eye)] * (config.nu_k - 1)), shapes["key.weight"]
+            mx.concatenate([k_eye] + [mx.zeros_like(k_eye)] * (config.nu_k - 1)),
+            shapes["key.weight"],
         )
         tr.value["weight"] = mx.broadcast_to(
-            mx.concatenate([v_eye] + [mx.zeros_like(v_eye)] * (config.nu_v - 1)), shapes["value.weight"]
+            mx.concatenate([v_eye] + [mx.zeros_like(v_eye)] * (config.nu_v - 1)),
+            shapes["value.weight"],
         )
     else:
         k_eye = mx.eye(config.target.head_dim)
         v_eye = mx.eye(config.target.value_dim)
         tr.key["weight"] = mx.broadcast_to(
-            mx.concatenate([k_eye] + [mx.zeros_like(k_eye)] * (config.nu_k - 1)), shapes["key.weight"]
+            mx.concatenate([k_eye] + [mx.zeros_like(k_eye)] * (config.nu_k - 1)),
+            shapes["key.weight"],
         )
         tr.value["weight"] = mx.broadcast_to(
-            mx.concatenate([v_eye] + [mx.zeros_like(v_eye)] * (config.nu_v - 1)), shapes["value.weight"]
+            mx.concatenate([v_eye] + [mx.zeros_like(v_eye)] * (config.nu_v - 1)),
+            shapes["value.weight"],
         )
     return tr

@@ -1,6 +1,6 @@
-import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
 import pytest
 
+import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
 from mlx_kvlingo import synthetic as syn
 
 
@@ -18,6 +18,7 @@ def tiny_dir(tmp_path_factory):
     }
     answer = syn.known_answer_target(folders["qwen3"], d / "known", seed=4)
     folders["known"] = d / "known"
+    folders["qwen3_head"] = syn.with_new_head(folders["qwen3"], d / "qwen3_head")
     folders["known_answer"] = answer
     folders["root"] = d
     return folders

@@ -7,8 +7,8 @@ import struct
 import mlx.core as mx
 import numpy as np
 import pytest
-
 from helpers import exact_translator
+
 from mlx_kvlingo.format import TranslatorFileError, load_translator, save_translator
 from mlx_kvlingo.pair import load_model, load_pair
 
@@ -69,7 +69,9 @@ def test_missing_and_extra_tensors(saved, known):
     _rewrite(path, tensors=lambda t: {k: v for k, v in t.items() if k != "value.weight"})
     with pytest.raises(TranslatorFileError, match=r"missing tensors \['value.weight'\]"):
         load_translator(path, known)
-    _rewrite(path, tensors=lambda t: {**t, "value.weight": t["key.weight"], "key.extra": t["key.weight"]})
+    _rewrite(
+        path, tensors=lambda t: {**t, "value.weight": t["key.weight"], "key.extra": t["key.weight"]}
+    )
     with pytest.raises(TranslatorFileError, match="unexpected tensors"):
         load_translator(path, known)
 
@@ -83,7 +85,9 @@ def test_wrong_shape(saved, known):
 
 def test_nan(saved, known):
     path, _ = saved
-    _rewrite(path, tensors=lambda t: {**t, "value.weight": t["value.weight"] * mx.array(float("nan"))})
+    _rewrite(
+        path, tensors=lambda t: {**t, "value.weight": t["value.weight"] * mx.array(float("nan"))}
+    )
     with pytest.raises(TranslatorFileError, match="NaN or Inf"):
         load_translator(path, known)
 

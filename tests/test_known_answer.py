@@ -2,10 +2,10 @@
 
 import mlx.core as mx
 import pytest
+from helpers import exact_translator
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
-from helpers import exact_translator
 from mlx_kvlingo.decode import handoff, new_cache
 from mlx_kvlingo.pair import load_pair
 from mlx_kvlingo.translator import identity_translator
@@ -75,7 +75,11 @@ def test_span_starting_after_zero(pair, tiny_dir):
     assert span.start == p0
     translate_into(pair, tr, span, tgt)
     out = stream_generate(
-        pair.target.model, pair.tokenizer, mx.array(tokens[-1:]), max_tokens=N_TOKENS, prompt_cache=tgt
+        pair.target.model,
+        pair.tokenizer,
+        mx.array(tokens[-1:]),
+        max_tokens=N_TOKENS,
+        prompt_cache=tgt,
     )
     assert [r.token for r in out] == native_tokens(pair, tokens)
 

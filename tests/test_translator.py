@@ -32,8 +32,12 @@ def models(tiny_dir):
     return {k: load_model(tiny_dir[k]) for k in ("qwen3", "qwen3_moe", "llama", "qwen2")}
 
 
-@pytest.mark.parametrize("src,tgt", [("qwen3", "qwen3_moe"), ("qwen3_moe", "qwen3"), ("llama", "qwen3")])
-@pytest.mark.parametrize("variant,nu", [("mixing", 1), ("mixing", 2), ("mixing", 3), ("headwise", 2)])
+@pytest.mark.parametrize(
+    "src,tgt", [("qwen3", "qwen3_moe"), ("qwen3_moe", "qwen3"), ("llama", "qwen3")]
+)
+@pytest.mark.parametrize(
+    "variant,nu", [("mixing", 1), ("mixing", 2), ("mixing", 3), ("headwise", 2)]
+)
 def test_shape_changing_pairs_decode(models, src, tgt, variant, nu):
     pair = load_pair(models[src], models[tgt])
     s, t = pair.source.geometry, pair.target.geometry
@@ -52,7 +56,11 @@ def test_shape_changing_pairs_decode(models, src, tgt, variant, nu):
     assert k.shape == (1, t.kv_heads, len(tokens) - 1, t.head_dim)
     out = list(
         stream_generate(
-            pair.target.model, pair.tokenizer, mx.array(tokens[-1:]), max_tokens=5, prompt_cache=h.target_cache
+            pair.target.model,
+            pair.tokenizer,
+            mx.array(tokens[-1:]),
+            max_tokens=5,
+            prompt_cache=h.target_cache,
         )
     )
     assert len(out) == 5
@@ -83,7 +91,9 @@ def test_headwise_equals_blockdiagonal_mixing(models):
 
 
 def test_bfloat16_target_and_weights(tiny_dir):
-    pair = load_pair(load_model(tiny_dir["qwen3"]), load_model(tiny_dir["qwen3_moe"], dtype=mx.bfloat16))
+    pair = load_pair(
+        load_model(tiny_dir["qwen3"]), load_model(tiny_dir["qwen3_moe"], dtype=mx.bfloat16)
+    )
     tr = random_translator(pair, "mixing", 1, dtype=mx.bfloat16)
     h = handoff(pair, tr, pair.tokenizer.encode(TEXT))
     assert h.target_cache[0].keys.dtype == mx.bfloat16
@@ -131,7 +141,9 @@ def test_rope_round_trip_large_offset(traditional):
     rope = nn.RoPE(64, traditional=traditional, base=1e6)
     x = mx.random.normal((1, 2, 8, 64))
     for off in (0, 1, 30000):
-        np.testing.assert_allclose(np.array(unrotate(rope, rope(x, offset=off), off)), np.array(x), atol=2e-5)
+        np.testing.assert_allclose(
+            np.array(unrotate(rope, rope(x, offset=off), off)), np.array(x), atol=2e-5
+        )
 
 
 def test_nearest_layer_map():

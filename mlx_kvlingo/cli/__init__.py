@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-
 import click
 
+import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
+
+from .calibrate import calibrate_cmd
+from .chat import chat_cmd
+from .eval import eval_cmd
 from .generate import generate_cmd
 from .info import info_cmd
 from .translate import translate_cmd
@@ -20,6 +23,9 @@ def cli():
 cli.add_command(info_cmd)
 cli.add_command(translate_cmd)
 cli.add_command(generate_cmd)
+cli.add_command(chat_cmd)
+cli.add_command(calibrate_cmd)
+cli.add_command(eval_cmd)
 
 
 def main():

@@ -1,0 +1,148 @@
+"""Calibration examples: a prefix the source reads and a continuation the target is scored on.
+
+Sources: plain text files (`.txt`, `.md`, `.rst`), JSONL chat files (`{"messages": [...]}` per
+line, formatted with the pair's chat template, switch points at the start of each assistant
+reply), or a directory of them. Held-out documents never contribute training examples.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+TEXT_SUFFIXES = {".txt", ".md", ".rst", ".text"}
+CHAT_SUFFIXES = {".jsonl"}
+
+
+class DataError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Example:
+    prefix: tuple[int, ...]
+    continuation: tuple[int, ...]
+    source: str  # "file:line" or "file@token" for error messages and reports
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    min_prefix: int = 16
+    max_prefix: int = 256
+    continuation: int = 32
+    heldout_fraction: float = 0.1
+    seed: int = 0
+    max_examples: int | None = None
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES | CHAT_SUFFIXES)
+        if not files:
+            raise DataError(f"{path}: no .txt/.md/.rst/.jsonl files in this directory")
+        return files
+    if not path.exists():
+        raise DataError(f"{path}: no such file or directory")
+    return [path]
+
+
+def _read_chat(path: Path) -> list[list[dict]]:
+    conversations = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        msgs = obj.get("messages") if isinstance(obj, dict) else None
+        if not isinstance(msgs, list) or not msgs:
+            raise DataError(f'{path}:{n}: expected an object with a non-empty "messages" list')
+        for m in msgs:
+            if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+                raise DataError(f"{path}:{n}: each message needs a 'role' and a string 'content'")
+        conversations.append(msgs)
+    if not conversations:
+        raise DataError(f"{path}: empty chat file")
+    return conversations
+
+
+def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
+    """One example per assistant reply: prefix up to the reply's header, continuation = reply."""
+    out = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant" or i == 0:
+            continue
+        prefix = tokenizer.apply_chat_template(msgs[:i], add_generation_prompt=True)
+        full = tokenizer.apply_chat_template(msgs[: i + 1])
+        if list(full[: len(prefix)]) != list(prefix):
+            continue  # template not prefix-stable here; skip rather than mis-split
+        cont = full[len(prefix) : len(prefix) + cfg.continuation]
+        if len(prefix) > cfg.max_prefix:
+            prefix = prefix[-cfg.max_prefix :]
+        if len(prefix) >= cfg.min_prefix and len(cont) >= 2:
+            out.append(Example(tuple(prefix), tuple(cont), f"{name}#reply{i}"))
+    return out
+
+
+def _text_documents(tokenizer, path: Path, cfg: DataConfig) -> list[tuple[str, list[int]]]:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise DataError(f"{path}: empty text file")
+    tokens = tokenizer.encode(text)
+    block = cfg.max_prefix + cfg.continuation
+    docs = [(f"{path.name}@{s}", tokens[s : s + block]) for s in range(0, len(tokens), block)]
+    return [d for d in docs if len(d[1]) >= cfg.min_prefix + 2]
+
+
+def _text_example(name, tokens, rng: random.Random, cfg: DataConfig) -> Example | None:
+    room = len(tokens) - 2
+    hi = min(cfg.max_prefix, room)
+    if hi < cfg.min_prefix:
+        return None
+    # log-uniform prefix length: short and long prefixes both well represented
+    n = int(round(math.exp(rng.uniform(math.log(cfg.min_prefix), math.log(hi)))))
+    start = rng.randint(0, len(tokens) - n - 2)
+    cont = tokens[start + n : start + n + cfg.continuation]
+    return Example(tuple(tokens[start : start + n]), tuple(cont), f"{name}+{start}")
+
+
+def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
+    """Return (train, heldout) example lists, deterministic for `cfg.seed`.
+
+    Documents (a conversation, or a block of a text file) are split between train and
+    held-out before any example is drawn, so no held-out text is ever trained on.
+    """
+    rng = random.Random(cfg.seed)
+    docs: list[tuple[str, object]] = []
+    for f in _files(Path(path)):
+        if f.suffix in CHAT_SUFFIXES:
+            docs += [(f"{f.name}:{i}", ("chat", c)) for i, c in enumerate(_read_chat(f), 1)]
+        else:
+            docs += [(name, ("text", toks)) for name, toks in _text_documents(tokenizer, f, cfg)]
+    if not docs:
+        raise DataError(f"{path}: no documents long enough for min_prefix={cfg.min_prefix}")
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    n_held = max(1, int(round(len(docs) * cfg.heldout_fraction))) if len(docs) > 1 else 0
+    held_ids = set(order[:n_held])
+    train, held = [], []
+    for i in order:
+        name, (kind, payload) = docs[i]
+        if kind == "chat":
+            exs = _chat_examples(tokenizer, payload, name, cfg)
+        else:
+            ex = _text_example(name, payload, rng, cfg)
+            exs = [ex] if ex else []
+        (held if i in held_ids else train).extend(exs)
+    if not train:
+        raise DataError(
+            f"{path}: no training examples (need prefixes of at least {cfg.min_prefix} tokens "
+            f"and a continuation of 2+ tokens)"
+        )
+    if cfg.max_examples:
+        train = train[: cfg.max_examples]
+    return train, held

@@ -1,0 +1,200 @@
+"""Stage 2: self-distillation. The target is its own teacher.
+
+loss = KL( target's next-token distribution with its native cache
+         || the same with the translated cache ),  averaged over continuation tokens.
+
+Only the translator is trained; both models stay frozen. A fresh target cache is built inside
+the loss on every call, so gradients flow through the translated cache contents.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..capture import SpanKV
+from ..decode import new_cache
+from ..format import load_translator, save_translator
+from .features import trace
+
+
+class TrainingDivergedError(RuntimeError):
+    pass
+
+
+@dataclass
+class Stage2Config:
+    steps: int = 100
+    learning_rate: float = 1e-4
+    warmup: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    accumulate: int = 1  # examples per optimizer step
+    eval_every: int = 25
+    eval_examples: int = 16
+    save_every: int = 25
+    seed: int = 0
+
+
+@dataclass
+class Prepared:
+    """One example ready for the loss: the source's span and the teacher's log-probs."""
+
+    span: SpanKV
+    inputs: mx.array  # last prefix token + continuation[:-1]
+    teacher_logp: mx.array  # (T, V) log-probs of the target with its own cache
+
+
+def prepare(pair, ex, key_cut: str) -> Prepared:
+    prefix, cont = list(ex.prefix), list(ex.continuation)
+    span = trace(pair.source, prefix[:-1], key_cut)
+    logits = pair.target.model(mx.array(prefix + cont[:-1])[None])[0, len(prefix) - 1 :]
+    teacher = nn.log_softmax(logits.astype(mx.float32), axis=-1)
+    mx.eval(span.keys, span.values, teacher)
+    return Prepared(span, mx.array([prefix[-1]] + cont[:-1]), teacher)
+
+
+def student_logp(translator, pair, prep: Prepared) -> mx.array:
+    cache = new_cache(pair.target)  # fresh each call: gradients flow through its contents
+    keys, values = translator.translate(prep.span, pair.target)
+    for c, k, v in zip(cache, keys, values, strict=True):
+        c.update_and_fetch(k, v)
+    logits = pair.target.model(prep.inputs[None], cache=cache)[0]
+    return nn.log_softmax(logits.astype(mx.float32), axis=-1)
+
+
+def kl(teacher_logp: mx.array, student: mx.array) -> mx.array:
+    """Mean over positions of KL(teacher || student)."""
+    return (mx.exp(teacher_logp) * (teacher_logp - student)).sum(-1).mean()
+
+
+def schedule(cfg: Stage2Config):
+    warm = max(cfg.warmup, 1)
+    decay = optim.cosine_decay(cfg.learning_rate, max(cfg.steps - warm, 1), cfg.learning_rate * 0.1)
+    return optim.join_schedules(
+        [optim.linear_schedule(0.0, cfg.learning_rate, warm), decay], [warm]
+    )
+
+
+def _order(n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.default_rng(seed * 1_000_003 + epoch).permutation(n)
+
+
+def _example_at(position: int, n: int, seed: int) -> int:
+    epoch, i = divmod(position, n)
+    return int(_order(n, seed, epoch)[i])
+
+
+def save_checkpoint(
+    folder: Path, translator, optimizer, step: int, cfg, history, pair=None
+) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_translator(translator, folder / "translator.safetensors", pair)
+    state = dict(tree_flatten(optimizer.state))
+    mx.save_safetensors(str(folder / "optimizer.tmp.safetensors"), state)
+    (folder / "optimizer.tmp.safetensors").replace(folder / "optimizer.safetensors")
+    meta = {"step": step, "config": asdict(cfg), "history": history}
+    (folder / "state.tmp.json").write_text(json.dumps(meta, indent=1))
+    (folder / "state.tmp.json").replace(folder / "state.json")
+
+
+def evaluate_kl(translator, pair, prepared: list[Prepared]) -> float:
+    vals = [kl(p.teacher_logp, student_logp(translator, pair, p)).item() for p in prepared]
+    return float(np.mean(vals)) if vals else float("nan")
+
+
+def distill(
+    translator,
+    pair,
+    train,
+    heldout=(),
+    cfg: Stage2Config = Stage2Config(),
+    checkpoint_dir: str | Path | None = None,
+    resume: bool = True,
+    progress: bool = True,
+    stop_after: int | None = None,
+):
+    """Train `translator` in place; returns it with `metadata['calibration']['stage2']` filled.
+
+    With `checkpoint_dir`, saves every `save_every` steps, on Ctrl-C, and when the loss turns
+    NaN (then raises `TrainingDivergedError` naming the step); `resume` continues exactly
+    (weights, optimizer moments, data position). `stop_after` ends early after that many steps
+    in this call (for tests of resumption).
+    """
+    ckpt = Path(checkpoint_dir) if checkpoint_dir else None
+    key_cut = translator.config.key_cut
+    optimizer = optim.AdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay)
+    optimizer.init(translator.trainable_parameters())
+    step, history = 0, []
+    if ckpt and resume and (ckpt / "state.json").exists():
+        state = json.loads((ckpt / "state.json").read_text())
+        loaded = load_translator(ckpt / "translator.safetensors")
+        translator.update({"key": loaded.key, "value": loaded.value})
+        optimizer.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
+        step, history = state["step"], state["history"]
+    held = [prepare(pair, ex, key_cut) for ex in list(heldout)[: cfg.eval_examples]]
+    loss_and_grad = nn.value_and_grad(
+        translator, lambda p: kl(p.teacher_logp, student_logp(translator, pair, p))
+    )
+
+    def save():
+        if ckpt:
+            save_checkpoint(ckpt, translator, optimizer, step, cfg, history, pair)
+
+    start_step, t0, tokens = step, time.perf_counter(), 0
+    columns = [TextColumn("stage 2"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TextColumn("{task.fields[info]}"), TimeElapsedColumn()]  # fmt: skip
+    with Progress(*columns, disable=not progress, transient=True) as bar:
+        task = bar.add_task("", total=cfg.steps, completed=step, info="")
+        try:
+            while step < cfg.steps and (stop_after is None or step - start_step < stop_after):
+                grads, total = None, 0.0
+                for j in range(cfg.accumulate):
+                    ex = train[_example_at(step * cfg.accumulate + j, len(train), cfg.seed)]
+                    loss, g = loss_and_grad(prepare(pair, ex, key_cut))
+                    mx.eval(loss, g)
+                    if not math.isfinite(loss.item()):
+                        save()
+                        where = f"; last good state saved in {ckpt}" if ckpt else ""
+                        raise TrainingDivergedError(
+                            f"stage-2 loss is {loss.item()} at step {step + 1}{where}"
+                        )
+                    total += loss.item() / cfg.accumulate
+                    tokens += len(ex.continuation)
+                    g = tree_map(lambda x: x / cfg.accumulate, g)
+                    grads = g if grads is None else tree_map(mx.add, grads, g)
+                grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+                optimizer.update(translator, grads)
+                mx.eval(translator.parameters(), optimizer.state)
+                step += 1
+                record = {"step": step, "loss": total}
+                if held and (step % cfg.eval_every == 0 or step == cfg.steps):
+                    record["heldout_kl"] = evaluate_kl(translator, pair, held)
+                history.append(record)
+                tps = tokens / (time.perf_counter() - t0)
+                bar.update(task, completed=step, info=f"loss {total:.4f} · {tps:.0f} tok/s")
+                if ckpt and step % cfg.save_every == 0:
+                    save()
+        except KeyboardInterrupt:
+            save()
+            raise
+    save()
+    evals = [h["heldout_kl"] for h in history if "heldout_kl" in h]
+    cal = translator.config.metadata.setdefault("calibration", {})
+    cal["stage2"] = {
+        "steps": step, "config": asdict(cfg),
+        "final_train_loss": history[-1]["loss"] if history else None,
+        "heldout_kl": evals[-1] if evals else None,
+        "heldout_kl_history": [(h["step"], h["heldout_kl"]) for h in history if "heldout_kl" in h],
+    }  # fmt: skip
+    return translator

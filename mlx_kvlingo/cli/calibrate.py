@@ -1,0 +1,113 @@
+"""`kvlingo calibrate`: stage 1 (closed form) then stage 2 (self-distillation) for a pair."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from ..calibrate.closed_form import Stage1Config, fit_closed_form
+from ..calibrate.data import DataConfig, DataError, load_examples
+from ..calibrate.distill import Stage2Config, TrainingDivergedError, distill
+from ..evaluate import evaluate, table
+from ..format import load_translator, save_translator
+from ..pair import InsufficientMemoryError, TokenizerMismatchError, load_pair
+
+
+def data_options(f):
+    for opt in reversed([
+        click.option("--data", "data_path", required=True, type=click.Path(exists=True),
+                     help="Text files, JSONL chats ({'messages': [...]}) or a folder of them"),
+        click.option("--min-prefix", default=16, show_default=True),
+        click.option("--max-prefix", default=256, show_default=True),
+        click.option("--continuation", default=32, show_default=True),
+        click.option("--heldout-fraction", default=0.1, show_default=True),
+        click.option("--max-examples", type=int, default=None),
+        click.option("--seed", default=0, show_default=True),
+    ]):  # fmt: skip
+        f = opt(f)
+    return f
+
+
+def data_config(kw) -> DataConfig:
+    return DataConfig(kw["min_prefix"], kw["max_prefix"], kw["continuation"],
+                      kw["heldout_fraction"], kw["seed"], kw["max_examples"])  # fmt: skip
+
+
+@click.command("calibrate")
+@click.option("--source", required=True, help="Source model (reads the prompt)")
+@click.option("--target", required=True, help="Target model (decodes)")
+@data_options
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
+@click.option(
+    "--variant", type=click.Choice(["mixing", "headwise"]), default="mixing", show_default=True
+)
+@click.option("--nu", default=1, show_default=True, help="Source layers read per target layer")
+@click.option(
+    "--key-cut",
+    type=click.Choice(["post_norm", "pre_norm"]),
+    default="post_norm",
+    show_default=True,
+)
+@click.option(
+    "--bias/--no-bias", default=True, show_default=True, help="Center inputs and fit a bias"
+)
+@click.option("--alpha", default=1e-3, show_default=True, help="Ridge strength (relative)")
+@click.option(
+    "--layer-map", type=click.Path(exists=True), help="JSON {key: [[...]...], value: [[...]...]}"
+)
+@click.option(
+    "--init", type=click.Path(exists=True), help="Start stage 2 from this translator (skip stage 1)"
+)
+@click.option("--steps", default=0, show_default=True, help="Stage-2 steps (0: stage 1 only)")
+@click.option("--lr", default=1e-4, show_default=True)
+@click.option("--warmup", default=10, show_default=True)
+@click.option("--accumulate", default=1, show_default=True)
+@click.option("--grad-clip", default=1.0, show_default=True)
+@click.option("--eval-every", default=25, show_default=True)
+@click.option("--eval-examples", default=32, show_default=True)
+@click.option("--checkpoint-dir", type=click.Path(file_okay=False))
+@click.option("--resume/--no-resume", default=True, show_default=True)
+def calibrate_cmd(source, target, output, variant, nu, key_cut, bias, alpha, layer_map, init, steps, lr,
+                  warmup, accumulate, grad_clip, eval_every, eval_examples, checkpoint_dir, resume, **kw):  # fmt: skip
+    """Fit a translator SOURCE -> TARGET on your data; swap the two for the other direction."""
+    console = Console(stderr=True)
+    try:
+        pair = load_pair(source, target)
+        train, held = load_examples(kw["data_path"], pair.tokenizer, data_config(kw))
+    except (TokenizerMismatchError, DataError, InsufficientMemoryError) as e:
+        raise click.ClickException(str(e)) from None
+    console.print(f"{len(train)} training and {len(held)} held-out examples from {kw['data_path']}")
+    held_eval = held[:eval_examples]
+    report = {"data": str(kw["data_path"]), "data_config": data_config(kw).__dict__}
+    if init:
+        tr = load_translator(init, pair)
+    else:
+        maps = json.loads(Path(layer_map).read_text()) if layer_map else {}
+        cfg = Stage1Config(variant, nu, key_cut, bias, alpha, maps.get("key"), maps.get("value"))
+        tr = fit_closed_form(pair, train, cfg)
+    cal = tr.config.metadata.setdefault("calibration", {})
+    cal.update(report)
+    if held_eval and not init:
+        result = evaluate(pair, tr, held_eval)
+        cal["stage1"]["heldout"] = result
+        console.print(table(result, "after stage 1"))
+    if steps:
+        s2 = Stage2Config(steps, lr, warmup, 0.0, grad_clip, accumulate, eval_every, min(16, eval_examples),
+                          seed=kw["seed"])  # fmt: skip
+        try:
+            distill(tr, pair, train, held, s2, checkpoint_dir, resume)
+        except KeyboardInterrupt:
+            raise click.ClickException(
+                f"interrupted; checkpoint kept in {checkpoint_dir}"
+            ) from None
+        except TrainingDivergedError as e:
+            raise click.ClickException(str(e)) from None
+        if held_eval:
+            result = evaluate(pair, tr, held_eval)
+            cal["stage2"]["heldout"] = result
+            console.print(table(result, "after stage 2"))
+    save_translator(tr, output, pair)
+    console.print(f"wrote {output}")

@@ -1,0 +1,76 @@
+"""`kvlingo eval`: native / translated / raw / source-alone quality on held-out data."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+
+from ..calibrate.data import DataError, load_examples
+from ..evaluate import evaluate, table
+from ._common import resolve_pair, source_option, target_option, translator_option
+from .calibrate import data_config
+
+
+@click.command("eval")
+@source_option
+@target_option
+@translator_option
+@click.option("--data", "data_path", type=click.Path(exists=True),
+              help="Text/JSONL data (held-out split is used); default: the demo's held-out data")  # fmt: skip
+@click.option("--min-prefix", default=16, show_default=True)
+@click.option("--max-prefix", default=256, show_default=True)
+@click.option("--continuation", default=32, show_default=True)
+@click.option("--heldout-fraction", default=0.1, show_default=True)
+@click.option("--max-examples", type=int, default=None)
+@click.option("--seed", default=0, show_default=True)
+@click.option("-n", "--examples", default=64, show_default=True, help="Held-out examples to score")
+@click.option(
+    "--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results here"
+)
+@click.option("--multi-turn", is_flag=True, help="Multi-turn alternation evaluation over dialogues")
+@click.option(
+    "--switches", default=10, show_default=True, help="Switches per dialogue (--multi-turn)"
+)
+def eval_cmd(source, target, translator, data_path, examples, json_out, multi_turn, switches, **kw):
+    """Score the target on held-out continuations under every cache condition."""
+    console = Console()
+    pair, tr = resolve_pair(source, target, translator)
+    if multi_turn:
+        return _multi_turn(pair, tr, source, target, examples, switches, json_out, console)
+    if data_path is None:
+        from ..demo import demo_eval_data
+
+        data_path = demo_eval_data()
+    try:
+        _, held = load_examples(
+            data_path, pair.tokenizer, data_config({"data_path": data_path, **kw})
+        )
+    except DataError as e:
+        raise click.ClickException(str(e)) from None
+    if not held:
+        raise click.ClickException(f"{data_path}: no held-out examples; raise --heldout-fraction")
+    result = evaluate(pair, tr, held[:examples])
+    result["translator"] = translator or "demo"
+    console.print(table(result, f"{pair.source.name} -> {pair.target.name}"))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console):
+    from ..multiturn import evaluate_multiturn, load_dialogues, multiturn_table
+
+    backward = None
+    if source is None and target is None:
+        from ..demo import load_demo
+
+        _, backward = load_demo(reverse=True)
+    result = evaluate_multiturn(
+        pair, tr, backward, load_dialogues(limit=dialogues), switches=switches
+    )
+    console.print(multiturn_table(result))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=1)

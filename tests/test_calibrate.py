@@ -1,0 +1,182 @@
+"""Calibration: data splits, stage 1 on the known-answer pair, stage 2, resumption, evaluation."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_kvlingo import synthetic as syn
+from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
+from mlx_kvlingo.calibrate.data import DataConfig, DataError, load_examples
+from mlx_kvlingo.calibrate.distill import (
+    Stage2Config,
+    TrainingDivergedError,
+    distill,
+    evaluate_kl,
+    prepare,
+)  # fmt: skip
+from mlx_kvlingo.evaluate import evaluate
+from mlx_kvlingo.pair import load_model, load_pair
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("data") / "stdlib.txt"
+    p.write_text(syn.training_text())
+    return p
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir):
+    return {k: load_model(tiny_dir[k]) for k in ("qwen3", "known", "qwen3_moe")}
+
+
+@pytest.fixture(scope="module")
+def known_pair(models):
+    return load_pair(models["qwen3"], models["known"])
+
+
+@pytest.fixture(scope="module")
+def shape_pair(models):
+    return load_pair(models["qwen3"], models["qwen3_moe"])
+
+
+CFG = DataConfig(min_prefix=32, max_prefix=128, continuation=16, seed=3)
+
+
+def test_split_is_deterministic_and_disjoint(text_file, known_pair):
+    a_train, a_held = load_examples(text_file, known_pair.tokenizer, CFG)
+    b_train, b_held = load_examples(text_file, known_pair.tokenizer, CFG)
+    assert a_train == b_train and a_held == b_held
+    docs = lambda exs: {e.source.split("+")[0] for e in exs}  # noqa: E731
+    assert a_held and not docs(a_train) & docs(a_held)
+    lengths = [len(e.prefix) for e in a_train]
+    assert min(lengths) >= 32 and max(lengths) <= 128 and len(set(lengths)) > 20
+
+
+def test_chat_switch_points_at_assistant_start(tmp_path, known_pair):
+    tok = known_pair.tokenizer
+    conv = [{"role": "user", "content": "hello there, how are you doing today?"},
+            {"role": "assistant", "content": "fine thanks, and you?"},
+            {"role": "user", "content": "good"}, {"role": "assistant", "content": "great to hear"}]  # fmt: skip
+    f = tmp_path / "chat.jsonl"
+    f.write_text("\n".join(json.dumps({"messages": conv}) for _ in range(3)))
+    train, held = load_examples(f, tok, DataConfig(min_prefix=4, heldout_fraction=0.34))
+    assert len(held) == 2 and len(train) == 4
+    ex = train[0]
+    header = tok.encode("<|im_start|>assistant\n")
+    assert list(ex.prefix[-len(header) :]) == header
+    assert tok.decode(list(ex.continuation)).startswith(("fine thanks", "great to hear"))
+
+
+def test_bad_data_errors(tmp_path, known_pair):
+    tok = known_pair.tokenizer
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n{not json}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
+        load_examples(bad, tok)
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    with pytest.raises(DataError, match="empty text file"):
+        load_examples(empty, tok)
+    short = tmp_path / "short.txt"
+    short.write_text("a b c")
+    with pytest.raises(DataError, match="no documents long enough"):
+        load_examples(short, tok)
+    with pytest.raises(DataError, match="no such file"):
+        load_examples(tmp_path / "missing", tok)
+
+
+def test_stage1_recovers_known_answer(text_file, tiny_dir):
+    # float64 models: float32 rounding, amplified by the random model's ill-conditioned
+    # directions, would otherwise dominate the 1e-4 comparison
+    pair = load_pair(
+        load_model(tiny_dir["qwen3"], mx.float64), load_model(tiny_dir["known"], mx.float64)
+    )
+    train, _ = load_examples(text_file, pair.tokenizer, CFG)
+    answer = tiny_dir["known_answer"]
+    tr = fit_closed_form(pair, train[:100], Stage1Config(bias=False, alpha=1e-12), progress=False)
+    np.testing.assert_allclose(np.array(tr.key["weight"]), np.stack(answer["key_maps"]), atol=1e-4)
+    np.testing.assert_allclose(
+        np.array(tr.value["weight"]), np.stack(answer["value_maps"]), atol=1e-4
+    )
+
+
+def test_stage1_headwise_and_layer_selection(text_file, shape_pair, known_pair):
+    train, _ = load_examples(text_file, shape_pair.tokenizer, CFG)
+    tr = fit_closed_form(shape_pair, train[:20], Stage1Config(nu=2, window=1), progress=False)
+    assert tr.config.nu_k == 2 and len(tr.config.key_layers) == shape_pair.target.geometry.layers
+    hw = fit_closed_form(known_pair, train[:20], Stage1Config(variant="headwise"), progress=False)
+    assert hw.key["weight"].shape == (4, 2, 32, 32)
+
+
+@pytest.fixture(scope="module")
+def shape_data(text_file, shape_pair):
+    return load_examples(text_file, shape_pair.tokenizer, DataConfig(16, 48, 12, seed=1))
+
+
+def test_stage2_lowers_heldout_kl(shape_pair, shape_data):
+    train, held = shape_data
+    tr = fit_closed_form(shape_pair, train[:30], Stage1Config(), progress=False)
+    prepared = [prepare(shape_pair, e, "post_norm") for e in held[:8]]
+    before = evaluate_kl(tr, shape_pair, prepared)
+    distill(tr, shape_pair, train, held, Stage2Config(steps=40, learning_rate=3e-5, warmup=4, accumulate=4,
+            eval_every=40, eval_examples=8), progress=False)  # fmt: skip
+    after = evaluate_kl(tr, shape_pair, prepared)
+    assert after < before
+    assert tr.config.metadata["calibration"]["stage2"]["steps"] == 40
+
+
+def test_resume_equals_uninterrupted(shape_pair, shape_data, tmp_path):
+    train, held = shape_data
+    cfg = Stage2Config(
+        steps=6, learning_rate=1e-3, warmup=2, accumulate=2, eval_every=100, save_every=100
+    )
+    base = fit_closed_form(shape_pair, train[:10], Stage1Config(), progress=False)
+    weights = {k: v for k, v in base.parameters().items()}
+
+    def fresh():
+        tr = fit_closed_form(shape_pair, train[:10], Stage1Config(), progress=False)
+        tr.update(weights)
+        return tr
+
+    full = distill(fresh(), shape_pair, train, (), cfg, progress=False)
+    part = distill(
+        fresh(), shape_pair, train, (), cfg, tmp_path / "ck", progress=False, stop_after=3
+    )
+    assert json.loads((tmp_path / "ck" / "state.json").read_text())["step"] == 3
+    resumed = distill(fresh(), shape_pair, train, (), cfg, tmp_path / "ck", progress=False)
+    assert part is not resumed
+    for kind in ("key", "value"):
+        np.testing.assert_allclose(
+            np.array(getattr(resumed, kind)["weight"]),
+            np.array(getattr(full, kind)["weight"]),
+            atol=1e-6,
+        )
+
+
+def test_nan_loss_stops_and_keeps_checkpoint(shape_pair, shape_data, tmp_path):
+    train, _ = shape_data
+    tr = fit_closed_form(shape_pair, train[:10], Stage1Config(), progress=False)
+    tr.value["weight"] = tr.value["weight"] * float("inf")
+    with pytest.raises(TrainingDivergedError, match="at step 1"):
+        distill(tr, shape_pair, train, (), Stage2Config(steps=3), tmp_path / "ck", progress=False)
+    assert (tmp_path / "ck" / "translator.safetensors").exists()
+
+
+def test_evaluation_known_answer_and_raw(text_file, models, tiny_dir):
+    """Source = the known-answer source with a perturbed output head: same cache, worse predictions."""
+    from helpers import exact_translator
+
+    pair = load_pair(load_model(tiny_dir["qwen3_head"]), models["known"])
+    _, held = load_examples(text_file, pair.tokenizer, CFG)
+    result = evaluate(
+        pair, exact_translator(pair, tiny_dir["known_answer"]), held[:6], progress=False
+    )
+    assert result["source"]["nll"] > result["native"]["nll"] + 0.1
+    assert result["translated"]["gap_recovered"] == pytest.approx(1.0, abs=1e-3)
+    assert result["translated"]["kl_native"] < 1e-4
+    assert result["translated"]["agree_native"] == 1.0
+    assert result["raw"]["kl_native"] > 0.05  # a raw cache does not reach the ceiling
+    assert result["raw"]["agree_native"] < 0.5  # (its NLL on real text means little: random models)
