@@ -61,12 +61,20 @@ def build_metadata(translator: Translator, pair=None, **extra) -> dict:
     return meta
 
 
-def save_translator(translator: Translator, path: str | Path, pair=None, **extra) -> Path:
-    """Write the translator (atomically) with metadata describing `pair` and any `extra` keys."""
+def save_translator(
+    translator: Translator, path: str | Path, pair=None, dtype=None, **extra
+) -> Path:
+    """Write the translator (atomically) with metadata describing `pair` and any `extra` keys.
+
+    `dtype` (e.g. mx.float16) stores the tensors in that type, to keep shipped files small.
+    """
     path = Path(path)
-    meta = build_metadata(translator, pair, **extra)
     tensors = {f"key.{k}": v for k, v in translator.key.items()}
     tensors.update({f"value.{k}": v for k, v in translator.value.items()})
+    if dtype is not None:
+        tensors = {k: v.astype(dtype) for k, v in tensors.items()}
+    meta = build_metadata(translator, pair, **extra)
+    meta["dtype"] = str(tensors["key.weight"].dtype).replace("mlx.core.", "")
     tmp = path.with_name(path.name + ".tmp.safetensors")
     mx.save_safetensors(str(tmp), tensors, metadata={"kvlingo": json.dumps(meta)})
     os.replace(tmp, path)
@@ -139,8 +147,12 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
     )
 
 
-def load_translator(path: str | Path, pair=None) -> Translator:
-    """Load and validate a translator file; with `pair`, also check it was made for it."""
+def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
+    """Load and validate a translator file; with `pair`, also check it was made for it.
+
+    `dtype="auto"` computes in float32 on the CPU backend (half-precision matmuls are slow
+    there) and keeps the stored dtype on Metal.
+    """
     path = Path(path)
     meta = read_metadata(path)
     try:
@@ -168,8 +180,11 @@ def load_translator(path: str | Path, pair=None) -> Translator:
             )
         if not np.isfinite(np.array(tensors[name].astype(mx.float32))).all():
             raise TranslatorFileError(f"{path}: tensor {name} contains NaN or Inf")
-    dtype = tensors["key.weight"].dtype
-    tr = Translator(config, dtype=dtype)
+    if dtype == "auto":
+        dtype = None if mx.metal.is_available() else mx.float32
+    if dtype is not None:
+        tensors = {k: v.astype(dtype) for k, v in tensors.items()}
+    tr = Translator(config, dtype=tensors["key.weight"].dtype)
     tr.key = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("key.")}
     tr.value = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("value.")}
     return tr

@@ -85,61 +85,94 @@ def residual(xtx, xty, sx, sy, yy, n, w, b) -> float:
     )
 
 
-def _select_layers(pair, examples, cfg: Stage1Config, kind: str) -> list[list[int]]:
-    """Pick nu source layers per target layer by single-layer ridge fit quality."""
+def _select_layers(pair, examples, cfg: Stage1Config) -> dict[str, list[list[int]]]:
+    """Pick nu source layers per target layer, for K and V, by single-layer ridge fit quality."""
     Ls, Lt = pair.source.geometry.layers, pair.target.geometry.layers
     if cfg.nu == 1:
-        return nearest_layer_map(Ls, Lt, 1)
+        rows = nearest_layer_map(Ls, Lt, 1)
+        return {"key": rows, "value": rows}
     nearest = [r[0] for r in nearest_layer_map(Ls, Lt, 1)]
     cands = [list(range(max(0, c - cfg.window), min(Ls, c + cfg.window + 1))) for c in nearest]
     used = sorted({s for c in cands for s in c})
-    grams = {s: None for s in used}
-    cross: dict[tuple[int, int], np.ndarray] = {}
-    sums_x = {s: 0.0 for s in used}
-    sums_y = [0.0] * Lt
-    yy = [0.0] * Lt
+    stats = {kind: {"gram": {}, "sx": {}, "cross": {}, "sy": {}, "yy": {}} for kind in KINDS}
     n = 0
     for ex in examples[: cfg.selection_examples]:
         tokens = ex.prefix + ex.continuation
-        xs = layer_features(trace(pair.source, tokens, cfg.key_cut), kind).astype(np.float64)
-        ys = layer_features(trace(pair.target, tokens, cfg.key_cut), kind).astype(np.float64)
-        for s in used:
-            g = xs[s].T @ xs[s]
-            grams[s] = g if grams[s] is None else grams[s] + g
-            sums_x[s] = sums_x[s] + xs[s].sum(0)
+        s_span, t_span = (
+            trace(pair.source, tokens, cfg.key_cut),
+            trace(pair.target, tokens, cfg.key_cut),
+        )
+        for kind in KINDS:
+            st = stats[kind]
+            xs = layer_features(s_span, kind).astype(np.float64)
+            ys = layer_features(t_span, kind).astype(np.float64)
+            for s in used:
+                _acc(st["gram"], s, xs[s].T @ xs[s])
+                _acc(st["sx"], s, xs[s].sum(0))
+            for t in range(Lt):
+                _acc(st["sy"], t, ys[t].sum(0))
+                _acc(st["yy"], t, float((ys[t] ** 2).sum()))
+                for s in cands[t]:
+                    _acc(st["cross"], (s, t), xs[s].T @ ys[t])
+        n += len(tokens)
+    maps = {}
+    for kind in KINDS:
+        st, rows = stats[kind], []
         for t in range(Lt):
-            sums_y[t] = sums_y[t] + ys[t].sum(0)
-            yy[t] += float((ys[t] ** 2).sum())
+            scores = []
             for s in cands[t]:
-                c = xs[s].T @ ys[t]
-                cross[s, t] = cross[s, t] + c if (s, t) in cross else c
-        n += xs.shape[1]
-    rows = []
-    for t in range(Lt):
-        scores = []
-        for s in cands[t]:
-            w, b = ridge(grams[s], cross[s, t], sums_x[s], sums_y[t], n, cfg.alpha, cfg.bias)
-            scores.append(
-                (residual(grams[s], cross[s, t], sums_x[s], sums_y[t], yy[t], n, w, b), s)
-            )
-        rows.append(sorted(s for _, s in sorted(scores)[: cfg.nu]))
-    return rows
+                args = (st["gram"][s], st["cross"][s, t], st["sx"][s], st["sy"][t])
+                w, b = ridge(*args, n, cfg.alpha, cfg.bias)
+                scores.append((residual(*args, st["yy"][t], n, w, b), s))
+            rows.append(sorted(s for _, s in sorted(scores)[: cfg.nu]))
+        maps[kind] = rows
+    return maps
+
+
+def _acc(d: dict, key, value) -> None:
+    d[key] = d[key] + value if key in d else value
 
 
 def fit_closed_form(
     pair, examples, cfg: Stage1Config = Stage1Config(), progress=True
 ) -> Translator:
     """Fit a translator for `pair` on `examples` (calibrate.data.Example) in one streaming pass."""
+    return fit_many(pair, examples, [cfg], progress)[0]
+
+
+def fit_many(pair, examples, cfgs: list[Stage1Config], progress=True) -> list[Translator]:
+    """Fit several translators from one pass over the data (variants sharing a key cut).
+
+    Moments are keyed by input-layer tuple (Gram) and (target layer, input layers) (cross), so
+    configs that read the same layers (e.g. headwise and mixing) share them.
+    """
+    cuts = {c.key_cut for c in cfgs}
+    if len(cuts) != 1:
+        raise ValueError("fit_many needs one key cut for all configs")
+    (cut,) = cuts
     src, tgt = pair.source.geometry, pair.target.geometry
-    maps = {}
-    for kind, given in (("key", cfg.key_layers), ("value", cfg.value_layers)):
-        maps[kind] = given if given is not None else _select_layers(pair, examples, cfg, kind)
-    config = TranslatorConfig(
-        cfg.variant, Side.of(src), Side.of(tgt),
-        tuple(map(tuple, maps["key"])), tuple(map(tuple, maps["value"])),
-        key_cut=cfg.key_cut, bias=cfg.bias,
-    )  # fmt: skip
-    # one Gram matrix per distinct input-layer tuple, one cross matrix per target layer
+    configs, all_maps, selected = [], [], {}
+    for cfg in cfgs:
+        if cfg.key_layers is None or cfg.value_layers is None:
+            key = (cfg.nu, cfg.window, cfg.selection_examples, cfg.alpha, cfg.bias)
+            if key not in selected:  # one selection pass shared by configs that agree on it
+                selected[key] = _select_layers(pair, examples, cfg)
+        maps = {
+            "key": cfg.key_layers or selected[key]["key"],
+            "value": cfg.value_layers or selected[key]["value"],
+        }
+        all_maps.append(maps)
+        configs.append(TranslatorConfig(
+            cfg.variant, Side.of(src), Side.of(tgt),
+            tuple(map(tuple, maps["key"])), tuple(map(tuple, maps["value"])),
+            key_cut=cut, bias=cfg.bias,
+        ))  # fmt: skip
+    needed = {
+        (kind, t, tuple(layers))
+        for m in all_maps
+        for kind in KINDS
+        for t, layers in enumerate(m[kind])
+    }
     grams: dict[tuple, Moments] = {}
     cross: dict[tuple, np.ndarray] = {}
     out_stats: dict[tuple, list] = {}
@@ -148,36 +181,44 @@ def fit_closed_form(
         task = bar.add_task("stage 1: accumulating", total=len(examples))
         for ex in examples:
             tokens = ex.prefix + ex.continuation
-            s_span = trace(pair.source, tokens, cfg.key_cut)
-            t_span = trace(pair.target, tokens, cfg.key_cut)
-            seen = set()  # a Gram shared by several target layers gets each example once
+            feats = {}
+            s_span, t_span = trace(pair.source, tokens, cut), trace(pair.target, tokens, cut)
             for kind in KINDS:
-                xs, ys = layer_features(s_span, kind), layer_features(t_span, kind)
-                for t, layers in enumerate(maps[kind]):
-                    key = (kind, tuple(layers))
+                feats[kind] = (layer_features(s_span, kind), layer_features(t_span, kind))
+            inputs = {}
+            for kind, t, layers in sorted(needed):
+                xs, ys = feats[kind]
+                if (kind, layers) not in inputs:
                     x = np.concatenate([xs[s] for s in layers], axis=1).astype(np.float64)
-                    y = ys[t].astype(np.float64)
-                    if key not in grams:
-                        grams[key] = Moments(x.shape[1], 0)
-                    if key not in seen:
-                        seen.add(key)
-                        grams[key].xtx += x.T @ x
-                        grams[key].sx += x.sum(0)
-                        grams[key].n += len(x)
-                    c = x.T @ y
-                    st = out_stats.setdefault((kind, t), [0.0, 0.0])
-                    cross[kind, t] = cross[kind, t] + c if (kind, t) in cross else c
-                    st[0] = st[0] + y.sum(0)
-                    st[1] += float((y * y).sum())
+                    inputs[kind, layers] = x
+                    g = grams.setdefault((kind, layers), Moments(x.shape[1], 0))
+                    g.xtx += x.T @ x
+                    g.sx += x.sum(0)
+                    g.n += len(x)
+                x, y = inputs[kind, layers], ys[t].astype(np.float64)
+                c = x.T @ y
+                cross[kind, t, layers] = (
+                    cross[kind, t, layers] + c if (kind, t, layers) in cross else c
+                )
+                st = out_stats.setdefault((kind, t), [0.0, 0.0, None])
+                if st[2] is not id(ex):  # target statistics once per example
+                    st[0], st[1], st[2] = st[0] + y.sum(0), st[1] + float((y * y).sum()), id(ex)
             n_tokens += len(tokens)
             bar.advance(task)
+    return [
+        _finish(config, cfg, maps, grams, cross, out_stats, len(examples), n_tokens)
+        for config, cfg, maps in zip(configs, cfgs, all_maps)
+    ]
+
+
+def _finish(config, cfg, maps, grams, cross, out_stats, n_examples, n_tokens) -> Translator:
     tr = Translator(config)
     fit_report = {}
     for kind in KINDS:
         ws, bs, r2 = [], [], []
         for t, layers in enumerate(maps[kind]):
             g = grams[(kind, tuple(layers))]
-            xty, (sy, yy) = cross[kind, t], out_stats[(kind, t)]
+            xty, (sy, yy, _) = cross[kind, t, tuple(layers)], out_stats[(kind, t)]
             w, b, sse = _solve(config, kind, g, xty, sy, yy, cfg)
             sst = yy - (sy @ sy) / g.n
             r2.append(1 - sse / max(sst, 1e-12))
@@ -190,7 +231,7 @@ def fit_closed_form(
         fit_report[kind] = {"r2_mean": float(np.mean(r2)), "r2_min": float(np.min(r2))}
     tr.config.metadata["calibration"] = {
         "stage1": {
-            "examples": len(examples), "tokens": n_tokens, "alpha": cfg.alpha,
+            "examples": n_examples, "tokens": n_tokens, "alpha": cfg.alpha,
             "centered": cfg.bias, "train_fit": fit_report,
             "layer_selection": "given" if cfg.key_layers else (
                 "nearest by relative depth" if cfg.nu == 1 else

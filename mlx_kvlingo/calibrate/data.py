@@ -127,7 +127,10 @@ def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
         raise DataError(f"{path}: no documents long enough for min_prefix={cfg.min_prefix}")
     order = list(range(len(docs)))
     rng.shuffle(order)
-    n_held = max(1, int(round(len(docs) * cfg.heldout_fraction))) if len(docs) > 1 else 0
+    if cfg.heldout_fraction >= 1.0:  # evaluation-only data: everything is held out
+        n_held = len(docs)
+    else:
+        n_held = max(1, int(round(len(docs) * cfg.heldout_fraction))) if len(docs) > 1 else 0
     held_ids = set(order[:n_held])
     train, held = [], []
     for i in order:
@@ -138,7 +141,7 @@ def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
             ex = _text_example(name, payload, rng, cfg)
             exs = [ex] if ex else []
         (held if i in held_ids else train).extend(exs)
-    if not train:
+    if not train and cfg.heldout_fraction < 1.0:
         raise DataError(
             f"{path}: no training examples (need prefixes of at least {cfg.min_prefix} tokens "
             f"and a continuation of 2+ tokens)"

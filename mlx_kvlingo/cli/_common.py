@@ -18,7 +18,7 @@ def resolve_pair(source, target, translator, reverse: bool = False):
     """Load the named pair and translator, or the embedded demo pair when none is named."""
     try:
         if source is None and target is None:
-            from ..demo import load_demo
+            from ..demo.pair import load_demo
 
             return load_demo(translator=translator, reverse=reverse)
         if not (source and target):
@@ -27,5 +27,5 @@ def resolve_pair(source, target, translator, reverse: bool = False):
         if translator is None:
             raise click.UsageError("--translator is required with --source/--target")
         return pair, load_translator(translator, pair)
-    except (TokenizerMismatchError, TranslatorFileError) as e:
+    except (TokenizerMismatchError, TranslatorFileError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None

@@ -39,10 +39,11 @@ def eval_cmd(source, target, translator, data_path, examples, json_out, multi_tu
     pair, tr = resolve_pair(source, target, translator)
     if multi_turn:
         return _multi_turn(pair, tr, source, target, examples, switches, json_out, console)
-    if data_path is None:
-        from ..demo import demo_eval_data
+    if data_path is None:  # the demo's held-out dialogues, never trained on
+        from ..demo.pair import demo_eval_data
 
         data_path = demo_eval_data()
+        kw["heldout_fraction"] = 1.0
     try:
         _, held = load_examples(
             data_path, pair.tokenizer, data_config({"data_path": data_path, **kw})
@@ -64,7 +65,7 @@ def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console
 
     backward = None
     if source is None and target is None:
-        from ..demo import load_demo
+        from ..demo.pair import load_demo
 
         _, backward = load_demo(reverse=True)
     result = evaluate_multiturn(

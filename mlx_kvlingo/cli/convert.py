@@ -1,0 +1,114 @@
+"""`kvlingo convert`: a translator trained in PyTorch in, our translator file out.
+
+The work is done by the converters package (`converters/` in a checkout, installed as
+`kvlingo_converters`); this is its command line, also run by `python -m converters`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+def converters_package():
+    """The converters package: installed (`kvlingo_converters`) or from a checkout."""
+    for name in ("converters", "kvlingo_converters"):  # already imported (python -m converters)
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "LAYOUTS"):
+            return mod
+    try:
+        import kvlingo_converters as conv
+    except ImportError:
+        try:
+            import converters as conv
+        except ImportError:
+            conv = None
+    if conv is None or not hasattr(conv, "LAYOUTS"):
+        raise click.ClickException(
+            "the converters package is missing: install mlx-kvlingo from a checkout "
+            "(pip install -e '.[torch]') or run `python -m converters` from the repository root"
+        )
+    return conv
+
+
+def _rows(text, name):
+    if text is None or text == "identity":
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise click.BadParameter(
+            f"not JSON ({e}); e.g. '[[0,1],[2],[3]]' or 'identity'", param_hint=name
+        ) from None
+
+
+LAYOUT_NAMES = [
+    "kv_lingo_translator_v1",
+    "mapper_directory",
+    "linear_state_dict",
+    "v1",
+    "mapper",
+    "linear",
+]
+
+
+@click.command("convert")
+@click.argument("input_path", metavar="INPUT", type=click.Path(exists=True))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="Translator file to write (.safetensors)")  # fmt: skip
+@click.option("--layout", type=click.Choice(LAYOUT_NAMES), help="Input layout (default: detect)")
+@click.option("--source", help="Source model (hub id or folder): check geometry against it")
+@click.option("--target", help="Target model (hub id or folder): check geometry against it")
+@click.option(
+    "--source-layers", type=int, help="mapper: the source's layer count, if not in the manifest"
+)
+@click.option("--source-geometry", metavar="L,H,D", help="linear: source layers,kv_heads,head_dim")
+@click.option("--target-geometry", metavar="L,H,D", help="linear: target layers,kv_heads,head_dim")
+@click.option("--sidecar", type=click.Path(exists=True, dir_okay=False),
+              help="linear: JSON sidecar (default: INPUT.json or INPUT with .json)")  # fmt: skip
+@click.option("--layer-map", help="linear: JSON source-layer lists per target layer, or 'identity'")
+@click.option("--key-layers", help="linear: layer map for keys only (JSON)")
+@click.option("--value-layers", help="linear: layer map for values only (JSON)")
+@click.option("--key-cut", type=click.Choice(["post_norm", "pre_norm"]),
+              help="linear: where the keys were taken (after or before k_norm; always RoPE-free)")  # fmt: skip
+def convert_cmd(
+    input_path, output, layout, source, target, source_layers, source_geometry, target_geometry,
+    sidecar, layer_map, key_layers, value_layers, key_cut,
+):  # fmt: skip
+    """Convert a translator trained in PyTorch (INPUT: file or mapper directory)."""
+    conv = converters_package()
+    if (source is None) != (target is None):
+        raise click.UsageError("give both --source and --target, or neither")
+    try:
+        options = {
+            "source": conv.common.parse_geometry(source_geometry, "--source-geometry"),
+            "target": conv.common.parse_geometry(target_geometry, "--target-geometry"),
+            "source_layers": source_layers,
+            "sidecar": sidecar,
+            "layer_map": _rows(layer_map, "--layer-map"),
+            "key_layers": _rows(key_layers, "--key-layers"),
+            "value_layers": _rows(value_layers, "--value-layers"),
+            "key_cut": key_cut,
+        }
+        pair = None
+        if source is not None:
+            from mlx_kvlingo.pair import TokenizerMismatchError, load_pair
+
+            try:
+                pair = load_pair(source, target)
+            except TokenizerMismatchError as e:
+                raise click.ClickException(str(e)) from None
+        path, done = conv.convert_file(input_path, output, layout, pair, **options)
+    except conv.ConversionError as e:
+        raise click.ClickException(f"{type(e).__name__}: {e}") from None
+    c, p = done.config, done.provenance
+    click.echo(
+        f"wrote {path}: {p['layout']} -> {c.variant}, key cut {c.key_cut}, nu {c.nu_k}/{c.nu_v} "
+        f"(keys/values), bias {c.bias}\n"
+        f"  source {c.source.layers}x{c.source.kv_heads}x{c.source.head_dim}, "
+        f"target {c.target.layers}x{c.target.kv_heads}x{c.target.head_dim}; "
+        f"input sha256 {p['input_sha256'][:16]}..."
+        + ("; geometry checked against the model pair" if pair is not None else "")
+    )
