@@ -61,7 +61,7 @@ def eval_cmd(source, target, translator, data_path, examples, json_out, multi_tu
 
 
 def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console):
-    from ..multiturn import evaluate_multiturn, load_dialogues, multiturn_table
+    from ..multiturn import evaluate_multiturn, load_chitchat, render_table
 
     backward = None
     if source is None and target is None:

@@ -1,0 +1,358 @@
+"""`kvlingo chat`: talk to the small model, hand the conversation to the large one and back.
+
+Like `mlx_lm.chat` (one cache kept across turns, `q` / `r` / `h`, a status line per turn),
+with two models sharing one conversation through KV translation (see `session.py`).
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from ..session import MODES, ContextOverflowError, Session, SessionError, TurnStats
+from ._common import resolve_pair, source_option, target_option, translator_option
+
+LABEL = {"source": "small", "target": "large"}
+# model output goes to a terminal: drop control characters (escape sequences, \r) but \n \t
+_CONTROL = {c: None for c in [*range(32), 127] if chr(c) not in "\n\t"}
+MODEL = {"small": "source", "large": "target"}
+
+HELP = [
+    ("/small, /large", "which model answers next"),
+    ("/escalate", "answer the last message again with the other model (translated cache)"),
+    ("/auto [on|off|T]", "cascade: small answers, large takes over below confidence T"),
+    ("/mode [M]", "show or set: alternation | naive | reprefill"),
+    ("/reset, r", "start over (the system prompt stays)"),
+    ("/trim [N]", "drop the oldest turns until the conversation fits N tokens"),
+    ("/save FILE, /load FILE", "the session (both caches and sync state)"),
+    ("/stats", "switches, translated tokens, time, per model"),
+    ("/help, h", "this list"),
+    ("/quit, q", "exit (also Ctrl-D; Ctrl-C stops a generation, at the prompt it exits)"),
+]
+
+
+def status_line(st: TurnStats, names: dict) -> str:
+    """mlx-lm's `N tokens · X tok/s · prompt Y tok/s · peak Z GB`, plus model, TTFT, switch."""
+    parts = [f"{LABEL[st.model]} ({names[st.model]})"]
+    parts.append(f"{st.generation_tokens} tokens")
+    parts.append(f"{st.generation_tps:.1f} tok/s")
+    parts.append(f"prompt {st.prompt_tokens} tok {st.prompt_tps:.1f} tok/s")
+    if st.ttft_s is not None:
+        parts.append(f"TTFT {st.ttft_s * 1e3:.0f} ms")
+    sw = st.switch
+    if sw is not None:
+        if sw.translated:
+            again = f" ({sw.retranslated} again)" if sw.retranslated else ""
+            parts.append(f"switch {sw.translated} tok translated{again} {sw.seconds * 1e3:.1f} ms")
+        else:
+            parts.append(f"switch {sw.lacked} tok {sw.note or 're-prefill'}")
+    parts.append(f"peak {st.peak_memory_gb:.2f} GB")
+    if st.finish_reason in ("cancelled", "interrupted"):
+        parts.append("stopped")
+    elif st.finish_reason == "context":
+        parts.append("context full (/trim or /reset)")
+    return " · ".join(parts)
+
+
+class ChatApp:
+    """The chat loop, separated from click so it can be driven line by line."""
+
+    def __init__(self, session: Session, *, max_tokens: int, sampler, auto_threshold: float,
+                 console: Console | None = None, first: str = "source"):  # fmt: skip
+        self.s = session
+        self.max_tokens = max_tokens
+        self.sampler = sampler
+        self.next = first
+        self.auto = False
+        self.threshold = auto_threshold
+        self.console = console or Console(highlight=False)
+        self.names = {"source": session.pair.source.name, "target": session.pair.target.name}
+
+    # -- output ------------------------------------------------------------------------------
+
+    def say(self, msg: str, style: str = "grey50") -> None:
+        self.console.print(f"[{style}]{msg}[/{style}]")
+
+    def error(self, msg: str) -> None:
+        self.console.print(f"[yellow]{escape(msg)}[/yellow]")
+
+    def help(self) -> None:
+        w = max(len(k) for k, _ in HELP)
+        for k, v in HELP:
+            self.console.print(f"  [bold]{escape(k.ljust(w))}[/bold]  [grey50]{v}[/grey50]")
+
+    def stream(self, events) -> TurnStats | None:
+        """Print a streamed answer; Ctrl-C stops it (the session keeps what was emitted)."""
+        import mlx.core as mx
+
+        mx.reset_peak_memory()
+        model = None
+        try:
+            for ev in events:
+                if model is None:
+                    model = ev.model
+                    self.console.print(f"[bold magenta]{LABEL[model]}[/bold magenta] ", end="")
+                sys.stdout.write(ev.text.translate(_CONTROL))
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+        except KeyboardInterrupt:
+            events.close()
+            sys.stdout.write("\n")
+            self.say("  " + escape("[stopped]"))
+        st = self.s.last_turn
+        if st is not None:
+            self.say("  " + escape(status_line(st, self.names)))
+        return st
+
+    # -- turns -------------------------------------------------------------------------------
+
+    def answer(self, model: str) -> None:
+        try:
+            st = self.stream(
+                self.s.generate(model, max_tokens=self.max_tokens, sampler=self.sampler)
+            )
+        except SessionError as e:
+            self.error(str(e))
+            return
+        if self.auto and model == "source" and st is not None and st.confidence is not None:
+            if st.finish_reason in ("cancelled", "interrupted"):
+                return
+            score = f"{escape('[auto]')} confidence {st.confidence:.2f}"
+            if st.confidence < self.threshold:
+                self.say(f"  {score} < {self.threshold:.2f}: escalating to large")
+                self.escalate("target")
+            else:
+                self.say(f"  {score} >= {self.threshold:.2f}: kept")
+
+    def escalate(self, model: str | None = None) -> None:
+        try:
+            events = self.s.escalate(model, max_tokens=self.max_tokens, sampler=self.sampler)
+        except SessionError as e:
+            self.error(str(e))
+            return
+        self.stream(events)
+
+    # -- commands ----------------------------------------------------------------------------
+
+    def handle(self, line: str) -> bool:
+        """Process one input line; False means quit."""
+        line = line.strip()
+        if not line:
+            return True
+        if line in ("q", "/quit", "/exit"):
+            return False
+        if line in ("r", "/reset"):
+            self.s.reset()
+            self.say("  reset: context cleared", "green")
+            return True
+        if line in ("h", "/help"):
+            self.help()
+            return True
+        if not line.startswith("/"):
+            self.s.add_user(line)
+            self.answer("source" if self.auto else self.next)
+            return True
+        try:
+            cmd, *args = shlex.split(line)
+        except ValueError as e:
+            self.error(f"cannot parse {line!r}: {e}")
+            return True
+        try:
+            self.command(cmd, args)
+        except ContextOverflowError as e:
+            self.error(str(e))
+        except SessionError as e:
+            self.error(str(e))
+        except (OSError, ValueError) as e:
+            self.error(f"{cmd}: {e}")
+        return True
+
+    def command(self, cmd: str, args: list[str]) -> None:
+        if cmd in ("/small", "/large"):
+            self.next = MODEL[cmd[1:]]
+            if self.auto:
+                self.auto = False
+                self.say("  auto: off")
+            self.say(f"  next answers: {cmd[1:]} ({self.names[self.next]})")
+        elif cmd == "/escalate":
+            self.escalate()
+        elif cmd == "/auto":
+            arg = args[0] if args else ("off" if self.auto else "on")
+            if arg in ("on", "off"):
+                self.auto = arg == "on"
+            else:
+                try:
+                    self.threshold = float(arg)
+                except ValueError:
+                    self.error(f"/auto takes on, off or a threshold (a log-prob), not {arg!r}")
+                    return
+                self.auto = True
+            state = f"on, threshold {self.threshold:.2f}" if self.auto else "off"
+            self.say(f"  auto: {state}")
+        elif cmd == "/mode":
+            if args:
+                self.s.mode = args[0]
+            self.say(f"  mode: {self.s.mode}")
+        elif cmd == "/trim":
+            n = int(args[0]) if args else None
+            dropped = self.s.trim(n)
+            self.say(
+                f"  trimmed: {dropped} oldest messages dropped, {len(self.s.tokens)} tokens left"
+            )
+            if dropped and self.s.pending:  # the message that did not fit: answer it now
+                self.answer("source" if self.auto else self.next)
+        elif cmd == "/save":
+            if not args:
+                self.error("usage: /save FILE")
+                return
+            path = self.s.save(args[0])
+            self.say(f"  saved {path} ({len(self.s.tokens)} tokens)", "green")
+        elif cmd == "/load":
+            if not args:
+                self.error("usage: /load FILE")
+                return
+            self.s.load(args[0])
+            self.say(
+                f"  loaded {args[0]}: {len(self.s.messages)} messages, {len(self.s.tokens)} tokens",
+                "green",
+            )
+        elif cmd == "/stats":
+            self.stats()
+        else:
+            self.error(f"unknown command {cmd!r}; /help lists the commands")
+
+    def stats(self) -> None:
+        st = self.s.stats()
+        t = Table("", "small", "large")
+        self.say(
+            f"  mode {st['mode']} · {st['conversation_tokens']} conversation tokens · "
+            f"{st['switches']} switches · {st['retemplated']} re-templated"
+        )
+        rows = [
+            ("turns answered", "turns"),
+            ("tokens generated", "generated_tokens"),
+            ("tokens read natively", "prompt_tokens"),
+            ("switches into", "switches_into"),
+            ("tokens translated into", "translated_into"),
+            ("  of which re-translated", "retranslated_into"),
+            ("translation ms", "translate_ms"),
+            ("tokens in cache", "held"),
+        ]
+        for label, key in rows:
+            cells = [st["models"][m][key] for m in ("source", "target")]
+            t.add_row(label, *[f"{c:.1f}" if isinstance(c, float) else str(c) for c in cells])
+        self.console.print(t)
+
+    # -- loop --------------------------------------------------------------------------------
+
+    def banner(self, translators: dict) -> None:
+        rows = [
+            ("small (source)", self.names["source"]),
+            ("large (target)", self.names["target"]),
+            ("small -> large", translators["forward"]),
+            ("large -> small", translators["backward"]),
+            ("mode", self.s.mode),
+            ("max tokens", str(self.max_tokens)),
+        ]
+        if self.s.system_prompt:
+            sp = self.s.system_prompt
+            rows.append(("system", sp if len(sp) <= 60 else sp[:57] + "..."))
+        w = max(len(k) for k, _ in rows)
+        self.console.print("[bold magenta]kvlingo chat[/bold magenta]")
+        for k, v in rows:
+            self.console.print(f"  {k.ljust(w)}   [bold]{escape(v)}[/bold]")
+        self.say("  /help for commands · q to quit")
+
+    def prompt(self) -> str:
+        tag = "auto" if self.auto else LABEL[self.next]
+        return input(f"[{tag}] > ")
+
+    def run(self) -> None:
+        while True:
+            try:
+                line = self.prompt()
+            except (EOFError, KeyboardInterrupt):
+                sys.stdout.write("\n")
+                break
+            try:
+                if not self.handle(line):
+                    break
+            except KeyboardInterrupt:  # outside a generation: a second Ctrl-C exits
+                sys.stdout.write("\n")
+                break
+        self.say("bye")
+
+
+@click.command("chat")
+@source_option
+@target_option
+@translator_option
+@click.option("--backward-translator", type=click.Path(dir_okay=False),
+              help="Large -> small translator; without one, switching back to small re-prefills")  # fmt: skip
+@click.option("--system-prompt", default=None, help="System message for the chat template")
+@click.option("-m", "--max-tokens", default=256, show_default=True, help="Tokens per answer")
+@click.option("--temp", default=0.0, show_default=True)
+@click.option("--top-p", default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--max-kv-size", type=int, default=None,
+              help="Context limit in tokens for both models (refuses beyond it; /trim)")  # fmt: skip
+@click.option("--mode", type=click.Choice(MODES), default="alternation", show_default=True)
+@click.option("--first", type=click.Choice(["small", "large"]), default="small", show_default=True,
+              help="Which model answers first")  # fmt: skip
+@click.option("--auto-threshold", default=-1.5, show_default=True,
+              help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
+def chat_cmd(source, target, translator, backward_translator, system_prompt, max_tokens, temp,
+             top_p, seed, max_kv_size, mode, first, auto_threshold):  # fmt: skip
+    """Chat with the small model and hand the conversation to the large one (and back)."""
+    import mlx.core as mx
+    from mlx_lm.sample_utils import make_sampler
+
+    from ..format import TranslatorFileError, load_translator
+
+    console = Console(highlight=False)
+    console.print("[grey50]loading models...[/grey50]")
+    try:
+        pair, forward = resolve_pair(source, target, translator)
+    except ImportError as e:
+        raise click.ClickException(
+            f"the demo pair is not available ({e}); pass --source, --target and --translator"
+        ) from None
+    backward, back_label = None, "none: switching back re-prefills"
+    try:
+        if backward_translator:
+            backward = load_translator(backward_translator, pair.reversed())
+            back_label = backward_translator
+        elif source is None and target is None:
+            backward = _demo_backward(pair)
+            back_label = "demo" if backward is not None else back_label
+    except TranslatorFileError as e:
+        raise click.ClickException(str(e)) from None
+    mx.random.seed(seed)
+    try:
+        session = Session(pair, forward, backward, mode, system_prompt=system_prompt,
+                          max_kv_size=max_kv_size)  # fmt: skip
+    except SessionError as e:
+        raise click.ClickException(str(e)) from None
+    app = ChatApp(session, max_tokens=max_tokens, sampler=make_sampler(temp=temp, top_p=top_p),
+                  auto_threshold=auto_threshold, console=console, first=MODEL[first])  # fmt: skip
+    app.banner({"forward": translator or "demo", "backward": back_label})
+    app.run()
+
+
+def _demo_backward(pair):
+    """The demo pair's large -> small translator, when the demo ships one (else None)."""
+    from ..format import load_translator
+
+    try:
+        from ..demo.pair import translator_path
+
+        return load_translator(translator_path(None, reverse=True), pair.reversed())
+    except ImportError:  # an older demo module: load the reversed pair through it
+        return resolve_pair(None, None, None, reverse=True)[1]
+    except (FileNotFoundError, KeyError):  # no backward translator built: chat re-prefills
+        return None

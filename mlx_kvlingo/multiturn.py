@@ -1,0 +1,195 @@
+"""Multi-turn quality: does a conversation that crosses models several times stay sound?
+
+Over real dialogues (the Chit Chat Challenge conversations of the `chitchat-dataset`
+package), the two models take turns answering: the first assistant turn by `first`, every
+later one by the other model, so each turn after the first is a switch. At every turn the
+answering model catches up under each mode (see `session.py`) and then scores the real next
+message by teacher forcing: its mean NLL per token. Re-prefill is the reference (the
+answering model read everything itself); the report is the deviation of alternation and
+naive from it, per switch index.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .pair import ModelPair
+from .session import MODES, Session
+from .translator import Translator
+
+
+def load_chitchat(
+    n: int = 20,
+    *,
+    min_messages: int = 22,
+    max_chars: int = 400,
+    seed: int = 0,
+    heldout_only: bool = True,
+) -> list[list[str]]:
+    """`n` dialogues with at least `min_messages` messages, each a list of message texts.
+
+    With `heldout_only`, only dialogues of the demo's held-out split (never used to heal the
+    demo source or calibrate its translators) are used.
+
+    A message joins one speaker's consecutive utterances with spaces; speakers alternate, so
+    even indices are the user's and odd ones the assistant's. Texts are cut at `max_chars`.
+    """
+    try:
+        import chitchat_dataset
+    except ImportError:
+        raise ImportError(
+            "the multi-turn evaluation reads the chitchat-dataset package: "
+            "pip install chitchat-dataset"
+        ) from None
+    data = json.loads((Path(chitchat_dataset.__file__).parent / "dataset.json").read_text())
+    dialogues = []
+    from .demo.data import is_heldout
+
+    for key in sorted(data):
+        if heldout_only and not is_heldout(key):
+            continue
+        msgs = [" ".join(u["text"] for u in m).strip()[:max_chars] for m in data[key]["messages"]]
+        if len(msgs) >= min_messages and all(msgs[:min_messages]):
+            dialogues.append(msgs)
+    random.Random(seed).shuffle(dialogues)
+    return dialogues[:n]
+
+
+def evaluate_multiturn(
+    pair: ModelPair,
+    forward: Translator,
+    backward: Translator | None,
+    dialogues: Sequence[Sequence[str]],
+    switches: int = 10,
+    *,
+    modes: Sequence[str] = MODES,
+    first: str = "source",
+    system_prompt: str | None = None,
+    progress: Callable[[int, str], None] | None = None,
+) -> dict:
+    """Score the real next turn under each mode while the models alternate.
+
+    Each dialogue gives `switches + 1` assistant turns (shorter dialogues give fewer). Returns
+    a dict: per turn (turn 0 has no switch; turn k is switch k) the answering model, the mean
+    NLL per mode and the mean deviation `NLL(mode) - NLL(reprefill)`; a summary per mode;
+    translated tokens per mode. `progress(dialogue_index, mode)` is called as it goes.
+    """
+    modes = list(dict.fromkeys([*modes, "reprefill"]))
+    turns = switches + 1
+    nll = {m: np.full((len(dialogues), turns), np.nan) for m in modes}
+    translated = dict.fromkeys(modes, 0)
+    fallbacks = 0
+    answering = []
+    for t in range(turns):
+        answering.append(first if t % 2 == 0 else ("target" if first == "source" else "source"))
+    for d, dialogue in enumerate(dialogues):
+        for mode in modes:
+            s = Session(pair, forward, backward, mode, system_prompt=system_prompt)
+            for t in range(turns):
+                if 2 * t + 1 >= len(dialogue):
+                    break
+                s.add_user(dialogue[2 * t])
+                lps = s.score(answering[t], dialogue[2 * t + 1])
+                nll[mode][d, t] = -float(np.mean(lps))
+            translated[mode] += sum(sw.translated for sw in s.switches)
+            if mode == "alternation":
+                fallbacks += sum(1 for sw in s.switches if sw.note and not sw.translated)
+            if progress:
+                progress(d, mode)
+    ref = nll["reprefill"]
+    rows = []
+    for t in range(turns):
+        ok = ~np.isnan(ref[:, t])
+        row = {"turn": t, "model": answering[t], "dialogues": int(ok.sum()), "nll": {}}
+        row["deviation"] = {}
+        row["abs_deviation"] = {}
+        for m in modes:
+            row["nll"][m] = _mean(nll[m][ok, t])
+            if m != "reprefill":
+                dev = nll[m][ok, t] - ref[ok, t]
+                row["deviation"][m] = _mean(dev)
+                row["abs_deviation"][m] = _mean(np.abs(dev))
+        rows.append(row)
+    summary = {}
+    for m in modes:
+        if m == "reprefill":
+            continue
+        dev = (nll[m] - ref)[:, 1:]  # switches only
+        dev = dev[~np.isnan(dev)]
+        summary[m] = {
+            "mean_deviation": _mean(dev),
+            "mean_abs_deviation": _mean(np.abs(dev)),
+            "max_abs_turn_deviation": max(
+                (abs(r["deviation"][m]) for r in rows[1:] if r["deviation"][m] is not None),
+                default=None,
+            ),
+        }
+    return {
+        "dialogues": len(dialogues),
+        "switches": switches,
+        "first": first,
+        "modes": modes,
+        "backward": backward is not None,
+        "fallback_switches": fallbacks,
+        "turns": rows,
+        "summary": summary,
+        "translated_tokens": translated,
+        "pair": {"source": pair.source.name, "target": pair.target.name},
+    }
+
+
+def _mean(x) -> float | None:
+    x = np.asarray(x, dtype=float)
+    return float(x.mean()) if x.size else None
+
+
+def render_table(result: dict, console=None):
+    """Print (and return) the per-switch table: NLL under re-prefill and each mode's deviation."""
+    from rich.console import Console
+    from rich.table import Table
+
+    others = [m for m in result["modes"] if m != "reprefill"]
+    table = Table(
+        "switch",
+        "answers",
+        "dialogues",
+        "NLL re-prefill",
+        *[h for m in others for h in (f"Δ {m}", f"|Δ| {m}")],
+        title=(
+            f"multi-turn NLL on the real next turn · {result['dialogues']} dialogues · "
+            f"{result['pair']['source']} <-> {result['pair']['target']}"
+        ),
+    )
+
+    def f(x, signed=False):
+        return "-" if x is None else (f"{x:+.4f}" if signed else f"{x:.4f}")
+
+    for r in result["turns"]:
+        label = "0 (none)" if r["turn"] == 0 else str(r["turn"])
+        model = {"source": "small", "target": "large"}[r["model"]]
+        table.add_row(
+            label,
+            model,
+            str(r["dialogues"]),
+            f(r["nll"]["reprefill"]),
+            *[
+                c
+                for m in others
+                for c in (f(r["deviation"][m], signed=True), f(r["abs_deviation"][m]))
+            ],
+        )
+    summary = " · ".join(
+        f"{m}: mean Δ {f(s['mean_deviation'], True)}, mean |Δ| {f(s['mean_abs_deviation'])}, "
+        f"worst switch |mean Δ| {f(s['max_abs_turn_deviation'])}"
+        for m, s in result["summary"].items()
+    )
+    table.caption = summary + (
+        "" if result["backward"] else " · no backward translator: switches to small re-prefill"
+    )
+    (console or Console()).print(table)
+    return table

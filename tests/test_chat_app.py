@@ -1,0 +1,168 @@
+"""The terminal chat, driven through a real terminal (tmux send-keys / capture-pane)."""
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mlx_kvlingo.format import save_translator
+from mlx_kvlingo.pair import load_pair
+
+import pytest
+from helpers import exact_translator
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux not installed")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def chat_args(tiny_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("chat")
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+    answer = tiny_dir["known_answer"]
+    inv = {
+        "key_maps": [k.T for k in answer["key_maps"]],
+        "value_maps": [v.T for v in answer["value_maps"]],
+    }
+    save_translator(exact_translator(pair, answer), d / "fwd.safetensors", pair)
+    back = pair.reversed()
+    save_translator(exact_translator(back, inv), d / "bwd.safetensors", back)
+    return [
+        "--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["known"]),
+        "--translator", str(d / "fwd.safetensors"),
+        "--backward-translator", str(d / "bwd.safetensors"),
+    ]  # fmt: skip
+
+
+class Terminal:
+    """One tmux server of our own (its own socket) running one command in a 200x50 pane."""
+
+    def __init__(self, command: list[str], name: str):
+        self.sock = f"kvlingo-test-{os.getpid()}-{name}"
+        env = {**os.environ, "TERM": os.environ.get("TERM") or "xterm-256color"}
+        line = " ".join(_quote(c) for c in command) + "; echo EXITED rc=$?; sleep 60"
+        subprocess.run(self._tmux("new-session", "-d", "-s", "t", "-x", "200", "-y", "50", line),
+                       check=True, env=env, cwd=ROOT)  # fmt: skip
+
+    def _tmux(self, *args):
+        return ["tmux", "-L", self.sock, *args]
+
+    def send(self, *keys):
+        subprocess.run(self._tmux("send-keys", "-t", "t", *keys), check=True)
+
+    def type(self, text):
+        self.send("-l", text)
+        self.send("Enter")
+
+    def screen(self) -> str:
+        out = subprocess.run(self._tmux("capture-pane", "-p", "-J", "-S", "-", "-t", "t"),
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        return out.stdout
+
+    def wait(self, predicate, timeout=30.0) -> str:
+        end = time.time() + timeout
+        while time.time() < end:
+            screen = self.screen()
+            if predicate(screen):
+                return screen
+            time.sleep(0.1)
+        raise AssertionError(f"timed out; the screen shows:\n{self.screen()}")
+
+    def close(self):
+        subprocess.run(self._tmux("kill-server"), capture_output=True)
+
+
+def _quote(s: str) -> str:
+    return "'" + s.replace("'", "'\\''") + "'"
+
+
+def prompts(screen: str) -> int:
+    return sum(1 for line in screen.splitlines() if line.startswith(("[small] >", "[large] >",
+                                                                     "[auto] >")))  # fmt: skip
+
+
+def status_lines(screen: str) -> list[str]:
+    return [ln.strip() for ln in screen.splitlines() if " tok/s · " in ln]
+
+
+@pytest.fixture
+def app(chat_args, request):
+    terminals = []
+
+    def start(*extra):
+        cmd = [sys.executable, "apps/chat.py", *chat_args, *extra]
+        t = Terminal(cmd, f"{request.node.name}-{len(terminals)}")
+        terminals.append(t)
+        t.wait(lambda s: prompts(s) >= 1, timeout=60)
+        return t
+
+    yield start
+    for t in terminals:
+        t.close()
+
+
+def step(term, text, timeout=30.0) -> str:
+    """Type a line and wait for the next prompt."""
+    before = prompts(term.screen())
+    term.type(text)
+    return term.wait(lambda s: prompts(s) > before, timeout)
+
+
+def test_answers_switches_escalates_and_quits(app):
+    t = app("-m", "24")
+    screen = step(t, "hello there")
+    (line,) = status_lines(screen)
+    assert line.startswith("small (") and "24 tokens" in line and "TTFT" in line
+    assert "switch" not in line  # the first answer needs no switch
+    step(t, "/large")
+    screen = step(t, "what is json")
+    line = status_lines(screen)[-1]
+    assert line.startswith("large (") and "tok translated" in line and "peak" in line
+    screen = step(t, "/escalate")  # the large answer is redone by small, from translated K/V
+    line = status_lines(screen)[-1]
+    assert line.startswith("small (") and "tok translated" in line
+    screen = step(t, "/stats")
+    assert "tokens translated into" in screen and "2 switches" in screen
+    screen = step(t, "/frobnicate")
+    assert "unknown command '/frobnicate'" in screen
+    screen = step(t, "/auto on")
+    screen = step(t, "/auto -0.001")  # so high that the small answer escalates
+    screen = step(t, "import os")
+    assert "escalating to large" in screen
+    assert status_lines(screen)[-1].startswith("large (")
+    t.type("q")
+    screen = t.wait(lambda s: "EXITED" in s)
+    assert "bye" in screen and "EXITED rc=0" in screen and "Traceback" not in screen
+
+
+def test_ctrl_c_stops_generation_and_second_exits(app):
+    t = app("-m", "100000")
+    t.type("hello there")
+    t.wait(lambda s: s.count("small ") >= 1 and len(s.split("hello there", 1)[1]) > 400)
+    t.send("C-c")
+    screen = t.wait(lambda s: prompts(s) >= 2)
+    assert "[stopped]" in screen and "stopped" in status_lines(screen)[-1]
+    step(t, "/large")
+    t.type("continue")
+    t.wait(lambda s: len(s.split("continue", 1)[1]) > 400)
+    t.send("C-c")
+    screen = t.wait(lambda s: prompts(s) >= 4)
+    line = status_lines(screen)[-1]
+    assert line.startswith("large (") and "tok translated" in line
+    # both caches match the conversation: the large model holds all of it
+    screen = step(t, "/stats")
+    row = next(ln for ln in screen.splitlines() if "tokens in cache" in ln)
+    conv = int(screen.rsplit("mode alternation · ", 1)[1].split(" conversation tokens")[0])
+    assert row.split("│")[3].strip() == str(conv)
+    t.send("C-c")  # at the prompt: exit cleanly
+    screen = t.wait(lambda s: "EXITED" in s)
+    assert "bye" in screen and "EXITED rc=0" in screen and "Traceback" not in screen
+
+
+def test_eof_exits_cleanly(app):
+    t = app("-m", "8")
+    t.send("C-d")
+    screen = t.wait(lambda s: "EXITED" in s)
+    assert "bye" in screen and "EXITED rc=0" in screen
