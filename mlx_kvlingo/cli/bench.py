@@ -1,0 +1,118 @@
+"""`kvlingo bench`: switch TTFT (translation + first step) against re-prefill, on this machine."""
+
+from __future__ import annotations
+
+import click
+
+from ._common import source_option, target_option, translator_option
+
+
+def parse_lengths(_ctx, _param, value: str) -> list[int]:
+    try:
+        lengths = sorted({int(v) for v in value.split(",") if v.strip()})
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if not lengths or lengths[0] < 2:
+        raise click.BadParameter("prefix lengths must be integers >= 2")
+    return lengths
+
+
+def _preset_names() -> list[str]:
+    from ..presets import PRESETS
+
+    return list(PRESETS)
+
+
+@click.command("bench")
+@source_option
+@target_option
+@translator_option
+@click.option(
+    "--preset",
+    type=click.Choice(_preset_names()),
+    help="A shape-faithful random pair (built once into the cache) instead of models",
+)
+@click.option(
+    "--lengths",
+    default="64,256,1024,4096",
+    show_default=True,
+    callback=parse_lengths,
+    help="Prefix lengths in tokens, comma-separated",
+)
+@click.option("-n", "--trials", default=3, show_default=True, type=click.IntRange(1))
+@click.option(
+    "--warmup",
+    default=1,
+    show_default=True,
+    type=click.IntRange(0),
+    help="Warm-up rounds (all lengths) before the measured ones",
+)
+@click.option(
+    "-o",
+    "--out",
+    default="bench-results",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Folder for bench.md, bench.json, ttft.png",
+)
+@click.option(
+    "--max-minutes",
+    type=float,
+    default=None,
+    help="Skip lengths whose extrapolated rounds would overrun this budget",
+)
+@click.option(
+    "--moe-loop/--no-moe-loop",
+    default=False,
+    show_default=True,
+    help="CPU only: run MoE prefill as one GEMM per expert instead of gather_mm",
+)
+@click.option("--seed", default=0, show_default=True)
+@click.option(
+    "--cache-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where presets are built (default $KVLINGO_CACHE or ~/.cache/mlx-kvlingo)",
+)
+@click.option("--no-progress", is_flag=True, help="No progress bar")
+def bench_cmd(source, target, translator, preset, lengths, trials, warmup, out, max_minutes,
+              moe_loop, seed, cache_dir, no_progress):  # fmt: skip
+    """Time to first token: the source prefills and the cache is translated (switch), or the
+    target re-prefills. Writes a markdown table, JSON with every trial, and a TTFT plot."""
+    from .. import bench, moe_cpu
+
+    def log(msg):
+        click.echo(msg, err=True)
+
+    info = {}
+    if preset:
+        if source or target or translator:
+            raise click.UsageError("give --preset or --source/--target/--translator, not both")
+        from ..presets import get_preset, load_preset
+
+        pair, tr, folder = load_preset(preset, cache_dir, log=log)
+        p = get_preset(preset)
+        info["preset"] = {"name": p.name, "description": p.description, "folder": str(folder),
+                          "reference": p.reference}  # fmt: skip
+    else:
+        from ._common import resolve_pair
+
+        try:
+            pair, tr = resolve_pair(source, target, translator)
+        except ImportError as e:
+            raise click.ClickException(
+                f"the demo pair is not available in this install ({e}); name a pair with "
+                "--source/--target/--translator or use --preset "
+                f"({', '.join(_preset_names())})"
+            ) from None
+    with moe_cpu.per_expert_loop(moe_loop) as patched:
+        info["moe_per_expert_loop"] = patched
+        results = bench.run_bench(
+            pair, tr, lengths, trials=trials, warmup=warmup, seed=seed,
+            max_seconds=None if max_minutes is None else 60 * max_minutes,
+            progress=not no_progress, log=log, info=info,
+        )  # fmt: skip
+    results["command"] = bench.command_line()
+    paths = bench.write_outputs(results, out)
+    click.echo(paths["markdown"].read_text())
+    log("wrote " + ", ".join(str(p) for p in paths.values()))

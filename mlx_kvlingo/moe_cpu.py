@@ -1,0 +1,91 @@
+"""Opt-in, CPU only: run mlx-lm's `SwitchGLU` as one plain GEMM per expert for many tokens.
+
+mlx-lm's mixture-of-experts layers call `mx.gather_mm`, which MLX's CPU backend runs far
+below its BLAS GEMM speed. For prefill (>= 64 token-expert assignments, the same threshold
+at which mlx-lm sorts tokens by expert) this patch groups the tokens of each expert on the
+host and multiplies them with that expert's weights in one GEMM. It computes the same
+function (up to float rounding order); decode steps and quantized experts keep the original
+path. On Metal it does nothing: `gather_mm` is fast there.
+
+    from mlx_kvlingo import moe_cpu
+    with moe_cpu.per_expert_loop():
+        ...  # prefill MoE models
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import switch_layers
+
+_original = switch_layers.SwitchGLU.__call__
+#: token-expert assignments from which the per-expert path is used (mlx-lm's sort threshold)
+MIN_ASSIGNMENTS = 64
+
+
+def _plain(layer) -> bool:
+    return all(
+        type(p) is switch_layers.SwitchLinear
+        for p in (layer.up_proj, layer.gate_proj, layer.down_proj)
+    )
+
+
+def _expert(linear, e: int, x: mx.array) -> mx.array:
+    y = x @ linear["weight"][e].T
+    if "bias" in linear:
+        y = y + linear["bias"][e]
+    return y
+
+
+def switch_glu_per_expert(self, x: mx.array, indices: mx.array) -> mx.array:
+    """`SwitchGLU.__call__` with one GEMM per used expert: x (..., D), indices (..., k)
+    -> (..., k, D), the output for each of the token's k experts, as mlx-lm returns it."""
+    if indices.size < MIN_ASSIGNMENTS or not _plain(self):
+        return _original(self, x, indices)
+    shape, k, D = indices.shape, indices.shape[-1], x.shape[-1]
+    xf = x.reshape(-1, D)
+    flat = np.array(indices).reshape(-1)  # evaluates the router: the host groups tokens
+    order = np.argsort(flat, kind="stable")
+    counts = np.bincount(flat, minlength=self.up_proj["weight"].shape[0])
+    parts, start = [], 0
+    for e in np.flatnonzero(counts):
+        rows = order[start : start + counts[e]]
+        start += counts[e]
+        xe = xf[mx.array(rows // k)]
+        h = self.activation(_expert(self.up_proj, e, xe), _expert(self.gate_proj, e, xe))
+        parts.append(_expert(self.down_proj, e, h))
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(order.size)
+    y = mx.concatenate(parts)[mx.array(inverse)]
+    return y.reshape(*shape, -1)
+
+
+def enable() -> bool:
+    """Patch `SwitchGLU` process-wide; returns False (and does nothing) on Metal."""
+    if mx.metal.is_available() and mx.default_device() == mx.gpu:
+        return False
+    switch_layers.SwitchGLU.__call__ = switch_glu_per_expert
+    return True
+
+
+def disable() -> None:
+    switch_layers.SwitchGLU.__call__ = _original
+
+
+def enabled() -> bool:
+    return switch_layers.SwitchGLU.__call__ is switch_glu_per_expert
+
+
+@contextmanager
+def per_expert_loop(active: bool = True):
+    """Use the per-expert path inside the block (when `active` and on CPU)."""
+    was = enabled()
+    if active:
+        enable()
+    try:
+        yield enabled()
+    finally:
+        if not was:
+            disable()

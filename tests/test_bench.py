@@ -1,0 +1,228 @@
+"""The latency benchmark: formulas by hand, an end-to-end run on the tiny preset (no timing
+assertions), length skipping, and the opt-in per-expert MoE path computing the same thing."""
+
+import mlx_kvlingo  # noqa: F401, I001  (OpenBLAS before mlx)
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from mlx_kvlingo import bench, moe_cpu
+from mlx_kvlingo import synthetic as syn
+from mlx_kvlingo.cli.bench import bench_cmd
+from mlx_kvlingo.presets import PRESETS, QWEN3_MOE, load_preset
+
+# S = source TTFT, P = source prefill, R = target re-prefill TTFT, X = switch TTFT
+S, P, R, X = 1.0, 0.8, 5.0, 0.5
+
+
+# -- formulas ------------------------------------------------------------------------------
+
+
+def test_speedups_by_hand():
+    assert bench.switch_speedup(R, X) == pytest.approx(10.0)
+    assert bench.end_to_end_speedup(R, P, X) == pytest.approx(5.0 / 1.3)
+
+
+def test_policies_by_hand():
+    assert bench.always_large(0.5, target_ttft=R) == pytest.approx(5.0)
+    assert bench.route_first(0.5, source_ttft=S, target_ttft=R) == pytest.approx(3.0)
+    assert bench.cascade_reprefill(
+        0.5, source_ttft=S, source_prefill=P, target_ttft=R
+    ) == pytest.approx(0.5 * 1.0 + 0.5 * 5.8)
+    assert bench.cascade_translate(
+        0.5, source_ttft=S, source_prefill=P, switch_ttft=X
+    ) == pytest.approx(0.5 * 1.0 + 0.5 * 1.3)
+    # r = 0: everyone who starts small pays S; r = 1: everyone escalates
+    assert bench.cascade_translate(0.0, source_ttft=S, source_prefill=P, switch_ttft=X) == S
+    assert bench.cascade_reprefill(1.0, source_ttft=S, source_prefill=P, target_ttft=R) == P + R
+
+
+def test_policy_lines_match_functions():
+    lines = bench.policy_lines(source_ttft=S, source_prefill=P, target_ttft=R, switch_ttft=X)
+    r = np.linspace(0, 1, 11)
+    expect = {
+        "always_large": bench.always_large(r, target_ttft=R),
+        "route_first": bench.route_first(r, source_ttft=S, target_ttft=R),
+        "cascade_reprefill": bench.cascade_reprefill(
+            r, source_ttft=S, source_prefill=P, target_ttft=R
+        ),
+        "cascade_translate": bench.cascade_translate(
+            r, source_ttft=S, source_prefill=P, switch_ttft=X
+        ),
+    }
+    for name, (a, b) in lines.items():
+        np.testing.assert_allclose(a + b * r, expect[name])
+
+
+def test_break_even_by_hand():
+    lines = bench.policy_lines(source_ttft=S, source_prefill=P, target_ttft=R, switch_ttft=X)
+    # cascade re-prefill: 1 + 4.8 r = 5  ->  r = 4 / 4.8
+    r = bench.break_even(lines["cascade_reprefill"], lines["always_large"])
+    assert r == pytest.approx(4 / 4.8)
+    # cascade translate: 1 + 0.3 r = 5 only at r = 13.3: cheaper at every rate
+    assert bench.break_even(lines["cascade_translate"], lines["always_large"]) is None
+    assert bench.break_even((1.0, 2.0), (2.0, 2.0)) is None  # parallel
+    assert bench.break_even((0.0, 1.0), (1.0, 0.0)) == pytest.approx(1.0)
+    assert bench.break_even((0.0, 2.0), (1.0, 0.0)) == pytest.approx(0.5)
+
+
+def test_linear_fit_and_summary():
+    fit = bench.linear_fit([1, 2, 4], [3, 5, 9])
+    assert fit["slope"] == pytest.approx(2) and fit["intercept"] == pytest.approx(1)
+    assert fit["r2"] == pytest.approx(1)
+    s = bench.summarize([1.0, 2.0, 3.0, 10.0])
+    assert s["median"] == 2.5 and s["min"] == 1 and s["max"] == 10 and s["n"] == 4
+
+
+def test_kernel_work_counts_translator_matmuls(tiny_pair):
+    _, tr = tiny_pair
+    flops, nbytes = bench.kernel_work(tr, 10)
+    size = tr.key["weight"].size + tr.value["weight"].size
+    assert flops == 2 * 10 * size
+    assert nbytes > 4 * size
+
+
+def test_qwen3_preset_keeps_the_geometry():
+    p = PRESETS[QWEN3_MOE]
+    src, tgt = p.config("source", 1000), p.config("target", 1000)
+    assert (src["num_hidden_layers"], src["hidden_size"], src["num_attention_heads"]) == (
+        28, 1024, 16)  # fmt: skip
+    assert (src["num_key_value_heads"], src["head_dim"]) == (8, 128)
+    assert tgt["model_type"] == "qwen3_moe"
+    assert (tgt["num_hidden_layers"], tgt["num_attention_heads"]) == (48, 32)
+    assert (tgt["num_key_value_heads"], tgt["head_dim"], tgt["num_experts_per_tok"]) == (4, 128, 8)
+    total = 4 * (p.parameter_count("source") + p.parameter_count("target"))
+    assert total < 16 * 2**30  # float32 weights leave room on a 24 GiB machine
+
+
+# -- end to end on the tiny preset ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def preset_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("presets")
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(preset_cache):
+    pair, tr, _ = load_preset("tiny", preset_cache)
+    return pair, tr
+
+
+def test_cli_end_to_end_writes_json_markdown_png(preset_cache, tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        bench_cmd,
+        ["--preset", "tiny", "--cache-dir", str(preset_cache), "--lengths", "8,24",
+         "--trials", "2", "--warmup", "1", "--out", str(out), "--no-progress"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "bench.json").read_text())
+    assert data["schema"] == bench.SCHEMA
+    assert {"mlx", "mlx-lm"} <= set(data["software"])
+    assert {"os", "backend", "blas", "cpu"} <= set(data["machine"])
+    assert data["pair"]["preset"]["name"] == "tiny"
+    assert data["pair"]["source"]["dtype"] == "float32"
+    assert set(data["lengths"]) == {"8", "24"}
+    for v in data["lengths"].values():
+        for phase in ("source_prefill", "target_ttft", "translate", "target_step", "switch_ttft"):
+            assert len(v["trials"][phase]) == 2
+            assert all(t > 0 for t in v["trials"][phase])
+        assert v["derived"]["switch_speedup"] > 0
+        assert set(v["policies"]["lines"]) == {
+            "always_large", "route_first", "cascade_reprefill", "cascade_translate"}  # fmt: skip
+    assert set(data["targets"]) == {
+        "translation_vs_step", "linear_growth", "gemm_efficiency", "switch_speedup"}  # fmt: skip
+    md = (out / "bench.md").read_text()
+    assert "| path | phase | test | ms | t/s |" in md
+    assert "ttft24" in md and "tr23+tg1" in md and "±" in md
+    assert "## Performance targets" in md
+    png = (out / "ttft.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(str(out / "ttft.png")).ndim == 3
+
+
+def test_lengths_that_do_not_fit_are_skipped(tiny_pair, monkeypatch, tmp_path):
+    pair, tr = tiny_pair
+    real = bench.estimate_bytes
+    monkeypatch.setattr(
+        bench, "estimate_bytes", lambda p, t, n: 10**15 if n > 10 else real(p, t, n)
+    )
+    messages = []
+    results = bench.run_bench(
+        pair, tr, [6, 40], trials=1, warmup=0, progress=False, log=messages.append
+    )
+    assert list(results["lengths"]) == ["6"]
+    assert results["skipped"][0]["length"] == 40 and "GB" in results["skipped"][0]["reason"]
+    assert any("skipping n=40" in m for m in messages)
+    paths = bench.write_outputs(results, tmp_path)
+    assert "Skipped: n=40" in paths["markdown"].read_text()
+
+
+def test_default_pair_missing_gives_a_clear_message(monkeypatch):
+    from mlx_kvlingo.cli import _common
+
+    def missing(*_a, **_k):
+        raise ImportError("cannot import name 'load_demo'")
+
+    monkeypatch.setattr(_common, "resolve_pair", missing)
+    result = CliRunner().invoke(bench_cmd, ["--lengths", "8", "--no-progress"])
+    assert result.exit_code != 0
+    assert "demo pair is not available" in result.output and "--preset" in result.output
+
+
+# -- the opt-in per-expert MoE path -------------------------------------------------------
+
+
+def test_moe_per_expert_loop_computes_the_same():
+    cfg = syn.model_config("qwen3_moe", 300)
+    model = syn.build_model(cfg, seed=3)
+    tokens = mx.array(np.random.default_rng(0).integers(0, 300, (1, 40)))  # 80 assignments
+    one = tokens[:, :1]  # a decode step keeps gather_mm
+    ref, ref1 = model(tokens), model(one)
+    with moe_cpu.per_expert_loop() as active:
+        assert active == (not mx.metal.is_available())
+        out, out1 = model(tokens), model(one)
+    assert not moe_cpu.enabled()
+    np.testing.assert_allclose(np.array(out), np.array(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.array(out1), np.array(ref1))
+    assert (mx.argmax(out, -1) == mx.argmax(ref, -1)).all().item()
+    with moe_cpu.per_expert_loop(False) as active:
+        assert not active
+
+
+def test_bench_with_moe_loop_runs(tiny_pair):
+    pair, tr = tiny_pair
+    with moe_cpu.per_expert_loop():
+        results = bench.run_bench(pair, tr, [40], trials=1, warmup=0, progress=False)
+    assert results["lengths"]["40"]["trials"]["target_ttft"][0] > 0
+
+
+def test_cheaper_up_to_by_hand():
+    lines = bench.policy_lines(source_ttft=S, source_prefill=P, target_ttft=R, switch_ttft=X)
+    ref = lines["always_large"]
+    assert bench.cheaper_up_to(lines["cascade_reprefill"], ref) == pytest.approx(4 / 4.8)
+    assert bench.cheaper_up_to(lines["cascade_translate"], ref) == 1.0
+    assert bench.cheaper_up_to((6.0, 1.0), ref) == 0.0  # S > R: never pays
+    assert bench.cheaper_up_to((6.0, -2.0), ref) == 0.0  # cheaper only above r = 0.5
+
+
+def test_extrapolate_between_linear_and_quadratic():
+    assert bench.extrapolate({100: 1.0, 200: 2.0}, 400) == pytest.approx(4.0)  # linear
+    assert bench.extrapolate({100: 1.0, 200: 8.0}, 400) == pytest.approx(32.0)  # capped at n^2
+    assert bench.extrapolate({100: 1.0}, 400) == pytest.approx(8.0)  # n^1.5 from one point
+
+
+def test_time_budget_skips_longer_lengths(tiny_pair):
+    pair, tr = tiny_pair
+    results = bench.run_bench(
+        pair, tr, [6, 30], trials=1, warmup=1, progress=False, max_seconds=0.0, log=lambda m: None
+    )
+    assert list(results["lengths"]) == ["6"]
+    assert "budget" in results["skipped"][0]["reason"]
