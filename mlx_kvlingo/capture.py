@@ -25,6 +25,7 @@ class SpanKV:
     keys: mx.array
     values: mx.array
     start: int
+    tokens: tuple[int, ...] | None = None  # the span's token ids, when known
 
     @property
     def length(self) -> int:
@@ -122,6 +123,7 @@ def prefill(
         for i, rec in enumerate(recorders):
             model.attention(i).k_proj = rec.inner
     span = capture_from_cache(model, cache, start, cache[0].offset)
+    span.tokens = tuple(int(t) for t in tokens[0].tolist())
     if record:
         g = model.geometry
         B = tokens.shape[0]
@@ -132,5 +134,5 @@ def prefill(
             .astype(span.values.dtype)
             for r in recorders
         ]
-        span = SpanKV(mx.stack(keys), span.values, start)
+        span = SpanKV(mx.stack(keys), span.values, start, span.tokens)
     return span

@@ -99,6 +99,7 @@ def handoff(
             )
     else:
         span = capture_from_cache(pair.source, src_cache, 0, end)
+    span.tokens = tuple(tokens[:end])
     t1 = time.perf_counter()
     tgt_cache = new_cache(pair.target, kv_bits=kv_bits)
     translate_into(pair, translator, span, tgt_cache)

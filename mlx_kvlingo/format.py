@@ -49,6 +49,7 @@ def build_metadata(translator: Translator, pair=None, **extra) -> dict:
         "variant": c.variant,
         "key_cut": c.key_cut,
         "bias": c.bias,
+        "native_first": c.native_first,
         "key_layers": [list(r) for r in c.key_layers],
         "value_layers": [list(r) for r in c.value_layers],
         "source": _side_meta(pair.source if pair else None, c.source),
@@ -133,7 +134,7 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
 
     skip = {
         "schema", "schema_version", "variant", "key_cut", "bias", "key_layers",
-        "value_layers", "source", "target",
+        "value_layers", "source", "target", "native_first",
     }  # fmt: skip
     return TranslatorConfig(
         variant=meta["variant"],
@@ -143,6 +144,7 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
         value_layers=tuple(tuple(r) for r in meta["value_layers"]),
         key_cut=meta["key_cut"],
         bias=bool(meta["bias"]),
+        native_first=bool(meta.get("native_first", False)),
         metadata={k: v for k, v in meta.items() if k not in skip},
     )
 

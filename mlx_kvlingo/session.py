@@ -463,6 +463,7 @@ class Session:
                 sw.retranslated = m.held
                 m.cache, m.held = _new_cache(m.loaded), 0
             span = self._capture(o, m.held, end, cut)
+            span.tokens = tuple(self.tokens[span.start : span.end])
             keys, values = tr.translate(span, m.loaded)
             append_kv(m.cache, keys, values)
             m.held = end

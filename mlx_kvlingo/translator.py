@@ -49,6 +49,9 @@ class TranslatorConfig:
     value_layers: tuple[tuple[int, ...], ...]
     key_cut: str = "post_norm"
     bias: bool = False
+    #: the target keeps its own K/V for position 0 (see `anchor.py`): the first token is an
+    #: attention sink whose K/V depend only on its id, so they are computed once, not per prompt
+    native_first: bool = False
     metadata: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -172,6 +175,7 @@ class Translator(nn.Module):
                         span.keys[..., s : s + chunk, :],
                         span.values[..., s : s + chunk, :],
                         span.start + s,
+                        span.tokens[s : s + chunk] if span.tokens else None,
                     ),
                     target,
                     chunk,
@@ -189,7 +193,12 @@ class Translator(nn.Module):
         Lt, B, H, T, D = keys.shape
         keys = target.rope(keys.reshape(Lt * B, H, T, D), offset=span.start).reshape(Lt, B, H, T, D)
         dtype = target_dtype(target)
-        return [k.astype(dtype) for k in keys], [v.astype(dtype) for v in values]
+        keys, values = [k.astype(dtype) for k in keys], [v.astype(dtype) for v in values]
+        if self.config.native_first and span.start == 0 and span.tokens:
+            from .anchor import with_native_first
+
+            keys, values = with_native_first(target, span.tokens[0], keys, values)
+        return keys, values
 
     def check_target(self, target) -> None:
         if Side.of(target.geometry) != self.config.target:

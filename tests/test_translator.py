@@ -161,3 +161,43 @@ def test_tokenizer_mismatch_names_first_differing_id(tiny_dir, tmp_path):
     other = syn.make_model_folder(tmp_path / "other", "qwen3", tok2)
     with pytest.raises(TokenizerMismatchError, match=r"first differing token id \d+"):
         load_pair(tiny_dir["qwen3"], other)
+
+
+def test_native_first_token_is_the_targets_own(models):
+    """With native_first, position 0 is the target's own K/V; the rest is the translation."""
+    from dataclasses import replace
+
+    pair = load_pair(models["qwen3"], models["qwen3_moe"])
+    plain = random_translator(pair, "mixing", 1)
+    anchored = Translator(replace(plain.config, native_first=True))
+    anchored.key, anchored.value = plain.key, plain.value
+    tokens = pair.tokenizer.encode(TEXT)
+    span = prefill(pair.source, tokens, new_cache(pair.source))
+    assert span.tokens == tuple(tokens)
+    k_plain, v_plain = plain.translate(span, pair.target)
+    k_anch, v_anch = anchored.translate(span, pair.target)
+    native = new_cache(pair.target)
+    pair.target.model(mx.array(tokens[:1])[None], cache=native)
+    for layer in range(pair.target.geometry.layers):
+        np.testing.assert_array_equal(
+            np.array(k_anch[layer][..., :1, :]), np.array(native[layer].keys[..., :1, :])
+        )
+        np.testing.assert_array_equal(
+            np.array(v_anch[layer][..., :1, :]), np.array(native[layer].values[..., :1, :])
+        )
+        np.testing.assert_array_equal(
+            np.array(k_anch[layer][..., 1:, :]), np.array(k_plain[layer][..., 1:, :])
+        )
+    # a span that does not start at 0 is translated as is
+    later = capture_from_cache(pair.source, new_cache_with(pair, tokens), 3, len(tokens))
+    later.tokens = tuple(tokens[3:])
+    np.testing.assert_array_equal(
+        np.array(anchored.translate(later, pair.target)[0][0]),
+        np.array(plain.translate(later, pair.target)[0][0]),
+    )
+
+
+def new_cache_with(pair, tokens):
+    cache = new_cache(pair.source)
+    prefill(pair.source, tokens, cache)
+    return cache

@@ -29,6 +29,7 @@ class Stage1Config:
     nu: int = 1
     key_cut: str = "post_norm"
     bias: bool = True  # centering + bias
+    native_first: bool = True  # keep the target's own K/V at position 0; fit without it
     alpha: float = 1e-3  # ridge, relative to the mean input variance
     key_layers: list[list[int]] | None = None
     value_layers: list[list[int]] | None = None
@@ -150,6 +151,8 @@ def fit_many(pair, examples, cfgs: list[Stage1Config], progress=True) -> list[Tr
     if len(cuts) != 1:
         raise ValueError("fit_many needs one key cut for all configs")
     (cut,) = cuts
+    if len({c.native_first for c in cfgs}) != 1:
+        raise ValueError("fit_many needs one native_first setting for all configs")
     src, tgt = pair.source.geometry, pair.target.geometry
     configs, all_maps, selected = [], [], {}
     for cfg in cfgs:
@@ -165,7 +168,7 @@ def fit_many(pair, examples, cfgs: list[Stage1Config], progress=True) -> list[Tr
         configs.append(TranslatorConfig(
             cfg.variant, Side.of(src), Side.of(tgt),
             tuple(map(tuple, maps["key"])), tuple(map(tuple, maps["value"])),
-            key_cut=cut, bias=cfg.bias,
+            key_cut=cut, bias=cfg.bias, native_first=cfg.native_first,
         ))  # fmt: skip
     needed = {
         (kind, t, tuple(layers))
@@ -183,8 +186,10 @@ def fit_many(pair, examples, cfgs: list[Stage1Config], progress=True) -> list[Tr
             tokens = ex.prefix + ex.continuation
             feats = {}
             s_span, t_span = trace(pair.source, tokens, cut), trace(pair.target, tokens, cut)
+            skip = 1 if cfgs[0].native_first else 0  # position 0 stays native: not fitted
             for kind in KINDS:
-                feats[kind] = (layer_features(s_span, kind), layer_features(t_span, kind))
+                xs, ys = layer_features(s_span, kind), layer_features(t_span, kind)
+                feats[kind] = (xs[:, skip:], ys[:, skip:])
             inputs = {}
             for kind, t, layers in sorted(needed):
                 xs, ys = feats[kind]

@@ -35,7 +35,9 @@ class DataConfig:
     continuation: int = 32
     heldout_fraction: float = 0.1
     seed: int = 0
-    max_examples: int | None = None
+    max_examples: int | None = None  # stop drawing training examples after this many
+    max_heldout: int | None = None  # and held-out ones after this many
+    replies_per_chat: int | None = 2  # assistant replies drawn per conversation (None: all)
 
 
 def _files(path: Path) -> list[Path]:
@@ -71,11 +73,16 @@ def _read_chat(path: Path) -> list[list[dict]]:
 
 
 def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
-    """One example per assistant reply: prefix up to the reply's header, continuation = reply."""
+    """Examples at assistant replies: prefix up to the reply's header, continuation = reply.
+
+    Up to `replies_per_chat` replies are drawn per conversation (seeded), for diversity.
+    """
     out = []
-    for i, m in enumerate(msgs):
-        if m["role"] != "assistant" or i == 0:
-            continue
+    replies = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i > 0]
+    if cfg.replies_per_chat is not None and len(replies) > cfg.replies_per_chat:
+        rng = random.Random(f"{cfg.seed}:{name}")
+        replies = sorted(rng.sample(replies, cfg.replies_per_chat))
+    for i in replies:
         prefix = tokenizer.apply_chat_template(msgs[:i], add_generation_prompt=True)
         full = tokenizer.apply_chat_template(msgs[: i + 1])
         if list(full[: len(prefix)]) != list(prefix):
@@ -133,19 +140,27 @@ def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
         n_held = max(1, int(round(len(docs) * cfg.heldout_fraction))) if len(docs) > 1 else 0
     held_ids = set(order[:n_held])
     train, held = [], []
+    # documents are templated and tokenized lazily: stop once both splits have enough
     for i in order:
+        is_held = i in held_ids
+        bucket, cap = (held, cfg.max_heldout) if is_held else (train, cfg.max_examples)
+        if cap is not None and len(bucket) >= cap:
+            if all(
+                c is not None and len(b) >= c
+                for b, c in ((train, cfg.max_examples), (held, cfg.max_heldout))
+            ):
+                break
+            continue
         name, (kind, payload) = docs[i]
         if kind == "chat":
             exs = _chat_examples(tokenizer, payload, name, cfg)
         else:
-            ex = _text_example(name, payload, rng, cfg)
+            ex = _text_example(name, payload, random.Random(f"{cfg.seed}:{name}"), cfg)
             exs = [ex] if ex else []
-        (held if i in held_ids else train).extend(exs)
+        bucket.extend(exs[: None if cap is None else cap - len(bucket)])
     if not train and cfg.heldout_fraction < 1.0:
         raise DataError(
             f"{path}: no training examples (need prefixes of at least {cfg.min_prefix} tokens "
             f"and a continuation of 2+ tokens)"
         )
-    if cfg.max_examples:
-        train = train[: cfg.max_examples]
     return train, held

@@ -54,6 +54,8 @@ def data_config(kw) -> DataConfig:
 @click.option(
     "--bias/--no-bias", default=True, show_default=True, help="Center inputs and fit a bias"
 )
+@click.option("--native-first/--no-native-first", default=True, show_default=True,
+              help="Keep the target's own K/V for the first token (an attention sink; computed once)")
 @click.option("--alpha", default=1e-3, show_default=True, help="Ridge strength (relative)")
 @click.option(
     "--layer-map", type=click.Path(exists=True), help="JSON {key: [[...]...], value: [[...]...]}"
@@ -70,7 +72,7 @@ def data_config(kw) -> DataConfig:
 @click.option("--eval-examples", default=32, show_default=True)
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False))
 @click.option("--resume/--no-resume", default=True, show_default=True)
-def calibrate_cmd(source, target, output, variant, nu, key_cut, bias, alpha, layer_map, init, steps, lr,
+def calibrate_cmd(source, target, output, variant, nu, key_cut, bias, native_first, alpha, layer_map, init, steps, lr,
                   warmup, accumulate, grad_clip, eval_every, eval_examples, checkpoint_dir, resume, **kw):  # fmt: skip
     """Fit a translator SOURCE -> TARGET on your data; swap the two for the other direction."""
     console = Console(stderr=True)
@@ -86,7 +88,7 @@ def calibrate_cmd(source, target, output, variant, nu, key_cut, bias, alpha, lay
         tr = load_translator(init, pair)
     else:
         maps = json.loads(Path(layer_map).read_text()) if layer_map else {}
-        cfg = Stage1Config(variant, nu, key_cut, bias, alpha, maps.get("key"), maps.get("value"))
+        cfg = Stage1Config(variant, nu, key_cut, bias, native_first, alpha, maps.get("key"), maps.get("value"))
         tr = fit_closed_form(pair, train, cfg)
     cal = tr.config.metadata.setdefault("calibration", {})
     cal.update(report)
