@@ -1,0 +1,76 @@
+"""`kvlingo translate` (prompt cache file in, prompt cache file out), `generate` and `info`."""
+
+import json
+
+from mlx_kvlingo.cli import cli
+from mlx_kvlingo.format import save_translator
+from mlx_kvlingo.pair import load_pair
+
+import mlx.core as mx
+from click.testing import CliRunner
+from helpers import exact_translator
+from mlx_lm import stream_generate
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+PROMPT = "def main(argv=None):\n    parser = argparse.ArgumentParser(prog="
+
+
+def test_translate_prompt_cache_file_for_mlx_lm(tiny_dir, tmp_path):
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+    tr_path = save_translator(
+        exact_translator(pair, tiny_dir["known_answer"]), tmp_path / "t.safetensors", pair
+    )
+    tokens = pair.tokenizer.encode(PROMPT)
+    # what `mlx_lm.cache_prompt` writes: the source's cache of the prompt, with metadata
+    src_cache = make_prompt_cache(pair.source.model)
+    pair.source.model(mx.array(tokens[:-1])[None], cache=src_cache)
+    meta = {"model": str(tiny_dir["qwen3"]), "tokenizer_config": json.dumps({})}
+    save_prompt_cache(str(tmp_path / "src.safetensors"), src_cache, meta)
+    out = CliRunner().invoke(cli, [
+        "translate", "--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["known"]),
+        "--translator", str(tr_path), "--prompt-cache-file", str(tmp_path / "src.safetensors"),
+        "-o", str(tmp_path / "tgt.safetensors"),
+    ])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    cache, meta = load_prompt_cache(str(tmp_path / "tgt.safetensors"), return_metadata=True)
+    assert meta["model"] == str(tiny_dir["known"]) and cache[0].offset == len(tokens) - 1
+    got = [r.token for r in stream_generate(pair.target.model, pair.tokenizer, mx.array(tokens[-1:]),
+                                            max_tokens=40, prompt_cache=cache)]  # fmt: skip
+    want = [
+        r.token
+        for r in stream_generate(pair.target.model, pair.tokenizer, mx.array(tokens), max_tokens=40)
+    ]
+    assert got == want
+
+
+def test_translate_refuses_wrong_pair_and_bad_usage(tiny_dir, tmp_path):
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+    tr_path = save_translator(
+        exact_translator(pair, tiny_dir["known_answer"]), tmp_path / "t.safetensors", pair
+    )
+    out = CliRunner().invoke(cli, [
+        "translate", "--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["qwen3_moe"]),
+        "--translator", str(tr_path), "--prompt", "hello", "-o", str(tmp_path / "x.safetensors"),
+    ])  # fmt: skip
+    assert out.exit_code != 0 and "wrong model pair" in out.output
+    out = CliRunner().invoke(cli, [
+        "translate", "--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["known"]),
+        "--translator", str(tr_path), "-o", str(tmp_path / "x.safetensors"),
+    ])  # fmt: skip
+    assert out.exit_code != 0 and "exactly one of" in out.output
+
+
+def test_generate_and_info(tiny_dir, tmp_path):
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+    tr_path = save_translator(
+        exact_translator(pair, tiny_dir["known_answer"]), tmp_path / "t.safetensors", pair
+    )
+    out = CliRunner().invoke(cli, [
+        "generate", "--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["known"]),
+        "--translator", str(tr_path), "-p", PROMPT, "--no-chat", "-m", "8",
+    ])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "translation" in out.output and "source prefill" in out.output
+    out = CliRunner().invoke(cli, ["info", str(tiny_dir["qwen3_moe"])])
+    assert out.exit_code == 0, out.output
+    assert "GFLOP/s" in out.output and "qwen3_moe" in out.output
