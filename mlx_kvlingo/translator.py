@@ -224,26 +224,10 @@ def identity_translator(config: TranslatorConfig) -> Translator:
         raise ValueError("raw transfer needs equal KV widths")
     tr = Translator(config)
     shapes = config.weight_shapes()
-    if config.variant == "mixing":
-        k_eye = mx.eye(shapes["key.weight"][2])
-        v_eye = mx.eye(shapes["value.weight"][2])
-        tr.key["weight"] = mx.broadcast_to(
-            mx.concatenate([k_eye] + [mx.zeros_like(k_eye)] * (config.nu_k - 1)),
-            shapes["key.weight"],
-        )
-        tr.value["weight"] = mx.broadcast_to(
-            mx.concatenate([v_eye] + [mx.zeros_like(v_eye)] * (config.nu_v - 1)),
-            shapes["value.weight"],
-        )
-    else:
-        k_eye = mx.eye(config.target.head_dim)
-        v_eye = mx.eye(config.target.value_dim)
-        tr.key["weight"] = mx.broadcast_to(
-            mx.concatenate([k_eye] + [mx.zeros_like(k_eye)] * (config.nu_k - 1)),
-            shapes["key.weight"],
-        )
-        tr.value["weight"] = mx.broadcast_to(
-            mx.concatenate([v_eye] + [mx.zeros_like(v_eye)] * (config.nu_v - 1)),
-            shapes["value.weight"],
+    for kind, nu in (("key", config.nu_k), ("value", config.nu_v)):
+        shape = shapes[f"{kind}.weight"]
+        eye = mx.eye(shape[-1])  # the first of the nu layers is copied, the others ignored
+        getattr(tr, kind)["weight"] = mx.broadcast_to(
+            mx.concatenate([eye] + [mx.zeros_like(eye)] * (nu - 1)), shape
         )
     return tr

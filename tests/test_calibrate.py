@@ -180,3 +180,20 @@ def test_evaluation_known_answer_and_raw(text_file, models, tiny_dir):
     assert result["translated"]["agree_native"] == 1.0
     assert result["raw"]["kl_native"] > 0.05  # a raw cache does not reach the ceiling
     assert result["raw"]["agree_native"] < 0.5  # (its NLL on real text means little: random models)
+
+
+def test_fit_many_equals_separate_fits(text_file, shape_pair):
+    """Configs fitted together from one pass equal the same configs fitted alone."""
+    from mlx_kvlingo.calibrate.closed_form import fit_many
+
+    train, _ = load_examples(text_file, shape_pair.tokenizer, CFG)
+    maps = [[0, 1]] * 3 + [[2, 3]] * 3
+    cfgs = [Stage1Config(nu=1), Stage1Config(nu=2, key_layers=maps, value_layers=maps)]
+    together = fit_many(shape_pair, train[:6], cfgs, progress=False)
+    for cfg, tr in zip(cfgs, together):
+        alone = fit_closed_form(shape_pair, train[:6], cfg, progress=False)
+        for kind in ("key", "value"):
+            for name in ("weight", "bias"):
+                np.testing.assert_allclose(
+                    np.array(getattr(tr, kind)[name]), np.array(getattr(alone, kind)[name]), atol=1e-5
+                )

@@ -190,7 +190,7 @@ def fit_many(pair, examples, cfgs: list[Stage1Config], progress=True) -> list[Tr
             for kind in KINDS:
                 xs, ys = layer_features(s_span, kind), layer_features(t_span, kind)
                 feats[kind] = (xs[:, skip:], ys[:, skip:])
-            inputs = {}
+            inputs, seen_y = {}, set()
             for kind, t, layers in sorted(needed):
                 xs, ys = feats[kind]
                 if (kind, layers) not in inputs:
@@ -205,9 +205,10 @@ def fit_many(pair, examples, cfgs: list[Stage1Config], progress=True) -> list[Tr
                 cross[kind, t, layers] = (
                     cross[kind, t, layers] + c if (kind, t, layers) in cross else c
                 )
-                st = out_stats.setdefault((kind, t), [0.0, 0.0, None])
-                if st[2] is not id(ex):  # target statistics once per example
-                    st[0], st[1], st[2] = st[0] + y.sum(0), st[1] + float((y * y).sum()), id(ex)
+                if (kind, t) not in seen_y:  # target statistics once per example
+                    seen_y.add((kind, t))
+                    st = out_stats.setdefault((kind, t), [0.0, 0.0])
+                    st[0], st[1] = st[0] + y.sum(0), st[1] + float((y * y).sum())
             n_tokens += len(tokens)
             bar.advance(task)
     return [
@@ -223,7 +224,7 @@ def _finish(config, cfg, maps, grams, cross, out_stats, n_examples, n_tokens) ->
         ws, bs, r2 = [], [], []
         for t, layers in enumerate(maps[kind]):
             g = grams[(kind, tuple(layers))]
-            xty, (sy, yy, _) = cross[kind, t, tuple(layers)], out_stats[(kind, t)]
+            xty, (sy, yy) = cross[kind, t, tuple(layers)], out_stats[(kind, t)]
             w, b, sse = _solve(config, kind, g, xty, sy, yy, cfg)
             sst = yy - (sy @ sy) / g.n
             r2.append(1 - sse / max(sst, 1e-12))

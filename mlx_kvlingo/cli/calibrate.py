@@ -16,10 +16,13 @@ from ..format import load_translator, save_translator
 from ..pair import InsufficientMemoryError, TokenizerMismatchError, load_pair
 
 
-def data_options(f):
+def data_options(f=None, *, required=True, help=None):
+    """--data and the example-drawing options shared by calibrate, eval and compare."""
+    if f is None:
+        return lambda g: data_options(g, required=required, help=help)
     for opt in reversed([
-        click.option("--data", "data_path", required=True, type=click.Path(exists=True),
-                     help="Text files, JSONL chats ({'messages': [...]}) or a folder of them"),
+        click.option("--data", "data_path", required=required, type=click.Path(exists=True),
+                     help=help or "Text files, JSONL chats ({'messages': [...]}) or a folder of them"),
         click.option("--min-prefix", default=16, show_default=True),
         click.option("--max-prefix", default=256, show_default=True),
         click.option("--continuation", default=32, show_default=True),
@@ -54,8 +57,12 @@ def data_config(kw) -> DataConfig:
 @click.option(
     "--bias/--no-bias", default=True, show_default=True, help="Center inputs and fit a bias"
 )
-@click.option("--native-first/--no-native-first", default=True, show_default=True,
-              help="Keep the target's own K/V for the first token (an attention sink; computed once)")
+@click.option(
+    "--native-first/--no-native-first",
+    default=True,
+    show_default=True,
+    help="Keep the target's own K/V for the first token (an attention sink; computed once)",
+)
 @click.option("--alpha", default=1e-3, show_default=True, help="Ridge strength (relative)")
 @click.option(
     "--layer-map", type=click.Path(exists=True), help="JSON {key: [[...]...], value: [[...]...]}"
@@ -88,7 +95,9 @@ def calibrate_cmd(source, target, output, variant, nu, key_cut, bias, native_fir
         tr = load_translator(init, pair)
     else:
         maps = json.loads(Path(layer_map).read_text()) if layer_map else {}
-        cfg = Stage1Config(variant, nu, key_cut, bias, native_first, alpha, maps.get("key"), maps.get("value"))
+        cfg = Stage1Config(
+            variant, nu, key_cut, bias, native_first, alpha, maps.get("key"), maps.get("value")
+        )
         tr = fit_closed_form(pair, train, cfg)
     cal = tr.config.metadata.setdefault("calibration", {})
     cal.update(report)

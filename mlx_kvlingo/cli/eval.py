@@ -10,21 +10,17 @@ from rich.console import Console
 from ..calibrate.data import DataError, load_examples
 from ..evaluate import evaluate, table
 from ._common import resolve_pair, source_option, target_option, translator_option
-from .calibrate import data_config
+from .calibrate import data_config, data_options
 
 
 @click.command("eval")
 @source_option
 @target_option
 @translator_option
-@click.option("--data", "data_path", type=click.Path(exists=True),
-              help="Text/JSONL data (held-out split is used); default: the demo's held-out data")  # fmt: skip
-@click.option("--min-prefix", default=16, show_default=True)
-@click.option("--max-prefix", default=256, show_default=True)
-@click.option("--continuation", default=32, show_default=True)
-@click.option("--heldout-fraction", default=0.1, show_default=True)
-@click.option("--max-examples", type=int, default=None)
-@click.option("--seed", default=0, show_default=True)
+@data_options(
+    required=False,
+    help="Text/JSONL data (held-out split is used); default: the demo's held-out dialogues",
+)
 @click.option("-n", "--examples", default=64, show_default=True, help="Held-out examples to score")
 @click.option(
     "--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results here"
@@ -68,10 +64,8 @@ def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console
         from ..demo.pair import load_demo
 
         _, backward = load_demo(reverse=True)
-    result = evaluate_multiturn(
-        pair, tr, backward, load_dialogues(limit=dialogues), switches=switches
-    )
-    console.print(multiturn_table(result))
+    result = evaluate_multiturn(pair, tr, backward, load_chitchat(dialogues), switches=switches)
+    render_table(result, console)
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=1)
