@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import click
-
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 
+import click
+
+from .bench import bench_cmd
 from .calibrate import calibrate_cmd
 from .chat import chat_cmd
+from .compare import compare_cmd
+from .convert import convert_cmd
 from .eval import eval_cmd
 from .generate import generate_cmd
 from .info import info_cmd
@@ -26,6 +29,9 @@ cli.add_command(generate_cmd)
 cli.add_command(chat_cmd)
 cli.add_command(calibrate_cmd)
 cli.add_command(eval_cmd)
+cli.add_command(compare_cmd)
+cli.add_command(bench_cmd)
+cli.add_command(convert_cmd)
 
 
 def main():

@@ -1,0 +1,230 @@
+"""`kvlingo compare`: every cache hand-off method on one pair, same held-out data, one table."""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+
+from ..calibrate.data import DataError, load_examples
+from ..compare import (
+    FAMILIES,
+    CompareConfig,
+    Entry,
+    calibrate_all,
+    load_methods,
+    perturbed_copy,
+    plot,
+    run_compare,
+    save_methods,
+    table,
+)
+from ..methods import KVLingo, MethodFileError, load_method
+from ..pair import TokenizerMismatchError, load_pair
+from ._common import resolve_pair, source_option, target_option
+from .calibrate import data_config, data_options
+
+
+def _ints(value: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in value.split(",") if v.strip())
+
+
+def _ranks(value: str) -> tuple[tuple[float, float], ...]:
+    try:
+        return tuple(tuple(float(x) for x in r.split(":")) for r in value.split(",") if r.strip())
+    except ValueError:
+        raise click.BadParameter("expected KEY:VALUE rank fractions, e.g. 0.25:0.5,1:1") from None
+
+
+@click.command("compare")
+@source_option
+@target_option
+@click.option(
+    "--translator",
+    "translators",
+    multiple=True,
+    type=click.Path(exists=True),
+    help="A translator or method file to include (repeatable)",
+)
+@data_options(
+    required=False,
+    help="Text/JSONL data: calibration on the train split, scores on the held-out split; "
+    "default: the demo's dialogues",
+)
+@click.option(
+    "--methods", default=",".join(FAMILIES), show_default=True, help="Method families to run"
+)
+@click.option("-n", "--examples", default=32, show_default=True, help="Held-out examples scored")
+@click.option("--calib-examples", default=64, show_default=True, help="Training examples used")
+@click.option(
+    "--select-examples",
+    default=8,
+    show_default=True,
+    help="Examples for DroidSpeak block profiling and SCD patch selection",
+)
+@click.option("--nu", default="1,2", show_default=True, help="KV-Lingo nu settings")
+@click.option("--bits", default="4,8", show_default=True, help="Quantized-transfer bit widths")
+@click.option(
+    "--droidspeak-layers",
+    default="1,2,4",
+    show_default=True,
+    help="DroidSpeak recompute block sizes",
+)
+@click.option(
+    "--droidspeak-stride", default=1, show_default=True, help="Profile every k-th block start only"
+)
+@click.option(
+    "--scd-ranks",
+    default="0.125:0.25,0.25:0.5,1:1",
+    show_default=True,
+    help="SCD key:value ranks as fractions of the KV width",
+)
+@click.option(
+    "--scd-patches",
+    default="1,2",
+    show_default=True,
+    help="SCD patch-layer counts (on the middle rank setting)",
+)
+@click.option("--scd-steps", default=200, show_default=True, help="SCD aligner training steps")
+@click.option(
+    "--scd-hidden-rank",
+    type=int,
+    default=None,
+    help="SCD patch code size (default: a quarter of the source's hidden size)",
+)
+@click.option("--ttft-tokens", default=256, show_default=True, help="Prompt length for TTFT")
+@click.option("--trials", default=3, show_default=True, help="TTFT trials (median)")
+@click.option(
+    "--bandwidth",
+    default=1.0,
+    show_default=True,
+    help="Link between producer and consumer, Gb/s, for TTFT + wire",
+)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the results here")
+@click.option(
+    "--plot",
+    "plot_out",
+    type=click.Path(dir_okay=False),
+    help="Write the quality-latency Pareto plot (PNG) here",
+)
+@click.option(
+    "--save-methods",
+    "save_dir",
+    type=click.Path(file_okay=False),
+    help="Save every calibrated method here (with manifest.json)",
+)
+@click.option(
+    "--load-methods",
+    "load_dir",
+    type=click.Path(file_okay=False, exists=True),
+    help="Use methods saved by --save-methods instead of calibrating",
+)
+@click.option(
+    "--perturb-source",
+    type=float,
+    default=None,
+    help="Use a copy of --source (a local folder) with Gaussian noise of this scale x "
+    "each layer matrix's std: a same-geometry stand-in for a fine-tune",
+)
+@click.option("--perturb-target", type=float, default=None, help="The same for --target")
+@click.option("--perturb-seed", default=0, show_default=True)
+@click.option(
+    "--native-first/--no-native-first",
+    default=True,
+    show_default=True,
+    help="Every method keeps the target's own K/V for the first token (the attention sink)",
+)
+@click.option(
+    "--calibrate-only", is_flag=True, help="Calibrate and save (--save-methods), no scoring"
+)
+def compare_cmd(source, target, translators, data_path, methods, examples, calib_examples,
+                select_examples, nu, bits, droidspeak_layers, droidspeak_stride, scd_ranks,
+                scd_patches, scd_steps, scd_hidden_rank, ttft_tokens, trials, bandwidth, json_out,
+                plot_out, save_dir, load_dir, perturb_source, perturb_target, perturb_seed, native_first, calibrate_only,
+                **kw):  # fmt: skip
+    """Compare KV-Lingo, raw, quantized, DroidSpeak and SCD cache hand-off on one pair.
+
+    Each method is calibrated on the training split at several settings (or loaded with
+    --load-methods), scored on the same held-out examples and timed; methods that cannot serve
+    the pair are listed with the reason.
+    """
+    console = Console()
+    if not console.is_terminal:  # a file or a pipe: room for the whole table
+        console = Console(width=180)
+    log = lambda msg: console.print(f"[dim]{msg}[/dim]")  # noqa: E731
+    fams = tuple(m.strip() for m in methods.split(",") if m.strip())
+    bad = [m for m in fams if m not in FAMILIES]
+    if bad:
+        raise click.BadParameter(
+            f"unknown methods {bad}; choose from {FAMILIES}", param_hint="--methods"
+        )
+    if calibrate_only and not save_dir:
+        raise click.UsageError("--calibrate-only needs --save-methods DIR")
+    demo = source is None and target is None
+    try:
+        if demo:
+            pair, demo_tr = resolve_pair(None, None, None)
+        else:
+            if not (source and target):
+                raise click.UsageError("give both --source and --target, or neither for the demo")
+            if perturb_source is not None:
+                source = str(perturbed_copy(source, perturb_source, perturb_seed))
+                log(f"source: {source}")
+            if perturb_target is not None:
+                target = str(perturbed_copy(target, perturb_target, perturb_seed))
+                log(f"target: {target}")
+            pair, demo_tr = load_pair(source, target), None
+        extra = [(f"kvlingo file {p}", load_method(p, pair)) for p in translators]
+    except (TokenizerMismatchError, MethodFileError, FileNotFoundError) as e:
+        raise click.ClickException(str(e)) from None
+    for label, m in extra:
+        if hasattr(m, "_label"):
+            m._label = label
+    if demo_tr is not None:
+        extra.insert(0, ("kvlingo demo translator", KVLingo(demo_tr, "kvlingo demo translator")))
+    try:
+        if data_path is None:
+            if not demo:
+                raise click.UsageError("--data is required with --source/--target")
+            from ..demo.pair import demo_data
+
+            held_file = demo_data()[1]  # dialogues the demo never trained on, split in two
+            dc = data_config({**kw, "heldout_fraction": 0.5})
+            train, held = load_examples(held_file, pair.tokenizer, dc)
+            log(f"demo data: {held_file}, split in two by dialogue")
+        else:
+            train, held = load_examples(data_path, pair.tokenizer, data_config(kw))
+    except DataError as e:
+        raise click.ClickException(str(e)) from None
+    if not held:
+        raise click.ClickException("no held-out examples; raise --heldout-fraction")
+    cfg = CompareConfig(
+        methods=fams, kvlingo_nu=_ints(nu), quant_bits=_ints(bits),
+        droidspeak_layers=_ints(droidspeak_layers), droidspeak_stride=droidspeak_stride,
+        scd_ranks=_ranks(scd_ranks), scd_patches=_ints(scd_patches), scd_steps=scd_steps,
+        scd_hidden_rank=scd_hidden_rank, calib_examples=calib_examples,
+        select_examples=select_examples, eval_examples=examples, ttft_tokens=ttft_tokens,
+        ttft_trials=trials, bandwidth_gbps=bandwidth, native_first=native_first,
+    )  # fmt: skip
+    entries = None
+    if load_dir:
+        try:
+            entries = [Entry("kvlingo", label, m) for label, m in extra]
+            entries += load_methods(load_dir, pair)
+        except MethodFileError as e:
+            raise click.ClickException(str(e)) from None
+    elif save_dir:
+        entries = calibrate_all(pair, train[:calib_examples], cfg, extra, True, log)
+        save_methods(entries, save_dir, pair)
+        log(f"saved {sum(e.method is not None for e in entries)} methods in {save_dir}")
+    if calibrate_only:
+        return
+    result = run_compare(pair, train, held, cfg, extra, entries, True, log)
+    console.print(table(result))
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    if plot_out:
+        plot(result, plot_out)
+        log(f"wrote {plot_out}")
