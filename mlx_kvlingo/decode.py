@@ -56,6 +56,21 @@ def translate_into(pair: ModelPair, translator: Translator, span: SpanKV, cache:
     append_kv(cache, keys, values)
 
 
+class PromptTooLongError(ValueError):
+    pass
+
+
+def check_context(pair: ModelPair, n_tokens: int) -> None:
+    """Refuse a prompt longer than either model's context, before any work is done."""
+    for role, m in (("source", pair.source), ("target", pair.target)):
+        limit = m.context_length
+        if limit is not None and n_tokens > limit:
+            raise PromptTooLongError(
+                f"the prompt has {n_tokens} tokens; the {role} ({m.name}) handles at most {limit}: "
+                "shorten it or drop early turns"
+            )
+
+
 @dataclass
 class Handoff:
     """What a switch produced: both caches and what it cost."""
@@ -81,6 +96,7 @@ def handoff(
     """
     if len(tokens) < 2:
         raise ValueError("need at least 2 prompt tokens: the target must process the last itself")
+    check_context(pair, len(tokens))
     src_cache = source_cache if source_cache is not None else new_cache(pair.source)
     have, end = src_cache[0].offset, len(tokens) - 1
     if have > end:

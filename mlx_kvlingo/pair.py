@@ -75,6 +75,11 @@ class LoadedModel:
     def rope(self) -> nn.Module:
         return self.attention(0).rope
 
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model was trained for (None if its config does not say)."""
+        return self.config.get("max_position_embeddings")
+
     def nbytes(self) -> int:
         from mlx.utils import tree_flatten
 

@@ -1,7 +1,7 @@
-import pytest
-
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
 from mlx_kvlingo import synthetic as syn
+
+import pytest
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,9 @@
 """Shared test helpers: exact translators for the known-answer pair."""
 
+from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
+
 import mlx.core as mx
 import numpy as np
-
-from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
 
 
 def exact_translator(pair, answer, key_cut="post_norm", dtype=mx.float32) -> Translator:

@@ -2,10 +2,6 @@
 
 import json
 
-import mlx.core as mx
-import numpy as np
-import pytest
-
 from mlx_kvlingo import synthetic as syn
 from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
 from mlx_kvlingo.calibrate.data import DataConfig, DataError, load_examples
@@ -18,6 +14,10 @@ from mlx_kvlingo.calibrate.distill import (
 )  # fmt: skip
 from mlx_kvlingo.evaluate import evaluate
 from mlx_kvlingo.pair import load_model, load_pair
+
+import mlx.core as mx
+import numpy as np
+import pytest
 
 
 @pytest.fixture(scope="module")
@@ -195,5 +195,7 @@ def test_fit_many_equals_separate_fits(text_file, shape_pair):
         for kind in ("key", "value"):
             for name in ("weight", "bias"):
                 np.testing.assert_allclose(
-                    np.array(getattr(tr, kind)[name]), np.array(getattr(alone, kind)[name]), atol=1e-5
+                    np.array(getattr(tr, kind)[name]),
+                    np.array(getattr(alone, kind)[name]),
+                    atol=1e-5,
                 )

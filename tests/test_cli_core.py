@@ -74,3 +74,15 @@ def test_generate_and_info(tiny_dir, tmp_path):
     out = CliRunner().invoke(cli, ["info", str(tiny_dir["qwen3_moe"])])
     assert out.exit_code == 0, out.output
     assert "GFLOP/s" in out.output and "qwen3_moe" in out.output
+
+
+def test_prompt_longer_than_context_is_refused(tiny_dir):
+    from mlx_kvlingo.decode import PromptTooLongError, handoff
+
+    import pytest
+
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+    tr = exact_translator(pair, tiny_dir["known_answer"])
+    limit = pair.target.context_length
+    with pytest.raises(PromptTooLongError, match=f"handles at most {limit}"):
+        handoff(pair, tr, [5] * (limit + 1))

@@ -4,13 +4,13 @@ import json
 import pickle
 import struct
 
+from mlx_kvlingo.format import TranslatorFileError, load_translator, save_translator
+from mlx_kvlingo.pair import load_model, load_pair
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from helpers import exact_translator
-
-from mlx_kvlingo.format import TranslatorFileError, load_translator, save_translator
-from mlx_kvlingo.pair import load_model, load_pair
 
 
 @pytest.fixture(scope="module")

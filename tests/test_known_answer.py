@@ -1,14 +1,14 @@
 """The known-answer pair: translated decoding must equal the target's own, token for token."""
 
+from mlx_kvlingo.decode import handoff, new_cache
+from mlx_kvlingo.pair import load_pair
+from mlx_kvlingo.translator import identity_translator
+
 import mlx.core as mx
 import pytest
 from helpers import exact_translator
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
-
-from mlx_kvlingo.decode import handoff, new_cache
-from mlx_kvlingo.pair import load_pair
-from mlx_kvlingo.translator import identity_translator
 
 PROMPT = "def parse_args(argv):\n    parser = argparse.ArgumentParser(description="
 N_TOKENS = 120

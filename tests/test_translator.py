@@ -1,16 +1,16 @@
 """Shape-changing pairs, every variant and nu, dtypes, layer maps, RoPE round trips."""
 
-import mlx.core as mx
-import mlx.nn as nn
-import numpy as np
-import pytest
-from mlx_lm import stream_generate
-
 from mlx_kvlingo.capture import capture_from_cache, prefill
 from mlx_kvlingo.decode import handoff, new_cache
 from mlx_kvlingo.pair import TokenizerMismatchError, load_model, load_pair
 from mlx_kvlingo.rope import unrotate
 from mlx_kvlingo.translator import Side, Translator, TranslatorConfig, nearest_layer_map
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm import stream_generate
 
 TEXT = "class Namespace(object):\n    def __init__(self, **kwargs):\n        for name in kwargs:"
 

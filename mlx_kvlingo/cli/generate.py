@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from mlx_lm.sample_utils import make_sampler
 
-from ..decode import handoff
+from ..decode import PromptTooLongError, handoff
 from ._common import resolve_pair, source_option, target_option, translator_option
 
 
@@ -33,7 +33,10 @@ def generate_cmd(source, target, translator, prompt, chat, max_tokens, temp, top
         tokens = pair.tokenizer.encode(prompt)
     if seed is not None:
         mx.random.seed(seed)
-    h = handoff(pair, tr, tokens)
+    try:
+        h = handoff(pair, tr, tokens)
+    except PromptTooLongError as e:
+        raise click.ClickException(str(e)) from None
     last = None
     for r in stream_generate(
         pair.target.model, pair.tokenizer, mx.array(tokens[-1:]), max_tokens=max_tokens,

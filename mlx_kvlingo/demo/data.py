@@ -52,7 +52,9 @@ def write_splits(folder: Path) -> tuple[Path, Path]:
     lines = {True: [], False: []}
     for k in sorted(dialogues):
         if dialogues[k]["messages"]:
-            lines[is_heldout(k)].append(json.dumps({"id": k, "messages": to_messages(dialogues[k])}))
+            lines[is_heldout(k)].append(
+                json.dumps({"id": k, "messages": to_messages(dialogues[k])})
+            )
     for path, rows in ((train, lines[False]), (held, lines[True])):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("\n".join(rows) + "\n")
