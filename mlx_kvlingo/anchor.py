@@ -13,36 +13,40 @@ import mlx.core as mx
 _CACHE_ATTR = "_kvlingo_first_token_kv"
 
 
-def first_token_kv(target, token: int) -> tuple[list, list]:
-    """The target's native (keys, values) per layer for `token` at position 0, memoized."""
+def first_token_kv(target, token: int) -> tuple[mx.array, mx.array]:
+    """The target's native keys and values for `token` at position 0, stacked over layers
+    as (L, 1, H, 1, D) float32; computed once per (model, token id)."""
     memo = target.__dict__.setdefault(_CACHE_ATTR, {})
     if token not in memo:
         from .decode import new_cache
 
         cache = new_cache(target)
         target.model(mx.array([[token]]), cache=cache)
-        memo[token] = (
-            [c.keys[..., :1, :] for c in cache],
-            [c.values[..., :1, :] for c in cache],
-        )
-        mx.eval(memo[token])
+        keys = mx.stack([c.keys[..., :1, :] for c in cache]).astype(mx.float32)
+        values = mx.stack([c.values[..., :1, :] for c in cache]).astype(mx.float32)
+        mx.eval(keys, values)
+        memo[token] = (keys, values)
     return memo[token]
 
 
-def with_native_first(target, token: int, keys: list, values: list) -> tuple[list, list]:
-    """Replace position 0 of translated per-layer K/V (B, H, T, D) by the target's own."""
+def with_native_first(target, token: int, keys: mx.array, values: mx.array):
+    """Replace position 0 of stacked translated K/V (L, B, H, T, D) by the target's own."""
     k0, v0 = first_token_kv(target, token)
-    B = keys[0].shape[0]
-    keys = [
-        mx.concatenate(
-            [mx.broadcast_to(a, (B, *a.shape[1:])).astype(k.dtype), k[..., 1:, :]], axis=2
-        )
-        for a, k in zip(k0, keys)
-    ]
-    values = [
-        mx.concatenate(
-            [mx.broadcast_to(a, (B, *a.shape[1:])).astype(v.dtype), v[..., 1:, :]], axis=2
-        )
-        for a, v in zip(v0, values)
-    ]
-    return keys, values
+    L, B = keys.shape[:2]
+
+    def splice(first, rest):
+        first = mx.broadcast_to(first, (L, B, *first.shape[2:])).astype(rest.dtype)
+        return mx.concatenate([first, rest[..., 1:, :]], axis=3)
+
+    return splice(k0, keys), splice(v0, values)
+
+
+def with_native_first_layers(target, token: int, keys: list, values: list) -> tuple[list, list]:
+    """The same for per-layer lists of (B, H, T, D) arrays (methods that build layers apart)."""
+    k0, v0 = first_token_kv(target, token)
+
+    def splice(first, rest):
+        first = mx.broadcast_to(first, (rest.shape[0], *first.shape[1:])).astype(rest.dtype)
+        return mx.concatenate([first, rest[..., 1:, :]], axis=2)
+
+    return [splice(a, k) for a, k in zip(k0, keys)], [splice(a, v) for a, v in zip(v0, values)]

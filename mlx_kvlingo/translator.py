@@ -192,13 +192,14 @@ class Translator(nn.Module):
             keys = mx.stack([target.attention(t).k_norm(keys[t]) for t in range(keys.shape[0])])
         Lt, B, H, T, D = keys.shape
         keys = target.rope(keys.reshape(Lt * B, H, T, D), offset=span.start).reshape(Lt, B, H, T, D)
-        dtype = target_dtype(target)
-        keys, values = [k.astype(dtype) for k in keys], [v.astype(dtype) for v in values]
         if self.config.native_first and span.start == 0 and span.tokens:
             from .anchor import with_native_first
 
             keys, values = with_native_first(target, span.tokens[0], keys, values)
-        return keys, values
+        dtype = target_dtype(target)  # one cast of the stacked arrays, then per-layer views
+        keys = keys if keys.dtype == dtype else keys.astype(dtype)
+        values = values if values.dtype == dtype else values.astype(dtype)
+        return list(keys), list(values)
 
     def check_target(self, target) -> None:
         if Side.of(target.geometry) != self.config.target:

@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..anchor import with_native_first
+from ..anchor import with_native_first_layers
 from ..calibrate.distill import Prepared, kl, student_logp
 from ..capture import SpanKV, prefill
 from ..decode import new_cache
@@ -175,7 +175,7 @@ def anchored(keys: list, values: list, span, target, native_first: bool) -> tupl
     sink depends only on its token id, so every method can keep it native at no per-prompt cost
     (KV-Lingo translators do so by default); compare methods with the same setting."""
     if native_first and span.start == 0 and getattr(span, "tokens", None):
-        return with_native_first(target, span.tokens[0], keys, values)
+        return with_native_first_layers(target, span.tokens[0], keys, values)
     return keys, values
 
 
