@@ -79,8 +79,8 @@ def _layer_kv(c):
     return c.keys, c.values
 
 
-class _Recorder(nn.Module):
-    """Stands in for `k_proj` during a prefill and keeps its outputs."""
+class OutputRecorder(nn.Module):
+    """Stands in for a module (e.g. `k_proj`) during a prefill and keeps its outputs."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
@@ -113,7 +113,7 @@ def prefill(
     if record:
         for i in range(model.geometry.layers):
             attn = model.attention(i)
-            recorders.append(_Recorder(attn.k_proj))
+            recorders.append(OutputRecorder(attn.k_proj))
             attn.k_proj = recorders[-1]
     try:
         for s in range(0, tokens.shape[1], step):

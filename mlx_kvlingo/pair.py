@@ -6,6 +6,7 @@ import hashlib
 import os
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import mlx.core as mx
@@ -75,6 +76,11 @@ class LoadedModel:
     def rope(self) -> nn.Module:
         return self.attention(0).rope
 
+    @cached_property
+    def dtype(self) -> mx.Dtype:
+        """The dtype of the model's weights (its cache takes the same); looked up once."""
+        return weights_dtype(self.model)
+
     @property
     def context_length(self) -> int | None:
         """The longest sequence the model was trained for (None if its config does not say)."""
@@ -99,6 +105,12 @@ class ModelPair:
         return ModelPair(self.target, self.source, self.tokenizer, self.tokenizer_fingerprint)
 
 
+def weights_dtype(model: nn.Module) -> mx.Dtype:
+    """The compute dtype of a model's weights (a quantized embedding's scales tell it)."""
+    emb = model.model.embed_tokens
+    return getattr(emb, "scales", emb.weight).dtype
+
+
 def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
     model_type = config["model_type"]
     family = family_of(model_type)
@@ -107,7 +119,7 @@ def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
     heads = config["num_attention_heads"]
     kv_heads = config.get(family.kv_heads_key) or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    dtype = str(model.parameters()["model"]["embed_tokens"]["weight"].dtype)
+    dtype = str(weights_dtype(model))
     if hasattr(attn, "n_kv_heads") and attn.n_kv_heads != kv_heads:  # config and module disagree
         kv_heads = attn.n_kv_heads
     return KVGeometry(

@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from ._cachedir import build_atomically, stamp_ok
 
 #: Bump when the way presets are built changes, so cached folders are rebuilt.
 BUILD_VERSION = 1
@@ -118,13 +119,6 @@ def _stamp(preset: Preset) -> dict:
     return {"build_version": BUILD_VERSION, "preset": asdict(preset)}
 
 
-def _stamp_ok(folder: Path, stamp: dict) -> bool:
-    try:
-        return json.loads((folder / STAMP).read_text()) == stamp
-    except (OSError, ValueError):
-        return False
-
-
 def get_preset(name: str) -> Preset:
     try:
         return PRESETS[name]
@@ -137,25 +131,12 @@ def build_preset(name: str, cache_dir=None, log=None) -> Path:
     preset = get_preset(name)
     final = preset_root(cache_dir) / folder_name(name)
     stamp = _stamp(preset)
-    if _stamp_ok(final, stamp):
+    if stamp_ok(final, stamp, STAMP):
         return final
     if log:
         gb = 4 * (preset.parameter_count("source") + preset.parameter_count("target")) / 1e9
         log(f"building preset {name} into {final} (once; ~{gb:.1f} GB float32)")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        _build(preset, tmp)
-        (tmp / STAMP).write_text(json.dumps(stamp, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-    except OSError:
-        if not _stamp_ok(final, stamp):  # not a lost race with another process
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_atomically(final, stamp, lambda tmp: _build(preset, tmp), STAMP)
 
 
 def _build(preset: Preset, folder: Path) -> None:

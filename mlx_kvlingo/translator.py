@@ -209,11 +209,7 @@ class Translator(nn.Module):
 
 
 def target_dtype(target) -> mx.Dtype:
-    return (
-        target.model.parameters()["model"]["embed_tokens"]["weight"].dtype
-        if hasattr(target, "model")
-        else mx.float32
-    )
+    return getattr(target, "dtype", mx.float32)
 
 
 def identity_translator(config: TranslatorConfig) -> Translator:

@@ -1,5 +1,6 @@
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
 from mlx_kvlingo import synthetic as syn
+from mlx_kvlingo.pair import load_model, load_pair
 
 import pytest
 
@@ -22,3 +23,22 @@ def tiny_dir(tmp_path_factory):
     folders["known_answer"] = answer
     folders["root"] = d
     return folders
+
+
+@pytest.fixture(scope="session")
+def text_file(tmp_path_factory):
+    """Real local text (the standard library's sources) for calibration tests."""
+    p = tmp_path_factory.mktemp("data") / "stdlib.txt"
+    p.write_text(syn.training_text())
+    return p
+
+
+@pytest.fixture(scope="session")
+def models(tiny_dir):
+    """Loaded tiny models (a test module may override this with its own selection)."""
+    return {k: load_model(tiny_dir[k]) for k in ("qwen3", "known", "qwen3_moe")}
+
+
+@pytest.fixture(scope="session")
+def known_pair(models):
+    return load_pair(models["qwen3"], models["known"])

@@ -2,7 +2,6 @@
 
 import json
 
-from mlx_kvlingo import synthetic as syn
 from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
 from mlx_kvlingo.calibrate.data import DataConfig, DataError, load_examples
 from mlx_kvlingo.calibrate.distill import (
@@ -18,23 +17,6 @@ from mlx_kvlingo.pair import load_model, load_pair
 import mlx.core as mx
 import numpy as np
 import pytest
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("data") / "stdlib.txt"
-    p.write_text(syn.training_text())
-    return p
-
-
-@pytest.fixture(scope="module")
-def models(tiny_dir):
-    return {k: load_model(tiny_dir[k]) for k in ("qwen3", "known", "qwen3_moe")}
-
-
-@pytest.fixture(scope="module")
-def known_pair(models):
-    return load_pair(models["qwen3"], models["known"])
 
 
 @pytest.fixture(scope="module")

@@ -30,23 +30,6 @@ CFG = DataConfig(min_prefix=32, max_prefix=96, continuation=12, seed=3)
 
 
 @pytest.fixture(scope="module")
-def text_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("data") / "stdlib.txt"
-    p.write_text(syn.training_text())
-    return p
-
-
-@pytest.fixture(scope="module")
-def models(tiny_dir):
-    return {k: load_model(tiny_dir[k]) for k in ("qwen3", "known", "qwen3_moe")}
-
-
-@pytest.fixture(scope="module")
-def known_pair(models):
-    return load_pair(models["qwen3"], models["known"])
-
-
-@pytest.fixture(scope="module")
 def same_pair(models):
     return load_pair(models["qwen3"], models["qwen3"])
 

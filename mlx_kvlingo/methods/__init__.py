@@ -37,7 +37,7 @@ import numpy as np
 
 from ..anchor import with_native_first_layers
 from ..calibrate.distill import Prepared, kl, student_logp
-from ..capture import SpanKV, prefill
+from ..capture import OutputRecorder, SpanKV, prefill
 from ..decode import new_cache
 from ..format import TranslatorFileError, load_translator, read_header, save_translator
 from ..translator import Side, Translator
@@ -101,17 +101,6 @@ class _InputRecorder:
         return getattr(self.inner, name)
 
 
-class _OutputRecorder:
-    def __init__(self, inner):
-        self.inner = inner
-        self.outputs: list[mx.array] = []
-
-    def __call__(self, x):
-        y = self.inner(x)
-        self.outputs.append(y)
-        return y
-
-
 @contextmanager
 def recording(model, points: Sequence[tuple[str, int]]):
     """Record hidden states at `points` of `model` (a LoadedModel) while the block runs."""
@@ -120,7 +109,7 @@ def recording(model, points: Sequence[tuple[str, int]]):
     try:
         for point, i in sorted(set(points), key=lambda p: (p[0] != "normed", p[1])):
             if point == "normed":
-                recs[point, i] = _OutputRecorder(layers[i].input_layernorm)
+                recs[point, i] = OutputRecorder(layers[i].input_layernorm)
                 layers[i].input_layernorm = recs[point, i]
             elif point == "residual":
                 recs[point, i] = _InputRecorder(layers[i])
