@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from .kvcache import new_cache
+
 _CACHE_ATTR = "_kvlingo_first_token_kv"
 
 
@@ -18,8 +20,6 @@ def first_token_kv(target, token: int) -> tuple[mx.array, mx.array]:
     as (L, 1, H, 1, D) float32; computed once per (model, token id)."""
     memo = target.__dict__.setdefault(_CACHE_ATTR, {})
     if token not in memo:
-        from .decode import new_cache
-
         cache = new_cache(target)
         target.model(mx.array([[token]]), cache=cache)
         keys = mx.stack([c.keys[..., :1, :] for c in cache]).astype(mx.float32)

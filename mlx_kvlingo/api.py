@@ -42,6 +42,7 @@ from .session import (
     SessionError,
     TokenEvent,
     TurnStats,
+    status_line,
 )
 from .translator import Translator
 
@@ -559,8 +560,6 @@ class Conversation:
         yield done
 
     def _done(self, st: TurnStats) -> Event:
-        from .cli.chat import status_line
-
         sw = st.switch
         timings = Timings(
             ttft_s=st.ttft_s,

@@ -136,3 +136,20 @@ def prefill(
         ]
         span = SpanKV(mx.stack(keys), span.values, start, span.tokens)
     return span
+
+
+def trace(model: LoadedModel, tokens, cut: str) -> SpanKV:
+    """RoPE-free K/V of `tokens` for every layer of `model`, read from an empty cache."""
+    from .kvcache import new_cache
+
+    return prefill(model, list(tokens), new_cache(model), cut=cut)
+
+
+def layer_features(span: SpanKV, kind: str):
+    """(L, T, H*D) float32 numpy: one row per token, heads concatenated, batch 0."""
+    import numpy as np
+
+    x = span.keys if kind == "key" else span.values
+    L, B, H, T, D = x.shape
+    x = x[:, 0].transpose(0, 2, 1, 3).reshape(L, T, H * D)
+    return np.array(x if x.dtype == mx.float64 else x.astype(mx.float32), copy=False)

@@ -12,38 +12,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from mlx_lm import stream_generate
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from .capture import SpanKV, capture_from_cache, needs_recording, prefill
-from .pair import LoadedModel, ModelPair
+from .kvcache import append_kv, new_cache
+from .pair import ModelPair
 from .translator import Translator
-
-
-def new_cache(
-    model: LoadedModel,
-    kv_bits: int | None = None,
-    kv_group_size: int | None = None,
-    max_kv_size=None,
-) -> list:
-    """An empty mlx-lm cache for `model`: plain, quantized (`kv_bits`) or rotating."""
-    n = model.geometry.layers
-    if kv_bits is not None:
-        D = model.geometry.head_dim
-        if kv_group_size is None:
-            kv_group_size = next((g for g in (64, 32) if D % g == 0), None)
-        if kv_group_size is None or D % kv_group_size:
-            raise ValueError(f"quantized KV needs a head dim divisible by 32 or 64 (have {D})")
-        return [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) for _ in range(n)]
-    if max_kv_size is not None:
-        return [RotatingKVCache(max_size=max_kv_size, keep=4) for _ in range(n)]
-    return [KVCache() for _ in range(n)]
-
-
-def append_kv(cache: list, keys: list, values: list) -> None:
-    """Append translated K/V (per layer, (B, H, T, D)) at the cache's current end."""
-    for c, k, v in zip(cache, keys, values, strict=True):
-        c.update_and_fetch(k, v)
-    mx.eval([(c.keys, c.values) for c in cache])
 
 
 def translate_into(pair: ModelPair, translator: Translator, span: SpanKV, cache: list) -> None:

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from .anchor import with_native_first
 from .capture import SpanKV, check_cut
 
 VARIANTS = ("headwise", "mixing")
@@ -193,8 +194,6 @@ class Translator(nn.Module):
         Lt, B, H, T, D = keys.shape
         keys = target.rope(keys.reshape(Lt * B, H, T, D), offset=span.start).reshape(Lt, B, H, T, D)
         if self.config.native_first and span.start == 0 and span.tokens:
-            from .anchor import with_native_first
-
             keys, values = with_native_first(target, span.tokens[0], keys, values)
         dtype = target_dtype(target)  # one cast of the stacked arrays, then per-layer views
         keys = keys if keys.dtype == dtype else keys.astype(dtype)

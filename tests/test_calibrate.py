@@ -3,16 +3,11 @@
 import json
 
 from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
-from mlx_kvlingo.calibrate.data import DataConfig, DataError, load_examples
-from mlx_kvlingo.calibrate.distill import (
-    Stage2Config,
-    TrainingDivergedError,
-    distill,
-    evaluate_kl,
-    prepare,
-)  # fmt: skip
-from mlx_kvlingo.evaluate import evaluate
+from mlx_kvlingo.calibrate.distill import Stage2Config, TrainingDivergedError, distill
+from mlx_kvlingo.data import DataConfig, DataError, load_examples
+from mlx_kvlingo.measure.evaluate import evaluate
 from mlx_kvlingo.pair import load_model, load_pair
+from mlx_kvlingo.scoring import mean_kl, prepare
 
 import mlx.core as mx
 import numpy as np
@@ -102,10 +97,10 @@ def test_stage2_lowers_heldout_kl(shape_pair, shape_data):
     train, held = shape_data
     tr = fit_closed_form(shape_pair, train[:30], Stage1Config(), progress=False)
     prepared = [prepare(shape_pair, e, "post_norm") for e in held[:8]]
-    before = evaluate_kl(tr, shape_pair, prepared)
+    before = mean_kl(tr, shape_pair, prepared)
     distill(tr, shape_pair, train, held, Stage2Config(steps=40, learning_rate=3e-5, warmup=4, accumulate=4,
             eval_every=40, eval_examples=8), progress=False)  # fmt: skip
-    after = evaluate_kl(tr, shape_pair, prepared)
+    after = mean_kl(tr, shape_pair, prepared)
     assert after < before
     assert tr.config.metadata["calibration"]["stage2"]["steps"] == 40
 

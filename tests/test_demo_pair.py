@@ -3,11 +3,11 @@ the demo runs end to end with no arguments."""
 
 import json
 
-from mlx_kvlingo.calibrate.data import DataConfig, load_examples
+from mlx_kvlingo.data import DataConfig, load_examples
 from mlx_kvlingo.demo.pair import demo_data, load_demo, manifest
 from mlx_kvlingo.demo.smollm2 import weights_dir
-from mlx_kvlingo.evaluate import evaluate
 from mlx_kvlingo.format import TranslatorFileError, load_translator
+from mlx_kvlingo.measure.evaluate import evaluate
 
 import pytest
 from click.testing import CliRunner

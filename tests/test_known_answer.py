@@ -1,6 +1,7 @@
 """The known-answer pair: translated decoding must equal the target's own, token for token."""
 
-from mlx_kvlingo.decode import handoff, new_cache
+from mlx_kvlingo.decode import handoff
+from mlx_kvlingo.kvcache import new_cache
 from mlx_kvlingo.pair import load_pair
 from mlx_kvlingo.translator import identity_translator
 

@@ -4,10 +4,10 @@ import json
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo import synthetic as syn
-from mlx_kvlingo.calibrate.data import DataConfig, load_examples
-from mlx_kvlingo.decode import append_kv, new_cache
+from mlx_kvlingo.data import DataConfig, load_examples
 from mlx_kvlingo.format import load_translator
-from mlx_kvlingo.methods import (
+from mlx_kvlingo.kvcache import append_kv, new_cache
+from mlx_kvlingo.measure.methods import (
     KVLingo,
     NotApplicable,
     capture_span,

@@ -3,7 +3,7 @@ must decode exactly as re-prefill does, translating each missing span exactly on
 
 import threading
 
-from mlx_kvlingo.multiturn import evaluate_multiturn, render_table
+from mlx_kvlingo.measure.multiturn import evaluate_multiturn, render_table
 from mlx_kvlingo.pair import load_pair
 from mlx_kvlingo.session import (
     ContextOverflowError,
@@ -379,7 +379,7 @@ def test_multiturn_exact_pair_has_no_deviation(pair, translators):
 
 def test_load_chitchat():
     pytest.importorskip("chitchat_dataset")
-    from mlx_kvlingo.multiturn import load_chitchat
+    from mlx_kvlingo.measure.multiturn import load_chitchat
 
     dialogues = load_chitchat(3, min_messages=22)
     assert len(dialogues) == 3 and all(len(d) >= 22 and all(d[:22]) for d in dialogues)

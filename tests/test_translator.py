@@ -1,7 +1,8 @@
 """Shape-changing pairs, every variant and nu, dtypes, layer maps, RoPE round trips."""
 
 from mlx_kvlingo.capture import capture_from_cache, prefill
-from mlx_kvlingo.decode import handoff, new_cache
+from mlx_kvlingo.decode import handoff
+from mlx_kvlingo.kvcache import new_cache
 from mlx_kvlingo.pair import TokenizerMismatchError, load_model, load_pair
 from mlx_kvlingo.rope import unrotate
 from mlx_kvlingo.translator import Side, Translator, TranslatorConfig, nearest_layer_map

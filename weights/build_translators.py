@@ -18,11 +18,11 @@ from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_many
-from mlx_kvlingo.calibrate.data import DataConfig, load_examples
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
+from mlx_kvlingo.data import DataConfig, load_examples
 from mlx_kvlingo.demo.pair import demo_data, demo_models
-from mlx_kvlingo.evaluate import evaluate, table
 from mlx_kvlingo.format import save_translator
+from mlx_kvlingo.measure.evaluate import evaluate, table
 from mlx_kvlingo.pair import load_model, load_pair
 
 import mlx.core as mx

@@ -1,9 +1,11 @@
-"""Calibration: data streams, stage 1 (closed-form ridge), stage 2 (KL self-distillation)."""
+"""Calibration: stage 1 (closed-form ridge), stage 2 (KL self-distillation)."""
 
 from .closed_form import Stage1Config, fit_closed_form
-from .data import DataConfig, DataError, Example, load_examples
 
-__all__ = [
-    "DataConfig", "DataError", "Example", "load_examples",
-    "Stage1Config", "fit_closed_form",
-]  # fmt: skip
+
+def fit_kvlingo(pair, train, nu: int = 1, native_first: bool = True, progress: bool = True):
+    """Stage 1 with the defaults at `nu` source layers per target layer (for comparisons)."""
+    return fit_closed_form(pair, train, Stage1Config(nu=nu, native_first=native_first), progress)
+
+
+__all__ = ["Stage1Config", "fit_closed_form", "fit_kvlingo"]

@@ -11,14 +11,14 @@ nearest-by-depth layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 import numpy as np
 from rich.progress import Progress
 
+from ..capture import layer_features, trace
 from ..translator import Side, Translator, TranslatorConfig, nearest_layer_map
-from .features import layer_features, trace
 
 KINDS = ("key", "value")
 
@@ -30,7 +30,9 @@ class Stage1Config:
     key_cut: str = "post_norm"
     bias: bool = True  # centering + bias
     native_first: bool = True  # keep the target's own K/V at position 0; fit without it
-    alpha: float = 1e-3  # ridge, relative to the mean input variance
+    # ridge lambda = alpha * mean variance of the (centered) inputs, trace(Cxx) / d; the default
+    # is a light touch, but it still shrinks maps: the report gives the fit at alpha 0 beside it
+    alpha: float = 1e-3
     key_layers: list[list[int]] | None = None
     value_layers: list[list[int]] | None = None
     window: int = 4  # candidate source layers each side of the nearest, for nu > 1 selection
@@ -68,8 +70,11 @@ def ridge(xtx, xty, sx, sy, n, alpha: float, center: bool):
         cxy = xty - n * np.outer(mx_, my)
     else:
         cxx, cxy = xtx, xty
-    lam = alpha * max(np.trace(cxx) / len(cxx), 1e-12)
-    w = np.linalg.solve(cxx + lam * np.eye(len(cxx)), cxy)
+    if alpha == 0:  # plain least squares; lstsq also copes with rank-deficient inputs
+        w = np.linalg.lstsq(cxx, cxy, rcond=None)[0]
+    else:
+        lam = alpha * max(np.trace(cxx) / len(cxx), 1e-12)
+        w = np.linalg.solve(cxx + lam * np.eye(len(cxx)), cxy)
     b = (my - mx_ @ w) if center else np.zeros(w.shape[1])
     return w, b
 
@@ -137,7 +142,7 @@ def _acc(d: dict, key, value) -> None:
 def fit_closed_form(
     pair, examples, cfg: Stage1Config = Stage1Config(), progress=True
 ) -> Translator:
-    """Fit a translator for `pair` on `examples` (calibrate.data.Example) in one streaming pass."""
+    """Fit a translator for `pair` on `examples` (data.Example) in one streaming pass."""
     return fit_many(pair, examples, [cfg], progress)[0]
 
 
@@ -221,20 +226,27 @@ def _finish(config, cfg, maps, grams, cross, out_stats, n_examples, n_tokens) ->
     tr = Translator(config)
     fit_report = {}
     for kind in KINDS:
-        ws, bs, r2 = [], [], []
+        ws, bs, r2, r2_alpha0 = [], [], [], []
         for t, layers in enumerate(maps[kind]):
             g = grams[(kind, tuple(layers))]
             xty, (sy, yy) = cross[kind, t, tuple(layers)], out_stats[(kind, t)]
             w, b, sse = _solve(config, kind, g, xty, sy, yy, cfg)
             sst = yy - (sy @ sy) / g.n
             r2.append(1 - sse / max(sst, 1e-12))
+            if cfg.alpha != 0:  # the unregularized fit, for the report
+                sse0 = _solve(config, kind, g, xty, sy, yy, replace(cfg, alpha=0.0))[2]
+                r2_alpha0.append(1 - sse0 / max(sst, 1e-12))
             ws.append(w)
             bs.append(b)
         params = {"weight": mx.array(np.stack(ws).astype(np.float32))}
         if cfg.bias:
             params["bias"] = mx.array(np.stack(bs).astype(np.float32))
         setattr(tr, kind, params)
-        fit_report[kind] = {"r2_mean": float(np.mean(r2)), "r2_min": float(np.min(r2))}
+        fit_report[kind] = {
+            "r2_mean": float(np.mean(r2)),
+            "r2_min": float(np.min(r2)),
+            "r2_mean_alpha0": float(np.mean(r2_alpha0)) if r2_alpha0 else float(np.mean(r2)),
+        }
     tr.config.metadata["calibration"] = {
         "stage1": {
             "examples": n_examples, "tokens": n_tokens, "alpha": cfg.alpha,

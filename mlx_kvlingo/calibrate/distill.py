@@ -22,10 +22,8 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ..capture import SpanKV
-from ..decode import new_cache
 from ..format import load_translator, save_translator
-from .features import trace
+from ..scoring import kl, mean_kl, prepare, student_logp
 
 
 class TrainingDivergedError(RuntimeError):
@@ -44,38 +42,6 @@ class Stage2Config:
     eval_examples: int = 16
     save_every: int = 25
     seed: int = 0
-
-
-@dataclass
-class Prepared:
-    """One example ready for the loss: the source's span and the teacher's log-probs."""
-
-    span: SpanKV
-    inputs: mx.array  # last prefix token + continuation[:-1]
-    teacher_logp: mx.array  # (T, V) log-probs of the target with its own cache
-
-
-def prepare(pair, ex, key_cut: str) -> Prepared:
-    prefix, cont = list(ex.prefix), list(ex.continuation)
-    span = trace(pair.source, prefix[:-1], key_cut)
-    logits = pair.target.model(mx.array(prefix + cont[:-1])[None])[0, len(prefix) - 1 :]
-    teacher = nn.log_softmax(logits.astype(mx.float32), axis=-1)
-    mx.eval(span.keys, span.values, teacher)
-    return Prepared(span, mx.array([prefix[-1]] + cont[:-1]), teacher)
-
-
-def student_logp(translator, pair, prep: Prepared) -> mx.array:
-    cache = new_cache(pair.target)  # fresh each call: gradients flow through its contents
-    keys, values = translator.translate(prep.span, pair.target)
-    for c, k, v in zip(cache, keys, values, strict=True):
-        c.update_and_fetch(k, v)
-    logits = pair.target.model(prep.inputs[None], cache=cache)[0]
-    return nn.log_softmax(logits.astype(mx.float32), axis=-1)
-
-
-def kl(teacher_logp: mx.array, student: mx.array) -> mx.array:
-    """Mean over positions of KL(teacher || student)."""
-    return (mx.exp(teacher_logp) * (teacher_logp - student)).sum(-1).mean()
 
 
 def schedule(cfg: Stage2Config):
@@ -106,11 +72,6 @@ def save_checkpoint(
     meta = {"step": step, "config": asdict(cfg), "history": history}
     (folder / "state.tmp.json").write_text(json.dumps(meta, indent=1))
     (folder / "state.tmp.json").replace(folder / "state.json")
-
-
-def evaluate_kl(translator, pair, prepared: list[Prepared]) -> float:
-    vals = [kl(p.teacher_logp, student_logp(translator, pair, p)).item() for p in prepared]
-    return float(np.mean(vals)) if vals else float("nan")
 
 
 def distill(
@@ -179,7 +140,7 @@ def distill(
                 step += 1
                 record = {"step": step, "loss": total}
                 if held and (step % cfg.eval_every == 0 or step == cfg.steps):
-                    record["heldout_kl"] = evaluate_kl(translator, pair, held)
+                    record["heldout_kl"] = mean_kl(translator, pair, held)
                 history.append(record)
                 tps = tokens / (time.perf_counter() - t0)
                 bar.update(task, completed=step, info=f"loss {total:.4f} · {tps:.0f} tok/s")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ..data import DataConfig
 from ..format import TranslatorFileError, load_translator
 from ..pair import TokenizerMismatchError, load_pair
 
@@ -29,3 +30,32 @@ def resolve_pair(source, target, translator, reverse: bool = False):
         return pair, load_translator(translator, pair)
     except (TokenizerMismatchError, TranslatorFileError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
+
+
+def data_options(f=None, *, required=True, help=None, heldout_fraction=0.1, max_examples=True):
+    """--data and the example-drawing options shared by calibrate, eval and compare."""
+    if f is None:
+        return lambda g: data_options(g, required=required, help=help,
+                                      heldout_fraction=heldout_fraction, max_examples=max_examples)  # fmt: skip
+    opts = [
+        click.option("--data", "data_path", required=required, type=click.Path(exists=True),
+                     help=help or "Text files, JSONL records ({'messages': [...]} chats or "
+                                  "{'text': ...}) or a folder of them"),
+        click.option("--min-prefix", default=16, show_default=True),
+        click.option("--max-prefix", default=256, show_default=True),
+        click.option("--continuation", default=32, show_default=True),
+        click.option("--heldout-fraction", default=heldout_fraction, show_default=True,
+                     help="Share of the documents held out (never trained on)"),
+        click.option("--seed", default=0, show_default=True),
+    ]  # fmt: skip
+    if max_examples:
+        opts.insert(5, click.option("--max-examples", type=int, default=None,
+                                    help="Training examples to draw at most"))  # fmt: skip
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def data_config(kw) -> DataConfig:
+    return DataConfig(kw["min_prefix"], kw["max_prefix"], kw["continuation"],
+                      kw["heldout_fraction"], kw["seed"], kw.get("max_examples"))  # fmt: skip

@@ -6,8 +6,19 @@ import click
 
 from ._common import source_option, target_option, translator_option
 
+#: 4096-token prefills take minutes on a CPU: the default lengths depend on the backend
+DEFAULT_LENGTHS = {"cpu": "64,256,1024", "gpu": "64,256,1024,4096"}
 
-def parse_lengths(_ctx, _param, value: str) -> list[int]:
+
+def default_lengths() -> str:
+    import mlx.core as mx
+
+    return DEFAULT_LENGTHS["gpu" if mx.default_device().type == mx.gpu else "cpu"]
+
+
+def parse_lengths(_ctx, _param, value: str | None) -> list[int]:
+    if value is None:
+        value = default_lengths()
     try:
         lengths = sorted({int(v) for v in value.split(",") if v.strip()})
     except ValueError:
@@ -18,7 +29,7 @@ def parse_lengths(_ctx, _param, value: str) -> list[int]:
 
 
 def _preset_names() -> list[str]:
-    from ..presets import PRESETS
+    from ..measure.presets import PRESETS
 
     return list(PRESETS)
 
@@ -34,10 +45,10 @@ def _preset_names() -> list[str]:
 )
 @click.option(
     "--lengths",
-    default="64,256,1024,4096",
-    show_default=True,
+    default=None,
     callback=parse_lengths,
-    help="Prefix lengths in tokens, comma-separated",
+    help=f"Prefix lengths in tokens, comma-separated [default: {DEFAULT_LENGTHS['cpu']} on a "
+    f"CPU, {DEFAULT_LENGTHS['gpu']} on a GPU]",
 )
 @click.option("-n", "--trials", default=3, show_default=True, type=click.IntRange(1))
 @click.option(
@@ -79,7 +90,8 @@ def bench_cmd(source, target, translator, preset, lengths, trials, warmup, out, 
               moe_loop, seed, cache_dir, no_progress):  # fmt: skip
     """Time to first token: the source prefills and the cache is translated (switch), or the
     target re-prefills. Writes a markdown table, JSON with every trial, and a TTFT plot."""
-    from .. import bench, moe_cpu
+    from .. import moe_cpu
+    from ..measure import bench
 
     def log(msg):
         click.echo(msg, err=True)
@@ -88,12 +100,20 @@ def bench_cmd(source, target, translator, preset, lengths, trials, warmup, out, 
     if preset:
         if source or target or translator:
             raise click.UsageError("give --preset or --source/--target/--translator, not both")
-        from ..presets import get_preset, load_preset
+        from ..measure.presets import get_preset, load_preset
 
         pair, tr, folder = load_preset(preset, cache_dir, log=log)
         p = get_preset(preset)
         info["preset"] = {"name": p.name, "description": p.description, "folder": str(folder),
                           "reference": p.reference}  # fmt: skip
+    elif source and target and translator is None:  # latency only: any maps of the right shape
+        from ..measure.presets import random_translator
+        from ..pair import load_pair
+
+        pair = load_pair(source, target)
+        tr = random_translator(pair, seed=seed)
+        info["translator_weights"] = "random (latency only: no --translator given)"
+        log("no --translator: timing a random translator of the pair's geometry (latency only)")
     else:
         from ._common import resolve_pair
 

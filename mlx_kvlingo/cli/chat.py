@@ -14,10 +14,17 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..session import MODES, ContextOverflowError, Session, SessionError, TurnStats
+from ..conversation.records import LABEL
+from ..session import (
+    MODES,
+    ContextOverflowError,
+    Session,
+    SessionError,
+    TurnStats,
+    status_line,
+)
 from ._common import resolve_pair, source_option, target_option, translator_option
 
-LABEL = {"source": "small", "target": "large"}
 # model output goes to a terminal: drop control characters (escape sequences, \r) but \n \t
 _CONTROL = {c: None for c in [*range(32), 127] if chr(c) not in "\n\t"}
 MODEL = {"small": "source", "large": "target"}
@@ -34,29 +41,6 @@ HELP = [
     ("/help, h", "this list"),
     ("/quit, q", "exit (also Ctrl-D; Ctrl-C stops a generation, at the prompt it exits)"),
 ]
-
-
-def status_line(st: TurnStats, names: dict) -> str:
-    """mlx-lm's `N tokens · X tok/s · prompt Y tok/s · peak Z GB`, plus model, TTFT, switch."""
-    parts = [f"{LABEL[st.model]} ({names[st.model]})"]
-    parts.append(f"{st.generation_tokens} tokens")
-    parts.append(f"{st.generation_tps:.1f} tok/s")
-    parts.append(f"prompt {st.prompt_tokens} tok {st.prompt_tps:.1f} tok/s")
-    if st.ttft_s is not None:
-        parts.append(f"TTFT {st.ttft_s * 1e3:.0f} ms")
-    sw = st.switch
-    if sw is not None:
-        if sw.translated:
-            again = f" ({sw.retranslated} again)" if sw.retranslated else ""
-            parts.append(f"switch {sw.translated} tok translated{again} {sw.seconds * 1e3:.1f} ms")
-        else:
-            parts.append(f"switch {sw.lacked} tok {sw.note or 're-prefill'}")
-    parts.append(f"peak {st.peak_memory_gb:.2f} GB")
-    if st.finish_reason in ("cancelled", "interrupted"):
-        parts.append("stopped")
-    elif st.finish_reason == "context":
-        parts.append("context full (/trim or /reset)")
-    return " · ".join(parts)
 
 
 class ChatApp:

@@ -7,8 +7,9 @@ import json
 import click
 from rich.console import Console
 
-from ..calibrate.data import DataError, load_examples
-from ..compare import (
+from ..calibrate import fit_kvlingo
+from ..data import DataError, load_examples, validate_data
+from ..measure.compare import (
     FAMILIES,
     CompareConfig,
     Entry,
@@ -20,10 +21,9 @@ from ..compare import (
     save_methods,
     table,
 )
-from ..methods import KVLingo, MethodFileError, load_method
+from ..measure.methods import KVLingo, MethodFileError, load_method
 from ..pair import TokenizerMismatchError, load_pair
-from ._common import resolve_pair, source_option, target_option
-from .calibrate import data_config, data_options
+from ._common import data_config, data_options, resolve_pair, source_option, target_option
 
 
 def _ints(value: str) -> tuple[int, ...]:
@@ -162,6 +162,11 @@ def compare_cmd(source, target, translators, data_path, methods, examples, calib
     if calibrate_only and not save_dir:
         raise click.UsageError("--calibrate-only needs --save-methods DIR")
     demo = source is None and target is None
+    if data_path is not None:
+        try:
+            validate_data(data_path)  # before loading any model
+        except DataError as e:
+            raise click.ClickException(str(e)) from None
     try:
         if demo:
             pair, demo_tr = resolve_pair(None, None, None)
@@ -215,12 +220,12 @@ def compare_cmd(source, target, translators, data_path, methods, examples, calib
         except MethodFileError as e:
             raise click.ClickException(str(e)) from None
     elif save_dir:
-        entries = calibrate_all(pair, train[:calib_examples], cfg, extra, True, log)
+        entries = calibrate_all(pair, train[:calib_examples], cfg, extra, True, log, fit_kvlingo)
         save_methods(entries, save_dir, pair)
         log(f"saved {sum(e.method is not None for e in entries)} methods in {save_dir}")
     if calibrate_only:
         return
-    result = run_compare(pair, train, held, cfg, extra, entries, True, log)
+    result = run_compare(pair, train, held, cfg, extra, entries, True, log, fit_kvlingo)
     console.print(table(result))
     if json_out:
         with open(json_out, "w") as f:

@@ -7,10 +7,16 @@ import json
 import click
 from rich.console import Console
 
-from ..calibrate.data import DataError, load_examples
-from ..evaluate import evaluate, table
-from ._common import resolve_pair, source_option, target_option, translator_option
-from .calibrate import data_config, data_options
+from ..data import DataError, load_examples, validate_data
+from ..measure.evaluate import evaluate, table
+from ._common import (
+    data_config,
+    data_options,
+    resolve_pair,
+    source_option,
+    target_option,
+    translator_option,
+)
 
 
 @click.command("eval")
@@ -19,9 +25,13 @@ from .calibrate import data_config, data_options
 @translator_option
 @data_options(
     required=False,
-    help="Text/JSONL data (held-out split is used); default: the demo's held-out dialogues",
+    help="Text files, JSONL records ({'messages': [...]} or {'text': ...}) or a folder; every "
+    "document is scored unless --heldout-fraction picks a share (drawn as calibrate draws its "
+    "held-out split, with the same --seed); default: the demo's held-out dialogues",
+    heldout_fraction=1.0,
+    max_examples=False,
 )
-@click.option("-n", "--examples", default=64, show_default=True, help="Held-out examples to score")
+@click.option("-n", "--examples", default=64, show_default=True, help="Examples to score at most")
 @click.option(
     "--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results here"
 )
@@ -32,6 +42,15 @@ from .calibrate import data_config, data_options
 def eval_cmd(source, target, translator, data_path, examples, json_out, multi_turn, switches, **kw):
     """Score the target on held-out continuations under every cache condition."""
     console = Console()
+    if data_path is not None and not multi_turn:
+        try:
+            summary = validate_data(data_path)  # before loading any model
+        except DataError as e:
+            raise click.ClickException(str(e)) from None
+        console.print(
+            f"[grey50]{data_path}: {summary['files']} file(s), {summary['chats']} chats, "
+            f"{summary['texts']} texts[/grey50]"
+        )
     pair, tr = resolve_pair(source, target, translator)
     if multi_turn:
         return _multi_turn(pair, tr, source, target, examples, switches, json_out, console)
@@ -47,17 +66,22 @@ def eval_cmd(source, target, translator, data_path, examples, json_out, multi_tu
     except DataError as e:
         raise click.ClickException(str(e)) from None
     if not held:
-        raise click.ClickException(f"{data_path}: no held-out examples; raise --heldout-fraction")
+        raise click.ClickException(f"{data_path}: no examples to score; raise --heldout-fraction")
     result = evaluate(pair, tr, held[:examples])
     result["translator"] = translator or "demo"
+    result["data"] = str(data_path)
     console.print(table(result, f"{pair.source.name} -> {pair.target.name}"))
+    console.print(
+        f"scored {result['examples']} examples, {result['tokens']} continuation tokens "
+        f"(of {len(held)} drawn from {data_path})"
+    )
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=1)
 
 
 def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console):
-    from ..multiturn import evaluate_multiturn, load_chitchat, render_table
+    from ..measure.multiturn import evaluate_multiturn, load_chitchat, render_table
 
     backward = None
     if source is None and target is None:

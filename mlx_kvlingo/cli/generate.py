@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import time
+
 import click
 from mlx_lm.sample_utils import make_sampler
 
@@ -19,7 +22,9 @@ from ._common import resolve_pair, source_option, target_option, translator_opti
 @click.option("--temp", default=0.0, show_default=True)
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--seed", type=int, default=None)
-def generate_cmd(source, target, translator, prompt, chat, max_tokens, temp, top_p, seed):
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object (token ids, texts, timings) instead of streaming text")  # fmt: skip
+def generate_cmd(source, target, translator, prompt, chat, max_tokens, temp, top_p, seed, as_json):
     """One answer from the target with no target prefill, with honest timings."""
     import mlx.core as mx
     from mlx_lm import stream_generate
@@ -37,13 +42,42 @@ def generate_cmd(source, target, translator, prompt, chat, max_tokens, temp, top
         h = handoff(pair, tr, tokens)
     except PromptTooLongError as e:
         raise click.ClickException(str(e)) from None
-    last = None
+    last, ids, pieces, t0, ttft = None, [], [], time.perf_counter(), None
     for r in stream_generate(
         pair.target.model, pair.tokenizer, mx.array(tokens[-1:]), max_tokens=max_tokens,
         prompt_cache=h.target_cache, sampler=make_sampler(temp=temp, top_p=top_p),
     ):  # fmt: skip
-        click.echo(r.text, nl=False)
+        ttft = ttft if ttft is not None else time.perf_counter() - t0
+        if not as_json:
+            click.echo(r.text, nl=False)
+        ids.append(int(r.token))
+        pieces.append(r.text)
         last = r
+    if as_json:
+        out = {
+            "source": pair.source.name,
+            "target": pair.target.name,
+            "prompt": prompt,
+            "prompt_token_ids": [int(t) for t in tokens],
+            "token_ids": ids,
+            "pieces": pieces,
+            "text": "".join(pieces),
+            "finish_reason": last.finish_reason,
+            "timings": {
+                "source_prefill_tokens": len(tokens) - 1,
+                "source_prefill_s": h.source_prefill_s,
+                "translated_tokens": h.translated_tokens,
+                "translate_s": h.translate_s,
+                "target_prompt_tokens": 1,
+                "target_first_token_s": ttft,
+                "ttft_s": h.source_prefill_s + h.translate_s + ttft,
+                "generation_tokens": last.generation_tokens,
+                "generation_tps": last.generation_tps,
+                "peak_memory_gb": last.peak_memory,
+            },
+        }
+        click.echo(json.dumps(out, indent=1))
+        return
     click.echo()
     click.echo(
         f"source prefill {len(tokens) - 1} tokens {h.source_prefill_s * 1e3:.1f} ms · "

@@ -8,7 +8,8 @@ import click
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from ..capture import capture_from_cache, prefill
-from ..decode import new_cache, translate_into
+from ..decode import translate_into
+from ..kvcache import new_cache
 from ._common import resolve_pair, source_option, target_option, translator_option
 
 

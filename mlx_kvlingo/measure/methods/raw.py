@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..translator import Side, target_dtype
+from ...translator import Side, target_dtype
 from . import (
     WIRE_BYTES,
     NotApplicable,

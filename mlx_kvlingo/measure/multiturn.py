@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .pair import ModelPair
-from .session import MODES, Session
-from .translator import Translator
+from ..pair import ModelPair
+from ..session import MODES, Session
+from ..translator import Translator
 
 
 def load_chitchat(
@@ -48,7 +48,7 @@ def load_chitchat(
         ) from None
     data = json.loads((Path(chitchat_dataset.__file__).parent / "dataset.json").read_text())
     dialogues = []
-    from .demo.data import is_heldout
+    from ..demo.data import is_heldout
 
     for key in sorted(data):
         if heldout_only and not is_heldout(key):

@@ -1,8 +1,10 @@
 """Calibration examples: a prefix the source reads and a continuation the target is scored on.
 
-Sources: plain text files (`.txt`, `.md`, `.rst`), JSONL chat files (`{"messages": [...]}` per
-line, formatted with the pair's chat template, switch points at the start of each assistant
-reply), or a directory of them. Held-out documents never contribute training examples.
+Sources: plain text files (`.txt`, `.md`, `.rst`), JSONL files with one record per line, either
+a chat (`{"messages": [...]}`, formatted with the pair's chat template, switch points at the
+start of each assistant reply) or a text (`{"text": "..."}`, read like a text file), or a
+directory of them. Held-out documents never contribute training examples. `validate_data`
+checks all of it without a tokenizer, so commands refuse bad data before loading any model.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ def _files(path: Path) -> list[Path]:
     return [path]
 
 
-def _read_chat(path: Path) -> list[list[dict]]:
-    conversations = []
+def _read_jsonl(path: Path) -> list[tuple[str, object]]:
+    """[("chat", messages) | ("text", str)], one per non-empty line."""
+    records: list[tuple[str, object]] = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -60,16 +63,47 @@ def _read_chat(path: Path) -> list[list[dict]]:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if isinstance(obj, dict) and isinstance(obj.get("text"), str) and "messages" not in obj:
+            if obj["text"].strip():
+                records.append(("text", obj["text"]))
+            continue
         msgs = obj.get("messages") if isinstance(obj, dict) else None
         if not isinstance(msgs, list) or not msgs:
-            raise DataError(f'{path}:{n}: expected an object with a non-empty "messages" list')
+            raise DataError(
+                f'{path}:{n}: expected {{"messages": [...]}} (a chat) or {{"text": "..."}}'
+            )
         for m in msgs:
             if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
                 raise DataError(f"{path}:{n}: each message needs a 'role' and a string 'content'")
-        conversations.append(msgs)
-    if not conversations:
-        raise DataError(f"{path}: empty chat file")
-    return conversations
+        records.append(("chat", msgs))
+    if not records:
+        raise DataError(f"{path}: no records (empty JSONL file)")
+    return records
+
+
+def _read_text(path: Path) -> str:
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise DataError(f"{path}: empty text file")
+    return text
+
+
+def validate_data(path: str | Path) -> dict:
+    """Read and check every file under `path` (no tokenizer needed); a summary of what is there.
+
+    Raises `DataError` naming the file and line of the first problem.
+    """
+    files = _files(Path(path))
+    chats = texts = 0
+    for f in files:
+        if f.suffix in CHAT_SUFFIXES:
+            kinds = [k for k, _ in _read_jsonl(f)]
+            chats += kinds.count("chat")
+            texts += kinds.count("text")
+        else:
+            _read_text(f)
+            texts += 1
+    return {"files": len(files), "chats": chats, "texts": texts}
 
 
 def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
@@ -95,13 +129,12 @@ def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
     return out
 
 
-def _text_documents(tokenizer, path: Path, cfg: DataConfig) -> list[tuple[str, list[int]]]:
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise DataError(f"{path}: empty text file")
+def _text_documents(
+    tokenizer, name: str, text: str, cfg: DataConfig
+) -> list[tuple[str, list[int]]]:
     tokens = tokenizer.encode(text)
     block = cfg.max_prefix + cfg.continuation
-    docs = [(f"{path.name}@{s}", tokens[s : s + block]) for s in range(0, len(tokens), block)]
+    docs = [(f"{name}@{s}", tokens[s : s + block]) for s in range(0, len(tokens), block)]
     return [d for d in docs if len(d[1]) >= cfg.min_prefix + 2]
 
 
@@ -127,9 +160,15 @@ def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
     docs: list[tuple[str, object]] = []
     for f in _files(Path(path)):
         if f.suffix in CHAT_SUFFIXES:
-            docs += [(f"{f.name}:{i}", ("chat", c)) for i, c in enumerate(_read_chat(f), 1)]
+            for i, (kind, record) in enumerate(_read_jsonl(f), 1):
+                if kind == "chat":
+                    docs.append((f"{f.name}:{i}", ("chat", record)))
+                else:
+                    blocks = _text_documents(tokenizer, f"{f.name}:{i}", record, cfg)
+                    docs += [(name, ("text", toks)) for name, toks in blocks]
         else:
-            docs += [(name, ("text", toks)) for name, toks in _text_documents(tokenizer, f, cfg)]
+            blocks = _text_documents(tokenizer, f.name, _read_text(f), cfg)
+            docs += [(name, ("text", toks)) for name, toks in blocks]
     if not docs:
         raise DataError(f"{path}: no documents long enough for min_prefix={cfg.min_prefix}")
     order = list(range(len(docs)))

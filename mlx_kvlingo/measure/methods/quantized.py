@@ -13,7 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from ..format import save_translator
+from ...format import save_translator
 from . import WIRE_BYTES, KVLingo, SourceSpan, write_method_file
 
 BITS = (2, 3, 4, 5, 6, 8)

@@ -41,10 +41,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from rich.progress import Progress
 
-from ..calibrate.distill import kl
-from ..calibrate.features import layer_features
-from ..decode import new_cache
-from ..translator import Side, Translator, TranslatorConfig, nearest_layer_map, target_dtype
+from ...capture import layer_features
+from ...kvcache import new_cache
+from ...scoring import kl
+from ...translator import Side, Translator, TranslatorConfig, nearest_layer_map, target_dtype
 from . import WIRE_BYTES, anchored, as_float, capture_span, side_meta, write_method_file
 
 KINDS = ("key", "value")

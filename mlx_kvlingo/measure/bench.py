@@ -34,11 +34,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from . import _blas
-from .capture import prefill
-from .decode import new_cache, translate_into
-from .pair import LoadedModel, ModelPair, describe_model
-from .translator import Translator
+from .. import _blas
+from ..capture import prefill
+from ..decode import translate_into
+from ..kvcache import new_cache
+from ..pair import LoadedModel, ModelPair, describe_model
+from ..translator import Translator
 
 SCHEMA = "mlx-kvlingo/bench"
 SCHEMA_VERSION = 1
@@ -208,7 +209,7 @@ def software_info() -> dict:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    from . import __version__
+    from .. import __version__
 
     return {
         "python": platform.python_version(),
@@ -677,8 +678,9 @@ def markdown_report(results: dict) -> str:
         "# kvlingo bench",
         "",
         f"source `{p['source']['name']}` → target `{p['target']['name']}` · translator "
-        f"{tr['variant']} nu={tr['nu'][0]} {tr['key_cut']} {tr['dtype']} · "
-        f"models {p['source']['dtype']}/{p['target']['dtype']}",
+        f"{tr['variant']} nu={tr['nu'][0]} {tr['key_cut']} {tr['dtype']}"
+        + (f" ({p['translator_weights']})" if p.get("translator_weights") else "")
+        + f" · models {p['source']['dtype']}/{p['target']['dtype']}",
         f"{m['backend']} · {m['cpu']} ({m['cpu_count']} cores, {m['memory_GB']} GB) · "
         f"BLAS {m['blas']} · mlx {sw['mlx']} · mlx-lm {sw['mlx-lm']} · {m['os']}",
         f"{st['trials']} trials after {st['warmup']} warm-up round(s) at n={st['lengths'][0]}; "

@@ -1,6 +1,6 @@
 """All the ways to hand a cache to another model, side by side on one pair and one data set.
 
-Each method (`mlx_kvlingo.methods`) is calibrated on the training split at several settings,
+Each method (`mlx_kvlingo.measure.methods`) is calibrated on the training split at several settings,
 then scored on the same held-out examples with the evaluation harness's metrics (NLL, top-1
 agreement with the native target, KL(native || method), gap recovered), timed on one prompt
 (switch TTFT: the method's translation plus the target's first step, median of a few trials;
@@ -22,10 +22,9 @@ import numpy as np
 from rich.progress import Progress
 from rich.table import Table
 
-from .calibrate.closed_form import Stage1Config, fit_closed_form
-from .calibrate.distill import Prepared, student_logp
-from .decode import append_kv, new_cache
-from .evaluate import Scores, _source_logp
+from ..kvcache import append_kv, new_cache
+from ..scoring import Prepared, native_logp, student_logp
+from .evaluate import MIN_GAP, Scores, format_kl, gap_recovered
 from .methods import (
     KVLingo,
     NotApplicable,
@@ -82,8 +81,13 @@ def _rank(fraction: float, width: int) -> int:
     return max(1, int(round(fraction * width)))
 
 
-def calibrate_all(pair, train, cfg: CompareConfig, extra=(), progress=True, log=print) -> list:
-    """Calibrate every requested method at every setting; `extra`: (label, method) to add."""
+def calibrate_all(pair, train, cfg: CompareConfig, extra=(), progress=True, log=print,
+                  fit_kvlingo=None) -> list:  # fmt: skip
+    """Calibrate every requested method at every setting; `extra`: (label, method) to add.
+
+    `fit_kvlingo(pair, train, nu, native_first, progress) -> Translator` fits KV-Lingo's
+    closed form (the caller passes `calibrate.fit_kvlingo`: measuring does not train).
+    """
     entries: list[Entry] = [Entry("kvlingo", label, m) for label, m in extra]
     sel = train[: cfg.select_examples]
 
@@ -93,14 +97,12 @@ def calibrate_all(pair, train, cfg: CompareConfig, extra=(), progress=True, log=
         return out, time.perf_counter() - t
 
     kvl = {}
+    if ("kvlingo" in cfg.methods or "quantized" in cfg.methods) and fit_kvlingo is None:
+        raise ValueError("comparing kvlingo (or quantized kvlingo) needs fit_kvlingo")
     if "kvlingo" in cfg.methods or "quantized" in cfg.methods:
         for nu in cfg.kvlingo_nu:
             log(f"calibrating kvlingo nu={nu} (closed form) on {len(train)} examples")
-            tr, s = timed(
-                lambda nu=nu: fit_closed_form(
-                    pair, train, Stage1Config(nu=nu, native_first=cfg.native_first), progress
-                )
-            )
+            tr, s = timed(lambda nu=nu: fit_kvlingo(pair, train, nu, cfg.native_first, progress))
             kvl[nu] = Entry("kvlingo", f"kvlingo mixing nu={nu}", KVLingo(tr, f"kvlingo nu={nu}"),
                             calibrate_s=s)  # fmt: skip
         if "kvlingo" in cfg.methods:
@@ -176,13 +178,6 @@ def _calibrate_scd(pair, train, cfg, progress, log, timed) -> list:
 # -- evaluation ------------------------------------------------------------------------------
 
 
-MIN_GAP = 0.01  # nats: below this the source alone is as good as the target, gap undefined
-
-
-def _gap(src: float, nat: float, nll: float) -> float:
-    return (src - nll) / (src - nat) if abs(src - nat) >= MIN_GAP else float("nan")
-
-
 def evaluate_all(pair, entries: list, examples, progress=True) -> dict:
     """Quality of every applicable entry on `examples`, with native and source-alone rows."""
     live = [e for e in entries if e.method is not None]
@@ -200,7 +195,7 @@ def evaluate_all(pair, entries: list, examples, progress=True) -> dict:
             teacher = next(iter(preps.values())).teacher_logp
             targets = mx.array(list(ex.continuation))
             native.add(teacher, teacher, targets)
-            source.add(_source_logp(pair, ex), teacher, targets)
+            source.add(native_logp(pair.source, ex), teacher, targets)
             for e in live:
                 scores[id(e)].add(student_logp(e.method, pair, preps[e.method.key_cut]),
                                   teacher, targets)  # fmt: skip
@@ -208,11 +203,11 @@ def evaluate_all(pair, entries: list, examples, progress=True) -> dict:
             bar.advance(task)
     out = {"native": native.summary(weights), "source": source.summary(weights)}
     src, nat = out["source"]["nll"], out["native"]["nll"]
-    out["native"]["gap_recovered"] = _gap(src, nat, nat)
-    out["source"]["gap_recovered"] = _gap(src, nat, src)
+    out["native"]["gap_recovered"] = gap_recovered(src, nat, nat)
+    out["source"]["gap_recovered"] = gap_recovered(src, nat, src)
     for e in live:
         e.result.update(scores[id(e)].summary(weights))
-        e.result["gap_recovered"] = _gap(src, nat, e.result["nll"])
+        e.result["gap_recovered"] = gap_recovered(src, nat, e.result["nll"])
     out["examples"], out["tokens"] = len(examples), int(sum(weights))
     return out
 
@@ -299,12 +294,12 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
 
 
 def run_compare(pair, train, held, cfg: CompareConfig = CompareConfig(), extra=(), entries=None,
-                progress=True, log=print) -> dict:  # fmt: skip
+                progress=True, log=print, fit_kvlingo=None) -> dict:  # fmt: skip
     """Calibrate (unless `entries` are given), evaluate, time; the JSON-ready result."""
     started = time.perf_counter()
     train, held = list(train)[: cfg.calib_examples], list(held)[: cfg.eval_examples]
     if entries is None:
-        entries = calibrate_all(pair, train, cfg, extra, progress, log)
+        entries = calibrate_all(pair, train, cfg, extra, progress, log, fit_kvlingo)
     log(f"evaluating {sum(e.method is not None for e in entries)} settings on {len(held)} "
         f"held-out examples")  # fmt: skip
     quality = evaluate_all(pair, entries, held, progress)
@@ -360,7 +355,7 @@ def perturbed_copy(
     a stand-in for a fine-tune, with the same geometry. Written once, then reused."""
     import shutil
 
-    from .demo.smollm2 import cache_root
+    from ..demo.smollm2 import cache_root
 
     folder = Path(folder)
     if not (folder / "config.json").exists():
@@ -431,7 +426,7 @@ def table(result: dict) -> Table:
         star = " *" if r.get("pareto_with_wire") else ""
         tab.add_row(
             r["label"] + star, f"{r['nll']:.3f}", f"{r['agree_native']:.3f}",
-            f"{r['kl_native']:.4f}", _num(r["gap_recovered"], ".3f"), _ms(r.get("switch_ttft_s")),
+            format_kl(r["kl_native"]), _num(r["gap_recovered"], ".3f"), _ms(r.get("switch_ttft_s")),
             _ms(r.get("ttft_with_wire_s")),
             "" if "wire_bytes_per_token" not in r else f"{r['wire_bytes_per_token']:.0f}",
             "" if "translator_bytes" not in r else human_bytes(r["translator_bytes"]),

@@ -14,15 +14,32 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 from rich.progress import Progress
 from rich.table import Table
 
-from .calibrate.distill import Prepared, prepare, student_logp
-from .translator import Side, TranslatorConfig, identity_translator
+from ..scoring import Prepared, native_logp, prepare, student_logp
+from ..translator import Side, TranslatorConfig, identity_translator
 
 CONDITIONS = ("native", "translated", "raw", "source")
+#: nats: when the source alone scores within this of the native target there is no gap to
+#: recover, and the ratio would be noise (it printed 1223.2 once): it is reported as n/a
+MIN_GAP = 0.01
+
+
+def gap_recovered(nll_source: float, nll_native: float, nll: float) -> float:
+    """(NLL_source - NLL) / (NLL_source - NLL_native); NaN when the gap is under MIN_GAP."""
+    gap = nll_source - nll_native
+    return (nll_source - nll) / gap if abs(gap) >= MIN_GAP else float("nan")
+
+
+def format_kl(x: float) -> str:
+    """KL is never negative: float error below zero prints as 0.0000, not -0.0000."""
+    return f"{x if x > 0 else 0.0:.4f}"
+
+
+def format_gap(x: float | None) -> str:
+    return "" if x is None else ("n/a" if x != x else f"{x:.3f}")
 
 
 @dataclass
@@ -63,14 +80,8 @@ def raw_translator(pair):
     return identity_translator(TranslatorConfig("mixing", s, t, rows, rows)), ""
 
 
-def _source_logp(pair, ex) -> mx.array:
-    prefix, cont = list(ex.prefix), list(ex.continuation)
-    logits = pair.source.model(mx.array(prefix + cont[:-1])[None])[0, len(prefix) - 1 :]
-    return nn.log_softmax(logits.astype(mx.float32), axis=-1)
-
-
 def evaluate(pair, translator, examples, progress: bool = True) -> dict:
-    """Evaluate on `examples` (calibrate.data.Example); returns a JSON-ready dict."""
+    """Evaluate on `examples` (data.Example); returns a JSON-ready dict."""
     raw, raw_reason = raw_translator(pair)
     scores = {c: Scores.empty() for c in CONDITIONS}
     weights = []
@@ -89,7 +100,7 @@ def evaluate(pair, translator, examples, progress: bool = True) -> dict:
                     else prepare(pair, ex, "post_norm")
                 )
                 scores["raw"].add(student_logp(raw, pair, raw_prep), native, targets)
-            scores["source"].add(_source_logp(pair, ex), native, targets)
+            scores["source"].add(native_logp(pair.source, ex), native, targets)
             weights.append(len(ex.continuation))
             bar.advance(task)
     result = {c: scores[c].summary(weights) for c in CONDITIONS if scores[c].nll}
@@ -98,9 +109,7 @@ def evaluate(pair, translator, examples, progress: bool = True) -> dict:
     src, nat = result["source"]["nll"], result["native"]["nll"]
     for c in ("translated", "raw"):
         if "nll" in result.get(c, {}):
-            result[c]["gap_recovered"] = (
-                (src - result[c]["nll"]) / (src - nat) if src != nat else float("nan")
-            )
+            result[c]["gap_recovered"] = gap_recovered(src, nat, result[c]["nll"])
     result["examples"] = len(examples)
     result["tokens"] = int(sum(weights))
     result["pair"] = {"source": pair.source.name, "target": pair.target.name}
@@ -111,7 +120,8 @@ def table(result: dict, title: str = "evaluation") -> Table:
     t = Table("condition", "NLL", "ppl", "top-1", "agree", "KL", "gap rec.",
               title=f"{title} ({result['examples']} examples, {result['tokens']} tokens)",
               caption="top-1: accuracy on the real tokens · agree: top-1 equal to the native target's"
-                      " · KL(native || condition) · gap rec. = (NLL_source - NLL) / (NLL_source - NLL_native)")  # fmt: skip
+                      " · KL(native || condition) · gap rec. = (NLL_source - NLL) / (NLL_source - NLL_native),"
+                      f" n/a when that gap is under {MIN_GAP} nats")  # fmt: skip
     for c in CONDITIONS:
         r = result.get(c)
         if r is None:
@@ -123,6 +133,6 @@ def table(result: dict, title: str = "evaluation") -> Table:
         gap = r.get("gap_recovered")
         t.add_row(
             c, f"{r['nll']:.3f}", f"{np.exp(r['nll']):.1f}", f"{r['top1']:.3f}", f"{r['agree_native']:.3f}",
-            f"{r['kl_native']:.4f}", "" if gap is None else f"{gap:.3f}",
+            format_kl(r["kl_native"]), format_gap(gap),
         )  # fmt: skip
     return t

@@ -2,7 +2,7 @@
 
 Every method is a `CacheMethod`: `translate(span, target)` returns the target's cache, per
 layer `(keys, values)` of shape (B, H, T, D), exactly like `Translator.translate`, so the
-evaluation harness (`calibrate.distill.student_logp`) and `decode.append_kv` take any of them.
+evaluation harness (`scoring.student_logp`) and `kvcache.append_kv` take any of them.
 Methods that need more of the source than its K/V list the source hidden states they read in
 `needs_hidden`; `capture_span` records them during the source's prefill (like `capture.prefill`
 records `k_proj`), and they arrive in `span.hidden`.
@@ -32,15 +32,15 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 
-from ..anchor import with_native_first_layers
-from ..calibrate.distill import Prepared, kl, student_logp
-from ..capture import OutputRecorder, SpanKV, prefill
-from ..decode import new_cache
-from ..format import TranslatorFileError, load_translator, read_header, save_translator
-from ..translator import Side, Translator
+from ...anchor import with_native_first_layers
+from ...capture import OutputRecorder, SpanKV, prefill
+from ...format import TranslatorFileError, load_translator, read_header, save_translator
+from ...kvcache import new_cache
+from ...scoring import Prepared, mean_kl
+from ...scoring import prepare as prepare_scored
+from ...translator import Side, Translator
 
 WIRE_BYTES = 2  # unquantized tensors cross the wire as float16
 HIDDEN_POINTS = ("residual", "normed")  # a decoder layer's input, or its input_layernorm output
@@ -141,19 +141,10 @@ def capture_span(model, tokens, cut: str = "post_norm", points=(), cache=None) -
 
 
 def prepare(pair, ex, key_cut: str = "post_norm", points=()) -> Prepared:
-    """`calibrate.distill.prepare` with the source's hidden states at `points` in the span."""
-    prefix, cont = list(ex.prefix), list(ex.continuation)
-    span = capture_span(pair.source, prefix[:-1], key_cut, points)
-    logits = pair.target.model(mx.array(prefix + cont[:-1])[None])[0, len(prefix) - 1 :]
-    teacher = nn.log_softmax(logits.astype(mx.float32), axis=-1)
-    mx.eval(teacher)
-    return Prepared(span, mx.array([prefix[-1]] + cont[:-1]), teacher)
-
-
-def mean_kl(method, pair, prepared: Sequence[Prepared]) -> float:
-    """Mean KL(native || method) over prepared examples (the profiling and selection oracle)."""
-    vals = [kl(p.teacher_logp, student_logp(method, pair, p)).item() for p in prepared]
-    return float(np.mean(vals)) if vals else float("nan")
+    """`scoring.prepare` with the source's hidden states at `points` in the span."""
+    return prepare_scored(
+        pair, ex, key_cut, capture_span(pair.source, list(ex.prefix)[:-1], key_cut, points)
+    )
 
 
 # -- helpers shared by the methods -----------------------------------------------------------

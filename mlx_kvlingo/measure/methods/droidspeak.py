@@ -21,7 +21,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache
 from rich.progress import Progress
 
-from ..translator import Side, target_dtype
+from ...translator import Side, target_dtype
 from . import (
     WIRE_BYTES,
     NotApplicable,

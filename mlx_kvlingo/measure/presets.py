@@ -22,7 +22,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ._cachedir import build_atomically, stamp_ok
+from .._cachedir import build_atomically, stamp_ok
 
 #: Bump when the way presets are built changes, so cached folders are rebuilt.
 BUILD_VERSION = 1
@@ -47,7 +47,7 @@ class Preset:
     reference: dict = field(default_factory=dict)
 
     def config(self, side: str, vocab: int) -> dict:
-        from .synthetic import model_config
+        from ..synthetic import model_config
 
         spec = dict(self.source if side == "source" else self.target)
         kind = spec.pop("kind")
@@ -144,9 +144,9 @@ def _build(preset: Preset, folder: Path) -> None:
 
     import mlx.core as mx
 
-    from . import synthetic as syn
-    from .format import save_translator
-    from .pair import load_pair
+    from .. import synthetic as syn
+    from ..format import save_translator
+    from ..pair import load_pair
 
     tok = syn.build_tokenizer(folder / "tokenizer", vocab_size=preset.tokenizer_vocab)
     vocab = len(json.loads((tok / "tokenizer.json").read_text())["model"]["vocab"])
@@ -173,7 +173,7 @@ def random_translator(pair, variant: str = "mixing", nu: int = 1, seed: int = 0)
     """A translator with random weights of the right shape (scaled 1/sqrt(fan-in))."""
     import mlx.core as mx
 
-    from .translator import Side, Translator, TranslatorConfig, nearest_layer_map
+    from ..translator import Side, Translator, TranslatorConfig, nearest_layer_map
 
     src, tgt = pair.source.geometry, pair.target.geometry
     rows = tuple(tuple(r) for r in nearest_layer_map(src.layers, tgt.layers, nu))
@@ -190,8 +190,8 @@ def random_translator(pair, variant: str = "mixing", nu: int = 1, seed: int = 0)
 
 def load_preset(name: str, cache_dir=None, log=None):
     """(pair, translator, folder) for a preset, building it first if needed."""
-    from .format import load_translator
-    from .pair import load_pair
+    from ..format import load_translator
+    from ..pair import load_pair
 
     folder = build_preset(name, cache_dir, log=log)
     pair = load_pair(folder / "source", folder / "target")

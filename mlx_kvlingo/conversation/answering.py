@@ -1,0 +1,223 @@
+"""Answering: catch up, read the rest, decode with mlx-lm, commit what was emitted.
+
+A turn always ends in `_commit`, however it stops (end, max tokens, `cancel()`, Ctrl-C, the
+iterator closed or garbage collected): the emitted tokens become the answer and the cache is
+cut to match, so both caches stay consistent. One generation at a time per session.
+Mixed into `Session`."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+
+from .catchup import _Model
+from .records import ContextOverflowError, SessionBusyError, SessionError, TokenEvent, TurnStats
+
+
+class Answering:
+    """Generation, escalation and teacher-forced scoring (state lives on `Session`)."""
+
+    def _check_room(self, name: str) -> int | None:
+        """Tokens this turn may still add under `max_kv_size` (None: unlimited)."""
+        if self.max_kv_size is None:
+            return None
+        room = self.max_kv_size - len(self.tokens)
+        if room < 1:
+            raise ContextOverflowError(
+                f"the conversation is {len(self.tokens)} tokens, the {name} model's context "
+                f"limit is {self.max_kv_size} (max_kv_size): drop the oldest turns with "
+                f"/trim (Session.trim) or start over with /reset"
+            )
+        return room
+
+    def _claim(self) -> None:
+        """Refuse concurrent use; close a generation this thread abandoned (commits it)."""
+        if getattr(self, "_active", None) is None:
+            return
+        gen, owner = self._active
+        if owner != threading.get_ident() or gen.gi_running:
+            raise SessionBusyError(
+                "a generation is running on this session; cancel() it or wait for it to end"
+            )
+        self._active = None
+        gen.close()
+
+    # -- answering ---------------------------------------------------------------------------
+
+    def generate(
+        self,
+        model: str = "target",
+        *,
+        max_tokens: int = 256,
+        sampler=None,
+        logits_processors=None,
+        prefill_step_size: int = 2048,
+    ) -> Iterator[TokenEvent]:
+        """Stream an answer from `model` ('source'/'small' or 'target'/'large').
+
+        The model first catches up on what it lacks (see the module docstring), then decodes
+        with mlx-lm. Stopping early (break, `cancel()`, KeyboardInterrupt, closing the
+        iterator) commits the tokens emitted so far and trims the cache to match.
+        """
+        name = self._name(model)
+        self._claim()
+        if not self.tokens:
+            raise SessionError("nothing to answer yet: add a user message first")
+        self._check_mode()
+        room = self._check_room(name)
+        limit = max_tokens
+        if room is not None and (max_tokens < 0 or max_tokens > room):  # -1: no limit
+            limit = room
+        self._cancel.clear()
+        kwargs = dict(sampler=sampler, logits_processors=logits_processors)
+        kwargs["prefill_step_size"] = prefill_step_size
+        gen = self._generate(name, limit, limit != max_tokens, kwargs)
+        self._active = (gen, threading.get_ident())
+        return gen
+
+    def _generate(self, name: str, limit: int, capped: bool, kwargs) -> Iterator[TokenEvent]:
+        m = self._models[name]
+        t0 = time.perf_counter()
+        n0 = len(self.tokens)
+        stats = TurnStats(name, self.mode)
+        emitted: list[int] = []
+        texts: list[str] = []
+        try:
+            stats.switch = self._catch_up(name, n0 - 1)
+            prompt = self.tokens[m.held :]
+            stats.prompt_tokens = len(prompt)
+            stream = stream_generate(
+                m.loaded.model,
+                self.pair.tokenizer,
+                mx.array(prompt),
+                max_tokens=limit,
+                prompt_cache=m.cache,
+                **kwargs,
+            )
+            try:
+                for r in stream:
+                    if stats.ttft_s is None:
+                        stats.ttft_s = time.perf_counter() - t0
+                    lp = r.logprobs[r.token].item()
+                    emitted.append(r.token)
+                    texts.append(r.text)
+                    stats.logprobs.append(lp)
+                    stats.generation_tokens = r.generation_tokens
+                    stats.generation_tps = r.generation_tps
+                    stats.prompt_tps = r.prompt_tps
+                    stats.peak_memory_gb = r.peak_memory
+                    if r.finish_reason is not None:
+                        stats.finish_reason = r.finish_reason
+                        if capped and r.finish_reason == "length":
+                            stats.finish_reason = "context"
+                        stats.text = "".join(texts)
+                        yield TokenEvent(r.text, r.token, lp, name, stats)
+                        break
+                    if self._cancel.is_set():
+                        stats.finish_reason = "cancelled"
+                        stats.text = "".join(texts)
+                        yield TokenEvent(r.text, r.token, lp, name, stats)
+                        break
+                    yield TokenEvent(r.text, r.token, lp, name)
+            finally:
+                stream.close()
+        finally:
+            self._commit(m, n0, emitted, texts, stats)
+
+    def _commit(self, m: _Model, n0: int, emitted, texts, stats: TurnStats) -> None:
+        """End a turn: keep the emitted tokens as the answer and make the cache match."""
+        stats.finish_reason = stats.finish_reason or "interrupted"
+        stats.text = "".join(texts)
+        if emitted:
+            self.tokens = self.tokens[:n0] + list(emitted)
+            last = self.messages[-1] if self.messages else None
+            if last is not None and last["role"] == "assistant" and self._answer is not None:
+                last["content"] += stats.text  # a continuation of the last answer
+            else:
+                self.messages.append({"role": "assistant", "content": stats.text})
+                self._answer = (n0, m.name)
+            self._user_start = None
+        self._settle(m, len(self.tokens))
+        self.turns.append(stats)
+        if self._active is not None and self._active[1] == threading.get_ident():
+            self._active = None
+
+    def escalate(self, model: str | None = None, **generate_kwargs) -> Iterator[TokenEvent]:
+        """Answer the last user message again with the other model (or `model`).
+
+        The last answer is dropped from the conversation and both caches; the incoming model
+        then catches up by the session's mode and answers.
+        """
+        self._claim()
+        if self.pending:  # e.g. stopped before its first token: the other model answers it
+            if model is None and self.last_turn is None:
+                raise SessionError("the last message has no answer yet: name the model to answer")
+            into = model or ("target" if self.last_turn.model == "source" else "source")
+            return self.generate(into, **generate_kwargs)
+        if self._answer is None or not self.messages or self.messages[-1]["role"] != "assistant":
+            raise SessionError("nothing to escalate: there is no answer yet")
+        start, answered = self._answer
+        into = self._name(model) if model else ("target" if answered == "source" else "source")
+        self._truncate(start)
+        self.messages.pop()
+        self._answer = None
+        self._user_start = None
+        return self.generate(into, **generate_kwargs)
+
+    def score(self, model: str, text: str, prefill_step_size: int = 2048) -> list[float]:
+        """Teacher forcing: append `text` as `model`'s answer; return its tokens' log-probs.
+
+        The model catches up exactly as it would before answering, then reads the answer
+        itself. Used by the multi-turn evaluation (NLL of the real next turn).
+        """
+        name = self._name(model)
+        self._claim()
+        if not self.tokens:
+            raise SessionError("nothing to answer yet: add a user message first")
+        self._check_mode()
+        m = self._models[name]
+        stats = TurnStats(name, self.mode, finish_reason="scored")
+        t0 = time.perf_counter()
+        start = self._append_message({"role": "assistant", "content": text}, False)
+        if self.max_kv_size is not None and len(self.tokens) > self.max_kv_size:
+            n = len(self.tokens)
+            self._truncate(start)
+            self.messages.pop()
+            raise ContextOverflowError(
+                f"with this answer the conversation is {n} tokens, beyond max_kv_size "
+                f"{self.max_kv_size}: /trim (Session.trim) or /reset"
+            )
+        self._user_start = None
+        self._answer = (start, name)
+        try:
+            stats.switch = self._catch_up(name, start - 1)
+            a = m.held
+            toks = self.tokens[a:]
+            stats.prompt_tokens = start - a  # read before the answer; the answer is "generated"
+            out: list[float] = []
+            for s in range(0, len(toks), prefill_step_size):
+                chunk = toks[s : s + prefill_step_size]
+                logits = m.loaded.model(mx.array(chunk)[None], cache=m.cache)[0]
+                logp = logits.astype(mx.float32) - mx.logsumexp(
+                    logits.astype(mx.float32), axis=-1, keepdims=True
+                )
+                # absolute position p = a + s + i predicts token p + 1; want p + 1 >= start
+                lo = max(start - 1 - (a + s), 0)
+                hi = min(len(chunk), len(self.tokens) - 1 - (a + s))
+                if hi > lo:
+                    targets = mx.array(self.tokens[a + s + lo + 1 : a + s + hi + 1])
+                    picked = mx.take_along_axis(logp[lo:hi], targets[:, None], axis=-1)[:, 0]
+                    out.extend(picked.tolist())
+                mx.eval([c.keys for c in m.cache])
+            stats.logprobs = out
+            stats.generation_tokens = len(self.tokens) - start
+            stats.ttft_s = time.perf_counter() - t0
+            stats.text = text
+        finally:
+            self._settle(m, len(self.tokens))
+            self.turns.append(stats)
+        return out

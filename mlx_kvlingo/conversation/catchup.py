@@ -1,0 +1,104 @@
+"""Catching up: a model that is about to answer gets the span the other model holds and it lacks.
+
+    alternation  translate only [held, other's held) at its true positions, once;
+    naive        re-translate everything the other model holds (the drifting baseline);
+    reprefill    read it itself.
+
+The span is taken from the outgoing model's cache (the `post_norm` cut), or recomputed on its
+cached prefix when the translator reads keys before k_norm (`pre_norm`). Mixed into `Session`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from ..capture import SpanKV, capture_from_cache, needs_recording, prefill
+from ..kvcache import append_kv, new_cache, prefix_copy
+from ..pair import LoadedModel
+from .records import SessionError, Switch
+
+ALIASES = {"source": "source", "target": "target", "small": "source", "large": "target"}
+
+
+@dataclass
+class _Model:
+    name: str
+    loaded: LoadedModel
+    cache: list
+    held: int = 0  # the cache holds conversation tokens [0, held)
+
+
+class CatchUp:
+    """Bringing one model's cache up to the conversation (state lives on `Session`)."""
+
+    def _name(self, model: str) -> str:
+        try:
+            return ALIASES[model]
+        except KeyError:
+            raise SessionError(
+                f"unknown model {model!r}; use 'source'/'small' or 'target'/'large'"
+            ) from None
+
+    @staticmethod
+    def _settle(m: _Model, want: int) -> None:
+        """Make every layer of m's cache hold exactly the first `keep` tokens it can vouch for.
+
+        After an interruption some layers may have processed more than others; keeping the
+        smallest count over layers (and at most `want`) leaves a consistent cache.
+        """
+        keep = min([want] + [c.offset for c in m.cache])
+        for c in m.cache:
+            if c.offset > keep:
+                c.trim(c.offset - keep)
+        m.held = keep
+
+    def _catch_up(self, name: str, upto: int) -> Switch | None:
+        """Bring model `name` to hold conversation[:a] with a <= upto, by the session's mode.
+
+        Returns the `Switch` when the other model held tokens this one lacked, else None.
+        """
+        m = self._models[name]
+        o = self._models["target" if name == "source" else "source"]
+        self._settle(m, min(m.held, upto))
+        end = min(o.held, upto)
+        if end <= m.held:
+            return None
+        sw = Switch(name, self.mode, m.held, end)
+        tr = self.forward if name == "target" else self.backward
+        if self.mode == "reprefill":
+            sw.note = "re-prefill"
+        elif tr is None:
+            sw.note = f"no {'forward' if name == 'target' else 'backward'} translator: re-prefill"
+        else:
+            t0 = time.perf_counter()
+            cut = tr.config.key_cut
+            if self.mode == "naive":
+                sw.retranslated = m.held
+                m.cache, m.held = new_cache(m.loaded), 0
+            span = self._capture(o, m.held, end, cut)
+            span.tokens = tuple(self.tokens[span.start : span.end])
+            keys, values = tr.translate(span, m.loaded)
+            append_kv(m.cache, keys, values)
+            m.held = end
+            sw.translated = span.length
+            sw.seconds = time.perf_counter() - t0
+        self.switches.append(sw)
+        return sw
+
+    def _capture(self, o: _Model, start: int, end: int, cut: str) -> SpanKV:
+        """The outgoing model's K/V for [start, end) at the translator's key cut."""
+        if not needs_recording(o.loaded, cut):
+            return capture_from_cache(o.loaded, o.cache, start, end)
+        # pre-k_norm keys are not in the cache: recompute the span on the cached prefix
+        scratch = prefix_copy(o.cache, start)
+        return prefill(o.loaded, self.tokens[start:end], scratch, cut=cut)
+
+    def _check_mode(self) -> None:
+        if self.mode != "naive":
+            return
+        for tr, outgoing in ((self.forward, self.pair.source), (self.backward, self.pair.target)):
+            if tr is not None and needs_recording(outgoing, tr.config.key_cut):
+                raise SessionError(
+                    "naive mode needs post_norm translators (with a pre_norm one the outgoing "
+                    "model would recompute its keys, hiding the re-translation drift)"
+                )

@@ -1,0 +1,70 @@
+"""Teacher-forced scoring under a cache: log-probs of a continuation given a prefix's K/V.
+
+For an example (prefix p, continuation c), the target reads the last prefix token and c[:-1]
+on top of a cache holding p[:-1]; row i of the result is its log-distribution for c[i].
+The teacher is the target on its own (native) cache; a student is the target on a cache some
+method built from the source's K/V. Calibration trains against KL(teacher || student);
+evaluation, comparison and the hand-off methods score with the same functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from .capture import SpanKV, trace
+from .kvcache import new_cache
+
+
+@dataclass
+class Prepared:
+    """One example ready for scoring: the source's span and the teacher's log-probs."""
+
+    span: SpanKV
+    inputs: mx.array  # last prefix token + continuation[:-1]
+    teacher_logp: mx.array  # (T, V) log-probs of the target with its own cache
+
+
+def native_logp(model, ex) -> mx.array:
+    """(T, V) log-probs of `model` (a LoadedModel) for the continuation, reading everything itself."""
+    prefix, cont = list(ex.prefix), list(ex.continuation)
+    logits = model.model(mx.array(prefix + cont[:-1])[None])[0, len(prefix) - 1 :]
+    return nn.log_softmax(logits.astype(mx.float32), axis=-1)
+
+
+def teacher_inputs(ex) -> mx.array:
+    """What the target reads itself on top of the translated prefix: p[-1] + c[:-1]."""
+    return mx.array([ex.prefix[-1]] + list(ex.continuation[:-1]))
+
+
+def prepare(pair, ex, key_cut: str, span: SpanKV | None = None) -> Prepared:
+    """The source's K/V of prefix[:-1] at `key_cut` (or `span`) and the teacher's log-probs."""
+    span = span if span is not None else trace(pair.source, list(ex.prefix)[:-1], key_cut)
+    teacher = native_logp(pair.target, ex)
+    mx.eval(span.keys, span.values, teacher)
+    return Prepared(span, teacher_inputs(ex), teacher)
+
+
+def student_logp(method, pair, prep: Prepared) -> mx.array:
+    """(T, V) log-probs of the target on a cache that `method` translated from `prep.span`."""
+    cache = new_cache(pair.target)  # fresh each call: gradients flow through its contents
+    keys, values = method.translate(prep.span, pair.target)
+    for c, k, v in zip(cache, keys, values, strict=True):
+        c.update_and_fetch(k, v)
+    logits = pair.target.model(prep.inputs[None], cache=cache)[0]
+    return nn.log_softmax(logits.astype(mx.float32), axis=-1)
+
+
+def kl(teacher_logp: mx.array, student: mx.array) -> mx.array:
+    """Mean over positions of KL(teacher || student)."""
+    return (mx.exp(teacher_logp) * (teacher_logp - student)).sum(-1).mean()
+
+
+def mean_kl(method, pair, prepared: Sequence[Prepared]) -> float:
+    """Mean KL(native || method) over prepared examples (NaN for none)."""
+    vals = [kl(p.teacher_logp, student_logp(method, pair, p)).item() for p in prepared]
+    return float(np.mean(vals)) if vals else float("nan")

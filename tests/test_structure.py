@@ -1,0 +1,215 @@
+"""The architecture's arrows (issue 17) and the CLI papercuts found by trying it as a newcomer."""
+
+import ast
+import json
+from pathlib import Path
+
+from mlx_kvlingo.cli import cli
+from mlx_kvlingo.format import save_translator
+from mlx_kvlingo.pair import load_pair
+
+import pytest
+from click.testing import CliRunner
+from helpers import exact_translator
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "mlx_kvlingo"
+PROMPT = "def main(argv=None):\n    parser = argparse.ArgumentParser(prog="
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every mlx_kvlingo module `path` imports, at any depth (lazy imports count too)."""
+    me = _module_name(path)
+    package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("mlx_kvlingo")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            if mod.startswith("mlx_kvlingo"):
+                out.add(mod)
+                out |= {f"{mod}.{a.name}" for a in node.names}  # `from . import x`
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module_name(p): p for p in PKG.rglob("*.py")}
+    return {m: {i for i in _imports(p) if i in files and i != m} for m, p in files.items()}
+
+
+def test_nothing_below_the_cli_imports_it():
+    offenders = {
+        m: sorted(i for i in deps if i.startswith("mlx_kvlingo.cli"))
+        for m, deps in _graph().items()
+        if not m.startswith("mlx_kvlingo.cli")
+    }
+    assert not {m: d for m, d in offenders.items() if d}
+
+
+def test_measuring_does_not_import_calibration():
+    offenders = {
+        m: sorted(i for i in deps if i.startswith("mlx_kvlingo.calibrate"))
+        for m, deps in _graph().items()
+        if m.startswith("mlx_kvlingo.measure")
+    }
+    assert not {m: d for m, d in offenders.items() if d}
+
+
+def test_translation_layer_does_not_depend_on_generation():
+    graph = _graph()
+    for layer in ("translator", "anchor", "capture", "kvcache", "rope", "format"):
+        deps = graph[f"mlx_kvlingo.{layer}"]
+        assert not deps & {"mlx_kvlingo.decode", "mlx_kvlingo.session"}, (layer, deps)
+
+
+def test_no_import_circles():
+    graph = _graph()
+    # drop package __init__ edges to their own submodules (re-exports are not circles)
+    seen, stack, cycles = set(), [], []
+
+    def visit(m):
+        if m in stack:
+            cycles.append(stack[stack.index(m) :] + [m])
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if not (m.endswith("__init__") or d.startswith(m + ".")):
+                visit(d)
+        stack.pop()
+
+    for m in sorted(graph):
+        visit(m)
+    assert not cycles, cycles
+
+
+def test_session_is_split_by_concern():
+    from mlx_kvlingo.conversation import answering, catchup, messages, persistence
+    from mlx_kvlingo.session import Session
+
+    assert len((PKG / "session.py").read_text().splitlines()) < 300
+    for part in (messages.Messages, catchup.CatchUp, answering.Answering, persistence.Persistence):
+        assert issubclass(Session, part)
+
+
+# -- papercuts ------------------------------------------------------------------------------
+
+
+def _translator_file(tiny_dir, tmp_path):
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+    tr = exact_translator(pair, tiny_dir["known_answer"])
+    return pair, save_translator(tr, tmp_path / "t.safetensors", pair)
+
+
+def _pair_args(tiny_dir, tr_path):
+    return ["--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["known"]),
+            "--translator", str(tr_path)]  # fmt: skip
+
+
+def test_eval_accepts_text_records_and_scores_all_of_them(tiny_dir, tmp_path, text_file):
+    _, tr_path = _translator_file(tiny_dir, tmp_path)
+    text = text_file.read_text()
+    data = tmp_path / "docs.jsonl"
+    chunks = [text[i : i + 3000] for i in range(0, 30000, 3000)]
+    data.write_text("".join(json.dumps({"text": c}) + "\n" for c in chunks))
+    out = CliRunner().invoke(cli, ["eval", *_pair_args(tiny_dir, tr_path), "--data", str(data),
+                                   "-n", "100", "--max-prefix", "48", "--json", str(tmp_path / "r.json")])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    result = json.loads((tmp_path / "r.json").read_text())
+    # every document is scored (no silent 10% held-out split), and the count is printed
+    assert result["examples"] >= len(chunks)
+    assert f"scored {result['examples']} examples, {result['tokens']} continuation tokens" in (
+        " ".join(out.output.split())
+    )
+
+
+def test_eval_refuses_bad_data_before_loading_models(tmp_path, monkeypatch):
+    import mlx_kvlingo.cli._common as common
+
+    def boom(*a, **k):
+        raise AssertionError("a model was loaded before the data was checked")
+
+    monkeypatch.setattr(common, "load_pair", boom)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"prompt": "no"}\n')
+    out = CliRunner().invoke(cli, ["eval", "--source", "x", "--target", "y", "--translator",
+                                   str(bad), "--data", str(bad)])  # fmt: skip
+    assert out.exit_code != 0
+    assert "bad.jsonl:2" in out.output and '{"text": "..."}' in out.output
+
+
+def test_eval_help_lists_only_options_that_act():
+    out = CliRunner().invoke(cli, ["eval", "--help"])
+    assert "--max-examples" not in out.output and "--heldout-fraction" in out.output
+    out = CliRunner().invoke(cli, ["calibrate", "--help"])
+    assert "--max-examples" in out.output
+
+
+def test_gap_recovered_and_kl_format():
+    from mlx_kvlingo.measure.evaluate import format_gap, format_kl, gap_recovered
+
+    assert gap_recovered(3.0, 2.0, 2.5) == pytest.approx(0.5)
+    assert format_gap(gap_recovered(2.0001, 2.0, 2.5)) == "n/a"  # 1e-4 nats apart: no gap
+    assert format_kl(-0.0) == "0.0000" and format_kl(-3e-7) == "0.0000"
+    assert format_kl(0.01234) == "0.0123"
+
+
+def test_calibrate_reports_alpha_zero_fit_and_runs_stage2_by_default(tiny_dir, tmp_path, text_file):
+    from mlx_kvlingo.calibrate.distill import Stage2Config
+    from mlx_kvlingo.cli.calibrate import calibrate_cmd
+    from mlx_kvlingo.format import read_metadata
+
+    steps = next(p for p in calibrate_cmd.params if p.name == "steps")
+    assert steps.default == Stage2Config().steps > 0  # stage 1 then stage 2, as the README says
+    readme = (ROOT / "README.md").read_text()
+    assert "then stage 2" in readme
+    alpha = next(p for p in calibrate_cmd.params if p.name == "alpha")
+    assert "trace(Cov(X)) / d" in alpha.help
+    out = CliRunner().invoke(cli, ["calibrate", "--source", str(tiny_dir["qwen3"]), "--target",
+                                   str(tiny_dir["known"]), "--data", str(text_file), "--steps", "0",
+                                   "--max-examples", "8", "--eval-examples", "0", "--bias",
+                                   "-o", str(tmp_path / "c.safetensors")])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "(alpha 0:" in out.output
+    fit = read_metadata(tmp_path / "c.safetensors")["calibration"]["stage1"]["train_fit"]
+    # the unregularized fit is at least as good on the training data as the ridge one
+    assert fit["key"]["r2_mean_alpha0"] >= fit["key"]["r2_mean"] - 1e-9
+
+
+def test_bench_without_translator_times_a_random_one(tiny_dir, tmp_path):
+    from mlx_kvlingo.cli.bench import DEFAULT_LENGTHS, default_lengths
+
+    assert "4096" not in default_lengths()  # the tests run on the CPU backend
+    assert "4096" in DEFAULT_LENGTHS["gpu"]
+    out = CliRunner().invoke(cli, ["bench", "--source", str(tiny_dir["qwen3"]), "--target",
+                                   str(tiny_dir["qwen3_moe"]), "--lengths", "8", "-n", "1",
+                                   "--warmup", "0", "--no-progress", "-o", str(tmp_path / "b")])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "random (latency only" in (tmp_path / "b" / "bench.md").read_text()
+
+
+def test_generate_json_for_scripts(tiny_dir, tmp_path):
+    pair, tr_path = _translator_file(tiny_dir, tmp_path)
+    out = CliRunner().invoke(cli, ["generate", *_pair_args(tiny_dir, tr_path), "-p", PROMPT,
+                                   "--no-chat", "-m", "6", "--json"])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    result = json.loads(out.stdout)
+    assert result["prompt_token_ids"] == pair.tokenizer.encode(PROMPT)
+    assert len(result["token_ids"]) == len(result["pieces"]) == 6
+    assert result["text"] == "".join(result["pieces"])
+    t = result["timings"]
+    assert t["translated_tokens"] == len(result["prompt_token_ids"]) - 1
+    assert t["ttft_s"] >= t["source_prefill_s"] + t["translate_s"]
