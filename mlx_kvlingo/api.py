@@ -468,6 +468,29 @@ class Conversation:
 
         return self._open(start, label, wait, timeout)
 
+    def add_messages(
+        self, messages: list[dict[str, str]], *, wait: bool = True, timeout: float | None = None
+    ) -> None:
+        """Append earlier turns (role "user" / "assistant", alternating) without answering them.
+
+        For history that comes from elsewhere (a client's message list, another app): nothing
+        is read now; the next answer catches up on it (the small model reads it by default).
+        """
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+                raise ConversationError(f"each message needs role 'user' or 'assistant': {m!r}")
+            if not isinstance(m.get("content"), str):
+                raise ConversationError(f"each message needs a string 'content': {m!r}")
+
+        def add() -> None:
+            for m in messages:
+                if m["role"] == "user":
+                    self._session.add_user(m["content"])
+                else:
+                    self._session.add_assistant(m["content"])
+
+        self._locked(add, wait, timeout)
+
     def ask(self, text: str, model: ModelName = "small", **kwargs: Any) -> Event:
         """`send` without streaming: the done event (its `text` is the whole answer)."""
         done: Event | None = None

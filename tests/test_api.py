@@ -344,3 +344,25 @@ def test_public_api_typechecks(tmp_path):
         capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_add_messages_history_then_answer(runtime):
+    """History from elsewhere is appended unread; the next answer catches up on all of it."""
+    conv = runtime.new_conversation(system_prompt="Be brief.")
+    conv.add_messages([{"role": "user", "content": MSG[0]}, {"role": "assistant", "content": "ok"}])
+    s = conv._session
+    assert s.held("source") == s.held("target") == 0 and not s.pending
+    done = conv.ask(MSG[1], model="small", max_tokens=N)
+    n = len(s.tokens) - done.timings.generation_tokens
+    reference = runtime.pair.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": MSG[0]},
+         {"role": "assistant", "content": "ok"}, {"role": "user", "content": MSG[1]}],
+        add_generation_prompt=True,
+    )  # fmt: skip
+    assert s.tokens[:n] == list(reference)
+    assert [t for t in s.tokens[n:]] == native(runtime, "small", reference)[: len(s.tokens) - n]
+    assert_consistent(conv)
+    with pytest.raises(ConversationError, match="role"):
+        conv.add_messages([{"role": "tool", "content": "x"}])
+    with pytest.raises(ConversationError, match="must follow a user message"):
+        conv.add_messages([{"role": "assistant", "content": "x"}])

@@ -37,6 +37,20 @@ class Messages:
         self._user_start = start
         return self.tokens[start:]
 
+    def add_assistant(self, text: str) -> list[int]:
+        """Append an answer given as text (history from elsewhere); return its tokens.
+
+        Nothing reads it now: whichever model answers next catches up on it like any span it
+        lacks. It cannot be escalated (no model produced it).
+        """
+        self._claim()
+        if not self.pending:
+            raise SessionError("an assistant message must follow a user message")
+        start = self._append_message({"role": "assistant", "content": text}, False)
+        self._answer = None
+        self._user_start = None
+        return self.tokens[start:]
+
     def add_tokens(self, tokens: Sequence[int]) -> None:
         """Append raw token ids to the conversation (no template; for tests and tools)."""
         self._claim()
