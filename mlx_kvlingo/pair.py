@@ -64,6 +64,7 @@ class LoadedModel:
     config: dict
     family: Family
     geometry: KVGeometry
+    folder: Path | None = None  # where its files are (generation_config.json, ...), when known
 
     @property
     def layers(self) -> list:
@@ -151,7 +152,20 @@ def load_model(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") -> Loa
         model.set_dtype(dtype)
         mx.eval(model.parameters())
     family = family_of(config["model_type"])
-    return LoadedModel(name, model, tokenizer, config, family, geometry_of(model, config))
+    geometry = geometry_of(model, config)
+    return LoadedModel(name, model, tokenizer, config, family, geometry, _folder_of(name))
+
+
+def _folder_of(name: str) -> Path | None:
+    """The local folder mlx_lm.load read (a hub id resolves in the Hub cache, offline)."""
+    if Path(name).is_dir():
+        return Path(name)
+    try:
+        from mlx_lm.utils import hf_repo_to_path
+
+        return hf_repo_to_path(name)
+    except Exception:  # noqa: BLE001 - not in the cache (or not a hub id): no folder to read
+        return None
 
 
 def vocab_fingerprint(tokenizer) -> str:

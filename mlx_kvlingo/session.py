@@ -10,6 +10,12 @@ The conversation is one list of token ids. Each model's mlx-lm cache holds a pre
                  drifts turn after turn);
     reprefill    read everything it lacks itself (the exact reference, and the slow one).
 
+Reader policy. With `reader="small"` (the default whenever a forward translator is
+loaded), before the large model answers: the small model catches up on the large's last
+answer (backward translation, or it reads it itself), reads the new user turn itself
+(prefill only), and the large catches up by translating exactly the span it lacks. With
+`reader="self"` the answering model reads what it lacks itself. No span is translated twice.
+
 The answering model always reads at least the last conversation token itself and then
 decodes with mlx-lm's `stream_generate` on its own cache. Messages are appended as the
 chat template's tokens. Nothing here prints: `generate` yields `TokenEvent`s and every turn
@@ -46,6 +52,7 @@ from .pair import ModelPair
 from .translator import Side, Translator
 
 MODES = ("alternation", "naive", "reprefill")
+READERS = ("small", "self")
 
 
 class Session(Messages, CatchUp, Answering, Persistence):
@@ -73,6 +80,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
         *,
         system_prompt: str | None = None,
         max_kv_size: int | None = None,
+        reader: str | None = None,
     ):
         self.pair = pair
         self.forward = forward
@@ -85,6 +93,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
                     f"but this direction needs {a} -> {b}"
                 )
         self.mode = mode
+        self.reader = reader if reader is not None else ("small" if forward else "self")
         self.system_prompt = system_prompt
         self.max_kv_size = max_kv_size
         self._cancel = threading.Event()
@@ -102,6 +111,19 @@ class Session(Messages, CatchUp, Answering, Persistence):
         if mode not in MODES:
             raise SessionError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         self._mode = mode
+
+    @property
+    def reader(self) -> str:
+        """Who reads a new user turn before the large model answers: "small" or "self"."""
+        return self._reader
+
+    @reader.setter
+    def reader(self, reader: str) -> None:
+        if reader not in READERS:
+            raise SessionError(f"unknown reader {reader!r}; expected one of {', '.join(READERS)}")
+        if reader == "small" and self.forward is None:
+            raise SessionError("reader 'small' needs a forward (small -> large) translator")
+        self._reader = reader
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and empty both caches."""
@@ -143,27 +165,45 @@ class Session(Messages, CatchUp, Answering, Persistence):
         return [t for t in out if into is None or t[0] == self._name(into)]
 
     def stats(self) -> dict:
-        """Totals over the conversation, per model and per direction."""
+        """Totals over the conversation, per model and per direction.
+
+        Per model: tokens it read itself while answering (`prompt_tokens`) and while reading
+        for the other model (`read_for_other_tokens`), tokens translated into it, and the
+        times; `estimated_saving_ms` sums, over the large model's answers that the small one
+        read for, its estimated own prefill minus what reading and translating cost.
+        """
         per = {}
         for name in MODELS:
             turns = [t for t in self.turns if t.model == name]
             sw = [s for s in self.switches if s.into == name]
+            reads = [t.read for t in self.turns if t.read is not None and t.read.model == name]
             per[name] = {
                 "turns": len(turns),
                 "generated_tokens": sum(t.generation_tokens for t in turns),
                 "prompt_tokens": sum(t.prompt_tokens for t in turns),
+                "prompt_ms": 1e3 * sum(t.prompt_s for t in turns),
+                "read_for_other_tokens": sum(r.tokens for r in reads),
+                "read_for_other_ms": 1e3 * sum(r.seconds for r in reads),
                 "switches_into": len(sw),
                 "translated_into": sum(s.translated for s in sw),
                 "retranslated_into": sum(s.retranslated for s in sw),
                 "translate_ms": 1e3 * sum(s.seconds for s in sw if s.translated),
                 "held": self._models[name].held,
             }
+        saved = 0.0
+        for t in self.turns:
+            if t.read is not None and t.alone_prefill_s is not None:
+                spent = t.read.seconds + t.prompt_s
+                spent += sum(s.seconds for s in (t.read.catch_up, t.switch) if s and s.translated)
+                saved += t.alone_prefill_s - spent
         return {
             "mode": self.mode,
+            "reader": self.reader,
             "conversation_tokens": len(self.tokens),
             "messages": len(self.messages),
             "switches": len(self.switches),
             "retemplated": self.retemplated,
+            "estimated_saving_ms": 1e3 * saved,
             "models": per,
         }
 
@@ -173,7 +213,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
 
 
 __all__ = [
-    "ALIASES", "MODELS", "MODES", "ContextOverflowError", "Session", "SessionBusyError",
+    "ALIASES", "MODELS", "MODES", "READERS", "ContextOverflowError", "Session", "SessionBusyError",
     "SessionError", "SessionFileError", "Switch", "TokenEvent", "TurnStats",
     "answer_confidence", "model_fingerprint", "status_line",
 ]  # fmt: skip

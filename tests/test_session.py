@@ -81,8 +81,8 @@ def assert_consistent(s):
 
 def test_alternation_equals_reprefill_both_directions(pair, translators):
     fwd, bwd = translators
-    ref = Session(pair, fwd, bwd, mode="reprefill")
-    alt = Session(pair, fwd, bwd, mode="alternation")
+    ref = Session(pair, fwd, bwd, mode="reprefill", reader="self")
+    alt = Session(pair, fwd, bwd, mode="alternation", reader="self")
     ref_turns, alt_turns = converse(ref), converse(alt)
     assert [t[2] for t in alt_turns] == [t[2] for t in ref_turns]
     assert all(len(t[2]) > 0 for t in alt_turns)
@@ -405,7 +405,7 @@ def test_template_diff_keeps_generated_tokens(pair, translators):
     merged = tok.encode("def", add_special_tokens=False)
     pieces = [t for c in "def" for t in tok.encode(c, add_special_tokens=False)]
     assert len(merged) < len(pieces)  # "def" is one token, the model spells it out
-    s = Session(pair, fwd, bwd, system_prompt="Be brief.")
+    s = Session(pair, fwd, bwd, system_prompt="Be brief.", reader="self")
     s.add_user("hi")
     n0 = len(s.tokens)
     list(s.generate("small", max_tokens=10, logits_processors=[forcing(pieces + [eos])]))

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import mlx.core as mx
 from mlx_lm import stream_generate
 
+from ..kvcache import new_cache
 from .catchup import _Model
 from .records import ContextOverflowError, SessionBusyError, SessionError, TokenEvent, TurnStats
 
@@ -86,7 +87,13 @@ class Answering:
         stats = TurnStats(name, self.mode)
         emitted: list[int] = []
         texts: list[str] = []
+        lacked = n0 - m.held
         try:
+            if self._small_reads(name):
+                stats.read = self._read_ahead(n0 - 1, min(kwargs["prefill_step_size"], 512))
+                if self._cancel.is_set():  # stopped while the small model read
+                    stats.finish_reason = "cancelled"
+                    return
             stats.switch = self._catch_up(name, n0 - 1)
             prompt = self.tokens[m.held :]
             stats.prompt_tokens = len(prompt)
@@ -109,7 +116,10 @@ class Answering:
                     stats.generation_tokens = r.generation_tokens
                     stats.generation_tps = r.generation_tps
                     stats.prompt_tps = r.prompt_tps
+                    stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
                     stats.peak_memory_gb = r.peak_memory
+                    if len(emitted) == 1:
+                        _note_prefill_rate(m.loaded, len(prompt), stats.prompt_s)
                     if r.finish_reason is not None:
                         stats.finish_reason = r.finish_reason
                         if capped and r.finish_reason == "length":
@@ -127,6 +137,8 @@ class Answering:
                 stream.close()
         finally:
             self._commit(m, n0, emitted, texts, stats)
+        if stats.read is not None and emitted:  # what the large would pay reading it itself
+            stats.alone_prefill_s = _estimate_prefill(m.loaded, lacked, self.tokens[:n0])
 
     def _commit(self, m: _Model, n0: int, emitted, texts, stats: TurnStats) -> None:
         """End a turn: keep the emitted tokens as the answer and make the cache match."""
@@ -194,6 +206,8 @@ class Answering:
         self._user_start = None
         self._answer = (start, name)
         try:
+            if self._small_reads(name):
+                stats.read = self._read_ahead(start - 1, min(prefill_step_size, 512))
             stats.switch = self._catch_up(name, start - 1)
             a = m.held
             toks = self.tokens[a:]
@@ -221,3 +235,36 @@ class Answering:
             self._settle(m, len(self.tokens))
             self.turns.append(stats)
         return out
+
+
+# -- what a model's own prefill costs: measured on this pair, shared by its conversations ------
+
+_RATE_ATTR = "_kvlingo_prefill_rate"  # (tokens, seconds) of the longest prefill measured
+_MIN_MEASURED = 16  # shorter prefills are dominated by per-call overhead
+
+
+def _note_prefill_rate(loaded, tokens: int, seconds: float) -> None:
+    if tokens >= _MIN_MEASURED and seconds > 0:
+        best = loaded.__dict__.get(_RATE_ATTR)
+        if best is None or tokens >= best[0]:
+            loaded.__dict__[_RATE_ATTR] = (tokens, seconds)
+
+
+def _estimate_prefill(loaded, tokens: int, conversation: list[int]) -> float:
+    """Seconds `loaded` would take to read `tokens` itself, from its measured prefill rate.
+
+    Never measured yet (it only ever read a token or two): measure it once now, after the
+    answer, on up to 256 of this conversation's tokens in a scratch cache.
+    """
+    best = loaded.__dict__.get(_RATE_ATTR)
+    if best is None:
+        probe = conversation[: min(len(conversation), 256)]
+        if len(probe) < _MIN_MEASURED:
+            probe = (probe * _MIN_MEASURED)[:_MIN_MEASURED]
+        cache = new_cache(loaded)
+        t0 = time.perf_counter()
+        loaded.model(mx.array(probe)[None], cache=cache)
+        mx.eval([c.keys for c in cache])
+        _note_prefill_rate(loaded, len(probe), time.perf_counter() - t0)
+        best = loaded.__dict__[_RATE_ATTR]
+    return tokens * best[1] / best[0]

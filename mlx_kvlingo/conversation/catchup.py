@@ -12,10 +12,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from ..capture import SpanKV, capture_from_cache, needs_recording, prefill
 from ..kvcache import append_kv, new_cache, prefix_copy
 from ..pair import LoadedModel
-from .records import SessionError, Switch
+from .records import Read, SessionError, Switch
 
 ALIASES = {"source": "source", "target": "target", "small": "source", "large": "target"}
 
@@ -84,6 +86,36 @@ class CatchUp:
             sw.seconds = time.perf_counter() - t0
         self.switches.append(sw)
         return sw
+
+    def _small_reads(self, name: str) -> bool:
+        """Does the small model read for `name` this turn (reader policy, see session.py)?"""
+        return (
+            name == "target"
+            and self.reader == "small"
+            and self.forward is not None
+            and self.mode != "reprefill"  # the reference: the answering model reads it all
+        )
+
+    def _read_ahead(self, upto: int, chunk: int) -> Read:
+        """The small model catches up on the large's last answer, then reads up to `upto`
+        itself (prefill only), `chunk` tokens at a time; a cancel stops it between chunks.
+
+        However it stops (cancel, Ctrl-C), its cache holds exactly what it read.
+        """
+        m = self._models["source"]
+        read = Read("source", catch_up=self._catch_up("source", upto))
+        t0 = time.perf_counter()
+        try:
+            while m.held < upto and not self._cancel.is_set():
+                piece = self.tokens[m.held : min(upto, m.held + chunk)]
+                m.loaded.model(mx.array(piece)[None], cache=m.cache)
+                mx.eval([c.keys for c in m.cache])
+                m.held += len(piece)
+                read.tokens += len(piece)
+        finally:
+            self._settle(m, m.held)
+            read.seconds = time.perf_counter() - t0
+        return read
 
     def _capture(self, o: _Model, start: int, end: int, cut: str) -> SpanKV:
         """The outgoing model's K/V for [start, end) at the translator's key cut."""

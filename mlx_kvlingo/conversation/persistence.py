@@ -20,7 +20,7 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from ..kvcache import prefix_copy
 from ..pair import LoadedModel
 from .catchup import _Model
-from .records import SessionFileError, Switch, TurnStats
+from .records import Read, SessionFileError, Switch, TurnStats
 
 MODELS = ("source", "target")
 SESSION_SCHEMA = "mlx-kvlingo/session"
@@ -81,6 +81,7 @@ class Persistence:
             "messages": self.messages,
             "system_prompt": self.system_prompt,
             "mode": self.mode,
+            "reader": self.reader,
             "answer": list(self._answer) if self._answer else None,
             "user_start": self._user_start,
             "switches": [asdict(s) for s in self.switches],
@@ -155,7 +156,17 @@ class Persistence:
         self._answer = tuple(state["answer"]) if state.get("answer") else None
         self._user_start = state.get("user_start")
         self.switches = [Switch(**s) for s in state.get("switches", [])]
+        if state.get("reader") in ("small", "self") and (state["reader"] == "self" or self.forward):
+            self.reader = state["reader"]
         self.turns = [
-            TurnStats(**{**t, "switch": Switch(**t["switch"]) if t["switch"] else None})
+            TurnStats(**{**t, "switch": _switch(t.get("switch")), "read": _read(t.get("read"))})
             for t in state.get("turns", [])
         ]
+
+
+def _switch(d: dict | None) -> Switch | None:
+    return Switch(**d) if d else None
+
+
+def _read(d: dict | None) -> Read | None:
+    return Read(**{**d, "catch_up": _switch(d.get("catch_up"))}) if d else None

@@ -1,0 +1,260 @@
+"""Reader policy: the small model reads every user turn, the large one answers from the
+translated cache (issue 12), on the known-answer tiny pair where translation is exact."""
+
+import json
+
+from mlx_kvlingo.pair import load_pair
+from mlx_kvlingo.sampling import DEFAULTS, GREEDY, resolve
+from mlx_kvlingo.session import Session, SessionError, status_line
+
+import mlx.core as mx
+import pytest
+from helpers import exact_translator
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_sampler
+
+MESSAGES = [
+    "def parse_args(argv):",
+    "class Foo(object):",
+    "import json\nimport os",
+    "return value",
+    "for item in items:",
+    "print(x)",
+    "with open(path) as f:",
+    "raise ValueError(msg)",
+    "if __name__ == '__main__':",
+    "x = [i for i in range(10)]",
+]
+N = 12
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir):
+    return load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+
+
+def inverse(answer):
+    return {
+        "key_maps": [k.T for k in answer["key_maps"]],
+        "value_maps": [v.T for v in answer["value_maps"]],
+    }
+
+
+@pytest.fixture(scope="module")
+def translators(pair, tiny_dir):
+    answer = tiny_dir["known_answer"]
+    return exact_translator(pair, answer), exact_translator(pair.reversed(), inverse(answer))
+
+
+def converse(s, turns=10, schedule=None, sampler=None, seed=None):
+    out = []
+    for i in range(turns):
+        s.add_user(MESSAGES[i % len(MESSAGES)])
+        if seed is not None:
+            mx.random.seed(seed + i)
+        model = schedule[i] if schedule else "large"
+        out.append([e.token for e in s.generate(model, max_tokens=N, sampler=sampler)])
+    return out
+
+
+def native(model, tokenizer, tokens, n=N):
+    return [r.token for r in stream_generate(model, tokenizer, mx.array(tokens), max_tokens=n)]
+
+
+def assert_consistent(s):
+    for name in ("source", "target"):
+        assert all(c.offset == s.held(name) for c in s.cache(name))
+        assert s.held(name) <= len(s.tokens)
+
+
+def assert_translated_once(s):
+    """Spans into each model never overlap: no span is translated twice."""
+    for into in ("source", "target"):
+        spans = sorted((a, b) for _, a, b in s.translated_spans(into))
+        for (_, b), (c, _) in zip(spans, spans[1:]):
+            assert b <= c, spans
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_reader_equals_reprefill_over_ten_turns(pair, translators, seeded):
+    fwd, bwd = translators
+    sampler = make_sampler(temp=0.8, top_p=0.95) if seeded else None
+    seed = 7 if seeded else None
+    s = Session(pair, fwd, bwd)
+    assert s.reader == "small"  # the default with a forward translator
+    ref = Session(pair, fwd, bwd, mode="reprefill")
+    got, want = converse(s, sampler=sampler, seed=seed), converse(ref, sampler=sampler, seed=seed)
+    assert got == want and s.tokens == ref.tokens
+    assert all(len(t) > 0 for t in got)
+    # the large model read one token per turn; the small read every user turn for it
+    large = [t for t in s.turns if t.model == "target"]
+    assert [t.prompt_tokens for t in large] == [1] * 10
+    assert all(t.read is not None and t.read.tokens > 0 for t in large)
+    # and after its first turn, the small got each of the large's answers translated back
+    assert all(t.read.catch_up is not None and t.read.catch_up.translated for t in large[1:])
+    assert_translated_once(s)
+    assert_consistent(s)
+    # each span into the large is exactly what it lacked: contiguous from 0 to the last read
+    spans = [(a, b) for _, a, b in s.translated_spans("target")]
+    assert spans[0][0] == 0
+    n = len(s.tokens)
+    assert all(b - a >= 1 for a, b in spans) and spans[-1][1] < n
+
+
+def test_reader_self_keeps_todays_behaviour(pair, translators):
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd, reader="self")
+    converse(s, turns=3)
+    assert all(t.read is None for t in s.turns)
+    assert s.turns[0].prompt_tokens > 1 and not s.translated_spans()
+    with pytest.raises(SessionError, match="needs a forward"):
+        Session(pair, None, bwd, reader="small")
+    assert Session(pair, None, bwd).reader == "self"
+
+
+def test_mixed_schedule_and_no_backward_translator(pair, translators):
+    fwd, _ = translators
+    sched = ["large", "large", "small", "large", "small", "small", "large"]
+    s = Session(pair, fwd, None)
+    ref = Session(pair, fwd, None, mode="reprefill")
+    assert converse(s, 7, sched) == converse(ref, 7, sched)
+    large = [t for t in s.turns if t.model == "target"]
+    # no backward translator: the small reads the large's answer itself, and says so
+    c = large[1].read.catch_up
+    assert c is not None and not c.translated and "no backward translator" in c.note
+    assert "re-read the last answer" in status_line(large[1], {"source": "s", "target": "t"})
+    assert_translated_once(s)
+    assert_consistent(s)
+
+
+def test_naive_mode_with_reader(pair, translators):
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd, mode="naive")
+    ref = Session(pair, fwd, bwd, mode="reprefill")
+    assert converse(s, 4) == converse(ref, 4)
+    assert sum(sw.retranslated for sw in s.switches) > 0  # naive re-translates what it held
+    assert_consistent(s)
+
+
+def test_ctrl_c_during_the_small_read_and_the_large_decode(pair, translators, monkeypatch):
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd)
+    converse(s, 2)
+    s.add_user("a long user turn " * 12)
+    real = pair.source.model.__class__.__call__
+    calls = {"n": 0}
+
+    def interrupted(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the second chunk of the small model's read
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pair.source.model.__class__, "__call__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        list(s.generate("large", max_tokens=N, prefill_step_size=8))
+    monkeypatch.undo()
+    assert calls["n"] == 2 and 0 < s.held("source") < len(s.tokens) - 1
+    assert_consistent(s)
+    assert s.pending  # nothing was answered: the user turn is still open
+    n0 = len(s.tokens)
+    out = [e.token for e in s.generate("large", max_tokens=N)]
+    assert out == native(pair.target.model, pair.tokenizer, s.tokens[:n0])
+
+    # Ctrl-C in the large model's decode (raised from a logits processor at the 4th token)
+    s.add_user(MESSAGES[5])
+    seen = []
+
+    def stop_at_four(tokens, logits):
+        seen.append(1)
+        if len(seen) == 4:
+            raise KeyboardInterrupt
+        return logits
+
+    with pytest.raises(KeyboardInterrupt):
+        list(s.generate("large", max_tokens=N, logits_processors=[stop_at_four]))
+    assert_consistent(s)
+    assert s.last_turn.finish_reason == "interrupted" and 0 < s.last_turn.generation_tokens < 4
+    s.add_user(MESSAGES[6])
+    n0 = len(s.tokens)
+    out = [e.token for e in s.generate("large", max_tokens=N)]
+    assert out == native(pair.target.model, pair.tokenizer, s.tokens[:n0])
+    assert_translated_once(s)
+
+
+def test_cancel_during_the_small_read(pair, translators, monkeypatch):
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd)
+    s.add_user("word " * 40)
+    real = pair.source.model.__class__.__call__
+
+    def cancel_then_read(self, *a, **k):
+        s.cancel()  # as another thread would, while the small model reads
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pair.source.model.__class__, "__call__", cancel_then_read)
+    events = list(s.generate("large", max_tokens=N, prefill_step_size=8))
+    monkeypatch.undo()
+    assert events == [] and s.last_turn.finish_reason == "cancelled"
+    assert s.held("source") == 8 and s.held("target") == 0 and s.pending
+    assert_consistent(s)
+    n0 = len(s.tokens)
+    out = [e.token for e in s.generate("large", max_tokens=N)]
+    assert out == native(pair.target.model, pair.tokenizer, s.tokens[:n0])
+
+
+def test_save_load_and_trim_with_reader(pair, translators, tmp_path):
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd)
+    converse(s, 3)
+    path = s.save(tmp_path / "chat")
+    t = Session(pair, fwd, bwd, reader="self")
+    t.load(path)
+    assert t.reader == "small" and t.turns[-1].read.tokens == s.turns[-1].read.tokens
+    assert converse(s, 2) == converse(t, 2)
+    dropped = t.trim(len(t.tokens) // 2)
+    assert dropped > 0
+    t.add_user(MESSAGES[3])
+    n0 = len(t.tokens)
+    out = [e.token for e in t.generate("large", max_tokens=N)]
+    assert out == native(pair.target.model, pair.tokenizer, t.tokens[:n0])
+    assert_consistent(t)
+
+
+def test_status_and_stats_show_the_read_and_the_saving(pair, translators):
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd)
+    converse(s, 2)
+    st = s.last_turn
+    line = status_line(st, {"source": "S", "target": "T"})
+    assert line.startswith("large (T)") and "small read" in line and "translated" in line
+    assert "large alone: prefill ≈" in line and st.alone_prefill_s > 0
+    stats = s.stats()
+    assert stats["reader"] == "small"
+    src, tgt = stats["models"]["source"], stats["models"]["target"]
+    assert src["read_for_other_tokens"] == sum(t.read.tokens for t in s.turns)
+    assert tgt["prompt_tokens"] == 2 and tgt["translated_into"] > 0
+    assert isinstance(stats["estimated_saving_ms"], float)
+
+
+def test_sampling_defaults_and_generation_config(tmp_path):
+    class M:
+        folder = tmp_path
+
+    assert resolve(None) == DEFAULTS and DEFAULTS.repetition_penalty > 1
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": 2})
+    )
+    got = resolve(M())
+    assert (got.temp, got.top_k, got.top_p, got.min_p) == (0.6, 20, 0.95, DEFAULTS.min_p)
+    assert resolve(M(), temp=0.2, seed=3).temp == 0.2
+    greedy = resolve(M(), temp=0)
+    assert greedy.temp == 0 and greedy.repetition_penalty == 1.0 and not greedy.logits_processors()
+    assert resolve(M(), temp=0, repetition_penalty=1.3).logits_processors()
+    (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    assert resolve(M()).temp == 0 and resolve(M()).repetition_penalty == 1.0
+    (tmp_path / "generation_config.json").write_text("{not json")
+    assert resolve(M()) == DEFAULTS
+    with pytest.raises(TypeError, match="unknown sampling"):
+        resolve(None, temperature=1.0)
+    assert GREEDY.sampler()(mx.array([[0.1, 3.0, 0.2]])).item() == 1
