@@ -60,7 +60,7 @@ class ChatWindow(QMainWindow):
         runtime: Runtime,
         *,
         max_tokens: int = 256,
-        temperature: float = 0.0,
+        temperature: float | None = None,  # None: the model's defaults (mlx_kvlingo.sampling)
         system_prompt: str | None = None,
     ) -> None:
         super().__init__()
@@ -272,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backward-translator", help="large -> small translator file")
     p.add_argument("--system-prompt", default=None)
     p.add_argument("-m", "--max-tokens", type=int, default=256)
-    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--temp", type=float, default=None, help="default: the model's own (0: greedy)")
     p.add_argument("--ask", action="append", default=[],
                    help="send this message ('large:...' picks the model), then quit; repeatable")  # fmt: skip
     p.add_argument("--screenshot", help="with --ask: save the window as this PNG at the end")

@@ -35,8 +35,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .pair import ModelPair
+from .sampling import resolve as resolve_sampling
 from .session import (
     MODES,
+    READERS,
     Session,
     SessionBusyError,
     SessionError,
@@ -53,6 +55,8 @@ ModelName = str
 #: how a model catches up on the turns it did not see: "alternation" (translate only the span
 #: it lacks), "naive" (re-translate everything: the drifting baseline), "reprefill" (read it).
 Mode = str
+#: who reads a new user turn before the large model answers: "small" or "self"
+Reader = str
 EventKind = Literal["token", "done"]
 Label = Literal["small", "large"]
 #: What `send` and `escalate` return: iterate it; `close()` it to stop early.
@@ -88,6 +92,13 @@ class Timings:
     translated_tokens: int  # of those, tokens it got by KV translation (the rest it re-read)
     translate_s: float
     peak_memory_gb: float
+    #: reader "small": tokens the small model read for the large one before it answered, and
+    #: how long that took (0 when the answering model read for itself)
+    read_tokens: int = 0
+    read_s: float = 0.0
+    #: estimated time of the large model's own prefill of every token it lacked (measured
+    #: prefill rate on this pair); None when the small did not read for it
+    alone_prefill_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -164,6 +175,13 @@ def _load_translator(spec: str | Path | Translator | None, pair: ModelPair) -> T
     from .format import load_translator
 
     return load_translator(spec, pair)
+
+
+def _seed(seed: int | None) -> None:
+    if seed is not None:
+        import mlx.core as mx
+
+        mx.random.seed(seed)
 
 
 class _Ticket:
@@ -257,11 +275,17 @@ class Runtime:
         system_prompt: str | None = None,
         mode: Mode = "alternation",
         max_kv_size: int | None = None,
+        reader: Reader | None = None,
     ) -> Conversation:
         """A fresh conversation (its own two KV caches) over this runtime's pair.
 
-        `max_kv_size` caps the conversation's length in tokens (None: no cap).
+        `max_kv_size` caps the conversation's length in tokens (None: no cap). `reader`: who
+        reads a new user turn before the large model answers: "small" (the default with a
+        forward translator: the small model reads, the large one decodes from the translated
+        cache) or "self" (the large model reads it itself).
         """
+        if reader is not None and reader not in READERS:
+            raise ConversationError(f"unknown reader {reader!r}; expected one of {READERS}")
         session = Session(
             self.pair,
             self.forward,
@@ -269,12 +293,13 @@ class Runtime:
             mode,
             system_prompt=system_prompt,
             max_kv_size=max_kv_size,
+            reader=reader,
         )
         return Conversation(self, session)
 
     def restore(
         self, path: str | Path, mode: Mode = "alternation", max_kv_size: int | None = None
-    ) -> Conversation:
+    ) -> Conversation:  # the reader policy is restored from the file
         """A conversation restored from a file written by `Conversation.save` for this pair."""
         conv = self.new_conversation(mode=mode, max_kv_size=max_kv_size)
         conv.load(path)
@@ -396,6 +421,15 @@ class Conversation:
         self._locked(lambda: setattr(self._session, "mode", mode), True, None)
 
     @property
+    def reader(self) -> str:
+        """Who reads a new user turn before the large model answers: "small" or "self"."""
+        return self._session.reader
+
+    @reader.setter
+    def reader(self, reader: Reader) -> None:
+        self._locked(lambda: setattr(self._session, "reader", reader), True, None)
+
+    @property
     def tokens(self) -> int:
         """Length of the conversation in tokens."""
         return len(self._session.tokens)
@@ -414,28 +448,38 @@ class Conversation:
     def send(
         self,
         text: str,
-        model: ModelName = "small",
+        model: ModelName = "large",
         *,
         max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 0.0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context_size: int | None = None,
+        seed: int | None = None,
         wait: bool = True,
         timeout: float | None = None,
     ) -> Stream:
         """Add a user message and stream `model`'s answer: token events, then one done event.
 
-        The model first catches up on the turns it did not see (KV translation in the
-        default mode). Stopping early (`cancel()` from any thread, `break`, `close()`) keeps
-        the tokens emitted so far as the answer and leaves both caches consistent.
-        `wait`/`timeout`: what to do when another conversation is generating (module doc).
+        By default the large model answers and the small one reads (the conversation's
+        `reader`): the small model reads the new turn, the large one catches up by KV
+        translation and decodes. Stopping early (`cancel()` from any thread, `break`,
+        `close()`) keeps the tokens emitted so far as the answer and leaves both caches
+        consistent. Sampling settings left None come from the answering model's
+        `generation_config.json`, else from `mlx_kvlingo.sampling.DEFAULTS`; `temperature=0`
+        is greedy. `wait`/`timeout`: what to do when another conversation is generating.
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, not {type(text).__name__}")
         role = _role(model)
-        sample = self._sample_kwargs(max_tokens, temperature, top_p)
+        sample = self._sample_kwargs(role, max_tokens, temperature, top_p, top_k, min_p,
+                                     repetition_penalty, repetition_context_size, seed)  # fmt: skip
 
         def start() -> Iterator[TokenEvent]:
             self._session.add_user(text)
+            _seed(seed)
             return self._session.generate(role, **sample)
 
         return self._open(start, _LABEL[role], wait, timeout)
@@ -445,8 +489,13 @@ class Conversation:
         model: ModelName | None = None,
         *,
         max_tokens: int = 256,
-        temperature: float = 0.0,
-        top_p: float = 0.0,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context_size: int | None = None,
+        seed: int | None = None,
         wait: bool = True,
         timeout: float | None = None,
     ) -> Stream:
@@ -456,14 +505,16 @@ class Conversation:
         the small model answered with low `confidence`, escalate to the large one.
         """
         role = _role(model) if model is not None else None
-        sample = self._sample_kwargs(max_tokens, temperature, top_p)
         if role is not None:
             label = _LABEL[role]
         else:
             last = self._session.last_turn
             label = "small" if last is not None and last.model == "target" else "large"
+        sample = self._sample_kwargs(_ROLE[label], max_tokens, temperature, top_p, top_k, min_p,
+                                     repetition_penalty, repetition_context_size, seed)  # fmt: skip
 
         def start() -> Iterator[TokenEvent]:
+            _seed(seed)
             return self._session.escalate(role, **sample)
 
         return self._open(start, label, wait, timeout)
@@ -491,7 +542,7 @@ class Conversation:
 
         self._locked(add, wait, timeout)
 
-    def ask(self, text: str, model: ModelName = "small", **kwargs: Any) -> Event:
+    def ask(self, text: str, model: ModelName = "large", **kwargs: Any) -> Event:
         """`send` without streaming: the done event (its `text` is the whole answer)."""
         done: Event | None = None
         for ev in self.send(text, model, **kwargs):
@@ -523,11 +574,32 @@ class Conversation:
 
     # -- internals -------------------------------------------------------------------------
 
-    @staticmethod
-    def _sample_kwargs(max_tokens: int, temperature: float, top_p: float) -> dict[str, Any]:
-        from mlx_lm.sample_utils import make_sampler
-
-        return {"max_tokens": max_tokens, "sampler": make_sampler(temp=temperature, top_p=top_p)}
+    def _sample_kwargs(
+        self,
+        role: str,
+        max_tokens: int,
+        temperature: float | None,
+        top_p: float | None,
+        top_k: int | None,
+        min_p: float | None,
+        repetition_penalty: float | None,
+        repetition_context_size: int | None,
+        seed: int | None,
+    ) -> dict[str, Any]:
+        loaded = self.runtime.pair.source if role == "source" else self.runtime.pair.target
+        try:
+            cfg = resolve_sampling(
+                loaded, temp=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                repetition_penalty=repetition_penalty,
+                repetition_context_size=repetition_context_size, seed=seed,
+            )  # fmt: skip
+        except TypeError as e:
+            raise ConversationError(str(e)) from None
+        return {
+            "max_tokens": max_tokens,
+            "sampler": cfg.sampler(),
+            "logits_processors": cfg.logits_processors(),
+        }
 
     def _locked(self, fn: Callable[[], Any], wait: bool, timeout: float | None) -> Any:
         ticket = _Ticket(self)
@@ -594,6 +666,9 @@ class Conversation:
             translated_tokens=sw.translated if sw else 0,
             translate_s=sw.seconds if sw and sw.translated else 0.0,
             peak_memory_gb=st.peak_memory_gb,
+            read_tokens=st.read.tokens if st.read else 0,
+            read_s=st.read.seconds if st.read else 0.0,
+            alone_prefill_s=st.alone_prefill_s,
         )
         reason = "cancelled" if st.finish_reason == "interrupted" else st.finish_reason
         return Event(

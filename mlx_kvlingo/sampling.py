@@ -85,3 +85,19 @@ def resolve(model=None, **given) -> Sampling:
     if explicit.get("temp") == 0 or (base.temp == 0 and "temp" not in explicit):
         base = replace(base, repetition_penalty=1.0)  # greedy stays plain unless asked
     return replace(base, **explicit)
+
+
+def describe(cfg: Sampling) -> str:
+    """One line for banners: `temp 0.7 · top-p 0.9 · min-p 0.05 · rep 1.1/64`."""
+    if cfg.temp == 0:
+        head = "greedy"
+    else:
+        head = f"temp {cfg.temp:g} · top-p {cfg.top_p:g}" + (
+            f" · top-k {cfg.top_k}" if cfg.top_k else ""
+        )
+        head += f" · min-p {cfg.min_p:g}"
+    if cfg.repetition_penalty not in (None, 1.0):
+        head += (
+            f" · repetition penalty {cfg.repetition_penalty:g} over {cfg.repetition_context_size}"
+        )
+    return head + (f" · seed {cfg.seed}" if cfg.seed is not None else "")

@@ -96,7 +96,7 @@ def test_import_is_cheap_and_lazy():
 
 def test_streaming_events_and_switch(runtime):
     conv = runtime.new_conversation(system_prompt="Be brief.")
-    events = list(conv.send(MSG[0], model="small", max_tokens=N))
+    events = list(conv.send(MSG[0], model="small", max_tokens=N, temperature=0))
     assert all(isinstance(e, Event) for e in events)
     *tokens, done = events
     assert tokens and all(e.kind == "token" and e.model == "small" for e in tokens)
@@ -109,7 +109,7 @@ def test_streaming_events_and_switch(runtime):
     assert conv.messages[-1] == {"role": "assistant", "content": done.text}
 
     # the large model takes over from a translated cache and says what it would say alone
-    stream = conv.send(MSG[1], model="large", max_tokens=N)
+    stream = conv.send(MSG[1], model="large", max_tokens=N, temperature=0)
     n0 = None
     toks = []
     for ev in stream:
@@ -158,7 +158,7 @@ def test_cancel_mid_stream_from_another_thread(runtime):
     # the next turn works and is exact: the large model continues from the kept partial answer
     n0 = None
     toks = []
-    for ev in conv.send(MSG[1], model="large", max_tokens=N):
+    for ev in conv.send(MSG[1], model="large", max_tokens=N, temperature=0):
         n0 = n0 or len(conv._session.tokens)
         if ev.kind == "token":
             toks.append(ev.token)
@@ -169,7 +169,7 @@ def test_cancel_mid_stream_from_another_thread(runtime):
 
 def test_one_generation_at_a_time(runtime):
     a, b = runtime.new_conversation(), runtime.new_conversation()
-    stream = a.send(MSG[0], model="small", max_tokens=N)
+    stream = a.send(MSG[0], model="small", max_tokens=N, temperature=0)
     assert next(stream).kind == "token" and runtime.busy
     errors: list = []
 
@@ -210,7 +210,7 @@ def test_one_generation_at_a_time(runtime):
     assert_consistent(b)
 
     # a waiting send that is cancelled ends with one cancelled event, the conversation as it was
-    hold = a.send(MSG[2], max_tokens=N)
+    hold = a.send(MSG[2], max_tokens=N, temperature=0)
     next(hold)
     seen: list = []
     waiting = b.send(MSG[3])
@@ -226,7 +226,7 @@ def test_one_generation_at_a_time(runtime):
     assert not runtime.busy and a.last is not None
 
     # the same thread starting a new turn on the same conversation ends its unfinished stream
-    s1 = a.send(MSG[0], max_tokens=N)
+    s1 = a.send(MSG[0], max_tokens=N, temperature=0)
     first = next(s1)
     events = list(a.send(MSG[1], model="large", max_tokens=4))
     assert events[-1].kind == "done"
@@ -244,9 +244,9 @@ def _catch(errors, fn):
 
 def test_save_restore_escalate_memory(runtime, tmp_path):
     conv = runtime.new_conversation(system_prompt="Be brief.")
-    conv.ask(MSG[0], "small", max_tokens=N)
+    conv.ask(MSG[0], "small", max_tokens=N, temperature=0)
     small = conv.last
-    done = list(conv.escalate(max_tokens=N))[-1]
+    done = list(conv.escalate(max_tokens=N, temperature=0))[-1]
     assert done.model == "large" and done.kind == "done"
     assert conv.messages[-1]["content"] == done.text
     assert len([m for m in conv.messages if m["role"] == "assistant"]) == 1
@@ -257,8 +257,8 @@ def test_save_restore_escalate_memory(runtime, tmp_path):
     assert back.messages == conv.messages and back.tokens == conv.tokens
     assert back.system_prompt == "Be brief."
     # the same next turn from the original and the restored conversation
-    a = conv.ask(MSG[1], "small", max_tokens=N)
-    b = back.ask(MSG[1], "small", max_tokens=N)
+    a = conv.ask(MSG[1], "small", max_tokens=N, temperature=0)
+    b = back.ask(MSG[1], "small", max_tokens=N, temperature=0)
     assert a.text == b.text and a.timings.translated_tokens == b.timings.translated_tokens > 0
     conv.reset()
     assert conv.messages == [{"role": "system", "content": "Be brief."}]
@@ -352,7 +352,7 @@ def test_add_messages_history_then_answer(runtime):
     conv.add_messages([{"role": "user", "content": MSG[0]}, {"role": "assistant", "content": "ok"}])
     s = conv._session
     assert s.held("source") == s.held("target") == 0 and not s.pending
-    done = conv.ask(MSG[1], model="small", max_tokens=N)
+    done = conv.ask(MSG[1], model="small", max_tokens=N, temperature=0)
     n = len(s.tokens) - done.timings.generation_tokens
     reference = runtime.pair.tokenizer.apply_chat_template(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": MSG[0]},

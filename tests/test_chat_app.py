@@ -111,25 +111,40 @@ def step(term, text, timeout=30.0) -> str:
 
 
 def test_answers_switches_escalates_and_quits(app):
-    t = app("-m", "24")
+    t = app("-m", "24", "--temp", "0")
+    # by default the large model answers and the small one reads: three turns
     screen = step(t, "hello there")
     (line,) = status_lines(screen)
-    assert line.startswith("small (") and "24 tokens" in line and "TTFT" in line
-    assert "switch" not in line  # the first answer needs no switch
-    step(t, "/large")
-    screen = step(t, "what is json")
+    assert line.startswith("large (") and "small read" in line and "translated" in line
+    assert "large read 1 tok" in line and "TTFT" in line and "large alone: prefill ≈" in line
+    for text in ("what is json", "and yaml?"):
+        screen = step(t, text)
+        line = status_lines(screen)[-1]
+        assert line.startswith("large (") and "small got the last answer translated" in line
+        assert "small read" in line and "large read 1 tok" in line
+    assert len(status_lines(screen)) == 3
+    step(t, "/small")
+    screen = step(t, "thanks")
     line = status_lines(screen)[-1]
-    assert line.startswith("large (") and "tok translated" in line and "peak" in line
-    screen = step(t, "/escalate")  # the large answer is redone by small, from translated K/V
+    assert line.startswith("small (") and "translated" in line  # the large's answer, backward
+    screen = step(t, "/escalate")  # the small answer is redone by large, from translated K/V
     line = status_lines(screen)[-1]
-    assert line.startswith("small (") and "tok translated" in line
+    assert line.startswith("large (") and "translated" in line
     screen = step(t, "/stats")
-    assert "tokens translated into" in screen and "2 switches" in screen
+    assert "tokens read for the other" in screen and "estimated saving" in screen
+    screen = step(t, "/reader self")
+    assert "reader: self" in screen
+    step(t, "/large")
+    screen = step(t, "import os")
+    line = status_lines(screen)[-1]
+    assert (
+        line.startswith("large (") and "small read" not in line and "large read 1 tok" not in line
+    )
     screen = step(t, "/frobnicate")
     assert "unknown command '/frobnicate'" in screen
     screen = step(t, "/auto on")
     screen = step(t, "/auto -0.001")  # so high that the small answer escalates
-    screen = step(t, "import os")
+    screen = step(t, "import sys")
     assert "escalating to large" in screen
     assert status_lines(screen)[-1].startswith("large (")
     t.type("q")
@@ -138,24 +153,24 @@ def test_answers_switches_escalates_and_quits(app):
 
 
 def test_ctrl_c_stops_generation_and_second_exits(app):
-    t = app("-m", "100000")
+    t = app("-m", "100000", "--temp", "0")
     t.type("hello there")
-    t.wait(lambda s: s.count("small ") >= 1 and len(s.split("hello there", 1)[1]) > 400)
+    t.wait(lambda s: s.count("large ") >= 1 and len(s.split("hello there", 1)[1]) > 400)
     t.send("C-c")
     screen = t.wait(lambda s: prompts(s) >= 2)
     assert "[stopped]" in screen and "stopped" in status_lines(screen)[-1]
-    step(t, "/large")
+    step(t, "/small")
     t.type("continue")
     t.wait(lambda s: len(s.split("continue", 1)[1]) > 400)
     t.send("C-c")
     screen = t.wait(lambda s: prompts(s) >= 4)
     line = status_lines(screen)[-1]
-    assert line.startswith("large (") and "tok translated" in line
-    # both caches match the conversation: the large model holds all of it
+    assert line.startswith("small (") and "translated" in line
+    # both caches match the conversation: the small model holds all of it
     screen = step(t, "/stats")
     row = next(ln for ln in screen.splitlines() if "tokens in cache" in ln)
-    conv = int(screen.rsplit("mode alternation · ", 1)[1].split(" conversation tokens")[0])
-    assert row.split("│")[3].strip() == str(conv)
+    conv = int(screen.rsplit("reader small · ", 1)[1].split(" conversation tokens")[0])
+    assert row.split("│")[2].strip() == str(conv)
     t.send("C-c")  # at the prompt: exit cleanly
     screen = t.wait(lambda s: "EXITED" in s)
     assert "bye" in screen and "EXITED rc=0" in screen and "Traceback" not in screen

@@ -59,3 +59,35 @@ def data_options(f=None, *, required=True, help=None, heldout_fraction=0.1, max_
 def data_config(kw) -> DataConfig:
     return DataConfig(kw["min_prefix"], kw["max_prefix"], kw["continuation"],
                       kw["heldout_fraction"], kw["seed"], kw.get("max_examples"))  # fmt: skip
+
+
+def sampling_options(f):
+    """--temp --top-p --top-k --min-p --repetition-penalty --repetition-context-size --seed."""
+    opts = [
+        click.option("--temp", type=float, default=None,
+                     help="Temperature; 0 is greedy [default: the model's generation_config.json, else 0.7]"),
+        click.option("--top-p", type=float, default=None, help="[default: model's, else 0.9]"),
+        click.option("--top-k", type=int, default=None, help="[default: model's, else 0: off]"),
+        click.option("--min-p", type=float, default=None, help="[default: model's, else 0.05]"),
+        click.option("--repetition-penalty", type=float, default=None,
+                     help="[default: model's, else 1.1; 1: off; with --temp 0 only if given]"),
+        click.option("--repetition-context-size", type=int, default=None,
+                     help="Tokens the penalty looks back over [default: 64]"),
+        click.option("--seed", type=int, default=None, help="Seed MLX's generator (reproducible answers)"),
+    ]  # fmt: skip
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def sampling_settings(kw: dict) -> dict:
+    """The sampling options as `mlx_kvlingo.sampling.resolve` keywords (None: not given)."""
+    return {
+        "temp": kw.get("temp"),
+        "top_p": kw.get("top_p"),
+        "top_k": kw.get("top_k"),
+        "min_p": kw.get("min_p"),
+        "repetition_penalty": kw.get("repetition_penalty"),
+        "repetition_context_size": kw.get("repetition_context_size"),
+        "seed": kw.get("seed"),
+    }

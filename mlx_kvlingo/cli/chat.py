@@ -15,6 +15,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..conversation.records import LABEL
+from ..sampling import describe as describe_sampling
+from ..sampling import resolve as resolve_sampling
 from ..session import (
     MODES,
     ContextOverflowError,
@@ -23,21 +25,29 @@ from ..session import (
     TurnStats,
     status_line,
 )
-from ._common import resolve_pair, source_option, target_option, translator_option
+from ._common import (
+    resolve_pair,
+    sampling_options,
+    sampling_settings,
+    source_option,
+    target_option,
+    translator_option,
+)
 
 # model output goes to a terminal: drop control characters (escape sequences, \r) but \n \t
 _CONTROL = {c: None for c in [*range(32), 127] if chr(c) not in "\n\t"}
 MODEL = {"small": "source", "large": "target"}
 
 HELP = [
-    ("/small, /large", "which model answers next"),
+    ("/small, /large", "which model answers next (default: large, the small one reads)"),
+    ("/reader [small|self]", "show or set who reads your turn before the large model answers"),
     ("/escalate", "answer the last message again with the other model (translated cache)"),
     ("/auto [on|off|T]", "cascade: small answers, large takes over below confidence T"),
     ("/mode [M]", "show or set: alternation | naive | reprefill"),
     ("/reset, r", "start over (the system prompt stays)"),
     ("/trim [N]", "drop the oldest turns until the conversation fits N tokens"),
     ("/save FILE, /load FILE", "the session (both caches and sync state)"),
-    ("/stats", "switches, translated tokens, time, per model"),
+    ("/stats", "tokens read, translated and generated, times and the estimated saving"),
     ("/help, h", "this list"),
     ("/quit, q", "exit (also Ctrl-D; Ctrl-C stops a generation, at the prompt it exits)"),
 ]
@@ -46,11 +56,11 @@ HELP = [
 class ChatApp:
     """The chat loop, separated from click so it can be driven line by line."""
 
-    def __init__(self, session: Session, *, max_tokens: int, sampler, auto_threshold: float,
-                 console: Console | None = None, first: str = "source"):  # fmt: skip
+    def __init__(self, session: Session, *, max_tokens: int, sampling: dict | None = None,
+                 auto_threshold: float, console: Console | None = None, first: str = "target"):  # fmt: skip
         self.s = session
         self.max_tokens = max_tokens
-        self.sampler = sampler
+        self.sampling = sampling or {}  # explicit settings; the rest per model (sampling.py)
         self.next = first
         self.auto = False
         self.threshold = auto_threshold
@@ -60,7 +70,8 @@ class ChatApp:
     # -- output ------------------------------------------------------------------------------
 
     def say(self, msg: str, style: str = "grey50") -> None:
-        self.console.print(f"[{style}]{msg}[/{style}]")
+        # soft wrap: a long status line stays one line (the terminal wraps it, rich does not)
+        self.console.print(f"[{style}]{msg}[/{style}]", soft_wrap=True)
 
     def error(self, msg: str) -> None:
         self.console.print(f"[yellow]{escape(msg)}[/yellow]")
@@ -98,7 +109,7 @@ class ChatApp:
     def answer(self, model: str) -> None:
         try:
             st = self.stream(
-                self.s.generate(model, max_tokens=self.max_tokens, sampler=self.sampler)
+                self.s.generate(model, max_tokens=self.max_tokens, **self.sample(model))
             )
         except SessionError as e:
             self.error(str(e))
@@ -115,11 +126,24 @@ class ChatApp:
 
     def escalate(self, model: str | None = None) -> None:
         try:
-            events = self.s.escalate(model, max_tokens=self.max_tokens, sampler=self.sampler)
+            into = model or (
+                "source" if self.s.last_turn and self.s.last_turn.model == "target" else "target"
+            )
+            events = self.s.escalate(model, max_tokens=self.max_tokens, **self.sample(into))
         except SessionError as e:
             self.error(str(e))
             return
         self.stream(events)
+
+    def sample(self, model: str) -> dict:
+        """mlx-lm's sampler and logits processors for `model`'s answer."""
+        loaded = self.s.pair.source if model == "source" else self.s.pair.target
+        cfg = resolve_sampling(loaded, **self.sampling)
+        if cfg.seed is not None:
+            import mlx.core as mx
+
+            mx.random.seed(cfg.seed + len(self.s.turns))  # reproducible, not the same each turn
+        return {"sampler": cfg.sampler(), "logits_processors": cfg.logits_processors()}
 
     # -- commands ----------------------------------------------------------------------------
 
@@ -178,6 +202,13 @@ class ChatApp:
                 self.auto = True
             state = f"on, threshold {self.threshold:.2f}" if self.auto else "off"
             self.say(f"  auto: {state}")
+        elif cmd == "/reader":
+            if args:
+                self.s.reader = args[0]
+            how = "the small model reads your turn, the large one decodes from the translated cache"
+            self.say(
+                f"  reader: {self.s.reader} ({how if self.s.reader == 'small' else 'the answering model reads it itself'})"
+            )
         elif cmd == "/mode":
             if args:
                 self.s.mode = args[0]
@@ -214,13 +245,17 @@ class ChatApp:
         st = self.s.stats()
         t = Table("", "small", "large")
         self.say(
-            f"  mode {st['mode']} · {st['conversation_tokens']} conversation tokens · "
-            f"{st['switches']} switches · {st['retemplated']} re-templated"
+            f"  mode {st['mode']} · reader {st['reader']} · {st['conversation_tokens']} "
+            f"conversation tokens · {st['switches']} switches · {st['retemplated']} re-templated · "
+            f"estimated saving vs the large model reading itself {st['estimated_saving_ms']:.0f} ms"
         )
         rows = [
             ("turns answered", "turns"),
             ("tokens generated", "generated_tokens"),
-            ("tokens read natively", "prompt_tokens"),
+            ("tokens read answering", "prompt_tokens"),
+            ("  ms", "prompt_ms"),
+            ("tokens read for the other", "read_for_other_tokens"),
+            ("  ms", "read_for_other_ms"),
             ("switches into", "switches_into"),
             ("tokens translated into", "translated_into"),
             ("  of which re-translated", "retranslated_into"),
@@ -241,6 +276,9 @@ class ChatApp:
             ("small -> large", translators["forward"]),
             ("large -> small", translators["backward"]),
             ("mode", self.s.mode),
+            ("reader", self.s.reader),
+            ("answers", LABEL[self.next]),
+            ("sampling", describe_sampling(resolve_sampling(self.s.pair.target, **self.sampling))),
             ("max tokens", str(self.max_tokens)),
         ]
         if self.s.system_prompt:
@@ -280,22 +318,21 @@ class ChatApp:
               help="Large -> small translator; without one, switching back to small re-prefills")  # fmt: skip
 @click.option("--system-prompt", default=None, help="System message for the chat template")
 @click.option("-m", "--max-tokens", default=256, show_default=True, help="Tokens per answer")
-@click.option("--temp", default=0.0, show_default=True)
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@sampling_options
 @click.option("--max-kv-size", type=int, default=None,
               help="Context limit in tokens for both models (refuses beyond it; /trim)")  # fmt: skip
 @click.option("--mode", type=click.Choice(MODES), default="alternation", show_default=True)
-@click.option("--first", type=click.Choice(["small", "large"]), default="small", show_default=True,
-              help="Which model answers first")  # fmt: skip
+@click.option("--answer", type=click.Choice(["small", "large"]), default="large", show_default=True,
+              help="Which model answers (the small one reads for the large one; /small, /large)")  # fmt: skip
+@click.option("--reader", type=click.Choice(["small", "self"]), default=None,
+              help="Who reads your turn before the large model answers [default: small with a "
+                   "forward translator]")  # fmt: skip
+@click.option("--first", type=click.Choice(["small", "large"]), default=None, hidden=True)
 @click.option("--auto-threshold", default=-1.5, show_default=True,
               help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
-def chat_cmd(source, target, translator, backward_translator, system_prompt, max_tokens, temp,
-             top_p, seed, max_kv_size, mode, first, auto_threshold):  # fmt: skip
+def chat_cmd(source, target, translator, backward_translator, system_prompt, max_tokens,
+             max_kv_size, mode, answer, reader, first, auto_threshold, **sampling):  # fmt: skip
     """Chat with the small model and hand the conversation to the large one (and back)."""
-    import mlx.core as mx
-    from mlx_lm.sample_utils import make_sampler
-
     from ..format import TranslatorFileError, load_translator
 
     console = Console(highlight=False)
@@ -316,14 +353,13 @@ def chat_cmd(source, target, translator, backward_translator, system_prompt, max
             back_label = "demo" if backward is not None else back_label
     except TranslatorFileError as e:
         raise click.ClickException(str(e)) from None
-    mx.random.seed(seed)
     try:
         session = Session(pair, forward, backward, mode, system_prompt=system_prompt,
-                          max_kv_size=max_kv_size)  # fmt: skip
+                          max_kv_size=max_kv_size, reader=reader)  # fmt: skip
     except SessionError as e:
         raise click.ClickException(str(e)) from None
-    app = ChatApp(session, max_tokens=max_tokens, sampler=make_sampler(temp=temp, top_p=top_p),
-                  auto_threshold=auto_threshold, console=console, first=MODEL[first])  # fmt: skip
+    app = ChatApp(session, max_tokens=max_tokens, sampling=sampling_settings(sampling),
+                  auto_threshold=auto_threshold, console=console, first=MODEL[first or answer])  # fmt: skip
     app.banner({"forward": translator or "demo", "backward": back_label})
     app.run()
 

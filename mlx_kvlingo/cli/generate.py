@@ -6,10 +6,17 @@ import json
 import time
 
 import click
-from mlx_lm.sample_utils import make_sampler
 
 from ..decode import PromptTooLongError, handoff
-from ._common import resolve_pair, source_option, target_option, translator_option
+from ..sampling import resolve as resolve_sampling
+from ._common import (
+    resolve_pair,
+    sampling_options,
+    sampling_settings,
+    source_option,
+    target_option,
+    translator_option,
+)
 
 
 @click.command("generate")
@@ -19,12 +26,10 @@ from ._common import resolve_pair, source_option, target_option, translator_opti
 @click.option("-p", "--prompt", default="What is the capital of France?", show_default=True)
 @click.option("--chat/--no-chat", default=True, help="Apply the chat template to the prompt")
 @click.option("-m", "--max-tokens", default=100, show_default=True)
-@click.option("--temp", default=0.0, show_default=True)
-@click.option("--top-p", default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None)
+@sampling_options
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (token ids, texts, timings) instead of streaming text")  # fmt: skip
-def generate_cmd(source, target, translator, prompt, chat, max_tokens, temp, top_p, seed, as_json):
+def generate_cmd(source, target, translator, prompt, chat, max_tokens, as_json, **sampling):
     """One answer from the target with no target prefill, with honest timings."""
     import mlx.core as mx
     from mlx_lm import stream_generate
@@ -36,8 +41,9 @@ def generate_cmd(source, target, translator, prompt, chat, max_tokens, temp, top
         )
     else:
         tokens = pair.tokenizer.encode(prompt)
-    if seed is not None:
-        mx.random.seed(seed)
+    cfg = resolve_sampling(pair.target, **sampling_settings(sampling))
+    if cfg.seed is not None:
+        mx.random.seed(cfg.seed)
     try:
         h = handoff(pair, tr, tokens)
     except PromptTooLongError as e:
@@ -45,7 +51,8 @@ def generate_cmd(source, target, translator, prompt, chat, max_tokens, temp, top
     last, ids, pieces, t0, ttft = None, [], [], time.perf_counter(), None
     for r in stream_generate(
         pair.target.model, pair.tokenizer, mx.array(tokens[-1:]), max_tokens=max_tokens,
-        prompt_cache=h.target_cache, sampler=make_sampler(temp=temp, top_p=top_p),
+        prompt_cache=h.target_cache, sampler=cfg.sampler(),
+        logits_processors=cfg.logits_processors(),
     ):  # fmt: skip
         ttft = ttft if ttft is not None else time.perf_counter() - t0
         if not as_json:
@@ -63,6 +70,7 @@ def generate_cmd(source, target, translator, prompt, chat, max_tokens, temp, top
             "pieces": pieces,
             "text": "".join(pieces),
             "finish_reason": last.finish_reason,
+            "sampling": cfg.as_dict(),
             "timings": {
                 "source_prefill_tokens": len(tokens) - 1,
                 "source_prefill_s": h.source_prefill_s,

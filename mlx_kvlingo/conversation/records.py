@@ -139,7 +139,8 @@ def status_line(st: TurnStats, names: dict) -> str:
             parts.append(f"translated {sw.translated} tok{again} {sw.seconds * 1e3:.1f} ms")
         else:
             parts.append(f"switch {sw.lacked} tok {sw.note or 're-prefill'}")
-    parts.append(f"{me} read {st.prompt_tokens} tok {st.prompt_tps:.1f} tok/s")
+    read = f"{me} read {st.prompt_tokens} tok"
+    parts.append(read + (f" {st.prompt_tps:.1f} tok/s" if st.prompt_tokens > 1 else ""))
     if st.ttft_s is not None:
         ttft = f"TTFT {_ms(st.ttft_s)}"
         if rd is not None and st.alone_prefill_s is not None:
