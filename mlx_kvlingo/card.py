@@ -20,9 +20,12 @@ def _hub_id(name) -> str | None:
 
 
 def _side(meta: dict, label: str) -> tuple[str, str | None]:
+    """(name, revision) of one side: a Hub id as is, a local folder by its last component."""
     prov = meta.get("provenance") or {}
-    name = prov.get(f"{label}_model") or (meta.get(label) or {}).get("name") or "?"
-    return str(name), prov.get(f"{label}_revision")
+    name = str(prov.get(f"{label}_model") or (meta.get(label) or {}).get("name") or "?")
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        name = name.rstrip("/").rsplit("/", 1)[-1]
+    return name, prov.get(f"{label}_revision")
 
 
 def _geometry(d: dict) -> str:
@@ -112,16 +115,18 @@ def model_card(repo_id: str, metas: dict[str, dict], manifest: dict | None = Non
             out.append(
                 f"- key cut stated at conversion (original cut: {prov.get('original_cut')!r})"
             )
-    rows = []
+    rows, seen = [], set()
     for f, m in metas.items():
         h = _heldout(m)
         if h is None:
             continue
         stage, table = h
+        direction = (_side(m, "source")[0], _side(m, "target")[0])
         for arm in ("native", "translated", "source", "raw"):
             r = table.get(arm) or {}
-            if "skipped" in r or not r:
-                continue
+            if "skipped" in r or not r or (arm != "translated" and (direction, arm) in seen):
+                continue  # the native and source-alone rows once per direction
+            seen.add((direction, arm))
             rows.append(
                 f"| `{f}` | {stage} | {arm} | {_fmt(r.get('nll'))} | {_fmt(r.get('top1'))} "
                 f"| {_fmt(r.get('agree_native'))} | {_fmt(r.get('kl_native'))} "
