@@ -3,9 +3,14 @@
 Importable from a checkout as `converters` (`python -m converters ...`) and, once the package
 is installed, as `kvlingo_converters` (behind `kvlingo convert`). Three layouts:
 
-    kv_lingo_translator_v1   torch.save dict (and its stage-2 checkpoint)   kv_lingo_v1.py
-    mapper_directory         manifest.json + weights.safetensors + SHA256SUMS  mapper_dir.py
-    linear_state_dict        state_dict of k_maps/v_maps nn.Linear + sidecar linear_state_dict.py
+    kv_lingo_translator_v1   knlp's translator artifact and stage-2 checkpoint   kv_lingo_v1.py
+                             (mcgrof/knlp, research/kv_translate/published/kv_lingo_train.py)
+    mapper_directory         semantic-router's mapper directory: manifest.json   mapper_dir.py
+                             + weights.safetensors + SHA256SUMS
+                             (vllm-project/semantic-router, src/training/kv_mapper/artifact.py)
+    linear_state_dict        a plain torch `state_dict()` of k_maps/v_maps       linear_state_dict.py
+                             nn.Linear; no public writer fixes its metadata, so
+                             geometry, layer map and cut are stated by the user
 
 `torch_reference.py` is the PyTorch reference translator used by the parity tests. torch is
 imported only to read PyTorch files (and by the reference), never for the mapper directory.
@@ -22,6 +27,7 @@ from .common import (
     ChecksumError,
     ConversionError,
     Converted,
+    DirectionError,
     GeometryMismatchError,
     InvalidInputError,
     MissingTensorError,
@@ -51,7 +57,7 @@ ALIASES = {
 }
 
 __all__ = [
-    "LAYOUTS", "ChecksumError", "ConversionError", "Converted", "GeometryMismatchError",
+    "LAYOUTS", "ChecksumError", "ConversionError", "Converted", "DirectionError", "GeometryMismatchError",
     "InvalidInputError", "MissingTensorError", "NonFiniteWeightError", "ShapeMismatchError",
     "UnexpectedTensorError", "UnknownSchemaError", "UnsafePickleError", "UnsupportedError",
     "convert", "convert_file", "detect_layout",
@@ -94,6 +100,7 @@ def convert(path: str | Path, layout: str | None = None, pair=None, **options) -
         raise UnknownSchemaError(f"unknown layout {layout!r}; known: {sorted(LAYOUTS)}")
     if pair is not None:
         options["source"], options["target"] = _merge(options, pair)
+        options["names"] = {"source": pair.source.name, "target": pair.target.name}
     return LAYOUTS[layout].convert(path, loaded=loaded, **options)
 
 

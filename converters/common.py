@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo.format import load_translator, save_translator
+from mlx_kvlingo.format import load_translator, model_key, save_translator
 from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
 
 import mlx.core as mx
@@ -60,6 +60,10 @@ class NonFiniteWeightError(ConversionError):
 
 class GeometryMismatchError(ConversionError):
     """The translator's geometry differs from the model pair named with --source/--target."""
+
+
+class DirectionError(ConversionError):
+    """The input names the model pair the other way round (its target is our source)."""
 
 
 class UnsupportedError(ConversionError):
@@ -362,6 +366,25 @@ def check_geometry(config: TranslatorConfig, pair) -> None:
                 f"the checkpoint's {label} geometry does not match {model.name}: {diffs} "
                 "(checkpoint vs model)"
             )
+
+
+def reversed_names(declared: dict, given: dict) -> bool:
+    """True when `declared` ({"source", "target"} names) is the `given` pair the other way round."""
+    ds, dt = model_key(declared.get("source")), model_key(declared.get("target"))
+    gs, gt = model_key(given.get("source")), model_key(given.get("target"))
+    if None in (ds, dt, gs, gt) or gs == gt:
+        return False
+    return (ds, dt) == (gt, gs)
+
+
+def check_direction(path, declared: dict, given: dict) -> None:
+    """Refuse an input made for the given pair the other way round (even with equal geometry)."""
+    if reversed_names(declared, given):
+        raise DirectionError(
+            f"{path}: this translator maps {declared['source']} -> {declared['target']}, "
+            f"the pair given is {given['source']} -> {given['target']}: the other direction. "
+            "Swap --source and --target, or use the translator trained for this direction"
+        )
 
 
 def agree(label: str, declared: Side | None, given: Side | None) -> Side | None:

@@ -1,21 +1,40 @@
-"""Layout 1: a `torch.save` dict with `schema: "kv_lingo_translator_v1"`.
+"""Layout 1: knlp's KV-Lingo reproduction, a translator artifact or its stage-2 checkpoint.
 
-    {"schema": "kv_lingo_translator_v1",
-     "source_model", "source_revision", "target_model", "target_revision",
-     "source_geometry" / "target_geometry": {"layers", "kv_heads", "head_dim", "width"},
-     "cut": "k:pre_k_norm,v:v_proj",
-     "state_dict": {"key_weight": [Lt, Ht*Dt, Hs*Ds], "value_weight": [...]}}
+    y_l = F.linear(x_l, W[l])     x_l: source layer l's K (or V) of one token, [head][dim] flat
+                                  W: [layers, Ht*Dt, Hs*Ds], equal depth, no bias
 
-Used as `F.linear(x, W[l])` on source layer l (equal depth, head-mixing, no bias); inputs
-and outputs flatten (heads, head_dim) head-major. Keys are taken before k_norm (the target
-applies its own k_norm, then RoPE), values at v_proj. A stage-2 checkpoint of the same
-translator adds optimizer/scheduler state and counters: we take the weights and record
-which keys were ignored.
+then the target's k_norm on the keys, then its RoPE (our `pre_norm` cut: keys are `k_proj`
+outputs, before k_norm and RoPE; values are `v_proj` outputs). Both files are `torch.save`
+dicts written by mcgrof/knlp, research/kv_translate/published/; fields as read here:
+
+translator (kv_lingo_train.py `translator_artifact`):
+    schema            "kv_lingo_translator_v1"
+    direction         e.g. "4b-to-8b" (a key of the trainer's DIRECTIONS)
+    source, target    {"name", "revision"}                          -> names, revisions
+    source_geometry,  {"layers", "kv_heads", "head_dim", "width"}   (`geometry_dict`)
+      target_geometry
+    cut               "pre-k_norm keys and v_proj values; target k_norm then RoPE"  (CAPTURE_CUT)
+    state_dict        {"key_weight", "value_weight"}: `LinearTranslator.state_dict()` (kv_lingo.py)
+    method_identity, parameter_dtype, stage, provenance             -> recorded
+stage-2 checkpoint (kv_lingo_train.py `checkpoint_state`):
+    schema            "kv_lingo_stage2_checkpoint_v1"
+    translator        {"key_weight", "value_weight"}  (the same state_dict, nested here)
+    direction, source_geometry, target_geometry, global_step, sample_cursor, stage1_artifact,
+    total_schedule_steps, warmup_steps, effective_batch, learning_rate -> recorded
+    optimizer, rng, metrics, distributed                               -> ignored (training state)
+    It has no `cut` (the trainer only continues stage-1 artifacts whose cut is CAPTURE_CUT, and
+    its forward is the same) and no model names: those come from `direction` through the
+    trainer's DIRECTIONS / PINS tables, or from the model pair named at conversion.
+
+A `cut` we do not recognise is refused unless the caller states the key cut (`key_cut=`),
+which is then recorded in the provenance as an override.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from mlx_kvlingo.capture import KEY_CUTS
 
 from .common import (
     Converted,
@@ -28,6 +47,7 @@ from .common import (
     UnsupportedError,
     agree,
     assemble,
+    check_direction,
     check_finite,
     sha256_file,
     side,
@@ -37,28 +57,38 @@ from .common import (
 
 LAYOUT = "kv_lingo_translator_v1"
 SCHEMA = "kv_lingo_translator_v1"
-#: The cut string the reference writes; what each spelling of it means for our key cut.
-CUT = "k:pre_k_norm,v:v_proj"
-CUTS = {
-    "k:pre_k_norm,v:v_proj": "pre_norm",
-    "pre_k_norm": "pre_norm",
-    "pre_norm": "pre_norm",
-    "k_proj": "pre_norm",
-    "k:post_k_norm,v:v_proj": "post_norm",
-    "post_k_norm": "post_norm",
-    "post_norm": "post_norm",
+CHECKPOINT_SCHEMA = "kv_lingo_stage2_checkpoint_v1"
+SCHEMAS = (SCHEMA, CHECKPOINT_SCHEMA)
+#: kv_lingo_train.py CAPTURE_CUT: the one cut string the writer stores, and our name for it.
+CUTS = {"pre-k_norm keys and v_proj values; target k_norm then RoPE": "pre_norm"}
+#: kv_lingo_train.py DIRECTIONS and PINS: the pair a `direction` names (stage-2 checkpoints
+#: carry nothing else).
+DIRECTIONS = {
+    "4b-to-8b": (
+        ("Qwen/Qwen3-4B", "1cfa9a7208912126459214e8b04321603b3df60c"),
+        ("Qwen/Qwen3-8B", "b968826d9c46dd6066d109eabc6255188de91218"),
+    ),
+    "8b-to-4b": (
+        ("Qwen/Qwen3-8B", "b968826d9c46dd6066d109eabc6255188de91218"),
+        ("Qwen/Qwen3-4B", "1cfa9a7208912126459214e8b04321603b3df60c"),
+    ),
 }
 WEIGHTS = ("key_weight", "value_weight")
-#: Top-level keys a stage-2 training checkpoint may add; ignored (and recorded as such).
-TRAINING_STATE = (
-    "optimizer", "optimizer_state", "optimizer_state_dict", "scheduler", "scheduler_state_dict",
-    "lr_scheduler", "scaler", "step", "global_step", "epoch", "stage", "rng_state", "loss",
-    "best_loss", "config", "args", "train_config", "metrics",
-)  # fmt: skip
-KNOWN = (
-    "schema", "source_model", "source_revision", "target_model", "target_revision",
-    "source_geometry", "target_geometry", "cut", "state_dict", "model_state_dict",
-)  # fmt: skip
+#: where each schema keeps its weights
+WEIGHTS_UNDER = {SCHEMA: "state_dict", CHECKPOINT_SCHEMA: "translator"}
+#: top-level keys each schema's writer produces (anything else is recorded as unknown)
+KNOWN = {
+    SCHEMA: (
+        "schema", "method_identity", "direction", "source", "target", "source_geometry",
+        "target_geometry", "cut", "parameter_dtype", "stage", "state_dict", "provenance",
+    ),
+    CHECKPOINT_SCHEMA: (
+        "schema", "direction", "global_step", "sample_cursor", "total_schedule_steps",
+        "warmup_steps", "effective_batch", "learning_rate", "source_geometry", "target_geometry",
+        "translator", "optimizer", "rng", "stage1_artifact", "metrics", "distributed",
+    ),
+}  # fmt: skip
+TRAINING_STATE = ("optimizer", "rng", "metrics", "distributed")
 
 
 def looks_like(obj) -> bool:
@@ -67,17 +97,33 @@ def looks_like(obj) -> bool:
 
 def _geometry(d, label):
     try:
-        return side(d["layers"], d["kv_heads"], d["head_dim"])
+        s = side(d["layers"], d["kv_heads"], d["head_dim"])
     except (KeyError, TypeError, ValueError):
         raise InvalidInputError(
-            f"{label}: expected a dict with layers, kv_heads, head_dim (and width), got {d!r}"
+            f"{label}: expected a dict with layers, kv_heads, head_dim, width; got {d!r}"
         ) from None
+    if d.get("width") is not None and d["width"] != s.kv_heads * s.head_dim:
+        raise InvalidInputError(f"{label}: width {d['width']} is not kv_heads * head_dim")
+    return s
 
 
-def convert(path: str | Path, *, loaded=None, source=None, target=None, **_) -> Converted:
-    """Convert a layout-1 file (or its stage-2 checkpoint). `loaded`: the already loaded dict.
+def _named(d, label) -> tuple[str | None, str | None]:
+    if d is None:
+        return None, None
+    if not isinstance(d, dict) or not isinstance(d.get("name"), str):
+        raise InvalidInputError(f"{label}: expected {{'name': ..., 'revision': ...}}, got {d!r}")
+    return d["name"], d.get("revision")
 
-    `source`/`target` (Sides, e.g. from the model pair) must agree with the file's geometry.
+
+def convert(
+    path: str | Path, *, loaded=None, source=None, target=None, key_cut: str | None = None,
+    names: dict | None = None, **_,
+) -> Converted:  # fmt: skip
+    """Convert a knlp translator artifact or stage-2 checkpoint. `loaded`: the loaded dict.
+
+    `source`/`target` (Sides, e.g. from the model pair) must agree with the file's geometry;
+    `names` ({"source", "target"}: the pair's model names) must not be the file's pair
+    reversed; `key_cut` overrides an unrecognised `cut` string.
     """
     path = Path(path)
     digest = sha256_file(path)
@@ -87,38 +133,67 @@ def convert(path: str | Path, *, loaded=None, source=None, target=None, **_) -> 
             f"{path}: expected a dict with a 'schema' key, got {type(obj).__name__}"
         )
     schema = obj.get("schema")
-    if schema != SCHEMA:
+    if schema not in SCHEMAS:
         raise UnknownSchemaError(
-            f"{path}: unknown schema {schema!r}; this converter reads {SCHEMA!r}"
+            f"{path}: unknown schema {schema!r}; this converter reads {SCHEMAS}"
         )
-    cut = obj.get("cut")
-    if cut not in CUTS:
+    if key_cut is not None and key_cut not in KEY_CUTS:
+        raise InvalidInputError(f"key_cut must be one of {KEY_CUTS}, got {key_cut!r}")
+    given, cut = key_cut, obj.get("cut")
+    if schema == CHECKPOINT_SCHEMA:
+        if cut is not None:
+            raise UnexpectedTensorError(f"{path}: a {schema} has no 'cut'; this one does")
+        implied = "pre_norm"  # kv_lingo_train.py resumes only from CAPTURE_CUT artifacts
+        cut_note = "none stored; the stage-2 trainer's CAPTURE_CUT is implied"
+    elif cut in CUTS:
+        implied, cut_note = CUTS[cut], cut
+    elif key_cut is None:
         raise UnsupportedError(
-            f"{path}: cut {cut!r} is not one we can convert exactly; known cuts: {sorted(CUTS)} "
-            "(keys must be RoPE-free, values at v_proj)"
+            f"{path}: cut {cut!r} is not one we can convert; known: {sorted(CUTS)}. If you know "
+            "where the keys were taken, say so with --key-cut pre_norm (k_proj output, before "
+            "k_norm and RoPE) or --key-cut post_norm (after k_norm, before RoPE); values must be "
+            "v_proj outputs"
         )
-    key_cut = CUTS[cut]
-    src = _geometry(obj.get("source_geometry"), "source_geometry")
-    tgt = _geometry(obj.get("target_geometry"), "target_geometry")
-    src = agree("source", src, source)
-    tgt = agree("target", tgt, target)
+    else:
+        implied, cut_note = None, cut
+    key_cut = given or implied
+
+    src = agree("source", _geometry(obj.get("source_geometry"), "source_geometry"), source)
+    tgt = agree("target", _geometry(obj.get("target_geometry"), "target_geometry"), target)
     if src.layers != tgt.layers:
         raise UnsupportedError(
             f"{path}: layout {LAYOUT} maps layer l to layer l and needs equal depth; "
             f"source has {src.layers} layers, target {tgt.layers}"
         )
-    sd_key = "state_dict" if "state_dict" in obj else "model_state_dict"
-    sd = obj.get(sd_key)
+    direction = obj.get("direction")
+    declared = DIRECTIONS.get(direction, ((None, None), (None, None)))
+    if schema == SCHEMA:
+        (s_name, s_rev), (t_name, t_rev) = (
+            _named(obj.get("source"), "source"),
+            _named(obj.get("target"), "target"),
+        )
+        if direction in DIRECTIONS and (s_name, t_name) == (declared[1][0], declared[0][0]):
+            raise InvalidInputError(
+                f"{path}: direction {direction!r} names {declared[0][0]} -> {declared[1][0]}, "
+                f"but source/target say {s_name} -> {t_name}"
+            )
+    else:
+        (s_name, s_rev), (t_name, t_rev) = declared
+    if names:
+        check_direction(path, {"source": s_name, "target": t_name}, names)
+
+    key = WEIGHTS_UNDER[schema]
+    sd = obj.get(key)
     if not isinstance(sd, dict):
-        raise MissingTensorError(f"{path}: no 'state_dict' holding {WEIGHTS}")
+        raise MissingTensorError(f"{path}: no {key!r} holding {WEIGHTS}")
     missing = [k for k in WEIGHTS if k not in sd]
     if missing:
-        raise MissingTensorError(f"{path}: state_dict is missing {missing} (has {sorted(sd)[:8]})")
+        raise MissingTensorError(f"{path}: {key} is missing {missing} (has {sorted(sd)[:8]})")
     extra = sorted(set(sd) - set(WEIGHTS))
     if extra:
         raise UnexpectedTensorError(
-            f"{path}: state_dict has tensors this layout does not define: {extra} "
-            "(layout 1 has no bias; refusing to drop them)"
+            f"{path}: {key} has tensors this layout does not define: {extra} "
+            "(LinearTranslator has no bias; refusing to drop them)"
         )
     maps = {}
     for name, kind in (("key_weight", "key"), ("value_weight", "value")):
@@ -126,32 +201,41 @@ def convert(path: str | Path, *, loaded=None, source=None, target=None, **_) -> 
         expect = (tgt.layers, tgt.kv_heads * tgt.head_dim, src.kv_heads * src.head_dim)
         if w.shape != expect:
             raise ShapeMismatchError(
-                f"{path}: state_dict.{name} has shape {tuple(w.shape)}, but the geometries "
+                f"{path}: {key}.{name} has shape {tuple(w.shape)}, but the geometries "
                 f"in the file imply [target_layers, Ht*Dt, Hs*Ds] = {list(expect)}"
             )
-        check_finite(f"state_dict.{name}", w)
+        check_finite(f"{key}.{name}", w)
         maps[kind] = [
-            LayerMap([t], w[t].T.copy(), None, f"state_dict.{name}[{t}]") for t in range(tgt.layers)
+            LayerMap([t], w[t].T.copy(), None, f"{key}.{name}[{t}]") for t in range(tgt.layers)
         ]
     config, tensors, _ = assemble("mixing", src, tgt, maps["key"], maps["value"], key_cut)
-    ignored = sorted(k for k in obj if k not in KNOWN)
-    unknown = [k for k in ignored if k not in TRAINING_STATE]
-    names = {"source": obj.get("source_model"), "target": obj.get("target_model")}
+    known = KNOWN[schema]
     provenance = {
         "layout": LAYOUT,
+        "schema": schema,
         "key_cut": key_cut,
-        "original_cut": cut,
+        "original_cut": cut_note,
+        "key_cut_override": given is not None and given != implied,  # stated by the caller
         "input": path.name,
         "input_sha256": digest,
-        "source_model": names["source"],
-        "source_revision": obj.get("source_revision"),
-        "target_model": names["target"],
-        "target_revision": obj.get("target_revision"),
-        "source_width": (obj["source_geometry"] or {}).get("width"),
-        "target_width": (obj["target_geometry"] or {}).get("width"),
-        "stage2_checkpoint": any(k in obj for k in TRAINING_STATE),
-        "ignored_keys": ignored,
+        "direction": direction,
+        "source_model": s_name,
+        "source_revision": s_rev,
+        "target_model": t_name,
+        "target_revision": t_rev,
+        "stage2_checkpoint": schema == CHECKPOINT_SCHEMA,
+        "ignored_keys": sorted(k for k in obj if k in TRAINING_STATE),
     }
+    for k in ("method_identity", "parameter_dtype", "stage", "provenance", "global_step",
+              "sample_cursor", "total_schedule_steps", "warmup_steps", "effective_batch",
+              "learning_rate", "stage1_artifact"):  # fmt: skip
+        if k in obj:
+            provenance["knlp_provenance" if k == "provenance" else k] = obj[k]
+    if schema == CHECKPOINT_SCHEMA and isinstance(obj.get("metrics"), list) and obj["metrics"]:
+        last = obj["metrics"][-1]
+        if isinstance(last, dict) and "mean_kl" in last:
+            provenance["last_mean_kl"] = last["mean_kl"]
+    unknown = sorted(str(k) for k in obj if k not in known)
     if unknown:
         provenance["ignored_unknown_keys"] = unknown
-    return Converted(config, tensors, provenance, names)
+    return Converted(config, tensors, provenance, {"source": s_name, "target": t_name})

@@ -1,18 +1,30 @@
-"""Layout 2: a mapper directory, `manifest.json` + `weights.safetensors` + `SHA256SUMS`.
+"""Layout 2: semantic-router's mapper directory, `manifest.json` + `weights.safetensors` + `SHA256SUMS`.
 
-    manifest.json: {"schema_version": 1, "variant": "full_head" | "per_head",
-                    "source_model", "source_revision", "target_model", "target_revision",
-                    "num_kv_heads": H or {"source": Hs, "target": Ht},
-                    "head_dim": D or {"source": Ds, "target": Dt},
-                    "ridge_alpha", "centered_inputs", "rope_stripped_on_keys": true,
-                    "source_layers_per_target": {"k": {"<t>": [s, ...]}, "v": {...}}}
-    weights.safetensors: target.{t}.{k,v}.W  (+ optional .b), applied as x @ W + b
-        full_head: W [nu*Hs*Ds, Ht*Dt], b [Ht*Dt]     (input: listed layers, each [head][dim])
-        per_head:  W [H, nu*Ds, Dt],    b [H, Dt]     (head h reads head h of listed layers)
+    y_t = concat(x_s for s in source_layers_per_target[t]) @ W_t + b_t     (each x_s [head][dim])
 
-Keys after k_norm, before RoPE (our `post_norm` cut). Checksums are verified before anything
-else is read. The number of source layers is not in the manifest: it comes from the named
-source model, an optional manifest `num_layers`, or `--source-layers`. Reads without torch.
+Written by vllm-project/semantic-router, src/training/kv_mapper/ (artifact.py `write_artifact`,
+fit.py `write_fitted_artifact`, fit_run.py `fit_capture`; applied as in distill.py
+`LinearMapper.forward`). Fields as read here:
+
+manifest.json (`Manifest.to_dict`):
+    schema_version           1
+    compatibility            (`CompatibilitySpec`) source_model, source_revision, target_model,
+                             target_revision -> names; variant "full_head" (or "per_head");
+                             num_kv_heads, head_dim: one value for both models (the fit uses the
+                             same geometry on both sides); head_order "contiguous"; precision,
+                             source_tp, target_tp -> recorded
+    rope_stripped_on_keys    true: keys after k_norm, before RoPE (our `post_norm` cut)
+    source_layers_per_target {"k": {"<t>": [s, ...]}, "v": {...}}: the source layers each target
+                             layer reads, in input order
+    mapper_id, topk, ridge_alpha, centered_inputs, calibration, evaluation_report -> recorded
+weights.safetensors: float32 `target.{t}.{k,v}.W` [nu*H*D, H*D] and `target.{t}.{k,v}.b` [H*D]
+    (`tensor_keys_for_layers`); whatever the variant, distill.py applies every map as x @ W + b
+    over all heads, so that is what we convert (our `mixing` variant).
+SHA256SUMS (`_write_checksums`): `<sha256>  manifest.json`, `<sha256>  weights.safetensors`,
+    verified before anything else is read.
+
+The manifest does not give the source's total layer count: it comes from the named source
+model or `--source-layers`. Reads without torch.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ from .common import (
     UnsupportedError,
     agree,
     assemble,
+    check_direction,
     load_safetensors,
     parse_rows,
     read_json,
@@ -80,27 +93,19 @@ def verify_checksums(folder: Path) -> dict[str, str]:
     return listed
 
 
-def _per_side(manifest: dict, key: str, required: bool = True):
-    v = manifest.get(key)
-    if v is None and not required:
-        return None, None
-    if isinstance(v, int) and not isinstance(v, bool):
-        return v, v
-    if (
-        isinstance(v, dict)
-        and isinstance(v.get("source"), int)
-        and isinstance(v.get("target"), int)
-    ):
-        return v["source"], v["target"]
-    raise InvalidInputError(
-        f"manifest {key}: expected an int or {{'source': int, 'target': int}}, got {v!r}"
-    )
+def _int(d: dict, key: str, where: str) -> int:
+    v = d.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise InvalidInputError(f"manifest {where}{key}: expected a positive integer, got {v!r}")
+    return v
 
 
 def convert(
-    path: str | Path, *, source=None, target=None, source_layers: int | None = None, **_
-) -> Converted:
-    """Convert a mapper directory. `source`/`target`: Sides from a model pair (optional)."""
+    path: str | Path, *, source=None, target=None, source_layers: int | None = None,
+    names: dict | None = None, **_,
+) -> Converted:  # fmt: skip
+    """Convert a mapper directory. `source`/`target`: Sides from a model pair (optional);
+    `names`: the pair's model names, checked against the manifest's direction."""
     folder = Path(path)
     if not folder.is_dir():
         raise InvalidInputError(f"{folder}: a mapper is a directory (manifest.json, weights...)")
@@ -112,15 +117,28 @@ def convert(
             f"{folder}: unknown manifest schema_version {version!r}; this converter reads "
             f"{list(SCHEMA_VERSIONS)}"
         )
-    variant = VARIANTS.get(manifest.get("variant"))
-    if variant is None:
+    compat = manifest.get("compatibility")
+    if not isinstance(compat, dict):
+        top = sorted(manifest)[:12]
         raise UnknownSchemaError(
-            f"{folder}: unknown variant {manifest.get('variant')!r}; expected one of {sorted(VARIANTS)}"
+            f"{folder}: the manifest has no 'compatibility' object (top level: {top}); "
+            "semantic-router keeps variant, head counts, head dim and model names there"
+        )
+    variant = compat.get("variant")
+    if variant not in VARIANTS:
+        raise UnknownSchemaError(
+            f"{folder}: unknown compatibility.variant {variant!r}; expected one of {sorted(VARIANTS)}"
         )
     if manifest.get("rope_stripped_on_keys") is not True:
         raise UnsupportedError(
             f"{folder}: rope_stripped_on_keys is {manifest.get('rope_stripped_on_keys')!r}: a map "
             "fit on rotated keys depends on position and cannot be applied to RoPE-free keys"
+        )
+    head_order = compat.get("head_order", "contiguous")
+    if head_order != "contiguous":
+        raise UnsupportedError(
+            f"{folder}: compatibility.head_order {head_order!r}: only 'contiguous' (heads in "
+            "order within each layer's features, as the writer's fit produces) is defined"
         )
     per_target = manifest.get("source_layers_per_target")
     if not isinstance(per_target, dict) or set(per_target) != {"k", "v"}:
@@ -129,28 +147,23 @@ def convert(
         )
     k_rows = parse_rows(per_target["k"], None, "source_layers_per_target.k")
     v_rows = parse_rows(per_target["v"], len(k_rows), "source_layers_per_target.v")
-    hs, ht = _per_side(manifest, "num_kv_heads")
-    ds, dt = _per_side(manifest, "head_dim")
-    ls, lt = _per_side(manifest, "num_layers", required=False)
-    if lt is not None and lt != len(k_rows):
-        raise InvalidInputError(
-            f"{folder}: manifest num_layers says {lt} target layers, "
-            f"source_layers_per_target lists {len(k_rows)}"
-        )
-    if ls is not None and source_layers is not None and ls != source_layers:
+    heads = _int(compat, "num_kv_heads", "compatibility.")
+    dim = _int(compat, "head_dim", "compatibility.")
+    ls = source_layers or (source.layers if source is not None else None)
+    if source_layers is not None and source is not None and source.layers != source_layers:
         raise GeometryMismatchError(
-            f"{folder}: manifest num_layers gives {ls} source layers, --source-layers {source_layers}"
+            f"{folder}: --source-layers {source_layers}, the source model has {source.layers}"
         )
-    ls = ls or source_layers or (source.layers if source is not None else None)
     if ls is None:
         raise InvalidInputError(
             f"{folder}: the manifest does not give the source's layer count; name the source "
             "model (--source/--target) or pass --source-layers"
         )
-    src = agree("source", side(ls, hs, ds), source)
-    tgt = agree("target", side(len(k_rows), ht, dt), target)
-    if variant == "headwise" and hs != ht:
-        raise UnsupportedError(f"{folder}: per_head needs equal KV head counts ({hs} vs {ht})")
+    src = agree("source", side(ls, heads, dim), source)
+    tgt = agree("target", side(len(k_rows), heads, dim), target)
+    declared = {"source": compat.get("source_model"), "target": compat.get("target_model")}
+    if names:
+        check_direction(folder, declared, names)
 
     weights = folder / "weights.safetensors"
     tensors = load_safetensors(weights)
@@ -166,24 +179,24 @@ def convert(
     maps = {}
     for kind, rows in (("k", k_rows), ("v", v_rows)):
         missing = [
-            f"target.{t}.{kind}.W"
+            f"target.{t}.{kind}.{p}"
             for t in range(tgt.layers)
-            if f"target.{t}.{kind}.W" not in tensors
+            for p in ("W", "b")
+            if f"target.{t}.{kind}.{p}" not in tensors
         ]
         if missing:
-            raise MissingTensorError(f"{weights}: missing tensors {missing}")
+            raise MissingTensorError(f"{weights}: missing tensors {missing[:8]}")
         maps[kind] = [
             LayerMap(
                 rows[t],
                 tensors[f"target.{t}.{kind}.W"],
-                tensors.get(f"target.{t}.{kind}.b"),
+                tensors[f"target.{t}.{kind}.b"],
                 f"target.{t}.{kind}.W",
                 f"target.{t}.{kind}.b",
             )
             for t in range(tgt.layers)
         ]
-    config, out, padding = assemble(variant, src, tgt, maps["k"], maps["v"], "post_norm")
-    names = {"source": manifest.get("source_model"), "target": manifest.get("target_model")}
+    config, out, padding = assemble("mixing", src, tgt, maps["k"], maps["v"], "post_norm")
     sums = (folder / "SHA256SUMS").read_bytes()
     provenance = {
         "layout": LAYOUT,
@@ -193,16 +206,24 @@ def convert(
         "input_sha256": hashlib.sha256(sums).hexdigest(),
         "input_sha256_of": "SHA256SUMS (which pins every file)",
         "files_sha256": listed,
-        "variant": manifest["variant"],
         "schema_version": version,
-        "source_model": names["source"],
-        "source_revision": manifest.get("source_revision"),
-        "target_model": names["target"],
-        "target_revision": manifest.get("target_revision"),
+        "mapper_id": manifest.get("mapper_id"),
+        "variant": variant,
+        "source_model": declared["source"],
+        "source_revision": compat.get("source_revision"),
+        "target_model": declared["target"],
+        "target_revision": compat.get("target_revision"),
+        "precision": compat.get("precision"),
+        "source_tp": compat.get("source_tp"),
+        "target_tp": compat.get("target_tp"),
+        "head_order": head_order,
+        "topk": manifest.get("topk"),
         "ridge_alpha": manifest.get("ridge_alpha"),
         "centered_inputs": manifest.get("centered_inputs"),
+        "calibration": manifest.get("calibration"),
+        "evaluation_report": manifest.get("evaluation_report"),
         "source_layers_per_target": {"k": k_rows, "v": v_rows},
     }
     if padding:
         provenance["padding"] = padding
-    return Converted(config, out, provenance, names)
+    return Converted(config, out, provenance, declared)

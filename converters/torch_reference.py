@@ -11,8 +11,8 @@ absolute position `start`:
      the same absolute positions.
 
 Inputs are (L, B, H, T, D) like mlx-lm caches stacked over layers; outputs (Lt, B, Ht, T, Dt).
-The parity tests compare our converted MLX translator against these classes, and `save`
-writes each layout's files. The modules are ordinary `nn.Module`s with differentiable
+The parity tests compare our converted MLX translator against these classes; the files are
+written with the public writers' own structure (tests/pytorch_writers.py). The modules are ordinary `nn.Module`s with differentiable
 forwards, so they can also be trained on a GPU box and saved from there, e.g.:
 
     ref = MapperReference("full_head", src, tgt, k_rows, v_rows, src_rope, tgt_rope).cuda()
@@ -21,14 +21,14 @@ forwards, so they can also be trained on a GPU box and saved from there, e.g.:
         k, v = ref(keys.cuda(), values.cuda(), start)
         loss = F.mse_loss(k, tk.cuda()) + F.mse_loss(v, tv.cuda())
         opt.zero_grad(); loss.backward(); opt.step()
-    ref.save("my-mapper", source_model=..., target_model=...)
+    tensors = ref.tensors()   # weights.safetensors names; manifest + SHA256SUMS as the
+                              # writer makes them: tests/pytorch_writers.py `sr_mapper`
 
 Geometry dicts: {"layers", "kv_heads", "head_dim"} (values use head_dim too).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -109,10 +109,6 @@ def target_parts(loaded_model):
     norms = [loaded_model.attention(i).k_norm for i in range(loaded_model.geometry.layers)]
     weights = [torch.from_numpy(np.array(n.weight, dtype=np.float32)) for n in norms]
     return rope, weights, float(norms[0].eps)
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 class ReferenceTranslator(nn.Module):
@@ -202,7 +198,10 @@ class ReferenceTranslator(nn.Module):
 
 
 class KVLingoV1Reference(ReferenceTranslator):
-    """Layout 1: `F.linear(x, W[l])`, W [Lt, Ht*Dt, Hs*Ds], equal depth, keys before k_norm."""
+    """Layout 1 (knlp kv_lingo.py `LinearTranslator`): `F.linear(x, W[l])`, W [Lt, Ht*Dt, Hs*Ds],
+    equal depth, keys before k_norm. Its `state_dict()` is the writer's (`key_weight`,
+    `value_weight`); knlp's `translator_artifact` / `checkpoint_state` wrap it (see
+    tests/pytorch_writers.py for the exact structure)."""
 
     def __init__(self, source, target, source_rope, target_rope, target_k_norm=None, k_norm_eps=1e-6,
                  key_cut="pre_norm"):  # fmt: skip
@@ -217,38 +216,15 @@ class KVLingoV1Reference(ReferenceTranslator):
         w = self.key_weight if kind == "k" else self.value_weight
         return self.unflat(F.linear(self.flat(x), w[t]))
 
-    def checkpoint(self, source_model="source", target_model="target", source_revision="main",
-                   target_revision="main") -> dict:  # fmt: skip
-        cut = "k:pre_k_norm,v:v_proj" if self.key_cut == "pre_norm" else "k:post_k_norm,v:v_proj"
-        return {
-            "schema": "kv_lingo_translator_v1",
-            "source_model": source_model,
-            "source_revision": source_revision,
-            "target_model": target_model,
-            "target_revision": target_revision,
-            "source_geometry": {**self.source, "width": self.source.get("width", 0)},
-            "target_geometry": {**self.target, "width": self.target.get("width", 0)},
-            "cut": cut,
-            "state_dict": {
-                "key_weight": self.key_weight.detach().cpu().contiguous(),
-                "value_weight": self.value_weight.detach().cpu().contiguous(),
-            },
-        }
-
-    def save(self, path, optimizer=None, step=None, **names) -> Path:
-        """torch.save the layout-1 dict; with `optimizer`, the stage-2 checkpoint variant."""
-        obj = self.checkpoint(**names)
-        if optimizer is not None:
-            obj.update(stage=2, step=step or 0, optimizer_state_dict=optimizer.state_dict())
-        torch.save(obj, str(path))
-        return Path(path)
-
 
 class MapperReference(ReferenceTranslator):
-    """Layout 2: `x @ W + b` per target layer; `full_head` (all heads) or `per_head`.
+    """Layout 2 (semantic-router distill.py `LinearMapper`): `x @ W + b` per target layer over
+    all heads, W [nu*H*D, H*D]. `variant` is the manifest's label only (distill.py applies
+    every variant this way).
 
     `key_rows` / `value_rows`: per target layer the source layers read (nu may vary by layer
-    and between keys and values). Keys after k_norm, before RoPE.
+    and between keys and values). Keys after k_norm, before RoPE. `tensors()` are the
+    `weights.safetensors` names (`target.{t}.{k,v}.{W,b}`).
     """
 
     def __init__(self, variant, source, target, key_rows, value_rows, source_rope, target_rope,
@@ -260,13 +236,9 @@ class MapperReference(ReferenceTranslator):
             raise ValueError("variant must be full_head or per_head")
         self.mapper_variant, self.bias = variant, bias
         self.params = nn.ParameterDict()
-        H, Ds, Dt = target["kv_heads"], source["head_dim"], target["head_dim"]
         for kind, rows in (("k", self.key_rows), ("v", self.value_rows)):
             for t, r in enumerate(rows):
-                if variant == "full_head":
-                    w, b = (self.in_width(r), self.out_width), (self.out_width,)
-                else:
-                    w, b = (H, len(r) * Ds, Dt), (H, Dt)
+                w, b = (self.in_width(r), self.out_width), (self.out_width,)
                 self.params[f"t{t}_{kind}_W"] = nn.Parameter(torch.zeros(w))
                 if bias:
                     self.params[f"t{t}_{kind}_b"] = nn.Parameter(torch.zeros(b))
@@ -277,11 +249,8 @@ class MapperReference(ReferenceTranslator):
     def map_layer(self, kind, t, x):
         w = self.params[f"t{t}_{kind}_W"]
         b = self.params[f"t{t}_{kind}_b"] if self.bias else None
-        if self.mapper_variant == "full_head":
-            y = self.flat(x) @ w
-            return self.unflat(y if b is None else y + b)
-        y = torch.einsum("bhti,hio->bhto", self.per_head(x), w)
-        return y if b is None else y + b[None, :, None, :]
+        y = self.flat(x) @ w
+        return self.unflat(y if b is None else y + b)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -289,46 +258,6 @@ class MapperReference(ReferenceTranslator):
             t, kind, what = name[1:].split("_")
             out[f"target.{t}.{kind}.{what}"] = p.detach().cpu().contiguous()
         return out
-
-    def manifest(self, **extra) -> dict:
-        def per_side(key):
-            s, t = self.source[key], self.target[key]
-            return s if s == t else {"source": s, "target": t}
-
-        return {
-            "schema_version": 1,
-            "variant": self.mapper_variant,
-            "source_model": extra.pop("source_model", "source"),
-            "source_revision": extra.pop("source_revision", "main"),
-            "target_model": extra.pop("target_model", "target"),
-            "target_revision": extra.pop("target_revision", "main"),
-            "num_kv_heads": per_side("kv_heads"),
-            "head_dim": per_side("head_dim"),
-            "ridge_alpha": extra.pop("ridge_alpha", 1.0),
-            "centered_inputs": extra.pop("centered_inputs", False),
-            "rope_stripped_on_keys": True,
-            "source_layers_per_target": {
-                "k": {str(t): r for t, r in enumerate(self.key_rows)},
-                "v": {str(t): r for t, r in enumerate(self.value_rows)},
-            },
-            **extra,
-        }
-
-    def save(self, folder, **manifest_extra) -> Path:
-        """Write manifest.json, weights.safetensors and SHA256SUMS into `folder`."""
-        from safetensors.torch import save_file
-
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "manifest.json").write_text(json.dumps(self.manifest(**manifest_extra), indent=2))
-        save_file(self.tensors(), str(folder / "weights.safetensors"))
-        write_sha256sums(folder)
-        return folder
-
-
-def write_sha256sums(folder: Path, names=("manifest.json", "weights.safetensors")) -> None:
-    lines = [f"{_sha256(Path(folder) / n)}  {n}" for n in names]
-    (Path(folder) / "SHA256SUMS").write_text("\n".join(lines) + "\n")
 
 
 class LinearMapsReference(ReferenceTranslator):

@@ -168,13 +168,16 @@ def _nbytes(module: Translator) -> int:
     return int(sum(v.nbytes for _, v in leaves))
 
 
-def _load_translator(spec: str | Path | Translator | None, pair: ModelPair) -> Translator | None:
-    """A translator from a path (validated against `pair`), an object, or None."""
+def _load_translator(
+    spec: str | Path | Translator | None, pair: ModelPair, reverse: bool = False
+) -> Translator | None:
+    """A translator from a path or Hub id (validated against `pair`), an object, or None."""
     if spec is None or isinstance(spec, Translator):
         return spec
     from .format import load_translator
+    from .hub import resolve_translator
 
-    return load_translator(spec, pair)
+    return load_translator(resolve_translator(spec, reverse), pair)
 
 
 def _seed(seed: int | None) -> None:
@@ -226,7 +229,10 @@ class Runtime:
         `source`/`target`: hub ids or local mlx-lm folders; both None loads the bundled demo
         pair (`translator`/`backward_translator` may then name one of its shipped files).
         `translator` maps small -> large, `backward_translator` large -> small; either may be
-        None, and switching into that model then re-reads the conversation itself. Translator
+        None, and switching into that model then re-reads the conversation itself. A
+        translator is a file path or a Hugging Face Hub id `org/name[@revision][:file]`
+        (fetched into the Hub cache; `HF_HUB_OFFLINE=1` reads only the cache; `HubError`, a
+        ValueError, when it cannot be had). Translator
         files are checked against the pair (`TranslatorFileError`, a ValueError, when wrong);
         a pair whose tokenizers differ raises `TokenizerMismatchError` (a ValueError).
         """
@@ -238,7 +244,7 @@ class Runtime:
 
         pair = load_pair(source, target)
         forward = _load_translator(translator, pair)
-        backward = _load_translator(backward_translator, pair.reversed())
+        backward = _load_translator(backward_translator, pair.reversed(), reverse=True)
         return cls(pair, forward, backward)
 
     @classmethod

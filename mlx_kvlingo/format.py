@@ -90,14 +90,19 @@ def read_header(path: str | Path) -> dict:
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
+        if head[:4] == b"PK\x03\x04":  # torch.save writes a zip archive
+            raise TranslatorFileError(
+                f"{path}: this is a PyTorch file (a torch.save zip archive), not a translator; "
+                f"convert it first: kvlingo convert {path} -o translator.safetensors"
+            )
         if len(head) < 8:
             raise TranslatorFileError(f"{path}: truncated or not a safetensors file ({size} bytes)")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8 or n > 100 * 2**20:
             if head[:2] == b"\x80\x02" or head[:1] == b"\x80":
                 raise TranslatorFileError(
-                    f"{path}: this is a Python pickle (PyTorch file?), not a translator; "
-                    "convert it with `kvlingo convert`"
+                    f"{path}: this is a Python pickle (a legacy PyTorch file?), not a "
+                    f"translator; convert it first: kvlingo convert {path} -o translator.safetensors"
                 )
             raise TranslatorFileError(f"{path}: truncated or not a safetensors file")
         try:
@@ -192,8 +197,40 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
     return tr
 
 
+def model_key(name) -> str | None:
+    """A model's name for comparison: the last path component, lower case.
+
+    `Qwen/Qwen3-4B`, `~/models/Qwen3-4B/` and `Qwen3-4B` compare equal; None stays None.
+    """
+    if not name:
+        return None
+    return str(name).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].lower() or None
+
+
+def declared_names(meta: dict, label: str) -> set[str]:
+    """The names a translator file gives one side: its metadata and, for a converted file,
+    the names the original file declared (provenance)."""
+    names = {meta.get(label, {}).get("name"), (meta.get("provenance") or {}).get(f"{label}_model")}
+    return {k for k in map(model_key, names) if k}
+
+
+def check_direction(meta: dict, pair, path) -> None:
+    """Refuse a file made for this pair the other way round, whatever the geometry says."""
+    src, tgt = model_key(pair.source.name), model_key(pair.target.name)
+    if not src or not tgt or src == tgt:
+        return
+    made_src, made_tgt = declared_names(meta, "source"), declared_names(meta, "target")
+    if src in made_tgt and tgt in made_src and src not in made_src:
+        raise TranslatorFileError(
+            f"{path}: this translator goes the other way ({meta['source'].get('name')} -> "
+            f"{meta['target'].get('name')}), the pair is {pair.source.name} -> "
+            f"{pair.target.name}; swap source and target or use the reverse file"
+        )
+
+
 def check_pair(meta: dict, config: TranslatorConfig, pair, path) -> None:
     src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
+    check_direction(meta, pair, path)
     if (config.source, config.target) == (tgt, src) and src != tgt:
         raise TranslatorFileError(
             f"{path}: this translator goes the other way ({meta['source'].get('name')} -> "

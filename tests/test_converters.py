@@ -8,15 +8,17 @@ import sys
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
+from mlx_kvlingo import synthetic as syn
 from mlx_kvlingo.capture import SpanKV, capture_from_cache
 from mlx_kvlingo.cli.convert import convert_cmd
 from mlx_kvlingo.decode import handoff
-from mlx_kvlingo.format import load_translator, read_metadata
+from mlx_kvlingo.format import TranslatorFileError, load_translator, read_metadata
 from mlx_kvlingo.pair import load_model, load_pair
 
 import mlx.core as mx
 import numpy as np
 import pytest
+import pytorch_writers as pw
 from click.testing import CliRunner
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import KVCache
@@ -51,6 +53,10 @@ def models(tiny_dir):
     """Tiny models; targets with k_norm get random k_norm weights so the cut matters."""
     out = {k: load_model(tiny_dir[k]) for k in ("qwen3", "qwen3_moe", "llama", "qwen2")}
     out["qwen3_b"] = load_model(tiny_dir["qwen3"])
+    deep = tiny_dir["root"] / "qwen3_deep"
+    if not deep.exists():
+        syn.make_model_folder(deep, "qwen3", tiny_dir["tokenizer"], seed=5, num_hidden_layers=6)
+    out["qwen3_deep"] = load_model(deep)
     rng = np.random.default_rng(0)
     for name in ("qwen3_moe", "qwen3_b"):
         m = out[name]
@@ -119,70 +125,84 @@ def parts(ref_mod, pair):
 # -- parity: converted MLX translator == PyTorch reference, per layout ---------------------
 
 
-@pytest.mark.parametrize(
-    "src,tgt,cut,stage2",
-    [("qwen3", "qwen3_b", "pre_norm", False), ("qwen2", "llama", "pre_norm", True),
-     ("qwen3", "qwen3_b", "post_norm", False)],
-)  # fmt: skip
-def test_kv_lingo_v1_parity(models, tmp_path, src, tgt, cut, stage2):
-    import torch
+def knlp_geometry(model):
+    g = model.geometry
+    return pw.knlp_geometry(g.layers, g.kv_heads, g.head_dim)
 
+
+@pytest.mark.parametrize(
+    "src,tgt,kind",
+    [("qwen3", "qwen3_b", "translator"), ("qwen2", "llama", "stage2"),
+     ("qwen3", "qwen3_b", "unknown_cut")],
+)  # fmt: skip
+def test_kv_lingo_v1_parity(models, tmp_path, src, tgt, kind):
+    """knlp files as kv_lingo_train.py writes them == the F.linear reference to 1e-5."""
     R = torch_ref()
     pair = load_pair(models[src], models[tgt])
+    # an unrecognised cut converts only with the key cut stated: here keys after k_norm
+    cut = "post_norm" if kind == "unknown_cut" else "pre_norm"
     src_rope, tgt_rope, k_norm, eps = parts(R, pair)
     ref = R.KVLingoV1Reference(geom(pair.source), geom(pair.target), src_rope, tgt_rope, k_norm, eps,
                                key_cut=cut).randomize_(seed=1)  # fmt: skip
-    opt = None
-    if stage2:  # a stage-2 checkpoint: one optimizer step leaves Adam state behind
-        opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
-        k, v = ref(torch.randn(3, 1, 2, 4, 16), torch.randn(3, 1, 2, 4, 16), 0)
-        (k.square().mean() + v.square().mean()).backward()
-        opt.step()
-    f = ref.save(
-        tmp_path / "tr.pt", optimizer=opt, step=7, source_model="src/m", target_model="tgt/m"
-    )
-    out, done = conv.convert_file(f, tmp_path / "out.safetensors", pair=pair)
-    assert done.provenance["stage2_checkpoint"] is stage2
-    if stage2:
-        assert "optimizer_state_dict" in done.provenance["ignored_keys"]
-    # pre-norm keys are never rotated; post-norm ones come out of a cache
+    weights = (ref.key_weight.detach(), ref.value_weight.detach())
+    gs, gt = knlp_geometry(pair.source), knlp_geometry(pair.target)
+    if kind == "stage2":
+        f = pw.knlp_stage2_checkpoint(tmp_path / "stage2-4b-to-8b-step3.pt", *weights, gs, gt)
+    else:
+        f = pw.knlp_translator(tmp_path / "stage1-4b-to-8b.pt", *weights, gs, gt,
+                               cut=pw.KNLP_CUT if kind == "translator" else "keys post k_norm")  # fmt: skip
+    options = {"key_cut": "post_norm"} if kind == "unknown_cut" else {}
+    out, done = conv.convert_file(f, tmp_path / "out.safetensors", pair=pair, **options)
+    assert done.provenance["stage2_checkpoint"] is (kind == "stage2")
+    if kind == "stage2":
+        assert done.provenance["ignored_keys"] == ["metrics", "optimizer", "rng"]
+        assert done.provenance["global_step"] == 3 and done.provenance["last_mean_kl"] > 0
+    # pre-norm keys are k_proj outputs (never rotated); post-norm ones come out of a cache
     assert_parity(pair, out, ref, keys_rotated=(cut == "post_norm"))
     meta = read_metadata(out)
     assert meta["key_cut"] == cut
     prov = meta["provenance"]
     assert prov["layout"] == "kv_lingo_translator_v1" and prov["key_cut"] == cut
+    assert prov["key_cut_override"] is (kind == "unknown_cut")
     assert prov["input_sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
-    assert prov["source_model"] == "src/m"
+    assert prov["direction"] == "4b-to-8b"
+    assert (prov["source_model"], prov["target_revision"]) == (
+        "Qwen/Qwen3-4B", pw.KNLP_PINS["Qwen/Qwen3-8B"])  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "variant,src,tgt",
-    [("full_head", "qwen3", "llama"), ("per_head", "qwen3", "llama"),
-     ("full_head", "qwen2", "qwen3_moe"), ("per_head", "llama", "qwen2")],
+    [("full_head", "qwen3", "qwen3_deep"), ("full_head", "qwen3_deep", "known"),
+     ("per_head", "qwen2", "llama"), ("full_head", "llama", "qwen2")],
 )  # fmt: skip
-def test_mapper_dir_parity(models, tmp_path, variant, src, tgt):
+def test_mapper_dir_parity(models, tiny_dir, tmp_path, variant, src, tgt):
+    """semantic-router mapper directories as artifact.py writes them == x @ W + b to 1e-5."""
     R = torch_ref()
-    pair = load_pair(models[src], models[tgt])
+    mod = {**models, "known": load_model(tiny_dir["known"])}
+    pair = load_pair(mod[src], mod[tgt])
     Ls, Lt = pair.source.geometry.layers, pair.target.geometry.layers
-    # nu differs between layers and between K and V: padded to the max nu on conversion
-    k_rows = [[t % Ls, (t + 1) % Ls][: 1 + t % 2] for t in range(Lt)]
-    v_rows = [[(Ls - 1 - t) % Ls] + ([0] if t == 0 else []) for t in range(Lt)]
+    rows = [[(t + 1) % Ls, t % Ls] for t in range(Lt)]  # topk 2, best first (not sorted)
     src_rope, tgt_rope, _, _ = parts(R, pair)
-    ref = R.MapperReference(variant, geom(pair.source), geom(pair.target), k_rows, v_rows,
+    ref = R.MapperReference(variant, geom(pair.source), geom(pair.target), rows, rows,
                             src_rope, tgt_rope).randomize_(seed=2)  # fmt: skip
-    d = ref.save(tmp_path / "mapper", ridge_alpha=0.5, centered_inputs=True)
+    tensors = {k: v.numpy() for k, v in ref.tensors().items()}
+    g = pair.target.geometry
+    d = pw.sr_mapper(tmp_path / "mapper", tensors, rows, g.kv_heads, g.head_dim,
+                     variant=variant, ridge_alpha=0.5)  # fmt: skip
     out, done = conv.convert_file(d, tmp_path / "out.safetensors", pair=pair)
-    assert done.config.variant == ("mixing" if variant == "full_head" else "headwise")
+    assert done.config.variant == "mixing"
     assert done.config.nu_k == 2 and done.config.nu_v == 2 and done.config.bias
     assert_parity(pair, out, ref)
     prov = read_metadata(out)["provenance"]
     assert prov["layout"] == "mapper_directory" and prov["key_cut"] == "post_norm"
+    assert prov["variant"] == variant and prov["mapper_id"].startswith(f"pair-{variant}-bf16")
     assert prov["input_sha256"] == hashlib.sha256((d / "SHA256SUMS").read_bytes()).hexdigest()
     assert (
         prov["files_sha256"]["weights.safetensors"]
         == hashlib.sha256((d / "weights.safetensors").read_bytes()).hexdigest()
     )
-    assert prov["ridge_alpha"] == 0.5 and prov["padding"]
+    assert prov["ridge_alpha"] == 0.5 and prov["calibration"]["fitting_token_step"] == 4
+    assert (prov["source_model"], prov["target_model"]) == ("Qwen/Qwen3-14B", "Qwen/Qwen3-32B")
 
 
 @pytest.mark.parametrize(
@@ -256,39 +276,42 @@ def translated_tokens(pair, tr, tokens):
 
 
 def write_known(layout, pair, answer, folder: Path) -> Path:
+    """The exact known-answer maps, written as each public writer (or torch) writes them."""
+    K = [np.asarray(m, np.float32) for m in answer["key_maps"]]  # x @ W orientation
+    V = [np.asarray(m, np.float32) for m in answer["value_maps"]]
+    g = pair.target.geometry
+    L = g.layers
+    if layout in ("knlp", "knlp_stage2"):  # F.linear weights [L, out, in]
+        kw, vw = np.stack([k.T for k in K]), np.stack([v.T for v in V])
+        geo = pw.knlp_geometry(g.layers, g.kv_heads, g.head_dim)
+        if layout == "knlp":
+            return pw.knlp_translator(folder / "stage1-4b-to-8b.pt", kw, vw, geo, geo)
+        return pw.knlp_stage2_checkpoint(folder / "stage2-4b-to-8b-step3.pt", kw, vw, geo, geo)
+    if layout == "mapper":  # x @ W + b, keys after k_norm
+        rows = [[t] for t in range(L)]
+        return pw.sr_mapper(folder / "known-mapper", pw.sr_tensors(K, V), rows, g.kv_heads,
+                            g.head_dim)  # fmt: skip
     import torch
 
     R = torch_ref()
-    K = [torch.from_numpy(np.asarray(m)) for m in answer["key_maps"]]
-    V = [torch.from_numpy(np.asarray(m)) for m in answer["value_maps"]]
-    src_rope, tgt_rope, k_norm, eps = parts(R, pair)
-    gs, gt = geom(pair.source), geom(pair.target)
-    L = gt["layers"]
+    src_rope, tgt_rope, _, _ = parts(R, pair)
     rows = [[t] for t in range(L)]
+    gs, gt = geom(pair.source), geom(pair.target)
+    ref = R.LinearMapsReference(gs, gt, rows, rows, src_rope, tgt_rope, "post_norm", bias=False)
     with torch.no_grad():
-        if layout == "v1":  # F.linear weights, keys before k_norm
-            ref = R.KVLingoV1Reference(gs, gt, src_rope, tgt_rope, k_norm, eps)
-            ref.key_weight.copy_(torch.stack([k.T for k in K]))
-            ref.value_weight.copy_(torch.stack([v.T for v in V]))
-            return ref.save(folder / "known.pt")
-        if layout == "mapper":  # x @ W + b, keys after k_norm
-            ref = R.MapperReference("full_head", gs, gt, rows, rows, src_rope, tgt_rope, bias=True)
-            for t in range(L):
-                ref.params[f"t{t}_k_W"].copy_(K[t])
-                ref.params[f"t{t}_v_W"].copy_(V[t])
-            return ref.save(folder / "known-mapper")
-        ref = R.LinearMapsReference(gs, gt, rows, rows, src_rope, tgt_rope, "post_norm", bias=False)
         for t in range(L):
-            ref.k_maps[t].weight.copy_(K[t].T)
-            ref.v_maps[t].weight.copy_(V[t].T)
-        return ref.save(folder / "known-maps.pt")
+            ref.k_maps[t].weight.copy_(torch.from_numpy(K[t].T))
+            ref.v_maps[t].weight.copy_(torch.from_numpy(V[t].T))
+    return ref.save(folder / "known-maps.pt")
 
 
-@pytest.mark.parametrize("layout", ["v1", "mapper", "linear"])
+@pytest.mark.parametrize("layout", ["knlp", "knlp_stage2", "mapper", "linear"])
 def test_known_answer_decodes_like_native(known, tiny_dir, tmp_path, layout):
+    if layout != "mapper":
+        pytest.importorskip("torch")
     src = write_known(layout, known, tiny_dir["known_answer"], tmp_path)
     out, done = conv.convert_file(src, tmp_path / "known.safetensors", pair=known)
-    assert done.config.key_cut == ("pre_norm" if layout == "v1" else "post_norm")
+    assert done.config.key_cut == ("pre_norm" if layout.startswith("knlp") else "post_norm")
     tr = load_translator(out, known)
     tokens = known.tokenizer.encode(PROMPT)
     native = native_tokens(known, tokens)
@@ -296,45 +319,49 @@ def test_known_answer_decodes_like_native(known, tiny_dir, tmp_path, layout):
     assert translated_tokens(known, tr, tokens) == native
 
 
+# -- the three files of issue #13, through the command line, no model pair ---------------
+
+
+def test_public_files_convert_from_the_command_line(known, tiny_dir, tmp_path):
+    """A knlp translator (its real cut string), a semantic-router directory (its nested
+    `compatibility`), a knlp stage-2 checkpoint (weights under `translator`, no cut)."""
+    pytest.importorskip("torch")
+    inputs = [
+        (write_known("knlp", known, tiny_dir["known_answer"], tmp_path), []),
+        (write_known("mapper", known, tiny_dir["known_answer"], tmp_path), ["--source-layers", "4"]),
+        (write_known("knlp_stage2", known, tiny_dir["known_answer"], tmp_path), []),
+    ]  # fmt: skip
+    tokens = known.tokenizer.encode(PROMPT)
+    native = native_tokens(known, tokens)[:12]
+    for i, (f, extra) in enumerate(inputs):
+        out = tmp_path / f"issue{i}.safetensors"
+        r = CliRunner().invoke(convert_cmd, [str(f), "-o", str(out), *extra])
+        assert r.exit_code == 0, r.output
+        assert "wrote" in r.output
+        tr = load_translator(out, known)
+        assert translated_tokens(known, tr, tokens)[:12] == native
+
+
 # -- the mapper directory converts without torch -----------------------------------------
 
 
 def write_mapper_numpy(folder: Path, answer, L: int, **manifest_changes) -> Path:
-    """A mapper directory written with numpy only (exact known-answer maps)."""
-    from safetensors.numpy import save_file
-
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for t in range(L):
-        tensors[f"target.{t}.k.W"] = np.asarray(answer["key_maps"][t], np.float32)
-        tensors[f"target.{t}.v.W"] = np.asarray(answer["value_maps"][t], np.float32)
-    rows = {str(t): [t] for t in range(L)}
-    manifest = {
-        "schema_version": 1, "variant": "full_head", "source_model": "a", "source_revision": "r1",
-        "target_model": "b", "target_revision": "r2", "num_kv_heads": 2, "head_dim": 32,
-        "ridge_alpha": 0.0, "centered_inputs": False, "rope_stripped_on_keys": True,
-        "source_layers_per_target": {"k": rows, "v": rows},
-    }  # fmt: skip
-    manifest.update(manifest_changes)
-    (folder / "manifest.json").write_text(json.dumps(manifest))
-    save_file(tensors, str(folder / "weights.safetensors"))
-    resum(folder)
-    return folder
+    """A semantic-router directory (numpy only) holding the exact known-answer maps."""
+    rows = [[t] for t in range(L)]
+    tensors = pw.sr_tensors(answer["key_maps"], answer["value_maps"])
+    return pw.sr_mapper(folder, tensors, rows, 2, 32, source_model="a", target_model="b",
+                        source_revision="r1", target_revision="r2", **manifest_changes)  # fmt: skip
 
 
 def resum(folder: Path) -> None:
-    lines = [
-        f"{hashlib.sha256((folder / n).read_bytes()).hexdigest()}  {n}"
-        for n in ("manifest.json", "weights.safetensors")
-    ]
-    (folder / "SHA256SUMS").write_text("\n".join(lines) + "\n")
+    pw.sr_checksums(folder)
 
 
 def test_mapper_converts_without_torch(known, tiny_dir, tmp_path, monkeypatch):
     d = write_mapper_numpy(tmp_path / "m", tiny_dir["known_answer"], 4)
     monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now fails
     out, done = conv.convert_file(d, tmp_path / "o.safetensors", source_layers=4)
-    assert done.config.source.layers == 4 and not done.config.bias
+    assert done.config.source.layers == 4 and done.config.bias
     meta = read_metadata(out)
     assert meta["source"]["name"] == "a" and meta["provenance"]["target_revision"] == "r2"
     tr = load_translator(out, known)
@@ -420,7 +447,7 @@ def test_mapper_shape_contradicts_manifest(mapper):
     with pytest.raises(conv.ShapeMismatchError, match=r"target\.1\.k\.W has shape \(64, 64\)"):
         conv.convert(mapper, source_layers=4)
     m["source_layers_per_target"]["k"]["1"] = [1]
-    m["head_dim"] = 16
+    m["compatibility"]["head_dim"] = 16
     (mapper / "manifest.json").write_text(json.dumps(m))
     resum(mapper)
     with pytest.raises(conv.ShapeMismatchError, match="imply"):
@@ -438,6 +465,23 @@ def test_mapper_unknown_schema_and_refusals(mapper, tiny_dir, tmp_path):
         conv.convert(rot, source_layers=4)
     with pytest.raises(conv.InvalidInputError, match="--source-layers"):
         conv.convert(mapper)
+    order = write_mapper_numpy(
+        tmp_path / "order", tiny_dir["known_answer"], 4, compatibility__head_order="interleaved"
+    )
+    with pytest.raises(conv.UnsupportedError, match="head_order 'interleaved'"):
+        conv.convert(order, source_layers=4)
+
+
+def test_mapper_without_compatibility_is_named(mapper):
+    """Variant, heads and names at the top level (no public writer does that): say where
+    semantic-router keeps them instead of `unknown variant None`."""
+    m = json.loads((mapper / "manifest.json").read_text())
+    compat = m.pop("compatibility")
+    m.update(compat)
+    (mapper / "manifest.json").write_text(json.dumps(m))
+    resum(mapper)
+    with pytest.raises(conv.UnknownSchemaError, match="no 'compatibility' object"):
+        conv.convert(mapper, source_layers=4)
 
 
 def test_mapper_nan(mapper):
@@ -457,16 +501,13 @@ def test_mapper_geometry_against_pair(mapper, models):
         conv.convert(mapper, pair=pair)
 
 
-def _v1_dict(torch, **changes):
-    g = {"layers": 2, "kv_heads": 1, "head_dim": 4, "width": 8}
-    d = {
-        "schema": "kv_lingo_translator_v1", "source_model": "s", "source_revision": "r",
-        "target_model": "t", "target_revision": "r", "source_geometry": g, "target_geometry": g,
-        "cut": "k:pre_k_norm,v:v_proj",
-        "state_dict": {"key_weight": torch.randn(2, 4, 4), "value_weight": torch.randn(2, 4, 4)},
-    }  # fmt: skip
+def _v1_file(torch, f, **changes):
+    """A knlp translator artifact (2 layers, 1 head of 4) with top-level `changes`."""
+    g = pw.knlp_geometry(2, 1, 4)
+    pw.knlp_translator(f, torch.randn(2, 4, 4), torch.randn(2, 4, 4), g, g)
+    d = torch.load(str(f), weights_only=True)
     d.update(changes)
-    return d
+    torch.save(d, str(f))
 
 
 def test_v1_bad_inputs(tmp_path):
@@ -474,7 +515,7 @@ def test_v1_bad_inputs(tmp_path):
     f = tmp_path / "t.pt"
 
     def check(exc, match, **changes):
-        torch.save(_v1_dict(torch, **changes), str(f))
+        _v1_file(torch, f, **changes)
         with pytest.raises(exc, match=match):
             conv.convert(f)
 
@@ -494,17 +535,64 @@ def test_v1_bad_inputs(tmp_path):
           state_dict={"key_weight": torch.randn(2, 4, 4), "value_weight": nan})  # fmt: skip
     check(conv.ShapeMismatchError, r"imply \[target_layers, Ht\*Dt, Hs\*Ds\] = \[2, 4, 4\]",
           state_dict={"key_weight": torch.randn(2, 4, 8), "value_weight": torch.randn(2, 4, 4)})  # fmt: skip
-    check(conv.UnsupportedError, "equal depth",
-          target_geometry={"layers": 3, "kv_heads": 1, "head_dim": 4, "width": 8})  # fmt: skip
-    check(conv.UnsupportedError, "cut 'k:post_rope'", cut="k:post_rope")
+    check(conv.UnsupportedError, "equal depth", target_geometry=pw.knlp_geometry(3, 1, 4))
+    check(
+        conv.InvalidInputError, "width 9", target_geometry={**pw.knlp_geometry(2, 1, 4), "width": 9}
+    )
+    check(conv.UnsupportedError, "cut 'k:post_rope' is not one we can convert.*--key-cut",
+          cut="k:post_rope")  # fmt: skip
     check(conv.UnexpectedTensorError, "key_bias", state_dict={
         "key_weight": torch.randn(2, 4, 4), "value_weight": torch.randn(2, 4, 4), "key_bias": torch.randn(2, 4)})  # fmt: skip
-    torch.save(_v1_dict(torch), str(f))
+    check(conv.InvalidInputError, "direction '4b-to-8b' names",
+          source={"name": "Qwen/Qwen3-8B", "revision": "x"},
+          target={"name": "Qwen/Qwen3-4B", "revision": "y"})  # fmt: skip
+    _v1_file(torch, f)
     done = conv.convert(f)
     assert done.config.key_cut == "pre_norm" and done.provenance["stage2_checkpoint"] is False
+    assert done.provenance["original_cut"] == pw.KNLP_CUT
+    assert done.provenance["knlp_provenance"]["samples"] == 8
+    # an explicit key cut for an unrecognised cut string converts, and says so
+    _v1_file(torch, f, cut="keys from somewhere")
+    done = conv.convert(f, key_cut="pre_norm")
+    assert done.provenance["key_cut_override"] is True
+    assert done.provenance["original_cut"] == "keys from somewhere"
+    r = CliRunner().invoke(convert_cmd, [str(f), "-o", str(tmp_path / "o.safetensors"),
+                                         "--key-cut", "post_norm"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    prov = read_metadata(tmp_path / "o.safetensors")["provenance"]
+    assert prov["key_cut"] == "post_norm" and prov["key_cut_override"] is True
+    # a stage-2 checkpoint with its weights missing, or with a cut it never has
+    g = pw.knlp_geometry(2, 1, 4)
+    pw.knlp_stage2_checkpoint(f, torch.randn(2, 4, 4), torch.randn(2, 4, 4), g, g)
+    d = torch.load(str(f), weights_only=True)
+    torch.save({k: v for k, v in d.items() if k != "translator"}, str(f))
+    with pytest.raises(conv.MissingTensorError, match="no 'translator'"):
+        conv.convert(f)
+    torch.save({**d, "cut": pw.KNLP_CUT}, str(f))
+    with pytest.raises(conv.UnexpectedTensorError, match="has no 'cut'"):
+        conv.convert(f)
     torch.save({"weights": torch.randn(3)}, str(f))
     with pytest.raises(conv.UnknownSchemaError, match="unknown layout"):
         conv.convert(f)
+
+
+def test_direction_is_checked(known, tiny_dir, tmp_path):
+    """Equal geometry both ways (qwen3 <-> its known-answer rewrite): only the names the file
+    declares tell the direction. Refused at conversion and when loading the converted file."""
+    pytest.importorskip("torch")
+    src, tgt = (Path(known.source.name).name, Path(known.target.name).name)
+    K = [np.asarray(m).T for m in tiny_dir["known_answer"]["key_maps"]]
+    g = pw.knlp_geometry(4, 2, 32)
+    f = pw.knlp_translator(tmp_path / "t.pt", np.stack(K), np.stack(K), g, g, direction="x",
+                           source=(f"org/{src}", "r1"), target=(f"org/{tgt}", "r2"))  # fmt: skip
+    back = known.reversed()
+    with pytest.raises(conv.DirectionError, match="other direction"):
+        conv.convert_file(f, tmp_path / "no.safetensors", pair=back)
+    assert not (tmp_path / "no.safetensors").exists()
+    out, _ = conv.convert_file(f, tmp_path / "t.safetensors")  # names kept from the file
+    load_translator(out, known)  # the right way round
+    with pytest.raises(TranslatorFileError, match="goes the other way"):
+        load_translator(out, back)
 
 
 def test_linear_bad_inputs(tmp_path):

@@ -129,3 +129,21 @@ def test_not_a_translator(tmp_path, known):
     mx.save_safetensors(str(path), {"a": mx.zeros(3)})
     with pytest.raises(TranslatorFileError, match="no kvlingo metadata"):
         load_translator(path, known)
+
+
+def test_pytorch_file_is_named(tmp_path, known):
+    """A torch.save zip given where a translator is expected: say so, and name the command."""
+    torch = pytest.importorskip("torch")
+    path = tmp_path / "translator.pt"
+    torch.save({"schema": "kv_lingo_translator_v1"}, str(path))
+    assert path.read_bytes()[:4] == b"PK\x03\x04"
+    with pytest.raises(TranslatorFileError, match=r"PyTorch file.*kvlingo convert"):
+        load_translator(path, known)
+
+
+def test_direction_by_name(saved, known):
+    """Same geometry and model type both ways: the recorded names decide the direction."""
+    path, _ = saved
+    load_translator(path, known)
+    with pytest.raises(TranslatorFileError, match="goes the other way"):
+        load_translator(path, known.reversed())

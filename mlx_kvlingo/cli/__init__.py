@@ -11,10 +11,12 @@ from .calibrate import calibrate_cmd
 from .chat import chat_cmd
 from .compare import compare_cmd
 from .convert import convert_cmd
+from .download import download_cmd
 from .eval import eval_cmd
 from .generate import generate_cmd
 from .info import info_cmd
 from .translate import translate_cmd
+from .upload import upload_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -32,6 +34,8 @@ cli.add_command(eval_cmd)
 cli.add_command(compare_cmd)
 cli.add_command(bench_cmd)
 cli.add_command(convert_cmd)
+cli.add_command(upload_cmd)
+cli.add_command(download_cmd)
 
 
 def main():

@@ -6,12 +6,14 @@ import click
 
 from ..data import DataConfig
 from ..format import TranslatorFileError, load_translator
+from ..hub import HubError, resolve_translator
 from ..pair import TokenizerMismatchError, load_pair
 
 source_option = click.option("--source", help="Source model (hub id or folder); default: demo pair")
 target_option = click.option("--target", help="Target model (hub id or folder); default: demo pair")
 translator_option = click.option(
-    "--translator", type=click.Path(dir_okay=False), help="Translator file (.safetensors)"
+    "--translator",
+    help="Translator file (.safetensors) or Hub id org/name[@revision][:file]",
 )
 
 
@@ -27,8 +29,8 @@ def resolve_pair(source, target, translator, reverse: bool = False):
         pair = load_pair(source, target)
         if translator is None:
             raise click.UsageError("--translator is required with --source/--target")
-        return pair, load_translator(translator, pair)
-    except (TokenizerMismatchError, TranslatorFileError, FileNotFoundError) as e:
+        return pair, load_translator(resolve_translator(translator, reverse), pair)
+    except (TokenizerMismatchError, TranslatorFileError, HubError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
 
 

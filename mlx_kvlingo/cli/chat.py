@@ -314,7 +314,7 @@ class ChatApp:
 @source_option
 @target_option
 @translator_option
-@click.option("--backward-translator", type=click.Path(dir_okay=False),
+@click.option("--backward-translator",
               help="Large -> small translator; without one, switching back to small re-prefills")  # fmt: skip
 @click.option("--system-prompt", default=None, help="System message for the chat template")
 @click.option("-m", "--max-tokens", default=256, show_default=True, help="Tokens per answer")
@@ -346,7 +346,11 @@ def chat_cmd(source, target, translator, backward_translator, system_prompt, max
     backward, back_label = None, "none: switching back re-prefills"
     try:
         if backward_translator:
-            backward = load_translator(backward_translator, pair.reversed())
+            from ..hub import resolve_translator
+
+            backward = load_translator(
+                resolve_translator(backward_translator, reverse=True), pair.reversed()
+            )
             back_label = backward_translator
         elif source is None and target is None:
             backward = _demo_backward(pair)

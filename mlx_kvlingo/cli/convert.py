@@ -72,7 +72,9 @@ LAYOUT_NAMES = [
 @click.option("--key-layers", help="linear: layer map for keys only (JSON)")
 @click.option("--value-layers", help="linear: layer map for values only (JSON)")
 @click.option("--key-cut", type=click.Choice(["post_norm", "pre_norm"]),
-              help="linear: where the keys were taken (after or before k_norm; always RoPE-free)")  # fmt: skip
+              help="where the keys were taken (after or before k_norm; always RoPE-free): "
+                   "required for linear; for v1, overrides a cut string we do not recognise "
+                   "(recorded in the provenance)")  # fmt: skip
 def convert_cmd(
     input_path, output, layout, source, target, source_layers, source_geometry, target_geometry,
     sidecar, layer_map, key_layers, value_layers, key_cut,
@@ -105,7 +107,9 @@ def convert_cmd(
         raise click.ClickException(f"{type(e).__name__}: {e}") from None
     c, p = done.config, done.provenance
     click.echo(
-        f"wrote {path}: {p['layout']} -> {c.variant}, key cut {c.key_cut}, nu {c.nu_k}/{c.nu_v} "
+        f"wrote {path}: {p['layout']} -> {c.variant}, key cut {c.key_cut}"
+        + (" (stated with --key-cut)" if p.get("key_cut_override") else "")
+        + f", nu {c.nu_k}/{c.nu_v} "
         f"(keys/values), bias {c.bias}\n"
         f"  source {c.source.layers}x{c.source.kv_heads}x{c.source.head_dim}, "
         f"target {c.target.layers}x{c.target.kv_heads}x{c.target.head_dim}; "

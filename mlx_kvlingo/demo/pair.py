@@ -20,6 +20,10 @@ def manifest() -> dict:
 
 def translator_path(name: str | None = None, reverse: bool = False) -> Path:
     """A shipped translator by file name, or the default one for the direction."""
+    from ..hub import is_hub_spec, resolve_translator
+
+    if name is not None and is_hub_spec(name):  # org/name[@rev][:file]
+        return resolve_translator(name, reverse)
     m = manifest()
     if name is None:
         name = m["default"]["backward" if reverse else "forward"]

@@ -1,0 +1,21 @@
+"""`kvlingo download org/name[@revision][:file]`: translators into the Hub cache (or a folder)."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command("download")
+@click.argument("spec", metavar="ORG/NAME[@REVISION][:FILE]")
+@click.option("--local-dir", type=click.Path(file_okay=False),
+              help="Copy into this folder instead of only the Hub cache")  # fmt: skip
+def download_cmd(spec, local_dir):
+    """Fetch a translator repo (or one file) from the Hub, for later or offline use."""
+    from ..hub import HubError, download
+
+    try:
+        path = download(spec, local_dir)
+    except HubError as e:
+        raise click.ClickException(str(e)) from None
+    files = sorted(p.name for p in path.iterdir()) if path.is_dir() else [path.name]
+    click.echo(f"{path}\n  " + "\n  ".join(files))

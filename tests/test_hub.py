@@ -1,0 +1,159 @@
+"""Translators on the Hub, against a local stand-in (tests/hub_standin.py) on 127.0.0.1.
+
+`huggingface_hub` reads HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE when it is imported, so every
+client runs in a subprocess with them set; the stand-in runs in this process and is stopped
+by its fixture. Round trip: `kvlingo upload`, `kvlingo download` (pinned), `Runtime.load(
+translator="org/name")`, decode token for token like the local file; then offline from the
+cache, and a clear error offline without it.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
+from mlx_kvlingo.format import load_translator, save_translator
+from mlx_kvlingo.hub import HubSpec, parse_spec, resolve_translator
+
+import pytest
+from helpers import exact_translator
+from hub_standin import HubStandIn
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = "def parse_args(argv):\n    parser = argparse.ArgumentParser(description="
+REPO = "kvlingo-test/known-pair"
+CLI = [sys.executable, "-c", "from mlx_kvlingo.cli import main; main()"]
+DECODE = r"""
+import json, sys
+from mlx_kvlingo import Runtime
+import mlx.core as mx
+from mlx_kvlingo.decode import handoff
+from mlx_lm import stream_generate
+src, tgt, spec, prompt, n = sys.argv[1:6]
+rt = Runtime.load(src, tgt, translator=spec)
+pair, tokens = rt.pair, rt.pair.tokenizer.encode(prompt)
+h = handoff(pair, rt.forward, tokens)
+out = stream_generate(pair.target.model, pair.tokenizer, mx.array(tokens[-1:]),
+                      max_tokens=int(n), prompt_cache=h.target_cache)
+print("TOKENS", json.dumps([r.token for r in out]))
+"""
+
+
+def decode_tokens(pair, tr, n=24):
+    from mlx_kvlingo.decode import handoff
+
+    import mlx.core as mx
+    from mlx_lm import stream_generate
+
+    tokens = pair.tokenizer.encode(PROMPT)
+    h = handoff(pair, tr, tokens)
+    out = stream_generate(pair.target.model, pair.tokenizer, mx.array(tokens[-1:]),
+                          max_tokens=n, prompt_cache=h.target_cache)  # fmt: skip
+    return [r.token for r in out]
+
+
+def run(args, env, timeout=180):
+    r = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return r.returncode, r.stdout + r.stderr
+
+
+@pytest.fixture
+def hub():
+    with HubStandIn() as h:
+        yield h
+
+
+def client_env(hf_home: Path, endpoint: str | None = None, offline: bool = False) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(HF_HOME=str(hf_home), HF_HUB_DISABLE_TELEMETRY="1", OPENBLAS_NUM_THREADS="1")
+    env["HF_ENDPOINT"] = endpoint or "http://127.0.0.1:9"  # nothing listens there
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def test_parse_spec():
+    assert parse_spec("org/name") == HubSpec("org/name")
+    assert parse_spec("org/name@v1.0") == HubSpec("org/name", "v1.0")
+    assert parse_spec("org/name@abc:sub/f.safetensors") == HubSpec(
+        "org/name", "abc", "sub/f.safetensors"
+    )
+    assert parse_spec("org/name:f.safetensors") == HubSpec("org/name", None, "f.safetensors")
+    assert str(HubSpec("org/name", "abc", "f")) == "org/name@abc:f"
+    for local in ("./org/name", "/abs/path", "file.safetensors", "a/b/c"):
+        assert parse_spec(local) is None
+
+
+def test_local_path_wins(tmp_path, monkeypatch):
+    (tmp_path / "org").mkdir()
+    (tmp_path / "org" / "name").write_bytes(b"x")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_translator("org/name") == Path("org/name")
+
+
+def test_round_trip_through_the_hub(known_pair, tiny_dir, tmp_path, hub):
+    tr = exact_translator(known_pair, tiny_dir["known_answer"])
+    local = save_translator(tr, tmp_path / "fwd.safetensors", known_pair,
+                            calibration={"data": {"train": "exact known answer"}})  # fmt: skip
+    want = decode_tokens(known_pair, load_translator(local, known_pair))
+    hf_home = tmp_path / "hf"
+    env = client_env(hf_home, hub.url)
+
+    code, out = run([*CLI, "upload", str(local), REPO, "-m", "test"], env)
+    assert code == 0, out
+    sha = re.search(r"/commit/([0-9a-f]{40})", out).group(1)
+    assert {"POST /api/repos/create", f"POST /api/models/{REPO}/commit/main"} <= set(
+        hub.store.requests
+    )
+    files = hub.store.repos[REPO]["commits"][sha]
+    assert sorted(files) == ["README.md", "fwd.safetensors", "manifest.json"]
+    assert files["fwd.safetensors"] == local.read_bytes()
+    card = files["README.md"].decode()
+    assert "4x2x32 → 4x2x32" in card and f'translator="{REPO}"' in card
+
+    code, out = run([*CLI, "download", f"{REPO}@{sha}"], env)  # pinned revision
+    assert code == 0, out
+    assert f"snapshots/{sha}" in out and "fwd.safetensors" in out
+
+    src, tgt = str(tiny_dir["qwen3"]), str(tiny_dir["known"])
+    decode = [sys.executable, "-c", DECODE, src, tgt]
+    code, out = run([*decode, REPO, PROMPT, str(len(want))], env)
+    assert code == 0, out
+    assert json.loads(out.split("TOKENS", 1)[1].splitlines()[0]) == want
+
+    hub.stop()  # from here on, nothing answers: the cache has to serve
+    code, out = run([*decode, f"{REPO}@{sha}", PROMPT, str(len(want))],
+                    client_env(hf_home, offline=True))  # fmt: skip
+    assert code == 0, out
+    assert json.loads(out.split("TOKENS", 1)[1].splitlines()[0]) == want
+
+    code, out = run([*CLI, "download", REPO], client_env(tmp_path / "empty", offline=True))
+    assert code != 0
+    assert "HF_HUB_OFFLINE=1" in out and f"kvlingo download {REPO}" in out
+
+
+def test_hub_errors_are_named(tmp_path, hub):
+    env = client_env(tmp_path / "hf", hub.url)
+    code, out = run([*CLI, "download", "nobody/nothing"], env)
+    assert code != 0 and "no such repository" in out
+    code, out = run([*CLI, "upload", str(ROOT / "pyproject.toml"), "org/x"], env)
+    assert code != 0 and "not a translator file" in out
+
+
+def test_card_from_metadata(tmp_path):
+    """The demo files' metadata yields the card's pair, variant, cut and held-out table."""
+    from mlx_kvlingo.hub import build_repo_folder
+
+    weights = ROOT / "weights"
+    files = sorted((weights / "translators").glob("forward-*-nu1.safetensors"))
+    if not files:
+        pytest.skip("demo translators not built")
+    d = build_repo_folder(files, tmp_path / "repo", "org/demo", weights / "manifest.json")
+    card = (d / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: mlx-kvlingo")
+    assert "| `forward-mixing-nu1.safetensors` | stage2 | translated |" in card
+    assert "8x3x64 → 30x3x64" in card and "post_norm" in card and "chitchat-dataset" in card
+    assert json.loads((d / "manifest.json").read_text())["default"]["forward"]
