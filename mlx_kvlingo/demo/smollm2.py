@@ -28,7 +28,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_NAME = "SmolLM2-135M-Instruct"
 SOURCE_NAME = "SmolLM2-demo-source"
 #: Bump when the converted folder's layout changes, so old caches are rebuilt.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: generation_config.json
 STAMP = "kvlingo.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -266,6 +266,16 @@ def convert_gguf(gguf_path: Path, out: Path, dequantize: bool) -> None:
     config = model_config(meta, tied="lm_head.weight" not in weights)
     _save_model(out, weights, config)
     write_tokenizer(meta, out)
+    write_generation_config(out)
+
+
+#: the sampling SmolLM2-135M-Instruct's model card uses (`generate(..., temperature=0.2,
+#: top_p=0.9, do_sample=True)`); the GGUF does not carry it. Other settings: sampling.DEFAULTS
+GENERATION_CONFIG = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+
+
+def write_generation_config(out: Path) -> None:
+    _save_json(out / "generation_config.json", GENERATION_CONFIG)
 
 
 def ensure_smollm2(
@@ -341,7 +351,7 @@ def assemble_source(target: Path, st: Path, cfg: Path, out: Path, dequantize: bo
     config["num_hidden_layers"] = len(info["kept_layers"])
     config["kvlingo_source"] = {"kept_target_layers": info["kept_layers"]}
     _save_model(out, weights, config)
-    for name in TOKENIZER_FILES:
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
         shutil.copy2(target / name, out / name)
 
 
