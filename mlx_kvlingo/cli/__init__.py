@@ -14,6 +14,7 @@ from .convert import convert_cmd
 from .eval import eval_cmd
 from .generate import generate_cmd
 from .info import info_cmd
+from .serve import serve_cmd
 from .translate import translate_cmd
 
 
@@ -32,6 +33,7 @@ cli.add_command(eval_cmd)
 cli.add_command(compare_cmd)
 cli.add_command(bench_cmd)
 cli.add_command(convert_cmd)
+cli.add_command(serve_cmd)
 
 
 def main():
