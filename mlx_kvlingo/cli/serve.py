@@ -51,11 +51,13 @@ def _loopback(host: str) -> bool:
 @click.option("--mode", type=click.Choice(["alternation", "naive", "reprefill"]),
               default="alternation", show_default=True,
               help="How a model catches up on what it lacks")  # fmt: skip
+@click.option("--reader", type=click.Choice(["small", "self"]), default=None,
+              help="Who reads new turns for the large model (default: the library's policy)")  # fmt: skip
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")
 def serve_cmd(source, target, translator, backward_translator, host, port, api_key, max_tokens,
               default_max_tokens, max_prompt_tokens, max_body_bytes, queue_size,
-              max_conversations, auto_threshold, mode, insecure, verbose):  # fmt: skip
+              max_conversations, auto_threshold, mode, reader, insecure, verbose):  # fmt: skip
     """Serve the pair over the OpenAI chat-completions API (models: small, large, auto)."""
     from .. import Runtime
     from ..serve import Limits, ServeConfig, Server
@@ -79,8 +81,11 @@ def serve_cmd(source, target, translator, backward_translator, host, port, api_k
     config = ServeConfig(host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
                          limits=limits, queue_size=queue_size,
                          max_conversations=max_conversations, auto_threshold=auto_threshold)  # fmt: skip
+    kwargs = {"mode": mode} if reader is None else {"mode": mode, "reader": reader}
     try:
-        server = Server(runtime, config, mode=mode)
+        server = Server(runtime, config, **kwargs)
+    except TypeError as e:  # --reader on a version without a reader policy
+        raise click.UsageError(str(e)) from None
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
     names = runtime.models

@@ -49,6 +49,9 @@ class Pool:
         self.runtime = runtime
         self.size = size
         self.tokenizer = runtime.pair.tokenizer
+        unknown = set(conversation_kwargs) - accepted_keywords(runtime.new_conversation)
+        if unknown:
+            raise TypeError(f"new_conversation takes no {', '.join(sorted(unknown))} here")
         self._kwargs = conversation_kwargs  # new_conversation keywords (mode, max_kv_size, ...)
         self._held: OrderedDict[Conversation, tuple[int, ...]] = OrderedDict()
 
