@@ -418,6 +418,8 @@ def test_malformed_http_requests(server):
     cases = [
         (b"{not json", json_type, 400, "invalid_json"),
         (b"\xff\xfe", json_type, 400, "invalid_json"),
+        (b'{"model": "small", "temperature": NaN}', json_type, 400, "invalid_json"),
+        (b"[" * 10000, json_type, 400, "invalid_json"),
         (b"[1, 2]", json_type, 400, None),
         (b"{}", json_type, 400, None),
         (ok, {"Content-Type": "text/plain"}, 415, None),

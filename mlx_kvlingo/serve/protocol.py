@@ -10,6 +10,7 @@ accepts in this version of the package (others are refused with a 400 naming the
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -97,6 +98,8 @@ def _number(body: dict, name: str, lo: float | None = None, hi: float | None = N
     v = body[name]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise bad(f"{name} must be a number, not {type(v).__name__}", name, "invalid_type")
+    if not math.isfinite(v):
+        raise bad(f"{name} must be finite", name, "invalid_value")
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise bad(f"{name} must be between {lo} and {hi}, got {v}", name, "invalid_value")
     return float(v)

@@ -81,7 +81,11 @@ class Server:
             conversation_kwargs=conversation_kwargs,
         )
         handler = type("Handler", (_Handler,), {"app": self, "timeout": c.read_timeout})
-        self.httpd = ThreadingHTTPServer((c.host, c.port), handler)
+        try:
+            self.httpd = ThreadingHTTPServer((c.host, c.port), handler)
+        except OSError:
+            self.worker.close()
+            raise
         self.httpd.daemon_threads = True
         self._thread: threading.Thread | None = None
 
@@ -121,6 +125,10 @@ class Server:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -244,17 +252,20 @@ class _Handler(BaseHTTPRequestHandler):
                 ),  # fmt: skip
                 {"Retry-After": "1"},
             )
-        deadline = job.submitted + app.config.request_timeout
-        first = self._next(job, deadline)
-        if first is None:
-            return
-        if first[0] == "error":
-            return self._error(first[1])
-        rid, model = P.new_id(), req.model
-        if req.stream:
-            self._stream(job, rid, model, deadline)
-        else:
-            self._complete(job, rid, model, deadline)
+        try:
+            deadline = job.submitted + app.config.request_timeout
+            first = self._next(job, deadline)
+            if first is None:
+                return
+            if first[0] == "error":
+                return self._error(first[1])
+            rid, model = P.new_id(), req.model
+            if req.stream:
+                self._stream(job, rid, model, deadline)
+            else:
+                self._complete(job, rid, model, deadline)
+        finally:
+            job.cancel()  # a no-op once the job is done; else (handler failed) stop it
 
     def _body(self) -> Any | None:
         length = self.headers.get("Content-Length")
@@ -279,8 +290,8 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         raw = self.rfile.read(n)
         try:
-            return json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
             self._error(P.APIError(400, f"the body is not valid JSON: {e}", code="invalid_json"))
             return None
 

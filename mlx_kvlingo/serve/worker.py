@@ -1,6 +1,6 @@
 """One generation at a time per pair: a bounded queue of jobs and the one thread that runs them.
 
-    handler threads --submit(job)--> Queue(maxsize=queue_size) --> worker thread (all MLX work)
+    handler threads --submit(job)--> queue (1 running + queue_size waiting) --> worker thread
                     <--job.events---  accepted | token... | done | error
 
 Every request's model work (templating, matching a held conversation, reading, translating,
@@ -131,8 +131,11 @@ class Worker:
         kwargs = dict(conversation_kwargs or {})
         kwargs.setdefault("max_kv_size", limits.max_prompt_tokens + limits.max_tokens)
         self.pool = Pool(runtime, max_conversations, **kwargs)
-        self.accepted = accepted_keywords(Conversation.send) - {"text", "model", "wait", "timeout"}
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max(queue_size, 0) or 1)
+        # sampling keywords both send() and escalate() take in this version of the package
+        both = accepted_keywords(Conversation.send) & accepted_keywords(Conversation.escalate)
+        self.accepted = both - {"self", "text", "model", "wait", "timeout"}
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._slots = threading.BoundedSemaphore(max(queue_size, 0) + 1)  # running + waiting
         self._current: Job | None = None
         self._thread = threading.Thread(target=self._loop, name="kvlingo-serve", daemon=True)
         self._thread.start()
@@ -140,10 +143,9 @@ class Worker:
     # -- the handler side ----------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull from None
+        if not self._slots.acquire(blocking=False):
+            raise QueueFull
+        self._queue.put(job)
 
     @property
     def waiting(self) -> int:
@@ -159,6 +161,7 @@ class Worker:
             if job is not None:
                 job.cancel()
                 job.put("error", APIError(503, "the server is shutting down", type="server_error"))
+                self._slots.release()
         cur = self._current
         if cur is not None:
             cur.cancel()
@@ -188,6 +191,7 @@ class Worker:
                 job.put("error", APIError(500, f"internal error: {e}", type="server_error"))
             finally:
                 self._current = None
+                self._slots.release()
 
     def _run(self, job: Job) -> None:
         req = job.request
@@ -196,6 +200,7 @@ class Worker:
             raise APIError(400, f"the conversation is {n_prompt} tokens; this server takes at "
                                 f"most {self.limits.max_prompt_tokens} (max_prompt_tokens)",
                            param="messages", code="context_length_exceeded")  # fmt: skip
+        queued = time.monotonic() - job.submitted
         conv, history, held = self.pool.checkout(req.messages)
         job._conv = conv
         ok = False
@@ -209,6 +214,7 @@ class Worker:
                 mx.random.seed(req.seed)
             job.put("accepted")
             result = self._answer(job, conv, before, held)
+            result.extra["queued_s"] = queued
             ok = True
         finally:
             job._conv = None
@@ -255,6 +261,7 @@ class Worker:
             "escalated": escalated,
             "confidence": confidence,
             "reused_messages": held,
+            "ttft_s": out.ttft_s,  # the answering model's, catch-up included, queueing not
             "status": out.status,
         }
         return Result(out.text, out.reason, out.tokens, usage, extra)
@@ -271,6 +278,7 @@ class Worker:
             for ev in stream:
                 if ev.kind == "done":
                     out.model, out.status = ev.model, ev.status
+                    out.ttft_s = ev.timings.ttft_s if ev.timings is not None else None
                     out.reason = ev.finish_reason or "stop"
                     break
                 out.tokens += 1
@@ -307,6 +315,7 @@ class _Pumped:
     tokens: int = 0
     reason: str = "cancelled"  # until a done event or a stop sequence says otherwise
     status: str = ""
+    ttft_s: float | None = None
     confidence: float | None = None  # mean token log-prob, as Event.confidence
     pieces: list[tuple[str, float]] = field(default_factory=list)
 
