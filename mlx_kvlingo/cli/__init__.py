@@ -15,6 +15,7 @@ from .download import download_cmd
 from .eval import eval_cmd
 from .generate import generate_cmd
 from .info import info_cmd
+from .serve import serve_cmd
 from .translate import translate_cmd
 from .upload import upload_cmd
 
@@ -36,6 +37,7 @@ cli.add_command(bench_cmd)
 cli.add_command(convert_cmd)
 cli.add_command(upload_cmd)
 cli.add_command(download_cmd)
+cli.add_command(serve_cmd)
 
 
 def main():

@@ -1,0 +1,98 @@
+"""`kvlingo serve`: the pair behind an OpenAI-compatible endpoint (`mlx_kvlingo.serve`).
+
+Like `mlx_lm.server` (standard-library HTTP server, `--host 127.0.0.1 --port 8080`), with the
+model ids small, large and auto instead of model paths.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+
+import click
+
+from ._common import source_option, target_option, translator_option
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@click.command("serve")
+@source_option
+@target_option
+@translator_option
+@click.option("--backward-translator", type=click.Path(dir_okay=False),
+              help="Large -> small translator (default: the demo's, if any)")  # fmt: skip
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind; anything but loopback needs --api-key (or --insecure)")  # fmt: skip
+@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--api-key", envvar="KVLINGO_API_KEY", default=None,
+              help="Require `Authorization: Bearer KEY` (env KVLINGO_API_KEY)")  # fmt: skip
+@click.option("--max-tokens", default=2048, show_default=True,
+              help="Largest max_tokens a request may ask for")  # fmt: skip
+@click.option("--default-max-tokens", default=512, show_default=True,
+              help="max_tokens when a request names none")  # fmt: skip
+@click.option("--max-prompt-tokens", default=4096, show_default=True,
+              help="Longest templated conversation accepted (400 beyond)")  # fmt: skip
+@click.option("--max-body-bytes", default=1 << 20, show_default=True,
+              help="Largest request body (413 beyond)")  # fmt: skip
+@click.option("--queue-size", default=8, show_default=True,
+              help="Requests that may wait behind the running one (503 beyond)")  # fmt: skip
+@click.option("--max-conversations", default=8, show_default=True,
+              help="Conversations held for prefix reuse, least recently used dropped first")  # fmt: skip
+@click.option("--auto-threshold", default=-1.5, show_default=True,
+              help="auto: the large model re-answers below this mean token log-prob")  # fmt: skip
+@click.option("--mode", type=click.Choice(["alternation", "naive", "reprefill"]),
+              default="alternation", show_default=True,
+              help="How a model catches up on what it lacks")  # fmt: skip
+@click.option("--reader", type=click.Choice(["small", "self"]), default=None,
+              help="Who reads new turns for the large model (default: the library's policy)")  # fmt: skip
+@click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
+@click.option("-v", "--verbose", is_flag=True, help="Log every request")
+def serve_cmd(source, target, translator, backward_translator, host, port, api_key, max_tokens,
+              default_max_tokens, max_prompt_tokens, max_body_bytes, queue_size,
+              max_conversations, auto_threshold, mode, reader, insecure, verbose):  # fmt: skip
+    """Serve the pair over the OpenAI chat-completions API (models: small, large, auto)."""
+    from .. import Runtime
+    from ..serve import Limits, ServeConfig, Server
+
+    if not _loopback(host) and not api_key and not insecure:
+        raise click.UsageError(
+            f"--host {host} exposes the models beyond this machine: set --api-key "
+            "(or KVLINGO_API_KEY), or pass --insecure"
+        )
+    if default_max_tokens > max_tokens:
+        raise click.UsageError("--default-max-tokens must not exceed --max-tokens")
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(message)s")  # fmt: skip
+    click.echo("loading models...", err=True)
+    try:
+        runtime = Runtime.load(source, target, translator, backward_translator)
+    except (ValueError, FileNotFoundError, ImportError) as e:
+        raise click.ClickException(str(e)) from None
+    limits = Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
+                    max_prompt_tokens=max_prompt_tokens)  # fmt: skip
+    config = ServeConfig(host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
+                         limits=limits, queue_size=queue_size,
+                         max_conversations=max_conversations, auto_threshold=auto_threshold)  # fmt: skip
+    kwargs = {"mode": mode} if reader is None else {"mode": mode, "reader": reader}
+    try:
+        server = Server(runtime, config, **kwargs)
+    except TypeError as e:  # --reader on a version without a reader policy
+        raise click.UsageError(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
+    names = runtime.models
+    click.echo(f"small: {names['small']}\nlarge: {names['large']}", err=True)
+    key = " (API key required)" if api_key else ""
+    click.echo(f"serving on {server.url}{key} · models small, large, auto · Ctrl-C stops", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        click.echo("stopped", err=True)

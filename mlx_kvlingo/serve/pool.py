@@ -1,0 +1,106 @@
+"""Held conversations, matched to requests by templated token prefix (as mlx_lm.server reuses its
+prompt cache), kept least-recently-used first.
+
+A client sends the whole chat every time. A held conversation C (messages m_1..m_n, both KV
+caches) serves a request R (messages r_1..r_N, r_N a user message) when
+
+    n < N  and  template(m_1..m_n) == template(r_1..r_n)      (token ids, no generation prompt)
+
+i.e. C's templated tokens are a prefix of R's, cut at a message boundary. Then only
+r_{n+1}..r_{N-1} (history from elsewhere, appended unread) and r_N (sent) are new: the models
+read or translate only that suffix. The longest such C wins; otherwise a new conversation is
+built from R's history. Comparing templated messages rather than the conversation's own token
+list keeps answers whose re-tokenization differs from the generated tokens reusable (the
+conversation appends each message as the template's token difference).
+
+A conversation is checked out while it answers (the worker runs one request at a time) and
+checked back in with its new key afterwards; beyond `size` the least recently used one is
+dropped, freeing its caches. `size=0` turns reuse off.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from ..api import Conversation, Runtime
+
+
+def templated(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    """The chat template's token ids for `messages` (the content lines where there is none)."""
+    has = getattr(tokenizer, "has_chat_template", None)
+    if has is None:
+        has = bool(getattr(tokenizer, "chat_template", None))
+    if has:
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+        return list(out if isinstance(out, list) else out["input_ids"])
+    ids: list[int] = []
+    for i, m in enumerate(messages):
+        ids += tokenizer.encode(m["content"] + "\n", add_special_tokens=i == 0)
+    return ids
+
+
+class Pool:
+    """Up to `size` held conversations over one runtime, most recently used last."""
+
+    def __init__(self, runtime: Runtime, size: int, **conversation_kwargs: Any) -> None:
+        self.runtime = runtime
+        self.size = size
+        self.tokenizer = runtime.pair.tokenizer
+        unknown = set(conversation_kwargs) - accepted_keywords(runtime.new_conversation)
+        if unknown:
+            raise TypeError(f"new_conversation takes no {', '.join(sorted(unknown))} here")
+        self._kwargs = conversation_kwargs  # new_conversation keywords (mode, max_kv_size, ...)
+        self._held: OrderedDict[Conversation, tuple[int, ...]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def template(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+        return templated(self.tokenizer, messages, generation_prompt)
+
+    def checkout(
+        self, messages: list[dict[str, str]]
+    ) -> tuple[Conversation, list[dict[str, str]], int]:
+        """The conversation to answer `messages` with, the history it still lacks (without the
+        last user message), and how many of `messages` it already held (0: a new one)."""
+        prefixes: dict[int, tuple[int, ...]] = {}
+        best: tuple[int, Conversation] | None = None
+        for conv, key in self._held.items():
+            n = len(conv.messages)
+            if n >= len(messages) or (best is not None and n <= best[0]):
+                continue
+            if n not in prefixes:
+                prefixes[n] = tuple(self.template(messages[:n], False))
+            if prefixes[n] == key:
+                best = (n, conv)
+        if best is not None:
+            n, conv = best
+            del self._held[conv]
+            return conv, messages[n:-1], n
+        system = messages[0]["content"] if messages[0]["role"] == "system" else None
+        conv = self.runtime.new_conversation(system_prompt=system, **self._kwargs)
+        return conv, messages[1 if system is not None else 0 : -1], 0
+
+    def checkin(self, conv: Conversation) -> None:
+        """Hold `conv` for reuse under its current messages (dropping the least recently used)."""
+        if self.size <= 0:
+            return
+        self._held[conv] = tuple(self.template(conv.messages, False))
+        self._held.move_to_end(conv)
+        while len(self._held) > self.size:
+            self._held.popitem(last=False)
+
+    def clear(self) -> None:
+        self._held.clear()
+
+
+def accepted_keywords(fn: Callable[..., Any]) -> set[str]:
+    """The keyword parameters `fn` takes (for passing on only what this version supports)."""
+    return {
+        p.name
+        for p in inspect.signature(fn).parameters.values()
+        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }

@@ -1,0 +1,393 @@
+"""The OpenAI chat-completions wire format: requests checked into a `ChatRequest`, responses,
+stream chunks and error bodies built as plain dicts.
+
+A request is checked completely before it reaches the model pair: every bad field is an
+`APIError` (HTTP status + OpenAI error body `{"error": {"message", "type", "param", "code"}}`).
+Sampling fields map onto `Conversation.send` keywords by `sampling_kwargs`: only fields the
+client set are passed (absent fields leave the library's defaults), and only keywords `send`
+accepts in this version of the package (others are refused with a 400 naming the field).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+#: The model ids this server answers to: the small model answers, the large one answers (from
+#: the translated cache), or the cascade (the small answers, the large re-answers when unsure).
+MODEL_IDS = ("small", "large", "auto")
+#: OpenAI roles a request may carry ("developer" is the newer name of "system").
+_SYSTEM_ROLES = ("system", "developer")
+
+
+class APIError(Exception):
+    """A request the server refuses: an HTTP status and an OpenAI-style error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for."""
+
+    max_tokens: int = 2048  # ceiling on max_tokens / max_completion_tokens
+    default_max_tokens: int = 512  # when the request names none
+    max_prompt_tokens: int = 4096  # the templated conversation, generation prompt included
+    max_stop: int = 4  # stop sequences, as OpenAI allows
+
+
+@dataclass
+class ChatRequest:
+    """A checked chat-completions request."""
+
+    model: str
+    messages: list[dict[str, str]]  # system first (optional), then user/assistant alternating
+    send: dict[str, Any]  # keywords for Conversation.send / escalate
+    max_tokens: int
+    seed: int | None = None  # set here when `send` takes no `seed`: the worker seeds MLX
+    stop: list[str] = field(default_factory=list)
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+
+    @property
+    def system(self) -> str | None:
+        return self.messages[0]["content"] if self.messages[0]["role"] == "system" else None
+
+    @property
+    def turns(self) -> list[dict[str, str]]:
+        """The messages after the system message."""
+        return self.messages[1:] if self.system is not None else self.messages
+
+
+# -- fields ------------------------------------------------------------------------------------
+
+
+def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None) -> float:
+    v = body[name]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad(f"{name} must be a number, not {type(v).__name__}", name, "invalid_type")
+    if not math.isfinite(v):
+        raise bad(f"{name} must be finite", name, "invalid_value")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise bad(f"{name} must be between {lo} and {hi}, got {v}", name, "invalid_value")
+    return float(v)
+
+
+def _integer(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int:
+    v = body[name]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(f"{name} must be an integer, not {type(v).__name__}", name, "invalid_type")
+    if lo is not None and v < lo:
+        raise bad(f"{name} must be at least {lo}, got {v}", name, "invalid_value")
+    if hi is not None and v > hi:
+        raise bad(f"{name} must be at most {hi} on this server, got {v}", name, "invalid_value")
+    return v
+
+
+def _set(body: dict, name: str) -> bool:
+    return body.get(name) is not None
+
+
+#: OpenAI field -> (send keyword, checker). Non-OpenAI fields that mlx_lm.server also accepts
+#: (top_k, min_p, repetition_penalty, repetition_context_size) are read the same way.
+_SAMPLING = {
+    "temperature": ("temperature", lambda b, n: _number(b, n, 0.0, 2.0)),
+    "top_p": ("top_p", lambda b, n: _number(b, n, 0.0, 1.0)),
+    "top_k": ("top_k", lambda b, n: _integer(b, n, 0)),
+    "min_p": ("min_p", lambda b, n: _number(b, n, 0.0, 1.0)),
+    "repetition_penalty": ("repetition_penalty", lambda b, n: _number(b, n, 0.0)),
+    "repetition_context_size": ("repetition_context_size", lambda b, n: _integer(b, n, 0)),
+    # OpenAI's additive penalties: passed on if `send` ever takes them; 0 is always fine.
+    "frequency_penalty": ("frequency_penalty", lambda b, n: _number(b, n, -2.0, 2.0)),
+    "presence_penalty": ("presence_penalty", lambda b, n: _number(b, n, -2.0, 2.0)),
+}
+
+
+def sampling_kwargs(
+    body: dict[str, Any], accepted: set[str], limits: Limits
+) -> tuple[dict[str, Any], int | None]:
+    """The `Conversation.send` keywords for a request's sampling fields, and a seed to apply by
+    hand when `send` takes none.
+
+    - temperature, top_p (and top_k, min_p, repetition_penalty, repetition_context_size, as
+      mlx_lm.server reads them) -> the keyword of the same name, when the client set them;
+    - max_completion_tokens, else max_tokens (deprecated name) -> max_tokens, at most
+      `limits.max_tokens`; absent: `limits.default_max_tokens`;
+    - seed -> seed; when `send` has no `seed`, it is returned and the worker seeds MLX's
+      generator before the answer (one generation runs at a time, so that is per request);
+    - frequency_penalty / presence_penalty: 0 (OpenAI's default) is accepted and ignored;
+      another value is passed on if `send` takes it, else refused: mlx-lm's multiplicative
+      repetition_penalty is a different thing, and silently swapping one for the other would
+      change what the client asked for;
+    - a field `send` does not take in this version is refused with a 400 naming it.
+    """
+    out: dict[str, Any] = {}
+    for name, (kw, check) in _SAMPLING.items():
+        if not _set(body, name):
+            continue
+        value = check(body, name)
+        if kw in accepted:
+            out[kw] = value
+        elif name in ("frequency_penalty", "presence_penalty") and value == 0:
+            continue
+        else:
+            hint = " (repetition_penalty is mlx-lm's)" if name.endswith("y_penalty") else ""
+            raise bad(f"{name} is not supported by this server{hint}", name, "unsupported_field")
+    name = "max_completion_tokens" if _set(body, "max_completion_tokens") else "max_tokens"
+    max_tokens = limits.default_max_tokens
+    if _set(body, name):
+        max_tokens = _integer(body, name, 1, limits.max_tokens)
+    out["max_tokens"] = max_tokens
+    seed = None
+    if _set(body, "seed"):
+        seed = _integer(body, "seed")
+        if "seed" in accepted:
+            out["seed"] = seed
+            seed = None
+    return out, seed
+
+
+# -- messages ----------------------------------------------------------------------------------
+
+
+def _content(m: dict, i: int) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # content parts: text only
+        texts = []
+        for part in c:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise bad(f"messages[{i}]: only text content is supported, not {kind!r}",
+                          f"messages[{i}].content", "unsupported_content")  # fmt: skip
+            if not isinstance(part.get("text"), str):
+                raise bad(f"messages[{i}]: a text part needs a string 'text'",
+                          f"messages[{i}].content", "invalid_type")  # fmt: skip
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad(f"messages[{i}] needs a string content", f"messages[{i}].content", "invalid_type")
+
+
+def parse_messages(raw: Any) -> list[dict[str, str]]:
+    """Role/content dicts: an optional system (or developer) message first, then user and
+    assistant messages alternating, from a user message to a final user message."""
+    if not isinstance(raw, list) or not raw:
+        raise bad("messages must be a non-empty list", "messages", "invalid_type")
+    out: list[dict[str, str]] = []
+    for i, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise bad(f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
+        role = m.get("role")
+        if role in _SYSTEM_ROLES:
+            if i != 0:
+                raise bad(f"messages[{i}]: a {role} message may only come first",
+                          f"messages[{i}].role", "invalid_value")  # fmt: skip
+            role = "system"
+        elif role not in ("user", "assistant"):
+            raise bad(f"messages[{i}]: role {role!r} is not supported (system, user, assistant)",
+                      f"messages[{i}].role", "invalid_value")  # fmt: skip
+        if m.get("tool_calls"):
+            raise bad("tool calls are not supported", f"messages[{i}].tool_calls")
+        out.append({"role": role, "content": _content(m, i)})
+    turns = out[1:] if out[0]["role"] == "system" else out
+    for j, m in enumerate(turns):
+        want = "user" if j % 2 == 0 else "assistant"
+        if m["role"] != want:
+            i = j + len(out) - len(turns)
+            raise bad(f"messages[{i}] should be a {want} message: after the optional system "
+                      f"message, user and assistant messages alternate, starting with user",
+                      f"messages[{i}].role", "invalid_value")  # fmt: skip
+    if not turns or turns[-1]["role"] != "user":
+        raise bad("the last message must be a user message", "messages", "invalid_value")
+    return out
+
+
+def parse_request(body: Any, accepted: set[str], limits: Limits) -> ChatRequest:
+    """Check a decoded JSON body; raise `APIError` for anything this server cannot honour."""
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise bad("model is required: one of " + ", ".join(MODEL_IDS), "model", "invalid_type")
+    if model not in MODEL_IDS:
+        raise APIError(404, f"the model {model!r} does not exist; use one of "
+                            f"{', '.join(MODEL_IDS)}", param="model", code="model_not_found")  # fmt: skip
+    messages = parse_messages(body.get("messages"))
+    if _set(body, "n") and _integer(body, "n", 1) != 1:
+        raise bad("n must be 1: one answer per request", "n", "unsupported_value")
+    for name in ("tools", "functions", "logit_bias"):
+        if body.get(name):
+            raise bad(f"{name} is not supported by this server", name, "unsupported_field")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad("only response_format {'type': 'text'} is supported", "response_format")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad("stream must be a boolean", "stream", "invalid_type")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise bad("stream_options must be an object", "stream_options", "invalid_type")
+    include_usage = bool((opts or {}).get("include_usage", False))
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise bad("logprobs must be a boolean", "logprobs", "invalid_type")
+    if _set(body, "top_logprobs") and _integer(body, "top_logprobs", 0) > 0:
+        raise bad("top_logprobs is not supported (logprobs of the sampled tokens are)",
+                  "top_logprobs", "unsupported_value")  # fmt: skip
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise bad("stop must be a string or a list of non-empty strings", "stop", "invalid_type")
+    if len(stop) > limits.max_stop:
+        raise bad(f"at most {limits.max_stop} stop sequences", "stop", "invalid_value")
+    send, seed = sampling_kwargs(body, accepted, limits)
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        send=send,
+        max_tokens=send["max_tokens"],
+        seed=seed,
+        stop=stop,
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+    )
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+def new_id() -> str:
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+def finish_reason(reason: str | None) -> str:
+    """OpenAI's finish reasons: stop | length (the context limit counts as length)."""
+    return "length" if reason in ("length", "context") else "stop"
+
+
+def _logprobs(pieces: list[tuple[str, float]] | None) -> dict | None:
+    if pieces is None:
+        return None
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in pieces
+        ],
+        "refusal": None,
+    }
+
+
+def completion(rid: str, model: str, text: str, reason: str, usage: dict, extra: dict,
+               pieces: list[tuple[str, float]] | None = None) -> dict:  # fmt: skip
+    """A whole `chat.completion` object."""
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text, "refusal": None},
+                "logprobs": _logprobs(pieces),
+                "finish_reason": reason,
+            }
+        ],
+        "usage": usage,
+        "kvlingo": extra,
+    }
+
+
+def chunk(rid: str, model: str, delta: dict, reason: str | None = None, *,
+          pieces: list[tuple[str, float]] | None = None, usage: bool = False) -> dict:  # fmt: skip
+    """One `chat.completion.chunk` (`usage: null` on every chunk when usage was asked for)."""
+    out: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {"index": 0, "delta": delta, "logprobs": _logprobs(pieces), "finish_reason": reason}
+        ],
+    }
+    if usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(rid: str, model: str, usage: dict, extra: dict) -> dict:
+    """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [],
+        "usage": usage,
+        "kvlingo": extra,
+    }
+
+
+def model_list(names: dict[str, str]) -> dict:
+    """`GET /v1/models`: the three ids, each naming the model(s) behind it."""
+    created = int(time.time())
+    about = {
+        "small": f"{names['small']} reads and answers",
+        "large": f"{names['large']} answers from the KV cache translated from {names['small']}",
+        "auto": f"{names['small']} answers; {names['large']} re-answers when it is unsure",
+    }
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": m,
+                "object": "model",
+                "created": created,
+                "owned_by": "kvlingo",
+                "description": about[m],
+            }  # fmt: skip
+            for m in MODEL_IDS
+        ],
+    }

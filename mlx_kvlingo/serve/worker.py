@@ -1,0 +1,323 @@
+"""One generation at a time per pair: a bounded queue of jobs and the one thread that runs them.
+
+    handler threads --submit(job)--> queue (1 running + queue_size waiting) --> worker thread
+                    <--job.events---  accepted | token... | done | error
+
+Every request's model work (templating, matching a held conversation, reading, translating,
+decoding) runs on the worker thread, so MLX is never driven from two threads and the held
+conversations need no lock. When the queue is full, `submit` raises `QueueFull` at once (the
+server answers 503). A job's `cancel()` (any thread: the client went away) stops its
+generation after the current token; the conversation commits what was emitted, so its caches
+stay consistent and it is held for reuse like any other.
+
+`auto` is a cascade: the small model answers; if it finished and its confidence (mean token
+log-prob) is below `auto_threshold`, `escalate("large")` answers again. Only the answer that
+stays in the conversation is sent to the client: the small answer is buffered until it is
+kept, the large one streams live. So a streaming `auto` request's first token arrives after
+the small model's whole answer, and never shows text that is then withdrawn.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..api import Conversation, ConversationError, Event, Runtime, RuntimeBusyError
+from .pool import Pool, accepted_keywords
+from .protocol import APIError, ChatRequest, Limits
+
+log = logging.getLogger("mlx_kvlingo.serve")
+_LABELS = {"source": "small", "target": "large"}
+
+
+class QueueFull(Exception):
+    """Every queue slot is taken: one request runs, `queue_size` wait."""
+
+
+@dataclass
+class Result:
+    """What the client gets at the end of a job."""
+
+    text: str
+    finish_reason: str  # stop | length | context | cancelled
+    completion_tokens: int
+    usage: dict[str, Any]
+    extra: dict[str, Any]  # the `kvlingo` object: who answered, escalation, reuse
+
+
+@dataclass
+class Job:
+    request: ChatRequest
+    events: queue.Queue = field(default_factory=queue.Queue)
+    submitted: float = field(default_factory=time.monotonic)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+    _conv: Conversation | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop this job's generation after its current token (any thread)."""
+        self._cancelled.set()
+        conv = self._conv
+        if conv is not None:
+            conv.cancel()
+
+    def put(self, kind: str, *payload: Any) -> None:
+        self.events.put((kind, *payload))
+
+
+class _StopScan:
+    """Cut text at the first stop sequence; hold back a tail that may be one's beginning."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.text = ""  # everything the model said
+        self.sent = 0  # characters released
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        """Add a piece; return the text now safe to release and whether a stop was hit."""
+        self.text += piece
+        if not self.stops:
+            out, self.sent = self.text[self.sent :], len(self.text)
+            return out, False
+        hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            cut = min(hits)
+            out = self.text[self.sent : cut]
+            self.sent = max(self.sent, cut)
+            return out, True
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
+                if self.text.endswith(s[:k]):
+                    keep = max(keep, k)
+                    break
+        end = max(self.sent, len(self.text) - keep)
+        out, self.sent = self.text[self.sent : end], end
+        return out, False
+
+    def flush(self) -> str:
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+    @property
+    def released(self) -> str:
+        return self.text[: self.sent]
+
+
+class Worker:
+    """The generation thread for one runtime: `submit` jobs, `close` when done."""
+
+    def __init__(
+        self,
+        runtime: Runtime,
+        *,
+        limits: Limits,
+        queue_size: int = 8,
+        max_conversations: int = 8,
+        auto_threshold: float = -1.5,
+        conversation_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.runtime = runtime
+        self.limits = limits
+        self.auto_threshold = auto_threshold
+        kwargs = dict(conversation_kwargs or {})
+        kwargs.setdefault("max_kv_size", limits.max_prompt_tokens + limits.max_tokens)
+        self.pool = Pool(runtime, max_conversations, **kwargs)
+        # sampling keywords both send() and escalate() take in this version of the package
+        both = accepted_keywords(Conversation.send) & accepted_keywords(Conversation.escalate)
+        self.accepted = both - {"self", "text", "model", "wait", "timeout"}
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._slots = threading.BoundedSemaphore(max(queue_size, 0) + 1)  # running + waiting
+        self._current: Job | None = None
+        self._thread = threading.Thread(target=self._loop, name="kvlingo-serve", daemon=True)
+        self._thread.start()
+
+    # -- the handler side ----------------------------------------------------------------------
+
+    def submit(self, job: Job) -> None:
+        if not self._slots.acquire(blocking=False):
+            raise QueueFull
+        self._queue.put(job)
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Cancel the running job, drop the waiting ones, stop the thread."""
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.cancel()
+                job.put("error", APIError(503, "the server is shutting down", type="server_error"))
+                self._slots.release()
+        cur = self._current
+        if cur is not None:
+            cur.cancel()
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self.pool.clear()
+
+    # -- the worker thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self._current = job
+            try:
+                if job.cancelled:
+                    job.put("error", APIError(499, "cancelled", code="cancelled"))
+                else:
+                    self._run(job)
+            except APIError as e:
+                job.put("error", e)
+            except ConversationError as e:  # e.g. the conversation outgrew max_kv_size
+                job.put("error", APIError(400, str(e), code="conversation_error"))
+            except Exception as e:  # never let one request take the worker down
+                log.exception("request failed")
+                job.put("error", APIError(500, f"internal error: {e}", type="server_error"))
+            finally:
+                self._current = None
+                self._slots.release()
+
+    def _run(self, job: Job) -> None:
+        req = job.request
+        n_prompt = len(self.pool.template(req.messages, True))
+        if n_prompt > self.limits.max_prompt_tokens:
+            raise APIError(400, f"the conversation is {n_prompt} tokens; this server takes at "
+                                f"most {self.limits.max_prompt_tokens} (max_prompt_tokens)",
+                           param="messages", code="context_length_exceeded")  # fmt: skip
+        queued = time.monotonic() - job.submitted
+        conv, history, held = self.pool.checkout(req.messages)
+        job._conv = conv
+        ok = False
+        try:
+            before = conv.stats()
+            if history:
+                conv.add_messages(history)
+            if req.seed is not None:
+                import mlx.core as mx
+
+                mx.random.seed(req.seed)
+            job.put("accepted")
+            result = self._answer(job, conv, before, held)
+            result.extra["queued_s"] = queued
+            ok = True
+        finally:
+            job._conv = None
+            if ok:
+                self.pool.checkin(conv)
+        job.put("done", result)
+
+    def _answer(self, job: Job, conv: Conversation, before: dict, held: int) -> Result:
+        req = job.request
+        last = req.messages[-1]["content"]
+        escalated = False
+        confidence = None
+        if req.model == "auto":
+            small = self._pump(job, conv.send(last, "small", **req.send), "small", live=False)
+            confidence = small.confidence
+            unsure = confidence is not None and confidence < self.auto_threshold
+            if unsure and small.reason != "cancelled" and not job.cancelled:
+                escalated = True
+                out = self._pump(job, conv.escalate("large", **req.send), "large", live=True)
+            else:
+                out = small
+                for piece, lp in small.pieces:  # kept: release the buffered answer
+                    job.put("token", piece, lp)
+        else:
+            out = self._pump(job, conv.send(last, req.model, **req.send), req.model, live=True)
+        after = conv.stats()
+        read, translated = {}, {}
+        for role, label in _LABELS.items():
+            a, b = after["models"][role], before["models"][role]
+            read[label] = a["prompt_tokens"] - b["prompt_tokens"]
+            translated[label] = a["translated_into"] - b["translated_into"]
+        prompt = conv.tokens - out.tokens
+        cached = max(prompt - read[out.model] - translated[out.model], 0)
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": out.tokens,
+            "total_tokens": prompt + out.tokens,
+            "prompt_tokens_details": {"cached_tokens": cached},
+            "read_tokens": read,  # tokens each model read (prefilled) itself
+            "translated_tokens": translated,  # tokens translated into each model's cache
+        }
+        extra = {
+            "answered_by": out.model,
+            "escalated": escalated,
+            "confidence": confidence,
+            "reused_messages": held,
+            "ttft_s": out.ttft_s,  # the answering model's, catch-up included, queueing not
+            "status": out.status,
+        }
+        return Result(out.text, out.reason, out.tokens, usage, extra)
+
+    def _pump(self, job: Job, stream: Iterator[Event], label: str, live: bool) -> _Pumped:
+        """Run one answer; emit its text (live) or buffer it. A stop sequence closes the
+        stream (which commits the tokens emitted so far); a cancelled job asks the
+        conversation to stop after the current token."""
+        scan = _StopScan(job.request.stop)
+        out = _Pumped(model=label)
+        logprobs: list[float] = []
+        asked = hit = False
+        try:
+            for ev in stream:
+                if ev.kind == "done":
+                    out.model, out.status = ev.model, ev.status
+                    out.ttft_s = ev.timings.ttft_s if ev.timings is not None else None
+                    out.reason = ev.finish_reason or "stop"
+                    break
+                out.tokens += 1
+                if ev.logprob is not None:
+                    logprobs.append(ev.logprob)
+                piece, hit = scan.feed(ev.text)
+                if piece:
+                    out.pieces.append((piece, ev.logprob or 0.0))
+                    if live:
+                        job.put("token", piece, ev.logprob or 0.0)
+                if hit:
+                    out.reason = "stop"
+                    break
+                if job.cancelled and not asked and job._conv is not None:
+                    job._conv.cancel()  # ends the stream after this token, with a done event
+                    asked = True
+        finally:
+            stream.close()  # a no-op after done; else commits the tokens emitted so far
+        if not hit:
+            rest = scan.flush()
+            if rest:
+                out.pieces.append((rest, 0.0))
+                if live:
+                    job.put("token", rest, 0.0)
+        out.text = scan.released
+        out.confidence = sum(logprobs) / len(logprobs) if logprobs else None
+        return out
+
+
+@dataclass
+class _Pumped:
+    model: str
+    text: str = ""
+    tokens: int = 0
+    reason: str = "cancelled"  # until a done event or a stop sequence says otherwise
+    status: str = ""
+    ttft_s: float | None = None
+    confidence: float | None = None  # mean token log-prob, as Event.confidence
+    pieces: list[tuple[str, float]] = field(default_factory=list)
+
+
+__all__ = ["Job", "QueueFull", "Result", "RuntimeBusyError", "Worker"]
