@@ -258,3 +258,23 @@ def test_sampling_defaults_and_generation_config(tmp_path):
     with pytest.raises(TypeError, match="unknown sampling"):
         resolve(None, temperature=1.0)
     assert GREEDY.sampler()(mx.array([[0.1, 3.0, 0.2]])).item() == 1
+
+
+def test_reader_evaluation_on_the_exact_pair(pair, translators, tiny_dir):
+    """Reader-mode multi-turn quality: with exact translators nothing deviates from re-prefill;
+    with a perturbed forward translator the deviation shows."""
+    from mlx_kvlingo.measure.multiturn import evaluate_reader, render_reader_table
+
+    fwd, bwd = translators
+    dialogues = [MESSAGES + MESSAGES[:2], MESSAGES[::-1] + MESSAGES[:2]]
+    res = evaluate_reader(pair, fwd, bwd, dialogues, turns=4)
+    assert [r["dialogues"] for r in res["turns"]] == [2, 2, 2, 2]
+    for r in res["turns"]:
+        assert abs(r["deviation"]["small"]) < 1e-3 and abs(r["deviation"]["self"]) < 1e-3
+    assert res["translated_tokens"]["small"] > 0 == res["translated_tokens"]["reprefill"]
+    assert res["read_by_small_tokens"] > 0
+    render_reader_table(res)
+    noisy = exact_translator(pair, tiny_dir["known_answer"])
+    noisy.value["weight"] = noisy.value["weight"] * 1.5
+    bad = evaluate_reader(pair, noisy, bwd, dialogues, turns=2)
+    assert bad["summary"]["small"]["mean_abs_deviation"] > 1e-2

@@ -39,7 +39,14 @@ from ._common import (
 @click.option(
     "--switches", default=10, show_default=True, help="Switches per dialogue (--multi-turn)"
 )
-def eval_cmd(source, target, translator, data_path, examples, json_out, multi_turn, switches, **kw):
+@click.option(
+    "--reader",
+    "reader_eval",
+    is_flag=True,
+    help="With --multi-turn: the large answers every turn while the small reads (vs re-prefill)",
+)
+def eval_cmd(source, target, translator, data_path, examples, json_out, multi_turn, switches,
+             reader_eval, **kw):  # fmt: skip
     """Score the target on held-out continuations under every cache condition."""
     console = Console()
     if data_path is not None and not multi_turn:
@@ -52,8 +59,11 @@ def eval_cmd(source, target, translator, data_path, examples, json_out, multi_tu
             f"{summary['texts']} texts[/grey50]"
         )
     pair, tr = resolve_pair(source, target, translator)
+    if reader_eval and not multi_turn:
+        raise click.UsageError("--reader goes with --multi-turn")
     if multi_turn:
-        return _multi_turn(pair, tr, source, target, examples, switches, json_out, console)
+        return _multi_turn(pair, tr, source, target, examples, switches, json_out, console,
+                           reader_eval)  # fmt: skip
     if data_path is None:  # the demo's held-out dialogues, never trained on
         from ..demo.pair import demo_eval_data
 
@@ -80,16 +90,26 @@ def eval_cmd(source, target, translator, data_path, examples, json_out, multi_tu
             json.dump(result, f, indent=1)
 
 
-def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console):
-    from ..measure.multiturn import evaluate_multiturn, load_chitchat, render_table
+def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console, reader=False):
+    from ..measure.multiturn import (
+        evaluate_multiturn,
+        evaluate_reader,
+        load_chitchat,
+        render_reader_table,
+        render_table,
+    )
 
     backward = None
     if source is None and target is None:
         from ..demo.pair import load_demo
 
         _, backward = load_demo(reverse=True)
-    result = evaluate_multiturn(pair, tr, backward, load_chitchat(dialogues), switches=switches)
-    render_table(result, console)
+    if reader:  # `switches` counts the large model's turns here
+        result = evaluate_reader(pair, tr, backward, load_chitchat(dialogues), turns=switches)
+        render_reader_table(result, console)
+    else:
+        result = evaluate_multiturn(pair, tr, backward, load_chitchat(dialogues), switches=switches)
+        render_table(result, console)
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=1)

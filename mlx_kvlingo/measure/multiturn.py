@@ -89,7 +89,7 @@ def evaluate_multiturn(
         answering.append(first if t % 2 == 0 else ("target" if first == "source" else "source"))
     for d, dialogue in enumerate(dialogues):
         for mode in modes:
-            s = Session(pair, forward, backward, mode, system_prompt=system_prompt)
+            s = Session(pair, forward, backward, mode, system_prompt=system_prompt, reader="self")
             for t in range(turns):
                 if 2 * t + 1 >= len(dialogue):
                     break
@@ -141,6 +141,119 @@ def evaluate_multiturn(
         "translated_tokens": translated,
         "pair": {"source": pair.source.name, "target": pair.target.name},
     }
+
+
+READER_CONDITIONS = ("reprefill", "small", "self")
+
+
+def evaluate_reader(
+    pair: ModelPair,
+    forward: Translator,
+    backward: Translator | None,
+    dialogues: Sequence[Sequence[str]],
+    turns: int = 10,
+    *,
+    system_prompt: str | None = None,
+    progress: Callable[[int, str], None] | None = None,
+) -> dict:
+    """The large model answers every assistant turn; score the real next turn by teacher forcing.
+
+    Conditions per dialogue: `reprefill` (the large model reads every turn itself, all
+    native: the reference), `small` (reader "small": the small model reads each user turn,
+    gets the large's answers by backward translation, and the large catches up by forward
+    translation) and `self` (reader "self" in alternation mode: with the large answering every
+    turn it reads everything itself, so it must equal the reference: a sanity row).
+    Per turn: the mean NLL per condition and the deviation from the reference.
+    """
+    nll = {c: np.full((len(dialogues), turns), np.nan) for c in READER_CONDITIONS}
+    translated = dict.fromkeys(READER_CONDITIONS, 0)
+    read_by_small = 0
+    for d, dialogue in enumerate(dialogues):
+        for cond in READER_CONDITIONS:
+            mode = "reprefill" if cond == "reprefill" else "alternation"
+            reader = "small" if cond == "small" else "self"
+            s = Session(pair, forward, backward, mode, system_prompt=system_prompt, reader=reader)
+            for t in range(turns):
+                if 2 * t + 1 >= len(dialogue):
+                    break
+                s.add_user(dialogue[2 * t])
+                nll[cond][d, t] = -float(np.mean(s.score("target", dialogue[2 * t + 1])))
+            translated[cond] += sum(sw.translated for sw in s.switches)
+            if cond == "small":
+                read_by_small += sum(t.read.tokens for t in s.turns if t.read is not None)
+            if progress:
+                progress(d, cond)
+    ref = nll["reprefill"]
+    rows = []
+    for t in range(turns):
+        ok = ~np.isnan(ref[:, t])
+        row = {"turn": t, "dialogues": int(ok.sum()), "nll": {}, "deviation": {}}
+        row["abs_deviation"] = {}
+        for c in READER_CONDITIONS:
+            row["nll"][c] = _mean(nll[c][ok, t])
+            if c != "reprefill":
+                dev = nll[c][ok, t] - ref[ok, t]
+                row["deviation"][c] = _mean(dev)
+                row["abs_deviation"][c] = _mean(np.abs(dev))
+        rows.append(row)
+    summary = {}
+    for c in ("small", "self"):
+        dev = nll[c] - ref
+        dev = dev[~np.isnan(dev)]
+        half = turns // 2
+        early, late = (nll[c] - ref)[:, :half], (nll[c] - ref)[:, half:]
+        summary[c] = {
+            "mean_deviation": _mean(dev),
+            "mean_abs_deviation": _mean(np.abs(dev)),
+            "mean_abs_first_half": _mean(np.abs(early[~np.isnan(early)])),
+            "mean_abs_second_half": _mean(np.abs(late[~np.isnan(late)])),
+        }
+    return {
+        "kind": "reader",
+        "dialogues": len(dialogues),
+        "turns_per_dialogue": turns,
+        "backward": backward is not None,
+        "turns": rows,
+        "summary": summary,
+        "translated_tokens": translated,
+        "read_by_small_tokens": read_by_small,
+        "pair": {"source": pair.source.name, "target": pair.target.name},
+    }
+
+
+def render_reader_table(result: dict, console=None):
+    """Print (and return) the reader-mode table: NLL per turn, deviation from the reference."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(x, signed=False):
+        return "-" if x is None else (f"{x:+.4f}" if signed else f"{x:.4f}")
+
+    table = Table(
+        "turn", "dialogues", "NLL re-prefill", "NLL small reads", "Δ small reads",
+        "|Δ| small reads", "Δ reader self",
+        title=(
+            f"reader mode: the large answers every turn · {result['dialogues']} dialogues · "
+            f"{result['pair']['source']} reads for {result['pair']['target']}"
+        ),
+    )  # fmt: skip
+    for r in result["turns"]:
+        table.add_row(
+            str(r["turn"]), str(r["dialogues"]), f(r["nll"]["reprefill"]), f(r["nll"]["small"]),
+            f(r["deviation"]["small"], True), f(r["abs_deviation"]["small"]),
+            f(r["deviation"]["self"], True),
+        )  # fmt: skip
+    sm = result["summary"]["small"]
+    table.caption = (
+        f"small reads: mean Δ {f(sm['mean_deviation'], True)}, mean |Δ| "
+        f"{f(sm['mean_abs_deviation'])} (turns 0-{result['turns_per_dialogue'] // 2 - 1}: "
+        f"{f(sm['mean_abs_first_half'])}, later: {f(sm['mean_abs_second_half'])}) · reader self: "
+        f"mean |Δ| {f(result['summary']['self']['mean_abs_deviation'])} · "
+        f"{result['read_by_small_tokens']} tokens read by the small model, "
+        f"{result['translated_tokens']['small']} translated"
+    )
+    (console or Console()).print(table)
+    return table
 
 
 def _mean(x) -> float | None:
