@@ -227,3 +227,29 @@ def test_time_budget_skips_longer_lengths(tiny_pair):
     )
     assert list(results["lengths"]) == ["6"]
     assert "budget" in results["skipped"][0]["reason"]
+
+
+def test_conversation_bench_three_policies(tmp_path):
+    """`kvlingo bench --conversation` on the tiny preset: every policy answers every turn, the
+    large model reads one token per turn when the small reads for it, escalations happen."""
+    import json
+
+    from mlx_kvlingo.cli import cli
+
+    from click.testing import CliRunner
+
+    out = CliRunner().invoke(cli, ["bench", "--preset", "tiny", "--conversation", "--turns", "4",
+                                   "--user-lengths", "8,24", "--answer-tokens", "3",
+                                   "--escalation-rate", "0.5", "--seed", "1", "-o", str(tmp_path)])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    result = json.loads((tmp_path / "conversation.json").read_text())
+    turns = result["turns"]
+    assert len(turns) == 4 * 3 and (tmp_path / "conversation.png").stat().st_size > 0
+    small = [t for t in turns if t["policy"] == "small reads"]
+    large = [t for t in turns if t["policy"] == "large reads"]
+    assert all(t["large_read_tokens"] == 1 and t["read_s"] > 0 for t in small)
+    assert [t["large_read_tokens"] for t in large[1:]] == [24, 8, 24]  # the user turns, itself
+    esc = [t for t in turns if t["policy"] == "cascade" and t["escalated"]]
+    assert [t["turn"] for t in esc] == result["escalated_turns"] and esc
+    assert all(t["ttft_s"] > 0 and t["total_s"] >= t["ttft_s"] for t in turns)
+    assert "small / large TTFT" in (tmp_path / "conversation.md").read_text()

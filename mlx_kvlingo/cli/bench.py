@@ -86,8 +86,37 @@ def _preset_names() -> list[str]:
     help="Where presets are built (default $KVLINGO_CACHE or ~/.cache/mlx-kvlingo)",
 )
 @click.option("--no-progress", is_flag=True, help="No progress bar")
+@click.option(
+    "--conversation",
+    is_flag=True,
+    help="Time a multi-turn conversation: the large reads / the small reads / cascade",
+)
+@click.option(
+    "--turns", default=8, show_default=True, type=click.IntRange(1), help="--conversation: turns"
+)
+@click.option(
+    "--user-lengths",
+    default="32,128,512",
+    show_default=True,
+    help="--conversation: user-turn lengths in tokens, cycled",
+)
+@click.option(
+    "--answer-tokens",
+    default=16,
+    show_default=True,
+    type=click.IntRange(1),
+    help="--conversation: tokens per answer (end-of-sequence banned)",
+)
+@click.option(
+    "--escalation-rate",
+    default=0.25,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    help="--conversation: share of cascade turns escalated to the large model",
+)
 def bench_cmd(source, target, translator, preset, lengths, trials, warmup, out, max_minutes,
-              moe_loop, seed, cache_dir, no_progress):  # fmt: skip
+              moe_loop, seed, cache_dir, no_progress, conversation, turns, user_lengths,
+              answer_tokens, escalation_rate):  # fmt: skip
     """Time to first token: the source prefills and the cache is translated (switch), or the
     target re-prefills. Writes a markdown table, JSON with every trial, and a TTFT plot."""
     from .. import moe_cpu
@@ -125,6 +154,22 @@ def bench_cmd(source, target, translator, preset, lengths, trials, warmup, out, 
                 "--source/--target/--translator or use --preset "
                 f"({', '.join(_preset_names())})"
             ) from None
+    if conversation:
+        from ..measure import conversation_bench as cb
+
+        backward = None
+        if not (preset or source or target):  # the demo pair ships a backward translator
+            from ..demo.pair import load_demo
+
+            backward = load_demo(reverse=True)[1]
+        cfg = cb.ConversationBenchConfig(turns=turns, user_lengths=tuple(parse_lengths(None, None, user_lengths)),
+                                         answer_tokens=answer_tokens, escalation_rate=escalation_rate, seed=seed)  # fmt: skip
+        with moe_cpu.per_expert_loop(moe_loop):
+            result = cb.run_conversation_bench(pair, tr, backward, cfg, log=log, info=info)
+        result["command"] = bench.command_line()
+        paths = cb.write_outputs(result, out)
+        click.echo(paths["markdown"].read_text())
+        return
     with moe_cpu.per_expert_loop(moe_loop) as patched:
         info["moe_per_expert_loop"] = patched
         results = bench.run_bench(

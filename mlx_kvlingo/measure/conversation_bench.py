@@ -1,0 +1,251 @@
+"""A multi-turn conversation timed under three policies, side by side in one run.
+
+    large reads   the large model answers every turn and reads each new user turn itself
+                  (reader "self"): the baseline;
+    small reads   the large model answers every turn; the small one reads each user turn and
+                  the large catches up by KV translation (reader "small", KV-Lingo);
+    cascade       the small model answers; at a given rate (seeded) its answer is escalated
+                  and the large one answers again from a translated cache.
+
+User turns are `user_lengths` tokens long (cycled), answers exactly `answer_tokens` tokens
+(end-of-sequence banned, greedy), so every policy does the same work turn for turn. Per turn:
+TTFT as the user sees it (for an escalated cascade turn: the small answer plus the large's
+TTFT) and the turn's total time, with the small model's read and the translation broken out.
+Policies are interleaved turn by turn, so machine noise hits them alike.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from ..pair import ModelPair
+from ..session import Session
+from ..translator import Translator
+from .bench import _jsonable, machine_info, prompt_tokens, software_info
+
+POLICIES = ("large reads", "small reads", "cascade")
+
+
+@dataclass
+class ConversationBenchConfig:
+    turns: int = 8
+    user_lengths: tuple[int, ...] = (32, 128, 512)
+    answer_tokens: int = 16
+    escalation_rate: float = 0.25
+    seed: int = 0
+    policies: tuple[str, ...] = POLICIES
+
+
+@dataclass
+class TurnTiming:
+    policy: str
+    turn: int
+    user_tokens: int
+    ttft_s: float
+    total_s: float
+    read_s: float = 0.0  # the small model reading for the large
+    translate_s: float = 0.0  # every translation this turn (both directions)
+    large_read_tokens: int = 0  # tokens the large model read itself
+    escalated: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def _no_eos(eos_ids):
+    """A logits processor that bans end-of-sequence: every answer runs its full length."""
+    banned = sorted(eos_ids)
+    bias: dict[int, mx.array] = {}
+
+    def proc(_tokens, logits):
+        v = logits.shape[-1]
+        if v not in bias:
+            b = np.zeros(v, dtype=np.float32)
+            b[[i for i in banned if i < v]] = -1e9
+            bias[v] = mx.array(b)
+        return (logits + bias[v]).astype(logits.dtype)
+
+    return proc
+
+
+def _answer(session: Session, model: str, cfg: ConversationBenchConfig, escalate: bool = False):
+    """Run one answer; (ttft_s, total_s, turn stats)."""
+    procs = [_no_eos(session.pair.tokenizer.eos_token_ids)]
+    t0 = time.perf_counter()
+    ttft = None
+    run = session.escalate if escalate else session.generate
+    args = () if escalate else (model,)
+    for _ in run(*args, max_tokens=cfg.answer_tokens, logits_processors=procs):
+        ttft = ttft if ttft is not None else time.perf_counter() - t0
+    return ttft or 0.0, time.perf_counter() - t0, session.last_turn
+
+
+def _translate_s(st) -> float:
+    switches = [st.switch] + ([st.read.catch_up] if st.read else [])
+    return sum(s.seconds for s in switches if s is not None and s.translated)
+
+
+def run_conversation_bench(
+    pair: ModelPair,
+    forward: Translator,
+    backward: Translator | None = None,
+    cfg: ConversationBenchConfig = ConversationBenchConfig(),
+    log=print,
+    info: dict | None = None,
+) -> dict:
+    """Time `cfg.turns` turns under each policy; a JSON-ready dict."""
+    sessions = {
+        "large reads": Session(pair, forward, backward, reader="self"),
+        "small reads": Session(pair, forward, backward, reader="small"),
+        "cascade": Session(pair, forward, backward, reader="self"),
+    }
+    rng = random.Random(cfg.seed)
+    escalate = [rng.random() < cfg.escalation_rate for _ in range(cfg.turns)]
+    timings: list[TurnTiming] = []
+    for t in range(cfg.turns):
+        n = cfg.user_lengths[t % len(cfg.user_lengths)]
+        user = prompt_tokens(pair, n, cfg.seed * 1000 + t)
+        for policy in cfg.policies:
+            s = sessions[policy]
+            s.add_tokens(user)
+            if policy == "cascade":
+                ttft, total, st = _answer(s, "source", cfg)
+                tt = TurnTiming(policy, t, n, ttft, total, translate_s=_translate_s(st))
+                if escalate[t]:
+                    e_ttft, e_total, est = _answer(s, "target", cfg, escalate=True)
+                    tt.ttft_s, tt.total_s = total + e_ttft, total + e_total
+                    tt.translate_s += _translate_s(est)
+                    tt.large_read_tokens = est.prompt_tokens
+                    tt.escalated = True
+            else:
+                ttft, total, st = _answer(s, "target", cfg)
+                tt = TurnTiming(policy, t, n, ttft, total, translate_s=_translate_s(st))
+                tt.read_s = st.read.seconds if st.read else 0.0
+                tt.large_read_tokens = st.prompt_tokens
+            timings.append(tt)
+        log(
+            f"turn {t} ({n} user tokens): "
+            + " · ".join(f"{x.policy} TTFT {x.ttft_s * 1e3:.0f} ms" for x in timings if x.turn == t)
+        )
+    return {
+        "schema": "mlx-kvlingo/conversation-bench",
+        "config": asdict(cfg),
+        "escalated_turns": [t for t, e in enumerate(escalate) if e],
+        "pair": {"source": pair.source.name, "target": pair.target.name, **(info or {})},
+        "backward": backward is not None,
+        "machine": machine_info(),
+        "software": software_info(),
+        "turns": [asdict(x) for x in timings],
+        "summary": summarize(timings, cfg),
+    }
+
+
+def summarize(timings: list[TurnTiming], cfg: ConversationBenchConfig) -> dict:
+    """Mean TTFT and total per policy and user-turn length; small/large TTFT ratios."""
+    out: dict = {"by_length": {}, "totals": {}}
+    for n in sorted(set(cfg.user_lengths)):
+        row = {}
+        for p in cfg.policies:
+            xs = [x for x in timings if x.policy == p and x.user_tokens == n and x.turn > 0]
+            xs = xs or [x for x in timings if x.policy == p and x.user_tokens == n]
+            if xs:
+                row[p] = {
+                    "ttft_ms": 1e3 * float(np.mean([x.ttft_s for x in xs])),
+                    "total_ms": 1e3 * float(np.mean([x.total_s for x in xs])),
+                    "turns": len(xs),
+                }
+        if "small reads" in row and "large reads" in row:
+            row["ttft_ratio_small_over_large"] = (
+                row["small reads"]["ttft_ms"] / row["large reads"]["ttft_ms"]
+            )
+        out["by_length"][str(n)] = row
+    for p in cfg.policies:
+        xs = [x for x in timings if x.policy == p]
+        out["totals"][p] = {
+            "ttft_ms_sum": 1e3 * sum(x.ttft_s for x in xs),
+            "total_ms_sum": 1e3 * sum(x.total_s for x in xs),
+        }
+    return out
+
+
+def markdown_report(result: dict) -> str:
+    cfg = result["config"]
+    lines = [
+        "# kvlingo bench --conversation",
+        "",
+        f"`{result['pair']['source']}` reads for `{result['pair']['target']}` · "
+        f"{cfg['turns']} turns, user turns of {', '.join(map(str, cfg['user_lengths']))} tokens "
+        f"(cycled), answers of {cfg['answer_tokens']} tokens · cascade escalates "
+        f"{cfg['escalation_rate']:.0%} (turns {result['escalated_turns']}) · backward translator: "
+        f"{'yes' if result['backward'] else 'no (the small re-reads the large answers)'} · "
+        f"{result['machine']['backend']} · mlx {result['software']['mlx']}",
+        "",
+        "| turn | user tok | " + " | ".join(f"{p} TTFT ms" for p in cfg["policies"])
+        + " | small read ms | translate ms | " + " | ".join(f"{p} total ms" for p in cfg["policies"]) + " |",
+        "|" + " ---: |" * (2 + 2 * len(cfg["policies"]) + 2),
+    ]  # fmt: skip
+    by_turn: dict[int, dict] = {}
+    for x in result["turns"]:
+        by_turn.setdefault(x["turn"], {})[x["policy"]] = x
+    for t, row in sorted(by_turn.items()):
+        first = next(iter(row.values()))
+        sr = row.get("small reads", {})
+        esc = " (esc.)" if row.get("cascade", {}).get("escalated") else ""
+        lines.append(
+            f"| {t} | {first['user_tokens']} | "
+            + " | ".join(f"{1e3 * row[p]['ttft_s']:.0f}" + (esc if p == "cascade" else "") for p in cfg["policies"] if p in row)
+            + f" | {1e3 * sr.get('read_s', 0):.0f} | {1e3 * sr.get('translate_s', 0):.0f} | "
+            + " | ".join(f"{1e3 * row[p]['total_s']:.0f}" for p in cfg["policies"] if p in row)
+            + " |"
+        )  # fmt: skip
+    lines += ["", "Mean over turns after the first, by user-turn length:", "",
+              "| user tok | " + " | ".join(f"{p} TTFT ms" for p in cfg["policies"]) + " | small / large TTFT |",
+              "|" + " ---: |" * (2 + len(cfg["policies"]))]  # fmt: skip
+    for n, row in result["summary"]["by_length"].items():
+        ratio = row.get("ttft_ratio_small_over_large")
+        lines.append(
+            f"| {n} | " + " | ".join(f"{row[p]['ttft_ms']:.0f}" for p in cfg["policies"] if p in row)
+            + f" | {'' if ratio is None else f'{ratio:.2f}'} |"
+        )  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for p in result["config"]["policies"]:
+        xs = [x for x in result["turns"] if x["policy"] == p]
+        ax.plot([x["turn"] for x in xs], [1e3 * x["ttft_s"] for x in xs], marker="o", label=p)
+    ax.set_xlabel("turn (user turn length cycles " + ", ".join(map(str, result["config"]["user_lengths"])) + " tokens)")  # fmt: skip
+    ax.set_ylabel("TTFT ms")
+    ax.set_yscale("log")
+    ax.set_title(f"{result['pair']['source']} -> {result['pair']['target']}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return Path(path)
+
+
+def write_outputs(result: dict, out_dir: str | Path) -> dict[str, Path]:
+    """conversation.json, conversation.md and conversation.png in `out_dir`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": out / "conversation.json",
+        "markdown": out / "conversation.md",
+        "plot": out / "conversation.png",
+    }
+    paths["json"].write_text(json.dumps(_jsonable(result), indent=1) + "\n")
+    paths["markdown"].write_text(markdown_report(result))
+    plot(result, paths["plot"])
+    return paths
