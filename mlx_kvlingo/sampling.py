@@ -3,7 +3,8 @@
 Defaults come from the model folder's `generation_config.json` where it sets them (the
 Hugging Face fields `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
 `repetition_penalty`), otherwise from `DEFAULTS`: temperature 0.7, top-p 0.9, min-p 0.05,
-repetition penalty 1.1 over the last 64 tokens. Greedy decoding of small chat models loops
+repetition penalty 1.1 over the last 256 tokens of the conversation (the previous answer
+included: small models copy it otherwise). Greedy decoding of small chat models loops
 ("I'm not sure how to do it." 40 times); these settings keep answers readable. Explicit
 values always win. `temp=0` is greedy; the repetition penalty then applies only when given
 explicitly, so greedy stays plain argmax decoding unless asked otherwise.
@@ -25,7 +26,7 @@ class Sampling:
     top_k: int = 0  # 0: off
     min_p: float = 0.05
     repetition_penalty: float = 1.1  # 1.0: off
-    repetition_context_size: int = 64
+    repetition_context_size: int = 256  # the last answer and the new turn, not only this one
     seed: int | None = None  # seeds MLX's generator before the answer (None: leave it)
 
     def sampler(self):

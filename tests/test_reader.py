@@ -278,3 +278,23 @@ def test_reader_evaluation_on_the_exact_pair(pair, translators, tiny_dir):
     noisy.value["weight"] = noisy.value["weight"] * 1.5
     bad = evaluate_reader(pair, noisy, bwd, dialogues, turns=2)
     assert bad["summary"]["small"]["mean_abs_deviation"] > 1e-2
+
+
+def test_logits_processors_see_the_whole_conversation(pair, translators):
+    """A repetition penalty must see earlier answers: with the small model reading, the large
+    model's own prompt is one token, yet its processors get the conversation before it."""
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd)
+    converse(s, 1)
+    s.add_user(MESSAGES[1])
+    n0 = len(s.tokens)
+    seen = []
+
+    def record(tokens, logits):
+        seen.append(tokens.tolist())
+        return logits
+
+    list(s.generate("large", max_tokens=3, logits_processors=[record]))
+    assert s.last_turn.prompt_tokens == 1
+    assert seen[0] == s.tokens[:n0]  # everything before the answer
+    assert seen[1] == s.tokens[: n0 + 1]

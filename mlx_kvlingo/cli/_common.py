@@ -74,7 +74,7 @@ def sampling_options(f):
         click.option("--repetition-penalty", type=float, default=None,
                      help="[default: model's, else 1.1; 1: off; with --temp 0 only if given]"),
         click.option("--repetition-context-size", type=int, default=None,
-                     help="Tokens the penalty looks back over [default: 64]"),
+                     help="Conversation tokens the penalty looks back over [default: 256]"),
         click.option("--seed", type=int, default=None, help="Seed MLX's generator (reproducible answers)"),
     ]  # fmt: skip
     for opt in reversed(opts):

@@ -97,6 +97,12 @@ class Answering:
             stats.switch = self._catch_up(name, n0 - 1)
             prompt = self.tokens[m.held :]
             stats.prompt_tokens = len(prompt)
+            procs = kwargs.get("logits_processors")
+            if procs:  # they see the whole conversation, not only what the model reads now
+                kwargs = {
+                    **kwargs,
+                    "logits_processors": _with_history(procs, self.tokens[: m.held]),
+                }
             stream = stream_generate(
                 m.loaded.model,
                 self.pair.tokenizer,
@@ -235,6 +241,24 @@ class Answering:
             self._settle(m, len(self.tokens))
             self.turns.append(stats)
         return out
+
+
+def _with_history(processors: list, history: list[int]) -> list:
+    """Logits processors that see the conversation's earlier tokens too.
+
+    mlx-lm hands a processor the prompt it was given plus the tokens generated so far. With a
+    cache holding the conversation, the prompt is only what the model reads now (one token
+    when the small model read for it), so a repetition penalty would never see the previous
+    answers and the model could copy its last answer word for word. Prepend the history.
+    """
+    if not history:
+        return list(processors)
+    past = mx.array(history)
+
+    def wrap(proc):
+        return lambda tokens, logits: proc(mx.concatenate([past, tokens]), logits)
+
+    return [wrap(p) for p in processors]
 
 
 # -- what a model's own prefill costs: measured on this pair, shared by its conversations ------
