@@ -81,6 +81,8 @@ class Session(Messages, CatchUp, Answering, Persistence):
         system_prompt: str | None = None,
         max_kv_size: int | None = None,
         reader: str | None = None,
+        translate_ahead: bool = False,
+        ahead_chunk: int = 32,
     ):
         self.pair = pair
         self.forward = forward
@@ -94,6 +96,10 @@ class Session(Messages, CatchUp, Answering, Persistence):
                 )
         self.mode = mode
         self.reader = reader if reader is not None else ("small" if forward else "self")
+        #: while the small model answers, translate for the large one between its tokens,
+        #: `ahead_chunk` tokens at a time, so an escalation costs about one large decode step
+        self.translate_ahead = translate_ahead
+        self.ahead_chunk = ahead_chunk
         self.system_prompt = system_prompt
         self.max_kv_size = max_kv_size
         self._cancel = threading.Event()

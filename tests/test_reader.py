@@ -298,3 +298,38 @@ def test_logits_processors_see_the_whole_conversation(pair, translators):
     assert s.last_turn.prompt_tokens == 1
     assert seen[0] == s.tokens[:n0]  # everything before the answer
     assert seen[1] == s.tokens[: n0 + 1]
+
+
+def test_translate_ahead_makes_escalation_one_step(pair, translators):
+    """While the small model answers, the span the large would lack is translated between
+    its tokens; escalating then costs the large one token of reading, and stays exact."""
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd, translate_ahead=True, ahead_chunk=8)
+    s.add_user("a long question " * 6)
+    n0 = len(s.tokens)
+    small = [e.token for e in s.generate("small", max_tokens=N)]
+    st = s.last_turn
+    assert st.ahead is not None and st.ahead.translated == n0 - 1  # all of it, by 8s
+    assert s.held("target") == n0 - 1 and "translated ahead" in status_line(
+        st, {"source": "s", "target": "t"}
+    )
+    big = [e.token for e in s.escalate(max_tokens=N)]
+    esc = s.last_turn
+    assert esc.model == "target" and esc.prompt_tokens == 1
+    assert esc.switch is None or not esc.switch.translated  # nothing left to translate
+    assert big == native(pair.target.model, pair.tokenizer, s.tokens[:n0])
+    assert small and and_translated_ok(s)
+    # not escalated: the span translated ahead is kept, and the next large turn is exact
+    s.add_user(MESSAGES[2])
+    list(s.generate("small", max_tokens=N))
+    s.add_user(MESSAGES[3])
+    n1 = len(s.tokens)
+    out = [e.token for e in s.generate("large", max_tokens=N)]
+    assert out == native(pair.target.model, pair.tokenizer, s.tokens[:n1])
+    assert and_translated_ok(s)
+
+
+def and_translated_ok(s) -> bool:
+    assert_translated_once(s)
+    assert_consistent(s)
+    return True

@@ -95,6 +95,8 @@ class Answering:
                     stats.finish_reason = "cancelled"
                     return
             stats.switch = self._catch_up(name, n0 - 1)
+            ahead = self._ahead_begin(n0 - 1) if name == "source" else None
+            stats.ahead = ahead
             prompt = self.tokens[m.held :]
             stats.prompt_tokens = len(prompt)
             procs = kwargs.get("logits_processors")
@@ -139,6 +141,8 @@ class Answering:
                         yield TokenEvent(r.text, r.token, lp, name, stats)
                         break
                     yield TokenEvent(r.text, r.token, lp, name)
+                    if ahead is not None:  # between the small model's tokens
+                        self._ahead_step(ahead, n0 - 1, self.ahead_chunk)
             finally:
                 stream.close()
         finally:

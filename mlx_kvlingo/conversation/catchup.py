@@ -117,6 +117,42 @@ class CatchUp:
             read.seconds = time.perf_counter() - t0
         return read
 
+    def _ahead_begin(self, upto: int) -> Switch | None:
+        """Translate ahead (cascade): while the small model answers, the span the large would
+        lack on escalation, [large's held, upto), is translated chunk by chunk between the
+        small model's tokens (`_ahead_step`). Kept either way: it is a prefix of the
+        conversation, so alternation stays exact and no span is translated twice."""
+        if not (self.translate_ahead and self.forward is not None and self.mode == "alternation"):
+            return None
+        t = self._models["target"]
+        self._settle(t, min(t.held, upto))
+        if t.held >= upto:
+            return None
+        return Switch("target", self.mode, t.held, t.held, note=f"translated ahead to {upto}")
+
+    def _ahead_step(self, sw: Switch, upto: int, chunk: int) -> None:
+        """Translate the next `chunk` tokens of the ahead span (what the small model holds)."""
+        t, o = self._models["target"], self._models["source"]
+        a = t.held
+        read = min(c.offset for c in o.cache)  # the small model's cache, mid-answer
+        b = min(upto, a + chunk, read)
+        if b <= a:
+            return
+        t0 = time.perf_counter()
+        try:
+            span = self._capture(o, a, b, self.forward.config.key_cut)
+            span.tokens = tuple(self.tokens[a:b])
+            keys, values = self.forward.translate(span, t.loaded)
+            append_kv(t.cache, keys, values)
+            t.held = b
+        finally:
+            self._settle(t, t.held)  # an interrupted append leaves no half-written layer
+        if not sw.translated:
+            self.switches.append(sw)
+        sw.end = t.held
+        sw.translated = sw.end - sw.start
+        sw.seconds += time.perf_counter() - t0
+
     def _capture(self, o: _Model, start: int, end: int, cut: str) -> SpanKV:
         """The outgoing model's K/V for [start, end) at the translator's key cut."""
         if not needs_recording(o.loaded, cut):

@@ -159,7 +159,14 @@ class Persistence:
         if state.get("reader") in ("small", "self") and (state["reader"] == "self" or self.forward):
             self.reader = state["reader"]
         self.turns = [
-            TurnStats(**{**t, "switch": _switch(t.get("switch")), "read": _read(t.get("read"))})
+            TurnStats(
+                **{
+                    **t,
+                    "switch": _switch(t.get("switch")),
+                    "read": _read(t.get("read")),
+                    "ahead": _switch(t.get("ahead")),
+                }
+            )
             for t in state.get("turns", [])
         ]
 

@@ -76,6 +76,7 @@ class TurnStats:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     read: Read | None = None  # the small model's read for this answer (reader "small")
+    ahead: Switch | None = None  # translated ahead for the large model during this answer
     prompt_s: float = 0.0  # the answering model's own prefill time this turn
     #: what the answering model's own prefill of every token it lacked would have cost,
     #: estimated from its prefill rate measured on this pair (None: not measured yet)
@@ -146,6 +147,9 @@ def status_line(st: TurnStats, names: dict) -> str:
         if rd is not None and st.alone_prefill_s is not None:
             ttft += f" ({me} alone: prefill ≈ {_ms(st.alone_prefill_s)})"
         parts.append(ttft)
+    if st.ahead is not None and st.ahead.translated:
+        parts.append(f"translated ahead for {LABEL['target']} {st.ahead.translated} tok "
+                     f"{_ms(st.ahead.seconds)}")  # fmt: skip
     parts.append(f"{st.generation_tokens} tokens {st.generation_tps:.1f} tok/s")
     parts.append(f"peak {st.peak_memory_gb:.2f} GB")
     if st.finish_reason in ("cancelled", "interrupted"):
