@@ -282,13 +282,16 @@ class Runtime:
         mode: Mode = "alternation",
         max_kv_size: int | None = None,
         reader: Reader | None = None,
+        translate_ahead: bool = False,
     ) -> Conversation:
         """A fresh conversation (its own two KV caches) over this runtime's pair.
 
         `max_kv_size` caps the conversation's length in tokens (None: no cap). `reader`: who
         reads a new user turn before the large model answers: "small" (the default with a
         forward translator: the small model reads, the large one decodes from the translated
-        cache) or "self" (the large model reads it itself).
+        cache) or "self" (the large model reads it itself). `translate_ahead`: while the small
+        model answers, translate for the large one between its tokens, so that `escalate`
+        costs the large model about one decode step.
         """
         if reader is not None and reader not in READERS:
             raise ConversationError(f"unknown reader {reader!r}; expected one of {READERS}")
@@ -300,6 +303,7 @@ class Runtime:
             system_prompt=system_prompt,
             max_kv_size=max_kv_size,
             reader=reader,
+            translate_ahead=translate_ahead,
         )
         return Conversation(self, session)
 

@@ -244,7 +244,7 @@ def test_conversation_bench_three_policies(tmp_path):
     assert out.exit_code == 0, out.output
     result = json.loads((tmp_path / "conversation.json").read_text())
     turns = result["turns"]
-    assert len(turns) == 4 * 3 and (tmp_path / "conversation.png").stat().st_size > 0
+    assert len(turns) == 4 * 4 and (tmp_path / "conversation.png").stat().st_size > 0
     small = [t for t in turns if t["policy"] == "small reads"]
     large = [t for t in turns if t["policy"] == "large reads"]
     assert all(t["large_read_tokens"] == 1 and t["read_s"] > 0 for t in small)
@@ -253,3 +253,7 @@ def test_conversation_bench_three_policies(tmp_path):
     assert [t["turn"] for t in esc] == result["escalated_turns"] and esc
     assert all(t["ttft_s"] > 0 and t["total_s"] >= t["ttft_s"] for t in turns)
     assert "small / large TTFT" in (tmp_path / "conversation.md").read_text()
+    ahead = [t for t in turns if t["policy"] == "cascade+ahead" and t["escalated"]]
+    assert [t["turn"] for t in ahead] == result["escalated_turns"]
+    assert all(t["escalation_ttft_s"] > 0 for t in ahead)
+    assert result["summary"]["cascades"]["cascade+ahead"]["escalations"] == len(esc)

@@ -327,11 +327,14 @@ class ChatApp:
 @click.option("--reader", type=click.Choice(["small", "self"]), default=None,
               help="Who reads your turn before the large model answers [default: small with a "
                    "forward translator]")  # fmt: skip
+@click.option("--translate-ahead/--no-translate-ahead", default=False, show_default=True,
+              help="While the small model answers, translate for the large one (/escalate, /auto)")  # fmt: skip
 @click.option("--first", type=click.Choice(["small", "large"]), default=None, hidden=True)
 @click.option("--auto-threshold", default=-1.5, show_default=True,
               help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
 def chat_cmd(source, target, translator, backward_translator, system_prompt, max_tokens,
-             max_kv_size, mode, answer, reader, first, auto_threshold, **sampling):  # fmt: skip
+             max_kv_size, mode, answer, reader, translate_ahead, first, auto_threshold,
+             **sampling):  # fmt: skip
     """Chat with the small model and hand the conversation to the large one (and back)."""
     from ..format import TranslatorFileError, load_translator
 
@@ -359,7 +362,8 @@ def chat_cmd(source, target, translator, backward_translator, system_prompt, max
         raise click.ClickException(str(e)) from None
     try:
         session = Session(pair, forward, backward, mode, system_prompt=system_prompt,
-                          max_kv_size=max_kv_size, reader=reader)  # fmt: skip
+                          max_kv_size=max_kv_size, reader=reader,
+                          translate_ahead=translate_ahead)  # fmt: skip
     except SessionError as e:
         raise click.ClickException(str(e)) from None
     app = ChatApp(session, max_tokens=max_tokens, sampling=sampling_settings(sampling),

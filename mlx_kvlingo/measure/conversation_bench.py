@@ -5,7 +5,9 @@
     small reads   the large model answers every turn; the small one reads each user turn and
                   the large catches up by KV translation (reader "small", KV-Lingo);
     cascade       the small model answers; at a given rate (seeded) its answer is escalated
-                  and the large one answers again from a translated cache.
+                  and the large one answers again from a translated cache;
+    cascade+ahead the same, translating ahead: while the small model answers, the span the
+                  large would lack is translated between its tokens (`translate_ahead`).
 
 User turns are `user_lengths` tokens long (cycled), answers exactly `answer_tokens` tokens
 (end-of-sequence banned, greedy), so every policy does the same work turn for turn. Per turn:
@@ -19,7 +21,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -30,7 +32,7 @@ from ..session import Session
 from ..translator import Translator
 from .bench import _jsonable, machine_info, prompt_tokens, software_info
 
-POLICIES = ("large reads", "small reads", "cascade")
+POLICIES = ("large reads", "small reads", "cascade", "cascade+ahead")
 
 
 @dataclass
@@ -54,7 +56,8 @@ class TurnTiming:
     translate_s: float = 0.0  # every translation this turn (both directions)
     large_read_tokens: int = 0  # tokens the large model read itself
     escalated: bool = False
-    extra: dict = field(default_factory=dict)
+    escalation_ttft_s: float | None = None  # the large model's TTFT after the escalation
+    small_decode_tps: float | None = None  # the small model's decode speed (cascades)
 
 
 def _no_eos(eos_ids):
@@ -103,6 +106,7 @@ def run_conversation_bench(
         "large reads": Session(pair, forward, backward, reader="self"),
         "small reads": Session(pair, forward, backward, reader="small"),
         "cascade": Session(pair, forward, backward, reader="self"),
+        "cascade+ahead": Session(pair, forward, backward, reader="self", translate_ahead=True),
     }
     rng = random.Random(cfg.seed)
     escalate = [rng.random() < cfg.escalation_rate for _ in range(cfg.turns)]
@@ -113,12 +117,16 @@ def run_conversation_bench(
         for policy in cfg.policies:
             s = sessions[policy]
             s.add_tokens(user)
-            if policy == "cascade":
+            if policy.startswith("cascade"):
                 ttft, total, st = _answer(s, "source", cfg)
                 tt = TurnTiming(policy, t, n, ttft, total, translate_s=_translate_s(st))
+                tt.small_decode_tps = st.generation_tps
+                if st.ahead is not None:
+                    tt.translate_s += st.ahead.seconds
                 if escalate[t]:
                     e_ttft, e_total, est = _answer(s, "target", cfg, escalate=True)
                     tt.ttft_s, tt.total_s = total + e_ttft, total + e_total
+                    tt.escalation_ttft_s = e_ttft
                     tt.translate_s += _translate_s(est)
                     tt.large_read_tokens = est.prompt_tokens
                     tt.escalated = True
@@ -164,6 +172,14 @@ def summarize(timings: list[TurnTiming], cfg: ConversationBenchConfig) -> dict:
                 row["small reads"]["ttft_ms"] / row["large reads"]["ttft_ms"]
             )
         out["by_length"][str(n)] = row
+    for p in [p for p in cfg.policies if p.startswith("cascade")]:
+        esc = [x.escalation_ttft_s for x in timings if x.policy == p and x.escalated]
+        tps = [x.small_decode_tps for x in timings if x.policy == p and x.small_decode_tps]
+        out.setdefault("cascades", {})[p] = {
+            "escalation_ttft_ms": 1e3 * float(np.mean(esc)) if esc else None,
+            "small_decode_tps": float(np.mean(tps)) if tps else None,
+            "escalations": len(esc),
+        }
     for p in cfg.policies:
         xs = [x for x in timings if x.policy == p]
         out["totals"][p] = {
@@ -212,6 +228,15 @@ def markdown_report(result: dict) -> str:
             f"| {n} | " + " | ".join(f"{row[p]['ttft_ms']:.0f}" for p in cfg["policies"] if p in row)
             + f" | {'' if ratio is None else f'{ratio:.2f}'} |"
         )  # fmt: skip
+    casc = result["summary"].get("cascades", {})
+    if casc:
+        lines += ["", "Cascades: the large model's TTFT once escalated, and the small model's decode speed:",
+                  "", "| policy | escalations | escalation TTFT ms | small decode tok/s |",
+                  "| --- | ---: | ---: | ---: |"]  # fmt: skip
+        for p, c in casc.items():
+            e = c["escalation_ttft_ms"]
+            lines.append(f"| {p} | {c['escalations']} | {'' if e is None else f'{e:.0f}'} | "
+                         f"{c['small_decode_tps'] or 0:.1f} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
