@@ -194,6 +194,9 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
     tr = Translator(config, dtype=tensors["key.weight"].dtype)
     tr.key = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("key.")}
     tr.value = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("value.")}
+    # evaluate now: a lazy cast would carry this thread's stream into the thread that
+    # translates (a server's worker), where MLX refuses it ("no Stream(cpu, 0) in thread")
+    mx.eval(tr.parameters())
     return tr
 
 

@@ -147,3 +147,35 @@ def test_direction_by_name(saved, known):
     load_translator(path, known)
     with pytest.raises(TranslatorFileError, match="goes the other way"):
         load_translator(path, known.reversed())
+
+
+def test_translator_loaded_here_translates_in_another_thread(tiny_dir, tmp_path):
+    """A float16 file cast at load must not leave lazy work bound to the loading thread
+    (`kvlingo serve` translates on its worker thread)."""
+    import threading
+
+    from mlx_kvlingo.capture import trace
+    from mlx_kvlingo.pair import load_pair
+
+    from helpers import exact_translator
+
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+    tr = exact_translator(pair, tiny_dir["known_answer"], dtype=mx.float16)
+    path = save_translator(tr, tmp_path / "half.safetensors", pair)
+    loaded = load_translator(path, pair)
+    span = trace(pair.source, [5, 6, 7, 8], "post_norm")
+    mx.eval(span.keys, span.values)
+    out, errors = [], []
+
+    def work():
+        try:
+            keys, _ = loaded.translate(span, pair.target)
+            mx.eval(keys)
+            out.append(keys[0].shape)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(60)
+    assert not errors and out, errors
