@@ -245,6 +245,8 @@ class Worker:
         for role, label in _LABELS.items():
             a, b = after["models"][role], before["models"][role]
             read[label] = a["prompt_tokens"] - b["prompt_tokens"]
+            # and what it read for the other model (reader "small")
+            read[label] += a.get("read_for_other_tokens", 0) - b.get("read_for_other_tokens", 0)
             translated[label] = a["translated_into"] - b["translated_into"]
         prompt = conv.tokens - out.tokens
         cached = max(prompt - read[out.model] - translated[out.model], 0)
