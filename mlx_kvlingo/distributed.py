@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -85,12 +86,25 @@ def _lost_message(rank, timeout, what: str) -> str:
 
 
 def _eval(*arrays) -> None:
-    try:
+    with _lost_as_error("waiting for another rank"):
         mx.eval(*arrays)
+
+
+def _is_lost(e: Exception) -> bool:
+    text = str(e)
+    return any(s in text for s in ("[ring]", "[mpi]", "[jaccl]", "peer"))
+
+
+@contextmanager
+def _lost_as_error(what: str):
+    """MLX's error for a peer whose connection closed, as a `RankLostError`."""
+    try:
+        yield
     except RuntimeError as e:
-        if "[ring]" in str(e) or "peer" in str(e) or "[mpi]" in str(e):
+        if _is_lost(e):
             raise RankLostError(
-                f"lost a rank of the distributed run ({e}); see that rank's error output"
+                f"lost a rank of the distributed run while {what} ({e}); "
+                "see that rank's own error output"
             ) from None
         raise
 
@@ -168,7 +182,7 @@ def load_pipelined(path: str | Path, group, dtype="auto", timeout=LOAD_TIMEOUT) 
 
     name = str(path)
     message = _lost_message(group.rank(), timeout, f"loading {name}")
-    with _watchdog.deadline(timeout, message):
+    with _watchdog.deadline(timeout, message), _lost_as_error(f"loading {name}"):
         try:
             model, tokenizer, config = sharded_load(name, pipeline_group=group, return_config=True)
         except (ValueError, FileNotFoundError) as e:
@@ -495,12 +509,8 @@ def decode(sp: ShardedPair, prompt: list[int], cache: list, **kwargs) -> Iterato
     message = _lost_message(sp.rank, sp.timeout, "decoding")
     while True:
         try:
-            with _watchdog.deadline(sp.timeout, message):
+            with _watchdog.deadline(sp.timeout, message), _lost_as_error("decoding"):
                 r = next(it)
         except StopIteration:
             return
-        except RuntimeError as e:
-            if "[ring]" in str(e) or "peer" in str(e):
-                raise RankLostError(f"lost a rank while decoding ({e})") from None
-            raise
         yield r
