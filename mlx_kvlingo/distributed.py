@@ -227,6 +227,7 @@ class ShardedPair:
     wire: str
     timeout: float | None = DEFAULT_TIMEOUT
     local: dict = field(default_factory=dict, repr=False)  # per-rank translator parts
+    stopped: bool = False  # rank 0 said there is nothing more to do
 
     @property
     def rank(self) -> int:
@@ -384,6 +385,7 @@ def broadcast_request(
     head = _broadcast(head, sp.group, None, what).tolist()
     n, seed = int(head[0]), int(head[1])
     if n < 0:
+        sp.stopped = True
         return None
     body = mx.array(tokens if sp.rank == 0 else [0] * n, dtype=mx.int32)
     return _broadcast(body, sp.group, sp.timeout, what).tolist(), seed
