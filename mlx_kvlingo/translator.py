@@ -188,6 +188,11 @@ class Translator(nn.Module):
             return ks, vs
         self.check_target(target)
         keys, values = self(span)
+        return self.finish(keys, values, span, target)
+
+    def finish(self, keys: mx.array, values: mx.array, span: SpanKV, target) -> tuple[list, list]:
+        """The target-side steps on mapped K/V (Lt, B, Ht, T, D): k_norm (pre_norm cut), RoPE
+        at the span's positions, the native first token, the target's dtype."""
         keys = keys.astype(mx.float32)
         if self.config.key_cut == "pre_norm" and target.geometry.has_k_norm:
             keys = mx.stack([target.attention(t).k_norm(keys[t]) for t in range(keys.shape[0])])
@@ -199,6 +204,27 @@ class Translator(nn.Module):
         keys = keys if keys.dtype == dtype else keys.astype(dtype)
         values = values if values.dtype == dtype else values.astype(dtype)
         return list(keys), list(values)
+
+    def restricted(self, layers: range, source_layers: tuple[int, ...] | None = None) -> Translator:
+        """The maps of target `layers` only (for a rank that owns them). With `source_layers`,
+        its input is those source layers alone, in that order (what the rank is sent)."""
+        c = self.config
+        rows = {"key": c.key_layers[layers.start : layers.stop],
+                "value": c.value_layers[layers.start : layers.stop]}  # fmt: skip
+        source = c.source
+        if source_layers is not None:
+            where = {s: i for i, s in enumerate(source_layers)}
+            rows = {k: tuple(tuple(where[s] for s in r) for r in v) for k, v in rows.items()}
+            source = Side(len(source_layers), source.kv_heads, source.head_dim, source.value_dim)
+        target = Side(len(layers), c.target.kv_heads, c.target.head_dim, c.target.value_dim)
+        config = TranslatorConfig(
+            c.variant, source, target, rows["key"], rows["value"], c.key_cut, c.bias,
+            c.native_first, dict(c.metadata),
+        )  # fmt: skip
+        tr = Translator(config, dtype=self.key["weight"].dtype)
+        tr.key = {k: v[layers.start : layers.stop] for k, v in self.key.items()}
+        tr.value = {k: v[layers.start : layers.stop] for k, v in self.value.items()}
+        return tr
 
     def check_target(self, target) -> None:
         if Side.of(target.geometry) != self.config.target:

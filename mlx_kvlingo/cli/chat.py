@@ -33,6 +33,7 @@ from ._common import (
     target_option,
     translator_option,
 )
+from ._distributed import distributed_option, run_chat, wanted, wire_option
 
 # model output goes to a terminal: drop control characters (escape sequences, \r) but \n \t
 _CONTROL = {c: None for c in [*range(32), 127] if chr(c) not in "\n\t"}
@@ -332,10 +333,16 @@ class ChatApp:
 @click.option("--first", type=click.Choice(["small", "large"]), default=None, hidden=True)
 @click.option("--auto-threshold", default=-1.5, show_default=True,
               help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
+@distributed_option
+@wire_option
 def chat_cmd(source, target, translator, backward_translator, system_prompt, max_tokens,
              max_kv_size, mode, answer, reader, translate_ahead, first, auto_threshold,
              **sampling):  # fmt: skip
     """Chat with the small model and hand the conversation to the large one (and back)."""
+    distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
+    if wanted(distributed):  # mlx.launch: the large model pipelined, rank 0 owns the terminal
+        return run_chat(source, target, translator, wire, max_tokens,
+                        sampling_settings(sampling), system_prompt)  # fmt: skip
     from ..format import TranslatorFileError, load_translator
 
     console = Console(highlight=False)

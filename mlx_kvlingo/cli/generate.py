@@ -17,6 +17,7 @@ from ._common import (
     target_option,
     translator_option,
 )
+from ._distributed import distributed_option, run_generate, wanted, wire_option
 
 
 @click.command("generate")
@@ -27,10 +28,16 @@ from ._common import (
 @click.option("--chat/--no-chat", default=True, help="Apply the chat template to the prompt")
 @click.option("-m", "--max-tokens", default=100, show_default=True)
 @sampling_options
+@distributed_option
+@wire_option
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (token ids, texts, timings) instead of streaming text")  # fmt: skip
 def generate_cmd(source, target, translator, prompt, chat, max_tokens, as_json, **sampling):
     """One answer from the target with no target prefill, with honest timings."""
+    distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
+    if wanted(distributed):  # mlx.launch: the target pipelined over the ranks
+        return run_generate(source, target, translator, wire, prompt, chat, max_tokens,
+                            sampling_settings(sampling))  # fmt: skip
     import mlx.core as mx
     from mlx_lm import stream_generate
 
