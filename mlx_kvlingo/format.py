@@ -11,13 +11,13 @@ pair is given, that the file was made for that pair.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from ._atomic import atomic_write
 from .translator import Side, Translator, TranslatorConfig
 
 SCHEMA = "mlx-kvlingo/translator"
@@ -76,9 +76,8 @@ def save_translator(
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
     meta = build_metadata(translator, pair, **extra)
     meta["dtype"] = str(tensors["key.weight"].dtype).replace("mlx.core.", "")
-    tmp = path.with_name(path.name + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), tensors, metadata={"kvlingo": json.dumps(meta)})
-    os.replace(tmp, path)
+    with atomic_write(path) as tmp:
+        mx.save_safetensors(str(tmp), tensors, metadata={"kvlingo": json.dumps(meta)})
     return path
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from .._atomic import atomic_write
 from ..kvcache import prefix_copy
 from ..pair import LoadedModel
 from .catchup import _Model
@@ -92,9 +92,8 @@ class Persistence:
             m = self._models[name]
             caches += prefix_copy(m.cache, m.held)
         meta = {"kvlingo_session": json.dumps(state), "model": self.pair.target.name}
-        tmp = path.with_name(path.name + ".tmp.safetensors")
-        save_prompt_cache(str(tmp), caches, meta)
-        os.replace(tmp, path)
+        with atomic_write(path) as tmp:
+            save_prompt_cache(str(tmp), caches, meta)
         return path
 
     def load(self, path: str | Path) -> None:

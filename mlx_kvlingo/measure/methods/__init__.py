@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +33,7 @@ from typing import Protocol, runtime_checkable
 import mlx.core as mx
 import numpy as np
 
+from ..._atomic import atomic_write
 from ...anchor import with_native_first_layers
 from ...capture import OutputRecorder, SpanKV, prefill
 from ...format import TranslatorFileError, load_translator, read_header, save_translator
@@ -252,9 +252,8 @@ def write_method_file(path, tensors: dict, meta: dict) -> Path:
     """Atomically write tensors + `{"schema", "schema_version", **meta}` JSON metadata."""
     path = Path(path)
     meta = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **meta}
-    tmp = path.with_name(path.name + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), tensors, metadata={META_KEY: json.dumps(meta)})
-    os.replace(tmp, path)
+    with atomic_write(path) as tmp:
+        mx.save_safetensors(str(tmp), tensors, metadata={META_KEY: json.dumps(meta)})
     return path
 
 
