@@ -152,11 +152,15 @@ def check_finite(name: str, a: np.ndarray) -> np.ndarray:
 
 def read_json(path: Path, what: str) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise InvalidInputError(f"{path}: missing {what}") from None
-    except json.JSONDecodeError as e:
-        raise InvalidInputError(f"{path}: {what} is not valid JSON ({e})") from None
+    except IsADirectoryError:
+        raise InvalidInputError(f"{path}: {what} is a directory") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise InvalidInputError(
+            f"{path}: {what} is not valid JSON ({type(e).__name__}: {str(e)[:120]})"
+        ) from None
     if not isinstance(data, dict):
         raise InvalidInputError(f"{path}: {what} must be a JSON object")
     return data
@@ -397,16 +401,34 @@ def agree(label: str, declared: Side | None, given: Side | None) -> Side | None:
     return declared or given
 
 
+def jsonable(value, depth: int = 0):
+    """`value` as plain JSON for a translator's provenance: what the input recorded, with
+    tensors and other objects described rather than stored (and deep nesting cut)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value[:10_000] if isinstance(value, str) else value
+    if depth > 32:
+        return "<nested too deep>"
+    if isinstance(value, dict):
+        return {str(k)[:200]: jsonable(v, depth + 1) for k, v in list(value.items())[:1000]}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v, depth + 1) for v in value[:1000]]
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"<tensor {str(dtype).replace('torch.', '')} {list(shape)}>"
+    return f"<{type(value).__name__}>"
+
+
 def write(converted: Converted, output: str | Path, pair=None) -> Path:
     """Save as our translator file, then load it back through the strict loader."""
     output = Path(output)
     if pair is not None:
         check_geometry(converted.config, pair)
-    extra = {"provenance": converted.provenance}
+    extra = {"provenance": jsonable(converted.provenance)}
     if pair is None:  # no models at hand: keep the names the input declares
         for label in ("source", "target"):
             s = getattr(converted.config, label)
-            extra[label] = {"name": converted.names.get(label), **s.as_dict()}
+            name = converted.names.get(label)
+            extra[label] = {"name": name if isinstance(name, str) else None, **s.as_dict()}
     output.parent.mkdir(parents=True, exist_ok=True)
     save_translator(converted.translator(), output, pair, **extra)
     load_translator(output, pair)

@@ -133,7 +133,7 @@ def convert(
             f"{path}: expected a dict with a 'schema' key, got {type(obj).__name__}"
         )
     schema = obj.get("schema")
-    if schema not in SCHEMAS:
+    if not isinstance(schema, str) or schema not in SCHEMAS:
         raise UnknownSchemaError(
             f"{path}: unknown schema {schema!r}; this converter reads {SCHEMAS}"
         )
@@ -145,7 +145,7 @@ def convert(
             raise UnexpectedTensorError(f"{path}: a {schema} has no 'cut'; this one does")
         implied = "pre_norm"  # kv_lingo_train.py resumes only from CAPTURE_CUT artifacts
         cut_note = "none stored; the stage-2 trainer's CAPTURE_CUT is implied"
-    elif cut in CUTS:
+    elif isinstance(cut, str) and cut in CUTS:
         implied, cut_note = CUTS[cut], cut
     elif key_cut is None:
         raise UnsupportedError(
@@ -166,6 +166,8 @@ def convert(
             f"source has {src.layers} layers, target {tgt.layers}"
         )
     direction = obj.get("direction")
+    if direction is not None and not isinstance(direction, str):
+        raise InvalidInputError(f"{path}: direction must be a string, got {str(direction)[:80]!r}")
     declared = DIRECTIONS.get(direction, ((None, None), (None, None)))
     if schema == SCHEMA:
         (s_name, s_rev), (t_name, t_rev) = (

@@ -70,7 +70,11 @@ def verify_checksums(folder: Path) -> dict[str, str]:
     if not sums_path.is_file():
         raise ChecksumError(f"{folder}: no SHA256SUMS file; refusing an unverifiable mapper")
     listed = {}
-    for n, line in enumerate(sums_path.read_text().splitlines(), 1):
+    try:
+        text = sums_path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ChecksumError(f"{sums_path}: not a text file ({e})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         m = re.match(r"^([0-9a-fA-F]{64}) [ *](.+)$", line.strip())

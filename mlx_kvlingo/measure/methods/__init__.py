@@ -36,7 +36,13 @@ import numpy as np
 from ..._atomic import atomic_write
 from ...anchor import with_native_first_layers
 from ...capture import OutputRecorder, SpanKV, prefill
-from ...format import TranslatorFileError, load_translator, read_header, save_translator
+from ...format import (
+    TranslatorFileError,
+    load_translator,
+    parse_json,
+    read_header,
+    save_translator,
+)
 from ...kvcache import new_cache
 from ...scoring import Prepared, mean_kl
 from ...scoring import prepare as prepare_scored
@@ -259,15 +265,15 @@ def write_method_file(path, tensors: dict, meta: dict) -> Path:
 
 def read_method_file(path) -> tuple[dict, dict]:
     path = Path(path)
-    header = read_header(path)
+    header = read_header(path, MethodFileError)
     raw = (header.get("__metadata__") or {}).get(META_KEY)
     if raw is None:
         raise MethodFileError(f"{path}: no {META_KEY} metadata: not a method file")
-    meta = json.loads(raw)
+    meta = parse_json(raw, f"{path}: the {META_KEY} metadata", MethodFileError)
     if meta.get("schema") != SCHEMA or meta.get("schema_version") != SCHEMA_VERSION:
         raise MethodFileError(
-            f"{path}: unsupported method schema {meta.get('schema')!r} "
-            f"version {meta.get('schema_version')!r}"
+            f"{path}: unsupported method schema {str(meta.get('schema'))[:80]!r} "
+            f"version {str(meta.get('schema_version'))[:40]!r}"
         )
     try:
         tensors = mx.load(str(path))
@@ -286,6 +292,8 @@ def check_method_pair(meta: dict, pair, path) -> None:
         have = side_meta(model)
         if want is None:
             continue
+        if not isinstance(want, dict):
+            raise MethodFileError(f"{path}: metadata {label} must be an object")
         for k in ("layers", "kv_heads", "head_dim", "value_dim", "model_type", "hidden_size"):
             if want.get(k) is not None and want[k] != have[k]:
                 raise MethodFileError(
@@ -299,14 +307,17 @@ def load_method(path, pair=None):
     from . import droidspeak, quantized, raw, scd
 
     path = Path(path)
-    header = read_header(path)
+    header = read_header(path, MethodFileError)
     meta = header.get("__metadata__") or {}
     if "kvlingo" in meta:
         tr = load_translator(path, pair)
         m = KVLingo(tr)
         wire = tr.config.metadata.get("wire")
         if tr.config.metadata.get("method") == "quantized" and wire:
-            m = quantized.Quantized(m, wire["bits"], wire["group_size"])
+            try:
+                m = quantized.Quantized(m, wire["bits"], wire["group_size"])
+            except _STATE_ERRORS as e:
+                raise MethodFileError(f"{path}: invalid wire settings {wire!r:.80} ({e})") from None
         return m
     tensors, meta = read_method_file(path)
     if pair is not None:
@@ -317,12 +328,19 @@ def load_method(path, pair=None):
         "droidspeak": droidspeak.DroidSpeak,
         "scd": scd.SCD,
     }
-    if meta.get("method") not in kinds:
-        raise MethodFileError(f"{path}: unknown method {meta.get('method')!r}")
+    method = meta.get("method")
+    if not isinstance(method, str) or method not in kinds:
+        raise MethodFileError(f"{path}: unknown method {str(method)[:80]!r}")
     try:
-        return kinds[meta["method"]].from_state(tensors, meta)
-    except (KeyError, TypeError, ValueError) as e:
-        raise MethodFileError(f"{path}: inconsistent method file: {e}") from None
+        return kinds[method].from_state(tensors, meta)
+    except _STATE_ERRORS as e:
+        raise MethodFileError(f"{path}: inconsistent method file: {str(e)[:300]}") from None
+
+
+#: what building a method from a file's (untrusted) metadata raises when a field is missing or
+#: of the wrong type: all of it means "inconsistent method file"
+_STATE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
+                 ZeroDivisionError, RecursionError)  # fmt: skip
 
 
 def human_bytes(n: float) -> str:
