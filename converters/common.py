@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import pickle
 import re
 import struct
@@ -108,8 +109,10 @@ def torch_load(path: str | Path):
             f"({what}); nothing in it was executed. Re-save the checkpoint with only tensors "
             "and plain dicts/lists/numbers"
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise InvalidInputError(f"{path}: not a readable PyTorch file ({e})") from None
+    except Exception as e:  # noqa: BLE001 - a corrupt pickle or zip fails in many ways
+        raise InvalidInputError(
+            f"{path}: not a readable PyTorch file ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
 
 
 def is_safetensors(path: str | Path) -> bool:
@@ -331,6 +334,14 @@ def check_shape(name: str, shape: tuple, want: tuple, because: str) -> None:
 
 
 def side(layers: int, kv_heads: int, head_dim: int) -> Side:
+    """A Side from three positive integers (anything else: InvalidInputError, never rounded)."""
+    values = (layers, kv_heads, head_dim)
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
+               for v in values):  # fmt: skip
+        raise InvalidInputError(
+            f"geometry must be positive integers (layers, kv_heads, head_dim), got "
+            f"{[str(v)[:20] for v in values]}"
+        )
     return Side(int(layers), int(kv_heads), int(head_dim), int(head_dim))
 
 

@@ -96,14 +96,17 @@ def looks_like(obj) -> bool:
 
 
 def _geometry(d, label):
+    if not isinstance(d, dict) or not all(k in d for k in ("layers", "kv_heads", "head_dim")):
+        raise InvalidInputError(
+            f"{label}: expected a dict with layers, kv_heads, head_dim, width; got {d!r:.200}"
+        )
     try:
         s = side(d["layers"], d["kv_heads"], d["head_dim"])
-    except (KeyError, TypeError, ValueError):
-        raise InvalidInputError(
-            f"{label}: expected a dict with layers, kv_heads, head_dim, width; got {d!r}"
-        ) from None
-    if d.get("width") is not None and d["width"] != s.kv_heads * s.head_dim:
-        raise InvalidInputError(f"{label}: width {d['width']} is not kv_heads * head_dim")
+    except InvalidInputError as e:
+        raise InvalidInputError(f"{label}: {e}") from None
+    width = d.get("width")
+    if width is not None and (not isinstance(width, int) or width != s.kv_heads * s.head_dim):
+        raise InvalidInputError(f"{label}: width {str(width)[:40]} is not kv_heads * head_dim")
     return s
 
 

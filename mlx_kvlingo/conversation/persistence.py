@@ -163,6 +163,8 @@ class Persistence:
             and isinstance(m.get("content"), str) for m in messages
         ):  # fmt: skip
             raise SessionFileError(f"{path}: messages must be role/content objects")
+        if tokens and not messages:
+            raise SessionFileError(f"{path}: {len(tokens)} tokens but no messages: inconsistent")
         layers = state["layers"]
         if not (isinstance(layers, list) and len(layers) == 2 and all(map(_is_int, layers))):
             raise SessionFileError(f"{path}: layers must be two layer counts")

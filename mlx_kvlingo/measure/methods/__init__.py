@@ -332,9 +332,28 @@ def load_method(path, pair=None):
     if not isinstance(method, str) or method not in kinds:
         raise MethodFileError(f"{path}: unknown method {str(method)[:80]!r}")
     try:
-        return kinds[method].from_state(tensors, meta)
+        m = kinds[method].from_state(tensors, meta)
     except _STATE_ERRORS as e:
         raise MethodFileError(f"{path}: inconsistent method file: {str(e)[:300]}") from None
+    if pair is not None:
+        _check_sides(m, pair, path)
+    return m
+
+
+def _check_sides(m, pair, path) -> None:
+    """The geometry a loaded method says it was built for (`side`, or `source`/`target`,
+    through a quantized method's `inner`) must be the pair's."""
+    src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
+    wants = [("side", src), ("side", tgt), ("source", src), ("target", tgt)]
+    while m is not None:
+        for attr, have in wants:
+            want = getattr(m, attr, None)
+            if isinstance(want, Side) and want != have:
+                raise MethodFileError(
+                    f"{path}: made for {attr} geometry {want.as_dict()}, the pair has "
+                    f"{have.as_dict()}: wrong model pair"
+                )
+        m = getattr(m, "inner", None)
 
 
 #: what building a method from a file's (untrusted) metadata raises when a field is missing or
