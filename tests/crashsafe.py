@@ -35,9 +35,10 @@ FILES = {"translator": "t.safetensors", "method": "m.safetensors",
 
 def _saver(kind: str, out: Path, fixtures: Path, log: Path, size_mb: float) -> None:
     """Save version 0, 1, 2, ... of a `kind` file at `out` until killed; log each one."""
-    import mlx.core as mx
     from mlx_kvlingo.format import save_translator
     from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
+
+    import mlx.core as mx
 
     logf = open(log, "a", buffering=1)
     n = int(size_mb * 2**20 / 4 / 2) // 4  # floats per layer map: two maps of 4 layers
@@ -58,16 +59,20 @@ def _saver(kind: str, out: Path, fixtures: Path, log: Path, size_mb: float) -> N
         s.add_user("def parse_args(argv):\n    return argv[1:] " * 12)
         list(s.generate("source", max_tokens=2))
     if kind == "checkpoint":
-        import mlx.optimizers as optim
         from mlx_kvlingo.calibrate.distill import Stage2Config, save_checkpoint
+
+        import mlx.optimizers as optim
 
         opt = optim.AdamW(learning_rate=1e-3)
         opt.init(tr.trainable_parameters())
         opt.update(tr, tr.trainable_parameters())  # fills the moments
         mx.eval(opt.state)
+    import time as _time
+
     from mlx_kvlingo.measure.methods import write_method_file
 
     for v in range(10**9):
+        t0 = _time.perf_counter()
         if kind == "translator":
             save_translator(tr, out, version=v)
         elif kind == "method":
@@ -79,18 +84,19 @@ def _saver(kind: str, out: Path, fixtures: Path, log: Path, size_mb: float) -> N
         else:
             tr.config.metadata["version"] = v
             save_checkpoint(out, tr, opt, v, Stage2Config(), [{"step": v}])
-        logf.write(f"{v}\n")
+        logf.write(f"{v} {_time.perf_counter() - t0:.6f}\n")
 
 
 def _zygote(conn, fixtures: str) -> None:
     """Import everything, compute nothing; fork a saver per request."""
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
     import mlx_kvlingo  # noqa: F401
-    import mlx.optimizers  # noqa: F401
     from mlx_kvlingo.calibrate import distill  # noqa: F401
     from mlx_kvlingo.measure import methods  # noqa: F401
     from mlx_kvlingo.pair import load_pair  # noqa: F401
     from mlx_kvlingo.session import Session  # noqa: F401
+
+    import mlx.optimizers  # noqa: F401
 
     conn.send("ready")
     while True:
@@ -162,15 +168,18 @@ class Verifier:
                 self._session = Session(pair, None, None)
             self._session.load(out)
             return int(self._session.system_prompt[1:])
-        import mlx.core as mx
         from mlx_kvlingo.calibrate.distill import load_checkpoint
         from mlx_kvlingo.format import load_translator
+
+        import mlx.core as mx
 
         state, tr_file, opt_file = load_checkpoint(out)
         v = load_translator(tr_file).config.metadata["version"]
         mx.load(str(opt_file))
         if v != state["step"]:
-            raise AssertionError(f"checkpoint state.json says step {state['step']}, its translator {v}")
+            raise AssertionError(
+                f"checkpoint state.json says step {state['step']}, its translator {v}"
+            )
         return v
 
 
@@ -183,7 +192,7 @@ def kill_campaign(kind: str, kills: int, folder: Path, fixtures: Path, *, seed: 
     zygote = zygote or Zygote(fixtures)
     verifier = verifier or Verifier(fixtures)
     t0 = time.perf_counter()
-    saves, save_time = 0, 0.0
+    durations: list[float] = []
     try:
         for k in range(kills):
             d = folder / f"{kind}-{k}"
@@ -192,18 +201,16 @@ def kill_campaign(kind: str, kills: int, folder: Path, fixtures: Path, *, seed: 
             log.write_text("")
             pid = zygote.fork(kind, out, log, size_mb)
             try:
-                first = _wait_for(log, 1, 120)  # version 0 is on disk
-                t_first = time.perf_counter()
-                delay = rng.uniform(0, 3 * max(report.save_ms, 5.0) / 1000)
-                time.sleep(delay)
+                _wait_for(log, 1, 120)  # version 0 is on disk
+                took = _log(log)[0][1]  # how long one save takes: kill within about two
+                time.sleep(rng.uniform(0, 2 * took))
                 os.kill(pid, signal.SIGKILL)
             finally:
                 zygote.reap(pid)
-            done = _versions(log)
-            if len(done) > 1:
-                saves += len(done) - 1
-                save_time += (time.perf_counter() - t_first) if first else 0.0
-                report.save_ms = 1000 * save_time / max(saves, 1)
+            entries = _log(log)
+            durations += [t for _, t in entries]
+            report.save_ms = 1000 * sum(durations) / len(durations)
+            done = [v for v, _ in entries]
             report.kills += 1
             last = done[-1]
             try:
@@ -229,8 +236,17 @@ def kill_campaign(kind: str, kills: int, folder: Path, fixtures: Path, *, seed: 
     return report
 
 
+def _log(log: Path) -> list[tuple[int, float]]:
+    out = []
+    for line in log.read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2:  # a line being written when the saver was killed is not counted
+            out.append((int(parts[0]), float(parts[1])))
+    return out
+
+
 def _versions(log: Path) -> list[int]:
-    return [int(x) for x in log.read_text().split()]
+    return [v for v, _ in _log(log)]
 
 
 def _wait_for(log: Path, n: int, timeout: float) -> bool:

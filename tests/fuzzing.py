@@ -645,6 +645,29 @@ class Context:
         self.forward = load_translator(self.fixtures / "fwd.safetensors", self.pair)
         self.backward = load_translator(self.fixtures / "bwd.safetensors", self.pair.reversed())
         self._chat = None
+        self.warm_up()
+
+    def warm_up(self) -> None:
+        """Run what the loaders run once, untimed: MLX compiles CPU kernels on first use
+        (seconds on a busy machine), which is no loader's doing."""
+        from mlx_kvlingo.format import load_translator
+        from mlx_kvlingo.measure.methods import load_method
+
+        for f in sorted((self.fixtures / "seeds" / "translator").glob("*.safetensors")):
+            pair = self.pair.reversed() if f.name.startswith("bwd") else self.pair
+            _use_translator(self, load_translator(f, pair), pair)
+        for f in sorted((self.fixtures / "seeds" / "method").glob("*.safetensors")):
+            from mlx_kvlingo.measure.methods import capture_span
+
+            import mlx.core as mx
+
+            m = load_method(f, self.pair)
+            span = capture_span(self.pair.source, [1, 20, 30, 40], m.key_cut, m.needs_hidden)
+            mx.eval(m.translate(span, self.pair.target))
+        s = self.session()
+        s.add_user("warm up")
+        for model in ("source", "target"):
+            list(s.generate(model, max_tokens=2))
 
     def session(self, **kw):
         from mlx_kvlingo.session import Session
