@@ -75,6 +75,10 @@ def main(argv=None) -> int:
                              count=args.count, limit=args.limit, keep=args.keep,
                              progress=progress)  # fmt: skip
             reports.append(r)
+            if args.json:  # after every loader, so a long run that is stopped keeps its figures
+                args.json.write_text(
+                    json.dumps([x.as_dict() for x in reports], indent=1, default=str)
+                )
             for i, outcome, how, detail in r.findings[:5]:
                 print(f"{loader} #{i} {outcome} ({how}):\n  {detail[:800]}", file=sys.stderr)
     finally:

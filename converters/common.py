@@ -175,13 +175,21 @@ def parse_rows(obj, n_target: int | None, what: str) -> list[list[int]]:
     Accepts a list of lists or a {"<t>": [...]} dict with keys 0..Lt-1.
     """
     if isinstance(obj, dict):
-        try:
-            keys = sorted(int(k) for k in obj)
-        except (TypeError, ValueError):
-            raise InvalidInputError(f"{what}: target layer keys must be integers") from None
+        by_layer = {}
+        for k, v in obj.items():
+            if isinstance(k, str) and k.isdecimal() and str(int(k)) == k:
+                k = int(k)
+            if not isinstance(k, int) or isinstance(k, bool) or k in by_layer:
+                raise InvalidInputError(
+                    f"{what}: target layer keys must be integers, got {k!r:.40}"
+                )
+            by_layer[k] = v
+        keys = sorted(by_layer)
         if keys != list(range(len(keys))):
-            raise InvalidInputError(f"{what}: target layers must be 0..{len(keys) - 1}, got {keys}")
-        obj = [obj[str(k)] if str(k) in obj else obj[k] for k in keys]
+            raise InvalidInputError(
+                f"{what}: target layers must be 0..{len(keys) - 1}, got {keys[:20]}"
+            )
+        obj = [by_layer[k] for k in keys]
     if not isinstance(obj, list) or not all(isinstance(r, list) for r in obj):
         raise InvalidInputError(f"{what}: expected a list of source-layer lists per target layer")
     rows = []

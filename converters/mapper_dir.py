@@ -129,9 +129,10 @@ def convert(
             "semantic-router keeps variant, head counts, head dim and model names there"
         )
     variant = compat.get("variant")
-    if variant not in VARIANTS:
+    if not isinstance(variant, str) or variant not in VARIANTS:
         raise UnknownSchemaError(
-            f"{folder}: unknown compatibility.variant {variant!r}; expected one of {sorted(VARIANTS)}"
+            f"{folder}: unknown compatibility.variant {str(variant)[:80]!r}; expected one of "
+            f"{sorted(VARIANTS)}"
         )
     if manifest.get("rope_stripped_on_keys") is not True:
         raise UnsupportedError(
