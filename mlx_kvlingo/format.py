@@ -139,18 +139,23 @@ def check_header(header: dict, body: int, where: str, error=TranslatorFileError)
             )
 
 
-def read_header(path: str | Path, error=TranslatorFileError) -> dict:
-    """Parse and check the safetensors header without loading tensors."""
+def read_header(path: str | Path, error=TranslatorFileError, what: str = "translator") -> dict:
+    """Parse and check the safetensors header without loading tensors (`what` the file should
+    be, for the messages; `error` the class to raise)."""
     path = Path(path)
     if not path.is_file():
-        raise error(f"{path}: no such translator file")
+        raise error(f"{path}: no such {what} file")
     size = path.stat().st_size
+    convert = (
+        f"; convert it first: kvlingo convert {path} -o translator.safetensors"
+        if what == "translator"
+        else ""
+    )
     with open(path, "rb") as f:
         head = f.read(8)
         if head[:4] == b"PK\x03\x04":  # torch.save writes a zip archive
             raise error(
-                f"{path}: this is a PyTorch file (a torch.save zip archive), not a translator; "
-                f"convert it first: kvlingo convert {path} -o translator.safetensors"
+                f"{path}: this is a PyTorch file (a torch.save zip archive), not a {what}{convert}"
             )
         if len(head) < 8:
             raise error(f"{path}: truncated or not a safetensors file ({size} bytes)")
@@ -158,8 +163,8 @@ def read_header(path: str | Path, error=TranslatorFileError) -> dict:
         if n > size - 8 or n > 100 * 2**20:
             if head[:2] == b"\x80\x02" or head[:1] == b"\x80":
                 raise error(
-                    f"{path}: this is a Python pickle (a legacy PyTorch file?), not a "
-                    f"translator; convert it first: kvlingo convert {path} -o translator.safetensors"
+                    f"{path}: this is a Python pickle (a legacy PyTorch file?), not a {what}"
+                    f"{convert}"
                 )
             raise error(f"{path}: truncated or not a safetensors file")
         header = parse_json(f.read(n), f"{path}: the safetensors header", error)

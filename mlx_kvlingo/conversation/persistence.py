@@ -105,7 +105,8 @@ class Persistence:
             path = path.with_name(path.name + ".safetensors")
         if not path.is_file():
             raise SessionFileError(f"{path}: no such session file")
-        read_header(path, SessionFileError)  # a well-formed safetensors file, before mlx reads it
+        # a well-formed safetensors file, before mlx reads it
+        read_header(path, SessionFileError, "session")
         try:
             caches, meta = load_prompt_cache(str(path), return_metadata=True)
         except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError

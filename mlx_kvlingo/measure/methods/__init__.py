@@ -265,7 +265,7 @@ def write_method_file(path, tensors: dict, meta: dict) -> Path:
 
 def read_method_file(path) -> tuple[dict, dict]:
     path = Path(path)
-    header = read_header(path, MethodFileError)
+    header = read_header(path, MethodFileError, "method")
     raw = (header.get("__metadata__") or {}).get(META_KEY)
     if raw is None:
         raise MethodFileError(f"{path}: no {META_KEY} metadata: not a method file")
@@ -307,7 +307,7 @@ def load_method(path, pair=None):
     from . import droidspeak, quantized, raw, scd
 
     path = Path(path)
-    header = read_header(path, MethodFileError)
+    header = read_header(path, MethodFileError, "method")
     meta = header.get("__metadata__") or {}
     if "kvlingo" in meta:
         tr = load_translator(path, pair)
