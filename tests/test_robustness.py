@@ -21,6 +21,7 @@ FUZZ_PER_LOADER = 40  # x 10 loaders; apps/fuzz_loaders.py runs 10,000 each
 
 @pytest.fixture(scope="module")
 def fixtures(tmp_path_factory):
+    pytest.importorskip("torch", reason="the fuzz seeds include PyTorch files ('.[torch]')")
     return fuzzing.build_fixtures(tmp_path_factory.mktemp("robust"))
 
 
