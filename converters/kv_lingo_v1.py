@@ -170,7 +170,7 @@ def convert(
         )
     direction = obj.get("direction")
     if direction is not None and not isinstance(direction, str):
-        raise InvalidInputError(f"{path}: direction must be a string, got {str(direction)[:80]!r}")
+        raise InvalidInputError(f"{path}: direction must be a string, got {direction!r:.80}")
     declared = DIRECTIONS.get(direction, ((None, None), (None, None)))
     if schema == SCHEMA:
         (s_name, s_rev), (t_name, t_rev) = (

@@ -131,7 +131,7 @@ def convert(
     variant = compat.get("variant")
     if not isinstance(variant, str) or variant not in VARIANTS:
         raise UnknownSchemaError(
-            f"{folder}: unknown compatibility.variant {str(variant)[:80]!r}; expected one of "
+            f"{folder}: unknown compatibility.variant {variant!r:.80}; expected one of "
             f"{sorted(VARIANTS)}"
         )
     if manifest.get("rope_stripped_on_keys") is not True:

@@ -106,7 +106,7 @@ def _is_int(x) -> bool:
 
 def check_header(header: dict, body: int, where: str, error=TranslatorFileError) -> None:
     """Every tensor entry well formed (dtype, shape, offsets agreeing with both), in the file."""
-    meta = header.get("__metadata__", {})
+    meta = header.get("__metadata__") or {}  # MLX writes null when there is none
     if not isinstance(meta, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
     ):
@@ -120,7 +120,7 @@ def check_header(header: dict, body: int, where: str, error=TranslatorFileError)
             raise error(f"{where}: corrupt safetensors header: entry {name[:80]!r} is malformed")
         dtype, shape, offsets = v["dtype"], v["shape"], v["data_offsets"]
         if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-            raise error(f"{where}: tensor {name[:80]!r} has unknown dtype {str(dtype)[:20]!r}")
+            raise error(f"{where}: tensor {name[:80]!r} has unknown dtype {dtype!r:.20}")
         if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
             raise error(f"{where}: tensor {name[:80]!r} has an invalid shape")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
@@ -179,10 +179,10 @@ def read_metadata(path: str | Path) -> dict:
         raise TranslatorFileError(f"{path}: no kvlingo metadata: not a translator file")
     meta = parse_json(raw, f"{path}: the kvlingo metadata")
     if meta.get("schema") != SCHEMA:
-        raise TranslatorFileError(f"{path}: unknown schema {str(meta.get('schema'))[:80]!r}")
+        raise TranslatorFileError(f"{path}: unknown schema {meta.get('schema')!r:.80}")
     if meta.get("schema_version") != SCHEMA_VERSION:
         raise TranslatorFileError(
-            f"{path}: unsupported schema_version {str(meta.get('schema_version'))[:40]!r} "
+            f"{path}: unsupported schema_version {meta.get('schema_version')!r:.40} "
             f"(this version of mlx-kvlingo reads {SCHEMA_VERSION})"
         )
     return meta

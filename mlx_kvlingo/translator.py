@@ -38,7 +38,7 @@ class Side:
         for k in ("layers", "kv_heads", "head_dim", "value_dim"):
             v = getattr(self, k)
             if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{k} must be a positive integer, not {str(v)[:40]!r}")
+                raise ValueError(f"{k} must be a positive integer, not {v!r:.40}")
 
     @classmethod
     def of(cls, geometry) -> Side:

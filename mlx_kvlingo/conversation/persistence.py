@@ -122,8 +122,8 @@ class Persistence:
             SESSION_SCHEMA_VERSION
         ):
             raise SessionFileError(
-                f"{path}: unsupported session schema {str(state.get('schema'))[:80]!r} "
-                f"v{str(state.get('schema_version'))[:40]!r}"
+                f"{path}: unsupported session schema {state.get('schema')!r:.80} "
+                f"v{state.get('schema_version')!r:.40}"
             )
         try:
             restored = self._restore(path, caches, state)

@@ -272,8 +272,8 @@ def read_method_file(path) -> tuple[dict, dict]:
     meta = parse_json(raw, f"{path}: the {META_KEY} metadata", MethodFileError)
     if meta.get("schema") != SCHEMA or meta.get("schema_version") != SCHEMA_VERSION:
         raise MethodFileError(
-            f"{path}: unsupported method schema {str(meta.get('schema'))[:80]!r} "
-            f"version {str(meta.get('schema_version'))[:40]!r}"
+            f"{path}: unsupported method schema {meta.get('schema')!r:.80} "
+            f"version {meta.get('schema_version')!r:.40}"
         )
     try:
         tensors = mx.load(str(path))
@@ -330,7 +330,7 @@ def load_method(path, pair=None):
     }
     method = meta.get("method")
     if not isinstance(method, str) or method not in kinds:
-        raise MethodFileError(f"{path}: unknown method {str(method)[:80]!r}")
+        raise MethodFileError(f"{path}: unknown method {method!r:.80}")
     try:
         m = kinds[method].from_state(tensors, meta)
     except _STATE_ERRORS as e:
