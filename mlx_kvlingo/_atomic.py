@@ -18,8 +18,13 @@ from pathlib import Path
 
 
 def temp_path(path: Path, suffix: str = ".safetensors") -> Path:
-    """A fresh temporary name next to `path` (mlx's savers need the `.safetensors` suffix)."""
-    return path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp{suffix}")
+    """A fresh temporary name next to `path` (mlx's savers need the `.safetensors` suffix);
+    one that stays within file-name limits when `path`'s own name is near them."""
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}.tmp{suffix}"
+    name = f".{path.name}.{tag}"
+    if len(name.encode()) > 200:
+        name = f".kvlingo-{tag}"
+    return path.with_name(name)
 
 
 def _fsync(path: Path) -> None:
@@ -42,7 +47,8 @@ def _fsync_dir(folder: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_write(path: str | Path, suffix: str = ".safetensors") -> Iterator[Path]:
-    """Yield a temporary path to write; on success it replaces `path`, on error it is removed.
+    """Yield a temporary path to write; on success it replaces `path`, on error it is removed
+    (an mlx saver that cannot write its file raises OSError, as `open` would).
 
     with atomic_write(out) as tmp:
         mx.save_safetensors(str(tmp), tensors)
@@ -53,6 +59,12 @@ def atomic_write(path: str | Path, suffix: str = ".safetensors") -> Iterator[Pat
         yield tmp
         _fsync(tmp)
         os.replace(tmp, path)
+    except RuntimeError as e:  # mlx's savers: "[save_safetensors] Failed to open file ..."
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if str(e).startswith("[save"):
+            raise OSError(f"cannot write {path}: {e}") from None
+        raise
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()

@@ -153,6 +153,16 @@ def test_atomic_write_keeps_the_old_file_on_error(tmp_path):
         assert tmp.parent == target.parent and tmp.name.startswith(".f.safetensors.")
         tmp.write_bytes(b"new")
     assert target.read_bytes() == b"new" and sorted(os.listdir(tmp_path)) == ["f.safetensors"]
+    # a name near the file-name limit still gets a temporary file (found by fuzzing /save)
+    long = tmp_path / ("x" * 240 + ".safetensors")
+    with atomic_write(long) as tmp:
+        tmp.write_bytes(b"ok")
+    assert long.read_bytes() == b"ok"
+    # an mlx saver that cannot open its file raises OSError (the chat prints it, goes on)
+    import mlx.core as mx
+
+    with pytest.raises(OSError), atomic_write(tmp_path / "no" / "dir.safetensors") as tmp:
+        mx.save_safetensors(str(tmp), {"a": mx.zeros(1)})
 
 
 if __name__ == "__main__":
