@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -40,6 +41,9 @@ def table(reports: list[fuzzing.Report], seed: int, start: int) -> str:
     return "\n".join(rows)
 
 
+_WORK: list[Path] = []
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--loaders", default=",".join(fuzzing.LOADERS),
@@ -58,6 +62,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown loaders {sorted(unknown)}")
     work = Path(tempfile.mkdtemp(prefix="kvlingo-fuzz-"))
+    _WORK.append(work)
     fixtures = fuzzing.build_fixtures(args.fixtures or work / "fixtures")
     worker = fuzzing.Worker(fixtures, work / "box")
     reports = []
@@ -92,5 +97,13 @@ def main(argv=None) -> int:
     return 1 if any(r.failures for r in reports) else 0
 
 
+def _main() -> int:
+    try:
+        return main()
+    finally:
+        for d in _WORK:  # this run's work folder (fixtures, sandboxes)
+            shutil.rmtree(d, ignore_errors=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main())

@@ -10,6 +10,7 @@ all (`tests/test_robustness.py`). Exit status 1 when any file did not load. POSI
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +23,8 @@ import mlx_kvlingo  # noqa: E402, F401  (OpenBLAS before mlx)
 import crashsafe  # noqa: E402
 import fuzzing  # noqa: E402
 
+_WORK: list[Path] = []
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -32,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fixtures", type=Path, default=None, help="reuse a fixtures folder")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="kvlingo-kill-"))
+    _WORK.append(work)
     fixtures = fuzzing.build_fixtures(args.fixtures or work / "fixtures")
     zygote = crashsafe.Zygote(fixtures)
     verifier = crashsafe.Verifier(fixtures)
@@ -57,5 +61,13 @@ def main(argv=None) -> int:
     return 1 if any(r.failures for r in reports) else 0
 
 
+def _main() -> int:
+    try:
+        return main()
+    finally:
+        for d in _WORK:  # this run's work folder (fixtures, sandboxes)
+            shutil.rmtree(d, ignore_errors=True)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_main())
