@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import pickle
 import re
 import struct
@@ -108,8 +109,10 @@ def torch_load(path: str | Path):
             f"({what}); nothing in it was executed. Re-save the checkpoint with only tensors "
             "and plain dicts/lists/numbers"
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
-        raise InvalidInputError(f"{path}: not a readable PyTorch file ({e})") from None
+    except Exception as e:  # noqa: BLE001 - a corrupt pickle or zip fails in many ways
+        raise InvalidInputError(
+            f"{path}: not a readable PyTorch file ({type(e).__name__}: {str(e)[:200]})"
+        ) from None
 
 
 def is_safetensors(path: str | Path) -> bool:
@@ -152,11 +155,15 @@ def check_finite(name: str, a: np.ndarray) -> np.ndarray:
 
 def read_json(path: Path, what: str) -> dict:
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise InvalidInputError(f"{path}: missing {what}") from None
-    except json.JSONDecodeError as e:
-        raise InvalidInputError(f"{path}: {what} is not valid JSON ({e})") from None
+    except IsADirectoryError:
+        raise InvalidInputError(f"{path}: {what} is a directory") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise InvalidInputError(
+            f"{path}: {what} is not valid JSON ({type(e).__name__}: {str(e)[:120]})"
+        ) from None
     if not isinstance(data, dict):
         raise InvalidInputError(f"{path}: {what} must be a JSON object")
     return data
@@ -168,13 +175,21 @@ def parse_rows(obj, n_target: int | None, what: str) -> list[list[int]]:
     Accepts a list of lists or a {"<t>": [...]} dict with keys 0..Lt-1.
     """
     if isinstance(obj, dict):
-        try:
-            keys = sorted(int(k) for k in obj)
-        except (TypeError, ValueError):
-            raise InvalidInputError(f"{what}: target layer keys must be integers") from None
+        by_layer = {}
+        for k, v in obj.items():
+            if isinstance(k, str) and k.isdecimal() and str(int(k)) == k:
+                k = int(k)
+            if not isinstance(k, int) or isinstance(k, bool) or k in by_layer:
+                raise InvalidInputError(
+                    f"{what}: target layer keys must be integers, got {k!r:.40}"
+                )
+            by_layer[k] = v
+        keys = sorted(by_layer)
         if keys != list(range(len(keys))):
-            raise InvalidInputError(f"{what}: target layers must be 0..{len(keys) - 1}, got {keys}")
-        obj = [obj[str(k)] if str(k) in obj else obj[k] for k in keys]
+            raise InvalidInputError(
+                f"{what}: target layers must be 0..{len(keys) - 1}, got {keys[:20]}"
+            )
+        obj = [by_layer[k] for k in keys]
     if not isinstance(obj, list) or not all(isinstance(r, list) for r in obj):
         raise InvalidInputError(f"{what}: expected a list of source-layer lists per target layer")
     rows = []
@@ -327,6 +342,14 @@ def check_shape(name: str, shape: tuple, want: tuple, because: str) -> None:
 
 
 def side(layers: int, kv_heads: int, head_dim: int) -> Side:
+    """A Side from three positive integers (anything else: InvalidInputError, never rounded)."""
+    values = (layers, kv_heads, head_dim)
+    if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1
+               for v in values):  # fmt: skip
+        raise InvalidInputError(
+            f"geometry must be positive integers (layers, kv_heads, head_dim), got "
+            f"{[str(v)[:20] for v in values]}"
+        )
     return Side(int(layers), int(kv_heads), int(head_dim), int(head_dim))
 
 
@@ -397,16 +420,34 @@ def agree(label: str, declared: Side | None, given: Side | None) -> Side | None:
     return declared or given
 
 
+def jsonable(value, depth: int = 0):
+    """`value` as plain JSON for a translator's provenance: what the input recorded, with
+    tensors and other objects described rather than stored (and deep nesting cut)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value[:10_000] if isinstance(value, str) else value
+    if depth > 32:
+        return "<nested too deep>"
+    if isinstance(value, dict):
+        return {str(k)[:200]: jsonable(v, depth + 1) for k, v in list(value.items())[:1000]}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v, depth + 1) for v in value[:1000]]
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape is not None and dtype is not None:
+        return f"<tensor {str(dtype).replace('torch.', '')} {list(shape)}>"
+    return f"<{type(value).__name__}>"
+
+
 def write(converted: Converted, output: str | Path, pair=None) -> Path:
     """Save as our translator file, then load it back through the strict loader."""
     output = Path(output)
     if pair is not None:
         check_geometry(converted.config, pair)
-    extra = {"provenance": converted.provenance}
+    extra = {"provenance": jsonable(converted.provenance)}
     if pair is None:  # no models at hand: keep the names the input declares
         for label in ("source", "target"):
             s = getattr(converted.config, label)
-            extra[label] = {"name": converted.names.get(label), **s.as_dict()}
+            name = converted.names.get(label)
+            extra[label] = {"name": name if isinstance(name, str) else None, **s.as_dict()}
     output.parent.mkdir(parents=True, exist_ok=True)
     save_translator(converted.translator(), output, pair, **extra)
     load_translator(output, pair)

@@ -96,14 +96,17 @@ def looks_like(obj) -> bool:
 
 
 def _geometry(d, label):
+    if not isinstance(d, dict) or not all(k in d for k in ("layers", "kv_heads", "head_dim")):
+        raise InvalidInputError(
+            f"{label}: expected a dict with layers, kv_heads, head_dim, width; got {d!r:.200}"
+        )
     try:
         s = side(d["layers"], d["kv_heads"], d["head_dim"])
-    except (KeyError, TypeError, ValueError):
-        raise InvalidInputError(
-            f"{label}: expected a dict with layers, kv_heads, head_dim, width; got {d!r}"
-        ) from None
-    if d.get("width") is not None and d["width"] != s.kv_heads * s.head_dim:
-        raise InvalidInputError(f"{label}: width {d['width']} is not kv_heads * head_dim")
+    except InvalidInputError as e:
+        raise InvalidInputError(f"{label}: {e}") from None
+    width = d.get("width")
+    if width is not None and (not isinstance(width, int) or width != s.kv_heads * s.head_dim):
+        raise InvalidInputError(f"{label}: width {str(width)[:40]} is not kv_heads * head_dim")
     return s
 
 
@@ -133,7 +136,7 @@ def convert(
             f"{path}: expected a dict with a 'schema' key, got {type(obj).__name__}"
         )
     schema = obj.get("schema")
-    if schema not in SCHEMAS:
+    if not isinstance(schema, str) or schema not in SCHEMAS:
         raise UnknownSchemaError(
             f"{path}: unknown schema {schema!r}; this converter reads {SCHEMAS}"
         )
@@ -145,7 +148,7 @@ def convert(
             raise UnexpectedTensorError(f"{path}: a {schema} has no 'cut'; this one does")
         implied = "pre_norm"  # kv_lingo_train.py resumes only from CAPTURE_CUT artifacts
         cut_note = "none stored; the stage-2 trainer's CAPTURE_CUT is implied"
-    elif cut in CUTS:
+    elif isinstance(cut, str) and cut in CUTS:
         implied, cut_note = CUTS[cut], cut
     elif key_cut is None:
         raise UnsupportedError(
@@ -166,6 +169,8 @@ def convert(
             f"source has {src.layers} layers, target {tgt.layers}"
         )
     direction = obj.get("direction")
+    if direction is not None and not isinstance(direction, str):
+        raise InvalidInputError(f"{path}: direction must be a string, got {direction!r:.80}")
     declared = DIRECTIONS.get(direction, ((None, None), (None, None)))
     if schema == SCHEMA:
         (s_name, s_rev), (t_name, t_rev) = (

@@ -63,9 +63,10 @@ def _side(d, label) -> object:
         return None
     try:
         return side(d["layers"], d["kv_heads"], d["head_dim"])
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, IndexError):
         raise InvalidInputError(
-            f"sidecar {label}: expected {{layers, kv_heads, head_dim}}, got {d!r}"
+            f"sidecar {label}: expected {{layers, kv_heads, head_dim}} positive integers, "
+            f"got {d!r:.200}"
         ) from None
 
 

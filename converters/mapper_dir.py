@@ -70,7 +70,11 @@ def verify_checksums(folder: Path) -> dict[str, str]:
     if not sums_path.is_file():
         raise ChecksumError(f"{folder}: no SHA256SUMS file; refusing an unverifiable mapper")
     listed = {}
-    for n, line in enumerate(sums_path.read_text().splitlines(), 1):
+    try:
+        text = sums_path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ChecksumError(f"{sums_path}: not a text file ({e})") from None
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         m = re.match(r"^([0-9a-fA-F]{64}) [ *](.+)$", line.strip())
@@ -125,9 +129,10 @@ def convert(
             "semantic-router keeps variant, head counts, head dim and model names there"
         )
     variant = compat.get("variant")
-    if variant not in VARIANTS:
+    if not isinstance(variant, str) or variant not in VARIANTS:
         raise UnknownSchemaError(
-            f"{folder}: unknown compatibility.variant {variant!r}; expected one of {sorted(VARIANTS)}"
+            f"{folder}: unknown compatibility.variant {variant!r:.80}; expected one of "
+            f"{sorted(VARIANTS)}"
         )
     if manifest.get("rope_stripped_on_keys") is not True:
         raise UnsupportedError(

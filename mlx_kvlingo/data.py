@@ -56,13 +56,19 @@ def _files(path: Path) -> list[Path]:
 def _read_jsonl(path: Path) -> list[tuple[str, object]]:
     """[("chat", messages) | ("text", str)], one per non-empty line."""
     records: list[tuple[str, object]] = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for n, raw in enumerate(_read_bytes(path).splitlines(), 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{n}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        except RecursionError:
+            raise DataError(f"{path}:{n}: JSON nested too deeply") from None
         if isinstance(obj, dict) and isinstance(obj.get("text"), str) and "messages" not in obj:
             if obj["text"].strip():
                 records.append(("text", obj["text"]))
@@ -81,8 +87,15 @@ def _read_jsonl(path: Path) -> list[tuple[str, object]]:
     return records
 
 
+def _read_bytes(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
+
+
 def _read_text(path: Path) -> str:
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = _read_bytes(path).decode("utf-8", errors="replace")
     if not text.strip():
         raise DataError(f"{path}: empty text file")
     return text

@@ -11,13 +11,14 @@ pair is given, that the file was made for that pair.
 from __future__ import annotations
 
 import json
-import os
+import math
 import struct
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 
+from ._atomic import atomic_write
 from .translator import Side, Translator, TranslatorConfig
 
 SCHEMA = "mlx-kvlingo/translator"
@@ -76,44 +77,98 @@ def save_translator(
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
     meta = build_metadata(translator, pair, **extra)
     meta["dtype"] = str(tensors["key.weight"].dtype).replace("mlx.core.", "")
-    tmp = path.with_name(path.name + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), tensors, metadata={"kvlingo": json.dumps(meta)})
-    os.replace(tmp, path)
+    with atomic_write(path) as tmp:
+        mx.save_safetensors(str(tmp), tensors, metadata={"kvlingo": json.dumps(meta)})
     return path
 
 
-def read_header(path: str | Path) -> dict:
-    """Parse and sanity-check the safetensors header without loading tensors."""
+#: safetensors dtypes and their sizes in bytes (the format's own list)
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+               "C64": 8}  # fmt: skip
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def parse_json(text, what: str, error=TranslatorFileError, want=dict):
+    """JSON text (str or bytes) that must hold a `want`; anything else raises `error`."""
+    try:
+        value = json.loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError, TypeError) as e:
+        raise error(f"{what} is not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(value, want):
+        raise error(f"{what} must be a JSON {want.__name__}, not {type(value).__name__}")
+    return value
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_header(header: dict, body: int, where: str, error=TranslatorFileError) -> None:
+    """Every tensor entry well formed (dtype, shape, offsets agreeing with both), in the file."""
+    meta = header.get("__metadata__") or {}  # MLX writes null when there is none
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise error(
+            f"{where}: corrupt safetensors header: __metadata__ must map strings to strings"
+        )
+    for name, v in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(v, dict) or set(v) != {"dtype", "shape", "data_offsets"}:
+            raise error(f"{where}: corrupt safetensors header: entry {name[:80]!r} is malformed")
+        dtype, shape, offsets = v["dtype"], v["shape"], v["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+            raise error(f"{where}: tensor {name[:80]!r} has unknown dtype {dtype!r:.20}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise error(f"{where}: tensor {name[:80]!r} has an invalid shape")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
+                and 0 <= offsets[0] <= offsets[1]):  # fmt: skip
+            raise error(f"{where}: tensor {name[:80]!r} has invalid data_offsets")
+        if offsets[1] > body:
+            raise error(
+                f"{where}: truncated: tensor {name[:80]!r} ends at byte {offsets[1]} of the data, "
+                f"the file holds {body} bytes of data"
+            )
+        if math.prod(shape) * DTYPE_BYTES[dtype] != offsets[1] - offsets[0]:
+            raise error(
+                f"{where}: tensor {name[:80]!r}: shape {shape} of {dtype} needs "
+                f"{math.prod(shape) * DTYPE_BYTES[dtype]} bytes, its offsets span "
+                f"{offsets[1] - offsets[0]}"
+            )
+
+
+def read_header(path: str | Path, error=TranslatorFileError, what: str = "translator") -> dict:
+    """Parse and check the safetensors header without loading tensors (`what` the file should
+    be, for the messages; `error` the class to raise)."""
     path = Path(path)
     if not path.is_file():
-        raise TranslatorFileError(f"{path}: no such translator file")
+        raise error(f"{path}: no such {what} file")
     size = path.stat().st_size
+    convert = (
+        f"; convert it first: kvlingo convert {path} -o translator.safetensors"
+        if what == "translator"
+        else ""
+    )
     with open(path, "rb") as f:
         head = f.read(8)
         if head[:4] == b"PK\x03\x04":  # torch.save writes a zip archive
-            raise TranslatorFileError(
-                f"{path}: this is a PyTorch file (a torch.save zip archive), not a translator; "
-                f"convert it first: kvlingo convert {path} -o translator.safetensors"
+            raise error(
+                f"{path}: this is a PyTorch file (a torch.save zip archive), not a {what}{convert}"
             )
         if len(head) < 8:
-            raise TranslatorFileError(f"{path}: truncated or not a safetensors file ({size} bytes)")
+            raise error(f"{path}: truncated or not a safetensors file ({size} bytes)")
         (n,) = struct.unpack("<Q", head)
         if n > size - 8 or n > 100 * 2**20:
             if head[:2] == b"\x80\x02" or head[:1] == b"\x80":
-                raise TranslatorFileError(
-                    f"{path}: this is a Python pickle (a legacy PyTorch file?), not a "
-                    f"translator; convert it first: kvlingo convert {path} -o translator.safetensors"
+                raise error(
+                    f"{path}: this is a Python pickle (a legacy PyTorch file?), not a {what}"
+                    f"{convert}"
                 )
-            raise TranslatorFileError(f"{path}: truncated or not a safetensors file")
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise TranslatorFileError(f"{path}: corrupt safetensors header ({e})") from None
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-    if 8 + n + end > size:
-        raise TranslatorFileError(
-            f"{path}: truncated: tensors need {8 + n + end} bytes, file has {size}"
-        )
+            raise error(f"{path}: truncated or not a safetensors file")
+        header = parse_json(f.read(n), f"{path}: the safetensors header", error)
+    check_header(header, size - 8 - n, str(path), error)
     return header
 
 
@@ -122,34 +177,54 @@ def read_metadata(path: str | Path) -> dict:
     raw = (header.get("__metadata__") or {}).get("kvlingo")
     if raw is None:
         raise TranslatorFileError(f"{path}: no kvlingo metadata: not a translator file")
-    meta = json.loads(raw)
+    meta = parse_json(raw, f"{path}: the kvlingo metadata")
     if meta.get("schema") != SCHEMA:
-        raise TranslatorFileError(f"{path}: unknown schema {meta.get('schema')!r}")
+        raise TranslatorFileError(f"{path}: unknown schema {meta.get('schema')!r:.80}")
     if meta.get("schema_version") != SCHEMA_VERSION:
         raise TranslatorFileError(
-            f"{path}: unsupported schema_version {meta.get('schema_version')!r} "
+            f"{path}: unsupported schema_version {meta.get('schema_version')!r:.40} "
             f"(this version of mlx-kvlingo reads {SCHEMA_VERSION})"
         )
     return meta
 
 
 def config_from_metadata(meta: dict) -> TranslatorConfig:
-    def side(d):
+    """The TranslatorConfig a file's metadata describes (ValueError, TypeError or KeyError
+    naming the first field that is missing or of the wrong type)."""
+
+    def side(label):
+        d = meta[label]
+        if not isinstance(d, dict):
+            raise TypeError(f"{label} must be an object")
         return Side(d["layers"], d["kv_heads"], d["head_dim"], d.get("value_dim", d["head_dim"]))
 
+    def rows(label):
+        r = meta[label]
+        if not isinstance(r, list) or not all(isinstance(x, list) for x in r):
+            raise TypeError(f"{label} must be a list of lists of source layers")
+        if not all(_is_int(s) for x in r for s in x):
+            raise TypeError(f"{label} must list integer source layers")
+        return tuple(tuple(x) for x in r)
+
+    for label in ("variant", "key_cut"):
+        if not isinstance(meta.get(label), str):
+            raise TypeError(f"{label} must be a string")
+    for label in ("bias", "native_first"):
+        if not isinstance(meta.get(label, False), bool):
+            raise TypeError(f"{label} must be true or false")
     skip = {
         "schema", "schema_version", "variant", "key_cut", "bias", "key_layers",
         "value_layers", "source", "target", "native_first",
     }  # fmt: skip
     return TranslatorConfig(
         variant=meta["variant"],
-        source=side(meta["source"]),
-        target=side(meta["target"]),
-        key_layers=tuple(tuple(r) for r in meta["key_layers"]),
-        value_layers=tuple(tuple(r) for r in meta["value_layers"]),
+        source=side("source"),
+        target=side("target"),
+        key_layers=rows("key_layers"),
+        value_layers=rows("value_layers"),
         key_cut=meta["key_cut"],
-        bias=bool(meta["bias"]),
-        native_first=bool(meta.get("native_first", False)),
+        bias=meta["bias"],
+        native_first=meta.get("native_first", False),
         metadata={k: v for k, v in meta.items() if k not in skip},
     )
 
@@ -164,8 +239,10 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
     meta = read_metadata(path)
     try:
         config = config_from_metadata(meta)
-    except (KeyError, TypeError, ValueError) as e:
-        raise TranslatorFileError(f"{path}: inconsistent metadata: {e}") from None
+    except KeyError as e:
+        raise TranslatorFileError(f"{path}: inconsistent metadata: missing {e}") from None
+    except (TypeError, ValueError) as e:
+        raise TranslatorFileError(f"{path}: inconsistent metadata: {str(e)[:300]}") from None
     if pair is not None:
         check_pair(meta, config, pair, path)
     try:
@@ -180,6 +257,10 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
     if extra:
         raise TranslatorFileError(f"{path}: unexpected tensors {extra}")
     for name, shape in expected.items():
+        if not mx.issubdtype(tensors[name].dtype, mx.floating):
+            raise TranslatorFileError(
+                f"{path}: tensor {name} is {tensors[name].dtype}, a translator's are floating point"
+            )
         if tuple(tensors[name].shape) != shape:
             raise TranslatorFileError(
                 f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, "
@@ -205,7 +286,7 @@ def model_key(name) -> str | None:
 
     `Qwen/Qwen3-4B`, `~/models/Qwen3-4B/` and `Qwen3-4B` compare equal; None stays None.
     """
-    if not name:
+    if not name or not isinstance(name, (str, Path)):
         return None
     return str(name).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].lower() or None
 
@@ -213,7 +294,11 @@ def model_key(name) -> str | None:
 def declared_names(meta: dict, label: str) -> set[str]:
     """The names a translator file gives one side: its metadata and, for a converted file,
     the names the original file declared (provenance)."""
-    names = {meta.get(label, {}).get("name"), (meta.get("provenance") or {}).get(f"{label}_model")}
+    side, prov = meta.get(label), meta.get("provenance")
+    names = [
+        side.get("name") if isinstance(side, dict) else None,
+        prov.get(f"{label}_model") if isinstance(prov, dict) else None,
+    ]
     return {k for k in map(model_key, names) if k}
 
 

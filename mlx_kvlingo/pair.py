@@ -229,24 +229,50 @@ class InsufficientMemoryError(MemoryError):
     pass
 
 
+#: bytes per element of the safetensors dtypes a model folder holds
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
+             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}  # fmt: skip
+
+
 def estimate_bytes(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") -> int | None:
-    """Bytes a local model folder will take once loaded (None for a hub id not on disk)."""
+    """Bytes a local model folder's weights will take once loaded (None for a hub id not on
+    disk), from its safetensors headers: every floating tensor at `dtype` (float32 on the CPU
+    backend), quantized weights dequantized (their scales and biases dropped), as `load_model`
+    does; anything else as stored. Activations and KV caches come on top."""
     import json
+    import struct
 
     folder = Path(path_or_repo)
     if not (folder / "config.json").exists():
         return None
-    stored = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     config = json.loads((folder / "config.json").read_text())
     if dtype == "auto":
         dtype = default_dtype()
-    if dtype is None:
-        return stored
     quant = config.get("quantization") or config.get("quantization_config") or {}
-    bits = quant.get("bits", 16) if quant else 16
-    if not quant and "float32" in str(config.get("torch_dtype", "")):
-        bits = 32
-    return int(stored * dtype.size * 8 / bits)
+    bits = int(quant.get("bits", 4)) if quant else None
+    total = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            stored = t["data_offsets"][1] - t["data_offsets"][0]
+            numel = 1
+            for d in t["shape"]:
+                numel *= d
+            if dtype is None:
+                total += stored
+            elif bits and name.endswith((".scales", ".biases")):
+                continue  # dequantizing folds them into the weight
+            elif bits and t["dtype"] == "U32":  # packed quantized weight: 32 / bits per word
+                total += numel * (32 // bits) * dtype.size
+            elif t["dtype"] in ("F64", "F32", "F16", "BF16"):
+                total += numel * dtype.size
+            else:
+                total += stored
+    return total
 
 
 def physical_memory() -> int:
@@ -263,6 +289,8 @@ def check_fits(*paths, dtype="auto", headroom: float = 0.85) -> None:
     if need > headroom * have:
         detail = ", ".join(f"{p}: {s / 2**30:.1f} GiB" for p, s in zip(paths, sizes) if s)
         raise InsufficientMemoryError(
-            f"the models need about {need / 2**30:.1f} GiB once loaded ({detail}); this machine "
-            f"has {have / 2**30:.1f} GiB. Use smaller or quantized models"
+            f"the models need about {need / 2**30:.1f} GiB once loaded (estimate from their "
+            f"files: {detail}); this machine has {have / 2**30:.1f} GiB, of which "
+            f"{headroom * have / 2**30:.1f} GiB ({headroom:.0%}) may go to weights. Use smaller "
+            "or quantized models"
         )

@@ -13,6 +13,7 @@ are mapped in one batched matmul; nothing loops over heads or tokens.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -32,6 +33,12 @@ class Side:
     kv_heads: int
     head_dim: int
     value_dim: int
+
+    def __post_init__(self):
+        for k in ("layers", "kv_heads", "head_dim", "value_dim"):
+            v = getattr(self, k)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{k} must be a positive integer, not {v!r:.40}")
 
     @classmethod
     def of(cls, geometry) -> Side:

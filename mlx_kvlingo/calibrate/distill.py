@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from .._atomic import atomic_write, write_text
 from ..format import load_translator, save_translator
 from ..scoring import kl, mean_kl, prepare, student_logp
 
@@ -64,14 +67,49 @@ def _example_at(position: int, n: int, seed: int) -> int:
 def save_checkpoint(
     folder: Path, translator, optimizer, step: int, cfg, history, pair=None
 ) -> None:
+    """Write a resumable checkpoint; a process killed at any point leaves the previous one.
+
+    The step's translator and optimizer state go to files named after the step, each written
+    atomically; `state.json`, replaced last, names them and is the commit: until it is
+    replaced, a resume reads the previous step's files, which are removed only afterwards.
+    `translator.safetensors` is then pointed at the new translator (the last good one, for
+    use as a translator file).
+    """
     folder.mkdir(parents=True, exist_ok=True)
-    save_translator(translator, folder / "translator.safetensors", pair)
-    state = dict(tree_flatten(optimizer.state))
-    mx.save_safetensors(str(folder / "optimizer.tmp.safetensors"), state)
-    (folder / "optimizer.tmp.safetensors").replace(folder / "optimizer.safetensors")
-    meta = {"step": step, "config": asdict(cfg), "history": history}
-    (folder / "state.tmp.json").write_text(json.dumps(meta, indent=1))
-    (folder / "state.tmp.json").replace(folder / "state.json")
+    names = {"translator": f"translator-{step:07d}.safetensors",
+             "optimizer": f"optimizer-{step:07d}.safetensors"}  # fmt: skip
+    save_translator(translator, folder / names["translator"], pair)
+    with atomic_write(folder / names["optimizer"]) as tmp:
+        mx.save_safetensors(str(tmp), dict(tree_flatten(optimizer.state)))
+    meta = {"step": step, "config": asdict(cfg), "history": history, "files": names}
+    write_text(folder / "state.json", json.dumps(meta, indent=1))  # the commit
+    _link_or_copy(folder / names["translator"], folder / "translator.safetensors")
+    keep = {*names.values(), "translator.safetensors"}
+    for old in [*folder.glob("translator-*.safetensors"), *folder.glob("optimizer-*.safetensors"),
+                folder / "optimizer.safetensors"]:  # fmt: skip
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    """Atomically make `dst` a hard link to `src` (a copy where links are not possible)."""
+    with atomic_write(dst) as tmp:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)
+
+
+def load_checkpoint(folder: Path) -> tuple[dict, Path, Path]:
+    """(state, translator file, optimizer file) of the checkpoint `state.json` commits to
+    (checkpoints from before `files` was recorded: the fixed names)."""
+    state = json.loads((folder / "state.json").read_text())
+    files = state.get("files") or {}
+    return (
+        state,
+        folder / files.get("translator", "translator.safetensors"),
+        folder / files.get("optimizer", "optimizer.safetensors"),
+    )
 
 
 def distill(
@@ -98,10 +136,10 @@ def distill(
     optimizer.init(translator.trainable_parameters())
     step, history = 0, []
     if ckpt and resume and (ckpt / "state.json").exists():
-        state = json.loads((ckpt / "state.json").read_text())
-        loaded = load_translator(ckpt / "translator.safetensors")
+        state, tr_file, opt_file = load_checkpoint(ckpt)
+        loaded = load_translator(tr_file)
         translator.update({"key": loaded.key, "value": loaded.value})
-        optimizer.state = tree_unflatten(list(mx.load(str(ckpt / "optimizer.safetensors")).items()))
+        optimizer.state = tree_unflatten(list(mx.load(str(opt_file)).items()))
         step, history = state["step"], state["history"]
     held = [prepare(pair, ex, key_cut) for ex in list(heldout)[: cfg.eval_examples]]
     loss_and_grad = nn.value_and_grad(

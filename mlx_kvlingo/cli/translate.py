@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import click
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
+from .._atomic import atomic_write
 from ..capture import capture_from_cache, prefill
 from ..decode import translate_into
 from ..kvcache import new_cache
@@ -49,5 +51,7 @@ def translate_cmd(source, target, translator, cache_in, prompt, output):
     metadata["model"] = pair.target.name
     metadata.setdefault("tokenizer_config", json.dumps({}))
     metadata["kvlingo_translated_from"] = pair.source.name
-    save_prompt_cache(output, tgt_cache, metadata)
+    out = Path(output if str(output).endswith(".safetensors") else f"{output}.safetensors")
+    with atomic_write(out) as tmp:  # crash-safe: the previous file stays until the rename
+        save_prompt_cache(str(tmp), tgt_cache, metadata)
     click.echo(f"wrote {output}: {span.length} tokens translated for {pair.target.name}")

@@ -101,7 +101,8 @@ class Messages:
                 self.tokens = self.tokens + new
                 start = n
             else:
-                before = self._template(self.messages, message["role"] == "assistant")
+                gp = message["role"] == "assistant"
+                before = self._template(self.messages, gp) if self.messages else []
                 common = _common_prefix(self.tokens, full)
                 start = len(before) if full[: len(before)] == before else common
                 self._truncate(common)

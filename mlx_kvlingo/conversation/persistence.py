@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
+from .._atomic import atomic_write
+from ..format import parse_json, read_header
 from ..kvcache import prefix_copy
 from ..pair import LoadedModel
 from .catchup import _Model
@@ -92,9 +93,8 @@ class Persistence:
             m = self._models[name]
             caches += prefix_copy(m.cache, m.held)
         meta = {"kvlingo_session": json.dumps(state), "model": self.pair.target.name}
-        tmp = path.with_name(path.name + ".tmp.safetensors")
-        save_prompt_cache(str(tmp), caches, meta)
-        os.replace(tmp, path)
+        with atomic_write(path) as tmp:
+            save_prompt_cache(str(tmp), caches, meta)
         return path
 
     def load(self, path: str | Path) -> None:
@@ -105,24 +105,38 @@ class Persistence:
             path = path.with_name(path.name + ".safetensors")
         if not path.is_file():
             raise SessionFileError(f"{path}: no such session file")
+        # a well-formed safetensors file, before mlx reads it
+        read_header(path, SessionFileError, "session")
         try:
             caches, meta = load_prompt_cache(str(path), return_metadata=True)
         except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError
             raise SessionFileError(f"{path}: not a readable prompt cache file ({e})") from None
-        raw = meta.get("kvlingo_session")
+        raw = meta.get("kvlingo_session") if isinstance(meta, dict) else None
         if raw is None:
             raise SessionFileError(
                 f"{path}: an mlx-lm prompt cache without kvlingo session state "
                 "(write session files with /save or Session.save)"
             )
-        state = json.loads(raw)
+        state = parse_json(raw, f"{path}: the kvlingo_session metadata", SessionFileError)
         if state.get("schema") != SESSION_SCHEMA or state.get("schema_version") != (
             SESSION_SCHEMA_VERSION
         ):
             raise SessionFileError(
-                f"{path}: unsupported session schema {state.get('schema')!r} "
-                f"v{state.get('schema_version')!r}"
+                f"{path}: unsupported session schema {state.get('schema')!r:.80} "
+                f"v{state.get('schema_version')!r:.40}"
             )
+        try:
+            restored = self._restore(path, caches, state)
+        except SessionFileError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            what = f"missing {e}" if isinstance(e, KeyError) else str(e)[:300]
+            raise SessionFileError(f"{path}: inconsistent session state: {what}") from None
+        for k, v in restored.items():
+            setattr(self, k, v)
+
+    def _restore(self, path: Path, caches: list, state: dict) -> dict:
+        """Check a session file's state against this pair; the attributes to set."""
         mine = self._identity()
         for side in MODELS:
             theirs = state[side]
@@ -132,43 +146,119 @@ class Persistence:
                 or theirs["fingerprint"] != (ours["fingerprint"])
             ):
                 raise SessionFileError(
-                    f"{path}: saved with {side} model {theirs['name']} "
-                    f"({state['source']['name']} -> {state['target']['name']}); this session's "
+                    f"{path}: saved with {side} model {str(theirs.get('name'))[:200]} "
+                    f"({str(state['source'].get('name'))[:200]} -> "
+                    f"{str(state['target'].get('name'))[:200]}); this session's "
                     f"{side} is {ours['name']}: a session file only loads into the pair that "
                     "wrote it"
                 )
         if state.get("tokenizer") and state["tokenizer"] != mine["tokenizer"]:
             raise SessionFileError(f"{path}: saved with a different tokenizer")
-        ls, lt = state["layers"]
-        if len(caches) != ls + lt:
-            raise SessionFileError(f"{path}: holds {len(caches)} cache layers, expected {ls + lt}")
-        models = {
-            "source": _Model("source", self.pair.source, caches[:ls], state["held"]["source"]),
-            "target": _Model("target", self.pair.target, caches[ls:], state["held"]["target"]),
-        }
-        for m in models.values():
-            if any(c.offset != m.held for c in m.cache) or m.held > len(state["tokens"]):
-                raise SessionFileError(f"{path}: {m.name} cache disagrees with its sync state")
-        self._models = models
-        self.tokens = list(state["tokens"])
-        self.messages = list(state["messages"])
-        self.system_prompt = state.get("system_prompt")
-        self._answer = tuple(state["answer"]) if state.get("answer") else None
-        self._user_start = state.get("user_start")
-        self.switches = [Switch(**s) for s in state.get("switches", [])]
-        if state.get("reader") in ("small", "self") and (state["reader"] == "self" or self.forward):
-            self.reader = state["reader"]
-        self.turns = [
-            TurnStats(
-                **{
-                    **t,
-                    "switch": _switch(t.get("switch")),
-                    "read": _read(t.get("read")),
-                    "ahead": _switch(t.get("ahead")),
-                }
+        tokens = state["tokens"]
+        vocab = _vocab_size(self.pair)
+        if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < vocab for t in tokens):
+            raise SessionFileError(f"{path}: tokens must be a list of token ids below {vocab}")
+        messages = state["messages"]
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages
+        ):  # fmt: skip
+            raise SessionFileError(f"{path}: messages must be role/content objects")
+        if tokens and not messages:
+            raise SessionFileError(f"{path}: {len(tokens)} tokens but no messages: inconsistent")
+        layers = state["layers"]
+        if not (isinstance(layers, list) and len(layers) == 2 and all(map(_is_int, layers))):
+            raise SessionFileError(f"{path}: layers must be two layer counts")
+        ls, lt = layers
+        want = (self.pair.source.geometry.layers, self.pair.target.geometry.layers)
+        if (ls, lt) != want or len(caches) != ls + lt:
+            raise SessionFileError(
+                f"{path}: holds {len(caches)} cache layers (says {ls} + {lt}), expected "
+                f"{want[0]} + {want[1]}"
             )
-            for t in state.get("turns", [])
-        ]
+        held = state["held"]
+        models = {}
+        for name, part in (("source", caches[:ls]), ("target", caches[ls:])):
+            n = held[name]
+            if not _is_int(n) or not 0 <= n <= len(tokens):
+                raise SessionFileError(
+                    f"{path}: {name} holds {str(n)[:40]} of {len(tokens)} tokens"
+                )
+            m = _Model(name, getattr(self.pair, name), part, n)
+            _check_cache(path, m)
+            models[name] = m
+        answer = state.get("answer")
+        if answer is not None and not (
+            isinstance(answer, list) and len(answer) == 2 and _is_int(answer[0])
+            and 0 <= answer[0] <= len(tokens) and answer[1] in MODELS
+        ):  # fmt: skip
+            raise SessionFileError(f"{path}: answer must be [start token, model]")
+        user_start = state.get("user_start")
+        if user_start is not None and not (_is_int(user_start) and 0 <= user_start <= len(tokens)):
+            raise SessionFileError(f"{path}: user_start must be a token position")
+        system = state.get("system_prompt")
+        if system is not None and not isinstance(system, str):
+            raise SessionFileError(f"{path}: system_prompt must be a string")
+        out = {
+            "_models": models,
+            "tokens": list(tokens),
+            "messages": [dict(m) for m in messages],
+            "system_prompt": system,
+            "_answer": tuple(answer) if answer else None,
+            "_user_start": user_start,
+            "switches": [Switch(**s) for s in state.get("switches", [])],
+            "turns": [
+                TurnStats(
+                    **{
+                        **t,
+                        "switch": _switch(t.get("switch")),
+                        "read": _read(t.get("read")),
+                        "ahead": _switch(t.get("ahead")),
+                    }
+                )  # fmt: skip
+                for t in state.get("turns", [])
+            ],
+        }
+        reader = state.get("reader")
+        if reader in ("small", "self") and (reader == "self" or self.forward):
+            out["_reader"] = reader
+        return out
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _vocab_size(pair) -> int:
+    """Token ids the models can embed (the smaller embedding table of the two)."""
+    sizes = []
+    for loaded in (pair.source, pair.target):
+        emb = loaded.model.model.embed_tokens
+        sizes.append(int(emb.weight.shape[0]))
+    return min(sizes)
+
+
+def _check_cache(path: Path, m: _Model) -> None:
+    """Each layer a plain KVCache holding exactly `m.held` tokens in the model's geometry."""
+    g = m.loaded.geometry
+    for i, c in enumerate(m.cache):
+        if type(c) is not KVCache:
+            raise SessionFileError(
+                f"{path}: {m.name} layer {i} is a {type(c).__name__}, not a KVCache"
+            )
+        if c.offset != m.held:
+            raise SessionFileError(f"{path}: {m.name} cache disagrees with its sync state")
+        if m.held == 0:
+            continue
+        for what, a, dim in (("keys", c.keys, g.head_dim), ("values", c.values, g.value_dim)):
+            if not isinstance(a, mx.array) or tuple(a.shape) != (1, g.kv_heads, m.held, dim):
+                shape = tuple(a.shape) if isinstance(a, mx.array) else type(a).__name__
+                raise SessionFileError(
+                    f"{path}: {m.name} layer {i} {what} are {shape}, expected "
+                    f"{(1, g.kv_heads, m.held, dim)}"
+                )
+            if not mx.issubdtype(a.dtype, mx.floating):
+                raise SessionFileError(f"{path}: {m.name} layer {i} {what} are {a.dtype}")
 
 
 def _switch(d: dict | None) -> Switch | None:

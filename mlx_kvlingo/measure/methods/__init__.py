@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,9 +33,16 @@ from typing import Protocol, runtime_checkable
 import mlx.core as mx
 import numpy as np
 
+from ..._atomic import atomic_write
 from ...anchor import with_native_first_layers
 from ...capture import OutputRecorder, SpanKV, prefill
-from ...format import TranslatorFileError, load_translator, read_header, save_translator
+from ...format import (
+    TranslatorFileError,
+    load_translator,
+    parse_json,
+    read_header,
+    save_translator,
+)
 from ...kvcache import new_cache
 from ...scoring import Prepared, mean_kl
 from ...scoring import prepare as prepare_scored
@@ -252,23 +258,22 @@ def write_method_file(path, tensors: dict, meta: dict) -> Path:
     """Atomically write tensors + `{"schema", "schema_version", **meta}` JSON metadata."""
     path = Path(path)
     meta = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **meta}
-    tmp = path.with_name(path.name + ".tmp.safetensors")
-    mx.save_safetensors(str(tmp), tensors, metadata={META_KEY: json.dumps(meta)})
-    os.replace(tmp, path)
+    with atomic_write(path) as tmp:
+        mx.save_safetensors(str(tmp), tensors, metadata={META_KEY: json.dumps(meta)})
     return path
 
 
 def read_method_file(path) -> tuple[dict, dict]:
     path = Path(path)
-    header = read_header(path)
+    header = read_header(path, MethodFileError, "method")
     raw = (header.get("__metadata__") or {}).get(META_KEY)
     if raw is None:
         raise MethodFileError(f"{path}: no {META_KEY} metadata: not a method file")
-    meta = json.loads(raw)
+    meta = parse_json(raw, f"{path}: the {META_KEY} metadata", MethodFileError)
     if meta.get("schema") != SCHEMA or meta.get("schema_version") != SCHEMA_VERSION:
         raise MethodFileError(
-            f"{path}: unsupported method schema {meta.get('schema')!r} "
-            f"version {meta.get('schema_version')!r}"
+            f"{path}: unsupported method schema {meta.get('schema')!r:.80} "
+            f"version {meta.get('schema_version')!r:.40}"
         )
     try:
         tensors = mx.load(str(path))
@@ -287,6 +292,8 @@ def check_method_pair(meta: dict, pair, path) -> None:
         have = side_meta(model)
         if want is None:
             continue
+        if not isinstance(want, dict):
+            raise MethodFileError(f"{path}: metadata {label} must be an object")
         for k in ("layers", "kv_heads", "head_dim", "value_dim", "model_type", "hidden_size"):
             if want.get(k) is not None and want[k] != have[k]:
                 raise MethodFileError(
@@ -300,14 +307,17 @@ def load_method(path, pair=None):
     from . import droidspeak, quantized, raw, scd
 
     path = Path(path)
-    header = read_header(path)
+    header = read_header(path, MethodFileError, "method")
     meta = header.get("__metadata__") or {}
     if "kvlingo" in meta:
         tr = load_translator(path, pair)
         m = KVLingo(tr)
         wire = tr.config.metadata.get("wire")
         if tr.config.metadata.get("method") == "quantized" and wire:
-            m = quantized.Quantized(m, wire["bits"], wire["group_size"])
+            try:
+                m = quantized.Quantized(m, wire["bits"], wire["group_size"])
+            except _STATE_ERRORS as e:
+                raise MethodFileError(f"{path}: invalid wire settings {wire!r:.80} ({e})") from None
         return m
     tensors, meta = read_method_file(path)
     if pair is not None:
@@ -318,12 +328,38 @@ def load_method(path, pair=None):
         "droidspeak": droidspeak.DroidSpeak,
         "scd": scd.SCD,
     }
-    if meta.get("method") not in kinds:
-        raise MethodFileError(f"{path}: unknown method {meta.get('method')!r}")
+    method = meta.get("method")
+    if not isinstance(method, str) or method not in kinds:
+        raise MethodFileError(f"{path}: unknown method {method!r:.80}")
     try:
-        return kinds[meta["method"]].from_state(tensors, meta)
-    except (KeyError, TypeError, ValueError) as e:
-        raise MethodFileError(f"{path}: inconsistent method file: {e}") from None
+        m = kinds[method].from_state(tensors, meta)
+    except _STATE_ERRORS as e:
+        raise MethodFileError(f"{path}: inconsistent method file: {str(e)[:300]}") from None
+    if pair is not None:
+        _check_sides(m, pair, path)
+    return m
+
+
+def _check_sides(m, pair, path) -> None:
+    """The geometry a loaded method says it was built for (`side`, or `source`/`target`,
+    through a quantized method's `inner`) must be the pair's."""
+    src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
+    wants = [("side", src), ("side", tgt), ("source", src), ("target", tgt)]
+    while m is not None:
+        for attr, have in wants:
+            want = getattr(m, attr, None)
+            if isinstance(want, Side) and want != have:
+                raise MethodFileError(
+                    f"{path}: made for {attr} geometry {want.as_dict()}, the pair has "
+                    f"{have.as_dict()}: wrong model pair"
+                )
+        m = getattr(m, "inner", None)
+
+
+#: what building a method from a file's (untrusted) metadata raises when a field is missing or
+#: of the wrong type: all of it means "inconsistent method file"
+_STATE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
+                 ZeroDivisionError, RecursionError)  # fmt: skip
 
 
 def human_bytes(n: float) -> str:

@@ -1,0 +1,80 @@
+"""Crash-safe file writes: write a temporary file in the target's own directory, flush it to
+disk, then `os.replace` it over the target.
+
+A process killed at any point (SIGKILL, power loss after the fsync) leaves either the previous
+file or the new one, never a torn file: `os.replace` within one directory is atomic on POSIX
+and on Windows. The temporary name is unique per call (pid + random suffix), so two writers of
+the same path never write into each other's temporary file; a killed writer may leave a
+`.NAME.*.tmp.safetensors` file behind, never a damaged NAME.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def temp_path(path: Path, suffix: str = ".safetensors") -> Path:
+    """A fresh temporary name next to `path` (mlx's savers need the `.safetensors` suffix);
+    one that stays within file-name limits when `path`'s own name is near them."""
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}.tmp{suffix}"
+    name = f".{path.name}.{tag}"
+    if len(name.encode()) > 200:
+        name = f".kvlingo-{tag}"
+    return path.with_name(name)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # not possible everywhere (Windows): the rename itself is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_write(path: str | Path, suffix: str = ".safetensors") -> Iterator[Path]:
+    """Yield a temporary path to write; on success it replaces `path`, on error it is removed
+    (an mlx saver that cannot write its file raises OSError, as `open` would).
+
+    with atomic_write(out) as tmp:
+        mx.save_safetensors(str(tmp), tensors)
+    """
+    path = Path(path)
+    tmp = temp_path(path, suffix)
+    try:
+        yield tmp
+        _fsync(tmp)
+        os.replace(tmp, path)
+    except RuntimeError as e:  # mlx's savers: "[save_safetensors] Failed to open file ..."
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if str(e).startswith("[save"):
+            raise OSError(f"cannot write {path}: {e}") from None
+        raise
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    _fsync_dir(path.parent)
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """`Path.write_text`, crash-safe."""
+    path = Path(path)
+    with atomic_write(path, ".tmp") as tmp:
+        tmp.write_text(text)
+    return path
