@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
+import sys
 
 import click
 
@@ -93,6 +95,12 @@ def serve_cmd(source, target, translator, backward_translator, host, port, api_k
     key = " (API key required)" if api_key else ""
     click.echo(f"serving on {server.url}{key} · models small, large, auto · Ctrl-C stops", err=True)
     try:
-        server.serve_forever()
+        server.serve_forever()  # closes the server and joins its worker on the way out
     except KeyboardInterrupt:
         click.echo("stopped", err=True)
+    # MLX keeps per-thread state for the worker thread that sampled (compiled samplers, its
+    # stream); destroying it in interpreter teardown aborts ("terminate called without an
+    # active exception", exit -6). Everything is closed and flushed: leave without teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
