@@ -17,3 +17,11 @@ def exact_translator(pair, answer, key_cut="post_norm", dtype=mx.float32) -> Tra
     tr.key["weight"] = mx.array(np.stack(answer["key_maps"])).astype(dtype)
     tr.value["weight"] = mx.array(np.stack(answer["value_maps"])).astype(dtype)
     return tr
+
+
+def inverse(answer) -> dict:
+    """The known pair's maps are orthogonal: the way back (large -> small) is the transpose."""
+    return {
+        "key_maps": [k.T for k in answer["key_maps"]],
+        "value_maps": [v.T for v in answer["value_maps"]],
+    }

@@ -24,20 +24,13 @@ from mlx_kvlingo.pair import load_pair
 
 import mlx.core as mx
 import pytest
-from helpers import exact_translator
+from helpers import exact_translator, inverse
 from mlx_lm import stream_generate
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADING = "## Embedding in your app"
 N = 12
 MSG = ["def parse_args(argv):", "class Foo(object):", "import json\nimport os", "print(x)"]
-
-
-def inverse(answer):
-    return {
-        "key_maps": [k.T for k in answer["key_maps"]],
-        "value_maps": [v.T for v in answer["value_maps"]],
-    }
 
 
 @pytest.fixture(scope="module")

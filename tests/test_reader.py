@@ -9,7 +9,7 @@ from mlx_kvlingo.session import Session, SessionError, status_line
 
 import mlx.core as mx
 import pytest
-from helpers import exact_translator
+from helpers import exact_translator, inverse
 from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_sampler
 
@@ -31,13 +31,6 @@ N = 12
 @pytest.fixture(scope="module")
 def pair(tiny_dir):
     return load_pair(tiny_dir["qwen3"], tiny_dir["known"])
-
-
-def inverse(answer):
-    return {
-        "key_maps": [k.T for k in answer["key_maps"]],
-        "value_maps": [v.T for v in answer["value_maps"]],
-    }
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from mlx_kvlingo.session import (
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import exact_translator
+from helpers import exact_translator, inverse
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from mlx_lm.sample_utils import make_sampler
@@ -39,14 +39,6 @@ N = 16
 @pytest.fixture(scope="module")
 def pair(tiny_dir):
     return load_pair(tiny_dir["qwen3"], tiny_dir["known"])
-
-
-def inverse(answer):
-    """The known pair's maps are orthogonal: the way back is the transpose."""
-    return {
-        "key_maps": [k.T for k in answer["key_maps"]],
-        "value_maps": [v.T for v in answer["value_maps"]],
-    }
 
 
 @pytest.fixture(scope="module")
