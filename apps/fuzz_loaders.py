@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,10 +39,7 @@ def table(reports: list[fuzzing.Report], seed: int, start: int) -> str:
     return "\n".join(rows)
 
 
-_WORK: list[Path] = []
-
-
-def main(argv=None) -> int:
+def main(work: Path, argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--loaders", default=",".join(fuzzing.LOADERS),
                     help=f"comma-separated, of: {', '.join(fuzzing.LOADERS)}")  # fmt: skip
@@ -61,8 +56,6 @@ def main(argv=None) -> int:
     unknown = set(loaders) - set(fuzzing.LOADERS)
     if unknown:
         ap.error(f"unknown loaders {sorted(unknown)}")
-    work = Path(tempfile.mkdtemp(prefix="kvlingo-fuzz-"))
-    _WORK.append(work)
     fixtures = fuzzing.build_fixtures(args.fixtures or work / "fixtures")
     worker = fuzzing.Worker(fixtures, work / "box")
     reports = []
@@ -97,13 +90,5 @@ def main(argv=None) -> int:
     return 1 if any(r.failures for r in reports) else 0
 
 
-def _main() -> int:
-    try:
-        return main()
-    finally:
-        for d in _WORK:  # this run's work folder (fixtures, sandboxes)
-            shutil.rmtree(d, ignore_errors=True)
-
-
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(fuzzing.run_in_work_folder(main, "kvlingo-fuzz-"))

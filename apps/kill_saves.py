@@ -10,9 +10,7 @@ all (`tests/test_robustness.py`). Exit status 1 when any file did not load. POSI
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,10 +21,8 @@ import mlx_kvlingo  # noqa: E402, F401  (OpenBLAS before mlx)
 import crashsafe  # noqa: E402
 import fuzzing  # noqa: E402
 
-_WORK: list[Path] = []
 
-
-def main(argv=None) -> int:
+def main(work: Path, argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--kinds", default=",".join(crashsafe.KINDS))
     ap.add_argument("--kills", type=int, default=50, help="kills per kind")
@@ -34,8 +30,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fixtures", type=Path, default=None, help="reuse a fixtures folder")
     args = ap.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="kvlingo-kill-"))
-    _WORK.append(work)
     fixtures = fuzzing.build_fixtures(args.fixtures or work / "fixtures")
     zygote = crashsafe.Zygote(fixtures)
     verifier = crashsafe.Verifier(fixtures)
@@ -61,13 +55,5 @@ def main(argv=None) -> int:
     return 1 if any(r.failures for r in reports) else 0
 
 
-def _main() -> int:
-    try:
-        return main()
-    finally:
-        for d in _WORK:  # this run's work folder (fixtures, sandboxes)
-            shutil.rmtree(d, ignore_errors=True)
-
-
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(fuzzing.run_in_work_folder(main, "kvlingo-kill-"))

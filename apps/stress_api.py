@@ -12,9 +12,7 @@ Exit status 1 on a failure (an unexpected error, a broken invariant, a deadlock)
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,10 +23,8 @@ import mlx_kvlingo  # noqa: E402, F401  (OpenBLAS before mlx)
 import fuzzing  # noqa: E402
 import stress  # noqa: E402
 
-_WORK: list[Path] = []
 
-
-def main(argv=None) -> int:
+def main(work: Path, argv=None) -> int:
     from mlx_kvlingo import Runtime
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
@@ -38,8 +34,6 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=600, help="deadline (s): later is a deadlock")
     ap.add_argument("--fixtures", type=Path, default=None, help="reuse a fixtures folder")
     args = ap.parse_args(argv)
-    work = Path(tempfile.mkdtemp(prefix="kvlingo-stress-"))
-    _WORK.append(work)
     f = fuzzing.build_fixtures(args.fixtures or work / "fixtures")
     runtime = Runtime.load(f / "qwen3", f / "known", f / "fwd.safetensors", f / "bwd.safetensors")
     r = stress.stress(runtime, work / "files", threads=args.threads, ops=args.ops,
@@ -56,13 +50,5 @@ def main(argv=None) -> int:
     return 1 if r.failures or r.deadlocked else 0
 
 
-def _main() -> int:
-    try:
-        return main()
-    finally:
-        for d in _WORK:  # this run's work folder (fixtures, sandboxes)
-            shutil.rmtree(d, ignore_errors=True)
-
-
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(fuzzing.run_in_work_folder(main, "kvlingo-stress-"))

@@ -38,6 +38,7 @@ import random
 import shutil
 import struct
 import sys
+import tempfile
 import time
 import traceback
 import zipfile
@@ -965,3 +966,12 @@ def fuzz(loader: str, worker: Worker, fixtures: Path, *, seed: int = 0, start: i
             progress(report, i)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def run_in_work_folder(main, prefix: str, argv=None) -> int:
+    """`main(work, argv)` with a fresh temporary folder, removed afterwards (the apps' runs)."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        return main(work, argv)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
