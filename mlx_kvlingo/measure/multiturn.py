@@ -102,19 +102,9 @@ def evaluate_multiturn(
             if progress:
                 progress(d, mode)
     ref = nll["reprefill"]
-    rows = []
-    for t in range(turns):
-        ok = ~np.isnan(ref[:, t])
-        row = {"turn": t, "model": answering[t], "dialogues": int(ok.sum()), "nll": {}}
-        row["deviation"] = {}
-        row["abs_deviation"] = {}
-        for m in modes:
-            row["nll"][m] = _mean(nll[m][ok, t])
-            if m != "reprefill":
-                dev = nll[m][ok, t] - ref[ok, t]
-                row["deviation"][m] = _mean(dev)
-                row["abs_deviation"][m] = _mean(np.abs(dev))
-        rows.append(row)
+    rows = _turn_rows(nll, turns)
+    for row, model in zip(rows, answering):
+        row["model"] = model
     summary = {}
     for m in modes:
         if m == "reprefill":
@@ -184,18 +174,7 @@ def evaluate_reader(
             if progress:
                 progress(d, cond)
     ref = nll["reprefill"]
-    rows = []
-    for t in range(turns):
-        ok = ~np.isnan(ref[:, t])
-        row = {"turn": t, "dialogues": int(ok.sum()), "nll": {}, "deviation": {}}
-        row["abs_deviation"] = {}
-        for c in READER_CONDITIONS:
-            row["nll"][c] = _mean(nll[c][ok, t])
-            if c != "reprefill":
-                dev = nll[c][ok, t] - ref[ok, t]
-                row["deviation"][c] = _mean(dev)
-                row["abs_deviation"][c] = _mean(np.abs(dev))
-        rows.append(row)
+    rows = _turn_rows(nll, turns)
     summary = {}
     for c in ("small", "self"):
         dev = nll[c] - ref
@@ -254,6 +233,25 @@ def render_reader_table(result: dict, console=None):
     )
     (console or Console()).print(table)
     return table
+
+
+def _turn_rows(nll: dict, turns: int) -> list[dict]:
+    """Per turn: dialogues scored, mean NLL per condition, and each condition's mean deviation
+    (and mean |deviation|) from `nll["reprefill"]`, over the dialogues that reached the turn."""
+    ref = nll["reprefill"]
+    rows = []
+    for t in range(turns):
+        ok = ~np.isnan(ref[:, t])
+        row = {"turn": t, "dialogues": int(ok.sum()), "nll": {}, "deviation": {}}
+        row["abs_deviation"] = {}
+        for c, values in nll.items():
+            row["nll"][c] = _mean(values[ok, t])
+            if c != "reprefill":
+                dev = values[ok, t] - ref[ok, t]
+                row["deviation"][c] = _mean(dev)
+                row["abs_deviation"][c] = _mean(np.abs(dev))
+        rows.append(row)
+    return rows
 
 
 def _mean(x) -> float | None:
