@@ -25,3 +25,18 @@ def inverse(answer) -> dict:
         "key_maps": [k.T for k in answer["key_maps"]],
         "value_maps": [v.T for v in answer["value_maps"]],
     }
+
+
+def native_tokens(model, tokenizer, tokens, n: int) -> list[int]:
+    """What `model` says (greedy, `n` tokens) after reading `tokens` itself: the reference."""
+    from mlx_lm import stream_generate
+
+    out = stream_generate(model, tokenizer, mx.array(tokens), max_tokens=n)
+    return [r.token for r in out]
+
+
+def assert_session_consistent(s) -> None:
+    """Each model's cache holds exactly the tokens it says it holds, within the conversation."""
+    for name in ("source", "target"):
+        assert all(c.offset == s.held(name) for c in s.cache(name))
+        assert s.held(name) <= len(s.tokens)

@@ -9,8 +9,7 @@ from mlx_kvlingo.session import Session, SessionError, status_line
 
 import mlx.core as mx
 import pytest
-from helpers import exact_translator, inverse
-from mlx_lm import stream_generate
+from helpers import assert_session_consistent, exact_translator, inverse, native_tokens
 from mlx_lm.sample_utils import make_sampler
 
 MESSAGES = [
@@ -51,13 +50,10 @@ def converse(s, turns=10, schedule=None, sampler=None, seed=None):
 
 
 def native(model, tokenizer, tokens, n=N):
-    return [r.token for r in stream_generate(model, tokenizer, mx.array(tokens), max_tokens=n)]
+    return native_tokens(model, tokenizer, tokens, n)
 
 
-def assert_consistent(s):
-    for name in ("source", "target"):
-        assert all(c.offset == s.held(name) for c in s.cache(name))
-        assert s.held(name) <= len(s.tokens)
+assert_consistent = assert_session_consistent
 
 
 def assert_translated_once(s):

@@ -17,8 +17,7 @@ from mlx_kvlingo.session import (
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import exact_translator, inverse
-from mlx_lm import stream_generate
+from helpers import assert_session_consistent, exact_translator, inverse, native_tokens
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
@@ -61,14 +60,10 @@ def converse(session, schedule=SCHEDULE, sampler=None, seed=None):
 
 
 def native(model, tokenizer, tokens, n=N):
-    out = stream_generate(model, tokenizer, mx.array(tokens), max_tokens=n)
-    return [r.token for r in out]
+    return native_tokens(model, tokenizer, tokens, n)
 
 
-def assert_consistent(s):
-    for name in ("source", "target"):
-        assert all(c.offset == s.held(name) for c in s.cache(name))
-        assert s.held(name) <= len(s.tokens)
+assert_consistent = assert_session_consistent
 
 
 def test_alternation_equals_reprefill_both_directions(pair, translators):
