@@ -24,8 +24,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import mlx.core as mx
 import numpy as np
+from mlx_lm.sample_utils import make_logits_processors
 
 from ..pair import ModelPair
 from ..session import Session
@@ -60,25 +60,12 @@ class TurnTiming:
     small_decode_tps: float | None = None  # the small model's decode speed (cascades)
 
 
-def _no_eos(eos_ids):
-    """A logits processor that bans end-of-sequence: every answer runs its full length."""
-    banned = sorted(eos_ids)
-    bias: dict[int, mx.array] = {}
-
-    def proc(_tokens, logits):
-        v = logits.shape[-1]
-        if v not in bias:
-            b = np.zeros(v, dtype=np.float32)
-            b[[i for i in banned if i < v]] = -1e9
-            bias[v] = mx.array(b)
-        return (logits + bias[v]).astype(logits.dtype)
-
-    return proc
-
-
 def _answer(session: Session, model: str, cfg: ConversationBenchConfig, escalate: bool = False):
     """Run one answer; (ttft_s, total_s, turn stats)."""
-    procs = [_no_eos(session.pair.tokenizer.eos_token_ids)]
+    # every answer runs its full length: end-of-sequence banned through mlx-lm's logit bias
+    procs = make_logits_processors(
+        logit_bias=dict.fromkeys(session.pair.tokenizer.eos_token_ids, -1e9)
+    )
     t0 = time.perf_counter()
     ttft = None
     run = session.escalate if escalate else session.generate
