@@ -105,7 +105,8 @@ def _preset_names() -> list[str]:
     default=16,
     show_default=True,
     type=click.IntRange(1),
-    help="--conversation: tokens per answer (end-of-sequence banned)",
+    help="--conversation: tokens per answer (end-of-sequence banned); without it: the small "
+    "answer's length before an escalation in the cascade+ahead column",
 )
 @click.option(
     "--escalation-rate",
@@ -175,7 +176,7 @@ def bench_cmd(source, target, translator, preset, lengths, trials, warmup, out, 
         results = bench.run_bench(
             pair, tr, lengths, trials=trials, warmup=warmup, seed=seed,
             max_seconds=None if max_minutes is None else 60 * max_minutes,
-            progress=not no_progress, log=log, info=info,
+            progress=not no_progress, log=log, info=info, answer_tokens=answer_tokens,
         )  # fmt: skip
     results["command"] = bench.command_line()
     paths = bench.write_outputs(results, out)
