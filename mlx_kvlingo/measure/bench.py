@@ -221,11 +221,17 @@ def machine_info() -> dict:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "memory_GB": round(total / 1e9, 1),
-        "backend": "metal" if mx.metal.is_available() else "cpu",
+        "backend": backend_name(),
         "device": mx.device_info() if hasattr(mx, "device_info") else {},
         "blas": _blas.loaded_path or f"none preloaded ({_blas.reason})",
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+def backend_name() -> str:
+    if mx.default_device().type != mx.gpu:
+        return "cpu"
+    return "metal" if mx.metal.is_available() else "cuda"
 
 
 def software_info() -> dict:
