@@ -226,7 +226,9 @@ def reference_map(tr, x, kind):
     return np.stack(out)
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float64])  # gather_mm, and the take fallback
+@pytest.mark.parametrize(  # gather_mm, and the take fallback (CPU only: no float64 on a GPU)
+    "dtype", [pytest.param(mx.float32, id="float32"), pytest.param(mx.float64, id="float64")]
+)
 @pytest.mark.parametrize("variant,nu,bias", [("mixing", 1, False), ("mixing", 2, True),
                                              ("headwise", 1, True), ("headwise", 3, False)])  # fmt: skip
 def test_map_features_match_the_formula_per_layer(models, variant, nu, bias, dtype):
