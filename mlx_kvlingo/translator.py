@@ -261,9 +261,11 @@ class Translator(nn.Module):
 
 
 def _take_matmul(a: mx.array, a_index: mx.array, b: mx.array) -> mx.array:
-    """a[a_index] @ b (b broadcast over a_index's shape) without copying the rows of a that
-    a_index picks: `mx.gather_mm` where MLX has it (its CPU kernel is float32 only)."""
-    if a.dtype == mx.float32 or mx.default_device() != mx.cpu:
+    """a[a_index] @ b (b broadcast over a_index's shape). On the CPU in float32 the rows a_index
+    picks are read in place (`mx.gather_mm`); elsewhere they are gathered first: MLX's CPU
+    kernel is float32 only, and on GPUs the copy is cheap while `gather_mm` is built for MoE
+    (CUDA's has covered one row per index only)."""
+    if a.dtype == mx.float32 and mx.default_device() == mx.cpu:
         shape = mx.broadcast_shapes(a_index.shape, b.shape[:-2])
         b_index = mx.arange(math.prod(b.shape[:-2])).reshape(b.shape[:-2])
         return mx.gather_mm(
