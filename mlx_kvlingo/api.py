@@ -290,8 +290,9 @@ class Runtime:
         reads a new user turn before the large model answers: "small" (the default with a
         forward translator: the small model reads, the large one decodes from the translated
         cache) or "self" (the large model reads it itself). `translate_ahead`: while the small
-        model answers, translate for the large one between its tokens, so that `escalate`
-        costs the large model about one decode step.
+        model answers, translate for the large one between its tokens, within 10% of the small
+        model's decode time, so that `escalate` costs the large model one decode step plus
+        whatever that budget left untranslated.
         """
         if reader is not None and reader not in READERS:
             raise ConversationError(f"unknown reader {reader!r}; expected one of {READERS}")

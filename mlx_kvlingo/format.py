@@ -233,7 +233,7 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
     """Load and validate a translator file; with `pair`, also check it was made for it.
 
     `dtype="auto"` computes in float32 on the CPU backend (half-precision matmuls are slow
-    there) and keeps the stored dtype on Metal.
+    there) and keeps the stored dtype on a GPU (Metal or CUDA).
     """
     path = Path(path)
     meta = read_metadata(path)
@@ -269,7 +269,7 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
         if not np.isfinite(np.array(tensors[name].astype(mx.float32))).all():
             raise TranslatorFileError(f"{path}: tensor {name} contains NaN or Inf")
     if dtype == "auto":
-        dtype = None if mx.metal.is_available() else mx.float32
+        dtype = None if mx.default_device().type == mx.gpu else mx.float32
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
     tr = Translator(config, dtype=tensors["key.weight"].dtype)

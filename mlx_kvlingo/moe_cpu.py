@@ -63,8 +63,8 @@ def switch_glu_per_expert(self, x: mx.array, indices: mx.array) -> mx.array:
 
 
 def enable() -> bool:
-    """Patch `SwitchGLU` process-wide; returns False (and does nothing) on Metal."""
-    if mx.metal.is_available() and mx.default_device() == mx.gpu:
+    """Patch `SwitchGLU` process-wide; returns False (and does nothing) on a GPU."""
+    if mx.default_device().type == mx.gpu:
         return False
     switch_layers.SwitchGLU.__call__ = switch_glu_per_expert
     return True

@@ -136,8 +136,9 @@ def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
 
 
 def default_dtype() -> mx.Dtype | None:
-    """float32 on the CPU backend (bf16 and quantized matmuls are slow there); keep as-is on Metal."""
-    return None if mx.metal.is_available() else mx.float32
+    """float32 on the CPU backend (bf16 and quantized matmuls are slow there); as stored on a
+    GPU (Metal or CUDA)."""
+    return None if mx.default_device().type == mx.gpu else mx.float32
 
 
 def load_model(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") -> LoadedModel:

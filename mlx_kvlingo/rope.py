@@ -1,7 +1,15 @@
-"""Rotate and un-rotate keys with a model's own RoPE module, at absolute positions."""
+"""Rotate and un-rotate keys with a model's own RoPE module, at absolute positions.
+
+On the CPU backend `mx.fast.rope` has no kernel: MLX composes it from a dozen ops (slices,
+products, a concatenate), several times the cost of one pass over the keys. There, for a
+rotation over the full head (`dims` == head dim), the cos/sin the op itself would use are
+read off it once per span (rotating a probe of ones), and applied in one compiled
+elementwise pass: bit for bit the op's result (tests/test_translator.py checks it).
+"""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -49,6 +57,9 @@ def describe(rope: nn.Module) -> RopeSpec:
 
 def rotate(rope: nn.Module, x: mx.array, offset: int) -> mx.array:
     """Apply the model's RoPE to `x` (..., T, D) whose first token sits at `offset`."""
+    if isinstance(rope, nn.RoPE) and _fused_applies(x, rope.dims):
+        args = dict(traditional=rope.traditional, base=rope.base, scale=rope.scale)
+        return _fused(x, rope.dims, offset, args)
     return rope(x, offset=offset)
 
 
@@ -57,19 +68,70 @@ def unrotate(rope: nn.Module, x: mx.array, offset: int) -> mx.array:
     x = x if x.dtype == mx.float64 else x.astype(mx.float32)
     dims = _dims(rope)
     if isinstance(rope, nn.RoPE):
-        return mx.fast.rope(
-            x, dims, traditional=rope.traditional, base=rope.base, scale=-rope.scale, offset=offset
-        )
-    if not hasattr(rope, "_freqs"):
+        args = dict(traditional=rope.traditional, base=rope.base, scale=-rope.scale)
+    elif hasattr(rope, "_freqs"):
+        traditional = bool(getattr(rope, "traditional", False))
+        args = dict(traditional=traditional, base=None, scale=-1.0, freqs=rope._freqs)
+    else:
         raise ValueError(f"cannot invert RoPE module {type(rope).__name__}")
-    y = mx.fast.rope(
-        x,
-        dims,
-        traditional=bool(getattr(rope, "traditional", False)),
-        base=None,
-        scale=-1.0,
-        offset=offset,
-        freqs=rope._freqs,
-    )
+    if _fused_applies(x, dims):
+        y = _fused(x, dims, offset, args)
+    else:
+        y = mx.fast.rope(x, dims, offset=offset, **args)
     s = _input_scale(rope)
     return y if s == 1.0 else y.at[..., :dims].multiply(1.0 / s)
+
+
+# -- the CPU path: mx.fast.rope's own tables, one fused pass --------------------------------
+
+
+def _fused_applies(x: mx.array, dims: int) -> bool:
+    return (
+        mx.default_device() == mx.cpu
+        and x.ndim >= 3
+        and dims == x.shape[-1]
+        and x.dtype in (mx.float32, mx.float16, mx.bfloat16)  # what mx.compile fuses on the CPU
+        and _compiles()
+    )
+
+
+def _fused(x: mx.array, dims: int, offset: int, args: dict) -> mx.array:
+    """mx.fast.rope(x, dims, offset=offset, **args) as cos/sin tables + one compiled pass.
+
+    Rotating a probe whose pair "first" elements are 1 and "second" are 0 yields exactly the
+    op's cos (first) and sin (second) for every position: 1*c - 0*s and 1*s + 0*c."""
+    T, half = x.shape[-2], dims // 2
+    trad = args["traditional"]
+    probe = mx.zeros((1, 1, T, half, 2) if trad else (1, 1, T, 2, half), dtype=x.dtype)
+    probe = (probe.at[..., 0].add(1) if trad else probe.at[..., 0, :].add(1)).reshape(1, 1, T, dims)
+    r = mx.fast.rope(probe, dims, offset=offset, **args)
+    r = r.reshape(T, half, 2) if trad else r.reshape(T, 2, half)
+    c, s = (r[..., 0], r[..., 1]) if trad else (r[:, 0], r[:, 1])
+    # out_first = x1*c - x2*s = x1*c + x2*(-s) and out_second = x2*c + x1*s, exactly
+    axis = -1 if trad else -2
+    return (_rotate_trad if trad else _rotate_half)(
+        x, mx.stack([c, c], axis=axis), mx.stack([-s, s], axis=axis)
+    )
+
+
+@mx.compile
+def _rotate_half(x, cos, sin):  # pairs (i, i + D/2): x viewed as (..., T, 2, D/2)
+    pairs = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
+    return (pairs * cos + pairs[..., ::-1, :] * sin).reshape(x.shape)
+
+
+@mx.compile
+def _rotate_trad(x, cos, sin):  # pairs (2i, 2i + 1): x viewed as (..., T, D/2, 2)
+    pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+    return (pairs * cos + pairs[..., ::-1] * sin).reshape(x.shape)
+
+
+@functools.cache
+def _compiles() -> bool:
+    """mx.compile on the CPU builds C++ kernels at run time; without a compiler, don't fuse."""
+    try:
+        x = mx.ones((1, 1, 2, 4))
+        mx.eval(_rotate_half(x, mx.ones((2, 2, 2)), mx.zeros((2, 2, 2))))
+        return True
+    except Exception:  # noqa: BLE001 - any failure means: use mx.fast.rope as it is
+        return False

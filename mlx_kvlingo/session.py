@@ -33,6 +33,7 @@ from __future__ import annotations
 import threading
 
 from .conversation.answering import Answering
+from .conversation.budget import AheadBudget
 from .conversation.catchup import ALIASES, CatchUp, _Model
 from .conversation.messages import Messages
 from .conversation.persistence import MODELS, Persistence, model_fingerprint
@@ -83,6 +84,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
         reader: str | None = None,
         translate_ahead: bool = False,
         ahead_chunk: int = 32,
+        ahead_share: float | None = 0.10,
     ):
         self.pair = pair
         self.forward = forward
@@ -96,10 +98,13 @@ class Session(Messages, CatchUp, Answering, Persistence):
                 )
         self.mode = mode
         self.reader = reader if reader is not None else ("small" if forward else "self")
-        #: while the small model answers, translate for the large one between its tokens,
-        #: `ahead_chunk` tokens at a time, so an escalation costs about one large decode step
+        #: while the small model answers, translate for the large one between its tokens, so
+        #: an escalation costs about one large decode step plus what is left: at most
+        #: `ahead_share` of the small model's decode time (see conversation/budget.py), or,
+        #: with `ahead_share=None`, `ahead_chunk` tokens after every small token
         self.translate_ahead = translate_ahead
         self.ahead_chunk = ahead_chunk
+        self._ahead_budget = None if ahead_share is None else AheadBudget(ahead_share)
         self.system_prompt = system_prompt
         self.max_kv_size = max_kv_size
         self._cancel = threading.Event()

@@ -13,6 +13,7 @@ are mapped in one batched matmul; nothing loops over heads or tokens.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 
@@ -21,6 +22,7 @@ import mlx.nn as nn
 
 from .anchor import with_native_first
 from .capture import SpanKV, check_cut
+from .rope import rotate
 
 VARIANTS = ("headwise", "mixing")
 
@@ -144,25 +146,41 @@ class Translator(nn.Module):
     # -- the maps -------------------------------------------------------------------------
 
     def map_features(self, x: mx.array, kind: str) -> mx.array:
-        """x: source features (Ls, B, Hs, T, D) -> mapped (Lt, B, Ht, T, D') for `kind`."""
+        """x: source features (Ls, B, Hs, T, D) -> mapped (Lt, B, Ht, T, D') for `kind`.
+
+        No copy of the source per target layer: the matmul reads each target layer's source
+        layer where it lies (`mx.gather_mm`), and a map reading nu layers is the sum of nu
+        products, so the nu layers are never concatenated."""
         params = self.key if kind == "key" else self.value
         index = self._key_index if kind == "key" else self._value_index
         w = params["weight"]
         Lt, nu = index.shape
+        x = x.astype(w.dtype)
         Ls, B, Hs, T, D = x.shape
-        x = x.astype(w.dtype)[index.reshape(-1)].reshape(Lt, nu, B, Hs, T, D)
         if self.config.variant == "mixing":
-            x = x.transpose(0, 2, 4, 1, 3, 5).reshape(Lt, B * T, nu * Hs * D)
-            y = x @ w
+            # one copy of the source: (Ls, B*T, Hs*D), a token's heads side by side
+            rows = x.transpose(0, 1, 3, 2, 4).reshape(Ls, B * T, Hs * D)
+            k = Hs * D
+            y = _sum_of(
+                _take_matmul(rows, index[:, j], w[:, j * k : (j + 1) * k]) for j in range(nu)
+            )
             if "bias" in params:
                 y = y + params["bias"][:, None, :]
             Ht = self.config.target.kv_heads
             return y.reshape(Lt, B, T, Ht, -1).transpose(0, 1, 3, 2, 4)
-        x = x.transpose(0, 3, 2, 4, 1, 5).reshape(Lt, Hs, B * T, nu * D)
-        y = x @ w
+        # headwise: every (layer, batch, head) of x already is a (T, D) matrix; the products
+        # come out as (Lt, B, H, T, D'), the cache's layout, with no copy on either side
+        rows = x.reshape(Ls * B * Hs, T, D)
+        heads = mx.arange(B * Hs).reshape(B, Hs)
+        y = _sum_of(
+            _take_matmul(
+                rows, index[:, j, None, None] * (B * Hs) + heads, w[:, None, :, j * D : (j + 1) * D]
+            )  # fmt: skip
+            for j in range(nu)
+        )
         if "bias" in params:
-            y = y + params["bias"][:, :, None, :]
-        return y.reshape(Lt, Hs, B, T, -1).transpose(0, 2, 1, 3, 4)
+            y = y + params["bias"][:, None, :, None, :]
+        return y
 
     def __call__(self, span: SpanKV) -> tuple[mx.array, mx.array]:
         """RoPE-free translated keys and values, (Lt, B, Ht, T, D), before target-side steps."""
@@ -204,7 +222,9 @@ class Translator(nn.Module):
         if self.config.key_cut == "pre_norm" and target.geometry.has_k_norm:
             keys = mx.stack([target.attention(t).k_norm(keys[t]) for t in range(keys.shape[0])])
         Lt, B, H, T, D = keys.shape
-        keys = target.rope(keys.reshape(Lt * B, H, T, D), offset=span.start).reshape(Lt, B, H, T, D)
+        # one pass: RoPE reads the matmul's output where it lies (see rope.py for the CPU)
+        keys = rotate(target.rope, keys.reshape(Lt * B, H, T, D), span.start)
+        keys = keys.reshape(Lt, B, H, T, D)
         if self.config.native_first and span.start == 0 and span.tokens:
             keys, values = with_native_first(target, span.tokens[0], keys, values)
         dtype = target_dtype(target)  # one cast of the stacked arrays, then per-layer views
@@ -238,6 +258,30 @@ class Translator(nn.Module):
             raise ValueError(
                 f"translator targets {self.config.target}, model has {Side.of(target.geometry)}"
             )
+
+
+def _take_matmul(a: mx.array, a_index: mx.array, b: mx.array) -> mx.array:
+    """a[a_index] @ b (b broadcast over a_index's shape). On the CPU in float32 the rows a_index
+    picks are read in place (`mx.gather_mm`); elsewhere they are gathered first: MLX's CPU
+    kernel is float32 only, and on GPUs the copy is cheap while `gather_mm` is built for MoE
+    (CUDA's has covered one row per index only)."""
+    if a.dtype == mx.float32 and mx.default_device() == mx.cpu:
+        shape = mx.broadcast_shapes(a_index.shape, b.shape[:-2])
+        b_index = mx.arange(math.prod(b.shape[:-2])).reshape(b.shape[:-2])
+        return mx.gather_mm(
+            a,
+            b,
+            lhs_indices=mx.broadcast_to(a_index, shape),
+            rhs_indices=mx.broadcast_to(b_index, shape),
+        )
+    return a[a_index] @ b
+
+
+def _sum_of(terms):
+    total = None
+    for t in terms:
+        total = t if total is None else total + t
+    return total
 
 
 def target_dtype(target) -> mx.Dtype:

@@ -59,6 +59,28 @@ def test_policy_lines_match_functions():
         np.testing.assert_allclose(a + b * r, expect[name])
 
 
+def test_translate_ahead_policy_by_hand():
+    # 16 small tokens of 10 ms, 10% of it translating: 16 ms of a 300 ms translation done ahead
+    xa = bench.ahead_switch_ttft(
+        translate=0.3, target_step=0.05, source_step=0.01, answer_tokens=16, share=0.1
+    )
+    assert xa == pytest.approx(0.05 + 0.3 - 0.016)
+    # all of it done ahead: one target step
+    assert bench.ahead_switch_ttft(
+        translate=0.01, target_step=0.05, source_step=0.01, answer_tokens=16, share=0.1
+    ) == pytest.approx(0.05)
+    lines = bench.policy_lines(
+        source_ttft=S, source_prefill=P, target_ttft=R, switch_ttft=X, ahead_ttft=xa
+    )
+    r = np.linspace(0, 1, 11)
+    a, b = lines["cascade_ahead"]
+    np.testing.assert_allclose(
+        a + b * r, bench.cascade_ahead(r, source_ttft=S, source_prefill=P, ahead_ttft=xa)
+    )
+    np.testing.assert_allclose(bench.cascade_ahead(1.0, source_ttft=S, source_prefill=P,
+                                                   ahead_ttft=xa), P + xa)  # fmt: skip
+
+
 def test_break_even_by_hand():
     lines = bench.policy_lines(source_ttft=S, source_prefill=P, target_ttft=R, switch_ttft=X)
     # cascade re-prefill: 1 + 4.8 r = 5  ->  r = 4 / 4.8
@@ -135,7 +157,9 @@ def test_cli_end_to_end_writes_json_markdown_png(preset_cache, tmp_path):
             assert all(t > 0 for t in v["trials"][phase])
         assert v["derived"]["switch_speedup"] > 0
         assert set(v["policies"]["lines"]) == {
-            "always_large", "route_first", "cascade_reprefill", "cascade_translate"}  # fmt: skip
+            "always_large", "route_first", "cascade_reprefill", "cascade_translate",
+            "cascade_ahead"}  # fmt: skip
+        assert v["derived"]["ahead_switch_ttft_in_steps"] >= 1.0
     assert set(data["targets"]) == {
         "translation_vs_step", "linear_growth", "gemm_efficiency", "switch_speedup"}  # fmt: skip
     md = (out / "bench.md").read_text()
@@ -244,7 +268,7 @@ def test_conversation_bench_three_policies(tmp_path):
     assert out.exit_code == 0, out.output
     result = json.loads((tmp_path / "conversation.json").read_text())
     turns = result["turns"]
-    assert len(turns) == 4 * 4 and (tmp_path / "conversation.png").stat().st_size > 0
+    assert len(turns) == 4 * 5 and (tmp_path / "conversation.png").stat().st_size > 0
     small = [t for t in turns if t["policy"] == "small reads"]
     large = [t for t in turns if t["policy"] == "large reads"]
     assert all(t["large_read_tokens"] == 1 and t["read_s"] > 0 for t in small)
@@ -256,4 +280,7 @@ def test_conversation_bench_three_policies(tmp_path):
     ahead = [t for t in turns if t["policy"] == "cascade+ahead" and t["escalated"]]
     assert [t["turn"] for t in ahead] == result["escalated_turns"]
     assert all(t["escalation_ttft_s"] > 0 for t in ahead)
-    assert result["summary"]["cascades"]["cascade+ahead"]["escalations"] == len(esc)
+    for p in ("cascade+ahead", "cascade+ahead (no budget)"):
+        c = result["summary"]["cascades"][p]
+        assert c["escalations"] == len(esc) and c["escalation_ttft_in_steps"] > 0
+        assert c["small_decode_slowdown"] is not None and c["ahead_share_of_decode"] >= 0

@@ -293,7 +293,7 @@ def test_translate_ahead_makes_escalation_one_step(pair, translators):
     """While the small model answers, the span the large would lack is translated between
     its tokens; escalating then costs the large one token of reading, and stays exact."""
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, translate_ahead=True, ahead_chunk=8)
+    s = Session(pair, fwd, bwd, translate_ahead=True, ahead_chunk=8, ahead_share=None)
     s.add_user("a long question " * 6)
     n0 = len(s.tokens)
     small = [e.token for e in s.generate("small", max_tokens=N)]
@@ -315,6 +315,30 @@ def test_translate_ahead_makes_escalation_one_step(pair, translators):
     n1 = len(s.tokens)
     out = [e.token for e in s.generate("large", max_tokens=N)]
     assert out == native(pair.target.model, pair.tokenizer, s.tokens[:n1])
+    assert and_translated_ok(s)
+
+
+def test_translate_ahead_within_budget_leaves_the_rest_to_the_escalation(pair, translators):
+    """A budget that allows one chunk of 8 tokens: those are translated ahead, the rest at the
+    escalation, each span once, and the large model's answer is still its own."""
+    from mlx_kvlingo.conversation.budget import AheadBudget
+
+    class OneChunk(AheadBudget):
+        def tokens(self, remaining):
+            return min(8, remaining) if not self.history else 0
+
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd, translate_ahead=True)
+    s._ahead_budget = OneChunk()
+    s.add_user("a long question " * 6)
+    n0 = len(s.tokens)
+    list(s.generate("small", max_tokens=N))
+    assert s.last_turn.ahead.translated == 8 and s.held("target") == 8
+    big = [e.token for e in s.escalate(max_tokens=N)]
+    esc = s.last_turn
+    assert (esc.switch.start, esc.switch.end, esc.switch.translated) == (8, n0 - 1, n0 - 9)
+    assert esc.prompt_tokens == 1
+    assert big == native(pair.target.model, pair.tokenizer, s.tokens[:n0])
     assert and_translated_ok(s)
 
 

@@ -200,3 +200,69 @@ def new_cache_with(pair, tokens):
     cache = new_cache(pair.source)
     prefill(pair.source, tokens, cache)
     return cache
+
+
+def reference_map(tr, x, kind):
+    """The module docstring's formula, one target layer (and head) at a time, in numpy."""
+    params = tr.key if kind == "key" else tr.value
+    rows = tr.config.key_layers if kind == "key" else tr.config.value_layers
+    w = np.array(params["weight"].astype(mx.float64))
+    b = np.array(params["bias"].astype(mx.float64)) if "bias" in params else None
+    x = np.array(x.astype(mx.float64))  # (Ls, B, Hs, T, D)
+    out = []
+    for t, layers in enumerate(rows):
+        feats = np.concatenate([x[s] for s in layers], axis=-1)  # (B, Hs, T, nu*D)
+        if tr.config.variant == "mixing":
+            B, Hs, T, _ = feats.shape
+            flat = np.concatenate(
+                [x[s].transpose(0, 2, 1, 3).reshape(B, T, -1) for s in layers], -1
+            )
+            y = flat @ w[t] + (0 if b is None else b[t])
+            out.append(y.reshape(B, T, tr.config.target.kv_heads, -1).transpose(0, 2, 1, 3))
+        else:
+            out.append(
+                np.einsum("bhtk,hkd->bhtd", feats, w[t]) + (0 if b is None else b[t][:, None])
+            )
+    return np.stack(out)
+
+
+@pytest.mark.parametrize(  # gather_mm, and the take fallback (CPU only: no float64 on a GPU)
+    "dtype", [pytest.param(mx.float32, id="float32"), pytest.param(mx.float64, id="float64")]
+)
+@pytest.mark.parametrize("variant,nu,bias", [("mixing", 1, False), ("mixing", 2, True),
+                                             ("headwise", 1, True), ("headwise", 3, False)])  # fmt: skip
+def test_map_features_match_the_formula_per_layer(models, variant, nu, bias, dtype):
+    """The batched maps (no per-layer copies) equal the formula evaluated layer by layer,
+    for a batch of 2 and a layer map that reads source layers out of order."""
+    tgt = models["qwen3_moe"] if variant == "mixing" else models["qwen3"]
+    pair = load_pair(models["qwen3"], tgt)
+    tr = random_translator(pair, variant, nu, bias=bias, dtype=dtype)
+    Ls = pair.source.geometry.layers
+    rows = tuple(
+        tuple((3 * t + j) % Ls for j in range(nu)) for t in range(pair.target.geometry.layers)
+    )
+    tr.config = TranslatorConfig(variant, tr.config.source, tr.config.target, rows, rows[::-1],
+                                 bias=bias)  # fmt: skip
+    tr._key_index, tr._value_index = mx.array(rows), mx.array(rows[::-1])
+    s = pair.source.geometry
+    x = mx.random.normal((Ls, 2, s.kv_heads, 7, s.head_dim)).astype(dtype)
+    for kind in ("key", "value"):
+        got = np.array(tr.map_features(x, kind).astype(mx.float64))
+        tol = 1e-12 if dtype == mx.float64 else 1e-5
+        np.testing.assert_allclose(got, reference_map(tr, x, kind), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("traditional", [False, True])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_fused_cpu_rope_is_the_op_bit_for_bit(traditional, dtype):
+    """rope.rotate/unrotate (one compiled pass on the CPU) equal mx.fast.rope exactly, on a
+    strided view (a translator's output) and at a large offset."""
+    from mlx_kvlingo.rope import rotate
+
+    rope = nn.RoPE(64, traditional=traditional, base=1e6, scale=0.5)
+    x = (mx.random.normal((3, 37, 2, 64)) * 10).astype(dtype).transpose(0, 2, 1, 3)
+    for offset in (0, 5, 40_000):
+        assert mx.array_equal(rotate(rope, x, offset), rope(x, offset=offset)).item()
+        y = x.astype(mx.float32)
+        want = mx.fast.rope(y, 64, traditional=traditional, base=1e6, scale=-0.5, offset=offset)
+        assert mx.array_equal(unrotate(rope, y, offset), want).item()

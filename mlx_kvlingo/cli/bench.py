@@ -80,6 +80,14 @@ def _preset_names() -> list[str]:
 )
 @click.option("--seed", default=0, show_default=True)
 @click.option(
+    "--dtype",
+    type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="What the models and the translator compute in (auto: float32 on a CPU, as stored "
+    "on a GPU)",
+)
+@click.option(
     "--cache-dir",
     type=click.Path(file_okay=False),
     default=None,
@@ -105,7 +113,8 @@ def _preset_names() -> list[str]:
     default=16,
     show_default=True,
     type=click.IntRange(1),
-    help="--conversation: tokens per answer (end-of-sequence banned)",
+    help="--conversation: tokens per answer (end-of-sequence banned); without it: the small "
+    "answer's length before an escalation in the cascade+ahead column",
 )
 @click.option(
     "--escalation-rate",
@@ -115,7 +124,7 @@ def _preset_names() -> list[str]:
     help="--conversation: share of cascade turns escalated to the large model",
 )
 def bench_cmd(source, target, translator, preset, lengths, trials, warmup, out, max_minutes,
-              moe_loop, seed, cache_dir, no_progress, conversation, turns, user_lengths,
+              moe_loop, seed, dtype, cache_dir, no_progress, conversation, turns, user_lengths,
               answer_tokens, escalation_rate):  # fmt: skip
     """Time to first token: the source prefills and the cache is translated (switch), or the
     target re-prefills. Writes a markdown table, JSON with every trial, and a TTFT plot."""
@@ -125,13 +134,16 @@ def bench_cmd(source, target, translator, preset, lengths, trials, warmup, out, 
     def log(msg):
         click.echo(msg, err=True)
 
+    import mlx.core as mx
+
+    dtype = dtype if dtype == "auto" else getattr(mx, dtype)
     info = {}
     if preset:
         if source or target or translator:
             raise click.UsageError("give --preset or --source/--target/--translator, not both")
         from ..measure.presets import get_preset, load_preset
 
-        pair, tr, folder = load_preset(preset, cache_dir, log=log)
+        pair, tr, folder = load_preset(preset, cache_dir, log=log, dtype=dtype)
         p = get_preset(preset)
         info["preset"] = {"name": p.name, "description": p.description, "folder": str(folder),
                           "reference": p.reference}  # fmt: skip
@@ -139,12 +151,17 @@ def bench_cmd(source, target, translator, preset, lengths, trials, warmup, out, 
         from ..measure.presets import random_translator
         from ..pair import load_pair
 
-        pair = load_pair(source, target)
+        pair = load_pair(source, target, dtype=dtype)
         tr = random_translator(pair, seed=seed)
+        if dtype != "auto":
+            tr.set_dtype(dtype)
         info["translator_weights"] = "random (latency only: no --translator given)"
         log("no --translator: timing a random translator of the pair's geometry (latency only)")
     else:
         from ._common import resolve_pair
+
+        if dtype != "auto":
+            raise click.UsageError("--dtype applies to --preset or --source/--target pairs")
 
         try:
             pair, tr = resolve_pair(source, target, translator)
@@ -175,7 +192,7 @@ def bench_cmd(source, target, translator, preset, lengths, trials, warmup, out, 
         results = bench.run_bench(
             pair, tr, lengths, trials=trials, warmup=warmup, seed=seed,
             max_seconds=None if max_minutes is None else 60 * max_minutes,
-            progress=not no_progress, log=log, info=info,
+            progress=not no_progress, log=log, info=info, answer_tokens=answer_tokens,
         )  # fmt: skip
     results["command"] = bench.command_line()
     paths = bench.write_outputs(results, out)

@@ -329,7 +329,8 @@ class ChatApp:
               help="Who reads your turn before the large model answers [default: small with a "
                    "forward translator]")  # fmt: skip
 @click.option("--translate-ahead/--no-translate-ahead", default=False, show_default=True,
-              help="While the small model answers, translate for the large one (/escalate, /auto)")  # fmt: skip
+              help="While the small model answers, translate for the large one within 10% of its "
+                   "decode time (/escalate, /auto)")  # fmt: skip
 @click.option("--first", type=click.Choice(["small", "large"]), default=None, hidden=True)
 @click.option("--auto-threshold", default=-1.5, show_default=True,
               help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip

@@ -114,7 +114,13 @@ class Answering:
                 **kwargs,
             )
             try:
+                last_token_at, ahead_s = None, 0.0
                 for r in stream:
+                    now = time.perf_counter()
+                    # the small model's decode time for this token: the wall time since the
+                    # last one, less what translating ahead took in between
+                    decode_s = None if last_token_at is None else now - last_token_at - ahead_s
+                    last_token_at = now
                     if stats.ttft_s is None:
                         stats.ttft_s = time.perf_counter() - t0
                     lp = r.logprobs[r.token].item()
@@ -142,7 +148,7 @@ class Answering:
                         break
                     yield TokenEvent(r.text, r.token, lp, name)
                     if ahead is not None:  # between the small model's tokens
-                        self._ahead_step(ahead, n0 - 1, self.ahead_chunk)
+                        ahead_s = self._ahead_step(ahead, n0 - 1, decode_s)
             finally:
                 stream.close()
         finally:

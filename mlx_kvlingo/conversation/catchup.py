@@ -128,16 +128,28 @@ class CatchUp:
         self._settle(t, min(t.held, upto))
         if t.held >= upto:
             return None
+        if self._ahead_budget is not None:  # a debt carries over; unspent credit does not
+            self._ahead_budget.credit = min(self._ahead_budget.credit, 0.0)
         return Switch("target", self.mode, t.held, t.held, note=f"translated ahead to {upto}")
 
-    def _ahead_step(self, sw: Switch, upto: int, chunk: int) -> None:
-        """Translate the next `chunk` tokens of the ahead span (what the small model holds)."""
+    def _ahead_step(self, sw: Switch, upto: int, decode_s: float | None) -> float:
+        """After one small token (decoded in `decode_s`, None for the first): translate the
+        next chunk of the ahead span, as much as the budget allows (or `ahead_chunk` tokens
+        without one). Returns the seconds spent."""
         t, o = self._models["target"], self._models["source"]
         a = t.held
         read = min(c.offset for c in o.cache)  # the small model's cache, mid-answer
-        b = min(upto, a + chunk, read)
-        if b <= a:
-            return
+        remaining = min(upto, read) - a
+        budget = self._ahead_budget
+        if budget is None:
+            n = min(remaining, self.ahead_chunk)
+        else:
+            if decode_s is not None:
+                budget.earn(decode_s)
+            n = budget.tokens(remaining)
+        if n <= 0:
+            return 0.0
+        b = a + n
         t0 = time.perf_counter()
         try:
             span = self._capture(o, a, b, self.forward.config.key_cut)
@@ -147,11 +159,15 @@ class CatchUp:
             t.held = b
         finally:
             self._settle(t, t.held)  # an interrupted append leaves no half-written layer
+        seconds = time.perf_counter() - t0
+        if budget is not None:
+            budget.spent(n, seconds)
         if not sw.translated:
             self.switches.append(sw)
         sw.end = t.held
         sw.translated = sw.end - sw.start
-        sw.seconds += time.perf_counter() - t0
+        sw.seconds += seconds
+        return seconds
 
     def _capture(self, o: _Model, start: int, end: int, cut: str) -> SpanKV:
         """The outgoing model's K/V for [start, end) at the translator's key cut."""

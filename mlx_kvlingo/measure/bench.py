@@ -107,17 +107,43 @@ def cascade_translate(r, *, source_ttft: float, source_prefill: float, switch_tt
     return (1 - r) * source_ttft + r * (source_prefill + switch_ttft)
 
 
+def ahead_switch_ttft(
+    *, translate: float, target_step: float, source_step: float, answer_tokens: int, share: float
+) -> float:
+    """The switch TTFT with translate-ahead: while the small model decoded its answer of
+    `answer_tokens` tokens (`source_step` each), a `share` of that time translated the span;
+    the escalation pays what is left plus one target step:
+    X_ahead = target_step + max(0, translate - share * answer_tokens * source_step)."""
+    return target_step + max(0.0, translate - share * answer_tokens * source_step)
+
+
+def cascade_ahead(r, *, source_ttft: float, source_prefill: float, ahead_ttft: float):
+    """As `cascade_translate`, with the span translated ahead (see `ahead_switch_ttft`):
+    E[TTFT] = (1 - r) S + r (P + X_ahead). The small model's answer is slowed by at most the
+    share; its TTFT is not (translation starts after its first token)."""
+    r = np.asarray(r, dtype=float)
+    return (1 - r) * source_ttft + r * (source_prefill + ahead_ttft)
+
+
 def policy_lines(
-    *, source_ttft: float, source_prefill: float, target_ttft: float, switch_ttft: float
+    *,
+    source_ttft: float,
+    source_prefill: float,
+    target_ttft: float,
+    switch_ttft: float,
+    ahead_ttft: float | None = None,
 ) -> dict[str, tuple[float, float]]:
     """Each policy's E[TTFT](r) = intercept + slope * r, as (intercept, slope)."""
     S, P, R, X = source_ttft, source_prefill, target_ttft, switch_ttft
-    return {
+    lines = {
         "always_large": (R, 0.0),
         "route_first": (S, R - S),
         "cascade_reprefill": (S, P + R - S),
         "cascade_translate": (S, P + X - S),
     }
+    if ahead_ttft is not None:
+        lines["cascade_ahead"] = (S, P + ahead_ttft - S)
+    return lines
 
 
 def break_even(a: tuple[float, float], b: tuple[float, float]) -> float | None:
@@ -195,11 +221,17 @@ def machine_info() -> dict:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "memory_GB": round(total / 1e9, 1),
-        "backend": "metal" if mx.metal.is_available() else "cpu",
+        "backend": backend_name(),
         "device": mx.device_info() if hasattr(mx, "device_info") else {},
         "blas": _blas.loaded_path or f"none preloaded ({_blas.reason})",
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
+
+
+def backend_name() -> str:
+    if mx.default_device().type != mx.gpu:
+        return "cpu"
+    return "metal" if mx.metal.is_available() else "cuda"
 
 
 def software_info() -> dict:
@@ -391,8 +423,14 @@ def run_bench(
     progress: bool = True,
     log: Callable[[str], None] = print,
     info: dict | None = None,
+    answer_tokens: int = 16,
+    ahead_share: float = 0.10,
 ) -> dict:
     """Measure every phase at every length; return the results dict (raw trials included).
+
+    `answer_tokens` and `ahead_share` describe the cascade+ahead policy of the escalation
+    table: the small model answers that many tokens before an escalation, translating ahead
+    within that share of its decode time (see `ahead_switch_ttft`).
 
     Warm-up rounds run the shortest length only (they touch every weight and kernel); then
     each trial round runs every length, both paths, in an order that alternates by round.
@@ -422,6 +460,8 @@ def run_bench(
             "seed": seed,
             "prefill_step": PREFILL_STEP,
             "max_seconds": max_seconds,
+            "answer_tokens": answer_tokens,
+            "ahead_share": ahead_share,
             "sampling": "greedy",
             "order": "warm-up rounds at the shortest length; then per round every length runs "
             "both paths, their order alternating by round",
@@ -468,7 +508,9 @@ def run_bench(
                         raw[n]["peaks"].setdefault(phase, []).append(clock.peaks[phase])
                 bar.advance()
     for n in kept:
-        results["lengths"][str(n)] = _length_summary(n, raw[n], translator)
+        results["lengths"][str(n)] = _length_summary(
+            n, raw[n], translator, answer_tokens, ahead_share
+        )
     results["targets"] = check_targets(results)
     results["elapsed_s"] = time.perf_counter() - started
     results["machine"]["load_average_end"] = (
@@ -506,14 +548,22 @@ def extrapolate(times: dict[int, float], n: int) -> float:
     return times[xs[-1]] * (n / xs[-1]) ** e
 
 
-def _length_summary(n: int, raw: dict, tr: Translator) -> dict:
+def _length_summary(
+    n: int, raw: dict, tr: Translator, answer_tokens: int = 16, ahead_share: float = 0.10
+) -> dict:
     times = raw["times"]
     stats = {p: summarize(v) for p, v in times.items()}
     med = {p: s["median"] for p, s in stats.items()}
     R, X, P = med["target_ttft"], med["switch_ttft"], med["source_prefill"]
     S = P + med["source_step"]
     flops, nbytes = kernel_work(tr, n - 1)
-    lines = policy_lines(source_ttft=S, source_prefill=P, target_ttft=R, switch_ttft=X)
+    XA = ahead_switch_ttft(
+        translate=med["translate"], target_step=med["target_step"],
+        source_step=med["source_step"], answer_tokens=answer_tokens, share=ahead_share,
+    )  # fmt: skip
+    lines = policy_lines(
+        source_ttft=S, source_prefill=P, target_ttft=R, switch_ttft=X, ahead_ttft=XA
+    )
     grid = [0.0, 0.1, 0.25, 0.5, 0.75, 1.0]
     speedups = [
         switch_speedup(r, x)
@@ -538,6 +588,8 @@ def _length_summary(n: int, raw: dict, tr: Translator) -> dict:
             "translation_vs_target_step": med["translate"] / med["target_step"],
             "translation_vs_target_prefill": med["translate"] / med["target_prefill"],
             "source_ttft": S,
+            "ahead_switch_ttft": XA,
+            "ahead_switch_ttft_in_steps": XA / med["target_step"],
             "translate_ms_per_token": 1e3 * med["translate"] / (n - 1),
             "translate_gflops": flops / med["translate"] / 1e9,
             "translate_gbs": nbytes / med["translate"] / 1e9,
@@ -568,6 +620,9 @@ def _length_summary(n: int, raw: dict, tr: Translator) -> dict:
                 ),
                 "cascade_translate_cheaper_up_to": cheaper_up_to(
                     lines["cascade_translate"], lines["always_large"]
+                ),
+                "cascade_ahead_cheaper_up_to": cheaper_up_to(
+                    lines["cascade_ahead"], lines["always_large"]
                 ),
                 "cascade_translate_beats_route_first": P + X < R,
                 "cascade_translate_beats_cascade_reprefill": X < R,
@@ -739,30 +794,39 @@ def markdown_report(results: dict) -> str:
         "",
         "## Expected TTFT per request (ms) against the escalation rate r",
         "",
-        "S = source TTFT, P = source prefill, R = target re-prefill TTFT, X = switch TTFT. "
-        "always large: R · route first: (1-r)S + rR · cascade re-prefill: (1-r)S + r(P+R) · "
-        "cascade translate: (1-r)S + r(P+X).",
+        "S = source TTFT, P = source prefill, R = target re-prefill TTFT, X = switch TTFT, "
+        "X_ahead = one target step + the translation left after translating ahead within "
+        f"{st.get('ahead_share', 0.1):.0%} of a {st.get('answer_tokens', 16)}-token small answer's "
+        "decode time. always large: R · route first: (1-r)S + rR · cascade re-prefill: "
+        "(1-r)S + r(P+R) · cascade translate: (1-r)S + r(P+X) · cascade+ahead: (1-r)S + r(P+X_ahead).",
         "",
-        "| n | r | always large | route first | cascade re-prefill | cascade translate |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| n | r | always large | route first | cascade re-prefill | cascade translate | "
+        "cascade+ahead |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for key, v in results["lengths"].items():
         g = v["policies"]["grid"]
         for i, r in enumerate(g["r"]):
+            ahead = g.get("cascade_ahead")
             pol.append(
                 f"| {key} | {r:.2f} | {1e3 * g['always_large'][i]:.1f} | "
                 f"{1e3 * g['route_first'][i]:.1f} | {1e3 * g['cascade_reprefill'][i]:.1f} | "
-                f"{1e3 * g['cascade_translate'][i]:.1f} |"
+                f"{1e3 * g['cascade_translate'][i]:.1f} | "
+                f"{'' if ahead is None else f'{1e3 * ahead[i]:.1f}'} |"
             )
     pol += ["", "Break-even: a cascade beats always-large for escalation rates up to r*.", "",
-            "| n | r*: cascade re-prefill | r*: cascade translate | "
-            "cascade translate beats route first (P+X < R) |", "| ---: | ---: | ---: | --- |"]  # fmt: skip
+            "| n | r*: cascade re-prefill | r*: cascade translate | r*: cascade+ahead | "
+            "cascade translate beats route first (P+X < R) | X_ahead / target step |",
+            "| ---: | ---: | ---: | ---: | --- | ---: |"]  # fmt: skip
     for key, v in results["lengths"].items():
         b = v["policies"]["break_even"]
+        ahead = b.get("cascade_ahead_cheaper_up_to")
+        steps = v["derived"].get("ahead_switch_ttft_in_steps")
         pol.append(
             f"| {key} | {_r(b['cascade_reprefill_cheaper_up_to'])} | "
-            f"{_r(b['cascade_translate_cheaper_up_to'])} | "
-            f"{'yes' if b['cascade_translate_beats_route_first'] else 'no'} |"
+            f"{_r(b['cascade_translate_cheaper_up_to'])} | {'' if ahead is None else _r(ahead)} | "
+            f"{'yes' if b['cascade_translate_beats_route_first'] else 'no'} | "
+            f"{'' if steps is None else f'{steps:.2f}'} |"
         )
     return "\n".join(head + body + derived + pol + _targets_md(results)) + "\n"
 

@@ -188,13 +188,15 @@ def random_translator(pair, variant: str = "mixing", nu: int = 1, seed: int = 0)
     return tr
 
 
-def load_preset(name: str, cache_dir=None, log=None):
-    """(pair, translator, folder) for a preset, building it first if needed."""
+def load_preset(name: str, cache_dir=None, log=None, dtype="auto"):
+    """(pair, translator, folder) for a preset, building it first if needed. `dtype`: what
+    the models and the translator compute in ("auto": float32 on the CPU, as stored on a GPU;
+    presets are stored in float32)."""
     from ..format import load_translator
     from ..pair import load_pair
 
     folder = build_preset(name, cache_dir, log=log)
-    pair = load_pair(folder / "source", folder / "target")
+    pair = load_pair(folder / "source", folder / "target", dtype=dtype)
     pair.source.name = f"{name}:source"
     pair.target.name = f"{name}:target"
-    return pair, load_translator(folder / "translator.safetensors", pair), folder
+    return pair, load_translator(folder / "translator.safetensors", pair, dtype=dtype), folder

@@ -1,0 +1,75 @@
+"""float16 translator files against float32: the tolerance a half-precision file is held to.
+
+A float16 file rounds every weight to 11 significant bits (relative error <= 2^-11). Over a
+span of the tiny pair, with a translator of random weights (the known answer's are exact in
+float16), the translated keys and values (after RoPE, as they enter the cache)
+must then agree with the float32 file's within a relative RMS error of
+
+    HALF_FILE_RTOL = 1e-3   the file stored in float16, computed in float32 (CPU, "auto")
+    HALF_COMPUTE_RTOL = 4e-3   the file and the translation in float16 (as on a GPU)
+
+(measured 2.0e-4 and 3.5e-4 on this pair: the bounds leave room, not slack for a real bug: a
+wrong layer, head or position gives errors of order 1).
+"""
+
+from mlx_kvlingo.capture import prefill
+from mlx_kvlingo.format import load_translator, save_translator
+from mlx_kvlingo.kvcache import new_cache
+from mlx_kvlingo.measure.presets import random_translator
+from mlx_kvlingo.pair import load_pair
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+HALF_FILE_RTOL = 1e-3
+HALF_COMPUTE_RTOL = 4e-3
+TEXT = "def parse_args(argv):\n    parser = argparse.ArgumentParser(description="
+
+
+def rel_rms(got: list, want: list) -> float:
+    g = np.concatenate([np.array(x.astype(mx.float32)).ravel() for x in got])
+    w = np.concatenate([np.array(x.astype(mx.float32)).ravel() for x in want])
+    return float(np.sqrt(np.mean((g - w) ** 2) / np.mean(w**2)))
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_dir, tmp_path_factory):
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["qwen3_moe"])
+    tr = random_translator(pair, seed=5)
+    d = tmp_path_factory.mktemp("half")
+    full = save_translator(tr, d / "full.safetensors", pair)
+    half = save_translator(tr, d / "half.safetensors", pair, dtype=mx.float16)
+    span = prefill(pair.source, pair.tokenizer.encode(TEXT), new_cache(pair.source))
+    span.start = 3  # RoPE at positions that are not 0
+    return pair, full, half, span
+
+
+def test_float16_file_computed_in_float32(setup):
+    pair, full, half, span = setup
+    ref = load_translator(full, pair).translate(span, pair.target)
+    tr = load_translator(half, pair, dtype=mx.float32)
+    got = tr.translate(span, pair.target)
+    assert rel_rms(got[0], ref[0]) <= HALF_FILE_RTOL
+    assert rel_rms(got[1], ref[1]) <= HALF_FILE_RTOL
+    assert rel_rms(got[0], ref[0]) > 0  # it is the rounded file, not the same weights
+
+
+def test_float16_file_computed_in_float16(setup):
+    pair, full, half, span = setup
+    ref = load_translator(full, pair).translate(span, pair.target)
+    tr = load_translator(half, pair, dtype=None)  # as stored: float16 weights and compute
+    assert tr.key["weight"].dtype == mx.float16
+    got = tr.translate(span, pair.target)
+    assert rel_rms(got[0], ref[0]) <= HALF_COMPUTE_RTOL
+    assert rel_rms(got[1], ref[1]) <= HALF_COMPUTE_RTOL
+
+
+def test_the_tolerance_catches_a_wrong_layer(setup):
+    """A float16 file whose layers are shifted by one is far outside the tolerance."""
+    pair, full, half, span = setup
+    ref = load_translator(full, pair).translate(span, pair.target)
+    tr = load_translator(half, pair, dtype=mx.float32)
+    tr.key["weight"] = mx.roll(tr.key["weight"], 1, axis=0)
+    got = tr.translate(span, pair.target)
+    assert rel_rms(got[0], ref[0]) > 100 * HALF_FILE_RTOL
