@@ -26,6 +26,7 @@ from dataclasses import replace
 
 import mlx.core as mx
 
+from . import _watchdog
 from .capture import SpanKV, capture_from_cache, needs_recording
 from .distributed import (
     WIRES,
@@ -57,6 +58,7 @@ class Link:
         self.bytes_sent = 0  # translated spans placed on the other ranks
         self.bytes_received = 0  # target K/V gathered for switches back to the small model
         self.closed = False
+        self.lost = False  # a rank was lost: nothing more can be asked of the others
         self._next_id = 0
         self._dropped: list[int] = []
         atexit.register(self.close)
@@ -71,15 +73,19 @@ class Link:
 
     def close(self) -> None:
         """Release the other ranks (their `Runtime.load` then ends their process)."""
-        if not self.closed:
+        if not (self.closed or self.lost):
             self.closed = True
             self._command(STOP)
 
     # -- commands --------------------------------------------------------------------------
 
-    def _command(self, op: int, cache: list | None = None, n=0, start=0, wire=0, first=0, body=None):
-        if self.closed and op != STOP:
-            raise DistributedError("this distributed runtime is closed")
+    def _command(
+        self, op: int, cache: list | None = None, n=0, start=0, wire=0, first=0, body=None
+    ):
+        if self.lost or (self.closed and op != STOP):
+            raise DistributedError(
+                "this distributed runtime " + ("lost a rank" if self.lost else "is closed")
+            )
         from mlx_lm.generate import generation_stream
 
         # nothing collective may still be running when the next command goes out
@@ -93,9 +99,18 @@ class Link:
 
     def _send(self, header: list[int], body: mx.array | None) -> None:
         group, timeout = self.sp.group, self.sp.timeout
-        _broadcast(mx.array(header, dtype=mx.int32), group, timeout, "sending a command")
-        if body is not None:
-            _broadcast(body, group, timeout, "sending a command")
+        with self._watch():
+            _broadcast(mx.array(header, dtype=mx.int32), group, timeout, "sending a command")
+            if body is not None:
+                _broadcast(body, group, timeout, "sending a command")
+
+    @contextmanager
+    def _watch(self):
+        try:
+            yield
+        except RankLostError:
+            self.lost = True
+            raise
 
     def _id(self, cache: list) -> int:
         """The id the other ranks know `cache` by (a new one for a new, empty cache)."""
@@ -130,7 +145,8 @@ class Link:
         wire = self.wire if self.wire != "auto" else sp.choose_wire()
         first = span.tokens[0] if span.start == 0 and span.tokens else -1
         self._command(PLACE, cache, span.length, span.start, WIRES.index(wire), first)
-        keys, values, sent = place(sp, span, wire, span.length, span.start, _first(first))
+        with self._watch():
+            keys, values, sent = place(sp, span, wire, span.length, span.start, _first(first))
         append_kv(cache, keys, values)
         self.bytes_sent += sent
 
@@ -141,21 +157,15 @@ class Link:
         c = sp.target.geometry
         parts = {0: capture_from_cache(sp.target, cache, start, end)}
         what = f"gathering a {end - start}-token span"
-        with _lost_as_error(what):
-            import mlx_kvlingo._watchdog as wd
-
-            with wd.deadline(sp.timeout, _lost_message(0, sp.timeout, what)):
-                for r in range(1, sp.size):
-                    n = len(sp.owners[r])
-                    k = mx.distributed.recv(
-                        (n, 1, c.kv_heads, end - start, c.head_dim), mx.float32, r, group=sp.group
-                    )
-                    v = mx.distributed.recv(
-                        (n, 1, c.kv_heads, end - start, c.value_dim), mx.float32, r, group=sp.group
-                    )
-                    _eval(k, v)
-                    parts[r] = SpanKV(k, v, start)
-                    self.bytes_received += k.nbytes + v.nbytes
+        shape = (1, c.kv_heads, end - start)
+        with self._watch(), _watchdog.deadline(sp.timeout, _lost_message(0, sp.timeout, what)):
+            for r in range(1, sp.size):
+                n = len(sp.owners[r])
+                k = mx.distributed.recv((n, *shape, c.head_dim), mx.float32, r, group=sp.group)
+                v = mx.distributed.recv((n, *shape, c.value_dim), mx.float32, r, group=sp.group)
+                _eval(k, v)
+                parts[r] = SpanKV(k, v, start)
+                self.bytes_received += k.nbytes + v.nbytes
         order = sorted(parts, key=lambda r: sp.owners[r].start)
         keys = mx.concatenate([parts[r].keys.astype(mx.float32) for r in order])
         values = mx.concatenate([parts[r].values.astype(mx.float32) for r in order])

@@ -3,18 +3,22 @@ and, as the reference, in one process.
 
     python distributed_api.py JOB.json
 
-JOB: {"cases": [{source, target, translator, backward, wire}], "out": path}. Rank 0 writes one
-record per case (every answer's token ids and switch counts). A follower's `Runtime.load` ends
-in SystemExit when rank 0 closes that runtime; catching it lets one launch serve several cases.
-KVLINGO_TEST_DIE=1 makes rank 1 exit abruptly at the first translated span it is sent.
+JOB: {"cases": [{source, target, translator, backward, wire, timeout, die}], "out": path}.
+Rank 0 writes one record per case (every answer's token ids and switch counts). A follower's
+`Runtime.load` ends in SystemExit when rank 0 closes that runtime; catching it lets one launch
+serve several cases. In a case with "die", rank 1 exits abruptly at the first translated span
+it is sent, and rank 0 records the error it gets.
 """
 
 import json
 import os
 import sys
+import time
 
-import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
-from mlx_kvlingo import Runtime
+sys.modules.setdefault("torch", None)  # not needed here; transformers would import it (slow)
+
+import mlx_kvlingo  # noqa: E402,F401  (preloads OpenBLAS before mlx)
+from mlx_kvlingo import Runtime  # noqa: E402
 
 GREEDY = {"max_tokens": 5, "temperature": 0.0}
 
@@ -67,7 +71,10 @@ def conversation(rt: Runtime) -> dict:
 
 def run_case(case: dict, distributed: bool) -> dict:
     rt = Runtime.load(case["source"], case["target"], case["translator"], case.get("backward"),
-                      distributed=distributed, wire=case.get("wire", "auto"))  # fmt: skip
+                      distributed=distributed, wire=case.get("wire", "auto"),
+                      timeout=case.get("timeout"))  # fmt: skip
+    if case.get("die"):
+        return _lost(rt)
     out = conversation(rt)
     out["ranks"] = rt.ranks
     if distributed:  # internals, to check where the layers and the bytes went
@@ -77,6 +84,16 @@ def run_case(case: dict, distributed: bool) -> dict:
         out["bytes_received"] = rt._link.bytes_received
     rt.close()
     return out
+
+
+def _lost(rt: Runtime) -> dict:
+    """Rank 0 of a case whose rank 1 dies: the error a user gets, and how long it took."""
+    t0 = time.monotonic()
+    try:
+        rt.new_conversation().ask("def foo(x):", "large", **GREEDY)
+        return {"error": None}
+    except Exception as e:  # noqa: BLE001 - the point is which error
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
 
 
 def _die_at_first_span() -> None:
@@ -90,10 +107,10 @@ def _die_at_first_span() -> None:
 
 def main(job_path: str) -> None:
     job = json.loads(open(job_path).read())
-    if os.environ.get("KVLINGO_TEST_DIE") and os.environ.get("MLX_RANK") == "1":
-        _die_at_first_span()
     results = []
     for case in job["cases"]:
+        if case.get("die") and os.environ.get("MLX_RANK") == "1":
+            _die_at_first_span()
         try:
             results.append(run_case(case, distributed=True))
         except SystemExit:  # a follower: rank 0 closed this runtime
@@ -101,6 +118,8 @@ def main(job_path: str) -> None:
     if results:  # rank 0
         with open(job["out"], "w") as f:
             json.dump(results, f)
+        if results[-1].get("error"):
+            os._exit(0)  # a rank is gone: skip MLX's teardown of the ring
 
 
 if __name__ == "__main__":
