@@ -319,7 +319,8 @@ class Runtime:
             raise ValueError("a distributed runtime needs the small -> large translator")
         else:
             path = resolve_translator(str(translator), False)
-        link, pair = load(source, target, path, wire=wire, timeout=timeout)  # ranks > 0 do not return
+        # ranks > 0 do not return from load: they serve rank 0, then exit
+        link, pair = load(source, target, path, wire=wire, timeout=timeout)
         backward = _load_translator(backward_translator, pair.reversed(), reverse=True)
         return cls(pair, link.sp.translator, backward, link)
 

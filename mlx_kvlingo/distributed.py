@@ -3,23 +3,23 @@
 Who holds what, for N ranks started by `mlx.launch` (rank r owns target layers [a_r, b_r),
 mlx-lm's split: rank 0 the LAST layers, rank N-1 the first):
 
-    rank 0:  the source (whole), the prompt, the terminal; target layers [a_0, L)
+    rank 0:  the source (whole), the conversation, the terminal; target layers [a_0, L)
     rank r:  target layers [a_r, b_r) only, and the translator rows of those layers
 
-One switch, all ranks in step (SPMD):
+This module loads that (`load_sharded_pair`) and places one translated span (`place`, every
+rank at once, SPMD):
 
-    rank 0 broadcasts the prompt's token ids (and a seed) to every rank
-    rank 0: source prefill of tokens[:-1] -> span K/V (L_s, 1, H_s, T, D_s), RoPE-free
+    rank 0 has the span's source K/V (L_s, 1, H_s, T, D_s), RoPE-free
     wire "source": rank r is sent the source layers its target rows read, S_r, and maps them
     wire "target": rank 0 maps every target layer, rank r is sent its rows (b_r - a_r layers)
-    every rank: k_norm (pre_norm cut), RoPE, native first token, dtype -> its own cache
-    every rank: mlx-lm `stream_generate` from tokens[-1:], the pipeline does the rest
+    every rank: k_norm (pre_norm cut), RoPE at the span's positions, native first token, dtype
 
-Bytes to rank r per prompt token (float32, the translation's working dtype):
+Bytes to rank r per span token (float32, the translation's working dtype):
     "source": 4 * |S_r| * H_s * (D_s + Dv_s)        "target": 4 * (b_r - a_r) * H_t * (D_t + Dv_t)
 `wire="auto"` sends whichever is fewer bytes (measured: transfer time follows bytes; see
-`measure/distributed_bench.py` and the README). Only MLX moves data (`send`/`recv`,
-`all_sum`, `all_gather` of the ring/MPI/JACCL backends); nothing here opens a socket.
+`apps/distributed_bench.py` and the README). How the conversation drives the ranks (rank 0
+leads, the others follow its commands) is in `pipelined.py`. Only MLX moves data (`send`/`recv`,
+`all_sum` of the ring/MPI/JACCL backends); nothing here opens a socket.
 
 A rank that dies surfaces on the others as MLX's "[ring] connection ... lost" error, raised
 here as `RankLostError`. A rank that never connects or hangs blocks inside MLX with the GIL
@@ -419,7 +419,9 @@ def handoff(sp: ShardedPair, tokens: list[int]) -> ShardedHandoff:
     t0 = time.perf_counter()
     span = None
     if sp.rank == 0:
-        span = prefill(sp.source, tokens[:-1], new_cache(sp.source), cut=sp.translator.config.key_cut)
+        span = prefill(
+            sp.source, tokens[:-1], new_cache(sp.source), cut=sp.translator.config.key_cut
+        )
     t1 = time.perf_counter()
     keys, values, sent = place(sp, span, wire, T, 0, tokens[0])
     cache = new_cache(sp.target)

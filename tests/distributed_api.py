@@ -43,14 +43,15 @@ def _turn(stream, stop_after=None) -> dict:
 
 def conversation(rt: Runtime) -> dict:
     """Every kind of turn: the small model reading for the large one, alternation both ways,
-    escalation, a stream stopped early, naive re-translation, reset, translate-ahead, two
-    conversations interleaved."""
+    escalation both ways (a cache cut back), a stream stopped early, naive re-translation,
+    reset, translate-ahead, two conversations interleaved."""
     a = rt.new_conversation()
     b = rt.new_conversation(reader="self")
     turns = [
         _turn(a.send("def foo(x):", "large", **GREEDY)),
         _turn(b.send("class Bar:", "large", **GREEDY)),
         _turn(a.send("return x + 1", "large", **GREEDY)),
+        _turn(a.escalate(**GREEDY)),  # large -> small: the large cache is cut back
         _turn(a.send("and then?", "small", **GREEDY)),
         _turn(a.escalate(**GREEDY)),
         _turn(b.send("import os", "large", **GREEDY)),
