@@ -19,7 +19,9 @@ creates a cache on first use, and drops the ids rank 0 no longer holds.
 from __future__ import annotations
 
 import atexit
+import signal
 import sys
+import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import replace
@@ -45,6 +47,7 @@ from .pair import ModelPair, vocab_fingerprint
 from .session import Session, SessionError
 
 FORWARD, PLACE, GATHER, DROP, STOP = range(1, 6)
+_open: Link | None = None  # rank 0: the followers serve one runtime at a time
 _HEADER = 7
 _ID = "_kvlingo_cache_id"
 
@@ -73,9 +76,13 @@ class Link:
 
     def close(self) -> None:
         """Release the other ranks (their `Runtime.load` then ends their process)."""
+        global _open
         if not (self.closed or self.lost):
             self.closed = True
-            self._command(STOP)
+            with _uninterrupted():
+                self._command(STOP)
+        if _open is self:
+            _open = None
 
     # -- commands --------------------------------------------------------------------------
 
@@ -144,21 +151,26 @@ class Link:
         sp = self.sp
         wire = self.wire if self.wire != "auto" else sp.choose_wire()
         first = span.tokens[0] if span.start == 0 and span.tokens else -1
-        self._command(PLACE, cache, span.length, span.start, WIRES.index(wire), first)
-        with self._watch():
-            keys, values, sent = place(sp, span, wire, span.length, span.start, _first(first))
-        append_kv(cache, keys, values)
+        with _uninterrupted():
+            self._command(PLACE, cache, span.length, span.start, WIRES.index(wire), first)
+            with self._watch():
+                keys, values, sent = place(sp, span, wire, span.length, span.start, _first(first))
+            append_kv(cache, keys, values)
         self.bytes_sent += sent
 
     def gather(self, cache: list, start: int, end: int) -> SpanKV:
         """The target K/V of [start, end) for every layer, RoPE-free, gathered on rank 0."""
         sp = self.sp
-        self._command(GATHER, cache, end - start, start)
         c = sp.target.geometry
         parts = {0: capture_from_cache(sp.target, cache, start, end)}
         what = f"gathering a {end - start}-token span"
         shape = (1, c.kv_heads, end - start)
-        with self._watch(), _watchdog.deadline(sp.timeout, _lost_message(0, sp.timeout, what)):
+        with (
+            _uninterrupted(),
+            self._watch(),
+            _watchdog.deadline(sp.timeout, _lost_message(0, sp.timeout, what)),
+        ):
+            self._command(GATHER, cache, end - start, start)
             for r in range(1, sp.size):
                 n = len(sp.owners[r])
                 k = mx.distributed.recv((n, *shape, c.head_dim), mx.float32, r, group=sp.group)
@@ -189,11 +201,29 @@ class _Mirrored:
     def __call__(self, inputs, cache=None, **kwargs):
         if cache is None:
             raise DistributedError("a pipelined target runs with a cache")
-        self._link.forward(inputs, cache)
-        with _last_stage_only():
-            out = self._inner(inputs, cache=cache, **kwargs)
-        mx.async_eval([(c.keys, c.values) for c in cache])  # the receive runs, whatever is read
+        with _uninterrupted():
+            self._link.forward(inputs, cache)
+            with _last_stage_only():
+                out = self._inner(inputs, cache=cache, **kwargs)
+            mx.async_eval([(c.keys, c.values) for c in cache])  # the receive runs, whatever is read
         return out
+
+
+@contextmanager
+def _uninterrupted():
+    """Ctrl-C waits until the other ranks are told and this rank's part is scheduled: an
+    interruption in between would leave the ranks out of step."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    old = signal.signal(signal.SIGINT, lambda *args: pending.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if pending:
+            raise KeyboardInterrupt
 
 
 @contextmanager
@@ -258,6 +288,9 @@ def load(source, target, translator, *, wire: str = "auto", timeout=None) -> tup
     runs on rank 0 only)."""
     from .distributed import DEFAULT_TIMEOUT, init
 
+    global _open
+    if _open is not None:
+        raise DistributedError("close the open distributed runtime before loading another")
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     group = init(timeout=timeout)
     sp = load_sharded_pair(source, target, translator, group, wire=wire, timeout=timeout)
@@ -265,7 +298,7 @@ def load(source, target, translator, *, wire: str = "auto", timeout=None) -> tup
         follow(sp)
         sys.stdout.flush()
         raise SystemExit(0)
-    link = Link(sp)
+    link = _open = Link(sp)
     whole = replace(sp.target.geometry, layers=sp.target_layers)
     tgt = replace(sp.target, model=_Mirrored(sp.target.model, link), geometry=whole)
     pair = ModelPair(sp.source, tgt, sp.tokenizer, vocab_fingerprint(sp.tokenizer))
@@ -280,6 +313,8 @@ def follow(sp: ShardedPair) -> None:
     import os
 
     caches: dict[int, list] = {}
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for rank 0 (it stops a turn)
     try:
         while True:
             # no deadline: rank 0 may wait for its user as long as it likes

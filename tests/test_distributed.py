@@ -121,3 +121,28 @@ def test_a_rank_that_cannot_connect_is_a_clear_error_on_rank_0(cases, tmp_path):
     rc, _, err = _run([sys.executable, SCRIPT, str(job)], timeout=90, env=env)
     assert rc != 0
     assert "no answer from the other ranks within 3 s while connecting" in err, err[-2000:]
+
+
+def test_one_rank_runtime_answers_like_one_process_and_refuses_saving(cases, tmp_path):
+    """The distributed code path in this process (a group of one): the same answers; what a
+    pipelined target cannot do is refused with a clear error."""
+    from mlx_kvlingo import ConversationError, Runtime
+
+    import distributed_api
+
+    _, cases = cases
+    case = cases[0]
+    assert (
+        distributed_api.run_case(case, True)["turns"]
+        == (distributed_api.run_case(case, False)["turns"])
+    )
+    with Runtime.load(case["source"], case["target"], case["translator"],
+                      distributed=True) as rt:  # fmt: skip
+        chat = rt.new_conversation()
+        chat.ask("def foo(x):", "large", max_tokens=2)
+        with pytest.raises(ConversationError, match="not available"):
+            chat.save(tmp_path / "s")
+        with pytest.raises(RuntimeError, match="close the open distributed runtime"):
+            Runtime.load(case["source"], case["target"], case["translator"], distributed=True)
+    with pytest.raises(RuntimeError, match="closed"):
+        chat.ask("more", "large", max_tokens=2)
