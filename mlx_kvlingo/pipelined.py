@@ -141,7 +141,7 @@ class Link:
         """Announce a forward call of the target on `cache` (rank 0 then runs its own part)."""
         if inputs.ndim != 2 or inputs.shape[0] != 1:
             raise DistributedError("a pipelined target runs one sequence at a time")
-        with _lost_as_error("waiting for the last step"):
+        with self._watch(), _lost_as_error("waiting for the last step"):
             mx.eval(inputs)  # the previous step (and its collectives) ends before the next
         tokens = inputs.reshape(-1).astype(mx.int32)
         self._command(FORWARD, cache, n=tokens.size, body=tokens)
@@ -165,19 +165,16 @@ class Link:
         parts = {0: capture_from_cache(sp.target, cache, start, end)}
         what = f"gathering a {end - start}-token span"
         shape = (1, c.kv_heads, end - start)
-        with (
-            _uninterrupted(),
-            self._watch(),
-            _watchdog.deadline(sp.timeout, _lost_message(0, sp.timeout, what)),
-        ):
+        with _uninterrupted(), self._watch():
             self._command(GATHER, cache, end - start, start)
-            for r in range(1, sp.size):
-                n = len(sp.owners[r])
-                k = mx.distributed.recv((n, *shape, c.head_dim), mx.float32, r, group=sp.group)
-                v = mx.distributed.recv((n, *shape, c.value_dim), mx.float32, r, group=sp.group)
-                _eval(k, v)
-                parts[r] = SpanKV(k, v, start)
-                self.bytes_received += k.nbytes + v.nbytes
+            with _watchdog.deadline(sp.timeout, _lost_message(0, sp.timeout, what)):
+                for r in range(1, sp.size):
+                    n = len(sp.owners[r])
+                    k = mx.distributed.recv((n, *shape, c.head_dim), mx.float32, r, group=sp.group)
+                    v = mx.distributed.recv((n, *shape, c.value_dim), mx.float32, r, group=sp.group)
+                    _eval(k, v)
+                    parts[r] = SpanKV(k, v, start)
+                    self.bytes_received += k.nbytes + v.nbytes
         order = sorted(parts, key=lambda r: sp.owners[r].start)
         keys = mx.concatenate([parts[r].keys.astype(mx.float32) for r in order])
         values = mx.concatenate([parts[r].values.astype(mx.float32) for r in order])
