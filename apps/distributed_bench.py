@@ -1,6 +1,6 @@
 """Time and bytes per switch with the large model pipelined over 1 or 2 ranks, beside one process.
 
-    mlx.launch --backend ring -n 2 --python python3 apps/distributed_bench.py --out b.json
+    mlx.launch --backend ring -n 2 --python python3 -- apps/distributed_bench.py --out b.json
     python apps/distributed_bench.py --distributed --out b.json   # 1 rank
     python apps/distributed_bench.py --out b.json                 # the single process
     python apps/distributed_bench.py --report b.json              # the markdown table
@@ -54,6 +54,7 @@ def bench(rt: Runtime, wire: str, repeat: int) -> list[dict]:
             read.append(st.read.seconds)
             tps.append(st.generation_tps)
             sent.append((link.bytes_sent if link else 0) - before)
+            print(f"{wire} {n}: switch {switch[-1]:.3f} s", file=sys.stderr, flush=True)
         rows.append({
             "ranks": rt.ranks if link else "single process", "wire": wire if link else "-",
             "tokens": st.switch.translated, "switch_s": statistics.median(switch[1:]),

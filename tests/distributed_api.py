@@ -3,7 +3,7 @@ and, as the reference, in one process.
 
     python distributed_api.py JOB.json
 
-JOB: {"cases": [{source, target, translator, backward, wire, timeout, die}], "out": path}.
+JOB: {"cases": [{source, target, translator, backward, wire, timeout, die, short}], "out": path}.
 Rank 0 writes one record per case (every answer's token ids and switch counts). A follower's
 `Runtime.load` ends in SystemExit when rank 0 closes that runtime; catching it lets one launch
 serve several cases. In a case with "die", rank 1 exits abruptly at the first translated span
@@ -41,16 +41,20 @@ def _turn(stream, stop_after=None) -> dict:
     return rec
 
 
-def conversation(rt: Runtime) -> dict:
+def conversation(rt: Runtime, short: bool = False) -> dict:
     """Every kind of turn: the small model reading for the large one, alternation both ways,
     escalation both ways (a cache cut back), a stream stopped early, naive re-translation,
-    reset, translate-ahead, two conversations interleaved."""
+    reset, translate-ahead, two conversations interleaved; `short`: the first three turns."""
     a = rt.new_conversation()
     b = rt.new_conversation(reader="self")
     turns = [
         _turn(a.send("def foo(x):", "large", **GREEDY)),
         _turn(b.send("class Bar:", "large", **GREEDY)),
         _turn(a.send("return x + 1", "large", **GREEDY)),
+    ]
+    if short:  # the first switches only (a second wire)
+        return {"turns": turns}
+    turns += [
         _turn(a.escalate(**GREEDY)),  # large -> small: the large cache is cut back
         _turn(a.send("and then?", "small", **GREEDY)),
         _turn(a.escalate(**GREEDY)),
@@ -76,7 +80,7 @@ def run_case(case: dict, distributed: bool) -> dict:
                       timeout=case.get("timeout"))  # fmt: skip
     if case.get("die"):
         return _lost(rt)
-    out = conversation(rt)
+    out = conversation(rt, case.get("short", False))
     out["ranks"] = rt.ranks
     if distributed:  # internals, to check where the layers and the bytes went
         out["local_layers"] = len(rt.pair.target.model.layers)

@@ -70,7 +70,7 @@ def cases(tiny_dir, tmp_path_factory):
         for wire in wires:
             out.append({"kind": kind, "source": str(tiny_dir[kind]), "wire": wire,
                         "target": str(d / f"known_{kind}"), "translator": str(fwd),
-                        "backward": str(back)})  # fmt: skip
+                        "backward": str(back), "short": wire == "target"})  # fmt: skip
     return d, out
 
 
@@ -89,7 +89,7 @@ def test_two_ranks_answer_like_one_process_and_a_lost_rank_is_reported(cases):
     for case, res in zip(cases, results):
         ref = distributed_api.run_case(case, distributed=False)
         assert res["turns"] == ref["turns"], (case["kind"], case["wire"])
-        assert res["stats"] == ref["stats"]
+        assert res.get("stats") == ref.get("stats")
         assert res["ranks"] == 2 and ref["ranks"] == 1
         owners = res["owners"]  # rank 0 holds the last layers, and only those
         assert owners[0][1] == max(b for _, b in owners) and owners[1][0] == 0
@@ -131,11 +131,9 @@ def test_one_rank_runtime_answers_like_one_process_and_refuses_saving(cases, tmp
     import distributed_api
 
     _, cases = cases
-    case = cases[0]
-    assert (
-        distributed_api.run_case(case, True)["turns"]
-        == (distributed_api.run_case(case, False)["turns"])
-    )
+    case = {**cases[0], "short": True}
+    one_rank = distributed_api.run_case(case, distributed=True)
+    assert one_rank["turns"] == distributed_api.run_case(case, distributed=False)["turns"]
     with Runtime.load(case["source"], case["target"], case["translator"],
                       distributed=True) as rt:  # fmt: skip
         chat = rt.new_conversation()
