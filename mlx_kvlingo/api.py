@@ -296,7 +296,13 @@ class Runtime:
 
     @classmethod
     def _load_distributed(
-        cls, source, target, translator, backward_translator, wire, timeout
+        cls,
+        source: str | Path | None,
+        target: str | Path | None,
+        translator: str | Path | Translator | None,
+        backward_translator: str | Path | Translator | None,
+        wire: str,
+        timeout: float | None,
     ) -> Runtime:
         from .hub import resolve_translator
         from .pipelined import load
@@ -337,7 +343,7 @@ class Runtime:
     def __enter__(self) -> Runtime:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- conversations ---------------------------------------------------------------------
