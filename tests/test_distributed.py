@@ -95,7 +95,6 @@ def test_two_ranks_answer_like_one_process_and_a_lost_rank_is_reported(cases):
         assert owners[0][1] == max(b for _, b in owners) and owners[1][0] == 0
         assert res["local_layers"] == owners[0][1] - owners[0][0]
         assert res["bytes_sent"] > 0 and res["bytes_received"] > 0  # both ways over the wire
-    assert results[0]["bytes_sent"] == results[1]["bytes_sent"]  # exact map: l reads l
     lost = results[-1]
     assert lost["error"] == "RankLostError", lost
     assert "lost a rank" in lost["message"] and lost["seconds"] < 30
