@@ -83,8 +83,9 @@ def test_two_ranks_answer_like_one_process_and_a_lost_rank_is_reported(cases):
     job.write_text(json.dumps({"cases": [*cases, dying], "out": str(d / "out.json")}))
     cmd = ["mlx.launch", "--backend", "ring", "-n", "2", "--python", sys.executable, SCRIPT]
     _, _, err = _run([*cmd, str(job)], timeout=240)
-    assert (d / "out.json").exists(), err[-3000:]
-    results = json.loads((d / "out.json").read_text())
+    text = (d / "out.json").read_text() if (d / "out.json").exists() else ""
+    assert text, err[-3000:]
+    results = json.loads(text)
     assert len(results) == len(cases) + 1, err[-3000:]
     for case, res in zip(cases, results):
         ref = distributed_api.run_case(case, distributed=False)
