@@ -10,7 +10,8 @@ meets on every rank. Only rank 0 samples. A translated span is placed by
 small model gathers the span's target K/V on rank 0. The other ranks run `follow`, a loop
 over rank 0's commands; they never see the conversation's text.
 
-A command is one small all_sum from rank 0: [op, cache id, cache offset, n, start, wire, first].
+A command is a small all_sum from rank 0, [op, cache id, cache offset, n, start, wire, first],
+then one with its token ids (forward) or dropped cache ids (drop).
 Rank 0 names each target cache it creates with an id; before a command, a follower trims its
 copy to rank 0's offset (rank 0's cache only shrinks by trimming, which needs no message),
 creates a cache on first use, and drops the ids rank 0 no longer holds.
