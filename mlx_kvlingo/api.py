@@ -205,12 +205,17 @@ class Runtime:
     """
 
     def __init__(
-        self, pair: ModelPair, forward: Translator | None, backward: Translator | None = None
+        self,
+        pair: ModelPair,
+        forward: Translator | None,
+        backward: Translator | None = None,
+        link: Any = None,
     ) -> None:
         # internal objects (mlx_kvlingo.pair / .translator), exposed for advanced use only
         self.pair = pair
         self.forward = forward  # small -> large translator (None: switching re-prefills)
         self.backward = backward  # large -> small translator (None: switching re-prefills)
+        self._link = link  # distributed: rank 0's link to the other ranks (pipelined.Link)
         self._cond = threading.Condition()
         self._owner: int | None = None
         self._ticket: _Ticket | None = None
@@ -223,6 +228,10 @@ class Runtime:
         target: str | Path | None = None,
         translator: str | Path | Translator | None = None,
         backward_translator: str | Path | Translator | None = None,
+        *,
+        distributed: bool | None = None,
+        wire: str = "auto",
+        timeout: float | None = None,
     ) -> Runtime:
         """Load a pair and its translators.
 
@@ -235,7 +244,23 @@ class Runtime:
         ValueError, when it cannot be had). Translator
         files are checked against the pair (`TranslatorFileError`, a ValueError, when wrong);
         a pair whose tokenizers differ raises `TokenizerMismatchError` (a ValueError).
+
+        `distributed`: pipeline the large model over the ranks of an `mlx.launch` run (None:
+        when started by mlx.launch with more than one rank). Every rank runs the same script;
+        on rank 0 this returns the runtime (it holds the small model and the last layers of
+        the large one), on the other ranks it does not return: they serve rank 0's requests
+        with their layers and exit when rank 0 closes the runtime (`close()`, or at exit).
+        `wire`: what a switch sends each rank, "source" K/V (the rank translates) or
+        "target" K/V; "auto" sends the fewer bytes. `timeout`: seconds a rank waits for the
+        others (to connect, or within one step) before it gives up with an error (default
+        120). See the README's distributed section.
         """
+        from .distributed import launched
+
+        if distributed or (distributed is None and launched()):
+            return cls._load_distributed(
+                source, target, translator, backward_translator, wire, timeout
+            )
         if source is None and target is None:
             return cls._load_demo(translator, backward_translator)
         if source is None or target is None:
@@ -269,6 +294,58 @@ class Runtime:
             return cls(pair, forward, None)  # no shipped backward file: switching back re-reads
         return cls(pair, forward, _load_translator(back_path, pair.reversed()))
 
+    @classmethod
+    def _load_distributed(
+        cls,
+        source: str | Path | None,
+        target: str | Path | None,
+        translator: str | Path | Translator | None,
+        backward_translator: str | Path | Translator | None,
+        wire: str,
+        timeout: float | None,
+    ) -> Runtime:
+        from .hub import resolve_translator
+        from .pipelined import load
+
+        if isinstance(translator, Translator):
+            raise ValueError("a distributed runtime takes a translator file (every rank reads it)")
+        if (source is None) != (target is None):
+            raise ValueError("give both source and target, or neither for the demo pair")
+        if source is None:
+            from .demo import pair as demo
+
+            source, target = demo.demo_models()
+            path = demo.translator_path(str(translator) if translator is not None else None)
+            if backward_translator is None:
+                try:
+                    backward_translator = demo.translator_path(None, reverse=True)
+                except (FileNotFoundError, KeyError):
+                    pass  # no shipped backward file: switching back re-reads
+        elif translator is None:
+            raise ValueError("a distributed runtime needs the small -> large translator")
+        else:
+            path = resolve_translator(str(translator), False)
+        # ranks > 0 do not return from load: they serve rank 0, then exit
+        link, pair = load(source, target, path, wire=wire, timeout=timeout)
+        backward = _load_translator(backward_translator, pair.reversed(), reverse=True)
+        return cls(pair, link.sp.translator, backward, link)
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks hold the large model (1: this process alone)."""
+        return self._link.ranks if self._link is not None else 1
+
+    def close(self) -> None:
+        """Distributed: release the other ranks (they exit). Single process: nothing to do."""
+        if self._link is not None:
+            self._link.close()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     # -- conversations ---------------------------------------------------------------------
 
     @property
@@ -296,7 +373,14 @@ class Runtime:
         """
         if reader is not None and reader not in READERS:
             raise ConversationError(f"unknown reader {reader!r}; expected one of {READERS}")
-        session = Session(
+        make: Any = Session
+        if self._link is not None:
+            from functools import partial
+
+            from .pipelined import ShardedSession
+
+            make = partial(ShardedSession, self._link)
+        session = make(
             self.pair,
             self.forward,
             self.backward,

@@ -3,23 +3,23 @@
 Who holds what, for N ranks started by `mlx.launch` (rank r owns target layers [a_r, b_r),
 mlx-lm's split: rank 0 the LAST layers, rank N-1 the first):
 
-    rank 0:  the source (whole), the prompt, the terminal; target layers [a_0, L)
+    rank 0:  the source (whole), the conversation, the terminal; target layers [a_0, L)
     rank r:  target layers [a_r, b_r) only, and the translator rows of those layers
 
-One switch, all ranks in step (SPMD):
+This module loads that (`load_sharded_pair`) and places one translated span (`place`, every
+rank at once, SPMD):
 
-    rank 0 broadcasts the prompt's token ids (and a seed) to every rank
-    rank 0: source prefill of tokens[:-1] -> span K/V (L_s, 1, H_s, T, D_s), RoPE-free
+    rank 0 has the span's source K/V (L_s, 1, H_s, T, D_s), RoPE-free
     wire "source": rank r is sent the source layers its target rows read, S_r, and maps them
     wire "target": rank 0 maps every target layer, rank r is sent its rows (b_r - a_r layers)
-    every rank: k_norm (pre_norm cut), RoPE, native first token, dtype -> its own cache
-    every rank: mlx-lm `stream_generate` from tokens[-1:], the pipeline does the rest
+    every rank: k_norm (pre_norm cut), RoPE at the span's positions, native first token, dtype
 
-Bytes to rank r per prompt token (float32, the translation's working dtype):
+Bytes to rank r per span token (float32, the translation's working dtype):
     "source": 4 * |S_r| * H_s * (D_s + Dv_s)        "target": 4 * (b_r - a_r) * H_t * (D_t + Dv_t)
 `wire="auto"` sends whichever is fewer bytes (measured: transfer time follows bytes; see
-`measure/distributed_bench.py` and the README). Only MLX moves data (`send`/`recv`,
-`all_sum`, `all_gather` of the ring/MPI/JACCL backends); nothing here opens a socket.
+`apps/distributed_bench.py` and the README). How the conversation drives the ranks (rank 0
+leads, the others follow its commands) is in `pipelined.py`. Only MLX moves data (`send`/`recv`,
+`all_sum` of the ring/MPI/JACCL backends); nothing here opens a socket.
 
 A rank that dies surfaces on the others as MLX's "[ring] connection ... lost" error, raised
 here as `RankLostError`. A rank that never connects or hangs blocks inside MLX with the GIL
@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,7 +38,6 @@ import mlx.core as mx
 
 from . import _watchdog
 from .capture import SpanKV, prefill
-from .decode import check_context
 from .kvcache import append_kv, new_cache
 from .pair import LoadedModel, ModelPair, default_dtype, geometry_of, vocab_fingerprint
 from .translator import Translator
@@ -227,7 +225,6 @@ class ShardedPair:
     wire: str
     timeout: float | None = DEFAULT_TIMEOUT
     local: dict = field(default_factory=dict, repr=False)  # per-rank translator parts
-    stopped: bool = False  # rank 0 said there is nothing more to do
 
     @property
     def rank(self) -> int:
@@ -372,30 +369,6 @@ def _broadcast_bytes(data: bytes | None, group, timeout, what="waiting for rank 
     return bytes(_broadcast(buf, group, timeout, what).tolist())
 
 
-def broadcast_request(
-    sp: ShardedPair, tokens: list[int] | None, seed: int = 0, what="waiting for rank 0"
-) -> tuple[list[int], int] | None:
-    """Rank 0's prompt token ids and seed on every rank; None on every rank means stop.
-
-    Other ranks call this with `tokens=None` and wait (without a deadline: a user may take
-    their time to type) for rank 0's next request.
-    """
-    stop = tokens is None
-    head = mx.array([-1 if stop else len(tokens), seed], dtype=mx.int32)
-    head = _broadcast(head, sp.group, None, what).tolist()
-    n, seed = int(head[0]), int(head[1])
-    if n < 0:
-        sp.stopped = True
-        return None
-    body = mx.array(tokens if sp.rank == 0 else [0] * n, dtype=mx.int32)
-    return _broadcast(body, sp.group, sp.timeout, what).tolist(), seed
-
-
-def stop(sp: ShardedPair) -> None:
-    """Rank 0: tell the other ranks there is nothing more to do."""
-    broadcast_request(sp, None)
-
-
 # -- one switch ------------------------------------------------------------------------------
 
 
@@ -411,33 +384,48 @@ class ShardedHandoff:
     translated_tokens: int
 
 
+def place(
+    sp: ShardedPair, span: SpanKV | None, wire: str, length: int, start: int, first: int | None
+) -> tuple[list, list, int]:
+    """Every rank (SPMD): this rank's target layers' K/V for a translated span, ready to append
+    to its cache, and the bytes it sent (rank 0) or received.
+
+    Rank 0 passes the source span (RoPE-free, tokens [start, start + length)); the others pass
+    None and receive what `wire` sends them. `first` is the span's first token id when it
+    starts at 0 (a native-first translator keeps the target's own K/V there)."""
+    what = f"placing a {length}-token span"
+    with _watchdog.deadline(sp.timeout, _lost_message(sp.rank, sp.timeout, what)):
+        if sp.rank == 0:
+            payloads, sent = _send_payloads(sp, span, wire)
+        else:
+            payloads, sent = _recv_payload(sp, wire, length)
+        tokens = (first,) if start == 0 and first is not None else None
+        part = sp.part(wire)
+        if wire == "source":
+            keys, values = part.translate(SpanKV(*payloads, start, tokens), sp.target)
+        else:
+            meta = SpanKV(mx.zeros((0,)), mx.zeros((0,)), start, tokens)
+            keys, values = part.finish(payloads[0], payloads[1], meta, sp.target)
+    return keys, values, sent
+
+
 def handoff(sp: ShardedPair, tokens: list[int]) -> ShardedHandoff:
-    """Every rank: fill this rank's target cache with tokens[:-1] translated (SPMD call)."""
+    """Every rank: a fresh target cache holding tokens[:-1] translated (rank 0 passes the
+    prompt and prefills it with the source; the others pass the same token count)."""
     if len(tokens) < 2:
         raise ValueError("need at least 2 prompt tokens: the target must process the last itself")
     wire = sp.choose_wire()
-    rank, T = sp.rank, len(tokens) - 1
-    cfg = sp.translator.config
+    T = len(tokens) - 1
     t0 = time.perf_counter()
     span = None
-    if rank == 0:
-        span = prefill(sp.source, tokens[:-1], new_cache(sp.source), cut=cfg.key_cut)
+    if sp.rank == 0:
+        span = prefill(
+            sp.source, tokens[:-1], new_cache(sp.source), cut=sp.translator.config.key_cut
+        )
     t1 = time.perf_counter()
-    meta = SpanKV(mx.zeros((0,)), mx.zeros((0,)), 0, tuple(tokens[:-1]))
-    what = f"handing off a {T}-token prompt"
-    with _watchdog.deadline(sp.timeout, _lost_message(rank, sp.timeout, what)):
-        if rank == 0:
-            payloads, sent = _send_payloads(sp, span, wire)
-        else:
-            payloads, sent = _recv_payload(sp, wire, T)
-        part = sp.part(wire)
-        if wire == "source":
-            local = SpanKV(payloads[0], payloads[1], 0, meta.tokens)
-            keys, values = part.translate(local, sp.target)
-        else:
-            keys, values = part.finish(payloads[0], payloads[1], meta, sp.target)
-        cache = new_cache(sp.target)
-        append_kv(cache, keys, values)
+    keys, values, sent = place(sp, span, wire, T, 0, tokens[0])
+    cache = new_cache(sp.target)
+    append_kv(cache, keys, values)
     return ShardedHandoff(cache, wire, t1 - t0, time.perf_counter() - t1, sent, T)
 
 
@@ -473,46 +461,3 @@ def _recv_payload(sp: ShardedPair, wire: str, T: int) -> tuple[tuple, int]:
     v = mx.distributed.recv((n, 1, side.kv_heads, T, side.value_dim), mx.float32, 0, group=sp.group)
     _eval(k, v)
     return (k, v), k.nbytes + v.nbytes
-
-
-def generate(
-    sp: ShardedPair,
-    tokens: list[int] | None,
-    *,
-    max_tokens: int = 256,
-    seed: int = 0,
-    **kwargs,
-) -> Iterator:
-    """Every rank: one answer, streamed as mlx-lm `GenerationResponse`s (all ranks yield the
-    same tokens; print on rank 0 only). Rank 0 passes the prompt's ids, the others None.
-    Yields nothing on every rank when rank 0 passes None (stop)."""
-    if sp.rank == 0 and tokens is not None:
-        try:
-            check_context(ModelPair(sp.source, sp.target, sp.tokenizer), len(tokens))
-        except ValueError:
-            stop(sp)  # release the other ranks before failing here
-            raise
-    request = broadcast_request(sp, tokens, seed)
-    if request is None:
-        return
-    tokens, seed = request
-    mx.random.seed(seed)  # the same sampler state on every rank: the same tokens everywhere
-    h = handoff(sp, tokens)
-    yield from decode(sp, tokens[-1:], h.target_cache, max_tokens=max_tokens, **kwargs)
-
-
-def decode(sp: ShardedPair, prompt: list[int], cache: list, **kwargs) -> Iterator:
-    """mlx-lm's pipelined `stream_generate` on this rank's cache, each step under a deadline."""
-    from mlx_lm import stream_generate
-
-    it = stream_generate(
-        sp.target.model, sp.tokenizer, mx.array(prompt), prompt_cache=cache, **kwargs
-    )
-    message = _lost_message(sp.rank, sp.timeout, "decoding")
-    while True:
-        try:
-            with _watchdog.deadline(sp.timeout, message), _lost_as_error("decoding"):
-                r = next(it)
-        except StopIteration:
-            return
-        yield r

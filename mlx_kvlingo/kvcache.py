@@ -17,8 +17,10 @@ def new_cache(
     kv_group_size: int | None = None,
     max_kv_size=None,
 ) -> list:
-    """An empty mlx-lm cache for `model` (a LoadedModel): plain, quantized (`kv_bits`) or rotating."""
-    n = model.geometry.layers
+    """An empty mlx-lm cache for `model` (a LoadedModel): plain, quantized (`kv_bits`) or rotating.
+
+    One entry per layer this process holds (a pipelined target holds only its own layers)."""
+    n = len(model.layers)
     if kv_bits is not None:
         D = model.geometry.head_dim
         if kv_group_size is None:

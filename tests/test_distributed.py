@@ -1,9 +1,12 @@
-"""The target pipeline-sharded over two ranks on localhost (ring backend, CPU).
+"""The large model pipeline-sharded over two ranks on localhost (ring backend, CPU).
 
-Known-answer pairs (exact translators) whose targets are qwen3_moe and llama: decoding from
-the translated cache on 2 ranks equals single-process decoding token for token. A rank that
-dies, or never connects, ends rank 0 with a clear error within a timeout. Every run has a
-hard time limit and its processes are killed (by process group) whatever happens.
+One `mlx.launch` runs `distributed_api.py`, a script on the public API alone, on known-answer
+pairs (exact translators both ways) whose targets are qwen3_moe and llama: every answer of a
+conversation that exercises every kind of turn equals the same script in one process, token
+for token, on both wires. The launch ends with a rank that dies in the middle of a switch:
+rank 0 reports it as a lost rank within the time limit. A rank that never connects ends
+rank 0 with a clear error. Every run has a hard time limit and its processes are killed (by
+process group) whatever happens.
 """
 
 import json
@@ -13,27 +16,24 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from mlx_kvlingo import synthetic as syn
-from mlx_kvlingo.decode import generate
 from mlx_kvlingo.format import save_translator
 from mlx_kvlingo.pair import load_pair
 
 import pytest
-from helpers import exact_translator
+from helpers import exact_translator, inverse
 
-RANK_SCRIPT = str(Path(__file__).with_name("distributed_rank.py"))
-PROMPT = "def foo(x):\n    return x + 1\n\nclass Bar:"
+SCRIPT = str(Path(__file__).with_name("distributed_api.py"))
 pytestmark = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="needs mlx.launch")
 
 
-def _env():
+def _env(**extra):
     env = dict(os.environ)
     here = [str(Path(__file__).resolve().parents[1])]
     env["PYTHONPATH"] = os.pathsep.join(here + [p for p in [env.get("PYTHONPATH")] if p])
-    return env
+    return {**env, **extra}
 
 
 def _run(cmd, timeout, env=None):
@@ -57,42 +57,48 @@ def _run(cmd, timeout, env=None):
 
 
 @pytest.fixture(scope="module")
-def known_pairs(tiny_dir, tmp_path_factory):
-    """(case list, single-process reference tokens) for qwen3_moe and llama known-answer pairs."""
+def cases(tiny_dir, tmp_path_factory):
+    """Known-answer pairs (qwen3_moe on both wires, llama) with exact translators both ways."""
     d = tmp_path_factory.mktemp("dist")
-    cases = []
+    out = []
     for kind, wires in (("qwen3_moe", ("source", "target")), ("llama", ("auto",))):
         answer = syn.known_answer_target(tiny_dir[kind], d / f"known_{kind}", seed=4)
         pair = load_pair(tiny_dir[kind], d / f"known_{kind}")
-        tr = exact_translator(pair, answer)
-        path = save_translator(tr, d / f"exact_{kind}.safetensors", pair)
-        ref = [int(r.token) for r in generate(pair, tr, PROMPT, max_tokens=10)]
+        fwd = save_translator(exact_translator(pair, answer), d / f"fwd_{kind}.safetensors", pair)
+        back = exact_translator(pair.reversed(), inverse(answer))
+        back = save_translator(back, d / f"back_{kind}.safetensors", pair.reversed())
         for wire in wires:
-            cases.append({
-                "kind": kind, "source": str(tiny_dir[kind]), "target": str(d / f"known_{kind}"),
-                "translator": str(path), "wire": wire, "prompt": PROMPT, "max_tokens": 10,
-                "ref": ref,
-            })  # fmt: skip
-    return d, cases
+            out.append({"kind": kind, "source": str(tiny_dir[kind]), "wire": wire,
+                        "target": str(d / f"known_{kind}"), "translator": str(fwd),
+                        "backward": str(back), "short": wire == "target"})  # fmt: skip
+    return d, out
 
 
-def test_two_ranks_decode_like_one_process(known_pairs):
-    d, cases = known_pairs
+def test_two_ranks_answer_like_one_process_and_a_lost_rank_is_reported(cases):
+    import distributed_api
+
+    d, cases = cases
+    dying = {**cases[-1], "die": True, "timeout": 30}
     job = d / "job.json"
-    job.write_text(json.dumps({"cases": cases, "out": str(d / "out.json"), "timeout": 60}))
-    cmd = ["mlx.launch", "--backend", "ring", "-n", "2", "--python", sys.executable]
-    rc, out, err = _run([*cmd, RANK_SCRIPT, str(job)], timeout=240)
-    assert rc == 0, err[-3000:]
-    results = json.loads((d / "out.json").read_text())
-    for case, res in zip(cases, results, strict=True):
-        assert res["tokens"] == case["ref"], (case["kind"], case["wire"])
-        owners = res["owners"]
-        assert all(b > a for a, b in owners) and owners[0][1] == max(b for _, b in owners)
-        assert res["local_layers"] == owners[0][1] - owners[0][0]  # rank 0: its layers only
-    moe = [r for c, r in zip(cases, results) if c["kind"] == "qwen3_moe"]
-    assert {r["wire"] for r in moe} == {"source", "target"}
-    # the exact translator maps layer l from source layer l: both wires carry the same bytes
-    assert moe[0]["bytes"] == moe[1]["bytes"] > 0
+    job.write_text(json.dumps({"cases": [*cases, dying], "out": str(d / "out.json")}))
+    cmd = ["mlx.launch", "--backend", "ring", "-n", "2", "--python", sys.executable, SCRIPT]
+    _, _, err = _run([*cmd, str(job)], timeout=240)
+    text = (d / "out.json").read_text() if (d / "out.json").exists() else ""
+    assert text, err[-3000:]
+    results = json.loads(text)
+    assert len(results) == len(cases) + 1, err[-3000:]
+    for case, res in zip(cases, results):
+        ref = distributed_api.run_case(case, distributed=False)
+        assert res["turns"] == ref["turns"], (case["kind"], case["wire"])
+        assert res.get("stats") == ref.get("stats")
+        assert res["ranks"] == 2 and ref["ranks"] == 1
+        owners = res["owners"]  # rank 0 holds the last layers, and only those
+        assert owners[0][1] == max(b for _, b in owners) and owners[1][0] == 0
+        assert res["local_layers"] == owners[0][1] - owners[0][0]
+        assert res["bytes_sent"] > 0 and res["bytes_received"] > 0  # both ways over the wire
+    lost = results[-1]
+    assert lost["error"] == "RankLostError", lost
+    assert "lost a rank" in lost["message"] and lost["seconds"] < 30
 
 
 def _free_ports(n):
@@ -105,57 +111,36 @@ def _free_ports(n):
     return ports
 
 
-def _hostfile(tmp_path, n=2):
-    path = tmp_path / "hosts.json"
-    path.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(n)]))
-    return path
-
-
-def _start_rank(rank, hostfile, job, extra_env=None):
-    env = {**_env(), "MLX_RANK": str(rank), "MLX_HOSTFILE": str(hostfile), **(extra_env or {})}
-    return subprocess.Popen(
-        [sys.executable, RANK_SCRIPT, str(job)], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, start_new_session=True, text=True,
-    )  # fmt: skip
-
-
-def _finish(procs, timeout):
-    """Wait for rank 0 (hard limit), then kill every process group started."""
-    t0 = time.monotonic()
-    try:
-        _, err = procs[0].communicate(timeout=timeout)
-        return procs[0].returncode, err, time.monotonic() - t0
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"rank 0 hung past {timeout} s")
-    finally:
-        for p in procs:
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            p.communicate()
-
-
-def test_a_rank_that_dies_is_a_clear_error_on_rank_0(known_pairs, tmp_path):
-    _, cases = known_pairs
+def test_a_rank_that_cannot_connect_is_a_clear_error_on_rank_0(cases, tmp_path):
+    _, cases = cases
+    hosts = tmp_path / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{p}"] for p in _free_ports(2)]))
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"cases": cases[:1], "out": str(tmp_path / "o.json"), "timeout": 20}))
-    hosts = _hostfile(tmp_path)
-    procs = [
-        _start_rank(0, hosts, job),
-        _start_rank(1, hosts, job, {"KVLINGO_TEST_DIE_AT": "1:0"}),  # dies before loading
-    ]
-    rc, err, took = _finish(procs, timeout=120)
-    assert rc != 0
-    assert "RankLostError" in err or "no answer from the other ranks" in err, err[-2000:]
-    assert took < 120
-
-
-def test_a_rank_that_cannot_connect_is_a_clear_error_on_rank_0(known_pairs, tmp_path):
-    _, cases = known_pairs
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"cases": cases[:1], "out": str(tmp_path / "o.json"), "timeout": 3}))
-    procs = [_start_rank(0, _hostfile(tmp_path), job)]  # rank 1 never starts
-    rc, err, took = _finish(procs, timeout=90)
+    job.write_text(json.dumps({"cases": [{**cases[0], "timeout": 3}], "out": str(tmp_path / "o")}))
+    env = _env(MLX_RANK="0", MLX_HOSTFILE=str(hosts))  # rank 1 never starts
+    rc, _, err = _run([sys.executable, SCRIPT, str(job)], timeout=90, env=env)
     assert rc != 0
     assert "no answer from the other ranks within 3 s while connecting" in err, err[-2000:]
+
+
+def test_one_rank_runtime_answers_like_one_process_and_refuses_saving(cases, tmp_path):
+    """The distributed code path in this process (a group of one): the same answers; what a
+    pipelined target cannot do is refused with a clear error."""
+    from mlx_kvlingo import ConversationError, Runtime
+
+    import distributed_api
+
+    _, cases = cases
+    case = {**cases[0], "short": True}
+    one_rank = distributed_api.run_case(case, distributed=True)
+    assert one_rank["turns"] == distributed_api.run_case(case, distributed=False)["turns"]
+    with Runtime.load(case["source"], case["target"], case["translator"],
+                      distributed=True) as rt:  # fmt: skip
+        chat = rt.new_conversation()
+        chat.ask("def foo(x):", "large", max_tokens=2)
+        with pytest.raises(ConversationError, match="not available"):
+            chat.save(tmp_path / "s")
+        with pytest.raises(RuntimeError, match="close the open distributed runtime"):
+            Runtime.load(case["source"], case["target"], case["translator"], distributed=True)
+    with pytest.raises(RuntimeError, match="closed"):
+        chat.ask("more", "large", max_tokens=2)

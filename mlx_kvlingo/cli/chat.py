@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..conversation.records import LABEL
+from ..distributed import DistributedError
 from ..sampling import describe as describe_sampling
 from ..sampling import resolve as resolve_sampling
 from ..session import (
@@ -33,7 +34,7 @@ from ._common import (
     target_option,
     translator_option,
 )
-from ._distributed import distributed_option, run_chat, wanted, wire_option
+from ._distributed import describe, distributed_option, fail, load_runtime, wanted, wire_option
 
 # model output goes to a terminal: drop control characters (escape sequences, \r) but \n \t
 _CONTROL = {c: None for c in [*range(32), 127] if chr(c) not in "\n\t"}
@@ -341,12 +342,29 @@ def chat_cmd(source, target, translator, backward_translator, system_prompt, max
              **sampling):  # fmt: skip
     """Chat with the small model and hand the conversation to the large one (and back)."""
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
+    console = Console(highlight=False)
     if wanted(distributed):  # mlx.launch: the large model pipelined, rank 0 owns the terminal
-        return run_chat(source, target, translator, wire, max_tokens,
-                        sampling_settings(sampling), system_prompt)  # fmt: skip
+        runtime = load_runtime(source, target, translator, backward_translator, wire)
+        try:
+            conv = runtime.new_conversation(system_prompt, mode, max_kv_size, reader,
+                                            translate_ahead)  # fmt: skip
+        except SessionError as e:
+            raise click.ClickException(str(e)) from None
+        app = ChatApp(conv._session, max_tokens=max_tokens, sampling=sampling_settings(sampling),
+                      auto_threshold=auto_threshold, console=console, first=MODEL[first or answer])  # fmt: skip
+        back = backward_translator or (
+            "demo" if runtime.backward else "none: switching back re-reads"
+        )
+        app.banner({"forward": translator or "demo", "backward": back})
+        app.say(f"  {describe(runtime)} · /save and /load are not available")
+        try:
+            app.run()
+            runtime.close()
+        except DistributedError as e:
+            fail(e)
+        return
     from ..format import TranslatorFileError, load_translator
 
-    console = Console(highlight=False)
     console.print("[grey50]loading models...[/grey50]")
     try:
         pair, forward = resolve_pair(source, target, translator)

@@ -17,7 +17,7 @@ from ._common import (
     target_option,
     translator_option,
 )
-from ._distributed import distributed_option, run_generate, wanted, wire_option
+from ._distributed import describe, distributed_option, fail, load_runtime, wanted, wire_option
 
 
 @click.command("generate")
@@ -36,8 +36,10 @@ def generate_cmd(source, target, translator, prompt, chat, max_tokens, as_json, 
     """One answer from the target with no target prefill, with honest timings."""
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     if wanted(distributed):  # mlx.launch: the target pipelined over the ranks
-        return run_generate(source, target, translator, wire, prompt, chat, max_tokens,
-                            sampling_settings(sampling))  # fmt: skip
+        if as_json:
+            raise click.UsageError("--json is not available with --distributed")
+        return _generate_distributed(source, target, translator, wire, prompt, chat, max_tokens,
+                                     sampling_settings(sampling))  # fmt: skip
     import mlx.core as mx
     from mlx_lm import stream_generate
 
@@ -100,3 +102,32 @@ def generate_cmd(source, target, translator, prompt, chat, max_tokens, as_json, 
         f"{last.generation_tps:.1f} tok/s · peak {last.peak_memory:.2f} GB",
         err=True,
     )
+
+
+def _generate_distributed(source, target, translator, wire, prompt, chat, max_tokens, sampling):
+    """Rank 0: the same switch through a conversation on the distributed runtime (the small
+    model reads the prompt, the span is placed on the ranks, the pipelined target decodes)."""
+    from ..distributed import DistributedError
+    from ..session import status_line
+
+    runtime = load_runtime(source, target, translator, None, wire)  # ranks > 0 stop here
+    try:
+        session = runtime.new_conversation()._session
+        if chat:
+            session.add_user(prompt)
+        else:
+            session.add_tokens(session.pair.tokenizer.encode(prompt))
+        cfg = resolve_sampling(runtime.pair.target, **sampling)
+        if cfg.seed is not None:
+            import mlx.core as mx
+
+            mx.random.seed(cfg.seed)
+        for ev in session.generate("target", max_tokens=max_tokens, sampler=cfg.sampler(),
+                                   logits_processors=cfg.logits_processors()):  # fmt: skip
+            click.echo(ev.text, nl=False)
+        click.echo()
+        names = {"source": runtime.pair.source.name, "target": runtime.pair.target.name}
+        click.echo(f"{describe(runtime)} · {status_line(session.last_turn, names)}", err=True)
+        runtime.close()
+    except DistributedError as e:
+        fail(e)

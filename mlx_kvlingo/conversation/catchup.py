@@ -79,8 +79,7 @@ class CatchUp:
                 m.cache, m.held = new_cache(m.loaded), 0
             span = self._capture(o, m.held, end, cut)
             span.tokens = tuple(self.tokens[span.start : span.end])
-            keys, values = tr.translate(span, m.loaded)
-            append_kv(m.cache, keys, values)
+            self._translate_into(m, tr, span)
             m.held = end
             sw.translated = span.length
             sw.seconds = time.perf_counter() - t0
@@ -154,8 +153,7 @@ class CatchUp:
         try:
             span = self._capture(o, a, b, self.forward.config.key_cut)
             span.tokens = tuple(self.tokens[a:b])
-            keys, values = self.forward.translate(span, t.loaded)
-            append_kv(t.cache, keys, values)
+            self._translate_into(t, self.forward, span)
             t.held = b
         finally:
             self._settle(t, t.held)  # an interrupted append leaves no half-written layer
@@ -168,6 +166,11 @@ class CatchUp:
         sw.translated = sw.end - sw.start
         sw.seconds += seconds
         return seconds
+
+    def _translate_into(self, m: _Model, tr, span: SpanKV) -> None:
+        """Append the translated span to m's cache (it holds exactly [0, span.start))."""
+        keys, values = tr.translate(span, m.loaded)
+        append_kv(m.cache, keys, values)
 
     def _capture(self, o: _Model, start: int, end: int, cut: str) -> SpanKV:
         """The outgoing model's K/V for [start, end) at the translator's key cut."""
