@@ -4,6 +4,7 @@ map against its multiplied-out form, the file, and `kvlingo calibrate --rank`.""
 import json
 
 from mlx_kvlingo.calibrate.closed_form import Moments, Stage1Config
+from mlx_kvlingo.calibrate.distill import Stage2Config, distill
 from mlx_kvlingo.calibrate.lowrank import factor, fit_lowrank_with_full
 from mlx_kvlingo.capture import trace
 from mlx_kvlingo.cli import cli
@@ -200,3 +201,14 @@ def test_calibrate_cli_rank(tiny_dir, text_file, tmp_path):
     assert tr.config.metadata["calibration"]["stage1"]["rank_requested"] == 16
     out = CliRunner().invoke(cli, [*args, "--rank", "16", "--variant", "headwise", "-o", "x"])
     assert out.exit_code != 0 and "--rank fits a low-rank translator" in out.output
+
+
+def test_stage2_trains_the_codes_and_checkpoints_them(known_pair, train, tmp_path):
+    tr = _random_lowrank(known_pair, 8, 1)
+    before = {k: np.array(v) for k, v in tr.key.items()}
+    cfg = Stage2Config(steps=2, warmup=1, eval_every=2, eval_examples=1, save_every=2)
+    distill(tr, known_pair, train[:4], train[4:5], cfg, tmp_path / "ckpt", progress=False)
+    assert all(not np.array_equal(np.array(tr.key[k]), before[k]) for k in before)
+    saved = load_translator(tmp_path / "ckpt" / "translator.safetensors")
+    assert isinstance(saved, LowRankTranslator)
+    assert mx.array_equal(saved.key["encoder"], tr.key["encoder"])
