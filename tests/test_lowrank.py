@@ -199,6 +199,12 @@ def test_calibrate_cli_rank(tiny_dir, text_file, tmp_path):
     assert isinstance(tr, LowRankTranslator) and tr.config.rank == 16
     assert tr.key["encoder"].shape == (4, 64, 16)
     assert tr.config.metadata["calibration"]["stage1"]["rank_requested"] == 16
+    ev = ["eval", "--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["known"]),
+          "--translator", str(tmp_path / "r.safetensors"), "--data", str(text_file), "-n", "2",
+          "--json", str(tmp_path / "e.json")]  # fmt: skip
+    out = CliRunner().invoke(cli, ev)
+    assert out.exit_code == 0, out.output
+    assert json.loads((tmp_path / "e.json").read_text())["translated"]["kl_native"] >= 0
     out = CliRunner().invoke(cli, [*args, "--rank", "16", "--variant", "headwise", "-o", "x"])
     assert out.exit_code != 0 and "--rank fits a low-rank translator" in out.output
 
