@@ -155,6 +155,10 @@ class Translator(nn.Module):
     """Maps a source span's K/V to the target's cache layout (see module docstring)."""
 
     def __init__(self, config: TranslatorConfig, dtype: mx.Dtype = mx.float32):
+        if config.variant == "lowrank":
+            raise ValueError(
+                "a lowrank config needs lowrank.LowRankTranslator (lowrank.new_translator)"
+            )
         super().__init__()
         self.config = config
         shapes = config.weight_shapes()

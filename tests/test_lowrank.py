@@ -16,7 +16,7 @@ from mlx_kvlingo.format import (
     save_translator,
 )
 from mlx_kvlingo.lowrank import LowRankTranslator, multiply_adds
-from mlx_kvlingo.translator import Side, TranslatorConfig
+from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
 
 import mlx.core as mx
 import numpy as np
@@ -161,6 +161,8 @@ def test_file_round_trip_and_refusals(known_pair, tmp_path):
     path = save_translator(tr, tmp_path / "lr.safetensors", known_pair)
     back = load_translator(path, known_pair)
     assert isinstance(back, LowRankTranslator) and back.config == tr.config
+    with pytest.raises(ValueError, match="needs lowrank.LowRankTranslator"):
+        Translator(tr.config)
     for kind in ("key", "value"):
         for name, v in getattr(tr, kind).items():
             assert mx.array_equal(getattr(back, kind)[name], v)
