@@ -27,7 +27,7 @@ from mlx_kvlingo.calibrate.lowrank import fit_lowrank_with_full
 from mlx_kvlingo.capture import trace
 from mlx_kvlingo.data import DataConfig, load_examples
 from mlx_kvlingo.demo.pair import demo_data, demo_models
-from mlx_kvlingo.format import save_translator
+from mlx_kvlingo.format import load_translator, save_translator
 from mlx_kvlingo.lowrank import multiply_adds
 from mlx_kvlingo.measure.evaluate import Scores, gap_recovered
 from mlx_kvlingo.pair import load_pair
@@ -120,6 +120,8 @@ def main(argv=None):
     ap.add_argument("--lengths", default="64,256")
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", default="lowrank-results")
+    ap.add_argument("--stage1-from", help="load the stage-1 files an earlier run wrote in this "
+                    "folder instead of fitting (same --nu, --ranks, --examples)")  # fmt: skip
     args = ap.parse_args(argv)
     args.cmdline = " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out"
@@ -139,8 +141,15 @@ def main(argv=None):
     hcfg = DataConfig(16, 256, 32, 1.0, seed=0, max_heldout=args.eval_examples)
     _, held = load_examples(held_file, pair.tokenizer, hcfg)
     t0 = time.perf_counter()
-    cfg = Stage1Config(nu=args.nu, selection_examples=args.selection_examples)
-    full, low = fit_lowrank_with_full(pair, train[: args.examples], ranks, cfg)
+    if args.stage1_from:
+        folder = Path(args.stage1_from)
+        full, *low = [
+            load_translator(folder / f"demo-nu{args.nu}-{name}-stage1.safetensors", pair)
+            for name in ["full", *(f"r{r}" for r in ranks)]
+        ]
+    else:
+        cfg = Stage1Config(nu=args.nu, selection_examples=args.selection_examples)
+        full, low = fit_lowrank_with_full(pair, train[: args.examples], ranks, cfg)
     print(
         f"stage 1, full rank and {len(ranks)} ranks: {time.perf_counter() - t0:.0f} s", flush=True
     )
