@@ -5,7 +5,7 @@ import json
 
 from mlx_kvlingo.calibrate.closed_form import Moments, Stage1Config
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
-from mlx_kvlingo.calibrate.lowrank import factor, fit_lowrank_with_full
+from mlx_kvlingo.calibrate.lowrank import balance_codes, factor, fit_lowrank_with_full
 from mlx_kvlingo.capture import trace
 from mlx_kvlingo.cli import cli
 from mlx_kvlingo.data import DataConfig, load_examples
@@ -220,3 +220,26 @@ def test_stage2_trains_the_codes_and_checkpoints_them(known_pair, train, tmp_pat
     saved = load_translator(tmp_path / "ckpt" / "translator.safetensors")
     assert isinstance(saved, LowRankTranslator)
     assert mx.array_equal(saved.key["encoder"], tr.key["encoder"])
+
+
+def test_balanced_codes_keep_the_maps(known_pair):
+    tr = _random_lowrank(known_pair, 8, 2)
+    tr.key["encoder"] = tr.key["encoder"] * 1e-3  # whitened-fit-like: tiny encoders
+    before = tr.full_rank()
+    balance_codes(tr)
+    after = tr.full_rank()
+    for kind in ("key", "value"):
+        a, b = np.array(getattr(after, kind)["weight"]), np.array(getattr(before, kind)["weight"])
+        np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max())
+    # layer 0's key codes: encoder column norm = norm of every decoder row that reads it
+    rows, dec = tr.config.key_layers, np.array(tr.key["decoder"])
+    reads = [
+        dec[t, j * 8 : (j + 1) * 8]
+        for t, row in enumerate(rows)
+        for j, s in enumerate(row)
+        if s == 0
+    ]
+    d_norm = np.sqrt(sum((d**2).sum(-1) for d in reads))
+    np.testing.assert_allclose(
+        np.linalg.norm(np.array(tr.key["encoder"][0]), axis=0), d_norm, rtol=1e-4
+    )
