@@ -1,7 +1,7 @@
 """One translator file: a `.safetensors` file with the tensors and JSON metadata.
 
 Metadata key `kvlingo` holds a JSON object:
-    schema, schema_version, variant, key_cut, bias, key_layers, value_layers,
+    schema, schema_version, variant, key_cut, bias, key_layers, value_layers, rank (lowrank only),
     source / target: {name, model_type, layers, kv_heads, head_dim, value_dim, rope, has_k_norm},
     tokenizer (vocab fingerprint), dtype, and free-form `calibration` / `provenance` reports.
 Loading checks the file itself (truncation, schema, tensors, shapes, NaN/Inf) and then, when a
@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ._atomic import atomic_write
+from .lowrank import new_translator
 from .translator import Side, Translator, TranslatorConfig
 
 SCHEMA = "mlx-kvlingo/translator"
@@ -56,8 +57,10 @@ def build_metadata(translator: Translator, pair=None, **extra) -> dict:
         "source": _side_meta(pair.source if pair else None, c.source),
         "target": _side_meta(pair.target if pair else None, c.target),
         "tokenizer": pair.tokenizer_fingerprint if pair else None,
-        "dtype": str(translator.key["weight"].dtype).replace("mlx.core.", ""),
+        "dtype": str(next(iter(translator.key.values())).dtype).replace("mlx.core.", ""),
     }
+    if c.rank is not None:
+        meta["rank"] = c.rank
     meta.update(c.metadata)
     meta.update(extra)
     return meta
@@ -76,7 +79,7 @@ def save_translator(
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
     meta = build_metadata(translator, pair, **extra)
-    meta["dtype"] = str(tensors["key.weight"].dtype).replace("mlx.core.", "")
+    meta["dtype"] = str(next(iter(tensors.values())).dtype).replace("mlx.core.", "")
     with atomic_write(path) as tmp:
         mx.save_safetensors(str(tmp), tensors, metadata={"kvlingo": json.dumps(meta)})
     return path
@@ -212,9 +215,11 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
     for label in ("bias", "native_first"):
         if not isinstance(meta.get(label, False), bool):
             raise TypeError(f"{label} must be true or false")
+    if meta.get("rank") is not None and not _is_int(meta["rank"]):
+        raise TypeError("rank must be an integer")
     skip = {
         "schema", "schema_version", "variant", "key_cut", "bias", "key_layers",
-        "value_layers", "source", "target", "native_first",
+        "value_layers", "source", "target", "native_first", "rank",
     }  # fmt: skip
     return TranslatorConfig(
         variant=meta["variant"],
@@ -226,6 +231,7 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
         bias=meta["bias"],
         native_first=meta.get("native_first", False),
         metadata={k: v for k, v in meta.items() if k not in skip},
+        rank=meta.get("rank"),
     )
 
 
@@ -272,7 +278,7 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
         dtype = None if mx.default_device().type == mx.gpu else mx.float32
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
-    tr = Translator(config, dtype=tensors["key.weight"].dtype)
+    tr = new_translator(config, dtype=next(iter(tensors.values())).dtype)
     tr.key = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("key.")}
     tr.value = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("value.")}
     # evaluate now: a lazy cast would carry this thread's stream into the thread that

@@ -24,7 +24,7 @@ from .anchor import with_native_first
 from .capture import SpanKV, check_cut
 from .rope import rotate
 
-VARIANTS = ("headwise", "mixing")
+VARIANTS = ("headwise", "mixing", "lowrank")  # lowrank: see lowrank.py
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,20 @@ class TranslatorConfig:
     #: attention sink whose K/V depend only on its id, so they are computed once, not per prompt
     native_first: bool = False
     metadata: dict = field(default_factory=dict, compare=False)
+    #: lowrank only: code width per source layer (clamped to each source layer's K/V width)
+    rank: int | None = None
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown variant {self.variant!r}; expected one of {VARIANTS}")
+        if self.variant == "lowrank":
+            r = self.rank
+            if not isinstance(r, numbers.Integral) or isinstance(r, bool) or r < 1:
+                raise ValueError(
+                    f"a lowrank translator needs a positive integer rank, not {r!r:.40}"
+                )
+        elif self.rank is not None:
+            raise ValueError(f"rank applies to the lowrank variant only, not {self.variant!r}")
         check_cut(self.key_cut)
         if self.variant == "headwise" and self.source.kv_heads != self.target.kv_heads:
             raise ValueError(
@@ -94,9 +104,24 @@ class TranslatorConfig:
     def nu_v(self) -> int:
         return len(self.value_layers[0])
 
+    def code_width(self, kind: str) -> int:
+        """lowrank: the code width per source layer, `rank` clamped to the layer's K or V width
+        (a wider code cannot carry more: the full-width encoder is already invertible)."""
+        width = self.source.head_dim if kind == "key" else self.source.value_dim
+        return min(self.rank, self.source.kv_heads * width)
+
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         s, t, L = self.source, self.target, self.target.layers
-        if self.variant == "mixing":
+        if self.variant == "lowrank":  # shared encoder per source layer, decoder per target layer
+            shapes = {}
+            for kind, nu, ds, dt in (("key", self.nu_k, s.head_dim, t.head_dim),
+                                     ("value", self.nu_v, s.value_dim, t.value_dim)):  # fmt: skip
+                r = self.code_width(kind)
+                shapes[f"{kind}.encoder"] = (s.layers, s.kv_heads * ds, r)
+                shapes[f"{kind}.decoder"] = (L, nu * r, t.kv_heads * dt)
+                if self.bias:
+                    shapes[f"{kind}.bias"] = (L, t.kv_heads * dt)
+        elif self.variant == "mixing":
             shapes = {
                 "key.weight": (L, self.nu_k * s.kv_heads * s.head_dim, t.kv_heads * t.head_dim),
                 "value.weight": (L, self.nu_v * s.kv_heads * s.value_dim, t.kv_heads * t.value_dim),
@@ -132,6 +157,10 @@ class Translator(nn.Module):
     """Maps a source span's K/V to the target's cache layout (see module docstring)."""
 
     def __init__(self, config: TranslatorConfig, dtype: mx.Dtype = mx.float32):
+        if config.variant == "lowrank":
+            raise ValueError(
+                "a lowrank config needs lowrank.LowRankTranslator (lowrank.new_translator)"
+            )
         super().__init__()
         self.config = config
         shapes = config.weight_shapes()

@@ -152,6 +152,29 @@ def fit_many(pair, examples, cfgs: list[Stage1Config], progress=True) -> list[Tr
     Moments are keyed by input-layer tuple (Gram) and (target layer, input layers) (cross), so
     configs that read the same layers (e.g. headwise and mixing) share them.
     """
+    st = accumulate(pair, examples, cfgs, progress)
+    return [
+        _finish(config, cfg, maps, st.grams, st.cross, st.out_stats, st.examples, st.tokens)
+        for config, cfg, maps in zip(st.configs, cfgs, st.maps)
+    ]
+
+
+@dataclass
+class Statistics:
+    """One streaming pass: per config its TranslatorConfig and layer maps; the shared moments
+    grams[kind, layers], cross[kind, t, layers] (X'Y), out_stats[kind, t] = [sum y, sum y^2]."""
+
+    configs: list
+    maps: list
+    grams: dict
+    cross: dict
+    out_stats: dict
+    examples: int
+    tokens: int
+
+
+def accumulate(pair, examples, cfgs: list[Stage1Config], progress=True) -> Statistics:
+    """The moments `fit_many` solves from (also the low-rank fit's input)."""
     cuts = {c.key_cut for c in cfgs}
     if len(cuts) != 1:
         raise ValueError("fit_many needs one key cut for all configs")
@@ -216,10 +239,7 @@ def fit_many(pair, examples, cfgs: list[Stage1Config], progress=True) -> list[Tr
                     st[0], st[1] = st[0] + y.sum(0), st[1] + float((y * y).sum())
             n_tokens += len(tokens)
             bar.advance(task)
-    return [
-        _finish(config, cfg, maps, grams, cross, out_stats, len(examples), n_tokens)
-        for config, cfg, maps in zip(configs, cfgs, all_maps)
-    ]
+    return Statistics(configs, all_maps, grams, cross, out_stats, len(examples), n_tokens)
 
 
 def _finish(config, cfg, maps, grams, cross, out_stats, n_examples, n_tokens) -> Translator:

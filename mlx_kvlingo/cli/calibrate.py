@@ -10,6 +10,7 @@ from rich.console import Console
 
 from ..calibrate.closed_form import Stage1Config, fit_closed_form
 from ..calibrate.distill import Stage2Config, TrainingDivergedError, distill
+from ..calibrate.lowrank import fit_lowrank
 from ..data import DataError, load_examples, validate_data
 from ..format import load_translator, save_translator
 from ..measure.evaluate import evaluate, table
@@ -25,6 +26,10 @@ from ._common import data_config, data_options
 @click.option(
     "--variant", type=click.Choice(["mixing", "headwise"]), default="mixing", show_default=True
 )
+@click.option("--rank", type=click.IntRange(min=1),
+              help="Low-rank translator: a shared code of RANK numbers per source layer (keys and "
+                   "values each), decoded per target layer; fitted from the mixing maps, clamped "
+                   "to the source's per-layer K/V width. Fewer FLOPs only at small RANK: see README")  # fmt: skip
 @click.option("--nu", default=1, show_default=True, help="Source layers read per target layer")
 @click.option(
     "--key-cut",
@@ -61,10 +66,15 @@ from ._common import data_config, data_options
 @click.option("--eval-examples", default=32, show_default=True)
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False))
 @click.option("--resume/--no-resume", default=True, show_default=True)
-def calibrate_cmd(source, target, output, variant, nu, key_cut, bias, native_first, alpha, layer_map, init, steps, lr,
+def calibrate_cmd(source, target, output, variant, rank, nu, key_cut, bias, native_first, alpha, layer_map, init, steps, lr,
                   warmup, accumulate, grad_clip, eval_every, eval_examples, checkpoint_dir, resume, **kw):  # fmt: skip
     """Fit a translator SOURCE -> TARGET on your data; swap the two for the other direction."""
     console = Console(stderr=True)
+    if rank is not None and (variant != "mixing" or init):
+        raise click.ClickException(
+            "--rank fits a low-rank translator from the mixing maps: it goes with "
+            "--variant mixing and without --init"
+        )
     try:
         validate_data(kw["data_path"])  # before loading any model
         pair = load_pair(source, target)
@@ -81,7 +91,11 @@ def calibrate_cmd(source, target, output, variant, nu, key_cut, bias, native_fir
         cfg = Stage1Config(
             variant, nu, key_cut, bias, native_first, alpha, maps.get("key"), maps.get("value")
         )
-        tr = fit_closed_form(pair, train, cfg)
+        tr = (
+            fit_closed_form(pair, train, cfg)
+            if rank is None
+            else fit_lowrank(pair, train, [rank], cfg)[0]
+        )
     cal = tr.config.metadata.setdefault("calibration", {})
     cal.update(report)
     if not init:
