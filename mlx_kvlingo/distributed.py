@@ -39,6 +39,7 @@ import mlx.core as mx
 from . import _watchdog
 from .capture import SpanKV, prefill
 from .kvcache import append_kv, new_cache
+from .lowrank import new_translator
 from .pair import LoadedModel, ModelPair, default_dtype, geometry_of, vocab_fingerprint
 from .translator import Translator
 
@@ -338,7 +339,7 @@ def _share_translator(tr: Translator | None, group, timeout) -> Translator:
     meta = json.dumps(build_metadata(tr) if tr is not None else {}).encode()
     meta = _broadcast_bytes(meta, group, timeout)
     config = config_from_metadata(json.loads(meta))
-    out = tr if tr is not None else Translator(config)
+    out = tr if tr is not None else new_translator(config)
     for kind in ("key", "value"):
         params = getattr(out, kind)
         for name in sorted(config.weight_shapes()):

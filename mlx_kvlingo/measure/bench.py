@@ -263,8 +263,8 @@ def pair_info(pair: ModelPair, translator: Translator, **extra) -> dict:
             "nu": [c.nu_k, c.nu_v],
             "key_cut": c.key_cut,
             "bias": c.bias,
-            "dtype": str(translator.key["weight"].dtype).replace("mlx.core.", ""),
-            "parameters": int(translator.key["weight"].size + translator.value["weight"].size),
+            "dtype": str(map_weights(translator)[0].dtype).replace("mlx.core.", ""),
+            "parameters": sum(int(w.size) for w in map_weights(translator)),
             "provenance": c.metadata.get("provenance"),
         },
         **extra,
@@ -374,10 +374,16 @@ def run_switch(
     clock("gemm", lambda: mx.eval([a @ w for a, w in gemm_inputs]))
 
 
+def map_weights(tr: Translator) -> list[mx.array]:
+    """The matrices the translator multiplies by: one weight per kind, or a low-rank
+    translator's encoder and decoder per kind."""
+    return [p[n] for p in (tr.key, tr.value) for n in ("weight", "encoder", "decoder") if n in p]
+
+
 def gemm_operands(tr: Translator, n_tokens: int) -> list[tuple[mx.array, mx.array]]:
     """(activations, weights) with exactly the translator's matmul shapes for n_tokens."""
     out = []
-    for w in (tr.key["weight"], tr.value["weight"]):
+    for w in map_weights(tr):
         a = mx.random.normal((*w.shape[:-2], n_tokens, w.shape[-2])).astype(w.dtype)
         out.append((a, w))
     mx.eval(out)
@@ -387,7 +393,7 @@ def gemm_operands(tr: Translator, n_tokens: int) -> list[tuple[mx.array, mx.arra
 def kernel_work(tr: Translator, n_tokens: int) -> tuple[float, float]:
     """(FLOPs, minimum bytes moved) of the translator's matmuls for n_tokens (batch 1)."""
     flops = nbytes = 0.0
-    for w in (tr.key["weight"], tr.value["weight"]):
+    for w in map_weights(tr):
         item = w.dtype.size
         flops += 2.0 * n_tokens * w.size
         rows = w.size // (w.shape[-2] * w.shape[-1])
