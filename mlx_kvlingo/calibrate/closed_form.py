@@ -317,11 +317,14 @@ class Stage1Accumulator:
         m.examples += 1
         m.tokens += len(tokens)
 
-    def solve(self) -> list[Translator]:
-        """The translators from the moments so far (does not consume them)."""
+    def solve(self, refit_with_validation: bool = True) -> list[Translator]:
+        """The translators from the moments so far (does not consume them). The validation
+        documents choose alpha, then join the final fit unless `refit_with_validation` is off
+        (learning curves: the map sees exactly the fitting examples)."""
         if not self.fit.examples:
             raise ValueError("stage 1 has no fitting examples (all went to validation?)")
-        everything = self.fit.merged(self.validation) if self.validation.examples else self.fit
+        merge = refit_with_validation and self.validation.examples
+        everything = self.fit.merged(self.validation) if merge else self.fit
         return [
             _finish(config, cfg, maps, prior, everything, self.fit, self.validation)
             for config, cfg, maps, prior in zip(self.configs, self.cfgs, self.maps, self.priors)
