@@ -189,7 +189,7 @@ def test_stage2_keeps_the_heldout_best_and_stops_early(shape_pair, shape_data, t
                        patience=2, save_every=100)  # fmt: skip
     tr = distill(start, shape_pair, train, held, cfg, tmp_path / "ck", progress=False)
     s2 = tr.config.metadata["calibration"]["stage2"]
-    assert s2["stopped_early"] and s2["steps"] == 2
+    assert s2["stopped_early"] == "patience" and s2["steps"] == 2
     assert s2["best"]["step"] == 0 and all(k >= s2["best"]["heldout_kl"] for _, k in s2["heldout_kl_history"])  # fmt: skip
     for kind in ("key", "value"):
         np.testing.assert_array_equal(np.array(getattr(tr, kind)["weight"]), before[kind])

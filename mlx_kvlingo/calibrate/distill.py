@@ -49,6 +49,8 @@ class Stage2Config:
     keep_best: bool = True
     # stop after this many held-out evaluations without a new best (None: run all steps)
     patience: int | None = None
+    # wall-clock budget for this call: stop after the step that crosses it (None: no limit)
+    max_seconds: float | None = None
 
     def __post_init__(self):
         if self.patience is not None and self.patience < 1:
@@ -169,7 +171,7 @@ def distill(
                                "start_heldout_kl": best.start_kl}  # fmt: skip
             save_checkpoint(ckpt, translator, optimizer, step, cfg, history, pair, record)
 
-    stopped_early = False
+    stopped_early = None  # or why the run ended before cfg.steps
 
     start_step, t0, tokens = step, time.perf_counter(), 0
     columns = [TextColumn("stage 2"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -209,7 +211,10 @@ def distill(
                 if ckpt and step % cfg.save_every == 0:
                     save()
                 if cfg.patience and best and best.evals_since >= cfg.patience:
-                    stopped_early = True
+                    stopped_early = "patience"
+                    break
+                if cfg.max_seconds is not None and time.perf_counter() - t0 > cfg.max_seconds:
+                    stopped_early = "time budget"
                     break
         except KeyboardInterrupt:
             save()
