@@ -25,6 +25,7 @@ def main():
     ap.add_argument("--eval", action="append", default=[], help="DOMAIN=kvlingo-eval.json")
     ap.add_argument("--default", action="store_true")
     ap.add_argument("--note", default="")
+    ap.add_argument("--training-data", default=None, help="what stage 2 trained on, in words")
     args = ap.parse_args()
     meta = read_metadata(args.file)
     dest = HERE / "translators" / args.file.name
@@ -40,7 +41,8 @@ def main():
         "file": dest.name, "direction": direction, "variant": meta["variant"], "nu": nu,
         "key_cut": meta["key_cut"], "source": Path(meta["source"]["name"]).name,
         "target": Path(meta["target"]["name"]).name,
-        "training_data": cal.get("data") or {"train": "chitchat-dataset (MIT), non-held-out dialogues"},
+        "training_data": {"stage1": cal.get("data"), "stage2": args.training_data}
+        if args.training_data else cal.get("data"),
         "stage2_steps": cal["stage2"]["steps"], "continued_from": cal["stage2"].get("continued_from"),
         "note": args.note,
         "heldout": {"stage1": None, "stage2": evals.get("dialogues")},
