@@ -65,8 +65,9 @@ def main():
     s2["minutes"] = round((time.perf_counter() - t0) / 60, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     save_translator(tr, args.out / f"{name}.safetensors", pair, dtype=mx.float16)
-    record = {"command": "python weights/longer_stage2.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None), **s2}  # fmt: skip
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+             for k, v in vars(args).items() if v is not None and v is not False]  # fmt: skip
+    record = {"command": "python weights/longer_stage2.py " + " ".join(flags), **s2}
     (args.out / f"{name}.json").write_text(json.dumps(record, indent=1))
     print(json.dumps({k: s2[k] for k in ("steps", "stopped_early", "best", "minutes")}, indent=1))
 
