@@ -13,6 +13,11 @@ sha1(path) % 5 == 0, and a held-out page never contributes calibration text. Wri
 characters per domain into weights/data/ (so evaluation needs no apt package).
 
     python weights/build_text_data.py --ship
+    python weights/build_text_data.py --mix-chat 1000   # + the mixed stage-2 folder
+
+`--mix-chat N` also writes ~/.cache/mlx-kvlingo/data/mixed-issue20/: the first N dialogues of
+the demo's chitchat training split beside the prose and technical training pages (the data of
+the mixed-text stage-2 run in weights/QUALITY.md).
 """
 
 from __future__ import annotations
@@ -73,7 +78,8 @@ def main():
     ap.add_argument("--out", type=Path, default=Path.home() / ".cache/mlx-kvlingo/data/pydocs")
     ap.add_argument("--min-chars", type=int, default=1500)
     ap.add_argument("--ship", action="store_true")
-    ap.add_argument("--ship-chars", type=int, default=150_000)
+    ap.add_argument("--ship-chars", type=int, default=60_000)
+    ap.add_argument("--mix-chat", type=int, default=None)
     args = ap.parse_args()
     if not args.docs.is_dir():
         raise SystemExit(f"{args.docs}: missing; apt-get install python3.11-doc")
@@ -101,6 +107,18 @@ def main():
             ship = HERE / "data" / f"pydocs-{domain}-heldout.jsonl"
             ship.write_text("".join(json.dumps(r) + "\n" for r in kept))
             print(f"{ship}: {len(kept)} pages, {total} characters")
+    if args.mix_chat:
+        from mlx_kvlingo.demo.pair import demo_data
+
+        mixed = args.out.parent / "mixed-issue20"
+        mixed.mkdir(parents=True, exist_ok=True)
+        chat = demo_data()[0].read_text().splitlines(keepends=True)[: args.mix_chat]
+        (mixed / "chat-train.jsonl").write_text("".join(chat))
+        for domain in DOMAINS:
+            (mixed / f"{domain}-train.jsonl").write_text(
+                (args.out / f"{domain}-train.jsonl").read_text()
+            )
+        print(f"{mixed}: {len(chat)} dialogues + prose and technical training pages")
 
 
 if __name__ == "__main__":
