@@ -128,3 +128,18 @@ def test_validation_split_is_by_document():
     assert all(len(s) == 1 for s in sides.values())
     share = np.mean([v for s in sides.values() for v in s])
     assert 0.1 < share < 0.3
+
+
+def test_statistics_path_equals_fit(known_pair, text_file):
+    """`accumulate` + `_finish` (what the low-rank fit builds on) give the plain fit."""
+    from mlx_kvlingo.calibrate.closed_form import _finish, accumulate
+
+    train, _ = load_examples(text_file, known_pair.tokenizer, DataConfig(32, 96, 8, seed=1))
+    cfg = Stage1Config(prior="identity", alpha=0.3)
+    st = accumulate(known_pair, train[:3], [cfg], progress=False)
+    via = _finish(st.configs[0], cfg, st.maps[0], st.grams, st.cross, st.out_stats, st.examples, st.tokens)  # fmt: skip
+    direct = fit_closed_form(known_pair, train[:3], cfg, progress=False)
+    for kind in ("key", "value"):
+        np.testing.assert_array_equal(
+            np.array(getattr(via, kind)["weight"]), np.array(getattr(direct, kind)["weight"])
+        )

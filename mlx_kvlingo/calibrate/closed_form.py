@@ -326,9 +326,44 @@ class Stage1Accumulator:
         merge = refit_with_validation and self.validation.examples
         everything = self.fit.merged(self.validation) if merge else self.fit
         return [
-            _finish(config, cfg, maps, prior, everything, self.fit, self.validation)
+            _finish_split(config, cfg, maps, prior, everything, self.fit, self.validation)
             for config, cfg, maps, prior in zip(self.configs, self.cfgs, self.maps, self.priors)
         ]
+
+
+@dataclass
+class Statistics:
+    """One streaming pass, as the low-rank fit reads it: per config its TranslatorConfig and
+    layer maps; the moments grams[kind, layers], cross[kind, t, layers] (X'Y), out_stats[kind, t]
+    = [sum y, sum y^2]."""
+
+    configs: list
+    maps: list
+    grams: dict
+    cross: dict
+    out_stats: dict
+    examples: int
+    tokens: int
+
+
+def accumulate(pair, examples, cfgs: list[Stage1Config], progress=True) -> Statistics:
+    """The moments `fit_many` solves from, all examples fitted (no validation split)."""
+    acc = Stage1Accumulator(pair, cfgs, examples)
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("stage 1: accumulating", total=len(examples))
+        for ex in examples:
+            acc.add(ex)
+            bar.advance(task)
+    m = acc.fit
+    return Statistics(acc.configs, acc.maps, m.grams, m.cross, m.out, m.examples, m.tokens)
+
+
+def _finish(config, cfg, maps, grams, cross, out_stats, n_examples, n_tokens) -> Translator:
+    """The solve from `Statistics` moments at cfg.alpha, toward cfg.prior."""
+    m = _Moments()
+    m.grams, m.cross, m.out, m.examples, m.tokens = grams, cross, out_stats, n_examples, n_tokens
+    prior = prior_weights(config, cfg.prior)
+    return _finish_split(config, replace(cfg, alpha_grid=None), maps, prior, m, m, _Moments())
 
 
 # -- priors ------------------------------------------------------------------------------------
@@ -387,7 +422,9 @@ def prior_weights(config: TranslatorConfig, prior: str, pair=None) -> dict | Non
 # -- solving -----------------------------------------------------------------------------------
 
 
-def _finish(config, cfg, maps, prior, m: _Moments, fit: _Moments, val: _Moments) -> Translator:
+def _finish_split(
+    config, cfg, maps, prior, m: _Moments, fit: _Moments, val: _Moments
+) -> Translator:
     tr = Translator(config)
     fit_report, chosen = {}, {}
     grid = cfg.alpha_grid if cfg.alpha_grid and val.examples and fit.examples else None
