@@ -64,6 +64,19 @@ def kl(teacher_logp: mx.array, student: mx.array) -> mx.array:
     return (mx.exp(teacher_logp) * (teacher_logp - student)).sum(-1).mean()
 
 
+def heldout_scores(method, pair, prepared: Sequence[Prepared]) -> tuple[float, float]:
+    """(mean KL(native || method), mean top-1 agreement with the native target), per example."""
+    kls, agree = [], []
+    for p in prepared:
+        logp = student_logp(method, pair, p)
+        kls.append(kl(p.teacher_logp, logp).item())
+        same = logp.argmax(-1) == p.teacher_logp.argmax(-1)
+        agree.append(same.astype(mx.float32).mean().item())
+    if not kls:
+        return float("nan"), float("nan")
+    return float(np.mean(kls)), float(np.mean(agree))
+
+
 def mean_kl(method, pair, prepared: Sequence[Prepared]) -> float:
     """Mean KL(native || method) over prepared examples (NaN for none)."""
     vals = [kl(p.teacher_logp, student_logp(method, pair, p)).item() for p in prepared]

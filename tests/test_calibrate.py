@@ -5,6 +5,7 @@ import json
 from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
 from mlx_kvlingo.calibrate.distill import Stage2Config, TrainingDivergedError, distill
 from mlx_kvlingo.data import DataConfig, DataError, load_examples
+from mlx_kvlingo.format import load_translator
 from mlx_kvlingo.measure.evaluate import evaluate
 from mlx_kvlingo.pair import load_model, load_pair
 from mlx_kvlingo.scoring import mean_kl, prepare
@@ -176,3 +177,33 @@ def test_fit_many_equals_separate_fits(text_file, shape_pair):
                     np.array(getattr(alone, kind)[name]),
                     atol=1e-5,
                 )
+
+
+def test_stage2_keeps_the_heldout_best_and_stops_early(shape_pair, shape_data, tmp_path):
+    train, held = shape_data
+    start = fit_closed_form(shape_pair, train[:30], Stage1Config(), progress=False)
+    before = {k: np.array(getattr(start, k)["weight"]) for k in ("key", "value")}
+    # a learning rate this large only makes the fit worse: the best is the starting point,
+    # returned unchanged, and patience 2 stops the run after two evaluations
+    cfg = Stage2Config(steps=20, learning_rate=0.5, warmup=1, eval_every=1, eval_examples=4,
+                       patience=2, save_every=100)  # fmt: skip
+    tr = distill(start, shape_pair, train, held, cfg, tmp_path / "ck", progress=False)
+    s2 = tr.config.metadata["calibration"]["stage2"]
+    assert s2["stopped_early"] == "patience" and s2["steps"] == 2
+    assert s2["best"]["step"] == 0 and all(k >= s2["best"]["heldout_kl"] for _, k in s2["heldout_kl_history"])  # fmt: skip
+    for kind in ("key", "value"):
+        np.testing.assert_array_equal(np.array(getattr(tr, kind)["weight"]), before[kind])
+    assert not (tmp_path / "ck" / "best.safetensors").exists()  # never improved on the start
+    # "held-out" = the 4 training examples, so training improves it: the evaluated point with
+    # the lowest KL is what comes back, and what best.safetensors holds
+    tr = fit_closed_form(shape_pair, train[:30], Stage1Config(), progress=False)
+    cfg = Stage2Config(steps=8, learning_rate=1e-3, warmup=1, eval_every=2, eval_examples=4)
+    distill(tr, shape_pair, train[:4], train[:4], cfg, tmp_path / "ck2", progress=False)
+    s2 = tr.config.metadata["calibration"]["stage2"]
+    points = [(0, s2["best"]["start_heldout_kl"]), *s2["heldout_kl_history"]]
+    assert min(points, key=lambda p: p[1]) == (s2["best"]["step"], s2["best"]["heldout_kl"])
+    assert s2["best"]["step"] > 0, points
+    prepared = [prepare(shape_pair, e, "post_norm") for e in train[:4]]
+    assert mean_kl(tr, shape_pair, prepared) == pytest.approx(s2["best"]["heldout_kl"], rel=1e-5)
+    best = load_translator(tmp_path / "ck2" / "best.safetensors")
+    np.testing.assert_allclose(np.array(best.key["weight"]), np.array(tr.key["weight"]), atol=1e-6)

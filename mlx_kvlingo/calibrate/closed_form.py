@@ -7,17 +7,25 @@ solved per head from the corresponding blocks of the same normal equations. With
 and nu > 1, source layers are chosen per target layer by the best single-layer fit (lowest
 held-in residual of a one-layer ridge map), among a window of candidates around the
 nearest-by-depth layer.
+
+The ridge can shrink toward a prior map W0 instead of zero (`prior`): the identity on the
+nearest-by-depth layer where head geometry matches, or a translator file (e.g. the fit of a
+related pair); `alpha_grid` picks the strength per target layer and kind by the residual on
+held-out documents (moments accumulated apart, then added back for the final solve).
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 from rich.progress import Progress
 
 from ..capture import layer_features, trace
+from ..format import config_from_metadata, load_translator, read_metadata
 from ..translator import Side, Translator, TranslatorConfig, nearest_layer_map
 
 KINDS = ("key", "value")
@@ -37,7 +45,30 @@ class Stage1Config:
     value_layers: list[list[int]] | None = None
     window: int = 4  # candidate source layers each side of the nearest, for nu > 1 selection
     selection_examples: int | None = None  # examples used to pick layers (None: all)
+    # what the ridge shrinks toward: "zero", "identity" or the path of a translator file
+    prior: str = "zero"
+    # with a grid, alpha is chosen per (kind, target layer) by the residual on held-out
+    # documents (`validation_fraction` of them, by hash of the document name)
+    alpha_grid: tuple[float, ...] | None = None
+    validation_fraction: float = 0.2
     report: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.alpha < 0 or any(a < 0 for a in self.alpha_grid or ()):
+            raise ValueError(f"ridge alpha must be >= 0 (got {self.alpha}, {self.alpha_grid})")
+        if self.alpha_grid is not None and not self.alpha_grid:
+            raise ValueError("alpha_grid is empty; give None for a fixed alpha")
+        if not 0 < self.validation_fraction < 1:
+            raise ValueError(
+                f"validation_fraction must be in (0, 1), got {self.validation_fraction}"
+            )
+        if self.prior not in PRIORS and not Path(self.prior).is_file():
+            raise ValueError(
+                f"prior {self.prior!r} is neither one of {PRIORS} nor a translator file"
+            )
+
+
+PRIORS = ("zero", "identity")
 
 
 class Moments:
@@ -62,8 +93,10 @@ class Moments:
         self.n += len(x)
 
 
-def ridge(xtx, xty, sx, sy, n, alpha: float, center: bool):
-    """Solve min ||X W + b - Y||^2 + lam ||W||^2 with lam = alpha * mean diag of the covariance."""
+def ridge(xtx, xty, sx, sy, n, alpha: float, center: bool, prior=None):
+    """Solve min ||X W + b - Y||^2 + lam ||W - W0||^2 with lam = alpha * mean diag of the
+    covariance: (Cxx + lam I) W = Cxy + lam W0. W0 = `prior` (None: zero); alpha 0 is the
+    plain least-squares fit, whatever the prior."""
     if center:
         mx_, my = sx / n, sy / n
         cxx = xtx - n * np.outer(mx_, mx_)
@@ -74,7 +107,8 @@ def ridge(xtx, xty, sx, sy, n, alpha: float, center: bool):
         w = np.linalg.lstsq(cxx, cxy, rcond=None)[0]
     else:
         lam = alpha * max(np.trace(cxx) / len(cxx), 1e-12)
-        w = np.linalg.solve(cxx + lam * np.eye(len(cxx)), cxy)
+        rhs = cxy if prior is None else cxy + lam * prior
+        w = np.linalg.solve(cxx + lam * np.eye(len(cxx)), rhs)
     b = (my - mx_ @ w) if center else np.zeros(w.shape[1])
     return w, b
 
@@ -149,20 +183,159 @@ def fit_closed_form(
 def fit_many(pair, examples, cfgs: list[Stage1Config], progress=True) -> list[Translator]:
     """Fit several translators from one pass over the data (variants sharing a key cut).
 
-    Moments are keyed by input-layer tuple (Gram) and (target layer, input layers) (cross), so
-    configs that read the same layers (e.g. headwise and mixing) share them.
+    With an `alpha_grid` in any config, the documents `is_validation` picks are accumulated
+    apart and used to choose alpha (then added back for the final solve).
     """
-    st = accumulate(pair, examples, cfgs, progress)
-    return [
-        _finish(config, cfg, maps, st.grams, st.cross, st.out_stats, st.examples, st.tokens)
-        for config, cfg, maps in zip(st.configs, cfgs, st.maps)
-    ]
+    acc = Stage1Accumulator(pair, cfgs, examples)
+    split = next((c.validation_fraction for c in cfgs if c.alpha_grid), None)
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task("stage 1: accumulating", total=len(examples))
+        for ex in examples:
+            acc.add(ex, validation=split is not None and is_validation(ex, split))
+            bar.advance(task)
+    return acc.solve()
+
+
+def document_of(ex) -> str:
+    """The document an example was drawn from ("file:line" of a chat, "file@block" of a text)."""
+    return ex.source.split("#")[0].split("+")[0]
+
+
+def is_validation(ex, fraction: float) -> bool:
+    """Deterministic document-level split: the same document always lands on the same side."""
+    h = int.from_bytes(hashlib.sha1(document_of(ex).encode()).digest()[:8], "big")
+    return h / 2**64 < fraction
+
+
+class _Moments:
+    """Moments of one split: Grams per (kind, input layers), cross per (kind, t, layers),
+    target sums per (kind, t)."""
+
+    def __init__(self):
+        self.grams: dict[tuple, Moments] = {}
+        self.cross: dict[tuple, np.ndarray] = {}
+        self.out: dict[tuple, list] = {}
+        self.examples = 0
+        self.tokens = 0
+
+    def merged(self, other: _Moments) -> _Moments:
+        m = _Moments()
+        for key in self.grams.keys() | other.grams.keys():
+            a, b = self.grams.get(key), other.grams.get(key)
+            if a is None or b is None:
+                m.grams[key] = a or b
+                continue
+            g = Moments(len(a.sx), 0)
+            g.xtx, g.sx, g.n = a.xtx + b.xtx, a.sx + b.sx, a.n + b.n
+            m.grams[key] = g
+        for key in self.cross.keys() | other.cross.keys():
+            m.cross[key] = self.cross.get(key, 0) + other.cross.get(key, 0)
+        for key in self.out.keys() | other.out.keys():
+            a, b = self.out.get(key, [0.0, 0.0]), other.out.get(key, [0.0, 0.0])
+            m.out[key] = [a[0] + b[0], a[1] + b[1]]
+        m.examples, m.tokens = self.examples + other.examples, self.tokens + other.tokens
+        return m
+
+
+class Stage1Accumulator:
+    """Streaming normal equations for several configs (one key cut); `solve()` at any point.
+
+    Moments are keyed by input-layer tuple (Gram) and (target layer, input layers) (cross), so
+    configs that read the same layers (e.g. headwise and mixing) share them. `add` accepts
+    precomputed spans (callers that fit several pairs sharing a target trace it once).
+    """
+
+    def __init__(self, pair, cfgs: list[Stage1Config], selection_examples=()):
+        cuts = {c.key_cut for c in cfgs}
+        if len(cuts) != 1:
+            raise ValueError("fit_many needs one key cut for all configs")
+        if len({c.native_first for c in cfgs}) != 1:
+            raise ValueError("fit_many needs one native_first setting for all configs")
+        (self.cut,) = cuts
+        self.pair, self.cfgs = pair, list(cfgs)
+        src, tgt = pair.source.geometry, pair.target.geometry
+        self.configs, self.maps, selected = [], [], {}
+        for cfg in cfgs:
+            given = _prior_maps(cfg.prior)
+            key_layers = cfg.key_layers or (given and given["key"])
+            value_layers = cfg.value_layers or (given and given["value"])
+            if key_layers is None or value_layers is None:
+                key = (cfg.nu, cfg.window, cfg.selection_examples, cfg.alpha, cfg.bias)
+                if key not in selected:  # one selection pass shared by configs that agree on it
+                    selected[key] = _select_layers(pair, selection_examples, cfg)
+            maps = {
+                "key": key_layers or selected[key]["key"],
+                "value": value_layers or selected[key]["value"],
+            }
+            self.maps.append(maps)
+            self.configs.append(TranslatorConfig(
+                cfg.variant, Side.of(src), Side.of(tgt),
+                tuple(map(tuple, maps["key"])), tuple(map(tuple, maps["value"])),
+                key_cut=self.cut, bias=cfg.bias, native_first=cfg.native_first,
+            ))  # fmt: skip
+        self.priors = [
+            prior_weights(config, cfg.prior, pair) for config, cfg in zip(self.configs, cfgs)
+        ]
+        self.needed = sorted({
+            (kind, t, tuple(layers))
+            for m in self.maps
+            for kind in KINDS
+            for t, layers in enumerate(m[kind])
+        })  # fmt: skip
+        self.fit, self.validation = _Moments(), _Moments()
+
+    def add(self, ex, validation: bool = False, s_span=None, t_span=None) -> None:
+        """Accumulate one example (into the validation moments with `validation`)."""
+        tokens = ex.prefix + ex.continuation
+        s_span = s_span if s_span is not None else trace(self.pair.source, tokens, self.cut)
+        t_span = t_span if t_span is not None else trace(self.pair.target, tokens, self.cut)
+        m = self.validation if validation else self.fit
+        skip = 1 if self.cfgs[0].native_first else 0  # position 0 stays native: not fitted
+        feats = {}
+        for kind in KINDS:
+            xs, ys = layer_features(s_span, kind), layer_features(t_span, kind)
+            feats[kind] = (xs[:, skip:], ys[:, skip:])
+        inputs, seen_y = {}, set()
+        for kind, t, layers in self.needed:
+            xs, ys = feats[kind]
+            if (kind, layers) not in inputs:
+                x = np.concatenate([xs[s] for s in layers], axis=1).astype(np.float64)
+                inputs[kind, layers] = x
+                g = m.grams.setdefault((kind, layers), Moments(x.shape[1], 0))
+                g.xtx += x.T @ x
+                g.sx += x.sum(0)
+                g.n += len(x)
+            x, y = inputs[kind, layers], ys[t].astype(np.float64)
+            c = x.T @ y
+            m.cross[kind, t, layers] = (
+                m.cross[kind, t, layers] + c if (kind, t, layers) in m.cross else c
+            )
+            if (kind, t) not in seen_y:  # target statistics once per example
+                seen_y.add((kind, t))
+                st = m.out.setdefault((kind, t), [0.0, 0.0])
+                st[0], st[1] = st[0] + y.sum(0), st[1] + float((y * y).sum())
+        m.examples += 1
+        m.tokens += len(tokens)
+
+    def solve(self, refit_with_validation: bool = True) -> list[Translator]:
+        """The translators from the moments so far (does not consume them). The validation
+        documents choose alpha, then join the final fit unless `refit_with_validation` is off
+        (learning curves: the map sees exactly the fitting examples)."""
+        if not self.fit.examples:
+            raise ValueError("stage 1 has no fitting examples (all went to validation?)")
+        merge = refit_with_validation and self.validation.examples
+        everything = self.fit.merged(self.validation) if merge else self.fit
+        return [
+            _finish_split(config, cfg, maps, prior, everything, self.fit, self.validation)
+            for config, cfg, maps, prior in zip(self.configs, self.cfgs, self.maps, self.priors)
+        ]
 
 
 @dataclass
 class Statistics:
-    """One streaming pass: per config its TranslatorConfig and layer maps; the shared moments
-    grams[kind, layers], cross[kind, t, layers] (X'Y), out_stats[kind, t] = [sum y, sum y^2]."""
+    """One streaming pass, as the low-rank fit reads it: per config its TranslatorConfig and
+    layer maps; the moments grams[kind, layers], cross[kind, t, layers] (X'Y), out_stats[kind, t]
+    = [sum y, sum y^2]."""
 
     configs: list
     maps: list
@@ -174,86 +347,107 @@ class Statistics:
 
 
 def accumulate(pair, examples, cfgs: list[Stage1Config], progress=True) -> Statistics:
-    """The moments `fit_many` solves from (also the low-rank fit's input)."""
-    cuts = {c.key_cut for c in cfgs}
-    if len(cuts) != 1:
-        raise ValueError("fit_many needs one key cut for all configs")
-    (cut,) = cuts
-    if len({c.native_first for c in cfgs}) != 1:
-        raise ValueError("fit_many needs one native_first setting for all configs")
-    src, tgt = pair.source.geometry, pair.target.geometry
-    configs, all_maps, selected = [], [], {}
-    for cfg in cfgs:
-        if cfg.key_layers is None or cfg.value_layers is None:
-            key = (cfg.nu, cfg.window, cfg.selection_examples, cfg.alpha, cfg.bias)
-            if key not in selected:  # one selection pass shared by configs that agree on it
-                selected[key] = _select_layers(pair, examples, cfg)
-        maps = {
-            "key": cfg.key_layers or selected[key]["key"],
-            "value": cfg.value_layers or selected[key]["value"],
-        }
-        all_maps.append(maps)
-        configs.append(TranslatorConfig(
-            cfg.variant, Side.of(src), Side.of(tgt),
-            tuple(map(tuple, maps["key"])), tuple(map(tuple, maps["value"])),
-            key_cut=cut, bias=cfg.bias, native_first=cfg.native_first,
-        ))  # fmt: skip
-    needed = {
-        (kind, t, tuple(layers))
-        for m in all_maps
-        for kind in KINDS
-        for t, layers in enumerate(m[kind])
-    }
-    grams: dict[tuple, Moments] = {}
-    cross: dict[tuple, np.ndarray] = {}
-    out_stats: dict[tuple, list] = {}
-    n_tokens = 0
+    """The moments `fit_many` solves from, all examples fitted (no validation split)."""
+    acc = Stage1Accumulator(pair, cfgs, examples)
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("stage 1: accumulating", total=len(examples))
         for ex in examples:
-            tokens = ex.prefix + ex.continuation
-            feats = {}
-            s_span, t_span = trace(pair.source, tokens, cut), trace(pair.target, tokens, cut)
-            skip = 1 if cfgs[0].native_first else 0  # position 0 stays native: not fitted
-            for kind in KINDS:
-                xs, ys = layer_features(s_span, kind), layer_features(t_span, kind)
-                feats[kind] = (xs[:, skip:], ys[:, skip:])
-            inputs, seen_y = {}, set()
-            for kind, t, layers in sorted(needed):
-                xs, ys = feats[kind]
-                if (kind, layers) not in inputs:
-                    x = np.concatenate([xs[s] for s in layers], axis=1).astype(np.float64)
-                    inputs[kind, layers] = x
-                    g = grams.setdefault((kind, layers), Moments(x.shape[1], 0))
-                    g.xtx += x.T @ x
-                    g.sx += x.sum(0)
-                    g.n += len(x)
-                x, y = inputs[kind, layers], ys[t].astype(np.float64)
-                c = x.T @ y
-                cross[kind, t, layers] = (
-                    cross[kind, t, layers] + c if (kind, t, layers) in cross else c
-                )
-                if (kind, t) not in seen_y:  # target statistics once per example
-                    seen_y.add((kind, t))
-                    st = out_stats.setdefault((kind, t), [0.0, 0.0])
-                    st[0], st[1] = st[0] + y.sum(0), st[1] + float((y * y).sum())
-            n_tokens += len(tokens)
+            acc.add(ex)
             bar.advance(task)
-    return Statistics(configs, all_maps, grams, cross, out_stats, len(examples), n_tokens)
+    m = acc.fit
+    return Statistics(acc.configs, acc.maps, m.grams, m.cross, m.out, m.examples, m.tokens)
 
 
 def _finish(config, cfg, maps, grams, cross, out_stats, n_examples, n_tokens) -> Translator:
+    """The solve from `Statistics` moments at cfg.alpha, toward cfg.prior."""
+    m = _Moments()
+    m.grams, m.cross, m.out, m.examples, m.tokens = grams, cross, out_stats, n_examples, n_tokens
+    prior = prior_weights(config, cfg.prior)
+    return _finish_split(config, replace(cfg, alpha_grid=None), maps, prior, m, m, _Moments())
+
+
+# -- priors ------------------------------------------------------------------------------------
+
+
+def _prior_maps(prior: str) -> dict | None:
+    """A translator-file prior fixes the layer maps (its weights only fit those)."""
+    if prior in PRIORS:
+        return None
+    config = config_from_metadata(read_metadata(Path(prior)))
+    return {
+        "key": [list(r) for r in config.key_layers],
+        "value": [list(r) for r in config.value_layers],
+    }
+
+
+def prior_weights(config: TranslatorConfig, prior: str, pair=None) -> dict | None:
+    """W0 per kind, shaped like the translator's weights (float64), or None for zero."""
+    if prior == "zero":
+        return None
+    shapes = config.weight_shapes()
+    if prior == "identity":
+        s, t = config.source, config.target
+        if (s.kv_heads, s.head_dim, s.value_dim) != (t.kv_heads, t.head_dim, t.value_dim):
+            raise ValueError(
+                "an identity prior needs the same KV heads and head sizes on both sides "
+                f"(source {s.kv_heads}x{s.head_dim}/{s.value_dim}, "
+                f"target {t.kv_heads}x{t.head_dim}/{t.value_dim})"
+            )
+        nearest = [r[0] for r in nearest_layer_map(s.layers, t.layers, 1)]
+        out = {}
+        for kind in KINDS:
+            rows = config.key_layers if kind == "key" else config.value_layers
+            d = s.head_dim if kind == "key" else s.value_dim
+            w = np.zeros(shapes[f"{kind}.weight"])
+            for li, row in enumerate(rows):
+                # the row's layer closest in depth to the nearest one carries the identity
+                j = min(range(len(row)), key=lambda i: (abs(row[i] - nearest[li]), i))
+                if config.variant == "mixing":
+                    width = s.kv_heads * d
+                    w[li, j * width : (j + 1) * width, :] = np.eye(width)
+                else:
+                    w[li, :, j * d : (j + 1) * d, :] = np.eye(d)
+            out[kind] = w
+        return out
+    tr = load_translator(prior)
+    if tr.config.variant != config.variant or tr.config.weight_shapes() != shapes:
+        raise ValueError(
+            f"prior {prior}: a {tr.config.variant} translator with weights "
+            f"{tr.config.weight_shapes()}, this fit needs a {config.variant} one with {shapes}"
+        )
+    return {kind: np.array(getattr(tr, kind)["weight"].astype(mx.float32), dtype=np.float64)
+            for kind in KINDS}  # fmt: skip
+
+
+# -- solving -----------------------------------------------------------------------------------
+
+
+def _finish_split(
+    config, cfg, maps, prior, m: _Moments, fit: _Moments, val: _Moments
+) -> Translator:
     tr = Translator(config)
-    fit_report = {}
+    fit_report, chosen = {}, {}
+    grid = cfg.alpha_grid if cfg.alpha_grid and val.examples and fit.examples else None
     for kind in KINDS:
-        ws, bs, r2, r2_alpha0 = [], [], [], []
+        ws, bs, r2, r2_alpha0, alphas = [], [], [], [], []
         for t, layers in enumerate(maps[kind]):
-            g = grams[(kind, tuple(layers))]
-            xty, (sy, yy) = cross[kind, t, tuple(layers)], out_stats[(kind, t)]
-            w, b, sse = _solve(config, kind, g, xty, sy, yy, cfg)
+            w0 = None if prior is None else prior[kind][t]
+            key = (kind, tuple(layers))
+            alpha = cfg.alpha
+            if grid:
+                residuals = [
+                    _validation_residual(config, kind, t, key, fit, val, w0, replace(cfg, alpha=a))
+                    for a in grid
+                ]
+                alpha = grid[int(np.argmin(residuals))]
+            alphas.append(alpha)
+            g = m.grams[key]
+            xty, (sy, yy) = m.cross[kind, t, tuple(layers)], m.out[(kind, t)]
+            c = replace(cfg, alpha=alpha)
+            w, b, sse = _solve(config, kind, g, xty, sy, yy, c, w0)
             sst = yy - (sy @ sy) / g.n
             r2.append(1 - sse / max(sst, 1e-12))
-            if cfg.alpha != 0:  # the unregularized fit, for the report
+            if alpha != 0:  # the unregularized fit, for the report
                 sse0 = _solve(config, kind, g, xty, sy, yy, replace(cfg, alpha=0.0))[2]
                 r2_alpha0.append(1 - sse0 / max(sst, 1e-12))
             ws.append(w)
@@ -267,37 +461,65 @@ def _finish(config, cfg, maps, grams, cross, out_stats, n_examples, n_tokens) ->
             "r2_min": float(np.min(r2)),
             "r2_mean_alpha0": float(np.mean(r2_alpha0)) if r2_alpha0 else float(np.mean(r2)),
         }
-    tr.config.metadata["calibration"] = {
-        "stage1": {
-            "examples": n_examples, "tokens": n_tokens, "alpha": cfg.alpha,
-            "centered": cfg.bias, "train_fit": fit_report,
-            "layer_selection": "given" if cfg.key_layers else (
-                "nearest by relative depth" if cfg.nu == 1 else
-                f"best single-layer ridge fit within +-{cfg.window} of nearest"
-            ),
-        },
-        **cfg.report,
+        chosen[kind] = alphas
+    stage1 = {
+        "examples": m.examples, "tokens": m.tokens, "alpha": cfg.alpha,
+        "centered": cfg.bias, "train_fit": fit_report,
+        "prior": cfg.prior if cfg.prior in PRIORS else f"translator {Path(cfg.prior).name}",
+        "layer_selection": "given" if cfg.key_layers else (
+            "nearest by relative depth" if cfg.nu == 1 else
+            f"best single-layer ridge fit within +-{cfg.window} of nearest"
+        ),
     }  # fmt: skip
+    if grid:
+        stage1.update(alpha="chosen per layer", alpha_grid=list(grid), alphas=chosen,
+                      validation_examples=val.examples)  # fmt: skip
+    tr.config.metadata["calibration"] = {"stage1": stage1, **cfg.report}
     return tr
 
 
-def _solve(config: TranslatorConfig, kind, g: Moments, xty, sy, yy, cfg):
-    """Mixing: one solve. Headwise: per head, on the head's blocks of the same moments."""
+def _validation_residual(config, kind, t, key, fit: _Moments, val: _Moments, w0, cfg) -> float:
+    """Residual on the validation moments of the map fitted on the fitting moments alone."""
+    layers = key[1]
+    g, xty, (sy, _) = fit.grams[key], fit.cross[kind, t, layers], fit.out[(kind, t)]
+    w, b, _ = _solve(config, kind, g, xty, sy, 0.0, cfg, w0)
+    gv, xtyv, (syv, yyv) = val.grams[key], val.cross[kind, t, layers], val.out[(kind, t)]
     if config.variant == "mixing":
-        w, b = ridge(g.xtx, xty, g.sx, sy, g.n, cfg.alpha, cfg.bias)
-        return w, b, residual(g.xtx, xty, g.sx, sy, yy, g.n, w, b)
+        return residual(gv.xtx, xtyv, gv.sx, syv, yyv, gv.n, w, b)
+    total = yyv
+    for h, (idx, out) in enumerate(_head_blocks(config, kind)):
+        total += residual(gv.xtx[np.ix_(idx, idx)], xtyv[np.ix_(idx, out)], gv.sx[idx],
+                          syv[out], 0.0, gv.n, w[h], b[h])  # fmt: skip
+    return total
+
+
+def _head_blocks(config: TranslatorConfig, kind):
+    """(input indices, output indices) of each target head in the concatenated features."""
     s, t = config.source, config.target
     ds = s.head_dim if kind == "key" else s.value_dim
     dt = t.head_dim if kind == "key" else t.value_dim
     nu = config.nu_k if kind == "key" else config.nu_v
+    return [
+        (
+            np.concatenate([j * s.kv_heads * ds + h * ds + np.arange(ds) for j in range(nu)]),
+            h * dt + np.arange(dt),
+        )
+        for h in range(t.kv_heads)
+    ]
+
+
+def _solve(config: TranslatorConfig, kind, g: Moments, xty, sy, yy, cfg, prior=None):
+    """Mixing: one solve. Headwise: per head, on the head's blocks of the same moments."""
+    if config.variant == "mixing":
+        w, b = ridge(g.xtx, xty, g.sx, sy, g.n, cfg.alpha, cfg.bias, prior)
+        return w, b, residual(g.xtx, xty, g.sx, sy, yy, g.n, w, b)
     ws, bs, sse = [], [], 0.0
-    for h in range(t.kv_heads):
-        idx = np.concatenate([j * s.kv_heads * ds + h * ds + np.arange(ds) for j in range(nu)])
-        out = h * dt + np.arange(dt)
+    for h, (idx, out) in enumerate(_head_blocks(config, kind)):
         xtx, cxy = g.xtx[np.ix_(idx, idx)], xty[np.ix_(idx, out)]
-        w, b = ridge(xtx, cxy, g.sx[idx], sy[out], g.n, cfg.alpha, cfg.bias)
+        w0 = None if prior is None else prior[h]
+        w, b = ridge(xtx, cxy, g.sx[idx], sy[out], g.n, cfg.alpha, cfg.bias, w0)
         ws.append(w)
         bs.append(b)
-        # per-head residual needs the head's own y^2 sum; approximate SST split is not needed:
+        # per-head residuals without the y^2 term; the total y^2 is added once
         sse += residual(xtx, cxy, g.sx[idx], sy[out], 0.0, g.n, w, b)
     return np.stack(ws), np.stack(bs), sse + yy

@@ -26,7 +26,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .._atomic import atomic_write, write_text
 from ..format import load_translator, save_translator
-from ..scoring import kl, mean_kl, prepare, student_logp
+from ..scoring import heldout_scores, kl, prepare, student_logp
 
 
 class TrainingDivergedError(RuntimeError):
@@ -45,6 +45,16 @@ class Stage2Config:
     eval_examples: int = 16
     save_every: int = 25
     seed: int = 0
+    # keep the parameters of the evaluation with the lowest held-out KL and return those
+    keep_best: bool = True
+    # stop after this many held-out evaluations without a new best (None: run all steps)
+    patience: int | None = None
+    # wall-clock budget for this call: stop after the step that crosses it (None: no limit)
+    max_seconds: float | None = None
+
+    def __post_init__(self):
+        if self.patience is not None and self.patience < 1:
+            raise ValueError(f"patience must be >= 1 evaluations (got {self.patience})")
 
 
 def schedule(cfg: Stage2Config):
@@ -65,7 +75,7 @@ def _example_at(position: int, n: int, seed: int) -> int:
 
 
 def save_checkpoint(
-    folder: Path, translator, optimizer, step: int, cfg, history, pair=None
+    folder: Path, translator, optimizer, step: int, cfg, history, pair=None, best=None
 ) -> None:
     """Write a resumable checkpoint; a process killed at any point leaves the previous one.
 
@@ -73,7 +83,7 @@ def save_checkpoint(
     atomically; `state.json`, replaced last, names them and is the commit: until it is
     replaced, a resume reads the previous step's files, which are removed only afterwards.
     `translator.safetensors` is then pointed at the new translator (the last good one, for
-    use as a translator file).
+    use as a translator file). `best.safetensors`, when present, is the held-out best so far.
     """
     folder.mkdir(parents=True, exist_ok=True)
     names = {"translator": f"translator-{step:07d}.safetensors",
@@ -82,9 +92,11 @@ def save_checkpoint(
     with atomic_write(folder / names["optimizer"]) as tmp:
         mx.save_safetensors(str(tmp), dict(tree_flatten(optimizer.state)))
     meta = {"step": step, "config": asdict(cfg), "history": history, "files": names}
+    if best is not None:  # the held-out best (its parameters are in best.safetensors)
+        meta["best"] = best
     write_text(folder / "state.json", json.dumps(meta, indent=1))  # the commit
     _link_or_copy(folder / names["translator"], folder / "translator.safetensors")
-    keep = {*names.values(), "translator.safetensors"}
+    keep = {*names.values(), "translator.safetensors", "best.safetensors"}
     for old in [*folder.glob("translator-*.safetensors"), *folder.glob("optimizer-*.safetensors"),
                 folder / "optimizer.safetensors"]:  # fmt: skip
         if old.name not in keep:
@@ -129,6 +141,12 @@ def distill(
     NaN (then raises `TrainingDivergedError` naming the step); `resume` continues exactly
     (weights, optimizer moments, data position). `stop_after` ends early after that many steps
     in this call (for tests of resumption).
+
+    With held-out examples, every `eval_every` steps records the held-out KL and top-1
+    agreement with the native target; with `keep_best` the translator returned (and
+    `best.safetensors` in the checkpoint folder) holds the parameters of the lowest held-out
+    KL, the starting point included; `patience` stops after that many evaluations without a
+    new best.
     """
     ckpt = Path(checkpoint_dir) if checkpoint_dir else None
     key_cut = translator.config.key_cut
@@ -142,13 +160,18 @@ def distill(
         optimizer.state = tree_unflatten(list(mx.load(str(opt_file)).items()))
         step, history = state["step"], state["history"]
     held = [prepare(pair, ex, key_cut) for ex in list(heldout)[: cfg.eval_examples]]
+    best = _Best.start(translator, pair, held, history, ckpt) if held else None
     loss_and_grad = nn.value_and_grad(
         translator, lambda p: kl(p.teacher_logp, student_logp(translator, pair, p))
     )
 
     def save():
         if ckpt:
-            save_checkpoint(ckpt, translator, optimizer, step, cfg, history, pair)
+            record = best and {"step": best.step, "heldout_kl": best.kl,
+                               "start_heldout_kl": best.start_kl}  # fmt: skip
+            save_checkpoint(ckpt, translator, optimizer, step, cfg, history, pair, record)
+
+    stopped_early = None  # or why the run ended before cfg.steps
 
     start_step, t0, tokens = step, time.perf_counter(), 0
     columns = [TextColumn("stage 2"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -178,22 +201,79 @@ def distill(
                 step += 1
                 record = {"step": step, "loss": total}
                 if held and (step % cfg.eval_every == 0 or step == cfg.steps):
-                    record["heldout_kl"] = mean_kl(translator, pair, held)
+                    record["heldout_kl"], record["heldout_agree"] = heldout_scores(
+                        translator, pair, held
+                    )
+                    best.offer(translator, step, record["heldout_kl"], pair, ckpt)
                 history.append(record)
                 tps = tokens / (time.perf_counter() - t0)
                 bar.update(task, completed=step, info=f"loss {total:.4f} · {tps:.0f} tok/s")
                 if ckpt and step % cfg.save_every == 0:
                     save()
+                if cfg.patience and best and best.evals_since >= cfg.patience:
+                    stopped_early = "patience"
+                    break
+                if cfg.max_seconds is not None and time.perf_counter() - t0 > cfg.max_seconds:
+                    stopped_early = "time budget"
+                    break
         except KeyboardInterrupt:
             save()
             raise
     save()
-    evals = [h["heldout_kl"] for h in history if "heldout_kl" in h]
+    evals = [h for h in history if "heldout_kl" in h]
     cal = translator.config.metadata.setdefault("calibration", {})
     cal["stage2"] = {
-        "steps": step, "config": asdict(cfg),
+        "steps": step, "config": asdict(cfg), "stopped_early": stopped_early,
         "final_train_loss": history[-1]["loss"] if history else None,
-        "heldout_kl": evals[-1] if evals else None,
-        "heldout_kl_history": [(h["step"], h["heldout_kl"]) for h in history if "heldout_kl" in h],
+        "heldout_kl": evals[-1]["heldout_kl"] if evals else None,
+        "heldout_kl_history": [(h["step"], h["heldout_kl"]) for h in evals],
+        "heldout_agree_history": [(h["step"], h.get("heldout_agree")) for h in evals],
     }  # fmt: skip
+    if best is not None:
+        cal["stage2"]["best"] = {"step": best.step, "heldout_kl": best.kl,
+                                 "kept": cfg.keep_best, "start_heldout_kl": best.start_kl}  # fmt: skip
+        if cfg.keep_best:
+            translator.update(best.params)
+            cal["stage2"]["heldout_kl"] = best.kl
     return translator
+
+
+class _Best:
+    """The held-out best so far: parameters (in memory and `best.safetensors`), step, KL."""
+
+    def __init__(self, params, step: int, kl_value: float, start_kl: float):
+        self.params, self.step, self.kl, self.start_kl = params, step, kl_value, start_kl
+        self.evals_since = 0
+
+    @classmethod
+    def start(cls, translator, pair, held, history, ckpt) -> _Best:
+        """The starting point counts (a run that only gets worse returns its input); on a
+        resume, the best recorded in the history and its file."""
+        evals = [h for h in history if "heldout_kl" in h]
+        if ckpt and evals and (ckpt / "best.safetensors").exists():
+            state = json.loads((ckpt / "state.json").read_text())
+            b = state.get("best", {})
+            loaded = load_translator(ckpt / "best.safetensors")
+            best = cls({"key": loaded.key, "value": loaded.value}, b.get("step", 0),
+                       b.get("heldout_kl", min(h["heldout_kl"] for h in evals)),
+                       b.get("start_heldout_kl", float("nan")))  # fmt: skip
+            last = max((h["step"] for h in evals if h["heldout_kl"] <= best.kl), default=0)
+            best.evals_since = sum(1 for h in evals if h["step"] > last)
+            return best
+        start_kl, _ = heldout_scores(translator, pair, held)
+        return cls(_snapshot(translator), 0, start_kl, start_kl)
+
+    def offer(self, translator, step: int, kl_value: float, pair, ckpt) -> None:
+        if kl_value < self.kl:
+            self.params, self.step, self.kl = _snapshot(translator), step, kl_value
+            self.evals_since = 0
+            if ckpt:
+                ckpt.mkdir(parents=True, exist_ok=True)
+                save_translator(translator, ckpt / "best.safetensors", pair)
+        else:
+            self.evals_since += 1
+
+
+def _snapshot(translator) -> dict:
+    """A copy of the trainable parameters (arrays are immutable: the tree copy suffices)."""
+    return tree_map(lambda x: x, {"key": dict(translator.key), "value": dict(translator.value)})

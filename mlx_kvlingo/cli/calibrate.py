@@ -50,6 +50,16 @@ from ._common import data_config, data_options
               help="Stage-1 ridge strength, relative to the inputs' mean variance: lambda = alpha * "
                    "trace(Cov(X)) / d. It shrinks the maps (1e-3 moves a known-answer pair's "
                    "first-layer maps by ~5%); the report gives the training fit at alpha 0 beside it")  # fmt: skip
+@click.option("--prior", default="zero", show_default=True,
+              help="What the stage-1 ridge shrinks toward: zero, identity (same KV heads and head "
+                   "sizes: the nearest-by-depth layer copied) or a translator file (e.g. a related "
+                   "pair's fit)")  # fmt: skip
+@click.option("--alpha-grid", default=None,
+              help="Comma-separated alphas; each target layer and kind takes the one with the "
+                   "lowest residual on held-out calibration documents (overrides --alpha)")  # fmt: skip
+@click.option("--patience", type=int, default=None,
+              help="Stop stage 2 after this many held-out evaluations without a new best (the "
+                   "best evaluated translator is what is written in any case)")  # fmt: skip
 @click.option(
     "--layer-map", type=click.Path(exists=True), help="JSON {key: [[...]...], value: [[...]...]}"
 )
@@ -66,8 +76,9 @@ from ._common import data_config, data_options
 @click.option("--eval-examples", default=32, show_default=True)
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False))
 @click.option("--resume/--no-resume", default=True, show_default=True)
-def calibrate_cmd(source, target, output, variant, rank, nu, key_cut, bias, native_first, alpha, layer_map, init, steps, lr,
-                  warmup, accumulate, grad_clip, eval_every, eval_examples, checkpoint_dir, resume, **kw):  # fmt: skip
+def calibrate_cmd(source, target, output, variant, rank, nu, key_cut, bias, native_first, alpha, prior,
+                  alpha_grid, patience, layer_map, init, steps, lr, warmup, accumulate, grad_clip,
+                  eval_every, eval_examples, checkpoint_dir, resume, **kw):  # fmt: skip
     """Fit a translator SOURCE -> TARGET on your data; swap the two for the other direction."""
     console = Console(stderr=True)
     if rank is not None and (variant != "mixing" or init):
@@ -88,9 +99,14 @@ def calibrate_cmd(source, target, output, variant, rank, nu, key_cut, bias, nati
         tr = load_translator(init, pair)
     else:
         maps = json.loads(Path(layer_map).read_text()) if layer_map else {}
-        cfg = Stage1Config(
-            variant, nu, key_cut, bias, native_first, alpha, maps.get("key"), maps.get("value")
-        )
+        try:
+            grid = tuple(float(a) for a in alpha_grid.split(",")) if alpha_grid else None
+            cfg = Stage1Config(
+                variant, nu, key_cut, bias, native_first, alpha, maps.get("key"), maps.get("value"),
+                prior=prior, alpha_grid=grid,
+            )  # fmt: skip
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
         tr = (
             fit_closed_form(pair, train, cfg)
             if rank is None
@@ -106,7 +122,7 @@ def calibrate_cmd(source, target, output, variant, rank, nu, key_cut, bias, nati
         console.print(table(result, "after stage 1"))
     if steps:
         s2 = Stage2Config(steps, lr, warmup, 0.0, grad_clip, accumulate, eval_every, min(16, eval_examples),
-                          seed=kw["seed"])  # fmt: skip
+                          seed=kw["seed"], patience=patience)  # fmt: skip
         try:
             distill(tr, pair, train, held, s2, checkpoint_dir, resume)
         except KeyboardInterrupt:
