@@ -61,7 +61,11 @@ def test_moe_config_refuses_dense_routing():
     with pytest.raises(ValueError, match="top_k < experts"):
         moe.moe_config(DENSE, 4, 4)
     cfg = moe.moe_config(DENSE, 4, 2)
-    assert (cfg["model_type"], cfg["num_experts"], cfg["num_experts_per_tok"]) == ("qwen3_moe", 4, 2)
+    assert (cfg["model_type"], cfg["num_experts"], cfg["num_experts_per_tok"]) == (
+        "qwen3_moe",
+        4,
+        2,
+    )
     assert cfg["moe_intermediate_size"] == 96 and cfg["norm_topk_prob"]
 
 
@@ -152,3 +156,23 @@ def test_real_moe_answers_everyday_questions():
         answer = mlx_lm.generate(model, tok, ids, max_tokens=16, sampler=make_sampler(0.0))
         right.append(any(w in answer.lower() for w in words))
     assert sum(right) >= 7, list(zip(QUESTIONS, right, strict=True))
+
+
+def test_pair_option_is_for_the_demo_only():
+    from mlx_kvlingo.cli.generate import generate_cmd
+
+    from click.testing import CliRunner
+
+    res = CliRunner().invoke(generate_cmd, ["--source", "a", "--target", "b", "--pair", "moe"])
+    assert res.exit_code == 2 and "--pair chooses a demo pair" in res.output
+    res = CliRunner().invoke(generate_cmd, ["--pair", "sparse"])
+    assert res.exit_code == 2 and "'sparse' is not one of" in res.output
+
+
+def test_unknown_demo_pair_is_refused():
+    from mlx_kvlingo.demo.pair import demo_models, translator_path
+
+    with pytest.raises(ValueError, match="unknown demo pair 'sparse'"):
+        demo_models("sparse")
+    with pytest.raises(ValueError, match="known: dense, moe"):
+        translator_path(None, pair="sparse")

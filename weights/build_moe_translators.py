@@ -7,7 +7,8 @@ held-out chitchat dialogues never used for calibration), run for both key cuts: 
 (keys mapped after the target's k_norm, as mlx-lm caches them) and `pre_norm` (mapped before
 it, the target's k_norm applied afterwards). Writes weights/translators/moe/*.safetensors,
 the "moe" section of weights/manifest.json (other sections are left as they are) and the
-held-out table weights/QUALITY-moe.md.
+held-out table as the "MoE pair" section of weights/QUALITY.md (between markers; the rest of
+the file is left as it is). `--report-only` rewrites that section from the manifest.
 """
 
 from __future__ import annotations
@@ -75,8 +76,23 @@ def score(row) -> float:
     return -r["translated"]["kl_native"]
 
 
+BEGIN, END = "<!-- moe-pair: begin -->", "<!-- moe-pair: end -->"
+
+
+def write_quality_section(path: Path, markdown: str) -> None:
+    """Replace (or append) the MoE pair's section of QUALITY.md, leaving the rest as it is."""
+    text = path.read_text() if path.exists() else ""
+    block = f"{BEGIN}\n{markdown}{END}\n"
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        text = head + block + rest.split(END, 1)[1].lstrip("\n")
+    else:
+        text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)
+
+
 def quality_markdown(rows, command: str) -> str:
-    lines = ["# MoE demo pair translators: held-out quality", "",
+    lines = ["## MoE pair: held-out quality", "",
              f"Rebuild: `{command}`. Pair: the 8-layer demo source <-> SmolLM2-135M-MoE",
              "(qwen3_moe, 8 experts top-2, q/k norms; weights/moe/). Held-out chitchat dialogues,",
              "never used to heal either model or to calibrate. Columns as in QUALITY.md; key cut",
@@ -109,7 +125,13 @@ def main():
     ap.add_argument("--nu", type=int, default=1)
     ap.add_argument("--cuts", default="post_norm,pre_norm")
     ap.add_argument("--directions", default="forward,backward")
+    ap.add_argument("--report-only", action="store_true", help="rewrite QUALITY.md's section")
     args = ap.parse_args()
+    path = HERE / "manifest.json"
+    if args.report_only:
+        m = json.loads(path.read_text())["moe"]
+        write_quality_section(HERE / "QUALITY.md", quality_markdown(m["translators"], m["command"]))
+        return
     OUT.mkdir(parents=True, exist_ok=True)
     src_dir, tgt_dir = demo_models("moe")
     small, large = load_model(src_dir), load_model(tgt_dir)
@@ -127,10 +149,14 @@ def main():
     command = "python weights/build_moe_translators.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
     )
+    manifest = json.loads(path.read_text())
+    # runs for some directions or cuts add to (or replace) the rows of earlier runs
+    done = {r["file"] for r in rows}
+    rows = [
+        r for r in manifest.get("moe", {}).get("translators", []) if r["file"] not in done
+    ] + rows
     best = {d: max((r for r in rows if r["direction"] == d), key=score, default=None)
             for d in ("forward", "backward")}  # fmt: skip
-    path = HERE / "manifest.json"
-    manifest = json.loads(path.read_text())
     manifest["moe"] = {
         "pair": {"source": "SmolLM2-demo-source (weights/source)",
                  "target": "SmolLM2-135M-MoE (weights/moe)"},
@@ -139,7 +165,7 @@ def main():
         "command": command,
     }  # fmt: skip
     path.write_text(json.dumps(manifest, indent=1))
-    (HERE / "QUALITY-moe.md").write_text(quality_markdown(rows, command))
+    write_quality_section(HERE / "QUALITY.md", quality_markdown(rows, command))
     console.print(f"defaults: {manifest['moe']['default']}")
 
 
