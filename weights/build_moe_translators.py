@@ -113,6 +113,42 @@ def quality_markdown(rows, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def row_from_file(f: Path) -> dict:
+    """A manifest row from a saved translator's metadata (its calibration report)."""
+    from mlx_kvlingo.format import read_metadata
+
+    m = read_metadata(f)
+    cal = m["calibration"]
+    return {
+        "file": f"moe/{f.name}", "direction": f.name.split("-")[0], "variant": m["variant"],
+        "nu": len(m["key_layers"][0]), "key_cut": m["key_cut"],
+        "source": Path(m["source"]["name"]).name, "target": Path(m["target"]["name"]).name,
+        "training_data": cal.get("data"), "stage2_steps": (cal.get("stage2") or {}).get("steps"),
+        "heldout": {"stage1": cal["stage1"].get("heldout"), "stage2": (cal.get("stage2") or {}).get("heldout")},
+        "sha256": sha256(f), "bytes": f.stat().st_size,
+    }  # fmt: skip
+
+
+def write_manifest(path: Path, rows: list[dict], command: str) -> None:
+    """Merge `rows` into the manifest's "moe" section (by file), pick defaults, write QUALITY.md."""
+    manifest = json.loads(path.read_text())
+    done = {r["file"] for r in rows}
+    old = manifest.get("moe", {}).get("translators", [])
+    rows = [r for r in old if r["file"] not in done] + rows
+    best = {d: max((r for r in rows if r["direction"] == d), key=score, default=None)
+            for d in ("forward", "backward")}  # fmt: skip
+    manifest["moe"] = {
+        "pair": {"source": "SmolLM2-demo-source (weights/source)",
+                 "target": "SmolLM2-135M-MoE (weights/moe)"},
+        "default": {d: r and r["file"] for d, r in best.items()},
+        "translators": rows,
+        "command": command,
+    }  # fmt: skip
+    path.write_text(json.dumps(manifest, indent=1))
+    write_quality_section(HERE / "QUALITY.md", quality_markdown(rows, command))
+    console.print(f"defaults: {manifest['moe']['default']}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=160, help="stage-1 examples")
@@ -126,8 +162,14 @@ def main():
     ap.add_argument("--cuts", default="post_norm,pre_norm")
     ap.add_argument("--directions", default="forward,backward")
     ap.add_argument("--report-only", action="store_true", help="rewrite QUALITY.md's section")
+    ap.add_argument("--from-files", action="store_true",
+                    help="rebuild the manifest section from the saved files' metadata")  # fmt: skip
     args = ap.parse_args()
     path = HERE / "manifest.json"
+    if args.from_files:
+        rows = [row_from_file(f) for f in sorted(OUT.glob("*.safetensors"))]
+        write_manifest(path, rows, json.loads(path.read_text()).get("moe", {}).get("command", ""))
+        return
     if args.report_only:
         m = json.loads(path.read_text())["moe"]
         write_quality_section(HERE / "QUALITY.md", quality_markdown(m["translators"], m["command"]))
@@ -149,24 +191,7 @@ def main():
     command = "python weights/build_moe_translators.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
     )
-    manifest = json.loads(path.read_text())
-    # runs for some directions or cuts add to (or replace) the rows of earlier runs
-    done = {r["file"] for r in rows}
-    rows = [
-        r for r in manifest.get("moe", {}).get("translators", []) if r["file"] not in done
-    ] + rows
-    best = {d: max((r for r in rows if r["direction"] == d), key=score, default=None)
-            for d in ("forward", "backward")}  # fmt: skip
-    manifest["moe"] = {
-        "pair": {"source": "SmolLM2-demo-source (weights/source)",
-                 "target": "SmolLM2-135M-MoE (weights/moe)"},
-        "default": {d: r and r["file"] for d, r in best.items()},
-        "translators": rows,
-        "command": command,
-    }  # fmt: skip
-    path.write_text(json.dumps(manifest, indent=1))
-    write_quality_section(HERE / "QUALITY.md", quality_markdown(rows, command))
-    console.print(f"defaults: {manifest['moe']['default']}")
+    write_manifest(path, rows, command)
 
 
 if __name__ == "__main__":
