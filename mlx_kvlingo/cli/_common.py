@@ -11,19 +11,30 @@ from ..pair import TokenizerMismatchError, load_pair
 
 source_option = click.option("--source", help="Source model (hub id or folder); default: demo pair")
 target_option = click.option("--target", help="Target model (hub id or folder); default: demo pair")
+pair_option = click.option(
+    "--pair",
+    "demo_pair",
+    type=click.Choice(["dense", "moe"]),
+    default="dense",
+    show_default=True,
+    help="Demo pair (no --source/--target): the small model -> SmolLM2-135M-Instruct (dense) "
+    "or -> its Qwen3-MoE upcycle (moe)",
+)
 translator_option = click.option(
     "--translator",
     help="Translator file (.safetensors) or Hub id org/name[@revision][:file]",
 )
 
 
-def resolve_pair(source, target, translator, reverse: bool = False):
+def resolve_pair(source, target, translator, reverse: bool = False, demo_pair: str = "dense"):
     """Load the named pair and translator, or the embedded demo pair when none is named."""
     try:
         if source is None and target is None:
             from ..demo.pair import load_demo
 
-            return load_demo(translator=translator, reverse=reverse)
+            return load_demo(translator=translator, reverse=reverse, pair=demo_pair)
+        if demo_pair != "dense":
+            raise click.UsageError("--pair chooses a demo pair: not with --source/--target")
         if not (source and target):
             raise click.UsageError("give both --source and --target, or neither for the demo pair")
         pair = load_pair(source, target)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ._common import source_option, target_option, translator_option
+from ._common import pair_option, source_option, target_option, translator_option
 
 #: 4096-token prefills take minutes on a CPU: the default lengths depend on the backend
 DEFAULT_LENGTHS = {"cpu": "64,256,1024", "gpu": "64,256,1024,4096"}
@@ -38,6 +38,7 @@ def _preset_names() -> list[str]:
 @source_option
 @target_option
 @translator_option
+@pair_option
 @click.option(
     "--preset",
     type=click.Choice(_preset_names()),
@@ -123,7 +124,7 @@ def _preset_names() -> list[str]:
     type=click.FloatRange(0, 1),
     help="--conversation: share of cascade turns escalated to the large model",
 )
-def bench_cmd(source, target, translator, preset, lengths, trials, warmup, out, max_minutes,
+def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, warmup, out, max_minutes,
               moe_loop, seed, dtype, cache_dir, no_progress, conversation, turns, user_lengths,
               answer_tokens, escalation_rate):  # fmt: skip
     """Time to first token: the source prefills and the cache is translated (switch), or the
@@ -164,7 +165,7 @@ def bench_cmd(source, target, translator, preset, lengths, trials, warmup, out, 
             raise click.UsageError("--dtype applies to --preset or --source/--target pairs")
 
         try:
-            pair, tr = resolve_pair(source, target, translator)
+            pair, tr = resolve_pair(source, target, translator, demo_pair=demo_pair)
         except ImportError as e:
             raise click.ClickException(
                 f"the demo pair is not available in this install ({e}); name a pair with "
@@ -178,7 +179,7 @@ def bench_cmd(source, target, translator, preset, lengths, trials, warmup, out, 
         if not (preset or source or target):  # the demo pair ships a backward translator
             from ..demo.pair import load_demo
 
-            backward = load_demo(reverse=True)[1]
+            backward = load_demo(reverse=True, pair=demo_pair)[1]
         cfg = cb.ConversationBenchConfig(turns=turns, user_lengths=tuple(parse_lengths(None, None, user_lengths)),
                                          answer_tokens=answer_tokens, escalation_rate=escalation_rate, seed=seed)  # fmt: skip
         with moe_cpu.per_expert_loop(moe_loop):

@@ -27,6 +27,7 @@ from ..session import (
     status_line,
 )
 from ._common import (
+    pair_option,
     resolve_pair,
     sampling_options,
     sampling_settings,
@@ -316,6 +317,7 @@ class ChatApp:
 @source_option
 @target_option
 @translator_option
+@pair_option
 @click.option("--backward-translator",
               help="Large -> small translator; without one, switching back to small re-prefills")  # fmt: skip
 @click.option("--system-prompt", default=None, help="System message for the chat template")
@@ -337,7 +339,7 @@ class ChatApp:
               help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
 @distributed_option
 @wire_option
-def chat_cmd(source, target, translator, backward_translator, system_prompt, max_tokens,
+def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
              max_kv_size, mode, answer, reader, translate_ahead, first, auto_threshold,
              **sampling):  # fmt: skip
     """Chat with the small model and hand the conversation to the large one (and back)."""
@@ -367,7 +369,7 @@ def chat_cmd(source, target, translator, backward_translator, system_prompt, max
 
     console.print("[grey50]loading models...[/grey50]")
     try:
-        pair, forward = resolve_pair(source, target, translator)
+        pair, forward = resolve_pair(source, target, translator, demo_pair=demo_pair)
     except ImportError as e:
         raise click.ClickException(
             f"the demo pair is not available ({e}); pass --source, --target and --translator"
@@ -382,7 +384,7 @@ def chat_cmd(source, target, translator, backward_translator, system_prompt, max
             )
             back_label = backward_translator
         elif source is None and target is None:
-            backward = _demo_backward(pair)
+            backward = _demo_backward(pair, demo_pair)
             back_label = "demo" if backward is not None else back_label
     except TranslatorFileError as e:
         raise click.ClickException(str(e)) from None
@@ -398,15 +400,15 @@ def chat_cmd(source, target, translator, backward_translator, system_prompt, max
     app.run()
 
 
-def _demo_backward(pair):
+def _demo_backward(pair, demo_pair: str = "dense"):
     """The demo pair's large -> small translator, when the demo ships one (else None)."""
     from ..format import load_translator
 
     try:
         from ..demo.pair import translator_path
 
-        return load_translator(translator_path(None, reverse=True), pair.reversed())
+        return load_translator(translator_path(None, True, demo_pair), pair.reversed())
     except ImportError:  # an older demo module: load the reversed pair through it
-        return resolve_pair(None, None, None, reverse=True)[1]
+        return resolve_pair(None, None, None, reverse=True, demo_pair=demo_pair)[1]
     except (FileNotFoundError, KeyError):  # no backward translator built: chat re-prefills
         return None

@@ -23,7 +23,14 @@ from ..measure.compare import (
 )
 from ..measure.methods import KVLingo, MethodFileError, load_method
 from ..pair import TokenizerMismatchError, load_pair
-from ._common import data_config, data_options, resolve_pair, source_option, target_option
+from ._common import (
+    data_config,
+    data_options,
+    pair_option,
+    resolve_pair,
+    source_option,
+    target_option,
+)
 
 
 def _ints(value: str) -> tuple[int, ...]:
@@ -40,6 +47,7 @@ def _ranks(value: str) -> tuple[tuple[float, float], ...]:
 @click.command("compare")
 @source_option
 @target_option
+@pair_option
 @click.option(
     "--translator",
     "translators",
@@ -138,7 +146,7 @@ def _ranks(value: str) -> tuple[tuple[float, float], ...]:
 @click.option(
     "--calibrate-only", is_flag=True, help="Calibrate and save (--save-methods), no scoring"
 )
-def compare_cmd(source, target, translators, data_path, methods, examples, calib_examples,
+def compare_cmd(source, target, demo_pair, translators, data_path, methods, examples, calib_examples,
                 select_examples, nu, bits, droidspeak_layers, droidspeak_stride, scd_ranks,
                 scd_patches, scd_steps, scd_hidden_rank, ttft_tokens, trials, bandwidth, json_out,
                 plot_out, save_dir, load_dir, perturb_source, perturb_target, perturb_seed, native_first, calibrate_only,
@@ -169,7 +177,7 @@ def compare_cmd(source, target, translators, data_path, methods, examples, calib
             raise click.ClickException(str(e)) from None
     try:
         if demo:
-            pair, demo_tr = resolve_pair(None, None, None)
+            pair, demo_tr = resolve_pair(None, None, None, demo_pair=demo_pair)
         else:
             if not (source and target):
                 raise click.UsageError("give both --source and --target, or neither for the demo")

@@ -12,6 +12,7 @@ from ..measure.evaluate import evaluate, table
 from ._common import (
     data_config,
     data_options,
+    pair_option,
     resolve_pair,
     source_option,
     target_option,
@@ -23,6 +24,7 @@ from ._common import (
 @source_option
 @target_option
 @translator_option
+@pair_option
 @data_options(
     required=False,
     help="Text files, JSONL records ({'messages': [...]} or {'text': ...}) or a folder; every "
@@ -45,7 +47,7 @@ from ._common import (
     is_flag=True,
     help="With --multi-turn: the large answers every turn while the small reads (vs re-prefill)",
 )
-def eval_cmd(source, target, translator, data_path, examples, json_out, multi_turn, switches,
+def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_out, multi_turn, switches,
              reader_eval, **kw):  # fmt: skip
     """Score the target on held-out continuations under every cache condition."""
     console = Console()
@@ -58,12 +60,12 @@ def eval_cmd(source, target, translator, data_path, examples, json_out, multi_tu
             f"[grey50]{data_path}: {summary['files']} file(s), {summary['chats']} chats, "
             f"{summary['texts']} texts[/grey50]"
         )
-    pair, tr = resolve_pair(source, target, translator)
+    pair, tr = resolve_pair(source, target, translator, demo_pair=demo_pair)
     if reader_eval and not multi_turn:
         raise click.UsageError("--reader goes with --multi-turn")
     if multi_turn:
         return _multi_turn(pair, tr, source, target, examples, switches, json_out, console,
-                           reader_eval)  # fmt: skip
+                           reader_eval, demo_pair)  # fmt: skip
     if data_path is None:  # the demo's held-out dialogues, never trained on
         from ..demo.pair import demo_eval_data
 
@@ -90,7 +92,8 @@ def eval_cmd(source, target, translator, data_path, examples, json_out, multi_tu
             json.dump(result, f, indent=1)
 
 
-def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console, reader=False):
+def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console, reader=False,
+                demo_pair="dense"):  # fmt: skip
     from ..measure.multiturn import (
         evaluate_multiturn,
         evaluate_reader,
@@ -103,7 +106,7 @@ def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console
     if source is None and target is None:
         from ..demo.pair import load_demo
 
-        _, backward = load_demo(reverse=True)
+        _, backward = load_demo(reverse=True, pair=demo_pair)
     if reader:  # `switches` counts the large model's turns here
         result = evaluate_reader(pair, tr, backward, load_chitchat(dialogues), turns=switches)
         render_reader_table(result, console)

@@ -10,6 +10,7 @@ import click
 from ..decode import PromptTooLongError, handoff
 from ..sampling import resolve as resolve_sampling
 from ._common import (
+    pair_option,
     resolve_pair,
     sampling_options,
     sampling_settings,
@@ -24,6 +25,7 @@ from ._distributed import describe, distributed_option, fail, load_runtime, want
 @source_option
 @target_option
 @translator_option
+@pair_option
 @click.option("-p", "--prompt", default="What is the capital of France?", show_default=True)
 @click.option("--chat/--no-chat", default=True, help="Apply the chat template to the prompt")
 @click.option("-m", "--max-tokens", default=100, show_default=True)
@@ -32,7 +34,8 @@ from ._distributed import describe, distributed_option, fail, load_runtime, want
 @wire_option
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (token ids, texts, timings) instead of streaming text")  # fmt: skip
-def generate_cmd(source, target, translator, prompt, chat, max_tokens, as_json, **sampling):
+def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens, as_json,
+                 **sampling):  # fmt: skip
     """One answer from the target with no target prefill, with honest timings."""
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     if wanted(distributed):  # mlx.launch: the target pipelined over the ranks
@@ -43,7 +46,7 @@ def generate_cmd(source, target, translator, prompt, chat, max_tokens, as_json, 
     import mlx.core as mx
     from mlx_lm import stream_generate
 
-    pair, tr = resolve_pair(source, target, translator)
+    pair, tr = resolve_pair(source, target, translator, demo_pair=demo_pair)
     if chat and getattr(pair.tokenizer, "chat_template", None):
         tokens = pair.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True

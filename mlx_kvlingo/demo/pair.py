@@ -10,23 +10,38 @@ from ..pair import load_pair
 from .data import write_splits
 from .smollm2 import cache_root, ensure_demo_source, ensure_smollm2, weights_dir
 
+#: The demo pairs: the same small source; the target is SmolLM2-135M-Instruct ("dense") or
+#: its Qwen3-MoE upcycle ("moe", weights/moe/). The manifest lists "moe" under its own key.
+PAIRS = ("dense", "moe")
 
-def manifest() -> dict:
+
+def _check_pair(pair: str) -> None:
+    if pair not in PAIRS:
+        raise ValueError(f"unknown demo pair {pair!r} (known: {', '.join(PAIRS)})")
+
+
+def manifest(pair: str = "dense") -> dict:
+    """The manifest section of a demo pair (pair, default, translators)."""
+    _check_pair(pair)
     path = weights_dir() / "manifest.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: the demo translators have not been built")
-    return json.loads(path.read_text())
+    m = json.loads(path.read_text())
+    if pair == "dense":
+        return m
+    if pair not in m:
+        raise FileNotFoundError(f"{path} has no translators for the {pair!r} demo pair")
+    return m[pair]
 
 
-def translator_path(name: str | None = None, reverse: bool = False) -> Path:
-    """A shipped translator by file name, or the default one for the direction."""
+def translator_path(name: str | None = None, reverse: bool = False, pair: str = "dense") -> Path:
+    """A shipped translator by file name, or the pair's default one for the direction."""
     from ..hub import is_hub_spec, resolve_translator
 
     if name is not None and is_hub_spec(name):  # org/name[@rev][:file]
         return resolve_translator(name, reverse)
-    m = manifest()
     if name is None:
-        name = m["default"]["backward" if reverse else "forward"]
+        name = manifest(pair)["default"]["backward" if reverse else "forward"]
     path = Path(name)
     if not path.exists():
         path = weights_dir() / "translators" / name
@@ -35,16 +50,21 @@ def translator_path(name: str | None = None, reverse: bool = False) -> Path:
     return path
 
 
-def demo_models() -> tuple[Path, Path]:
+def demo_models(pair: str = "dense") -> tuple[Path, Path]:
     """(source folder, target folder), built on first use."""
+    _check_pair(pair)
+    if pair == "moe":
+        from .moe import ensure_smollm2_moe
+
+        return ensure_demo_source(), ensure_smollm2_moe()
     return ensure_demo_source(), ensure_smollm2()
 
 
-def load_demo(translator: str | None = None, reverse: bool = False):
-    """(pair, translator) for the demo: small -> SmolLM2-135M-Instruct, or the reverse."""
-    source, target = demo_models()
-    pair = load_pair(target, source) if reverse else load_pair(source, target)
-    return pair, load_translator(translator_path(translator, reverse), pair)
+def load_demo(translator: str | None = None, reverse: bool = False, pair: str = "dense"):
+    """(pair, translator) for a demo pair: small -> SmolLM2 (dense or MoE), or the reverse."""
+    source, target = demo_models(pair)
+    loaded = load_pair(target, source) if reverse else load_pair(source, target)
+    return loaded, load_translator(translator_path(translator, reverse, pair), loaded)
 
 
 def demo_data() -> tuple[Path, Path]:
