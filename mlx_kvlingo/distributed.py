@@ -40,7 +40,7 @@ from . import _watchdog
 from .capture import SpanKV, prefill
 from .kvcache import append_kv, new_cache
 from .lowrank import new_translator
-from .pair import LoadedModel, ModelPair, default_dtype, geometry_of, vocab_fingerprint
+from .pair import LoadedModel, ModelPair, geometry_of, vocab_fingerprint, with_dtype
 from .translator import Translator
 
 WIRES = ("auto", "source", "target")
@@ -175,7 +175,7 @@ def load_pipelined(path: str | Path, group, dtype="auto", timeout=LOAD_TIMEOUT) 
     its files); llama through a lazy `mlx_lm.load` and `pipeline_model`.
     """
     from mlx_lm import load as mlx_lm_load
-    from mlx_lm.utils import dequantize_model, sharded_load
+    from mlx_lm.utils import sharded_load
 
     from .families import family_of
 
@@ -190,12 +190,7 @@ def load_pipelined(path: str | Path, group, dtype="auto", timeout=LOAD_TIMEOUT) 
                 raise
             model, tokenizer, config = mlx_lm_load(name, lazy=True, return_config=True)
             pipeline_model(model, group)
-        if dtype == "auto":
-            dtype = default_dtype()
-        if dtype is not None:
-            if "quantization" in config or "quantization_config" in config:
-                model = dequantize_model(model)
-            model.set_dtype(dtype)
+        model, dtype = with_dtype(model, config, dtype)
         _eval(model.parameters())
         _eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     from .pair import _folder_of

@@ -141,16 +141,24 @@ def default_dtype() -> mx.Dtype | None:
     return None if mx.default_device().type == mx.gpu else mx.float32
 
 
-def load_model(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") -> LoadedModel:
-    """Load one model by hub id or local folder through `mlx_lm.load`."""
-    name = str(path_or_repo)
-    model, tokenizer, config = mlx_lm_load(name, return_config=True)
+def with_dtype(model, config: dict, dtype):
+    """`model` in `dtype` ("auto": the backend's default; None: as stored), dequantized first
+    when stored quantized; returns (model, the dtype applied or None)."""
     if dtype == "auto":
         dtype = default_dtype()
     if dtype is not None:
         if "quantization" in config or "quantization_config" in config:
             model = dequantize_model(model)
         model.set_dtype(dtype)
+    return model, dtype
+
+
+def load_model(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") -> LoadedModel:
+    """Load one model by hub id or local folder through `mlx_lm.load`."""
+    name = str(path_or_repo)
+    model, tokenizer, config = mlx_lm_load(name, return_config=True)
+    model, dtype = with_dtype(model, config, dtype)
+    if dtype is not None:
         mx.eval(model.parameters())
     family = family_of(config["model_type"])
     geometry = geometry_of(model, config)
