@@ -28,6 +28,9 @@ class Example:
     prefix: tuple[int, ...]
     continuation: tuple[int, ...]
     source: str  # "file:line" or "file@token" for error messages and reports
+    # token ranges [start, end) of the prefix that earlier assistant replies fill: what the
+    # answering model writes itself in a conversation the small model reads for it
+    replies: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -135,11 +138,28 @@ def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
         if list(full[: len(prefix)]) != list(prefix):
             continue  # template not prefix-stable here; skip rather than mis-split
         cont = full[len(prefix) : len(prefix) + cfg.continuation]
+        spans = _reply_spans(tokenizer, msgs[:i], prefix)
         if len(prefix) > cfg.max_prefix:
-            prefix = prefix[-cfg.max_prefix :]
+            cut = len(prefix) - cfg.max_prefix
+            prefix = prefix[cut:]
+            spans = [(max(s - cut, 0), e - cut) for s, e in spans if e > cut]
         if len(prefix) >= cfg.min_prefix and len(cont) >= 2:
-            out.append(Example(tuple(prefix), tuple(cont), f"{name}#reply{i}"))
+            out.append(Example(tuple(prefix), tuple(cont), f"{name}#reply{i}", tuple(spans)))
     return out
+
+
+def _reply_spans(tokenizer, msgs, prefix) -> list[tuple[int, int]]:
+    """Where each assistant reply's own text lies in `prefix` (replies whose tokens do not
+    appear there as the reply tokenized alone are left out)."""
+    spans = []
+    for j, m in enumerate(msgs):
+        if m["role"] != "assistant" or j == 0:
+            continue
+        start = len(tokenizer.apply_chat_template(msgs[:j], add_generation_prompt=True))
+        text = tokenizer.encode(m["content"], add_special_tokens=False)
+        if text and list(prefix[start : start + len(text)]) == list(text):
+            spans.append((start, start + len(text)))
+    return spans
 
 
 def _text_documents(

@@ -27,6 +27,10 @@ class Prepared:
     span: SpanKV
     inputs: mx.array  # last prefix token + continuation[:-1]
     teacher_logp: mx.array  # (T, V) log-probs of the target with its own cache
+    # reader-mode examples: prefix ranges [start, end) the target reads itself (its earlier
+    # replies) between translated spans, and the prefix tokens; () = the whole prefix translated
+    replies: tuple[tuple[int, int], ...] = ()
+    prefix: tuple[int, ...] = ()
 
 
 def native_logp(model, ex) -> mx.array:
@@ -41,20 +45,42 @@ def teacher_inputs(ex) -> mx.array:
     return mx.array([ex.prefix[-1]] + list(ex.continuation[:-1]))
 
 
-def prepare(pair, ex, key_cut: str, span: SpanKV | None = None) -> Prepared:
-    """The source's K/V of prefix[:-1] at `key_cut` (or `span`) and the teacher's log-probs."""
+def prepare(
+    pair, ex, key_cut: str, span: SpanKV | None = None, reader_mode: bool = False
+) -> Prepared:
+    """The source's K/V of prefix[:-1] at `key_cut` (or `span`) and the teacher's log-probs.
+
+    `reader_mode`: the student cache is built as in a conversation the small model reads for
+    the target: the example's earlier replies (`ex.replies`) are read by the target itself on
+    top of the translated spans before them; everything else is translated.
+    """
     span = span if span is not None else trace(pair.source, list(ex.prefix)[:-1], key_cut)
     teacher = native_logp(pair.target, ex)
     mx.eval(span.keys, span.values, teacher)
+    if reader_mode and ex.replies:
+        return Prepared(span, teacher_inputs(ex), teacher, tuple(ex.replies), tuple(ex.prefix))
     return Prepared(span, teacher_inputs(ex), teacher)
+
+
+def _sub_span(span: SpanKV, start: int, end: int) -> SpanKV:
+    """Tokens [start, end) of `span` (absolute positions), keeping their true positions."""
+    a, b = start - span.start, end - span.start
+    tokens = span.tokens[a:b] if span.tokens else None
+    return SpanKV(span.keys[..., a:b, :], span.values[..., a:b, :], start, tokens)
 
 
 def student_logp(method, pair, prep: Prepared) -> mx.array:
     """(T, V) log-probs of the target on a cache that `method` translated from `prep.span`."""
     cache = new_cache(pair.target)  # fresh each call: gradients flow through its contents
-    keys, values = method.translate(prep.span, pair.target)
-    for c, k, v in zip(cache, keys, values, strict=True):
-        c.update_and_fetch(k, v)
+    pos, span = prep.span.start, prep.span
+    for start, end in (*prep.replies, (span.end, span.end)):
+        if start > pos:  # translated up to the next reply
+            keys, values = method.translate(_sub_span(span, pos, start), pair.target)
+            for c, k, v in zip(cache, keys, values, strict=True):
+                c.update_and_fetch(k, v)
+        if end > start:  # the reply: the target reads its own words on top
+            pair.target.model(mx.array(prep.prefix[start:end])[None], cache=cache)
+        pos = max(pos, end)
     logits = pair.target.model(prep.inputs[None], cache=cache)[0]
     return nn.log_softmax(logits.astype(mx.float32), axis=-1)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from pathlib import Path
 
@@ -42,20 +43,38 @@ def main():
     ap.add_argument("--patience", type=int, default=4)
     ap.add_argument("--skip", type=int, default=200, help="training examples used by stage 1")
     ap.add_argument("--data", type=Path, default=None, help="training data (default: chitchat)")
+    ap.add_argument(
+        "--heldout-data",
+        type=Path,
+        default=None,
+        help="held-out examples for early stopping (default: --data's own 2%% split)",
+    )
+    ap.add_argument(
+        "--reader-share",
+        type=float,
+        default=0.0,
+        help="share of multi-turn examples trained with the reader mode's cache",
+    )
+    ap.add_argument("--pair", choices=("dense", "moe"), default="dense")
     ap.add_argument("--out", type=Path, default=HERE / "stage2-runs")
     args = ap.parse_args()
-    src_dir, tgt_dir = demo_models()
+    src_dir, tgt_dir = demo_models(args.pair)
     small, large = load_model(src_dir), load_model(tgt_dir)
     pair = load_pair(large, small) if args.reverse else load_pair(small, large)
-    start = args.translator or translator_path(reverse=args.reverse)
+    start = args.translator or translator_path(reverse=args.reverse, pair=args.pair)
     tr = load_translator(start, pair)
     data = args.data or demo_data()[0]
     dcfg = DataConfig(min_prefix=16, max_prefix=256, continuation=32, heldout_fraction=0.02, seed=0)
     train, inner_held = load_examples(data, pair.tokenizer, dcfg)
+    if args.heldout_data:
+        hcfg = DataConfig(min_prefix=16, max_prefix=256, continuation=32, heldout_fraction=1.0)
+        _, inner_held = load_examples(args.heldout_data, pair.tokenizer, hcfg)
+        inner_held = random.Random(0).sample(inner_held, len(inner_held))
     cfg = Stage2Config(
         steps=args.steps, learning_rate=args.lr, warmup=max(args.steps // 40, 1),
         accumulate=args.accumulate, eval_every=args.eval_every, eval_examples=args.eval_examples,
         save_every=args.eval_every, patience=args.patience, max_seconds=args.minutes * 60, seed=1,
+        reader_share=args.reader_share,
     )  # fmt: skip
     name = Path(start).stem + "-longer"
     t0 = time.perf_counter()

@@ -51,10 +51,21 @@ class Stage2Config:
     patience: int | None = None
     # wall-clock budget for this call: stop after the step that crosses it (None: no limit)
     max_seconds: float | None = None
+    # share of multi-turn examples (training and held-out) whose student cache is built as in
+    # the reader mode: earlier replies read by the target itself, the rest translated
+    reader_share: float = 0.0
 
     def __post_init__(self):
         if self.patience is not None and self.patience < 1:
             raise ValueError(f"patience must be >= 1 evaluations (got {self.patience})")
+        if not 0.0 <= self.reader_share <= 1.0:
+            raise ValueError(f"reader_share must be in [0, 1] (got {self.reader_share})")
+
+
+def _reader_mode(index: int, cfg: Stage2Config) -> bool:
+    """Whether example `index` is prepared in reader mode: a fixed, evenly spread choice."""
+    share = cfg.reader_share
+    return share > 0 and int(index * share) != int((index + 1) * share)
 
 
 def schedule(cfg: Stage2Config):
@@ -159,7 +170,10 @@ def distill(
         translator.update({"key": loaded.key, "value": loaded.value})
         optimizer.state = tree_unflatten(list(mx.load(str(opt_file)).items()))
         step, history = state["step"], state["history"]
-    held = [prepare(pair, ex, key_cut) for ex in list(heldout)[: cfg.eval_examples]]
+    held = [
+        prepare(pair, ex, key_cut, reader_mode=_reader_mode(i, cfg))
+        for i, ex in enumerate(list(heldout)[: cfg.eval_examples])
+    ]
     best = _Best.start(translator, pair, held, history, ckpt) if held else None
     loss_and_grad = nn.value_and_grad(
         translator, lambda p: kl(p.teacher_logp, student_logp(translator, pair, p))
@@ -182,8 +196,9 @@ def distill(
             while step < cfg.steps and (stop_after is None or step - start_step < stop_after):
                 grads, total = None, 0.0
                 for j in range(cfg.accumulate):
-                    ex = train[_example_at(step * cfg.accumulate + j, len(train), cfg.seed)]
-                    loss, g = loss_and_grad(prepare(pair, ex, key_cut))
+                    i = _example_at(step * cfg.accumulate + j, len(train), cfg.seed)
+                    prep = prepare(pair, train[i], key_cut, reader_mode=_reader_mode(i, cfg))
+                    loss, g = loss_and_grad(prep)
                     mx.eval(loss, g)
                     if not math.isfinite(loss.item()):
                         save()
@@ -192,7 +207,7 @@ def distill(
                             f"stage-2 loss is {loss.item()} at step {step + 1}{where}"
                         )
                     total += loss.item() / cfg.accumulate
-                    tokens += len(ex.continuation)
+                    tokens += len(train[i].continuation)
                     g = tree_map(lambda x: x / cfg.accumulate, g)
                     grads = g if grads is None else tree_map(mx.add, grads, g)
                 grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)

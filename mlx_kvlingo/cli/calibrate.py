@@ -60,6 +60,9 @@ from ._common import data_config, data_options
 @click.option("--patience", type=int, default=None,
               help="Stop stage 2 after this many held-out evaluations without a new best (the "
                    "best evaluated translator is what is written in any case)")  # fmt: skip
+@click.option("--reader-share", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+              help="Share of multi-turn chat examples trained as the reader mode builds the "
+                   "cache: earlier replies read by the target itself, the rest translated")  # fmt: skip
 @click.option(
     "--layer-map", type=click.Path(exists=True), help="JSON {key: [[...]...], value: [[...]...]}"
 )
@@ -77,7 +80,7 @@ from ._common import data_config, data_options
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False))
 @click.option("--resume/--no-resume", default=True, show_default=True)
 def calibrate_cmd(source, target, output, variant, rank, nu, key_cut, bias, native_first, alpha, prior,
-                  alpha_grid, patience, layer_map, init, steps, lr, warmup, accumulate, grad_clip,
+                  alpha_grid, patience, reader_share, layer_map, init, steps, lr, warmup, accumulate, grad_clip,
                   eval_every, eval_examples, checkpoint_dir, resume, **kw):  # fmt: skip
     """Fit a translator SOURCE -> TARGET on your data; swap the two for the other direction."""
     console = Console(stderr=True)
@@ -122,7 +125,7 @@ def calibrate_cmd(source, target, output, variant, rank, nu, key_cut, bias, nati
         console.print(table(result, "after stage 1"))
     if steps:
         s2 = Stage2Config(steps, lr, warmup, 0.0, grad_clip, accumulate, eval_every, min(16, eval_examples),
-                          seed=kw["seed"], patience=patience)  # fmt: skip
+                          seed=kw["seed"], patience=patience, reader_share=reader_share)  # fmt: skip
         try:
             distill(tr, pair, train, held, s2, checkpoint_dir, resume)
         except KeyboardInterrupt:

@@ -1,0 +1,114 @@
+"""Do answers from translated caches say what the target would have said? A user-level check.
+
+For held-out assistant conversations (weights/build_assistant_data.py: everyday questions on
+subjects never calibrated on, some with 2-3 unrelated questions in a row) the large model
+answers every question twice, greedily (repetition penalty 1.1 given explicitly): once reading
+the conversation itself (`reader="self"`, the native answer) and once with the small model
+reading every user turn for it (`reader="small"`, answers from translated caches). Reported,
+for first questions (one translated span) and for later ones (translated spans after native
+answers: the reader mode's mixed cache):
+  same start   share of answers whose first 6 words equal the native answer's
+  word recall  mean share of the native answer's content words (4+ letters) in the answer
+Plus a keyword quiz (tests/test_demo_moe.py's ten everyday questions, one must-have word each)
+answered from translated caches.
+
+    python apps/answer_check.py --pair dense -n 40
+    python apps/answer_check.py --pair moe --translator FILE -n 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import time
+from pathlib import Path
+
+from mlx_kvlingo import api
+from mlx_kvlingo.demo import pair as demo
+from mlx_kvlingo.demo.smollm2 import cache_root
+
+QUIZ = [
+    ("What is the capital of France?", ("paris",)),
+    ("How many days are there in a week?", ("7", "seven")),
+    ("What color is the sky on a clear day?", ("blue",)),
+    ("What is the opposite of hot?", ("cold",)),
+    ("Which animal says meow?", ("cat",)),
+    ("What is the capital of Italy?", ("rome",)),
+    ("What color is snow?", ("white",)),
+    ("What is the opposite of up?", ("down",)),
+    ("What language is spoken in Spain?", ("spanish",)),
+    ("Which season comes after winter?", ("spring",)),
+]
+STOP = set("that this with from have your what when they them their there which about would "
+           "could should also into more most some such than then these those will been were "
+           "here just like make many much only other over very".split())  # fmt: skip
+
+
+def words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower())
+
+
+def content(text: str) -> set[str]:
+    return {w for w in words(text) if len(w) >= 4 and w not in STOP}
+
+
+def compare(native: str, translated: str) -> dict:
+    ref = content(native)
+    recall = len(ref & content(translated)) / len(ref) if ref else 1.0
+    return {"same_start": words(native)[:6] == words(translated)[:6], "recall": recall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--pair", choices=("dense", "moe"), default="dense")
+    ap.add_argument("--translator", help="forward translator file (default: the pair's)")
+    ap.add_argument("--data", type=Path, default=cache_root() / "data/assistant/heldout.jsonl")
+    ap.add_argument("-n", "--conversations", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+
+    source, target = demo.demo_models(args.pair)
+    forward = args.translator or demo.translator_path(pair=args.pair)
+    rt = api.Runtime.load(source, target, forward, demo.translator_path(reverse=True, pair=args.pair))  # fmt: skip
+    greedy = {"temperature": 0.0, "repetition_penalty": 1.1, "max_tokens": args.max_tokens}
+    convs = [json.loads(line)["messages"] for line in args.data.read_text().splitlines()]
+    rows = {"first": [], "later": []}
+    examples = []
+    t0 = time.perf_counter()
+    for msgs in convs[: args.conversations]:
+        native, translated = rt.new_conversation(reader="self"), rt.new_conversation()
+        for turn, q in enumerate(m["content"] for m in msgs if m["role"] == "user"):
+            a = native.ask(q, **greedy).text
+            b = translated.ask(q, **greedy).text
+            rows["first" if turn == 0 else "later"].append(compare(a, b))
+            if len(examples) < 6 and turn > 0:
+                examples.append({"question": q, "native": a, "translated": b})
+    quiz = []
+    for q, must in QUIZ:
+        text = rt.new_conversation().ask(q, **greedy).text.lower()
+        quiz.append(any(w in text for w in must))
+    result = {
+        "pair": args.pair,
+        "translator": Path(str(forward)).name,
+        "conversations": min(len(convs), args.conversations),
+        **{
+            k: {
+                "questions": len(v),
+                "same_start": sum(r["same_start"] for r in v) / max(len(v), 1),
+                "word_recall": sum(r["recall"] for r in v) / max(len(v), 1),
+            }
+            for k, v in rows.items()
+        },
+        "quiz_right": f"{sum(quiz)}/{len(quiz)}",
+        "seconds": round(time.perf_counter() - t0),
+        "later_examples": examples,
+    }
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
