@@ -43,6 +43,9 @@ class DataConfig:
     max_examples: int | None = None  # stop drawing training examples after this many
     max_heldout: int | None = None  # and held-out ones after this many
     replies_per_chat: int | None = 2  # assistant replies drawn per conversation (None: all)
+    # also locate earlier replies in each chat prefix (Example.replies, for reader-mode
+    # calibration); off by default: it templates every earlier turn once more
+    reply_spans: bool = False
 
 
 def _files(path: Path) -> list[Path]:
@@ -138,7 +141,7 @@ def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
         if list(full[: len(prefix)]) != list(prefix):
             continue  # template not prefix-stable here; skip rather than mis-split
         cont = full[len(prefix) : len(prefix) + cfg.continuation]
-        spans = _reply_spans(tokenizer, msgs[:i], prefix)
+        spans = _reply_spans(tokenizer, msgs[:i], prefix) if cfg.reply_spans else []
         if len(prefix) > cfg.max_prefix:
             cut = len(prefix) - cfg.max_prefix
             prefix = prefix[cut:]

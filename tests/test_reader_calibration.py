@@ -24,7 +24,7 @@ CONV = [
 def examples(tmp_path_factory, known_pair):
     f = tmp_path_factory.mktemp("reader") / "chat.jsonl"
     f.write_text(json.dumps({"messages": CONV}) + "\n" + json.dumps({"messages": CONV[:4]}) + "\n")
-    cfg = DataConfig(min_prefix=4, heldout_fraction=0.0, replies_per_chat=None)
+    cfg = DataConfig(min_prefix=4, heldout_fraction=0.0, replies_per_chat=None, reply_spans=True)
     train, held = load_examples(f, known_pair.tokenizer, cfg)  # one of the two is held out
     return train + held
 
@@ -43,11 +43,15 @@ def test_reply_spans_follow_a_truncated_prefix(tmp_path, known_pair):
     tok = known_pair.tokenizer
     f = tmp_path / "chat.jsonl"
     f.write_text(json.dumps({"messages": CONV}) + "\n")
-    full, _ = load_examples(f, tok, DataConfig(min_prefix=4, heldout_fraction=0.0, replies_per_chat=None))  # fmt: skip
+    full, _ = load_examples(f, tok, DataConfig(min_prefix=4, heldout_fraction=0.0, replies_per_chat=None, reply_spans=True))  # fmt: skip
     ex = max(full, key=lambda e: len(e.prefix))
     cut = ex.replies[0][0] + 3  # cuts into the first reply
     short, _ = load_examples(
-        f, tok, DataConfig(4, len(ex.prefix) - cut, heldout_fraction=0.0, replies_per_chat=None)
+        f,
+        tok,
+        DataConfig(
+            4, len(ex.prefix) - cut, heldout_fraction=0.0, replies_per_chat=None, reply_spans=True
+        ),
     )
     ex_short = max(short, key=lambda e: len(e.prefix))
     assert ex_short.prefix == ex.prefix[cut:]

@@ -64,10 +64,17 @@ def main():
     start = args.translator or translator_path(reverse=args.reverse, pair=args.pair)
     tr = load_translator(start, pair)
     data = args.data or demo_data()[0]
-    dcfg = DataConfig(min_prefix=16, max_prefix=256, continuation=32, heldout_fraction=0.02, seed=0)
+    dcfg = DataConfig(
+        min_prefix=16,
+        max_prefix=256,
+        continuation=32,
+        heldout_fraction=0.02,
+        seed=0,
+        reply_spans=args.reader_share > 0,
+    )
     train, inner_held = load_examples(data, pair.tokenizer, dcfg)
     if args.heldout_data:
-        hcfg = DataConfig(min_prefix=16, max_prefix=256, continuation=32, heldout_fraction=1.0)
+        hcfg = DataConfig(16, 256, 32, heldout_fraction=1.0, reply_spans=args.reader_share > 0)
         _, inner_held = load_examples(args.heldout_data, pair.tokenizer, hcfg)
         inner_held = random.Random(0).sample(inner_held, len(inner_held))
     cfg = Stage2Config(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -92,12 +93,13 @@ def calibrate_cmd(source, target, output, variant, rank, nu, key_cut, bias, nati
     try:
         validate_data(kw["data_path"])  # before loading any model
         pair = load_pair(source, target)
-        train, held = load_examples(kw["data_path"], pair.tokenizer, data_config(kw))
+        dcfg = replace(data_config(kw), reply_spans=reader_share > 0)
+        train, held = load_examples(kw["data_path"], pair.tokenizer, dcfg)
     except (TokenizerMismatchError, DataError, InsufficientMemoryError) as e:
         raise click.ClickException(str(e)) from None
     console.print(f"{len(train)} training and {len(held)} held-out examples from {kw['data_path']}")
     held_eval = held[:eval_examples]
-    report = {"data": str(kw["data_path"]), "data_config": data_config(kw).__dict__}
+    report = {"data": str(kw["data_path"]), "data_config": dcfg.__dict__}
     if init:
         tr = load_translator(init, pair)
     else:
