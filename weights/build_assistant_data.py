@@ -11,7 +11,10 @@ the demo's 256-token window, at most --answer-tokens tokens). A share of the con
 context, so calibration also sees a topic change after an answer.
 
 Held-out split by topic: every list holds out the items with sha1(item) % 5 == 0, and a
-held-out conversation uses only held-out items (so no held-out subject is ever calibrated on).
+held-out conversation uses only held-out items. Lists share words ("bread" is a thing, "bake
+bread" an activity), so afterwards every held-out conversation that names a subject some
+training question names is dropped (`drop_shared_subjects`): no held-out subject is ever
+calibrated on.
 Writes {"messages": [...]} records to --out/{train,heldout}.jsonl (default
 ~/.cache/mlx-kvlingo/data/assistant).
 
@@ -31,6 +34,7 @@ import argparse
 import hashlib
 import json
 import random
+import re
 import time
 from pathlib import Path
 
@@ -147,16 +151,45 @@ def question(rng: random.Random, heldout: bool) -> str:
     if kind == "thing":
         return rng.choice(THING_TEMPLATES).format(t=pick(THINGS))
     if kind == "activity":
-        a, g = pick(ACTIVITIES).split("|")
+        a, g = (p.strip() for p in pick(ACTIVITIES).split("|"))
         return rng.choice(ACTIVITY_TEMPLATES).format(a=a, g=g)
     if kind == "place":
-        c, city, _ = pick(PLACES).split("|")
+        c, city, _ = (p.strip() for p in pick(PLACES).split("|"))
         return rng.choice(PLACE_TEMPLATES).format(c=c, city=city)
     if kind == "other":
         template, lst = rng.choice(OTHER_TEMPLATES)
         return template.format(x=pick(globals()[lst]))
     a, b = rng.randint(2, 99), rng.randint(2, 99)  # arithmetic: no topic to leak
     return rng.choice(["What is {a} plus {b}?", "What is {a} times {b}?"]).format(a=a, b=b)
+
+
+def named_subjects(question: str) -> set[str]:
+    """Every listed subject a question names, as a word (a place by country or city)."""
+    found = set()
+    for name in ("THINGS", "ACTIVITIES", "PLACES", "PETS", "FEELINGS"):
+        for item in _items(globals()[name]):
+            words = [w.strip() for w in item.split("|")[:2]] if "|" in item else [item]
+            if any(re.search(rf"\b{re.escape(w)}\b", question, re.I) for w in words):
+                found.add(item)
+    return found
+
+
+def drop_shared_subjects(train: list[list[dict]], held: list[list[dict]]) -> list[list[dict]]:
+    """The held-out conversations none of whose questions names a subject training names."""
+
+    def questions(conv):
+        return [m["content"] for m in conv if m["role"] == "user"]
+
+    seen = set().union(*(named_subjects(q) for c in train for q in questions(c)))
+    return [c for c in held if not any(named_subjects(q) & seen for q in questions(c))]
+
+
+def clean_heldout(folder: Path) -> None:
+    read = lambda f: [json.loads(x)["messages"] for x in (folder / f).read_text().splitlines()]  # noqa: E731
+    held = read("heldout.jsonl")
+    kept = drop_shared_subjects(read("train.jsonl"), held)
+    (folder / "heldout.jsonl").write_text("".join(json.dumps({"messages": m}) + "\n" for m in kept))
+    print(f"held out: {len(kept)} of {len(held)} conversations name no training subject")
 
 
 def main():
@@ -174,6 +207,7 @@ def main():
     args = ap.parse_args()
     if not args.mix_only:
         answer_questions(args)
+        clean_heldout(args.out)
     write_mix(args.out, args.mix_chat, args.mix_pages)
 
 
