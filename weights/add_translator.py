@@ -26,9 +26,11 @@ def main():
     ap.add_argument("--default", action="store_true")
     ap.add_argument("--note", default="")
     ap.add_argument("--training-data", default=None, help="what stage 2 trained on, in words")
+    ap.add_argument("--pair", choices=("dense", "moe"), default="dense")
     args = ap.parse_args()
     meta = read_metadata(args.file)
-    dest = HERE / "translators" / args.file.name
+    sub = "moe/" if args.pair == "moe" else ""
+    dest = HERE / "translators" / sub / args.file.name
     shutil.copyfile(args.file, dest)
     evals = {}
     for item in args.eval:
@@ -38,12 +40,14 @@ def main():
     direction = "forward" if meta["target"]["layers"] > meta["source"]["layers"] else "backward"
     nu = len(meta["key_layers"][0])
     row = {
-        "file": dest.name, "direction": direction, "variant": meta["variant"], "nu": nu,
+        "file": sub + dest.name, "direction": direction, "variant": meta["variant"], "nu": nu,
         "key_cut": meta["key_cut"], "source": Path(meta["source"]["name"]).name,
         "target": Path(meta["target"]["name"]).name,
         "training_data": {"stage1": cal.get("data"), "stage2": args.training_data}
         if args.training_data else cal.get("data"),
-        "stage2_steps": cal["stage2"]["steps"], "continued_from": cal["stage2"].get("continued_from"),
+        "stage2_steps": cal.get("stage2", {}).get("steps", 0),
+        "continued_from": cal.get("stage2", {}).get("continued_from"),
+        "composed": cal.get("composed"),
         "note": args.note,
         "heldout": {"stage1": None, "stage2": evals.get("dialogues")},
         "heldout_by_domain": evals, "sha256": hashlib.sha256(dest.read_bytes()).hexdigest(),
@@ -51,10 +55,11 @@ def main():
     }  # fmt: skip
     manifest_path = HERE / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    manifest["translators"] = [r for r in manifest["translators"] if r["file"] != dest.name] + [row]
+    section = manifest["moe"] if args.pair == "moe" else manifest
+    section["translators"] = [r for r in section["translators"] if r["file"] != row["file"]] + [row]
     if args.default:
-        manifest.setdefault("previous_default", dict(manifest["default"]))
-        manifest["default"][direction] = dest.name
+        section["previous_default"] = dict(section["default"])
+        section["default"][direction] = row["file"]
     manifest_path.write_text(json.dumps(manifest, indent=1))
     print(json.dumps({k: row[k] for k in ("file", "direction", "sha256")}, indent=1))
 

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
+from mlx_kvlingo import moe_cpu
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
 from mlx_kvlingo.data import DataConfig, load_examples
 from mlx_kvlingo.demo.pair import demo_data, demo_models, translator_path
@@ -85,7 +86,8 @@ def main():
     )  # fmt: skip
     name = Path(start).stem + "-longer"
     t0 = time.perf_counter()
-    distill(tr, pair, train[args.skip :], inner_held, cfg, args.out / f"{name}-ckpt")
+    with moe_cpu.per_expert_loop(args.pair == "moe"):  # MoE prefill as plain GEMMs on the CPU
+        distill(tr, pair, train[args.skip :], inner_held, cfg, args.out / f"{name}-ckpt")
     s2 = tr.config.metadata["calibration"]["stage2"]
     s2["continued_from"] = Path(start).name
     s2["minutes"] = round((time.perf_counter() - t0) / 60, 1)
