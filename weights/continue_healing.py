@@ -39,6 +39,12 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=23)
     ap.add_argument("--ramp", type=int, default=5, help="steps of linear ramp for fresh moments")
     ap.add_argument("--out", type=Path, default=HERE / "curves")
+    ap.add_argument(
+        "--save",
+        type=Path,
+        default=None,
+        help="also write the continued source here (build_source.py's layout)",
+    )
     args = ap.parse_args()
     record = json.loads((HERE / "source" / "source.json").read_text())
     tr = record["training"]
@@ -90,6 +96,12 @@ def main() -> None:
         if out_of_time:
             print(f"time budget reached after step {step}", flush=True)
             break
+    if args.save:  # a new source: every translator would need calibrating again
+        bs.save_layers(student, args.save)
+        tr["steps_done"] = step
+        tr["continued"] = {"from_step": done, "curve": curve}
+        record["heldout_perplexity"]["source_healed_float32"] = curve[-1]["heldout_ppl"]
+        bs.save_record(args.save, record.pop("kept_layers"), record)
 
 
 if __name__ == "__main__":
