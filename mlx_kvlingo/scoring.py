@@ -74,8 +74,9 @@ def student_logp(method, pair, prep: Prepared) -> mx.array:
     cache = new_cache(pair.target)  # fresh each call: gradients flow through its contents
     pos, span = prep.span.start, prep.span
     for start, end in (*prep.replies, (span.end, span.end)):
-        if start > pos:  # translated up to the next reply
-            keys, values = method.translate(_sub_span(span, pos, start), pair.target)
+        if start > pos:  # translated up to the next reply (the whole span as it is, if none)
+            piece = span if (pos, start) == (span.start, span.end) else _sub_span(span, pos, start)
+            keys, values = method.translate(piece, pair.target)
             for c, k, v in zip(cache, keys, values, strict=True):
                 c.update_and_fetch(k, v)
         if end > start:  # the reply: the target reads its own words on top
