@@ -135,13 +135,19 @@ def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
     if cfg.replies_per_chat is not None and len(replies) > cfg.replies_per_chat:
         rng = random.Random(f"{cfg.seed}:{name}")
         replies = sorted(rng.sample(replies, cfg.replies_per_chat))
+    # each earlier reply's start and tokens, templated once per conversation, not per example
+    candidates = []
+    if cfg.reply_spans and replies:
+        candidates = _reply_candidates(tokenizer, msgs[: replies[-1]])
     for i in replies:
         prefix = tokenizer.apply_chat_template(msgs[:i], add_generation_prompt=True)
         full = tokenizer.apply_chat_template(msgs[: i + 1])
         if list(full[: len(prefix)]) != list(prefix):
             continue  # template not prefix-stable here; skip rather than mis-split
         cont = full[len(prefix) : len(prefix) + cfg.continuation]
-        spans = _reply_spans(tokenizer, msgs[:i], prefix) if cfg.reply_spans else []
+        spans = [
+            (s, s + len(t)) for j, s, t in candidates if j < i and list(prefix[s : s + len(t)]) == t
+        ]
         if len(prefix) > cfg.max_prefix:
             cut = len(prefix) - cfg.max_prefix
             prefix = prefix[cut:]
@@ -151,18 +157,19 @@ def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
     return out
 
 
-def _reply_spans(tokenizer, msgs, prefix) -> list[tuple[int, int]]:
-    """Where each assistant reply's own text lies in `prefix` (replies whose tokens do not
-    appear there as the reply tokenized alone are left out)."""
-    spans = []
+def _reply_candidates(tokenizer, msgs) -> list[tuple[int, int, list[int]]]:
+    """(message index, start token, tokens) of each assistant reply after the first message:
+    where its own text would lie in the templated conversation. A reply is kept as a span of
+    an example's prefix only where the prefix really holds these tokens there."""
+    out = []
     for j, m in enumerate(msgs):
         if m["role"] != "assistant" or j == 0:
             continue
         start = len(tokenizer.apply_chat_template(msgs[:j], add_generation_prompt=True))
-        text = tokenizer.encode(m["content"], add_special_tokens=False)
-        if text and list(prefix[start : start + len(text)]) == list(text):
-            spans.append((start, start + len(text)))
-    return spans
+        text = list(tokenizer.encode(m["content"], add_special_tokens=False))
+        if text:
+            out.append((j, start, text))
+    return out
 
 
 def _text_documents(
