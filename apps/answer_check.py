@@ -9,7 +9,7 @@ for first questions (one translated span) and for later ones (translated spans a
 answers: the reader mode's mixed cache):
   same start   share of answers whose first 6 words equal the native answer's
   word recall  mean share of the native answer's content words (4+ letters) in the answer
-Plus a keyword quiz (tests/test_demo_moe.py's ten everyday questions, one must-have word each)
+Plus a keyword quiz (mlx_kvlingo.demo.quiz: ten everyday questions, one must-have word each)
 answered from translated caches.
 
     python apps/answer_check.py --pair dense -n 40
@@ -26,20 +26,9 @@ from pathlib import Path
 
 from mlx_kvlingo import api
 from mlx_kvlingo.demo import pair as demo
+from mlx_kvlingo.demo.quiz import EVERYDAY_QUIZ, is_right
 from mlx_kvlingo.demo.smollm2 import cache_root
 
-QUIZ = [
-    ("What is the capital of France?", ("paris",)),
-    ("How many days are there in a week?", ("7", "seven")),
-    ("What color is the sky on a clear day?", ("blue",)),
-    ("What is the opposite of hot?", ("cold",)),
-    ("Which animal says meow?", ("cat",)),
-    ("What is the capital of Italy?", ("rome",)),
-    ("What color is snow?", ("white",)),
-    ("What is the opposite of up?", ("down",)),
-    ("What language is spoken in Spain?", ("spanish",)),
-    ("Which season comes after winter?", ("spring",)),
-]
 STOP = set("that this with from have your what when they them their there which about would "
            "could should also into more most some such than then these those will been were "
            "here just like make many much only other over very".split())  # fmt: skip
@@ -86,9 +75,8 @@ def main() -> None:
             if len(examples) < 6 and turn > 0:
                 examples.append({"question": q, "native": a, "translated": b})
     quiz = []
-    for q, must in QUIZ:
-        text = rt.new_conversation().ask(q, **greedy).text.lower()
-        quiz.append(any(w in text for w in must))
+    for q, must in EVERYDAY_QUIZ:
+        quiz.append(is_right(rt.new_conversation().ask(q, **greedy).text, must))
     result = {
         "pair": args.pair,
         "translator": Path(str(forward)).name,

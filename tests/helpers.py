@@ -40,3 +40,15 @@ def assert_session_consistent(s) -> None:
     for name in ("source", "target"):
         assert all(c.offset == s.held(name) for c in s.cache(name))
         assert s.held(name) <= len(s.tokens)
+
+
+def load_weights_script(name: str):
+    """A script of weights/ (not a package) as a module, e.g. "compose_moe_translator"."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "weights" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,20 +1,14 @@
 """The assistant-style calibration data: held-out questions never share a subject with training."""
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_weights_script
 
 
 @pytest.fixture(scope="module")
 def gen():
-    spec = importlib.util.spec_from_file_location("bad", ROOT / "weights/build_assistant_data.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_weights_script("build_assistant_data")
 
 
 def test_heldout_questions_use_heldout_subjects_only(gen):

@@ -1,24 +1,17 @@
 """Composing a translator through a related target (weights/compose_moe_translator.py)."""
 
-import importlib.util
-from pathlib import Path
-
 from mlx_kvlingo.pair import load_model
 from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
 
 import mlx.core as mx
 import numpy as np
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_weights_script
 
 
 @pytest.fixture(scope="module")
 def compose():
-    spec = importlib.util.spec_from_file_location("cmt", ROOT / "weights/compose_moe_translator.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_weights_script("compose_moe_translator")
 
 
 class Ex:

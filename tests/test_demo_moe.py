@@ -8,6 +8,7 @@ import json
 
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
 from mlx_kvlingo.demo import moe
+from mlx_kvlingo.demo.quiz import EVERYDAY_QUIZ, is_right
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -129,20 +130,6 @@ def test_tampered_weights_are_refused(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- the real model
 
-#: (question, words of which one must appear in the greedy answer)
-QUESTIONS = [
-    ("What is the capital of France?", ("paris",)),
-    ("How many days are there in a week?", ("7", "seven")),
-    ("What color is the sky on a clear day?", ("blue",)),
-    ("What is the opposite of hot?", ("cold",)),
-    ("Which animal says meow?", ("cat",)),
-    ("What is the capital of Italy?", ("rome",)),
-    ("What color is snow?", ("white",)),
-    ("What is the opposite of up?", ("down",)),
-    ("What language is spoken in Spain?", ("spanish",)),
-    ("Which season comes after winter?", ("spring",)),
-]
-
 
 @pytest.mark.slow
 def test_real_moe_answers_everyday_questions():
@@ -151,11 +138,11 @@ def test_real_moe_answers_everyday_questions():
     assert model.model_type == "qwen3_moe"
     assert model.model.layers[0].mlp.top_k < model.model.layers[0].mlp.num_experts
     right = []
-    for question, words in QUESTIONS:
+    for question, words in EVERYDAY_QUIZ:
         ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)  # fmt: skip
         answer = mlx_lm.generate(model, tok, ids, max_tokens=16, sampler=make_sampler(0.0))
-        right.append(any(w in answer.lower() for w in words))
-    assert sum(right) >= 7, list(zip(QUESTIONS, right, strict=True))
+        right.append(is_right(answer, words))
+    assert sum(right) >= 7, list(zip(EVERYDAY_QUIZ, right, strict=True))
 
 
 def test_pair_option_is_for_the_demo_only():
