@@ -4,7 +4,8 @@ For held-out assistant conversations (weights/build_assistant_data.py: everyday 
 subjects never calibrated on, some with 2-3 unrelated questions in a row) the large model
 answers every question twice, greedily (repetition penalty 1.1 given explicitly): once reading
 the conversation itself (`reader="self"`, the native answer) and once with the small model
-reading every user turn for it (`reader="small"`, answers from translated caches). Reported,
+reading every user turn for it (`reader="small"`, answers from translated caches; `--reader
+auto`: the chat's default policy, the small model reads only first and long turns). Reported,
 for first questions (one translated span) and for later ones (translated spans after native
 answers: the reader mode's mixed cache):
   same start   share of answers whose first 6 words equal the native answer's
@@ -56,6 +57,9 @@ def main() -> None:
     ap.add_argument("-n", "--conversations", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--reader", choices=("small", "auto"), default="small",
+                    help="the translated side's reader policy: small (every turn translated: "
+                    "the translators' check) or auto (what a chat does by default)")  # fmt: skip
     args = ap.parse_args()
 
     source, target = demo.demo_models(args.pair)
@@ -67,7 +71,10 @@ def main() -> None:
     examples = []
     t0 = time.perf_counter()
     for msgs in convs[: args.conversations]:
-        native, translated = rt.new_conversation(reader="self"), rt.new_conversation()
+        native, translated = (
+            rt.new_conversation(reader="self"),
+            rt.new_conversation(reader=args.reader),
+        )
         for turn, q in enumerate(m["content"] for m in msgs if m["role"] == "user"):
             a = native.ask(q, **greedy).text
             b = translated.ask(q, **greedy).text
@@ -80,6 +87,7 @@ def main() -> None:
     result = {
         "pair": args.pair,
         "translator": Path(str(forward)).name,
+        "reader": args.reader,
         "conversations": min(len(convs), args.conversations),
         **{
             k: {

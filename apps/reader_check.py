@@ -1,6 +1,7 @@
 """Three unrelated questions in one demo conversation, answered by the large model, with the
-small model reading every turn (`--reader small`, the default) or the large reading itself
-(`--reader self`): a quick look at what the reader mode's deviation does to later answers.
+small model reading every turn (`--reader small`), the large reading itself (`--reader self`)
+or the default policy (`--reader auto`: the small reads the opening and long turns): a quick
+look at what the reader mode's deviation does to later answers.
 
     python apps/reader_check.py --reader small
     python apps/reader_check.py --reader self --translator forward-mixing-nu2.safetensors
@@ -21,7 +22,7 @@ QUESTIONS = (
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reader", choices=("small", "self"), default="small")
+    ap.add_argument("--reader", choices=("auto", "small", "self"), default="auto")
     ap.add_argument("--translator", help="a shipped forward translator file (default: the demo's)")
     ap.add_argument("--seeds", default="0,1")
     args = ap.parse_args()

@@ -38,6 +38,7 @@ from .pair import ModelPair
 from .sampling import resolve as resolve_sampling
 from .session import (
     MODES,
+    READER_MIN_TOKENS,
     READERS,
     Session,
     SessionBusyError,
@@ -55,7 +56,7 @@ ModelName = str
 #: how a model catches up on the turns it did not see: "alternation" (translate only the span
 #: it lacks), "naive" (re-translate everything: the drifting baseline), "reprefill" (read it).
 Mode = str
-#: who reads a new user turn before the large model answers: "small" or "self"
+#: who reads a new user turn before the large model answers: "auto", "small" or "self"
 Reader = str
 EventKind = Literal["token", "done"]
 Label = Literal["small", "large"]
@@ -360,13 +361,17 @@ class Runtime:
         max_kv_size: int | None = None,
         reader: Reader | None = None,
         translate_ahead: bool = False,
+        reader_min_tokens: int = READER_MIN_TOKENS,
     ) -> Conversation:
         """A fresh conversation (its own two KV caches) over this runtime's pair.
 
         `max_kv_size` caps the conversation's length in tokens (None: no cap). `reader`: who
-        reads a new user turn before the large model answers: "small" (the default with a
-        forward translator: the small model reads, the large one decodes from the translated
-        cache) or "self" (the large model reads it itself). `translate_ahead`: while the small
+        reads a new user turn before the large model answers: "small" (the small model
+        reads, the large one decodes from the translated cache), "self" (the large model reads
+        it itself) or "auto" (the default with a forward translator: "small" for the opening
+        span and for turns of `reader_min_tokens` or more, "self" for shorter later turns,
+        which are cheap for the large to read and lose the most quality translated).
+        `translate_ahead`: while the small
         model answers, translate for the large one between its tokens, within 10% of the small
         model's decode time, so that `escalate` costs the large model one decode step plus
         whatever that budget left untranslated.
@@ -388,6 +393,7 @@ class Runtime:
             system_prompt=system_prompt,
             max_kv_size=max_kv_size,
             reader=reader,
+            reader_min_tokens=reader_min_tokens,
             translate_ahead=translate_ahead,
         )
         return Conversation(self, session)
@@ -517,12 +523,21 @@ class Conversation:
 
     @property
     def reader(self) -> str:
-        """Who reads a new user turn before the large model answers: "small" or "self"."""
+        """Who reads a new user turn before the large model answers: "auto", "small", "self"."""
         return self._session.reader
 
     @reader.setter
     def reader(self, reader: Reader) -> None:
         self._locked(lambda: setattr(self._session, "reader", reader), True, None)
+
+    @property
+    def reader_min_tokens(self) -> int:
+        """Reader "auto": spans shorter than this (after the opening one) the large reads itself."""
+        return self._session.reader_min_tokens
+
+    @reader_min_tokens.setter
+    def reader_min_tokens(self, n: int) -> None:
+        self._locked(lambda: setattr(self._session, "reader_min_tokens", n), True, None)
 
     @property
     def tokens(self) -> int:

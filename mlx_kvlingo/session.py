@@ -10,11 +10,15 @@ The conversation is one list of token ids. Each model's mlx-lm cache holds a pre
                  drifts turn after turn);
     reprefill    read everything it lacks itself (the exact reference, and the slow one).
 
-Reader policy. With `reader="small"` (the default whenever a forward translator is
-loaded), before the large model answers: the small model catches up on the large's last
-answer (backward translation, or it reads it itself), reads the new user turn itself
-(prefill only), and the large catches up by translating exactly the span it lacks. With
-`reader="self"` the answering model reads what it lacks itself. No span is translated twice.
+Reader policy. With `reader="small"`, before the large model answers: the small model
+catches up on the large's last answer (backward translation, or it reads it itself), reads
+the new user turn itself (prefill only), and the large catches up by translating exactly the
+span it lacks. With `reader="self"` the answering model reads what it lacks itself.
+`reader="auto"` (the default whenever a forward translator is loaded) is "small" for the
+opening span and for spans of at least `reader_min_tokens` (64) tokens, and "self" for
+shorter later turns: those cost the large model little to read, and a short translated turn
+between its own native answers is where translation loses the most quality (its later
+answers drift to earlier topics). No span is translated twice.
 
 The answering model always reads at least the last conversation token itself and then
 decodes with mlx-lm's `stream_generate` on its own cache. Messages are appended as the
@@ -53,7 +57,8 @@ from .pair import ModelPair
 from .translator import Side, Translator
 
 MODES = ("alternation", "naive", "reprefill")
-READERS = ("small", "self")
+READERS = ("auto", "small", "self")
+READER_MIN_TOKENS = 64  # reader "auto": shorter later turns are read by the large itself
 
 
 class Session(Messages, CatchUp, Answering, Persistence):
@@ -82,6 +87,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
         system_prompt: str | None = None,
         max_kv_size: int | None = None,
         reader: str | None = None,
+        reader_min_tokens: int = READER_MIN_TOKENS,
         translate_ahead: bool = False,
         ahead_chunk: int = 32,
         ahead_share: float | None = 0.10,
@@ -97,7 +103,8 @@ class Session(Messages, CatchUp, Answering, Persistence):
                     f"but this direction needs {a} -> {b}"
                 )
         self.mode = mode
-        self.reader = reader if reader is not None else ("small" if forward else "self")
+        self.reader = reader if reader is not None else ("auto" if forward else "self")
+        self.reader_min_tokens = reader_min_tokens
         #: while the small model answers, translate for the large one between its tokens, so
         #: an escalation costs about one large decode step plus what is left: at most
         #: `ahead_share` of the small model's decode time (see conversation/budget.py), or,
@@ -125,16 +132,28 @@ class Session(Messages, CatchUp, Answering, Persistence):
 
     @property
     def reader(self) -> str:
-        """Who reads a new user turn before the large model answers: "small" or "self"."""
+        """Who reads a new user turn before the large model answers: "auto", "small", "self"."""
         return self._reader
 
     @reader.setter
     def reader(self, reader: str) -> None:
         if reader not in READERS:
             raise SessionError(f"unknown reader {reader!r}; expected one of {', '.join(READERS)}")
-        if reader == "small" and self.forward is None:
-            raise SessionError("reader 'small' needs a forward (small -> large) translator")
+        if reader != "self" and self.forward is None:
+            raise SessionError(f"reader {reader!r} needs a forward (small -> large) translator")
         self._reader = reader
+
+    @property
+    def reader_min_tokens(self) -> int:
+        """Reader "auto": the small model reads the opening span and spans of this many tokens
+        or more for the large one; the large reads shorter later turns itself."""
+        return self._reader_min_tokens
+
+    @reader_min_tokens.setter
+    def reader_min_tokens(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise SessionError(f"reader_min_tokens must be a whole number >= 0 (got {n!r})")
+        self._reader_min_tokens = n
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and empty both caches."""
@@ -210,6 +229,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
         return {
             "mode": self.mode,
             "reader": self.reader,
+            "reader_min_tokens": self.reader_min_tokens,
             "conversation_tokens": len(self.tokens),
             "messages": len(self.messages),
             "switches": len(self.switches),
@@ -224,7 +244,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
 
 
 __all__ = [
-    "ALIASES", "MODELS", "MODES", "READERS", "ContextOverflowError", "Session", "SessionBusyError",
+    "ALIASES", "MODELS", "MODES", "READER_MIN_TOKENS", "READERS", "ContextOverflowError", "Session", "SessionBusyError",
     "SessionError", "SessionFileError", "Switch", "TokenEvent", "TurnStats",
     "answer_confidence", "model_fingerprint", "status_line",
 ]  # fmt: skip

@@ -419,8 +419,8 @@ CHAT_ARGS = ["on", "off", "-1.5", "nan", "inf", "-inf", "1e999", "0", "-1", "3",
              "chat", "missing.safetensors", "", "''", "x" * 300, "\u00e9", "NaN", "--", "/dev/null",
              "."]  # fmt: skip
 CHAT_SEEDS = ["hello there", "/small", "/large", "/escalate", "/auto on", "/auto off", "/auto -2",
-              "/reader small", "/reader self", "/mode naive", "/mode alternation", "/trim 16",
-              "/trim", "/save chat.safetensors", "/load chat.safetensors", "/stats", "/help",
+              "/reader small", "/reader self", "/reader auto 0", "/reader auto", "/mode naive",
+              "/mode alternation", "/trim 16", "/trim", "/save chat.safetensors", "/load chat.safetensors", "/stats", "/help",
               "/reset", "r", "h", "def parse(argv):", "/mode"]  # fmt: skip
 
 

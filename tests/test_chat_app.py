@@ -112,17 +112,25 @@ def step(term, text, timeout=30.0) -> str:
 
 def test_answers_switches_escalates_and_quits(app):
     t = app("-m", "24", "--temp", "0")
-    # by default the large model answers and the small one reads: three turns
+    # by default (reader auto) the large model answers and the small one reads the opening
     screen = step(t, "hello there")
     (line,) = status_lines(screen)
     assert line.startswith("large (") and "small read" in line and "translated" in line
     assert "large read 1 tok" in line and "TTFT" in line and "large alone: prefill ≈" in line
-    for text in ("what is json", "and yaml?"):
-        screen = step(t, text)
-        line = status_lines(screen)[-1]
-        assert line.startswith("large (") and "small got the last answer translated" in line
-        assert "small read" in line and "large read 1 tok" in line
+    # a short later turn the large reads itself, and says why
+    screen = step(t, "what is json")
+    line = status_lines(screen)[-1]
+    assert "small read" not in line and "large read 1 tok" not in line
+    assert "(reader auto: the large reads turns under 64 tok)" in line
+    screen = step(t, "/reader small")  # the small model reads every turn
+    assert "reader: small (the small model reads every turn" in screen
+    screen = step(t, "and yaml?")
+    line = status_lines(screen)[-1]
+    assert line.startswith("large (") and "small got the last answer translated" in line
+    assert "small read" in line and "large read 1 tok" in line
     assert len(status_lines(screen)) == 3
+    screen = step(t, "/reader auto x")
+    assert "/reader takes a token count after the policy, not 'x'" in screen
     step(t, "/small")
     screen = step(t, "thanks")
     line = status_lines(screen)[-1]
@@ -169,7 +177,7 @@ def test_ctrl_c_stops_generation_and_second_exits(app):
     # both caches match the conversation: the small model holds all of it
     screen = step(t, "/stats")
     row = next(ln for ln in screen.splitlines() if "tokens in cache" in ln)
-    conv = int(screen.rsplit("reader small · ", 1)[1].split(" conversation tokens")[0])
+    conv = int(screen.rsplit("reader auto · ", 1)[1].split(" conversation tokens")[0])
     assert row.split("│")[2].strip() == str(conv)
     t.send("C-c")  # at the prompt: exit cleanly
     screen = t.wait(lambda s: "EXITED" in s)

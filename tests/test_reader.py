@@ -1,5 +1,6 @@
 """Reader policy: the small model reads every user turn, the large one answers from the
-translated cache (issue 12), on the known-answer tiny pair where translation is exact."""
+translated cache (issue 12), on the known-answer tiny pair where translation is exact; and
+reader "auto", the default: the small reads the opening span and long turns only."""
 
 import json
 
@@ -69,8 +70,7 @@ def test_reader_equals_reprefill_over_ten_turns(pair, translators, seeded):
     fwd, bwd = translators
     sampler = make_sampler(temp=0.8, top_p=0.95) if seeded else None
     seed = 7 if seeded else None
-    s = Session(pair, fwd, bwd)
-    assert s.reader == "small"  # the default with a forward translator
+    s = Session(pair, fwd, bwd, reader="small")
     ref = Session(pair, fwd, bwd, mode="reprefill")
     got, want = converse(s, sampler=sampler, seed=seed), converse(ref, sampler=sampler, seed=seed)
     assert got == want and s.tokens == ref.tokens
@@ -104,7 +104,7 @@ def test_reader_self_keeps_todays_behaviour(pair, translators):
 def test_mixed_schedule_and_no_backward_translator(pair, translators):
     fwd, _ = translators
     sched = ["large", "large", "small", "large", "small", "small", "large"]
-    s = Session(pair, fwd, None)
+    s = Session(pair, fwd, None, reader="small")
     ref = Session(pair, fwd, None, mode="reprefill")
     assert converse(s, 7, sched) == converse(ref, 7, sched)
     large = [t for t in s.turns if t.model == "target"]
@@ -118,7 +118,7 @@ def test_mixed_schedule_and_no_backward_translator(pair, translators):
 
 def test_naive_mode_with_reader(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, mode="naive")
+    s = Session(pair, fwd, bwd, mode="naive", reader="small")
     ref = Session(pair, fwd, bwd, mode="reprefill")
     assert converse(s, 4) == converse(ref, 4)
     assert sum(sw.retranslated for sw in s.switches) > 0  # naive re-translates what it held
@@ -127,7 +127,7 @@ def test_naive_mode_with_reader(pair, translators):
 
 def test_ctrl_c_during_the_small_read_and_the_large_decode(pair, translators, monkeypatch):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd)
+    s = Session(pair, fwd, bwd, reader="small")
     converse(s, 2)
     s.add_user("a long user turn " * 12)
     real = pair.source.model.__class__.__call__
@@ -173,7 +173,7 @@ def test_ctrl_c_during_the_small_read_and_the_large_decode(pair, translators, mo
 
 def test_cancel_during_the_small_read(pair, translators, monkeypatch):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd)
+    s = Session(pair, fwd, bwd, reader="small")
     s.add_user("word " * 40)
     real = pair.source.model.__class__.__call__
 
@@ -194,7 +194,7 @@ def test_cancel_during_the_small_read(pair, translators, monkeypatch):
 
 def test_save_load_and_trim_with_reader(pair, translators, tmp_path):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd)
+    s = Session(pair, fwd, bwd, reader="small")
     converse(s, 3)
     path = s.save(tmp_path / "chat")
     t = Session(pair, fwd, bwd, reader="self")
@@ -212,7 +212,7 @@ def test_save_load_and_trim_with_reader(pair, translators, tmp_path):
 
 def test_status_and_stats_show_the_read_and_the_saving(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd)
+    s = Session(pair, fwd, bwd, reader="small")
     converse(s, 2)
     st = s.last_turn
     line = status_line(st, {"source": "S", "target": "T"})
@@ -261,19 +261,23 @@ def test_reader_evaluation_on_the_exact_pair(pair, translators, tiny_dir):
     for r in res["turns"]:
         assert abs(r["deviation"]["small"]) < 1e-3 and abs(r["deviation"]["self"]) < 1e-3
     assert res["translated_tokens"]["small"] > 0 == res["translated_tokens"]["reprefill"]
-    assert res["read_by_small_tokens"] > 0
+    assert res["read_by_small_tokens"]["small"] > res["read_by_small_tokens"]["auto"] > 0
+    assert all(abs(r["deviation"]["auto"]) < 1e-3 for r in res["turns"])
     render_reader_table(res)
     noisy = exact_translator(pair, tiny_dir["known_answer"])
     noisy.value["weight"] = noisy.value["weight"] * 1.5
-    bad = evaluate_reader(pair, noisy, bwd, dialogues, turns=2)
-    assert bad["summary"]["small"]["mean_abs_deviation"] > 1e-2
+    bad = evaluate_reader(pair, noisy, bwd, dialogues, turns=3)
+    dev = {c: bad["summary"][c]["mean_abs_deviation"] for c in ("small", "auto")}
+    assert dev["small"] > 1e-2
+    # reader auto translates only the opening span of these short turns: less deviation
+    assert dev["auto"] < dev["small"]
 
 
 def test_logits_processors_see_the_whole_conversation(pair, translators):
     """A repetition penalty must see earlier answers: with the small model reading, the large
     model's own prompt is one token, yet its processors get the conversation before it."""
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd)
+    s = Session(pair, fwd, bwd, reader="small")
     converse(s, 1)
     s.add_user(MESSAGES[1])
     n0 = len(s.tokens)
@@ -346,3 +350,53 @@ def and_translated_ok(s) -> bool:
     assert_translated_once(s)
     assert_consistent(s)
     return True
+
+
+def test_reader_auto_reads_the_opening_and_long_turns_only(pair, translators, tmp_path):
+    """The default policy: the small model reads the opening span and turns of at least
+    `reader_min_tokens`; the large reads shorter later turns itself and the status line says
+    why. Token-for-token equal to re-prefill on the exact pair, each span translated once."""
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd, reader_min_tokens=48)
+    assert s.reader == "auto" and Session(pair, fwd, bwd).reader_min_tokens == 64
+    ref = Session(pair, fwd, bwd, mode="reprefill")
+    turns = [MESSAGES[0], MESSAGES[1], "word " * 60, MESSAGES[2]]
+    got, want = [], []
+    for text in turns:
+        for sess, out in ((s, got), (ref, want)):
+            sess.add_user(text)
+            out.append([e.token for e in sess.generate("large", max_tokens=N)])
+    assert got == want and s.tokens == ref.tokens
+    opening, short, long, short2 = s.turns
+    assert opening.read is not None and opening.prompt_tokens == 1 and not opening.read_note
+    lacked = len(s.tokens)  # the short turns are under 48 tokens, the long one over
+    for st in (short, short2):
+        assert st.read is None and st.prompt_tokens > 1 and st.switch is None
+        assert "reader auto: the large reads turns under 48 tok" in status_line(
+            st, {"source": "s", "target": "t"}
+        )
+        lacked = min(lacked, st.prompt_tokens)
+    assert lacked < 48 <= long.read.tokens and long.prompt_tokens == 1
+    # the small caught up on what the large read and answered (backward), then read the turn
+    assert long.read.catch_up is not None and long.read.catch_up.translated
+    assert_translated_once(s)
+    assert_consistent(s)
+    assert s.stats()["reader_min_tokens"] == 48
+    # the policy survives a save / load
+    t = Session(pair, fwd, bwd, reader="self")
+    t.load(s.save(tmp_path / "auto"))
+    assert (t.reader, t.reader_min_tokens) == ("auto", 48)
+
+
+def test_reader_auto_limits_and_zero(pair, translators):
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd, reader_min_tokens=0)  # 0: the small reads every turn
+    converse(s, 3)
+    assert all(t.read is not None and t.prompt_tokens == 1 for t in s.turns)
+    for bad in (-1, 2.5, True, "8"):
+        with pytest.raises(SessionError, match="reader_min_tokens"):
+            s.reader_min_tokens = bad
+    with pytest.raises(SessionError, match="'auto' needs a forward"):
+        Session(pair, None, bwd, reader="auto")
+    with pytest.raises(SessionError, match="unknown reader"):
+        s.reader = "big"

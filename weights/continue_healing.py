@@ -100,8 +100,16 @@ def main() -> None:
         bs.save_layers(student, args.save)
         tr["steps_done"] = step
         tr["continued"] = {"from_step": done, "curve": curve}
-        record["heldout_perplexity"]["source_healed_float32"] = curve[-1]["heldout_ppl"]
-        bs.save_record(args.save, record.pop("kept_layers"), record)
+        ppl = record["heldout_perplexity"]
+        ppl["source_healed_float32"] = curve[-1]["heldout_ppl"]
+        kept = record.pop("kept_layers")
+        bs.save_record(args.save, kept, record)
+        # measured as ensure_demo_source() assembles it (8-bit layers): what source.json ships
+        ppl["source_healed"] = round(math.exp(bs.shipped_nll(args.save, heldout)), 2)
+        bs.save_record(args.save, kept, record)
+        print(
+            f"saved {args.save}: held-out perplexity as shipped {ppl['source_healed']}", flush=True
+        )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ from ..sampling import describe as describe_sampling
 from ..sampling import resolve as resolve_sampling
 from ..session import (
     MODES,
+    READER_MIN_TOKENS,
+    READERS,
     ContextOverflowError,
     Session,
     SessionError,
@@ -43,7 +45,11 @@ MODEL = {"small": "source", "large": "target"}
 
 HELP = [
     ("/small, /large", "which model answers next (default: large, the small one reads)"),
-    ("/reader [small|self]", "show or set who reads your turn before the large model answers"),
+    (
+        "/reader [auto|small|self] [N]",
+        "show or set who reads your turn for the large model "
+        "(auto: the small one reads the opening and turns of N+ tokens)",
+    ),
     ("/escalate", "answer the last message again with the other model (translated cache)"),
     ("/auto [on|off|T]", "cascade: small answers, large takes over below confidence T"),
     ("/mode [M]", "show or set: alternation | naive | reprefill"),
@@ -54,6 +60,16 @@ HELP = [
     ("/help, h", "this list"),
     ("/quit, q", "exit (also Ctrl-D; Ctrl-C stops a generation, at the prompt it exits)"),
 ]
+
+
+def describe_reader(session) -> str:
+    """What the session's reader policy does, in words."""
+    if session.reader == "small":
+        return "the small model reads every turn, the large one decodes from the translated cache"
+    if session.reader == "auto":
+        return (f"the small model reads the opening and turns of {session.reader_min_tokens}+ "
+                "tokens, the large one shorter turns")  # fmt: skip
+    return "the answering model reads your turn itself"
 
 
 class ChatApp:
@@ -206,12 +222,14 @@ class ChatApp:
             state = f"on, threshold {self.threshold:.2f}" if self.auto else "off"
             self.say(f"  auto: {state}")
         elif cmd == "/reader":
+            if len(args) > 1 and not args[1].isdigit():
+                self.error(f"/reader takes a token count after the policy, not {args[1]!r}")
+                return
             if args:
                 self.s.reader = args[0]
-            how = "the small model reads your turn, the large one decodes from the translated cache"
-            self.say(
-                f"  reader: {self.s.reader} ({how if self.s.reader == 'small' else 'the answering model reads it itself'})"
-            )
+            if len(args) > 1:
+                self.s.reader_min_tokens = int(args[1])
+            self.say(f"  reader: {self.s.reader} ({describe_reader(self.s)})")
         elif cmd == "/mode":
             if args:
                 self.s.mode = args[0]
@@ -279,7 +297,7 @@ class ChatApp:
             ("small -> large", translators["forward"]),
             ("large -> small", translators["backward"]),
             ("mode", self.s.mode),
-            ("reader", self.s.reader),
+            ("reader", f"{self.s.reader} ({describe_reader(self.s)})"),
             ("answers", LABEL[self.next]),
             ("sampling", describe_sampling(resolve_sampling(self.s.pair.target, **self.sampling))),
             ("max tokens", str(self.max_tokens)),
@@ -328,9 +346,12 @@ class ChatApp:
 @click.option("--mode", type=click.Choice(MODES), default="alternation", show_default=True)
 @click.option("--answer", type=click.Choice(["small", "large"]), default="large", show_default=True,
               help="Which model answers (the small one reads for the large one; /small, /large)")  # fmt: skip
-@click.option("--reader", type=click.Choice(["small", "self"]), default=None,
-              help="Who reads your turn before the large model answers [default: small with a "
+@click.option("--reader", type=click.Choice(READERS), default=None,
+              help="Who reads your turn before the large model answers [default: auto with a "
                    "forward translator]")  # fmt: skip
+@click.option("--reader-min-tokens", type=click.IntRange(0), default=READER_MIN_TOKENS,
+              show_default=True,
+              help="Reader auto: later turns shorter than this are read by the large model itself")  # fmt: skip
 @click.option("--translate-ahead/--no-translate-ahead", default=False, show_default=True,
               help="While the small model answers, translate for the large one within 10% of its "
                    "decode time (/escalate, /auto)")  # fmt: skip
@@ -340,8 +361,8 @@ class ChatApp:
 @distributed_option
 @wire_option
 def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
-             max_kv_size, mode, answer, reader, translate_ahead, first, auto_threshold,
-             **sampling):  # fmt: skip
+             max_kv_size, mode, answer, reader, reader_min_tokens, translate_ahead, first,
+             auto_threshold, **sampling):  # fmt: skip
     """Chat with the small model and hand the conversation to the large one (and back)."""
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     console = Console(highlight=False)
@@ -349,7 +370,7 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
         runtime = load_runtime(source, target, translator, backward_translator, wire)
         try:
             conv = runtime.new_conversation(system_prompt, mode, max_kv_size, reader,
-                                            translate_ahead)  # fmt: skip
+                                            translate_ahead, reader_min_tokens)  # fmt: skip
         except SessionError as e:
             raise click.ClickException(str(e)) from None
         app = ChatApp(conv._session, max_tokens=max_tokens, sampling=sampling_settings(sampling),
@@ -391,6 +412,7 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     try:
         session = Session(pair, forward, backward, mode, system_prompt=system_prompt,
                           max_kv_size=max_kv_size, reader=reader,
+                          reader_min_tokens=reader_min_tokens,
                           translate_ahead=translate_ahead)  # fmt: skip
     except SessionError as e:
         raise click.ClickException(str(e)) from None

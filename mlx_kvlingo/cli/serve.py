@@ -53,7 +53,7 @@ def _loopback(host: str) -> bool:
 @click.option("--mode", type=click.Choice(["alternation", "naive", "reprefill"]),
               default="alternation", show_default=True,
               help="How a model catches up on what it lacks")  # fmt: skip
-@click.option("--reader", type=click.Choice(["small", "self"]), default=None,
+@click.option("--reader", type=click.Choice(["auto", "small", "self"]), default=None,
               help="Who reads new turns for the large model (default: the library's policy)")  # fmt: skip
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")

@@ -89,11 +89,13 @@ class Answering:
         texts: list[str] = []
         lacked = n0 - m.held
         try:
-            if self._small_reads(name):
+            if self._small_reads(name, n0 - 1):
                 stats.read = self._read_ahead(n0 - 1, min(kwargs["prefill_step_size"], 512))
                 if self._cancel.is_set():  # stopped while the small model read
                     stats.finish_reason = "cancelled"
                     return
+            else:
+                stats.read_note = self._auto_declined(name)
             stats.switch = self._catch_up(name, n0 - 1)
             ahead = self._ahead_begin(n0 - 1) if name == "source" else None
             stats.ahead = ahead
@@ -222,8 +224,10 @@ class Answering:
         self._user_start = None
         self._answer = (start, name)
         try:
-            if self._small_reads(name):
+            if self._small_reads(name, start - 1):
                 stats.read = self._read_ahead(start - 1, min(prefill_step_size, 512))
+            else:
+                stats.read_note = self._auto_declined(name)
             stats.switch = self._catch_up(name, start - 1)
             a = m.held
             toks = self.tokens[a:]

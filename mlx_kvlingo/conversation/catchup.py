@@ -86,14 +86,24 @@ class CatchUp:
         self.switches.append(sw)
         return sw
 
-    def _small_reads(self, name: str) -> bool:
-        """Does the small model read for `name` this turn (reader policy, see session.py)?"""
-        return (
-            name == "target"
-            and self.reader == "small"
-            and self.forward is not None
-            and self.mode != "reprefill"  # the reference: the answering model reads it all
-        )
+    def _small_reads(self, name: str, upto: int) -> bool:
+        """Does the small model read [large's held, upto) for `name` this turn (reader policy,
+        see session.py)? "auto": for the opening span and for spans of `reader_min_tokens` or
+        more; shorter later turns the large reads itself (cheap for it, and where translation
+        costs the most quality: a translated turn between native answers)."""
+        if name != "target" or self.forward is None or self.mode == "reprefill":
+            return False  # reprefill is the reference: the answering model reads it all
+        if self.reader == "auto":
+            held = self._models["target"].held
+            return held == 0 or upto - held >= self.reader_min_tokens
+        return self.reader == "small"
+
+    def _auto_declined(self, name: str) -> str:
+        """Why the large read its turn itself under reader "auto" ("" when that was not it)."""
+        if name == "target" and self.reader == "auto" and self.forward is not None:
+            if self.mode != "reprefill":
+                return f"reader auto: the large reads turns under {self.reader_min_tokens} tok"
+        return ""
 
     def _read_ahead(self, upto: int, chunk: int) -> Read:
         """The small model catches up on the large's last answer, then reads up to `upto`

@@ -83,6 +83,7 @@ class Persistence:
             "system_prompt": self.system_prompt,
             "mode": self.mode,
             "reader": self.reader,
+            "reader_min_tokens": self.reader_min_tokens,
             "answer": list(self._answer) if self._answer else None,
             "user_start": self._user_start,
             "switches": [asdict(s) for s in self.switches],
@@ -220,8 +221,11 @@ class Persistence:
             ],
         }
         reader = state.get("reader")
-        if reader in ("small", "self") and (reader == "self" or self.forward):
+        if reader in ("auto", "small", "self") and (reader == "self" or self.forward):
             out["_reader"] = reader
+        min_tokens = state.get("reader_min_tokens")
+        if _is_int(min_tokens) and min_tokens >= 0:
+            out["_reader_min_tokens"] = min_tokens
         return out
 
 

@@ -81,6 +81,7 @@ class TurnStats:
     #: what the answering model's own prefill of every token it lacked would have cost,
     #: estimated from its prefill rate measured on this pair (None: not measured yet)
     alone_prefill_s: float | None = None
+    read_note: str = ""  # why the large read the new turn itself (reader "auto")
 
     @property
     def confidence(self) -> float | None:
@@ -141,7 +142,8 @@ def status_line(st: TurnStats, names: dict) -> str:
         else:
             parts.append(f"switch {sw.lacked} tok {sw.note or 're-prefill'}")
     read = f"{me} read {st.prompt_tokens} tok"
-    parts.append(read + (f" {st.prompt_tps:.1f} tok/s" if st.prompt_tokens > 1 else ""))
+    read += f" {st.prompt_tps:.1f} tok/s" if st.prompt_tokens > 1 else ""
+    parts.append(read + (f" ({st.read_note})" if st.read_note else ""))
     if st.ttft_s is not None:
         ttft = f"TTFT {_ms(st.ttft_s)}"
         if rd is not None and st.alone_prefill_s is not None:

@@ -133,7 +133,7 @@ def evaluate_multiturn(
     }
 
 
-READER_CONDITIONS = ("reprefill", "small", "self")
+READER_CONDITIONS = ("reprefill", "small", "auto", "self")
 
 
 def evaluate_reader(
@@ -151,17 +151,19 @@ def evaluate_reader(
     Conditions per dialogue: `reprefill` (the large model reads every turn itself, all
     native: the reference), `small` (reader "small": the small model reads each user turn,
     gets the large's answers by backward translation, and the large catches up by forward
-    translation) and `self` (reader "self" in alternation mode: with the large answering every
-    turn it reads everything itself, so it must equal the reference: a sanity row).
+    translation), `auto` (reader "auto": the small reads the opening span and turns of
+    `reader_min_tokens` or more, the large shorter later turns) and `self` (reader "self" in
+    alternation mode: with the large answering every turn it reads everything itself, so it
+    must equal the reference: a sanity row).
     Per turn: the mean NLL per condition and the deviation from the reference.
     """
     nll = {c: np.full((len(dialogues), turns), np.nan) for c in READER_CONDITIONS}
     translated = dict.fromkeys(READER_CONDITIONS, 0)
-    read_by_small = 0
+    read_by_small = dict.fromkeys(READER_CONDITIONS, 0)
     for d, dialogue in enumerate(dialogues):
         for cond in READER_CONDITIONS:
             mode = "reprefill" if cond == "reprefill" else "alternation"
-            reader = "small" if cond == "small" else "self"
+            reader = cond if cond in ("small", "auto") else "self"
             s = Session(pair, forward, backward, mode, system_prompt=system_prompt, reader=reader)
             for t in range(turns):
                 if 2 * t + 1 >= len(dialogue):
@@ -169,14 +171,13 @@ def evaluate_reader(
                 s.add_user(dialogue[2 * t])
                 nll[cond][d, t] = -float(np.mean(s.score("target", dialogue[2 * t + 1])))
             translated[cond] += sum(sw.translated for sw in s.switches)
-            if cond == "small":
-                read_by_small += sum(t.read.tokens for t in s.turns if t.read is not None)
+            read_by_small[cond] += sum(t.read.tokens for t in s.turns if t.read is not None)
             if progress:
                 progress(d, cond)
     ref = nll["reprefill"]
     rows = _turn_rows(nll, turns)
     summary = {}
-    for c in ("small", "self"):
+    for c in ("small", "auto", "self"):
         dev = nll[c] - ref
         dev = dev[~np.isnan(dev)]
         half = turns // 2
@@ -210,7 +211,7 @@ def render_reader_table(result: dict, console=None):
 
     table = Table(
         "turn", "dialogues", "NLL re-prefill", "NLL small reads", "Δ small reads",
-        "|Δ| small reads", "Δ reader self",
+        "|Δ| small reads", "|Δ| reader auto", "Δ reader self",
         title=(
             f"reader mode: the large answers every turn · {result['dialogues']} dialogues · "
             f"{result['pair']['source']} reads for {result['pair']['target']}"
@@ -220,16 +221,19 @@ def render_reader_table(result: dict, console=None):
         table.add_row(
             str(r["turn"]), str(r["dialogues"]), f(r["nll"]["reprefill"]), f(r["nll"]["small"]),
             f(r["deviation"]["small"], True), f(r["abs_deviation"]["small"]),
-            f(r["deviation"]["self"], True),
+            f(r["abs_deviation"]["auto"]), f(r["deviation"]["self"], True),
         )  # fmt: skip
-    sm = result["summary"]["small"]
+    sm, auto = result["summary"]["small"], result["summary"]["auto"]
+    read = result["read_by_small_tokens"]
     table.caption = (
         f"small reads: mean Δ {f(sm['mean_deviation'], True)}, mean |Δ| "
         f"{f(sm['mean_abs_deviation'])} (turns 0-{result['turns_per_dialogue'] // 2 - 1}: "
-        f"{f(sm['mean_abs_first_half'])}, later: {f(sm['mean_abs_second_half'])}) · reader self: "
-        f"mean |Δ| {f(result['summary']['self']['mean_abs_deviation'])} · "
-        f"{result['read_by_small_tokens']} tokens read by the small model, "
-        f"{result['translated_tokens']['small']} translated"
+        f"{f(sm['mean_abs_first_half'])}, later: {f(sm['mean_abs_second_half'])}); "
+        f"{read['small']} tokens read by the small model, "
+        f"{result['translated_tokens']['small']} translated · reader auto: mean |Δ| "
+        f"{f(auto['mean_abs_deviation'])}, {read['auto']} tokens read by the small model, "
+        f"{result['translated_tokens']['auto']} translated · reader self: mean |Δ| "
+        f"{f(result['summary']['self']['mean_abs_deviation'])}"
     )
     (console or Console()).print(table)
     return table
