@@ -30,6 +30,7 @@ from mlx_kvlingo.measure.evaluate import evaluate, table
 from mlx_kvlingo.pair import load_model, load_pair
 
 import mlx.core as mx
+from quality_md import write_section
 from rich.console import Console
 
 HERE = Path(__file__).resolve().parent
@@ -74,21 +75,6 @@ def build(name, pair, train, inner_held, held, variant, nu, cut, args) -> dict:
 def score(row) -> float:
     r = row["heldout"]["stage2"] or row["heldout"]["stage1"]
     return -r["translated"]["kl_native"]
-
-
-BEGIN, END = "<!-- moe-pair: begin -->", "<!-- moe-pair: end -->"
-
-
-def write_quality_section(path: Path, markdown: str) -> None:
-    """Replace (or append) the MoE pair's section of QUALITY.md, leaving the rest as it is."""
-    text = path.read_text() if path.exists() else ""
-    block = f"{BEGIN}\n{markdown}{END}\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
 
 
 def quality_markdown(rows, command: str) -> str:
@@ -145,7 +131,7 @@ def write_manifest(path: Path, rows: list[dict], command: str) -> None:
         "command": command,
     }  # fmt: skip
     path.write_text(json.dumps(manifest, indent=1))
-    write_quality_section(HERE / "QUALITY.md", quality_markdown(rows, command))
+    write_section(HERE / "QUALITY.md", "moe-pair", quality_markdown(rows, command))
     console.print(f"defaults: {manifest['moe']['default']}")
 
 
@@ -172,7 +158,9 @@ def main():
         return
     if args.report_only:
         m = json.loads(path.read_text())["moe"]
-        write_quality_section(HERE / "QUALITY.md", quality_markdown(m["translators"], m["command"]))
+        write_section(
+            HERE / "QUALITY.md", "moe-pair", quality_markdown(m["translators"], m["command"])
+        )
         return
     OUT.mkdir(parents=True, exist_ok=True)
     src_dir, tgt_dir = demo_models("moe")

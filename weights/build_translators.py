@@ -26,6 +26,7 @@ from mlx_kvlingo.measure.evaluate import evaluate, table
 from mlx_kvlingo.pair import load_model, load_pair
 
 import mlx.core as mx
+from quality_md import write_section
 from rich.console import Console
 
 HERE = Path(__file__).resolve().parent
@@ -139,7 +140,7 @@ def main():
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
     }  # fmt: skip
     (HERE / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    (HERE / "QUALITY.md").write_text(quality_markdown(rows))
+    write_section(HERE / "QUALITY.md", "demo-pair", quality_markdown(rows), first=True)
     console.print(f"defaults: {manifest['default']}")
 
 
