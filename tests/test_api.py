@@ -359,3 +359,23 @@ def test_add_messages_history_then_answer(runtime):
         conv.add_messages([{"role": "tool", "content": "x"}])
     with pytest.raises(ConversationError, match="must follow a user message"):
         conv.add_messages([{"role": "assistant", "content": "x"}])
+
+
+def test_reader_policy_through_the_api(runtime):
+    """`reader` and `reader_min_tokens` on a Conversation: auto by default, the small model
+    reads the opening turn, the large a short later one; bad values raise ConversationError."""
+    conv = runtime.new_conversation(reader_min_tokens=48)
+    assert (conv.reader, conv.reader_min_tokens) == ("auto", 48)
+    first = conv.ask(MSG[0], max_tokens=N, temperature=0)
+    later = conv.ask(MSG[1], max_tokens=N, temperature=0)
+    assert first.timings.read_tokens > 0 and later.timings.read_tokens == 0
+    conv.reader_min_tokens = 0  # every turn read by the small model now
+    assert conv.ask(MSG[2], max_tokens=N, temperature=0).timings.read_tokens > 0
+    conv.reader = "self"
+    assert conv.ask(MSG[0], max_tokens=N, temperature=0).timings.read_tokens == 0
+    with pytest.raises(ConversationError, match="reader_min_tokens"):
+        conv.reader_min_tokens = -3
+    with pytest.raises(ConversationError, match="unknown reader"):
+        conv.reader = "huge"
+    assert conv.reader == "self" and conv.reader_min_tokens == 0
+    assert_consistent(conv)
