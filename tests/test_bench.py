@@ -268,11 +268,15 @@ def test_conversation_bench_three_policies(tmp_path):
     assert out.exit_code == 0, out.output
     result = json.loads((tmp_path / "conversation.json").read_text())
     turns = result["turns"]
-    assert len(turns) == 4 * 5 and (tmp_path / "conversation.png").stat().st_size > 0
+    assert len(turns) == 4 * 6 and (tmp_path / "conversation.png").stat().st_size > 0
     small = [t for t in turns if t["policy"] == "small reads"]
     large = [t for t in turns if t["policy"] == "large reads"]
     assert all(t["large_read_tokens"] == 1 and t["read_s"] > 0 for t in small)
     assert [t["large_read_tokens"] for t in large[1:]] == [24, 8, 24]  # the user turns, itself
+    # reader auto: the small reads the opening turn; these short later ones the large itself
+    auto = [t for t in turns if t["policy"] == "auto reads"]
+    assert auto[0]["large_read_tokens"] == 1 and auto[0]["read_s"] > 0
+    assert [t["large_read_tokens"] for t in auto[1:]] == [24, 8, 24]
     esc = [t for t in turns if t["policy"] == "cascade" and t["escalated"]]
     assert [t["turn"] for t in esc] == result["escalated_turns"] and esc
     assert all(t["ttft_s"] > 0 and t["total_s"] >= t["ttft_s"] for t in turns)

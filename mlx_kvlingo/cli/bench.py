@@ -98,7 +98,7 @@ def _preset_names() -> list[str]:
 @click.option(
     "--conversation",
     is_flag=True,
-    help="Time a multi-turn conversation: the large reads / the small reads / cascade",
+    help="Time a multi-turn conversation: the large reads / the small reads / auto / cascade",
 )
 @click.option(
     "--turns", default=8, show_default=True, type=click.IntRange(1), help="--conversation: turns"

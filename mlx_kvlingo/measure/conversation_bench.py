@@ -1,9 +1,11 @@
-"""A multi-turn conversation timed under three policies, side by side in one run.
+"""A multi-turn conversation timed under several policies, side by side in one run.
 
     large reads   the large model answers every turn and reads each new user turn itself
                   (reader "self"): the baseline;
     small reads   the large model answers every turn; the small one reads each user turn and
                   the large catches up by KV translation (reader "small", KV-Lingo);
+    auto reads    reader "auto" (the default): the small reads the opening turn and turns of
+                  `reader_min_tokens` (64) or more, the large shorter later turns;
     cascade       the small model answers; at a given rate (seeded) its answer is escalated
                   and the large one answers again from a translated cache;
     cascade+ahead the same, translating ahead: while the small model answers, the span the
@@ -34,7 +36,14 @@ from ..session import Session
 from ..translator import Translator
 from .bench import _jsonable, machine_info, prompt_tokens, software_info
 
-POLICIES = ("large reads", "small reads", "cascade", "cascade+ahead", "cascade+ahead (no budget)")
+POLICIES = (
+    "large reads",
+    "small reads",
+    "auto reads",
+    "cascade",
+    "cascade+ahead",
+    "cascade+ahead (no budget)",
+)
 
 
 @dataclass
@@ -97,6 +106,7 @@ def run_conversation_bench(
     sessions = {
         "large reads": Session(pair, forward, backward, reader="self"),
         "small reads": Session(pair, forward, backward, reader="small"),
+        "auto reads": Session(pair, forward, backward, reader="auto"),
         "cascade": Session(pair, forward, backward, reader="self"),
         "cascade+ahead": Session(pair, forward, backward, reader="self", translate_ahead=True),
         "cascade+ahead (no budget)": Session(
