@@ -487,18 +487,6 @@ class Runtime:
             self._cond.notify_all()
 
 
-def _session_setting(name: str, doc: str) -> property:
-    """A setting of the conversation's session: read any time, changed only between answers."""
-
-    def get(self):
-        return getattr(self._session, name)
-
-    def set_(self, value) -> None:
-        self._locked(lambda: setattr(self._session, name, value), True, None)
-
-    return property(get, set_, doc=doc)
-
-
 class Conversation:
     """One conversation over a `Runtime`: its messages and one KV cache per model.
 
@@ -533,14 +521,23 @@ class Conversation:
             raise ConversationError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         self._locked(lambda: setattr(self._session, "mode", mode), True, None)
 
-    reader = _session_setting(
-        "reader",
-        'Who reads a new user turn before the large model answers: "auto", "small", "self".',
-    )
-    reader_min_tokens = _session_setting(
-        "reader_min_tokens",
-        'Reader "auto": later turns shorter than this many tokens the large model reads itself.',
-    )
+    @property
+    def reader(self) -> str:
+        """Who reads a new user turn before the large model answers: "auto", "small", "self"."""
+        return self._session.reader
+
+    @reader.setter
+    def reader(self, reader: Reader) -> None:
+        self._locked(lambda: setattr(self._session, "reader", reader), True, None)
+
+    @property
+    def reader_min_tokens(self) -> int:
+        """Reader "auto": later turns shorter than this many tokens the large model reads itself."""
+        return self._session.reader_min_tokens
+
+    @reader_min_tokens.setter
+    def reader_min_tokens(self, n: int) -> None:
+        self._locked(lambda: setattr(self._session, "reader_min_tokens", n), True, None)
 
     @property
     def tokens(self) -> int:
