@@ -44,8 +44,9 @@ def _turn(stream, stop_after=None) -> dict:
 def conversation(rt: Runtime, short: bool = False) -> dict:
     """Every kind of turn: the small model reading for the large one, alternation both ways,
     escalation both ways (a cache cut back), a stream stopped early, naive re-translation,
-    reset, translate-ahead, two conversations interleaved; `short`: the first three turns."""
-    a = rt.new_conversation()
+    reset, translate-ahead, two conversations interleaved, the default reader policy ("auto":
+    the small reads the opening, the large a short later turn); `short`: the first three turns."""
+    a = rt.new_conversation(reader="small")
     b = rt.new_conversation(reader="self")
     turns = [
         _turn(a.send("def foo(x):", "large", **GREEDY)),
@@ -70,6 +71,9 @@ def conversation(rt: Runtime, short: bool = False) -> dict:
     c = rt.new_conversation(translate_ahead=True)
     turns.append(_turn(c.send("x = 1", "small", **GREEDY)))
     turns.append(_turn(c.escalate(**GREEDY)))
+    d = rt.new_conversation()
+    turns.append(_turn(d.send("def foo(x):", "large", **GREEDY)))
+    turns.append(_turn(d.send("ok", "large", **GREEDY)))
     stats = {k: a.stats()["models"]["target"][k] for k in ("translated_into", "turns", "held")}
     return {"turns": turns, "stats": stats}
 
