@@ -8,9 +8,10 @@ Each client holds a chat: every request sends the whole history plus a new quest
 server's prefix reuse is in play (`--turns` questions, then a fresh chat). Rows, each on its own
 server over the same loaded pair:
 
-    large            the model id `large` as the library serves it (the small model reads new
-                     turns and the large answers from the translated cache, where the runtime's
-                     reader policy says so)
+    large            the model id `large` as the library serves it (the default reader policy
+                     "auto": the small model reads a chat's opening and long new turns, the
+                     large answers from the translated cache; short follow-ups it reads itself)
+    large, small reads   `reader="small"`: the small model reads every new turn (`smallreads`)
     large, self      the large model reads everything it lacks itself (`reader="self"`; only
                      when this version has a reader policy, else it is the row above)
     large, no reuse  `--max-conversations 0`: every request is a new conversation
@@ -216,7 +217,8 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--deadline", type=float, default=900.0, help="seconds per row")
     p.add_argument("--rows", default="large,self,noreuse",
-                   help="which rows: large, self, noreuse, small (comma-separated)")  # fmt: skip
+                   help="which rows: large, smallreads, self, noreuse, small "
+                        "(comma-separated)")  # fmt: skip
     p.add_argument("--out", help="also write the table to this file")
     args = p.parse_args(argv)
     if args.clients < 1 or args.requests < 1 or args.requests * args.clients > 400:
@@ -235,6 +237,9 @@ def main(argv=None) -> int:
     for row in [r.strip() for r in args.rows.split(",") if r.strip()]:
         if row == "large":
             rows.append(run_row(runtime, "`large`", "large", args))
+        elif row == "smallreads":
+            rows.append(run_row(runtime, "`large`, the small reads every turn", "large", args,
+                                reader="small"))  # fmt: skip
         elif row == "self":
             if has_reader:
                 rows.append(run_row(runtime, "large reads everything itself", "large", args,
