@@ -517,6 +517,9 @@ def test_cli_serves_and_stops(tiny_dir):
             m = re.search(r"serving on (http://127\.0\.0\.1:\d+/v1)", line)
             url = m.group(1) if m else None
         assert url, "".join(lines)
+        # keep draining stderr: a full pipe would block the server's writes (and its exit)
+        drain = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        drain.start()
         c = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=30)
         r = c.chat.completions.create(model="large", messages=[{"role": "user", "content": U1}])
         assert r.usage.completion_tokens <= 4  # --default-max-tokens
@@ -527,4 +530,4 @@ def test_cli_serves_and_stops(tiny_dir):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
-    assert proc.returncode == 0
+    assert proc.returncode == 0, "".join(lines)[-3000:]
