@@ -9,11 +9,16 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import signal
 import sys
 
 import click
 
 from ._common import source_option, target_option, translator_option
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _loopback(host: str) -> bool:
@@ -94,6 +99,9 @@ def serve_cmd(source, target, translator, backward_translator, host, port, api_k
     click.echo(f"small: {names['small']}\nlarge: {names['large']}", err=True)
     key = " (API key required)" if api_key else ""
     click.echo(f"serving on {server.url}{key} · models small, large, auto · Ctrl-C stops", err=True)
+    # SIGTERM (kill, systemd, docker stop) stops as Ctrl-C does: running and waiting requests
+    # are told the server is shutting down instead of losing their connection mid-answer
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         server.serve_forever()  # closes the server and joins its worker on the way out
     except KeyboardInterrupt:
