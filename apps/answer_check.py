@@ -13,8 +13,12 @@ answers: the reader mode's mixed cache):
 Plus a keyword quiz (mlx_kvlingo.demo.quiz: ten everyday questions, one must-have word each)
 answered from translated caches.
 
+`--long-later`: instead, conversations of a quiz question, then a held-out documentation
+paragraph (64+ tokens) to summarize: the later turn that `auto` still translates.
+
     python apps/answer_check.py --pair dense -n 40
     python apps/answer_check.py --pair moe --translator FILE -n 40
+    python apps/answer_check.py --long-later --reader auto -n 10
 """
 
 from __future__ import annotations
@@ -49,6 +53,24 @@ def compare(native: str, translated: str) -> dict:
     return {"same_start": words(native)[:6] == words(translated)[:6], "recall": recall}
 
 
+def long_later_conversations(path: Path) -> list[list[dict]]:
+    """A quiz question, then "summarize" over each held-out paragraph of 350-900 characters."""
+    paras = []
+    for line in path.read_text().splitlines():
+        for p in json.loads(line)["text"].split("\n\n"):
+            p = " ".join(p.split())
+            if 350 < len(p) < 900 and not p.startswith((">>>", "...")):
+                paras.append(p)
+    first = [q for q, _ in EVERYDAY_QUIZ]
+    return [
+        [
+            {"role": "user", "content": first[i % len(first)]},
+            {"role": "user", "content": f"Summarize this in one sentence: {p}"},
+        ]
+        for i, p in enumerate(paras)
+    ]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--pair", choices=("dense", "moe"), default="dense")
@@ -60,13 +82,20 @@ def main() -> None:
     ap.add_argument("--reader", choices=("small", "auto"), default="small",
                     help="the translated side's reader policy: small (every turn translated: "
                     "the translators' check) or auto (what a chat does by default)")  # fmt: skip
+    ap.add_argument("--long-later", action="store_true",
+                    help="a quiz question, then a held-out paragraph to summarize")  # fmt: skip
+    ap.add_argument("--prose", type=Path,
+                    default=Path(__file__).parents[1] / "weights/data/pydocs-prose-heldout.jsonl")  # fmt: skip
     args = ap.parse_args()
 
     source, target = demo.demo_models(args.pair)
     forward = args.translator or demo.translator_path(pair=args.pair)
     rt = api.Runtime.load(source, target, forward, demo.translator_path(reverse=True, pair=args.pair))  # fmt: skip
     greedy = {"temperature": 0.0, "repetition_penalty": 1.1, "max_tokens": args.max_tokens}
-    convs = [json.loads(line)["messages"] for line in args.data.read_text().splitlines()]
+    if args.long_later:
+        convs = long_later_conversations(args.prose)
+    else:
+        convs = [json.loads(line)["messages"] for line in args.data.read_text().splitlines()]
     rows = {"first": [], "later": []}
     examples = []
     t0 = time.perf_counter()
@@ -88,6 +117,7 @@ def main() -> None:
         "pair": args.pair,
         "translator": Path(str(forward)).name,
         "reader": args.reader,
+        "conversations_of": "quiz question, paragraph to summarize" if args.long_later else "data",
         "conversations": min(len(convs), args.conversations),
         **{
             k: {

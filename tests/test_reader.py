@@ -4,6 +4,7 @@ reader "auto", the default: the small reads the opening span and long turns only
 
 import json
 
+from mlx_kvlingo.conversation.records import Read, Switch, TurnStats
 from mlx_kvlingo.pair import load_pair
 from mlx_kvlingo.sampling import DEFAULTS, GREEDY, resolve
 from mlx_kvlingo.session import Session, SessionError, status_line
@@ -400,3 +401,25 @@ def test_reader_auto_limits_and_zero(pair, translators):
         Session(pair, None, bwd, reader="auto")
     with pytest.raises(SessionError, match="unknown reader"):
         s.reader = "big"
+
+
+def test_status_line_accounts_for_the_ttft():
+    """Every part of a turn's time-to-first-token is shown with its time: the small model's
+    read, the translation and the answering model's own read (up to its first token)."""
+    st = TurnStats(
+        "target",
+        "alternation",
+        read=Read("source", tokens=18, seconds=0.035),
+        switch=Switch("target", "alternation", 0, 19, translated=19, seconds=0.005),
+        prompt_tokens=1,
+        prompt_tps=50.0,
+        prompt_s=0.02,
+        ttft_s=0.061,
+        alone_prefill_s=0.4,
+    )
+    line = status_line(st, {"source": "s", "target": "t"})
+    assert "small read 18 tok 35 ms · translated 19 tok 5.0 ms · large read 1 tok 20 ms · " in line
+    assert "TTFT 61 ms (large alone: prefill ≈ 400 ms)" in line
+    st.prompt_tokens, st.prompt_tps, st.prompt_s, st.read, st.switch = 18, 45.0, 0.4, None, None
+    line = status_line(st, {"source": "s", "target": "t"})
+    assert "large read 18 tok 400 ms 45.0 tok/s · TTFT 61 ms" in line

@@ -118,7 +118,7 @@ def status_line(st: TurnStats, names: dict) -> str:
     """Who read what and what it cost, then mlx-lm's `N tokens · X tok/s · peak Z GB`.
 
     With the small model reading: `small read 18 tok 35 ms · translated 19 tok 5 ms · large
-    read 1 tok · TTFT 60 ms (large alone: prefill ≈ 400 ms) · ...`.
+    read 1 tok 20 ms · TTFT 60 ms (large alone: prefill ≈ 400 ms) · ...`.
     """
     me = LABEL[st.model]
     parts = [f"{me} ({names[st.model]})"]
@@ -141,7 +141,10 @@ def status_line(st: TurnStats, names: dict) -> str:
             parts.append(f"translated {sw.translated} tok{again} {sw.seconds * 1e3:.1f} ms")
         else:
             parts.append(f"switch {sw.lacked} tok {sw.note or 're-prefill'}")
+    # its read time, as mlx-lm measures it (up to its first token): with the parts before it
+    # the status line accounts for the TTFT
     read = f"{me} read {st.prompt_tokens} tok"
+    read += f" {_ms(st.prompt_s)}" if st.prompt_tokens and st.prompt_s else ""
     read += f" {st.prompt_tps:.1f} tok/s" if st.prompt_tokens > 1 else ""
     parts.append(read + (f" ({st.read_note})" if st.read_note else ""))
     if st.ttft_s is not None:
