@@ -136,3 +136,15 @@ def test_demo_source_quantized_variant_loads(cache, source):
     ids = mx.array([stok.encode("Hi! How are you doing today?")])
     ref, q = smodel(ids)[0], qmodel(ids)[0].astype(mx.float32)
     assert (mx.argmax(ref, -1) == mx.argmax(q, -1)).mean().item() > 0.7
+
+
+def test_missing_source_weights_say_how_to_rebuild(monkeypatch, tmp_path):
+    from mlx_kvlingo.demo.smollm2 import source_files
+
+    monkeypatch.setenv("KVLINGO_WEIGHTS", str(tmp_path))
+    (tmp_path / "source").mkdir()
+    (tmp_path / "source" / "model.safetensors").write_bytes(b"")  # its config is missing
+    with pytest.raises(FileNotFoundError, match=r"source; .*build_source\.py"):
+        source_files()
+    (tmp_path / "source" / "source.json").write_text("{}")
+    assert [p.name for p in source_files()] == ["model.safetensors", "source.json"]

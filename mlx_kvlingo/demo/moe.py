@@ -8,7 +8,6 @@ the cache (like the demo target), after checking their sha256.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,7 +20,8 @@ from .smollm2 import (
     _save_json,
     cache_root,
     ensure_smollm2,
-    weights_dir,
+    sha256_of,
+    shipped_files,
 )
 
 MOE_NAME = "SmolLM2-135M-MoE"
@@ -98,22 +98,7 @@ def attention_weights(dense: dict, config: dict) -> dict:
 
 def moe_files() -> tuple[Path, Path]:
     """(safetensors, json) of the MoE's differences from the wheel in `weights/moe/`."""
-    folder = weights_dir() / "moe"
-    st, rec = folder / DELTAS, folder / RECORD
-    if not st.is_file() or not rec.is_file():
-        raise FileNotFoundError(
-            f"MoE target weights not found in {folder}; set KVLINGO_WEIGHTS to the repo's "
-            "weights/ folder or rebuild them with `python weights/build_moe.py`."
-        )
-    return st, rec
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    return shipped_files("moe", (DELTAS, RECORD), "build_moe.py")
 
 
 def apply_differences(dense: dict, config: dict, shipped: dict, quant: dict) -> dict:

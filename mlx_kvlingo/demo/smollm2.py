@@ -299,24 +299,30 @@ def ensure_smollm2(
 # ---------------------------------------------------------------- demo source
 
 
+def shipped_files(folder: str, names: tuple[str, str], build_script: str) -> tuple[Path, Path]:
+    """Two files shipped in `weights/<folder>/`, or a FileNotFoundError saying how to get them."""
+    where = weights_dir() / folder
+    paths = (where / names[0], where / names[1])
+    if not all(p.is_file() for p in paths):
+        raise FileNotFoundError(
+            f"demo weights not found in {where}; set KVLINGO_WEIGHTS to the repo's "
+            f"weights/ folder or rebuild them with `python weights/{build_script}`."
+        )
+    return paths
+
+
 def source_files() -> tuple[Path, Path]:
     """(safetensors, json) of the demo source's kept layers in `weights/source/`."""
-    folder = weights_dir() / "source"
-    st, cfg = folder / "model.safetensors", folder / "source.json"
-    if not st.is_file() or not cfg.is_file():
-        raise FileNotFoundError(
-            f"demo source weights not found in {folder}; set KVLINGO_WEIGHTS to the repo's "
-            "weights/ folder or rebuild them with `python weights/build_source.py`."
-        )
-    return st, cfg
+    return shipped_files("source", ("model.safetensors", "source.json"), "build_source.py")
 
 
-def _file_digest(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
-    return h.hexdigest()[:16]
+    return h.hexdigest()
 
 
 def dequantize_layers(layers: dict, group_size: int, bits: int) -> dict:
@@ -364,7 +370,7 @@ def ensure_demo_source(
     st, cfg = source_files()
     target = ensure_smollm2(cache_dir, dequantize)
     name = SOURCE_NAME if dequantize else f"{SOURCE_NAME}-quantized"
-    stamp = {"format": FORMAT_VERSION, "layers": _file_digest(st), "config": _file_digest(cfg)}
+    stamp = {"format": FORMAT_VERSION, "layers": sha256_of(st)[:16], "config": sha256_of(cfg)[:16]}
     return _build_atomically(
         cache_root(cache_dir) / name,
         stamp,
