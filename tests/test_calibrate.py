@@ -207,3 +207,30 @@ def test_stage2_keeps_the_heldout_best_and_stops_early(shape_pair, shape_data, t
     assert mean_kl(tr, shape_pair, prepared) == pytest.approx(s2["best"]["heldout_kl"], rel=1e-5)
     best = load_translator(tmp_path / "ck2" / "best.safetensors")
     np.testing.assert_allclose(np.array(best.key["weight"]), np.array(tr.key["weight"]), atol=1e-6)
+
+
+@pytest.mark.parametrize("steps", [0, 2])
+def test_build_scripts_evaluate_distill_and_save(shape_pair, shape_data, tmp_path, steps):
+    """weights/translator_build.py, what both translator build scripts run per translator."""
+    from argparse import Namespace
+
+    from helpers import load_weights_script
+
+    build = load_weights_script("translator_build")
+    train, held = shape_data
+    tr = fit_closed_form(shape_pair, train[:30], Stage1Config(), progress=False)
+    path, data = tmp_path / "t.safetensors", {"train": "test text", "examples": 30}
+    args = Namespace(steps=steps, lr=1e-5, accumulate=1)
+    row = build.evaluate_distill_save(tr, shape_pair, "t", train[30:], held[:4], held[4:8], args,
+                                      path, data)  # fmt: skip
+    loaded = load_translator(path, shape_pair)
+    cal = loaded.config.metadata["calibration"]
+    assert cal["data"] == data and cal["stage1"]["heldout"] == row["heldout"]["stage1"]
+    assert row["stage2_steps"] == steps and row["bytes"] == path.stat().st_size
+    assert row["sha256"] == build.sha256(path) and len(row["sha256"]) == 64
+    if steps:
+        assert (
+            cal["stage2"]["steps"] == steps and cal["stage2"]["heldout"] == row["heldout"]["stage2"]
+        )
+    else:
+        assert row["heldout"]["stage2"] is None and "heldout" not in cal.get("stage2", {})

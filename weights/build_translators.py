@@ -11,32 +11,24 @@ Writes weights/translators/*.safetensors (float16), weights/manifest.json and we
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import time
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_many
-from mlx_kvlingo.calibrate.distill import Stage2Config, distill
 from mlx_kvlingo.data import DataConfig, load_examples
 from mlx_kvlingo.demo.pair import demo_data, demo_models
-from mlx_kvlingo.format import save_translator
-from mlx_kvlingo.measure.evaluate import evaluate, table
 from mlx_kvlingo.pair import load_model, load_pair
 
-import mlx.core as mx
 from quality_md import write_section
 from rich.console import Console
+from translator_build import evaluate_distill_save
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "translators"
 GRID = [("mixing", 1), ("headwise", 1), ("mixing", 2), ("headwise", 2)]
 console = Console()
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def build_direction(name, pair, train, inner_held, held, args) -> list[dict]:
@@ -49,31 +41,16 @@ def build_direction(name, pair, train, inner_held, held, args) -> list[dict]:
     rows = []
     for (variant, nu), tr in zip(GRID, translators):
         label = f"{name}-{variant}-nu{nu}"
-        s1 = evaluate(pair, tr, held)
-        console.print(table(s1, f"{label} after stage 1"))
-        tr.config.metadata["calibration"]["stage1"]["heldout"] = s1
-        s2 = None
-        if args.steps:
-            t1 = time.perf_counter()
-            s2cfg = Stage2Config(steps=args.steps, learning_rate=args.lr, warmup=max(args.steps // 10, 1),
-                                 accumulate=args.accumulate, eval_every=args.steps, eval_examples=8)  # fmt: skip
-            distill(tr, pair, train[args.examples :], inner_held, s2cfg)
-            s2 = evaluate(pair, tr, held)
-            tr.config.metadata["calibration"]["stage2"]["heldout"] = s2
-            console.print(table(s2, f"{label} after stage 2 ({time.perf_counter() - t1:.0f} s)"))
         path = OUT / f"{label}.safetensors"
         data = {
             "train": "chitchat-dataset (MIT), non-held-out dialogues",
             "examples": args.examples,
         }
-        tr.config.metadata["calibration"]["data"] = data
-        save_translator(tr, path, pair, dtype=mx.float16)
+        done = evaluate_distill_save(tr, pair, label, train[args.examples :], inner_held, held,
+                                     args, path, data)  # fmt: skip
         rows.append({
             "file": path.name, "direction": name, "variant": variant, "nu": nu, "key_cut": "post_norm",
-            "source": Path(pair.source.name).name, "target": Path(pair.target.name).name,
-            "training_data": data, "stage2_steps": args.steps,
-            "heldout": {"stage1": s1, "stage2": s2}, "sha256": sha256(path),
-            "bytes": path.stat().st_size,
+            "source": Path(pair.source.name).name, "target": Path(pair.target.name).name, **done,
         })  # fmt: skip
     return rows
 
