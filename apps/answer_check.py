@@ -19,6 +19,8 @@ paragraph (64+ tokens) to summarize: the later turn that `auto` still translates
     python apps/answer_check.py --pair dense -n 40
     python apps/answer_check.py --pair moe --translator FILE -n 40
     python apps/answer_check.py --long-later --reader auto -n 10
+    python apps/answer_check.py --long-later --reader auto -n 10 --later-from-history
+    python apps/answer_check.py --long-later --reader auto -n 10 --no-backward
 """
 
 from __future__ import annotations
@@ -86,11 +88,17 @@ def main() -> None:
                     help="a quiz question, then a held-out paragraph to summarize")  # fmt: skip
     ap.add_argument("--prose", type=Path,
                     default=Path(__file__).parents[1] / "weights/data/pydocs-prose-heldout.jsonl")  # fmt: skip
+    ap.add_argument("--later-from-history", action="store_true",
+                    help="ask each later question in a fresh conversation given the native one so "
+                    "far as history: all of it translated at once, no mixed cache")  # fmt: skip
+    ap.add_argument("--no-backward", action="store_true",
+                    help="no backward translator: the small re-reads the large's answers")  # fmt: skip
     args = ap.parse_args()
 
     source, target = demo.demo_models(args.pair)
     forward = args.translator or demo.translator_path(pair=args.pair)
-    rt = api.Runtime.load(source, target, forward, demo.translator_path(reverse=True, pair=args.pair))  # fmt: skip
+    backward = None if args.no_backward else demo.translator_path(reverse=True, pair=args.pair)
+    rt = api.Runtime.load(source, target, forward, backward)
     greedy = {"temperature": 0.0, "repetition_penalty": 1.1, "max_tokens": args.max_tokens}
     if args.long_later:
         convs = long_later_conversations(args.prose)
@@ -105,6 +113,9 @@ def main() -> None:
             rt.new_conversation(reader=args.reader),
         )
         for turn, q in enumerate(m["content"] for m in msgs if m["role"] == "user"):
+            if args.later_from_history and turn > 0:
+                translated = rt.new_conversation(reader=args.reader)
+                translated.add_messages(native.messages)
             a = native.ask(q, **greedy).text
             b = translated.ask(q, **greedy).text
             rows["first" if turn == 0 else "later"].append(compare(a, b))
@@ -117,6 +128,8 @@ def main() -> None:
         "pair": args.pair,
         "translator": Path(str(forward)).name,
         "reader": args.reader,
+        "later_from_history": args.later_from_history,
+        "backward_translator": backward is not None,
         "conversations_of": "quiz question, paragraph to summarize" if args.long_later else "data",
         "conversations": min(len(convs), args.conversations),
         **{
