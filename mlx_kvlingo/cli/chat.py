@@ -363,7 +363,7 @@ class ChatApp:
 def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
              max_kv_size, mode, answer, reader, reader_min_tokens, translate_ahead, first,
              auto_threshold, **sampling):  # fmt: skip
-    """Chat with the small model and hand the conversation to the large one (and back)."""
+    """Chat with the pair: the large model answers, the small one reads for it (/small, /large)."""
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     console = Console(highlight=False)
     if wanted(distributed):  # mlx.launch: the large model pipelined, rank 0 owns the terminal
