@@ -1,6 +1,7 @@
 """`kvlingo translate` (prompt cache file in, prompt cache file out), `generate` and `info`."""
 
 import json
+import re
 
 from mlx_kvlingo.cli import cli
 from mlx_kvlingo.format import save_translator
@@ -70,7 +71,12 @@ def test_generate_and_info(tiny_dir, tmp_path):
         "--translator", str(tr_path), "-p", PROMPT, "--no-chat", "-m", "8",
     ])  # fmt: skip
     assert out.exit_code == 0, out.output
-    assert "translation" in out.output and "source prefill" in out.output
+    # the status line accounts for the TTFT: its three parts add up to it
+    m = re.search(r"source prefill \d+ tokens ([\d.]+) ms · translation ([\d.]+) ms · "
+                  r"target first token ([\d.]+) ms · TTFT (\d+) ms", out.output)  # fmt: skip
+    assert m, out.output
+    parts = sum(float(x) for x in m.groups()[:3])
+    assert abs(parts - int(m.group(4))) <= 1
     out = CliRunner().invoke(cli, ["info", str(tiny_dir["qwen3_moe"])])
     assert out.exit_code == 0, out.output
     assert "GFLOP/s" in out.output and "qwen3_moe" in out.output

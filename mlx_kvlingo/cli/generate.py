@@ -101,7 +101,9 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     click.echo()
     click.echo(
         f"source prefill {len(tokens) - 1} tokens {h.source_prefill_s * 1e3:.1f} ms · "
-        f"translation {h.translate_s * 1e3:.1f} ms · target decode {last.generation_tokens} tokens "
+        f"translation {h.translate_s * 1e3:.1f} ms · target first token {ttft * 1e3:.1f} ms · "
+        f"TTFT {(h.source_prefill_s + h.translate_s + ttft) * 1e3:.0f} ms · "
+        f"target decode {last.generation_tokens} tokens "
         f"{last.generation_tps:.1f} tok/s · peak {last.peak_memory:.2f} GB",
         err=True,
     )
