@@ -4,12 +4,12 @@ manifest fields."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
+from mlx_kvlingo.demo.smollm2 import sha256_of as sha256
 from mlx_kvlingo.format import save_translator
 from mlx_kvlingo.measure.evaluate import evaluate, table
 
@@ -17,10 +17,6 @@ import mlx.core as mx
 from rich.console import Console
 
 console = Console()
-
-
-def sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def evaluate_distill_save(tr, pair, label: str, stage2_train, inner_held, held, args, path: Path,
