@@ -246,3 +246,16 @@ def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
             f"and a continuation of 2+ tokens)"
         )
     return train, held
+
+
+def read_texts(path: str | Path) -> list[str]:
+    """Every document under `path` as plain text: text files whole, JSONL `text` records, and
+    chats as their messages' contents one after another (for task generators, not examples)."""
+    out = []
+    for f in _files(Path(path)):
+        if f.suffix in CHAT_SUFFIXES:
+            for kind, obj in _read_jsonl(f):
+                out.append(obj if kind == "text" else "\n".join(m["content"] for m in obj))
+        else:
+            out.append(_read_text(f))
+    return out

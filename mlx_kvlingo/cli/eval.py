@@ -37,6 +37,20 @@ from ._common import (
 @click.option(
     "--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results here"
 )
+@click.option(
+    "--task",
+    type=click.Choice(["continuation", "content"]),
+    default="continuation",
+    show_default=True,
+    help="continuation: teacher-forced scores on held-out text; content: can the target use what "
+    "was read (stated facts, copies, answers and summaries, scored against its native answer)",
+)
+@click.option("--lengths", default="128,512,1024", show_default=True,
+              help="--task content: read lengths in tokens")  # fmt: skip
+@click.option("--per-kind", default=8, show_default=True,
+              help="--task content: tasks of each kind at each length")  # fmt: skip
+@click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
+              help="--task content: write the per-length plot here (PNG)")  # fmt: skip
 @click.option("--multi-turn", is_flag=True, help="Multi-turn alternation evaluation over dialogues")
 @click.option(
     "--switches", default=10, show_default=True, help="Switches per dialogue (--multi-turn)"
@@ -47,10 +61,27 @@ from ._common import (
     is_flag=True,
     help="With --multi-turn: the large answers every turn while the small reads (vs re-prefill)",
 )
-def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_out, multi_turn, switches,
-             reader_eval, **kw):  # fmt: skip
+def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_out, task, lengths,
+             per_kind, plot_out, multi_turn, switches, reader_eval, **kw):  # fmt: skip
     """Score the target on held-out continuations under every cache condition."""
     console = Console()
+    if task == "content":
+        if multi_turn:
+            raise click.UsageError("--task content and --multi-turn are separate evaluations")
+        try:
+            sizes = sorted({int(x) for x in lengths.split(",") if x.strip()})
+        except ValueError:
+            raise click.BadParameter(
+                f"not a list of integers: {lengths!r}", param_hint="--lengths"
+            ) from None
+        if not sizes or min(sizes) < 32:
+            raise click.BadParameter(
+                "read lengths must be at least 32 tokens", param_hint="--lengths"
+            )
+        texts = _content_texts(data_path)
+        pair, tr = resolve_pair(source, target, translator, demo_pair=demo_pair)
+        return _content(pair, tr, texts, sizes, per_kind, kw["seed"], json_out, plot_out, console,
+                        translator or "demo default")  # fmt: skip
     if data_path is not None and not multi_turn:
         try:
             summary = validate_data(data_path)  # before loading any model
@@ -116,3 +147,45 @@ def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=1)
+
+
+def _content_texts(data_path) -> list[str]:
+    from ..data import read_texts
+
+    if data_path is None:  # the demo's held-out documentation pages, never calibrated on
+        from ..demo.pair import demo_content_texts
+
+        paths = demo_content_texts()
+    else:
+        paths = [data_path]
+    try:
+        return [t for p in paths for t in read_texts(p)]
+    except DataError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label):
+    from ..measure.content import evaluate_content, plot, tables, to_json, write_json
+    from ..measure.content_tasks import build_tasks
+
+    try:
+        tasks = build_tasks(pair.tokenizer, texts, lengths, per_kind, seed=seed)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    limit = min(m.context_length or 10**9 for m in (pair.source, pair.target))
+    if max(len(t.tokens) for t in tasks) > limit:
+        raise click.ClickException(f"a read length exceeds the pair's context ({limit} tokens)")
+    console.print(f"[grey50]{len(tasks)} content tasks ({per_kind} per kind and length, seed "
+                  f"{seed}); the target answers natively first, then from the translated cache; "
+                  f"greedy[/grey50]")  # fmt: skip
+    res = evaluate_content(pair, tasks, {"translated": tr})
+    result = to_json(res, pair, {"translator": label, "seed": seed, "lengths": lengths})
+    for t in tables(result):
+        console.print(t)
+    for g in result["goals"]:
+        mark = "[green]met[/green]" if g["met"] else "[red]not met[/red]"
+        console.print(f"  {g['goal']}: {g['value']:.2f} {mark}")
+    if json_out:
+        write_json(result, json_out)
+    if plot_out:
+        plot(result, plot_out)

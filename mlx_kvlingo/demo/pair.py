@@ -74,3 +74,9 @@ def demo_data() -> tuple[Path, Path]:
 
 def demo_eval_data() -> Path:
     return demo_data()[1]
+
+
+def demo_content_texts() -> list[Path]:
+    """Held-out Python documentation pages (never calibrated on): the content benchmark's text."""
+    folder = weights_dir() / "data"
+    return [folder / "pydocs-prose-heldout.jsonl", folder / "pydocs-technical-heldout.jsonl"]

@@ -1,0 +1,321 @@
+"""Does what the small model read reach the large one? Content scored against the native answer.
+
+For every task (`content_tasks`) each condition answers greedily:
+  native      the target reading the whole prompt itself (the reference)
+  <label>     the target on a cache a method (translator, raw, DroidSpeak, ...) built from the
+              source's K/V of prompt[:-1]; it reads only the last prompt token itself
+  small       the source model alone
+Scores, per kind and read length:
+  fact, copy     accuracy (the stated value / the sentence appears in the reply) and *retained*
+                 = right where the native answer is right / native right
+  qa, summary    content-word recall of the native answer, and ROUGE-L F1 against it
+The headline per cell is `retained` for fact and copy, `recall` for qa and summary. Teacher-forced
+continuation KL is not used here: generic tokens dominate it (see weights/QUALITY.md).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+from rich.progress import Progress
+from rich.table import Table
+
+from ..kvcache import new_cache
+from .content_tasks import KINDS, ContentTask
+
+SCHEMA = "mlx-kvlingo/content-eval"
+#: greedy tokens each kind may answer with
+MAX_TOKENS = {"fact": 24, "copy": 48, "qa": 48, "summary": 48}
+EXACT_KINDS = ("fact", "copy")
+#: goals for the default translator (issue 26): retained facts/copies by read length, and recall
+GOAL_RETAINED_SHORT, GOAL_RETAINED_LONG, LONG_FROM, GOAL_RECALL = 0.8, 0.6, 1024, 0.7
+
+_NON_WORD = re.compile(r"[^a-z0-9]+")
+STOPWORDS = frozenset(
+    "a an and are as at be been but by can could did do does for from had has have he her his "
+    "how i if in into is it its me my no not of on or our she so than that the their them then "
+    "there these they this those to too us was we were what when where which who why will with "
+    "would you your yes also just about some any all more most other such only own same very "
+    "here text above sure sorry".split()
+)
+
+
+def normalize(s: str) -> str:
+    return " ".join(_NON_WORD.sub(" ", s.lower()).split())
+
+
+def contains(answer: str, reply: str) -> bool:
+    """The answer's words appear in the reply, in order and adjacent (case and punctuation free)."""
+    a = normalize(answer)
+    return bool(a) and f" {a} " in f" {normalize(reply)} "
+
+
+def content_words(s: str) -> list[str]:
+    return [w for w in normalize(s).split() if w not in STOPWORDS and len(w) > 2]
+
+
+def recall(reference: str, candidate: str) -> float:
+    """Share of the reference's distinct content words found in the candidate (NaN: none)."""
+    ref = set(content_words(reference))
+    return len(ref & set(content_words(candidate))) / len(ref) if ref else float("nan")
+
+
+def rouge_l(reference: str, candidate: str) -> float:
+    """ROUGE-L F1 over normalized words (longest common subsequence)."""
+    r, c = normalize(reference).split(), normalize(candidate).split()
+    if not r or not c:
+        return float(r == c)
+    prev = [0] * (len(c) + 1)
+    for x in r:
+        cur = [0]
+        for j, y in enumerate(c):
+            cur.append(prev[j] + 1 if x == y else max(prev[j + 1], cur[j]))
+        prev = cur
+    lcs = prev[-1]
+    if lcs == 0:
+        return 0.0
+    p, q = lcs / len(c), lcs / len(r)
+    return 2 * p * q / (p + q)
+
+
+# -- answering ---------------------------------------------------------------------------------
+
+
+def greedy(model, tokenizer, tokens: Sequence[int], cache: list, max_tokens: int) -> str:
+    """mlx-lm's greedy decoding from `cache` after reading `tokens`, stopping at end of turn."""
+    pieces = stream_generate(model, tokenizer, mx.array(list(tokens)), max_tokens=max_tokens,
+                             sampler=lambda logits: mx.argmax(logits, axis=-1),
+                             prompt_cache=cache)  # fmt: skip
+    return "".join(r.text for r in pieces).strip()
+
+
+def native_kv(model, tokens: Sequence[int]) -> tuple[list, list]:
+    """The model's own cache contents (rotated keys, values) per layer for `tokens`."""
+    cache = new_cache(model)
+    model.model(mx.array(list(tokens))[None], cache=cache)
+    keys = [c.keys[..., : c.offset, :] for c in cache]
+    values = [c.values[..., : c.offset, :] for c in cache]
+    mx.eval(keys, values)
+    return keys, values
+
+
+def translated_kv(pair, method, tokens: Sequence[int]) -> tuple[list, list]:
+    """What `method` builds for the target from the source's K/V of `tokens`."""
+    from .methods import capture_span
+
+    cut = getattr(method, "key_cut", None) or method.config.key_cut
+    span = capture_span(pair.source, tokens, cut, tuple(getattr(method, "needs_hidden", ())))
+    keys, values = method.translate(span, pair.target)
+    mx.eval(keys, values)
+    return list(keys), list(values)
+
+
+def answer_from(pair, keys: list, values: list, last: int, max_tokens: int) -> str:
+    """The target's greedy reply on a cache holding `keys`/`values`, reading `last` itself."""
+    cache = new_cache(pair.target)
+    for c, k, v in zip(cache, keys, values, strict=True):
+        c.update_and_fetch(k.astype(pair.target.dtype), v.astype(pair.target.dtype))
+    return greedy(pair.target.model, pair.tokenizer, [last], cache, max_tokens)
+
+
+@dataclass
+class Swap:
+    """Diagnosis: translated cache with these target layers' K/V replaced by native ones."""
+
+    label: str
+    method: object
+    native_layers: frozenset[int]
+
+
+def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequence[Swap]) -> dict:
+    n = MAX_TOKENS[task.kind]
+    toks = list(task.tokens)
+    out = {"native": greedy(pair.target.model, pair.tokenizer, toks, new_cache(pair.target), n)}
+    native = native_kv(pair.target, toks[:-1]) if swaps else None
+    cached = {}
+    for label, m in methods.items():
+        cached[id(m)] = translated_kv(pair, m, toks[:-1])
+        out[label] = answer_from(pair, *cached[id(m)], toks[-1], n)
+    for s in swaps:
+        if id(s.method) not in cached:
+            cached[id(s.method)] = translated_kv(pair, s.method, toks[:-1])
+        k, v = cached[id(s.method)]
+        keys = [native[0][i] if i in s.native_layers else k[i] for i in range(len(k))]
+        values = [native[1][i] if i in s.native_layers else v[i] for i in range(len(v))]
+        out[s.label] = answer_from(pair, keys, values, toks[-1], n)
+    if small:
+        out["small"] = greedy(pair.source.model, pair.tokenizer, toks, new_cache(pair.source), n)
+    return out
+
+
+def score(task: ContentTask, native: str, reply: str) -> dict:
+    row = {"recall": recall(native, reply), "rouge_l": rouge_l(native, reply)}
+    if task.kind in EXACT_KINDS:
+        row["correct"] = contains(task.answer, reply)
+    return row
+
+
+# -- the benchmark -----------------------------------------------------------------------------
+
+
+@dataclass
+class ContentResult:
+    records: list = field(default_factory=list)  # one per (task, condition)
+    conditions: list = field(default_factory=list)
+
+    def cells(self) -> dict:
+        """{condition: {kind: {length: summary}}} (see `summarize`)."""
+        out: dict = {}
+        by_task: dict = {}
+        for r in self.records:
+            by_task.setdefault(r["task"], {})[r["condition"]] = r
+        for c in self.conditions:
+            for kind in KINDS:
+                for length in sorted({r["length"] for r in self.records}):
+                    rows = [t[c] for t in by_task.values()
+                            if c in t and t[c]["kind"] == kind and t[c]["length"] == length]  # fmt: skip
+                    if rows:
+                        native = [by_task[r["task"]]["native"] for r in rows]
+                        out.setdefault(c, {}).setdefault(kind, {})[length] = summarize(rows, native)
+        return out
+
+
+def _mean(xs: Iterable[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def summarize(rows: list, native: list) -> dict:
+    s = {"n": len(rows), "recall": _mean(r["recall"] for r in rows),
+         "rouge_l": _mean(r["rouge_l"] for r in rows)}  # fmt: skip
+    if "correct" in rows[0]:
+        right = [n["correct"] for n in native]
+        s["accuracy"] = sum(r["correct"] for r in rows) / len(rows)
+        s["native_right"] = sum(right)
+        both = sum(r["correct"] and ok for r, ok in zip(rows, right))
+        s["retained"] = both / sum(right) if sum(right) else float("nan")
+        s["score"] = s["retained"]
+    else:
+        s["score"] = s["recall"]
+    return s
+
+
+def evaluate_content(pair, tasks: Sequence[ContentTask], methods: dict, small: bool = True,
+                     swaps: Sequence[Swap] = (), progress: bool = True) -> ContentResult:  # fmt: skip
+    """Every condition's answer to every task, scored against the native answer."""
+    conditions = ["native", *methods, *(s.label for s in swaps)] + (["small"] if small else [])
+    res = ContentResult(conditions=conditions)
+    with Progress(disable=not progress, transient=True) as bar:
+        job = bar.add_task("content", total=len(tasks))
+        for i, task in enumerate(tasks):
+            answers = _answers(pair, task, methods, small, swaps)
+            for c, reply in answers.items():
+                res.records.append({
+                    "task": i, "condition": c, "kind": task.kind, "length": task.length,
+                    "tokens": len(task.tokens), "depth": task.depth, "detail": task.detail,
+                    "answer": task.answer, "question": task.question, "reply": reply,
+                    **score(task, answers["native"], reply),
+                })  # fmt: skip
+            bar.advance(job)
+    return res
+
+
+def goals(cells: dict, label: str = "translated") -> list[dict]:
+    """Issue 26's goals for `label`: met or not, with the distance."""
+    out = []
+    tr, small = cells.get(label, {}), cells.get("small", {})
+    for kind, by_len in tr.items():
+        for length, s in by_len.items():
+            if kind in EXACT_KINDS:
+                goal = GOAL_RETAINED_LONG if length >= LONG_FROM else GOAL_RETAINED_SHORT
+                what = "retained"
+            else:
+                goal, what = GOAL_RECALL, "recall"
+            out.append({"goal": f"{kind} @{length}: {what} >= {goal}", "value": s["score"],
+                        "met": s["score"] >= goal})  # fmt: skip
+            sm = small.get(kind, {}).get(length)
+            if sm is not None:
+                out.append({"goal": f"{kind} @{length}: above small ({sm['score']:.2f})",
+                            "value": s["score"], "met": s["score"] > sm["score"]})  # fmt: skip
+    return out
+
+
+def to_json(res: ContentResult, pair, extra: dict | None = None) -> dict:
+    cells = res.cells()
+    return {"schema": SCHEMA, "pair": {"source": pair.source.name, "target": pair.target.name},
+            "conditions": res.conditions, "cells": cells,
+            "goals": goals(cells) if "translated" in cells else [],
+            "records": res.records, **(extra or {})}  # fmt: skip
+
+
+def _fmt(x: float) -> str:
+    return "n/a" if x != x else f"{x:.2f}"
+
+
+def tables(result: dict) -> list[Table]:
+    """One table per kind: conditions x read lengths, the headline score (accuracy beside it)."""
+    out = []
+    cells = result["cells"]
+    lengths = sorted({int(n) for c in cells.values() for k in c.values() for n in k})
+    for kind in KINDS:
+        if not any(kind in cells[c] for c in cells):
+            continue
+        head = "retained (accuracy)" if kind in EXACT_KINDS else "recall (ROUGE-L)"
+        t = Table("condition", *[f"{n} tok" for n in lengths], title=f"{kind}: {head}")
+        for c in result["conditions"]:
+            row = []
+            for n in lengths:
+                s = cells.get(c, {}).get(kind, {}).get(n) or cells.get(c, {}).get(kind, {}).get(
+                    str(n)
+                )
+                if s is None:
+                    row.append("")
+                elif kind in EXACT_KINDS:
+                    row.append(f"{_fmt(s['retained'])} ({s['accuracy']:.2f}, n={s['n']})")
+                else:
+                    row.append(f"{_fmt(s['recall'])} ({_fmt(s['rouge_l'])})")
+            t.add_row(c, *row)
+        out.append(t)
+    return out
+
+
+def plot(result: dict, path: str | Path) -> Path:
+    """Headline score per kind against read length, one line per condition (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = result["cells"]
+    fig, axes = plt.subplots(1, len(KINDS), figsize=(4 * len(KINDS), 3.4), sharey=True)
+    for ax, kind in zip(axes, KINDS):
+        for c in result["conditions"]:
+            if c == "native" or kind not in cells.get(c, {}):
+                continue
+            pts = sorted((int(n), s["score"]) for n, s in cells[c][kind].items())
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=c)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{kind} ({'retained' if kind in EXACT_KINDS else 'recall'})")
+        ax.set_xlabel("read tokens")
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("vs the native answer")
+    axes[-1].legend(fontsize=8)
+    fig.suptitle(f"content: {Path(result['pair']['source']).name} -> "
+                 f"{Path(result['pair']['target']).name}")  # fmt: skip
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(result, indent=1))
