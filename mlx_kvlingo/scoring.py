@@ -31,6 +31,8 @@ class Prepared:
     # replies) between translated spans, and the prefix tokens; () = the whole prefix translated
     replies: tuple[tuple[int, int], ...] = ()
     prefix: tuple[int, ...] = ()
+    # per continuation token loss weights (mean 1), or None for a plain mean (`prefix_gain`)
+    weights: mx.array | None = None
 
 
 def native_logp(model, ex) -> mx.array:
@@ -46,20 +48,28 @@ def teacher_inputs(ex) -> mx.array:
 
 
 def prepare(
-    pair, ex, key_cut: str, span: SpanKV | None = None, reader_mode: bool = False
+    pair,
+    ex,
+    key_cut: str,
+    span: SpanKV | None = None,
+    reader_mode: bool = False,
+    gain_weights: bool = False,
 ) -> Prepared:
     """The source's K/V of prefix[:-1] at `key_cut` (or `span`) and the teacher's log-probs.
 
     `reader_mode`: the student cache is built as in a conversation the small model reads for
     the target: the example's earlier replies (`ex.replies`) are read by the target itself on
     top of the translated spans before them; everything else is translated.
+    `gain_weights`: weight the loss by `prefix_gain` (tokens the prefix determines count more).
     """
     span = span if span is not None else trace(pair.source, list(ex.prefix)[:-1], key_cut)
     teacher = native_logp(pair.target, ex)
-    mx.eval(span.keys, span.values, teacher)
+    weights = prefix_gain(pair.target, ex) if gain_weights else None
+    mx.eval(span.keys, span.values, teacher, *([weights] if weights is not None else []))
     if reader_mode and ex.replies:
-        return Prepared(span, teacher_inputs(ex), teacher, tuple(ex.replies), tuple(ex.prefix))
-    return Prepared(span, teacher_inputs(ex), teacher)
+        return Prepared(span, teacher_inputs(ex), teacher, tuple(ex.replies), tuple(ex.prefix),
+                        weights)  # fmt: skip
+    return Prepared(span, teacher_inputs(ex), teacher, weights=weights)
 
 
 def _sub_span(span: SpanKV, start: int, end: int) -> SpanKV:
@@ -86,9 +96,26 @@ def student_logp(method, pair, prep: Prepared) -> mx.array:
     return nn.log_softmax(logits.astype(mx.float32), axis=-1)
 
 
-def kl(teacher_logp: mx.array, student: mx.array) -> mx.array:
-    """Mean over positions of KL(teacher || student)."""
-    return (mx.exp(teacher_logp) * (teacher_logp - student)).sum(-1).mean()
+def kl(teacher_logp: mx.array, student: mx.array, weights: mx.array | None = None) -> mx.array:
+    """Mean over positions of KL(teacher || student), weighted by `weights` when given."""
+    per_token = (mx.exp(teacher_logp) * (teacher_logp - student)).sum(-1)
+    return per_token.mean() if weights is None else (per_token * weights).sum() / weights.sum()
+
+
+def prefix_gain(model, ex, context: int = 4, floor: float = 0.1) -> mx.array:
+    """Loss weights for the continuation: how much the prefix tells the target about each token.
+
+    gain_t = max(0, NLL_t with only the last `context` prefix tokens - NLL_t with the whole
+    prefix), both under the native target; weights = (floor + gain) / mean(floor + gain). A
+    token any context predicts (gain 0) keeps `floor`; one only the prefix predicts dominates.
+    """
+    cont = list(ex.continuation)
+    short = type(ex)(tuple(ex.prefix[-context:]), ex.continuation, ex.source)
+    targets = mx.array(cont)[:, None]
+    nll_full = -mx.take_along_axis(native_logp(model, ex), targets, axis=-1)[:, 0]
+    nll_short = -mx.take_along_axis(native_logp(model, short), targets, axis=-1)[:, 0]
+    w = floor + mx.maximum(nll_short - nll_full, 0.0)
+    return w / w.mean()
 
 
 def heldout_scores(method, pair, prepared: Sequence[Prepared]) -> tuple[float, float]:

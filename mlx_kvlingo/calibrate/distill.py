@@ -54,6 +54,10 @@ class Stage2Config:
     # share of multi-turn examples (training and held-out) whose student cache is built as in
     # the reader mode: earlier replies read by the target itself, the rest translated
     reader_share: float = 0.0
+    # weight each training token's KL by how much the prefix changes the target's prediction
+    # of it (`scoring.prefix_gain`), so tokens any context predicts do not drown the loss;
+    # the held-out KL stays a plain mean, comparable across runs
+    gain_weights: bool = False
 
     def __post_init__(self):
         if self.patience is not None and self.patience < 1:
@@ -176,7 +180,7 @@ def distill(
     ]
     best = _Best.start(translator, pair, held, history, ckpt) if held else None
     loss_and_grad = nn.value_and_grad(
-        translator, lambda p: kl(p.teacher_logp, student_logp(translator, pair, p))
+        translator, lambda p: kl(p.teacher_logp, student_logp(translator, pair, p), p.weights)
     )
 
     def save():
@@ -197,7 +201,8 @@ def distill(
                 grads, total = None, 0.0
                 for j in range(cfg.accumulate):
                     i = _example_at(step * cfg.accumulate + j, len(train), cfg.seed)
-                    prep = prepare(pair, train[i], key_cut, reader_mode=_reader_mode(i, cfg))
+                    prep = prepare(pair, train[i], key_cut, reader_mode=_reader_mode(i, cfg),
+                                   gain_weights=cfg.gain_weights)  # fmt: skip
                     loss, g = loss_and_grad(prep)
                     mx.eval(loss, g)
                     if not math.isfinite(loss.item()):

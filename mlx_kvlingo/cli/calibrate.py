@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import click
+import mlx.core as mx
 from rich.console import Console
 
 from ..calibrate.closed_form import Stage1Config, fit_closed_form
@@ -22,7 +23,21 @@ from ._common import data_config, data_options
 @click.command("calibrate")
 @click.option("--source", required=True, help="Source model (reads the prompt)")
 @click.option("--target", required=True, help="Target model (decodes)")
-@data_options
+@data_options(
+    required=False,
+    help="Text files, JSONL records ({'messages': [...]} chats or {'text': ...}) or a folder of "
+    "them; default: text every install has (CPython's documentation topics, the chitchat "
+    "dialogues) plus content tasks over it answered by the target itself",
+)
+@click.option("--content", "content_n", type=click.IntRange(min=0), default=None,
+              help="Content examples for stage 2: prompts whose answer is only in the text read "
+                   "(facts, copies, questions, summaries), answered by the target on its own "
+                   "cache; default 0 with --data, 240 without")  # fmt: skip
+@click.option("--content-lengths", default="128,256,512", show_default=True,
+              help="Prompt lengths of the content examples, in tokens")  # fmt: skip
+@click.option("--gain-weights/--no-gain-weights", default=None,
+              help="Weight stage 2's loss by how much the prefix changes the target's "
+                   "prediction of each token; default on without --data")  # fmt: skip
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
 @click.option(
     "--variant", type=click.Choice(["mixing", "headwise"]), default="mixing", show_default=True
@@ -80,17 +95,32 @@ from ._common import data_config, data_options
 @click.option("--eval-examples", default=32, show_default=True)
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False))
 @click.option("--resume/--no-resume", default=True, show_default=True)
-def calibrate_cmd(source, target, output, variant, rank, nu, key_cut, bias, native_first, alpha, prior,
-                  alpha_grid, patience, reader_share, layer_map, init, steps, lr, warmup, accumulate, grad_clip,
-                  eval_every, eval_examples, checkpoint_dir, resume, **kw):  # fmt: skip
-    """Fit a translator SOURCE -> TARGET on your data; swap the two for the other direction."""
+def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, output, variant, rank, nu,
+                  key_cut, bias, native_first, alpha, prior, alpha_grid, patience, reader_share, layer_map,
+                  init, steps, lr, warmup, accumulate, grad_clip, eval_every, eval_examples,
+                  checkpoint_dir, resume, **kw):  # fmt: skip
+    """Fit a translator SOURCE -> TARGET (on your data, or with none); swap the two for the
+    other direction."""
     console = Console(stderr=True)
+    no_data = kw["data_path"] is None
+    content_n = (240 if no_data else 0) if content_n is None else content_n
+    gain_weights = no_data if gain_weights is None else gain_weights
+    try:
+        content_sizes = sorted({int(x) for x in content_lengths.split(",") if x.strip()})
+    except ValueError:
+        raise click.BadParameter(content_lengths, param_hint="--content-lengths") from None
+    if checkpoint_dir is None and no_data:  # a long run: resumable by default
+        checkpoint_dir = str(Path(output).with_suffix("")) + ".ckpt"
     if rank is not None and (variant != "mixing" or init):
         raise click.ClickException(
             "--rank fits a low-rank translator from the mixing maps: it goes with "
             "--variant mixing and without --init"
         )
     try:
+        if no_data:
+            from ..calibrate.content_data import write_shipped_data
+
+            kw["data_path"] = str(write_shipped_data())
         validate_data(kw["data_path"])  # before loading any model
         pair = load_pair(source, target)
         dcfg = replace(data_config(kw), reply_spans=reader_share > 0)
@@ -98,6 +128,10 @@ def calibrate_cmd(source, target, output, variant, rank, nu, key_cut, bias, nati
     except (TokenizerMismatchError, DataError, InsufficientMemoryError) as e:
         raise click.ClickException(str(e)) from None
     console.print(f"{len(train)} training and {len(held)} held-out examples from {kw['data_path']}")
+    content = []
+    if content_n or no_data:
+        content = _content_examples(pair, console, content_n, content_sizes, kw["seed"],
+                                    checkpoint_dir, steps, accumulate, train, held)  # fmt: skip
     held_eval = held[:eval_examples]
     report = {"data": str(kw["data_path"]), "data_config": dcfg.__dict__}
     if init:
@@ -127,9 +161,10 @@ def calibrate_cmd(source, target, output, variant, rank, nu, key_cut, bias, nati
         console.print(table(result, "after stage 1"))
     if steps:
         s2 = Stage2Config(steps, lr, warmup, 0.0, grad_clip, accumulate, eval_every, min(16, eval_examples),
-                          seed=kw["seed"], patience=patience, reader_share=reader_share)  # fmt: skip
+                          seed=kw["seed"], patience=patience, reader_share=reader_share,
+                          gain_weights=gain_weights)  # fmt: skip
         try:
-            distill(tr, pair, train, held, s2, checkpoint_dir, resume)
+            distill(tr, pair, list(train) + content, held, s2, checkpoint_dir, resume)
         except KeyboardInterrupt:
             raise click.ClickException(
                 f"interrupted; checkpoint kept in {checkpoint_dir}"
@@ -142,6 +177,8 @@ def calibrate_cmd(source, target, output, variant, rank, nu, key_cut, bias, nati
             console.print(table(result, "after stage 2"))
     save_translator(tr, output, pair)
     console.print(f"wrote {output}")
+    if no_data:  # what the user got: can the target use what the source read?
+        _content_report(pair, tr, console)
 
 
 def fit_line(stage1: dict) -> str:
@@ -152,3 +189,45 @@ def fit_line(stage1: dict) -> str:
             f"{kind} R² {r['r2_mean']:.4f} (alpha 0: {r.get('r2_mean_alpha0', r['r2_mean']):.4f})"
         )
     return f"stage 1 fit on training data, alpha {stage1.get('alpha')}: " + " · ".join(parts)
+
+
+def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, accumulate, train,
+                      held) -> list:  # fmt: skip
+    """The plan, then `n` content examples answered by the target (cached for a resume)."""
+    from rich.progress import Progress
+
+    from ..calibrate.content_data import content_examples, shipped_texts
+    from ..calibrate.plan import CalibrationPlan, measure_rates, probe_peak
+
+    rates = measure_rates(pair)
+    longest = max(train, key=lambda e: len(e.prefix) + len(e.continuation))
+    peak = probe_peak(lambda: pair.target.model(mx.array(list(longest.prefix) * 2)[None]))
+    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
+    plan = CalibrationPlan(len(train), len(held), n, steps, accumulate,
+                           mean([len(e.prefix) for e in train]), mean(lengths), rates,
+                           peak + 2 * sum(m.nbytes for m in (pair.source, pair.target)))  # fmt: skip
+    console.print(plan.describe())
+    cache = Path(checkpoint_dir) / "content-answers.jsonl" if checkpoint_dir else None
+    if cache:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+    with Progress(console=console, transient=True) as bar:
+        job = bar.add_task("content answers (target, native)", total=n)
+        out = content_examples(pair, shipped_texts(), n, lengths, seed=seed, cache_file=cache,
+                               on_example=lambda i: bar.update(job, completed=i + 1))  # fmt: skip
+    console.print(f"{len(out)} content examples (answers cached in {cache})")
+    return out
+
+
+def _content_report(pair, tr, console) -> None:
+    from ..content_tasks import build_tasks
+    from ..data import read_texts
+    from ..demo.pair import demo_content_texts
+    from ..measure.content import evaluate_content, tables, to_json
+
+    texts = [t for p in demo_content_texts() for t in read_texts(p)]
+    tasks = build_tasks(pair.tokenizer, texts, (128, 512), 3, seed=1)
+    result = to_json(evaluate_content(pair, tasks, {"translated": tr}), pair)
+    console.print("content on held-out documentation (3 tasks per kind and length; "
+                  "`kvlingo eval --task content` for the full benchmark):")  # fmt: skip
+    for t in tables(result):
+        console.print(t)

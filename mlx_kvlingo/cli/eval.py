@@ -165,8 +165,8 @@ def _content_texts(data_path) -> list[str]:
 
 
 def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label):
+    from ..content_tasks import build_tasks
     from ..measure.content import evaluate_content, plot, tables, to_json, write_json
-    from ..measure.content_tasks import build_tasks
 
     try:
         tasks = build_tasks(pair.tokenizer, texts, lengths, per_kind, seed=seed)

@@ -27,8 +27,8 @@ from mlx_lm import stream_generate
 from rich.progress import Progress
 from rich.table import Table
 
+from ..content_tasks import KINDS, ContentTask
 from ..kvcache import new_cache
-from .content_tasks import KINDS, ContentTask
 
 SCHEMA = "mlx-kvlingo/content-eval"
 #: greedy tokens each kind may answer with

@@ -126,16 +126,19 @@ class TaskBuilder:
                 d, i = (d + 1) % len(self.docs), 0
         return out
 
-    def _fit(self, length: int, make) -> tuple[list[int], str]:
-        """`make(budget)` -> user text; the budget is tuned once so the prompt is ~`length`."""
-        budget = max(8, length - 40)
-        for _ in range(3):
-            user = make(budget)
+    def _fit(self, length: int, make) -> tuple[list[int], dict]:
+        """`make(budget)` -> (user text, what it drew); the budget is tuned so the prompt is ~`length` tokens
+        (the closest of a few tries: whole sentences make it a little over or under)."""
+        budget, best = max(8, length - 40), None
+        for _ in range(5):
+            user, drawn = make(budget)
             tokens = self._template(user)
-            if abs(len(tokens) - length) <= max(8, length // 20):
+            if best is None or abs(len(tokens) - length) < abs(len(best[0]) - length):
+                best = (tokens, drawn)
+            if abs(len(tokens) - length) <= max(4, length // 20):
                 break
             budget = max(8, budget + length - len(tokens))
-        return tokens, user
+        return best
 
     def build(self, kind: str, length: int) -> ContentTask:
         if kind not in KINDS:
@@ -151,7 +154,7 @@ class TaskBuilder:
             self.rng.setstate(state)  # the same text on every retry, only its length changes
             filler = self._run(budget - self._count(statement) - self._count(question))
             filler.insert(round(depth * len(filler)), statement)
-            return f"{' '.join(filler)}\n\nQuestion: {question} Answer briefly."
+            return f"{' '.join(filler)}\n\nQuestion: {question} Answer briefly.", {}
 
         tokens, _ = self._fit(length, make)
         return ContentTask("fact", length, tuple(tokens), answer, question, depth, ftype)
@@ -169,23 +172,22 @@ class TaskBuilder:
             self.rng.setstate(state)
             filler = self._run(budget - self._count(marked) - self._count(question))
             filler.insert(round(depth * len(filler)), marked)
-            return f"{' '.join(filler)}\n\n{question}"
+            return f"{' '.join(filler)}\n\n{question}", {}
 
         tokens, _ = self._fit(length, make)
         return ContentTask("copy", length, tuple(tokens), sentence, question, depth)
 
     def _passage(self, length: int, kind: str, question_of) -> ContentTask:
         state = self.rng.getstate()
-        box = {}
 
         def make(budget):
             self.rng.setstate(state)
             passage = self._run(budget)
-            box["question"], box["detail"] = question_of(passage)
-            return f"{' '.join(passage)}\n\n{box['question']}"
+            question, detail = question_of(passage)
+            return f"{' '.join(passage)}\n\n{question}", {"q": question, "detail": detail}
 
-        tokens, _ = self._fit(length, make)
-        return ContentTask(kind, length, tuple(tokens), "", box["question"], None, box["detail"])
+        tokens, drawn = self._fit(length, make)
+        return ContentTask(kind, length, tuple(tokens), "", drawn["q"], None, drawn["detail"])
 
     def _qa(self, length: int) -> ContentTask:
         def question_of(passage):

@@ -1,0 +1,116 @@
+"""Where is the content lost? Three measurements on the content tasks (`content.py`).
+
+swaps      the translated cache with some target layers' K/V replaced by native ones:
+           which layers, made native, restore the stated facts and copies
+positions  the translation's relative error ||T - N|| / ||N|| per target layer, keys and
+           values, at the tokens of the stated answer against every other read token
+small      the source model alone on the same tasks (in every content run)
+
+  python -m mlx_kvlingo.measure.content_diagnosis --per-kind 6 --json diag.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import mlx.core as mx
+import numpy as np
+from rich.console import Console
+
+from ..content_tasks import ContentTask, build_tasks
+from .content import Swap, evaluate_content, native_kv, tables, to_json, translated_kv
+
+
+def layer_swaps(layers: int, step: int, method) -> list[Swap]:
+    """Native first k layers, native last k layers, and native bands of `step` layers."""
+    out = []
+    for k in range(step, layers, step):
+        out.append(Swap(f"native 0-{k - 1}", method, frozenset(range(k))))
+        out.append(Swap(f"native {k}-{layers - 1}", method, frozenset(range(k, layers))))
+    for a in range(0, layers, step):
+        out.append(Swap(f"band {a}-{min(a + step, layers) - 1}", method,
+                        frozenset(range(a, min(a + step, layers)))))  # fmt: skip
+    return out
+
+
+def answer_positions(tokenizer, task: ContentTask) -> list[int]:
+    """Token positions of the stated answer in the prompt (by per-token decoded offsets)."""
+    toks = list(task.tokens)
+    pieces = [tokenizer.decode([t]) for t in toks]
+    text = "".join(pieces)
+    at = text.find(task.answer)
+    if not task.answer or at < 0:
+        return []
+    ends = np.cumsum([len(p) for p in pieces])
+    first = int(np.searchsorted(ends, at, side="right"))
+    last = int(np.searchsorted(ends, at + len(task.answer) - 1, side="right"))
+    return list(range(first, min(last + 1, len(toks) - 1)))
+
+
+def position_errors(pair, method, tasks) -> dict:
+    """Per target layer, mean relative error of translated K and V at answer vs other tokens."""
+    sums = {}
+    for task in tasks:
+        pos = answer_positions(pair.tokenizer, task)
+        if not pos:
+            continue
+        toks = list(task.tokens)[:-1]
+        nk, nv = native_kv(pair.target, toks)
+        tk, tv = translated_kv(pair, method, toks)
+        mask = np.zeros(len(toks), bool)
+        mask[pos] = True
+        mask[0] = False  # the anchor token is native by construction
+        for kind, nat, tra in (("key", nk, tk), ("value", nv, tv)):
+            for layer, (n, t) in enumerate(zip(nat, tra)):
+                n = np.array(n[0].astype(mx.float32))  # (H, T, D)
+                t = np.array(t[0].astype(mx.float32))
+                err = np.linalg.norm(t - n, axis=(0, 2)) / (np.linalg.norm(n, axis=(0, 2)) + 1e-9)
+                for where, m in (("answer", mask), ("other", ~mask)):
+                    m = m.copy()
+                    m[0] = False
+                    s = sums.setdefault((kind, layer, where), [0.0, 0])
+                    s[0] += float(err[m].sum())
+                    s[1] += int(m.sum())
+    out: dict = {"key": {}, "value": {}}
+    for (kind, layer, where), (total, n) in sums.items():
+        out[kind].setdefault(layer, {})[where] = total / max(n, 1)
+    return out
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--translator", default=None, help="file or demo name (default: demo default)")
+    ap.add_argument("--lengths", default="128,512")
+    ap.add_argument("--per-kind", type=int, default=6)
+    ap.add_argument("--step", type=int, default=5, help="layers per swapped band")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", dest="json_out")
+    args = ap.parse_args(argv)
+
+    from ..data import read_texts
+    from ..demo.pair import demo_content_texts, load_demo
+
+    console = Console()
+    pair, tr = load_demo(args.translator)
+    texts = [t for p in demo_content_texts() for t in read_texts(p)]
+    lengths = [int(x) for x in args.lengths.split(",")]
+    tasks = build_tasks(pair.tokenizer, texts, lengths, args.per_kind, ("fact", "copy"), args.seed)
+    swaps = layer_swaps(pair.target.geometry.layers, args.step, tr)
+    res = evaluate_content(pair, tasks, {"translated": tr}, swaps=swaps)
+    result = to_json(res, pair, {"diagnosis": "swaps"})
+    for t in tables(result):
+        console.print(t)
+    result["position_errors"] = position_errors(pair, tr, [t for t in tasks if t.kind == "fact"])
+    for kind in ("key", "value"):
+        rows = result["position_errors"][kind]
+        line = " ".join(f"{layer}:{r.get('answer', 0):.2f}/{r.get('other', 0):.2f}"
+                        for layer, r in sorted(rows.items()))  # fmt: skip
+        console.print(f"{kind} rel. error answer/other per layer: {line}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""The content benchmark: tasks, scoring, exactness with a known-answer translator, the CLI,
+and the content calibration data (prefix-gain weights, target-answered examples)."""
+
+import json
+
+from mlx_kvlingo.cli import cli
+from mlx_kvlingo.content_tasks import KINDS, TaskBuilder, build_tasks
+from mlx_kvlingo.format import save_translator
+from mlx_kvlingo.measure.content import (
+    Swap,
+    contains,
+    evaluate_content,
+    recall,
+    rouge_l,
+    to_json,
+)
+from mlx_kvlingo.scoring import kl, native_logp, prefix_gain
+
+import mlx.core as mx
+import pytest
+from click.testing import CliRunner
+from helpers import exact_translator
+
+TEXT = (
+    "The river rose slowly through the night. Farmers moved their cattle to the hills. "
+    "By morning the bridge was under water and the school was closed. "
+    "Volunteers filled sandbags near the old mill while the rain kept falling. "
+    "The mayor asked everyone to stay at home until the water went down. "
+    "Two days later the sun came out and the fields began to dry. "
+) * 6
+
+
+@pytest.fixture(scope="module")
+def pair(known_pair):
+    return known_pair
+
+
+@pytest.fixture(scope="module")
+def exact(pair, tiny_dir):
+    return exact_translator(pair, tiny_dir["known_answer"])
+
+
+def test_scores_known_values():
+    assert contains("July 3", "It is on july 3, I think.")
+    assert not contains("July 3", "It is on July 30.")  # word boundaries
+    assert not contains("", "anything")
+    assert recall("The red fox sleeps", "a fox that sleeps") == pytest.approx(2 / 3)
+    assert recall("the a of", "x") != recall("the a of", "x")  # NaN: no content words
+    assert rouge_l("a b c d", "a b c d") == 1.0
+    assert rouge_l("a b c d", "a c") == pytest.approx(2 * (1 * 0.5) / 1.5)
+    assert rouge_l("a b", "c d") == 0.0
+
+
+def test_tasks_are_seeded_and_state_their_answer(pair):
+    a = build_tasks(pair.tokenizer, [TEXT], [96], 2, seed=3)
+    b = build_tasks(pair.tokenizer, [TEXT], [96], 2, seed=3)
+    c = build_tasks(pair.tokenizer, [TEXT], [96], 2, seed=4)
+    assert [t.tokens for t in a] == [t.tokens for t in b]
+    assert [t.tokens for t in a] != [t.tokens for t in c]
+    assert [t.kind for t in a] == [k for k in KINDS for _ in range(2)]
+    for t in a:
+        text = pair.tokenizer.decode(list(t.tokens))
+        assert t.question in text
+        if t.kind in ("fact", "copy"):
+            assert t.answer and t.answer in text  # the answer is only in what is read
+            assert t.answer not in t.question
+        assert abs(len(t.tokens) - 96) <= 24, (t.kind, len(t.tokens))
+
+
+def test_unknown_kind_and_empty_text_are_refused(pair):
+    with pytest.raises(ValueError, match="unknown task kind"):
+        TaskBuilder(pair.tokenizer, [TEXT]).build("poem", 64)
+    with pytest.raises(ValueError, match="no usable sentences"):
+        TaskBuilder(pair.tokenizer, ["too short"])
+
+
+def _replies(res, condition):
+    return [r["reply"] for r in res.records if r["condition"] == condition]
+
+
+def test_known_answer_translator_answers_as_native(pair, exact):
+    """An exact translator gives the native replies token for token: every score is perfect,
+    and a wrong one does not (the benchmark can fail)."""
+    tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, seed=0)
+    wrong = exact_translator(pair, {"key_maps": [m[::-1] for m in _maps(exact, "key")],
+                                    "value_maps": [m[::-1] for m in _maps(exact, "value")]})  # fmt: skip
+    res = evaluate_content(pair, tasks, {"translated": exact, "wrong": wrong}, progress=False)
+    assert _replies(res, "translated") == _replies(res, "native")
+    assert any(r for r in _replies(res, "native"))  # the tiny target does say something
+    cells = res.cells()
+    for kind in KINDS:
+        assert cells["translated"][kind][64]["rouge_l"] == 1.0
+    assert _replies(res, "wrong") != _replies(res, "native")
+    result = to_json(res, pair)
+    assert {g["goal"].split(":")[0] for g in result["goals"]} >= {"fact @64", "summary @64"}
+
+
+def _maps(tr, kind):
+    import numpy as np
+
+    return [np.array(w) for w in getattr(tr, kind)["weight"]]
+
+
+def test_swapping_every_layer_native_restores_native(pair, exact):
+    """The diagnosis swap: a wrong translator with all target layers native is native exactly;
+    with none swapped it is the wrong translator's own answer."""
+    tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "copy"), seed=1)
+    wrong = exact_translator(pair, {"key_maps": [m * 0 for m in _maps(exact, "key")],
+                                    "value_maps": [m * 0 for m in _maps(exact, "value")]})  # fmt: skip
+    L = pair.target.geometry.layers
+    swaps = [Swap("all", wrong, frozenset(range(L))), Swap("none", wrong, frozenset())]
+    res = evaluate_content(pair, tasks, {"wrong": wrong}, small=False, swaps=swaps,
+                           progress=False)  # fmt: skip
+    assert _replies(res, "all") == _replies(res, "native")
+    assert _replies(res, "none") == _replies(res, "wrong")
+
+
+def test_eval_task_content_cli(pair, exact, tiny_dir, tmp_path):
+    path = tmp_path / "exact.safetensors"
+    save_translator(exact, path, pair)
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    out, png = tmp_path / "content.json", tmp_path / "content.png"
+    args = ["eval", "--task", "content", "--source", str(tiny_dir["qwen3"]), "--target",
+            str(tiny_dir["known"]), "--translator", str(path), "--data", str(data),
+            "--lengths", "64", "--per-kind", "1", "--json", str(out), "--plot", str(png)]  # fmt: skip
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    result = json.loads(out.read_text())
+    assert result["conditions"] == ["native", "translated", "small"]
+    assert result["cells"]["translated"]["qa"]["64"]["rouge_l"] == 1.0
+    assert png.stat().st_size > 1000
+    assert "summary: recall" in r.output
+    bad = CliRunner().invoke(cli, args[:-4] + ["--lengths", "8"])
+    assert bad.exit_code != 0 and "at least 32" in bad.output
+
+
+def test_prefix_gain_weights(pair):
+    from mlx_kvlingo.data import Example
+
+    toks = pair.tokenizer.encode(TEXT)[:40]
+    ex = Example(tuple(toks[:30]), tuple(toks[30:]), "t")
+    w = prefix_gain(pair.target, ex, context=4)
+    assert w.shape == (10,) and float(w.mean()) == pytest.approx(1.0, abs=1e-5)
+    # a context as long as the prefix: no gain anywhere, every token weighs the same
+    flat = prefix_gain(pair.target, ex, context=30)
+    assert mx.allclose(flat, mx.ones(10), atol=1e-5).item()
+    t = native_logp(pair.target, ex)
+    s = t + 0.01 * mx.random.normal(t.shape, key=mx.random.key(0))
+    assert kl(t, s, mx.ones(10)).item() == pytest.approx(kl(t, s).item(), rel=1e-5)
+    spike = mx.zeros(10).at[3].add(1.0)
+    per_token = (mx.exp(t) * (t - s)).sum(-1)
+    assert kl(t, s, spike).item() == pytest.approx(per_token[3].item(), rel=1e-5)
+
+
+def test_content_examples_are_the_targets_answers_and_resume(pair, tmp_path, monkeypatch):
+    import mlx_kvlingo.calibrate.content_data as cd
+
+    cache = tmp_path / "answers.jsonl"
+    first = cd.content_examples(pair, [TEXT], 4, lengths=(64,), cache_file=cache)
+    eos = set(pair.tokenizer.eos_token_ids)
+    for ex in first:
+        n = cd.ANSWER_TOKENS[ex.source.split(":")[1].split("@")[0]]
+        assert list(ex.continuation) == cd.native_answer(pair.target, eos, ex.prefix, n)
+    calls = []
+    monkeypatch.setattr(cd, "native_answer", lambda *a: calls.append(a) or [1])
+    again = cd.content_examples(pair, [TEXT], 4, lengths=(64,), cache_file=cache)
+    assert calls == [] and again == first  # all four answers came from the cache
+    cache.write_text(cache.read_text()[:-20])  # the last line cut short by an interruption
+    cd.content_examples(pair, [TEXT], 4, lengths=(64,), cache_file=cache)
+    assert len(calls) == 1
