@@ -104,3 +104,19 @@ def sampling_settings(kw: dict) -> dict:
         "repetition_context_size": kw.get("repetition_context_size"),
         "seed": kw.get("seed"),
     }
+
+
+def content_texts(data_path) -> list[str]:
+    """The content benchmark's text: `data_path`, or the demo's held-out documentation."""
+    from ..data import DataError, read_texts
+
+    if data_path is None:  # the demo's held-out documentation pages, never calibrated on
+        from ..demo.pair import demo_content_texts
+
+        paths = demo_content_texts()
+    else:
+        paths = [data_path]
+    try:
+        return [t for p in paths for t in read_texts(p)]
+    except DataError as e:
+        raise click.ClickException(str(e)) from None

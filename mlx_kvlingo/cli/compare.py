@@ -24,6 +24,7 @@ from ..measure.compare import (
 from ..measure.methods import KVLingo, MethodFileError, load_method
 from ..pair import TokenizerMismatchError, load_pair
 from ._common import (
+    content_texts,
     data_config,
     data_options,
     pair_option,
@@ -146,11 +147,16 @@ def _ranks(value: str) -> tuple[tuple[float, float], ...]:
 @click.option(
     "--calibrate-only", is_flag=True, help="Calibrate and save (--save-methods), no scoring"
 )
+@click.option("--content", "content_per_kind", type=click.IntRange(min=1), default=None,
+              help="Also the content benchmark (`kvlingo eval --task content`) for every method: "
+                   "this many tasks per kind and read length")  # fmt: skip
+@click.option("--content-lengths", default="128,512", show_default=True,
+              help="Read lengths of the content benchmark, in tokens")  # fmt: skip
 def compare_cmd(source, target, demo_pair, translators, data_path, methods, examples, calib_examples,
                 select_examples, nu, bits, droidspeak_layers, droidspeak_stride, scd_ranks,
                 scd_patches, scd_steps, scd_hidden_rank, ttft_tokens, trials, bandwidth, json_out,
                 plot_out, save_dir, load_dir, perturb_source, perturb_target, perturb_seed, native_first, calibrate_only,
-                **kw):  # fmt: skip
+                content_per_kind, content_lengths, **kw):  # fmt: skip
     """Compare KV-Lingo, raw, quantized, DroidSpeak and SCD cache hand-off on one pair.
 
     Each method is calibrated on the training split at several settings (or loaded with
@@ -227,17 +233,39 @@ def compare_cmd(source, target, demo_pair, translators, data_path, methods, exam
             entries += load_methods(load_dir, pair)
         except MethodFileError as e:
             raise click.ClickException(str(e)) from None
-    elif save_dir:
+    elif save_dir or content_per_kind:
         entries = calibrate_all(pair, train[:calib_examples], cfg, extra, True, log, fit_kvlingo)
-        save_methods(entries, save_dir, pair)
-        log(f"saved {sum(e.method is not None for e in entries)} methods in {save_dir}")
+        if save_dir:
+            save_methods(entries, save_dir, pair)
+            log(f"saved {sum(e.method is not None for e in entries)} methods in {save_dir}")
     if calibrate_only:
         return
     result = run_compare(pair, train, held, cfg, extra, entries, True, log, fit_kvlingo)
     console.print(table(result))
+    if content_per_kind:
+        result["content"] = _content(pair, entries, data_path, content_lengths, content_per_kind,
+                                     kw["seed"], console, log)  # fmt: skip
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=1)
     if plot_out:
         plot(result, plot_out)
         log(f"wrote {plot_out}")
+
+
+def _content(pair, entries, data_path, lengths, per_kind, seed, console, log) -> dict:
+    """The content benchmark with every applicable method as a condition (same tasks)."""
+    from ..content_tasks import build_tasks
+    from ..measure.content import evaluate_content, tables, to_json
+
+    try:
+        sizes = sorted({int(x) for x in lengths.split(",") if x.strip()})
+    except ValueError:
+        raise click.BadParameter(lengths, param_hint="--content-lengths") from None
+    tasks = build_tasks(pair.tokenizer, content_texts(data_path), sizes, per_kind, seed=seed)
+    methods = {e.label: e.method for e in entries if e.method is not None}
+    log(f"content benchmark: {len(tasks)} tasks x {len(methods) + 2} conditions")
+    result = to_json(evaluate_content(pair, tasks, methods), pair)
+    for t in tables(result):
+        console.print(t)
+    return result

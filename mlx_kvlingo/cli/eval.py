@@ -10,6 +10,7 @@ from rich.console import Console
 from ..data import DataError, load_examples, validate_data
 from ..measure.evaluate import evaluate, table
 from ._common import (
+    content_texts,
     data_config,
     data_options,
     pair_option,
@@ -78,7 +79,7 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
             raise click.BadParameter(
                 "read lengths must be at least 32 tokens", param_hint="--lengths"
             )
-        texts = _content_texts(data_path)
+        texts = content_texts(data_path)
         pair, tr = resolve_pair(source, target, translator, demo_pair=demo_pair)
         return _content(pair, tr, texts, sizes, per_kind, kw["seed"], json_out, plot_out, console,
                         translator or "demo default")  # fmt: skip
@@ -147,21 +148,6 @@ def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=1)
-
-
-def _content_texts(data_path) -> list[str]:
-    from ..data import read_texts
-
-    if data_path is None:  # the demo's held-out documentation pages, never calibrated on
-        from ..demo.pair import demo_content_texts
-
-        paths = demo_content_texts()
-    else:
-        paths = [data_path]
-    try:
-        return [t for p in paths for t in read_texts(p)]
-    except DataError as e:
-        raise click.ClickException(str(e)) from None
 
 
 def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label):
