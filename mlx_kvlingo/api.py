@@ -254,7 +254,7 @@ class Runtime:
         `wire`: what a switch sends each rank, "source" K/V (the rank translates) or
         "target" K/V; "auto" sends the fewer bytes. `timeout`: seconds a rank waits for the
         others (to connect, or within one step) before it gives up with an error (default
-        120). See the README's distributed section.
+        120). See mlx_kvlingo/DISTRIBUTED.md.
         """
         from .distributed import launched
 

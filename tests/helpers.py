@@ -45,10 +45,15 @@ def assert_session_consistent(s) -> None:
 def load_weights_script(name: str):
     """A script of weights/ (not a package) as a module, e.g. "compose_moe_translator"."""
     import importlib.util
+    import sys
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "weights" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    folder = Path(__file__).resolve().parents[1] / "weights"
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    sys.path.insert(0, str(folder))  # its own imports of the other scripts, as when run
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(folder))
     return module

@@ -272,12 +272,11 @@ def test_save_restore_escalate_memory(runtime, tmp_path):
 
 
 def readme_example() -> str:
-    """The python block under the README's embedding heading; tests/readme_example.py until
-    the README has one (and then the two must agree)."""
+    """The python block under the README's embedding heading; it must equal
+    tests/readme_example.py (which mypy checks)."""
     example = (ROOT / "tests" / "readme_example.py").read_text()
     readme = (ROOT / "README.md").read_text()
-    if HEADING not in readme:
-        return example
+    assert HEADING in readme, f"no {HEADING!r} in README.md"
     block = re.search(r"```python\n(.*?)```", readme.split(HEADING, 1)[1], re.S)
     assert block, f"no python block under {HEADING!r} in README.md"
     assert block.group(1).strip() == example.strip(), (

@@ -474,17 +474,22 @@ def test_sampling_keywords_follow_what_send_accepts():
         sampling_kwargs({"top_k": 40}, today, LIMITS)
 
 
-# -- the README and the command line -----------------------------------------------------------
+# -- the serving page's example and the command line -------------------------------------------
+
+PAGE = ROOT / "mlx_kvlingo" / "serve" / "README.md"  # the topic page beside the code
+HEADING = "# Serving over the OpenAI API"
 
 
 def test_readme_client_example(server):
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Serving over the OpenAI API", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
-    assert "http://127.0.0.1:8080/v1" in code
+    page = PAGE.read_text()
+    assert HEADING in page, f"no {HEADING!r} in {PAGE}"
+    block = re.search(r"```python\n(.*?)```", page.split(HEADING, 1)[1], re.S)
+    assert block, f"no python block under {HEADING!r} in {PAGE}"
+    code = block.group(1)
+    assert "http://127.0.0.1:8080/v1" in code and "OpenAI(" in code
     code = code.replace("http://127.0.0.1:8080/v1", server.url)
     code = code.replace("OpenAI(", "OpenAI(max_retries=0, timeout=30, ")
-    exec(compile(code, "README.md", "exec"), {"__name__": "readme"})
+    exec(compile(code, str(PAGE), "exec"), {"__name__": "readme"})
 
 
 def test_cli_refuses_an_open_host_without_a_key():

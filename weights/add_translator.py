@@ -16,6 +16,8 @@ from pathlib import Path
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.format import read_metadata
 
+from manifest import merge_rows
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -53,14 +55,9 @@ def main():
         "heldout_by_domain": evals, "sha256": hashlib.sha256(dest.read_bytes()).hexdigest(),
         "bytes": dest.stat().st_size,
     }  # fmt: skip
-    manifest_path = HERE / "manifest.json"
-    manifest = json.loads(manifest_path.read_text())
-    section = manifest["moe"] if args.pair == "moe" else manifest
-    section["translators"] = [r for r in section["translators"] if r["file"] != row["file"]] + [row]
-    if args.default:
-        section["previous_default"] = dict(section["default"])
-        section["default"][direction] = row["file"]
-    manifest_path.write_text(json.dumps(manifest, indent=1))
+    section = "moe" if args.pair == "moe" else None
+    merge_rows(HERE / "manifest.json", [row], section=section,
+               default={direction: row["file"]} if args.default else None)  # fmt: skip
     print(json.dumps({k: row[k] for k in ("file", "direction", "sha256")}, indent=1))
 
 

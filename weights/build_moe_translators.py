@@ -25,6 +25,7 @@ from mlx_kvlingo.data import DataConfig, load_examples
 from mlx_kvlingo.demo.pair import demo_data, demo_models
 from mlx_kvlingo.pair import load_model, load_pair
 
+from manifest import merge_rows
 from quality_md import write_section
 from rich.console import Console
 from translator_build import evaluate_distill_save, sha256
@@ -94,24 +95,19 @@ def row_from_file(f: Path) -> dict:
     }  # fmt: skip
 
 
-def write_manifest(path: Path, rows: list[dict], command: str) -> None:
-    """Merge `rows` into the manifest's "moe" section (by file), pick defaults, write QUALITY.md."""
-    manifest = json.loads(path.read_text())
-    done = {r["file"] for r in rows}
-    old = manifest.get("moe", {}).get("translators", [])
-    rows = [r for r in old if r["file"] not in done] + rows
+def write_manifest(path: Path, rows: list[dict], command: str, set_default: bool = False) -> None:
+    """Merge `rows` into the manifest's "moe" part (by file; the dense pair's part, other rows and
+    the defaults are kept unless `set_default`), then write QUALITY.md's MoE section."""
     best = {d: max((r for r in rows if r["direction"] == d), key=score, default=None)
             for d in ("forward", "backward")}  # fmt: skip
-    manifest["moe"] = {
-        "pair": {"source": "SmolLM2-demo-source (weights/source)",
-                 "target": "SmolLM2-135M-MoE (weights/moe)"},
-        "default": {d: r and r["file"] for d, r in best.items()},
-        "translators": rows,
-        "command": command,
-    }  # fmt: skip
-    path.write_text(json.dumps(manifest, indent=1))
-    write_section(HERE / "QUALITY.md", "moe-pair", quality_markdown(rows, command))
-    console.print(f"defaults: {manifest['moe']['default']}")
+    best = {d: r and r["file"] for d, r in best.items()}
+    pair = {"source": "SmolLM2-demo-source (weights/source)",
+            "target": "SmolLM2-135M-MoE (weights/moe)"}  # fmt: skip
+    manifest = merge_rows(path, rows, section="moe", fields={"pair": pair, "command": command},
+                          default=best if set_default else None, initial_default=best)  # fmt: skip
+    moe = manifest["moe"]
+    write_section(HERE / "QUALITY.md", "moe-pair", quality_markdown(moe["translators"], command))
+    console.print(f"defaults: {moe['default']}")
 
 
 def main():
@@ -129,11 +125,14 @@ def main():
     ap.add_argument("--report-only", action="store_true", help="rewrite QUALITY.md's section")
     ap.add_argument("--from-files", action="store_true",
                     help="rebuild the manifest section from the saved files' metadata")  # fmt: skip
+    ap.add_argument("--set-default", action="store_true",
+                    help="make the best rebuilt file per direction the default (else kept)")  # fmt: skip
     args = ap.parse_args()
     path = HERE / "manifest.json"
     if args.from_files:
         rows = [row_from_file(f) for f in sorted(OUT.glob("*.safetensors"))]
-        write_manifest(path, rows, json.loads(path.read_text()).get("moe", {}).get("command", ""))
+        command = json.loads(path.read_text()).get("moe", {}).get("command", "")
+        write_manifest(path, rows, command, set_default=args.set_default)
         return
     if args.report_only:
         m = json.loads(path.read_text())["moe"]
@@ -156,9 +155,9 @@ def main():
                 rows.append(build(name, pair, train, inner_held, held[: args.eval_examples],
                                   args.variant, args.nu, cut, args))  # fmt: skip
     command = "python weights/build_moe_translators.py " + " ".join(
-        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "set_default"
     )
-    write_manifest(path, rows, command)
+    write_manifest(path, rows, command, set_default=args.set_default)
 
 
 if __name__ == "__main__":

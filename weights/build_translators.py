@@ -5,13 +5,14 @@
 Stage 1 (closed form) for headwise and mixing, nu in {1, 2}, from one pass over chitchat
 training dialogues; each is evaluated on held-out dialogues (never seen by the source's
 healing nor by calibration); stage 2 (self-distillation) then continues each configuration.
-Writes weights/translators/*.safetensors (float16), weights/manifest.json and weights/QUALITY.md.
+Writes weights/translators/*.safetensors (float16), their rows of weights/manifest.json (merged:
+the MoE part, other rows and the defaults stay unless `--set-default`) and weights/QUALITY.md's
+section.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from mlx_kvlingo.data import DataConfig, load_examples
 from mlx_kvlingo.demo.pair import demo_data, demo_models
 from mlx_kvlingo.pair import load_model, load_pair
 
+from manifest import merge_rows
 from quality_md import write_section
 from rich.console import Console
 from translator_build import evaluate_distill_save
@@ -84,6 +86,18 @@ def quality_markdown(rows) -> str:
     return "\n".join(lines) + "\n"
 
 
+def write_manifest(path: Path, rows: list[dict], command: str, set_default: bool = False) -> dict:
+    """Merge the dense pair's rebuilt `rows` into the manifest at `path`: the "moe" part, rows
+    for files not rebuilt and the defaults are kept; with `set_default`, each direction's
+    lowest held-out KL among `rows` becomes its default (it also fills a direction with none)."""
+    best = {d: max((r for r in rows if r["direction"] == d), key=score, default=None)
+            for d in ("forward", "backward")}  # fmt: skip
+    best = {d: r and r["file"] for d, r in best.items()}
+    pair = {"source": "SmolLM2-demo-source (weights/source)", "target": "SmolLM2-135M-Instruct"}
+    return merge_rows(path, rows, fields={"pair": pair, "command": command},
+                      default=best if set_default else None, initial_default=best)  # fmt: skip
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--examples", type=int, default=240, help="stage-1 examples")
@@ -93,6 +107,8 @@ def main():
     ap.add_argument("--accumulate", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-5)
     ap.add_argument("--directions", default="forward,backward")
+    ap.add_argument("--set-default", action="store_true",
+                    help="make the best rebuilt file per direction the default (else kept)")  # fmt: skip
     args = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     src_dir, tgt_dir = demo_models()
@@ -107,16 +123,10 @@ def main():
         train, inner_held = load_examples(train_file, pair.tokenizer, dcfg)
         _, held = load_examples(held_file, pair.tokenizer, DataConfig(16, 256, 32, 1.0, seed=0))
         rows += build_direction(name, pair, train, inner_held, held[: args.eval_examples], args)
-    forward = max((r for r in rows if r["direction"] == "forward"), key=score, default=None)
-    backward = max((r for r in rows if r["direction"] == "backward"), key=score, default=None)
-    manifest = {
-        "pair": {"source": "SmolLM2-demo-source (weights/source)", "target": "SmolLM2-135M-Instruct"},
-        "default": {"forward": forward and forward["file"], "backward": backward and backward["file"]},
-        "translators": rows,
-        "command": "python weights/build_translators.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
-    }  # fmt: skip
-    (HERE / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    command = "python weights/build_translators.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "set_default"
+    )
+    manifest = write_manifest(HERE / "manifest.json", rows, command, set_default=args.set_default)
     write_section(HERE / "QUALITY.md", "demo-pair", quality_markdown(rows), first=True)
     console.print(f"defaults: {manifest['default']}")
 

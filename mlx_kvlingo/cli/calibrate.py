@@ -45,7 +45,7 @@ from ._common import data_config, data_options
 @click.option("--rank", type=click.IntRange(min=1),
               help="Low-rank translator: a shared code of RANK numbers per source layer (keys and "
                    "values each), decoded per target layer; fitted from the mixing maps, clamped "
-                   "to the source's per-layer K/V width. Fewer FLOPs only at small RANK: see README")  # fmt: skip
+                   "to the source's per-layer K/V width. Fewer FLOPs only at small RANK: see mlx_kvlingo/calibrate/README.md")  # fmt: skip
 @click.option("--nu", default=1, show_default=True, help="Source layers read per target layer")
 @click.option(
     "--key-cut",

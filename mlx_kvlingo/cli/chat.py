@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..conversation.records import LABEL
+from ..conversation.records import AUTO_THRESHOLD, LABEL
 from ..distributed import DistributedError
 from ..sampling import describe as describe_sampling
 from ..sampling import resolve as resolve_sampling
@@ -356,7 +356,7 @@ class ChatApp:
               help="While the small model answers, translate for the large one within 10% of its "
                    "decode time (/escalate, /auto)")  # fmt: skip
 @click.option("--first", type=click.Choice(["small", "large"]), default=None, hidden=True)
-@click.option("--auto-threshold", default=-1.5, show_default=True,
+@click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
               help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
 @distributed_option
 @wire_option

@@ -14,6 +14,7 @@ import sys
 
 import click
 
+from ..conversation.records import AUTO_THRESHOLD
 from ._common import source_option, target_option, translator_option
 
 
@@ -53,7 +54,7 @@ def _loopback(host: str) -> bool:
               help="Requests that may wait behind the running one (503 beyond)")  # fmt: skip
 @click.option("--max-conversations", default=8, show_default=True,
               help="Conversations held for prefix reuse, least recently used dropped first")  # fmt: skip
-@click.option("--auto-threshold", default=-1.5, show_default=True,
+@click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
               help="auto: the large model re-answers below this mean token log-prob")  # fmt: skip
 @click.option("--mode", type=click.Choice(["alternation", "naive", "reprefill"]),
               default="alternation", show_default=True,

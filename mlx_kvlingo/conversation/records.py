@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 LABEL = {"source": "small", "target": "large"}
+# The `/auto` cascade (and `kvlingo serve`'s model `auto`): the large model answers again when the
+# small answer's mean token log-prob (`answer_confidence`) is below this.
+AUTO_THRESHOLD = -1.5
 
 
 class SessionError(ValueError):

@@ -32,6 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ..api import Runtime
+from ..conversation.records import AUTO_THRESHOLD
 from . import protocol as P
 from .worker import Job, QueueFull, Result, Worker
 
@@ -49,7 +50,7 @@ class ServeConfig:
     limits: P.Limits = P.Limits()
     queue_size: int = 8  # requests waiting behind the running one; 503 beyond
     max_conversations: int = 8  # held conversations (LRU) for prefix reuse; 0: off
-    auto_threshold: float = -1.5  # `auto`: the large re-answers below this mean log-prob
+    auto_threshold: float = AUTO_THRESHOLD  # `auto`: the large re-answers below this mean log-prob
     request_timeout: float = 600.0  # seconds a request may wait and run in all
     read_timeout: float = 30.0  # seconds to receive a request (slow clients are dropped)
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..api import Conversation, ConversationError, Event, Runtime, RuntimeBusyError
+from ..conversation.records import AUTO_THRESHOLD
 from .pool import Pool, accepted_keywords
 from .protocol import APIError, ChatRequest, Limits
 
@@ -122,7 +123,7 @@ class Worker:
         limits: Limits,
         queue_size: int = 8,
         max_conversations: int = 8,
-        auto_threshold: float = -1.5,
+        auto_threshold: float = AUTO_THRESHOLD,
         conversation_kwargs: dict[str, Any] | None = None,
     ) -> None:
         self.runtime = runtime

@@ -1,0 +1,94 @@
+"""weights/manifest.py: every writer of weights/manifest.json merges its own rows into its own
+part; a rebuild of one part keeps the other part, the rows it did not build and the defaults
+(build_translators.py used to rewrite the whole file, dropping the "moe" part and the later
+translator rows and re-picking the default, after which `--pair moe` failed)."""
+
+import json
+
+from helpers import load_weights_script
+
+
+def _row(file, direction="forward", kl=0.3):
+    nll = {"nll": 3.0}
+    stats = {"native": nll, "source": nll,
+             "translated": {"nll": 3.1, "kl_native": kl, "agree_native": 0.7, "gap_recovered": 0.8}}  # fmt: skip
+    return {"file": file, "direction": direction, "variant": "mixing", "nu": 1,
+            "key_cut": "post_norm", "heldout": {"stage1": stats, "stage2": stats}}  # fmt: skip
+
+
+def _manifest():
+    return {
+        "pair": {"source": "s", "target": "t"},
+        "default": {
+            "forward": "forward-assistant.safetensors",
+            "backward": "backward-a.safetensors",
+        },
+        "translators": [
+            _row("forward-a.safetensors"),
+            _row("backward-a.safetensors", "backward"),
+            _row("forward-assistant.safetensors", kl=0.2),
+        ],  # fmt: skip
+        "command": "old",
+        "moe": {
+            "default": {"forward": "moe/f.safetensors"},
+            "translators": [_row("moe/f.safetensors")],
+        },  # fmt: skip
+    }
+
+
+def test_a_dense_rebuild_keeps_the_moe_part_other_rows_and_the_defaults(tmp_path):
+    build = load_weights_script("build_translators")
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(_manifest()))
+    rebuilt = [_row("forward-a.safetensors", kl=0.1), _row("backward-a.safetensors", "backward")]
+    build.write_manifest(path, rebuilt, "python weights/build_translators.py --steps 1")
+    m = json.loads(path.read_text())
+    assert m["moe"] == _manifest()["moe"]
+    assert [r["file"] for r in m["translators"]] == [
+        "forward-assistant.safetensors", "forward-a.safetensors", "backward-a.safetensors"]  # fmt: skip
+    assert next(r for r in m["translators"] if r["file"] == "forward-a.safetensors") == rebuilt[0]
+    assert m["default"] == _manifest()["default"]  # kept, though forward-a now scores best
+    assert m["command"].endswith("--steps 1") and "previous_default" not in m
+    build.write_manifest(path, rebuilt, "again", set_default=True)  # asked to: the best rebuilt
+    m = json.loads(path.read_text())
+    assert m["default"] == {
+        "forward": "forward-a.safetensors",
+        "backward": "backward-a.safetensors",
+    }
+    assert m["previous_default"] == _manifest()["default"] and m["moe"] == _manifest()["moe"]
+
+
+def test_a_moe_rebuild_and_an_added_row_keep_the_rest(tmp_path, monkeypatch):
+    moe = load_weights_script("build_moe_translators")
+    monkeypatch.setattr(moe, "HERE", tmp_path)  # its QUALITY.md section goes here
+    path = tmp_path / "manifest.json"
+    path.write_text(json.dumps(_manifest()))
+    moe.write_manifest(path, [_row("moe/g.safetensors", kl=0.01)], "python build_moe")
+    m = json.loads(path.read_text())
+    dense = {k: v for k, v in m.items() if k != "moe"}
+    assert dense == {k: v for k, v in _manifest().items() if k != "moe"}
+    assert [r["file"] for r in m["moe"]["translators"]] == [
+        "moe/f.safetensors",
+        "moe/g.safetensors",
+    ]
+    assert m["moe"]["default"] == {"forward": "moe/f.safetensors"}
+    quality = (tmp_path / "QUALITY.md").read_text()  # the table of both rows, kept and rebuilt
+    assert "| 0.300 |" in quality and "| 0.010 |" in quality
+
+    merge = load_weights_script("manifest").merge_rows  # add_translator.py's call, --default
+    merge(path, [_row("forward-new.safetensors")], default={"forward": "forward-new.safetensors"})
+    m = json.loads(path.read_text())
+    assert m["default"] == {**_manifest()["default"], "forward": "forward-new.safetensors"}
+    assert m["previous_default"] == _manifest()["default"]
+    assert len(m["translators"]) == 4 and len(m["moe"]["translators"]) == 2
+
+
+def test_a_fresh_manifest_gets_defaults(tmp_path):
+    merge = load_weights_script("manifest").merge_rows
+    path = tmp_path / "manifest.json"
+    merge(
+        path, [_row("f.safetensors")], section="moe", initial_default={"forward": "f.safetensors"}
+    )
+    assert json.loads(path.read_text()) == {
+        "moe": {"translators": [_row("f.safetensors")], "default": {"forward": "f.safetensors"}}}  # fmt: skip
+    assert not list(tmp_path.glob(".*"))  # written atomically: no temporary file left

@@ -1,0 +1,46 @@
+"""weights/manifest.json, the one file every build script adds to: `merge_rows` is its only writer.
+
+The manifest has one part per demo pair: the dense pair's at the top level, the MoE pair's under
+"moe". Each part lists translator rows (keyed by "file"), names a default per direction
+("default") and records the command that built it. A writer owns only the rows it has just
+built: it replaces those, adds new ones and keeps every other row, every other part and the
+existing defaults. A default changes only when the writer is told to change it (`default=`), or
+where a direction has none yet (`initial_default=`); the one it replaces is kept as
+"previous_default". The file is replaced atomically.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mlx_kvlingo._atomic import write_text
+
+
+def merge_rows(
+    path: Path,
+    rows: list[dict],
+    *,
+    section: str | None = None,
+    fields: dict | None = None,
+    default: dict | None = None,
+    initial_default: dict | None = None,
+) -> dict:
+    """Merge `rows` into `section` (None: the top level) of the manifest at `path` and write it.
+
+    `fields` (e.g. "pair", "command") are set on that part; `default` ({direction: file}) sets
+    those defaults; `initial_default` only fills directions that have none. Returns the manifest.
+    """
+    manifest = json.loads(path.read_text()) if path.exists() else {}
+    part = manifest if section is None else manifest.setdefault(section, {})
+    mine = {r["file"] for r in rows}
+    part.update(fields or {})
+    part["translators"] = [r for r in part.get("translators", []) if r["file"] not in mine] + rows
+    old = dict(part.get("default") or {})
+    new = {d: f for d, f in (initial_default or {}).items() if f and not old.get(d)}
+    new |= {d: f for d, f in (default or {}).items() if f}
+    if any(old.get(d) and old[d] != f for d, f in new.items()):
+        part["previous_default"] = old
+    part["default"] = {**old, **new}
+    write_text(path, json.dumps(manifest, indent=1))
+    return manifest
