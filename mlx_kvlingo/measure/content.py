@@ -32,7 +32,7 @@ from ..kvcache import new_cache
 
 SCHEMA = "mlx-kvlingo/content-eval"
 #: greedy tokens each kind may answer with
-MAX_TOKENS = {"fact": 24, "copy": 48, "qa": 48, "summary": 48}
+MAX_TOKENS = {"fact": 20, "copy": 40, "qa": 40, "summary": 40}
 EXACT_KINDS = ("fact", "copy")
 #: goals for the default translator (issue 26): retained facts/copies by read length, and recall
 GOAL_RETAINED_SHORT, GOAL_RETAINED_LONG, LONG_FROM, GOAL_RECALL = 0.8, 0.6, 1024, 0.7
@@ -88,12 +88,19 @@ def rouge_l(reference: str, candidate: str) -> float:
 # -- answering ---------------------------------------------------------------------------------
 
 
-def greedy(model, tokenizer, tokens: Sequence[int], cache: list, max_tokens: int) -> str:
-    """mlx-lm's greedy decoding from `cache` after reading `tokens`, stopping at end of turn."""
+def greedy(model, tokenizer, tokens: Sequence[int], cache: list, max_tokens: int,
+           until: str = "") -> str:  # fmt: skip
+    """mlx-lm's greedy decoding from `cache` after reading `tokens`, stopping at end of turn
+    (or once the reply `contains` `until`: a fact or copy task is decided then)."""
     pieces = stream_generate(model, tokenizer, mx.array(list(tokens)), max_tokens=max_tokens,
                              sampler=lambda logits: mx.argmax(logits, axis=-1),
                              prompt_cache=cache)  # fmt: skip
-    return "".join(r.text for r in pieces).strip()
+    text = ""
+    for r in pieces:
+        text += r.text
+        if until and contains(until, text):
+            break
+    return text.strip()
 
 
 def native_kv(model, tokens: Sequence[int]) -> tuple[list, list]:
@@ -117,12 +124,12 @@ def translated_kv(pair, method, tokens: Sequence[int]) -> tuple[list, list]:
     return list(keys), list(values)
 
 
-def answer_from(pair, keys: list, values: list, last: int, max_tokens: int) -> str:
+def answer_from(pair, keys: list, values: list, last: int, max_tokens: int, until: str = "") -> str:
     """The target's greedy reply on a cache holding `keys`/`values`, reading `last` itself."""
     cache = new_cache(pair.target)
     for c, k, v in zip(cache, keys, values, strict=True):
         c.update_and_fetch(k.astype(pair.target.dtype), v.astype(pair.target.dtype))
-    return greedy(pair.target.model, pair.tokenizer, [last], cache, max_tokens)
+    return greedy(pair.target.model, pair.tokenizer, [last], cache, max_tokens, until)
 
 
 @dataclass
@@ -135,23 +142,25 @@ class Swap:
 
 
 def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequence[Swap]) -> dict:
-    n = MAX_TOKENS[task.kind]
+    n, until = MAX_TOKENS[task.kind], task.answer
     toks = list(task.tokens)
-    out = {"native": greedy(pair.target.model, pair.tokenizer, toks, new_cache(pair.target), n)}
+    out = {"native": greedy(pair.target.model, pair.tokenizer, toks, new_cache(pair.target), n,
+                            until)}  # fmt: skip
     native = native_kv(pair.target, toks[:-1]) if swaps else None
     cached = {}
     for label, m in methods.items():
         cached[id(m)] = translated_kv(pair, m, toks[:-1])
-        out[label] = answer_from(pair, *cached[id(m)], toks[-1], n)
+        out[label] = answer_from(pair, *cached[id(m)], toks[-1], n, until)
     for s in swaps:
         if id(s.method) not in cached:
             cached[id(s.method)] = translated_kv(pair, s.method, toks[:-1])
         k, v = cached[id(s.method)]
         keys = [native[0][i] if i in s.native_layers else k[i] for i in range(len(k))]
         values = [native[1][i] if i in s.native_layers else v[i] for i in range(len(v))]
-        out[s.label] = answer_from(pair, keys, values, toks[-1], n)
+        out[s.label] = answer_from(pair, keys, values, toks[-1], n, until)
     if small:
-        out["small"] = greedy(pair.source.model, pair.tokenizer, toks, new_cache(pair.source), n)
+        out["small"] = greedy(pair.source.model, pair.tokenizer, toks, new_cache(pair.source), n,
+                              until)  # fmt: skip
     return out
 
 

@@ -31,7 +31,12 @@ def layer_swaps(layers: int, step: int, method) -> list[Swap]:
     for a in range(0, layers, step):
         out.append(Swap(f"band {a}-{min(a + step, layers) - 1}", method,
                         frozenset(range(a, min(a + step, layers)))))  # fmt: skip
-    return out
+    seen, unique = set(), []
+    for s in out:  # a band may equal a first-k or last-k set
+        if s.native_layers not in seen:
+            seen.add(s.native_layers)
+            unique.append(s)
+    return unique
 
 
 def answer_positions(tokenizer, task: ContentTask) -> list[int]:
