@@ -227,8 +227,8 @@ def test_calibrate_cli_dtype_stored(qdir, text_file, tmp_path, monkeypatch):
     out = CliRunner().invoke(cli, ["calibrate", "--source", str(qdir["source"]), "--target",
                                    str(qdir["target"]), "--data", str(text_file), "--dtype",
                                    "stored", "--steps", "2", "--max-examples", "8",
-                                   "--eval-examples", "2", "--eval-every", "1", "-o",
-                                   str(out_file)])  # fmt: skip
+                                   "--max-prefix", "48", "--continuation", "12",
+                                   "--eval-examples", "2", "-o", str(out_file)])  # fmt: skip
     assert out.exit_code == 0, out.output
     [(dtype, pair)] = loaded
     assert dtype is None
@@ -237,5 +237,8 @@ def test_calibrate_cli_dtype_stored(qdir, text_file, tmp_path, monkeypatch):
     tr = load_translator(out_file, pair)
     assert tr.config.metadata["calibration"]["stage2"]["steps"] == 2
     assert np.isfinite(tr.config.metadata["calibration"]["stage2"]["final_train_loss"])
+    assert np.isfinite(
+        tr.config.metadata["calibration"]["stage2"]["heldout"]["translated"]["kl_native"]
+    )
     h = handoff(pair, tr, pair.tokenizer.encode(PROMPT))
     assert h.target_cache[0].keys.dtype == mx.bfloat16
