@@ -23,6 +23,14 @@ from ._common import data_config, data_options
 @click.command("calibrate")
 @click.option("--source", required=True, help="Source model (reads the prompt)")
 @click.option("--target", required=True, help="Target model (decodes)")
+@click.option(
+    "--dtype",
+    type=click.Choice(["auto", "stored", "float32", "float16", "bfloat16"]),
+    default="auto",
+    show_default=True,
+    help="What the models compute in (auto: float32 on a CPU, as stored on a GPU; stored: the "
+    "checkpoint's weights as they are, 4- or 8-bit quantized included, as Metal runs them)",
+)
 @data_options(
     required=False,
     help="Text files, JSONL records ({'messages': [...]} chats or {'text': ...}) or a folder of "
@@ -98,7 +106,7 @@ from ._common import data_config, data_options
 def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, output, variant, rank, nu,
                   key_cut, bias, native_first, alpha, prior, alpha_grid, patience, reader_share, layer_map,
                   init, steps, lr, warmup, accumulate, grad_clip, eval_every, eval_examples,
-                  checkpoint_dir, resume, **kw):  # fmt: skip
+                  checkpoint_dir, resume, dtype, **kw):  # fmt: skip
     """Fit a translator SOURCE -> TARGET (on your data, or with none); swap the two for the
     other direction."""
     console = Console(stderr=True)
@@ -122,7 +130,8 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, outp
 
             kw["data_path"] = str(write_shipped_data())
         validate_data(kw["data_path"])  # before loading any model
-        pair = load_pair(source, target)
+        dtype = {"auto": "auto", "stored": None}.get(dtype, getattr(mx, dtype, None))
+        pair = load_pair(source, target, dtype=dtype)
         dcfg = replace(data_config(kw), reply_spans=reader_share > 0)
         train, held = load_examples(kw["data_path"], pair.tokenizer, dcfg)
     except (TokenizerMismatchError, DataError, InsufficientMemoryError) as e:
