@@ -124,12 +124,36 @@ def translated_kv(pair, method, tokens: Sequence[int]) -> tuple[list, list]:
     return list(keys), list(values)
 
 
-def answer_from(pair, keys: list, values: list, last: int, max_tokens: int, until: str = "") -> str:
-    """The target's greedy reply on a cache holding `keys`/`values`, reading `last` itself."""
+def answers_from(pair, kvs: Sequence[tuple[list, list]], last: int, max_tokens: int,
+                 until: str = "") -> list[str]:  # fmt: skip
+    """The target's greedy replies on several caches at once (one batch row per (keys,
+    values)), each reading `last` itself; a row stops at end of turn or once it contains
+    `until`. One batched decode costs about what one row does on a memory-bound backend."""
+    dtype, B = pair.target.dtype, len(kvs)
     cache = new_cache(pair.target)
-    for c, k, v in zip(cache, keys, values, strict=True):
-        c.update_and_fetch(k.astype(pair.target.dtype), v.astype(pair.target.dtype))
-    return greedy(pair.target.model, pair.tokenizer, [last], cache, max_tokens, until)
+    for i, c in enumerate(cache):
+        c.update_and_fetch(mx.concatenate([kv[0][i].astype(dtype) for kv in kvs], axis=0),
+                           mx.concatenate([kv[1][i].astype(dtype) for kv in kvs], axis=0))  # fmt: skip
+    eos = set(pair.tokenizer.eos_token_ids)
+    rows: list[list[int]] = [[] for _ in range(B)]
+    live = [True] * B
+    y = mx.array([[last]] * B)
+    for _ in range(max_tokens):
+        logits = pair.target.model(y, cache=cache)[:, -1, :]
+        nxt = mx.argmax(logits, axis=-1).tolist()
+        for b, t in enumerate(nxt):
+            if not live[b]:
+                continue
+            if t in eos:
+                live[b] = False
+                continue
+            rows[b].append(t)
+            if until and contains(until, pair.tokenizer.decode(rows[b])):
+                live[b] = False
+        if not any(live):
+            break
+        y = mx.array(nxt)[:, None]
+    return [pair.tokenizer.decode(r).strip() for r in rows]
 
 
 @dataclass
@@ -142,22 +166,21 @@ class Swap:
 
 
 def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequence[Swap]) -> dict:
+    """Every condition's reply; the target's conditions decode together in one batch."""
     n, until = MAX_TOKENS[task.kind], task.answer
     toks = list(task.tokens)
-    out = {"native": greedy(pair.target.model, pair.tokenizer, toks, new_cache(pair.target), n,
-                            until)}  # fmt: skip
-    native = native_kv(pair.target, toks[:-1]) if swaps else None
+    native = native_kv(pair.target, toks[:-1])
+    kvs = {"native": native}
     cached = {}
     for label, m in methods.items():
-        cached[id(m)] = translated_kv(pair, m, toks[:-1])
-        out[label] = answer_from(pair, *cached[id(m)], toks[-1], n, until)
+        kvs[label] = cached[id(m)] = translated_kv(pair, m, toks[:-1])
     for s in swaps:
         if id(s.method) not in cached:
             cached[id(s.method)] = translated_kv(pair, s.method, toks[:-1])
         k, v = cached[id(s.method)]
-        keys = [native[0][i] if i in s.native_layers else k[i] for i in range(len(k))]
-        values = [native[1][i] if i in s.native_layers else v[i] for i in range(len(v))]
-        out[s.label] = answer_from(pair, keys, values, toks[-1], n, until)
+        kvs[s.label] = ([native[0][i] if i in s.native_layers else k[i] for i in range(len(k))],
+                        [native[1][i] if i in s.native_layers else v[i] for i in range(len(v))])  # fmt: skip
+    out = dict(zip(kvs, answers_from(pair, list(kvs.values()), toks[-1], n, until)))
     if small:
         out["small"] = greedy(pair.source.model, pair.tokenizer, toks, new_cache(pair.source), n,
                               until)  # fmt: skip
