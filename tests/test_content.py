@@ -154,16 +154,22 @@ def test_prefix_gain_weights(pair):
 
 
 def test_content_examples_are_the_targets_answers_and_resume(pair, tmp_path, monkeypatch):
+    """Each continuation is the target's own greedy answer on its native cache (batched answers
+    equal one-by-one decoding), and a resume makes only what the cache file lacks."""
     import mlx_kvlingo.calibrate.content_data as cd
 
+    from helpers import native_tokens
+
     cache = tmp_path / "answers.jsonl"
-    first = cd.content_examples(pair, [TEXT], 4, lengths=(64,), cache_file=cache)
-    eos = set(pair.tokenizer.eos_token_ids)
+    first = cd.content_examples(pair, [TEXT], 4, lengths=(64,), cache_file=cache, batch=3)
+    assert len(first) == 4
+    eos = pair.tokenizer.eos_token_id
     for ex in first:
         n = cd.ANSWER_TOKENS[ex.source.split(":")[1].split("@")[0]]
-        assert list(ex.continuation) == cd.native_answer(pair.target, eos, ex.prefix, n)
+        alone = native_tokens(pair.target.model, pair.tokenizer, list(ex.prefix), n)
+        assert list(ex.continuation) in (alone, alone + [eos])
     calls = []
-    monkeypatch.setattr(cd, "native_answer", lambda *a: calls.append(a) or [1])
+    monkeypatch.setattr(cd, "native_answers", lambda p, ts: calls.extend(ts) or [[1]] * len(ts))
     again = cd.content_examples(pair, [TEXT], 4, lengths=(64,), cache_file=cache)
     assert calls == [] and again == first  # all four answers came from the cache
     cache.write_text(cache.read_text()[:-20])  # the last line cut short by an interruption

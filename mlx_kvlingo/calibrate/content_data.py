@@ -17,13 +17,11 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import mlx.core as mx
-from mlx_lm.generate import generate_step
+from mlx_lm import batch_generate
 
 from .._atomic import write_text
 from ..content_tasks import KINDS, build_tasks
 from ..data import Example
-from ..kvcache import new_cache
 
 #: greedy answer tokens per kind (the content benchmark's limits)
 ANSWER_TOKENS = {"fact": 24, "copy": 48, "qa": 48, "summary": 48}
@@ -44,27 +42,14 @@ def shipped_texts(max_dialogues: int = 400) -> list[str]:
     return texts + dialogues[:max_dialogues]
 
 
-def native_answer(model, eos: set[int], tokens: Sequence[int], max_tokens: int) -> list[int]:
-    """The greedy answer of `model` (a LoadedModel) to `tokens` on its own cache, with its
-    end-of-turn token."""
-    out: list[int] = []
-    steps = generate_step(mx.array(list(tokens)), model.model, max_tokens=max_tokens,
-                          sampler=lambda x: mx.argmax(x, axis=-1),
-                          prompt_cache=new_cache(model))  # fmt: skip
-    for tok, _ in steps:
-        out.append(int(tok))
-        if out[-1] in eos:
-            break
-    return out
-
-
 def content_examples(pair, texts: Sequence[str], n: int, lengths: Sequence[int] = (128, 256, 512),
                      kinds: Sequence[str] = KINDS, seed: int = 0, cache_file: str | Path | None = None,
-                     on_example: Callable[[int], None] | None = None) -> list[Example]:  # fmt: skip
+                     on_example: Callable[[int], None] | None = None,
+                     batch: int = 16) -> list[Example]:  # fmt: skip
     """`n` content tasks spread over `lengths` and `kinds`, each with the target's answer.
 
     With `cache_file`, answers already there (same seed, same task tokens) are reused and new
-    ones appended as they are made; `on_example(i)` is called after each (progress bars).
+    ones appended as each batch of `batch` is made; `on_example(done)` reports progress.
     """
     per = max(1, -(-n // (len(lengths) * len(kinds))))
     tasks = build_tasks(pair.tokenizer, texts, lengths, per, kinds, seed)[:n]
@@ -77,24 +62,34 @@ def content_examples(pair, texts: Sequence[str], n: int, lengths: Sequence[int] 
                 done[rec["key"]] = rec["answer"]
             except (json.JSONDecodeError, KeyError, TypeError):
                 continue  # a line cut short by an interruption: made again
-    eos = set(pair.tokenizer.eos_token_ids)
-    out, lines = [], [json.dumps({"key": k, "answer": v}) for k, v in done.items()]
-    for i, task in enumerate(tasks):
-        key = f"{seed}:{hash_tokens(task.tokens)}"
-        answer = done.get(key)
-        if answer is None:
-            answer = native_answer(pair.target, eos, task.tokens, ANSWER_TOKENS[task.kind])
-            done[key] = answer
-            if path:
-                lines.append(json.dumps({"key": key, "answer": answer}))
-                write_text(path, "\n".join(lines) + "\n")
-        if answer:
-            out.append(
-                Example(task.tokens, tuple(answer), f"content:{task.kind}@{task.length}#{i}")
-            )
+    keys = [f"{seed}:{hash_tokens(t.tokens)}" for t in tasks]
+    todo = [i for i, k in enumerate(keys) if k not in done]
+    lines = [json.dumps({"key": k, "answer": v}) for k, v in done.items()]
+    for b in range(0, len(todo), batch):
+        chunk = todo[b : b + batch]
+        for i, answer in zip(chunk, native_answers(pair, [tasks[i] for i in chunk]), strict=True):
+            done[keys[i]] = answer
+            lines.append(json.dumps({"key": keys[i], "answer": answer}))
+        if path:  # after each batch: an interruption loses at most one
+            write_text(path, "\n".join(lines) + "\n")
         if on_example:
-            on_example(i)
+            on_example(len(tasks) - len(todo) + b + len(chunk))
+    out = []
+    for i, task in enumerate(tasks):
+        if done[keys[i]]:
+            out.append(Example(task.tokens, tuple(done[keys[i]]),
+                               f"content:{task.kind}@{task.length}#{i}"))  # fmt: skip
     return out
+
+
+def native_answers(pair, tasks) -> list[list[int]]:
+    """The target's greedy answers on its own cache (mlx-lm's batch_generate), each ending
+    with the end-of-turn token when it stopped before its limit."""
+    limits = [ANSWER_TOKENS[t.kind] for t in tasks]
+    res = batch_generate(pair.target.model, pair.tokenizer, [list(t.tokens) for t in tasks],
+                         max_tokens=limits, return_token_ids=True)  # fmt: skip
+    eos = pair.tokenizer.eos_token_id
+    return [ids + [eos] if len(ids) < n else ids for ids, n in zip(res.token_ids, limits)]
 
 
 def hash_tokens(tokens: Sequence[int]) -> str:

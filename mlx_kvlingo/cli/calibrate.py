@@ -222,7 +222,7 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
     with Progress(console=console, transient=True) as bar:
         job = bar.add_task("content answers (target, native)", total=n)
         out = content_examples(pair, shipped_texts(), n, lengths, seed=seed, cache_file=cache,
-                               on_example=lambda i: bar.update(job, completed=i + 1))  # fmt: skip
+                               on_example=lambda k: bar.update(job, completed=k))  # fmt: skip
     console.print(f"{len(out)} content examples (answers cached in {cache})")
     return out
 
