@@ -139,8 +139,13 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, outp
     console.print(f"{len(train)} training and {len(held)} held-out examples from {kw['data_path']}")
     content = []
     if content_n or no_data:
-        content = _content_examples(pair, console, content_n, content_sizes, kw["seed"],
-                                    checkpoint_dir, steps, accumulate, train, held)  # fmt: skip
+        content, held_content = _content_examples(
+            pair, console, content_n, content_sizes, kw["seed"], checkpoint_dir, steps,
+            accumulate, train, held, None if no_data else kw["data_path"],
+        )  # fmt: skip
+        # stage 2's early stopping sees content too: a held-out KL of generic text alone
+        # would keep the translator that drops what was read
+        held = [x for pair_ in zip(held_content, held) for x in pair_] + held[len(held_content) :]
     held_eval = held[:eval_examples]
     report = {"data": str(kw["data_path"]), "data_config": dcfg.__dict__}
     if init:
@@ -201,12 +206,14 @@ def fit_line(stage1: dict) -> str:
 
 
 def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, accumulate, train,
-                      held) -> list:  # fmt: skip
-    """The plan, then `n` content examples answered by the target (cached for a resume)."""
+                      held, data_path) -> tuple[list, list]:  # fmt: skip
+    """The plan, then `n` training and n/10 held-out content examples answered by the target
+    (cached for a resume), over `data_path`'s text or the shipped text."""
     from rich.progress import Progress
 
     from ..calibrate.content_data import content_examples, shipped_texts
     from ..calibrate.plan import CalibrationPlan, measure_rates, probe_peak
+    from ..data import read_texts
 
     rates = measure_rates(pair)
     longest = max(train, key=lambda e: len(e.prefix) + len(e.continuation))
@@ -219,12 +226,18 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
     cache = Path(checkpoint_dir) / "content-answers.jsonl" if checkpoint_dir else None
     if cache:
         cache.parent.mkdir(parents=True, exist_ok=True)
+    texts = shipped_texts() if data_path is None else read_texts(data_path)
+    n_held = max(4, n // 10) if n else 0
     with Progress(console=console, transient=True) as bar:
-        job = bar.add_task("content answers (target, native)", total=n)
-        out = content_examples(pair, shipped_texts(), n, lengths, seed=seed, cache_file=cache,
+        job = bar.add_task("content answers (target, native)", total=n + n_held)
+        out = content_examples(pair, texts, n, lengths, seed=seed, cache_file=cache,
                                on_example=lambda k: bar.update(job, completed=k))  # fmt: skip
-    console.print(f"{len(out)} content examples (answers cached in {cache})")
-    return out
+        held_out = content_examples(pair, texts, n_held, lengths, seed=seed + 1000,
+                                    cache_file=cache,
+                                    on_example=lambda k: bar.update(job, completed=n + k))  # fmt: skip
+    console.print(f"{len(out)} training and {len(held_out)} held-out content examples "
+                  f"(answers cached in {cache})")  # fmt: skip
+    return out, held_out
 
 
 def _content_report(pair, tr, console) -> None:
