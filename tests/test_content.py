@@ -175,3 +175,30 @@ def test_content_examples_are_the_targets_answers_and_resume(pair, tmp_path, mon
     cache.write_text(cache.read_text()[:-20])  # the last line cut short by an interruption
     cd.content_examples(pair, [TEXT], 4, lengths=(64,), cache_file=cache)
     assert len(calls) == 1
+
+
+def test_calibrate_without_data_plans_resumes_and_reports(tiny_dir, tmp_path, monkeypatch):
+    """`kvlingo calibrate` with two models and no data: the shipped text, content examples
+    answered by the target, a plan first, a resumable checkpoint, content figures at the end."""
+    monkeypatch.setenv("KVLINGO_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "t.safetensors"
+    args = ["calibrate", "--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["known"]),
+            "--content", "6", "--content-lengths", "64", "--max-examples", "12", "--steps", "2",
+            "--eval-examples", "4", "-o", str(out)]  # fmt: skip
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    assert "plan:" in r.output and "estimated on this machine" in r.output
+    assert "6 training and 4 held-out content examples" in r.output
+    assert "fact: retained" in r.output  # the closing content figures
+    ckpt = tmp_path / "t.ckpt"
+    answers = (ckpt / "content-answers.jsonl").read_text().splitlines()
+    assert len(answers) == 10
+    state = json.loads((ckpt / "state.json").read_text())
+    assert state["step"] == 2 and state["config"]["gain_weights"] is True
+    import mlx_kvlingo.calibrate.content_data as cd
+
+    made = []
+    monkeypatch.setattr(cd, "native_answers", lambda p, ts: made.extend(ts) or [[1]] * len(ts))
+    again = CliRunner().invoke(cli, args)  # a rerun resumes: no answer is made twice
+    assert again.exit_code == 0, again.output
+    assert made == []

@@ -3,8 +3,8 @@
 The rates come from a short measurement on the loaded pair (one source prefill, one target
 prefill and one target decode step at a probe length, after a warm-up call of each), so the
 estimate is for this machine, backend and dtype; costs grow linearly with tokens, which holds
-well below a few thousand tokens. Peak memory is MLX's own peak over the probe (both models,
-a stage-2 step's activations and gradients) plus the translator's optimizer state.
+well below a few thousand tokens. Peak memory is MLX's own peak (both models' weights and a
+forward pass at twice the longest example) plus 20 % for stage 2's gradients and optimizer state.
 """
 
 from __future__ import annotations

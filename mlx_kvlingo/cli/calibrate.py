@@ -221,7 +221,7 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     plan = CalibrationPlan(len(train), len(held), n, steps, accumulate,
                            mean([len(e.prefix) for e in train]), mean(lengths), rates,
-                           peak + 2 * sum(m.nbytes for m in (pair.source, pair.target)))  # fmt: skip
+                           int(1.2 * peak))  # fmt: skip
     console.print(plan.describe())
     cache = Path(checkpoint_dir) / "content-answers.jsonl" if checkpoint_dir else None
     if cache:
