@@ -26,7 +26,8 @@ class Rates:
 
 @dataclass
 class CalibrationPlan:
-    stage1_examples: int
+    stage1_examples: int  # 0 when stage 2 starts from a given translator
+    train_examples: int  # ordinary examples in stage 2's pool, beside the content ones
     heldout_examples: int
     content_examples: int
     stage2_steps: int
@@ -44,9 +45,9 @@ class CalibrationPlan:
             * (self.mean_content_prefix * r.target_ms_per_token + 32 * r.decode_step_ms)
             / 1e3
         )
-        pool = (self.stage1_examples * self.mean_prefix
+        pool = (self.train_examples * self.mean_prefix
                 + self.content_examples * self.mean_content_prefix) / max(
-            self.stage1_examples + self.content_examples, 1)  # fmt: skip
+            self.train_examples + self.content_examples, 1)  # fmt: skip
         # a stage-2 step: the source's trace and the teacher, then forward + backward (~3x)
         step = read(pool) + 3 * pool * r.target_ms_per_token / 1e3
         return {
@@ -59,8 +60,8 @@ class CalibrationPlan:
         secs = self.seconds()
         parts = " · ".join(f"{k} ~{_dur(v)}" for k, v in secs.items() if v > 0)
         return (
-            f"plan: {self.stage1_examples} stage-1 examples (mean prefix {self.mean_prefix:.0f} "
-            f"tokens), {self.heldout_examples} held out, {self.content_examples} content "
+            f"plan: {self.stage1_examples} stage-1 and {self.train_examples} ordinary stage-2 "
+            f"examples (mean prefix {self.mean_prefix:.0f} tokens), {self.heldout_examples} held out, {self.content_examples} content "
             f"examples (mean prompt {self.mean_content_prefix:.0f} tokens), {self.stage2_steps} "
             f"stage-2 steps x {self.accumulate}\n"
             f"estimated on this machine: {parts} · total ~{_dur(sum(secs.values()))} · peak "

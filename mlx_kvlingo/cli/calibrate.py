@@ -141,7 +141,7 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, outp
     if content_n or no_data:
         content, held_content = _content_examples(
             pair, console, content_n, content_sizes, kw["seed"], checkpoint_dir, steps,
-            accumulate, train, held, None if no_data else kw["data_path"],
+            accumulate, [] if init else train, train, held, None if no_data else kw["data_path"],
         )  # fmt: skip
         # stage 2's early stopping sees content too: a held-out KL of generic text alone
         # would keep the translator that drops what was read
@@ -205,8 +205,8 @@ def fit_line(stage1: dict) -> str:
     return f"stage 1 fit on training data, alpha {stage1.get('alpha')}: " + " · ".join(parts)
 
 
-def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, accumulate, train,
-                      held, data_path) -> tuple[list, list]:  # fmt: skip
+def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, accumulate, stage1,
+                      train, held, data_path) -> tuple[list, list]:  # fmt: skip
     """The plan, then `n` training and n/10 held-out content examples answered by the target
     (cached for a resume), over `data_path`'s text or the shipped text."""
     from rich.progress import Progress
@@ -219,7 +219,7 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
     longest = max(train, key=lambda e: len(e.prefix) + len(e.continuation))
     peak = probe_peak(lambda: pair.target.model(mx.array(list(longest.prefix) * 2)[None]))
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
-    plan = CalibrationPlan(len(train), len(held), n, steps, accumulate,
+    plan = CalibrationPlan(len(stage1), len(train), len(held), n, steps, accumulate,
                            mean([len(e.prefix) for e in train]), mean(lengths), rates,
                            int(1.2 * peak))  # fmt: skip
     console.print(plan.describe())
