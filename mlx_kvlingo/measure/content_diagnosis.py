@@ -86,6 +86,10 @@ def position_errors(pair, method, tasks) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--translator", default=None, help="file or demo name (default: demo default)")
+    ap.add_argument("--source", help="source model folder (with --target; default: the demo pair)")
+    ap.add_argument("--target")
+    ap.add_argument("--errors-only", action="store_true",
+                    help="only the translation error at the answer's tokens (no decoding)")  # fmt: skip
     ap.add_argument("--lengths", default="128,512")
     ap.add_argument("--per-kind", type=int, default=6)
     ap.add_argument("--step", type=int, default=5, help="layers per swapped band")
@@ -95,17 +99,26 @@ def main(argv=None) -> None:
 
     from ..data import read_texts
     from ..demo.pair import demo_content_texts, load_demo
+    from ..format import load_translator
+    from ..pair import load_pair
 
     console = Console()
-    pair, tr = load_demo(args.translator)
+    if args.source and args.target and args.translator:
+        pair = load_pair(args.source, args.target)
+        tr = load_translator(args.translator, pair)
+    else:
+        pair, tr = load_demo(args.translator)
     texts = [t for p in demo_content_texts() for t in read_texts(p)]
     lengths = [int(x) for x in args.lengths.split(",")]
     tasks = build_tasks(pair.tokenizer, texts, lengths, args.per_kind, ("fact", "copy"), args.seed)
-    swaps = layer_swaps(pair.target.geometry.layers, args.step, tr)
-    res = evaluate_content(pair, tasks, {"translated": tr}, swaps=swaps)
-    result = to_json(res, pair, {"diagnosis": "swaps"})
-    for t in tables(result):
-        console.print(t)
+    if args.errors_only:
+        result = {"pair": {"source": pair.source.name, "target": pair.target.name}}
+    else:
+        swaps = layer_swaps(pair.target.geometry.layers, args.step, tr)
+        res = evaluate_content(pair, tasks, {"translated": tr}, swaps=swaps)
+        result = to_json(res, pair, {"diagnosis": "swaps"})
+        for t in tables(result):
+            console.print(t)
     result["position_errors"] = position_errors(pair, tr, [t for t in tasks if t.kind == "fact"])
     for kind in ("key", "value"):
         rows = result["position_errors"][kind]
