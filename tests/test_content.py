@@ -202,3 +202,17 @@ def test_calibrate_without_data_plans_resumes_and_reports(tiny_dir, tmp_path, mo
     again = CliRunner().invoke(cli, args)  # a rerun resumes: no answer is made twice
     assert again.exit_code == 0, again.output
     assert made == []
+
+
+def test_diagnosis_finds_the_answer_and_measures_zero_error_for_an_exact_translator(pair, exact):
+    from mlx_kvlingo.measure.content_diagnosis import answer_positions, layer_swaps, position_errors
+
+    tasks = build_tasks(pair.tokenizer, [TEXT], [64], 2, ("fact",), seed=2)
+    for t in tasks:
+        pos = answer_positions(pair.tokenizer, t)
+        assert pos and t.answer.split()[0] in pair.tokenizer.decode([t.tokens[i] for i in pos])
+    err = position_errors(pair, exact, tasks)
+    worst = max(v for rows in err.values() for r in rows.values() for v in r.values())
+    assert worst < 1e-4  # the known-answer translator is exact at every token
+    swaps = layer_swaps(6, 3, exact)
+    assert len({s.native_layers for s in swaps}) == len(swaps)  # no set measured twice
