@@ -305,7 +305,7 @@ def test_readme_example_runs(files, monkeypatch, tmp_path, capsys):
     # reader "auto": the large reads the opening itself or the small reads it (translated),
     # whichever this machine's measured rates predict sooner; the status line shows the other
     assert re.search(r"\[small \(.*tokens", out) and re.search(r"\[large \(.*TTFT", out)
-    assert re.search(r"\[large \(.*(small reading|large reading itself): TTFT ≈ ", out)
+    assert re.search(r"\[large \(.*(small \+ translation|large alone): TTFT ≈ ", out)
     assert "weights" in out
     assert (tmp_path / "chat.safetensors").is_file()
 

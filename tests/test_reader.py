@@ -218,7 +218,7 @@ def test_status_and_stats_show_the_read_and_the_saving(pair, translators):
     st = s.last_turn
     line = status_line(st, {"source": "S", "target": "T"})
     assert line.startswith("large (T)") and "small read" in line and "translated" in line
-    assert "(large reading itself: TTFT ≈ " in line and st.alternative_ttft_s > 0
+    assert "(large alone: TTFT ≈ " in line and st.alternative_ttft_s > 0
     assert st.alone_prefill_s == st.alternative_ttft_s
     stats = s.stats()
     assert stats["reader"] == "small"
@@ -423,11 +423,14 @@ def test_status_line_accounts_for_the_ttft():
     st.alternative_ttft_s = 0.42
     line = status_line(st, {"source": "s", "target": "t"})
     assert "small read 18 tok 35 ms · translated 19 tok 5.0 ms · large read 1 tok 20 ms · " in line
-    assert "TTFT 61 ms (large reading itself: TTFT ≈ 420 ms)" in line
+    assert "TTFT 61 ms (large alone: TTFT ≈ 420 ms)" in line
     st.prompt_tokens, st.prompt_tps, st.prompt_s, st.read, st.switch = 18, 45.0, 0.4, None, None
     st.ttft_s, st.alternative_ttft_s = 0.401, 0.061
     line = status_line(st, {"source": "s", "target": "t"})
-    assert "large read 18 tok 400 ms 45.0 tok/s · TTFT 401 ms (small reading: TTFT ≈ 61 ms)" in line
+    assert (
+        "large read 18 tok 400 ms 45.0 tok/s · TTFT 401 ms (small + translation: TTFT ≈ 61 ms)"
+        in line
+    )
     st.alternative_ttft_s = None
     line = status_line(st, {"source": "s", "target": "t"})
     assert "large read 18 tok 400 ms 45.0 tok/s · TTFT 401 ms · " in line

@@ -91,7 +91,7 @@ def test_auto_picks_the_large_reading_when_it_is_predicted_faster(pair, translat
         assert st.predicted_ttft_s == pytest.approx(costs.large_reads(st.prompt_tokens))
         # the small path's predicted TTFT, shown as a TTFT
         assert st.alternative_ttft_s > st.predicted_ttft_s
-        assert f"(small reading: TTFT ≈ {st.alternative_ttft_s * 1e3:.0f} ms)" in status_line(
+        assert f"(small + translation: TTFT ≈ {st.alternative_ttft_s * 1e3:.0f} ms)" in status_line(
             st, NAMES
         )
     opening = s.turns[0]  # nothing to catch up on: read n - 1, translate n - 1, large's step
@@ -110,7 +110,7 @@ def test_auto_picks_the_small_reading_when_it_is_predicted_faster(pair, translat
     for st in s.turns:  # even short later turns, which the token rule gives the large
         assert st.read is not None and st.prompt_tokens == 1 and st.read_note == ""
         assert st.alternative_ttft_s == pytest.approx(0.01 + 0.05 * (st.switch.translated + 1))
-        assert "(large reading itself: TTFT ≈ " in status_line(st, NAMES)
+        assert "(large alone: TTFT ≈ " in status_line(st, NAMES)
     assert s.turns[1].read.catch_up.translated  # the small caught up on the answer (backward)
     assert_session_consistent(s)
 

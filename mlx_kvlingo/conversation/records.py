@@ -123,7 +123,7 @@ def status_line(st: TurnStats, names: dict) -> str:
     """Who read what and what it cost, then mlx-lm's `N tokens · X tok/s · peak Z GB`.
 
     With the small model reading: `small read 18 tok 35 ms · translated 19 tok 5 ms · large
-    read 1 tok 20 ms · TTFT 60 ms (large reading itself: TTFT ≈ 400 ms) · ...`: the path not
+    read 1 tok 20 ms · TTFT 60 ms (large alone: TTFT ≈ 400 ms) · ...`: the path not
     taken, as a TTFT predicted from the rates measured on this pair.
     """
     me = LABEL[st.model]
@@ -157,7 +157,7 @@ def status_line(st: TurnStats, names: dict) -> str:
         ttft = f"TTFT {_ms(st.ttft_s)}"
         alt = st.alternative_ttft_s
         if alt is not None and st.model == "target":
-            other = f"{me} reading itself" if rd is not None else f"{LABEL['source']} reading"
+            other = f"{me} alone" if rd is not None else f"{LABEL['source']} + translation"
             ttft += f" ({other}: TTFT ≈ {_ms(alt)})"
         parts.append(ttft)
     if st.ahead is not None and st.ahead.translated:
