@@ -143,11 +143,12 @@ def _text(tokenizer, n: int) -> str:
 
 
 def warm_up(
-    pair, forward, backward=None, *, lengths=(16, 64), answer_tokens: int = 4, sample=None,
+    pair, forward, backward=None, *, lengths=(16, 64), answer_tokens: int = 2, sample=None,
     costs: ReadCosts | None = None, log=None,
 ) -> ReadCosts:  # fmt: skip
-    """Run a short scratch conversation twice so that the first real turn pays nothing once,
-    and measure this pair's costs on the second run (into `costs`, default the pair's).
+    """Run a short scratch conversation twice so that the first real turn pays nothing once
+    (the first run, at the shortest length only), and measure this pair's costs on the second
+    (into `costs`, default the pair's).
 
     Each run: for each length, a user turn of about that many tokens answered by the large
     model twice over, once with the small model reading (small read, forward translation,
@@ -160,10 +161,11 @@ def warm_up(
 
     costs = costs_of(pair) if costs is None else costs
     t0 = time.perf_counter()
-    for record in (ReadCosts(), costs):  # the first run pays the one-off costs, unrecorded
+    # the first run (the shortest length) pays the one-off costs, unrecorded
+    for record, todo in ((ReadCosts(), lengths[:1]), (costs, lengths)):
         reads = Session(pair, forward, backward, reader="small", read_costs=record)
         selfs = Session(pair, forward, backward, reader="self", read_costs=record)
-        for n in lengths:
+        for n in todo:
             text = _text(pair.tokenizer, n)
             for s in (reads, selfs) if forward is not None else (selfs,):
                 s.add_user(text)
