@@ -19,7 +19,7 @@ whichever starts the answer sooner, predicted from rates measured on this pair i
 process (conversation/timing.py):
 
     large reads   target_read(lacked)                        its prefill plus its first step
-    small reads   catch-up + source_read + forward(lacked - 1) + target_read(1)
+    small reads   catch-up + source_read + forward(lacked - 1) + target_step
 
 When the two are within `reader_margin` (5%) of each other, or before the rates are
 measured, the token rule decides: `reader="tokens"` is "small" for the opening span and for

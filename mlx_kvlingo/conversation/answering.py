@@ -179,8 +179,8 @@ class Answering:
 
     def _alternative(self, stats: TurnStats, paths, conversation: list[int]) -> None:
         """The TTFT the other way of reading would have had, predicted from the rates this
-        turn updated; the large model's own read is timed once (after the answer, on up to
-        `_PROBE` tokens of the conversation in a scratch cache) when it never was."""
+        turn updated; the large model's own read is timed once (after the answer, on `_PROBE`
+        tokens of the conversation in a scratch cache) when it never was."""
         costs = self.read_costs
         if stats.read is not None:
             if not costs.target_read.ready:
@@ -290,15 +290,14 @@ def _with_history(processors: list, history: list[int]) -> list:
 
 # -- the path not taken ---------------------------------------------------------------------
 
-_PROBE = 256  # tokens of the conversation a never-timed large model reads once, to time it
+_PROBE = (16, 64)  # tokens a never-timed large model reads once each, to time it
 
 
 def _probe(loaded, conversation: list[int], cost) -> None:
-    probe = conversation[:_PROBE]
-    if len(probe) < 16:
-        probe = (probe * 16)[:16]
-    cache = new_cache(loaded)
-    t0 = time.perf_counter()
-    loaded.model(mx.array(probe)[None], cache=cache)
-    mx.eval([c.keys for c in cache])
-    cost.observe(len(probe), time.perf_counter() - t0)
+    for n in _PROBE:
+        probe = (conversation * (n // max(len(conversation), 1) + 1))[:n]
+        cache = new_cache(loaded)
+        t0 = time.perf_counter()
+        loaded.model(mx.array(probe)[None], cache=cache)
+        mx.eval([c.keys for c in cache])
+        cost.observe(n, time.perf_counter() - t0)

@@ -131,7 +131,7 @@ class CatchUp:
                 sw.translated, sw.seconds
             )
         if stats.model == "target":
-            costs.target_read.observe(stats.prompt_tokens, stats.prompt_s)
+            costs.observe_target(stats.prompt_tokens, stats.prompt_s)
 
     def _read_ahead(self, upto: int, chunk: int) -> Read:
         """The small model catches up on the large's last answer, then reads up to `upto`

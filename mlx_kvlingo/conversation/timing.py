@@ -6,14 +6,17 @@ decay by `DECAY` per newer one, so the rates follow the machine as it warms up o
     source_read(n)  the small model's prefill of n tokens (reading for the large one)
     forward(n)      translating n tokens small -> large (capture, map, append)
     backward(n)     translating n tokens large -> small (the small catching up on an answer)
-    target_read(n)  the large model's own read of n tokens up to its first token, as mlx-lm
-                    times it (its prefill plus its first step; n = 1 after a translation)
+    target_read(n)  the large model's own read of n >= 2 tokens up to its first token, as
+                    mlx-lm times it (its prefill plus its first step)
+    target_step     the same for one token (after a translation): a cost of its own, since
+                    one token may take another code path (an MoE's per-expert prefill loop
+                    costs about the same for 2 tokens as for 100, and is not run for one)
 
 The two ways a large answer can start, predicted with the same accounting as they are measured:
 
     large reads     target_read(lacked)
     small reads     catch-up (backward(k), or source_read when there is no backward map)
-                    + source_read(read) + forward(lacked - 1) + target_read(1)
+                    + source_read(read) + forward(lacked - 1) + target_step
 
 Measurements come from a warm-up at load (`warm_up`: a scripted scratch conversation, which
 also pays once what a process pays on its first turn: compiled kernels, lazy weights, first
@@ -81,14 +84,18 @@ class ReadCosts:
     forward: Cost = field(default_factory=Cost)
     backward: Cost = field(default_factory=Cost)
     target_read: Cost = field(default_factory=Cost)
+    target_step: Cost = field(default_factory=Cost)
     warmup_s: float | None = None  # how long the warm-up took (None: none ran)
 
     @classmethod
     def fixed(cls, **rates: tuple[float, float]) -> ReadCosts:
         """Exact costs that no measurement changes, from (a, b) per name, e.g.
-        `fixed(target_read=(0.02, 0.005), ...)`; the names not given stay unmeasured."""
+        `fixed(target_read=(0.02, 0.005), ...)`; the names not given stay unmeasured, but
+        `target_step` defaults to target_read(1)."""
         out = cls()
-        for name in ("source_read", "forward", "backward", "target_read"):
+        if "target_read" in rates and "target_step" not in rates:
+            rates = {**rates, "target_step": rates["target_read"]}
+        for name in ("source_read", "forward", "backward", "target_read", "target_step"):
             cost = getattr(out, name)
             if name in rates:
                 a, b = rates[name]
@@ -96,24 +103,34 @@ class ReadCosts:
             cost.frozen = True
         return out
 
+    def observe_target(self, n: int, seconds: float) -> None:
+        """The large model read n tokens itself, up to its first token, in `seconds`."""
+        (self.target_step if n == 1 else self.target_read).observe(n, seconds)
+
+    def step(self) -> float | None:
+        """The large model's read of one token (its first step after a translation)."""
+        return self.target_step.predict(1) if self.target_step.samples else None
+
     def large_reads(self, lacked: int) -> float | None:
         """Predicted TTFT with the large model reading the `lacked` tokens itself."""
+        if lacked == 1:
+            return self.step()
         return self.target_read.predict(lacked) if self.target_read.ready else None
 
     def small_reads(self, lacked: int, catch_up: int, read: int, backward: bool) -> float | None:
         """Predicted TTFT with the small model reading: it catches up on `catch_up` tokens
         (translated back when `backward`, else it reads them), reads `read` tokens, `lacked -
         1` are translated into the large model, which reads the last token itself."""
-        needed = [self.source_read, self.forward, self.target_read]
+        needed = [self.source_read, self.forward]
         if catch_up and backward:
             needed.append(self.backward)
-        if not all(c.ready for c in needed):
+        if not all(c.ready for c in needed) or self.step() is None:
             return None
         if catch_up and backward:
             t = self.backward.predict(catch_up) + self.source_read.predict(read)
         else:
             t = self.source_read.predict(catch_up + read)
-        return t + self.forward.predict(lacked - 1) + self.target_read.predict(1)
+        return t + self.forward.predict(lacked - 1) + self.step()
 
 
 _ATTR = "_kvlingo_read_costs"
