@@ -202,3 +202,9 @@ def test_warm_up_measures_every_cost_and_pays_the_first_turn(pair, translators):
     # the pair's shared costs: what sessions get by default
     s = Session(pair, fwd, bwd)
     assert s.read_costs is costs_of(pair) and Session(pair, fwd, bwd).read_costs is s.read_costs
+
+
+def test_warm_up_without_translators(pair):
+    """No forward map: only the large reading itself is timed (and the small answering)."""
+    costs = warm_up(pair, None, None, lengths=(8, 24), answer_tokens=2, costs=ReadCosts())
+    assert costs.target_read.ready and not costs.source_read.samples

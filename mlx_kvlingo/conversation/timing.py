@@ -180,11 +180,13 @@ def warm_up(
     t0 = time.perf_counter()
     # the first run (the shortest length) pays the one-off costs, unrecorded
     for record, todo in ((ReadCosts(), lengths[:1]), (costs, lengths)):
-        reads = Session(pair, forward, backward, reader="small", read_costs=record)
         selfs = Session(pair, forward, backward, reader="self", read_costs=record)
+        both = [selfs]
+        if forward is not None:  # without one there is nothing to translate into the large
+            both.insert(0, Session(pair, forward, backward, reader="small", read_costs=record))
         for n in todo:
             text = _text(pair.tokenizer, n)
-            for s in (reads, selfs) if forward is not None else (selfs,):
+            for s in both:
                 s.add_user(text)
                 kwargs = sample("target") if sample else {}
                 for _ in s.generate("target", max_tokens=answer_tokens, **kwargs):
