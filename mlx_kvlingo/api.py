@@ -238,11 +238,19 @@ class Runtime:
     ) -> float:
         """Pay the first turn's one-off costs now and measure this pair's read rates (reader
         "auto"): a scratch conversation per length, read both ways (see conversation/timing.py).
-        `sample(role)`: the generate keyword arguments real turns will use. Returns seconds."""
+        `sample(role)`: the generate keyword arguments real turns will use (default: each
+        model's default sampling). Returns seconds."""
         from .conversation.timing import warm_up
 
         if self._link is not None:
             raise ConversationError("warm_up is not available with a pipelined large model")
+        if sample is None:  # each model's default sampling, as `send` uses without settings
+
+            def sample(role: str) -> dict[str, Any]:
+                loaded = self.pair.source if role == "source" else self.pair.target
+                cfg = resolve_sampling(loaded)
+                return {"sampler": cfg.sampler(), "logits_processors": cfg.logits_processors()}
+
         costs = warm_up(self.pair, self.forward, self.backward, lengths=lengths, sample=sample)
         self.warmup_s = seconds = float(costs.warmup_s or 0.0)
         return seconds
