@@ -240,7 +240,7 @@ class Runtime:
         "auto"): a scratch conversation per length, read both ways (see conversation/timing.py).
         `sample(role)`: the generate keyword arguments real turns will use (default: each
         model's default sampling). Returns seconds."""
-        from .conversation.timing import warm_up
+        from .conversation.warmup import warm_up
 
         if self._link is not None:
             raise ConversationError("warm_up is not available with a pipelined large model")

@@ -445,7 +445,7 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
                   auto_threshold=auto_threshold, console=console, first=MODEL[first or answer])  # fmt: skip
     loaded = None
     if warmup:
-        from ..conversation.timing import warm_up
+        from ..conversation.warmup import warm_up
 
         console.print("[grey50]warming up (each path once, timing this pair)...[/grey50]")
         w = warm_up(pair, forward, backward, sample=app.warm_sample).warmup_s

@@ -126,7 +126,7 @@ def run_conversation_bench(
         raise ValueError(f"unknown policies {sorted(unknown)}; expected some of {ALL_POLICIES}")
     warmup_s = None
     if cfg.warmup:
-        from ..conversation.timing import warm_up
+        from ..conversation.warmup import warm_up
 
         warmup_s = warm_up(pair, forward, backward).warmup_s
         log(f"warm-up {warmup_s:.1f} s")
