@@ -209,3 +209,28 @@ def test_warm_up_without_translators(pair):
     """No forward map: only the large reading itself is timed (and the small answering)."""
     costs = warm_up(pair, None, None, lengths=(8, 24), answer_tokens=2, costs=ReadCosts())
     assert costs.target_read.ready and not costs.source_read.samples
+
+
+def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
+    """Files written before reader "tokens" and `reader_margin` existed: "auto" (then the token
+    rule) loads as "auto" (now by time, the token rule breaking ties); the margin stays the
+    session's own."""
+    import json
+
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd, reader_min_tokens=40)
+    talk(s, SHORT[:1])
+    path = s.save(tmp_path / "new")
+    caches, meta = load_prompt_cache(str(path), return_metadata=True)
+    state = json.loads(meta["kvlingo_session"])
+    del state["reader_margin"]
+    for t in state["turns"]:  # fields a turn did not have then
+        del t["alternative_ttft_s"], t["predicted_ttft_s"]
+    old = tmp_path / "old.safetensors"
+    save_prompt_cache(str(old), caches, {**meta, "kvlingo_session": json.dumps(state)})
+    t = Session(pair, fwd, bwd, reader="self", reader_margin=0.3)
+    t.load(old)
+    assert (t.reader, t.reader_min_tokens, t.reader_margin) == ("auto", 40, 0.3)
+    assert t.turns[0].alternative_ttft_s is None and t.tokens == s.tokens
