@@ -81,9 +81,10 @@ def main() -> None:
     ap.add_argument("-n", "--conversations", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--json", type=Path, help="also write the results here")
-    ap.add_argument("--reader", choices=("small", "auto"), default="small",
+    ap.add_argument("--reader", choices=("small", "auto", "tokens"), default="small",
                     help="the translated side's reader policy: small (every turn translated: "
-                    "the translators' check) or auto (what a chat does by default)")  # fmt: skip
+                    "the translators' check), auto (what a chat does by default: by this "
+                    "machine's timing) or tokens (the token rule, auto before issue 28)")  # fmt: skip
     ap.add_argument("--long-later", action="store_true",
                     help="a quiz question, then a held-out paragraph to summarize")  # fmt: skip
     ap.add_argument("--prose", type=Path,

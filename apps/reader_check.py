@@ -22,7 +22,7 @@ QUESTIONS = (
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reader", choices=("auto", "small", "self"), default="auto")
+    ap.add_argument("--reader", choices=("auto", "tokens", "small", "self"), default="auto")
     ap.add_argument("--translator", help="a shipped forward translator file (default: the demo's)")
     ap.add_argument("--seeds", default="0,1")
     args = ap.parse_args()
