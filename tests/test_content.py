@@ -10,6 +10,7 @@ from mlx_kvlingo.measure.content import (
     Swap,
     contains,
     evaluate_content,
+    native_kv,
     recall,
     rouge_l,
     to_json,
@@ -237,3 +238,19 @@ def test_compare_content_scores_every_method(tiny_dir, text_file, tmp_path):
     ds = next(c for c in content["conditions"] if c.startswith("droidspeak"))
     assert replies[ds] == replies["native"]
     assert replies["raw"] != replies["native"]
+
+
+def test_prefix_source_shares_the_targets_first_layers_exactly(pair, tmp_path):
+    from mlx_kvlingo.measure.content_diagnosis import write_prefix_source
+    from mlx_kvlingo.pair import load_model
+
+    out = write_prefix_source(pair.target.folder, 2, tmp_path / "prefix")
+    prefix = load_model(out)
+    toks = pair.tokenizer.encode(TEXT)[:20]
+    nk, nv = native_kv(pair.target, toks)
+    pk, pv = native_kv(prefix, toks)
+    assert len(pk) == 2
+    for i in range(2):
+        assert mx.array_equal(pk[i], nk[i]).item() and mx.array_equal(pv[i], nv[i]).item()
+    with pytest.raises(ValueError, match="keep 1 to"):
+        write_prefix_source(pair.target.folder, 99, tmp_path / "bad")

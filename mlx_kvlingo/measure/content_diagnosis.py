@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -83,11 +84,41 @@ def position_errors(pair, method, tasks) -> dict:
     return out
 
 
+def write_prefix_source(target: str | Path, n_layers: int, out: str | Path) -> Path:
+    """An mlx-lm folder holding the target's first `n_layers` layers unchanged (its embedding,
+    final norm and tokenizer too): its K/V for those layers equal the target's exactly."""
+    import shutil
+
+    target, out = Path(target), Path(out)
+    config = json.loads((target / "config.json").read_text())
+    if not 0 < n_layers < config["num_hidden_layers"]:
+        raise ValueError(f"keep 1 to {config['num_hidden_layers'] - 1} layers, not {n_layers}")
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {}
+    for f in sorted(target.glob("*.safetensors")):
+        for k, v in mx.load(str(f)).items():
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < n_layers:
+                weights[k] = v
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    config["num_hidden_layers"] = n_layers
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    for f in target.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy2(f, out / f.name)
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--translator", default=None, help="file or demo name (default: demo default)")
     ap.add_argument("--source", help="source model folder (with --target; default: the demo pair)")
     ap.add_argument("--target")
+    ap.add_argument(
+        "--write-prefix-source",
+        nargs=2,
+        metavar=("N", "DIR"),
+        help="write the target's first N layers as a source model to DIR, and stop",
+    )
     ap.add_argument("--errors-only", action="store_true",
                     help="only the translation error at the answer's tokens (no decoding)")  # fmt: skip
     ap.add_argument("--lengths", default="128,512")
@@ -103,6 +134,13 @@ def main(argv=None) -> None:
     from ..pair import load_pair
 
     console = Console()
+    if args.write_prefix_source:
+        from ..demo.pair import demo_models
+
+        n, out = args.write_prefix_source
+        path = write_prefix_source(args.target or demo_models()[1], int(n), out)
+        console.print(f"wrote {path}")
+        return
     if args.source and args.target and args.translator:
         pair = load_pair(args.source, args.target)
         tr = load_translator(args.translator, pair)
