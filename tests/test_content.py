@@ -254,3 +254,12 @@ def test_prefix_source_shares_the_targets_first_layers_exactly(pair, tmp_path):
         assert mx.array_equal(pk[i], nk[i]).item() and mx.array_equal(pv[i], nv[i]).item()
     with pytest.raises(ValueError, match="keep 1 to"):
         write_prefix_source(pair.target.folder, 99, tmp_path / "bad")
+
+
+def test_calibration_tasks_state_other_facts_than_the_benchmark(pair):
+    """The same seed must not give calibration and evaluation the same stated facts."""
+    from mlx_kvlingo.calibrate.content_data import SEED_OFFSET
+
+    bench = build_tasks(pair.tokenizer, [TEXT], [64], 6, ("fact",), seed=0)
+    calib = build_tasks(pair.tokenizer, [TEXT], [64], 6, ("fact",), seed=SEED_OFFSET + 0)
+    assert not {t.question + t.answer for t in bench} & {t.question + t.answer for t in calib}

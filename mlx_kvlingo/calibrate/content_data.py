@@ -23,6 +23,9 @@ from .._atomic import write_text
 from ..content_tasks import KINDS, build_tasks
 from ..data import Example
 
+#: calibration tasks draw from their own seed stream: the content benchmark's seeds (0, 1, ...)
+#: would otherwise state the same first facts in training and evaluation prompts
+SEED_OFFSET = 1_000_003
 #: greedy answer tokens per kind (the content benchmark's limits)
 ANSWER_TOKENS = {"fact": 24, "copy": 48, "qa": 48, "summary": 48}
 
@@ -52,7 +55,7 @@ def content_examples(pair, texts: Sequence[str], n: int, lengths: Sequence[int] 
     ones appended as each batch of `batch` is made; `on_example(done)` reports progress.
     """
     per = max(1, -(-n // (len(lengths) * len(kinds))))
-    tasks = build_tasks(pair.tokenizer, texts, lengths, per, kinds, seed)[:n]
+    tasks = build_tasks(pair.tokenizer, texts, lengths, per, kinds, SEED_OFFSET + seed)[:n]
     done: dict[str, list[int]] = {}
     path = Path(cache_file) if cache_file else None
     if path and path.exists():
