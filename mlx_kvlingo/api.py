@@ -38,6 +38,7 @@ from .pair import ModelPair
 from .sampling import resolve as resolve_sampling
 from .session import (
     MODES,
+    READER_MARGIN,
     READER_MIN_TOKENS,
     READERS,
     Session,
@@ -56,7 +57,9 @@ ModelName = str
 #: how a model catches up on the turns it did not see: "alternation" (translate only the span
 #: it lacks), "naive" (re-translate everything: the drifting baseline), "reprefill" (read it).
 Mode = str
-#: who reads a new user turn before the large model answers: "auto", "small" or "self"
+#: who reads a new user turn before the large model answers: "auto" (whichever is predicted
+#: to start the answer sooner), "tokens" (the small reads the opening and long turns), "small"
+#: or "self"
 Reader = str
 EventKind = Literal["token", "done"]
 Label = Literal["small", "large"]
@@ -97,9 +100,13 @@ class Timings:
     #: how long that took (0 when the answering model read for itself)
     read_tokens: int = 0
     read_s: float = 0.0
-    #: estimated time of the large model's own prefill of every token it lacked (measured
-    #: prefill rate on this pair); None when the small did not read for it
+    #: the small read for it: the large model's predicted TTFT reading every token it lacked
+    #: itself (its prefill plus its first step, at the rates measured on this pair); else None
     alone_prefill_s: float | None = None
+    #: the way of reading this turn that was not taken, its TTFT predicted from the rates
+    #: measured on this pair (the large reading itself, or the small reading for it); None
+    #: when not predictable (no forward translator, rates not measured yet)
+    alternative_ttft_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -221,6 +228,32 @@ class Runtime:
         self._owner: int | None = None
         self._ticket: _Ticket | None = None
         self._conversations: weakref.WeakSet[Conversation] = weakref.WeakSet()
+        self.load_s: float | None = None  # Runtime.load: seconds, warm-up included
+        self.warmup_s: float | None = None  # the last warm_up()
+
+    def warm_up(
+        self,
+        lengths: tuple[int, ...] = (16, 64),
+        sample: Callable[[str], dict[str, Any]] | None = None,
+    ) -> float:
+        """Pay the first turn's one-off costs now and measure this pair's read rates (reader
+        "auto"): a scratch conversation per length, read both ways (see conversation/timing.py).
+        `sample(role)`: the generate keyword arguments real turns will use (default: each
+        model's default sampling). Returns seconds."""
+        from .conversation.warmup import warm_up
+
+        if self._link is not None:
+            raise ConversationError("warm_up is not available with a pipelined large model")
+        if sample is None:  # each model's default sampling, as `send` uses without settings
+
+            def sample(role: str) -> dict[str, Any]:
+                loaded = self.pair.source if role == "source" else self.pair.target
+                cfg = resolve_sampling(loaded)
+                return {"sampler": cfg.sampler(), "logits_processors": cfg.logits_processors()}
+
+        costs = warm_up(self.pair, self.forward, self.backward, lengths=lengths, sample=sample)
+        self.warmup_s = seconds = float(costs.warmup_s or 0.0)
+        return seconds
 
     @classmethod
     def load(
@@ -233,6 +266,7 @@ class Runtime:
         distributed: bool | None = None,
         wire: str = "auto",
         timeout: float | None = None,
+        warmup: bool = True,
     ) -> Runtime:
         """Load a pair and its translators.
 
@@ -255,7 +289,31 @@ class Runtime:
         "target" K/V; "auto" sends the fewer bytes. `timeout`: seconds a rank waits for the
         others (to connect, or within one step) before it gives up with an error (default
         120). See mlx_kvlingo/DISTRIBUTED.md.
+
+        `warmup`: before returning, run a short scratch conversation (`warm_up()`) so that the
+        first real turn pays no one-off costs (compiled kernels, lazy weights, first
+        allocations) and reader "auto" has this pair's rates; `load_s` says how long loading
+        took, warm-up included. Single process only.
         """
+        t0 = time.perf_counter()
+        runtime = cls._load(source, target, translator, backward_translator, distributed, wire,
+                            timeout)  # fmt: skip
+        if warmup and runtime._link is None:
+            runtime.warm_up()
+        runtime.load_s = time.perf_counter() - t0
+        return runtime
+
+    @classmethod
+    def _load(
+        cls,
+        source: str | Path | None,
+        target: str | Path | None,
+        translator: str | Path | Translator | None,
+        backward_translator: str | Path | Translator | None,
+        distributed: bool | None,
+        wire: str,
+        timeout: float | None,
+    ) -> Runtime:
         from .distributed import launched
 
         if distributed or (distributed is None and launched()):
@@ -362,15 +420,18 @@ class Runtime:
         reader: Reader | None = None,
         translate_ahead: bool = False,
         reader_min_tokens: int = READER_MIN_TOKENS,
+        reader_margin: float = READER_MARGIN,
     ) -> Conversation:
         """A fresh conversation (its own two KV caches) over this runtime's pair.
 
         `max_kv_size` caps the conversation's length in tokens (None: no cap). `reader`: who
         reads a new user turn before the large model answers: "small" (the small model
         reads, the large one decodes from the translated cache), "self" (the large model reads
-        it itself) or "auto" (the default with a forward translator: "small" for the opening
-        span and for turns of `reader_min_tokens` or more, "self" for shorter later turns,
-        which are cheap for the large to read and lose the most quality translated).
+        it itself), "tokens" ("small" for the opening span and for turns of
+        `reader_min_tokens` or more, "self" for shorter later turns, which lose the most
+        quality translated) or "auto" (the default with a forward translator: whichever gives
+        the sooner first token, predicted from rates measured on this pair in this process;
+        when the two are within `reader_margin` of each other, the "tokens" rule decides).
         `translate_ahead`: while the small
         model answers, translate for the large one between its tokens, within 10% of the small
         model's decode time, so that `escalate` costs the large model one decode step plus
@@ -394,6 +455,7 @@ class Runtime:
             max_kv_size=max_kv_size,
             reader=reader,
             reader_min_tokens=reader_min_tokens,
+            reader_margin=reader_margin,
             translate_ahead=translate_ahead,
         )
         return Conversation(self, session)
@@ -523,7 +585,8 @@ class Conversation:
 
     @property
     def reader(self) -> str:
-        """Who reads a new user turn before the large model answers: "auto", "small", "self"."""
+        """Who reads a new user turn before the large model answers: "auto", "tokens",
+        "small" or "self"."""
         return self._session.reader
 
     @reader.setter
@@ -532,12 +595,23 @@ class Conversation:
 
     @property
     def reader_min_tokens(self) -> int:
-        """Reader "auto": later turns shorter than this many tokens the large model reads itself."""
+        """Reader "tokens" (and "auto" on a tie): later turns shorter than this many tokens
+        the large model reads itself."""
         return self._session.reader_min_tokens
 
     @reader_min_tokens.setter
     def reader_min_tokens(self, n: int) -> None:
         self._locked(lambda: setattr(self._session, "reader_min_tokens", n), True, None)
+
+    @property
+    def reader_margin(self) -> float:
+        """Reader "auto": predicted TTFTs within this fraction of each other are a tie, which
+        the "tokens" rule decides (0: time alone)."""
+        return self._session.reader_margin
+
+    @reader_margin.setter
+    def reader_margin(self, x: float) -> None:
+        self._locked(lambda: setattr(self._session, "reader_margin", x), True, None)
 
     @property
     def tokens(self) -> int:
@@ -779,6 +853,7 @@ class Conversation:
             read_tokens=st.read.tokens if st.read else 0,
             read_s=st.read.seconds if st.read else 0.0,
             alone_prefill_s=st.alone_prefill_s,
+            alternative_ttft_s=st.alternative_ttft_s,
         )
         reason = "cancelled" if st.finish_reason == "interrupted" else st.finish_reason
         return Event(

@@ -14,11 +14,18 @@ Reader policy. With `reader="small"`, before the large model answers: the small 
 catches up on the large's last answer (backward translation, or it reads it itself), reads
 the new user turn itself (prefill only), and the large catches up by translating exactly the
 span it lacks. With `reader="self"` the answering model reads what it lacks itself.
-`reader="auto"` (the default whenever a forward translator is loaded) is "small" for the
-opening span and for spans of at least `reader_min_tokens` (64) tokens, and "self" for
-shorter later turns: those cost the large model little to read, and a short translated turn
-between its own native answers is where translation loses the most quality (its later
-answers drift to earlier topics). No span is translated twice.
+`reader="auto"` (the default whenever a forward translator is loaded) picks, turn by turn,
+whichever starts the answer sooner, predicted from rates measured on this pair in this
+process (conversation/timing.py):
+
+    large reads   target_read(lacked)                        its prefill plus its first step
+    small reads   catch-up + source_read + forward(lacked - 1) + target_step
+
+When the two are within `reader_margin` (5%) of each other, or before the rates are
+measured, the token rule decides: `reader="tokens"` is "small" for the opening span and for
+spans of at least `reader_min_tokens` (64) tokens, "self" for shorter later turns (a short
+translated turn between the large's native answers is where translation loses the most
+quality: its later answers drift to earlier topics). No span is translated twice.
 
 The answering model always reads at least the last conversation token itself and then
 decodes with mlx-lm's `stream_generate` on its own cache. Messages are appended as the
@@ -52,13 +59,15 @@ from .conversation.records import (
     answer_confidence,
     status_line,
 )
+from .conversation.timing import ReadCosts, costs_of
 from .kvcache import new_cache
 from .pair import ModelPair
 from .translator import Side, Translator
 
 MODES = ("alternation", "naive", "reprefill")
-READERS = ("auto", "small", "self")
-READER_MIN_TOKENS = 64  # reader "auto": shorter later turns are read by the large itself
+READERS = ("auto", "tokens", "small", "self")
+READER_MIN_TOKENS = 64  # reader "tokens": shorter later turns are read by the large itself
+READER_MARGIN = 0.05  # reader "auto": predicted TTFTs this close, the token rule decides
 
 
 class Session(Messages, CatchUp, Answering, Persistence):
@@ -88,6 +97,8 @@ class Session(Messages, CatchUp, Answering, Persistence):
         max_kv_size: int | None = None,
         reader: str | None = None,
         reader_min_tokens: int = READER_MIN_TOKENS,
+        reader_margin: float = READER_MARGIN,
+        read_costs: ReadCosts | None = None,
         translate_ahead: bool = False,
         ahead_chunk: int = 32,
         ahead_share: float | None = 0.10,
@@ -105,6 +116,9 @@ class Session(Messages, CatchUp, Answering, Persistence):
         self.mode = mode
         self.reader = reader if reader is not None else ("auto" if forward else "self")
         self.reader_min_tokens = reader_min_tokens
+        self.reader_margin = reader_margin
+        #: what reading costs on this pair (reader "auto"); shared by the pair's sessions
+        self.read_costs = costs_of(pair) if read_costs is None else read_costs
         #: while the small model answers, translate for the large one between its tokens, so
         #: an escalation costs about one large decode step plus what is left: at most
         #: `ahead_share` of the small model's decode time (see conversation/budget.py), or,
@@ -132,7 +146,8 @@ class Session(Messages, CatchUp, Answering, Persistence):
 
     @property
     def reader(self) -> str:
-        """Who reads a new user turn before the large model answers: "auto", "small", "self"."""
+        """Who reads a new user turn before the large model answers: "auto", "tokens", "small"
+        or "self"."""
         return self._reader
 
     @reader.setter
@@ -145,8 +160,8 @@ class Session(Messages, CatchUp, Answering, Persistence):
 
     @property
     def reader_min_tokens(self) -> int:
-        """Reader "auto": the small model reads the opening span and spans of this many tokens
-        or more for the large one; the large reads shorter later turns itself."""
+        """The token rule (reader "tokens", and "auto" on a tie): the small model reads the
+        opening span and spans of this many tokens or more; the large shorter later turns."""
         return self._reader_min_tokens
 
     @reader_min_tokens.setter
@@ -154,6 +169,18 @@ class Session(Messages, CatchUp, Answering, Persistence):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise SessionError(f"reader_min_tokens must be a whole number >= 0 (got {n!r})")
         self._reader_min_tokens = n
+
+    @property
+    def reader_margin(self) -> float:
+        """Reader "auto": when the two predicted TTFTs differ by at most this fraction of the
+        smaller one, the token rule decides (0: time alone)."""
+        return self._reader_margin
+
+    @reader_margin.setter
+    def reader_margin(self, x: float) -> None:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 0:
+            raise SessionError(f"reader_margin must be a number >= 0 (got {x!r})")
+        self._reader_margin = float(x)
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and empty both caches."""
@@ -220,16 +247,15 @@ class Session(Messages, CatchUp, Answering, Persistence):
                 "translate_ms": 1e3 * sum(s.seconds for s in sw if s.translated),
                 "held": self._models[name].held,
             }
-        saved = 0.0
+        saved = 0.0  # the small read: the large's predicted TTFT reading itself, less the TTFT
         for t in self.turns:
-            if t.read is not None and t.alone_prefill_s is not None:
-                spent = t.read.seconds + t.prompt_s
-                spent += sum(s.seconds for s in (t.read.catch_up, t.switch) if s and s.translated)
-                saved += t.alone_prefill_s - spent
+            if t.read is not None and t.alternative_ttft_s is not None and t.ttft_s is not None:
+                saved += t.alternative_ttft_s - t.ttft_s
         return {
             "mode": self.mode,
             "reader": self.reader,
             "reader_min_tokens": self.reader_min_tokens,
+            "reader_margin": self.reader_margin,
             "conversation_tokens": len(self.tokens),
             "messages": len(self.messages),
             "switches": len(self.switches),
@@ -244,7 +270,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
 
 
 __all__ = [
-    "ALIASES", "MODELS", "MODES", "READER_MIN_TOKENS", "READERS", "ContextOverflowError", "Session", "SessionBusyError",
+    "ALIASES", "MODELS", "MODES", "READER_MARGIN", "READER_MIN_TOKENS", "READERS", "ContextOverflowError", "Session", "SessionBusyError",
     "SessionError", "SessionFileError", "Switch", "TokenEvent", "TurnStats",
     "answer_confidence", "model_fingerprint", "status_line",
 ]  # fmt: skip

@@ -71,7 +71,7 @@ def conversation(rt: Runtime, short: bool = False) -> dict:
     c = rt.new_conversation(translate_ahead=True)
     turns.append(_turn(c.send("x = 1", "small", **GREEDY)))
     turns.append(_turn(c.escalate(**GREEDY)))
-    d = rt.new_conversation()
+    d = rt.new_conversation(reader="tokens")  # the token rule: the same in every process
     turns.append(_turn(d.send("def foo(x):", "large", **GREEDY)))
     turns.append(_turn(d.send("ok", "large", **GREEDY)))
     stats = {k: a.stats()["models"]["target"][k] for k in ("translated_into", "turns", "held")}

@@ -419,7 +419,7 @@ CHAT_ARGS = ["on", "off", "-1.5", "nan", "inf", "-inf", "1e999", "0", "-1", "3",
              "chat", "missing.safetensors", "", "''", "x" * 300, "\u00e9", "NaN", "--", "/dev/null",
              "."]  # fmt: skip
 CHAT_SEEDS = ["hello there", "/small", "/large", "/escalate", "/auto on", "/auto off", "/auto -2",
-              "/reader small", "/reader self", "/reader auto 0", "/reader auto", "/mode naive",
+              "/reader small", "/reader self", "/reader auto 0", "/reader auto", "/reader tokens 8", "/mode naive",
               "/mode alternation", "/trim 16", "/trim", "/save chat.safetensors", "/load chat.safetensors", "/stats", "/help",
               "/reset", "r", "h", "def parse(argv):", "/mode"]  # fmt: skip
 

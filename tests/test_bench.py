@@ -259,24 +259,34 @@ def test_conversation_bench_three_policies(tmp_path):
     import json
 
     from mlx_kvlingo.cli import cli
+    from mlx_kvlingo.measure.conversation_bench import ALL_POLICIES
 
     from click.testing import CliRunner
 
     out = CliRunner().invoke(cli, ["bench", "--preset", "tiny", "--conversation", "--turns", "4",
                                    "--user-lengths", "8,24", "--answer-tokens", "3",
-                                   "--escalation-rate", "0.5", "--seed", "1", "-o", str(tmp_path)])  # fmt: skip
+                                   "--escalation-rate", "0.5", "--seed", "1", "-o", str(tmp_path),
+                                   "--policies", ",".join(ALL_POLICIES)])  # fmt: skip
     assert out.exit_code == 0, out.output
     result = json.loads((tmp_path / "conversation.json").read_text())
     turns = result["turns"]
-    assert len(turns) == 4 * 6 and (tmp_path / "conversation.png").stat().st_size > 0
+    assert len(turns) == 4 * 7 and (tmp_path / "conversation.png").stat().st_size > 0
     small = [t for t in turns if t["policy"] == "small reads"]
     large = [t for t in turns if t["policy"] == "large reads"]
     assert all(t["large_read_tokens"] == 1 and t["read_s"] > 0 for t in small)
     assert [t["large_read_tokens"] for t in large[1:]] == [24, 8, 24]  # the user turns, itself
-    # reader auto: the small reads the opening turn; these short later ones the large itself
+    # the token rule: the small reads the opening turn; these short later ones the large itself
+    rule = [t for t in turns if t["policy"] == "tokens reads"]
+    assert rule[0]["large_read_tokens"] == 1 and rule[0]["read_s"] > 0
+    assert [t["large_read_tokens"] for t in rule[1:]] == [24, 8, 24]
+    # reader auto: by the rates the warm-up measured, one way or the other, and the other's
+    # predicted TTFT recorded; the report compares it with the better of the two per turn
     auto = [t for t in turns if t["policy"] == "auto reads"]
-    assert auto[0]["large_read_tokens"] == 1 and auto[0]["read_s"] > 0
-    assert [t["large_read_tokens"] for t in auto[1:]] == [24, 8, 24]
+    for t, r in zip(auto[1:], [24, 8, 24]):
+        assert t["large_read_tokens"] == (1 if t["small_read"] else r)
+        assert t["predicted_ttft_s"] > 0 and t["alternative_ttft_s"] > 0
+    assert result["warmup_s"] > 0 and len(result["summary"]["auto"]["turns"]) == 4
+    assert "Reader auto against the better" in (tmp_path / "conversation.md").read_text()
     esc = [t for t in turns if t["policy"] == "cascade" and t["escalated"]]
     assert [t["turn"] for t in esc] == result["escalated_turns"] and esc
     assert all(t["ttft_s"] > 0 and t["total_s"] >= t["ttft_s"] for t in turns)

@@ -111,17 +111,21 @@ def step(term, text, timeout=30.0) -> str:
 
 
 def test_answers_switches_escalates_and_quits(app):
-    t = app("-m", "24", "--temp", "0")
-    # by default (reader auto) the large model answers and the small one reads the opening
+    t = app("-m", "24", "--temp", "0", "--reader", "tokens")
+    # the token rule: the large model answers and the small one reads the opening
+    screen = t.screen()
+    assert "reader" in screen and "loaded in" in screen and "warm-up" in screen
     screen = step(t, "hello there")
     (line,) = status_lines(screen)
     assert line.startswith("large (") and "small read" in line and "translated" in line
-    assert "large read 1 tok" in line and "TTFT" in line and "large alone: prefill ≈" in line
-    # a short later turn the large reads itself, and says why
+    assert "large read 1 tok" in line and "TTFT" in line
+    assert "(large alone: TTFT ≈ " in line
+    # a short later turn the large reads itself, says why and what the small reading would take
     screen = step(t, "what is json")
     line = status_lines(screen)[-1]
     assert "small read" not in line and "large read 1 tok" not in line
-    assert "(reader auto: the large reads turns under 64 tok)" in line
+    assert "(reader tokens: the large reads turns under 64 tok)" in line
+    assert "(small + translation: TTFT ≈ " in line
     screen = step(t, "/reader small")  # the small model reads every turn
     assert "reader: small (the small model reads every turn" in screen
     screen = step(t, "and yaml?")

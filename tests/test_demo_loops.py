@@ -37,7 +37,7 @@ def runtime():
 
 
 def answer(runtime, prompt: str, **sampling) -> tuple[list[int], str]:
-    conv = runtime.new_conversation()
+    conv = runtime.new_conversation(reader="small")  # answers from translated caches
     done = conv.ask(prompt, max_tokens=200, **sampling)
     assert done.model == "large" and done.timings.read_tokens > 0  # the small model read it
     ids = [t for t in conv._session.tokens[-done.timings.generation_tokens :]]

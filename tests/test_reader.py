@@ -218,7 +218,8 @@ def test_status_and_stats_show_the_read_and_the_saving(pair, translators):
     st = s.last_turn
     line = status_line(st, {"source": "S", "target": "T"})
     assert line.startswith("large (T)") and "small read" in line and "translated" in line
-    assert "large alone: prefill ≈" in line and st.alone_prefill_s > 0
+    assert "(large alone: TTFT ≈ " in line and st.alternative_ttft_s > 0
+    assert st.alone_prefill_s == st.alternative_ttft_s
     stats = s.stats()
     assert stats["reader"] == "small"
     src, tgt = stats["models"]["source"], stats["models"]["target"]
@@ -353,13 +354,15 @@ def and_translated_ok(s) -> bool:
     return True
 
 
-def test_reader_auto_reads_the_opening_and_long_turns_only(pair, translators, tmp_path):
-    """The default policy: the small model reads the opening span and turns of at least
-    `reader_min_tokens`; the large reads shorter later turns itself and the status line says
-    why. Token-for-token equal to re-prefill on the exact pair, each span translated once."""
+def test_reader_tokens_reads_the_opening_and_long_turns_only(pair, translators, tmp_path):
+    """The token rule (the default before reader "auto" went by time): the small model reads
+    the opening span and turns of at least `reader_min_tokens`; the large reads shorter later
+    turns itself and the status line says why. Token-for-token equal to re-prefill on the
+    exact pair, each span translated once."""
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader_min_tokens=48)
-    assert s.reader == "auto" and Session(pair, fwd, bwd).reader_min_tokens == 64
+    s = Session(pair, fwd, bwd, reader="tokens", reader_min_tokens=48)
+    assert Session(pair, fwd, bwd).reader == "auto"
+    assert Session(pair, fwd, bwd).reader_min_tokens == 64
     ref = Session(pair, fwd, bwd, mode="reprefill")
     turns = [MESSAGES[0], MESSAGES[1], "word " * 60, MESSAGES[2]]
     got, want = [], []
@@ -373,7 +376,7 @@ def test_reader_auto_reads_the_opening_and_long_turns_only(pair, translators, tm
     lacked = len(s.tokens)  # the short turns are under 48 tokens, the long one over
     for st in (short, short2):
         assert st.read is None and st.prompt_tokens > 1 and st.switch is None
-        assert "reader auto: the large reads turns under 48 tok" in status_line(
+        assert "reader tokens: the large reads turns under 48 tok" in status_line(
             st, {"source": "s", "target": "t"}
         )
         lacked = min(lacked, st.prompt_tokens)
@@ -386,12 +389,12 @@ def test_reader_auto_reads_the_opening_and_long_turns_only(pair, translators, tm
     # the policy survives a save / load
     t = Session(pair, fwd, bwd, reader="self")
     t.load(s.save(tmp_path / "auto"))
-    assert (t.reader, t.reader_min_tokens) == ("auto", 48)
+    assert (t.reader, t.reader_min_tokens) == ("tokens", 48)
 
 
 def test_reader_auto_limits_and_zero(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader_min_tokens=0)  # 0: the small reads every turn
+    s = Session(pair, fwd, bwd, reader="tokens", reader_min_tokens=0)  # 0: the small reads all
     converse(s, 3)
     assert all(t.read is not None and t.prompt_tokens == 1 for t in s.turns)
     for bad in (-1, 2.5, True, "8"):
@@ -417,9 +420,17 @@ def test_status_line_accounts_for_the_ttft():
         ttft_s=0.061,
         alone_prefill_s=0.4,
     )
+    st.alternative_ttft_s = 0.42
     line = status_line(st, {"source": "s", "target": "t"})
     assert "small read 18 tok 35 ms · translated 19 tok 5.0 ms · large read 1 tok 20 ms · " in line
-    assert "TTFT 61 ms (large alone: prefill ≈ 400 ms)" in line
+    assert "TTFT 61 ms (large alone: TTFT ≈ 420 ms)" in line
     st.prompt_tokens, st.prompt_tps, st.prompt_s, st.read, st.switch = 18, 45.0, 0.4, None, None
+    st.ttft_s, st.alternative_ttft_s = 0.401, 0.061
     line = status_line(st, {"source": "s", "target": "t"})
-    assert "large read 18 tok 400 ms 45.0 tok/s · TTFT 61 ms" in line
+    assert (
+        "large read 18 tok 400 ms 45.0 tok/s · TTFT 401 ms (small + translation: TTFT ≈ 61 ms)"
+        in line
+    )
+    st.alternative_ttft_s = None
+    line = status_line(st, {"source": "s", "target": "t"})
+    assert "large read 18 tok 400 ms 45.0 tok/s · TTFT 401 ms · " in line

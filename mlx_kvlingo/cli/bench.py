@@ -124,9 +124,16 @@ def _preset_names() -> list[str]:
     type=click.FloatRange(0, 1),
     help="--conversation: share of cascade turns escalated to the large model",
 )
+@click.option(
+    "--policies",
+    default=None,
+    help="--conversation: comma-separated policies to run (default: all but 'tokens reads'); "
+    "of: large reads, small reads, auto reads, tokens reads, cascade, cascade+ahead, "
+    "cascade+ahead (no budget)",
+)
 def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, warmup, out, max_minutes,
               moe_loop, seed, dtype, cache_dir, no_progress, conversation, turns, user_lengths,
-              answer_tokens, escalation_rate):  # fmt: skip
+              answer_tokens, escalation_rate, policies):  # fmt: skip
     """Time to first token: the source prefills and the cache is translated (switch), or the
     target re-prefills. Writes a markdown table, JSON with every trial, and a TTFT plot."""
     from .. import moe_cpu
@@ -181,7 +188,14 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
 
             backward = load_demo(reverse=True, pair=demo_pair)[1]
         cfg = cb.ConversationBenchConfig(turns=turns, user_lengths=tuple(parse_lengths(None, None, user_lengths)),
-                                         answer_tokens=answer_tokens, escalation_rate=escalation_rate, seed=seed)  # fmt: skip
+                                         answer_tokens=answer_tokens, escalation_rate=escalation_rate, seed=seed,
+                                         warmup=warmup > 0)  # fmt: skip
+        if policies:
+            cfg.policies = tuple(p.strip() for p in policies.split(",") if p.strip())
+            unknown = set(cfg.policies) - set(cb.ALL_POLICIES)
+            if unknown:
+                raise click.UsageError(f"unknown --policies {sorted(unknown)}; "
+                                       f"expected some of {', '.join(cb.ALL_POLICIES)}")  # fmt: skip
         with moe_cpu.per_expert_loop(moe_loop):
             result = cb.run_conversation_bench(pair, tr, backward, cfg, log=log, info=info)
         result["command"] = bench.command_line()

@@ -20,6 +20,7 @@ from ..sampling import describe as describe_sampling
 from ..sampling import resolve as resolve_sampling
 from ..session import (
     MODES,
+    READER_MARGIN,
     READER_MIN_TOKENS,
     READERS,
     ContextOverflowError,
@@ -46,9 +47,9 @@ MODEL = {"small": "source", "large": "target"}
 HELP = [
     ("/small, /large", "which model answers next (default: large, the small one reads)"),
     (
-        "/reader [auto|small|self] [N]",
-        "show or set who reads your turn for the large model "
-        "(auto: the small one reads the opening and turns of N+ tokens)",
+        "/reader [auto|tokens|small|self] [N]",
+        "show or set who reads your turn for the large model (auto: whichever is predicted "
+        "to answer sooner; tokens: the small one reads the opening and turns of N+ tokens)",
     ),
     ("/escalate", "answer the last message again with the other model (translated cache)"),
     ("/auto [on|off|T]", "cascade: small answers, large takes over below confidence T"),
@@ -66,9 +67,13 @@ def describe_reader(session) -> str:
     """What the session's reader policy does, in words."""
     if session.reader == "small":
         return "the small model reads every turn, the large one decodes from the translated cache"
+    rule = (f"the small model reads the opening and turns of {session.reader_min_tokens}+ "
+            "tokens, the large one shorter turns")  # fmt: skip
+    if session.reader == "tokens":
+        return rule
     if session.reader == "auto":
-        return (f"the small model reads the opening and turns of {session.reader_min_tokens}+ "
-                "tokens, the large one shorter turns")  # fmt: skip
+        return (f"whichever starts the answer sooner at the rates measured here; within "
+                f"{session.reader_margin:.0%}, {rule}")  # fmt: skip
     return "the answering model reads your turn itself"
 
 
@@ -162,6 +167,12 @@ class ChatApp:
             import mlx.core as mx
 
             mx.random.seed(cfg.seed + len(self.s.turns))  # reproducible, not the same each turn
+        return {"sampler": cfg.sampler(), "logits_processors": cfg.logits_processors()}
+
+    def warm_sample(self, model: str) -> dict:
+        """The sampler and processors a real turn uses (for the warm-up), without seeding."""
+        loaded = self.s.pair.source if model == "source" else self.s.pair.target
+        cfg = resolve_sampling(loaded, **self.sampling)
         return {"sampler": cfg.sampler(), "logits_processors": cfg.logits_processors()}
 
     # -- commands ----------------------------------------------------------------------------
@@ -290,7 +301,7 @@ class ChatApp:
 
     # -- loop --------------------------------------------------------------------------------
 
-    def banner(self, translators: dict) -> None:
+    def banner(self, translators: dict, loaded: str | None = None) -> None:
         rows = [
             ("small (source)", self.names["source"]),
             ("large (target)", self.names["target"]),
@@ -302,6 +313,8 @@ class ChatApp:
             ("sampling", describe_sampling(resolve_sampling(self.s.pair.target, **self.sampling))),
             ("max tokens", str(self.max_tokens)),
         ]
+        if loaded:
+            rows.append(("loaded in", loaded))
         if self.s.system_prompt:
             sp = self.s.system_prompt
             rows.append(("system", sp if len(sp) <= 60 else sp[:57] + "..."))
@@ -351,7 +364,15 @@ class ChatApp:
                    "forward translator]")  # fmt: skip
 @click.option("--reader-min-tokens", type=click.IntRange(0), default=READER_MIN_TOKENS,
               show_default=True,
-              help="Reader auto: later turns shorter than this are read by the large model itself")  # fmt: skip
+              help="Reader tokens (and auto on a tie): later turns shorter than this are read by "
+                   "the large model itself")  # fmt: skip
+@click.option("--reader-margin", type=click.FloatRange(0), default=READER_MARGIN,
+              show_default=True,
+              help="Reader auto: predicted TTFTs this close (a fraction) are a tie, which the "
+                   "token rule decides")  # fmt: skip
+@click.option("--warmup/--no-warmup", default=True, show_default=True,
+              help="Before the first prompt, run each path once (compiled kernels, lazy weights) "
+                   "and measure the pair's rates for reader auto")  # fmt: skip
 @click.option("--translate-ahead/--no-translate-ahead", default=False, show_default=True,
               help="While the small model answers, translate for the large one within 10% of its "
                    "decode time (/escalate, /auto)")  # fmt: skip
@@ -361,16 +382,20 @@ class ChatApp:
 @distributed_option
 @wire_option
 def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
-             max_kv_size, mode, answer, reader, reader_min_tokens, translate_ahead, first,
-             auto_threshold, **sampling):  # fmt: skip
+             max_kv_size, mode, answer, reader, reader_min_tokens, reader_margin, warmup,
+             translate_ahead, first, auto_threshold, **sampling):  # fmt: skip
     """Chat with the pair: the large model answers, the small one reads for it (/small, /large)."""
+    import time
+
+    t0 = time.perf_counter()
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     console = Console(highlight=False)
     if wanted(distributed):  # mlx.launch: the large model pipelined, rank 0 owns the terminal
         runtime = load_runtime(source, target, translator, backward_translator, wire)
         try:
             conv = runtime.new_conversation(system_prompt, mode, max_kv_size, reader,
-                                            translate_ahead, reader_min_tokens)  # fmt: skip
+                                            translate_ahead, reader_min_tokens,
+                                            reader_margin)  # fmt: skip
         except SessionError as e:
             raise click.ClickException(str(e)) from None
         app = ChatApp(conv._session, max_tokens=max_tokens, sampling=sampling_settings(sampling),
@@ -412,13 +437,20 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     try:
         session = Session(pair, forward, backward, mode, system_prompt=system_prompt,
                           max_kv_size=max_kv_size, reader=reader,
-                          reader_min_tokens=reader_min_tokens,
+                          reader_min_tokens=reader_min_tokens, reader_margin=reader_margin,
                           translate_ahead=translate_ahead)  # fmt: skip
     except SessionError as e:
         raise click.ClickException(str(e)) from None
     app = ChatApp(session, max_tokens=max_tokens, sampling=sampling_settings(sampling),
                   auto_threshold=auto_threshold, console=console, first=MODEL[first or answer])  # fmt: skip
-    app.banner({"forward": translator or "demo", "backward": back_label})
+    loaded = None
+    if warmup:
+        from ..conversation.warmup import warm_up
+
+        console.print("[grey50]warming up (each path once, timing this pair)...[/grey50]")
+        w = warm_up(pair, forward, backward, sample=app.warm_sample).warmup_s
+        loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s)"
+    app.banner({"forward": translator or "demo", "backward": back_label}, loaded)
     app.run()
 
 

@@ -59,7 +59,7 @@ def _loopback(host: str) -> bool:
 @click.option("--mode", type=click.Choice(["alternation", "naive", "reprefill"]),
               default="alternation", show_default=True,
               help="How a model catches up on what it lacks")  # fmt: skip
-@click.option("--reader", type=click.Choice(["auto", "small", "self"]), default=None,
+@click.option("--reader", type=click.Choice(["auto", "tokens", "small", "self"]), default=None,
               help="Who reads new turns for the large model (default: the library's policy)")  # fmt: skip
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")
@@ -98,6 +98,9 @@ def serve_cmd(source, target, translator, backward_translator, host, port, api_k
         raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
     names = runtime.models
     click.echo(f"small: {names['small']}\nlarge: {names['large']}", err=True)
+    if getattr(runtime, "load_s", None) is not None:
+        click.echo(f"loaded in {runtime.load_s:.1f} s (warm-up {runtime.warmup_s or 0:.1f} s)",
+                   err=True)  # fmt: skip
     key = " (API key required)" if api_key else ""
     click.echo(f"serving on {server.url}{key} · models small, large, auto · Ctrl-C stops", err=True)
     # SIGTERM (kill, systemd, docker stop) stops as Ctrl-C does: running and waiting requests

@@ -87,15 +87,16 @@ class Answering:
         stats = TurnStats(name, self.mode)
         emitted: list[int] = []
         texts: list[str] = []
-        lacked = n0 - m.held
+        paths = None
         try:
-            if self._small_reads(name, n0 - 1):
+            small, stats.read_note, paths = self._reader_choice(name, n0 - 1)
+            if paths is not None:  # what was predicted for the path taken
+                stats.predicted_ttft_s = (paths.small if small else paths.large)(self.read_costs)
+            if small:
                 stats.read = self._read_ahead(n0 - 1, min(kwargs["prefill_step_size"], 512))
                 if self._cancel.is_set():  # stopped while the small model read
                     stats.finish_reason = "cancelled"
                     return
-            else:
-                stats.read_note = self._auto_declined(name)
             stats.switch = self._catch_up(name, n0 - 1)
             ahead = self._ahead_begin(n0 - 1) if name == "source" else None
             stats.ahead = ahead
@@ -135,7 +136,7 @@ class Answering:
                     stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
                     stats.peak_memory_gb = r.peak_memory
                     if len(emitted) == 1:
-                        _note_prefill_rate(m.loaded, len(prompt), stats.prompt_s)
+                        self._observe(stats)
                     if r.finish_reason is not None:
                         stats.finish_reason = r.finish_reason
                         if capped and r.finish_reason == "length":
@@ -155,8 +156,8 @@ class Answering:
                 stream.close()
         finally:
             self._commit(m, n0, emitted, texts, stats)
-        if stats.read is not None and emitted:  # what the large would pay reading it itself
-            stats.alone_prefill_s = _estimate_prefill(m.loaded, lacked, self.tokens[:n0])
+        if emitted and paths is not None:  # the other path's TTFT, predicted with this turn's rates
+            self._alternative(stats, paths, self.tokens[:n0])
 
     def _commit(self, m: _Model, n0: int, emitted, texts, stats: TurnStats) -> None:
         """End a turn: keep the emitted tokens as the answer and make the cache match."""
@@ -175,6 +176,19 @@ class Answering:
         self.turns.append(stats)
         if self._active is not None and self._active[1] == threading.get_ident():
             self._active = None
+
+    def _alternative(self, stats: TurnStats, paths, conversation: list[int]) -> None:
+        """The TTFT the other way of reading would have had, predicted from the rates this
+        turn updated; the large model's own read is timed once (after the answer, on `_PROBE`
+        tokens of the conversation in a scratch cache) when it never was."""
+        costs = self.read_costs
+        if stats.read is not None:
+            if not costs.target_read.ready:
+                _probe(self.pair.target, conversation, costs.target_read)
+            stats.alternative_ttft_s = paths.large(costs)
+            stats.alone_prefill_s = stats.alternative_ttft_s
+        else:
+            stats.alternative_ttft_s = paths.small(costs)
 
     def escalate(self, model: str | None = None, **generate_kwargs) -> Iterator[TokenEvent]:
         """Answer the last user message again with the other model (or `model`).
@@ -224,10 +238,9 @@ class Answering:
         self._user_start = None
         self._answer = (start, name)
         try:
-            if self._small_reads(name, start - 1):
+            small, stats.read_note, _ = self._reader_choice(name, start - 1)
+            if small:
                 stats.read = self._read_ahead(start - 1, min(prefill_step_size, 512))
-            else:
-                stats.read_note = self._auto_declined(name)
             stats.switch = self._catch_up(name, start - 1)
             a = m.held
             toks = self.tokens[a:]
@@ -275,34 +288,16 @@ def _with_history(processors: list, history: list[int]) -> list:
     return [wrap(p) for p in processors]
 
 
-# -- what a model's own prefill costs: measured on this pair, shared by its conversations ------
+# -- the path not taken ---------------------------------------------------------------------
 
-_RATE_ATTR = "_kvlingo_prefill_rate"  # (tokens, seconds) of the longest prefill measured
-_MIN_MEASURED = 16  # shorter prefills are dominated by per-call overhead
-
-
-def _note_prefill_rate(loaded, tokens: int, seconds: float) -> None:
-    if tokens >= _MIN_MEASURED and seconds > 0:
-        best = loaded.__dict__.get(_RATE_ATTR)
-        if best is None or tokens >= best[0]:
-            loaded.__dict__[_RATE_ATTR] = (tokens, seconds)
+_PROBE = (16, 64)  # tokens a never-timed large model reads once each, to time it
 
 
-def _estimate_prefill(loaded, tokens: int, conversation: list[int]) -> float:
-    """Seconds `loaded` would take to read `tokens` itself, from its measured prefill rate.
-
-    Never measured yet (it only ever read a token or two): measure it once now, after the
-    answer, on up to 256 of this conversation's tokens in a scratch cache.
-    """
-    best = loaded.__dict__.get(_RATE_ATTR)
-    if best is None:
-        probe = conversation[: min(len(conversation), 256)]
-        if len(probe) < _MIN_MEASURED:
-            probe = (probe * _MIN_MEASURED)[:_MIN_MEASURED]
+def _probe(loaded, conversation: list[int], cost) -> None:
+    for n in _PROBE:
+        probe = (conversation * (n // max(len(conversation), 1) + 1))[:n]
         cache = new_cache(loaded)
         t0 = time.perf_counter()
         loaded.model(mx.array(probe)[None], cache=cache)
         mx.eval([c.keys for c in cache])
-        _note_prefill_rate(loaded, len(probe), time.perf_counter() - t0)
-        best = loaded.__dict__[_RATE_ATTR]
-    return tokens * best[1] / best[0]
+        cost.observe(n, time.perf_counter() - t0)

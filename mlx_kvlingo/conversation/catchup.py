@@ -18,6 +18,7 @@ from ..capture import SpanKV, capture_from_cache, needs_recording, prefill
 from ..kvcache import append_kv, new_cache, prefix_copy
 from ..pair import LoadedModel
 from .records import Read, SessionError, Switch
+from .timing import Paths
 
 ALIASES = {"source": "source", "target": "target", "small": "source", "large": "target"}
 
@@ -86,24 +87,51 @@ class CatchUp:
         self.switches.append(sw)
         return sw
 
-    def _small_reads(self, name: str, upto: int) -> bool:
-        """Does the small model read [large's held, upto) for `name` this turn (reader policy,
-        see session.py)? "auto": for the opening span and for spans of `reader_min_tokens` or
-        more; shorter later turns the large reads itself (cheap for it, and where translation
-        costs the most quality: a translated turn between native answers)."""
-        if name != "target" or self.forward is None or self.mode == "reprefill":
-            return False  # reprefill is the reference: the answering model reads it all
-        if self.reader == "auto":
-            held = self._models["target"].held
-            return held == 0 or upto - held >= self.reader_min_tokens
-        return self.reader == "small"
+    def _paths(self, upto: int) -> Paths | None:
+        """The lengths of the two ways the large model can come to read conversation[:upto + 1]
+        (None where no prediction applies: no forward map, or not alternation)."""
+        if self.forward is None or self.mode != "alternation":
+            return None
+        t, s = self._models["target"].held, self._models["source"].held
+        th, sh = min(t, upto), min(s, upto)
+        return Paths(upto + 1 - th, max(th - sh, 0), upto - max(sh, th), self.backward is not None)
 
-    def _auto_declined(self, name: str) -> str:
-        """Why the large read its turn itself under reader "auto" ("" when that was not it)."""
-        if name == "target" and self.reader == "auto" and self.forward is not None:
-            if self.mode != "reprefill":
-                return f"reader auto: the large reads turns under {self.reader_min_tokens} tok"
-        return ""
+    def _reader_choice(self, name: str, upto: int) -> tuple[bool, str, Paths | None]:
+        """Does the small model read [large's held, upto) for `name` this turn (reader policy,
+        see session.py)? (yes or no, why the large reads itself when it does, the lengths)."""
+        if name != "target" or self.forward is None or self.mode == "reprefill":
+            return False, "", None  # reprefill is the reference: the answering model reads it all
+        paths = self._paths(upto)
+        if self.reader in ("small", "self"):
+            return self.reader == "small", "", paths
+        held = self._models["target"].held
+        rule = held == 0 or upto - held >= self.reader_min_tokens
+        under = f"the large reads turns under {self.reader_min_tokens} tok"
+        if self.reader == "tokens":
+            return rule, "" if rule else f"reader tokens: {under}", paths
+        large = None if paths is None else paths.large(self.read_costs)
+        small = None if paths is None else paths.small(self.read_costs)
+        if large is None or small is None:
+            return rule, "" if rule else f"reader auto, not timed yet: {under}", paths
+        if abs(large - small) <= self.reader_margin * min(large, small):
+            return rule, "" if rule else f"reader auto, a tie: {under}", paths
+        return small < large, "" if small < large else "reader auto: the faster", paths
+
+    def _observe(self, stats) -> None:
+        """Feed what this turn measured into the pair's read costs (reader "auto")."""
+        costs = self.read_costs
+        rd, sw = stats.read, stats.switch
+        if rd is not None:
+            costs.source_read.observe(rd.tokens, rd.seconds)
+            c = rd.catch_up
+            if c is not None and c.translated and not c.retranslated:
+                costs.backward.observe(c.translated, c.seconds)
+        if sw is not None and sw.translated and not sw.retranslated:
+            (costs.forward if sw.into == "target" else costs.backward).observe(
+                sw.translated, sw.seconds
+            )
+        if stats.model == "target":
+            costs.observe_target(stats.prompt_tokens, stats.prompt_s)
 
     def _read_ahead(self, upto: int, chunk: int) -> Read:
         """The small model catches up on the large's last answer, then reads up to `upto`

@@ -84,6 +84,7 @@ class Persistence:
             "mode": self.mode,
             "reader": self.reader,
             "reader_min_tokens": self.reader_min_tokens,
+            "reader_margin": self.reader_margin,
             "answer": list(self._answer) if self._answer else None,
             "user_start": self._user_start,
             "switches": [asdict(s) for s in self.switches],
@@ -221,11 +222,15 @@ class Persistence:
             ],
         }
         reader = state.get("reader")
-        if reader in ("auto", "small", "self") and (reader == "self" or self.forward):
+        # "auto" in an older file meant the token rule; it is by time now (the rule breaks ties)
+        if reader in ("auto", "tokens", "small", "self") and (reader == "self" or self.forward):
             out["_reader"] = reader
         min_tokens = state.get("reader_min_tokens")
         if _is_int(min_tokens) and min_tokens >= 0:
             out["_reader_min_tokens"] = min_tokens
+        margin = state.get("reader_margin")
+        if isinstance(margin, (int, float)) and not isinstance(margin, bool) and margin >= 0:
+            out["_reader_margin"] = float(margin)
         return out
 
 

@@ -81,10 +81,15 @@ class TurnStats:
     read: Read | None = None  # the small model's read for this answer (reader "small")
     ahead: Switch | None = None  # translated ahead for the large model during this answer
     prompt_s: float = 0.0  # the answering model's own prefill time this turn
-    #: what the answering model's own prefill of every token it lacked would have cost,
-    #: estimated from its prefill rate measured on this pair (None: not measured yet)
+    #: the small model read: the large model's predicted TTFT reading every token it lacked
+    #: itself (its prefill plus its first step; kept under its old name)
     alone_prefill_s: float | None = None
-    read_note: str = ""  # why the large read the new turn itself (reader "auto")
+    read_note: str = ""  # why the large read the new turn itself (readers "auto", "tokens")
+    #: the other way of reading this turn, its TTFT predicted from the rates measured on this
+    #: pair (conversation/timing.py): the large reading itself when the small read, the small
+    #: reading (catch-up, read, translation, the large's first step) when the large read
+    alternative_ttft_s: float | None = None
+    predicted_ttft_s: float | None = None  # what was predicted for the path taken
 
     @property
     def confidence(self) -> float | None:
@@ -121,7 +126,8 @@ def status_line(st: TurnStats, names: dict) -> str:
     """Who read what and what it cost, then mlx-lm's `N tokens · X tok/s · peak Z GB`.
 
     With the small model reading: `small read 18 tok 35 ms · translated 19 tok 5 ms · large
-    read 1 tok 20 ms · TTFT 60 ms (large alone: prefill ≈ 400 ms) · ...`.
+    read 1 tok 20 ms · TTFT 60 ms (large alone: TTFT ≈ 400 ms) · ...`: the path not
+    taken, as a TTFT predicted from the rates measured on this pair.
     """
     me = LABEL[st.model]
     parts = [f"{me} ({names[st.model]})"]
@@ -152,8 +158,10 @@ def status_line(st: TurnStats, names: dict) -> str:
     parts.append(read + (f" ({st.read_note})" if st.read_note else ""))
     if st.ttft_s is not None:
         ttft = f"TTFT {_ms(st.ttft_s)}"
-        if rd is not None and st.alone_prefill_s is not None:
-            ttft += f" ({me} alone: prefill ≈ {_ms(st.alone_prefill_s)})"
+        alt = st.alternative_ttft_s
+        if alt is not None and st.model == "target":
+            other = f"{me} alone" if rd is not None else f"{LABEL['source']} + translation"
+            ttft += f" ({other}: TTFT ≈ {_ms(alt)})"
         parts.append(ttft)
     if st.ahead is not None and st.ahead.translated:
         parts.append(f"translated ahead for {LABEL['target']} {st.ahead.translated} tok "

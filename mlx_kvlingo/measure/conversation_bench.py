@@ -4,8 +4,11 @@
                   (reader "self"): the baseline;
     small reads   the large model answers every turn; the small one reads each user turn and
                   the large catches up by KV translation (reader "small", KV-Lingo);
-    auto reads    reader "auto" (the default): the small reads the opening turn and turns of
-                  `reader_min_tokens` (64) or more, the large shorter later turns;
+    auto reads    reader "auto" (the default): per turn, whichever of the two above is
+                  predicted to give the sooner first token, at the rates measured on this
+                  pair (a warm-up before the first turn, then every turn);
+    tokens reads  reader "tokens" (the old default, not run unless asked): the small reads
+                  the opening turn and turns of `reader_min_tokens` (64) or more;
     cascade       the small model answers; at a given rate (seeded) its answer is escalated
                   and the large one answers again from a translated cache;
     cascade+ahead the same, translating ahead: while the small model answers, the span the
@@ -17,7 +20,9 @@ User turns are `user_lengths` tokens long (cycled), answers exactly `answer_toke
 (end-of-sequence banned, greedy), so every policy does the same work turn for turn. Per turn:
 TTFT as the user sees it (for an escalated cascade turn: the small answer plus the large's
 TTFT) and the turn's total time, with the small model's read and the translation broken out.
-Policies are interleaved turn by turn, so machine noise hits them alike.
+Policies are interleaved turn by turn, so machine noise hits them alike. Before the first
+turn the pair is warmed up (`conversation/timing.py`): what a new process pays once is not
+counted in anyone's first turn, and reader "auto" starts with measured rates.
 """
 
 from __future__ import annotations
@@ -36,6 +41,15 @@ from ..session import Session
 from ..translator import Translator
 from .bench import _jsonable, machine_info, prompt_tokens, software_info
 
+ALL_POLICIES = (
+    "large reads",
+    "small reads",
+    "auto reads",
+    "tokens reads",
+    "cascade",
+    "cascade+ahead",
+    "cascade+ahead (no budget)",
+)
 POLICIES = (
     "large reads",
     "small reads",
@@ -54,6 +68,7 @@ class ConversationBenchConfig:
     escalation_rate: float = 0.25
     seed: int = 0
     policies: tuple[str, ...] = POLICIES
+    warmup: bool = True
 
 
 @dataclass
@@ -72,6 +87,9 @@ class TurnTiming:
     large_decode_tps: float | None = None  # the large model's decode speed once escalated
     ahead_s: float = 0.0  # translating ahead during the small model's answer
     small_decode_s: float | None = None  # the small answer after its first token, ahead included
+    small_read: bool = False  # the small model read this turn for the large one
+    predicted_ttft_s: float | None = None  # what the rates predicted for the path taken
+    alternative_ttft_s: float | None = None  # ... and for the other one
 
 
 def _answer(session: Session, model: str, cfg: ConversationBenchConfig, escalate: bool = False):
@@ -103,10 +121,20 @@ def run_conversation_bench(
     info: dict | None = None,
 ) -> dict:
     """Time `cfg.turns` turns under each policy; a JSON-ready dict."""
+    unknown = set(cfg.policies) - set(ALL_POLICIES)
+    if unknown:
+        raise ValueError(f"unknown policies {sorted(unknown)}; expected some of {ALL_POLICIES}")
+    warmup_s = None
+    if cfg.warmup:
+        from ..conversation.warmup import warm_up
+
+        warmup_s = warm_up(pair, forward, backward).warmup_s
+        log(f"warm-up {warmup_s:.1f} s")
     sessions = {
         "large reads": Session(pair, forward, backward, reader="self"),
         "small reads": Session(pair, forward, backward, reader="small"),
         "auto reads": Session(pair, forward, backward, reader="auto"),
+        "tokens reads": Session(pair, forward, backward, reader="tokens"),
         "cascade": Session(pair, forward, backward, reader="self"),
         "cascade+ahead": Session(pair, forward, backward, reader="self", translate_ahead=True),
         "cascade+ahead (no budget)": Session(
@@ -143,6 +171,11 @@ def run_conversation_bench(
                 tt = TurnTiming(policy, t, n, ttft, total, translate_s=_translate_s(st))
                 tt.read_s = st.read.seconds if st.read else 0.0
                 tt.large_read_tokens = st.prompt_tokens
+                tt.small_read = st.read is not None
+                tt.predicted_ttft_s, tt.alternative_ttft_s = (
+                    st.predicted_ttft_s,
+                    st.alternative_ttft_s,
+                )
             timings.append(tt)
         log(
             f"turn {t} ({n} user tokens): "
@@ -154,6 +187,7 @@ def run_conversation_bench(
         "escalated_turns": [t for t, e in enumerate(escalate) if e],
         "pair": {"source": pair.source.name, "target": pair.target.name, **(info or {})},
         "backward": backward is not None,
+        "warmup_s": warmup_s,
         "machine": machine_info(),
         "software": software_info(),
         "turns": [asdict(x) for x in timings],
@@ -203,6 +237,27 @@ def summarize(timings: list[TurnTiming], cfg: ConversationBenchConfig) -> dict:
         c["small_decode_slowdown"] = (
             1 - c["small_decode_tps"] / base if base and c["small_decode_tps"] else None
         )
+    by = {(x.policy, x.turn): x for x in timings}
+    rows = []
+    for t in sorted({x.turn for x in timings}):
+        both = [by.get((p, t)) for p in ("large reads", "small reads")]
+        auto = by.get(("auto reads", t))
+        if auto is None or None in both:
+            continue
+        best = min(x.ttft_s for x in both)
+        rows.append({"turn": t, "user_tokens": auto.user_tokens, "small_read": auto.small_read,
+                     "large_reads_ms": 1e3 * both[0].ttft_s, "small_reads_ms": 1e3 * both[1].ttft_s,
+                     "auto_ms": 1e3 * auto.ttft_s, "auto_over_best": auto.ttft_s / best,
+                     # the same path as the faster of the two columns (the rest is noise between
+                     # runs of the same path)
+                     "picked_faster": auto.small_read == (both[1].ttft_s < both[0].ttft_s)})  # fmt: skip
+    if rows:  # the goal: auto within 10% of the better of the two on every turn
+        out["auto"] = {
+            "turns": rows,
+            "worst_over_best": max(r["auto_over_best"] for r in rows),
+            "within_10pct": sum(r["auto_over_best"] <= 1.10 for r in rows),
+            "picked_faster": sum(r["picked_faster"] for r in rows),
+        }
     for p in cfg.policies:
         xs = [x for x in timings if x.policy == p]
         out["totals"][p] = {
@@ -251,6 +306,19 @@ def markdown_report(result: dict) -> str:
             f"| {n} | " + " | ".join(f"{row[p]['ttft_ms']:.0f}" for p in cfg["policies"] if p in row)
             + f" | {'' if ratio is None else f'{ratio:.2f}'} |"
         )  # fmt: skip
+    auto = result["summary"].get("auto")
+    if auto:
+        lines += ["", f"Reader auto against the better of the large and the small reading, per turn "
+                  f"(goal <= 1.10; {auto['within_10pct']} of {len(auto['turns'])} turns within, worst "
+                  f"{auto['worst_over_best']:.2f}; auto took the faster column's path on "
+                  f"{auto['picked_faster']}):", "",
+                  "| turn | user tok | large reads ms | small reads ms | auto ms | auto read by | auto / best | faster path |",
+                  "| ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]  # fmt: skip
+        for r in auto["turns"]:
+            lines.append(f"| {r['turn']} | {r['user_tokens']} | {r['large_reads_ms']:.0f} | "
+                         f"{r['small_reads_ms']:.0f} | {r['auto_ms']:.0f} | "
+                         f"{'small' if r['small_read'] else 'large'} | {r['auto_over_best']:.2f} | "
+                         f"{'yes' if r['picked_faster'] else 'no'} |")  # fmt: skip
     casc = result["summary"].get("cascades", {})
     if casc:
         lines += ["", "Cascades: the large model's TTFT once escalated (against one of its decode steps, "

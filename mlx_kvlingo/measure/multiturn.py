@@ -151,8 +151,9 @@ def evaluate_reader(
     Conditions per dialogue: `reprefill` (the large model reads every turn itself, all
     native: the reference), `small` (reader "small": the small model reads each user turn,
     gets the large's answers by backward translation, and the large catches up by forward
-    translation), `auto` (reader "auto": the small reads the opening span and turns of
-    `reader_min_tokens` or more, the large shorter later turns) and `self` (reader "self" in
+    translation), `auto` (the token rule, reader "tokens", which reader "auto" falls back to
+    on a tie: the small reads the opening span and turns of `reader_min_tokens` or more, the
+    large shorter later turns; quality, not time, so not the timed choice) and `self` (reader "self" in
     alternation mode: with the large answering every turn it reads everything itself, so it
     must equal the reference: a sanity row).
     Per turn: the mean NLL per condition and the deviation from the reference.
@@ -163,7 +164,7 @@ def evaluate_reader(
     for d, dialogue in enumerate(dialogues):
         for cond in READER_CONDITIONS:
             mode = "reprefill" if cond == "reprefill" else "alternation"
-            reader = cond if cond in ("small", "auto") else "self"
+            reader = {"small": "small", "auto": "tokens"}.get(cond, "self")
             s = Session(pair, forward, backward, mode, system_prompt=system_prompt, reader=reader)
             for t in range(turns):
                 if 2 * t + 1 >= len(dialogue):

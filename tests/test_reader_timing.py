@@ -1,0 +1,211 @@
+"""Reader "auto" by time (issue 28): the rates a + b * n, the choice between the large model
+reading its turn itself and the small one reading for it, the token rule as a tie-breaker,
+the warm-up that measures the rates. Exact costs are injected (`ReadCosts.fixed`): no test
+here depends on how fast this machine is."""
+
+from mlx_kvlingo.conversation.timing import Cost, Paths, ReadCosts, costs_of
+from mlx_kvlingo.conversation.warmup import warm_up
+from mlx_kvlingo.pair import load_pair
+from mlx_kvlingo.session import Session, SessionError, status_line
+
+import pytest
+from helpers import assert_session_consistent, exact_translator, inverse
+
+N = 6
+SHORT = ["def parse_args(argv):", "class Foo(object):", "print(x)", "return value"]
+NAMES = {"source": "s", "target": "t"}
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir):
+    return load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+
+
+@pytest.fixture(scope="module")
+def translators(pair, tiny_dir):
+    answer = tiny_dir["known_answer"]
+    return exact_translator(pair, answer), exact_translator(pair.reversed(), inverse(answer))
+
+
+def talk(s, texts):
+    out = []
+    for text in texts:
+        s.add_user(text)
+        out.append([e.token for e in s.generate("large", max_tokens=N)])
+    return out
+
+
+def test_cost_fits_a_line_and_follows_newer_measurements():
+    c = Cost()
+    assert c.predict(10) is None and not c.ready
+    c.observe(16, 0.10)
+    assert not c.ready and c.predict(32) == pytest.approx(0.20)  # one length: through 0
+    c.observe(64, 0.34)
+    assert c.ready and c.fit() == pytest.approx((0.02, 0.005))
+    assert c.predict(32) == pytest.approx(0.18) and c.predict(0) == 0.0
+    c.observe(0, 1.0)  # ignored: nothing read
+    c.observe(16, 0.0)
+    assert c.fit() == pytest.approx((0.02, 0.005))
+    for _ in range(20):  # the machine got twice as slow: the fit follows
+        c.observe(16, 0.20)
+        c.observe(64, 0.68)
+    assert c.fit() == pytest.approx((0.04, 0.01))
+    c.observe(64, 0.01)  # a slope < 0 from noise is never fitted
+    assert all(x >= 0 for x in c.fit())
+
+
+def test_paths_add_up_the_parts_of_each_ttft():
+    costs = ReadCosts.fixed(
+        source_read=(0.01, 0.001), forward=(0.002, 0.0005), backward=(0.003, 0.0002),
+        target_read=(0.02, 0.01),
+    )  # fmt: skip
+    p = Paths(lacked=40, catch_up=10, read=30, backward=True)
+    assert p.large(costs) == pytest.approx(0.02 + 0.4)
+    small = (0.003 + 0.002) + (0.01 + 0.03) + (0.002 + 0.0005 * 39) + (0.02 + 0.01)
+    assert p.small(costs) == pytest.approx(small)
+    # no backward map: the small reads the catch-up span too, in the same read
+    q = Paths(lacked=40, catch_up=10, read=30, backward=False)
+    assert q.small(costs) == pytest.approx((0.01 + 0.04) + (0.002 + 0.0005 * 39) + 0.03)
+    assert costs.large_reads(1) == pytest.approx(0.03)  # one token: target_step
+    # frozen: measurements do not move an injected cost
+    costs.observe_target(5, 100.0)
+    costs.observe_target(1, 100.0)
+    assert p.large(costs) == pytest.approx(0.42)
+    assert ReadCosts.fixed(target_read=(0, 1)).small_reads(1, 0, 0, True) is None  # not all known
+
+
+LARGE_FAST = dict(source_read=(0.05, 0.01), forward=(0.05, 0.01), backward=(0.05, 0.01),
+                  target_read=(0.001, 0.001))  # fmt: skip
+SMALL_FAST = dict(source_read=(0.0, 1e-4), forward=(0.0, 1e-4), backward=(0.0, 1e-4),
+                  target_read=(0.01, 0.05))  # fmt: skip
+
+
+def test_auto_picks_the_large_reading_when_it_is_predicted_faster(pair, translators):
+    fwd, bwd = translators
+    costs = ReadCosts.fixed(**LARGE_FAST)
+    s = Session(pair, fwd, bwd, read_costs=costs)
+    ref = Session(pair, fwd, bwd, mode="reprefill")
+    long = "word " * 80  # the token rule would have the small read it
+    texts = [SHORT[0], long, SHORT[1]]
+    assert talk(s, texts) == talk(ref, texts)
+    for st in s.turns:  # even the opening and the long turn: the large reads them itself
+        assert st.read is None and st.switch is None and st.prompt_tokens > 1
+        assert st.read_note == "reader auto: the faster"
+        assert st.predicted_ttft_s == pytest.approx(costs.large_reads(st.prompt_tokens))
+        # the small path's predicted TTFT, shown as a TTFT
+        assert st.alternative_ttft_s > st.predicted_ttft_s
+        assert f"(small + translation: TTFT ≈ {st.alternative_ttft_s * 1e3:.0f} ms)" in status_line(
+            st, NAMES
+        )
+    opening = s.turns[0]  # nothing to catch up on: read n - 1, translate n - 1, large's step
+    n = opening.prompt_tokens
+    want = (0.05 + 0.01 * (n - 1)) * 2 + 0.002
+    assert opening.alternative_ttft_s == pytest.approx(want)
+    assert_session_consistent(s)
+
+
+def test_auto_picks_the_small_reading_when_it_is_predicted_faster(pair, translators):
+    fwd, bwd = translators
+    costs = ReadCosts.fixed(**SMALL_FAST)
+    s = Session(pair, fwd, bwd, read_costs=costs)
+    ref = Session(pair, fwd, bwd, mode="reprefill")
+    assert talk(s, SHORT) == talk(ref, SHORT)
+    for st in s.turns:  # even short later turns, which the token rule gives the large
+        assert st.read is not None and st.prompt_tokens == 1 and st.read_note == ""
+        assert st.alternative_ttft_s == pytest.approx(0.01 + 0.05 * (st.switch.translated + 1))
+        assert "(large alone: TTFT ≈ " in status_line(st, NAMES)
+    assert s.turns[1].read.catch_up.translated  # the small caught up on the answer (backward)
+    assert_session_consistent(s)
+
+
+def opening_tie(pair, n0: int, ratio: float) -> ReadCosts:
+    """Costs under which the small path of an opening turn of n0 tokens is `ratio` x the
+    large path: large = b * n0, small = 2 c (n0 - 1) + b."""
+    b = 0.01
+    c = (ratio * b * n0 - b) / (2 * (n0 - 1))
+    return ReadCosts.fixed(source_read=(0, c), forward=(0, c), backward=(0, c), target_read=(0, b))
+
+
+@pytest.mark.parametrize(
+    "ratio, margin, small_reads",
+    [
+        (1.03, 0.05, True),  # a tie: the token rule, which has the small read the opening
+        (1.03, 0.0, False),  # no margin: time alone, the large is 3% faster
+        (1.10, 0.05, False),  # beyond the margin: time
+        (0.90, 0.05, True),
+    ],
+)
+def test_the_token_rule_breaks_ties(pair, translators, tmp_path, ratio, margin, small_reads):
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd)
+    s.add_user(SHORT[0])
+    s.read_costs = opening_tie(pair, len(s.tokens), ratio)
+    s.reader_margin = margin
+    small, why, paths = s._reader_choice("target", len(s.tokens) - 1)
+    assert small is small_reads and paths == Paths(len(s.tokens), 0, len(s.tokens) - 1, True)
+    assert paths.small(s.read_costs) == pytest.approx(ratio * paths.large(s.read_costs))
+    assert why == ("" if small else "reader auto: the faster")
+    # a short later turn on a tie: the token rule has the large read it, and says so
+    next(s.generate("large", max_tokens=N))
+    s.cancel()
+    s.add_user(SHORT[1])
+    s.read_costs, s.reader_margin = ReadCosts.fixed(**SMALL_FAST), 1e9
+    small, why, _ = s._reader_choice("target", len(s.tokens) - 1)
+    assert not small and why == "reader auto, a tie: the large reads turns under 64 tok"
+    t = Session(pair, fwd, bwd)
+    t.load(s.save(tmp_path / "tie"))
+    assert (t.reader, t.reader_margin) == ("auto", 1e9)
+    for bad in (-0.1, "x", True, float("nan")):
+        with pytest.raises(SessionError, match="reader_margin"):
+            s.reader_margin = bad
+
+
+def test_auto_before_any_timing_is_the_token_rule(pair, translators):
+    """Nothing measured yet: the opening is read by the small, a short later turn by the large
+    (its own read is timed once after the first answer, for the status line)."""
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd, read_costs=ReadCosts())
+    talk(s, SHORT[:2])
+    opening, short = s.turns
+    assert opening.read is not None and opening.read_note == ""
+    assert opening.alternative_ttft_s > 0 and s.read_costs.target_read.ready
+    assert short.read is None and short.prompt_tokens > 1
+    assert short.read_note == "reader auto, not timed yet: the large reads turns under 64 tok"
+    # each turn measured what it ran
+    assert [n for n, _ in s.read_costs.source_read.samples] == [opening.read.tokens]
+    assert s.read_costs.forward.samples[0][0] == opening.switch.translated
+    assert (short.prompt_tokens, short.prompt_s) == s.read_costs.target_read.samples[-1]
+
+
+def test_reader_tokens_and_the_others_ignore_the_rates(pair, translators):
+    fwd, bwd = translators
+    for reader, costs, reads in (
+        ("tokens", ReadCosts.fixed(**LARGE_FAST), [True, False]),
+        ("small", ReadCosts.fixed(**LARGE_FAST), [True, True]),
+        ("self", ReadCosts.fixed(**SMALL_FAST), [False, False]),
+    ):
+        s = Session(pair, fwd, bwd, reader=reader, read_costs=costs)
+        talk(s, SHORT[:2])
+        assert [t.read is not None for t in s.turns] == reads, reader
+        assert all(t.alternative_ttft_s is not None for t in s.turns)
+
+
+def test_warm_up_measures_every_cost_and_pays_the_first_turn(pair, translators):
+    fwd, bwd = translators
+    costs = ReadCosts()
+    assert warm_up(pair, fwd, bwd, lengths=(8, 24), answer_tokens=2, costs=costs) is costs
+    for name in ("source_read", "forward", "backward", "target_read"):
+        assert getattr(costs, name).ready, name
+    assert costs.warmup_s > 0
+    # its first step after a translation, apart from its reads of more than one token
+    assert {n for n, _ in costs.target_step.samples} == {1}
+    assert min(n for n, _ in costs.target_read.samples) > 1
+    # the pair's shared costs: what sessions get by default
+    s = Session(pair, fwd, bwd)
+    assert s.read_costs is costs_of(pair) and Session(pair, fwd, bwd).read_costs is s.read_costs
+
+
+def test_warm_up_without_translators(pair):
+    """No forward map: only the large reading itself is timed (and the small answering)."""
+    costs = warm_up(pair, None, None, lengths=(8, 24), answer_tokens=2, costs=ReadCosts())
+    assert costs.target_read.ready and not costs.source_read.samples
