@@ -142,7 +142,7 @@ def test_eval_refuses_bad_data_before_loading_models(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise AssertionError("a model was loaded before the data was checked")
 
-    monkeypatch.setattr(common, "load_pair", boom)
+    monkeypatch.setattr(common, "load_models_and_translators", boom)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"prompt": "no"}\n')
     out = CliRunner().invoke(cli, ["eval", "--source", "x", "--target", "y", "--translator",

@@ -42,11 +42,11 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
         if as_json:
             raise click.UsageError("--json is not available with --distributed")
         return _generate_distributed(source, target, translator, wire, prompt, chat, max_tokens,
-                                     sampling_settings(sampling))  # fmt: skip
+                                     sampling_settings(sampling), demo_pair)  # fmt: skip
     import mlx.core as mx
     from mlx_lm import stream_generate
 
-    pair, tr = resolve_pair(source, target, translator, demo_pair=demo_pair)
+    pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
     if chat and getattr(pair.tokenizer, "chat_template", None):
         tokens = pair.tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True
@@ -110,13 +110,14 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     )
 
 
-def _generate_distributed(source, target, translator, wire, prompt, chat, max_tokens, sampling):
+def _generate_distributed(source, target, translator, wire, prompt, chat, max_tokens, sampling,
+                          demo_pair="dense"):  # fmt: skip
     """Rank 0: the same switch through a conversation on the distributed runtime (the small
     model reads the prompt, the span is placed on the ranks, the pipelined target decodes)."""
     from ..distributed import DistributedError
     from ..session import status_line
 
-    runtime = load_runtime(source, target, translator, None, wire)  # ranks > 0 stop here
+    runtime = load_runtime(source, target, translator, None, wire, demo_pair)  # ranks > 0 stop here
     try:
         session = runtime.new_conversation()._session
         if chat:
