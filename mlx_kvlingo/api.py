@@ -591,6 +591,11 @@ class Conversation:
         return len(self._session.tokens)
 
     @property
+    def token_ids(self) -> list[int]:
+        """The conversation as the models read it: its token ids (a copy)."""
+        return list(self._session.tokens)
+
+    @property
     def last(self) -> Event | None:
         """The `done` event of the last answer (None before the first one)."""
         return self._last
@@ -635,6 +640,34 @@ class Conversation:
 
         def start() -> Iterator[TokenEvent]:
             self._session.add_user(text)
+            _seed(seed)
+            return self._session.generate(role, **sample)
+
+        return self._open(start, _LABEL[role], wait, timeout)
+
+    def answer(
+        self,
+        model: ModelName = "large",
+        *,
+        max_tokens: int = 256,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context_size: int | None = None,
+        seed: int | None = None,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> Stream:
+        """Stream `model`'s answer to what the conversation holds unanswered (turns given to
+        `add_messages` or `add_tokens`), adding no message: `send` without the text. The same
+        reader policy, sampling and stopping rules as `send`."""
+        role = _role(model)
+        sample = self._sample_kwargs(role, max_tokens, temperature, top_p, top_k, min_p,
+                                     repetition_penalty, repetition_context_size, seed)  # fmt: skip
+
+        def start() -> Iterator[TokenEvent]:
             _seed(seed)
             return self._session.generate(role, **sample)
 
@@ -697,6 +730,14 @@ class Conversation:
                     self._session.add_assistant(m["content"])
 
         self._locked(add, wait, timeout)
+
+    def add_tokens(
+        self, tokens: list[int], *, wait: bool = True, timeout: float | None = None
+    ) -> None:
+        """Append token ids as they are (no chat template), for the next `answer` to read: a
+        raw completion prompt rather than a chat turn."""
+        ids = [int(t) for t in tokens]
+        self._locked(lambda: self._session.add_tokens(ids), wait, timeout)
 
     def ask(self, text: str, model: ModelName = "large", **kwargs: Any) -> Event:
         """`send` without streaming: the done event (its `text` is the whole answer)."""
