@@ -176,18 +176,6 @@ def _nbytes(module: Translator) -> int:
     return int(sum(v.nbytes for _, v in leaves))
 
 
-def _load_translator(
-    spec: str | Path | Translator | None, pair: ModelPair, reverse: bool = False
-) -> Translator | None:
-    """A translator from a path or Hub id (validated against `pair`), an object, or None."""
-    if spec is None or isinstance(spec, Translator):
-        return spec
-    from .format import load_translator
-    from .hub import resolve_translator
-
-    return load_translator(resolve_translator(spec, reverse), pair)
-
-
 def _seed(seed: int | None) -> None:
     if seed is not None:
         import mlx.core as mx
@@ -267,11 +255,16 @@ class Runtime:
         wire: str = "auto",
         timeout: float | None = None,
         warmup: bool = True,
+        pair: str | None = None,
     ) -> Runtime:
         """Load a pair and its translators.
 
-        `source`/`target`: hub ids or local mlx-lm folders; both None loads the bundled demo
-        pair (`translator`/`backward_translator` may then name one of its shipped files).
+        `source`/`target`: hub ids or local mlx-lm folders; both None loads a bundled demo
+        pair, `pair` ("dense", the default, or "moe": the small model -> SmolLM2-135M's
+        Qwen3-MoE upcycle), and `translator`/`backward_translator` may then name one of its
+        shipped files (None: its defaults; no shipped backward file: None). `pair` with
+        `source`/`target` is a ValueError. Resolution and loading:
+        `mlx_kvlingo.loading.load_models_and_translators`.
         `translator` maps small -> large, `backward_translator` large -> small; either may be
         None, and switching into that model then re-reads the conversation itself. A
         translator is a file path or a Hugging Face Hub id `org/name[@revision][:file]`
@@ -297,7 +290,7 @@ class Runtime:
         """
         t0 = time.perf_counter()
         runtime = cls._load(source, target, translator, backward_translator, distributed, wire,
-                            timeout)  # fmt: skip
+                            timeout, pair)  # fmt: skip
         if warmup and runtime._link is None:
             runtime.warm_up()
         runtime.load_s = time.perf_counter() - t0
@@ -313,45 +306,19 @@ class Runtime:
         distributed: bool | None,
         wire: str,
         timeout: float | None,
+        demo_pair: str | None = None,
     ) -> Runtime:
         from .distributed import launched
+        from .loading import load_models_and_translators
 
         if distributed or (distributed is None and launched()):
             return cls._load_distributed(
-                source, target, translator, backward_translator, wire, timeout
+                source, target, translator, backward_translator, wire, timeout, demo_pair
             )
-        if source is None and target is None:
-            return cls._load_demo(translator, backward_translator)
-        if source is None or target is None:
-            raise ValueError("give both source and target, or neither for the demo pair")
-        from .pair import load_pair
-
-        pair = load_pair(source, target)
-        forward = _load_translator(translator, pair)
-        backward = _load_translator(backward_translator, pair.reversed(), reverse=True)
-        return cls(pair, forward, backward)
-
-    @classmethod
-    def _load_demo(
-        cls,
-        translator: str | Path | Translator | None,
-        backward_translator: str | Path | Translator | None,
-    ) -> Runtime:
-        if isinstance(translator, Translator) or isinstance(backward_translator, Translator):
-            raise ValueError("the demo pair takes translator file names or paths, not objects")
-        from .demo import pair as demo
-
-        pair, forward = demo.load_demo(str(translator) if translator is not None else None)
-        try:
-            back_path = demo.translator_path(
-                str(backward_translator) if backward_translator is not None else None,
-                reverse=True,
-            )
-        except (FileNotFoundError, KeyError):
-            if backward_translator is not None:
-                raise
-            return cls(pair, forward, None)  # no shipped backward file: switching back re-reads
-        return cls(pair, forward, _load_translator(back_path, pair.reversed()))
+        loaded = load_models_and_translators(
+            source, target, translator, backward_translator, demo_pair
+        )
+        return cls(*loaded)
 
     @classmethod
     def _load_distributed(
@@ -362,8 +329,9 @@ class Runtime:
         backward_translator: str | Path | Translator | None,
         wire: str,
         timeout: float | None,
+        demo_pair: str | None = None,
     ) -> Runtime:
-        from .hub import resolve_translator
+        from .loading import DEMO_PAIRS, demo_paths, resolve_translator_spec
         from .pipelined import load
 
         if isinstance(translator, Translator):
@@ -371,22 +339,26 @@ class Runtime:
         if (source is None) != (target is None):
             raise ValueError("give both source and target, or neither for the demo pair")
         if source is None:
-            from .demo import pair as demo
-
-            source, target = demo.demo_models()
-            path = demo.translator_path(str(translator) if translator is not None else None)
-            if backward_translator is None:
-                try:
-                    backward_translator = demo.translator_path(None, reverse=True)
-                except (FileNotFoundError, KeyError):
-                    pass  # no shipped backward file: switching back re-reads
+            demo_pair = demo_pair or "dense"
+            if demo_pair not in DEMO_PAIRS:
+                raise ValueError(
+                    f"unknown demo pair {demo_pair!r} (known: {', '.join(DEMO_PAIRS)})"
+                )
+            source, target = demo_paths(demo_pair)
+        elif demo_pair is not None:
+            raise ValueError("a demo pair is chosen by name only without source/target")
         elif translator is None:
             raise ValueError("a distributed runtime needs the small -> large translator")
-        else:
-            path = resolve_translator(str(translator), False)
+        path = resolve_translator_spec(translator, False, demo_pair)
+        if not isinstance(backward_translator, Translator):
+            backward_translator = resolve_translator_spec(backward_translator, True, demo_pair)
         # ranks > 0 do not return from load: they serve rank 0, then exit
         link, pair = load(source, target, path, wire=wire, timeout=timeout)
-        backward = _load_translator(backward_translator, pair.reversed(), reverse=True)
+        backward = backward_translator
+        if backward is not None and not isinstance(backward, Translator):
+            from .format import load_translator
+
+            backward = load_translator(backward, pair.reversed())
         return cls(pair, link.sp.translator, backward, link)
 
     @property
@@ -619,6 +591,11 @@ class Conversation:
         return len(self._session.tokens)
 
     @property
+    def token_ids(self) -> list[int]:
+        """The conversation as the models read it: its token ids (a copy)."""
+        return list(self._session.tokens)
+
+    @property
     def last(self) -> Event | None:
         """The `done` event of the last answer (None before the first one)."""
         return self._last
@@ -663,6 +640,34 @@ class Conversation:
 
         def start() -> Iterator[TokenEvent]:
             self._session.add_user(text)
+            _seed(seed)
+            return self._session.generate(role, **sample)
+
+        return self._open(start, _LABEL[role], wait, timeout)
+
+    def answer(
+        self,
+        model: ModelName = "large",
+        *,
+        max_tokens: int = 256,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context_size: int | None = None,
+        seed: int | None = None,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> Stream:
+        """Stream `model`'s answer to what the conversation holds unanswered (turns given to
+        `add_messages` or `add_tokens`), adding no message: `send` without the text. The same
+        reader policy, sampling and stopping rules as `send`."""
+        role = _role(model)
+        sample = self._sample_kwargs(role, max_tokens, temperature, top_p, top_k, min_p,
+                                     repetition_penalty, repetition_context_size, seed)  # fmt: skip
+
+        def start() -> Iterator[TokenEvent]:
             _seed(seed)
             return self._session.generate(role, **sample)
 
@@ -725,6 +730,14 @@ class Conversation:
                     self._session.add_assistant(m["content"])
 
         self._locked(add, wait, timeout)
+
+    def add_tokens(
+        self, tokens: list[int], *, wait: bool = True, timeout: float | None = None
+    ) -> None:
+        """Append token ids as they are (no chat template), for the next `answer` to read: a
+        raw completion prompt rather than a chat turn."""
+        ids = [int(t) for t in tokens]
+        self._locked(lambda: self._session.add_tokens(ids), wait, timeout)
 
     def ask(self, text: str, model: ModelName = "large", **kwargs: Any) -> Event:
         """`send` without streaming: the done event (its `text` is the whole answer)."""

@@ -1,4 +1,4 @@
-"""From a prompt to target tokens: source prefill, translate, fill the target's cache, decode.
+"""The hand-off: source prefill, translate, fill the target's cache (the target then decodes).
 
 The target always processes at least the last prompt token itself, so the translated cache
 covers tokens [0, n-1) and `stream_generate` starts from token n-1.
@@ -7,11 +7,9 @@ covers tokens [0, n-1) and `stream_generate` starts from token n-1.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm import stream_generate
 
 from .capture import SpanKV, capture_from_cache, needs_recording, prefill
 from .kvcache import append_kv, new_cache
@@ -94,31 +92,3 @@ def handoff(
     translate_into(pair, translator, span, tgt_cache)
     t2 = time.perf_counter()
     return Handoff(src_cache, tgt_cache, t1 - t0, t2 - t1, span.length)
-
-
-def generate(
-    pair: ModelPair,
-    translator: Translator,
-    prompt: str | list[int],
-    *,
-    max_tokens: int = 256,
-    kv_bits: int | None = None,
-    **kwargs,
-) -> Iterator:
-    """Stream target tokens (mlx-lm `GenerationResponse`s) without any target prefill."""
-    tokens = _tokenize(pair, prompt)
-    h = handoff(pair, translator, tokens, kv_bits=kv_bits)
-    yield from stream_generate(
-        pair.target.model,
-        pair.tokenizer,
-        prompt=mx.array(tokens[-1:]),
-        max_tokens=max_tokens,
-        prompt_cache=h.target_cache,
-        **kwargs,
-    )
-
-
-def _tokenize(pair: ModelPair, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        return pair.tokenizer.encode(prompt)
-    return list(prompt)

@@ -288,14 +288,10 @@ def readme_example() -> str:
 def test_readme_example_runs(files, monkeypatch, tmp_path, capsys):
     """The ten-line example, run as written, with the demo pair swapped for the tiny one."""
     from mlx_kvlingo.demo import pair as demo
-    from mlx_kvlingo.format import load_translator
 
-    def load_demo(translator=None, reverse=False):
-        p = load_pair(files["source"], files["target"])
-        return p, load_translator(files["translator"], p)
-
-    monkeypatch.setattr(demo, "load_demo", load_demo)
-    monkeypatch.setattr(demo, "translator_path", lambda name=None, reverse=False: files["backward_translator"])  # fmt: skip
+    defaults = {"forward": str(files["translator"]), "backward": str(files["backward_translator"])}
+    monkeypatch.setattr(demo, "demo_models", lambda pair="dense": (files["source"], files["target"]))  # fmt: skip
+    monkeypatch.setattr(demo, "manifest", lambda pair="dense": {"default": defaults})
     monkeypatch.chdir(tmp_path)
     code = readme_example()
     assert len(code.strip().splitlines()) <= 10
@@ -392,3 +388,32 @@ def test_reader_policy_through_the_api(runtime):
         conv.reader = "huge"
     assert conv.reader == "self" and conv.reader_min_tokens == 0
     assert_consistent(conv)
+
+
+def test_demo_pair_by_name_and_the_backward_rule(files, monkeypatch):
+    """`Runtime.load(pair="moe")` loads the MoE demo pair (not silently the dense one); a demo
+    pair that ships no backward translator gives None, a missing forward one is an error."""
+    from mlx_kvlingo.demo import pair as demo
+    from mlx_kvlingo.loading import resolve_translator_spec
+
+    asked = []
+
+    def demo_models(pair="dense"):
+        asked.append(pair)
+        return files["source"], files["target"]
+
+    shipped = {"forward": str(files["translator"])}  # no backward file shipped
+    monkeypatch.setattr(demo, "demo_models", demo_models)
+    monkeypatch.setattr(demo, "manifest", lambda pair="dense": {"default": shipped})
+    rt = Runtime.load(pair="moe", warmup=False)
+    assert asked == ["moe"] and rt.forward is not None and rt.backward is None
+    assert resolve_translator_spec(None, reverse=True, pair_name="moe") is None
+    Runtime.load(warmup=False)
+    assert asked == ["moe", "dense"]  # the default demo pair
+    monkeypatch.setattr(demo, "manifest", lambda pair="dense": {"default": {}})
+    with pytest.raises(KeyError):  # negative control: forward is not optional for a demo
+        resolve_translator_spec(None, reverse=False, pair_name="moe")
+    with pytest.raises(ValueError, match="unknown demo pair"):
+        Runtime.load(pair="sparse", warmup=False)
+    with pytest.raises(ValueError, match="demo pair is chosen by name only"):
+        Runtime.load(files["source"], files["target"], pair="moe", warmup=False)

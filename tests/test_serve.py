@@ -545,3 +545,45 @@ def test_cli_serves_and_stops(tiny_dir, stop):
     drain.join(10)
     assert proc.returncode == 0, "".join(lines)[-3000:]
     assert "stopped" in lines[-1]  # the graceful path ran, not just an exit
+
+
+def test_cli_serves_the_moe_demo_pair(tiny_dir, tmp_path, monkeypatch):
+    """`kvlingo serve --pair moe` loads the MoE demo pair (here stood in by the tiny pair) and
+    answers a request; before, serve had no --pair and always served the dense pair."""
+    from mlx_kvlingo.cli import cli
+    from mlx_kvlingo.demo import pair as demo
+
+    from click.testing import CliRunner
+
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+    fwd = save_translator(exact_translator(pair, tiny_dir["known_answer"]),
+                          tmp_path / "fwd.safetensors", pair)  # fmt: skip
+    asked, answers = [], []
+
+    def demo_models(name="dense"):
+        asked.append(name)
+        return tiny_dir["qwen3"], tiny_dir["known"]
+
+    def serve_forever(self):
+        self.start()
+        try:
+            c = openai.OpenAI(base_url=self.url, api_key="unused", max_retries=0, timeout=30)
+            answers.append(c.chat.completions.create(model="large", max_tokens=4,
+                                                     messages=[{"role": "user", "content": U1}]))  # fmt: skip
+        finally:
+            self.close()
+        raise KeyboardInterrupt
+
+    def exit_(code):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(demo, "demo_models", demo_models)
+    monkeypatch.setattr(demo, "manifest", lambda name="dense": {"default": {"forward": str(fwd)}})
+    monkeypatch.setattr(Server, "serve_forever", serve_forever)
+    monkeypatch.setattr(os, "_exit", exit_)
+    monkeypatch.setattr(signal, "signal", lambda *a: None)
+    out = CliRunner().invoke(cli, ["serve", "--pair", "moe", "--port", "0"])
+    assert out.exit_code == 0, out.output
+    assert asked == ["moe"] and answers[0].choices[0].message.content
+    out = CliRunner().invoke(cli, ["serve", "--pair", "moe", "--source", "a", "--target", "b"])
+    assert out.exit_code == 2 and "--pair chooses a demo pair" in out.output

@@ -5,9 +5,10 @@ from __future__ import annotations
 import click
 
 from ..data import DataConfig
-from ..format import TranslatorFileError, load_translator
-from ..hub import HubError, resolve_translator
-from ..pair import TokenizerMismatchError, load_pair
+from ..format import TranslatorFileError
+from ..hub import HubError
+from ..loading import load_models_and_translators
+from ..pair import TokenizerMismatchError
 
 source_option = click.option("--source", help="Source model (hub id or folder); default: demo pair")
 target_option = click.option("--target", help="Target model (hub id or folder); default: demo pair")
@@ -26,21 +27,23 @@ translator_option = click.option(
 )
 
 
-def resolve_pair(source, target, translator, reverse: bool = False, demo_pair: str = "dense"):
-    """Load the named pair and translator, or the embedded demo pair when none is named."""
+def resolve_pair(source, target, translator, backward=None, demo_pair: str = "dense", *,
+                 require_translator: bool = True, dtype="auto"):  # fmt: skip
+    """(pair, forward, backward) through the one loader (`mlx_kvlingo.loading`): the named pair
+    and translators, or a demo pair when no model is named (its shipped translators)."""
+    if source is None and target is None:
+        named = None
+    elif demo_pair != "dense":
+        raise click.UsageError("--pair chooses a demo pair: not with --source/--target")
+    elif not (source and target):
+        raise click.UsageError("give both --source and --target, or neither for the demo pair")
+    elif translator is None and require_translator:
+        raise click.UsageError("--translator is required with --source/--target")
+    else:
+        named = True
     try:
-        if source is None and target is None:
-            from ..demo.pair import load_demo
-
-            return load_demo(translator=translator, reverse=reverse, pair=demo_pair)
-        if demo_pair != "dense":
-            raise click.UsageError("--pair chooses a demo pair: not with --source/--target")
-        if not (source and target):
-            raise click.UsageError("give both --source and --target, or neither for the demo pair")
-        pair = load_pair(source, target)
-        if translator is None:
-            raise click.UsageError("--translator is required with --source/--target")
-        return pair, load_translator(resolve_translator(translator, reverse), pair)
+        return load_models_and_translators(source, target, translator, backward,
+                                           None if named else demo_pair, dtype=dtype)  # fmt: skip
     except (TokenizerMismatchError, TranslatorFileError, HubError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
 

@@ -32,14 +32,18 @@ def wanted(flag) -> bool:
     return launched() if flag is None else flag
 
 
-def load_runtime(source, target, translator, backward, wire):
-    """Rank 0: the distributed runtime (the other ranks serve inside this call, then exit)."""
+def load_runtime(source, target, translator, backward, wire, demo_pair="dense"):
+    """Rank 0: the distributed runtime (the other ranks serve inside this call, then exit).
+    `demo_pair`: the demo pair to pipeline when no model is named (--pair)."""
     from ..api import Runtime
 
     if (source is None) != (target is None) or (source is not None and not translator):
         raise click.UsageError("give --source, --target and --translator, or none (demo pair)")
+    if source is not None and demo_pair != "dense":
+        raise click.UsageError("--pair chooses a demo pair: not with --source/--target")
     try:
-        return Runtime.load(source, target, translator, backward, distributed=True, wire=wire)
+        return Runtime.load(source, target, translator, backward, distributed=True, wire=wire,
+                            pair=demo_pair if source is None else None)  # fmt: skip
     except DistributedError as e:
         fail(e)
 

@@ -157,9 +157,9 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
                           "reference": p.reference}  # fmt: skip
     elif source and target and translator is None:  # latency only: any maps of the right shape
         from ..measure.presets import random_translator
-        from ..pair import load_pair
+        from ._common import resolve_pair
 
-        pair = load_pair(source, target, dtype=dtype)
+        pair, _, _ = resolve_pair(source, target, None, require_translator=False, dtype=dtype)
         tr = random_translator(pair, seed=seed)
         if dtype != "auto":
             tr.set_dtype(dtype)
@@ -172,7 +172,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
             raise click.UsageError("--dtype applies to --preset or --source/--target pairs")
 
         try:
-            pair, tr = resolve_pair(source, target, translator, demo_pair=demo_pair)
+            pair, tr, demo_backward = resolve_pair(source, target, translator, demo_pair=demo_pair)
         except ImportError as e:
             raise click.ClickException(
                 f"the demo pair is not available in this install ({e}); name a pair with "
@@ -183,10 +183,8 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
         from ..measure import conversation_bench as cb
 
         backward = None
-        if not (preset or source or target):  # the demo pair ships a backward translator
-            from ..demo.pair import load_demo
-
-            backward = load_demo(reverse=True, pair=demo_pair)[1]
+        if not (preset or source or target):  # the demo pair's shipped backward translator
+            backward = demo_backward
         cfg = cb.ConversationBenchConfig(turns=turns, user_lengths=tuple(parse_lengths(None, None, user_lengths)),
                                          answer_tokens=answer_tokens, escalation_rate=escalation_rate, seed=seed,
                                          warmup=warmup > 0)  # fmt: skip

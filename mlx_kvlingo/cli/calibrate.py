@@ -14,9 +14,10 @@ from ..calibrate.closed_form import Stage1Config, fit_closed_form
 from ..calibrate.distill import Stage2Config, TrainingDivergedError, distill
 from ..calibrate.lowrank import fit_lowrank
 from ..data import DataError, load_examples, validate_data
-from ..format import load_translator, save_translator
+from ..format import save_translator
+from ..loading import load_models_and_translators
 from ..measure.evaluate import evaluate, table
-from ..pair import InsufficientMemoryError, TokenizerMismatchError, load_pair
+from ..pair import InsufficientMemoryError, TokenizerMismatchError
 from ._common import data_config, data_options
 
 
@@ -131,7 +132,7 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, outp
             kw["data_path"] = str(write_shipped_data())
         validate_data(kw["data_path"])  # before loading any model
         dtype = {"auto": "auto", "stored": None}.get(dtype, getattr(mx, dtype, None))
-        pair = load_pair(source, target, dtype=dtype)
+        pair, init_tr, _ = load_models_and_translators(source, target, init, dtype=dtype)
         dcfg = replace(data_config(kw), reply_spans=reader_share > 0)
         train, held = load_examples(kw["data_path"], pair.tokenizer, dcfg)
     except (TokenizerMismatchError, DataError, InsufficientMemoryError) as e:
@@ -149,7 +150,7 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, outp
     held_eval = held[:eval_examples]
     report = {"data": str(kw["data_path"]), "data_config": dcfg.__dict__}
     if init:
-        tr = load_translator(init, pair)
+        tr = init_tr
     else:
         maps = json.loads(Path(layer_map).read_text()) if layer_map else {}
         try:

@@ -391,7 +391,7 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     console = Console(highlight=False)
     if wanted(distributed):  # mlx.launch: the large model pipelined, rank 0 owns the terminal
-        runtime = load_runtime(source, target, translator, backward_translator, wire)
+        runtime = load_runtime(source, target, translator, backward_translator, wire, demo_pair)
         try:
             conv = runtime.new_conversation(system_prompt, mode, max_kv_size, reader,
                                             translate_ahead, reader_min_tokens,
@@ -411,29 +411,17 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
         except DistributedError as e:
             fail(e)
         return
-    from ..format import TranslatorFileError, load_translator
-
     console.print("[grey50]loading models...[/grey50]")
     try:
-        pair, forward = resolve_pair(source, target, translator, demo_pair=demo_pair)
+        pair, forward, backward = resolve_pair(source, target, translator, backward_translator,
+                                               demo_pair)  # fmt: skip
     except ImportError as e:
         raise click.ClickException(
             f"the demo pair is not available ({e}); pass --source, --target and --translator"
         ) from None
-    backward, back_label = None, "none: switching back re-prefills"
-    try:
-        if backward_translator:
-            from ..hub import resolve_translator
-
-            backward = load_translator(
-                resolve_translator(backward_translator, reverse=True), pair.reversed()
-            )
-            back_label = backward_translator
-        elif source is None and target is None:
-            backward = _demo_backward(pair, demo_pair)
-            back_label = "demo" if backward is not None else back_label
-    except TranslatorFileError as e:
-        raise click.ClickException(str(e)) from None
+    back_label = backward_translator or (
+        "demo" if backward is not None else "none: switching back re-prefills"
+    )
     try:
         session = Session(pair, forward, backward, mode, system_prompt=system_prompt,
                           max_kv_size=max_kv_size, reader=reader,
@@ -452,17 +440,3 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
         loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s)"
     app.banner({"forward": translator or "demo", "backward": back_label}, loaded)
     app.run()
-
-
-def _demo_backward(pair, demo_pair: str = "dense"):
-    """The demo pair's large -> small translator, when the demo ships one (else None)."""
-    from ..format import load_translator
-
-    try:
-        from ..demo.pair import translator_path
-
-        return load_translator(translator_path(None, True, demo_pair), pair.reversed())
-    except ImportError:  # an older demo module: load the reversed pair through it
-        return resolve_pair(None, None, None, reverse=True, demo_pair=demo_pair)[1]
-    except (FileNotFoundError, KeyError):  # no backward translator built: chat re-prefills
-        return None

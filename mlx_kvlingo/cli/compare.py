@@ -9,6 +9,7 @@ from rich.console import Console
 
 from ..calibrate import fit_kvlingo
 from ..data import DataError, load_examples, validate_data
+from ..loading import load_models_and_translators
 from ..measure.compare import (
     FAMILIES,
     CompareConfig,
@@ -22,7 +23,7 @@ from ..measure.compare import (
     table,
 )
 from ..measure.methods import KVLingo, MethodFileError, load_method
-from ..pair import TokenizerMismatchError, load_pair
+from ..pair import TokenizerMismatchError
 from ._common import (
     content_texts,
     data_config,
@@ -183,7 +184,7 @@ def compare_cmd(source, target, demo_pair, translators, data_path, methods, exam
             raise click.ClickException(str(e)) from None
     try:
         if demo:
-            pair, demo_tr = resolve_pair(None, None, None, demo_pair=demo_pair)
+            pair, demo_tr, _ = resolve_pair(None, None, None, demo_pair=demo_pair)
         else:
             if not (source and target):
                 raise click.UsageError("give both --source and --target, or neither for the demo")
@@ -193,7 +194,7 @@ def compare_cmd(source, target, demo_pair, translators, data_path, methods, exam
             if perturb_target is not None:
                 target = str(perturbed_copy(target, perturb_target, perturb_seed))
                 log(f"target: {target}")
-            pair, demo_tr = load_pair(source, target), None
+            pair, demo_tr, _ = load_models_and_translators(source, target)
         extra = [(f"kvlingo file {p}", load_method(p, pair)) for p in translators]
     except (TokenizerMismatchError, MethodFileError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None

@@ -96,10 +96,11 @@ def convert_cmd(
         }
         pair = None
         if source is not None:
-            from mlx_kvlingo.pair import TokenizerMismatchError, load_pair
+            from mlx_kvlingo.loading import load_models_and_translators
+            from mlx_kvlingo.pair import TokenizerMismatchError
 
             try:
-                pair = load_pair(source, target)
+                pair = load_models_and_translators(source, target)[0]
             except TokenizerMismatchError as e:
                 raise click.ClickException(str(e)) from None
         path, done = conv.convert_file(input_path, output, layout, pair, **options)

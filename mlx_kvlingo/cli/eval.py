@@ -80,7 +80,7 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
                 "read lengths must be at least 32 tokens", param_hint="--lengths"
             )
         texts = content_texts(data_path)
-        pair, tr = resolve_pair(source, target, translator, demo_pair=demo_pair)
+        pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
         return _content(pair, tr, texts, sizes, per_kind, kw["seed"], json_out, plot_out, console,
                         translator or "demo default")  # fmt: skip
     if data_path is not None and not multi_turn:
@@ -92,12 +92,12 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
             f"[grey50]{data_path}: {summary['files']} file(s), {summary['chats']} chats, "
             f"{summary['texts']} texts[/grey50]"
         )
-    pair, tr = resolve_pair(source, target, translator, demo_pair=demo_pair)
+    pair, tr, backward = resolve_pair(source, target, translator, demo_pair=demo_pair)
     if reader_eval and not multi_turn:
         raise click.UsageError("--reader goes with --multi-turn")
     if multi_turn:
-        return _multi_turn(pair, tr, source, target, examples, switches, json_out, console,
-                           reader_eval, demo_pair)  # fmt: skip
+        return _multi_turn(pair, tr, backward, examples, switches, json_out, console,
+                           reader_eval)  # fmt: skip
     if data_path is None:  # the demo's held-out dialogues, never trained on
         from ..demo.pair import demo_eval_data
 
@@ -124,8 +124,9 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
             json.dump(result, f, indent=1)
 
 
-def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console, reader=False,
-                demo_pair="dense"):  # fmt: skip
+def _multi_turn(pair, tr, backward, dialogues, switches, json_out, console, reader=False):
+    """`backward`: the demo pair's shipped large -> small translator (None: switching back
+    re-reads), loaded with the pair by the one loader."""
     from ..measure.multiturn import (
         evaluate_multiturn,
         evaluate_reader,
@@ -134,11 +135,6 @@ def _multi_turn(pair, tr, source, target, dialogues, switches, json_out, console
         render_table,
     )
 
-    backward = None
-    if source is None and target is None:
-        from ..demo.pair import load_demo
-
-        _, backward = load_demo(reverse=True, pair=demo_pair)
     if reader:  # `switches` counts the large model's turns here
         result = evaluate_reader(pair, tr, backward, load_chitchat(dialogues), turns=switches)
         render_reader_table(result, console)

@@ -15,7 +15,7 @@ import sys
 import click
 
 from ..conversation.records import AUTO_THRESHOLD
-from ._common import source_option, target_option, translator_option
+from ._common import pair_option, source_option, target_option, translator_option
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -35,6 +35,7 @@ def _loopback(host: str) -> bool:
 @source_option
 @target_option
 @translator_option
+@pair_option
 @click.option("--backward-translator", type=click.Path(dir_okay=False),
               help="Large -> small translator (default: the demo's, if any)")  # fmt: skip
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -63,7 +64,7 @@ def _loopback(host: str) -> bool:
               help="Who reads new turns for the large model (default: the library's policy)")  # fmt: skip
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")
-def serve_cmd(source, target, translator, backward_translator, host, port, api_key, max_tokens,
+def serve_cmd(source, target, translator, demo_pair, backward_translator, host, port, api_key, max_tokens,
               default_max_tokens, max_prompt_tokens, max_body_bytes, queue_size,
               max_conversations, auto_threshold, mode, reader, insecure, verbose):  # fmt: skip
     """Serve the pair over the OpenAI chat-completions API (models: small, large, auto)."""
@@ -79,9 +80,12 @@ def serve_cmd(source, target, translator, backward_translator, host, port, api_k
         raise click.UsageError("--default-max-tokens must not exceed --max-tokens")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(message)s")  # fmt: skip
+    if demo_pair != "dense" and (source or target):
+        raise click.UsageError("--pair chooses a demo pair: not with --source/--target")
     click.echo("loading models...", err=True)
     try:
-        runtime = Runtime.load(source, target, translator, backward_translator)
+        runtime = Runtime.load(source, target, translator, backward_translator,
+                               pair=None if source or target else demo_pair)  # fmt: skip
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise click.ClickException(str(e)) from None
     limits = Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens,

@@ -26,7 +26,7 @@ from ._common import resolve_pair, source_option, target_option, translator_opti
               help="Target prompt cache file for `mlx_lm.generate --prompt-cache-file`")  # fmt: skip
 def translate_cmd(source, target, translator, cache_in, prompt, output):
     """Translate a source prompt cache into the target's, with no target prefill."""
-    pair, tr = resolve_pair(source, target, translator)
+    pair, tr, _ = resolve_pair(source, target, translator)
     if (cache_in is None) == (prompt is None):
         raise click.UsageError("give exactly one of --prompt-cache-file and --prompt")
     metadata = {}

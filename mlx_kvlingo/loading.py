@@ -1,0 +1,106 @@
+"""The one resolver and the one loader: a translator spec and a direction -> a file; names -> a pair.
+
+A translator *spec* is one of
+    a path                        (an existing file: taken as it is)
+    org/name[@revision][:file]    (a Hugging Face Hub id: downloaded, or read from the Hub cache)
+    a demo file name              (with a demo pair: a file under weights/translators/)
+    None                          (with a demo pair: its shipped default for the direction)
+and a *direction*: forward (small -> large) or `reverse` (large -> small). The one rule about
+absence lives here: a demo pair that ships no backward translator resolves to None (switching
+back to the small model then re-reads), while a missing forward translator is an error.
+
+`load_models_and_translators` loads the pair (named, or a demo pair when neither model is named)
+and both translators, each validated against its direction of the pair. `Runtime.load` and
+every command load through it; nothing else in the package loads a pair for a command.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .translator import Translator
+
+#: the demo pairs (`demo/pair.py`): the same small source, a dense or an MoE large target
+DEMO_PAIRS = ("dense", "moe")
+
+
+def resolve_translator_spec(
+    spec: str | Path | None, reverse: bool = False, pair_name: str | None = None
+) -> Path | None:
+    """The translator file `spec` names for the direction (see the module docstring).
+
+    `pair_name`: the demo pair the spec is read against ("dense", "moe"), or None for a named
+    pair (then None resolves to None: no translator). Raises `FileNotFoundError` for a demo
+    name that is not shipped, `HubError` (a ValueError) for what is neither a file nor a Hub
+    id, `ValueError` for an unknown demo pair.
+    """
+    from .hub import resolve_translator
+
+    if pair_name is not None:
+        from .demo import pair as demo
+
+        try:
+            return demo.translator_path(None if spec is None else str(spec), reverse, pair_name)
+        except (FileNotFoundError, KeyError):
+            if spec is None and reverse:
+                return None  # no shipped backward translator: switching back re-reads
+            raise
+    if spec is None:
+        return None
+    return resolve_translator(spec, reverse)  # a path, or a Hub id (HubError: neither)
+
+
+def _translator(
+    spec: str | Path | Translator | None, pair: Any, reverse: bool, pair_name: str | None
+) -> Translator | None:
+    if isinstance(spec, Translator):
+        return spec
+    path = resolve_translator_spec(spec, reverse, pair_name)
+    if path is None:
+        return None
+    from .format import load_translator
+
+    return load_translator(path, pair)
+
+
+def load_models_and_translators(
+    source: str | Path | None = None,
+    target: str | Path | None = None,
+    translator: str | Path | Translator | None = None,
+    backward: str | Path | Translator | None = None,
+    demo_pair: str | None = None,
+    *,
+    dtype: Any = "auto",
+) -> tuple[Any, Translator | None, Translator | None]:
+    """(pair, forward, backward): the pair and its small -> large and large -> small translators.
+
+    Neither `source` nor `target`: the demo pair `demo_pair` (default "dense"), its shipped
+    translators unless named. Both: that pair; a translator left None is None. `demo_pair` with
+    a named model is a ValueError. Translators are checked against their direction of the pair
+    (`TranslatorFileError`); a pair whose tokenizers differ raises `TokenizerMismatchError`.
+    """
+    from .pair import load_pair
+
+    if source is None and target is None:
+        demo_pair = demo_pair or "dense"
+        if demo_pair not in DEMO_PAIRS:
+            raise ValueError(f"unknown demo pair {demo_pair!r} (known: {', '.join(DEMO_PAIRS)})")
+        from .demo import pair as demo
+
+        source, target = demo.demo_models(demo_pair)
+    elif source is None or target is None:
+        raise ValueError("give both source and target, or neither for the demo pair")
+    elif demo_pair is not None:
+        raise ValueError("a demo pair is chosen by name only without source/target")
+    pair = load_pair(source, target, dtype=dtype)
+    forward = _translator(translator, pair, False, demo_pair)
+    back = _translator(backward, pair.reversed(), True, demo_pair)
+    return pair, forward, back
+
+
+def demo_paths(demo_pair: str | None) -> tuple[Path, Path]:
+    """The demo pair's (source folder, target folder), built on first use."""
+    from .demo import pair as demo
+
+    return demo.demo_models(demo_pair or "dense")
