@@ -30,10 +30,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from .conversation.records import AUTO_THRESHOLD
 from .pair import ModelPair
 from .sampling import resolve as resolve_sampling
 from .session import (
@@ -128,6 +129,8 @@ class Event:
     timings: Timings | None = None
     status: str = ""
     confidence: float | None = None  # done: mean token log-prob (0 = certain)
+    #: done of a `cascade`'s small answer: True when the large model answers again next
+    escalating: bool = False
 
 
 @dataclass(frozen=True)
@@ -597,7 +600,8 @@ class Conversation:
 
     @property
     def last(self) -> Event | None:
-        """The `done` event of the last answer (None before the first one)."""
+        """The `done` event of the last answer (None before the first one), also of one whose
+        stream was closed or interrupted before its done event (it ends "cancelled")."""
         return self._last
 
     def stats(self) -> dict[str, Any]:
@@ -707,6 +711,65 @@ class Conversation:
             return self._session.escalate(role, **sample)
 
         return self._open(start, label, wait, timeout)
+
+    def cascade(
+        self,
+        text: str | None,
+        threshold: float = AUTO_THRESHOLD,
+        *,
+        max_tokens: int = 256,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context_size: int | None = None,
+        seed: int | None = None,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> Stream:
+        """The small model answers; below `threshold` confidence the large one answers again.
+
+        `text` is added as a user message (None: answer what the conversation holds
+        unanswered, as `answer`). The small model's answer streams as `send` streams it; its
+        done event has `escalating=True` when its `confidence` (mean token log-prob,
+        `conversation.records.answer_confidence`) is below `threshold`, and the stream then
+        goes on with `escalate("large")`: the large model's token events and done event. A
+        stopped (cancelled) small answer, or one without tokens, is kept as it is.
+        Sampling settings apply to both answers; `seed` seeds the small answer and `seed + 1`
+        the large one (one draw per answer).
+        """
+        kw: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                  top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                                  repetition_context_size=repetition_context_size, wait=wait,
+                                  timeout=timeout)  # fmt: skip
+        if text is None:
+            small = self.answer("small", seed=seed, **kw)
+        else:
+            small = self.send(text, "small", seed=seed, **kw)
+        self._sample_kwargs("target", max_tokens, temperature, top_p, top_k, min_p,
+                            repetition_penalty, repetition_context_size, seed)  # fmt: skip
+        return self._cascade(small, threshold, seed, kw)
+
+    def _cascade(
+        self, small: Stream, threshold: float, seed: int | None, kw: dict[str, Any]
+    ) -> Stream:
+        done: Event | None = None
+        try:
+            for ev in small:
+                if ev.kind == "done":
+                    done = ev
+                    break
+                yield ev
+        finally:
+            small.close()
+        if done is None:
+            return
+        unsure = done.confidence is not None and done.confidence < threshold
+        escalating = unsure and done.finish_reason != "cancelled"
+        yield replace(done, escalating=escalating)
+        if escalating:
+            yield from self.escalate("large", seed=None if seed is None else seed + 1, **kw)
 
     def add_messages(
         self, messages: list[dict[str, str]], *, wait: bool = True, timeout: float | None = None
@@ -831,6 +894,7 @@ class Conversation:
             yield Event("done", "", label, finish_reason="cancelled", status="cancelled")
             return
         events: Iterator[TokenEvent] | None = None
+        before = self._session.last_turn
         try:
             events = start()
             if self._cancel.is_set():  # cancel() landed before generate() cleared the flag
@@ -847,6 +911,9 @@ class Conversation:
                 if active is not None and active[0] is events:  # closed from another thread
                     self._session._active = None
             self.runtime._release()
+            after = self._session.last_turn
+            if events is not None and after is not None and after is not before:
+                self._last = self._done(after)  # also when stopped early: `last` describes it
         done = self._done(st) if st is not None else Event("done", "", label, status="")
         self._last = done
         yield done

@@ -417,3 +417,28 @@ def test_demo_pair_by_name_and_the_backward_rule(files, monkeypatch):
         Runtime.load(pair="sparse", warmup=False)
     with pytest.raises(ValueError, match="demo pair is chosen by name only"):
         Runtime.load(files["source"], files["target"], pair="moe", warmup=False)
+
+
+def test_cascade_keeps_or_escalates(runtime):
+    """The small model answers; below the threshold the large one answers again (forced by
+    thresholds no confidence can reach: above 0, below any finite log-prob)."""
+    conv = runtime.new_conversation(system_prompt="Be brief.")
+    events = list(conv.cascade(MSG[0], threshold=-1e9, max_tokens=N, temperature=0))
+    *tokens, done = events
+    assert all(e.kind == "token" and e.model == "small" for e in tokens)
+    assert done.kind == "done" and done.model == "small" and not done.escalating
+    assert conv.last.text == done.text and conv.messages[-1]["content"] == done.text
+
+    events = list(conv.cascade(MSG[1], threshold=0.1, max_tokens=N, temperature=0))
+    dones = [e for e in events if e.kind == "done"]
+    assert [d.model for d in dones] == ["small", "large"]
+    assert dones[0].escalating and not dones[1].escalating
+    assert dones[0].confidence < 0.1
+    assert [e.model for e in events[events.index(dones[0]) + 1 :]] == ["large"] * (
+        len(events) - events.index(dones[0]) - 1
+    )
+    assert conv.last is dones[1] and conv.messages[-1]["content"] == dones[1].text
+    assert dones[1].timings.translated_tokens > 0  # the large caught up by translation
+    assert len([m for m in conv.messages if m["role"] == "assistant"]) == 2
+    assert_consistent(conv)
+    assert not runtime.busy
