@@ -599,6 +599,12 @@ class Conversation:
         return list(self._session.tokens)
 
     @property
+    def pending(self) -> bool:
+        """True when the conversation ends with a user message that has no answer yet (one
+        refused as too long, say: `trim`, then `answer`)."""
+        return self._session.pending
+
+    @property
     def last(self) -> Event | None:
         """The `done` event of the last answer (None before the first one), also of one whose
         stream was closed or interrupted before its done event (it ends "cancelled")."""
@@ -815,6 +821,16 @@ class Conversation:
         self._cancel.set()
         self._session.cancel()
         self.runtime._wake()
+
+    def trim(
+        self, max_tokens: int | None = None, *, wait: bool = True, timeout: float | None = None
+    ) -> int:
+        """Drop the oldest turns until the conversation fits in `max_tokens` tokens (default:
+        half of `max_kv_size`); the system prompt and the last message stay. Both caches are
+        cut to the prefix the shortened conversation shares with the old one, and the next
+        answering model re-reads the rest. Returns the number of messages dropped
+        (`ContextOverflowError`, a ConversationError, when the last message alone is over)."""
+        return self._locked(lambda: self._session.trim(max_tokens), wait, timeout)
 
     # -- files and reset -------------------------------------------------------------------
 

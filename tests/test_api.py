@@ -442,3 +442,17 @@ def test_cascade_keeps_or_escalates(runtime):
     assert len([m for m in conv.messages if m["role"] == "assistant"]) == 2
     assert_consistent(conv)
     assert not runtime.busy
+
+
+def test_trim_and_pending(runtime):
+    conv = runtime.new_conversation(system_prompt="Be brief.")
+    conv.ask(MSG[0], "small", max_tokens=N, temperature=0)
+    assert not conv.pending
+    conv.add_messages([{"role": "user", "content": MSG[1]}])
+    assert conv.pending
+    assert conv.trim(conv.tokens - 1) == 2  # the first exchange goes, the last message stays
+    assert [m["role"] for m in conv.messages] == ["system", "user"] and conv.pending
+    done = list(conv.answer("large", max_tokens=N, temperature=0))[-1]
+    assert done.kind == "done" and not conv.pending
+    assert_consistent(conv)
+    assert conv.trim(10_000) == 0
