@@ -179,11 +179,18 @@ def _nbytes(module: Translator) -> int:
     return int(sum(v.nbytes for _, v in leaves))
 
 
-def _seed(seed: int | None) -> None:
+def _seed(seed: int | None, messages: list[dict[str, str]]) -> None:
+    """The one seed rule: an answer is drawn with MLX seeded to `seed` plus the number of
+    assistant messages before the user message it answers. Reproducible from the messages
+    alone (a client resending a conversation, a restored file, a conversation held in a
+    server's pool), the same for whichever model answers or re-answers (escalate, cascade),
+    and a new draw each turn."""
     if seed is not None:
         import mlx.core as mx
 
-        mx.random.seed(seed)
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        before = messages[: users[-1]] if users else messages
+        mx.random.seed(seed + sum(1 for m in before if m["role"] == "assistant"))
 
 
 class _Ticket:
@@ -640,7 +647,10 @@ class Conversation:
         `close()`) keeps the tokens emitted so far as the answer and leaves both caches
         consistent. Sampling settings left None come from the answering model's
         `generation_config.json`, else from `mlx_kvlingo.sampling.DEFAULTS`; `temperature=0`
-        is greedy. `wait`/`timeout`: what to do when another conversation is generating.
+        is greedy. `seed`: MLX's generator is seeded with `seed` plus the number of assistant
+        messages before this turn (the one seed rule of every answer: reproducible from the
+        messages, a new draw each turn, the same for an escalation). `wait`/`timeout`: what
+        to do when another conversation is generating.
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, not {type(text).__name__}")
@@ -650,7 +660,7 @@ class Conversation:
 
         def start() -> Iterator[TokenEvent]:
             self._session.add_user(text)
-            _seed(seed)
+            _seed(seed, self._session.messages)
             return self._session.generate(role, **sample)
 
         return self._open(start, _LABEL[role], wait, timeout)
@@ -678,7 +688,7 @@ class Conversation:
                                      repetition_penalty, repetition_context_size, seed)  # fmt: skip
 
         def start() -> Iterator[TokenEvent]:
-            _seed(seed)
+            _seed(seed, self._session.messages)
             return self._session.generate(role, **sample)
 
         return self._open(start, _LABEL[role], wait, timeout)
@@ -713,7 +723,7 @@ class Conversation:
                                      repetition_penalty, repetition_context_size, seed)  # fmt: skip
 
         def start() -> Iterator[TokenEvent]:
-            _seed(seed)
+            _seed(seed, self._session.messages)
             return self._session.escalate(role, **sample)
 
         return self._open(start, label, wait, timeout)
@@ -742,8 +752,7 @@ class Conversation:
         `conversation.records.answer_confidence`) is below `threshold`, and the stream then
         goes on with `escalate("large")`: the large model's token events and done event. A
         stopped (cancelled) small answer, or one without tokens, is kept as it is.
-        Sampling settings apply to both answers; `seed` seeds the small answer and `seed + 1`
-        the large one (one draw per answer).
+        Sampling settings and `seed` (the seed rule of `send`) apply to both answers.
         """
         kw: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
@@ -775,7 +784,7 @@ class Conversation:
         escalating = unsure and done.finish_reason != "cancelled"
         yield replace(done, escalating=escalating)
         if escalating:
-            yield from self.escalate("large", seed=None if seed is None else seed + 1, **kw)
+            yield from self.escalate("large", seed=seed, **kw)
 
     def add_messages(
         self, messages: list[dict[str, str]], *, wait: bool = True, timeout: float | None = None

@@ -456,3 +456,21 @@ def test_trim_and_pending(runtime):
     assert done.kind == "done" and not conv.pending
     assert_consistent(conv)
     assert conv.trim(10_000) == 0
+
+
+def test_one_seed_rule():
+    """An answer is seeded with seed + the assistant messages before the turn it answers."""
+    from mlx_kvlingo.api import _seed
+
+    def draw(seed=None, messages=None):
+        if messages is None:
+            mx.random.seed(seed)
+        else:
+            _seed(seed, messages)
+        return mx.random.uniform(shape=(4,)).tolist()
+
+    u, a, sys_ = ({"role": r, "content": "x"} for r in ("user", "assistant", "system"))
+    assert draw(5, [sys_, u]) == draw(5)  # the first turn: the seed as given
+    assert draw(5, [sys_, u, a, u]) == draw(6) != draw(5)  # a new draw each turn
+    assert draw(5, [u, a, u, a]) == draw(6)  # re-answering (escalate): the same position
+    assert draw(5, []) == draw(5)  # raw tokens, no messages

@@ -174,11 +174,9 @@ class ChatApp:
 
     def sample(self) -> dict:
         """The answer's `Conversation` keywords: max tokens and the explicit sampling settings
-        (the answering model's defaults fill the rest). Chat's seed rule: the seed given plus
-        the number of answers so far, reproducible and not the same draw each turn."""
+        (the answering model's defaults fill the rest); `--seed` goes through as given, under
+        the API's one seed rule (`Conversation.send`)."""
         kw = {"temperature" if k == "temp" else k: v for k, v in self.sampling.items()}
-        if kw.get("seed") is not None:
-            kw["seed"] += sum(m["turns"] for m in self.conv.stats()["models"].values())
         return {"max_tokens": self.max_tokens, **kw}
 
     def warm_sample(self, model: str) -> dict:
