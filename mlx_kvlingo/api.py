@@ -30,10 +30,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from .conversation.records import AUTO_THRESHOLD
 from .pair import ModelPair
 from .sampling import resolve as resolve_sampling
 from .session import (
@@ -128,6 +129,8 @@ class Event:
     timings: Timings | None = None
     status: str = ""
     confidence: float | None = None  # done: mean token log-prob (0 = certain)
+    #: done of a `cascade`'s small answer: True when the large model answers again next
+    escalating: bool = False
 
 
 @dataclass(frozen=True)
@@ -176,11 +179,18 @@ def _nbytes(module: Translator) -> int:
     return int(sum(v.nbytes for _, v in leaves))
 
 
-def _seed(seed: int | None) -> None:
+def _seed(seed: int | None, messages: list[dict[str, str]]) -> None:
+    """The one seed rule: an answer is drawn with MLX seeded to `seed` plus the number of
+    assistant messages before the user message it answers. Reproducible from the messages
+    alone (a client resending a conversation, a restored file, a conversation held in a
+    server's pool), the same for whichever model answers or re-answers (escalate, cascade),
+    and a new draw each turn."""
     if seed is not None:
         import mlx.core as mx
 
-        mx.random.seed(seed)
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        before = messages[: users[-1]] if users else messages
+        mx.random.seed(seed + sum(1 for m in before if m["role"] == "assistant"))
 
 
 class _Ticket:
@@ -596,8 +606,15 @@ class Conversation:
         return list(self._session.tokens)
 
     @property
+    def pending(self) -> bool:
+        """True when the conversation ends with a user message that has no answer yet (one
+        refused as too long, say: `trim`, then `answer`)."""
+        return self._session.pending
+
+    @property
     def last(self) -> Event | None:
-        """The `done` event of the last answer (None before the first one)."""
+        """The `done` event of the last answer (None before the first one), also of one whose
+        stream was closed or interrupted before its done event (it ends "cancelled")."""
         return self._last
 
     def stats(self) -> dict[str, Any]:
@@ -630,7 +647,10 @@ class Conversation:
         `close()`) keeps the tokens emitted so far as the answer and leaves both caches
         consistent. Sampling settings left None come from the answering model's
         `generation_config.json`, else from `mlx_kvlingo.sampling.DEFAULTS`; `temperature=0`
-        is greedy. `wait`/`timeout`: what to do when another conversation is generating.
+        is greedy. `seed`: MLX's generator is seeded with `seed` plus the number of assistant
+        messages before this turn (the one seed rule of every answer: reproducible from the
+        messages, a new draw each turn, the same for an escalation). `wait`/`timeout`: what
+        to do when another conversation is generating.
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, not {type(text).__name__}")
@@ -640,7 +660,7 @@ class Conversation:
 
         def start() -> Iterator[TokenEvent]:
             self._session.add_user(text)
-            _seed(seed)
+            _seed(seed, self._session.messages)
             return self._session.generate(role, **sample)
 
         return self._open(start, _LABEL[role], wait, timeout)
@@ -668,7 +688,7 @@ class Conversation:
                                      repetition_penalty, repetition_context_size, seed)  # fmt: skip
 
         def start() -> Iterator[TokenEvent]:
-            _seed(seed)
+            _seed(seed, self._session.messages)
             return self._session.generate(role, **sample)
 
         return self._open(start, _LABEL[role], wait, timeout)
@@ -703,10 +723,68 @@ class Conversation:
                                      repetition_penalty, repetition_context_size, seed)  # fmt: skip
 
         def start() -> Iterator[TokenEvent]:
-            _seed(seed)
+            _seed(seed, self._session.messages)
             return self._session.escalate(role, **sample)
 
         return self._open(start, label, wait, timeout)
+
+    def cascade(
+        self,
+        text: str | None,
+        threshold: float = AUTO_THRESHOLD,
+        *,
+        max_tokens: int = 256,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        min_p: float | None = None,
+        repetition_penalty: float | None = None,
+        repetition_context_size: int | None = None,
+        seed: int | None = None,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> Stream:
+        """The small model answers; below `threshold` confidence the large one answers again.
+
+        `text` is added as a user message (None: answer what the conversation holds
+        unanswered, as `answer`). The small model's answer streams as `send` streams it; its
+        done event has `escalating=True` when its `confidence` (mean token log-prob,
+        `conversation.records.answer_confidence`) is below `threshold`, and the stream then
+        goes on with `escalate("large")`: the large model's token events and done event. A
+        stopped (cancelled) small answer, or one without tokens, is kept as it is.
+        Sampling settings and `seed` (the seed rule of `send`) apply to both answers.
+        """
+        kw: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                  top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
+                                  repetition_context_size=repetition_context_size, wait=wait,
+                                  timeout=timeout)  # fmt: skip
+        if text is None:
+            small = self.answer("small", seed=seed, **kw)
+        else:
+            small = self.send(text, "small", seed=seed, **kw)
+        self._sample_kwargs("target", max_tokens, temperature, top_p, top_k, min_p,
+                            repetition_penalty, repetition_context_size, seed)  # fmt: skip
+        return self._cascade(small, threshold, seed, kw)
+
+    def _cascade(
+        self, small: Stream, threshold: float, seed: int | None, kw: dict[str, Any]
+    ) -> Stream:
+        done: Event | None = None
+        try:
+            for ev in small:
+                if ev.kind == "done":
+                    done = ev
+                    break
+                yield ev
+        finally:
+            small.close()
+        if done is None:
+            return
+        unsure = done.confidence is not None and done.confidence < threshold
+        escalating = unsure and done.finish_reason != "cancelled"
+        yield replace(done, escalating=escalating)
+        if escalating:
+            yield from self.escalate("large", seed=seed, **kw)
 
     def add_messages(
         self, messages: list[dict[str, str]], *, wait: bool = True, timeout: float | None = None
@@ -752,6 +830,16 @@ class Conversation:
         self._cancel.set()
         self._session.cancel()
         self.runtime._wake()
+
+    def trim(
+        self, max_tokens: int | None = None, *, wait: bool = True, timeout: float | None = None
+    ) -> int:
+        """Drop the oldest turns until the conversation fits in `max_tokens` tokens (default:
+        half of `max_kv_size`); the system prompt and the last message stay. Both caches are
+        cut to the prefix the shortened conversation shares with the old one, and the next
+        answering model re-reads the rest. Returns the number of messages dropped
+        (`ContextOverflowError`, a ConversationError, when the last message alone is over)."""
+        return self._locked(lambda: self._session.trim(max_tokens), wait, timeout)
 
     # -- files and reset -------------------------------------------------------------------
 
@@ -831,6 +919,7 @@ class Conversation:
             yield Event("done", "", label, finish_reason="cancelled", status="cancelled")
             return
         events: Iterator[TokenEvent] | None = None
+        before = self._session.last_turn
         try:
             events = start()
             if self._cancel.is_set():  # cancel() landed before generate() cleared the flag
@@ -847,6 +936,9 @@ class Conversation:
                 if active is not None and active[0] is events:  # closed from another thread
                     self._session._active = None
             self.runtime._release()
+            after = self._session.last_turn
+            if events is not None and after is not None and after is not before:
+                self._last = self._done(after)  # also when stopped early: `last` describes it
         done = self._done(st) if st is not None else Event("done", "", label, status="")
         self._last = done
         yield done

@@ -27,7 +27,8 @@ class Sampling:
     min_p: float = 0.05
     repetition_penalty: float = 1.1  # 1.0: off
     repetition_context_size: int = 256  # the last answer and the new turn, not only this one
-    seed: int | None = None  # seeds MLX's generator before the answer (None: leave it)
+    seed: int | None = None  # seeds MLX's generator before the answer (None: leave it); a
+    # conversation's answers add the number of assistant messages before them (api._seed)
 
     def sampler(self):
         """mlx-lm's sampler for these settings (argmax when temp is 0)."""

@@ -676,14 +676,19 @@ class Context:
         return Session(self.pair, self.forward, self.backward, system_prompt="Be brief.", **kw)
 
     def chat(self):
-        if self._chat is None or len(self._chat.s.tokens) > 300:
+        if self._chat is None or self._chat.conv.tokens > 300:
             from mlx_kvlingo.cli.chat import ChatApp
 
             from rich.console import Console
 
             self._console = io.StringIO()
             console = Console(file=self._console, highlight=False, width=100)
-            self._chat = ChatApp(self.session(max_kv_size=512), max_tokens=3,
+            from mlx_kvlingo import Runtime
+
+            conv = Runtime(self.pair, self.forward, self.backward).new_conversation(
+                system_prompt="Be brief.", max_kv_size=512
+            )
+            self._chat = ChatApp(conv, max_tokens=3,
                                  sampling={"temp": 0.0}, auto_threshold=-1.5, console=console)  # fmt: skip
         self._console.seek(0)
         self._console.truncate()
@@ -755,7 +760,7 @@ def run_loader(ctx: Context, inp: Input, box: Path) -> None:
             app.handle(inp.line)
         finally:
             sys.stdout = old
-        _check_session(app.s)
+        _check_session(app.conv._session)
     else:
         raise ValueError(f"unknown loader {loader!r}")
 

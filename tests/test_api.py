@@ -417,3 +417,60 @@ def test_demo_pair_by_name_and_the_backward_rule(files, monkeypatch):
         Runtime.load(pair="sparse", warmup=False)
     with pytest.raises(ValueError, match="demo pair is chosen by name only"):
         Runtime.load(files["source"], files["target"], pair="moe", warmup=False)
+
+
+def test_cascade_keeps_or_escalates(runtime):
+    """The small model answers; below the threshold the large one answers again (forced by
+    thresholds no confidence can reach: above 0, below any finite log-prob)."""
+    conv = runtime.new_conversation(system_prompt="Be brief.")
+    events = list(conv.cascade(MSG[0], threshold=-1e9, max_tokens=N, temperature=0))
+    *tokens, done = events
+    assert all(e.kind == "token" and e.model == "small" for e in tokens)
+    assert done.kind == "done" and done.model == "small" and not done.escalating
+    assert conv.last.text == done.text and conv.messages[-1]["content"] == done.text
+
+    events = list(conv.cascade(MSG[1], threshold=0.1, max_tokens=N, temperature=0))
+    dones = [e for e in events if e.kind == "done"]
+    assert [d.model for d in dones] == ["small", "large"]
+    assert dones[0].escalating and not dones[1].escalating
+    assert dones[0].confidence < 0.1
+    assert [e.model for e in events[events.index(dones[0]) + 1 :]] == ["large"] * (
+        len(events) - events.index(dones[0]) - 1
+    )
+    assert conv.last is dones[1] and conv.messages[-1]["content"] == dones[1].text
+    assert dones[1].timings.translated_tokens > 0  # the large caught up by translation
+    assert len([m for m in conv.messages if m["role"] == "assistant"]) == 2
+    assert_consistent(conv)
+    assert not runtime.busy
+
+
+def test_trim_and_pending(runtime):
+    conv = runtime.new_conversation(system_prompt="Be brief.")
+    conv.ask(MSG[0], "small", max_tokens=N, temperature=0)
+    assert not conv.pending
+    conv.add_messages([{"role": "user", "content": MSG[1]}])
+    assert conv.pending
+    assert conv.trim(conv.tokens - 1) == 2  # the first exchange goes, the last message stays
+    assert [m["role"] for m in conv.messages] == ["system", "user"] and conv.pending
+    done = list(conv.answer("large", max_tokens=N, temperature=0))[-1]
+    assert done.kind == "done" and not conv.pending
+    assert_consistent(conv)
+    assert conv.trim(10_000) == 0
+
+
+def test_one_seed_rule():
+    """An answer is seeded with seed + the assistant messages before the turn it answers."""
+    from mlx_kvlingo.api import _seed
+
+    def draw(seed=None, messages=None):
+        if messages is None:
+            mx.random.seed(seed)
+        else:
+            _seed(seed, messages)
+        return mx.random.uniform(shape=(4,)).tolist()
+
+    u, a, sys_ = ({"role": r, "content": "x"} for r in ("user", "assistant", "system"))
+    assert draw(5, [sys_, u]) == draw(5)  # the first turn: the seed as given
+    assert draw(5, [sys_, u, a, u]) == draw(6) != draw(5)  # a new draw each turn
+    assert draw(5, [u, a, u, a]) == draw(6)  # re-answering (escalate): the same position
+    assert draw(5, []) == draw(5)  # raw tokens, no messages

@@ -113,7 +113,7 @@ SESSION_USERS = {
     "mlx_kvlingo.measure.conversation_bench": "measures the session itself, turn by turn",
 }
 #: still reaching in, to be moved onto `Conversation` (issue 27 part c): this set may only shrink
-SESSION_PENDING = {"mlx_kvlingo.cli.chat"}
+SESSION_PENDING: set[str] = set()
 #: every way of loading a model or a translator file that bypasses the one loader
 LOADERS = {"load_pair", "load_demo", "load_translator", "resolve_translator", "translator_path",
            "load_model", "mlx_lm_load"}  # fmt: skip

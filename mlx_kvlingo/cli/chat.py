@@ -14,21 +14,21 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..conversation.records import AUTO_THRESHOLD, LABEL
-from ..distributed import DistributedError
-from ..sampling import describe as describe_sampling
-from ..sampling import resolve as resolve_sampling
-from ..session import (
+from ..api import (
     MODES,
     READER_MARGIN,
     READER_MIN_TOKENS,
     READERS,
-    ContextOverflowError,
-    Session,
-    SessionError,
-    TurnStats,
-    status_line,
+    Conversation,
+    ConversationError,
+    Event,
+    Runtime,
+    Stream,
 )
+from ..conversation.records import AUTO_THRESHOLD, LABEL
+from ..distributed import DistributedError
+from ..sampling import describe as describe_sampling
+from ..sampling import resolve as resolve_sampling
 from ._common import (
     pair_option,
     resolve_pair,
@@ -63,33 +63,35 @@ HELP = [
 ]
 
 
-def describe_reader(session) -> str:
-    """What the session's reader policy does, in words."""
-    if session.reader == "small":
+def describe_reader(conv) -> str:
+    """What the conversation's reader policy does, in words."""
+    if conv.reader == "small":
         return "the small model reads every turn, the large one decodes from the translated cache"
-    rule = (f"the small model reads the opening and turns of {session.reader_min_tokens}+ "
+    rule = (f"the small model reads the opening and turns of {conv.reader_min_tokens}+ "
             "tokens, the large one shorter turns")  # fmt: skip
-    if session.reader == "tokens":
+    if conv.reader == "tokens":
         return rule
-    if session.reader == "auto":
+    if conv.reader == "auto":
         return (f"whichever starts the answer sooner at the rates measured here; within "
-                f"{session.reader_margin:.0%}, {rule}")  # fmt: skip
+                f"{conv.reader_margin:.0%}, {rule}")  # fmt: skip
     return "the answering model reads your turn itself"
 
 
 class ChatApp:
-    """The chat loop, separated from click so it can be driven line by line."""
+    """The chat loop over one `Conversation`, separated from click so it can be driven line by
+    line. Models are named by role inside: "source" (small) and "target" (large)."""
 
-    def __init__(self, session: Session, *, max_tokens: int, sampling: dict | None = None,
+    def __init__(self, conv: Conversation, *, max_tokens: int, sampling: dict | None = None,
                  auto_threshold: float, console: Console | None = None, first: str = "target"):  # fmt: skip
-        self.s = session
+        self.conv = conv
         self.max_tokens = max_tokens
         self.sampling = sampling or {}  # explicit settings; the rest per model (sampling.py)
         self.next = first
         self.auto = False
         self.threshold = auto_threshold
         self.console = console or Console(highlight=False)
-        self.names = {"source": session.pair.source.name, "target": session.pair.target.name}
+        models = conv.runtime.models
+        self.names = {"source": models["small"], "target": models["large"]}
 
     # -- output ------------------------------------------------------------------------------
 
@@ -105,73 +107,82 @@ class ChatApp:
         for k, v in HELP:
             self.console.print(f"  [bold]{escape(k.ljust(w))}[/bold]  [grey50]{v}[/grey50]")
 
-    def stream(self, events) -> TurnStats | None:
-        """Print a streamed answer; Ctrl-C stops it (the session keeps what was emitted)."""
+    def stream(self, events: Stream, cascade: bool = False) -> Event | None:
+        """Print a streamed answer (a cascade's: one or two), each with its status line;
+        Ctrl-C stops it (the conversation keeps what was emitted). The last done event."""
         import mlx.core as mx
 
         mx.reset_peak_memory()
-        model = None
+        started = False
+        done = None
         try:
             for ev in events:
-                if model is None:
-                    model = ev.model
-                    self.console.print(f"[bold magenta]{LABEL[model]}[/bold magenta] ", end="")
+                if ev.kind == "done":
+                    done, started = ev, False
+                    sys.stdout.write("\n")
+                    self.say("  " + escape(ev.status))
+                    if cascade and ev.model == "small":
+                        self.verdict(ev)
+                        if ev.escalating:
+                            mx.reset_peak_memory()
+                    continue
+                if not started:
+                    started = True
+                    self.console.print(f"[bold magenta]{ev.model}[/bold magenta] ", end="")
                 sys.stdout.write(ev.text.translate(_CONTROL))
                 sys.stdout.flush()
-            sys.stdout.write("\n")
         except KeyboardInterrupt:
             events.close()
             sys.stdout.write("\n")
             self.say("  " + escape("[stopped]"))
-        st = self.s.last_turn
-        if st is not None:
-            self.say("  " + escape(status_line(st, self.names)))
-        return st
+            done = self.conv.last  # the stopped answer (the conversation kept it)
+            if done is not None:
+                self.say("  " + escape(done.status))
+        return done
+
+    def verdict(self, ev: Event) -> None:
+        """The cascade's decision on the small answer `ev`, in one line."""
+        if ev.confidence is None or ev.finish_reason == "cancelled":
+            return
+        score = f"{escape('[auto]')} confidence {ev.confidence:.2f}"
+        if ev.escalating:
+            self.say(f"  {score} < {self.threshold:.2f}: escalating to large")
+        else:
+            self.say(f"  {score} >= {self.threshold:.2f}: kept")
 
     # -- turns -------------------------------------------------------------------------------
 
-    def answer(self, model: str) -> None:
+    def turn(self, text: str | None) -> None:
+        """Answer `text` (None: the message left unanswered) with the next model, or by the
+        cascade when /auto is on."""
+        kw = self.sample()
         try:
-            st = self.stream(
-                self.s.generate(model, max_tokens=self.max_tokens, **self.sample(model))
-            )
-        except SessionError as e:
-            self.error(str(e))
-            return
-        if self.auto and model == "source" and st is not None and st.confidence is not None:
-            if st.finish_reason in ("cancelled", "interrupted"):
-                return
-            score = f"{escape('[auto]')} confidence {st.confidence:.2f}"
-            if st.confidence < self.threshold:
-                self.say(f"  {score} < {self.threshold:.2f}: escalating to large")
-                self.escalate("target")
+            if self.auto:
+                self.stream(self.conv.cascade(text, self.threshold, **kw), cascade=True)
+            elif text is None:
+                self.stream(self.conv.answer(LABEL[self.next], **kw))
             else:
-                self.say(f"  {score} >= {self.threshold:.2f}: kept")
-
-    def escalate(self, model: str | None = None) -> None:
-        try:
-            into = model or (
-                "source" if self.s.last_turn and self.s.last_turn.model == "target" else "target"
-            )
-            events = self.s.escalate(model, max_tokens=self.max_tokens, **self.sample(into))
-        except SessionError as e:
+                self.stream(self.conv.send(text, LABEL[self.next], **kw))
+        except ConversationError as e:
             self.error(str(e))
-            return
-        self.stream(events)
 
-    def sample(self, model: str) -> dict:
-        """mlx-lm's sampler and logits processors for `model`'s answer."""
-        loaded = self.s.pair.source if model == "source" else self.s.pair.target
-        cfg = resolve_sampling(loaded, **self.sampling)
-        if cfg.seed is not None:
-            import mlx.core as mx
+    def escalate(self) -> None:
+        try:
+            self.stream(self.conv.escalate(**self.sample()))
+        except ConversationError as e:
+            self.error(str(e))
 
-            mx.random.seed(cfg.seed + len(self.s.turns))  # reproducible, not the same each turn
-        return {"sampler": cfg.sampler(), "logits_processors": cfg.logits_processors()}
+    def sample(self) -> dict:
+        """The answer's `Conversation` keywords: max tokens and the explicit sampling settings
+        (the answering model's defaults fill the rest); `--seed` goes through as given, under
+        the API's one seed rule (`Conversation.send`)."""
+        kw = {"temperature" if k == "temp" else k: v for k, v in self.sampling.items()}
+        return {"max_tokens": self.max_tokens, **kw}
 
     def warm_sample(self, model: str) -> dict:
         """The sampler and processors a real turn uses (for the warm-up), without seeding."""
-        loaded = self.s.pair.source if model == "source" else self.s.pair.target
+        pair = self.conv.runtime.pair
+        loaded = pair.source if model == "source" else pair.target
         cfg = resolve_sampling(loaded, **self.sampling)
         return {"sampler": cfg.sampler(), "logits_processors": cfg.logits_processors()}
 
@@ -185,15 +196,14 @@ class ChatApp:
         if line in ("q", "/quit", "/exit"):
             return False
         if line in ("r", "/reset"):
-            self.s.reset()
+            self.conv.reset()
             self.say("  reset: context cleared", "green")
             return True
         if line in ("h", "/help"):
             self.help()
             return True
         if not line.startswith("/"):
-            self.s.add_user(line)
-            self.answer("source" if self.auto else self.next)
+            self.turn(line)
             return True
         try:
             cmd, *args = shlex.split(line)
@@ -202,9 +212,7 @@ class ChatApp:
             return True
         try:
             self.command(cmd, args)
-        except ContextOverflowError as e:
-            self.error(str(e))
-        except SessionError as e:
+        except ConversationError as e:  # context overflow, a bad session file, ...
             self.error(str(e))
         except (OSError, ValueError) as e:
             self.error(f"{cmd}: {e}")
@@ -237,35 +245,35 @@ class ChatApp:
                 self.error(f"/reader takes a token count after the policy, not {args[1]!r}")
                 return
             if args:
-                self.s.reader = args[0]
+                self.conv.reader = args[0]
             if len(args) > 1:
-                self.s.reader_min_tokens = int(args[1])
-            self.say(f"  reader: {self.s.reader} ({describe_reader(self.s)})")
+                self.conv.reader_min_tokens = int(args[1])
+            self.say(f"  reader: {self.conv.reader} ({describe_reader(self.conv)})")
         elif cmd == "/mode":
             if args:
-                self.s.mode = args[0]
-            self.say(f"  mode: {self.s.mode}")
+                self.conv.mode = args[0]
+            self.say(f"  mode: {self.conv.mode}")
         elif cmd == "/trim":
             n = int(args[0]) if args else None
-            dropped = self.s.trim(n)
+            dropped = self.conv.trim(n)
             self.say(
-                f"  trimmed: {dropped} oldest messages dropped, {len(self.s.tokens)} tokens left"
+                f"  trimmed: {dropped} oldest messages dropped, {self.conv.tokens} tokens left"
             )
-            if dropped and self.s.pending:  # the message that did not fit: answer it now
-                self.answer("source" if self.auto else self.next)
+            if dropped and self.conv.pending:  # the message that did not fit: answer it now
+                self.turn(None)
         elif cmd == "/save":
             if not args:
                 self.error("usage: /save FILE")
                 return
-            path = self.s.save(args[0])
-            self.say(f"  saved {path} ({len(self.s.tokens)} tokens)", "green")
+            path = self.conv.save(args[0])
+            self.say(f"  saved {path} ({self.conv.tokens} tokens)", "green")
         elif cmd == "/load":
             if not args:
                 self.error("usage: /load FILE")
                 return
-            self.s.load(args[0])
+            self.conv.load(args[0])
             self.say(
-                f"  loaded {args[0]}: {len(self.s.messages)} messages, {len(self.s.tokens)} tokens",
+                f"  loaded {args[0]}: {len(self.conv.messages)} messages, {self.conv.tokens} tokens",
                 "green",
             )
         elif cmd == "/stats":
@@ -274,7 +282,7 @@ class ChatApp:
             self.error(f"unknown command {cmd!r}; /help lists the commands")
 
     def stats(self) -> None:
-        st = self.s.stats()
+        st = self.conv.stats()
         t = Table("", "small", "large")
         self.say(
             f"  mode {st['mode']} · reader {st['reader']} · {st['conversation_tokens']} "
@@ -307,16 +315,19 @@ class ChatApp:
             ("large (target)", self.names["target"]),
             ("small -> large", translators["forward"]),
             ("large -> small", translators["backward"]),
-            ("mode", self.s.mode),
-            ("reader", f"{self.s.reader} ({describe_reader(self.s)})"),
+            ("mode", self.conv.mode),
+            ("reader", f"{self.conv.reader} ({describe_reader(self.conv)})"),
             ("answers", LABEL[self.next]),
-            ("sampling", describe_sampling(resolve_sampling(self.s.pair.target, **self.sampling))),
+            (
+                "sampling",
+                describe_sampling(resolve_sampling(self.conv.runtime.pair.target, **self.sampling)),
+            ),  # fmt: skip
             ("max tokens", str(self.max_tokens)),
         ]
         if loaded:
             rows.append(("loaded in", loaded))
-        if self.s.system_prompt:
-            sp = self.s.system_prompt
+        if self.conv.system_prompt:
+            sp = self.conv.system_prompt
             rows.append(("system", sp if len(sp) <= 60 else sp[:57] + "..."))
         w = max(len(k) for k, _ in rows)
         self.console.print("[bold magenta]kvlingo chat[/bold magenta]")
@@ -390,19 +401,34 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     t0 = time.perf_counter()
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     console = Console(highlight=False)
-    if wanted(distributed):  # mlx.launch: the large model pipelined, rank 0 owns the terminal
+    pipelined = wanted(distributed)
+    if pipelined:  # mlx.launch: the large model pipelined, rank 0 owns the terminal
         runtime = load_runtime(source, target, translator, backward_translator, wire, demo_pair)
-        try:
-            conv = runtime.new_conversation(system_prompt, mode, max_kv_size, reader,
-                                            translate_ahead, reader_min_tokens,
-                                            reader_margin)  # fmt: skip
-        except SessionError as e:
-            raise click.ClickException(str(e)) from None
-        app = ChatApp(conv._session, max_tokens=max_tokens, sampling=sampling_settings(sampling),
-                      auto_threshold=auto_threshold, console=console, first=MODEL[first or answer])  # fmt: skip
         back = backward_translator or (
             "demo" if runtime.backward else "none: switching back re-reads"
         )
+    else:
+        console.print("[grey50]loading models...[/grey50]")
+        try:
+            pair, forward, backward = resolve_pair(source, target, translator,
+                                                   backward_translator, demo_pair)  # fmt: skip
+        except ImportError as e:
+            raise click.ClickException(
+                f"the demo pair is not available ({e}); pass --source, --target and --translator"
+            ) from None
+        runtime = Runtime(pair, forward, backward)
+        back = backward_translator or (
+            "demo" if backward is not None else "none: switching back re-prefills"
+        )
+    try:
+        conv = runtime.new_conversation(system_prompt, mode, max_kv_size, reader,
+                                        translate_ahead, reader_min_tokens,
+                                        reader_margin)  # fmt: skip
+    except ConversationError as e:
+        raise click.ClickException(str(e)) from None
+    app = ChatApp(conv, max_tokens=max_tokens, sampling=sampling_settings(sampling),
+                  auto_threshold=auto_threshold, console=console, first=MODEL[first or answer])  # fmt: skip
+    if pipelined:
         app.banner({"forward": translator or "demo", "backward": back})
         app.say(f"  {describe(runtime)} · /save and /load are not available")
         try:
@@ -411,32 +437,10 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
         except DistributedError as e:
             fail(e)
         return
-    console.print("[grey50]loading models...[/grey50]")
-    try:
-        pair, forward, backward = resolve_pair(source, target, translator, backward_translator,
-                                               demo_pair)  # fmt: skip
-    except ImportError as e:
-        raise click.ClickException(
-            f"the demo pair is not available ({e}); pass --source, --target and --translator"
-        ) from None
-    back_label = backward_translator or (
-        "demo" if backward is not None else "none: switching back re-prefills"
-    )
-    try:
-        session = Session(pair, forward, backward, mode, system_prompt=system_prompt,
-                          max_kv_size=max_kv_size, reader=reader,
-                          reader_min_tokens=reader_min_tokens, reader_margin=reader_margin,
-                          translate_ahead=translate_ahead)  # fmt: skip
-    except SessionError as e:
-        raise click.ClickException(str(e)) from None
-    app = ChatApp(session, max_tokens=max_tokens, sampling=sampling_settings(sampling),
-                  auto_threshold=auto_threshold, console=console, first=MODEL[first or answer])  # fmt: skip
     loaded = None
     if warmup:
-        from ..conversation.warmup import warm_up
-
         console.print("[grey50]warming up (each path once, timing this pair)...[/grey50]")
-        w = warm_up(pair, forward, backward, sample=app.warm_sample).warmup_s
+        w = runtime.warm_up(sample=app.warm_sample)
         loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s)"
-    app.banner({"forward": translator or "demo", "backward": back_label}, loaded)
+    app.banner({"forward": translator or "demo", "backward": back}, loaded)
     app.run()

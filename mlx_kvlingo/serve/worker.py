@@ -10,8 +10,9 @@ server answers 503). A job's `cancel()` (any thread: the client went away) stops
 generation after the current token; the conversation commits what was emitted, so its caches
 stay consistent and it is held for reuse like any other.
 
-`auto` is a cascade: the small model answers; if it finished and its confidence (mean token
-log-prob) is below `auto_threshold`, `escalate("large")` answers again. Only the answer that
+`auto` is the conversation's cascade (`Conversation.cascade`): the small model answers; if it
+finished and its confidence (mean token log-prob) is below `auto_threshold`, the large model
+answers again (a small answer cut by a stop sequence is kept). Only the answer that
 stays in the conversation is sent to the client: the small answer is buffered until it is
 kept, the large one streams live. So a streaming `auto` request's first token arrives after
 the small model's whole answer, and never shows text that is then withdrawn.
@@ -23,11 +24,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..api import Conversation, ConversationError, Event, Runtime, RuntimeBusyError
+from ..api import Conversation, ConversationError, Runtime, RuntimeBusyError, Stream
 from ..conversation.records import AUTO_THRESHOLD
 from .pool import Pool, accepted_keywords
 from .protocol import APIError, ChatRequest, Limits
@@ -132,9 +132,10 @@ class Worker:
         kwargs = dict(conversation_kwargs or {})
         kwargs.setdefault("max_kv_size", limits.max_prompt_tokens + limits.max_tokens)
         self.pool = Pool(runtime, max_conversations, **kwargs)
-        # sampling keywords both send() and escalate() take in this version of the package
+        # sampling keywords send(), escalate() and cascade() take in this version of the package
         both = accepted_keywords(Conversation.send) & accepted_keywords(Conversation.escalate)
-        self.accepted = both - {"self", "text", "model", "wait", "timeout"}
+        both &= accepted_keywords(Conversation.cascade)
+        self.accepted = both - {"self", "text", "model", "threshold", "wait", "timeout"}
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._slots = threading.BoundedSemaphore(max(queue_size, 0) + 1)  # running + waiting
         self._current: Job | None = None
@@ -229,16 +230,19 @@ class Worker:
         escalated = False
         confidence = None
         if req.model == "auto":
-            small = self._pump(job, conv.send(last, "small", **req.send), "small", live=False)
-            confidence = small.confidence
-            unsure = confidence is not None and confidence < self.auto_threshold
-            if unsure and small.reason != "cancelled" and not job.cancelled:
-                escalated = True
-                out = self._pump(job, conv.escalate("large", **req.send), "large", live=True)
-            else:
-                out = small
-                for piece, lp in small.pieces:  # kept: release the buffered answer
-                    job.put("token", piece, lp)
+            stream = conv.cascade(last, self.auto_threshold, **req.send)
+            try:
+                small = self._pump(job, stream, "small", live=False, close=False)
+                confidence = small.confidence
+                if small.escalating and not job.cancelled:
+                    escalated = True
+                    out = self._pump(job, stream, "large", live=True)
+                else:
+                    out = small
+                    for piece, lp in small.pieces:  # kept: release the buffered answer
+                        job.put("token", piece, lp)
+            finally:
+                stream.close()  # a no-op at its end; else keeps the small answer as cut
         else:
             out = self._pump(job, conv.send(last, req.model, **req.send), req.model, live=True)
         after = conv.stats()
@@ -269,10 +273,13 @@ class Worker:
         }
         return Result(out.text, out.reason, out.tokens, usage, extra)
 
-    def _pump(self, job: Job, stream: Iterator[Event], label: str, live: bool) -> _Pumped:
-        """Run one answer; emit its text (live) or buffer it. A stop sequence closes the
-        stream (which commits the tokens emitted so far); a cancelled job asks the
-        conversation to stop after the current token."""
+    def _pump(
+        self, job: Job, stream: Stream, label: str, live: bool, close: bool = True
+    ) -> _Pumped:
+        """Run one answer (up to its done event); emit its text (live) or buffer it. A stop
+        sequence ends it; the stream is closed then (which commits the tokens emitted so
+        far), and at the end unless `close` is False (a cascade goes on). A cancelled job asks
+        the conversation to stop after the current token."""
         scan = _StopScan(job.request.stop)
         out = _Pumped(model=label)
         logprobs: list[float] = []
@@ -283,6 +290,7 @@ class Worker:
                     out.model, out.status = ev.model, ev.status
                     out.ttft_s = ev.timings.ttft_s if ev.timings is not None else None
                     out.reason = ev.finish_reason or "stop"
+                    out.escalating = ev.escalating
                     break
                 out.tokens += 1
                 if ev.logprob is not None:
@@ -299,7 +307,8 @@ class Worker:
                     job._conv.cancel()  # ends the stream after this token, with a done event
                     asked = True
         finally:
-            stream.close()  # a no-op after done; else commits the tokens emitted so far
+            if close or hit:
+                stream.close()  # a no-op after done; else commits the tokens emitted so far
         if not hit:
             rest = scan.flush()
             if rest:
@@ -320,6 +329,7 @@ class _Pumped:
     status: str = ""
     ttft_s: float | None = None
     confidence: float | None = None  # mean token log-prob, as Event.confidence
+    escalating: bool = False  # a cascade's small answer: the large one answers again
     pieces: list[tuple[str, float]] = field(default_factory=list)
 
 
