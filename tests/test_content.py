@@ -263,3 +263,16 @@ def test_calibration_tasks_state_other_facts_than_the_benchmark(pair):
     bench = build_tasks(pair.tokenizer, [TEXT], [64], 6, ("fact",), seed=0)
     calib = build_tasks(pair.tokenizer, [TEXT], [64], 6, ("fact",), seed=SEED_OFFSET + 0)
     assert not {t.question + t.answer for t in bench} & {t.question + t.answer for t in calib}
+
+
+def test_plan_counts_only_what_is_left_to_do():
+    from mlx_kvlingo.calibrate.plan import CalibrationPlan, Rates
+
+    rates = Rates(source_ms_per_token=1.0, target_ms_per_token=3.0, decode_step_ms=20.0)
+    plan = CalibrationPlan(100, 100, 10, 50, 4, 1, 80.0, 300.0, rates, 2**30)
+    secs = plan.seconds()
+    assert secs["stage 1"] == pytest.approx(1.3 * 100 * 80 * 4.0 / 1e3)
+    assert secs["content answers"] == pytest.approx(50 * (300 * 3.0 + 32 * 2 * 20.0 / 16) / 1e3)
+    plan.content_to_answer = 0  # every answer cached: a resume
+    assert plan.seconds()["content answers"] == 0
+    assert "stage 1 ~42 s" in plan.describe() and "1.0 GiB" in plan.describe()

@@ -36,15 +36,16 @@ class CalibrationPlan:
     mean_content_prefix: float
     rates: Rates
     peak_bytes: int
+    content_to_answer: int | None = None  # None: all; fewer when a resume finds answers cached
 
     def seconds(self) -> dict[str, float]:
         r = self.rates
         read = lambda n: n * (r.source_ms_per_token + r.target_ms_per_token) / 1e3  # noqa: E731
-        answers = (
-            self.content_examples
-            * (self.mean_content_prefix * r.target_ms_per_token + 32 * r.decode_step_ms)
-            / 1e3
-        )
+        # answers decode in batches of 16 (mlx-lm batch_generate): a batched step costs about
+        # two single ones on a memory-bound backend; cached answers (a resume) cost nothing
+        todo = self.content_examples if self.content_to_answer is None else self.content_to_answer
+        answers = todo * (self.mean_content_prefix * r.target_ms_per_token
+                          + 32 * 2 * r.decode_step_ms / 16) / 1e3  # fmt: skip
         pool = (self.train_examples * self.mean_prefix
                 + self.content_examples * self.mean_content_prefix) / max(
             self.train_examples + self.content_examples, 1)  # fmt: skip

@@ -223,8 +223,10 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
     plan = CalibrationPlan(len(stage1), len(train), len(held), n, steps, accumulate,
                            mean([len(e.prefix) for e in train]), mean(lengths), rates,
                            int(1.2 * peak))  # fmt: skip
-    console.print(plan.describe())
     cache = Path(checkpoint_dir) / "content-answers.jsonl" if checkpoint_dir else None
+    cached = len(cache.read_text().splitlines()) if cache and cache.exists() else 0
+    plan.content_to_answer = max(0, n + max(4, n // 10) - cached) if n else 0
+    console.print(plan.describe())
     if cache:
         cache.parent.mkdir(parents=True, exist_ok=True)
     texts = shipped_texts() if data_path is None else read_texts(data_path)
