@@ -203,6 +203,7 @@ def test_calibrate_without_data_plans_resumes_and_reports(tiny_dir, tmp_path, mo
     again = CliRunner().invoke(cli, args)  # a rerun resumes: no answer is made twice
     assert again.exit_code == 0, again.output
     assert made == []
+    assert "content answers ~" in r.output and "content answers ~" not in again.output
 
 
 def test_diagnosis_finds_the_answer_and_measures_zero_error_for_an_exact_translator(pair, exact):

@@ -54,18 +54,9 @@ def content_examples(pair, texts: Sequence[str], n: int, lengths: Sequence[int] 
     With `cache_file`, answers already there (same seed, same task tokens) are reused and new
     ones appended as each batch of `batch` is made; `on_example(done)` reports progress.
     """
-    per = max(1, -(-n // (len(lengths) * len(kinds))))
-    tasks = build_tasks(pair.tokenizer, texts, lengths, per, kinds, SEED_OFFSET + seed)[:n]
-    done: dict[str, list[int]] = {}
+    tasks, keys = _tasks_and_keys(pair, texts, n, lengths, kinds, seed)
     path = Path(cache_file) if cache_file else None
-    if path and path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-                done[rec["key"]] = rec["answer"]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # a line cut short by an interruption: made again
-    keys = [f"{seed}:{hash_tokens(t.tokens)}" for t in tasks]
+    done = _read_cache(path)
     todo = [i for i, k in enumerate(keys) if k not in done]
     lines = [json.dumps({"key": k, "answer": v}) for k, v in done.items()]
     for b in range(0, len(todo), batch):
@@ -93,6 +84,35 @@ def native_answers(pair, tasks) -> list[list[int]]:
                          max_tokens=limits, return_token_ids=True)  # fmt: skip
     eos = pair.tokenizer.eos_token_id
     return [ids + [eos] if len(ids) < n else ids for ids, n in zip(res.token_ids, limits)]
+
+
+def _tasks_and_keys(pair, texts, n, lengths, kinds, seed) -> tuple[list, list[str]]:
+    per = max(1, -(-n // (len(lengths) * len(kinds))))
+    tasks = build_tasks(pair.tokenizer, texts, lengths, per, kinds, SEED_OFFSET + seed)[:n]
+    return tasks, [f"{seed}:{hash_tokens(t.tokens)}" for t in tasks]
+
+
+def _read_cache(path: Path | None) -> dict[str, list[int]]:
+    done: dict[str, list[int]] = {}
+    if path and path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+                done[rec["key"]] = rec["answer"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a line cut short by an interruption: made again
+    return done
+
+
+def unanswered(pair, texts: Sequence[str], n: int, lengths: Sequence[int] = (128, 256, 512),
+               kinds: Sequence[str] = KINDS, seed: int = 0,
+               cache_file: str | Path | None = None) -> int:  # fmt: skip
+    """How many of `content_examples`' answers the cache file lacks (for the plan)."""
+    if not n:
+        return 0
+    _, keys = _tasks_and_keys(pair, texts, n, lengths, kinds, seed)
+    done = _read_cache(Path(cache_file) if cache_file else None)
+    return sum(k not in done for k in keys)
 
 
 def hash_tokens(tokens: Sequence[int]) -> str:

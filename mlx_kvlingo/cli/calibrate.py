@@ -212,7 +212,7 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
     (cached for a resume), over `data_path`'s text or the shipped text."""
     from rich.progress import Progress
 
-    from ..calibrate.content_data import content_examples, shipped_texts
+    from ..calibrate.content_data import content_examples, shipped_texts, unanswered
     from ..calibrate.plan import CalibrationPlan, measure_rates, probe_peak
     from ..data import read_texts
 
@@ -224,13 +224,13 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
                            mean([len(e.prefix) for e in train]), mean(lengths), rates,
                            int(1.2 * peak))  # fmt: skip
     cache = Path(checkpoint_dir) / "content-answers.jsonl" if checkpoint_dir else None
-    cached = len(cache.read_text().splitlines()) if cache and cache.exists() else 0
-    plan.content_to_answer = max(0, n + max(4, n // 10) - cached) if n else 0
+    texts = shipped_texts() if data_path is None else read_texts(data_path)
+    n_held = max(4, n // 10) if n else 0
+    plan.content_to_answer = unanswered(pair, texts, n, lengths, seed=seed, cache_file=cache) + (
+        unanswered(pair, texts, n_held, lengths, seed=seed + 1000, cache_file=cache))  # fmt: skip
     console.print(plan.describe())
     if cache:
         cache.parent.mkdir(parents=True, exist_ok=True)
-    texts = shipped_texts() if data_path is None else read_texts(data_path)
-    n_held = max(4, n // 10) if n else 0
     with Progress(console=console, transient=True) as bar:
         job = bar.add_task("content answers (target, native)", total=n + n_held)
         out = content_examples(pair, texts, n, lengths, seed=seed, cache_file=cache,
