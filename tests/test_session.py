@@ -116,8 +116,8 @@ def test_seeded_sampling_matches_reprefill(pair, translators):
 
 def test_naive_differs_only_by_retranslation(pair, translators):
     fwd, bwd = translators
-    alt = Session(pair, fwd, bwd, mode="alternation")
-    naive = Session(pair, fwd, bwd, mode="naive")
+    alt = Session(pair, fwd, bwd, mode="alternation", reader="tokens")
+    naive = Session(pair, fwd, bwd, mode="naive", reader="tokens")
     alt_turns, naive_turns = converse(alt), converse(naive)
     # exact translators: re-translating changes nothing in the answers...
     assert [t[2] for t in naive_turns] == [t[2] for t in alt_turns]
@@ -141,7 +141,7 @@ def test_pre_norm_translators(pair, tiny_dir):
     a = converse(Session(pair, fwd, bwd), sched)
     b = converse(Session(pair, fwd, bwd, mode="reprefill"), sched)
     assert [t[2] for t in a] == [t[2] for t in b]
-    s = Session(pair, fwd, bwd, mode="naive")
+    s = Session(pair, fwd, bwd, mode="naive", reader="tokens")
     s.add_user("hello")
     with pytest.raises(SessionError, match="naive mode needs post_norm"):
         s.generate("small")
@@ -160,7 +160,7 @@ def test_without_backward_switching_back_reprefills(pair, translators):
 
 def test_escalate_uses_translated_cache(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd)
+    s = Session(pair, fwd, bwd, reader="tokens")
     s.add_user("def parse_args(argv):")
     n0 = len(s.tokens)
     small = [e.token for e in s.generate("small", max_tokens=N)]
@@ -177,7 +177,7 @@ def test_escalate_uses_translated_cache(pair, translators):
 def test_keyboard_interrupt_inside_generation(pair, translators):
     """Ctrl-C lands inside mlx-lm's decode loop: emitted tokens are kept, caches match."""
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd)
+    s = Session(pair, fwd, bwd, reader="tokens")
     converse(s, SCHEDULE[:2])
     s.add_user("for item in items:")
     n0 = len(s.tokens)
@@ -208,7 +208,7 @@ def test_keyboard_interrupt_inside_generation(pair, translators):
 
 def test_keyboard_interrupt_in_consumer_and_cancel(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd)
+    s = Session(pair, fwd, bwd, reader="tokens")
     s.add_user("class Foo(object):")
     n0 = len(s.tokens)
     got = []
@@ -237,7 +237,9 @@ def test_keyboard_interrupt_in_consumer_and_cancel(pair, translators):
 
 def test_save_load_round_trip(pair, translators, tmp_path):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, system_prompt="You are terse.")
+    # reader "tokens" (as everywhere here): "auto" decides by this process's measured rates, which a restored
+    # session has not measured yet, so the two could read the next turn by different paths
+    s = Session(pair, fwd, bwd, system_prompt="You are terse.", reader="tokens")
     converse(s, SCHEDULE[:3])
     path = s.save(tmp_path / "chat")
     assert path.name == "chat.safetensors"
@@ -245,7 +247,7 @@ def test_save_load_round_trip(pair, translators, tmp_path):
     assert len(caches) == pair.source.geometry.layers + pair.target.geometry.layers
     assert "kvlingo_session" in meta
 
-    t = Session(pair, fwd, bwd)
+    t = Session(pair, fwd, bwd, reader="tokens")
     t.load(path)
     assert t.tokens == s.tokens and t.messages == s.messages
     assert (t.held("source"), t.held("target")) == (s.held("source"), s.held("target"))
@@ -261,7 +263,7 @@ def test_save_load_round_trip(pair, translators, tmp_path):
 
 def test_session_file_from_another_pair_refused(pair, translators, tmp_path, tiny_dir):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd)
+    s = Session(pair, fwd, bwd, reader="tokens")
     converse(s, SCHEDULE[:1])
     path = s.save(tmp_path / "s.safetensors")
     # same geometry, other weights: the reversed pair
@@ -279,7 +281,7 @@ def test_session_file_from_another_pair_refused(pair, translators, tmp_path, tin
 
 def test_bad_input(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, max_kv_size=80)
+    s = Session(pair, fwd, bwd, max_kv_size=80, reader="tokens")
     with pytest.raises(SessionError, match="nothing to answer"):
         s.generate("large")
     with pytest.raises(SessionError, match="nothing to escalate"):
@@ -317,7 +319,7 @@ def _interrupt_now(tokens, logits):
 
 def test_concurrent_use_refused(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd)
+    s = Session(pair, fwd, bwd, reader="tokens")
     s.add_user("def parse_args(argv):")
     events = s.generate("small", max_tokens=N)
     next(events)
@@ -342,7 +344,7 @@ def test_confidence(pair, translators):
     with pytest.raises(ValueError):
         answer_confidence([])
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd)
+    s = Session(pair, fwd, bwd, reader="tokens")
     s.add_user("import json")
     events = list(s.generate("small", max_tokens=N))
     lps = [e.logprob for e in events]
@@ -420,7 +422,7 @@ def test_template_not_prefix_stable(pair, translators, monkeypatch):
     )
     monkeypatch.setattr(pair.tokenizer._tokenizer, "chat_template", counting)
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd)
+    s = Session(pair, fwd, bwd, reader="tokens")
     turns = converse(s, SCHEDULE[:3])
     assert s.retemplated == 2
     assert all(len(t[2]) > 0 for t in turns)
