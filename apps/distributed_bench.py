@@ -34,32 +34,29 @@ def tokens_for(n, vocab, seed=0):
 
 
 def bench(rt: Runtime, wire: str, repeat: int) -> list[dict]:
-    import mlx.core as mx
-
     rows = []
     vocab = len(rt.pair.tokenizer.get_vocab())
-    link = rt._link
     for n in SIZES:
         toks = tokens_for(n, vocab)
         switch, read, tps, sent = [], [], [], []
         for _ in range(repeat + 1):  # the first run warms up
-            s = rt.new_conversation()._session  # internal: a turn of exactly n + 1 tokens
-            s.add_tokens(toks)
-            before = link.bytes_sent if link else 0
-            mx.random.seed(0)
-            for _ in s.generate("target", max_tokens=ANSWER, sampler=lambda x: mx.argmax(x, -1)):
+            # reader "small": the whole turn of exactly n + 1 raw tokens is translated
+            conv = rt.new_conversation(reader="small")
+            conv.add_tokens(toks)
+            before = rt.bytes_sent
+            for _ in conv.answer("large", max_tokens=ANSWER, temperature=0, seed=0):
                 pass
-            st = s.last_turn
-            switch.append(st.switch.seconds)
-            read.append(st.read.seconds)
-            tps.append(st.generation_tps)
-            sent.append((link.bytes_sent if link else 0) - before)
+            t = conv.last.timings
+            switch.append(t.translate_s)
+            read.append(t.prompt_tokens / t.prompt_tps if t.prompt_tps else 0.0)
+            tps.append(t.generation_tps)
+            sent.append(rt.bytes_sent - before)
             print(f"{wire} {n}: switch {switch[-1]:.3f} s", file=sys.stderr, flush=True)
         rows.append({
-            "ranks": rt.ranks if link else "single process", "wire": wire if link else "-",
-            "tokens": st.switch.translated, "switch_s": statistics.median(switch[1:]),
+            "ranks": rt.ranks if wire != "-" else "single process", "wire": wire,
+            "tokens": t.translated_tokens, "switch_s": statistics.median(switch[1:]),
             "read_s": statistics.median(read[1:]), "decode_tps": statistics.median(tps[1:]),
-            "bytes": sent[-1], "bytes_per_token": sent[-1] // st.switch.translated,
+            "bytes": sent[-1], "bytes_per_token": sent[-1] // max(t.translated_tokens, 1),
         })  # fmt: skip
     return rows
 

@@ -376,6 +376,11 @@ class Runtime:
         """How many ranks hold the large model (1: this process alone)."""
         return self._link.ranks if self._link is not None else 1
 
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this process has sent to the other ranks so far (0 in a single process)."""
+        return self._link.bytes_sent if self._link is not None else 0
+
     def close(self) -> None:
         """Distributed: release the other ranks (they exit). Single process: nothing to do."""
         if self._link is not None:
