@@ -42,3 +42,18 @@ def models(tiny_dir):
 @pytest.fixture(scope="session")
 def known_pair(models):
     return load_pair(models["qwen3"], models["known"])
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir):
+    """The known-answer pair (tests that need another pair define their own `pair`)."""
+    return load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+
+
+@pytest.fixture(scope="module")
+def translators(pair, tiny_dir):
+    """Exact forward and backward translators of the known-answer pair."""
+    from helpers import exact_translator, inverse
+
+    answer = tiny_dir["known_answer"]
+    return exact_translator(pair, answer), exact_translator(pair.reversed(), inverse(answer))

@@ -5,13 +5,12 @@ reader "auto", the default: the small reads the opening span and long turns only
 import json
 
 from mlx_kvlingo.conversation.records import Read, Switch, TurnStats
-from mlx_kvlingo.pair import load_pair
 from mlx_kvlingo.sampling import DEFAULTS, GREEDY, resolve
 from mlx_kvlingo.session import Session, SessionError, status_line
 
 import mlx.core as mx
 import pytest
-from helpers import assert_session_consistent, exact_translator, inverse, native_tokens
+from helpers import assert_session_consistent, exact_translator, native_tokens
 from mlx_lm.sample_utils import make_sampler
 
 MESSAGES = [
@@ -27,17 +26,6 @@ MESSAGES = [
     "x = [i for i in range(10)]",
 ]
 N = 12
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_dir):
-    return load_pair(tiny_dir["qwen3"], tiny_dir["known"])
-
-
-@pytest.fixture(scope="module")
-def translators(pair, tiny_dir):
-    answer = tiny_dir["known_answer"]
-    return exact_translator(pair, answer), exact_translator(pair.reversed(), inverse(answer))
 
 
 def converse(s, turns=10, schedule=None, sampler=None, seed=None):

@@ -5,26 +5,14 @@ here depends on how fast this machine is."""
 
 from mlx_kvlingo.conversation.timing import Cost, Paths, ReadCosts, costs_of
 from mlx_kvlingo.conversation.warmup import warm_up
-from mlx_kvlingo.pair import load_pair
 from mlx_kvlingo.session import Session, SessionError, status_line
 
 import pytest
-from helpers import assert_session_consistent, exact_translator, inverse
+from helpers import assert_session_consistent
 
 N = 6
 SHORT = ["def parse_args(argv):", "class Foo(object):", "print(x)", "return value"]
 NAMES = {"source": "s", "target": "t"}
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_dir):
-    return load_pair(tiny_dir["qwen3"], tiny_dir["known"])
-
-
-@pytest.fixture(scope="module")
-def translators(pair, tiny_dir):
-    answer = tiny_dir["known_answer"]
-    return exact_translator(pair, answer), exact_translator(pair.reversed(), inverse(answer))
 
 
 def talk(s, texts):

@@ -4,7 +4,6 @@ must decode exactly as re-prefill does, translating each missing span exactly on
 import threading
 
 from mlx_kvlingo.measure.multiturn import evaluate_multiturn, render_table
-from mlx_kvlingo.pair import load_pair
 from mlx_kvlingo.session import (
     ContextOverflowError,
     Session,
@@ -33,17 +32,6 @@ MESSAGES = [
     "with open(path) as f:",
 ]
 N = 16
-
-
-@pytest.fixture(scope="module")
-def pair(tiny_dir):
-    return load_pair(tiny_dir["qwen3"], tiny_dir["known"])
-
-
-@pytest.fixture(scope="module")
-def translators(pair, tiny_dir):
-    answer = tiny_dir["known_answer"]
-    return exact_translator(pair, answer), exact_translator(pair.reversed(), inverse(answer))
 
 
 def converse(session, schedule=SCHEDULE, sampler=None, seed=None):
