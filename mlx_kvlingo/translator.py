@@ -13,7 +13,6 @@ are mapped in one batched matmul; nothing loops over heads or tokens.
 
 from __future__ import annotations
 
-import math
 import numbers
 from dataclasses import dataclass, field
 
@@ -22,6 +21,7 @@ import mlx.nn as nn
 
 from .anchor import with_native_first
 from .capture import SpanKV, check_cut
+from .map_reading import MapReading, SourceRows, product
 from .rope import rotate
 
 VARIANTS = ("headwise", "mixing", "lowrank")  # lowrank: see lowrank.py
@@ -171,27 +171,30 @@ class Translator(nn.Module):
             self.value["bias"] = mx.zeros(shapes["value.bias"], dtype=dtype)
         self._key_index = mx.array(config.key_layers)
         self._value_index = mx.array(config.value_layers)
+        self.reading = MapReading()  # how the maps read the source (map_reading.py)
 
     # -- the maps -------------------------------------------------------------------------
 
-    def map_features(self, x: mx.array, kind: str) -> mx.array:
+    def map_features(self, x: mx.array, kind: str, reading: MapReading | None = None) -> mx.array:
         """x: source features (Ls, B, Hs, T, D) -> mapped (Lt, B, Ht, T, D') for `kind`.
 
-        No copy of the source per target layer: the matmul reads each target layer's source
-        layer where it lies (`mx.gather_mm`), and a map reading nu layers is the sum of nu
-        products, so the nu layers are never concatenated."""
+        A map reading nu layers is the sum of nu products, so the nu layers are never
+        concatenated; only the source layers some target layer reads are touched, and how
+        each product reads them is `reading`'s (default: this translator's) strategy."""
         params = self.key if kind == "key" else self.value
-        index = self._key_index if kind == "key" else self._value_index
+        source = self._source_rows(kind)
         w = params["weight"]
-        Lt, nu = index.shape
-        x = x.astype(w.dtype)
-        Ls, B, Hs, T, D = x.shape
+        Lt, nu = source.index.shape
+        x = source.select(x.astype(w.dtype))
+        U, B, Hs, T, D = x.shape
+        strategy = (reading or self.reading).strategy(kind, B * T, w.dtype)
         if self.config.variant == "mixing":
-            # one copy of the source: (Ls, B*T, Hs*D), a token's heads side by side
-            rows = x.transpose(0, 1, 3, 2, 4).reshape(Ls, B * T, Hs * D)
+            # one copy of the used source layers: (U, B*T, Hs*D), a token's heads side by side
+            rows = x.transpose(0, 1, 3, 2, 4).reshape(U, B * T, Hs * D)
             k = Hs * D
             y = _sum_of(
-                _take_matmul(rows, index[:, j], w[:, j * k : (j + 1) * k]) for j in range(nu)
+                product(rows, source.index[:, j], w[:, j * k : (j + 1) * k], strategy)
+                for j in range(nu)
             )
             if "bias" in params:
                 y = y + params["bias"][:, None, :]
@@ -199,17 +202,30 @@ class Translator(nn.Module):
             return y.reshape(Lt, B, T, Ht, -1).transpose(0, 1, 3, 2, 4)
         # headwise: every (layer, batch, head) of x already is a (T, D) matrix; the products
         # come out as (Lt, B, H, T, D'), the cache's layout, with no copy on either side
-        rows = x.reshape(Ls * B * Hs, T, D)
+        rows = x.reshape(U * B * Hs, T, D)
         heads = mx.arange(B * Hs).reshape(B, Hs)
         y = _sum_of(
-            _take_matmul(
-                rows, index[:, j, None, None] * (B * Hs) + heads, w[:, None, :, j * D : (j + 1) * D]
+            product(
+                rows,
+                source.index[:, j, None, None] * (B * Hs) + heads,
+                w[:, None, :, j * D : (j + 1) * D],
+                strategy,
             )  # fmt: skip
             for j in range(nu)
         )
         if "bias" in params:
             y = y + params["bias"][:, None, :, None, :]
         return y
+
+    def _source_rows(self, kind: str) -> SourceRows:
+        """The source layers `kind`'s map reads, from its index (cached while it is the same)."""
+        index = self._key_index if kind == "key" else self._value_index
+        cached = self._rows_cache.get(kind) if hasattr(self, "_rows_cache") else None
+        if cached is None or cached[0] is not index:
+            rows = tuple(tuple(r) for r in index.tolist())
+            cached = (index, SourceRows.of(rows, self.config.source.layers))
+            self.__dict__.setdefault("_rows_cache", {})[kind] = cached
+        return cached[1]
 
     def __call__(self, span: SpanKV) -> tuple[mx.array, mx.array]:
         """RoPE-free translated keys and values, (Lt, B, Ht, T, D), before target-side steps."""
@@ -249,7 +265,7 @@ class Translator(nn.Module):
         at the span's positions, the native first token, the target's dtype."""
         keys = keys.astype(mx.float32)
         if self.config.key_cut == "pre_norm" and target.geometry.has_k_norm:
-            keys = mx.stack([target.attention(t).k_norm(keys[t]) for t in range(keys.shape[0])])
+            keys = k_norm_all(target, keys)
         Lt, B, H, T, D = keys.shape
         # one pass: RoPE reads the matmul's output where it lies (see rope.py for the CPU)
         keys = rotate(target.rope, keys.reshape(Lt * B, H, T, D), span.start)
@@ -289,21 +305,15 @@ class Translator(nn.Module):
             )
 
 
-def _take_matmul(a: mx.array, a_index: mx.array, b: mx.array) -> mx.array:
-    """a[a_index] @ b (b broadcast over a_index's shape). On the CPU in float32 the rows a_index
-    picks are read in place (`mx.gather_mm`); elsewhere they are gathered first: MLX's CPU
-    kernel is float32 only, and on GPUs the copy is cheap while `gather_mm` is built for MoE
-    (CUDA's has covered one row per index only)."""
-    if a.dtype == mx.float32 and mx.default_device() == mx.cpu:
-        shape = mx.broadcast_shapes(a_index.shape, b.shape[:-2])
-        b_index = mx.arange(math.prod(b.shape[:-2])).reshape(b.shape[:-2])
-        return mx.gather_mm(
-            a,
-            b,
-            lhs_indices=mx.broadcast_to(a_index, shape),
-            rhs_indices=mx.broadcast_to(b_index, shape),
-        )
-    return a[a_index] @ b
+def k_norm_all(target, keys: mx.array) -> mx.array:
+    """Target layer t's k_norm on keys[t], for every t: one pass when all are RMSNorms with
+    one eps (bit for bit the per-layer loop: the kernel's weight is a final product), else
+    layer by layer."""
+    norms = [target.attention(t).k_norm for t in range(keys.shape[0])]
+    if all(type(n) is nn.RMSNorm for n in norms) and len({n.eps for n in norms}) == 1:
+        weights = mx.stack([n.weight for n in norms])[:, None, None, None, :]
+        return mx.fast.rms_norm(keys, None, norms[0].eps) * weights
+    return mx.stack([norm(k) for norm, k in zip(norms, keys, strict=True)])
 
 
 def _sum_of(terms):

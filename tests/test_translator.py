@@ -3,9 +3,16 @@
 from mlx_kvlingo.capture import capture_from_cache, prefill
 from mlx_kvlingo.decode import handoff
 from mlx_kvlingo.kvcache import new_cache
+from mlx_kvlingo.map_reading import STRATEGIES, MapReading, measure
 from mlx_kvlingo.pair import TokenizerMismatchError, load_model, load_pair
 from mlx_kvlingo.rope import unrotate
-from mlx_kvlingo.translator import Side, Translator, TranslatorConfig, nearest_layer_map
+from mlx_kvlingo.translator import (
+    Side,
+    Translator,
+    TranslatorConfig,
+    k_norm_all,
+    nearest_layer_map,
+)
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -231,25 +238,64 @@ def reference_map(tr, x, kind):
 )
 @pytest.mark.parametrize("variant,nu,bias", [("mixing", 1, False), ("mixing", 2, True),
                                              ("headwise", 1, True), ("headwise", 3, False)])  # fmt: skip
-def test_map_features_match_the_formula_per_layer(models, variant, nu, bias, dtype):
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("reads", ["all", "some"])
+def test_map_features_match_the_formula_per_layer(
+    models, variant, nu, bias, dtype, strategy, reads
+):
     """The batched maps (no per-layer copies) equal the formula evaluated layer by layer,
-    for a batch of 2 and a layer map that reads source layers out of order."""
+    for a batch of 2 and a layer map that reads source layers out of order, by every way of
+    reading the source (map_reading.py), whether the maps read every source layer or some."""
     tgt = models["qwen3_moe"] if variant == "mixing" else models["qwen3"]
     pair = load_pair(models["qwen3"], tgt)
     tr = random_translator(pair, variant, nu, bias=bias, dtype=dtype)
     Ls = pair.source.geometry.layers
+    step = 3 if reads == "all" else 2  # tiny source: 4 layers; step 2 reads only 0 and 2...
     rows = tuple(
-        tuple((3 * t + j) % Ls for j in range(nu)) for t in range(pair.target.geometry.layers)
+        tuple((step * t + 2 * j) % Ls for j in range(nu))
+        for t in range(pair.target.geometry.layers)
     )
+    if reads == "some":  # ...and 1 and 3 are left out of both maps
+        assert {x for r in rows for x in r} < set(range(Ls))
     tr.config = TranslatorConfig(variant, tr.config.source, tr.config.target, rows, rows[::-1],
                                  bias=bias)  # fmt: skip
     tr._key_index, tr._value_index = mx.array(rows), mx.array(rows[::-1])
     s = pair.source.geometry
     x = mx.random.normal((Ls, 2, s.kv_heads, 7, s.head_dim)).astype(dtype)
     for kind in ("key", "value"):
-        got = np.array(tr.map_features(x, kind).astype(mx.float64))
+        reading = MapReading({(kind, 14): strategy})
+        got = np.array(tr.map_features(x, kind, reading=reading).astype(mx.float64))
         tol = 1e-12 if dtype == mx.float64 else 1e-5
         np.testing.assert_allclose(got, reference_map(tr, x, kind), rtol=tol, atol=tol)
+
+
+def test_measured_reading_picks_a_strategy_per_kind_and_keeps_the_numbers(models):
+    """`map_reading.measure` times every strategy, keeps the fastest per kind and token count,
+    and the translation is the same (bit for bit) whichever it picked."""
+    pair = load_pair(models["qwen3"], models["qwen3_moe"])
+    tr = random_translator(pair, "mixing", 2)
+    s = pair.source.geometry
+    x = mx.random.normal((s.layers, 1, s.kv_heads, 9, s.head_dim))
+    before = tr.map_features(x, "key")
+    reading = measure(tr, n_tokens=(8, 32), rounds=1)
+    assert tr.reading is reading
+    assert set(reading.chosen) == {(k, n) for k in ("key", "value") for n in (8, 32)}
+    for key, times in reading.timings.items():
+        assert set(times) == set(STRATEGIES) and reading.chosen[key] == min(times, key=times.get)
+    assert mx.array_equal(tr.map_features(x, "key"), before).item()
+
+
+def test_k_norm_in_one_pass_is_the_per_layer_loop_bit_for_bit(models):
+    pair = load_pair(models["qwen3"], models["qwen3_moe"])
+    target = pair.target
+    Lt = target.geometry.layers
+    for t in range(Lt):  # distinct weights per layer, so a mix-up of layers shows
+        target.attention(t).k_norm.weight = mx.random.normal((target.geometry.head_dim,))
+    keys = mx.random.normal((Lt, 1, 7, target.geometry.kv_heads, target.geometry.head_dim))
+    keys = keys.transpose(0, 1, 3, 2, 4)  # strided, as a mixing map's output
+    loop = mx.stack([target.attention(t).k_norm(keys[t]) for t in range(Lt)])
+    assert mx.array_equal(k_norm_all(target, keys), loop).item()
+    assert not mx.array_equal(k_norm_all(target, keys[::-1]), loop).item()
 
 
 @pytest.mark.parametrize("traditional", [False, True])

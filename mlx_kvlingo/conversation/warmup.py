@@ -4,12 +4,15 @@ A short scratch conversation is run twice over the pair: the first run (its shor
 pays the one-off costs (MLX compiling its kernels, lazy weights, first allocations, the chat
 template, the sampler), unrecorded; the second measures the read costs of `timing.py` at a
 couple of lengths, both ways of reading, so reader "auto" starts from this pair's own rates.
+Before both, each translator measures how its maps read the source fastest on this pair's
+shapes and this backend (`map_reading.measure`), so the turns run what they will run later.
 """
 
 from __future__ import annotations
 
 import time
 
+from ..map_reading import measure as measure_map_reading
 from ..session import Session
 from .timing import ReadCosts, costs_of
 
@@ -43,6 +46,9 @@ def warm_up(
     """
     costs = costs_of(pair) if costs is None else costs
     t0 = time.perf_counter()
+    for translator in (forward, backward):
+        if translator is not None and hasattr(translator, "reading"):
+            measure_map_reading(translator)
     # the first run (the shortest length) pays the one-off costs, unrecorded
     for record, todo in ((ReadCosts(), lengths[:1]), (costs, lengths)):
         selfs = Session(pair, forward, backward, reader="self", read_costs=record)

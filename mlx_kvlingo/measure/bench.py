@@ -37,7 +37,8 @@ import numpy as np
 from .. import _blas
 from ..capture import prefill
 from ..decode import translate_into
-from ..kvcache import new_cache
+from ..kvcache import append_kv, new_cache
+from ..map_reading import measure as measure_map_reading
 from ..pair import LoadedModel, ModelPair, describe_model
 from ..translator import Translator
 
@@ -56,6 +57,8 @@ PHASES: dict[str, tuple[str, Callable[[int], int]]] = {
     "target_step": ("target first step after translation", lambda n: 1),
     "switch_ttft": ("switch TTFT (translation + step)", lambda n: n),
     "translate_map": ("translator matmuls alone", lambda n: n - 1),
+    "translate_steps": ("target-side steps alone (k_norm, RoPE, cast)", lambda n: n - 1),
+    "cache_append": ("cache writes alone", lambda n: n - 1),
     "gemm": ("plain GEMM, same shapes", lambda n: n - 1),
 }
 
@@ -370,8 +373,15 @@ def run_switch(
     clock.peaks["switch_ttft"] = max(clock.peaks["translate"], clock.peaks["target_step"])
     tgt_cache.clear()
     clock("source_step", lambda: _first_token(pair.source.model, last, src_cache))
-    clock("translate_map", lambda: mx.eval(tr(span)))
+    mapped = clock("translate_map", lambda: _evaluated(tr(span)))
+    finished = clock("translate_steps", lambda: _evaluated(tr.finish(*mapped, span, pair.target)))
+    clock("cache_append", lambda: append_kv(new_cache(pair.target), *finished))
     clock("gemm", lambda: mx.eval([a @ w for a, w in gemm_inputs]))
+
+
+def _evaluated(arrays):
+    mx.eval(arrays)
+    return arrays
 
 
 def map_weights(tr: Translator) -> list[mx.array]:
@@ -451,6 +461,8 @@ def run_bench(
         raise ValueError("prefix lengths must be >= 2 (the target processes the last token)")
     translator.check_target(pair.target)
     started = time.perf_counter()
+    # how the maps read the source: measured on this pair's shapes, as a warm-up at load does
+    reading = measure_map_reading(translator) if hasattr(translator, "reading") else None
     resident = mx.get_active_memory()  # the loaded weights (and anything else alive)
     results = {
         "schema": SCHEMA,
@@ -474,6 +486,7 @@ def run_bench(
         },
         "phases": {k: v[0] for k, v in PHASES.items()},
         "resident_before_GB": resident / 1e9,
+        "map_reading": reading_info(reading),
         "skipped": [],
         "lengths": {},
     }
@@ -604,6 +617,8 @@ def _length_summary(
             "gemm_gbs": nbytes / med["gemm"] / 1e9,
             "gemm_efficiency": med["gemm"] / med["translate"],
             "map_efficiency": med["gemm"] / med["translate_map"],
+            # the translation's steps one by one, each as efficiency up to and including it
+            "step_efficiency": step_efficiency(med),
             "kernel_flops": flops,
             "kernel_bytes": nbytes,
             "peak_memory_GB": {p: max(v) / 1e9 for p, v in raw["peaks"].items()},
@@ -634,6 +649,32 @@ def _length_summary(
                 "cascade_translate_beats_cascade_reprefill": X < R,
             },
         },
+    }
+
+
+def step_efficiency(med: dict) -> dict:
+    """Same-run GEMM time over the time of the translation's steps up to each one: the maps,
+    then + the target-side steps, then + the cache writes (the last is ~ `gemm_efficiency`,
+    measured as one call; the parts are measured separately)."""
+    out, spent = {}, 0.0
+    for step in ("translate_map", "translate_steps", "cache_append"):
+        if step not in med:
+            return out
+        spent += med[step]
+        out[step] = {"ms": 1e3 * med[step], "cumulative_efficiency": med["gemm"] / spent}
+    return out
+
+
+def reading_info(reading) -> dict | None:
+    """The map-reading strategy measured per kind and token count (None: not measured)."""
+    if reading is None:
+        return None
+    return {
+        f"{kind}@{n}": {
+            "chosen": reading.chosen[(kind, n)],
+            "ms": {k: 1e3 * v for k, v in reading.timings[(kind, n)].items()},
+        }
+        for kind, n in reading.chosen
     }
 
 
@@ -834,7 +875,37 @@ def markdown_report(results: dict) -> str:
             f"{'yes' if b['cascade_translate_beats_route_first'] else 'no'} | "
             f"{'' if steps is None else f'{steps:.2f}'} |"
         )
-    return "\n".join(head + body + derived + pol + _targets_md(results)) + "\n"
+    return "\n".join(head + body + derived + _steps_md(results) + pol + _targets_md(results)) + "\n"
+
+
+def _steps_md(results: dict) -> list[str]:
+    """Where the translation's time goes, step by step, against the same-run GEMM."""
+    rows = [(k, v["derived"].get("step_efficiency")) for k, v in results["lengths"].items()]
+    if not any(steps for _, steps in rows):
+        return []
+    out = [
+        "",
+        "## Translation step by step (medians; efficiency = same-run GEMM time / time so far)",
+        "",
+        "| n | maps ms | eff. | + target-side steps ms | eff. | + cache writes ms | eff. | "
+        "one call (translation) eff. |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for key, steps in rows:
+        if not steps:
+            continue
+        cells = " | ".join(
+            f"{s['ms']:.2f} | {100 * s['cumulative_efficiency']:.0f}%" for s in steps.values()
+        )
+        eff = results["lengths"][key]["derived"]["gemm_efficiency"]
+        out.append(f"| {key} | {cells} | {100 * eff:.0f}% |")
+    reading = results.get("map_reading")
+    if reading:
+        out += ["", "Map reading measured at load: " + ", ".join(
+            f"{k} {v['chosen']} (" + "/".join(f"{s} {ms:.2f} ms" for s, ms in v["ms"].items()) + ")"
+            for k, v in reading.items()
+        )]  # fmt: skip
+    return out
 
 
 def _peak(peak: float, resident: float) -> str:
