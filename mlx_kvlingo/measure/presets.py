@@ -28,6 +28,8 @@ from .._cachedir import build_atomically, stamp_ok
 BUILD_VERSION = 1
 STAMP = "kvlingo-preset.json"
 QWEN3_MOE = "qwen3-0.6b>qwen3-30b-a3b-scaled"
+QWEN3_SHALLOW_MOE = "qwen3-0.6b>qwen3-moe-8-layers"
+LLAMA_QWEN2 = "llama-3.2-1b>qwen2.5-3b-scaled"
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,44 @@ PRESETS: dict[str, Preset] = {
                 "source": "Qwen/Qwen3-0.6B (exact shape)",
                 "target": "Qwen/Qwen3-30B-A3B: hidden 2048->1024, moe_intermediate 768->384, "
                 "experts 128->16; layers, heads, KV heads, head dim, top-8 kept",
+            },
+        ),
+        Preset(
+            QWEN3_SHALLOW_MOE,
+            "Qwen3-0.6B-shaped source into a shallower qwen3_moe target: 8 layers, 4 KV heads "
+            "x 128 (a translator that reads 8 of the source's 28 layers)",
+            source=dict(
+                kind="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+                max_position_embeddings=40960, tie_word_embeddings=True,
+            ),
+            target=dict(
+                kind="qwen3_moe", hidden_size=1024, num_hidden_layers=8, intermediate_size=3072,
+                num_attention_heads=16, num_key_value_heads=4, head_dim=128, rope_theta=1e6,
+                max_position_embeddings=40960, num_experts=16, num_experts_per_tok=4,
+                moe_intermediate_size=384, norm_topk_prob=True, tie_word_embeddings=False,
+            ),
+            reference={"source": "Qwen/Qwen3-0.6B (exact shape, small vocabulary)",
+                       "target": "issue 28's pair: 8-layer qwen3_moe, 4 KV heads x 128"},
+        ),
+        Preset(
+            LLAMA_QWEN2,
+            "Llama-3.2-1B attention geometry (16 layers, 8 KV heads x 64, traditional RoPE) "
+            "into Qwen2.5-3B's (36 layers, 2 KV heads x 128), hidden sizes scaled to 1024",
+            source=dict(
+                kind="llama", hidden_size=1024, num_hidden_layers=16, intermediate_size=2816,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=64, rope_theta=5e5,
+            ),
+            target=dict(
+                kind="qwen2", hidden_size=1024, num_hidden_layers=36, intermediate_size=2816,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=128, rope_theta=1e6,
+            ),
+            nu=2,
+            reference={
+                "source": "meta-llama/Llama-3.2-1B: layers, heads, KV heads, head dim kept; "
+                "hidden 2048->1024",
+                "target": "Qwen/Qwen2.5-3B: layers, KV heads, head dim kept; hidden 2048->1024, "
+                "16->8 query heads",
             },
         ),
     )
