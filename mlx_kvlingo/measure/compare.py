@@ -23,7 +23,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from ..kvcache import append_kv, new_cache
-from ..scoring import Prepared, native_logp, student_logp
+from ..scoring import native_logp, student_logp
 from . import report
 from .evaluate import MIN_GAP, Scores, format_kl, gap_recovered
 from .methods import (
@@ -511,4 +511,4 @@ def load_methods(folder: str | Path, pair=None) -> list:
 
 
 __all__ = ["CompareConfig", "Entry", "calibrate_all", "evaluate_all", "plot", "run_compare",
-           "save_methods", "load_methods", "table", "time_all", "Prepared"]  # fmt: skip
+           "save_methods", "load_methods", "table", "time_all"]  # fmt: skip
