@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.calibrate.closed_form import Stage1Config
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
-from mlx_kvlingo.calibrate.lowrank import balance_codes, fit_lowrank_with_full
+from mlx_kvlingo.calibrate.lowrank import fit_lowrank_with_full
 from mlx_kvlingo.capture import trace
 from mlx_kvlingo.data import DataConfig, load_examples
 from mlx_kvlingo.demo.pair import demo_data, demo_models
@@ -147,7 +147,6 @@ def main(argv=None):
             load_translator(folder / f"demo-nu{args.nu}-{name}-stage1.safetensors", pair)
             for name in ["full", *(f"r{r}" for r in ranks)]
         ]
-        low = [balance_codes(tr) for tr in low]  # files from before codes were balanced
     else:
         cfg = Stage1Config(nu=args.nu, selection_examples=args.selection_examples)
         full, low = fit_lowrank_with_full(pair, train[: args.examples], ranks, cfg)

@@ -34,21 +34,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from .conversation.records import AUTO_THRESHOLD
-from .pair import ModelPair
-from .sampling import resolve as resolve_sampling
-from .session import (
-    MODES,
-    READER_MARGIN,
-    READER_MIN_TOKENS,
-    READERS,
-    Session,
+from .conversation.records import (
+    AUTO_THRESHOLD,
     SessionBusyError,
     SessionError,
     TokenEvent,
     TurnStats,
     status_line,
 )
+from .pair import ModelPair
+from .sampling import resolve as resolve_sampling
+from .session import MODES, READER_MARGIN, READER_MIN_TOKENS, READERS, Session
 from .translator import Translator
 
 # Inputs are plain strings (often from a UI or a config), checked at run time:

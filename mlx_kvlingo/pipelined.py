@@ -31,6 +31,7 @@ import mlx.core as mx
 
 from . import _watchdog
 from .capture import SpanKV, capture_from_cache, needs_recording
+from .conversation.records import SessionError
 from .distributed import (
     WIRES,
     DistributedError,
@@ -45,7 +46,7 @@ from .distributed import (
 )
 from .kvcache import append_kv, new_cache
 from .pair import ModelPair, vocab_fingerprint
-from .session import Session, SessionError
+from .session import Session
 
 FORWARD, PLACE, GATHER, DROP, STOP = range(1, 6)
 _open: Link | None = None  # rank 0: the followers serve one runtime at a time

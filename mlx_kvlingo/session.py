@@ -45,20 +45,10 @@ import threading
 
 from .conversation.answering import Answering
 from .conversation.budget import AheadBudget
-from .conversation.catchup import ALIASES, CatchUp, _Model
+from .conversation.catchup import CatchUp, _Model
 from .conversation.messages import Messages
-from .conversation.persistence import MODELS, Persistence, model_fingerprint
-from .conversation.records import (
-    ContextOverflowError,
-    SessionBusyError,
-    SessionError,
-    SessionFileError,
-    Switch,
-    TokenEvent,
-    TurnStats,
-    answer_confidence,
-    status_line,
-)
+from .conversation.persistence import MODELS, Persistence
+from .conversation.records import SessionError, Switch, TurnStats
 from .conversation.timing import ReadCosts, costs_of
 from .kvcache import new_cache
 from .pair import ModelPair
@@ -269,8 +259,4 @@ class Session(Messages, CatchUp, Answering, Persistence):
         self._cancel.set()
 
 
-__all__ = [
-    "ALIASES", "MODELS", "MODES", "READER_MARGIN", "READER_MIN_TOKENS", "READERS", "ContextOverflowError", "Session", "SessionBusyError",
-    "SessionError", "SessionFileError", "Switch", "TokenEvent", "TurnStats",
-    "answer_confidence", "model_fingerprint", "status_line",
-]  # fmt: skip
+__all__ = ["MODES", "READER_MARGIN", "READER_MIN_TOKENS", "READERS", "Session"]

@@ -31,18 +31,22 @@ def _exact_rank_problem(rng, nu, rank, ls=3, lt=5, d=12, dt=10, n=400):
     xs = [rng.normal(size=(n, d)) @ rng.normal(size=(d, d)) + rng.normal(size=d) for _ in range(ls)]
     enc = [rng.normal(size=(d, rank)) for _ in range(ls)]
     rows = [tuple(sorted({t % ls, (t + 1) % ls}))[:nu] for t in range(lt)]
-    moments, truth = [], []
+    ys, truth = [], []
     for row in rows:
         x = np.concatenate([xs[s] for s in row], 1)
         dec = rng.normal(size=(nu * rank, dt))
         w = np.concatenate([enc[s] @ dec[j * rank : (j + 1) * rank] for j, s in enumerate(row)])
         b = rng.normal(size=dt)
-        y = x @ w + b
-        g = Moments(x.shape[1], 0)
-        g.xtx, g.sx, g.n = x.T @ x, x.sum(0), n
-        moments.append((g, x.T @ y, y.sum(0), float((y * y).sum())))
+        ys.append(x @ w + b)
         truth.append((w, b))
-    return rows, moments, truth
+    return rows, _moments(np.stack(xs), np.stack(ys), rows), truth
+
+
+def _moments(xs, ys, rows):
+    """`Moments` of one example with source features xs (Ls, n, d), target ys (Lt, n, dt)."""
+    m = Moments()
+    m.add({"key": (xs, ys)}, [("key", t, row) for t, row in enumerate(rows)], xs.shape[1])
+    return m
 
 
 def _product(params, rows, rank):
@@ -61,13 +65,13 @@ def _product(params, rows, rank):
 def test_fit_recovers_maps_of_exactly_rank_r(nu):
     rng = np.random.default_rng(nu)
     rows, moments, truth = _exact_rank_problem(rng, nu, rank=4)
-    params, report = factor(rows, moments, 3, 4, Stage1Config(alpha=0.0))
+    params, report = factor(rows, moments, "key", 3, 4, Stage1Config(alpha=0.0))
     for w, (w_true, b_true), b in zip(_product(params, rows, 4), truth, params["bias"]):
         np.testing.assert_allclose(w, w_true, atol=1e-8)
         np.testing.assert_allclose(b, b_true, atol=1e-8)
     assert report["r2_min"] > 1 - 1e-12
     # one rank fewer cannot hold them: the check above is not vacuous
-    params, report = factor(rows, moments, 3, 3, Stage1Config(alpha=0.0))
+    params, report = factor(rows, moments, "key", 3, 3, Stage1Config(alpha=0.0))
     assert report["r2_min"] < 0.999
 
 
@@ -81,14 +85,10 @@ def test_fit_is_the_reduced_rank_optimum_for_nu_1():
         * np.geomspace(10, 0.1, d)
         @ np.linalg.qr(rng.normal(size=(d, d)))[0]
     )
-    rows, moments, ys = [(0,), (0,)], [], []
-    for _ in rows:
-        y = x @ rng.normal(size=(d, dt)) + rng.normal(size=(n, dt))
-        g = Moments(d, 0)
-        g.xtx, g.sx, g.n = x.T @ x, x.sum(0), n
-        moments.append((g, x.T @ y, y.sum(0), float((y * y).sum())))
-        ys.append(y)
-    params, _ = factor(rows, moments, 1, rank, Stage1Config(alpha=0.0, bias=False))
+    rows = [(0,), (0,)]
+    ys = [x @ rng.normal(size=(d, dt)) + rng.normal(size=(n, dt)) for _ in rows]
+    moments = _moments(x[None], np.stack(ys), rows)
+    params, _ = factor(rows, moments, "key", 1, rank, Stage1Config(alpha=0.0, bias=False))
 
     def sse(enc):  # best decoders for this encoder, on the data
         z = x @ enc

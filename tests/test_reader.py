@@ -4,9 +4,9 @@ reader "auto", the default: the small reads the opening span and long turns only
 
 import json
 
-from mlx_kvlingo.conversation.records import Read, Switch, TurnStats
+from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats, status_line
 from mlx_kvlingo.sampling import DEFAULTS, GREEDY, resolve
-from mlx_kvlingo.session import Session, SessionError, status_line
+from mlx_kvlingo.session import Session
 
 import mlx.core as mx
 import pytest

@@ -3,9 +3,10 @@ reading its turn itself and the small one reading for it, the token rule as a ti
 the warm-up that measures the rates. Exact costs are injected (`ReadCosts.fixed`): no test
 here depends on how fast this machine is."""
 
+from mlx_kvlingo.conversation.records import SessionError, status_line
 from mlx_kvlingo.conversation.timing import Cost, Paths, ReadCosts, costs_of
 from mlx_kvlingo.conversation.warmup import warm_up
-from mlx_kvlingo.session import Session, SessionError, status_line
+from mlx_kvlingo.session import Session
 
 import pytest
 from helpers import assert_session_consistent

@@ -130,16 +130,46 @@ def test_validation_split_is_by_document():
     assert 0.1 < share < 0.3
 
 
-def test_statistics_path_equals_fit(known_pair, text_file):
-    """`accumulate` + `_finish` (what the low-rank fit builds on) give the plain fit."""
-    from mlx_kvlingo.calibrate.closed_form import _finish, accumulate
+def test_lowrank_full_rank_path_equals_fit(known_pair, text_file):
+    """The full-rank translator the low-rank fit solves beside its factors (the same
+    accumulator and moments) is the plain fit, bit for bit; other data is not (control)."""
+    from mlx_kvlingo.calibrate.lowrank import fit_lowrank_with_full
 
     train, _ = load_examples(text_file, known_pair.tokenizer, DataConfig(32, 96, 8, seed=1))
     cfg = Stage1Config(prior="identity", alpha=0.3)
-    st = accumulate(known_pair, train[:3], [cfg], progress=False)
-    via = _finish(st.configs[0], cfg, st.maps[0], st.grams, st.cross, st.out_stats, st.examples, st.tokens)  # fmt: skip
+    via, _ = fit_lowrank_with_full(known_pair, train[:3], [], cfg, progress=False)
     direct = fit_closed_form(known_pair, train[:3], cfg, progress=False)
+    other = fit_closed_form(known_pair, train[:2], cfg, progress=False)
     for kind in ("key", "value"):
-        np.testing.assert_array_equal(
-            np.array(getattr(via, kind)["weight"]), np.array(getattr(direct, kind)["weight"])
-        )
+        got = np.array(getattr(via, kind)["weight"])
+        np.testing.assert_array_equal(got, np.array(getattr(direct, kind)["weight"]))
+        assert not np.array_equal(got, np.array(getattr(other, kind)["weight"]))
+    assert via.config.metadata == direct.config.metadata
+
+
+def test_moments_merge_is_the_sums_of_both_splits():
+    """A split of the first examples merged with one of the rest holds exactly what one pass
+    accumulates (sums start from the first addition, in order); a reordered pass is only
+    rounding-close (control: the exact check can fail)."""
+    from mlx_kvlingo.calibrate.closed_form import Moments
+
+    rng = np.random.default_rng(2)
+    needed = [("key", t, layers) for t, layers in enumerate([(0,), (0, 1), (1,)])]
+    examples = [
+        {"key": (rng.standard_normal((2, n, 3)), rng.standard_normal((3, n, 2)))} for n in (5, 7, 4)
+    ]
+    one, first, rest, reordered = Moments(), Moments(), Moments(), Moments()
+    for i, ex in enumerate(examples):
+        one.add(ex, needed, 10 + i)
+        (first if i < 2 else rest).add(ex, needed, 10 + i)
+    for ex in examples[::-1]:
+        reordered.add(ex, needed, 0)
+    both = first.merged(rest)
+    assert (both.n, both.examples, both.tokens) == (one.n, 3, 33) and one.n == 16
+    for key in needed:
+        for a, b in zip(both.problem(*key), one.problem(*key)):
+            np.testing.assert_array_equal(a, b)
+    xtx = [reordered.problem(*key)[0] for key in needed]
+    assert any(not np.array_equal(a, one.problem(*k)[0]) for a, k in zip(xtx, needed))
+    for a, k in zip(xtx, needed):
+        np.testing.assert_allclose(a, one.problem(*k)[0], rtol=1e-12)

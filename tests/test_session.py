@@ -3,15 +3,15 @@ must decode exactly as re-prefill does, translating each missing span exactly on
 
 import threading
 
-from mlx_kvlingo.measure.multiturn import evaluate_multiturn, render_table
-from mlx_kvlingo.session import (
+from mlx_kvlingo.conversation.records import (
     ContextOverflowError,
-    Session,
     SessionBusyError,
     SessionError,
     SessionFileError,
     answer_confidence,
 )
+from mlx_kvlingo.measure.multiturn import evaluate_multiturn, render_table
+from mlx_kvlingo.session import Session
 
 import mlx.core as mx
 import numpy as np

@@ -72,25 +72,71 @@ PRIORS = ("zero", "identity")
 
 
 class Moments:
-    """Running sums for one least-squares problem: X^T X, X^T Y, sums, Y^T Y trace, count."""
+    """Streaming normal equations of one split of the data, in float64: memory does not grow
+    with the number of tokens. With X the features of the source layers `layers` concatenated
+    per token and Y those of target layer t, for `kind` "key" or "value":
 
-    def __init__(self, d_in: int, d_out: int):
-        self.xtx = np.zeros((d_in, d_in))
-        self.xty = np.zeros((d_in, d_out))
-        self.sx = np.zeros(d_in)
-        self.sy = np.zeros(d_out)
-        self.yy = 0.0
-        self.n = 0
+        xtx[kind, layers] = X'X        sx[kind, layers] = sum of the rows of X
+        xty[kind, t, layers] = X'Y     sy[kind, t] = sum of the rows of Y
+                                       yy[kind, t] = sum of Y**2 (a float)
 
-    def add(self, x: np.ndarray, y: np.ndarray) -> None:
-        x = x.astype(np.float64)
-        y = y.astype(np.float64)
-        self.xtx += x.T @ x
-        self.xty += x.T @ y
-        self.sx += x.sum(0)
-        self.sy += y.sum(0)
-        self.yy += float((y * y).sum())
-        self.n += len(x)
+    `n` counts the rows (token positions fitted; the same for every key), `examples` and
+    `tokens` what was added. Sums start from the first addition (no zeros added first) and run
+    in the order examples arrive, so the same examples in the same order give the same bits.
+    """
+
+    def __init__(self):
+        self.xtx: dict[tuple, np.ndarray] = {}
+        self.sx: dict[tuple, np.ndarray] = {}
+        self.xty: dict[tuple, np.ndarray] = {}
+        self.sy: dict[tuple, np.ndarray] = {}
+        self.yy: dict[tuple, float] = {}
+        self.n = self.examples = self.tokens = 0
+
+    def add(self, features: dict, needed, tokens: int) -> None:
+        """Accumulate one example. `features[kind]` = (source, target) layer features, each
+        (layers, rows, width) as `capture.layer_features` gives them (rows alike on both
+        sides); `needed`: the (kind, t, layers) problems to accumulate, each input block and
+        each target layer's sums once; `tokens`: the example's length, for the report."""
+        inputs, seen_y = {}, set()
+        for kind, t, layers in needed:
+            xs, ys = features[kind]
+            if (kind, layers) not in inputs:
+                x = np.concatenate([xs[s] for s in layers], axis=1).astype(np.float64)
+                inputs[kind, layers] = x
+                _acc(self.xtx, (kind, layers), x.T @ x)
+                _acc(self.sx, (kind, layers), x.sum(0))
+            x, y = inputs[kind, layers], ys[t].astype(np.float64)
+            _acc(self.xty, (kind, t, layers), x.T @ y)
+            if (kind, t) not in seen_y:
+                seen_y.add((kind, t))
+                _acc(self.sy, (kind, t), y.sum(0))
+                _acc(self.yy, (kind, t), float((y * y).sum()))
+        self.n += next(iter(features.values()))[0].shape[1]
+        self.examples += 1
+        self.tokens += tokens
+
+    def merged(self, other: Moments) -> Moments:
+        """The sums of both splits (a key missing from one takes the other's sums)."""
+        m = Moments()
+        for name in ("xtx", "sx", "xty", "sy", "yy"):
+            a, b = getattr(self, name), getattr(other, name)
+            both = {k: a[k] + b[k] if k in a and k in b else a.get(k, b.get(k)) for k in a | b}
+            setattr(m, name, both)
+        m.n, m.examples = self.n + other.n, self.examples + other.examples
+        m.tokens = self.tokens + other.tokens
+        return m
+
+    def problem(self, kind: str, t: int, layers) -> tuple:
+        """(X'X, X'Y, sum x, sum y, sum y^2, n) of target layer t of `kind` read from source
+        `layers`: the arguments of `residual` (`ridge` takes them less sum y^2)."""
+        layers = tuple(layers)
+        return (self.xtx[kind, layers], self.xty[kind, t, layers], self.sx[kind, layers],
+                self.sy[kind, t], self.yy[kind, t], self.n)  # fmt: skip
+
+
+def _acc(d: dict, key, value) -> None:
+    d[key] = d[key] + value if key in d else value
 
 
 def ridge(xtx, xty, sx, sy, n, alpha: float, center: bool, prior=None):
@@ -133,44 +179,26 @@ def _select_layers(pair, examples, cfg: Stage1Config) -> dict[str, list[list[int
         return {"key": rows, "value": rows}
     nearest = [r[0] for r in nearest_layer_map(Ls, Lt, 1)]
     cands = [list(range(max(0, c - cfg.window), min(Ls, c + cfg.window + 1))) for c in nearest]
-    used = sorted({s for c in cands for s in c})
-    stats = {kind: {"gram": {}, "sx": {}, "cross": {}, "sy": {}, "yy": {}} for kind in KINDS}
-    n = 0
+    needed = sorted({(kind, t, (s,)) for kind in KINDS for t in range(Lt) for s in cands[t]})
+    m = Moments()  # every position, position 0 too
     for ex in examples[: cfg.selection_examples]:
         tokens = ex.prefix + ex.continuation
-        s_span, t_span = (
-            trace(pair.source, tokens, cfg.key_cut),
-            trace(pair.target, tokens, cfg.key_cut),
-        )
-        for kind in KINDS:
-            st = stats[kind]
-            xs = layer_features(s_span, kind).astype(np.float64)
-            ys = layer_features(t_span, kind).astype(np.float64)
-            for s in used:
-                _acc(st["gram"], s, xs[s].T @ xs[s])
-                _acc(st["sx"], s, xs[s].sum(0))
-            for t in range(Lt):
-                _acc(st["sy"], t, ys[t].sum(0))
-                _acc(st["yy"], t, float((ys[t] ** 2).sum()))
-                for s in cands[t]:
-                    _acc(st["cross"], (s, t), xs[s].T @ ys[t])
-        n += len(tokens)
+        s_span = trace(pair.source, tokens, cfg.key_cut)
+        t_span = trace(pair.target, tokens, cfg.key_cut)
+        features = {k: (layer_features(s_span, k), layer_features(t_span, k)) for k in KINDS}
+        m.add(features, needed, len(tokens))
     maps = {}
     for kind in KINDS:
-        st, rows = stats[kind], []
+        rows = []
         for t in range(Lt):
             scores = []
             for s in cands[t]:
-                args = (st["gram"][s], st["cross"][s, t], st["sx"][s], st["sy"][t])
-                w, b = ridge(*args, n, cfg.alpha, cfg.bias)
-                scores.append((residual(*args, st["yy"][t], n, w, b), s))
+                xtx, xty, sx, sy, yy, n = m.problem(kind, t, (s,))
+                w, b = ridge(xtx, xty, sx, sy, n, cfg.alpha, cfg.bias)
+                scores.append((residual(xtx, xty, sx, sy, yy, n, w, b), s))
             rows.append(sorted(s for _, s in sorted(scores)[: cfg.nu]))
         maps[kind] = rows
     return maps
-
-
-def _acc(d: dict, key, value) -> None:
-    d[key] = d[key] + value if key in d else value
 
 
 def fit_closed_form(
@@ -187,12 +215,8 @@ def fit_many(pair, examples, cfgs: list[Stage1Config], progress=True) -> list[Tr
     apart and used to choose alpha (then added back for the final solve).
     """
     acc = Stage1Accumulator(pair, cfgs, examples)
-    split = next((c.validation_fraction for c in cfgs if c.alpha_grid), None)
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("stage 1: accumulating", total=len(examples))
-        for ex in examples:
-            acc.add(ex, validation=split is not None and is_validation(ex, split))
-            bar.advance(task)
+    acc.add_all(examples, next((c.validation_fraction for c in cfgs if c.alpha_grid), None),
+                progress)  # fmt: skip
     return acc.solve()
 
 
@@ -207,42 +231,13 @@ def is_validation(ex, fraction: float) -> bool:
     return h / 2**64 < fraction
 
 
-class _Moments:
-    """Moments of one split: Grams per (kind, input layers), cross per (kind, t, layers),
-    target sums per (kind, t)."""
-
-    def __init__(self):
-        self.grams: dict[tuple, Moments] = {}
-        self.cross: dict[tuple, np.ndarray] = {}
-        self.out: dict[tuple, list] = {}
-        self.examples = 0
-        self.tokens = 0
-
-    def merged(self, other: _Moments) -> _Moments:
-        m = _Moments()
-        for key in self.grams.keys() | other.grams.keys():
-            a, b = self.grams.get(key), other.grams.get(key)
-            if a is None or b is None:
-                m.grams[key] = a or b
-                continue
-            g = Moments(len(a.sx), 0)
-            g.xtx, g.sx, g.n = a.xtx + b.xtx, a.sx + b.sx, a.n + b.n
-            m.grams[key] = g
-        for key in self.cross.keys() | other.cross.keys():
-            m.cross[key] = self.cross.get(key, 0) + other.cross.get(key, 0)
-        for key in self.out.keys() | other.out.keys():
-            a, b = self.out.get(key, [0.0, 0.0]), other.out.get(key, [0.0, 0.0])
-            m.out[key] = [a[0] + b[0], a[1] + b[1]]
-        m.examples, m.tokens = self.examples + other.examples, self.tokens + other.tokens
-        return m
-
-
 class Stage1Accumulator:
     """Streaming normal equations for several configs (one key cut); `solve()` at any point.
 
-    Moments are keyed by input-layer tuple (Gram) and (target layer, input layers) (cross), so
-    configs that read the same layers (e.g. headwise and mixing) share them. `add` accepts
-    precomputed spans (callers that fit several pairs sharing a target trace it once).
+    Two `Moments` splits, `fit` and `validation`, each keyed by input layers and target layer,
+    so configs that read the same layers (e.g. headwise and mixing) share them. `add` accepts
+    precomputed spans (callers that fit several pairs sharing a target trace it once);
+    `add_all` is the one streaming pass `fit_many` and the low-rank fit make.
     """
 
     def __init__(self, pair, cfgs: list[Stage1Config], selection_examples=()):
@@ -273,49 +268,37 @@ class Stage1Accumulator:
                 tuple(map(tuple, maps["key"])), tuple(map(tuple, maps["value"])),
                 key_cut=self.cut, bias=cfg.bias, native_first=cfg.native_first,
             ))  # fmt: skip
-        self.priors = [
-            prior_weights(config, cfg.prior, pair) for config, cfg in zip(self.configs, cfgs)
-        ]
+        self.priors = [prior_weights(config, cfg.prior) for config, cfg in zip(self.configs, cfgs)]
         self.needed = sorted({
             (kind, t, tuple(layers))
             for m in self.maps
             for kind in KINDS
             for t, layers in enumerate(m[kind])
         })  # fmt: skip
-        self.fit, self.validation = _Moments(), _Moments()
+        self.fit, self.validation = Moments(), Moments()
 
     def add(self, ex, validation: bool = False, s_span=None, t_span=None) -> None:
         """Accumulate one example (into the validation moments with `validation`)."""
         tokens = ex.prefix + ex.continuation
         s_span = s_span if s_span is not None else trace(self.pair.source, tokens, self.cut)
         t_span = t_span if t_span is not None else trace(self.pair.target, tokens, self.cut)
-        m = self.validation if validation else self.fit
         skip = 1 if self.cfgs[0].native_first else 0  # position 0 stays native: not fitted
-        feats = {}
-        for kind in KINDS:
-            xs, ys = layer_features(s_span, kind), layer_features(t_span, kind)
-            feats[kind] = (xs[:, skip:], ys[:, skip:])
-        inputs, seen_y = {}, set()
-        for kind, t, layers in self.needed:
-            xs, ys = feats[kind]
-            if (kind, layers) not in inputs:
-                x = np.concatenate([xs[s] for s in layers], axis=1).astype(np.float64)
-                inputs[kind, layers] = x
-                g = m.grams.setdefault((kind, layers), Moments(x.shape[1], 0))
-                g.xtx += x.T @ x
-                g.sx += x.sum(0)
-                g.n += len(x)
-            x, y = inputs[kind, layers], ys[t].astype(np.float64)
-            c = x.T @ y
-            m.cross[kind, t, layers] = (
-                m.cross[kind, t, layers] + c if (kind, t, layers) in m.cross else c
-            )
-            if (kind, t) not in seen_y:  # target statistics once per example
-                seen_y.add((kind, t))
-                st = m.out.setdefault((kind, t), [0.0, 0.0])
-                st[0], st[1] = st[0] + y.sum(0), st[1] + float((y * y).sum())
-        m.examples += 1
-        m.tokens += len(tokens)
+        features = {
+            kind: (layer_features(s_span, kind)[:, skip:], layer_features(t_span, kind)[:, skip:])
+            for kind in KINDS
+        }
+        (self.validation if validation else self.fit).add(features, self.needed, len(tokens))
+
+    def add_all(self, examples, validation_fraction: float | None = None, progress=True):
+        """Accumulate `examples` in order; with a `validation_fraction`, the documents
+        `is_validation` picks go to the validation moments. Returns self."""
+        with Progress(disable=not progress, transient=True) as bar:
+            task = bar.add_task("stage 1: accumulating", total=len(examples))
+            for ex in examples:
+                split = validation_fraction is not None and is_validation(ex, validation_fraction)
+                self.add(ex, validation=split)
+                bar.advance(task)
+        return self
 
     def solve(self, refit_with_validation: bool = True) -> list[Translator]:
         """The translators from the moments so far (does not consume them). The validation
@@ -329,41 +312,6 @@ class Stage1Accumulator:
             _finish_split(config, cfg, maps, prior, everything, self.fit, self.validation)
             for config, cfg, maps, prior in zip(self.configs, self.cfgs, self.maps, self.priors)
         ]
-
-
-@dataclass
-class Statistics:
-    """One streaming pass, as the low-rank fit reads it: per config its TranslatorConfig and
-    layer maps; the moments grams[kind, layers], cross[kind, t, layers] (X'Y), out_stats[kind, t]
-    = [sum y, sum y^2]."""
-
-    configs: list
-    maps: list
-    grams: dict
-    cross: dict
-    out_stats: dict
-    examples: int
-    tokens: int
-
-
-def accumulate(pair, examples, cfgs: list[Stage1Config], progress=True) -> Statistics:
-    """The moments `fit_many` solves from, all examples fitted (no validation split)."""
-    acc = Stage1Accumulator(pair, cfgs, examples)
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("stage 1: accumulating", total=len(examples))
-        for ex in examples:
-            acc.add(ex)
-            bar.advance(task)
-    m = acc.fit
-    return Statistics(acc.configs, acc.maps, m.grams, m.cross, m.out, m.examples, m.tokens)
-
-
-def _finish(config, cfg, maps, grams, cross, out_stats, n_examples, n_tokens) -> Translator:
-    """The solve from `Statistics` moments at cfg.alpha, toward cfg.prior."""
-    m = _Moments()
-    m.grams, m.cross, m.out, m.examples, m.tokens = grams, cross, out_stats, n_examples, n_tokens
-    prior = prior_weights(config, cfg.prior)
-    return _finish_split(config, replace(cfg, alpha_grid=None), maps, prior, m, m, _Moments())
 
 
 # -- priors ------------------------------------------------------------------------------------
@@ -380,7 +328,7 @@ def _prior_maps(prior: str) -> dict | None:
     }
 
 
-def prior_weights(config: TranslatorConfig, prior: str, pair=None) -> dict | None:
+def prior_weights(config: TranslatorConfig, prior: str) -> dict | None:
     """W0 per kind, shaped like the translator's weights (float64), or None for zero."""
     if prior == "zero":
         return None
@@ -422,9 +370,9 @@ def prior_weights(config: TranslatorConfig, prior: str, pair=None) -> dict | Non
 # -- solving -----------------------------------------------------------------------------------
 
 
-def _finish_split(
-    config, cfg, maps, prior, m: _Moments, fit: _Moments, val: _Moments
-) -> Translator:
+def _finish_split(config, cfg, maps, prior, m: Moments, fit: Moments, val: Moments) -> Translator:
+    """The translator solved from the moments `m`; with an alpha grid (and both splits
+    non-empty), alpha per target layer by the residual on `val` of the map fitted on `fit`."""
     tr = Translator(config)
     fit_report, chosen = {}, {}
     grid = cfg.alpha_grid if cfg.alpha_grid and val.examples and fit.examples else None
@@ -432,23 +380,23 @@ def _finish_split(
         ws, bs, r2, r2_alpha0, alphas = [], [], [], [], []
         for t, layers in enumerate(maps[kind]):
             w0 = None if prior is None else prior[kind][t]
-            key = (kind, tuple(layers))
             alpha = cfg.alpha
             if grid:
                 residuals = [
-                    _validation_residual(config, kind, t, key, fit, val, w0, replace(cfg, alpha=a))
+                    _validation_residual(
+                        config, kind, t, layers, fit, val, w0, replace(cfg, alpha=a)
+                    )
                     for a in grid
                 ]
                 alpha = grid[int(np.argmin(residuals))]
             alphas.append(alpha)
-            g = m.grams[key]
-            xty, (sy, yy) = m.cross[kind, t, tuple(layers)], m.out[(kind, t)]
-            c = replace(cfg, alpha=alpha)
-            w, b, sse = _solve(config, kind, g, xty, sy, yy, c, w0)
-            sst = yy - (sy @ sy) / g.n
+            problem = m.problem(kind, t, layers)
+            _, _, _, sy, yy, n = problem
+            w, b, sse = _solve(config, kind, problem, replace(cfg, alpha=alpha), w0)
+            sst = yy - (sy @ sy) / n
             r2.append(1 - sse / max(sst, 1e-12))
             if alpha != 0:  # the unregularized fit, for the report
-                sse0 = _solve(config, kind, g, xty, sy, yy, replace(cfg, alpha=0.0))[2]
+                sse0 = _solve(config, kind, problem, replace(cfg, alpha=0.0))[2]
                 r2_alpha0.append(1 - sse0 / max(sst, 1e-12))
             ws.append(w)
             bs.append(b)
@@ -478,19 +426,10 @@ def _finish_split(
     return tr
 
 
-def _validation_residual(config, kind, t, key, fit: _Moments, val: _Moments, w0, cfg) -> float:
+def _validation_residual(config, kind, t, layers, fit: Moments, val: Moments, w0, cfg) -> float:
     """Residual on the validation moments of the map fitted on the fitting moments alone."""
-    layers = key[1]
-    g, xty, (sy, _) = fit.grams[key], fit.cross[kind, t, layers], fit.out[(kind, t)]
-    w, b, _ = _solve(config, kind, g, xty, sy, 0.0, cfg, w0)
-    gv, xtyv, (syv, yyv) = val.grams[key], val.cross[kind, t, layers], val.out[(kind, t)]
-    if config.variant == "mixing":
-        return residual(gv.xtx, xtyv, gv.sx, syv, yyv, gv.n, w, b)
-    total = yyv
-    for h, (idx, out) in enumerate(_head_blocks(config, kind)):
-        total += residual(gv.xtx[np.ix_(idx, idx)], xtyv[np.ix_(idx, out)], gv.sx[idx],
-                          syv[out], 0.0, gv.n, w[h], b[h])  # fmt: skip
-    return total
+    w, b, _ = _solve(config, kind, fit.problem(kind, t, layers), cfg, w0)
+    return _sse(config, kind, val.problem(kind, t, layers), w, b)
 
 
 def _head_blocks(config: TranslatorConfig, kind):
@@ -508,18 +447,32 @@ def _head_blocks(config: TranslatorConfig, kind):
     ]
 
 
-def _solve(config: TranslatorConfig, kind, g: Moments, xty, sy, yy, cfg, prior=None):
-    """Mixing: one solve. Headwise: per head, on the head's blocks of the same moments."""
+def _solve(config: TranslatorConfig, kind, problem: tuple, cfg, prior=None):
+    """(W, b, residual) on `problem` (`Moments.problem`). Mixing: one solve. Headwise: per
+    head, on the head's blocks of the same moments."""
+    xtx, xty, sx, sy, _, n = problem
     if config.variant == "mixing":
-        w, b = ridge(g.xtx, xty, g.sx, sy, g.n, cfg.alpha, cfg.bias, prior)
-        return w, b, residual(g.xtx, xty, g.sx, sy, yy, g.n, w, b)
-    ws, bs, sse = [], [], 0.0
+        w, b = ridge(xtx, xty, sx, sy, n, cfg.alpha, cfg.bias, prior)
+        return w, b, _sse(config, kind, problem, w, b)
+    ws, bs = [], []
     for h, (idx, out) in enumerate(_head_blocks(config, kind)):
-        xtx, cxy = g.xtx[np.ix_(idx, idx)], xty[np.ix_(idx, out)]
         w0 = None if prior is None else prior[h]
-        w, b = ridge(xtx, cxy, g.sx[idx], sy[out], g.n, cfg.alpha, cfg.bias, w0)
+        w, b = ridge(xtx[np.ix_(idx, idx)], xty[np.ix_(idx, out)], sx[idx], sy[out], n,
+                     cfg.alpha, cfg.bias, w0)  # fmt: skip
         ws.append(w)
         bs.append(b)
-        # per-head residuals without the y^2 term; the total y^2 is added once
-        sse += residual(xtx, cxy, g.sx[idx], sy[out], 0.0, g.n, w, b)
-    return np.stack(ws), np.stack(bs), sse + yy
+    w, b = np.stack(ws), np.stack(bs)
+    return w, b, _sse(config, kind, problem, w, b)
+
+
+def _sse(config: TranslatorConfig, kind, problem: tuple, w, b) -> float:
+    """||X W + 1 b - Y||^2 of a map on the moments `problem`; headwise from each head's blocks,
+    without the y^2 term, which is added once."""
+    if config.variant == "mixing":
+        return residual(*problem, w, b)
+    xtx, xty, sx, sy, yy, n = problem
+    sse = 0.0
+    for h, (idx, out) in enumerate(_head_blocks(config, kind)):
+        sse += residual(xtx[np.ix_(idx, idx)], xty[np.ix_(idx, out)], sx[idx], sy[out], 0.0, n,
+                        w[h], b[h])  # fmt: skip
+    return sse + yy

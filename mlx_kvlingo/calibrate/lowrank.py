@@ -1,5 +1,5 @@
 """Stage 1 for the low-rank translator (`mlx_kvlingo/lowrank.py`): reduced-rank ridge regression
-from the same streaming moments as the full-rank fit (`closed_form.accumulate`).
+from the same streaming moments as the full-rank fit (`closed_form.Moments`).
 
 For one kind (keys or values):
 1. the full-rank ridge map W_t per target layer, as `closed_form` solves it;
@@ -23,7 +23,7 @@ import numpy as np
 
 from ..lowrank import LowRankTranslator
 from ..translator import TranslatorConfig
-from .closed_form import KINDS, Stage1Config, _finish, accumulate, residual, ridge
+from .closed_form import KINDS, Moments, Stage1Accumulator, Stage1Config, residual, ridge
 
 
 def fit_lowrank(
@@ -40,9 +40,9 @@ def fit_lowrank_with_full(pair, examples, ranks, cfg: Stage1Config, progress=Tru
     """(the full-rank mixing translator, [low-rank translators]) from one pass."""
     if cfg.variant != "mixing":
         raise ValueError(f"the low-rank fit factors the mixing maps, not {cfg.variant!r}")
-    st = accumulate(pair, examples, [cfg], progress)
-    (config,), (maps,) = st.configs, st.maps
-    full = _finish(config, cfg, maps, st.grams, st.cross, st.out_stats, st.examples, st.tokens)
+    # every example is fitted (no validation split: alpha is cfg.alpha, alpha_grid or not)
+    acc = Stage1Accumulator(pair, [cfg], examples).add_all(examples, progress=progress)
+    (full,), (config,), (maps,) = acc.solve(), acc.configs, acc.maps
     out = []
     for rank in ranks:
         lr_config = TranslatorConfig(
@@ -53,12 +53,8 @@ def fit_lowrank_with_full(pair, examples, ranks, cfg: Stage1Config, progress=Tru
         report = {}
         for kind in KINDS:
             rows = [tuple(r) for r in maps[kind]]
-            moments = [
-                (st.grams[kind, r], st.cross[kind, t, r], *st.out_stats[kind, t])
-                for t, r in enumerate(rows)
-            ]
             width = lr_config.code_width(kind)
-            params, report[kind] = factor(rows, moments, config.source.layers, width, cfg)
+            params, report[kind] = factor(rows, acc.fit, kind, config.source.layers, width, cfg)
             setattr(tr, kind, {k: mx.array(v.astype(np.float32)) for k, v in params.items()})
         stage1 = dict(full.config.metadata["calibration"]["stage1"])
         stage1.update(rank_requested=rank, rank=lr_config.rank, train_fit=report,
@@ -101,12 +97,12 @@ def _clamp(config: TranslatorConfig, rank: int) -> int:
     return min(rank, s.kv_heads * max(s.head_dim, s.value_dim))
 
 
-def _centered(g, xty, sy, center: bool):
+def _centered(xtx, xty, sx, sy, n, center: bool):
     """Cov-like (X'X, X'Y) sums, centered when the fit has a bias."""
     if not center:
-        return g.xtx, xty
-    mx_, my = g.sx / g.n, sy / g.n
-    return g.xtx - g.n * np.outer(mx_, mx_), xty - g.n * np.outer(mx_, my)
+        return xtx, xty
+    mx_, my = sx / n, sy / n
+    return xtx - n * np.outer(mx_, mx_), xty - n * np.outer(mx_, my)
 
 
 def _lam(cxx: np.ndarray, alpha: float) -> float:
@@ -122,16 +118,17 @@ def _sqrt_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (vecs * root) @ vecs.T, (vecs * inv) @ vecs.T
 
 
-def factor(rows, moments, source_layers: int, rank: int, cfg: Stage1Config):
-    """Encoders (Ls, d_s, r), decoders (Lt, nu*r, d_t), biases (Lt, d_t) for one kind.
+def factor(rows, moments: Moments, kind: str, source_layers: int, rank: int, cfg: Stage1Config):
+    """Encoders (Ls, d_s, r), decoders (Lt, nu*r, d_t), biases (Lt, d_t) for `kind`.
 
-    rows[t]: the source layers target layer t reads; moments[t]: (Moments of its concatenated
-    inputs, X'Y, sum y, sum y^2) as `closed_form.accumulate` keeps them.
+    rows[t]: the source layers target layer t reads; `moments` holds each (kind, t, rows[t])
+    problem, as the full-rank fit accumulates them.
     """
+    problems = [moments.problem(kind, t, r) for t, r in enumerate(rows)]
     full = []  # per target layer: centered (Cxx, Cxy), lam, full-rank ridge W
-    for g, xty, sy, _yy in moments:
-        cxx, cxy = _centered(g, xty, sy, cfg.bias)
-        w, _ = ridge(g.xtx, xty, g.sx, sy, g.n, cfg.alpha, cfg.bias)
+    for xtx, xty, sx, sy, _yy, n in problems:
+        cxx, cxy = _centered(xtx, xty, sx, sy, n, cfg.bias)
+        w, _ = ridge(xtx, xty, sx, sy, n, cfg.alpha, cfg.bias)
         full.append((cxx, cxy, _lam(cxx, cfg.alpha), w))
     ds = full[0][0].shape[0] // len(rows[0])
     encoders = np.zeros((source_layers, ds, rank))
@@ -146,14 +143,14 @@ def factor(rows, moments, source_layers: int, rank: int, cfg: Stage1Config):
         u = np.linalg.svd(root @ np.concatenate(blocks, axis=1), full_matrices=False)[0]
         encoders[s, :, : min(rank, u.shape[1])] = inv_root @ u[:, :rank]
     decoders, biases, r2 = [], [], []
-    for (cxx, cxy, lam, _), r, (g, xty, sy, yy) in zip(full, rows, moments):
+    for (cxx, cxy, lam, _), r, (xtx, xty, sx, sy, yy, n) in zip(full, rows, problems):
         e = _blockdiag([encoders[s] for s in r])
         a, c = e.T @ (cxx + lam * np.eye(len(cxx))) @ e, e.T @ cxy
         d = np.linalg.lstsq(a, c, rcond=None)[0]  # singular where a code is unused
         w = e @ d
-        b = (sy - g.sx @ w) / g.n if cfg.bias else np.zeros(w.shape[1])
-        sse = residual(g.xtx, xty, g.sx, sy, yy, g.n, w, b)
-        r2.append(1 - sse / max(yy - (sy @ sy) / g.n, 1e-12))
+        b = (sy - sx @ w) / n if cfg.bias else np.zeros(w.shape[1])
+        sse = residual(xtx, xty, sx, sy, yy, n, w, b)
+        r2.append(1 - sse / max(yy - (sy @ sy) / n, 1e-12))
         decoders.append(d)
         biases.append(b)
     params = {"encoder": encoders, "decoder": np.stack(decoders)}

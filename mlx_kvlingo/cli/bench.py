@@ -137,7 +137,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
     """Time to first token: the source prefills and the cache is translated (switch), or the
     target re-prefills. Writes a markdown table, JSON with every trial, and a TTFT plot."""
     from .. import moe_cpu
-    from ..measure import bench
+    from ..measure import bench, report
 
     def log(msg):
         click.echo(msg, err=True)
@@ -196,7 +196,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
                                        f"expected some of {', '.join(cb.ALL_POLICIES)}")  # fmt: skip
         with moe_cpu.per_expert_loop(moe_loop):
             result = cb.run_conversation_bench(pair, tr, backward, cfg, log=log, info=info)
-        result["command"] = bench.command_line()
+        result["command"] = report.command_line()
         paths = cb.write_outputs(result, out)
         click.echo(paths["markdown"].read_text())
         return
@@ -207,7 +207,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
             max_seconds=None if max_minutes is None else 60 * max_minutes,
             progress=not no_progress, log=log, info=info, answer_tokens=answer_tokens,
         )  # fmt: skip
-    results["command"] = bench.command_line()
+    results["command"] = report.command_line()
     paths = bench.write_outputs(results, out)
     click.echo(paths["markdown"].read_text())
     log("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -20,12 +20,8 @@ allocator peak during the phase, loaded weights included.
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
 import math
 import os
-import platform
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,13 +30,14 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from .. import _blas
 from ..capture import prefill
 from ..decode import translate_into
 from ..kvcache import append_kv, new_cache
 from ..map_reading import measure as measure_map_reading
 from ..pair import LoadedModel, ModelPair, describe_model
 from ..translator import Translator
+from . import report
+from .report import md_row, md_table
 
 SCHEMA = "mlx-kvlingo/bench"
 SCHEMA_VERSION = 1
@@ -206,53 +203,6 @@ def available_memory() -> int:
         info = mx.metal.device_info()
         return int(info.get("max_recommended_working_set_size", 0)) - mx.get_active_memory()
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - mx.get_active_memory()
-
-
-def machine_info() -> dict:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {
-        "os": platform.platform(),
-        "arch": platform.machine(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "memory_GB": round(total / 1e9, 1),
-        "backend": backend_name(),
-        "device": mx.device_info() if hasattr(mx, "device_info") else {},
-        "blas": _blas.loaded_path or f"none preloaded ({_blas.reason})",
-        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
-
-
-def backend_name() -> str:
-    if mx.default_device().type != mx.gpu:
-        return "cpu"
-    return "metal" if mx.metal.is_available() else "cuda"
-
-
-def software_info() -> dict:
-    def version(dist):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
-    from .. import __version__
-
-    return {
-        "python": platform.python_version(),
-        "mlx": mx.__version__,
-        "mlx-lm": version("mlx-lm"),
-        "mlx-kvlingo": __version__,
-        "numpy": np.__version__,
-    }
 
 
 def pair_info(pair: ModelPair, translator: Translator, **extra) -> dict:
@@ -468,8 +418,8 @@ def run_bench(
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": machine_info(),
-        "software": software_info(),
+        "machine": report.machine_info(),
+        "software": report.software_info(),
         "pair": pair_info(pair, translator, **(info or {})),
         "settings": {
             "lengths": lengths,
@@ -532,9 +482,7 @@ def run_bench(
         )
     results["targets"] = check_targets(results)
     results["elapsed_s"] = time.perf_counter() - started
-    results["machine"]["load_average_end"] = (
-        list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    )
+    results["machine"]["load_average_end"] = report.load_average()
     return results
 
 
@@ -790,9 +738,9 @@ def markdown_report(results: dict) -> str:
         f"{_load(m.get('load_average_end'))}; {base:.2f} GB resident "
         "before the run (weights)",
         "",
-        "| path | phase | test | ms | t/s | median ms | peak GB (+ over resident) |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: |",
-    ]
+        *md_table(("path", "phase", "test", "ms", "t/s", "median ms", "peak GB (+ over resident)"),
+                  "lllrrrr"),
+    ]  # fmt: skip
     rows = [
         ("source", "source_prefill", "pp{}"),
         ("source", "source_step", "tg1@{}"),
@@ -812,31 +760,30 @@ def markdown_report(results: dict) -> str:
             s = v["stats"][phase]
             ntok = PHASES[phase][1](n)
             shown = n if phase == "target_ttft" else n - 1
-            body.append(
-                f"| {path} | {PHASES[phase][0]} | {test.format(shown)} | {_ms(s)} | "
-                f"{_tps(v['trials'][phase], ntok)} | {1e3 * s['median']:.2f} | "
-                f"{_peak(v['derived']['peak_memory_GB'][phase], base)} |"
-            )
+            body.append(md_row((
+                path, PHASES[phase][0], test.format(shown), _ms(s),
+                _tps(v["trials"][phase], ntok), f"{1e3 * s['median']:.2f}",
+                _peak(v["derived"]["peak_memory_GB"][phase], base),
+            )))  # fmt: skip
     derived = [
         "",
         "## Derived (medians)",
         "",
-        "| n | switch speed-up R/X | end-to-end R/(P+X) | translation / target step | "
-        "translation / target prefill | translation GFLOP/s | GB/s | GEMM GFLOP/s | GB/s | "
-        "efficiency (matmuls alone) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+        *md_table(("n", "switch speed-up R/X", "end-to-end R/(P+X)", "translation / target step",
+                   "translation / target prefill", "translation GFLOP/s", "GB/s", "GEMM GFLOP/s",
+                   "GB/s", "efficiency (matmuls alone)"), "r" * 10),
+    ]  # fmt: skip
     for key, v in results["lengths"].items():
         d = v["derived"]
         sp, e2 = d["switch_speedup_trials"], d["end_to_end_speedup_trials"]
-        derived.append(
-            f"| {key} | {d['switch_speedup']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f}) | "
-            f"{d['end_to_end_speedup']:.2f}x ({e2['min']:.2f}–{e2['max']:.2f}) | "
-            f"{100 * d['translation_vs_target_step']:.1f}% | "
-            f"{100 * d['translation_vs_target_prefill']:.1f}% | {d['translate_gflops']:.1f} | "
-            f"{d['translate_gbs']:.2f} | {d['gemm_gflops']:.1f} | {d['gemm_gbs']:.2f} | "
-            f"{100 * d['gemm_efficiency']:.0f}% ({100 * d['map_efficiency']:.0f}%) |"
-        )
+        derived.append(md_row((
+            key, f"{d['switch_speedup']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})",
+            f"{d['end_to_end_speedup']:.2f}x ({e2['min']:.2f}–{e2['max']:.2f})",
+            f"{100 * d['translation_vs_target_step']:.1f}%",
+            f"{100 * d['translation_vs_target_prefill']:.1f}%", f"{d['translate_gflops']:.1f}",
+            f"{d['translate_gbs']:.2f}", f"{d['gemm_gflops']:.1f}", f"{d['gemm_gbs']:.2f}",
+            f"{100 * d['gemm_efficiency']:.0f}% ({100 * d['map_efficiency']:.0f}%)",
+        )))  # fmt: skip
     pol = [
         "",
         "## Expected TTFT per request (ms) against the escalation rate r",
@@ -847,34 +794,32 @@ def markdown_report(results: dict) -> str:
         "decode time. always large: R · route first: (1-r)S + rR · cascade re-prefill: "
         "(1-r)S + r(P+R) · cascade translate: (1-r)S + r(P+X) · cascade+ahead: (1-r)S + r(P+X_ahead).",
         "",
-        "| n | r | always large | route first | cascade re-prefill | cascade translate | "
-        "cascade+ahead |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
+        *md_table(("n", "r", "always large", "route first", "cascade re-prefill",
+                   "cascade translate", "cascade+ahead"), "r" * 7),
+    ]  # fmt: skip
     for key, v in results["lengths"].items():
         g = v["policies"]["grid"]
         for i, r in enumerate(g["r"]):
             ahead = g.get("cascade_ahead")
-            pol.append(
-                f"| {key} | {r:.2f} | {1e3 * g['always_large'][i]:.1f} | "
-                f"{1e3 * g['route_first'][i]:.1f} | {1e3 * g['cascade_reprefill'][i]:.1f} | "
-                f"{1e3 * g['cascade_translate'][i]:.1f} | "
-                f"{'' if ahead is None else f'{1e3 * ahead[i]:.1f}'} |"
-            )
+            pol.append(md_row((
+                key, f"{r:.2f}", *(f"{1e3 * g[k][i]:.1f}" for k in
+                ("always_large", "route_first", "cascade_reprefill", "cascade_translate")),
+                "" if ahead is None else f"{1e3 * ahead[i]:.1f}",
+            )))  # fmt: skip
     pol += ["", "Break-even: a cascade beats always-large for escalation rates up to r*.", "",
-            "| n | r*: cascade re-prefill | r*: cascade translate | r*: cascade+ahead | "
-            "cascade translate beats route first (P+X < R) | X_ahead / target step |",
-            "| ---: | ---: | ---: | ---: | --- | ---: |"]  # fmt: skip
+            *md_table(("n", "r*: cascade re-prefill", "r*: cascade translate",
+                       "r*: cascade+ahead", "cascade translate beats route first (P+X < R)",
+                       "X_ahead / target step"), "rrrrlr")]  # fmt: skip
     for key, v in results["lengths"].items():
         b = v["policies"]["break_even"]
         ahead = b.get("cascade_ahead_cheaper_up_to")
         steps = v["derived"].get("ahead_switch_ttft_in_steps")
-        pol.append(
-            f"| {key} | {_r(b['cascade_reprefill_cheaper_up_to'])} | "
-            f"{_r(b['cascade_translate_cheaper_up_to'])} | {'' if ahead is None else _r(ahead)} | "
-            f"{'yes' if b['cascade_translate_beats_route_first'] else 'no'} | "
-            f"{'' if steps is None else f'{steps:.2f}'} |"
-        )
+        pol.append(md_row((
+            key, _r(b["cascade_reprefill_cheaper_up_to"]), _r(b["cascade_translate_cheaper_up_to"]),
+            "" if ahead is None else _r(ahead),
+            "yes" if b["cascade_translate_beats_route_first"] else "no",
+            "" if steps is None else f"{steps:.2f}",
+        )))  # fmt: skip
     return "\n".join(head + body + derived + _steps_md(results) + pol + _targets_md(results)) + "\n"
 
 
@@ -950,11 +895,7 @@ def _targets_md(results: dict) -> list[str]:
 
 def plot(results: dict, path: str | Path) -> Path:
     """TTFT against prefix length per path, log-log, min-max bars over trials."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     lens = sorted(int(n) for n in results["lengths"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
 
@@ -983,40 +924,16 @@ def plot(results: dict, path: str | Path) -> Path:
     ax.set_title(f"{p['source']['name']} → {p['target']['name']}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)
 
 
 def write_outputs(results: dict, out_dir: str | Path) -> dict[str, Path]:
     """bench.json (everything, raw trials included), bench.md and ttft.png in `out_dir`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "bench.json", "markdown": out / "bench.md", "plot": out / "ttft.png"}
-    paths["json"].write_text(json.dumps(_jsonable(results), indent=1) + "\n")
+    paths = report.output_files(out_dir, json="bench.json", markdown="bench.md", plot="ttft.png")
+    report.write_json(results, paths["json"])
     paths["markdown"].write_text(markdown_report(results))
     if results["lengths"]:
         plot(results, paths["plot"])
     else:
         del paths["plot"]
     return paths
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, (np.floating, float)):
-        return None if not math.isfinite(float(x)) else float(x)
-    if isinstance(x, np.integer):
-        return int(x)
-    if isinstance(x, (str, int, bool)) or x is None:
-        return x
-    return str(x)
-
-
-def command_line() -> str:
-    return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])

@@ -13,14 +13,13 @@ speed-ups with and without the small model's prefill.
 from __future__ import annotations
 
 import gc
-import json
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mlx.core as mx
 
-from . import bench
+from . import bench, report
 
 SCHEMA = "mlx-kvlingo/bench-side-by-side"
 SCHEMA_VERSION = 1
@@ -45,8 +44,8 @@ def run_side_by_side(
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": bench.machine_info(),
-        "software": bench.software_info(),
+        "machine": report.machine_info(),
+        "software": report.software_info(),
         "lengths": sorted(set(lengths)),
         "order": "one pair after another in this process; within a pair, bench's rounds",
         "pairs": {},
@@ -131,11 +130,7 @@ def markdown(results: dict) -> str:
 
 
 def plot(results: dict, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for name in results["pairs"]:
         rows = [r for r in results["summary"] if r["pair"] == name]
@@ -153,24 +148,18 @@ def plot(results: dict, path: Path) -> Path:
     b.set_yscale("log")
     a.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)
 
 
 def write_outputs(results: dict, out_dir: str | Path) -> dict[str, Path]:
     """side-by-side.{json,md,png} and each pair's own bench outputs in `out_dir/<pair>/`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    paths = report.output_files(
+        out_dir, json="side-by-side.json", markdown="side-by-side.md", plot="side-by-side.png"
+    )
     for name, r in results["pairs"].items():
         r.setdefault("command", results.get("command", ""))
-        bench.write_outputs(r, out / name.replace(">", "_to_").replace("/", "_"))
-    paths = {
-        "json": out / "side-by-side.json",
-        "markdown": out / "side-by-side.md",
-        "plot": out / "side-by-side.png",
-    }
-    paths["json"].write_text(json.dumps(bench._jsonable(results), indent=1) + "\n")
+        bench.write_outputs(r, Path(out_dir) / name.replace(">", "_to_").replace("/", "_"))
+    report.write_json(results, paths["json"])
     paths["markdown"].write_text(markdown(results))
     if results["summary"]:
         plot(results, paths["plot"])

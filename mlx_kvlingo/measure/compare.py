@@ -23,7 +23,8 @@ from rich.progress import Progress
 from rich.table import Table
 
 from ..kvcache import append_kv, new_cache
-from ..scoring import Prepared, native_logp, student_logp
+from ..scoring import native_logp, student_logp
+from . import report
 from .evaluate import MIN_GAP, Scores, format_kl, gap_recovered
 from .methods import (
     KVLingo,
@@ -437,11 +438,7 @@ def table(result: dict) -> Table:
 
 def plot(result: dict, path: str | Path) -> Path:
     """Quality (KL to native, log) against switch TTFT, without and with the wire transfer."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     rows = [r for r in result["rows"] if "kl_native" in r and "switch_ttft_s" in r]
     methods = [r for r in rows if r["family"] != "reference"]
     native = next(r for r in rows if r["family"] == "reference")
@@ -477,11 +474,7 @@ def plot(result: dict, path: str | Path) -> Path:
     axes[0].legend(fontsize=8)
     fig.suptitle(f"{Path(result['pair']['source']).name} -> {Path(result['pair']['target']).name} "
                  f"({result['timing']['tokens']}-token prompt)", fontsize=11)  # fmt: skip
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path)
 
 
 def save_methods(entries: list, folder: str | Path, pair=None) -> Path:
@@ -518,4 +511,4 @@ def load_methods(folder: str | Path, pair=None) -> list:
 
 
 __all__ = ["CompareConfig", "Entry", "calibrate_all", "evaluate_all", "plot", "run_compare",
-           "save_methods", "load_methods", "table", "time_all", "Prepared"]  # fmt: skip
+           "save_methods", "load_methods", "table", "time_all"]  # fmt: skip

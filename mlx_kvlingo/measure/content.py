@@ -29,6 +29,7 @@ from rich.table import Table
 
 from ..content_tasks import KINDS, ContentTask
 from ..kvcache import new_cache
+from . import report
 
 SCHEMA = "mlx-kvlingo/content-eval"
 #: greedy tokens each kind may answer with
@@ -320,11 +321,7 @@ def tables(result: dict) -> list[Table]:
 
 def plot(result: dict, path: str | Path) -> Path:
     """Headline score per kind against read length, one line per condition (PNG)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = report.pyplot()
     cells = result["cells"]
     fig, axes = plt.subplots(1, len(KINDS), figsize=(4 * len(KINDS), 3.4), sharey=True)
     for ax, kind in zip(axes, KINDS):
@@ -342,11 +339,7 @@ def plot(result: dict, path: str | Path) -> Path:
     axes[-1].legend(fontsize=8)
     fig.suptitle(f"content: {Path(result['pair']['source']).name} -> "
                  f"{Path(result['pair']['target']).name}")  # fmt: skip
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, path, dpi=110)
 
 
 def write_json(result: dict, path: str | Path) -> None:

@@ -27,7 +27,6 @@ counted in anyone's first turn, and reader "auto" starts with measured rates.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from dataclasses import asdict, dataclass
@@ -39,7 +38,11 @@ from mlx_lm.sample_utils import make_logits_processors
 from ..pair import ModelPair
 from ..session import Session
 from ..translator import Translator
-from .bench import _jsonable, machine_info, prompt_tokens, software_info
+from . import report
+from .bench import prompt_tokens
+from .report import md_row, md_table
+
+SCHEMA = "mlx-kvlingo/conversation-bench"
 
 ALL_POLICIES = (
     "large reads",
@@ -182,14 +185,14 @@ def run_conversation_bench(
             + " · ".join(f"{x.policy} TTFT {x.ttft_s * 1e3:.0f} ms" for x in timings if x.turn == t)
         )
     return {
-        "schema": "mlx-kvlingo/conversation-bench",
+        "schema": SCHEMA,
         "config": asdict(cfg),
         "escalated_turns": [t for t, e in enumerate(escalate) if e],
         "pair": {"source": pair.source.name, "target": pair.target.name, **(info or {})},
         "backward": backward is not None,
         "warmup_s": warmup_s,
-        "machine": machine_info(),
-        "software": software_info(),
+        "machine": report.machine_info(),
+        "software": report.software_info(),
         "turns": [asdict(x) for x in timings],
         "summary": summarize(timings, cfg),
     }
@@ -268,7 +271,10 @@ def summarize(timings: list[TurnTiming], cfg: ConversationBenchConfig) -> dict:
 
 
 def markdown_report(result: dict) -> str:
+    """Per turn, each policy's TTFT and total; means by user-turn length; reader auto against
+    the better of the two fixed readers; the cascades' escalations."""
     cfg = result["config"]
+    policies = cfg["policies"]
     lines = [
         "# kvlingo bench --conversation",
         "",
@@ -279,9 +285,9 @@ def markdown_report(result: dict) -> str:
         f"{'yes' if result['backward'] else 'no (the small re-reads the large answers)'} · "
         f"{result['machine']['backend']} · mlx {result['software']['mlx']}",
         "",
-        "| turn | user tok | " + " | ".join(f"{p} TTFT ms" for p in cfg["policies"])
-        + " | small read ms | translate ms | " + " | ".join(f"{p} total ms" for p in cfg["policies"]) + " |",
-        "|" + " ---: |" * (2 + 2 * len(cfg["policies"]) + 2),
+        *md_table(("turn", "user tok", *(f"{p} TTFT ms" for p in policies), "small read ms",
+                   "translate ms", *(f"{p} total ms" for p in policies)),
+                  "r" * (2 + 2 * len(policies) + 2)),
     ]  # fmt: skip
     by_turn: dict[int, dict] = {}
     for x in result["turns"]:
@@ -290,48 +296,53 @@ def markdown_report(result: dict) -> str:
         first = next(iter(row.values()))
         sr = row.get("small reads", {})
         esc = " (esc.)" if row.get("cascade", {}).get("escalated") else ""
-        lines.append(
-            f"| {t} | {first['user_tokens']} | "
-            + " | ".join(f"{1e3 * row[p]['ttft_s']:.0f}" + (esc if p == "cascade" else "") for p in cfg["policies"] if p in row)
-            + f" | {1e3 * sr.get('read_s', 0):.0f} | {1e3 * sr.get('translate_s', 0):.0f} | "
-            + " | ".join(f"{1e3 * row[p]['total_s']:.0f}" for p in cfg["policies"] if p in row)
-            + " |"
-        )  # fmt: skip
+        mine = [p for p in policies if p in row]
+        lines.append(md_row((
+            t, first["user_tokens"],
+            *(f"{1e3 * row[p]['ttft_s']:.0f}" + (esc if p == "cascade" else "") for p in mine),
+            f"{1e3 * sr.get('read_s', 0):.0f}", f"{1e3 * sr.get('translate_s', 0):.0f}",
+            *(f"{1e3 * row[p]['total_s']:.0f}" for p in mine),
+        )))  # fmt: skip
     lines += ["", "Mean over turns after the first, by user-turn length:", "",
-              "| user tok | " + " | ".join(f"{p} TTFT ms" for p in cfg["policies"]) + " | small / large TTFT |",
-              "|" + " ---: |" * (2 + len(cfg["policies"]))]  # fmt: skip
+              *md_table(("user tok", *(f"{p} TTFT ms" for p in policies), "small / large TTFT"),
+                        "r" * (2 + len(policies)))]  # fmt: skip
     for n, row in result["summary"]["by_length"].items():
         ratio = row.get("ttft_ratio_small_over_large")
-        lines.append(
-            f"| {n} | " + " | ".join(f"{row[p]['ttft_ms']:.0f}" for p in cfg["policies"] if p in row)
-            + f" | {'' if ratio is None else f'{ratio:.2f}'} |"
-        )  # fmt: skip
+        lines.append(md_row((
+            n, *(f"{row[p]['ttft_ms']:.0f}" for p in policies if p in row),
+            "" if ratio is None else f"{ratio:.2f}",
+        )))  # fmt: skip
     auto = result["summary"].get("auto")
     if auto:
         lines += ["", f"Reader auto against the better of the large and the small reading, per turn "
                   f"(goal <= 1.10; {auto['within_10pct']} of {len(auto['turns'])} turns within, worst "
                   f"{auto['worst_over_best']:.2f}; auto took the faster column's path on "
                   f"{auto['picked_faster']}):", "",
-                  "| turn | user tok | large reads ms | small reads ms | auto ms | auto read by | auto / best | faster path |",
-                  "| ---: | ---: | ---: | ---: | ---: | --- | ---: | --- |"]  # fmt: skip
+                  *md_table(("turn", "user tok", "large reads ms", "small reads ms", "auto ms",
+                             "auto read by", "auto / best", "faster path"), "rrrrrlrl")]  # fmt: skip
         for r in auto["turns"]:
-            lines.append(f"| {r['turn']} | {r['user_tokens']} | {r['large_reads_ms']:.0f} | "
-                         f"{r['small_reads_ms']:.0f} | {r['auto_ms']:.0f} | "
-                         f"{'small' if r['small_read'] else 'large'} | {r['auto_over_best']:.2f} | "
-                         f"{'yes' if r['picked_faster'] else 'no'} |")  # fmt: skip
+            lines.append(md_row((
+                r["turn"], r["user_tokens"], f"{r['large_reads_ms']:.0f}",
+                f"{r['small_reads_ms']:.0f}", f"{r['auto_ms']:.0f}",
+                "small" if r["small_read"] else "large", f"{r['auto_over_best']:.2f}",
+                "yes" if r["picked_faster"] else "no",
+            )))  # fmt: skip
     casc = result["summary"].get("cascades", {})
     if casc:
         lines += ["", "Cascades: the large model's TTFT once escalated (against one of its decode steps, "
                   "goal with translate-ahead <= 1.25), the small model's decode speed (slowdown "
                   "against plain cascade) and its time translating ahead over its decode time "
-                  "without it, within the same answers (goal <= 10%):",
-                  "", "| policy | escalations | escalation TTFT ms | large step ms | TTFT / step | "
-                  "small decode tok/s | slowdown | ahead / decode |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+                  "without it, within the same answers (goal <= 10%):", "",
+                  *md_table(("policy", "escalations", "escalation TTFT ms", "large step ms",
+                             "TTFT / step", "small decode tok/s", "slowdown", "ahead / decode"),
+                            "lrrrrrrr")]  # fmt: skip
         for p, c in casc.items():
-            lines.append(f"| {p} | {c['escalations']} | {_num(c['escalation_ttft_ms'], '.0f')} | "
-                         f"{_num(c.get('large_step_ms'), '.0f')} | {_num(c.get('escalation_ttft_in_steps'), '.2f')} | "
-                         f"{c['small_decode_tps'] or 0:.1f} | {_num(c.get('small_decode_slowdown'), '.0%')} | "
-                         f"{_num(c.get('ahead_share_of_decode'), '.1%')} |")  # fmt: skip
+            lines.append(md_row((
+                p, c["escalations"], _num(c["escalation_ttft_ms"], ".0f"),
+                _num(c.get("large_step_ms"), ".0f"), _num(c.get("escalation_ttft_in_steps"), ".2f"),
+                f"{c['small_decode_tps'] or 0:.1f}", _num(c.get("small_decode_slowdown"), ".0%"),
+                _num(c.get("ahead_share_of_decode"), ".1%"),
+            )))  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -340,11 +351,8 @@ def _num(x, fmt: str) -> str:
 
 
 def plot(result: dict, path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """TTFT per turn, one line per policy (log scale)."""
+    plt = report.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for p in result["config"]["policies"]:
         xs = [x for x in result["turns"] if x["policy"] == p]
@@ -354,22 +362,14 @@ def plot(result: dict, path: str | Path) -> Path:
     ax.set_yscale("log")
     ax.set_title(f"{result['pair']['source']} -> {result['pair']['target']}", fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return report.save_figure(fig, path)
 
 
 def write_outputs(result: dict, out_dir: str | Path) -> dict[str, Path]:
     """conversation.json, conversation.md and conversation.png in `out_dir`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {
-        "json": out / "conversation.json",
-        "markdown": out / "conversation.md",
-        "plot": out / "conversation.png",
-    }
-    paths["json"].write_text(json.dumps(_jsonable(result), indent=1) + "\n")
+    paths = report.output_files(out_dir, json="conversation.json", markdown="conversation.md",
+                                plot="conversation.png")  # fmt: skip
+    report.write_json(result, paths["json"])
     paths["markdown"].write_text(markdown_report(result))
     plot(result, paths["plot"])
     return paths
