@@ -96,6 +96,14 @@ def _preset_names() -> list[str]:
 )
 @click.option("--no-progress", is_flag=True, help="No progress bar")
 @click.option(
+    "--side-by-side",
+    "side_by_side",
+    default=None,
+    help="Comma-separated pairs benchmarked one after another in this run, summarized side by "
+    "side: demo pairs (dense, moe) and presets; 'all' for both demo pairs and every preset "
+    "but tiny",
+)
+@click.option(
     "--conversation",
     is_flag=True,
     help="Time a multi-turn conversation: the large reads / the small reads / auto / cascade",
@@ -133,7 +141,7 @@ def _preset_names() -> list[str]:
 )
 def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, warmup, out, max_minutes,
               moe_loop, seed, dtype, cache_dir, no_progress, conversation, turns, user_lengths,
-              answer_tokens, escalation_rate, policies):  # fmt: skip
+              answer_tokens, escalation_rate, policies, side_by_side):  # fmt: skip
     """Time to first token: the source prefills and the cache is translated (switch), or the
     target re-prefills. Writes a markdown table, JSON with every trial, and a TTFT plot."""
     from .. import moe_cpu
@@ -145,6 +153,13 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
     import mlx.core as mx
 
     dtype = dtype if dtype == "auto" else getattr(mx, dtype)
+    if side_by_side:
+        if preset or source or target or translator or conversation:
+            raise click.UsageError("--side-by-side names its pairs: not with --preset, "
+                                   "--source/--target or --conversation")  # fmt: skip
+        _side_by_side(side_by_side, lengths, trials, warmup, out, seed, dtype, cache_dir,
+                      no_progress, moe_loop, answer_tokens, log)  # fmt: skip
+        return
     info = {}
     if preset:
         if source or target or translator:
@@ -209,5 +224,47 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
         )  # fmt: skip
     results["command"] = report.command_line()
     paths = bench.write_outputs(results, out)
+    click.echo(paths["markdown"].read_text())
+    log("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+def _side_by_side(names, lengths, trials, warmup, out, seed, dtype, cache_dir, no_progress,
+                  moe_loop, answer_tokens, log):  # fmt: skip
+    from .. import moe_cpu
+    from ..measure import bench_pairs, report
+    from ..measure.presets import PRESETS, get_preset, load_preset
+    from ._common import resolve_pair
+
+    demos = ("dense", "moe")
+    if names.strip() == "all":
+        wanted = [*demos, *(p for p in PRESETS if p != "tiny")]
+    else:
+        wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in demos and n not in PRESETS]
+    if unknown:
+        raise click.UsageError(f"unknown pair {unknown[0]!r} in --side-by-side; known: "
+                               f"{', '.join([*demos, *PRESETS])}")  # fmt: skip
+
+    def loader(name):
+        def load():
+            if name in demos:
+                if dtype != "auto":
+                    raise click.UsageError("--dtype applies to presets, not the demo pairs")
+                pair, tr, _ = resolve_pair(None, None, None, demo_pair=name)
+                return pair, tr, {"demo_pair": name}
+            pair, tr, folder = load_preset(name, cache_dir, log=log, dtype=dtype)
+            p = get_preset(name)
+            return pair, tr, {"preset": {"name": p.name, "description": p.description,
+                                         "folder": str(folder), "reference": p.reference}}  # fmt: skip
+
+        return load
+
+    with moe_cpu.per_expert_loop(moe_loop):
+        results = bench_pairs.run_side_by_side(
+            [(n, loader(n)) for n in wanted], lengths, log=log, trials=trials, warmup=warmup,
+            seed=seed, progress=not no_progress, answer_tokens=answer_tokens,
+        )  # fmt: skip
+    results["command"] = report.command_line()
+    paths = bench_pairs.write_outputs(results, out)
     click.echo(paths["markdown"].read_text())
     log("wrote " + ", ".join(str(p) for p in paths.values()))

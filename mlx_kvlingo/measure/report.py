@@ -87,7 +87,27 @@ def software_info() -> dict:
         "mlx-lm": version("mlx-lm"),
         "mlx-kvlingo": __version__,
         "numpy": np.__version__,
+        "commit": git_commit(),
     }
+
+
+def git_commit() -> str | None:
+    """The short commit of the checkout the package runs from (None outside one), with
+    "+dirty" when tracked files differ from it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        run = lambda *a: subprocess.run(  # noqa: E731
+            ["git", "-C", str(root), *a], capture_output=True, text=True, timeout=5
+        )
+        head = run("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return None
+        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def command_line() -> str:
