@@ -100,7 +100,7 @@ def main() -> None:
     forward = args.translator or demo.translator_path(pair=args.pair)
     backward = None if args.no_backward else demo.translator_path(reverse=True, pair=args.pair)
     rt = api.Runtime.load(source, target, forward, backward)
-    greedy = {"temperature": 0.0, "repetition_penalty": 1.1, "max_tokens": args.max_tokens}
+    greedy = {"sampling": {"temp": 0.0, "repetition_penalty": 1.1}, "max_tokens": args.max_tokens}
     if args.long_later:
         convs = long_later_conversations(args.prose)
     else:

@@ -19,10 +19,11 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
-from mlx_kvlingo import Conversation, Event, Runtime
+from mlx_kvlingo import Conversation, Event, Runtime, Sampling
 
 from PySide6.QtCore import QTimer
 from PySide6.QtGui import QColor, QFont, QTextCharFormat, QTextCursor
@@ -60,14 +61,14 @@ class ChatWindow(QMainWindow):
         runtime: Runtime,
         *,
         max_tokens: int = 256,
-        temperature: float | None = None,  # None: the model's defaults (mlx_kvlingo.sampling)
+        sampling: Sampling | Mapping[str, Any] | None = None,  # None: the model's defaults
         system_prompt: str | None = None,
     ) -> None:
         super().__init__()
         self.runtime = runtime
         self.conversation: Conversation = runtime.new_conversation(system_prompt=system_prompt)
         self.max_tokens = max_tokens
-        self.temperature = temperature
+        self.sampling = sampling  # e.g. {"temp": 0}: greedy, the rest the model's own
         self.busy = False
         self.last: Event | None = None  # the last turn's done event
         self.on_idle: Callable[[], None] | None = None  # called when a turn has ended
@@ -136,7 +137,7 @@ class ChatWindow(QMainWindow):
         self._start(
             self.model,
             self.conversation.send(
-                text, self.model, max_tokens=self.max_tokens, temperature=self.temperature
+                text, self.model, max_tokens=self.max_tokens, sampling=self.sampling
             ),
         )
 
@@ -147,9 +148,7 @@ class ChatWindow(QMainWindow):
         self._write_note(f"escalating to {other}: answering the last message again")
         self._start(
             other,
-            self.conversation.escalate(
-                other, max_tokens=self.max_tokens, temperature=self.temperature
-            ),
+            self.conversation.escalate(other, max_tokens=self.max_tokens, sampling=self.sampling),
         )
 
     def stop(self) -> None:
@@ -284,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     window = ChatWindow(
         runtime,
         max_tokens=args.max_tokens,
-        temperature=args.temp,
+        sampling={"temp": args.temp},  # None: the model's own
         system_prompt=args.system_prompt,
     )
     window.show()

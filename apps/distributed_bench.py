@@ -44,7 +44,7 @@ def bench(rt: Runtime, wire: str, repeat: int) -> list[dict]:
             conv = rt.new_conversation(reader="small")
             conv.add_tokens(toks)
             before = rt.bytes_sent
-            for _ in conv.answer("large", max_tokens=ANSWER, temperature=0, seed=0):
+            for _ in conv.answer("large", max_tokens=ANSWER, sampling={"temp": 0, "seed": 0}):
                 pass
             t = conv.last.timings
             switch.append(t.translate_s)

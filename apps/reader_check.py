@@ -30,7 +30,7 @@ def main() -> None:
     for seed in (int(s) for s in args.seeds.split(",")):
         conversation = rt.new_conversation(reader=args.reader)
         for q in QUESTIONS:
-            answer = conversation.ask(q, seed=seed).text
+            answer = conversation.ask(q, sampling={"seed": seed}).text
             print(f"[seed {seed}] {q}\n    -> {answer[:200]}")
 
 

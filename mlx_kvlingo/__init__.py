@@ -18,6 +18,7 @@ __all__ = [
     "MemoryUsage",
     "Runtime",
     "RuntimeBusyError",
+    "Sampling",
     "Timings",
     "__version__",
 ]
@@ -32,6 +33,7 @@ if _typing.TYPE_CHECKING:  # static checkers see the real names
         MemoryUsage,
         Runtime,
         RuntimeBusyError,
+        Sampling,
         Timings,
     )
 

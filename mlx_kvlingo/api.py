@@ -29,7 +29,7 @@ import copy
 import threading
 import time
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -43,6 +43,7 @@ from .conversation.records import (
     status_line,
 )
 from .pair import ModelPair
+from .sampling import Sampling
 from .sampling import resolve as resolve_sampling
 from .session import MODES, READER_MARGIN, READER_MIN_TOKENS, READERS, Session
 from .translator import Translator
@@ -629,14 +630,8 @@ class Conversation:
         text: str,
         model: ModelName = "large",
         *,
+        sampling: Sampling | Mapping[str, Any] | None = None,
         max_tokens: int = 256,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        repetition_context_size: int | None = None,
-        seed: int | None = None,
         wait: bool = True,
         timeout: float | None = None,
     ) -> Stream:
@@ -646,18 +641,23 @@ class Conversation:
         `reader`): the small model reads the new turn, the large one catches up by KV
         translation and decodes. Stopping early (`cancel()` from any thread, `break`,
         `close()`) keeps the tokens emitted so far as the answer and leaves both caches
-        consistent. Sampling settings left None come from the answering model's
-        `generation_config.json`, else from `mlx_kvlingo.sampling.DEFAULTS`; `temperature=0`
-        is greedy. `seed`: MLX's generator is seeded with `seed` plus the number of assistant
-        messages before this turn (the one seed rule of every answer: reproducible from the
-        messages, a new draw each turn, the same for an escalation). `wait`/`timeout`: what
-        to do when another conversation is generating.
+        consistent.
+
+        `sampling`: a dict of the settings to change, e.g. `{"temp": 0}` (greedy) or
+        `{"top_p": 0.8, "seed": 1}`, merged over the answering model's defaults (its
+        `generation_config.json`, else `mlx_kvlingo.sampling.DEFAULTS`); a `Sampling`, used
+        whole; None: the model's defaults. The fields are those of `Sampling` (`temp`,
+        `top_p`, `top_k`, `min_p`, `repetition_penalty`, `repetition_context_size`, `seed`);
+        another is a ConversationError. `seed`: MLX's generator is seeded with `seed` plus
+        the number of assistant messages before this turn (the one seed rule of every
+        answer: reproducible from the messages, a new draw each turn, the same for an
+        escalation). `max_tokens`: the answer's length limit. `wait`/`timeout`: what to do
+        when another conversation is generating.
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, not {type(text).__name__}")
         role = _role(model)
-        sample = self._sample_kwargs(role, max_tokens, temperature, top_p, top_k, min_p,
-                                     repetition_penalty, repetition_context_size, seed)  # fmt: skip
+        sample, seed = self._sample_kwargs(role, sampling, max_tokens)
 
         def start() -> Iterator[TokenEvent]:
             self._session.add_user(text)
@@ -670,23 +670,16 @@ class Conversation:
         self,
         model: ModelName = "large",
         *,
+        sampling: Sampling | Mapping[str, Any] | None = None,
         max_tokens: int = 256,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        repetition_context_size: int | None = None,
-        seed: int | None = None,
         wait: bool = True,
         timeout: float | None = None,
     ) -> Stream:
         """Stream `model`'s answer to what the conversation holds unanswered (turns given to
         `add_messages` or `add_tokens`), adding no message: `send` without the text. The same
-        reader policy, sampling and stopping rules as `send`."""
+        reader policy, `sampling` and stopping rules as `send`."""
         role = _role(model)
-        sample = self._sample_kwargs(role, max_tokens, temperature, top_p, top_k, min_p,
-                                     repetition_penalty, repetition_context_size, seed)  # fmt: skip
+        sample, seed = self._sample_kwargs(role, sampling, max_tokens)
 
         def start() -> Iterator[TokenEvent]:
             _seed(seed, self._session.messages)
@@ -698,21 +691,16 @@ class Conversation:
         self,
         model: ModelName | None = None,
         *,
+        sampling: Sampling | Mapping[str, Any] | None = None,
         max_tokens: int = 256,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        repetition_context_size: int | None = None,
-        seed: int | None = None,
         wait: bool = True,
         timeout: float | None = None,
     ) -> Stream:
         """Answer the last user message again with the other model (or `model`).
 
         The last answer is dropped; the incoming model catches up and answers. Typical use:
-        the small model answered with low `confidence`, escalate to the large one.
+        the small model answered with low `confidence`, escalate to the large one. `sampling`
+        as in `send`, merged over the incoming model's defaults.
         """
         role = _role(model) if model is not None else None
         if role is not None:
@@ -720,8 +708,7 @@ class Conversation:
         else:
             last = self._session.last_turn
             label = "small" if last is not None and last.model == "target" else "large"
-        sample = self._sample_kwargs(_ROLE[label], max_tokens, temperature, top_p, top_k, min_p,
-                                     repetition_penalty, repetition_context_size, seed)  # fmt: skip
+        sample, seed = self._sample_kwargs(_ROLE[label], sampling, max_tokens)
 
         def start() -> Iterator[TokenEvent]:
             _seed(seed, self._session.messages)
@@ -734,14 +721,8 @@ class Conversation:
         text: str | None,
         threshold: float = AUTO_THRESHOLD,
         *,
+        sampling: Sampling | Mapping[str, Any] | None = None,
         max_tokens: int = 256,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        min_p: float | None = None,
-        repetition_penalty: float | None = None,
-        repetition_context_size: int | None = None,
-        seed: int | None = None,
         wait: bool = True,
         timeout: float | None = None,
     ) -> Stream:
@@ -753,23 +734,20 @@ class Conversation:
         `conversation.records.answer_confidence`) is below `threshold`, and the stream then
         goes on with `escalate("large")`: the large model's token events and done event. A
         stopped (cancelled) small answer, or one without tokens, is kept as it is.
-        Sampling settings and `seed` (the seed rule of `send`) apply to both answers.
+        `sampling` (as in `send`, each answer merging it over its own model's defaults) and
+        its `seed` (the seed rule of `send`) apply to both answers.
         """
-        kw: dict[str, Any] = dict(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                  top_k=top_k, min_p=min_p, repetition_penalty=repetition_penalty,
-                                  repetition_context_size=repetition_context_size, wait=wait,
-                                  timeout=timeout)  # fmt: skip
+        kw: dict[str, Any] = dict(
+            sampling=sampling, max_tokens=max_tokens, wait=wait, timeout=timeout
+        )
+        self._sample_kwargs("target", sampling, max_tokens)  # a bad setting fails now
         if text is None:
-            small = self.answer("small", seed=seed, **kw)
+            small = self.answer("small", **kw)
         else:
-            small = self.send(text, "small", seed=seed, **kw)
-        self._sample_kwargs("target", max_tokens, temperature, top_p, top_k, min_p,
-                            repetition_penalty, repetition_context_size, seed)  # fmt: skip
-        return self._cascade(small, threshold, seed, kw)
+            small = self.send(text, "small", **kw)
+        return self._cascade(small, threshold, kw)
 
-    def _cascade(
-        self, small: Stream, threshold: float, seed: int | None, kw: dict[str, Any]
-    ) -> Stream:
+    def _cascade(self, small: Stream, threshold: float, kw: dict[str, Any]) -> Stream:
         done: Event | None = None
         try:
             for ev in small:
@@ -785,7 +763,7 @@ class Conversation:
         escalating = unsure and done.finish_reason != "cancelled"
         yield replace(done, escalating=escalating)
         if escalating:
-            yield from self.escalate("large", seed=seed, **kw)
+            yield from self.escalate("large", **kw)
 
     def add_messages(
         self, messages: list[dict[str, str]], *, wait: bool = True, timeout: float | None = None
@@ -861,31 +839,21 @@ class Conversation:
     # -- internals -------------------------------------------------------------------------
 
     def _sample_kwargs(
-        self,
-        role: str,
-        max_tokens: int,
-        temperature: float | None,
-        top_p: float | None,
-        top_k: int | None,
-        min_p: float | None,
-        repetition_penalty: float | None,
-        repetition_context_size: int | None,
-        seed: int | None,
-    ) -> dict[str, Any]:
+        self, role: str, sampling: Sampling | Mapping[str, Any] | None, max_tokens: int
+    ) -> tuple[dict[str, Any], int | None]:
+        """`generate` keywords for `role`'s answer under `sampling` (sampling.resolve, the one
+        merge), and the seed for `_seed`."""
         loaded = self.runtime.pair.source if role == "source" else self.runtime.pair.target
         try:
-            cfg = resolve_sampling(
-                loaded, temp=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                repetition_penalty=repetition_penalty,
-                repetition_context_size=repetition_context_size, seed=seed,
-            )  # fmt: skip
-        except TypeError as e:
+            cfg = resolve_sampling(loaded, sampling)
+        except ValueError as e:
             raise ConversationError(str(e)) from None
-        return {
+        sample = {
             "max_tokens": max_tokens,
             "sampler": cfg.sampler(),
             "logits_processors": cfg.logits_processors(),
         }
+        return sample, cfg.seed
 
     def _locked(self, fn: Callable[[], Any], wait: bool, timeout: float | None) -> Any:
         ticket = _Ticket(self)

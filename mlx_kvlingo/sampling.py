@@ -6,15 +6,18 @@ Hugging Face fields `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
 repetition penalty 1.1 over the last 256 tokens of the conversation (the previous answer
 included: small models copy it otherwise). Greedy decoding of small chat models loops
 ("I'm not sure how to do it." 40 times); these settings keep answers readable. Explicit
-values always win. `temp=0` is greedy; the repetition penalty then applies only when given
-explicitly, so greedy stays plain argmax decoding unless asked otherwise.
+values always win: `resolve` merges them, the one place that does. `temp=0` is greedy; the
+repetition penalty then applies only when given explicitly, so greedy stays plain argmax
+decoding unless asked otherwise.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
@@ -76,13 +79,36 @@ def generation_config(folder: str | Path | None) -> dict:
     return out
 
 
-def resolve(model=None, **given) -> Sampling:
-    """Sampling for `model` (a LoadedModel or None): explicit values (not None) over the
-    model's generation_config.json over `DEFAULTS`."""
-    unknown = set(given) - set(FIELDS)
+#: what a caller may pass as `sampling`: a whole `Sampling`, the fields to set (a dict, merged
+#: over the answering model's defaults; None values count as not set), or None (all defaults)
+Overrides = Sampling | Mapping[str, Any] | None
+
+
+def resolve(model=None, sampling: Overrides = None) -> Sampling:
+    """The one place sampling settings are merged, for `model` (a LoadedModel or None).
+
+    `sampling` a `Sampling`: taken whole, as it is. A mapping of `Sampling` fields (values
+    not None): those fields over the model's generation_config.json over `DEFAULTS`, e.g.
+    `{"temp": 0.2}` keeps the model's top-p. None: the model's defaults. `temp=0` drops the
+    default repetition penalty (greedy stays plain argmax) unless one is given. An unknown
+    field is a ValueError that names the known ones."""
+    if isinstance(sampling, Sampling):
+        return sampling
+    if sampling is None:
+        sampling = {}
+    if not isinstance(sampling, Mapping):
+        raise TypeError(
+            f"sampling must be a Sampling, a dict of its fields or None, "
+            f"not {type(sampling).__name__}"
+        )
+    unknown = set(sampling) - set(FIELDS)
     if unknown:
-        raise TypeError(f"unknown sampling settings {sorted(unknown)}; known: {FIELDS}")
-    explicit = {k: v for k, v in given.items() if v is not None}
+        hint = " (temperature is 'temp')" if "temperature" in unknown else ""
+        raise ValueError(
+            f"unknown sampling settings {sorted(map(str, unknown))}{hint}; known: "
+            f"{', '.join(FIELDS)}"
+        )
+    explicit = {k: v for k, v in sampling.items() if v is not None}
     base = replace(DEFAULTS, **generation_config(getattr(model, "folder", None)))
     if explicit.get("temp") == 0 or (base.temp == 0 and "temp" not in explicit):
         base = replace(base, repetition_penalty=1.0)  # greedy stays plain unless asked

@@ -20,7 +20,7 @@ sys.modules.setdefault("torch", None)  # not needed here; transformers would imp
 import mlx_kvlingo  # noqa: E402,F401  (preloads OpenBLAS before mlx)
 from mlx_kvlingo import Runtime  # noqa: E402
 
-GREEDY = {"max_tokens": 5, "temperature": 0.0}
+GREEDY = {"max_tokens": 5, "sampling": {"temp": 0.0}}
 
 
 def _turn(stream, stop_after=None) -> dict:

@@ -88,7 +88,7 @@ def _worker(tid, runtime, convs, all_convs, rng, n_ops, deadline, folder, report
         try:
             if op == "send":
                 kw = {"model": rng.choice(["small", "large"]), "max_tokens": rng.randint(1, 6),
-                      "temperature": 0}  # fmt: skip
+                      "sampling": {"temp": 0}}  # fmt: skip
                 r = rng.random()
                 if r < 0.1:
                     kw["wait"] = False
@@ -102,7 +102,7 @@ def _worker(tid, runtime, convs, all_convs, rng, n_ops, deadline, folder, report
                 other = rng.choice(all_convs)
                 other.cancel()
             elif op == "escalate":
-                for ev in conv.escalate(max_tokens=rng.randint(1, 4), temperature=0):
+                for ev in conv.escalate(max_tokens=rng.randint(1, 4), sampling={"temp": 0}):
                     generated += ev.kind == "token"
             elif op == "save":
                 path = folder / f"t{tid}-{k}.safetensors"

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx_kvlingo
@@ -89,7 +90,7 @@ def test_import_is_cheap_and_lazy():
 
 def test_streaming_events_and_switch(runtime):
     conv = runtime.new_conversation(system_prompt="Be brief.")
-    events = list(conv.send(MSG[0], model="small", max_tokens=N, temperature=0))
+    events = list(conv.send(MSG[0], model="small", max_tokens=N, sampling={"temp": 0}))
     assert all(isinstance(e, Event) for e in events)
     *tokens, done = events
     assert tokens and all(e.kind == "token" and e.model == "small" for e in tokens)
@@ -102,7 +103,7 @@ def test_streaming_events_and_switch(runtime):
     assert conv.messages[-1] == {"role": "assistant", "content": done.text}
 
     # the large model takes over from a translated cache and says what it would say alone
-    stream = conv.send(MSG[1], model="large", max_tokens=N, temperature=0)
+    stream = conv.send(MSG[1], model="large", max_tokens=N, sampling={"temp": 0})
     n0 = None
     toks = []
     for ev in stream:
@@ -151,7 +152,7 @@ def test_cancel_mid_stream_from_another_thread(runtime):
     # the next turn works and is exact: the large model continues from the kept partial answer
     n0 = None
     toks = []
-    for ev in conv.send(MSG[1], model="large", max_tokens=N, temperature=0):
+    for ev in conv.send(MSG[1], model="large", max_tokens=N, sampling={"temp": 0}):
         n0 = n0 or len(conv._session.tokens)
         if ev.kind == "token":
             toks.append(ev.token)
@@ -162,7 +163,7 @@ def test_cancel_mid_stream_from_another_thread(runtime):
 
 def test_one_generation_at_a_time(runtime):
     a, b = runtime.new_conversation(), runtime.new_conversation()
-    stream = a.send(MSG[0], model="small", max_tokens=N, temperature=0)
+    stream = a.send(MSG[0], model="small", max_tokens=N, sampling={"temp": 0})
     assert next(stream).kind == "token" and runtime.busy
     errors: list = []
 
@@ -203,7 +204,7 @@ def test_one_generation_at_a_time(runtime):
     assert_consistent(b)
 
     # a waiting send that is cancelled ends with one cancelled event, the conversation as it was
-    hold = a.send(MSG[2], max_tokens=N, temperature=0)
+    hold = a.send(MSG[2], max_tokens=N, sampling={"temp": 0})
     next(hold)
     seen: list = []
     waiting = b.send(MSG[3])
@@ -219,7 +220,7 @@ def test_one_generation_at_a_time(runtime):
     assert not runtime.busy and a.last is not None
 
     # the same thread starting a new turn on the same conversation ends its unfinished stream
-    s1 = a.send(MSG[0], max_tokens=N, temperature=0)
+    s1 = a.send(MSG[0], max_tokens=N, sampling={"temp": 0})
     first = next(s1)
     events = list(a.send(MSG[1], model="large", max_tokens=4))
     assert events[-1].kind == "done"
@@ -237,9 +238,9 @@ def _catch(errors, fn):
 
 def test_save_restore_escalate_memory(runtime, tmp_path):
     conv = runtime.new_conversation(system_prompt="Be brief.")
-    conv.ask(MSG[0], "small", max_tokens=N, temperature=0)
+    conv.ask(MSG[0], "small", max_tokens=N, sampling={"temp": 0})
     small = conv.last
-    done = list(conv.escalate(max_tokens=N, temperature=0))[-1]
+    done = list(conv.escalate(max_tokens=N, sampling={"temp": 0}))[-1]
     assert done.model == "large" and done.kind == "done"
     assert conv.messages[-1]["content"] == done.text
     assert len([m for m in conv.messages if m["role"] == "assistant"]) == 1
@@ -250,8 +251,8 @@ def test_save_restore_escalate_memory(runtime, tmp_path):
     assert back.messages == conv.messages and back.tokens == conv.tokens
     assert back.system_prompt == "Be brief."
     # the same next turn from the original and the restored conversation
-    a = conv.ask(MSG[1], "small", max_tokens=N, temperature=0)
-    b = back.ask(MSG[1], "small", max_tokens=N, temperature=0)
+    a = conv.ask(MSG[1], "small", max_tokens=N, sampling={"temp": 0})
+    b = back.ask(MSG[1], "small", max_tokens=N, sampling={"temp": 0})
     assert a.text == b.text and a.timings.translated_tokens == b.timings.translated_tokens > 0
     conv.reset()
     assert conv.messages == [{"role": "system", "content": "Be brief."}]
@@ -343,7 +344,7 @@ def test_add_messages_history_then_answer(runtime):
     conv.add_messages([{"role": "user", "content": MSG[0]}, {"role": "assistant", "content": "ok"}])
     s = conv._session
     assert s.held("source") == s.held("target") == 0 and not s.pending
-    done = conv.ask(MSG[1], model="small", max_tokens=N, temperature=0)
+    done = conv.ask(MSG[1], model="small", max_tokens=N, sampling={"temp": 0})
     n = len(s.tokens) - done.timings.generation_tokens
     reference = runtime.pair.tokenizer.apply_chat_template(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": MSG[0]},
@@ -369,19 +370,19 @@ def test_reader_policy_through_the_api(runtime):
     assert costs_of(runtime.pair).target_read.ready and costs_of(runtime.pair).forward.ready
     auto = runtime.new_conversation(reader_margin=0.2)
     assert (auto.reader, auto.reader_margin) == ("auto", 0.2)
-    done = auto.ask(MSG[0], max_tokens=N, temperature=0)
+    done = auto.ask(MSG[0], max_tokens=N, sampling={"temp": 0})
     assert done.timings.alternative_ttft_s > 0 and "TTFT ≈ " in done.status
     with pytest.raises(ConversationError, match="reader_margin"):
         auto.reader_margin = -1
     conv = runtime.new_conversation(reader="tokens", reader_min_tokens=48)
     assert (conv.reader, conv.reader_min_tokens) == ("tokens", 48)
-    first = conv.ask(MSG[0], max_tokens=N, temperature=0)
-    later = conv.ask(MSG[1], max_tokens=N, temperature=0)
+    first = conv.ask(MSG[0], max_tokens=N, sampling={"temp": 0})
+    later = conv.ask(MSG[1], max_tokens=N, sampling={"temp": 0})
     assert first.timings.read_tokens > 0 and later.timings.read_tokens == 0
     conv.reader_min_tokens = 0  # every turn read by the small model now
-    assert conv.ask(MSG[2], max_tokens=N, temperature=0).timings.read_tokens > 0
+    assert conv.ask(MSG[2], max_tokens=N, sampling={"temp": 0}).timings.read_tokens > 0
     conv.reader = "self"
-    assert conv.ask(MSG[0], max_tokens=N, temperature=0).timings.read_tokens == 0
+    assert conv.ask(MSG[0], max_tokens=N, sampling={"temp": 0}).timings.read_tokens == 0
     with pytest.raises(ConversationError, match="reader_min_tokens"):
         conv.reader_min_tokens = -3
     with pytest.raises(ConversationError, match="unknown reader"):
@@ -423,13 +424,13 @@ def test_cascade_keeps_or_escalates(runtime):
     """The small model answers; below the threshold the large one answers again (forced by
     thresholds no confidence can reach: above 0, below any finite log-prob)."""
     conv = runtime.new_conversation(system_prompt="Be brief.")
-    events = list(conv.cascade(MSG[0], threshold=-1e9, max_tokens=N, temperature=0))
+    events = list(conv.cascade(MSG[0], threshold=-1e9, max_tokens=N, sampling={"temp": 0}))
     *tokens, done = events
     assert all(e.kind == "token" and e.model == "small" for e in tokens)
     assert done.kind == "done" and done.model == "small" and not done.escalating
     assert conv.last.text == done.text and conv.messages[-1]["content"] == done.text
 
-    events = list(conv.cascade(MSG[1], threshold=0.1, max_tokens=N, temperature=0))
+    events = list(conv.cascade(MSG[1], threshold=0.1, max_tokens=N, sampling={"temp": 0}))
     dones = [e for e in events if e.kind == "done"]
     assert [d.model for d in dones] == ["small", "large"]
     assert dones[0].escalating and not dones[1].escalating
@@ -446,13 +447,13 @@ def test_cascade_keeps_or_escalates(runtime):
 
 def test_trim_and_pending(runtime):
     conv = runtime.new_conversation(system_prompt="Be brief.")
-    conv.ask(MSG[0], "small", max_tokens=N, temperature=0)
+    conv.ask(MSG[0], "small", max_tokens=N, sampling={"temp": 0})
     assert not conv.pending
     conv.add_messages([{"role": "user", "content": MSG[1]}])
     assert conv.pending
     assert conv.trim(conv.tokens - 1) == 2  # the first exchange goes, the last message stays
     assert [m["role"] for m in conv.messages] == ["system", "user"] and conv.pending
-    done = list(conv.answer("large", max_tokens=N, temperature=0))[-1]
+    done = list(conv.answer("large", max_tokens=N, sampling={"temp": 0}))[-1]
     assert done.kind == "done" and not conv.pending
     assert_consistent(conv)
     assert conv.trim(10_000) == 0
@@ -474,3 +475,51 @@ def test_one_seed_rule():
     assert draw(5, [sys_, u, a, u]) == draw(6) != draw(5)  # a new draw each turn
     assert draw(5, [u, a, u, a]) == draw(6)  # re-answering (escalate): the same position
     assert draw(5, []) == draw(5)  # raw tokens, no messages
+
+
+def test_sampling_overrides_merge_over_each_models_defaults(runtime, monkeypatch):
+    """`sampling={"temp": ...}` changes the temperature only: top-p and the rest stay the
+    answering model's own (its generation_config.json), in send, answer, escalate and both
+    answers of a cascade; a `Sampling` is used whole; an unknown field is a ConversationError
+    naming it, raised before anything runs."""
+    from mlx_kvlingo import Sampling
+    from mlx_kvlingo import sampling as S
+
+    own = {runtime.pair.source.folder: {"top_p": 0.8}, runtime.pair.target.folder: {"top_k": 20}}
+    monkeypatch.setattr(S, "generation_config", lambda folder: dict(own.get(folder, {})))
+    used = []
+    sampler = S.Sampling.sampler
+    monkeypatch.setattr(S.Sampling, "sampler", lambda cfg: used.append(cfg) or sampler(cfg))
+    small, large = S.resolve(runtime.pair.source), S.resolve(runtime.pair.target)
+    assert (small.top_p, large.top_k) == (0.8, 20)  # the models' own differ from DEFAULTS
+
+    conv = runtime.new_conversation()
+    conv.ask(MSG[0], "small", max_tokens=2, sampling={"temp": 0.3, "seed": 1})
+    list(conv.escalate(max_tokens=2, sampling={"temp": 0.3}))
+    conv.add_messages([{"role": "user", "content": MSG[1]}])
+    list(conv.answer("small", max_tokens=2, sampling={"top_k": 5}))
+    list(conv.cascade(MSG[2], threshold=1.0, max_tokens=2, sampling={"temp": 0.3}))  # escalates
+    assert used == [
+        replace(small, temp=0.3, seed=1),
+        replace(large, temp=0.3),
+        replace(small, top_k=5),
+        replace(large, temp=0.3),  # the cascade checks the large one's settings first
+        replace(small, temp=0.3),
+        replace(large, temp=0.3),
+    ]
+    whole = Sampling(temp=0.3)
+    conv.ask(MSG[3], "large", max_tokens=2, sampling=whole)
+    assert used[-1] is whole
+
+    n = len(conv.messages)
+    unknown = r"unknown sampling settings \['temperature'\] \(temperature is 'temp'\); known: temp"
+    for call in (
+        lambda: conv.send(MSG[0], sampling={"temperature": 0}),
+        lambda: conv.answer(sampling={"temperature": 0}),
+        lambda: conv.escalate(sampling={"temperature": 0}),
+        lambda: conv.cascade(MSG[0], sampling={"temperature": 0}),
+    ):
+        with pytest.raises(ConversationError, match=unknown):
+            call()
+    assert len(conv.messages) == n and not runtime.busy
+    assert_consistent(conv)

@@ -38,7 +38,7 @@ def runtime():
 
 def answer(runtime, prompt: str, **sampling) -> tuple[list[int], str]:
     conv = runtime.new_conversation(reader="small")  # answers from translated caches
-    done = conv.ask(prompt, max_tokens=200, **sampling)
+    done = conv.ask(prompt, max_tokens=200, sampling=sampling)
     assert done.model == "large" and done.timings.read_tokens > 0  # the small model read it
     ids = [t for t in conv._session.tokens[-done.timings.generation_tokens :]]
     return ids, done.text
@@ -54,5 +54,5 @@ def test_default_sampling_does_not_loop(runtime):
 
 def test_the_check_fails_under_greedy_without_penalty(runtime):
     """The same check catches the loop that greedy decoding falls into on this pair."""
-    ids, text = answer(runtime, PROMPTS[3], temperature=0, repetition_penalty=1.0)
+    ids, text = answer(runtime, PROMPTS[3], temp=0, repetition_penalty=1.0)
     assert worst_repeat(ids) > MAX_REPEATS, text

@@ -3,9 +3,10 @@ translated cache (issue 12), on the known-answer tiny pair where translation is 
 reader "auto", the default: the small reads the opening span and long turns only."""
 
 import json
+from dataclasses import replace
 
 from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats, status_line
-from mlx_kvlingo.sampling import DEFAULTS, GREEDY, resolve
+from mlx_kvlingo.sampling import DEFAULTS, GREEDY, Sampling, resolve
 from mlx_kvlingo.session import Session
 
 import mlx.core as mx
@@ -226,17 +227,43 @@ def test_sampling_defaults_and_generation_config(tmp_path):
     )
     got = resolve(M())
     assert (got.temp, got.top_k, got.top_p, got.min_p) == (0.6, 20, 0.95, DEFAULTS.min_p)
-    assert resolve(M(), temp=0.2, seed=3).temp == 0.2
-    greedy = resolve(M(), temp=0)
+    assert resolve(M(), {"temp": 0.2, "seed": 3}).temp == 0.2
+    greedy = resolve(M(), {"temp": 0})
     assert greedy.temp == 0 and greedy.repetition_penalty == 1.0 and not greedy.logits_processors()
-    assert resolve(M(), temp=0, repetition_penalty=1.3).logits_processors()
+    assert resolve(M(), {"temp": 0, "repetition_penalty": 1.3}).logits_processors()
     (tmp_path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
     assert resolve(M()).temp == 0 and resolve(M()).repetition_penalty == 1.0
     (tmp_path / "generation_config.json").write_text("{not json")
     assert resolve(M()) == DEFAULTS
-    with pytest.raises(TypeError, match="unknown sampling"):
-        resolve(None, temperature=1.0)
+    with pytest.raises(ValueError, match="unknown sampling"):
+        resolve(None, {"temperature": 1.0})
     assert GREEDY.sampler()(mx.array([[0.1, 3.0, 0.2]])).item() == 1
+
+
+def test_sampling_overrides_merge_over_the_model_defaults(tmp_path):
+    """A dict of overrides changes only its fields (None: not set), the rest stay the model's
+    own; a `Sampling` is taken whole; an unknown field is a ValueError naming it."""
+
+    class M:
+        folder = tmp_path
+
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.2})
+    )
+    own = resolve(M())
+    got = resolve(M(), {"temp": 0.3, "min_p": None})
+    assert got == replace(own, temp=0.3)
+    assert (got.top_p, got.top_k, got.repetition_penalty, got.min_p) == (0.95, 20, 1.2, 0.05)
+    assert resolve(M(), {"seed": 4}) == replace(own, seed=4)
+    whole = Sampling(temp=0.3)
+    assert resolve(M(), whole) is whole and whole.top_p == DEFAULTS.top_p
+    known = r"known: temp, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed"
+    with pytest.raises(ValueError, match=r"\['temperature'\] \(temperature is 'temp'\); " + known):
+        resolve(M(), {"temperature": 0.3})
+    with pytest.raises(ValueError, match=r"unknown sampling settings \['top'\]; known"):
+        resolve(M(), {"temp": 0.3, "top": 1})
+    with pytest.raises(TypeError, match="sampling must be a Sampling, a dict"):
+        resolve(M(), 0.3)
 
 
 def test_reader_evaluation_on_the_exact_pair(pair, translators, tiny_dir):

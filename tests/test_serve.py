@@ -458,20 +458,20 @@ def test_api_key(serve):
     assert r.choices[0].message.content
 
 
-def test_sampling_keywords_follow_what_send_accepts():
-    today = {"max_tokens", "temperature", "top_p"}
-    later = today | {"top_k", "min_p", "repetition_penalty", "repetition_context_size", "seed"}
+def test_sampling_fields_map_onto_sampling():
+    """OpenAI's fields become `Conversation.send`'s `sampling` (Sampling's names, only those
+    set) and `max_tokens`; a field `Sampling` lacks is refused, naming it."""
     body = {"temperature": 0.5, "max_completion_tokens": 9, "max_tokens": 20, "seed": 3}
-    assert sampling_kwargs(body, today, LIMITS) == ({"temperature": 0.5, "max_tokens": 9}, 3)
-    assert sampling_kwargs(body, later, LIMITS) == (
-        {"temperature": 0.5, "max_tokens": 9, "seed": 3}, None)  # fmt: skip
-    assert sampling_kwargs({}, today, LIMITS) == ({"max_tokens": LIMITS.default_max_tokens}, None)
-    assert sampling_kwargs({"frequency_penalty": 0, "presence_penalty": 0.0}, today, LIMITS)[0] == {
-        "max_tokens": LIMITS.default_max_tokens}  # fmt: skip
+    assert sampling_kwargs(body, LIMITS) == {"sampling": {"temp": 0.5, "seed": 3}, "max_tokens": 9}
+    assert sampling_kwargs({}, LIMITS) == {"sampling": {}, "max_tokens": LIMITS.default_max_tokens}
+    zero = {"frequency_penalty": 0, "presence_penalty": 0.0}
+    assert sampling_kwargs(zero, LIMITS) == sampling_kwargs({}, LIMITS)
     extras = {"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "repetition_context_size": 64}
-    assert sampling_kwargs(extras, later, LIMITS)[0] == {**extras, "max_tokens": 12}
-    with pytest.raises(APIError, match="top_k is not supported"):
-        sampling_kwargs({"top_k": 40}, today, LIMITS)
+    assert sampling_kwargs({**extras, "top_p": 0.8}, LIMITS)["sampling"] == {**extras, "top_p": 0.8}
+    for name in ("frequency_penalty", "presence_penalty"):
+        with pytest.raises(APIError, match=f"{name} is not supported.*repetition_penalty") as e:
+            sampling_kwargs({name: 0.5}, LIMITS)
+        assert e.value.param == name and e.value.code == "unsupported_field"
 
 
 # -- the serving page's example and the command line -------------------------------------------

@@ -97,7 +97,8 @@ def sampling_options(f):
 
 
 def sampling_settings(kw: dict) -> dict:
-    """The sampling options as `mlx_kvlingo.sampling.resolve` keywords (None: not given)."""
+    """The sampling options as `Sampling` fields for `Conversation.send(sampling=...)` and
+    `mlx_kvlingo.sampling.resolve` (None: not given, the model's default)."""
     return {
         "temp": kw.get("temp"),
         "top_p": kw.get("top_p"),

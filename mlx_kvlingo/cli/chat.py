@@ -176,14 +176,13 @@ class ChatApp:
         """The answer's `Conversation` keywords: max tokens and the explicit sampling settings
         (the answering model's defaults fill the rest); `--seed` goes through as given, under
         the API's one seed rule (`Conversation.send`)."""
-        kw = {"temperature" if k == "temp" else k: v for k, v in self.sampling.items()}
-        return {"max_tokens": self.max_tokens, **kw}
+        return {"max_tokens": self.max_tokens, "sampling": self.sampling}
 
     def warm_sample(self, model: str) -> dict:
         """The sampler and processors a real turn uses (for the warm-up), without seeding."""
         pair = self.conv.runtime.pair
         loaded = pair.source if model == "source" else pair.target
-        cfg = resolve_sampling(loaded, **self.sampling)
+        cfg = resolve_sampling(loaded, self.sampling)
         return {"sampler": cfg.sampler(), "logits_processors": cfg.logits_processors()}
 
     # -- commands ----------------------------------------------------------------------------
@@ -320,7 +319,7 @@ class ChatApp:
             ("answers", LABEL[self.next]),
             (
                 "sampling",
-                describe_sampling(resolve_sampling(self.conv.runtime.pair.target, **self.sampling)),
+                describe_sampling(resolve_sampling(self.conv.runtime.pair.target, self.sampling)),
             ),  # fmt: skip
             ("max tokens", str(self.max_tokens)),
         ]

@@ -54,7 +54,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
             conv.add_tokens(pair.tokenizer.encode(prompt))
         tokens = conv.token_ids
         ids, pieces = [], []
-        for ev in conv.answer("large", max_tokens=max_tokens, **_keywords(settings)):
+        for ev in conv.answer("large", max_tokens=max_tokens, sampling=settings):
             if ev.kind == "token":
                 if not as_json:
                     click.echo(ev.text, nl=False)
@@ -75,7 +75,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
             "pieces": pieces,
             "text": "".join(pieces),
             "finish_reason": done.finish_reason,
-            "sampling": resolve_sampling(pair.target, **settings).as_dict(),
+            "sampling": resolve_sampling(pair.target, settings).as_dict(),
             "timings": {
                 "source_prefill_tokens": t.read_tokens,
                 "source_prefill_s": t.read_s,
@@ -102,13 +102,6 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     )
 
 
-def _keywords(settings: dict) -> dict:
-    """`sampling_settings` as `Conversation.send`/`answer` keywords."""
-    out = dict(settings)
-    out["temperature"] = out.pop("temp")
-    return out
-
-
 def _generate_distributed(source, target, translator, wire, prompt, chat, max_tokens, sampling,
                           demo_pair="dense"):  # fmt: skip
     """Rank 0: the same switch through a conversation on the distributed runtime (the small
@@ -122,7 +115,7 @@ def _generate_distributed(source, target, translator, wire, prompt, chat, max_to
             conv.add_messages([{"role": "user", "content": prompt}])
         else:
             conv.add_tokens(runtime.pair.tokenizer.encode(prompt))
-        for ev in conv.answer("large", max_tokens=max_tokens, **_keywords(sampling)):
+        for ev in conv.answer("large", max_tokens=max_tokens, sampling=sampling):
             if ev.kind == "token":
                 click.echo(ev.text, nl=False)
         click.echo()

@@ -3,9 +3,9 @@ stream chunks and error bodies built as plain dicts.
 
 A request is checked completely before it reaches the model pair: every bad field is an
 `APIError` (HTTP status + OpenAI error body `{"error": {"message", "type", "param", "code"}}`).
-Sampling fields map onto `Conversation.send` keywords by `sampling_kwargs`: only fields the
-client set are passed (absent fields leave the library's defaults), and only keywords `send`
-accepts in this version of the package (others are refused with a 400 naming the field).
+Sampling fields map onto `Conversation.send`'s `sampling` by `sampling_kwargs`: only fields
+the client set are passed (absent fields leave the answering model's defaults), and only those
+`mlx_kvlingo.sampling.Sampling` has (others are refused with a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+
+from ..sampling import FIELDS
 
 #: The model ids this server answers to: the small model answers, the large one answers (from
 #: the translated cache), or the cascade (the small answers, the large re-answers when unsure).
@@ -73,9 +75,8 @@ class ChatRequest:
 
     model: str
     messages: list[dict[str, str]]  # system first (optional), then user/assistant alternating
-    send: dict[str, Any]  # keywords for Conversation.send / escalate
+    send: dict[str, Any]  # keywords for Conversation.send / cascade: sampling, max_tokens
     max_tokens: int
-    seed: int | None = None  # set here when `send` takes no `seed`: the worker seeds MLX
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -120,63 +121,55 @@ def _set(body: dict, name: str) -> bool:
     return body.get(name) is not None
 
 
-#: OpenAI field -> (send keyword, checker). Non-OpenAI fields that mlx_lm.server also accepts
-#: (top_k, min_p, repetition_penalty, repetition_context_size) are read the same way.
+#: OpenAI field -> (`Sampling` field, checker). Non-OpenAI fields that mlx_lm.server also
+#: accepts (top_k, min_p, repetition_penalty, repetition_context_size) are read the same way.
 _SAMPLING = {
-    "temperature": ("temperature", lambda b, n: _number(b, n, 0.0, 2.0)),
+    "temperature": ("temp", lambda b, n: _number(b, n, 0.0, 2.0)),
     "top_p": ("top_p", lambda b, n: _number(b, n, 0.0, 1.0)),
     "top_k": ("top_k", lambda b, n: _integer(b, n, 0)),
     "min_p": ("min_p", lambda b, n: _number(b, n, 0.0, 1.0)),
     "repetition_penalty": ("repetition_penalty", lambda b, n: _number(b, n, 0.0)),
     "repetition_context_size": ("repetition_context_size", lambda b, n: _integer(b, n, 0)),
-    # OpenAI's additive penalties: passed on if `send` ever takes them; 0 is always fine.
+    "seed": ("seed", lambda b, n: _integer(b, n)),
+    # OpenAI's additive penalties: passed on if `Sampling` ever has them; 0 is always fine.
     "frequency_penalty": ("frequency_penalty", lambda b, n: _number(b, n, -2.0, 2.0)),
     "presence_penalty": ("presence_penalty", lambda b, n: _number(b, n, -2.0, 2.0)),
 }
 
 
-def sampling_kwargs(
-    body: dict[str, Any], accepted: set[str], limits: Limits
-) -> tuple[dict[str, Any], int | None]:
-    """The `Conversation.send` keywords for a request's sampling fields, and a seed to apply by
-    hand when `send` takes none.
+def sampling_kwargs(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
+    """The `Conversation.send` keywords for a request: `sampling` (the `Sampling` fields the
+    client set, merged over the answering model's defaults by the library) and `max_tokens`.
 
-    - temperature, top_p (and top_k, min_p, repetition_penalty, repetition_context_size, as
-      mlx_lm.server reads them) -> the keyword of the same name, when the client set them;
+    - temperature -> temp; top_p, seed (the library's one seed rule), and top_k, min_p,
+      repetition_penalty, repetition_context_size (as mlx_lm.server reads them) -> the field
+      of the same name, when the client set them;
     - max_completion_tokens, else max_tokens (deprecated name) -> max_tokens, at most
       `limits.max_tokens`; absent: `limits.default_max_tokens`;
-    - seed -> seed; when `send` has no `seed`, it is returned and the worker seeds MLX's
-      generator before the answer (one generation runs at a time, so that is per request);
     - frequency_penalty / presence_penalty: 0 (OpenAI's default) is accepted and ignored;
-      another value is passed on if `send` takes it, else refused: mlx-lm's multiplicative
+      another value is passed on if `Sampling` has it, else refused: mlx-lm's multiplicative
       repetition_penalty is a different thing, and silently swapping one for the other would
       change what the client asked for;
-    - a field `send` does not take in this version is refused with a 400 naming it.
+    - a field `Sampling` does not have in this version is refused with a 400 naming it.
     """
-    out: dict[str, Any] = {}
-    for name, (kw, check) in _SAMPLING.items():
+    sampling: dict[str, Any] = {}
+    for name, (field_, check) in _SAMPLING.items():
         if not _set(body, name):
             continue
         value = check(body, name)
-        if kw in accepted:
-            out[kw] = value
-        elif name in ("frequency_penalty", "presence_penalty") and value == 0:
+        additive = name in ("frequency_penalty", "presence_penalty")
+        if field_ in FIELDS:
+            sampling[field_] = value
+        elif additive and value == 0:
             continue
         else:
-            hint = " (repetition_penalty is mlx-lm's)" if name.endswith("y_penalty") else ""
+            hint = " (repetition_penalty is mlx-lm's)" if additive else ""
             raise bad(f"{name} is not supported by this server{hint}", name, "unsupported_field")
     name = "max_completion_tokens" if _set(body, "max_completion_tokens") else "max_tokens"
     max_tokens = limits.default_max_tokens
     if _set(body, name):
         max_tokens = _integer(body, name, 1, limits.max_tokens)
-    out["max_tokens"] = max_tokens
-    seed = None
-    if _set(body, "seed"):
-        seed = _integer(body, "seed")
-        if "seed" in accepted:
-            out["seed"] = seed
-            seed = None
-    return out, seed
+    return {"sampling": sampling, "max_tokens": max_tokens}
 
 
 # -- messages ----------------------------------------------------------------------------------
@@ -235,7 +228,7 @@ def parse_messages(raw: Any) -> list[dict[str, str]]:
     return out
 
 
-def parse_request(body: Any, accepted: set[str], limits: Limits) -> ChatRequest:
+def parse_request(body: Any, limits: Limits) -> ChatRequest:
     """Check a decoded JSON body; raise `APIError` for anything this server cannot honour."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
@@ -278,13 +271,12 @@ def parse_request(body: Any, accepted: set[str], limits: Limits) -> ChatRequest:
         raise bad("stop must be a string or a list of non-empty strings", "stop", "invalid_type")
     if len(stop) > limits.max_stop:
         raise bad(f"at most {limits.max_stop} stop sequences", "stop", "invalid_value")
-    send, seed = sampling_kwargs(body, accepted, limits)
+    send = sampling_kwargs(body, limits)
     return ChatRequest(
         model=model,
         messages=messages,
         send=send,
         max_tokens=send["max_tokens"],
-        seed=seed,
         stop=stop,
         stream=stream,
         include_usage=include_usage,

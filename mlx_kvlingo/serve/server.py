@@ -236,7 +236,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         app = self.app
         try:
-            req = P.parse_request(body, app.worker.accepted, app.config.limits)
+            req = P.parse_request(body, app.config.limits)
         except P.APIError as e:
             return self._error(e)
         job = Job(req)

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..api import Conversation, ConversationError, Runtime, RuntimeBusyError, Stream
 from ..conversation.records import AUTO_THRESHOLD
-from .pool import Pool, accepted_keywords
+from .pool import Pool
 from .protocol import APIError, ChatRequest, Limits
 
 log = logging.getLogger("mlx_kvlingo.serve")
@@ -132,10 +132,6 @@ class Worker:
         kwargs = dict(conversation_kwargs or {})
         kwargs.setdefault("max_kv_size", limits.max_prompt_tokens + limits.max_tokens)
         self.pool = Pool(runtime, max_conversations, **kwargs)
-        # sampling keywords send(), escalate() and cascade() take in this version of the package
-        both = accepted_keywords(Conversation.send) & accepted_keywords(Conversation.escalate)
-        both &= accepted_keywords(Conversation.cascade)
-        self.accepted = both - {"self", "text", "model", "threshold", "wait", "timeout"}
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._slots = threading.BoundedSemaphore(max(queue_size, 0) + 1)  # running + waiting
         self._current: Job | None = None
@@ -210,10 +206,6 @@ class Worker:
             before = conv.stats()
             if history:
                 conv.add_messages(history)
-            if req.seed is not None:
-                import mlx.core as mx
-
-                mx.random.seed(req.seed)
             job.put("accepted")
             result = self._answer(job, conv, before, held)
             result.extra["queued_s"] = queued
