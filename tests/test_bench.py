@@ -173,6 +173,55 @@ def test_cli_end_to_end_writes_json_markdown_png(preset_cache, tmp_path):
     assert matplotlib.image.imread(str(out / "ttft.png")).ndim == 3
 
 
+def test_bench_reports_each_translation_step_and_the_map_reading(preset_cache, tmp_path):
+    """Each step of the translation (maps, target-side steps, cache writes) is timed and set
+    against the same-run GEMM, and the strategy the maps were measured to read by is kept."""
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        bench_cmd,
+        ["--preset", "tiny", "--cache-dir", str(preset_cache), "--lengths", "8,24",
+         "--trials", "1", "--warmup", "0", "--out", str(out), "--no-progress"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "bench.json").read_text())
+    assert set(data["map_reading"]) == {"key@64", "value@64", "key@256", "value@256"}
+    for v in data["lengths"].values():
+        steps = v["derived"]["step_efficiency"]
+        assert list(steps) == ["translate_map", "translate_steps", "cache_append"]
+        gemm = v["stats"]["gemm"]["median"]
+        spent = 0.0
+        for name, step in steps.items():
+            spent += v["stats"][name]["median"]
+            assert step["cumulative_efficiency"] == pytest.approx(gemm / spent)
+    assert "## Translation step by step" in (out / "bench.md").read_text()
+
+
+def test_side_by_side_runs_every_pair_and_summarizes_them(preset_cache, tmp_path):
+    """`--side-by-side`: every named pair gets its own sweep and folder; the summary has one
+    row per pair and length, taken from that pair's own results; unknown names are refused."""
+    out = tmp_path / "sbs"
+    result = CliRunner().invoke(
+        bench_cmd,
+        ["--side-by-side", "tiny", "--cache-dir", str(preset_cache), "--lengths", "8,24",
+         "--trials", "1", "--warmup", "0", "--out", str(out), "--no-progress"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    data = json.loads((out / "side-by-side.json").read_text())
+    assert list(data["pairs"]) == ["tiny"]
+    rows = data["summary"]
+    assert [(r["pair"], r["tokens"]) for r in rows] == [("tiny", 8), ("tiny", 24)]
+    for r in rows:
+        d = data["pairs"]["tiny"]["lengths"][str(r["tokens"])]["derived"]
+        assert r["efficiency"] == d["gemm_efficiency"]
+        assert r["translation_vs_target_step"] == d["translation_vs_target_step"]
+        assert r["efficiency_goal_met"] is None  # judged at 256 and 1024 only
+    assert (out / "tiny" / "bench.json").exists()
+    md = (out / "side-by-side.md").read_text()
+    assert md.count("| tiny |") == 2 and (out / "side-by-side.png").read_bytes()[:4] == b"\x89PNG"
+    bad = CliRunner().invoke(bench_cmd, ["--side-by-side", "tiny,nope", "--no-progress"])
+    assert bad.exit_code != 0 and "unknown pair 'nope'" in bad.output
+
+
 def test_lengths_that_do_not_fit_are_skipped(tiny_pair, monkeypatch, tmp_path):
     pair, tr = tiny_pair
     real = bench.estimate_bytes
