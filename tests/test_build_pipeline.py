@@ -165,3 +165,15 @@ def test_assistant_step_writes_the_heldout_mix(tmp_path, monkeypatch):
     assert (folder / "chitchat-heldout.jsonl").read_text() == (
         data / "chitchat-heldout.jsonl"
     ).read_text()
+
+
+def test_the_readme_step_table_is_the_pipeline(rb):
+    """weights/README.md's "Rebuild from scratch" table: every step, in the runner's order."""
+    text = (ROOT / "weights" / "README.md").read_text()
+    section = text.split("## Rebuild from scratch", 1)[1].split("\n## ", 1)[0]
+    assert "python -m weights.build.rebuild --dry-run" in section
+    rows = [line.split("|")[2].strip() for line in section.splitlines() if line.startswith("| ")]
+    named = [r.split("`")[1] for r in rows if r.startswith("`")]
+    assert named == [s.name for s in rb.STEPS]
+    for s in rb.STEPS:
+        assert (ROOT / "weights" / "build" / f"{s.module.rsplit('.', 1)[1]}.py").is_file()
