@@ -17,7 +17,7 @@ rank at once, SPMD):
 Bytes to rank r per span token (float32, the translation's working dtype):
     "source": 4 * |S_r| * H_s * (D_s + Dv_s)        "target": 4 * (b_r - a_r) * H_t * (D_t + Dv_t)
 `wire="auto"` sends whichever is fewer bytes (measured: transfer time follows bytes; see
-`apps/distributed_bench.py` and DISTRIBUTED.md). How the conversation drives the ranks (rank 0
+`mlx_kvlingo/measure/distributed_bench.py` and DISTRIBUTED.md). How the conversation drives the ranks (rank 0
 leads, the others follow its commands) is in `pipelined.py`. Only MLX moves data (`send`/`recv`,
 `all_sum` of the ring/MPI/JACCL backends); nothing here opens a socket.
 

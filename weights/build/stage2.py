@@ -5,9 +5,13 @@ translator) on chitchat training dialogues, evaluating the held-out KL and top-1
 with the native target every `--eval-every` steps on the training file's own held-out split
 (dialogues never trained on), keeping the best evaluation and stopping after `--patience`
 evaluations without a new best or when `--minutes` run out. Writes the best translator and
-the curve (json) to `--out`.
+the curve (json) to `--out` (default weights/stage2-runs/), as `--name`.safetensors (default:
+the starting file's name + "-longer"); `add_translator` ships it.
 
-    OPENBLAS_NUM_THREADS=1 python weights/longer_stage2.py --minutes 22
+    OPENBLAS_NUM_THREADS=1 python -m weights.build.stage2 --minutes 22
+
+Steps `stage2_mixedtext` and `stage2_assistant` of `python -m weights.build.rebuild` run it from
+`forward-mixing-nu2` (chat + documentation text) and then from that result (assistant mix).
 """
 
 from __future__ import annotations
@@ -28,10 +32,10 @@ from mlx_kvlingo.pair import load_model, load_pair
 
 import mlx.core as mx
 
-HERE = Path(__file__).resolve().parent
+WEIGHTS = Path(__file__).resolve().parents[1]
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--translator", default=None, help="start from this file (default: shipped)")
     ap.add_argument("--reverse", action="store_true", help="the backward direction")
@@ -57,8 +61,13 @@ def main():
         help="share of multi-turn examples trained with the reader mode's cache",
     )
     ap.add_argument("--pair", choices=("dense", "moe"), default="dense")
-    ap.add_argument("--out", type=Path, default=HERE / "stage2-runs")
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=WEIGHTS / "stage2-runs")
+    ap.add_argument("--name", default=None, help="output file stem (default: START-longer)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     src_dir, tgt_dir = demo_models(args.pair)
     small, large = load_model(src_dir), load_model(tgt_dir)
     pair = load_pair(large, small) if args.reverse else load_pair(small, large)
@@ -84,7 +93,7 @@ def main():
         save_every=args.eval_every, patience=args.patience, max_seconds=args.minutes * 60, seed=1,
         reader_share=args.reader_share,
     )  # fmt: skip
-    name = Path(start).stem + "-longer"
+    name = args.name or Path(start).stem + "-longer"
     t0 = time.perf_counter()
     with moe_cpu.per_expert_loop(args.pair == "moe"):  # MoE prefill as plain GEMMs on the CPU
         distill(tr, pair, train[args.skip :], inner_held, cfg, args.out / f"{name}-ckpt")
@@ -95,7 +104,7 @@ def main():
     save_translator(tr, args.out / f"{name}.safetensors", pair, dtype=mx.float16)
     flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
              for k, v in vars(args).items() if v is not None and v is not False]  # fmt: skip
-    record = {"command": "python weights/longer_stage2.py " + " ".join(flags), **s2}
+    record = {"command": "python -m weights.build.stage2 " + " ".join(flags), **s2}
     (args.out / f"{name}.json").write_text(json.dumps(record, indent=1))
     print(json.dumps({k: s2[k] for k in ("steps", "stopped_early", "best", "minutes")}, indent=1))
 

@@ -1,6 +1,6 @@
 """A forward translator for the MoE pair composed from the dense pair's: small -> dense -> MoE.
 
-SmolLM2-135M-MoE was upcycled from the dense target (weights/build_moe.py): its experts are
+SmolLM2-135M-MoE was upcycled from the dense target (weights/build/moe.py): its experts are
 copies of the dense MLP and its value projections are the dense ones, so only its keys
 differ: healed q/k projections and a k_norm. Its values are the dense target's values, and its
 RoPE-free keys *before* the k_norm are a near-linear function of the dense target's keys at
@@ -9,10 +9,10 @@ and technical text) carries over: per layer, fit A_l (ridge) with k_moe ~ k_dens
 same attention inputs (hooked inside the MoE while it reads calibration text), then compose
 key maps W_l @ A_l (bias b_l @ A_l), keep the value maps, and use the pre-norm key cut (the
 MoE's own k_norm and RoPE finish the keys). A stage-1 *prior* of a related pair, as issue 20
-asks, used whole; stage 2 on the MoE pair then continues from it (weights/longer_stage2.py
---pair moe --translator FILE).
+asks, used whole; stage 2 on the MoE pair can continue from it (`python -m weights.build.stage2 --pair moe
+--translator FILE`; not done for the shipped file).
 
-    OPENBLAS_NUM_THREADS=1 python weights/compose_moe_translator.py --out FILE
+    OPENBLAS_NUM_THREADS=1 python -m weights.build.compose_moe --out FILE
 """
 
 from __future__ import annotations
@@ -92,13 +92,17 @@ def compose(dense_tr: Translator, bridges, moe_side: Side) -> Translator:
     return tr
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dense-translator", default=None, help="default: the dense pair's default")
     ap.add_argument("--examples", type=int, default=24, help="calibration examples read by the MoE")
     ap.add_argument("--alpha", type=float, default=1e-4, help="ridge, relative to mean eigenvalue")
     ap.add_argument("--out", type=Path, required=True)
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     src_dir, dense_dir = demo_models("dense")
     _, moe_dir = demo_models("moe")
     small, dense, moe = load_model(src_dir), load_model(dense_dir), load_model(moe_dir)
@@ -111,6 +115,7 @@ def main() -> None:
     bridges = fit_key_bridges(dense, moe, train[-args.examples :], args.alpha)
     tr = compose(dense_tr, bridges, Side.of(moe.geometry))
     pair = load_pair(small, moe)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     save_translator(tr, args.out, pair, dtype=mx.float16)
     print(json.dumps({"wrote": str(args.out), "from": Path(dense_path).name}))
 

@@ -1,7 +1,7 @@
 """Kill savers with SIGKILL in the middle of a save, many times; the file must always load.
 
-    python apps/kill_saves.py                    # 50 kills per kind, 4 MB files
-    python apps/kill_saves.py --kinds session --kills 200
+    python tests/tools/kill_saves.py                    # 50 kills per kind, 4 MB files
+    python tests/tools/kill_saves.py --kinds session --kills 200
 
 The harness is `tests/crashsafe.py` (its docstring says how); the test suite runs 50 kills in
 all (`tests/test_robustness.py`). Exit status 1 when any file did not load. POSIX only.
@@ -13,7 +13,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 import mlx_kvlingo  # noqa: E402, F401  (OpenBLAS before mlx)

@@ -1,8 +1,12 @@
 """Add a translator file to weights/translators and weights/manifest.json with its held-out
 figures (the JSON of `kvlingo eval --json`, per domain), and optionally make it the default.
 
-    python weights/add_translator.py weights/stage2-runs/forward-mixing-nu2-longer.safetensors \
+    python -m weights.build.add_translator weights/stage2-runs/forward-mixing-nu2-longer.safetensors \
         --eval dialogues=d.json --eval prose=p.json --eval technical=t.json --default
+
+`--evaluate DOMAIN=DATA:N` runs `kvlingo eval --translator FILE --data DATA -n N --json ...` on
+the copied file (an empty DATA: the demo's held-out dialogues; `--pair` is passed on) instead of
+reading a JSON made before: the `register_*` steps of `python -m weights.build.rebuild`.
 """
 
 from __future__ import annotations
@@ -11,33 +15,69 @@ import argparse
 import hashlib
 import json
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.format import read_metadata
 
-from manifest import merge_rows
+from .manifest import merge_rows
 
-HERE = Path(__file__).resolve().parent
+WEIGHTS = Path(__file__).resolve().parents[1]
 
 
-def main():
+def kvlingo_eval(translator: Path, data: str, examples: int, pair: str) -> dict:
+    """`kvlingo eval --json` on one held-out set, in a child process (its own memory)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "eval.json"
+        cmd = [sys.executable, "-c", "from mlx_kvlingo.cli import main; main()", "eval",
+               "--pair", pair, "--translator", str(translator), "-n", str(examples),
+               "--json", str(out)] + (["--data", data] if data else [])  # fmt: skip
+        subprocess.run(cmd, check=True)
+        return json.loads(out.read_text())
+
+
+def parse_evaluate(item: str) -> tuple[str, str, int]:
+    """ "DOMAIN=DATA:N" -> (domain, data, n); DATA may be empty (the demo's held-out dialogues)."""
+    domain, sep, rest = item.partition("=")
+    data, colon, n = rest.rpartition(":")
+    if not (sep and colon and domain and n.isdigit()):
+        raise ValueError(f"--evaluate {item!r}: expected DOMAIN=DATA:N (DATA may be empty)")
+    return domain, data, int(n)
+
+
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("file", type=Path)
     ap.add_argument("--eval", action="append", default=[], help="DOMAIN=kvlingo-eval.json")
+    ap.add_argument("--evaluate", action="append", default=[],
+                    help="DOMAIN=DATA:N: run kvlingo eval on the copied file")  # fmt: skip
     ap.add_argument("--default", action="store_true")
     ap.add_argument("--note", default="")
     ap.add_argument("--training-data", default=None, help="what stage 2 trained on, in words")
     ap.add_argument("--pair", choices=("dense", "moe"), default="dense")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = parser()
+    args = ap.parse_args(argv)
+    try:
+        evaluate = [parse_evaluate(item) for item in args.evaluate]
+    except ValueError as e:
+        ap.error(str(e))
     meta = read_metadata(args.file)
     sub = "moe/" if args.pair == "moe" else ""
-    dest = HERE / "translators" / sub / args.file.name
+    dest = WEIGHTS / "translators" / sub / args.file.name
     shutil.copyfile(args.file, dest)
     evals = {}
     for item in args.eval:
         domain, path = item.split("=", 1)
         evals[domain] = json.loads(Path(path).read_text())
+    for domain, data, n in evaluate:
+        evals[domain] = kvlingo_eval(dest, data, n, args.pair)
     cal = meta["calibration"]
     direction = "forward" if meta["target"]["layers"] > meta["source"]["layers"] else "backward"
     nu = len(meta["key_layers"][0])
@@ -56,7 +96,7 @@ def main():
         "bytes": dest.stat().st_size,
     }  # fmt: skip
     section = "moe" if args.pair == "moe" else None
-    merge_rows(HERE / "manifest.json", [row], section=section,
+    merge_rows(WEIGHTS / "manifest.json", [row], section=section,
                default={direction: row["file"]} if args.default else None)  # fmt: skip
     print(json.dumps({k: row[k] for k in ("file", "direction", "sha256")}, indent=1))
 

@@ -1,7 +1,7 @@
 """The memory estimate made before loading a pair, against what loading it really takes.
 
-    python apps/memory_estimate.py                     # the demo pair and the presets
-    python apps/memory_estimate.py --pairs demo,tiny
+    python -m mlx_kvlingo.measure.memory_estimate                     # the demo pair and the presets
+    python -m mlx_kvlingo.measure.memory_estimate --pairs demo,tiny
 
 For each pair, in a fresh process: `pair.estimate_bytes` of both model folders (what
 `load_pair` checks against the machine's memory before loading anything), then the pair is
@@ -18,8 +18,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+#: the folder holding this mlx_kvlingo: each child runs from it, so it imports the same package
+ROOT = Path(__file__).resolve().parents[2]
 
 CHILD = r"""
 import json, sys, time

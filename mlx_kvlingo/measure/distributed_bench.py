@@ -1,9 +1,9 @@
 """Time and bytes per switch with the large model pipelined over 1 or 2 ranks, beside one process.
 
-    mlx.launch --backend ring -n 2 --python python3 -- apps/distributed_bench.py --out b.json
-    python apps/distributed_bench.py --distributed --out b.json   # 1 rank
-    python apps/distributed_bench.py --out b.json                 # the single process
-    python apps/distributed_bench.py --report b.json              # the markdown table
+    mlx.launch --backend ring -n 2 --python python3 -- -m mlx_kvlingo.measure.distributed_bench --out b.json
+    python -m mlx_kvlingo.measure.distributed_bench --distributed --out b.json   # 1 rank
+    python -m mlx_kvlingo.measure.distributed_bench --out b.json                 # the single process
+    python -m mlx_kvlingo.measure.distributed_bench --report b.json              # the markdown table
 
 A switch, as a conversation has it (the public API's `Runtime`, reader "small"): a user turn of
 n tokens, the small model reads it, the span is translated into the large model's cache (on
@@ -73,8 +73,8 @@ def report(path):
               f"{r['decode_tps']:.1f} |")  # fmt: skip
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default="distributed_bench.json")
     ap.add_argument("--report")
     ap.add_argument("--repeat", type=int, default=3)
@@ -84,7 +84,7 @@ def main():
     ap.add_argument("--source")
     ap.add_argument("--target")
     ap.add_argument("--translator")
-    args = ap.parse_args([a for a in sys.argv[1:] if a != "--"])
+    args = ap.parse_args([a for a in (sys.argv[1:] if argv is None else argv) if a != "--"])
     if args.report:
         return report(args.report)
     from mlx_kvlingo.distributed import launched

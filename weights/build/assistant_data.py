@@ -18,14 +18,15 @@ calibrated on.
 Writes {"messages": [...]} records to --out/{train,heldout}.jsonl (default
 ~/.cache/mlx-kvlingo/data/assistant).
 
-    OPENBLAS_NUM_THREADS=1 python weights/build_assistant_data.py --train 600 --heldout 80
-    python weights/build_assistant_data.py --mix-only   # the stage-2 mix, from existing files
+    OPENBLAS_NUM_THREADS=1 python -m weights.build.assistant_data --train 600 --heldout 80
+    python -m weights.build.assistant_data --mix-only   # the stage-2 mix, from existing files
 
---mix (default on) then writes ~/.cache/mlx-kvlingo/data/mixed-assistant/: the assistant
+Then it writes ~/.cache/mlx-kvlingo/data/mixed-assistant/: the assistant
 training conversations beside the first --mix-chat chitchat training dialogues and the first
---mix-pages prose and technical training pages of weights/build_text_data.py (run that first:
-`python weights/build_text_data.py --mix-chat 1000`): the data of the assistant stage-2 runs in
-weights/QUALITY.md.
+--mix-pages prose and technical training pages of weights/build/text_data.py (run that first:
+`python -m weights.build.text_data --mix-chat 1000`): the data of the assistant stage-2 runs in
+weights/QUALITY.md; and ~/.cache/mlx-kvlingo/data/heldout-assistant-mix/, their early-stopping
+set (the assistant held-out conversations and the chitchat held-out dialogues).
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def clean_heldout(folder: Path) -> None:
     print(f"held out: {len(kept)} of {len(held)} conversations name no training subject")
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--train", type=int, default=600, help="training conversations")
     ap.add_argument("--heldout", type=int, default=80, help="held-out conversations")
@@ -204,11 +205,16 @@ def main():
     ap.add_argument("--mix-only", action="store_true", help="only (re)write the stage-2 mix")
     ap.add_argument("--mix-chat", type=int, default=400)
     ap.add_argument("--mix-pages", type=int, default=40)
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if not args.mix_only:
         answer_questions(args)
         clean_heldout(args.out)
     write_mix(args.out, args.mix_chat, args.mix_pages)
+    write_heldout_mix(args.out)
 
 
 def write_mix(assistant: Path, chats: int, pages: int) -> None:
@@ -225,6 +231,22 @@ def write_mix(assistant: Path, chats: int, pages: int) -> None:
         lines = src.read_text().splitlines()[:n]
         (mix / name).write_text("".join(line + "\n" for line in lines))
     print(f"wrote {mix}")
+
+
+def write_heldout_mix(assistant: Path) -> Path:
+    """heldout-assistant-mix/: the assistant held-out conversations beside the chitchat held-out
+    dialogues, the early-stopping set of the assistant stage-2 run (`--heldout-data`)."""
+    from mlx_kvlingo.demo.pair import demo_data
+
+    folder = cache_root() / "data" / "heldout-assistant-mix"
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, src in (("assistant-heldout.jsonl", assistant / "heldout.jsonl"),
+                      ("chitchat-heldout.jsonl", demo_data()[1])):  # fmt: skip
+        if not src.exists():
+            raise SystemExit(f"{src} is missing: see this script's docstring")
+        (folder / name).write_text(src.read_text())
+    print(f"wrote {folder}")
+    return folder
 
 
 def answer_questions(args) -> None:

@@ -2,8 +2,8 @@
 known-answer pair (send small/large, cancel from another thread, escalate, save, restore,
 reset, trim), invariants checked after every operation.
 
-    python apps/stress_api.py                    # 8 threads x 50 operations
-    python apps/stress_api.py --threads 16 --ops 200 --seed 3
+    python tests/tools/stress_api.py                    # 8 threads x 50 operations
+    python tests/tools/stress_api.py --threads 16 --ops 200 --seed 3
 
 The harness is `tests/stress.py`; the test suite runs 4 x 20 (`tests/test_robustness.py`).
 Exit status 1 on a failure (an unexpected error, a broken invariant, a deadlock).
@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 import mlx_kvlingo  # noqa: E402, F401  (OpenBLAS before mlx)

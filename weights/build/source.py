@@ -9,7 +9,8 @@ Recipe (see weights/README.md):
    the tied embedding / lm_head stays frozen, so it is shared with the target;
 4. save the kept layers 8-bit quantized in weights/source/ with a json record.
 
-Run from the repo root:  OPENBLAS_NUM_THREADS=1 python weights/build_source.py
+Run from the repo root:  OPENBLAS_NUM_THREADS=1 python -m weights.build.source
+(step `source` of `python -m weights.build.rebuild`)
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.llama import Model, ModelArgs
 
-HERE = Path(__file__).resolve().parent
+WEIGHTS = Path(__file__).resolve().parents[1]
 # Candidate subsets of 8 layers; the best one before healing is kept.
 CANDIDATES = {
     "even": [0, 4, 8, 12, 17, 21, 25, 29],
@@ -215,9 +216,9 @@ def describe(args, choice, select_losses, train, heldout, train_info) -> dict:
     }
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", type=Path, default=HERE / "source")
+    ap.add_argument("--out", type=Path, default=WEIGHTS / "source")
     ap.add_argument("--steps", type=int, default=260)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=256)
@@ -228,7 +229,11 @@ def main() -> None:
     ap.add_argument("--select-windows", type=int, default=8)
     ap.add_argument("--max-minutes", type=float, default=28.0)
     ap.add_argument("--layers", type=str, default=None, help="comma-separated; skips selection")
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     mx.random.seed(args.seed)
     t0 = time.time()
 

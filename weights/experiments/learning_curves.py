@@ -10,7 +10,7 @@ and evaluated whenever the pass reaches a curve size. Alpha is chosen per layer 
 the residual on `--validation` training examples from dialogues outside every fit set (the
 same for every size and prior); the maps are fitted on exactly N examples.
 
-    OPENBLAS_NUM_THREADS=1 python weights/learning_curves.py     # writes weights/curves/*
+    OPENBLAS_NUM_THREADS=1 python -m weights.experiments.learning_curves   # writes weights/curves/*
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from mlx_kvlingo.scoring import Prepared, kl, native_logp, student_logp, teacher
 import mlx.core as mx
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+WEIGHTS = Path(__file__).resolve().parents[1]
 GRID = (1e-4, 1e-3, 1e-2, 0.1, 1.0, 10.0, 100.0, 1000.0)
 LABELS = {
     "zero-fixed": "toward zero, alpha 1e-3 (before)",
@@ -105,21 +105,25 @@ def render(results: dict, out: Path) -> None:
     (out / "learning_curves.md").write_text("\n".join(lines) + "\n")
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--sizes", default="16,64,256,1024")
     ap.add_argument("--noisy-max", type=int, default=256, help="largest size for the noisy pair")
     ap.add_argument("--noise", type=float, default=0.1)
     ap.add_argument("--validation", type=int, default=32)
     ap.add_argument("--heldout", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=HERE / "curves")
+    ap.add_argument("--out", type=Path, default=WEIGHTS / "curves")
     ap.add_argument(
         "--only",
         choices=("demo", "noisy"),
         default=None,
         help="run one pair; the other's curve is kept from --out/learning_curves.json",
     )
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
@@ -156,7 +160,7 @@ def main():
             mx.eval(span.keys, span.values, teacher)
             prepared[name].append(Prepared(span, teacher_inputs(ex), teacher))
     results = {
-        "command": "python weights/learning_curves.py " + " ".join(
+        "command": "python -m weights.experiments.learning_curves " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
         "data": {"fit": "chitchat-dataset training dialogues, in the loader's order (seed 0)",
                  "validation_examples": len(val), "heldout_examples": len(held),

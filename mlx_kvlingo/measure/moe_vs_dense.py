@@ -1,7 +1,7 @@
 """Prefill and decode cost of the demo's MoE target (SmolLM2-135M-MoE, qwen3_moe, 8 experts
 top-2, each a copy of the dense MLP) against the dense SmolLM2-135M-Instruct, side by side.
 
-    python apps/moe_vs_dense.py [--lengths 128,512] [--trials 3] [--decode 16]
+    python -m mlx_kvlingo.measure.moe_vs_dense [--lengths 128,512] [--trials 3] [--decode 16]
 
 Every round times every model at every length in an order that alternates by round (noise on
 a shared machine hits all alike); one warm-up round is discarded; medians are reported. The
@@ -40,13 +40,13 @@ def prefill_and_decode(model, tokens: list[int], decode: int) -> tuple[float, fl
     return t1 - t0, (time.perf_counter() - t1) / decode
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--lengths", default="128,512")
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     dense, _ = mlx_lm.load(str(ensure_smollm2(dequantize=True)))
     moe, _ = mlx_lm.load(str(ensure_smollm2_moe()))

@@ -1,9 +1,9 @@
 """Low-rank vs full-rank translators on the demo pair: held-out quality and translation time,
 side by side in one run, from one calibration pass (same data for every rank).
 
-    python apps/lowrank_bench.py                              # r = 64, 128, 256 vs full, nu 1
-    python apps/lowrank_bench.py --nu 2 --steps 30            # nu 2, then stage 2 for each
-    python apps/lowrank_bench.py --help
+    python -m weights.experiments.lowrank_bench                    # r = 64, 128, 256 vs full, nu 1
+    python -m weights.experiments.lowrank_bench --nu 2 --steps 30  # nu 2, then stage 2 for each
+    python -m weights.experiments.lowrank_bench --help
 
 Writes lowrank-results/lowrank.md and lowrank.json (and the translators, float32) under --out.
 Time: median of interleaved repetitions of `translate` (map + k_norm/RoPE/cast, evaluated) on a
@@ -83,7 +83,7 @@ def markdown(rows: list[dict], lengths, args) -> str:
     out = [
         f"# Low-rank translators, demo pair, nu {args.nu}",
         "",
-        f"Command: `python apps/lowrank_bench.py {args.cmdline}`. Stage 1 from "
+        f"Command: `python -m weights.experiments.lowrank_bench {args.cmdline}`. Stage 1 from "
         f"{args.examples} chitchat training examples; held-out: {args.eval_examples} examples of "
         "chitchat-heldout.jsonl. KL and NLL in nats per continuation token. Times: median of "
         f"{args.repeats} interleaved repetitions in one run, ratio to full rank beside.",
@@ -133,7 +133,7 @@ def main(argv=None):
     src_dir, tgt_dir = demo_models()
     pair = load_pair(src_dir, tgt_dir)
     train_file, held_file = demo_data()
-    # the shipped translators' data settings (weights/build_translators.py); templating stops
+    # the shipped translators' data settings (weights/build/translators.py); templating stops
     # once the examples needed are drawn (the same first ones as a full load)
     need = args.examples + 2 * args.steps + 8
     dcfg = DataConfig(16, 256, 32, heldout_fraction=0.02, seed=0, max_examples=need, max_heldout=16)

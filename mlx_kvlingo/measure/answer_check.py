@@ -1,6 +1,6 @@
 """Do answers from translated caches say what the target would have said? A user-level check.
 
-For held-out assistant conversations (weights/build_assistant_data.py: everyday questions on
+For held-out assistant conversations (weights/build/assistant_data.py: everyday questions on
 subjects never calibrated on, some with 2-3 unrelated questions in a row) the large model
 answers every question twice, greedily (repetition penalty 1.1 given explicitly): once reading
 the conversation itself (`reader="self"`, the native answer) and once with the small model
@@ -16,11 +16,11 @@ answered from translated caches.
 `--long-later`: instead, conversations of a quiz question, then a held-out documentation
 paragraph (64+ tokens) to summarize: the later turn that `auto` still translates.
 
-    python apps/answer_check.py --pair dense -n 40
-    python apps/answer_check.py --pair moe --translator FILE -n 40
-    python apps/answer_check.py --long-later --reader auto -n 10
-    python apps/answer_check.py --long-later --reader auto -n 10 --later-from-history
-    python apps/answer_check.py --long-later --reader auto -n 10 --no-backward
+    python -m mlx_kvlingo.measure.answer_check --pair dense -n 40
+    python -m mlx_kvlingo.measure.answer_check --pair moe --translator FILE -n 40
+    python -m mlx_kvlingo.measure.answer_check --long-later --reader auto -n 10
+    python -m mlx_kvlingo.measure.answer_check --long-later --reader auto -n 10 --later-from-history
+    python -m mlx_kvlingo.measure.answer_check --long-later --reader auto -n 10 --no-backward
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 from mlx_kvlingo import api
 from mlx_kvlingo.demo import pair as demo
 from mlx_kvlingo.demo.quiz import EVERYDAY_QUIZ, is_right
-from mlx_kvlingo.demo.smollm2 import cache_root
+from mlx_kvlingo.demo.smollm2 import cache_root, weights_dir
 
 STOP = set("that this with from have your what when they them their there which about would "
            "could should also into more most some such than then these those will been were "
@@ -73,7 +73,7 @@ def long_later_conversations(path: Path) -> list[list[dict]]:
     ]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--pair", choices=("dense", "moe"), default="dense")
     ap.add_argument("--translator", help="forward translator file (default: the pair's)")
@@ -88,13 +88,13 @@ def main() -> None:
     ap.add_argument("--long-later", action="store_true",
                     help="a quiz question, then a held-out paragraph to summarize")  # fmt: skip
     ap.add_argument("--prose", type=Path,
-                    default=Path(__file__).parents[1] / "weights/data/pydocs-prose-heldout.jsonl")  # fmt: skip
+                    default=weights_dir() / "data/pydocs-prose-heldout.jsonl")  # fmt: skip
     ap.add_argument("--later-from-history", action="store_true",
                     help="ask each later question in a fresh conversation given the native one so "
                     "far as history: all of it translated at once, no mixed cache")  # fmt: skip
     ap.add_argument("--no-backward", action="store_true",
                     help="no backward translator: the small re-reads the large's answers")  # fmt: skip
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     source, target = demo.demo_models(args.pair)
     forward = args.translator or demo.translator_path(pair=args.pair)

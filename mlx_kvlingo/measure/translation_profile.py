@@ -1,7 +1,7 @@
 """Where translation time goes, before and after the copy-free path, against the same GEMM.
 
-    python apps/translation_profile.py --preset "qwen3-0.6b>qwen3-30b-a3b-scaled"
-    python apps/translation_profile.py --preset tiny --lengths 64,256,1024 --rounds 9
+    python -m mlx_kvlingo.measure.translation_profile --preset "qwen3-0.6b>qwen3-30b-a3b-scaled"
+    python -m mlx_kvlingo.measure.translation_profile --preset tiny --lengths 64,256,1024 --rounds 9
 
 Times the translation of a random span of n tokens into a fresh target cache (what `kvlingo
 bench` calls "translation": maps, k_norm/RoPE/cast, cache writes) along two code paths in the
@@ -150,12 +150,12 @@ def markdown(name: str, results: list[dict]) -> str:
     return "\n".join(out)
 
 
-def main():
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="qwen3-0.6b>qwen3-30b-a3b-scaled")
     ap.add_argument("--lengths", default="64,256,1024")
     ap.add_argument("--rounds", type=int, default=7)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     pair, tr = load_lazily(args.preset)
     results = []
     for n in (int(v) for v in args.lengths.split(",")):

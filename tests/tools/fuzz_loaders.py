@@ -1,8 +1,8 @@
 """Fuzz every loader with seeded mutations and print what happened to each input, per loader.
 
-    python apps/fuzz_loaders.py                       # 10,000 inputs per loader (about an hour)
-    python apps/fuzz_loaders.py --count 300           # the test suite's size
-    python apps/fuzz_loaders.py --loaders session --start 4711 --count 1   # one input again
+    python tests/tools/fuzz_loaders.py                       # 10,000 inputs per loader (about an hour)
+    python tests/tools/fuzz_loaders.py --count 300           # the test suite's size
+    python tests/tools/fuzz_loaders.py --loaders session --start 4711 --count 1   # one input again
 
 The harness is `tests/fuzzing.py` (its docstring says what counts as a failure); the test
 suite runs a few hundred of the same inputs (`tests/test_robustness.py`). Exit status 1 when
@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 import mlx_kvlingo  # noqa: E402, F401  (OpenBLAS before mlx)

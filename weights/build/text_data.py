@@ -12,8 +12,8 @@ sha1(path) % 5 == 0, and a held-out page never contributes calibration text. Wri
 ~/.cache/mlx-kvlingo/data/pydocs) and, with --ship, the held-out files trimmed to --ship-chars
 characters per domain into weights/data/ (so evaluation needs no apt package).
 
-    python weights/build_text_data.py --ship
-    python weights/build_text_data.py --mix-chat 1000   # + the mixed stage-2 folder
+    python -m weights.build.text_data --ship
+    python -m weights.build.text_data --mix-chat 1000   # + the mixed stage-2 folder
 
 `--mix-chat N` also writes ~/.cache/mlx-kvlingo/data/mixed-issue20/: the first N dialogues of
 the demo's chitchat training split beside the prose and technical training pages (the data of
@@ -30,7 +30,7 @@ from pathlib import Path
 
 DOCS = Path("/usr/share/doc/python3.11/html/_sources")
 DOMAINS = {"prose": ("tutorial", "howto", "faq"), "technical": ("library",)}
-HERE = Path(__file__).resolve().parent
+WEIGHTS = Path(__file__).resolve().parents[1]
 
 _ROLE = re.compile(r":[\w:+-]+:`(?:[^`<]*<)?([^`>]*)>?`")  # :ref:`text <target>` -> text
 _LINK = re.compile(r"`([^`<]+?)\s*(?:<[^>]*>)?`_+")
@@ -72,7 +72,7 @@ def is_heldout(rel: str) -> bool:
     return int(hashlib.sha1(rel.encode()).hexdigest(), 16) % 5 == 0
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--docs", type=Path, default=DOCS)
     ap.add_argument("--out", type=Path, default=Path.home() / ".cache/mlx-kvlingo/data/pydocs")
@@ -80,7 +80,11 @@ def main():
     ap.add_argument("--ship", action="store_true")
     ap.add_argument("--ship-chars", type=int, default=60_000)
     ap.add_argument("--mix-chat", type=int, default=None)
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if not args.docs.is_dir():
         raise SystemExit(f"{args.docs}: missing; apt-get install python3.11-doc")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -104,7 +108,7 @@ def main():
                     break
                 kept.append({"text": r["text"][: args.ship_chars - total], "page": r["page"]})
                 total += len(kept[-1]["text"])
-            ship = HERE / "data" / f"pydocs-{domain}-heldout.jsonl"
+            ship = WEIGHTS / "data" / f"pydocs-{domain}-heldout.jsonl"
             ship.write_text("".join(json.dumps(r) + "\n" for r in kept))
             print(f"{ship}: {len(kept)} pages, {total} characters")
     if args.mix_chat:

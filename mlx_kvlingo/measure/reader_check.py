@@ -3,8 +3,8 @@ small model reading every turn (`--reader small`), the large reading itself (`--
 or the default policy (`--reader auto`: the small reads the opening and long turns): a quick
 look at what the reader mode's deviation does to later answers.
 
-    python apps/reader_check.py --reader small
-    python apps/reader_check.py --reader self --translator forward-mixing-nu2.safetensors
+    python -m mlx_kvlingo.measure.reader_check --reader small
+    python -m mlx_kvlingo.measure.reader_check --reader self --translator forward-mixing-nu2.safetensors
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ QUESTIONS = (
 )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reader", choices=("auto", "tokens", "small", "self"), default="auto")
     ap.add_argument("--translator", help="a shipped forward translator file (default: the demo's)")
     ap.add_argument("--seeds", default="0,1")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rt = api.Runtime.load(translator=args.translator) if args.translator else api.Runtime.load()
     for seed in (int(s) for s in args.seeds.split(",")):
         conversation = rt.new_conversation(reader=args.reader)

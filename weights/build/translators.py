@@ -1,6 +1,6 @@
 """Build the demo pair's translators (both directions) and their quality report.
 
-    python weights/build_translators.py            # ~40 min on a 2-core CPU
+    python -m weights.build.translators    # ~50 min on a 2-core CPU (step `translators`)
 
 Stage 1 (closed form) for headwise and mixing, nu in {1, 2}, from one pass over chitchat
 training dialogues; each is evaluated on held-out dialogues (never seen by the source's
@@ -22,13 +22,14 @@ from mlx_kvlingo.data import DataConfig, load_examples
 from mlx_kvlingo.demo.pair import demo_data, demo_models
 from mlx_kvlingo.pair import load_model, load_pair
 
-from manifest import merge_rows
-from quality_md import write_section
 from rich.console import Console
-from translator_build import evaluate_distill_save
 
-HERE = Path(__file__).resolve().parent
-OUT = HERE / "translators"
+from .manifest import merge_rows
+from .quality_md import write_section
+from .translator_build import evaluate_distill_save
+
+WEIGHTS = Path(__file__).resolve().parents[1]
+OUT = WEIGHTS / "translators"
 GRID = [("mixing", 1), ("headwise", 1), ("mixing", 2), ("headwise", 2)]
 console = Console()
 
@@ -64,7 +65,7 @@ def score(row) -> float:
 
 def quality_markdown(rows) -> str:
     lines = ["# Demo translators: held-out quality", "",
-             "Rebuild: `python weights/build_translators.py`. Held-out chitchat dialogues (1 in 20 by id",
+             "Rebuild: `python -m weights.build.translators`. Held-out chitchat dialogues (1 in 20 by id",
              "hash), never used to heal the source or to calibrate. NLL per token of the continuation",
              "(the next assistant reply) as scored by the target; agree = top-1 equal to the target's",
              "own with its native cache; gap recovered = (NLL_source_alone - NLL) / (NLL_source_alone - NLL_native).",
@@ -98,8 +99,8 @@ def write_manifest(path: Path, rows: list[dict], command: str, set_default: bool
                       default=best if set_default else None, initial_default=best)  # fmt: skip
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--examples", type=int, default=240, help="stage-1 examples")
     ap.add_argument("--selection-examples", type=int, default=48)
     ap.add_argument("--eval-examples", type=int, default=48)
@@ -109,7 +110,11 @@ def main():
     ap.add_argument("--directions", default="forward,backward")
     ap.add_argument("--set-default", action="store_true",
                     help="make the best rebuilt file per direction the default (else kept)")  # fmt: skip
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
     src_dir, tgt_dir = demo_models()
     small, large = load_model(src_dir), load_model(tgt_dir)
@@ -123,11 +128,13 @@ def main():
         train, inner_held = load_examples(train_file, pair.tokenizer, dcfg)
         _, held = load_examples(held_file, pair.tokenizer, DataConfig(16, 256, 32, 1.0, seed=0))
         rows += build_direction(name, pair, train, inner_held, held[: args.eval_examples], args)
-    command = "python weights/build_translators.py " + " ".join(
+    command = "python -m weights.build.translators " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "set_default"
     )
-    manifest = write_manifest(HERE / "manifest.json", rows, command, set_default=args.set_default)
-    write_section(HERE / "QUALITY.md", "demo-pair", quality_markdown(rows), first=True)
+    manifest = write_manifest(
+        WEIGHTS / "manifest.json", rows, command, set_default=args.set_default
+    )
+    write_section(WEIGHTS / "QUALITY.md", "demo-pair", quality_markdown(rows), first=True)
     console.print(f"defaults: {manifest['default']}")
 
 

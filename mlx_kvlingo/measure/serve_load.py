@@ -1,8 +1,8 @@
 """A bounded load test of `kvlingo serve`: N concurrent OpenAI clients x M requests each.
 
-    python apps/serve_load.py                          # the demo pair
-    python apps/serve_load.py --tiny                   # tiny random pair (seconds; a smoke run)
-    python apps/serve_load.py --clients 4 --requests 10 --max-tokens 16 --out load.md
+    python -m mlx_kvlingo.measure.serve_load                          # the demo pair
+    python -m mlx_kvlingo.measure.serve_load --tiny                   # tiny random pair (seconds; a smoke run)
+    python -m mlx_kvlingo.measure.serve_load --clients 4 --requests 10 --max-tokens 16 --out load.md
 
 Each client holds a chat: every request sends the whole history plus a new question, so the
 server's prefix reuse is in play (`--turns` questions, then a fresh chat). Rows, each on its own

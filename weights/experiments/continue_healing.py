@@ -1,6 +1,6 @@
-"""Continue the demo source's healing where build_source.py stopped, and measure whether it helps.
+"""Continue the demo source's healing where the `source` step stopped, and measure whether it helps.
 
-build_source.py planned 260 steps (batch 2, 256 tokens, lr 3e-4, cosine to lr/10) and its time
+weights/build/source.py planned 260 steps (batch 2, 256 tokens, lr 3e-4, cosine to lr/10) and its time
 cap stopped it after 145 (weights/source/source.json). This script starts from the shipped
 source exactly as the demo assembles it (8-bit layers, dequantized to float32), continues the
 *same* schedule and the same window order from step steps_done + 1 (fresh AdamW moments, the
@@ -9,7 +9,7 @@ held-out perplexity (the 32 held-out windows of source.json) every --eval-every 
 writes the curve to --out/healing_curve.json; it does not replace weights/source/ (a new
 source would invalidate every shipped translator).
 
-    OPENBLAS_NUM_THREADS=1 python weights/continue_healing.py --max-minutes 25
+    OPENBLAS_NUM_THREADS=1 python -m weights.experiments.continue_healing --max-minutes 25
 """
 
 from __future__ import annotations
@@ -23,30 +23,35 @@ from pathlib import Path
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.demo import smollm2
 
-import build_source as bs
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import mlx_lm
 import numpy as np
 
-HERE = Path(__file__).resolve().parent
+from ..build import source as bs
+
+WEIGHTS = Path(__file__).resolve().parents[1]
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--max-minutes", type=float, default=25.0)
     ap.add_argument("--eval-every", type=int, default=23)
     ap.add_argument("--ramp", type=int, default=5, help="steps of linear ramp for fresh moments")
-    ap.add_argument("--out", type=Path, default=HERE / "curves")
+    ap.add_argument("--out", type=Path, default=WEIGHTS / "curves")
     ap.add_argument(
         "--save",
         type=Path,
         default=None,
-        help="also write the continued source here (build_source.py's layout)",
+        help="also write the continued source here (the source step's layout)",
     )
-    args = ap.parse_args()
-    record = json.loads((HERE / "source" / "source.json").read_text())
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    record = json.loads((WEIGHTS / "source" / "source.json").read_text())
     tr = record["training"]
     done, total = tr["steps_done"], tr["steps"]
 
@@ -71,7 +76,7 @@ def main() -> None:
     print(curve[-1], flush=True)
     losses = []
     for step in range(done + 1, total + 1):
-        opt.learning_rate = mx.array(lr_at(step - 1))  # the schedule build_source.py used
+        opt.learning_rate = mx.array(lr_at(step - 1))  # the schedule the source step used
         idx = order[(step - 1) * tr["batch"] : step * tr["batch"]]
         x = mx.array(train[idx])[:, :-1]
         loss, grads = loss_and_grad(student, x, mx.stop_gradient(teacher(x)))
@@ -87,7 +92,7 @@ def main() -> None:
             losses = []
             print(curve[-1], flush=True)
             args.out.mkdir(parents=True, exist_ok=True)
-            result = {"command": "OPENBLAS_NUM_THREADS=1 python weights/continue_healing.py "
+            result = {"command": "OPENBLAS_NUM_THREADS=1 python -m weights.experiments.continue_healing "
                       f"--max-minutes {args.max_minutes:g} --eval-every {args.eval_every}",
                       "target_ppl": record["heldout_perplexity"]["target"],
                       "shipped_source_ppl": record["heldout_perplexity"]["source_healed"],

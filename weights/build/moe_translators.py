@@ -1,8 +1,8 @@
 """Build the MoE demo pair's translators (small source <-> SmolLM2-135M-MoE) and their report.
 
-    python weights/build_moe_translators.py      # needs weights/moe/ (python weights/build_moe.py)
+    python -m weights.build.moe_translators   # needs weights/moe/ (python -m weights.build.moe)
 
-The same pipeline as build_translators.py (stage 1 closed form, then stage 2 self-distillation,
+The same pipeline as translators.py (stage 1 closed form, then stage 2 self-distillation,
 held-out chitchat dialogues never used for calibration), run for both key cuts: `post_norm`
 (keys mapped after the target's k_norm, as mlx-lm caches them) and `pre_norm` (mapped before
 it, the target's k_norm applied afterwards). Writes weights/translators/moe/*.safetensors,
@@ -25,13 +25,14 @@ from mlx_kvlingo.data import DataConfig, load_examples
 from mlx_kvlingo.demo.pair import demo_data, demo_models
 from mlx_kvlingo.pair import load_model, load_pair
 
-from manifest import merge_rows
-from quality_md import write_section
 from rich.console import Console
-from translator_build import evaluate_distill_save, sha256
 
-HERE = Path(__file__).resolve().parent
-OUT = HERE / "translators" / "moe"
+from .manifest import merge_rows
+from .quality_md import write_section
+from .translator_build import evaluate_distill_save, sha256
+
+WEIGHTS = Path(__file__).resolve().parents[1]
+OUT = WEIGHTS / "translators" / "moe"
 console = Console()
 
 
@@ -106,12 +107,12 @@ def write_manifest(path: Path, rows: list[dict], command: str, set_default: bool
     manifest = merge_rows(path, rows, section="moe", fields={"pair": pair, "command": command},
                           default=best if set_default else None, initial_default=best)  # fmt: skip
     moe = manifest["moe"]
-    write_section(HERE / "QUALITY.md", "moe-pair", quality_markdown(moe["translators"], command))
+    write_section(WEIGHTS / "QUALITY.md", "moe-pair", quality_markdown(moe["translators"], command))
     console.print(f"defaults: {moe['default']}")
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--examples", type=int, default=160, help="stage-1 examples")
     ap.add_argument("--selection-examples", type=int, default=32)
     ap.add_argument("--eval-examples", type=int, default=40)
@@ -127,8 +128,12 @@ def main():
                     help="rebuild the manifest section from the saved files' metadata")  # fmt: skip
     ap.add_argument("--set-default", action="store_true",
                     help="make the best rebuilt file per direction the default (else kept)")  # fmt: skip
-    args = ap.parse_args()
-    path = HERE / "manifest.json"
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    path = WEIGHTS / "manifest.json"
     if args.from_files:
         rows = [row_from_file(f) for f in sorted(OUT.glob("*.safetensors"))]
         command = json.loads(path.read_text()).get("moe", {}).get("command", "")
@@ -137,7 +142,7 @@ def main():
     if args.report_only:
         m = json.loads(path.read_text())["moe"]
         write_section(
-            HERE / "QUALITY.md", "moe-pair", quality_markdown(m["translators"], m["command"])
+            WEIGHTS / "QUALITY.md", "moe-pair", quality_markdown(m["translators"], m["command"])
         )
         return
     OUT.mkdir(parents=True, exist_ok=True)
@@ -154,7 +159,7 @@ def main():
             for cut in args.cuts.split(","):
                 rows.append(build(name, pair, train, inner_held, held[: args.eval_examples],
                                   args.variant, args.nu, cut, args))  # fmt: skip
-    command = "python weights/build_moe_translators.py " + " ".join(
+    command = "python -m weights.build.moe_translators " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "set_default"
     )
     write_manifest(path, rows, command, set_default=args.set_default)

@@ -1,6 +1,6 @@
-"""What both translator build scripts do to each fitted translator: held-out figures after
-stage 1, stage 2 when asked for, held-out figures again, then the float16 file and its
-manifest fields."""
+"""What both translator build steps (translators.py, moe_translators.py) do to each fitted
+translator: held-out figures after stage 1, stage 2 when asked for, held-out figures again, then
+the float16 file and its manifest fields."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """One section of weights/QUALITY.md, rewritten between its markers; the rest stays as it is.
 
-build_translators.py owns the "demo-pair" section (the top table), build_moe_translators.py
+translators.py owns the "demo-pair" section (the top table), moe_translators.py
 the "moe-pair" section; everything else in the file is written by hand."""
 
 from __future__ import annotations

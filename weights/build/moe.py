@@ -15,7 +15,8 @@ Recipe (see weights/README.md, "MoE target"):
    q_proj/k_proj as 4-bit deltas from the dequantized GGUF; `ensure_smollm2_moe` assembles the
    model from them on first use. The held-out perplexity is measured on that assembled model.
 
-Run from the repo root:  OPENBLAS_NUM_THREADS=1 nice -n 5 python weights/build_moe.py
+Run from the repo root:  OPENBLAS_NUM_THREADS=1 nice -n 5 python -m weights.build.moe
+(step `moe` of `python -m weights.build.rebuild`)
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import argparse
 import json
 import math
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,9 +42,9 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models import qwen3
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from build_source import kl_loss, load_windows, lr_schedule, mean_nll  # noqa: E402
+from .source import kl_loss, load_windows, lr_schedule, mean_nll
+
+WEIGHTS = Path(__file__).resolve().parents[1]
 
 DELTA_QUANT = {"group_size": 64, "bits": 4}
 TRAINED = ("q_proj", "k_proj", "q_norm", "k_norm")
@@ -297,10 +297,9 @@ def active_parameters(config: dict) -> dict:
 TEACHER = None
 
 
-def main() -> None:
-    global TEACHER
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--out", type=Path, default=HERE / "moe")
+    ap.add_argument("--out", type=Path, default=WEIGHTS / "moe")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--router-temperature", type=float, default=1.0, help="router logit std")
@@ -321,7 +320,12 @@ def main() -> None:
     ap.add_argument("--max-minutes", type=float, default=30.0)
     ap.add_argument("--checkpoint", type=Path, default=smollm2.cache_root() / "build-moe.ckpt.safetensors")  # fmt: skip
     ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
-    args = ap.parse_args()
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    global TEACHER
+    args = parser().parse_args(argv)
     t0 = time.time()
 
     target_dir = smollm2.ensure_smollm2(dequantize=True)
