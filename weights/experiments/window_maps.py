@@ -106,22 +106,26 @@ class WindowMaps:
 
 
 def fit(data, rows, window, alpha: float):
-    """Ridge maps per target layer and kind from the accumulated normal equations."""
-    Lt = len(rows)
-    weights = {"key": [], "value": []}
+    """Ridge maps per target layer and kind from the accumulated normal equations (target
+    layers reading the same source layers share X^T X)."""
+    groups: dict[tuple, list[int]] = {}
+    for t, r in enumerate(rows):
+        groups.setdefault(tuple(r), []).append(t)
+    weights = {"key": [None] * len(rows), "value": [None] * len(rows)}
     for kind in ("key", "value"):
-        for t in range(Lt):
-            xtx = xty = None
+        for r, ts in groups.items():
+            xtx, xty = None, {t: None for t in ts}
             for src, tgt in data:
-                x = features(src.keys if kind == "key" else src.values, rows[t], window)
-                y = targets(tgt.keys if kind == "key" else tgt.values, t)
-                x, y = x.astype(np.float64), y.astype(np.float64)
+                x = features(src.keys if kind == "key" else src.values, r, window)
+                x = x.astype(np.float64)
                 xtx = x.T @ x if xtx is None else xtx + x.T @ x
-                xty = x.T @ y if xty is None else xty + x.T @ y
-            scale = np.trace(xtx) / xtx.shape[0]
-            reg = alpha * scale * np.eye(xtx.shape[0])
+                for t in ts:
+                    y = targets(tgt.keys if kind == "key" else tgt.values, t).astype(np.float64)
+                    xty[t] = x.T @ y if xty[t] is None else xty[t] + x.T @ y
+            reg = alpha * np.trace(xtx) / xtx.shape[0] * np.eye(xtx.shape[0])
             reg[-1, -1] = 0.0  # no penalty on the bias
-            weights[kind].append(np.linalg.solve(xtx + reg, xty).astype(np.float32))
+            for t in ts:
+                weights[kind][t] = np.linalg.solve(xtx + reg, xty[t]).astype(np.float32)
     return weights
 
 
