@@ -7,24 +7,44 @@ covers tokens [0, n-1) and `stream_generate` starts from token n-1.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
+from .anchor import first_token_kv
 from .capture import SpanKV, capture_from_cache, needs_recording, prefill
 from .kvcache import append_kv, new_cache
 from .pair import ModelPair
-from .translator import Translator
+from .translator import Translator, target_dtype
 
 
 def translate_into(pair: ModelPair, translator: Translator, span: SpanKV, cache: list) -> None:
     """Translate `span` and append it to the target's `cache`, which must end where it starts."""
+    append_translation(pair.target, translator, span, cache)
+
+
+def append_translation(model, translator: Translator, span: SpanKV, cache: list) -> None:
+    """Translate `span` for `model` and append it to `model`'s `cache`, which must end where
+    the span starts. A translator that keeps the model's own first token (`native_first`)
+    has it written into the cache as it is, before the translated rest: the same cache as
+    splicing it into the translated arrays, without copying them once more."""
     if cache[0].offset != span.start:
         raise ValueError(
-            f"target cache holds {cache[0].offset} tokens but the span starts at {span.start}"
+            f"{model.name} cache holds {cache[0].offset} tokens but the span starts at {span.start}"
         )
-    keys, values = translator.translate(span, pair.target)
-    append_kv(cache, keys, values)
+    config = getattr(translator, "config", None)
+    if not (getattr(config, "native_first", False) and span.start == 0 and span.tokens):
+        append_kv(cache, *translator.translate(span, model))
+        return
+    # the whole span is translated as it is (without its token ids, nothing is spliced), so
+    # the rest is bit for bit what the splice keeps; the cache writes copy from views
+    keys, values = translator.translate(replace(span, tokens=None), model)
+    k0, v0 = first_token_kv(model, span.tokens[0])
+    batch, dtype = span.keys.shape[1], target_dtype(model)
+    append_kv(cache, *([mx.broadcast_to(x, (batch, *x.shape[1:])).astype(dtype) for x in kv]
+                       for kv in (k0, v0)))  # fmt: skip
+    if span.length > 1:
+        append_kv(cache, [k[..., 1:, :] for k in keys], [v[..., 1:, :] for v in values])
 
 
 class PromptTooLongError(ValueError):

@@ -33,7 +33,7 @@ import mlx.core as mx
 from mlx_kvlingo.decode import handoff
 from mlx_lm import stream_generate
 src, tgt, spec, prompt, n = sys.argv[1:6]
-rt = Runtime.load(src, tgt, translator=spec)
+rt = Runtime.load(src, tgt, translator=spec, warmup=False)  # a handoff, not a conversation
 pair, tokens = rt.pair, rt.pair.tokenizer.encode(prompt)
 h = handoff(pair, rt.forward, tokens)
 out = stream_generate(pair.target.model, pair.tokenizer, mx.array(tokens[-1:]),

@@ -203,6 +203,32 @@ def test_native_first_token_is_the_targets_own(models):
     )
 
 
+def test_native_first_written_into_the_cache_equals_the_spliced_translation(models):
+    """`decode.translate_into` writes the anchor token into the cache before the translated
+    rest (no splice copy): the cache equals appending `translate`'s spliced arrays, bit for
+    bit, for a batch of 1 and a one-token span; a plain translator is unaffected."""
+    from dataclasses import replace
+
+    from mlx_kvlingo.decode import translate_into
+    from mlx_kvlingo.kvcache import append_kv
+
+    pair = load_pair(models["qwen3"], models["qwen3_moe"])
+    plain = random_translator(pair, "mixing", 2)
+    anchored = Translator(replace(plain.config, native_first=True))
+    anchored.key, anchored.value = plain.key, plain.value
+    tokens = pair.tokenizer.encode(TEXT)
+    for n in (len(tokens), 1):
+        span = prefill(pair.source, tokens[:n], new_cache(pair.source))
+        for tr in (anchored, plain):
+            spliced, direct = new_cache(pair.target), new_cache(pair.target)
+            append_kv(spliced, *tr.translate(span, pair.target))
+            translate_into(pair, tr, span, direct)
+            for a, b in zip(spliced, direct, strict=True):
+                assert a.offset == b.offset == n
+                assert mx.array_equal(a.keys[..., :n, :], b.keys[..., :n, :]).item()
+                assert mx.array_equal(a.values[..., :n, :], b.values[..., :n, :]).item()
+
+
 def new_cache_with(pair, tokens):
     cache = new_cache(pair.source)
     prefill(pair.source, tokens, cache)

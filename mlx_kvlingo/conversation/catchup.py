@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..capture import SpanKV, capture_from_cache, needs_recording, prefill
-from ..kvcache import append_kv, new_cache, prefix_copy
+from ..decode import append_translation
+from ..kvcache import new_cache, prefix_copy
 from ..pair import LoadedModel
 from .records import Read, SessionError, Switch
 from .timing import Paths
@@ -207,8 +208,7 @@ class CatchUp:
 
     def _translate_into(self, m: _Model, tr, span: SpanKV) -> None:
         """Append the translated span to m's cache (it holds exactly [0, span.start))."""
-        keys, values = tr.translate(span, m.loaded)
-        append_kv(m.cache, keys, values)
+        append_translation(m.loaded, tr, span, m.cache)
 
     def _capture(self, o: _Model, start: int, end: int, cut: str) -> SpanKV:
         """The outgoing model's K/V for [start, end) at the translator's key cut."""

@@ -24,7 +24,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -324,7 +324,8 @@ def run_switch(
     tgt_cache.clear()
     clock("source_step", lambda: _first_token(pair.source.model, last, src_cache))
     mapped = clock("translate_map", lambda: _evaluated(tr(span)))
-    finished = clock("translate_steps", lambda: _evaluated(tr.finish(*mapped, span, pair.target)))
+    bare = replace(span, tokens=None)  # the anchor token, if any, is written apart (decode.py)
+    finished = clock("translate_steps", lambda: _evaluated(tr.finish(*mapped, bare, pair.target)))
     clock("cache_append", lambda: append_kv(new_cache(pair.target), *finished))
     clock("gemm", lambda: mx.eval([a @ w for a, w in gemm_inputs]))
 
