@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
+from mlx_lm.models.cache import KVCache
 
 from .anchor import first_token_kv
 from .capture import SpanKV, capture_from_cache, needs_recording, prefill
@@ -36,15 +37,20 @@ def append_translation(model, translator: Translator, span: SpanKV, cache: list)
     if not (getattr(config, "native_first", False) and span.start == 0 and span.tokens):
         append_kv(cache, *translator.translate(span, model))
         return
-    # the whole span is translated as it is (without its token ids, nothing is spliced), so
-    # the rest is bit for bit what the splice keeps; the cache writes copy from views
+    if any(type(c) is not KVCache for c in cache):  # quantized or rotating: splice as before
+        append_kv(cache, *translator.translate(span, model))
+        return
+    # the whole span is translated as it is (without its token ids nothing is spliced) and
+    # written once; then position 0 is overwritten in place with the model's own K/V (mlx-lm
+    # writes its buffers the same way): bit for bit the spliced cache, one copy less
     keys, values = translator.translate(replace(span, tokens=None), model)
+    append_kv(cache, keys, values)
     k0, v0 = first_token_kv(model, span.tokens[0])
     batch, dtype = span.keys.shape[1], target_dtype(model)
-    append_kv(cache, *([mx.broadcast_to(x, (batch, *x.shape[1:])).astype(dtype) for x in kv]
-                       for kv in (k0, v0)))  # fmt: skip
-    if span.length > 1:
-        append_kv(cache, [k[..., 1:, :] for k in keys], [v[..., 1:, :] for v in values])
+    for c, k, v in zip(cache, k0, v0, strict=True):
+        c.keys[..., :1, :] = mx.broadcast_to(k, (batch, *k.shape[1:])).astype(dtype)
+        c.values[..., :1, :] = mx.broadcast_to(v, (batch, *v.shape[1:])).astype(dtype)
+    mx.eval([(c.keys, c.values) for c in cache])
 
 
 class PromptTooLongError(ValueError):
