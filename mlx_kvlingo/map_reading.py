@@ -99,9 +99,10 @@ def product(rows: mx.array, index: mx.array, w: mx.array, strategy: str) -> mx.a
 def measure(translator, n_tokens=BUCKETS, rounds: int = 2) -> MapReading:
     """Time each strategy on random source K/V of the translator's shapes (batch 1) and keep
     the fastest per kind and token count in `translator.reading`. Returns that reading.
-    A translator without per-layer weight maps (lowrank) keeps its own single path."""
+    A translator without per-layer weight maps (lowrank, other methods) keeps its own single
+    path and gets an empty reading."""
     reading = MapReading()
-    if "weight" not in translator.key:
+    if "weight" not in getattr(translator, "key", {}):
         return reading
     s = translator.config.source
     dtype = translator.key["weight"].dtype

@@ -172,6 +172,7 @@ class Translator(nn.Module):
         self._key_index = mx.array(config.key_layers)
         self._value_index = mx.array(config.value_layers)
         self.reading = MapReading()  # how the maps read the source (map_reading.py)
+        self.__dict__["_rows_cache"] = {}  # kind -> (index, SourceRows); not a parameter
 
     # -- the maps -------------------------------------------------------------------------
 
@@ -220,11 +221,13 @@ class Translator(nn.Module):
     def _source_rows(self, kind: str) -> SourceRows:
         """The source layers `kind`'s map reads, from its index (cached while it is the same)."""
         index = self._key_index if kind == "key" else self._value_index
-        cached = self._rows_cache.get(kind) if hasattr(self, "_rows_cache") else None
+        cached = self._rows_cache.get(kind)
         if cached is None or cached[0] is not index:
             rows = tuple(tuple(r) for r in index.tolist())
-            cached = (index, SourceRows.of(rows, self.config.source.layers))
-            self.__dict__.setdefault("_rows_cache", {})[kind] = cached
+            cached = self._rows_cache[kind] = (
+                index,
+                SourceRows.of(rows, self.config.source.layers),
+            )
         return cached[1]
 
     def __call__(self, span: SpanKV) -> tuple[mx.array, mx.array]:

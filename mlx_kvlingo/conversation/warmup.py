@@ -47,7 +47,7 @@ def warm_up(
     costs = costs_of(pair) if costs is None else costs
     t0 = time.perf_counter()
     for translator in (forward, backward):
-        if translator is not None and hasattr(translator, "reading"):
+        if translator is not None:
             measure_map_reading(translator)
     # the first run (the shortest length) pays the one-off costs, unrecorded
     for record, todo in ((ReadCosts(), lengths[:1]), (costs, lengths)):

@@ -413,7 +413,7 @@ def run_bench(
     translator.check_target(pair.target)
     started = time.perf_counter()
     # how the maps read the source: measured on this pair's shapes, as a warm-up at load does
-    reading = measure_map_reading(translator) if hasattr(translator, "reading") else None
+    reading = measure_map_reading(translator)
     resident = mx.get_active_memory()  # the loaded weights (and anything else alive)
     results = {
         "schema": SCHEMA,
@@ -616,7 +616,7 @@ def step_efficiency(med: dict) -> dict:
 
 def reading_info(reading) -> dict | None:
     """The map-reading strategy measured per kind and token count (None: not measured)."""
-    if reading is None:
+    if not reading.chosen:  # a translator with one path (lowrank)
         return None
     return {
         f"{kind}@{n}": {
