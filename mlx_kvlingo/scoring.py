@@ -33,6 +33,8 @@ class Prepared:
     prefix: tuple[int, ...] = ()
     # per continuation token loss weights (mean 1), or None for a plain mean (`prefix_gain`)
     weights: mx.array | None = None
+    # the target's own RoPE-free K/V of the same prefix tokens (for `kv_error`), or None
+    native: SpanKV | None = None
 
 
 def native_logp(model, ex) -> mx.array:
@@ -54,6 +56,7 @@ def prepare(
     span: SpanKV | None = None,
     reader_mode: bool = False,
     gain_weights: bool = False,
+    native_kv: bool = False,
 ) -> Prepared:
     """The source's K/V of prefix[:-1] at `key_cut` (or `span`) and the teacher's log-probs.
 
@@ -61,15 +64,19 @@ def prepare(
     the target: the example's earlier replies (`ex.replies`) are read by the target itself on
     top of the translated spans before them; everything else is translated.
     `gain_weights`: weight the loss by `prefix_gain` (tokens the prefix determines count more).
+    `native_kv`: also keep the target's own K/V of the prefix (for `kv_error`).
     """
     span = span if span is not None else trace(pair.source, list(ex.prefix)[:-1], key_cut)
     teacher = native_logp(pair.target, ex)
     weights = prefix_gain(pair.target, ex) if gain_weights else None
-    mx.eval(span.keys, span.values, teacher, *([weights] if weights is not None else []))
-    if reader_mode and ex.replies:
-        return Prepared(span, teacher_inputs(ex), teacher, tuple(ex.replies), tuple(ex.prefix),
-                        weights)  # fmt: skip
-    return Prepared(span, teacher_inputs(ex), teacher, weights=weights)
+    native = trace(pair.target, list(ex.prefix)[:-1], key_cut) if native_kv else None
+    extra = ([] if weights is None else [weights]) + (
+        [] if native is None else [native.keys, native.values]
+    )
+    mx.eval(span.keys, span.values, teacher, *extra)
+    replies = tuple(ex.replies) if reader_mode and ex.replies else ()
+    return Prepared(span, teacher_inputs(ex), teacher, replies,
+                    tuple(ex.prefix) if replies else (), weights, native)  # fmt: skip
 
 
 def _sub_span(span: SpanKV, start: int, end: int) -> SpanKV:
@@ -100,6 +107,23 @@ def kl(teacher_logp: mx.array, student: mx.array, weights: mx.array | None = Non
     """Mean over positions of KL(teacher || student), weighted by `weights` when given."""
     per_token = (mx.exp(teacher_logp) * (teacher_logp - student)).sum(-1)
     return per_token.mean() if weights is None else (per_token * weights).sum() / weights.sum()
+
+
+def kv_error(method, prep: Prepared) -> mx.array:
+    """mean |translated - native| / mean |native|, keys plus values, RoPE-free, every layer.
+
+    KV Prediction's cache term (apple/corenet, projects/kv-prediction: an L1 loss between the
+    predicted and the base model's K/V), made scale-free: 0 for an exact translator, 2 for
+    one that writes zeros. In stage 2 it keeps the maps near the target's own K/V everywhere
+    while content examples pull them toward what the answers need.
+    """
+    if prep.native is None:
+        raise ValueError("kv_error needs examples prepared with native_kv=True")
+    keys, values = method(prep.span)
+    err = 0.0
+    for mapped, native in ((keys, prep.native.keys), (values, prep.native.values)):
+        err = err + mx.abs(mapped - native).mean() / mx.abs(native).mean()
+    return err
 
 
 def prefix_gain(model, ex, context: int = 4, floor: float = 0.1) -> mx.array:

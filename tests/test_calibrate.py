@@ -234,3 +234,42 @@ def test_build_scripts_evaluate_distill_and_save(shape_pair, shape_data, tmp_pat
         )
     else:
         assert row["heldout"]["stage2"] is None and "heldout" not in cal.get("stage2", {})
+
+
+def test_kv_error_is_zero_for_the_exact_maps_and_two_for_zero_maps(text_file, known_pair, tiny_dir):
+    from helpers import exact_translator
+
+    from mlx_kvlingo.scoring import kv_error
+
+    ex = load_examples(text_file, known_pair.tokenizer, CFG)[0][0]
+    prep = prepare(known_pair, ex, "post_norm", native_kv=True)
+    tr = exact_translator(known_pair, tiny_dir["known_answer"])
+    assert kv_error(tr, prep).item() < 1e-5
+    tr.key["weight"], tr.value["weight"] = (
+        mx.zeros_like(tr.key["weight"]),
+        mx.zeros_like(tr.value["weight"]),
+    )
+    assert kv_error(tr, prep).item() == pytest.approx(2.0, abs=1e-6)
+    with pytest.raises(ValueError, match="native_kv"):
+        kv_error(tr, prepare(known_pair, ex, "post_norm"))
+
+
+def test_stage2_kv_weight_pulls_the_maps_toward_the_native_kv(text_file, known_pair, tiny_dir):
+    from helpers import exact_translator
+
+    from mlx_kvlingo.scoring import kv_error
+
+    train, held = load_examples(text_file, known_pair.tokenizer, CFG)
+    probe = [prepare(known_pair, e, "post_norm", native_kv=True) for e in held[:4]]
+    errors = {}
+    for weight in (0.0, 10.0):
+        tr = exact_translator(known_pair, tiny_dir["known_answer"])
+        noise = mx.random.normal(tr.key["weight"].shape, key=mx.random.key(0)) * 0.01
+        tr.key["weight"] = tr.key["weight"] + noise
+        tr.value["weight"] = tr.value["weight"] + noise
+        cfg = Stage2Config(steps=12, learning_rate=1e-3, warmup=1, eval_every=100, kv_weight=weight)
+        distill(tr, known_pair, train, (), cfg, progress=False)
+        errors[weight] = float(np.mean([kv_error(tr, p).item() for p in probe]))
+    assert errors[10.0] < 0.8 * errors[0.0]
+    with pytest.raises(ValueError, match="kv_weight"):
+        Stage2Config(kv_weight=-1.0)

@@ -1,7 +1,8 @@
 """Stage 2: self-distillation. The target is its own teacher.
 
 loss = KL( target's next-token distribution with its native cache
-         || the same with the translated cache ),  averaged over continuation tokens.
+         || the same with the translated cache ),  averaged over continuation tokens
+     [+ kv_weight * scoring.kv_error: translated vs the target's own K/V of the prefix]
 
 Only the translator is trained; both models stay frozen. A fresh target cache is built inside
 the loss on every call, so gradients flow through the translated cache contents.
@@ -26,7 +27,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from .._atomic import atomic_write, write_text
 from ..format import load_translator, save_translator
-from ..scoring import heldout_scores, kl, prepare, student_logp
+from ..scoring import heldout_scores, kl, kv_error, prepare, student_logp
 
 
 class TrainingDivergedError(RuntimeError):
@@ -58,12 +59,17 @@ class Stage2Config:
     # of it (`scoring.prefix_gain`), so tokens any context predicts do not drown the loss;
     # the held-out KL stays a plain mean, comparable across runs
     gain_weights: bool = False
+    # weight of `scoring.kv_error` (translated vs the target's own K/V, KV Prediction's cache
+    # term) added to the KL: it holds the continuation figures while content examples train
+    kv_weight: float = 0.0
 
     def __post_init__(self):
         if self.patience is not None and self.patience < 1:
             raise ValueError(f"patience must be >= 1 evaluations (got {self.patience})")
         if not 0.0 <= self.reader_share <= 1.0:
             raise ValueError(f"reader_share must be in [0, 1] (got {self.reader_share})")
+        if not self.kv_weight >= 0.0:  # NaN fails too
+            raise ValueError(f"kv_weight must be >= 0 (got {self.kv_weight})")
 
 
 def _reader_mode(index: int, cfg: Stage2Config) -> bool:
@@ -179,9 +185,12 @@ def distill(
         for i, ex in enumerate(list(heldout)[: cfg.eval_examples])
     ]
     best = _Best.start(translator, pair, held, history, ckpt) if held else None
-    loss_and_grad = nn.value_and_grad(
-        translator, lambda p: kl(p.teacher_logp, student_logp(translator, pair, p), p.weights)
-    )
+
+    def loss(p):
+        value = kl(p.teacher_logp, student_logp(translator, pair, p), p.weights)
+        return value + cfg.kv_weight * kv_error(translator, p) if cfg.kv_weight else value
+
+    loss_and_grad = nn.value_and_grad(translator, loss)
 
     def save():
         if ckpt:
@@ -202,7 +211,8 @@ def distill(
                 for j in range(cfg.accumulate):
                     i = _example_at(step * cfg.accumulate + j, len(train), cfg.seed)
                     prep = prepare(pair, train[i], key_cut, reader_mode=_reader_mode(i, cfg),
-                                   gain_weights=cfg.gain_weights)  # fmt: skip
+                                   gain_weights=cfg.gain_weights,
+                                   native_kv=cfg.kv_weight > 0)  # fmt: skip
                     loss, g = loss_and_grad(prep)
                     mx.eval(loss, g)
                     if not math.isfinite(loss.item()):

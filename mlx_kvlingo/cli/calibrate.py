@@ -47,6 +47,10 @@ from ._common import data_config, data_options
 @click.option("--gain-weights/--no-gain-weights", default=None,
               help="Weight stage 2's loss by how much the prefix changes the target's "
                    "prediction of each token; default on without --data")  # fmt: skip
+@click.option("--kv-weight", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Add this times the relative L1 error between the translated and the "
+                   "target's own K/V to stage 2's loss (KV Prediction's cache term): keeps the "
+                   "continuation figures while content examples train; 1.0 for the demo's")  # fmt: skip
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
 @click.option(
     "--variant", type=click.Choice(["mixing", "headwise"]), default="mixing", show_default=True
@@ -104,7 +108,7 @@ from ._common import data_config, data_options
 @click.option("--eval-examples", default=32, show_default=True)
 @click.option("--checkpoint-dir", type=click.Path(file_okay=False))
 @click.option("--resume/--no-resume", default=True, show_default=True)
-def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, output, variant, rank, nu,
+def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_weight, output, variant, rank, nu,
                   key_cut, bias, native_first, alpha, prior, alpha_grid, patience, reader_share, layer_map,
                   init, steps, lr, warmup, accumulate, grad_clip, eval_every, eval_examples,
                   checkpoint_dir, resume, dtype, **kw):  # fmt: skip
@@ -177,7 +181,7 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, outp
     if steps:
         s2 = Stage2Config(steps, lr, warmup, 0.0, grad_clip, accumulate, eval_every, min(16, eval_examples),
                           seed=kw["seed"], patience=patience, reader_share=reader_share,
-                          gain_weights=gain_weights)  # fmt: skip
+                          gain_weights=gain_weights, kv_weight=kv_weight)  # fmt: skip
         try:
             distill(tr, pair, list(train) + content, held, s2, checkpoint_dir, resume)
         except KeyboardInterrupt:
