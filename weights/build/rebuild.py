@@ -154,11 +154,35 @@ STEPS: tuple[Step, ...] = (
          "multi-turn examples "
          "in reader mode",
          "--note", "assistant-style data + reader-mode examples; best held-out KL (patience)"),
-        "ships it as the dense pair's default forward translator",
+        "ships it as the dense pair's default forward translator (until register_content)",
         reads=(f"{RUNS}/forward-mixing-nu2-assistant.safetensors", *PYDOCS,
                "$CACHE/data/assistant/heldout.jsonl"),
         writes=("weights/translators/forward-mixing-nu2-assistant.safetensors", "weights/manifest.json"),
         expected="not recorded (kvlingo eval on 40 + 24 + 24 + 40 held-out examples)", needs=TARGET,
+    ),
+    Step(
+        "content_stage2", "weights.build.content_stage2", (),
+        "stage 2 continued from the assistant default on `kvlingo calibrate`'s no-data set "
+        "(shipped text + content tasks answered by the target), with the K/V term",
+        reads=("weights/translators/forward-mixing-nu2-assistant.safetensors", *SOURCE),
+        writes=(f"{RUNS}/forward-mixing-nu2-content.safetensors",
+                f"{RUNS}/forward-mixing-nu2-content-checkpoints/"),
+        expected="43 min measured: 800 steps, best at 700 (weights/QUALITY.md), beside other jobs",
+        needs=TARGET, expected_minutes=43,
+    ),
+    Step(
+        "register_content", "weights.build.add_translator",
+        (f"{RUNS}/forward-mixing-nu2-content.safetensors", *DOMAINS, "--default",
+         "--training-data", "stage 2 continued from forward-mixing-nu2-assistant on kvlingo "
+         "calibrate's no-data set: 256 shipped-text examples (CPython documentation topics, "
+         "chitchat) and 256 content tasks over that text (128 and 256 tokens) answered by the "
+         "target; K/V term weight 1.0",
+         "--note", "content: trained on the target's own answers to prompts whose answer is "
+         "only in the text read (weights/QUALITY.md); best held-out KL"),
+        "ships it as the dense pair's default forward translator",
+        reads=(f"{RUNS}/forward-mixing-nu2-content.safetensors", *PYDOCS),
+        writes=("weights/translators/forward-mixing-nu2-content.safetensors", "weights/manifest.json"),
+        expected="not recorded (kvlingo eval on 40 + 24 + 24 held-out examples)", needs=TARGET,
     ),
     Step(
         "moe", "weights.build.moe", ("--lr", "3e-4", "--warmup", "2", "--max-minutes", "8"),

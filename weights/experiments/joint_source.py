@@ -20,7 +20,11 @@ target's native answers as reference) before and after, and by the held-out dial
 and agreement (the continuation figures the goals keep within 0.02).
 
     OPENBLAS_NUM_THREADS=1 python -m weights.experiments.joint_source --examples 256 \\
-        --steps 400 --out weights/curves/joint-source.json --save /tmp/joint
+        --steps 400 --out /tmp/joint.json --save /tmp/joint         # source + maps
+    ... --examples 256 --ordinary 256 --kv 1.0 --steps 800 --maps-only   # maps only, mixed
+
+Results: weights/QUALITY.md, "Training the maps on the target's answers" (the maps alone
+retrieve as many facts as maps and source together).
 """
 
 from __future__ import annotations
