@@ -8,7 +8,7 @@ from mlx_kvlingo.data import DataConfig, DataError, load_examples
 from mlx_kvlingo.format import load_translator
 from mlx_kvlingo.measure.evaluate import evaluate
 from mlx_kvlingo.pair import load_model, load_pair
-from mlx_kvlingo.scoring import mean_kl, prepare
+from mlx_kvlingo.scoring import kv_error, mean_kl, prepare
 
 import mlx.core as mx
 import numpy as np
@@ -239,8 +239,6 @@ def test_build_scripts_evaluate_distill_and_save(shape_pair, shape_data, tmp_pat
 def test_kv_error_is_zero_for_the_exact_maps_and_two_for_zero_maps(text_file, known_pair, tiny_dir):
     from helpers import exact_translator
 
-    from mlx_kvlingo.scoring import kv_error
-
     ex = load_examples(text_file, known_pair.tokenizer, CFG)[0][0]
     prep = prepare(known_pair, ex, "post_norm", native_kv=True)
     tr = exact_translator(known_pair, tiny_dir["known_answer"])
@@ -256,8 +254,6 @@ def test_kv_error_is_zero_for_the_exact_maps_and_two_for_zero_maps(text_file, kn
 
 def test_stage2_kv_weight_pulls_the_maps_toward_the_native_kv(text_file, known_pair, tiny_dir):
     from helpers import exact_translator
-
-    from mlx_kvlingo.scoring import kv_error
 
     train, held = load_examples(text_file, known_pair.tokenizer, CFG)
     probe = [prepare(known_pair, e, "post_norm", native_kv=True) for e in held[:4]]
