@@ -154,7 +154,7 @@ STEPS: tuple[Step, ...] = (
          "multi-turn examples "
          "in reader mode",
          "--note", "assistant-style data + reader-mode examples; best held-out KL (patience)"),
-        "ships it as the dense pair's default forward translator (until register_content)",
+        "ships it as the dense pair's default forward translator",
         reads=(f"{RUNS}/forward-mixing-nu2-assistant.safetensors", *PYDOCS,
                "$CACHE/data/assistant/heldout.jsonl"),
         writes=("weights/translators/forward-mixing-nu2-assistant.safetensors", "weights/manifest.json"),
@@ -172,14 +172,14 @@ STEPS: tuple[Step, ...] = (
     ),
     Step(
         "register_content", "weights.build.add_translator",
-        (f"{RUNS}/forward-mixing-nu2-content.safetensors", *DOMAINS, "--default",
+        (f"{RUNS}/forward-mixing-nu2-content.safetensors", *DOMAINS,
          "--training-data", "stage 2 continued from forward-mixing-nu2-assistant on kvlingo "
          "calibrate's no-data set: 256 shipped-text examples (CPython documentation topics, "
          "chitchat) and 256 content tasks over that text (128 and 256 tokens) answered by the "
          "target; K/V term weight 1.0",
          "--note", "content: trained on the target's own answers to prompts whose answer is "
          "only in the text read (weights/QUALITY.md); best held-out KL"),
-        "ships it as the dense pair's default forward translator",
+        "ships it beside the default (not the default yet: weights/QUALITY.md)",
         reads=(f"{RUNS}/forward-mixing-nu2-content.safetensors", *PYDOCS),
         writes=("weights/translators/forward-mixing-nu2-content.safetensors", "weights/manifest.json"),
         expected="not recorded (kvlingo eval on 40 + 24 + 24 held-out examples)", needs=TARGET,
