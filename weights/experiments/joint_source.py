@@ -36,16 +36,16 @@ from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.calibrate.content_data import content_examples, shipped_texts
-from mlx_kvlingo.capture import OutputRecorder, SpanKV, capture_from_cache
+from mlx_kvlingo.capture import OutputRecorder, SpanKV, trace
 from mlx_kvlingo.content_tasks import build_tasks
 from mlx_kvlingo.data import DataConfig, load_examples, read_texts
 from mlx_kvlingo.demo.pair import demo_content_texts, demo_data, demo_eval_data, load_demo
-from mlx_kvlingo.kvcache import new_cache
 from mlx_kvlingo.measure.content import evaluate_content, summarize
 from mlx_kvlingo.scoring import (
     Prepared,
     heldout_scores,
     kl,
+    kv_error,
     native_logp,
     prepare,
     student_logp,
@@ -95,14 +95,6 @@ class Joint(nn.Module):
         self.translator = translator
 
 
-def native_kv(target, tokens):
-    cache = new_cache(target)
-    target.model(mx.array(tokens)[None], cache=cache)
-    span = capture_from_cache(target, cache, 0, len(tokens))
-    mx.eval(span.keys, span.values)
-    return span
-
-
 def loss_fn(pair, translator, ex, native, aux: float, kv: float, teacher=None):
     """(total, main term): CE to the target's native answer (content examples) or, given the
     teacher's log-probs (ordinary examples), KL(teacher || student) as stage 2 has it."""
@@ -121,10 +113,7 @@ def loss_fn(pair, translator, ex, native, aux: float, kv: float, teacher=None):
         nxt = mx.array(prefix[1:-1])[:, None]
         total = total + aux * -mx.take_along_axis(lp, nxt, axis=-1).mean()
     if kv:
-        keys, values = translator(span)  # RoPE-free, as the native span
-        err = (mx.abs(keys - native.keys).mean() / mx.abs(native.keys).mean()
-               + mx.abs(values - native.values).mean() / mx.abs(native.values).mean())  # fmt: skip
-        total = total + kv * err
+        total = total + kv * kv_error(translator, Prepared(span, prep.inputs, None, native=native))
     return total, ce
 
 
@@ -231,7 +220,7 @@ def main(argv=None) -> None:
     for step, i in enumerate(order, 1):
         ex = train[int(i)]
         if a.kv and i not in native:
-            native[i] = native_kv(pair.target, list(ex.prefix)[:-1])
+            native[i] = trace(pair.target, list(ex.prefix)[:-1], "post_norm")
         ordinary = not ex.source.startswith("content:")
         teacher = native_logp(pair.target, ex) if ordinary else None
         (total, ce), grads = step_fn(ex, native.get(i), teacher)
