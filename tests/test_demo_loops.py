@@ -14,19 +14,31 @@ PROMPTS = [
     "Give me three tips for sleeping better.",
     "Why is the sky blue?",
 ]
-MAX_REPEATS = 3  # no 4-gram of tokens may occur more often than this in one answer
+#: a loop repeats whole clauses: no span of SPAN tokens may occur more than MAX_REPEATS times
+#: in one answer. A list repeats a shorter frame ("red has a maximum of 630 nm, green has a
+#: maximum of ...") with new words inside every 8 tokens, and is not a loop.
+SPAN, MAX_REPEATS = 8, 2
+#: the translator the loop check is shown failing with (greedy without penalty loops on it)
+LOOPING_TRANSLATOR = "forward-mixing-nu2-assistant.safetensors"
 
 
-def worst_repeat(token_ids: list[int], n: int = 4) -> int:
+def worst_repeat(token_ids: list[int], n: int = SPAN) -> int:
     """How often the most frequent n-gram of `token_ids` occurs."""
     grams = Counter(tuple(token_ids[i : i + n]) for i in range(len(token_ids) - n + 1))
     return max(grams.values(), default=0)
 
 
 def test_worst_repeat_counts_ngrams():
-    assert worst_repeat([1, 2, 3, 4] * 5) == 5
+    assert worst_repeat([1, 2, 3, 4] * 5, n=4) == 5
     assert worst_repeat(list(range(50))) == 1
     assert worst_repeat([1, 2, 3]) == 0
+
+
+def test_a_list_is_not_a_loop_and_a_repeated_clause_is():
+    frame = [7, 8, 9, 10]  # "has a maximum of"
+    listing = [t for item in range(6) for t in (100 + item, *frame, 200 + item, 11, 12)]
+    assert worst_repeat(listing, n=4) == 6 and worst_repeat(listing) <= MAX_REPEATS
+    assert worst_repeat(list(range(20, 32)) * 3) > MAX_REPEATS
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +47,13 @@ def runtime():
 
     return Runtime.load(warmup=False)  # the demo pair, its default translators (reader="small"
     # below, so the warm-up's measured read rates are not needed)
+
+
+@pytest.fixture(scope="module")
+def looping_runtime():
+    from mlx_kvlingo import Runtime
+
+    return Runtime.load(translator=LOOPING_TRANSLATOR, warmup=False)
 
 
 def answer(runtime, prompt: str, **sampling) -> tuple[list[int], str]:
@@ -53,7 +72,9 @@ def test_default_sampling_does_not_loop(runtime):
     assert all(w <= MAX_REPEATS for w, _ in worst.values()), worst
 
 
-def test_the_check_fails_under_greedy_without_penalty(runtime):
-    """The same check catches the loop that greedy decoding falls into on this pair."""
-    ids, text = answer(runtime, PROMPTS[3], temp=0, repetition_penalty=1.0)
+def test_the_check_fails_under_greedy_without_penalty(looping_runtime):
+    """The same check catches the loop greedy decoding falls into on the previous default
+    translator: six tips, five of them ending "...interfere with your body's ability to regulate
+    its internal clock"."""
+    ids, text = answer(looping_runtime, PROMPTS[3], temp=0, repetition_penalty=1.0)
     assert worst_repeat(ids) > MAX_REPEATS, text

@@ -1,7 +1,7 @@
 """Stage 2 on content examples for a shipped demo translator, through `kvlingo calibrate`.
 
-Continues from `--init` on the set `kvlingo calibrate` builds without `--data`: ordinary
-examples from the shipped text and content tasks over it (facts, copies, questions, summaries)
+Continues from `--init` on the set `kvlingo calibrate` builds without `--data` (or on `--data`):
+ordinary examples from the shipped text and content tasks over it (facts, copies, questions, summaries)
 answered by the target on its own cache, with the K/V term (`--kv-weight`, KV Prediction's
 cache loss) that holds the continuation figures. The held-out best (KL on held-out content and
 ordinary examples together) is written to `--out`/`--name`.safetensors; the checkpoints and
@@ -29,7 +29,16 @@ def parser() -> argparse.ArgumentParser:
                     default=WEIGHTS / "translators" / "forward-mixing-nu2-assistant.safetensors")  # fmt: skip
     ap.add_argument("--content", type=int, default=256, help="content examples")
     ap.add_argument("--content-lengths", default="128,256")
-    ap.add_argument("--ordinary", type=int, default=256, help="ordinary shipped-text examples")
+    ap.add_argument("--ordinary", type=int, default=256, help="ordinary examples")
+    ap.add_argument("--data", type=Path, default=None,
+                    help="the ordinary examples' text (and the content tasks'), as kvlingo "
+                         "calibrate --data; default: the shipped text")  # fmt: skip
+    ap.add_argument(
+        "--reader-share",
+        type=float,
+        default=0.0,
+        help="share of multi-turn chats trained as the reader mode builds them",
+    )
     ap.add_argument("--kv-weight", type=float, default=1.0)
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -49,7 +58,9 @@ def calibrate_args(a: argparse.Namespace) -> list[str]:
             "--kv-weight", str(a.kv_weight), "--steps", str(a.steps), "--accumulate", "1",
             "--lr", str(a.lr), "--warmup", str(a.warmup), "--eval-every", str(a.eval_every),
             "--eval-examples", "16", "--checkpoint-dir", str(a.out / f"{a.name}-checkpoints"),
-            "-o", str(a.out / f"{a.name}.safetensors")]  # fmt: skip
+            "-o", str(a.out / f"{a.name}.safetensors"),
+            *(["--data", str(a.data)] if a.data else []),
+            *(["--reader-share", str(a.reader_share)] if a.reader_share else [])]  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
