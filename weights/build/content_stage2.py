@@ -20,6 +20,8 @@ from pathlib import Path
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.demo.pair import demo_models
 
+import click
+
 WEIGHTS = Path(__file__).resolve().parents[1]
 
 
@@ -68,7 +70,11 @@ def main(argv: list[str] | None = None) -> None:
 
     a = parser().parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    calibrate_cmd.main(args=calibrate_args(a), standalone_mode=False)
+    try:
+        calibrate_cmd.main(args=calibrate_args(a), standalone_mode=False)
+    except click.ClickException as e:  # an interruption, bad data: its message, not a traceback
+        e.show()
+        raise SystemExit(e.exit_code) from None
 
 
 if __name__ == "__main__":
