@@ -95,6 +95,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-backward", action="store_true",
                     help="no backward translator: the small re-reads the large's answers")  # fmt: skip
     args = ap.parse_args(argv)
+    data = args.prose if args.long_later else args.data
+    if not data.is_file():  # before loading the pair: say what builds it
+        ap.error(
+            f"{data} does not exist: build the held-out conversations with "
+            "`OPENBLAS_NUM_THREADS=1 python -m weights.build.assistant_data --train 400 "
+            "--heldout 80` (about 14 min) or pass --data FILE"
+        )
 
     source, target = demo.demo_models(args.pair)
     forward = args.translator or demo.translator_path(pair=args.pair)

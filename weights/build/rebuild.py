@@ -252,7 +252,7 @@ STEPS: tuple[Step, ...] = (
         "register_composed", "weights.build.add_translator",
         (f"{RUNS}/forward-mixing-nu2-prenorm-composed.safetensors", "--pair", "moe",
          "--evaluate", "dialogues=:24", "--default",
-         "--note", "composed from the dense pair's forward-mixing-nu2-assistant "
+         "--note", "composed from the dense pair's forward-mixing-nu2-content-chat "
          "(weights/build/compose_moe.py): key maps times per-layer bridges to the MoE's pre-norm "
          "keys, value maps kept; no stage 2 on the MoE pair"),
         "ships it as the MoE pair's default forward translator",
