@@ -160,6 +160,8 @@ def test_cli_end_to_end_writes_json_markdown_png(preset_cache, tmp_path):
             "always_large", "route_first", "cascade_reprefill", "cascade_translate",
             "cascade_ahead"}  # fmt: skip
         assert v["derived"]["ahead_switch_ttft_in_steps"] >= 1.0
+        med = {p: s["median"] for p, s in v["stats"].items()}
+        assert v["derived"]["gemm_vs_target_step"] == med["gemm"] / med["target_step"]
     assert set(data["targets"]) == {
         "translation_vs_step", "linear_growth", "gemm_efficiency", "switch_speedup"}  # fmt: skip
     md = (out / "bench.md").read_text()
@@ -214,6 +216,7 @@ def test_side_by_side_runs_every_pair_and_summarizes_them(preset_cache, tmp_path
         d = data["pairs"]["tiny"]["lengths"][str(r["tokens"])]["derived"]
         assert r["efficiency"] == d["gemm_efficiency"]
         assert r["translation_vs_target_step"] == d["translation_vs_target_step"]
+        assert r["gemm_vs_target_step"] == d["gemm_vs_target_step"]
         assert r["efficiency_goal_met"] is None  # judged at 256 and 1024 only
     assert (out / "tiny" / "bench.json").exists()
     md = (out / "side-by-side.md").read_text()

@@ -554,6 +554,8 @@ def _length_summary(
             "end_to_end_speedup": end_to_end_speedup(R, P, X),
             "end_to_end_speedup_trials": summarize(e2e),
             "translation_vs_target_step": med["translate"] / med["target_step"],
+            # the floor of the line above: the translator's matmuls alone, as a plain GEMM
+            "gemm_vs_target_step": med["gemm"] / med["target_step"],
             "translation_vs_target_prefill": med["translate"] / med["target_prefill"],
             "source_ttft": S,
             "ahead_switch_ttft": XA,
@@ -640,6 +642,8 @@ def check_targets(results: dict) -> dict:
         "value": d0["translation_vs_target_step"],
         "target": f"<= {TARGETS['translation_vs_step_at_64']}",
         "met": d0["translation_vs_target_step"] <= TARGETS["translation_vs_step_at_64"],
+        # a translation at full GEMM efficiency would still cost this much of a step
+        "gemm_floor": d0["gemm_vs_target_step"],
     }
     xs = sorted(lens)
     fit = linear_fit([n - 1 for n in xs], [lens[n]["stats"]["translate"]["median"] for n in xs])
@@ -879,7 +883,8 @@ def _targets_md(results: dict) -> list[str]:
         "## Performance targets",
         "",
         f"- translation at n={a['at']} vs one target decode step: {100 * a['value']:.1f}% "
-        f"(target <= 10%): {mark(a['met'])}",
+        f"(target <= 10%): {mark(a['met'])}; the same-run GEMM of its matmuls alone: "
+        f"{100 * a['gemm_floor']:.1f}%",
         f"- translation grows linearly: R^2 {lin['r2']:.4f} (target >= 0.99), ms per token "
         f"{per_tok}: {mark(lin['met'])}",
         f"- translation vs same-run GEMM throughput: min {100 * eff['min']:.0f}% (target >= 70%): "

@@ -42,6 +42,9 @@ def parser() -> argparse.ArgumentParser:
         help="share of multi-turn chats trained as the reader mode builds them",
     )
     ap.add_argument("--kv-weight", type=float, default=1.0)
+    ap.add_argument("--gain-weights", action="store_true",
+                    help="weight the loss by the prefix gain (scoring.prefix_gain); the shipped "
+                         "runs had it off")  # fmt: skip
     ap.add_argument("--steps", type=int, default=800)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=int, default=40)
@@ -56,7 +59,8 @@ def calibrate_args(a: argparse.Namespace) -> list[str]:
     source, target = demo_models("dense")
     return ["--source", str(source), "--target", str(target), "--init", str(a.init),
             "--max-examples", str(a.ordinary), "--content", str(a.content),
-            "--content-lengths", a.content_lengths, "--no-gain-weights",
+            "--content-lengths", a.content_lengths,
+            "--gain-weights" if a.gain_weights else "--no-gain-weights",
             "--kv-weight", str(a.kv_weight), "--steps", str(a.steps), "--accumulate", "1",
             "--lr", str(a.lr), "--warmup", str(a.warmup), "--eval-every", str(a.eval_every),
             "--eval-examples", "16", "--checkpoint-dir", str(a.out / f"{a.name}-checkpoints"),
