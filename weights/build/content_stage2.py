@@ -41,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
         default=0.0,
         help="share of multi-turn chats trained as the reader mode builds them",
     )
+    ap.add_argument("--seed", type=int, default=0, help="which examples and tasks are drawn")
     ap.add_argument("--kv-weight", type=float, default=1.0)
     ap.add_argument("--gain-weights", action="store_true",
                     help="weight the loss by the prefix gain (scoring.prefix_gain); the shipped "
@@ -63,7 +64,7 @@ def calibrate_args(a: argparse.Namespace) -> list[str]:
             "--gain-weights" if a.gain_weights else "--no-gain-weights",
             "--kv-weight", str(a.kv_weight), "--steps", str(a.steps), "--accumulate", "1",
             "--lr", str(a.lr), "--warmup", str(a.warmup), "--eval-every", str(a.eval_every),
-            "--eval-examples", "16", "--checkpoint-dir", str(a.out / f"{a.name}-checkpoints"),
+            "--eval-examples", "16", "--seed", str(a.seed), "--checkpoint-dir", str(a.out / f"{a.name}-checkpoints"),
             "-o", str(a.out / f"{a.name}.safetensors"),
             *(["--data", str(a.data)] if a.data else []),
             *(["--reader-share", str(a.reader_share)] if a.reader_share else [])]  # fmt: skip
