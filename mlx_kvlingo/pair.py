@@ -14,7 +14,7 @@ import mlx.nn as nn
 from mlx_lm import load as mlx_lm_load
 from mlx_lm.utils import dequantize_model
 
-from ._buffer_cache import raise_cpu_cache_limit
+from . import _cpu_memory
 from .families import Family, family_of
 from .rope import RopeSpec, describe
 
@@ -157,7 +157,7 @@ def with_dtype(model, config: dict, dtype):
 def load_model(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") -> LoadedModel:
     """Load one model by hub id or local folder through `mlx_lm.load`."""
     name = str(path_or_repo)
-    raise_cpu_cache_limit()  # before the first allocations that should be reused
+    _cpu_memory.tune()  # before the first allocations that should be reused
     model, tokenizer, config = mlx_lm_load(name, return_config=True)
     model, dtype = with_dtype(model, config, dtype)
     if dtype is not None:

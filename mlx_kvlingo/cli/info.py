@@ -10,7 +10,7 @@ import mlx.core as mx
 from rich.console import Console
 from rich.table import Table
 
-from .. import _blas
+from .. import _blas, _cpu_memory
 
 
 def gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
@@ -29,6 +29,13 @@ def blas_status() -> str:
     return f"no preload: {_blas.reason}"
 
 
+def memory_status(state: dict) -> str:
+    if not state:
+        return "as MLX and the C library set it (KVLINGO_CPU_MEMORY=default)"
+    return (f"MLX buffer cache up to {state['cache_limit'] / 2**30:.1f} GiB; "
+            f"malloc thresholds: {state['malloc']}")  # fmt: skip
+
+
 @click.command("info")
 @click.argument("models", nargs=-1)
 def info_cmd(models):
@@ -38,6 +45,8 @@ def info_cmd(models):
     console.print(f"mlx {mx.__version__} on {device} ({platform.system()} {platform.machine()})")
     if platform.system() == "Linux":
         console.print(f"BLAS: {blas_status()}")
+    if device == "CPU":
+        console.print(f"memory reuse: {memory_status(_cpu_memory.tune())}")
     console.print(f"float32 GEMM 1024^3: {gemm_gflops():.1f} GFLOP/s")
     if not models:
         return
