@@ -96,22 +96,58 @@ def _fused_applies(x: mx.array, dims: int) -> bool:
 
 
 def _fused(x: mx.array, dims: int, offset: int, args: dict) -> mx.array:
-    """mx.fast.rope(x, dims, offset=offset, **args) as cos/sin tables + one compiled pass.
+    """mx.fast.rope(x, dims, offset=offset, **args) as cos/sin tables + one compiled pass."""
+    cos, sin = _tables(x.shape[-2], dims, offset, args, x.dtype)
+    return (_rotate_trad if args["traditional"] else _rotate_half)(x, cos, sin)
+
+
+def _tables(T: int, dims: int, offset: int, args: dict, dtype) -> tuple[mx.array, mx.array]:
+    """The op's own cos and sin per position, laid out as `_rotate_*` read them.
 
     Rotating a probe whose pair "first" elements are 1 and "second" are 0 yields exactly the
     op's cos (first) and sin (second) for every position: 1*c - 0*s and 1*s + 0*c."""
-    T, half = x.shape[-2], dims // 2
+    half = dims // 2
     trad = args["traditional"]
-    probe = mx.zeros((1, 1, T, half, 2) if trad else (1, 1, T, 2, half), dtype=x.dtype)
+    probe = mx.zeros((1, 1, T, half, 2) if trad else (1, 1, T, 2, half), dtype=dtype)
     probe = (probe.at[..., 0].add(1) if trad else probe.at[..., 0, :].add(1)).reshape(1, 1, T, dims)
     r = mx.fast.rope(probe, dims, offset=offset, **args)
     r = r.reshape(T, half, 2) if trad else r.reshape(T, 2, half)
     c, s = (r[..., 0], r[..., 1]) if trad else (r[:, 0], r[:, 1])
     # out_first = x1*c - x2*s = x1*c + x2*(-s) and out_second = x2*c + x1*s, exactly
     axis = -1 if trad else -2
-    return (_rotate_trad if trad else _rotate_half)(
-        x, mx.stack([c, c], axis=axis), mx.stack([-s, s], axis=axis)
+    return mx.stack([c, c], axis=axis), mx.stack([-s, s], axis=axis)
+
+
+def rotate_sum(
+    rope: nn.Module, terms: list, offset: int, scale: mx.array | None = None,
+    token_major: bool = False,
+) -> mx.array | None:  # fmt: skip
+    """`rotate(rope, sum(terms) * scale, offset)` as one compiled pass on the CPU, or None
+    where that pass does not apply (then sum and rotate as usual).
+
+    `terms` (a translator's products and bias, broadcastable to one shape) are summed in
+    order, so the result is bit for bit the sum, the product and the rotation done apart; with
+    `token_major` they are (..., T, H, D) (a mixing map's output before its transpose to the
+    cache's (..., H, T, D)) and so is the result, which saves writing a transposed copy."""
+    x = terms[0]
+    if not (isinstance(rope, nn.RoPE) and x.dtype == mx.float32):
+        return None
+    width = x.shape[-1]
+    if not _fused_applies(x, rope.dims) or any(t.shape[-1] != width for t in terms):
+        return None
+    T = x.shape[-3] if token_major else x.shape[-2]
+    args = dict(traditional=rope.traditional, base=rope.base, scale=rope.scale)
+    cos, sin = _tables(T, rope.dims, offset, args, x.dtype)
+    if token_major:  # (T, 1, ...) broadcasts over the heads axis that follows T
+        cos, sin = cos[:, None], sin[:, None]
+    split = (width // 2, 2) if rope.traditional else (2, width // 2)
+    pairs = [t.reshape(*t.shape[:-1], *split) for t in terms]
+    if scale is not None:
+        pairs.append(scale.reshape(*scale.shape[:-1], *split))
+    out = (_sum_rotate_trad if rope.traditional else _sum_rotate_half)(
+        cos, sin, scale is not None, *pairs
     )
+    return out.reshape(*out.shape[:-2], width)
 
 
 @mx.compile
@@ -124,6 +160,34 @@ def _rotate_half(x, cos, sin):  # pairs (i, i + D/2): x viewed as (..., T, 2, D/
 def _rotate_trad(x, cos, sin):  # pairs (2i, 2i + 1): x viewed as (..., T, D/2, 2)
     pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
     return (pairs * cos + pairs[..., ::-1] * sin).reshape(x.shape)
+
+
+def _sum_then_scale(has_scale, parts):
+    x = parts[0]
+    for t in parts[1 : len(parts) - has_scale]:
+        x = x + t
+    return x * parts[-1] if has_scale else x
+
+
+@mx.compile
+def _sum_rotate_half(cos, sin, has_scale, *parts):  # parts (..., 2, D/2)
+    x = _sum_then_scale(has_scale, parts)
+    return x * cos + x[..., ::-1, :] * sin
+
+
+@mx.compile
+def _sum_rotate_trad(cos, sin, has_scale, *parts):  # parts (..., D/2, 2)
+    x = _sum_then_scale(has_scale, parts)
+    return x * cos + x[..., ::-1] * sin
+
+
+@mx.compile
+def sum_of(*terms):
+    """terms[0] + terms[1] + ... in one compiled pass (the same adds, in order)."""
+    x = terms[0]
+    for t in terms[1:]:
+        x = x + t
+    return x
 
 
 @functools.cache

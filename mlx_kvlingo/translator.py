@@ -22,7 +22,7 @@ import mlx.nn as nn
 from .anchor import with_native_first
 from .capture import SpanKV, check_cut
 from .map_reading import MapReading, SourceRows, product
-from .rope import rotate
+from .rope import rotate, rotate_sum, sum_of
 
 VARIANTS = ("headwise", "mixing", "lowrank")  # lowrank: see lowrank.py
 
@@ -177,7 +177,17 @@ class Translator(nn.Module):
     # -- the maps -------------------------------------------------------------------------
 
     def map_features(self, x: mx.array, kind: str, reading: MapReading | None = None) -> mx.array:
-        """x: source features (Ls, B, Hs, T, D) -> mapped (Lt, B, Ht, T, D') for `kind`.
+        """x: source features (Ls, B, Hs, T, D) -> mapped (Lt, B, Ht, T, D') for `kind`."""
+        terms, token_major = self.map_terms(x, kind, reading)
+        y = _sum_of(terms)
+        return y.transpose(0, 1, 3, 2, 4) if token_major else y
+
+    def map_terms(
+        self, x: mx.array, kind: str, reading: MapReading | None = None
+    ) -> tuple[list[mx.array], bool]:
+        """The terms whose sum (in order) is `kind`'s mapped features: the nu products and
+        the bias, and whether they are token-major, (Lt, B, T, Ht, D') (mixing), rather than
+        the cache's (Lt, B, Ht, T, D') (headwise). All are views of the products, no copy.
 
         A map reading nu layers is the sum of nu products, so the nu layers are never
         concatenated; only the source layers some target layer reads are touched, and how
@@ -192,20 +202,21 @@ class Translator(nn.Module):
         if self.config.variant == "mixing":
             # one copy of the used source layers: (U, B*T, Hs*D), a token's heads side by side
             rows = x.transpose(0, 1, 3, 2, 4).reshape(U, B * T, Hs * D)
-            k = Hs * D
-            y = _sum_of(
-                product(rows, source.index[:, j], w[:, j * k : (j + 1) * k], strategy)
+            k, Ht = Hs * D, self.config.target.kv_heads
+            terms = [
+                product(rows, source.index[:, j], w[:, j * k : (j + 1) * k], strategy).reshape(
+                    Lt, B, T, Ht, -1
+                )
                 for j in range(nu)
-            )
+            ]
             if "bias" in params:
-                y = y + params["bias"][:, None, :]
-            Ht = self.config.target.kv_heads
-            return y.reshape(Lt, B, T, Ht, -1).transpose(0, 1, 3, 2, 4)
+                terms.append(params["bias"].reshape(Lt, 1, 1, Ht, -1))
+            return terms, True
         # headwise: every (layer, batch, head) of x already is a (T, D) matrix; the products
         # come out as (Lt, B, H, T, D'), the cache's layout, with no copy on either side
         rows = x.reshape(U * B * Hs, T, D)
         heads = mx.arange(B * Hs).reshape(B, Hs)
-        y = _sum_of(
+        terms = [
             product(
                 rows,
                 source.index[:, j, None, None] * (B * Hs) + heads,
@@ -213,10 +224,10 @@ class Translator(nn.Module):
                 strategy,
             )  # fmt: skip
             for j in range(nu)
-        )
+        ]
         if "bias" in params:
-            y = y + params["bias"][:, None, :, None, :]
-        return y
+            terms.append(params["bias"][:, None, :, None, :])
+        return terms, False
 
     def _source_rows(self, kind: str) -> SourceRows:
         """The source layers `kind`'s map reads, from its index (cached while it is the same)."""
@@ -260,8 +271,40 @@ class Translator(nn.Module):
             vs = [mx.concatenate([p[1][i] for p in parts], axis=2) for i in range(len(parts[0][1]))]
             return ks, vs
         self.check_target(target)
+        fused = self._translate_fused(span, target)
+        if fused is not None:
+            return fused
         keys, values = self(span)
         return self.finish(keys, values, span, target)
+
+    def _translate_fused(self, span: SpanKV, target) -> tuple[list, list] | None:
+        """`finish(*self(span), ...)` bit for bit, with the sums, the bias, k_norm's weights
+        and RoPE in one compiled pass per kind on the CPU (rope.rotate_sum) and a mixing
+        map's output never transposed into a copy: the cache writes read it where it lies.
+        None where that pass does not apply (another backend, dtype or RoPE; a native first
+        token to splice; k_norms that are not one RMSNorm; lowrank maps, which have their own)."""
+        if self.config.variant == "lowrank" or (
+            self.config.native_first and span.start == 0 and span.tokens
+        ):
+            return None
+        if target_dtype(target) != mx.float32 or self.key["weight"].dtype != mx.float32:
+            return None
+        k_terms, k_major = self.map_terms(span.keys, "key")
+        scale = None
+        if self.config.key_cut == "pre_norm" and target.geometry.has_k_norm:
+            norm = _one_rms_norm(target, len(self.config.key_layers))
+            if norm is None:
+                return None
+            eps, scale = norm
+            k_terms = [mx.fast.rms_norm(_sum_of(k_terms), None, eps)]
+        keys = rotate_sum(target.rope, k_terms, span.start, scale, token_major=k_major)
+        if keys is None:
+            return None
+        v_terms, v_major = self.map_terms(span.values, "value")
+        values = sum_of(*v_terms) if len(v_terms) > 1 else v_terms[0]
+        keys = keys.transpose(0, 1, 3, 2, 4) if k_major else keys
+        values = values.transpose(0, 1, 3, 2, 4) if v_major else values
+        return list(keys), list(values)
 
     def finish(self, keys: mx.array, values: mx.array, span: SpanKV, target) -> tuple[list, list]:
         """The target-side steps on mapped K/V (Lt, B, Ht, T, D): k_norm (pre_norm cut), RoPE
@@ -312,11 +355,20 @@ def k_norm_all(target, keys: mx.array) -> mx.array:
     """Target layer t's k_norm on keys[t], for every t: one pass when all are RMSNorms with
     one eps (bit for bit the per-layer loop: the kernel's weight is a final product), else
     layer by layer."""
+    norm = _one_rms_norm(target, keys.shape[0])
+    if norm is not None:
+        eps, weights = norm
+        return mx.fast.rms_norm(keys, None, eps) * weights
     norms = [target.attention(t).k_norm for t in range(keys.shape[0])]
-    if all(type(n) is nn.RMSNorm for n in norms) and len({n.eps for n in norms}) == 1:
-        weights = mx.stack([n.weight for n in norms])[:, None, None, None, :]
-        return mx.fast.rms_norm(keys, None, norms[0].eps) * weights
     return mx.stack([norm(k) for norm, k in zip(norms, keys, strict=True)])
+
+
+def _one_rms_norm(target, layers: int) -> tuple[float, mx.array] | None:
+    """(eps, weights (L, 1, 1, 1, D)) when every layer's k_norm is an RMSNorm with one eps."""
+    norms = [target.attention(t).k_norm for t in range(layers)]
+    if all(type(n) is nn.RMSNorm for n in norms) and len({n.eps for n in norms}) == 1:
+        return norms[0].eps, mx.stack([n.weight for n in norms])[:, None, None, None, :]
+    return None
 
 
 def _sum_of(terms):

@@ -348,3 +348,33 @@ def test_pick_keeps_the_rule_within_the_margin_and_leaves_it_when_clearly_beaten
     assert pick(near, "in_place") == "in_place"
     assert pick(clear, "in_place") == "gathered"
     assert pick({"gathered": 1.0}, "in_place") == "gathered"  # the rule cannot run here
+
+
+@pytest.mark.parametrize("src,tgt", [("qwen3", "qwen3_moe"), ("qwen3", "llama")])
+@pytest.mark.parametrize("variant,nu,bias", [("mixing", 1, False), ("mixing", 2, True),
+                                             ("headwise", 2, True)])  # fmt: skip
+@pytest.mark.parametrize("key_cut", ["post_norm", "pre_norm"])
+def test_fused_translation_is_the_composed_one_bit_for_bit(models, src, tgt, variant, nu, bias,
+                                                           key_cut):  # fmt: skip
+    """`translate` on the CPU (sums, bias, k_norm's weights and RoPE in one compiled pass; a
+    mixing map's output left token-major) equals the maps then `finish`, bit for bit, with
+    and without k_norm (qwen3_moe has one, llama not) and at an offset."""
+    pair = load_pair(models[src], models[tgt])
+    s, t = pair.source.geometry, pair.target.geometry
+    if variant == "headwise" and s.kv_heads != t.kv_heads:
+        pytest.skip("headwise needs equal head counts")
+    tr = random_translator(pair, variant, nu, bias=bias, key_cut=key_cut)
+    for layer in range(t.layers):  # distinct k_norm weights, so a mix-up of layers shows
+        norm = getattr(pair.target.attention(layer), "k_norm", None)
+        if norm is not None:
+            norm.weight = mx.random.normal(norm.weight.shape)
+    from mlx_kvlingo.capture import SpanKV
+
+    for start in (0, 9):
+        keys = mx.random.normal((s.layers, 1, s.kv_heads, 11, s.head_dim))
+        span = SpanKV(keys, mx.random.normal(keys.shape), start=start)
+        assert tr._translate_fused(span, pair.target) is not None  # the fused path applies
+        got = tr.translate(span, pair.target)
+        want = tr.finish(*tr(span), span, pair.target)
+        for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True):
+            assert a.shape == b.shape and mx.array_equal(a, b).item()
