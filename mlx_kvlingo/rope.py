@@ -4,7 +4,8 @@ On the CPU backend `mx.fast.rope` has no kernel: MLX composes it from a dozen op
 products, a concatenate), several times the cost of one pass over the keys. There, for a
 rotation over the full head (`dims` == head dim), the cos/sin the op itself would use are
 read off it once per span (rotating a probe of ones), and applied in one compiled
-elementwise pass: bit for bit the op's result (tests/test_translator.py checks it).
+elementwise pass: bit for bit the op's result (tests/test_translator.py checks it). A
+translator's sums of products, bias and k_norm weights join that pass (`rotate_sum`).
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ def _fused_applies(x: mx.array, dims: int) -> bool:
 def _fused(x: mx.array, dims: int, offset: int, args: dict) -> mx.array:
     """mx.fast.rope(x, dims, offset=offset, **args) as cos/sin tables + one compiled pass."""
     cos, sin = _tables(x.shape[-2], dims, offset, args, x.dtype)
-    return (_rotate_trad if args["traditional"] else _rotate_half)(x, cos, sin)
+    split = (dims // 2, 2) if args["traditional"] else (2, dims // 2)
+    pairs = [x.reshape(*x.shape[:-1], *split)]
+    return _rotate_pairs(cos, sin, pairs, args["traditional"], False).reshape(x.shape)
 
 
 def _tables(T: int, dims: int, offset: int, args: dict, dtype) -> tuple[mx.array, mx.array]:
@@ -144,22 +147,8 @@ def rotate_sum(
     pairs = [t.reshape(*t.shape[:-1], *split) for t in terms]
     if scale is not None:
         pairs.append(scale.reshape(*scale.shape[:-1], *split))
-    out = (_sum_rotate_trad if rope.traditional else _sum_rotate_half)(
-        cos, sin, scale is not None, *pairs
-    )
+    out = _rotate_pairs(cos, sin, pairs, rope.traditional, scale is not None)
     return out.reshape(*out.shape[:-2], width)
-
-
-@mx.compile
-def _rotate_half(x, cos, sin):  # pairs (i, i + D/2): x viewed as (..., T, 2, D/2)
-    pairs = x.reshape(*x.shape[:-1], 2, x.shape[-1] // 2)
-    return (pairs * cos + pairs[..., ::-1, :] * sin).reshape(x.shape)
-
-
-@mx.compile
-def _rotate_trad(x, cos, sin):  # pairs (2i, 2i + 1): x viewed as (..., T, D/2, 2)
-    pairs = x.reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
-    return (pairs * cos + pairs[..., ::-1] * sin).reshape(x.shape)
 
 
 def _sum_then_scale(has_scale, parts):
@@ -169,19 +158,23 @@ def _sum_then_scale(has_scale, parts):
     return x * parts[-1] if has_scale else x
 
 
-@mx.compile
-def _sum_rotate_half(cos, sin, has_scale, *parts):  # parts (..., 2, D/2)
-    x = _sum_then_scale(has_scale, parts)
-    return x * cos + x[..., ::-1, :] * sin
+# shapeless: traced once, not again for every new span length (inside that turn's time to
+# first token). A shapeless function cannot slice, so each part comes twice: as it is, and
+# with the two elements of every rotated pair swapped (a view); both sums are the same adds.
+@functools.partial(mx.compile, shapeless=True)
+def _sum_rotate(cos, sin, has_scale, *parts):
+    half = len(parts) // 2
+    x = _sum_then_scale(has_scale, parts[:half])
+    return x * cos + _sum_then_scale(has_scale, parts[half:]) * sin
 
 
-@mx.compile
-def _sum_rotate_trad(cos, sin, has_scale, *parts):  # parts (..., D/2, 2)
-    x = _sum_then_scale(has_scale, parts)
-    return x * cos + x[..., ::-1] * sin
+def _rotate_pairs(cos, sin, pairs: list, traditional: bool, has_scale: bool) -> mx.array:
+    """pairs: (..., D/2, 2) if traditional else (..., 2, D/2), the last one the scale."""
+    swapped = [p[..., ::-1] if traditional else p[..., ::-1, :] for p in pairs]
+    return _sum_rotate(cos, sin, has_scale, *pairs, *swapped)
 
 
-@mx.compile
+@functools.partial(mx.compile, shapeless=True)
 def sum_of(*terms):
     """terms[0] + terms[1] + ... in one compiled pass (the same adds, in order)."""
     x = terms[0]
@@ -194,8 +187,8 @@ def sum_of(*terms):
 def _compiles() -> bool:
     """mx.compile on the CPU builds C++ kernels at run time; without a compiler, don't fuse."""
     try:
-        x = mx.ones((1, 1, 2, 4))
-        mx.eval(_rotate_half(x, mx.ones((2, 2, 2)), mx.zeros((2, 2, 2))))
+        x = mx.ones((1, 1, 2, 2, 2))
+        mx.eval(_rotate_pairs(mx.ones((2, 2, 2)), mx.zeros((2, 2, 2)), [x], False, False))
         return True
     except Exception:  # noqa: BLE001 - any failure means: use mx.fast.rope as it is
         return False
