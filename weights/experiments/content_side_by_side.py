@@ -1,0 +1,50 @@
+"""The content benchmark for several translators side by side, in one run: the native and
+small-alone answers are computed once and shared, so every translator meets the same tasks.
+
+    python -m weights.experiments.content_side_by_side OUT.json A=FILE B=FILE ... \\
+        [--per-kind 6] [--lengths 128,512,1024]
+
+The tasks are `kvlingo eval --task content`'s (the demo's held-out documentation pages, seed
+0); OUT.json keeps every reply. One table per task kind is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
+from mlx_kvlingo.content_tasks import build_tasks
+from mlx_kvlingo.data import read_texts
+from mlx_kvlingo.demo.pair import demo_content_texts, load_demo
+from mlx_kvlingo.format import load_translator
+from mlx_kvlingo.measure.content import evaluate_content, tables, to_json
+
+from rich.console import Console
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="JSON file to write")
+    ap.add_argument("translators", nargs="+", metavar="LABEL=FILE")
+    ap.add_argument("--per-kind", type=int, default=6)
+    ap.add_argument("--lengths", default="128,512,1024")
+    a = ap.parse_args(argv)
+    if any("=" not in t for t in a.translators):
+        ap.error("each translator is LABEL=FILE")
+    pair, _ = load_demo()
+    methods = {label: load_translator(path, pair)
+               for label, path in (t.split("=", 1) for t in a.translators)}  # fmt: skip
+    lengths = [int(x) for x in a.lengths.split(",")]
+    texts = [t for path in demo_content_texts() for t in read_texts(path)]
+    tasks = build_tasks(pair.tokenizer, texts, lengths, a.per_kind, seed=0)
+    result = to_json(evaluate_content(pair, tasks, methods), pair, {"translators": a.translators})
+    with open(a.out, "w") as f:
+        json.dump(result, f, indent=1)
+    console = Console(width=160)
+    for t in tables(result):
+        console.print(t)
+
+
+if __name__ == "__main__":
+    main()
