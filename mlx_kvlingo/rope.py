@@ -174,15 +174,6 @@ def _rotate_pairs(cos, sin, pairs: list, traditional: bool, has_scale: bool) -> 
     return _sum_rotate(cos, sin, has_scale, *pairs, *swapped)
 
 
-@functools.partial(mx.compile, shapeless=True)
-def sum_of(*terms):
-    """terms[0] + terms[1] + ... in one compiled pass (the same adds, in order)."""
-    x = terms[0]
-    for t in terms[1:]:
-        x = x + t
-    return x
-
-
 @functools.cache
 def _compiles() -> bool:
     """mx.compile on the CPU builds C++ kernels at run time; without a compiler, don't fuse."""

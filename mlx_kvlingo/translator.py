@@ -13,6 +13,7 @@ are mapped in one batched matmul; nothing loops over heads or tokens.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ import mlx.nn as nn
 from .anchor import with_native_first
 from .capture import SpanKV, check_cut
 from .map_reading import MapReading, SourceRows, product
-from .rope import rotate, rotate_sum, sum_of
+from .rope import rotate, rotate_sum
 
 VARIANTS = ("headwise", "mixing", "lowrank")  # lowrank: see lowrank.py
 
@@ -296,12 +297,12 @@ class Translator(nn.Module):
             if norm is None:
                 return None
             eps, scale = norm
-            k_terms = [mx.fast.rms_norm(_sum_of(k_terms), None, eps)]
+            k_terms = [mx.fast.rms_norm(_summed(*k_terms), None, eps)]
         keys = rotate_sum(target.rope, k_terms, span.start, scale, token_major=k_major)
         if keys is None:
             return None
         v_terms, v_major = self.map_terms(span.values, "value")
-        values = sum_of(*v_terms) if len(v_terms) > 1 else v_terms[0]
+        values = _summed(*v_terms) if len(v_terms) > 1 else v_terms[0]
         keys = keys.transpose(0, 1, 3, 2, 4) if k_major else keys
         values = values.transpose(0, 1, 3, 2, 4) if v_major else values
         return list(keys), list(values)
@@ -369,6 +370,12 @@ def _one_rms_norm(target, layers: int) -> tuple[float, mx.array] | None:
     if all(type(n) is nn.RMSNorm for n in norms) and len({n.eps for n in norms}) == 1:
         return norms[0].eps, mx.stack([n.weight for n in norms])[:, None, None, None, :]
     return None
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _summed(*terms):
+    """`_sum_of(terms)` in one compiled pass on the CPU: the same adds, in order."""
+    return _sum_of(terms)
 
 
 def _sum_of(terms):
