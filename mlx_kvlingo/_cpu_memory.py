@@ -1,18 +1,19 @@
-"""Memory reuse on the CPU backend: MLX's buffer cache and glibc's malloc thresholds.
+"""Memory reuse on the CPU backend: glibc's malloc thresholds, and MLX's buffer cache left as is.
 
-Two things make a repeated translation on the CPU fault fresh pages in instead of reusing
-memory it just freed:
+What MLX frees beyond its own buffer cache (32 MB by default in MLX 0.32, and everything after
+`mx.clear_cache()`, which mlx-lm calls after each prefill chunk) goes to glibc's malloc, which
+returns chunks above its mmap threshold (128 KB to 32 MB, adjusted at run time) to the kernel
+at once: the next translation of the same length faults the same pages in again. `tune` sets
+the mmap and trim thresholds to 1 GB, so freed memory stays mapped and serves requests of any
+size.
 
-- MLX's CPU allocator keeps freed buffers only up to its cache limit, 32 MB by default in
-  MLX 0.32 (on Metal the default is the whole memory limit). A 1024-token translation on
-  the dense demo pair allocates buffers of ~24 MB each, so most go back to the system.
-- What goes back to the system (and everything after `mx.clear_cache()`, which mlx-lm calls
-  after each prefill chunk) is freed to glibc's malloc, which returns chunks above its mmap
-  threshold (128 KB to 32 MB, adjusted at run time) to the kernel at once.
-
-`tune` raises the first and, on glibc, the mmap and trim thresholds, so freed memory stays
-mapped for the next call. Figures: mlx_kvlingo/measure/RESULTS.md, "CPU memory reuse".
-Set KVLINGO_CPU_MEMORY=default to leave both as they are.
+MLX's own cache is not raised. It hands a buffer out again only for a request of nearly its
+size, so a larger cache holds the buffers of one length while a translation of another length
+faults fresh pages in (dense demo pair, with a 4 GB cache: 16,000-24,000 minor faults at each
+new length, first translations at 512 and 768 tokens 1.5x their repeats; with MLX's default,
+none and 1.0x; the figures in mlx_kvlingo/measure/RESULTS.md). `decode.reserve_translation_memory`
+maps the memory of the longest translation once, at load. Set KVLINGO_CPU_MEMORY=default to
+leave malloc as it is.
 """
 
 from __future__ import annotations
@@ -23,10 +24,6 @@ import sys
 
 import mlx.core as mx
 
-#: at most this much freed memory is kept by MLX for reuse
-CACHE_CAP_BYTES = 4 << 30
-#: and at most this share of the machine's memory
-CACHE_MEMORY_SHARE = 1 / 8
 #: glibc: chunks below this come from the heap and are reused after free (not unmapped)
 MMAP_THRESHOLD = 1 << 30
 #: glibc: free memory at the heap's top is returned to the kernel beyond this
@@ -37,22 +34,19 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, <malloc.h>
 state: dict = {}
 
 
-def cache_target() -> int:
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(min(CACHE_CAP_BYTES, total * CACHE_MEMORY_SHARE))
+def cache_limit() -> int:
+    """MLX's buffer cache limit in force (read by setting it and putting it back)."""
+    limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(limit)
+    return limit
 
 
 def tune() -> dict:
-    """Raise MLX's CPU cache limit to `cache_target()` (never lower it: a higher limit the
-    user set stays) and set glibc's thresholds once. A no-op off the CPU backend or with
-    KVLINGO_CPU_MEMORY=default. Returns `state`."""
+    """Set glibc's thresholds once (MLX's cache limit stays as MLX or the user set it). A
+    no-op off the CPU backend or with KVLINGO_CPU_MEMORY=default. Returns `state`."""
     if mx.default_device() != mx.cpu or os.environ.get("KVLINGO_CPU_MEMORY") == "default":
         return state
-    wanted = cache_target()
-    previous = mx.set_cache_limit(wanted)
-    if previous > wanted:
-        mx.set_cache_limit(previous)
-    state["cache_limit"] = max(previous, wanted)
+    state["cache_limit"] = cache_limit()
     if "malloc" not in state:
         state["malloc"] = _tune_malloc()
     return state

@@ -32,8 +32,8 @@ def blas_status() -> str:
 def memory_status(state: dict) -> str:
     if not state:
         return "as MLX and the C library set it (KVLINGO_CPU_MEMORY=default)"
-    return (f"MLX buffer cache up to {state['cache_limit'] / 2**30:.1f} GiB; "
-            f"malloc thresholds: {state['malloc']}")  # fmt: skip
+    return (f"malloc thresholds: {state['malloc']}; MLX buffer cache up to "
+            f"{state['cache_limit'] / 2**20:.0f} MB")  # fmt: skip
 
 
 @click.command("info")

@@ -5,13 +5,16 @@ pays the one-off costs (MLX compiling its kernels, lazy weights, first allocatio
 template, the sampler), unrecorded; the second measures the read costs of `timing.py` at a
 couple of lengths, both ways of reading, so reader "auto" starts from this pair's own rates.
 Before both, each translator measures how its maps read the source fastest on this pair's
-shapes and this backend (`map_reading.measure`), so the turns run what they will run later.
+shapes and this backend (`map_reading.measure`), so the turns run what they will run later,
+and on the CPU translates one scratch span of `decode.RESERVE_TOKENS`, so that the first
+translation at each new length up to it does not fault fresh memory in.
 """
 
 from __future__ import annotations
 
 import time
 
+from ..decode import reserve_translation_memory
 from ..map_reading import measure as measure_map_reading
 from ..session import Session
 from .timing import ReadCosts, costs_of
@@ -46,9 +49,10 @@ def warm_up(
     """
     costs = costs_of(pair) if costs is None else costs
     t0 = time.perf_counter()
-    for translator in (forward, backward):
+    for translator, into in ((forward, pair.target), (backward, pair.source)):
         if translator is not None:
             measure_map_reading(translator)
+            reserve_translation_memory(into, translator)
     # the first run (the shortest length) pays the one-off costs, unrecorded
     for record, todo in ((ReadCosts(), lengths[:1]), (costs, lengths)):
         selfs = Session(pair, forward, backward, reader="self", read_costs=record)

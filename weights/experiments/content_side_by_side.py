@@ -2,10 +2,10 @@
 small-alone answers are computed once and shared, so every translator meets the same tasks.
 
     python -m weights.experiments.content_side_by_side OUT.json A=FILE B=FILE ... \\
-        [--per-kind 6] [--lengths 128,512,1024]
+        [--per-kind 6] [--lengths 128,512,1024] [--seed 0]
 
-The tasks are `kvlingo eval --task content`'s (the demo's held-out documentation pages, seed
-0); OUT.json keeps every reply. One table per task kind is printed.
+The tasks are `kvlingo eval --task content`'s (the demo's held-out documentation pages; seed 0
+is the draw QUALITY.md's tables use, other seeds draw new tasks); OUT.json keeps every reply. One table per task kind is printed.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("translators", nargs="+", metavar="LABEL=FILE")
     ap.add_argument("--per-kind", type=int, default=6)
     ap.add_argument("--lengths", default="128,512,1024")
+    ap.add_argument("--seed", type=int, default=0, help="which tasks are drawn")
     a = ap.parse_args(argv)
     if any("=" not in t for t in a.translators):
         ap.error("each translator is LABEL=FILE")
@@ -37,8 +38,10 @@ def main(argv: list[str] | None = None) -> None:
                for label, path in (t.split("=", 1) for t in a.translators)}  # fmt: skip
     lengths = [int(x) for x in a.lengths.split(",")]
     texts = [t for path in demo_content_texts() for t in read_texts(path)]
-    tasks = build_tasks(pair.tokenizer, texts, lengths, a.per_kind, seed=0)
-    result = to_json(evaluate_content(pair, tasks, methods), pair, {"translators": a.translators})
+    tasks = build_tasks(pair.tokenizer, texts, lengths, a.per_kind, seed=a.seed)
+    result = to_json(
+        evaluate_content(pair, tasks, methods), pair, {"translators": a.translators, "seed": a.seed}
+    )
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     console = Console(width=160)
