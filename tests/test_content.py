@@ -10,6 +10,7 @@ from mlx_kvlingo.measure.content import (
     Swap,
     contains,
     evaluate_content,
+    known_replies,
     native_kv,
     recall,
     rouge_l,
@@ -100,6 +101,29 @@ def _maps(tr, kind):
     import numpy as np
 
     return [np.array(w) for w in getattr(tr, kind)["weight"]]
+
+
+def test_reused_replies_give_the_same_table_and_only_new_methods_run(pair, exact, monkeypatch):
+    """A run that reuses an earlier run's replies (`known_replies`) scores exactly as a run
+    that computes everything; the native cache is not computed again; other tasks are refused."""
+    import mlx_kvlingo.measure.content as content
+
+    tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "summary"), seed=5)
+    wrong = exact_translator(pair, {"key_maps": [m[::-1] for m in _maps(exact, "key")],
+                                    "value_maps": [m[::-1] for m in _maps(exact, "value")]})  # fmt: skip
+    full = to_json(evaluate_content(pair, tasks, {"A": exact, "B": wrong}, progress=False), pair)
+    earlier = to_json(evaluate_content(pair, tasks, {"A": exact}, progress=False), pair)
+    calls = []
+    monkeypatch.setattr(content, "native_kv", lambda *a: calls.append(a) or native_kv(*a))
+    again = evaluate_content(pair, tasks, {"B": wrong}, small=False, progress=False,
+                             known=known_replies(earlier, tasks))  # fmt: skip
+    assert calls == []
+    assert again.conditions == ["native", "A", "B", "small"]
+    same = json.dumps(again.cells(), sort_keys=True)  # NaN (nothing to retain) == NaN here
+    assert same == json.dumps(full["cells"], sort_keys=True)
+    other = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "summary"), seed=6)
+    with pytest.raises(ValueError, match="differs"):
+        known_replies(earlier, other)
 
 
 def test_swapping_every_layer_native_restores_native(pair, exact):

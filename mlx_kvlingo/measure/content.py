@@ -166,12 +166,16 @@ class Swap:
     native_layers: frozenset[int]
 
 
-def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequence[Swap]) -> dict:
-    """Every condition's reply; the target's conditions decode together in one batch."""
+def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequence[Swap],
+             known: dict | None = None) -> dict:  # fmt: skip
+    """Every condition's reply; the target's conditions decode together in one batch. Replies
+    in `known` ({condition: reply}, from an earlier run on the same task) are not recomputed."""
+    known = known or {}
     n, until = MAX_TOKENS[task.kind], task.answer
     toks = list(task.tokens)
-    native = native_kv(pair.target, toks[:-1])
-    kvs = {"native": native}
+    need_native = "native" not in known or bool(swaps)
+    native = native_kv(pair.target, toks[:-1]) if need_native else None
+    kvs = {"native": native} if need_native else {}
     cached = {}
     for label, m in methods.items():
         kvs[label] = cached[id(m)] = translated_kv(pair, m, toks[:-1])
@@ -181,8 +185,9 @@ def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequenc
         k, v = cached[id(s.method)]
         kvs[s.label] = ([native[0][i] if i in s.native_layers else k[i] for i in range(len(k))],
                         [native[1][i] if i in s.native_layers else v[i] for i in range(len(v))])  # fmt: skip
-    out = dict(zip(kvs, answers_from(pair, list(kvs.values()), toks[-1], n, until)))
-    if small:
+    out = dict(known)
+    out.update(zip(kvs, answers_from(pair, list(kvs.values()), toks[-1], n, until)))
+    if small and "small" not in known:
         out["small"] = greedy(pair.source.model, pair.tokenizer, toks, new_cache(pair.source), n,
                               until)  # fmt: skip
     return out
@@ -241,14 +246,19 @@ def summarize(rows: list, native: list) -> dict:
 
 
 def evaluate_content(pair, tasks: Sequence[ContentTask], methods: dict, small: bool = True,
-                     swaps: Sequence[Swap] = (), progress: bool = True) -> ContentResult:  # fmt: skip
-    """Every condition's answer to every task, scored against the native answer."""
-    conditions = ["native", *methods, *(s.label for s in swaps)] + (["small"] if small else [])
+                     swaps: Sequence[Swap] = (), progress: bool = True,
+                     known: Sequence[dict] | None = None) -> ContentResult:  # fmt: skip
+    """Every condition's answer to every task, scored against the native answer. `known`:
+    per task, {condition: reply} from an earlier run on the same tasks (`known_replies`),
+    kept and not recomputed (greedy replies repeat exactly from run to run)."""
+    earlier = [c for c in (known[0] if known else {}) if c not in ("native", "small")]
+    conditions = ["native", *earlier, *methods, *(s.label for s in swaps)]
+    conditions += ["small"] if small or (known and "small" in known[0]) else []
     res = ContentResult(conditions=conditions)
     with Progress(disable=not progress, transient=True) as bar:
         job = bar.add_task("content", total=len(tasks))
         for i, task in enumerate(tasks):
-            answers = _answers(pair, task, methods, small, swaps)
+            answers = _answers(pair, task, methods, small, swaps, known[i] if known else None)
             for c, reply in answers.items():
                 res.records.append({
                     "task": i, "condition": c, "kind": task.kind, "length": task.length,
@@ -258,6 +268,26 @@ def evaluate_content(pair, tasks: Sequence[ContentTask], methods: dict, small: b
                 })  # fmt: skip
             bar.advance(job)
     return res
+
+
+def known_replies(result: dict, tasks: Sequence[ContentTask]) -> list[dict]:
+    """Per task, {condition: reply} from an earlier run's JSON (`to_json`), checked to be the
+    same tasks (kind, length, question, answer); a ValueError where they differ."""
+    by_task: dict[int, dict] = {}
+    for r in result["records"]:
+        by_task.setdefault(r["task"], {})[r["condition"]] = r
+    if len(by_task) != len(tasks):
+        raise ValueError(f"the earlier run has {len(by_task)} tasks, this one {len(tasks)}")
+    out = []
+    for i, task in enumerate(tasks):
+        rows = by_task[i]
+        first = next(iter(rows.values()))
+        same = (first["kind"], first["length"], first["question"], first["answer"])
+        if same != (task.kind, task.length, task.question, task.answer):
+            raise ValueError(f"task {i} differs from the earlier run's: {same[:3]} vs "
+                             f"{(task.kind, task.length, task.question)}")  # fmt: skip
+        out.append({c: r["reply"] for c, r in rows.items()})
+    return out
 
 
 def goals(cells: dict, label: str = "translated") -> list[dict]:

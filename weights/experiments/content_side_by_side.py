@@ -2,10 +2,12 @@
 small-alone answers are computed once and shared, so every translator meets the same tasks.
 
     python -m weights.experiments.content_side_by_side OUT.json A=FILE B=FILE ... \\
-        [--per-kind 6] [--lengths 128,512,1024] [--seed 0]
+        [--per-kind 6] [--lengths 128,512,1024] [--seed 0] [--reuse EARLIER.json]
 
 The tasks are `kvlingo eval --task content`'s (the demo's held-out documentation pages; seed 0
-is the draw QUALITY.md's tables use, other seeds draw new tasks); OUT.json keeps every reply. One table per task kind is printed.
+is the draw QUALITY.md's tables use, other seeds draw new tasks); OUT.json keeps every reply.
+`--reuse` keeps the replies of an earlier run on the same tasks (native, small alone, its
+translators) and computes only the translators named here. One table per task kind is printed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from mlx_kvlingo.content_tasks import build_tasks
 from mlx_kvlingo.data import read_texts
 from mlx_kvlingo.demo.pair import demo_content_texts, load_demo
 from mlx_kvlingo.format import load_translator
-from mlx_kvlingo.measure.content import evaluate_content, tables, to_json
+from mlx_kvlingo.measure.content import evaluate_content, known_replies, tables, to_json
 
 from rich.console import Console
 
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--per-kind", type=int, default=6)
     ap.add_argument("--lengths", default="128,512,1024")
     ap.add_argument("--seed", type=int, default=0, help="which tasks are drawn")
+    ap.add_argument("--reuse", help="an earlier OUT.json on the same tasks")
     a = ap.parse_args(argv)
     if any("=" not in t for t in a.translators):
         ap.error("each translator is LABEL=FILE")
@@ -39,9 +42,12 @@ def main(argv: list[str] | None = None) -> None:
     lengths = [int(x) for x in a.lengths.split(",")]
     texts = [t for path in demo_content_texts() for t in read_texts(path)]
     tasks = build_tasks(pair.tokenizer, texts, lengths, a.per_kind, seed=a.seed)
-    result = to_json(
-        evaluate_content(pair, tasks, methods), pair, {"translators": a.translators, "seed": a.seed}
-    )
+    known = None
+    if a.reuse:
+        with open(a.reuse) as f:
+            known = known_replies(json.load(f), tasks)
+    result = to_json(evaluate_content(pair, tasks, methods, known=known), pair,
+                     {"translators": a.translators, "seed": a.seed, "reused": a.reuse})  # fmt: skip
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     console = Console(width=160)
