@@ -447,9 +447,11 @@ def run_bench(
     rounds = warmup + trials
     tokens = prompt_tokens(pair, lengths[-1], seed)
     bar = _Progress(progress, total=warmup + trials * len(lengths))
-    fits = [n for n in lengths if estimate_bytes(pair, translator, n) <= 0.85 * available_memory()]
-    if warmup and fits:  # as the runtime's warm-up does: no first translation faults memory in
-        reserve_translation_memory(pair.target, translator, max(fits))
+    if warmup:  # as the runtime's warm-up does: no first translation faults memory in
+        have = available_memory()
+        fits = [n for n in lengths if estimate_bytes(pair, translator, n) <= 0.85 * have]
+        if fits:
+            reserve_translation_memory(pair.target, translator, max(fits))
     with bar:
         for rnd in range(rounds):
             warm = rnd < warmup

@@ -186,7 +186,8 @@ def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequenc
         kvs[s.label] = ([native[0][i] if i in s.native_layers else k[i] for i in range(len(k))],
                         [native[1][i] if i in s.native_layers else v[i] for i in range(len(v))])  # fmt: skip
     out = dict(known)
-    out.update(zip(kvs, answers_from(pair, list(kvs.values()), toks[-1], n, until)))
+    if kvs:  # everything may be known already
+        out.update(zip(kvs, answers_from(pair, list(kvs.values()), toks[-1], n, until)))
     if small and "small" not in known:
         out["small"] = greedy(pair.source.model, pair.tokenizer, toks, new_cache(pair.source), n,
                               until)  # fmt: skip

@@ -108,19 +108,26 @@ def measure_new_lengths(pair_name: str, sequence, repeats: int, reserve: int, ca
     return rows
 
 
+def _in_child(args: list[str], memory_setting: str):
+    """This module's child measurement in a fresh process (the setting is process-wide), with
+    KVLINGO_CPU_MEMORY=`memory_setting` ("" for the shipped tuning); its JSON result."""
+    env = dict(os.environ)
+    env.pop("KVLINGO_CPU_MEMORY", None)
+    if memory_setting:
+        env["KVLINGO_CPU_MEMORY"] = memory_setting
+    cmd = [sys.executable, "-m", "mlx_kvlingo.measure.memory_reuse", *args]
+    got = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+    return json.loads(got.stdout.strip().splitlines()[-1])
+
+
 def run_new_lengths(pair_name: str, processes: int, sequence=SEQUENCE, repeats: int = 3) -> dict:
     results = {k: [] for k in NEW_LENGTH_SETTINGS}
     for _ in range(processes):
         for name, (opt, limit, reserve) in NEW_LENGTH_SETTINGS.items():
-            env = dict(os.environ)
-            env.pop("KVLINGO_CPU_MEMORY", None)
-            if opt:
-                env["KVLINGO_CPU_MEMORY"] = opt
-            cmd = [sys.executable, "-m", "mlx_kvlingo.measure.memory_reuse", "--child-new", "--pair", pair_name,
-                   "--reserve", str(reserve), "--cache-limit", str(limit or 0),
-                   "--lengths", ",".join(map(str, sequence)), "--rounds", str(repeats)]  # fmt: skip
-            got = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-            results[name].append(json.loads(got.stdout.strip().splitlines()[-1]))
+            args = ["--child-new", "--pair", pair_name, "--reserve", str(reserve),
+                    "--cache-limit", str(limit or 0), "--lengths", ",".join(map(str, sequence)),
+                    "--rounds", str(repeats)]  # fmt: skip
+            results[name].append(_in_child(args, opt))
     return results
 
 
@@ -146,14 +153,9 @@ def run(pair_name: str, processes: int, rounds: int, lengths=LENGTHS) -> dict:
     results = {"tuned": [], "default": []}
     for _ in range(processes):
         for setting in ("tuned", "default"):
-            env = dict(os.environ)
-            env.pop("KVLINGO_CPU_MEMORY", None)
-            if setting == "default":
-                env["KVLINGO_CPU_MEMORY"] = "default"
-            cmd = [sys.executable, "-m", "mlx_kvlingo.measure.memory_reuse", "--child", "--pair", pair_name,
-                   "--rounds", str(rounds), "--lengths", ",".join(map(str, lengths))]  # fmt: skip
-            got = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
-            results[setting].append(json.loads(got.stdout.strip().splitlines()[-1]))
+            args = ["--child", "--pair", pair_name, "--rounds", str(rounds),
+                    "--lengths", ",".join(map(str, lengths))]  # fmt: skip
+            results[setting].append(_in_child(args, "default" if setting == "default" else ""))
     return results
 
 
