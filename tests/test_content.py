@@ -8,12 +8,15 @@ from mlx_kvlingo.content_tasks import KINDS, TaskBuilder, build_tasks
 from mlx_kvlingo.format import save_translator
 from mlx_kvlingo.measure.content import (
     Swap,
+    TargetReadsTail,
     contains,
     evaluate_content,
     known_replies,
     native_kv,
+    question_start,
     recall,
     rouge_l,
+    tail_read_kv,
     to_json,
 )
 from mlx_kvlingo.scoring import kl, native_logp, prefix_gain
@@ -124,6 +127,31 @@ def test_reused_replies_give_the_same_table_and_only_new_methods_run(pair, exact
     other = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "summary"), seed=6)
     with pytest.raises(ValueError, match="differs"):
         known_replies(earlier, other)
+
+
+def test_target_reads_the_tail_itself_from_the_cut_on(pair, exact):
+    """`TargetReadsTail`: positions before the cut are the method's, those after it the
+    target's own (layer 0's K/V depend on the token alone, so they equal the native ones
+    exactly there, and are zero before it under zero maps); the cut of `tail=None` is where
+    the question starts; with an exact translator the replies are native."""
+    tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "qa"), seed=2)
+    zero = exact_translator(pair, {"key_maps": [m * 0 for m in _maps(exact, "key")],
+                                   "value_maps": [m * 0 for m in _maps(exact, "value")]})  # fmt: skip
+    for task in tasks:
+        toks = list(task.tokens[:-1])
+        q = question_start(pair.tokenizer, task)
+        assert task.question[:24] in pair.tokenizer.decode(list(task.tokens[q:]))
+        assert task.question[:24] not in pair.tokenizer.decode(list(task.tokens[q + 1 :]))
+        nk, nv = native_kv(pair.target, toks)
+        for tail, cut in ((None, q), (5, len(toks) - 5), (0, len(toks))):
+            keys, values = tail_read_kv(pair, TargetReadsTail(zero, tail), task)
+            assert keys[0].shape == nk[0].shape
+            for got, ref in ((keys[0], nk[0]), (values[0], nv[0])):
+                assert mx.all(got[..., :cut, :] == 0).item()
+                assert mx.allclose(got[..., cut:, :], ref[..., cut:, :], atol=1e-5).item()
+    res = evaluate_content(pair, tasks, {"q": TargetReadsTail(exact), "t5": TargetReadsTail(exact, 5)},
+                           small=False, progress=False)  # fmt: skip
+    assert _replies(res, "q") == _replies(res, "native") == _replies(res, "t5")
 
 
 def test_swapping_every_layer_native_restores_native(pair, exact):

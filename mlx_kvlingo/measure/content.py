@@ -4,6 +4,8 @@ For every task (`content_tasks`) each condition answers greedily:
   native      the target reading the whole prompt itself (the reference)
   <label>     the target on a cache a method (translator, raw, DroidSpeak, ...) built from the
               source's K/V of prompt[:-1]; it reads only the last prompt token itself
+              (`TargetReadsTail(method, tail)`: the target reads the question, or the last
+              `tail` tokens, itself on the translated cache of the rest)
   small       the source model alone
 Scores, per kind and read length:
   fact, copy     accuracy (the stated value / the sentence appears in the reply) and *retained*
@@ -125,6 +127,43 @@ def translated_kv(pair, method, tokens: Sequence[int]) -> tuple[list, list]:
     return list(keys), list(values)
 
 
+@dataclass(frozen=True)
+class TargetReadsTail:
+    """A condition: `method` translates the prompt up to its last `tail` tokens (`tail=None`:
+    up to the task's question) and the target reads the rest itself on that cache, as a
+    reader policy that lets the large model read the user's question would."""
+
+    method: object
+    tail: int | None = None
+
+
+def question_start(tokenizer, task: ContentTask) -> int:
+    """The first prompt token of the task's question (the last position whose decoded suffix
+    still holds the question's opening words)."""
+    head = task.question[:24]
+    for i in range(len(task.tokens) - 1, -1, -1):
+        if head in tokenizer.decode(list(task.tokens[i:])):
+            return i
+    raise ValueError(f"the question {task.question!r} is not in the prompt")
+
+
+def tail_read_kv(pair, cond: TargetReadsTail, task: ContentTask) -> tuple[list, list]:
+    """The cache after the target read the tail of prompt[:-1] itself on the translated rest."""
+    toks = list(task.tokens[:-1])
+    cut = question_start(pair.tokenizer, task) if cond.tail is None else len(toks) - cond.tail
+    cut = max(1, min(cut, len(toks)))
+    keys, values = translated_kv(pair, cond.method, toks[:cut])
+    cache = new_cache(pair.target)
+    for c, k, v in zip(cache, keys, values):
+        c.update_and_fetch(k.astype(pair.target.dtype), v.astype(pair.target.dtype))
+    if cut < len(toks):
+        pair.target.model(mx.array(toks[cut:])[None], cache=cache)
+    keys = [c.keys[..., : c.offset, :] for c in cache]
+    values = [c.values[..., : c.offset, :] for c in cache]
+    mx.eval(keys, values)
+    return keys, values
+
+
 def answers_from(pair, kvs: Sequence[tuple[list, list]], last: int, max_tokens: int,
                  until: str = "") -> list[str]:  # fmt: skip
     """The target's greedy replies on several caches at once (one batch row per (keys,
@@ -178,7 +217,10 @@ def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequenc
     kvs = {"native": native} if need_native else {}
     cached = {}
     for label, m in methods.items():
-        kvs[label] = cached[id(m)] = translated_kv(pair, m, toks[:-1])
+        if isinstance(m, TargetReadsTail):
+            kvs[label] = tail_read_kv(pair, m, task)
+        else:
+            kvs[label] = cached[id(m)] = translated_kv(pair, m, toks[:-1])
     for s in swaps:
         if id(s.method) not in cached:
             cached[id(s.method)] = translated_kv(pair, s.method, toks[:-1])

@@ -1,8 +1,11 @@
 """The content benchmark for several translators side by side, in one run: the native and
 small-alone answers are computed once and shared, so every translator meets the same tasks.
 
-    python -m weights.experiments.content_side_by_side OUT.json A=FILE B=FILE ... \\
+    python -m weights.experiments.content_side_by_side OUT.json A=FILE B=FILE+question C=FILE+32 ... \\
         [--per-kind 6] [--lengths 128,512,1024] [--seed 0] [--reuse EARLIER.json]
+
+FILE+question: the target reads the task's question itself on the translated rest; FILE+N: the
+target reads the prompt's last N tokens itself (`content.TargetReadsTail`).
 
 The tasks are `kvlingo eval --task content`'s (the demo's held-out documentation pages; seed 0
 is the draw QUALITY.md's tables use, other seeds draw new tasks); OUT.json keeps every reply.
@@ -20,9 +23,23 @@ from mlx_kvlingo.content_tasks import build_tasks
 from mlx_kvlingo.data import read_texts
 from mlx_kvlingo.demo.pair import demo_content_texts, load_demo
 from mlx_kvlingo.format import load_translator
-from mlx_kvlingo.measure.content import evaluate_content, known_replies, tables, to_json
+from mlx_kvlingo.measure.content import (
+    TargetReadsTail,
+    evaluate_content,
+    known_replies,
+    tables,
+    to_json,
+)
 
 from rich.console import Console
+
+
+def condition(spec: str, pair):
+    """FILE, FILE+question or FILE+N (see the module's doc)."""
+    path, _, tail = spec.rpartition("+")
+    if not path or not (tail == "question" or tail.isdigit()):
+        return load_translator(spec, pair)
+    return TargetReadsTail(load_translator(path, pair), None if tail == "question" else int(tail))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,8 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     if any("=" not in t for t in a.translators):
         ap.error("each translator is LABEL=FILE")
     pair, _ = load_demo()
-    methods = {label: load_translator(path, pair)
-               for label, path in (t.split("=", 1) for t in a.translators)}  # fmt: skip
+    methods = {label: condition(spec, pair)
+               for label, spec in (t.split("=", 1) for t in a.translators)}  # fmt: skip
     lengths = [int(x) for x in a.lengths.split(",")]
     texts = [t for path in demo_content_texts() for t in read_texts(path)]
     tasks = build_tasks(pair.tokenizer, texts, lengths, a.per_kind, seed=a.seed)
