@@ -7,12 +7,14 @@ from mlx_kvlingo.cli import cli
 from mlx_kvlingo.content_tasks import KINDS, TaskBuilder, build_tasks
 from mlx_kvlingo.format import save_translator
 from mlx_kvlingo.measure.content import (
+    NoisyNative,
     Swap,
     TargetReadsTail,
     contains,
     evaluate_content,
     known_replies,
     native_kv,
+    noisy_kv,
     question_start,
     recall,
     rouge_l,
@@ -152,6 +154,23 @@ def test_target_reads_the_tail_itself_from_the_cut_on(pair, exact):
     res = evaluate_content(pair, tasks, {"q": TargetReadsTail(exact), "t5": TargetReadsTail(exact, 5)},
                            small=False, progress=False)  # fmt: skip
     assert _replies(res, "q") == _replies(res, "native") == _replies(res, "t5")
+
+
+def test_noisy_native_reference_has_the_error_it_names(pair):
+    """`NoisyNative(rel)`: no noise is the native cache bit for bit (and the native replies);
+    otherwise each layer's relative error is about `rel`, the same for the same seed."""
+    task = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact",), seed=2)[0]
+    native = native_kv(pair.target, list(task.tokens[:-1]))
+    same = noisy_kv(NoisyNative(0.0), native)
+    for got, ref in zip(same[0] + same[1], native[0] + native[1]):
+        assert mx.array_equal(got, ref).item()
+    a, b = noisy_kv(NoisyNative(0.3), native), noisy_kv(NoisyNative(0.3), native)
+    for got, again, ref in zip(a[0] + a[1], b[0] + b[1], native[0] + native[1]):
+        assert mx.array_equal(got, again).item()
+        err = (mx.linalg.norm((got - ref).flatten()) / mx.linalg.norm(ref.flatten())).item()
+        assert 0.27 < err < 0.33, err
+    res = evaluate_content(pair, [task], {"n0": NoisyNative(0.0)}, small=False, progress=False)
+    assert _replies(res, "n0") == _replies(res, "native")
 
 
 def test_swapping_every_layer_native_restores_native(pair, exact):

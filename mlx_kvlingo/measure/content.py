@@ -5,7 +5,8 @@ For every task (`content_tasks`) each condition answers greedily:
   <label>     the target on a cache a method (translator, raw, DroidSpeak, ...) built from the
               source's K/V of prompt[:-1]; it reads only the last prompt token itself
               (`TargetReadsTail(method, tail)`: the target reads the question, or the last
-              `tail` tokens, itself on the translated cache of the rest)
+              `tail` tokens, itself on the translated cache of the rest; `NoisyNative(rel)`: the
+              native cache with noise of `rel` times each layer's RMS, a reference)
   small       the source model alone
 Scores, per kind and read length:
   fact, copy     accuracy (the stated value / the sentence appears in the reply) and *retained*
@@ -137,6 +138,32 @@ class TargetReadsTail:
     tail: int | None = None
 
 
+@dataclass(frozen=True)
+class NoisyNative:
+    """A reference condition: the target's own cache with Gaussian noise added to every K and
+    V, `rel` times that layer's RMS (so ||noise|| / ||native|| is about `rel` per token, the
+    measure the diagnosis gives translation errors in): how much cache error content survives,
+    and how far greedy replies drift from the native ones under a small one."""
+
+    rel: float
+    seed: int = 0
+
+
+def noisy_kv(cond: NoisyNative, native: tuple[list, list]) -> tuple[list, list]:
+    key = mx.random.key(cond.seed)
+    out = []
+    for arrays in native:
+        noisy = []
+        for a in arrays:
+            key, sub = mx.random.split(key)
+            rms = mx.sqrt(mx.mean(mx.square(a.astype(mx.float32))))
+            noise = mx.random.normal(a.shape, key=sub) * (cond.rel * rms)
+            noisy.append((a.astype(mx.float32) + noise).astype(a.dtype))
+        out.append(noisy)
+    mx.eval(out)
+    return out[0], out[1]
+
+
 def question_start(tokenizer, task: ContentTask) -> int:
     """The first prompt token of the task's question (the last position whose decoded suffix
     still holds the question's opening words)."""
@@ -212,13 +239,16 @@ def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequenc
     known = known or {}
     n, until = MAX_TOKENS[task.kind], task.answer
     toks = list(task.tokens)
-    need_native = "native" not in known or bool(swaps)
+    need_native = ("native" not in known or bool(swaps)
+                   or any(isinstance(m, NoisyNative) for m in methods.values()))  # fmt: skip
     native = native_kv(pair.target, toks[:-1]) if need_native else None
     kvs = {"native": native} if need_native else {}
     cached = {}
     for label, m in methods.items():
         if isinstance(m, TargetReadsTail):
             kvs[label] = tail_read_kv(pair, m, task)
+        elif isinstance(m, NoisyNative):
+            kvs[label] = noisy_kv(m, native)
         else:
             kvs[label] = cached[id(m)] = translated_kv(pair, m, toks[:-1])
     for s in swaps:

@@ -5,7 +5,8 @@ small-alone answers are computed once and shared, so every translator meets the 
         [--per-kind 6] [--lengths 128,512,1024] [--seed 0] [--reuse EARLIER.json]
 
 FILE+question: the target reads the task's question itself on the translated rest; FILE+N: the
-target reads the prompt's last N tokens itself (`content.TargetReadsTail`).
+target reads the prompt's last N tokens itself (`content.TargetReadsTail`); native~REL: the
+target's own cache with noise of REL times each layer's RMS (`content.NoisyNative`), a reference.
 
 The tasks are `kvlingo eval --task content`'s (the demo's held-out documentation pages; seed 0
 is the draw QUALITY.md's tables use, other seeds draw new tasks); OUT.json keeps every reply.
@@ -24,6 +25,7 @@ from mlx_kvlingo.data import read_texts
 from mlx_kvlingo.demo.pair import demo_content_texts, load_demo
 from mlx_kvlingo.format import load_translator
 from mlx_kvlingo.measure.content import (
+    NoisyNative,
     TargetReadsTail,
     evaluate_content,
     known_replies,
@@ -35,7 +37,9 @@ from rich.console import Console
 
 
 def condition(spec: str, pair):
-    """FILE, FILE+question or FILE+N (see the module's doc)."""
+    """FILE, FILE+question, FILE+N or native~REL (see the module's doc)."""
+    if spec.startswith("native~"):
+        return NoisyNative(float(spec.removeprefix("native~")))
     path, _, tail = spec.rpartition("+")
     if not path or not (tail == "question" or tail.isdigit()):
         return load_translator(spec, pair)

@@ -22,6 +22,8 @@ and agreement (the continuation figures the goals keep within 0.02).
     OPENBLAS_NUM_THREADS=1 python -m weights.experiments.joint_source --examples 256 \\
         --steps 400 --out /tmp/joint.json --save /tmp/joint         # source + maps
     ... --examples 256 --ordinary 256 --kv 1.0 --steps 800 --maps-only   # maps only, mixed
+    ... --maps-only --source DIR --init FILE    # another source (e.g. the target's first N
+                                                # layers, content_diagnosis --write-prefix-source)
 
 Results: weights/QUALITY.md, "Training the maps on the target's answers" (the maps alone
 retrieve as many facts as maps and source together).
@@ -39,8 +41,16 @@ from mlx_kvlingo.calibrate.content_data import content_examples, shipped_texts
 from mlx_kvlingo.capture import OutputRecorder, SpanKV, trace
 from mlx_kvlingo.content_tasks import build_tasks
 from mlx_kvlingo.data import DataConfig, load_examples, read_texts
-from mlx_kvlingo.demo.pair import demo_content_texts, demo_data, demo_eval_data, load_demo
+from mlx_kvlingo.demo.pair import (
+    demo_content_texts,
+    demo_data,
+    demo_eval_data,
+    demo_models,
+    load_demo,
+)
+from mlx_kvlingo.format import load_translator
 from mlx_kvlingo.measure.content import evaluate_content, summarize
+from mlx_kvlingo.pair import load_pair
 from mlx_kvlingo.scoring import (
     Prepared,
     heldout_scores,
@@ -163,9 +173,20 @@ def main(argv=None) -> None:
     ap.add_argument("--answers", default="/tmp/joint-answers.jsonl", help="answer cache")
     ap.add_argument("--out", default="joint_source.json")
     ap.add_argument("--save", default=None, help="folder for the trained source and maps")
+    ap.add_argument("--source", default=None,
+                    help="another source model for the demo target (default: the demo's source)")  # fmt: skip
+    ap.add_argument("--init", default=None,
+                    help="translator to start from (default: the demo's default; needed with --source)")  # fmt: skip
     a = ap.parse_args(argv)
 
-    pair, translator = load_demo()
+    if a.source and not a.init:
+        ap.error("--source needs --init (a translator fitted for that source, e.g. by "
+                 "`kvlingo calibrate --steps 0`)")  # fmt: skip
+    if a.source:
+        pair = load_pair(a.source, demo_models()[1])
+        translator = load_translator(a.init, pair)
+    else:
+        pair, translator = load_demo(a.init)
     t0 = time.perf_counter()
     train = content_examples(pair, shipped_texts(), a.examples,
                              [int(x) for x in a.lengths.split(",")], cache_file=a.answers)  # fmt: skip
