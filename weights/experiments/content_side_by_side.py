@@ -2,7 +2,7 @@
 small-alone answers are computed once and shared, so every translator meets the same tasks.
 
     python -m weights.experiments.content_side_by_side OUT.json A=FILE B=FILE+question C=FILE+32 ... \\
-        [--per-kind 6] [--lengths 128,512,1024] [--seed 0] [--reuse EARLIER.json]
+        [--per-kind 6] [--lengths 128,512,1024] [--seed 0] [--reuse EARLIER.json] [--source DIR]
 
 FILE+question: the target reads the task's question itself on the translated rest; FILE+N: the
 target reads the prompt's last N tokens itself (`content.TargetReadsTail`); native~REL: the
@@ -22,7 +22,7 @@ import json
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.content_tasks import build_tasks
 from mlx_kvlingo.data import read_texts
-from mlx_kvlingo.demo.pair import demo_content_texts, load_demo
+from mlx_kvlingo.demo.pair import demo_content_texts, demo_models, load_demo
 from mlx_kvlingo.format import load_translator
 from mlx_kvlingo.measure.content import (
     NoisyNative,
@@ -32,6 +32,7 @@ from mlx_kvlingo.measure.content import (
     tables,
     to_json,
 )
+from mlx_kvlingo.pair import load_pair
 
 from rich.console import Console
 
@@ -54,10 +55,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lengths", default="128,512,1024")
     ap.add_argument("--seed", type=int, default=0, help="which tasks are drawn")
     ap.add_argument("--reuse", help="an earlier OUT.json on the same tasks")
+    ap.add_argument("--source", help="another source model for the demo target (its translators "
+                    "only; a reused 'small' row stays the demo's small model)")  # fmt: skip
     a = ap.parse_args(argv)
     if any("=" not in t for t in a.translators):
         ap.error("each translator is LABEL=FILE")
-    pair, _ = load_demo()
+    pair = load_pair(a.source, demo_models()[1]) if a.source else load_demo()[0]
     methods = {label: condition(spec, pair)
                for label, spec in (t.split("=", 1) for t in a.translators)}  # fmt: skip
     lengths = [int(x) for x in a.lengths.split(",")]
