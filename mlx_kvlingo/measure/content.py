@@ -31,7 +31,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from ..content_tasks import KINDS, ContentTask
-from ..kvcache import new_cache
+from ..kvcache import append_kv, new_cache
 from . import report
 
 SCHEMA = "mlx-kvlingo/content-eval"
@@ -180,9 +180,8 @@ def tail_read_kv(pair, cond: TargetReadsTail, task: ContentTask) -> tuple[list, 
     cut = question_start(pair.tokenizer, task) if cond.tail is None else len(toks) - cond.tail
     cut = max(1, min(cut, len(toks)))
     keys, values = translated_kv(pair, cond.method, toks[:cut])
-    cache = new_cache(pair.target)
-    for c, k, v in zip(cache, keys, values):
-        c.update_and_fetch(k.astype(pair.target.dtype), v.astype(pair.target.dtype))
+    cache, dtype = new_cache(pair.target), pair.target.dtype
+    append_kv(cache, [k.astype(dtype) for k in keys], [v.astype(dtype) for v in values])
     if cut < len(toks):
         pair.target.model(mx.array(toks[cut:])[None], cache=cache)
     keys = [c.keys[..., : c.offset, :] for c in cache]
