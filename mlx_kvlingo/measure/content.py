@@ -241,7 +241,7 @@ def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequenc
     need_native = ("native" not in known or bool(swaps)
                    or any(isinstance(m, NoisyNative) for m in methods.values()))  # fmt: skip
     native = native_kv(pair.target, toks[:-1]) if need_native else None
-    kvs = {"native": native} if need_native else {}
+    kvs = {"native": native} if "native" not in known else {}  # its reply, when not known
     cached = {}
     for label, m in methods.items():
         if isinstance(m, TargetReadsTail):
