@@ -107,3 +107,64 @@ def test_reserved_memory_serves_the_first_translation_at_a_new_length(tmp_path):
     assert result["ran"]
     assert result["grown"] > 500  # the control: growing faults pages in
     assert result["after_reserve"] < result["grown"] / 4, result
+
+
+_hugepages = __import__("mlx_kvlingo._launch", fromlist=["x"])
+
+
+@pytest.mark.skipif(
+    _hugepages.tunables_with_hugepages({}) is None,
+    reason="huge pages on request need Linux, glibc 2.35+ and kernel THP 'madvise'",
+)
+def test_asking_for_huge_pages_spares_the_first_translation_its_faults(tmp_path):
+    """The `kvlingo` script's environment (glibc.malloc.hugetlb=1) against the plain one, the
+    same first translation at a longer length in each: far fewer minor faults (2 MB pages
+    instead of 4 KB ones). The control is the plain run's count, which must be large."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def run(env):
+        got = subprocess.run([sys.executable, "-c", _FIRST_AT_A_NEW_LENGTH, str(tmp_path)],
+                             capture_output=True, text=True, check=True, env=env)  # fmt: skip
+        return json.loads(got.stdout.strip().splitlines()[-1])["grown"]
+
+    plain = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    asked = _hugepages.tunables_with_hugepages(plain)
+    faults_plain, faults_asked = run(plain), run(asked)
+    assert faults_plain > 500
+    assert faults_asked < faults_plain / 4, (faults_plain, faults_asked)
+
+
+def test_the_launcher_asks_only_where_it_can_help(monkeypatch):
+    """Re-execute with the tunable on Linux + glibc 2.35+ + THP 'madvise' only; never twice,
+    never over the user's own hugetlb setting or KVLINGO_CPU_MEMORY=default."""
+    monkeypatch.setattr(_hugepages.sys, "platform", "linux")
+    monkeypatch.setattr(_hugepages, "glibc_version", lambda: (2, 36))
+    monkeypatch.setattr(_hugepages, "transparent_hugepages_mode", lambda path=None: "madvise")
+    env = _hugepages.tunables_with_hugepages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert _hugepages.tunables_with_hugepages(env) is None  # the re-executed process
+    assert _hugepages.tunables_with_hugepages({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None
+    assert _hugepages.tunables_with_hugepages({"KVLINGO_CPU_MEMORY": "default"}) is None
+    for mode in ("always", "never", None):
+        monkeypatch.setattr(
+            _hugepages, "transparent_hugepages_mode", lambda path=None, mode=mode: mode
+        )
+        assert _hugepages.tunables_with_hugepages({}) is None, mode
+    monkeypatch.setattr(_hugepages, "transparent_hugepages_mode", lambda path=None: "madvise")
+    monkeypatch.setattr(_hugepages, "glibc_version", lambda: (2, 34))
+    assert _hugepages.tunables_with_hugepages({}) is None
+    monkeypatch.setattr(_hugepages.sys, "platform", "darwin")
+    monkeypatch.setattr(_hugepages, "glibc_version", lambda: (2, 36))
+    assert _hugepages.tunables_with_hugepages({}) is None
+
+
+def test_thp_mode_is_read_from_the_kernels_brackets(tmp_path):
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    assert _hugepages.transparent_hugepages_mode(f) == "madvise"
+    f.write_text("[always] madvise never\n")
+    assert _hugepages.transparent_hugepages_mode(f) == "always"
+    assert _hugepages.transparent_hugepages_mode(tmp_path / "missing") is None

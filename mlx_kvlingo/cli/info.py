@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 
@@ -10,7 +11,7 @@ import mlx.core as mx
 from rich.console import Console
 from rich.table import Table
 
-from .. import _blas, _cpu_memory
+from .. import _blas, _cpu_memory, _launch
 
 
 def gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
@@ -47,6 +48,8 @@ def info_cmd(models):
         console.print(f"BLAS: {blas_status()}")
     if device == "CPU":
         console.print(f"memory reuse: {memory_status(_cpu_memory.tune())}")
+        if platform.system() == "Linux":
+            console.print(f"huge pages: {_launch.hugepages_status(os.environ)}")
     console.print(f"float32 GEMM 1024^3: {gemm_gflops():.1f} GFLOP/s")
     if not models:
         return
