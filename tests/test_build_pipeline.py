@@ -177,3 +177,33 @@ def test_the_readme_step_table_is_the_pipeline(rb):
     assert named == [s.name for s in rb.STEPS]
     for s in rb.STEPS:
         assert (ROOT / "weights" / "build" / f"{s.module.rsplit('.', 1)[1]}.py").is_file()
+
+
+def test_a_source_can_keep_its_first_layers_the_targets_own():
+    """`source.py --freeze-first N`: healing trains only the kept layers after the first N
+    (and the final norm), so those N stay the target's own and a translator can pass their
+    K/V through exactly. After one optimizer step, the frozen layers equal the teacher's bit
+    for bit and the others moved."""
+    import argparse
+
+    import mlx.core as mx
+    import numpy as np
+    from mlx.utils import tree_flatten
+    from mlx_kvlingo import synthetic as syn
+
+    source = build_module("source")
+    cfg = syn.model_config("llama", 32, num_hidden_layers=4, tie_word_embeddings=True)
+    teacher = syn.build_model(cfg, seed=0)
+    teacher.freeze()
+    student = source.make_student(teacher, cfg, [0, 1, 3], frozen=2)
+    trainable = {k.split(".")[2] for k, _ in tree_flatten(student.trainable_parameters())
+                 if k.startswith("model.layers.")}  # fmt: skip
+    assert trainable == {"2"}
+    windows = np.random.default_rng(0).integers(0, 32, size=(4, 9)).astype(np.int32)
+    args = argparse.Namespace(lr=1e-2, steps=1, warmup=1, seed=0, batch=2, max_minutes=5)
+    source.distill(student, teacher, windows, args)
+    for i, k in enumerate([0, 1, 3]):
+        for (name, w), (_, t) in zip(tree_flatten(student.model.layers[i].parameters()),
+                                     tree_flatten(teacher.model.layers[k].parameters())):  # fmt: skip
+            same = bool(mx.array_equal(w, t))
+            assert same == (i < 2), (i, name)

@@ -41,6 +41,8 @@ def parser() -> argparse.ArgumentParser:
         default=0.0,
         help="share of multi-turn chats trained as the reader mode builds them",
     )
+    ap.add_argument("--source", type=Path, default=None,
+                    help="the source model folder; default: the demo source")  # fmt: skip
     ap.add_argument("--seed", type=int, default=0, help="which examples and tasks are drawn")
     ap.add_argument("--kv-weight", type=float, default=1.0)
     ap.add_argument("--gain-weights", action="store_true",
@@ -58,6 +60,7 @@ def parser() -> argparse.ArgumentParser:
 def calibrate_args(a: argparse.Namespace) -> list[str]:
     """The `kvlingo calibrate` command line this step runs."""
     source, target = demo_models("dense")
+    source = a.source or source
     return ["--source", str(source), "--target", str(target), "--init", str(a.init),
             "--max-examples", str(a.ordinary), "--content", str(a.content),
             "--content-lengths", a.content_lengths,

@@ -70,8 +70,11 @@ def pack(token_lists: list[list[int]], window: int) -> np.ndarray:
 # ---------------------------------------------------------------- models
 
 
-def make_student(teacher: Model, config: dict, kept: list[int]) -> Model:
-    """A llama with copies of the kept teacher layers; shares the (frozen) embedding."""
+def make_student(teacher: Model, config: dict, kept: list[int], frozen: int = 0) -> Model:
+    """A llama with copies of the kept teacher layers; shares the (frozen) embedding.
+
+    The first `frozen` kept layers stay the teacher's own, so their K/V are the target's.
+    """
     student = Model(ModelArgs.from_dict({**config, "num_hidden_layers": len(kept)}))
     weights = [("model.norm.weight", teacher.model.norm.weight)]
     weights.append(("model.embed_tokens.weight", teacher.model.embed_tokens.weight))
@@ -80,7 +83,7 @@ def make_student(teacher: Model, config: dict, kept: list[int]) -> Model:
             weights.append((f"model.layers.{i}.{name}", w))
     student.load_weights(weights)
     student.freeze()
-    for layer in student.model.layers:
+    for layer in student.model.layers[frozen:]:
         layer.unfreeze()
     student.model.norm.unfreeze()
     mx.eval(student.parameters())
@@ -211,6 +214,7 @@ def describe(args, choice, select_losses, train, heldout, train_info) -> dict:
             "loss": "KL(target || source), embedding/lm_head frozen (shared with the target)",
             "optimizer": "AdamW, weight_decay 0, linear warmup then cosine to lr/10",
             **{k: getattr(args, k) for k in ("steps", "batch", "seq_len", "lr", "warmup", "seed")},
+            "frozen_first_layers": args.freeze_first,
             **train_info,
         },
     }
@@ -229,6 +233,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--select-windows", type=int, default=8)
     ap.add_argument("--max-minutes", type=float, default=28.0)
     ap.add_argument("--layers", type=str, default=None, help="comma-separated; skips selection")
+    ap.add_argument("--freeze-first", type=int, default=0,
+                    help="keep the first N kept layers the target's own (not healed), so a "
+                         "translator can pass their K/V through exactly")  # fmt: skip
     return ap
 
 
@@ -251,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         kept = CANDIDATES[choice]
     print(f"kept layers: {choice} {kept}", flush=True)
 
-    student = make_student(teacher, config, kept)
+    student = make_student(teacher, config, kept, args.freeze_first)
     nll = {"target": mean_nll(teacher, heldout), "source_pruned": mean_nll(student, heldout)}
     print(f"held-out nll: {nll}", flush=True)
     train_info = distill(student, teacher, train, args)
