@@ -186,10 +186,11 @@ def test_a_source_can_keep_its_first_layers_the_targets_own():
     for bit and the others moved."""
     import argparse
 
+    from mlx_kvlingo import synthetic as syn
+
     import mlx.core as mx
     import numpy as np
     from mlx.utils import tree_flatten
-    from mlx_kvlingo import synthetic as syn
 
     source = build_module("source")
     cfg = syn.model_config("llama", 32, num_hidden_layers=4, tie_word_embeddings=True)
