@@ -109,7 +109,7 @@ def test_reserved_memory_serves_the_first_translation_at_a_new_length(tmp_path):
     assert result["after_reserve"] < result["grown"] / 4, result
 
 
-_hugepages = __import__("mlx_kvlingo._launch", fromlist=["x"])
+_hugepages = __import__("mlx_kvlingo._hugepages", fromlist=["x"])
 
 
 @pytest.mark.skipif(

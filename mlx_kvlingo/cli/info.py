@@ -11,7 +11,7 @@ import mlx.core as mx
 from rich.console import Console
 from rich.table import Table
 
-from .. import _blas, _cpu_memory, _launch
+from .. import _blas, _cpu_memory, _hugepages
 
 
 def gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
@@ -49,7 +49,7 @@ def info_cmd(models):
     if device == "CPU":
         console.print(f"memory reuse: {memory_status(_cpu_memory.tune())}")
         if platform.system() == "Linux":
-            console.print(f"huge pages: {_launch.hugepages_status(os.environ)}")
+            console.print(f"huge pages: {_hugepages.hugepages_status(os.environ)}")
     console.print(f"float32 GEMM 1024^3: {gemm_gflops():.1f} GFLOP/s")
     if not models:
         return

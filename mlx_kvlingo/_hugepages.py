@@ -1,4 +1,4 @@
-"""The `kvlingo` console script: asks glibc for transparent huge pages, then runs the CLI.
+"""Transparent huge pages for glibc's heap, asked for by the `kvlingo` script (`__main__.py`).
 
 On Linux the CPU backend's arrays come from glibc's heap. A translation of a long span (the
 Qwen3-shaped preset at 1024 tokens: about 500 MB of fresh arrays) touched pages the heap had
@@ -6,8 +6,9 @@ never mapped, one 4 KB fault each (130,000-160,000 minor faults on the first cal
 later calls had none; measure/RESULTS.md). With `glibc.malloc.hugetlb=1` malloc advises the
 kernel to back its heap with 2 MB pages where the kernel allows them on request
 (`/sys/kernel/mm/transparent_hugepage/enabled` set to `madvise`): the same call faults a few
-hundred times. The tunable is read once, when a process starts, so the launcher re-executes
-the interpreter with it set (one extra interpreter start, before MLX is imported). It stays
+hundred times. The tunable is read once, when a process starts, so the script re-executes
+the interpreter with it set (`reexecute_with_hugepages`: one extra interpreter start, before
+MLX is imported). It stays
 out of the way where it cannot help: not Linux, not glibc 2.35+, huge pages `always` (already
 used) or `never`, or KVLINGO_CPU_MEMORY=default. Users of the Python API on Linux can set
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1 themselves.
@@ -72,13 +73,12 @@ def hugepages_status(env) -> str:
     return f"not asked (kernel THP {mode}, glibc {glibc_version()}; the `kvlingo` script asks)"
 
 
-def main() -> None:
+def reexecute_with_hugepages() -> None:
+    """Replace this process by the same command with the tunable set, where it helps; returns
+    (and the caller goes on as is) where it does not or the exec fails."""
     env = tunables_with_hugepages(dict(os.environ))
     if env is not None:
         try:
             os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
         except OSError:
             pass  # run as is: huge pages are an optimization
-    from .cli import main as cli_main
-
-    cli_main()
