@@ -1,4 +1,4 @@
-"""Transparent huge pages for glibc's heap, asked for by the `kvlingo` script (`__main__.py`).
+"""Transparent huge pages for glibc's heap, asked for by the `kvlingo` script (`cli.main`).
 
 On Linux the CPU backend's arrays come from glibc's heap. A translation of a long span (the
 Qwen3-shaped preset at 1024 tokens: about 500 MB of fresh arrays) touched pages the heap had

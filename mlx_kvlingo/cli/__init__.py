@@ -1,44 +1,24 @@
-"""`kvlingo`: a thin command line over the public Python API. One module per command."""
+"""`kvlingo`: a thin command line over the public Python API. One module per command.
+
+`main` is the console script: it first asks glibc for huge pages (`_hugepages`, which may
+re-execute the process), then loads the commands; so the group (`cli`) loads on first use.
+"""
 
 from __future__ import annotations
 
-import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 
-import click
+def main() -> None:
+    from .._hugepages import reexecute_with_hugepages
 
-from .bench import bench_cmd
-from .calibrate import calibrate_cmd
-from .chat import chat_cmd
-from .compare import compare_cmd
-from .convert import convert_cmd
-from .download import download_cmd
-from .eval import eval_cmd
-from .generate import generate_cmd
-from .info import info_cmd
-from .serve import serve_cmd
-from .translate import translate_cmd
-from .upload import upload_cmd
+    reexecute_with_hugepages()  # before the commands' imports (MLX, mlx-lm): seconds each time
+    from ._group import cli
 
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(mlx_kvlingo.__version__, prog_name="kvlingo")
-def cli():
-    """KV-cache translation between two language models on MLX."""
-
-
-cli.add_command(info_cmd)
-cli.add_command(translate_cmd)
-cli.add_command(generate_cmd)
-cli.add_command(chat_cmd)
-cli.add_command(calibrate_cmd)
-cli.add_command(eval_cmd)
-cli.add_command(compare_cmd)
-cli.add_command(bench_cmd)
-cli.add_command(convert_cmd)
-cli.add_command(upload_cmd)
-cli.add_command(download_cmd)
-cli.add_command(serve_cmd)
-
-
-def main():
     cli()
+
+
+def __getattr__(name: str):
+    if name == "cli":
+        from ._group import cli
+
+        return cli
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
