@@ -8,10 +8,9 @@ kernel to back its heap with 2 MB pages where the kernel allows them on request
 (`/sys/kernel/mm/transparent_hugepage/enabled` set to `madvise`): the same call faults a few
 hundred times. The tunable is read once, when a process starts, so the script re-executes
 the interpreter with it set (`reexecute_with_hugepages`: one extra interpreter start, before
-MLX is imported). It stays
-out of the way where it cannot help: not Linux, not glibc 2.35+, huge pages `always` (already
-used) or `never`, or KVLINGO_CPU_MEMORY=default. Users of the Python API on Linux can set
-GLIBC_TUNABLES=glibc.malloc.hugetlb=1 themselves.
+MLX is imported). It stays out of the way where it cannot help: not Linux, not glibc 2.35+,
+huge pages `always` (already used) or `never`, or KVLINGO_CPU_MEMORY=default. Users of the
+Python API on Linux can set GLIBC_TUNABLES=glibc.malloc.hugetlb=1 themselves.
 """
 
 from __future__ import annotations
