@@ -170,8 +170,24 @@ def _sum_rotate(cos, sin, has_scale, *parts):
 
 def _rotate_pairs(cos, sin, pairs: list, traditional: bool, has_scale: bool) -> mx.array:
     """pairs: (..., D/2, 2) if traditional else (..., 2, D/2), the last one the scale."""
-    swapped = [p[..., ::-1] if traditional else p[..., ::-1, :] for p in pairs]
+    if traditional:
+        # a view reversing the innermost axis sends MLX's compiled CPU kernel down its general
+        # strided loop (29 ms against 11 ms for (30, 1, 1024, 3, 64) keys): sum first, swap
+        # the pairs in one copy, then rotate contiguous arrays; the same products and adds
+        x = pairs[0] if len(pairs) == 1 else _summed_scaled(has_scale, *pairs)
+        return _rotate(x, mx.contiguous(x[..., ::-1]), cos, sin)
+    swapped = [p[..., ::-1, :] for p in pairs]
     return _sum_rotate(cos, sin, has_scale, *pairs, *swapped)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _summed_scaled(has_scale, *parts):
+    return _sum_then_scale(has_scale, parts)
+
+
+@functools.partial(mx.compile, shapeless=True)
+def _rotate(x, swapped, cos, sin):
+    return x * cos + swapped * sin
 
 
 @functools.cache

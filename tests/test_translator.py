@@ -354,12 +354,15 @@ def test_pick_keeps_the_rule_within_the_margin_and_leaves_it_when_clearly_beaten
 @pytest.mark.parametrize("variant,nu,bias", [("mixing", 1, False), ("mixing", 2, True),
                                              ("headwise", 2, True)])  # fmt: skip
 @pytest.mark.parametrize("key_cut", ["post_norm", "pre_norm"])
+@pytest.mark.parametrize("traditional", [False, True])
 def test_fused_translation_is_the_composed_one_bit_for_bit(models, src, tgt, variant, nu, bias,
-                                                           key_cut):  # fmt: skip
+                                                           key_cut, traditional):  # fmt: skip
     """`translate` on the CPU (sums, bias, k_norm's weights and RoPE in one compiled pass; a
     mixing map's output left token-major) equals the maps then `finish`, bit for bit, with
-    and without k_norm (qwen3_moe has one, llama not) and at an offset."""
+    and without k_norm (qwen3_moe has one, llama not), at an offset, and with RoPE on
+    interleaved pairs (`traditional`, as the GGUF-converted demo models have it)."""
     pair = load_pair(models[src], models[tgt])
+    pair.target.rope.traditional = traditional
     s, t = pair.source.geometry, pair.target.geometry
     if variant == "headwise" and s.kv_heads != t.kv_heads:
         pytest.skip("headwise needs equal head counts")
