@@ -29,16 +29,25 @@ def first_token_kv(target, token: int) -> tuple[mx.array, mx.array]:
     return memo[token]
 
 
-def with_native_first(target, token: int, keys: mx.array, values: mx.array):
-    """Replace position 0 of stacked translated K/V (L, B, H, T, D) by the target's own."""
+def with_native_first(
+    target, token: int, keys: mx.array, values: mx.array, token_major: bool = False
+) -> tuple[mx.array, mx.array]:
+    """Position 0 of stacked translated K/V, (L, B, H, T, D) or with `token_major` (L, B, T,
+    H, D), replaced by the target's own. Written in place: a freshly computed array gives
+    its buffer to the update, so the rest is not copied (a concatenate copied all of it)."""
     k0, v0 = first_token_kv(target, token)
-    L, B = keys.shape[:2]
 
-    def splice(first, rest):
+    def put(first, rest):
+        L, B = rest.shape[:2]
+        first = first.transpose(0, 1, 3, 2, 4) if token_major else first
         first = mx.broadcast_to(first, (L, B, *first.shape[2:])).astype(rest.dtype)
-        return mx.concatenate([first, rest[..., 1:, :]], axis=3)
+        if token_major:
+            rest[:, :, :1] = first
+        else:
+            rest[..., :1, :] = first
+        return rest
 
-    return splice(k0, keys), splice(v0, values)
+    return put(k0, keys), put(v0, values)
 
 
 def with_native_first_layers(target, token: int, keys: list, values: list) -> tuple[list, list]:

@@ -7,16 +7,14 @@ covers tokens [0, n-1) and `stream_generate` starts from token n-1.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
-from .anchor import first_token_kv
 from .capture import SpanKV, capture_from_cache, needs_recording, prefill
 from .kvcache import append_kv, new_cache
 from .pair import ModelPair
-from .translator import Translator, target_dtype
+from .translator import Translator
 
 
 def translate_into(pair: ModelPair, translator: Translator, span: SpanKV, cache: list) -> None:
@@ -27,30 +25,12 @@ def translate_into(pair: ModelPair, translator: Translator, span: SpanKV, cache:
 def append_translation(model, translator: Translator, span: SpanKV, cache: list) -> None:
     """Translate `span` for `model` and append it to `model`'s `cache`, which must end where
     the span starts. A translator that keeps the model's own first token (`native_first`)
-    has it written into the cache as it is, before the translated rest: the same cache as
-    splicing it into the translated arrays, without copying them once more."""
+    writes it over the translated position 0 in place, before the cache writes."""
     if cache[0].offset != span.start:
         raise ValueError(
             f"{model.name} cache holds {cache[0].offset} tokens but the span starts at {span.start}"
         )
-    config = getattr(translator, "config", None)
-    if not (getattr(config, "native_first", False) and span.start == 0 and span.tokens):
-        append_kv(cache, *translator.translate(span, model))
-        return
-    if any(type(c) is not KVCache for c in cache):  # quantized or rotating: splice as before
-        append_kv(cache, *translator.translate(span, model))
-        return
-    # the whole span is translated as it is (without its token ids nothing is spliced) and
-    # written once; then position 0 is overwritten in place with the model's own K/V (mlx-lm
-    # writes its buffers the same way): bit for bit the spliced cache, one copy less
-    keys, values = translator.translate(replace(span, tokens=None), model)
-    append_kv(cache, keys, values)
-    k0, v0 = first_token_kv(model, span.tokens[0])
-    batch, dtype = span.keys.shape[1], target_dtype(model)
-    for c, k, v in zip(cache, k0, v0, strict=True):
-        c.keys[..., :1, :] = mx.broadcast_to(k, (batch, *k.shape[1:])).astype(dtype)
-        c.values[..., :1, :] = mx.broadcast_to(v, (batch, *v.shape[1:])).astype(dtype)
-    mx.eval([(c.keys, c.values) for c in cache])
+    append_kv(cache, *translator.translate(span, model))
 
 
 #: the warm-up translates a scratch span this long once (CPU only): later translations up to

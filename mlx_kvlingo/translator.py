@@ -282,11 +282,10 @@ class Translator(nn.Module):
         """`finish(*self(span), ...)` bit for bit, with the sums, the bias, k_norm's weights
         and RoPE in one compiled pass per kind on the CPU (rope.rotate_sum) and a mixing
         map's output never transposed into a copy: the cache writes read it where it lies.
-        None where that pass does not apply (another backend, dtype or RoPE; a native first
-        token to splice; k_norms that are not one RMSNorm; lowrank maps, which have their own)."""
-        if self.config.variant == "lowrank" or (
-            self.config.native_first and span.start == 0 and span.tokens
-        ):
+        None where that pass does not apply (another backend, dtype or RoPE; k_norms that are
+        not one RMSNorm; lowrank maps, which have their own). A native first token is written
+        over position 0 in place (`with_native_first`)."""
+        if self.config.variant == "lowrank":
             return None
         if target_dtype(target) != mx.float32 or self.key["weight"].dtype != mx.float32:
             return None
@@ -303,6 +302,10 @@ class Translator(nn.Module):
             return None
         v_terms, v_major = self.map_terms(span.values, "value")
         values = _summed(*v_terms) if len(v_terms) > 1 else v_terms[0]
+        if self.config.native_first and span.start == 0 and span.tokens:
+            if k_major != v_major:
+                return None
+            keys, values = with_native_first(target, span.tokens[0], keys, values, k_major)
         keys = keys.transpose(0, 1, 3, 2, 4) if k_major else keys
         values = values.transpose(0, 1, 3, 2, 4) if v_major else values
         return list(keys), list(values)

@@ -194,6 +194,9 @@ def test_native_first_token_is_the_targets_own(models):
         np.testing.assert_array_equal(
             np.array(k_anch[layer][..., 1:, :]), np.array(k_plain[layer][..., 1:, :])
         )
+        np.testing.assert_array_equal(
+            np.array(v_anch[layer][..., 1:, :]), np.array(v_plain[layer][..., 1:, :])
+        )
     # a span that does not start at 0 is translated as is
     later = capture_from_cache(pair.source, new_cache_with(pair, tokens), 3, len(tokens))
     later.tokens = tuple(tokens[3:])
