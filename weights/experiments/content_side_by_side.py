@@ -3,6 +3,7 @@ small-alone answers are computed once and shared, so every translator meets the 
 
     python -m weights.experiments.content_side_by_side OUT.json A=FILE B=FILE+question C=FILE+32 ... \\
         [--per-kind 6] [--lengths 128,512,1024] [--seed 0] [--reuse EARLIER.json] [--source DIR]
+        [--pair moe]
 
 FILE+question: the target reads the task's question itself on the translated rest; FILE+N: the
 target reads the prompt's last N tokens itself (`content.TargetReadsTail`); native~REL: the
@@ -11,7 +12,9 @@ target's own cache with noise of REL times each layer's RMS (`content.NoisyNativ
 The tasks are `kvlingo eval --task content`'s (the demo's held-out documentation pages; seed 0
 is the draw QUALITY.md's tables use, other seeds draw new tasks); OUT.json keeps every reply.
 `--reuse` keeps the replies of an earlier run on the same tasks (native, small alone, its
-translators) and computes only the translators named here. One table per task kind is printed.
+translators) and computes only the translators named here; a `kvlingo eval --task content
+--json` file on the same draw works too. One table per task kind is printed. `--pair moe` runs
+the MoE demo pair, its prefills through `moe_cpu.per_expert_loop` on the CPU.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import argparse
 import json
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
+from mlx_kvlingo import moe_cpu
 from mlx_kvlingo.content_tasks import build_tasks
 from mlx_kvlingo.data import read_texts
 from mlx_kvlingo.demo.pair import demo_content_texts, demo_models, load_demo
@@ -57,10 +61,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--reuse", help="an earlier OUT.json on the same tasks")
     ap.add_argument("--source", help="another source model for the demo target (its translators "
                     "only; a reused 'small' row stays the demo's small model)")  # fmt: skip
+    ap.add_argument("--pair", choices=("dense", "moe"), default="dense", help="the demo pair")
     a = ap.parse_args(argv)
+    if a.source and a.pair != "dense":
+        ap.error("--source replaces the dense demo pair's small model only")
     if any("=" not in t for t in a.translators):
         ap.error("each translator is LABEL=FILE")
-    pair = load_pair(a.source, demo_models()[1]) if a.source else load_demo()[0]
+    pair = load_pair(a.source, demo_models()[1]) if a.source else load_demo(pair=a.pair)[0]
     methods = {label: condition(spec, pair)
                for label, spec in (t.split("=", 1) for t in a.translators)}  # fmt: skip
     lengths = [int(x) for x in a.lengths.split(",")]
@@ -70,8 +77,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.reuse:
         with open(a.reuse) as f:
             known = known_replies(json.load(f), tasks)
-    result = to_json(evaluate_content(pair, tasks, methods, known=known), pair,
-                     {"translators": a.translators, "seed": a.seed, "reused": a.reuse})  # fmt: skip
+    with moe_cpu.per_expert_loop(a.pair == "moe"):
+        scored = evaluate_content(pair, tasks, methods, known=known)
+    result = to_json(scored, pair, {"translators": a.translators, "seed": a.seed,
+                                    "reused": a.reuse, "pair": a.pair})  # fmt: skip
     with open(a.out, "w") as f:
         json.dump(result, f, indent=1)
     console = Console(width=160)
