@@ -4,8 +4,13 @@ What MLX frees beyond its own buffer cache (32 MB by default in MLX 0.32, and ev
 `mx.clear_cache()`, which mlx-lm calls after each prefill chunk) goes to glibc's malloc, which
 returns chunks above its mmap threshold (128 KB to 32 MB, adjusted at run time) to the kernel
 at once: the next translation of the same length faults the same pages in again. `tune` sets
-the mmap and trim thresholds to 1 GB, so freed memory stays mapped and serves requests of any
-size.
+the mmap threshold to 1 GB and turns the heap's trimming off, so freed memory stays mapped and
+serves requests of any size. Memory handed back to the kernel can cost far more than a fault
+to get back: on a virtual machine whose kernel reports free pages to its host, 2-3.5 ms per MB
+against 0.05 for memory the process holds (`measure/fresh_memory.py`); with the heap trimmed
+past 1 GB free, every 1024-token translation on the Qwen3-shaped preset paid it again (1.5-1.9 s
+against 0.7 s; measure/RESULTS.md). The price: the heap keeps its high-water mark mapped for the
+process's life.
 
 MLX's own cache is not raised. It hands a buffer out again only for a request of nearly its
 size, so a larger cache holds the buffers of one length while a translation of another length
@@ -26,8 +31,8 @@ import mlx.core as mx
 
 #: glibc: chunks below this come from the heap and are reused after free (not unmapped)
 MMAP_THRESHOLD = 1 << 30
-#: glibc: free memory at the heap's top is returned to the kernel beyond this
-TRIM_THRESHOLD = 1 << 30
+#: glibc: free memory at the heap's top is returned to the kernel beyond this; -1: never
+TRIM_THRESHOLD = -1
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters, <malloc.h>
 
 #: what `tune` did, for `kvlingo info`: {"cache_limit": bytes, "malloc": "tuned" | why not}
