@@ -302,9 +302,7 @@ class Translator(nn.Module):
             return None
         v_terms, v_major = self.map_terms(span.values, "value")
         values = _summed(*v_terms) if len(v_terms) > 1 else v_terms[0]
-        if self.config.native_first and span.start == 0 and span.tokens:
-            if k_major != v_major:
-                return None
+        if self.config.native_first and span.start == 0 and span.tokens:  # both kinds alike
             keys, values = with_native_first(target, span.tokens[0], keys, values, k_major)
         keys = keys.transpose(0, 1, 3, 2, 4) if k_major else keys
         values = values.transpose(0, 1, 3, 2, 4) if v_major else values
