@@ -296,6 +296,20 @@ def test_extrapolate_between_linear_and_quadratic():
     assert bench.extrapolate({100: 1.0}, 400) == pytest.approx(8.0)  # n^1.5 from one point
 
 
+def test_warm_up_rounds_run_every_length_and_are_not_recorded(tiny_pair, monkeypatch):
+    """No measured trial is the first to run a length (its buffers, the heap's growth)."""
+    pair, tr = tiny_pair
+    runs = []
+    real = bench.run_switch
+    monkeypatch.setattr(
+        bench, "run_switch", lambda p, t, toks, *a: runs.append(len(toks)) or real(p, t, toks, *a)
+    )
+    results = bench.run_bench(pair, tr, [6, 30], trials=2, warmup=1, progress=False)
+    assert runs[:2] == [6, 30] and sorted(runs) == [6, 6, 6, 30, 30, 30]
+    for n in ("6", "30"):  # the warm-up round is not among the recorded trials
+        assert {len(t) for t in results["lengths"][n]["trials"].values()} == {2}
+
+
 def test_time_budget_skips_longer_lengths(tiny_pair):
     pair, tr = tiny_pair
     results = bench.run_bench(

@@ -13,8 +13,9 @@ that escalates) and wrong otherwise; both figures are reported, and the expected
 request against the escalation rate r for four policies (see `policy_lines`).
 
 Every trial round runs both paths at every length, in an order that alternates by round, so
-drift and noise from other processes hit both sides; warm-up rounds (shortest length, every
-phase, so every weight and kernel has been touched) are discarded. Peak memory is MLX's
+drift and noise from other processes hit both sides; warm-up rounds (every length, every
+phase, so every weight and kernel has been touched and no measured trial is the first to grow
+the heap to a length) are discarded. Peak memory is MLX's
 allocator peak during the phase, loaded weights included.
 """
 
@@ -399,8 +400,11 @@ def run_bench(
     table: the small model answers that many tokens before an escalation, translating ahead
     within that share of its decode time (see `ahead_switch_ttft`).
 
-    Warm-up rounds run the shortest length only (they touch every weight and kernel); then
-    each trial round runs every length, both paths, in an order that alternates by round.
+    Warm-up rounds run every length, as trial rounds do, and are not recorded: they touch
+    every weight and kernel, and the heap grows to each length's buffers before a measured
+    trial (on a machine that hands freed memory back to its host, a trial that grows it pays
+    for fresh pages: `fresh_memory`). Then each trial round runs every length, both paths, in
+    an order that alternates by round.
     A length is skipped, with a message, when its estimated memory exceeds what is available,
     or (with `max_seconds`) when its trials, extrapolated from the shorter lengths, would
     overrun the time budget.
@@ -432,8 +436,8 @@ def run_bench(
             "answer_tokens": answer_tokens,
             "ahead_share": ahead_share,
             "sampling": "greedy",
-            "order": "warm-up rounds at the shortest length; then per round every length runs "
-            "both paths, their order alternating by round",
+            "order": "warm-up rounds at every length, not recorded; then per round every "
+            "length runs both paths, their order alternating by round",
         },
         "phases": {k: v[0] for k, v in PHASES.items()},
         "resident_before_GB": resident / 1e9,
@@ -446,7 +450,7 @@ def run_bench(
     kept, checked = list(lengths), set()
     rounds = warmup + trials
     tokens = prompt_tokens(pair, lengths[-1], seed)
-    bar = _Progress(progress, total=warmup + trials * len(lengths))
+    bar = _Progress(progress, total=rounds * len(lengths))
     if warmup:  # as the runtime's warm-up does: no first translation faults memory in
         have = available_memory()
         fits = [n for n in lengths if estimate_bytes(pair, translator, n) <= 0.85 * have]
@@ -455,7 +459,7 @@ def run_bench(
     with bar:
         for rnd in range(rounds):
             warm = rnd < warmup
-            for n in kept[:1] if warm else list(kept):
+            for n in list(kept):
                 bar.update(f"{'warm-up' if warm else 'trial'} {rnd + 1}/{rounds} · n={n}")
                 if n not in checked:
                     checked.add(n)
@@ -464,7 +468,7 @@ def run_bench(
                         log(f"skipping n={n}: {why}")
                         results["skipped"].append({"length": n, "reason": why})
                         kept.remove(n)
-                        bar.advance(trials + (1 if warm else 0))
+                        bar.advance(rounds - rnd)
                         continue
                 t0 = time.perf_counter()
                 clock = _Clock()
@@ -490,6 +494,13 @@ def run_bench(
     results["elapsed_s"] = time.perf_counter() - started
     results["machine"]["load_average_end"] = report.load_average()
     return results
+
+
+def _warmed(settings: dict) -> str:
+    # files written before warm-up covered every length say so in their "order"
+    if settings.get("order", "").startswith("warm-up rounds at the shortest"):
+        return f"n={settings['lengths'][0]}"
+    return "every length"
 
 
 def _why_skip(pair, tr, n, round_time, trials, started, max_seconds) -> str | None:
@@ -743,7 +754,7 @@ def markdown_report(results: dict) -> str:
         + f" · models {p['source']['dtype']}/{p['target']['dtype']}",
         f"{m['backend']} · {m['cpu']} ({m['cpu_count']} cores, {m['memory_GB']} GB) · "
         f"BLAS {m['blas']} · mlx {sw['mlx']} · mlx-lm {sw['mlx-lm']} · {m['os']}",
-        f"{st['trials']} trials after {st['warmup']} warm-up round(s) at n={st['lengths'][0]}; "
+        f"{st['trials']} trials after {st['warmup']} warm-up round(s) at {_warmed(st)}; "
         f"load average at start {_load(m.get('load_average'))}, at end "
         f"{_load(m.get('load_average_end'))}; {base:.2f} GB resident "
         "before the run (weights)",
