@@ -8,6 +8,7 @@ from mlx_kvlingo.content_tasks import KINDS, TaskBuilder, build_tasks
 from mlx_kvlingo.format import save_translator
 from mlx_kvlingo.measure.content import (
     NoisyNative,
+    SourceAlone,
     Swap,
     TargetReadsTail,
     contains,
@@ -154,6 +155,17 @@ def test_target_reads_the_tail_itself_from_the_cut_on(pair, exact):
     res = evaluate_content(pair, tasks, {"q": TargetReadsTail(exact), "t5": TargetReadsTail(exact, 5)},
                            small=False, progress=False)  # fmt: skip
     assert _replies(res, "q") == _replies(res, "native") == _replies(res, "t5")
+
+
+def test_source_alone_is_the_small_row_under_its_own_label(pair, exact):
+    """`SourceAlone` answers as the "small" row does, reply for reply, beside a reused "small"
+    row (which it does not replace)."""
+    tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "qa"), seed=3)
+    earlier = to_json(evaluate_content(pair, tasks, {}, progress=False), pair)
+    res = evaluate_content(pair, tasks, {"own": SourceAlone()}, small=False, progress=False,
+                           known=known_replies(earlier, tasks))  # fmt: skip
+    assert res.conditions == ["native", "own", "small"]
+    assert _replies(res, "own") == _replies(res, "small") and any(_replies(res, "own"))
 
 
 def test_noisy_native_reference_has_the_error_it_names(pair):

@@ -149,6 +149,13 @@ class NoisyNative:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class SourceAlone:
+    """A reference condition: the pair's source model answers on its own reading of the prompt
+    (the "small" row, under a label of its own, for a source other than the one a reused "small"
+    row came from)."""
+
+
 def noisy_kv(cond: NoisyNative, native: tuple[list, list]) -> tuple[list, list]:
     key = mx.random.key(cond.seed)
     out = []
@@ -242,8 +249,10 @@ def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequenc
                    or any(isinstance(m, NoisyNative) for m in methods.values()))  # fmt: skip
     native = native_kv(pair.target, toks[:-1]) if need_native else None
     kvs = {"native": native} if "native" not in known else {}  # its reply, when not known
-    cached = {}
+    cached, alone = {}, [label for label, m in methods.items() if isinstance(m, SourceAlone)]
     for label, m in methods.items():
+        if isinstance(m, SourceAlone):
+            continue
         if isinstance(m, TargetReadsTail):
             kvs[label] = tail_read_kv(pair, m, task)
         elif isinstance(m, NoisyNative):
@@ -259,9 +268,9 @@ def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequenc
     out = dict(known)
     if kvs:  # everything may be known already
         out.update(zip(kvs, answers_from(pair, list(kvs.values()), toks[-1], n, until)))
-    if small and "small" not in known:
-        out["small"] = greedy(pair.source.model, pair.tokenizer, toks, new_cache(pair.source), n,
-                              until)  # fmt: skip
+    for label in [*alone, *(["small"] if small and "small" not in known else [])]:
+        out[label] = greedy(pair.source.model, pair.tokenizer, toks, new_cache(pair.source), n,
+                            until)  # fmt: skip
     return out
 
 

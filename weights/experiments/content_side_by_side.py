@@ -7,7 +7,9 @@ small-alone answers are computed once and shared, so every translator meets the 
 
 FILE+question: the target reads the task's question itself on the translated rest; FILE+N: the
 target reads the prompt's last N tokens itself (`content.TargetReadsTail`); native~REL: the
-target's own cache with noise of REL times each layer's RMS (`content.NoisyNative`), a reference.
+target's own cache with noise of REL times each layer's RMS (`content.NoisyNative`), a reference;
+LABEL=source: the source model alone (`content.SourceAlone`; with `--source`, that source's own
+row beside a reused "small" row of the demo's small model).
 
 The tasks are `kvlingo eval --task content`'s (the demo's held-out documentation pages; seed 0
 is the draw QUALITY.md's tables use, other seeds draw new tasks); OUT.json keeps every reply.
@@ -30,6 +32,7 @@ from mlx_kvlingo.demo.pair import demo_content_texts, demo_models, load_demo
 from mlx_kvlingo.format import load_translator
 from mlx_kvlingo.measure.content import (
     NoisyNative,
+    SourceAlone,
     TargetReadsTail,
     evaluate_content,
     known_replies,
@@ -42,7 +45,9 @@ from rich.console import Console
 
 
 def condition(spec: str, pair):
-    """FILE, FILE+question, FILE+N or native~REL (see the module's doc)."""
+    """FILE, FILE+question, FILE+N, native~REL or source (see the module's doc)."""
+    if spec == "source":
+        return SourceAlone()
     if spec.startswith("native~"):
         return NoisyNative(float(spec.removeprefix("native~")))
     path, _, tail = spec.rpartition("+")
