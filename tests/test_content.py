@@ -13,6 +13,7 @@ from mlx_kvlingo.measure.content import (
     TargetReadsTail,
     contains,
     evaluate_content,
+    greedy,
     known_replies,
     native_kv,
     noisy_kv,
@@ -157,14 +158,24 @@ def test_target_reads_the_tail_itself_from_the_cut_on(pair, exact):
     assert _replies(res, "q") == _replies(res, "native") == _replies(res, "t5")
 
 
-def test_source_alone_is_the_small_row_under_its_own_label(pair, exact):
-    """`SourceAlone` answers as the "small" row does, reply for reply, beside a reused "small"
-    row (which it does not replace)."""
+def test_source_alone_is_the_small_row_under_its_own_label(pair, monkeypatch):
+    """`SourceAlone` answers with the source model on its own cache, as the "small" row does,
+    beside a reused "small" row (which it does not replace)."""
+    import mlx_kvlingo.measure.content as content
+
     tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "qa"), seed=3)
     earlier = to_json(evaluate_content(pair, tasks, {}, progress=False), pair)
+    models = []  # which model each greedy decoding ran
+
+    def spy(model, tokenizer, tokens, cache, *a):
+        models.append("source" if model is pair.source.model else "other")
+        return greedy(model, tokenizer, tokens, cache, *a)
+
+    monkeypatch.setattr(content, "greedy", spy)
     res = evaluate_content(pair, tasks, {"own": SourceAlone()}, small=False, progress=False,
                            known=known_replies(earlier, tasks))  # fmt: skip
     assert res.conditions == ["native", "own", "small"]
+    assert models == ["source"] * len(tasks)
     assert _replies(res, "own") == _replies(res, "small") and any(_replies(res, "own"))
 
 
