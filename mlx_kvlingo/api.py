@@ -45,7 +45,7 @@ from .conversation.records import (
 from .pair import ModelPair
 from .sampling import Sampling
 from .sampling import resolve as resolve_sampling
-from .session import MODES, READER_MARGIN, READER_MIN_TOKENS, READERS, Session
+from .session import LARGE_READS_LAST, MODES, READER_MARGIN, READER_MIN_TOKENS, READERS, Session
 from .translator import Translator
 
 # Inputs are plain strings (often from a UI or a config), checked at run time:
@@ -405,6 +405,7 @@ class Runtime:
         translate_ahead: bool = False,
         reader_min_tokens: int = READER_MIN_TOKENS,
         reader_margin: float = READER_MARGIN,
+        large_reads_last: int = LARGE_READS_LAST,
     ) -> Conversation:
         """A fresh conversation (its own two KV caches) over this runtime's pair.
 
@@ -416,6 +417,8 @@ class Runtime:
         quality translated) or "auto" (the default with a forward translator: whichever gives
         the sooner first token, predicted from rates measured on this pair in this process;
         when the two are within `reader_margin` of each other, the "tokens" rule decides).
+        `large_reads_last`: when the small model reads, the large one still reads the turn's
+        last this many tokens itself (your question in its own words; 1: the last token only).
         `translate_ahead`: while the small
         model answers, translate for the large one between its tokens, within 10% of the small
         model's decode time, so that `escalate` costs the large model one decode step plus
@@ -440,6 +443,7 @@ class Runtime:
             reader=reader,
             reader_min_tokens=reader_min_tokens,
             reader_margin=reader_margin,
+            large_reads_last=large_reads_last,
             translate_ahead=translate_ahead,
         )
         return Conversation(self, session)
@@ -586,6 +590,16 @@ class Conversation:
     @reader_min_tokens.setter
     def reader_min_tokens(self, n: int) -> None:
         self._locked(lambda: setattr(self._session, "reader_min_tokens", n), True, None)
+
+    @property
+    def large_reads_last(self) -> int:
+        """When the small model reads, the large one still reads the turn's last this many
+        tokens itself (1: the last token only)."""
+        return self._session.large_reads_last
+
+    @large_reads_last.setter
+    def large_reads_last(self, n: int) -> None:
+        self._locked(lambda: setattr(self._session, "large_reads_last", n), True, None)
 
     @property
     def reader_margin(self) -> float:

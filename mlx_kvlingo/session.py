@@ -19,13 +19,23 @@ whichever starts the answer sooner, predicted from rates measured on this pair i
 process (conversation/timing.py):
 
     large reads   target_read(lacked)                        its prefill plus its first step
-    small reads   catch-up + source_read + forward(lacked - 1) + target_step
+    small reads   catch-up + source_read + forward(lacked - tail) + target_read(tail)
+                  (target_step for a tail of one token; tail: `large_reads_last`)
 
 When the two are within `reader_margin` (5%) of each other, or before the rates are
 measured, the token rule decides: `reader="tokens"` is "small" for the opening span and for
 spans of at least `reader_min_tokens` (64) tokens, "self" for shorter later turns (a short
 translated turn between the large's native answers is where translation loses the most
 quality: its later answers drift to earlier topics). No span is translated twice.
+
+When the small model reads for the large one, the large still reads the turn's last
+`large_reads_last` tokens itself, on the translated rest (`Runtime`'s conversations: 32; a bare
+`Session`: 1, the plain handoff): the user's question in the
+target's own K/V. A translated short message keeps its topic and loses its request ("suggest a
+name for my cat" answered with what a pet-care assistant can do); read by the large model, it
+is answered as on the native cache, and the earlier context (the system prompt, earlier turns,
+a long passage) still comes translated (weights/QUALITY.md, "The target reads the question
+itself").
 
 The answering model always reads at least the last conversation token itself and then
 decodes with mlx-lm's `stream_generate` on its own cache. Messages are appended as the
@@ -58,6 +68,7 @@ MODES = ("alternation", "naive", "reprefill")
 READERS = ("auto", "tokens", "small", "self")
 READER_MIN_TOKENS = 64  # reader "tokens": shorter later turns are read by the large itself
 READER_MARGIN = 0.05  # reader "auto": predicted TTFTs this close, the token rule decides
+LARGE_READS_LAST = 32  # Runtime's default: with the small reading, the large reads the last 32
 
 
 class Session(Messages, CatchUp, Answering, Persistence):
@@ -88,6 +99,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
         reader: str | None = None,
         reader_min_tokens: int = READER_MIN_TOKENS,
         reader_margin: float = READER_MARGIN,
+        large_reads_last: int = 1,
         read_costs: ReadCosts | None = None,
         translate_ahead: bool = False,
         ahead_chunk: int = 32,
@@ -107,6 +119,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
         self.reader = reader if reader is not None else ("auto" if forward else "self")
         self.reader_min_tokens = reader_min_tokens
         self.reader_margin = reader_margin
+        self.large_reads_last = large_reads_last
         #: what reading costs on this pair (reader "auto"); shared by the pair's sessions
         self.read_costs = costs_of(pair) if read_costs is None else read_costs
         #: while the small model answers, translate for the large one between its tokens, so
@@ -159,6 +172,18 @@ class Session(Messages, CatchUp, Answering, Persistence):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise SessionError(f"reader_min_tokens must be a whole number >= 0 (got {n!r})")
         self._reader_min_tokens = n
+
+    @property
+    def large_reads_last(self) -> int:
+        """When the small model reads for the large one, the large still reads the turn's last
+        this many tokens itself (at least the last token: 1)."""
+        return self._large_reads_last
+
+    @large_reads_last.setter
+    def large_reads_last(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise SessionError(f"large_reads_last must be a whole number >= 1 (got {n!r})")
+        self._large_reads_last = n
 
     @property
     def reader_margin(self) -> float:
@@ -246,6 +271,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
             "reader": self.reader,
             "reader_min_tokens": self.reader_min_tokens,
             "reader_margin": self.reader_margin,
+            "large_reads_last": self.large_reads_last,
             "conversation_tokens": len(self.tokens),
             "messages": len(self.messages),
             "switches": len(self.switches),

@@ -370,12 +370,21 @@ def test_reader_policy_through_the_api(runtime):
     assert costs_of(runtime.pair).target_read.ready and costs_of(runtime.pair).forward.ready
     auto = runtime.new_conversation(reader_margin=0.2)
     assert (auto.reader, auto.reader_margin) == ("auto", 0.2)
+    # the large model reads the last 32 tokens of a turn itself: a shorter turn it reads whole
+    assert auto.large_reads_last == 32
     done = auto.ask(MSG[0], max_tokens=N, sampling={"temp": 0})
+    assert done.timings.read_tokens == 0 and done.timings.alternative_ttft_s is None
+    assert "within the 32 tok the large reads itself" in done.status
+    auto.large_reads_last = 1  # the plain handoff: two ways to read, the other one predicted
+    done = auto.ask(MSG[1], max_tokens=N, sampling={"temp": 0})
     assert done.timings.alternative_ttft_s > 0 and "TTFT ≈ " in done.status
     with pytest.raises(ConversationError, match="reader_margin"):
         auto.reader_margin = -1
-    conv = runtime.new_conversation(reader="tokens", reader_min_tokens=48)
-    assert (conv.reader, conv.reader_min_tokens) == ("tokens", 48)
+    with pytest.raises(ConversationError, match="large_reads_last"):
+        auto.large_reads_last = 0
+    # the plain handoff: the large model reads only the last token of a turn the small read
+    conv = runtime.new_conversation(reader="tokens", reader_min_tokens=48, large_reads_last=1)
+    assert (conv.reader, conv.reader_min_tokens, conv.large_reads_last) == ("tokens", 48, 1)
     first = conv.ask(MSG[0], max_tokens=N, sampling={"temp": 0})
     later = conv.ask(MSG[1], max_tokens=N, sampling={"temp": 0})
     assert first.timings.read_tokens > 0 and later.timings.read_tokens == 0

@@ -332,6 +332,7 @@ def test_conversation_bench_three_policies(tmp_path):
     out = CliRunner().invoke(cli, ["bench", "--preset", "tiny", "--conversation", "--turns", "4",
                                    "--user-lengths", "8,24", "--answer-tokens", "3",
                                    "--escalation-rate", "0.5", "--seed", "1", "-o", str(tmp_path),
+                                   "--large-reads-last", "1",
                                    "--policies", ",".join(ALL_POLICIES)])  # fmt: skip
     assert out.exit_code == 0, out.output
     result = json.loads((tmp_path / "conversation.json").read_text())

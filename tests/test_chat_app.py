@@ -111,7 +111,7 @@ def step(term, text, timeout=30.0) -> str:
 
 
 def test_answers_switches_escalates_and_quits(app):
-    t = app("-m", "24", "--temp", "0", "--reader", "tokens")
+    t = app("-m", "24", "--temp", "0", "--reader", "tokens", "--large-reads-last", "1")
     # the token rule: the large model answers and the small one reads the opening
     screen = t.screen()
     assert "reader" in screen and "loaded in" in screen and "warm-up" in screen

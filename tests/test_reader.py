@@ -80,6 +80,35 @@ def test_reader_equals_reprefill_over_ten_turns(pair, translators, seeded):
     assert all(b - a >= 1 for a, b in spans) and spans[-1][1] < n
 
 
+def test_the_large_reads_the_last_tokens_itself_on_the_translated_rest(pair, translators):
+    """`large_reads_last=k`: the small model reads up to the turn's last k tokens, only those
+    are translated, and the large model reads the last k itself; with exact translators the
+    answers are the re-prefill's token for token. A turn of at most k tokens the large reads
+    whole, and says why."""
+    fwd, bwd = translators
+    k = 8
+    s = Session(pair, fwd, bwd, reader="small", large_reads_last=k)
+    got = []
+    for i in range(6):
+        s.add_user(MESSAGES[i])
+        n0 = len(s.tokens)
+        got.append([e.token for e in s.generate("large", max_tokens=N)])
+        t = s.turns[-1]
+        assert t.prompt_tokens == k and t.read is not None and t.read.tokens > 0
+        assert t.switch.end == n0 - k  # translated up to the last k tokens, not beyond
+    assert got == converse(Session(pair, fwd, bwd, mode="reprefill"), 6)
+    assert_translated_once(s)
+    assert_consistent(s)
+    short = Session(pair, fwd, bwd, reader="small", large_reads_last=10_000)
+    short.add_user(MESSAGES[0])
+    list(short.generate("large", max_tokens=2))
+    (t,) = short.turns
+    assert t.read is None and t.switch is None and t.prompt_tokens > k
+    assert "within the 10000 tok the large reads itself" in t.read_note
+    with pytest.raises(SessionError, match="large_reads_last"):
+        Session(pair, fwd, bwd, large_reads_last=0)
+
+
 def test_reader_self_keeps_todays_behaviour(pair, translators):
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, reader="self")

@@ -15,6 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..api import (
+    LARGE_READS_LAST,
     MODES,
     READER_MARGIN,
     READER_MIN_TOKENS,
@@ -65,15 +66,18 @@ HELP = [
 
 def describe_reader(conv) -> str:
     """What the conversation's reader policy does, in words."""
+    last = (f"; the large reads the last {conv.large_reads_last} tok itself"
+            if conv.large_reads_last > 1 else "")  # fmt: skip
     if conv.reader == "small":
-        return "the small model reads every turn, the large one decodes from the translated cache"
+        return ("the small model reads every turn, the large one decodes from the translated "
+                f"cache{last}")  # fmt: skip
     rule = (f"the small model reads the opening and turns of {conv.reader_min_tokens}+ "
             "tokens, the large one shorter turns")  # fmt: skip
     if conv.reader == "tokens":
-        return rule
+        return rule + last
     if conv.reader == "auto":
         return (f"whichever starts the answer sooner at the rates measured here; within "
-                f"{conv.reader_margin:.0%}, {rule}")  # fmt: skip
+                f"{conv.reader_margin:.0%}, {rule}{last}")  # fmt: skip
     return "the answering model reads your turn itself"
 
 
@@ -380,6 +384,10 @@ class ChatApp:
               show_default=True,
               help="Reader auto: predicted TTFTs this close (a fraction) are a tie, which the "
                    "token rule decides")  # fmt: skip
+@click.option("--large-reads-last", type=click.IntRange(1), default=LARGE_READS_LAST,
+              show_default=True,
+              help="When the small model reads your turn, the large one still reads its last "
+                   "this many tokens itself (your question in its own words); 1: the last token")  # fmt: skip
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
               help="Before the first prompt, run each path once (compiled kernels, lazy weights) "
                    "and measure the pair's rates for reader auto")  # fmt: skip
@@ -392,7 +400,8 @@ class ChatApp:
 @distributed_option
 @wire_option
 def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
-             max_kv_size, mode, answer, reader, reader_min_tokens, reader_margin, warmup,
+             max_kv_size, mode, answer, reader, reader_min_tokens, reader_margin,
+             large_reads_last, warmup,
              translate_ahead, first, auto_threshold, **sampling):  # fmt: skip
     """Chat with the pair: the large model answers, the small one reads for it (/small, /large)."""
     import time
@@ -422,7 +431,7 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     try:
         conv = runtime.new_conversation(system_prompt, mode, max_kv_size, reader,
                                         translate_ahead, reader_min_tokens,
-                                        reader_margin)  # fmt: skip
+                                        reader_margin, large_reads_last)  # fmt: skip
     except ConversationError as e:
         raise click.ClickException(str(e)) from None
     app = ChatApp(conv, max_tokens=max_tokens, sampling=sampling_settings(sampling),

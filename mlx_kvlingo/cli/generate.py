@@ -44,8 +44,9 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     from ..api import ConversationError, Runtime
 
     pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
-    # the small model reads the prompt, the large one decodes from the translated cache
-    conv = Runtime(pair, tr).new_conversation(reader="small")
+    # the small model reads the prompt, the large one decodes from the translated cache: no
+    # target prefill, not even of the question (large_reads_last=1: the last token only)
+    conv = Runtime(pair, tr).new_conversation(reader="small", large_reads_last=1)
     settings = sampling_settings(sampling)
     try:
         if chat and getattr(pair.tokenizer, "chat_template", None):
@@ -110,7 +111,7 @@ def _generate_distributed(source, target, translator, wire, prompt, chat, max_to
 
     runtime = load_runtime(source, target, translator, None, wire, demo_pair)  # ranks > 0 stop here
     try:
-        conv = runtime.new_conversation()
+        conv = runtime.new_conversation(large_reads_last=1)
         if chat:
             conv.add_messages([{"role": "user", "content": prompt}])
         else:

@@ -92,12 +92,14 @@ class Answering:
             small, stats.read_note, paths = self._reader_choice(name, n0 - 1)
             if paths is not None:  # what was predicted for the path taken
                 stats.predicted_ttft_s = (paths.small if small else paths.large)(self.read_costs)
-            if small:
-                stats.read = self._read_ahead(n0 - 1, min(kwargs["prefill_step_size"], 512))
+            upto = n0 - 1  # the answering model reads at least the last token itself
+            if small:  # the large still reads the turn's last tokens itself (_tail_cut)
+                upto = self._tail_cut(n0 - 1)
+                stats.read = self._read_ahead(upto, min(kwargs["prefill_step_size"], 512))
                 if self._cancel.is_set():  # stopped while the small model read
                     stats.finish_reason = "cancelled"
                     return
-            stats.switch = self._catch_up(name, n0 - 1)
+            stats.switch = self._catch_up(name, upto)
             ahead = self._ahead_begin(n0 - 1) if name == "source" else None
             stats.ahead = ahead
             prompt = self.tokens[m.held :]

@@ -88,6 +88,13 @@ class CatchUp:
         self.switches.append(sw)
         return sw
 
+    def _tail_cut(self, upto: int) -> int:
+        """Where the small model's reading for the large one stops: the large reads
+        conversation[cut : upto + 1] itself, its last `large_reads_last` tokens (fewer where
+        it already holds more)."""
+        held = min(self._models["target"].held, upto)
+        return max(held, upto + 1 - self.large_reads_last)
+
     def _paths(self, upto: int) -> Paths | None:
         """The lengths of the two ways the large model can come to read conversation[:upto + 1]
         (None where no prediction applies: no forward map, or not alternation)."""
@@ -95,7 +102,9 @@ class CatchUp:
             return None
         t, s = self._models["target"].held, self._models["source"].held
         th, sh = min(t, upto), min(s, upto)
-        return Paths(upto + 1 - th, max(th - sh, 0), upto - max(sh, th), self.backward is not None)
+        cut = self._tail_cut(upto)
+        return Paths(upto + 1 - th, max(th - sh, 0), max(cut - max(sh, th), 0),
+                     self.backward is not None, upto + 1 - cut)  # fmt: skip
 
     def _reader_choice(self, name: str, upto: int) -> tuple[bool, str, Paths | None]:
         """Does the small model read [large's held, upto) for `name` this turn (reader policy,
@@ -103,6 +112,9 @@ class CatchUp:
         if name != "target" or self.forward is None or self.mode == "reprefill":
             return False, "", None  # reprefill is the reference: the answering model reads it all
         paths = self._paths(upto)
+        if self._tail_cut(upto) <= self._models["target"].held:  # one way only: no prediction
+            why = f"the turn is within the {self.large_reads_last} tok the large reads itself"
+            return False, "" if self.reader == "self" else why, None
         if self.reader in ("small", "self"):
             return self.reader == "small", "", paths
         held = self._models["target"].held

@@ -85,6 +85,7 @@ class Persistence:
             "reader": self.reader,
             "reader_min_tokens": self.reader_min_tokens,
             "reader_margin": self.reader_margin,
+            "large_reads_last": self.large_reads_last,
             "answer": list(self._answer) if self._answer else None,
             "user_start": self._user_start,
             "switches": [asdict(s) for s in self.switches],
@@ -231,6 +232,9 @@ class Persistence:
         margin = state.get("reader_margin")
         if isinstance(margin, (int, float)) and not isinstance(margin, bool) and margin >= 0:
             out["_reader_margin"] = float(margin)
+        last = state.get("large_reads_last")  # absent from older files: the session's own stays
+        if _is_int(last) and last >= 1:
+            out["_large_reads_last"] = last
         return out
 
 

@@ -16,7 +16,8 @@ The two ways a large answer can start, predicted with the same accounting as the
 
     large reads     target_read(lacked)
     small reads     catch-up (backward(k), or source_read when there is no backward map)
-                    + source_read(read) + forward(lacked - 1) + target_step
+                    + source_read(read) + forward(lacked - tail) + the large reading the
+                    tail itself (target_step for one token, else target_read(tail))
 
 Measurements come from a warm-up at load (`warmup.py`: a scripted scratch conversation, which
 also pays once what a process pays on its first turn: compiled kernels, lazy weights, first
@@ -116,20 +117,25 @@ class ReadCosts:
             return self.step()
         return self.target_read.predict(lacked) if self.target_read.ready else None
 
-    def small_reads(self, lacked: int, catch_up: int, read: int, backward: bool) -> float | None:
+    def small_reads(
+        self, lacked: int, catch_up: int, read: int, backward: bool, tail: int = 1
+    ) -> float | None:
         """Predicted TTFT with the small model reading: it catches up on `catch_up` tokens
         (translated back when `backward`, else it reads them), reads `read` tokens, `lacked -
-        1` are translated into the large model, which reads the last token itself."""
+        tail` are translated into the large model, which reads the last `tail` itself."""
         needed = [self.source_read, self.forward]
         if catch_up and backward:
             needed.append(self.backward)
-        if not all(c.ready for c in needed) or self.step() is None:
+        if not all(c.ready for c in needed):
+            return None
+        large = self.large_reads(tail)
+        if large is None:
             return None
         if catch_up and backward:
-            t = self.backward.predict(catch_up) + self.source_read.predict(read)
+            t = self.backward.predict(catch_up) + (self.source_read.predict(read) if read else 0.0)
         else:
-            t = self.source_read.predict(catch_up + read)
-        return t + self.forward.predict(lacked - 1) + self.step()
+            t = self.source_read.predict(catch_up + read) if catch_up + read else 0.0
+        return t + (self.forward.predict(lacked - tail) if lacked > tail else 0.0) + large
 
 
 _ATTR = "_kvlingo_read_costs"
@@ -147,13 +153,14 @@ def costs_of(pair) -> ReadCosts:
 class Paths:
     """A large answer about to start: the lengths each way of reading its turn involves."""
 
-    lacked: int  # tokens the large model lacks (it reads them all, or the last one only)
+    lacked: int  # tokens the large model lacks (it reads them all, or the last `tail` only)
     catch_up: int  # tokens the small model must first catch up on (the large's answers)
     read: int  # tokens the small model then reads itself
     backward: bool  # the small catches up by backward translation (else it reads them too)
+    tail: int = 1  # on the small path, the last tokens the large model still reads itself
 
     def large(self, costs: ReadCosts) -> float | None:
         return costs.large_reads(self.lacked)
 
     def small(self, costs: ReadCosts) -> float | None:
-        return costs.small_reads(self.lacked, self.catch_up, self.read, self.backward)
+        return costs.small_reads(self.lacked, self.catch_up, self.read, self.backward, self.tail)

@@ -36,7 +36,7 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
 from ..pair import ModelPair
-from ..session import Session
+from ..session import LARGE_READS_LAST, Session
 from ..translator import Translator
 from . import report
 from .bench import prompt_tokens
@@ -72,6 +72,7 @@ class ConversationBenchConfig:
     seed: int = 0
     policies: tuple[str, ...] = POLICIES
     warmup: bool = True
+    large_reads_last: int = LARGE_READS_LAST  # as Runtime's conversations, where the small reads
 
 
 @dataclass
@@ -135,9 +136,12 @@ def run_conversation_bench(
         log(f"warm-up {warmup_s:.1f} s")
     sessions = {
         "large reads": Session(pair, forward, backward, reader="self"),
-        "small reads": Session(pair, forward, backward, reader="small"),
-        "auto reads": Session(pair, forward, backward, reader="auto"),
-        "tokens reads": Session(pair, forward, backward, reader="tokens"),
+        **{
+            f"{r} reads": Session(
+                pair, forward, backward, reader=r, large_reads_last=cfg.large_reads_last
+            )
+            for r in ("small", "auto", "tokens")
+        },  # fmt: skip
         "cascade": Session(pair, forward, backward, reader="self"),
         "cascade+ahead": Session(pair, forward, backward, reader="self", translate_ahead=True),
         "cascade+ahead (no budget)": Session(
