@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="the translated side's reader policy: small (every turn translated: "
                     "the translators' check), auto (what a chat does by default: by this "
                     "machine's timing) or tokens (the token rule, auto before issue 28)")  # fmt: skip
+    ap.add_argument("--large-reads-last", type=int, default=api.LARGE_READS_LAST,
+                    help="where the small model reads, the large still reads the turn's last this "
+                    "many tokens itself (Runtime's default); 1: the last token only")  # fmt: skip
     ap.add_argument("--long-later", action="store_true",
                     help="a quiz question, then a held-out paragraph to summarize")  # fmt: skip
     ap.add_argument("--prose", type=Path,
@@ -118,11 +121,13 @@ def main(argv: list[str] | None = None) -> None:
     for msgs in convs[: args.conversations]:
         native, translated = (
             rt.new_conversation(reader="self"),
-            rt.new_conversation(reader=args.reader),
+            rt.new_conversation(reader=args.reader, large_reads_last=args.large_reads_last),
         )
         for turn, q in enumerate(m["content"] for m in msgs if m["role"] == "user"):
             if args.later_from_history and turn > 0:
-                translated = rt.new_conversation(reader=args.reader)
+                translated = rt.new_conversation(
+                    reader=args.reader, large_reads_last=args.large_reads_last
+                )
                 translated.add_messages(native.messages)
             a = native.ask(q, **greedy).text
             b = translated.ask(q, **greedy).text
@@ -131,11 +136,13 @@ def main(argv: list[str] | None = None) -> None:
                 examples.append({"question": q, "native": a, "translated": b})
     quiz = []
     for q, must in EVERYDAY_QUIZ:
-        quiz.append(is_right(rt.new_conversation().ask(q, **greedy).text, must))
+        quiz_conv = rt.new_conversation(large_reads_last=args.large_reads_last)
+        quiz.append(is_right(quiz_conv.ask(q, **greedy).text, must))
     result = {
         "pair": args.pair,
         "translator": Path(str(forward)).name,
         "reader": args.reader,
+        "large_reads_last": args.large_reads_last,
         "later_from_history": args.later_from_history,
         "backward_translator": backward is not None,
         "conversations_of": "quiz question, paragraph to summarize" if args.long_later else "data",
