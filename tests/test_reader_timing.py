@@ -63,6 +63,42 @@ def test_paths_add_up_the_parts_of_each_ttft():
     assert ReadCosts.fixed(target_read=(0, 1)).small_reads(1, 0, 0, True) is None  # not all known
 
 
+def test_the_small_path_with_a_tail_adds_the_large_models_read_of_it():
+    costs = ReadCosts.fixed(
+        source_read=(0.01, 0.001), forward=(0.002, 0.0005), target_read=(0.02, 0.01),
+    )  # fmt: skip
+    p = Paths(lacked=40, catch_up=0, read=8, backward=False, tail=32)
+    assert p.small(costs) == pytest.approx((0.01 + 0.008) + (0.002 + 0.0005 * 8) + (0.02 + 0.32))
+    nothing = Paths(lacked=32, catch_up=0, read=0, backward=False, tail=32)  # nothing to read
+    assert nothing.small(costs) == pytest.approx(nothing.large(costs))
+
+
+def test_the_tail_is_dropped_where_it_would_more_than_double_the_ttft(pair, translators):
+    """`large_reads_last` holds while its read keeps the small path within TAIL_BUDGET (2x) of
+    the plain handoff's predicted TTFT; beyond, the large reads the last token only, and the
+    status line says why. The answers stay the re-prefill's (exact translators)."""
+    from mlx_kvlingo.conversation.catchup import TAIL_BUDGET
+
+    fwd, bwd = translators
+    long = "word " * 80
+    cheap = dict(source_read=(0.05, 0.001), forward=(0.01, 0.001), target_read=(0.01, 0.001))
+    dear = dict(source_read=(0.05, 0.001), forward=(0.01, 0.001), target_read=(0.01, 0.1))
+    for rates, tail in ((cheap, 8), (dear, 1)):
+        s = Session(pair, fwd, bwd, reader="small", large_reads_last=8,
+                    read_costs=ReadCosts.fixed(**rates))  # fmt: skip
+        s.add_user(long)
+        n0 = len(s.tokens)
+        plain, with_tail = s._paths_with(n0 - 1, 1), s._paths_with(n0 - 1, 8)
+        ratio = with_tail.small(s.read_costs) / plain.small(s.read_costs)
+        assert (ratio <= TAIL_BUDGET) == (tail == 8)
+        toks = [e.token for e in s.generate("large", max_tokens=N)]
+        ref = Session(pair, fwd, bwd, mode="reprefill")
+        assert toks == talk(ref, [long])[0]
+        (st,) = s.turns
+        assert st.prompt_tokens == tail and st.read is not None
+        assert ("the large reads the last token only" in status_line(st, NAMES)) == (tail == 1)
+
+
 LARGE_FAST = dict(source_read=(0.05, 0.01), forward=(0.05, 0.01), backward=(0.05, 0.01),
                   target_read=(0.001, 0.001))  # fmt: skip
 SMALL_FAST = dict(source_read=(0.0, 1e-4), forward=(0.0, 1e-4), backward=(0.0, 1e-4),

@@ -22,6 +22,9 @@ from .records import Read, SessionError, Switch
 from .timing import Paths
 
 ALIASES = {"source": "source", "target": "target", "small": "source", "large": "target"}
+#: the large model's read of the turn's last tokens may make the small path's predicted TTFT at
+#: most this many times the plain handoff's (where the large reads only the last token)
+TAIL_BUDGET = 2.0
 
 
 @dataclass
@@ -88,47 +91,69 @@ class CatchUp:
         self.switches.append(sw)
         return sw
 
+    def _tail(self, upto: int) -> int:
+        """How many of the turn's last tokens the large model reads itself where the small
+        reads for it: `large_reads_last`, unless that is predicted to take more than
+        `TAIL_BUDGET` times the plain handoff's TTFT (then 1: the last token only)."""
+        k = self.large_reads_last
+        if k == 1 or self.forward is None or self.mode != "alternation":
+            return k
+        plain, tail = self._paths_with(upto, 1), self._paths_with(upto, k)
+        a, b = plain.small(self.read_costs), tail.small(self.read_costs)
+        return 1 if a is not None and b is not None and b > TAIL_BUDGET * a else k
+
     def _tail_cut(self, upto: int) -> int:
         """Where the small model's reading for the large one stops: the large reads
-        conversation[cut : upto + 1] itself, its last `large_reads_last` tokens (fewer where
-        it already holds more)."""
+        conversation[cut : upto + 1] itself, its last `_tail` tokens (fewer where it already
+        holds more)."""
         held = min(self._models["target"].held, upto)
-        return max(held, upto + 1 - self.large_reads_last)
+        return max(held, upto + 1 - self._tail(upto))
+
+    def _paths_with(self, upto: int, tail: int) -> Paths:
+        t, s = self._models["target"].held, self._models["source"].held
+        th, sh = min(t, upto), min(s, upto)
+        cut = max(th, upto + 1 - tail)
+        return Paths(upto + 1 - th, max(th - sh, 0), max(cut - max(sh, th), 0),
+                     self.backward is not None, upto + 1 - cut)  # fmt: skip
 
     def _paths(self, upto: int) -> Paths | None:
         """The lengths of the two ways the large model can come to read conversation[:upto + 1]
         (None where no prediction applies: no forward map, or not alternation)."""
         if self.forward is None or self.mode != "alternation":
             return None
-        t, s = self._models["target"].held, self._models["source"].held
-        th, sh = min(t, upto), min(s, upto)
-        cut = self._tail_cut(upto)
-        return Paths(upto + 1 - th, max(th - sh, 0), max(cut - max(sh, th), 0),
-                     self.backward is not None, upto + 1 - cut)  # fmt: skip
+        return self._paths_with(upto, self._tail(upto))
 
     def _reader_choice(self, name: str, upto: int) -> tuple[bool, str, Paths | None]:
         """Does the small model read [large's held, upto) for `name` this turn (reader policy,
-        see session.py)? (yes or no, why the large reads itself when it does, the lengths)."""
+        see session.py)? (yes or no, a note for the status line, the lengths)."""
         if name != "target" or self.forward is None or self.mode == "reprefill":
             return False, "", None  # reprefill is the reference: the answering model reads it all
         paths = self._paths(upto)
         if self._tail_cut(upto) <= self._models["target"].held:  # one way only: no prediction
             why = f"the turn is within the {self.large_reads_last} tok the large reads itself"
             return False, "" if self.reader == "self" else why, None
+        small, why = self._policy(upto, paths)
+        if small and self.large_reads_last > 1 and paths is not None and paths.tail == 1:
+            why = (f"the large reads the last token only: reading the last "
+                   f"{self.large_reads_last} tok would take over {TAIL_BUDGET:g}x this TTFT")  # fmt: skip
+        return small, why, paths
+
+    def _policy(self, upto: int, paths: Paths | None) -> tuple[bool, str]:
+        """The reader policy's choice: (the small model reads, why the large reads itself)."""
         if self.reader in ("small", "self"):
-            return self.reader == "small", "", paths
+            return self.reader == "small", ""
         held = self._models["target"].held
         rule = held == 0 or upto - held >= self.reader_min_tokens
         under = f"the large reads turns under {self.reader_min_tokens} tok"
         if self.reader == "tokens":
-            return rule, "" if rule else f"reader tokens: {under}", paths
+            return rule, "" if rule else f"reader tokens: {under}"
         large = None if paths is None else paths.large(self.read_costs)
         small = None if paths is None else paths.small(self.read_costs)
         if large is None or small is None:
-            return rule, "" if rule else f"reader auto, not timed yet: {under}", paths
+            return rule, "" if rule else f"reader auto, not timed yet: {under}"
         if abs(large - small) <= self.reader_margin * min(large, small):
-            return rule, "" if rule else f"reader auto, a tie: {under}", paths
-        return small < large, "" if small < large else "reader auto: the faster", paths
+            return rule, "" if rule else f"reader auto, a tie: {under}"
+        return small < large, "" if small < large else "reader auto: the faster"
 
     def _observe(self, stats) -> None:
         """Feed what this turn measured into the pair's read costs (reader "auto")."""
