@@ -213,12 +213,13 @@ def test_cancel_during_the_small_read(pair, translators, monkeypatch):
 
 def test_save_load_and_trim_with_reader(pair, translators, tmp_path):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="small")
+    s = Session(pair, fwd, bwd, reader="small", large_reads_last=5)
     converse(s, 3)
     path = s.save(tmp_path / "chat")
     t = Session(pair, fwd, bwd, reader="self")
     t.load(path)
     assert t.reader == "small" and t.turns[-1].read.tokens == s.turns[-1].read.tokens
+    assert t.large_reads_last == 5
     assert converse(s, 2) == converse(t, 2)
     dropped = t.trim(len(t.tokens) // 2)
     assert dropped > 0
