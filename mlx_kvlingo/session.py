@@ -35,9 +35,9 @@ target's own K/V. A translated short message keeps its topic and loses its reque
 name for my cat" answered with what a pet-care assistant can do); read by the large model, it
 is answered as on the native cache, and the earlier context (the system prompt, earlier turns,
 a long passage) still comes translated (weights/QUALITY.md, "The target reads the question
-itself"). Where that read is predicted to take more than `TAIL_BUDGET` (2) times the plain
-handoff's TTFT (an MoE target's prefill on the CPU), the large reads only the last token, and
-the status line says so.
+itself"). Where that read is predicted to more than double the plain handoff's TTFT and to
+add more than half a second (`catchup.TAIL_BUDGET`, `TAIL_ALLOWANCE_S`: an MoE target's
+prefill on the CPU), the large reads only the last token, and the status line says so.
 
 The answering model always reads at least the last conversation token itself and then
 decodes with mlx-lm's `stream_generate` on its own cache. Messages are appended as the

@@ -22,9 +22,12 @@ from .records import Read, SessionError, Switch
 from .timing import Paths
 
 ALIASES = {"source": "source", "target": "target", "small": "source", "large": "target"}
-#: the large model's read of the turn's last tokens may make the small path's predicted TTFT at
-#: most this many times the plain handoff's (where the large reads only the last token)
+#: the large model's read of the turn's last tokens may add to the small path's predicted TTFT
+#: as much as the plain handoff's own TTFT (where the large reads only the last token), or
+#: TAIL_ALLOWANCE_S, whichever is more: a user does not notice a fifth of a second, but does
+#: notice an MoE target's seconds-long prefill on the CPU
 TAIL_BUDGET = 2.0
+TAIL_ALLOWANCE_S = 0.5
 
 
 @dataclass
@@ -94,13 +97,16 @@ class CatchUp:
     def _tail(self, upto: int) -> int:
         """How many of the turn's last tokens the large model reads itself where the small
         reads for it: `large_reads_last`, unless that is predicted to take more than
-        `TAIL_BUDGET` times the plain handoff's TTFT (then 1: the last token only)."""
+        `TAIL_BUDGET` times the plain handoff's TTFT and `TAIL_ALLOWANCE_S` more than it (then
+        1: the last token only)."""
         k = self.large_reads_last
         if k == 1 or self.forward is None or self.mode != "alternation":
             return k
         plain, tail = self._paths_with(upto, 1), self._paths_with(upto, k)
         a, b = plain.small(self.read_costs), tail.small(self.read_costs)
-        return 1 if a is not None and b is not None and b > TAIL_BUDGET * a else k
+        if a is None or b is None:
+            return k
+        return 1 if b > max(TAIL_BUDGET * a, a + TAIL_ALLOWANCE_S) else k
 
     def _tail_cut(self, upto: int) -> int:
         """Where the small model's reading for the large one stops: the large reads
@@ -135,7 +141,8 @@ class CatchUp:
         small, why = self._policy(upto, paths)
         if small and self.large_reads_last > 1 and paths is not None and paths.tail == 1:
             why = (f"the large reads the last token only: reading the last "
-                   f"{self.large_reads_last} tok would take over {TAIL_BUDGET:g}x this TTFT")  # fmt: skip
+                   f"{self.large_reads_last} tok would take over {TAIL_BUDGET:g}x this TTFT "
+                   f"and {TAIL_ALLOWANCE_S:g} s more")  # fmt: skip
         return small, why, paths
 
     def _policy(self, upto: int, paths: Paths | None) -> tuple[bool, str]:
