@@ -44,9 +44,10 @@ def _turn(stream, stop_after=None) -> dict:
 def conversation(rt: Runtime, short: bool = False) -> dict:
     """Every kind of turn: the small model reading for the large one, alternation both ways,
     escalation both ways (a cache cut back), a stream stopped early, naive re-translation,
-    reset, translate-ahead, two conversations interleaved, the default reader policy ("auto":
-    the small reads the opening, the large a short later turn); `short`: the first three turns."""
-    a = rt.new_conversation(reader="small")
+    reset, translate-ahead, two conversations interleaved, the token rule (the small reads the
+    opening, the large a short later turn), the large reading a turn's last 3 tokens itself;
+    `short`: the first three turns."""
+    a = rt.new_conversation(reader="small", large_reads_last=1)  # the plain handoff
     b = rt.new_conversation(reader="self")
     turns = [
         _turn(a.send("def foo(x):", "large", **GREEDY)),
@@ -68,12 +69,14 @@ def conversation(rt: Runtime, short: bool = False) -> dict:
     a.mode = "alternation"
     a.reset()
     turns.append(_turn(a.send("fresh start", "large", **GREEDY)))
-    c = rt.new_conversation(translate_ahead=True)
+    c = rt.new_conversation(translate_ahead=True, large_reads_last=1)
     turns.append(_turn(c.send("x = 1", "small", **GREEDY)))
     turns.append(_turn(c.escalate(**GREEDY)))
-    d = rt.new_conversation(reader="tokens")  # the token rule: the same in every process
+    d = rt.new_conversation(reader="tokens", large_reads_last=1)  # the same in every process
     turns.append(_turn(d.send("def foo(x):", "large", **GREEDY)))
     turns.append(_turn(d.send("ok", "large", **GREEDY)))
+    e = rt.new_conversation(reader="small", large_reads_last=3)  # the large reads the last 3
+    turns.append(_turn(e.send("def parse_args(argv): return argv", "large", **GREEDY)))
     stats = {k: a.stats()["models"]["target"][k] for k in ("translated_into", "turns", "held")}
     return {"turns": turns, "stats": stats}
 
@@ -99,7 +102,9 @@ def _lost(rt: Runtime) -> dict:
     """Rank 0 of a case whose rank 1 dies: the error a user gets, and how long it took."""
     t0 = time.monotonic()
     try:
-        rt.new_conversation().ask("def foo(x):", "large", **GREEDY)
+        rt.new_conversation(reader="small", large_reads_last=1).ask(
+            "def foo(x):", "large", **GREEDY
+        )  # a span is sent
         return {"error": None}
     except Exception as e:  # noqa: BLE001 - the point is which error
         return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}

@@ -97,7 +97,8 @@ def test_two_ranks_answer_like_one_process_and_a_lost_rank_is_reported(cases):
         assert res["local_layers"] == owners[0][1] - owners[0][0]
         assert res["bytes_sent"] > 0 and res["bytes_received"] > 0  # both ways over the wire
         if not case.get("short"):  # reader tokens: the small read the opening, the large "ok"
-            assert res["turns"][-2]["read"] > 0 == res["turns"][-1]["read"]
+            assert res["turns"][-3]["read"] > 0 == res["turns"][-2]["read"]
+            assert res["turns"][-1]["read"] > 0 and res["turns"][-1]["prompt"] == 3
     lost = results[-1]
     assert lost["error"] == "RankLostError", lost
     assert "lost a rank" in lost["message"] and lost["seconds"] < 30
