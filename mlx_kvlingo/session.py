@@ -30,12 +30,11 @@ quality: its later answers drift to earlier topics). No span is translated twice
 
 When the small model reads for the large one, the large still reads the turn's last
 `large_reads_last` tokens itself, on the translated rest (`Runtime`'s conversations: 32; a bare
-`Session`: 1, the plain handoff): the user's question in the
-target's own K/V. A translated short message keeps its topic and loses its request ("suggest a
-name for my cat" answered with what a pet-care assistant can do); read by the large model, it
-is answered as on the native cache, and the earlier context (the system prompt, earlier turns,
-a long passage) still comes translated (weights/QUALITY.md, "The target reads the question
-itself"). Where that read is predicted to more than double the plain handoff's TTFT and to
+`Session`: 1, the plain handoff): the user's question in the target's own K/V. A translated
+short message keeps its topic and loses its request ("suggest a name for my cat" answered with
+what a pet-care assistant can do); read by the large model, it is answered as on the native
+cache, and the earlier context (the system prompt, earlier turns, a long passage) still comes
+translated (weights/QUALITY.md, "In a chat: the large model reads the turn's last 32 tokens"). Where that read is predicted to more than double the plain handoff's TTFT and to
 add more than half a second (`catchup.TAIL_BUDGET`, `TAIL_ALLOWANCE_S`: an MoE target's
 prefill on the CPU), the large reads only the last token, and the status line says so.
 
