@@ -170,9 +170,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
 
     @reader_min_tokens.setter
     def reader_min_tokens(self, n: int) -> None:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-            raise SessionError(f"reader_min_tokens must be a whole number >= 0 (got {n!r})")
-        self._reader_min_tokens = n
+        self._reader_min_tokens = _whole_number("reader_min_tokens", n, 0)
 
     @property
     def large_reads_last(self) -> int:
@@ -182,9 +180,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
 
     @large_reads_last.setter
     def large_reads_last(self, n: int) -> None:
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise SessionError(f"large_reads_last must be a whole number >= 1 (got {n!r})")
-        self._large_reads_last = n
+        self._large_reads_last = _whole_number("large_reads_last", n, 1)
 
     @property
     def reader_margin(self) -> float:
@@ -286,4 +282,10 @@ class Session(Messages, CatchUp, Answering, Persistence):
         self._cancel.set()
 
 
-__all__ = ["MODES", "READER_MARGIN", "READER_MIN_TOKENS", "READERS", "Session"]
+__all__ = ["LARGE_READS_LAST", "MODES", "READER_MARGIN", "READER_MIN_TOKENS", "READERS", "Session"]
+
+
+def _whole_number(name: str, n, least: int) -> int:
+    if not isinstance(n, int) or isinstance(n, bool) or n < least:
+        raise SessionError(f"{name} must be a whole number >= {least} (got {n!r})")
+    return n
