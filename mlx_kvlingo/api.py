@@ -338,6 +338,7 @@ class Runtime:
         timeout: float | None,
         demo_pair: str | None = None,
     ) -> Runtime:
+        from .demo import pair as demo
         from .loading import DEMO_PAIRS, demo_paths, resolve_translator_spec
         from .pipelined import load
 
@@ -351,14 +352,19 @@ class Runtime:
                 raise ValueError(
                     f"unknown demo pair {demo_pair!r} (known: {', '.join(DEMO_PAIRS)})"
                 )
-            source, target = demo_paths(demo_pair)
+            source, target = demo_paths(demo_pair, translator)
+            small = demo.source_for(translator, demo_pair)
         elif demo_pair is not None:
             raise ValueError("a demo pair is chosen by name only without source/target")
         elif translator is None:
             raise ValueError("a distributed runtime needs the small -> large translator")
-        path = resolve_translator_spec(translator, False, demo_pair)
+        else:
+            small = None
+        path = resolve_translator_spec(translator, False, demo_pair, small)
         if not isinstance(backward_translator, Translator):
-            backward_translator = resolve_translator_spec(backward_translator, True, demo_pair)
+            backward_translator = resolve_translator_spec(
+                backward_translator, True, demo_pair, small
+            )
         # ranks > 0 do not return from load: they serve rank 0, then exit
         link, pair = load(source, target, path, wire=wire, timeout=timeout)
         backward = backward_translator

@@ -26,12 +26,16 @@ DEMO_PAIRS = ("dense", "moe")
 
 
 def resolve_translator_spec(
-    spec: str | Path | None, reverse: bool = False, pair_name: str | None = None
+    spec: str | Path | None,
+    reverse: bool = False,
+    pair_name: str | None = None,
+    demo_source: str | None = None,
 ) -> Path | None:
     """The translator file `spec` names for the direction (see the module docstring).
 
     `pair_name`: the demo pair the spec is read against ("dense", "moe"), or None for a named
-    pair (then None resolves to None: no translator). Raises `FileNotFoundError` for a demo
+    pair (then None resolves to None: no translator); `demo_source`: the demo small model
+    whose defaults None means (`demo.pair.source_for`; None: the pair's default). Raises `FileNotFoundError` for a demo
     name that is not shipped, `HubError` (a ValueError) for what is neither a file nor a Hub
     id, `ValueError` for an unknown demo pair.
     """
@@ -41,7 +45,8 @@ def resolve_translator_spec(
         from .demo import pair as demo
 
         try:
-            return demo.translator_path(None if spec is None else str(spec), reverse, pair_name)
+            name = None if spec is None else str(spec)
+            return demo.translator_path(name, reverse, pair_name, demo_source)
         except (FileNotFoundError, KeyError):
             if spec is None and reverse:
                 return None  # no shipped backward translator: switching back re-reads
@@ -52,11 +57,15 @@ def resolve_translator_spec(
 
 
 def _translator(
-    spec: str | Path | Translator | None, pair: Any, reverse: bool, pair_name: str | None
+    spec: str | Path | Translator | None,
+    pair: Any,
+    reverse: bool,
+    pair_name: str | None,
+    demo_source: str | None = None,
 ) -> Translator | None:
     if isinstance(spec, Translator):
         return spec
-    path = resolve_translator_spec(spec, reverse, pair_name)
+    path = resolve_translator_spec(spec, reverse, pair_name, demo_source)
     if path is None:
         return None
     from .format import load_translator
@@ -82,25 +91,33 @@ def load_models_and_translators(
     """
     from .pair import load_pair
 
+    small = None  # the demo source, for a demo pair
     if source is None and target is None:
         demo_pair = demo_pair or "dense"
         if demo_pair not in DEMO_PAIRS:
             raise ValueError(f"unknown demo pair {demo_pair!r} (known: {', '.join(DEMO_PAIRS)})")
         from .demo import pair as demo
 
-        source, target = demo.demo_models(demo_pair)
+        # the small model is the demo source the named translator reads (default: the pair's)
+        if translator is not None or backward is None:
+            small = demo.source_for(translator, demo_pair)
+        else:
+            small = demo.source_for(backward, demo_pair, reverse=True)
+        source, target = demo.demo_models(demo_pair, small)
     elif source is None or target is None:
         raise ValueError("give both source and target, or neither for the demo pair")
     elif demo_pair is not None:
         raise ValueError("a demo pair is chosen by name only without source/target")
     pair = load_pair(source, target, dtype=dtype)
-    forward = _translator(translator, pair, False, demo_pair)
-    back = _translator(backward, pair.reversed(), True, demo_pair)
+    forward = _translator(translator, pair, False, demo_pair, small)
+    back = _translator(backward, pair.reversed(), True, demo_pair, small)
     return pair, forward, back
 
 
-def demo_paths(demo_pair: str | None) -> tuple[Path, Path]:
-    """The demo pair's (source folder, target folder), built on first use."""
+def demo_paths(demo_pair: str | None, translator: Any = None) -> tuple[Path, Path]:
+    """The demo pair's (source folder, target folder), built on first use; the source is the
+    one `translator` reads (None: the pair's default)."""
     from .demo import pair as demo
 
-    return demo.demo_models(demo_pair or "dense")
+    demo_pair = demo_pair or "dense"
+    return demo.demo_models(demo_pair, demo.source_for(translator, demo_pair))

@@ -291,7 +291,7 @@ def test_readme_example_runs(files, monkeypatch, tmp_path, capsys):
     from mlx_kvlingo.demo import pair as demo
 
     defaults = {"forward": str(files["translator"]), "backward": str(files["backward_translator"])}
-    monkeypatch.setattr(demo, "demo_models", lambda pair="dense": (files["source"], files["target"]))  # fmt: skip
+    monkeypatch.setattr(demo, "demo_models", lambda pair="dense", source=None: (files["source"], files["target"]))  # fmt: skip
     monkeypatch.setattr(demo, "manifest", lambda pair="dense": {"default": defaults})
     monkeypatch.chdir(tmp_path)
     code = readme_example()
@@ -408,7 +408,7 @@ def test_demo_pair_by_name_and_the_backward_rule(files, monkeypatch):
 
     asked = []
 
-    def demo_models(pair="dense"):
+    def demo_models(pair="dense", source=None):
         asked.append(pair)
         return files["source"], files["target"]
 

@@ -36,10 +36,17 @@ def test_manifest_lists_files_with_checksums():
         assert row["direction"] in ("forward", "backward")
 
 
-def test_every_shipped_translator_validates_against_its_pair(forward):
-    pair, _ = forward
+def test_every_shipped_translator_validates_against_its_pair():
+    from mlx_kvlingo.demo.pair import demo_models, source_for
+    from mlx_kvlingo.pair import load_pair
+
+    pairs = {}
     for row in manifest()["translators"]:
         path = weights_dir() / "translators" / row["file"]
+        small = source_for(str(path), reverse=row["direction"] == "backward")
+        if small not in pairs:
+            pairs[small] = load_pair(*demo_models("dense", small))
+        pair = pairs[small]
         if row["direction"] == "forward":
             load_translator(path, pair)
         else:
@@ -70,3 +77,30 @@ def test_eval_on_demo_defaults(tmp_path):
     assert out.exit_code == 0, out.output
     result = json.loads((tmp_path / "e.json").read_text())
     assert set(result) >= {"native", "translated", "raw", "source"}
+
+
+def test_each_translator_reads_the_demo_source_with_its_layer_count():
+    """The small model of a demo pair is the one the translator reads: the default (15 layers)
+    unless a translator for the 8-layer source is named; a file for neither is refused."""
+    from mlx_kvlingo.demo.pair import default_source, source_for
+
+    assert default_source() == manifest()["default"]["source"] == "source15"
+    assert source_for(None) == "source15"
+    assert source_for("forward-mixing-nu2-content-chat.safetensors") == "source"
+    assert source_for("source15/forward-mixing-nu2-content-chat.safetensors") == "source15"
+    assert source_for("backward-mixing-nu2.safetensors", reverse=True) == "source"
+    with pytest.raises(ValueError, match="reads a 30-layer small model"):
+        source_for("backward-mixing-nu2.safetensors")  # going forward it reads the large one
+
+
+def test_naming_an_eight_layer_translator_loads_its_source_and_backward():
+    from mlx_kvlingo.loading import load_models_and_translators
+
+    pair, fwd, back = load_models_and_translators(
+        translator="forward-mixing-nu2-content-chat.safetensors"
+    )
+    assert pair.source.geometry.layers == fwd.config.source.layers == 8
+    assert back.config.target.layers == 8  # the 8-layer source's own default backward file
+    pair, fwd, back = load_models_and_translators()
+    assert pair.source.geometry.layers == fwd.config.source.layers == back.config.target.layers
+    assert pair.source.geometry.layers == 15

@@ -150,3 +150,37 @@ def test_missing_source_weights_say_how_to_rebuild(monkeypatch, tmp_path):
         source_files()
     (tmp_path / "source" / "source.json").write_text("{}")
     assert [p.name for p in source_files()] == ["model.safetensors", "source.json"]
+
+
+@pytest.fixture(scope="session")
+def source15(cache):
+    return mlx_lm.load(str(smollm2.ensure_demo_source(dequantize=True, folder="source15")))
+
+
+def layer_kv(model, ids: list[int]) -> list[tuple[mx.array, mx.array]]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([ids]), cache=cache)
+    return [(c.keys[..., : len(ids), :], c.values[..., : len(ids), :]) for c in cache]
+
+
+def test_source15_first_layers_are_the_targets_own(target, source15):
+    """weights/source15 ships only its 7 healed layers; the first 8 are the target's, taken from
+    it (8-bit) at assembly, so their K/V are the target's; layer 8 (healed) is not."""
+    shipped = mx.load(str(smollm2.source_files("source15")[0]))
+    assert {int(k.split(".")[2]) for k in shipped if k.startswith("model.layers.")} == set(
+        range(8, 15)
+    )
+    (tmodel, ttok), (smodel, _) = target, source15
+    assert len(smodel.layers) == 15
+    ids = ttok.encode(HELDOUT_TEXT)
+    t_kv, s_kv = layer_kv(tmodel, ids), layer_kv(smodel, ids)
+
+    def rel(a, b):
+        return (mx.linalg.norm(a - b) / mx.linalg.norm(b)).item()
+
+    for layer in range(8):
+        for s, t in zip(s_kv[layer], t_kv[layer]):
+            assert rel(s, t) < 0.05, layer
+    assert rel(s_kv[8][0], t_kv[8][0]) > 0.3  # a healed layer: not the target's layer 8

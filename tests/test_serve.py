@@ -560,7 +560,7 @@ def test_cli_serves_the_moe_demo_pair(tiny_dir, tmp_path, monkeypatch):
                           tmp_path / "fwd.safetensors", pair)  # fmt: skip
     asked, answers = [], []
 
-    def demo_models(name="dense"):
+    def demo_models(name="dense", source=None):
         asked.append(name)
         return tiny_dir["qwen3"], tiny_dir["known"]
 
@@ -582,8 +582,18 @@ def test_cli_serves_the_moe_demo_pair(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(Server, "serve_forever", serve_forever)
     monkeypatch.setattr(os, "_exit", exit_)
     monkeypatch.setattr(signal, "signal", lambda *a: None)
-    out = CliRunner().invoke(cli, ["serve", "--pair", "moe", "--port", "0"])
+    made = []
+    init = Server.__init__
+
+    def server_init(self, runtime, config, **kwargs):
+        made.append(kwargs)
+        init(self, runtime, config, **kwargs)
+
+    monkeypatch.setattr(Server, "__init__", server_init)
+    out = CliRunner().invoke(cli, ["serve", "--pair", "moe", "--port", "0",
+                                   "--large-reads-last", "5"])  # fmt: skip
     assert out.exit_code == 0, out.output
     assert asked == ["moe"] and answers[0].choices[0].message.content
+    assert made == [{"mode": "alternation", "large_reads_last": 5}]
     out = CliRunner().invoke(cli, ["serve", "--pair", "moe", "--source", "a", "--target", "b"])
     assert out.exit_code == 2 and "--pair chooses a demo pair" in out.output

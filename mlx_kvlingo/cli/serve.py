@@ -62,11 +62,15 @@ def _loopback(host: str) -> bool:
               help="How a model catches up on what it lacks")  # fmt: skip
 @click.option("--reader", type=click.Choice(["auto", "tokens", "small", "self"]), default=None,
               help="Who reads new turns for the large model (default: the library's policy)")  # fmt: skip
+@click.option("--large-reads-last", type=click.IntRange(1), default=None,
+              help="When the small model reads a turn, the large one still reads its last this "
+                   "many tokens itself (default: the library's, 32); 1: the last token")  # fmt: skip
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")
 def serve_cmd(source, target, translator, demo_pair, backward_translator, host, port, api_key, max_tokens,
               default_max_tokens, max_prompt_tokens, max_body_bytes, queue_size,
-              max_conversations, auto_threshold, mode, reader, insecure, verbose):  # fmt: skip
+              max_conversations, auto_threshold, mode, reader, large_reads_last, insecure,
+              verbose):  # fmt: skip
     """Serve the pair over the OpenAI chat-completions API (models: small, large, auto)."""
     from .. import Runtime
     from ..serve import Limits, ServeConfig, Server
@@ -94,6 +98,8 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, host, 
                          limits=limits, queue_size=queue_size,
                          max_conversations=max_conversations, auto_threshold=auto_threshold)  # fmt: skip
     kwargs = {"mode": mode} if reader is None else {"mode": mode, "reader": reader}
+    if large_reads_last is not None:
+        kwargs["large_reads_last"] = large_reads_last
     try:
         server = Server(runtime, config, **kwargs)
     except TypeError as e:  # --reader on a version without a reader policy

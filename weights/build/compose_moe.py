@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo import moe_cpu
 from mlx_kvlingo.data import DataConfig, load_examples
-from mlx_kvlingo.demo.pair import demo_data, demo_models, translator_path
+from mlx_kvlingo.demo.pair import demo_data, demo_models, source_for, translator_path
 from mlx_kvlingo.format import load_translator, save_translator
 from mlx_kvlingo.pair import load_model, load_pair
 from mlx_kvlingo.translator import Side, Translator
@@ -103,10 +103,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    src_dir, dense_dir = demo_models("dense")
-    _, moe_dir = demo_models("moe")
+    dense_path = translator_path(args.dense_translator, pair="dense")  # a path or shipped name
+    folder = source_for(str(dense_path), "dense")  # the small model the dense translator reads
+    src_dir, dense_dir = demo_models("dense", folder)
+    _, moe_dir = demo_models("moe", folder)
     small, dense, moe = load_model(src_dir), load_model(dense_dir), load_model(moe_dir)
-    dense_path = args.dense_translator or translator_path(pair="dense")
     dense_tr = load_translator(dense_path, load_pair(small, dense))
     dense_tr.config.metadata["file"] = Path(dense_path).name
     train, _ = load_examples(

@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo.demo.pair import demo_models
+from mlx_kvlingo.demo.pair import demo_models, source_for
 
 import click
 
@@ -59,7 +59,7 @@ def parser() -> argparse.ArgumentParser:
 
 def calibrate_args(a: argparse.Namespace) -> list[str]:
     """The `kvlingo calibrate` command line this step runs."""
-    source, target = demo_models("dense")
+    source, target = demo_models("dense", source_for(str(a.init), "dense"))
     source = a.source or source
     return ["--source", str(source), "--target", str(target), "--init", str(a.init),
             "--max-examples", str(a.ordinary), "--content", str(a.content),

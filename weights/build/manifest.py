@@ -25,17 +25,36 @@ def merge_rows(
     fields: dict | None = None,
     default: dict | None = None,
     initial_default: dict | None = None,
+    demo_source: str | None = None,
+    default_source: bool = False,
 ) -> dict:
     """Merge `rows` into `section` (None: the top level) of the manifest at `path` and write it.
 
     `fields` (e.g. "pair", "command") are set on that part; `default` ({direction: file}) sets
     those defaults; `initial_default` only fills directions that have none. Returns the manifest.
+    `demo_source`: the demo small model (`weights/<folder>`) the rows read; `default` then sets
+    that source's defaults: the part's "default" when it is the part's default source, else
+    "by_source"[folder]. `default_source`: make it the part's default source; the defaults of
+    the one it replaces move to "by_source".
     """
     manifest = json.loads(path.read_text()) if path.exists() else {}
     part = manifest if section is None else manifest.setdefault(section, {})
     mine = {r["file"] for r in rows}
     part.update(fields or {})
     part["translators"] = [r for r in part.get("translators", []) if r["file"] not in mine] + rows
+    if demo_source is not None:
+        current = (part.get("default") or {}).get("source", "source")
+        if default_source and demo_source != current:
+            by_source = part.setdefault("by_source", {})
+            by_source[current] = {k: v for k, v in (part.get("default") or {}).items()
+                                  if k != "source"}  # fmt: skip
+            part["previous_default"] = part.get("default") or {}
+            part["default"] = {**by_source.pop(demo_source, {}), "source": demo_source}
+        elif demo_source != current:
+            own = part.setdefault("by_source", {}).setdefault(demo_source, {})
+            own.update({d: f for d, f in (default or {}).items() if f})
+            write_text(path, json.dumps(manifest, indent=1))
+            return manifest
     old = dict(part.get("default") or {})
     new = {d: f for d, f in (initial_default or {}).items() if f and not old.get(d)}
     new |= {d: f for d, f in (default or {}).items() if f}

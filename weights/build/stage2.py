@@ -26,7 +26,7 @@ import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo import moe_cpu
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
 from mlx_kvlingo.data import DataConfig, load_examples
-from mlx_kvlingo.demo.pair import demo_data, demo_models, translator_path
+from mlx_kvlingo.demo.pair import demo_data, demo_models, source_for, translator_path
 from mlx_kvlingo.format import load_translator, save_translator
 from mlx_kvlingo.pair import load_model, load_pair
 
@@ -68,10 +68,11 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    src_dir, tgt_dir = demo_models(args.pair)
+    start = args.translator or translator_path(reverse=args.reverse, pair=args.pair)
+    folder = source_for(str(start), args.pair, args.reverse)  # the small model it reads
+    src_dir, tgt_dir = demo_models(args.pair, folder)
     small, large = load_model(src_dir), load_model(tgt_dir)
     pair = load_pair(large, small) if args.reverse else load_pair(small, large)
-    start = args.translator or translator_path(reverse=args.reverse, pair=args.pair)
     tr = load_translator(start, pair)
     data = args.data or demo_data()[0]
     dcfg = DataConfig(

@@ -116,7 +116,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     OUT.mkdir(parents=True, exist_ok=True)
-    src_dir, tgt_dir = demo_models()
+    src_dir, tgt_dir = demo_models("dense", "source")  # the 8-layer source (weights/source/)
     small, large = load_model(src_dir), load_model(tgt_dir)
     train_file, held_file = demo_data()
     rows = []
