@@ -69,7 +69,8 @@ def test_selection(rb, capsys):
     assert chosen(None, None, "moe,source") == ["source", "moe"]  # in the pipeline's order
     assert chosen("moe", None, None) == ["moe", "moe_translators", "compose_moe",
                                          "register_composed", "compose_moe_source15",
-                                         "register_composed_source15"]  # fmt: skip
+                                         "register_composed_source15", "moe_backward_source15",
+                                         "register_moe_backward_source15"]  # fmt: skip
     assert {s.pair for s in rb.STEPS} == {"dense", "moe"}
     with pytest.raises(SystemExit) as e:
         rb.main(["--only", "nope", "--dry-run"])

@@ -360,10 +360,32 @@ STEPS: tuple[Step, ...] = (
          "--note", "composed from the dense pair's source15/forward-mixing-nu2-content-chat "
          "(weights/build/compose_moe.py): key maps times per-layer bridges to the MoE's "
          "pre-norm keys, value maps kept; no stage 2 on the MoE pair"),
-        "ships it and the 15-layer source as the MoE pair's defaults (no backward file: "
-        "switching back re-reads with the small model)",
+        "ships it and the 15-layer source as the MoE pair's defaults",
         reads=(f"{RUNS15}/moe/forward-mixing-nu2-prenorm-composed.safetensors",),
         writes=("weights/translators/moe/source15/forward-mixing-nu2-prenorm-composed.safetensors",
+                "weights/manifest.json"),
+        expected="not recorded (kvlingo eval on 24 held-out examples)", pair="moe", needs=TARGET,
+    ),
+    Step(
+        "moe_backward_source15", "weights.build.stage1",
+        ("--demo-source", "source15", "--pair", "moe", "--direction", "backward",
+         "--layer-map", "weights/build/maps/source15-backward.json",
+         "--out", f"{RUNS15}/moe/backward-mixing-nu2.safetensors"),
+        "the MoE -> the 15-layer source, stage 1 only (closed form), nu 2",
+        reads=(*SOURCE15, *MOE),
+        writes=(f"{RUNS15}/moe/backward-mixing-nu2.safetensors",),
+        expected="MOE_BACKWARD_MINUTES", pair="moe", needs=f"{TARGET}; {CHAT}",
+    ),
+    Step(
+        "register_moe_backward_source15", "weights.build.add_translator",
+        (f"{RUNS15}/moe/backward-mixing-nu2.safetensors", "--pair", "moe",
+         "--evaluate", "dialogues=:24", "--demo-source", "source15", "--default",
+         "--training-data", "stage 1 (closed form) on 200 chitchat dialogues, layer map "
+         "weights/build/maps/source15-backward.json",
+         "--note", "the MoE -> the 15-layer source, stage 1 only"),
+        "ships it as the MoE pair's default backward translator",
+        reads=(f"{RUNS15}/moe/backward-mixing-nu2.safetensors",),
+        writes=("weights/translators/moe/source15/backward-mixing-nu2.safetensors",
                 "weights/manifest.json"),
         expected="not recorded (kvlingo eval on 24 held-out examples)", pair="moe", needs=TARGET,
     ),

