@@ -374,7 +374,8 @@ STEPS: tuple[Step, ...] = (
         "the MoE -> the 15-layer source, stage 1 only (closed form), nu 2",
         reads=(*SOURCE15, *MOE),
         writes=(f"{RUNS15}/moe/backward-mixing-nu2.safetensors",),
-        expected="MOE_BACKWARD_MINUTES", pair="moe", needs=f"{TARGET}; {CHAT}",
+        expected="10.0 min measured", pair="moe", needs=f"{TARGET}; {CHAT}",
+        expected_minutes=10,
     ),
     Step(
         "register_moe_backward_source15", "weights.build.add_translator",
