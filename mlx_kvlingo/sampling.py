@@ -3,8 +3,9 @@
 Defaults come from the model folder's `generation_config.json` where it sets them (the
 Hugging Face fields `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
 `repetition_penalty`), otherwise from `DEFAULTS`: temperature 0.7, top-p 0.9, min-p 0.05,
-repetition penalty 1.1 over the last 256 tokens of the conversation (the previous answer
-included: small models copy it otherwise). Greedy decoding of small chat models loops
+repetition penalty 1.1 over the last 256 tokens of the conversation's answers (the previous
+answers included, small models copy them otherwise; the user's text excluded, which an answer
+may need to repeat). Greedy decoding of small chat models loops
 ("I'm not sure how to do it." 40 times); these settings keep answers readable. Explicit
 values always win: `resolve` merges them, the one place that does. `temp=0` is greedy; the
 repetition penalty then applies only when given explicitly, so greedy stays plain argmax

@@ -320,24 +320,28 @@ def test_reader_evaluation_on_the_exact_pair(pair, translators, tiny_dir):
     assert dev["auto"] < dev["small"]
 
 
-def test_logits_processors_see_the_whole_conversation(pair, translators):
-    """A repetition penalty must see earlier answers: with the small model reading, the large
-    model's own prompt is one token, yet its processors get the conversation before it."""
+@pytest.mark.parametrize("reader", ["small", "self"])
+def test_logits_processors_see_the_answers_not_the_turns(pair, translators, reader):
+    """A repetition penalty must see earlier answers (with the small model reading, the large
+    model's own prompt is one token), and not the user's text, which an answer may need to
+    repeat: the same history whoever read the turn."""
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="small")
+    s = Session(pair, fwd, bwd, reader=reader)
     converse(s, 1)
     s.add_user(MESSAGES[1])
-    n0 = len(s.tokens)
     seen = []
 
     def record(tokens, logits):
         seen.append(tokens.tolist())
         return logits
 
-    list(s.generate("large", max_tokens=3, logits_processors=[record]))
-    assert s.last_turn.prompt_tokens == 1
-    assert seen[0] == s.tokens[:n0]  # everything before the answer
-    assert seen[1] == s.tokens[: n0 + 1]
+    out = [e.token for e in s.generate("large", max_tokens=3, logits_processors=[record])]
+    read_itself = s.last_turn.prompt_tokens  # one token, or the whole turn
+    assert read_itself == 1 if reader == "small" else read_itself > 1
+    first = [m["content"] for m in s.messages if m["role"] == "assistant"][0]
+    answer = pair.tokenizer.encode(first, add_special_tokens=False)
+    assert answer and seen[0] == answer  # the first answer, nothing of either user turn
+    assert seen[1] == answer + out[:1]
 
 
 def test_translate_ahead_makes_escalation_one_step(pair, translators):

@@ -105,11 +105,8 @@ class Answering:
             prompt = self.tokens[m.held :]
             stats.prompt_tokens = len(prompt)
             procs = kwargs.get("logits_processors")
-            if procs:  # they see the whole conversation, not only what the model reads now
-                kwargs = {
-                    **kwargs,
-                    "logits_processors": _with_history(procs, self.tokens[: m.held]),
-                }
+            if procs:  # they see the earlier answers and this one, not only this turn's
+                kwargs = {**kwargs, "logits_processors": _over_answers(procs, self._answers())}
             stream = stream_generate(
                 m.loaded.model,
                 self.pair.tokenizer,
@@ -160,6 +157,12 @@ class Answering:
             self._commit(m, n0, emitted, texts, stats)
         if emitted and paths is not None:  # the other path's TTFT, predicted with this turn's rates
             self._alternative(stats, paths, self.tokens[:n0])
+
+    def _answers(self) -> list[int]:
+        """The token ids of the conversation's earlier answers, oldest first."""
+        tok = self.pair.tokenizer
+        return [t for msg in self.messages if msg["role"] == "assistant" and msg["content"]
+                for t in tok.encode(msg["content"], add_special_tokens=False)]  # fmt: skip
 
     def _commit(self, m: _Model, n0: int, emitted, texts, stats: TurnStats) -> None:
         """End a turn: keep the emitted tokens as the answer and make the cache match."""
@@ -272,20 +275,27 @@ class Answering:
         return out
 
 
-def _with_history(processors: list, history: list[int]) -> list:
-    """Logits processors that see the conversation's earlier tokens too.
+def _over_answers(processors: list, answers: list[int]) -> list:
+    """Logits processors that see the conversation's answers: earlier ones, then this one.
 
-    mlx-lm hands a processor the prompt it was given plus the tokens generated so far. With a
-    cache holding the conversation, the prompt is only what the model reads now (one token
-    when the small model read for it), so a repetition penalty would never see the previous
-    answers and the model could copy its last answer word for word. Prepend the history.
+    mlx-lm hands a processor the part of the prompt it passed last plus the tokens generated
+    so far. That part depends on who read the turn (one token, the 32-token tail or the whole
+    turn), and with a cache holding the conversation no earlier answer is in it, so a
+    repetition penalty would let the model copy its last answer. Here the prompt part is
+    dropped and the earlier answers come first: the penalty keeps answers from repeating
+    themselves and never pushes an answer away from the words of the text it is about.
     """
-    if not history:
-        return list(processors)
-    past = mx.array(history)
+    past = mx.array(answers, dtype=mx.int32)
 
     def wrap(proc):
-        return lambda tokens, logits: proc(mx.concatenate([past, tokens]), logits)
+        skip = []  # the prompt part: all that the first call gets
+
+        def call(tokens, logits):
+            if not skip:
+                skip.append(tokens.size)
+            return proc(mx.concatenate([past, tokens[skip[0] :]]), logits)
+
+        return call
 
     return [wrap(p) for p in processors]
 
