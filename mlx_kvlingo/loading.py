@@ -35,9 +35,9 @@ def resolve_translator_spec(
 
     `pair_name`: the demo pair the spec is read against ("dense", "moe"), or None for a named
     pair (then None resolves to None: no translator); `demo_source`: the demo small model
-    whose defaults None means (`demo.pair.source_for`; None: the pair's default). Raises `FileNotFoundError` for a demo
-    name that is not shipped, `HubError` (a ValueError) for what is neither a file nor a Hub
-    id, `ValueError` for an unknown demo pair.
+    whose defaults None means (`demo.pair.source_for`; None: the pair's default). Raises
+    `FileNotFoundError` for a demo name that is not shipped, `HubError` (a ValueError) for
+    what is neither a file nor a Hub id, `ValueError` for an unknown demo pair.
     """
     from .hub import resolve_translator
 
