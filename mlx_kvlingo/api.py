@@ -412,6 +412,7 @@ class Runtime:
         reader_min_tokens: int = READER_MIN_TOKENS,
         reader_margin: float = READER_MARGIN,
         large_reads_last: int = LARGE_READS_LAST,
+        recompute_share: float = 0.0,
     ) -> Conversation:
         """A fresh conversation (its own two KV caches) over this runtime's pair.
 
@@ -425,6 +426,9 @@ class Runtime:
         when the two are within `reader_margin` of each other, the "tokens" rule decides).
         `large_reads_last`: when the small model reads, the large one still reads the turn's
         last this many tokens itself (your question in its own words; 1: the last token only).
+        `recompute_share`: then the large model also recomputes this share of the span just
+        translated, the tokens its reading of the turn's end attended to most (facts stated
+        once come back; costs the large model's read of that many tokens; recompute.py).
         `translate_ahead`: while the small
         model answers, translate for the large one between its tokens, within 10% of the small
         model's decode time, so that `escalate` costs the large model one decode step plus
@@ -450,6 +454,7 @@ class Runtime:
             reader_min_tokens=reader_min_tokens,
             reader_margin=reader_margin,
             large_reads_last=large_reads_last,
+            recompute_share=recompute_share,
             translate_ahead=translate_ahead,
         )
         return Conversation(self, session)
@@ -606,6 +611,15 @@ class Conversation:
     @large_reads_last.setter
     def large_reads_last(self, n: int) -> None:
         self._locked(lambda: setattr(self._session, "large_reads_last", n), True, None)
+
+    @property
+    def recompute_share(self) -> float:
+        """The share of a translated turn the large model recomputes after reading its end."""
+        return self._session.recompute_share
+
+    @recompute_share.setter
+    def recompute_share(self, x: float) -> None:
+        self._locked(lambda: setattr(self._session, "recompute_share", x), True, None)
 
     @property
     def reader_margin(self) -> float:

@@ -34,7 +34,9 @@ When the small model reads for the large one, the large still reads the turn's l
 short message keeps its topic and loses its request ("suggest a name for my cat" answered with
 what a pet-care assistant can do); read by the large model, it is answered as on the native
 cache, and the earlier context (the system prompt, earlier turns, a long passage) still comes
-translated (weights/QUALITY.md, "In a chat: the large model reads the turn's last 32 tokens"). Where that read is predicted to more than double the plain handoff's TTFT and to
+translated (weights/QUALITY.md, "In a chat: the large model reads the turn's last 32 tokens").
+With `recompute_share` > 0 it then recomputes that share of the span just translated, the tokens
+its reading of the tail attended to most (conversation/catchup.py, recompute.py). Where that read is predicted to more than double the plain handoff's TTFT and to
 add more than half a second (`catchup.TAIL_BUDGET`, `TAIL_ALLOWANCE_S`: an MoE target's
 prefill on the CPU), the large reads only the last token, and the status line says so.
 
@@ -101,6 +103,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
         reader_min_tokens: int = READER_MIN_TOKENS,
         reader_margin: float = READER_MARGIN,
         large_reads_last: int = 1,
+        recompute_share: float = 0.0,
         read_costs: ReadCosts | None = None,
         translate_ahead: bool = False,
         ahead_chunk: int = 32,
@@ -121,6 +124,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
         self.reader_min_tokens = reader_min_tokens
         self.reader_margin = reader_margin
         self.large_reads_last = large_reads_last
+        self.recompute_share = recompute_share
         #: what reading costs on this pair (reader "auto"); shared by the pair's sessions
         self.read_costs = costs_of(pair) if read_costs is None else read_costs
         #: while the small model answers, translate for the large one between its tokens, so
@@ -269,6 +273,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
             "reader_min_tokens": self.reader_min_tokens,
             "reader_margin": self.reader_margin,
             "large_reads_last": self.large_reads_last,
+            "recompute_share": self.recompute_share,
             "conversation_tokens": len(self.tokens),
             "messages": len(self.messages),
             "switches": len(self.switches),

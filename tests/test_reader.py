@@ -109,6 +109,45 @@ def test_the_large_reads_the_last_tokens_itself_on_the_translated_rest(pair, tra
         Session(pair, fwd, bwd, large_reads_last=0)
 
 
+def _zero_like(pair, tr, answer):
+    import numpy as np
+
+    maps = {f"{kind}_maps": [np.array(w) * 0 for w in getattr(tr, kind)["weight"]]
+            for kind in ("key", "value")}  # fmt: skip
+    return exact_translator(pair, maps)
+
+
+def test_the_large_recomputes_the_share_of_the_turn_its_reading_attended_to(pair, translators,
+                                                                           tiny_dir):  # fmt: skip
+    """`recompute_share`: after the large model reads the turn's last tokens, it recomputes
+    that share of the span just translated. With a translator that writes zeros, share 1
+    recomputes every translated position, so the answers are the re-prefill's token for
+    token; share 0 leaves the zeros (and other answers). The switch records what was
+    recomputed, the status line says it, the caches stay consistent."""
+    fwd, bwd = translators
+    zero = _zero_like(pair, fwd, tiny_dir["known_answer"])
+    k = 4
+    want = converse(Session(pair, fwd, bwd, mode="reprefill"), 4)
+    full = Session(pair, zero, bwd, reader="small", large_reads_last=k, recompute_share=1.0)
+    assert converse(full, 4) == want
+    none = Session(pair, zero, bwd, reader="small", large_reads_last=k)
+    assert converse(none, 4) != want
+    half = Session(pair, zero, bwd, reader="small", large_reads_last=k, recompute_share=0.5)
+    converse(half, 4)
+    for s, share in ((full, 1.0), (half, 0.5)):
+        for t in s.turns:
+            sw = t.switch
+            assert sw.recomputed == round(share * sw.translated) and sw.tail_read == k
+            assert t.prompt_tokens == 1  # the answer read the last token; the tail came before
+        assert_consistent(s)
+        assert_translated_once(s)
+    line = status_line(half.turns[-1], {"source": "s", "target": "t"})
+    assert f"large read the last {k} tok and recomputed {half.turns[-1].switch.recomputed}" in line
+    assert half.stats()["recompute_share"] == 0.5
+    with pytest.raises(SessionError, match="recompute_share"):
+        Session(pair, fwd, bwd, recompute_share=1.5)
+
+
 def test_reader_self_keeps_todays_behaviour(pair, translators):
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, reader="self")

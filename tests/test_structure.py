@@ -68,7 +68,7 @@ def test_measuring_does_not_import_calibration():
 
 def test_translation_layer_does_not_depend_on_generation():
     graph = _graph()
-    for layer in ("translator", "anchor", "capture", "kvcache", "rope", "format"):
+    for layer in ("translator", "anchor", "capture", "kvcache", "rope", "format", "recompute"):
         deps = graph[f"mlx_kvlingo.{layer}"]
         assert not deps & {"mlx_kvlingo.decode", "mlx_kvlingo.session"}, (layer, deps)
 

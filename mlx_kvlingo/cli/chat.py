@@ -68,6 +68,8 @@ def describe_reader(conv) -> str:
     """What the conversation's reader policy does, in words."""
     last = (f"; the large reads the last {conv.large_reads_last} tok itself"
             if conv.large_reads_last > 1 else "")  # fmt: skip
+    if conv.recompute_share:
+        last += f" and recomputes {conv.recompute_share:.0%} of the translated turn"
     if conv.reader == "small":
         return ("the small model reads every turn, the large one decodes from the translated "
                 f"cache{last}")  # fmt: skip
@@ -388,6 +390,11 @@ class ChatApp:
               show_default=True,
               help="When the small model reads your turn, the large one still reads its last "
                    "this many tokens itself (your question in its own words); 1: the last token")  # fmt: skip
+@click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=0.0,
+              show_default=True,
+              help="Then the large model also recomputes this share of the translated turn, the "
+                   "tokens its reading attended to most (facts stated once come back; costs its "
+                   "read of that many tokens)")  # fmt: skip
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
               help="Before the first prompt, run each path once (compiled kernels, lazy weights) "
                    "and measure the pair's rates for reader auto")  # fmt: skip
@@ -401,7 +408,7 @@ class ChatApp:
 @wire_option
 def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
              max_kv_size, mode, answer, reader, reader_min_tokens, reader_margin,
-             large_reads_last, warmup,
+             large_reads_last, recompute_share, warmup,
              translate_ahead, first, auto_threshold, **sampling):  # fmt: skip
     """Chat with the pair: the large model answers, the small one reads for it (/small, /large)."""
     import time
@@ -431,7 +438,7 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     try:
         conv = runtime.new_conversation(system_prompt, mode, max_kv_size, reader,
                                         translate_ahead, reader_min_tokens,
-                                        reader_margin, large_reads_last)  # fmt: skip
+                                        reader_margin, large_reads_last, recompute_share)  # fmt: skip
     except ConversationError as e:
         raise click.ClickException(str(e)) from None
     app = ChatApp(conv, max_tokens=max_tokens, sampling=sampling_settings(sampling),

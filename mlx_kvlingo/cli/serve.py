@@ -65,11 +65,14 @@ def _loopback(host: str) -> bool:
 @click.option("--large-reads-last", type=click.IntRange(1), default=None,
               help="When the small model reads a turn, the large one still reads its last this "
                    "many tokens itself (default: the library's, 32); 1: the last token")  # fmt: skip
+@click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
+              help="Then the large model also recomputes this share of the translated turn, the "
+                   "tokens its reading attended to most (default: the library's, 0)")  # fmt: skip
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")
 def serve_cmd(source, target, translator, demo_pair, backward_translator, host, port, api_key, max_tokens,
               default_max_tokens, max_prompt_tokens, max_body_bytes, queue_size,
-              max_conversations, auto_threshold, mode, reader, large_reads_last, insecure,
+              max_conversations, auto_threshold, mode, reader, large_reads_last, recompute_share, insecure,
               verbose):  # fmt: skip
     """Serve the pair over the OpenAI chat-completions API (models: small, large, auto)."""
     from .. import Runtime
@@ -100,6 +103,8 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, host, 
     kwargs = {"mode": mode} if reader is None else {"mode": mode, "reader": reader}
     if large_reads_last is not None:
         kwargs["large_reads_last"] = large_reads_last
+    if recompute_share is not None:
+        kwargs["recompute_share"] = recompute_share
     try:
         server = Server(runtime, config, **kwargs)
     except TypeError as e:  # --reader on a version without a reader policy

@@ -100,6 +100,12 @@ class Answering:
                     stats.finish_reason = "cancelled"
                     return
             stats.switch = self._catch_up(name, upto)
+            sw = stats.switch
+            if small and sw is not None and self._recompute_count(sw.translated):
+                self._recompute(m, sw, n0)  # the large reads the tail and recomputes
+                if self._cancel.is_set():
+                    stats.finish_reason = "cancelled"
+                    return
             ahead = self._ahead_begin(n0 - 1) if name == "source" else None
             stats.ahead = ahead
             prompt = self.tokens[m.held :]

@@ -16,8 +16,9 @@ import mlx.core as mx
 
 from ..capture import SpanKV, capture_from_cache, needs_recording, prefill
 from ..decode import append_translation
-from ..kvcache import new_cache, prefix_copy
+from ..kvcache import append_kv, new_cache, prefix_copy
 from ..pair import LoadedModel
+from ..recompute import attended, read_positions
 from .records import Read, SessionError, Switch
 from .timing import Paths
 
@@ -61,6 +62,19 @@ class CatchUp:
             if c.offset > keep:
                 c.trim(c.offset - keep)
         m.held = keep
+
+    @property
+    def recompute_share(self) -> float:
+        """When the small model reads for the large one: after the large reads the turn's last
+        `large_reads_last` tokens itself, it recomputes this share of the span just translated,
+        the tokens its reading attended to most (0: none; `_recompute`)."""
+        return self._recompute_share
+
+    @recompute_share.setter
+    def recompute_share(self, x: float) -> None:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1:
+            raise SessionError(f"recompute_share must be a number in [0, 1] (got {x!r})")
+        self._recompute_share = float(x)
 
     def _catch_up(self, name: str, upto: int) -> Switch | None:
         """Bring model `name` to hold conversation[:a] with a <= upto, by the session's mode.
@@ -120,7 +134,36 @@ class CatchUp:
         th, sh = min(t, upto), min(s, upto)
         cut = max(th, upto + 1 - tail)
         return Paths(upto + 1 - th, max(th - sh, 0), max(cut - max(sh, th), 0),
-                     self.backward is not None, upto + 1 - cut)  # fmt: skip
+                     self.backward is not None, upto + 1 - cut,
+                     self._recompute_count(cut - th))  # fmt: skip
+
+    def _recompute_count(self, translated: int) -> int:
+        """How many of `translated` tokens the large model recomputes (`recompute_share`)."""
+        if not translated or self.mode != "alternation":
+            return 0
+        return min(translated, round(self.recompute_share * translated))
+
+    def _recompute(self, m: _Model, sw: Switch, n0: int) -> None:
+        """After translating `sw`'s span into the large model (its cache now holds [0, cut)):
+        it reads conversation[cut:n0] itself, recomputes the `recompute_share` of the span its
+        reading attended to most, and reads the tail again over them (recompute.py). The cache
+        is left holding [0, n0 - 1): the answer reads the last token. Interrupted, the cache
+        keeps [0, cut) (some of its positions recomputed in some layers: K/V of the target's
+        own either way)."""
+        cut, toks = m.held, self.tokens[:n0]
+        count = self._recompute_count(sw.translated)
+        t0 = time.perf_counter()
+        try:
+            append_kv(m.cache, *_placeholders(m.cache, n0 - cut))
+            model = m.loaded.model
+            peak = read_positions(model, m.cache, toks, range(cut, n0), attention=True)
+            chosen = attended(peak, count, start=cut - sw.translated, end=cut)
+            read_positions(model, m.cache, toks, [*chosen, *range(cut, n0)])
+            m.held = n0 - 1
+        finally:
+            self._settle(m, m.held)
+        sw.recomputed, sw.tail_read = len(chosen), n0 - cut
+        sw.recompute_s = time.perf_counter() - t0
 
     def _paths(self, upto: int) -> Paths | None:
         """The lengths of the two ways the large model can come to read conversation[:upto + 1]
@@ -271,3 +314,11 @@ class CatchUp:
                     "naive mode needs post_norm translators (with a pre_norm one the outgoing "
                     "model would recompute its keys, hiding the re-translation drift)"
                 )
+
+
+def _placeholders(cache: list, n: int) -> tuple[list, list]:
+    """Zero K/V for `n` positions per layer, overwritten before anything attends to them."""
+    keys = [mx.zeros((*c.keys.shape[:2], n, c.keys.shape[-1]), dtype=c.keys.dtype) for c in cache]
+    vals = [mx.zeros((*c.values.shape[:2], n, c.values.shape[-1]), dtype=c.values.dtype)
+            for c in cache]  # fmt: skip
+    return keys, vals

@@ -86,6 +86,7 @@ class Persistence:
             "reader_min_tokens": self.reader_min_tokens,
             "reader_margin": self.reader_margin,
             "large_reads_last": self.large_reads_last,
+            "recompute_share": self.recompute_share,
             "answer": list(self._answer) if self._answer else None,
             "user_start": self._user_start,
             "switches": [asdict(s) for s in self.switches],
@@ -235,6 +236,9 @@ class Persistence:
         last = state.get("large_reads_last")  # absent from older files: the session's own stays
         if _is_int(last) and last >= 1:
             out["_large_reads_last"] = last
+        share = state.get("recompute_share")  # absent from older files: likewise
+        if isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1:
+            out["_recompute_share"] = float(share)
         return out
 
 

@@ -42,6 +42,12 @@ class Switch:
     retranslated: int = 0  # of those, tokens this model already held (naive mode)
     seconds: float = 0.0
     note: str = ""  # e.g. why it re-prefilled instead of translating
+    #: after the translation, the large model read the turn's last `tail_read` tokens itself
+    #: and recomputed `recomputed` translated tokens that reading attended to most
+    #: (`Session.recompute_share`), in `recompute_s`
+    recomputed: int = 0
+    tail_read: int = 0
+    recompute_s: float = 0.0
 
     @property
     def lacked(self) -> int:
@@ -148,6 +154,9 @@ def status_line(st: TurnStats, names: dict) -> str:
         if sw.translated:
             again = f" ({sw.retranslated} again)" if sw.retranslated else ""
             parts.append(f"translated {sw.translated} tok{again} {sw.seconds * 1e3:.1f} ms")
+            if sw.tail_read:
+                parts.append(f"{me} read the last {sw.tail_read} tok and recomputed "
+                             f"{sw.recomputed} translated tok {_ms(sw.recompute_s)}")  # fmt: skip
         else:
             parts.append(f"switch {sw.lacked} tok {sw.note or 're-prefill'}")
     # its read time, as mlx-lm measures it (up to its first token): with the parts before it

@@ -118,17 +118,20 @@ class ReadCosts:
         return self.target_read.predict(lacked) if self.target_read.ready else None
 
     def small_reads(
-        self, lacked: int, catch_up: int, read: int, backward: bool, tail: int = 1
-    ) -> float | None:
+        self, lacked: int, catch_up: int, read: int, backward: bool, tail: int = 1,
+        recompute: int = 0,
+    ) -> float | None:  # fmt: skip
         """Predicted TTFT with the small model reading: it catches up on `catch_up` tokens
         (translated back when `backward`, else it reads them), reads `read` tokens, `lacked -
-        tail` are translated into the large model, which reads the last `tail` itself."""
+        tail` are translated into the large model, which reads the last `tail` itself (and,
+        with `recompute` tokens to recompute, the tail again with them: about a read of
+        `recompute + 2 tail` tokens)."""
         needed = [self.source_read, self.forward]
         if catch_up and backward:
             needed.append(self.backward)
         if not all(c.ready for c in needed):
             return None
-        large = self.large_reads(tail)
+        large = self.large_reads(recompute + 2 * tail if recompute else tail)
         if large is None:
             return None
         if catch_up and backward:
@@ -158,9 +161,11 @@ class Paths:
     read: int  # tokens the small model then reads itself
     backward: bool  # the small catches up by backward translation (else it reads them too)
     tail: int = 1  # on the small path, the last tokens the large model still reads itself
+    recompute: int = 0  # on the small path, translated tokens the large model recomputes
 
     def large(self, costs: ReadCosts) -> float | None:
         return costs.large_reads(self.lacked)
 
     def small(self, costs: ReadCosts) -> float | None:
-        return costs.small_reads(self.lacked, self.catch_up, self.read, self.backward, self.tail)
+        return costs.small_reads(self.lacked, self.catch_up, self.read, self.backward, self.tail,
+                                 self.recompute)  # fmt: skip

@@ -139,6 +139,17 @@ class TargetReadsTail:
 
 
 @dataclass(frozen=True)
+class TargetRecomputes:
+    """A condition: `method` translates the prompt, the target reads its last `tail` tokens
+    itself and recomputes the `share` of the rest that reading attended to most
+    (`recompute.recompute_attended`)."""
+
+    method: object
+    tail: int = 32
+    share: float = 0.1
+
+
+@dataclass(frozen=True)
 class NoisyNative:
     """A reference condition: the target's own cache with Gaussian noise added to every K and
     V, `rel` times that layer's RMS (so ||noise|| / ||native|| is about `rel` per token, the
@@ -191,6 +202,21 @@ def tail_read_kv(pair, cond: TargetReadsTail, task: ContentTask) -> tuple[list, 
     append_kv(cache, [k.astype(dtype) for k in keys], [v.astype(dtype) for v in values])
     if cut < len(toks):
         pair.target.model(mx.array(toks[cut:])[None], cache=cache)
+    keys = [c.keys[..., : c.offset, :] for c in cache]
+    values = [c.values[..., : c.offset, :] for c in cache]
+    mx.eval(keys, values)
+    return keys, values
+
+
+def recompute_kv(pair, cond: TargetRecomputes, task: ContentTask) -> tuple[list, list]:
+    """The cache after the target recomputed the tail and the attended share of prompt[:-1]."""
+    from ..recompute import recompute_attended
+
+    toks = list(task.tokens[:-1])
+    keys, values = translated_kv(pair, cond.method, toks)
+    cache, dtype = new_cache(pair.target), pair.target.dtype
+    append_kv(cache, [k.astype(dtype) for k in keys], [v.astype(dtype) for v in values])
+    recompute_attended(pair.target.model, cache, toks, cond.tail, cond.share)
     keys = [c.keys[..., : c.offset, :] for c in cache]
     values = [c.values[..., : c.offset, :] for c in cache]
     mx.eval(keys, values)
@@ -255,6 +281,8 @@ def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequenc
             continue
         if isinstance(m, TargetReadsTail):
             kvs[label] = tail_read_kv(pair, m, task)
+        elif isinstance(m, TargetRecomputes):
+            kvs[label] = recompute_kv(pair, m, task)
         elif isinstance(m, NoisyNative):
             kvs[label] = noisy_kv(m, native)
         else:

@@ -6,7 +6,8 @@ small-alone answers are computed once and shared, so every translator meets the 
         [--pair moe]
 
 FILE+question: the target reads the task's question itself on the translated rest; FILE+N: the
-target reads the prompt's last N tokens itself (`content.TargetReadsTail`); native~REL: the
+target reads the prompt's last N tokens itself (`content.TargetReadsTail`); FILE+N+rS: and then
+recomputes the share S of the rest its reading attended to most (`content.TargetRecomputes`); native~REL: the
 target's own cache with noise of REL times each layer's RMS (`content.NoisyNative`), a reference;
 LABEL=source: the source model alone (`content.SourceAlone`; with `--source`, that source's own
 row beside a reused "small" row of the demo's small model).
@@ -34,6 +35,7 @@ from mlx_kvlingo.measure.content import (
     NoisyNative,
     SourceAlone,
     TargetReadsTail,
+    TargetRecomputes,
     evaluate_content,
     known_replies,
     tables,
@@ -48,6 +50,10 @@ def condition(spec: str, pair):
     """FILE, FILE+question, FILE+N, native~REL or source (see the module's doc)."""
     if spec == "source":
         return SourceAlone()
+    path, sep, share = spec.rpartition("+r")
+    if sep and share.replace(".", "", 1).isdigit():  # FILE+N+rS
+        base, _, tail = path.rpartition("+")
+        return TargetRecomputes(load_translator(base, pair), int(tail), float(share))
     if spec.startswith("native~"):
         return NoisyNative(float(spec.removeprefix("native~")))
     path, _, tail = spec.rpartition("+")

@@ -1,0 +1,143 @@
+"""The target recomputes chosen tokens of a translated span, attending to the rest as it is.
+
+A translated cache keeps the style of what the small model read and loses what the target's
+deeper layers add to a token from its context (weights/QUALITY.md, "Where it is lost"). Run
+the target's own layers over a few chosen positions of the span, at their true positions,
+attending causally to the whole cache (translated K/V elsewhere, the recomputed ones at the
+chosen positions), and write their K/V back in every layer: CacheBlend's selective recompute
+(Yao et al., 2024) on a translated cache instead of concatenated precomputed chunks. Which
+positions: those the target's own reading of the turn's last tokens attends to most
+(`attended`: the peak weight of any head in its deeper layers), so a question read at the
+end points at what it asks about.
+
+The model's own layer modules run unchanged: a cache shim scatters the chosen positions' K/V
+into the layer's buffer and hands back the whole span, and the layer's RoPE module is called
+once per token row with that row's position (an array offset, bit for bit `rope(x, offset=p)`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import contextmanager
+
+import mlx.core as mx
+import mlx.nn as nn
+
+
+class _RowPositions(nn.Module):
+    """The layer's RoPE applied to (1, H, n, D) rows at their own positions; records the
+    rotated queries (the first call in each layer) when `keep` is set."""
+
+    def __init__(self, rope, positions: mx.array, keep: list | None):
+        super().__init__()
+        self._rope, self._pos, self._keep, self._calls = rope, positions, keep, 0
+
+    def __call__(self, x, offset=0):
+        y = self._rope(x.transpose(2, 1, 0, 3), offset=self._pos).transpose(2, 1, 0, 3)
+        if self._keep is not None and self._calls == 0:
+            self._keep.append(y)
+        self._calls += 1
+        return y
+
+
+class _ScatterCache:
+    """Stands in for one layer's mlx-lm KVCache: writes the chosen positions, returns the span."""
+
+    def __init__(self, cache, positions: mx.array, length: int):
+        self._cache, self._pos, self._length = cache, positions, length
+        self.offset = length
+        self.keys = None
+
+    def update_and_fetch(self, keys, values):
+        c = self._cache
+        c.keys[..., self._pos, :] = keys.astype(c.keys.dtype)
+        c.values[..., self._pos, :] = values.astype(c.values.dtype)
+        self.keys = c.keys[..., : self._length, :]
+        return self.keys, c.values[..., : self._length, :]
+
+
+@contextmanager
+def _rope_swapped(layer, rope):
+    attn = layer.self_attn
+    old = attn.rope
+    attn.rope = rope
+    try:
+        yield
+    finally:
+        attn.rope = old
+
+
+def _attention_peak(queries: mx.array, keys: mx.array, scale: float, mask: mx.array) -> mx.array:
+    """The largest softmax weight any head and row of `queries` (1, H, n, D) puts on each
+    position of `keys` (1, Hkv, T, D): (T,)."""
+    H, Hkv = queries.shape[1], keys.shape[1]
+    q = queries.reshape(1, Hkv, H // Hkv, queries.shape[2], queries.shape[3])
+    s = (q * scale).astype(mx.float32) @ keys[:, :, None].astype(mx.float32).swapaxes(-1, -2)
+    s = mx.where(mask, s, -mx.inf)
+    return mx.softmax(s, axis=-1).max(axis=(0, 1, 2, 3))
+
+
+def read_positions(model, cache: list, tokens: Sequence[int], positions: Sequence[int],
+                   attention: bool = False) -> mx.array | None:  # fmt: skip
+    """Run `model` over `tokens[p]` for the sorted `positions` p of the span its `cache`
+    holds (cache.offset == len(tokens)), writing their K/V into every layer in place.
+
+    With `attention`, returns the largest attention weight any head and row put on each span
+    position in the deeper two thirds of the layers (T,): a question is answered by a few
+    heads there that look up what it asks about (retrieval heads), while a sum over every
+    head is dominated by local and positional ones (weights/QUALITY.md, "Selective
+    recompute")."""
+    T = len(tokens)
+    if any(c.offset != T for c in cache):
+        raise ValueError(f"the cache holds {[c.offset for c in cache][:1]} tokens, not {T}")
+    pos = sorted(set(int(p) for p in positions))
+    if not pos:
+        return mx.zeros((T,)) if attention else None
+    if pos[0] < 0 or pos[-1] >= T:
+        raise ValueError(f"positions must lie in [0, {T}), got {pos[0]}..{pos[-1]}")
+    p = mx.array(pos)
+    mask = (mx.arange(T)[None] <= p[:, None])[None, None]  # (1, 1, n, T)
+    h = model.model.embed_tokens(mx.array([tokens[i] for i in pos])[None])
+    mass = mx.zeros((T,), dtype=mx.float32) if attention else None
+    layers = model.model.layers
+    for i, (layer, c) in enumerate(zip(layers, cache)):
+        kept: list | None = [] if attention else None
+        shim = _ScatterCache(c, p, T)
+        with _rope_swapped(layer, _RowPositions(layer.self_attn.rope, p, kept)):
+            h = layer(h, mask, shim)
+        if attention and 3 * i >= len(layers):
+            peak = _attention_peak(kept[0], shim.keys, layer.self_attn.scale, mask)
+            mass = mx.maximum(mass, peak)
+        mx.eval(h, c.keys, c.values, *([mass] if attention else []))
+    return mass
+
+
+def attended(mass: mx.array, count: int, start: int = 0, end: int | None = None) -> list[int]:
+    """`count` positions of [start, end), sorted: those with the most attention `mass`, and
+    position 0 first where the range holds it (the attention sink every row reads, whatever
+    it holds)."""
+    end = mass.shape[0] if end is None else end
+    count = max(0, min(count, end - start))
+    if count == 0:
+        return []
+    first = [0] if start == 0 else []
+    lo = start + len(first)
+    rest = count - len(first)
+    if rest == 0:
+        return first
+    top = mx.argpartition(-mass[lo:end], kth=rest - 1)[:rest] + lo
+    return [*first, *sorted(top.tolist())]
+
+
+def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int,
+                       share: float) -> list[int]:  # fmt: skip
+    """The target reads the span's last `tail` tokens over the translated rest, then
+    recomputes the `share` of the rest its reading attended to most, and the tail once more
+    (its K/V saw the old ones). Returns the recomputed positions before the tail."""
+    T = len(tokens)
+    cut = max(1, T - tail)
+    mass = read_positions(model, cache, tokens, range(cut, T), attention=True)
+    chosen = attended(mass, int(round(share * cut)), end=cut)
+    if chosen:
+        read_positions(model, cache, tokens, [*chosen, *range(cut, T)])
+    return chosen
