@@ -112,21 +112,32 @@ def read_positions(model, cache: list, tokens: Sequence[int], positions: Sequenc
     return mass
 
 
-def attended(mass: mx.array, count: int, start: int = 0, end: int | None = None) -> list[int]:
-    """`count` positions of [start, end), sorted: those with the most attention `mass`, and
-    position 0 first where the range holds it (the attention sink every row reads, whatever
-    it holds)."""
+#: each attended position brings the next few with it: a stated fact is several tokens (a
+#: name, the five digits of a number) and the peak marks one of them, mostly the first
+#: (weights/QUALITY.md, "Selective recompute")
+SPREAD = (1, 6)
+
+
+def attended(mass: mx.array, count: int, start: int = 0, end: int | None = None,
+             spread: tuple[int, int] = SPREAD) -> list[int]:  # fmt: skip
+    """`count` positions of [start, end), sorted: position 0 where the range holds it (the
+    attention sink every row reads, whatever it holds), then, in order of attention `mass`,
+    each position with `spread` = (before, after) neighbours, until `count` are taken."""
     end = mass.shape[0] if end is None else end
     count = max(0, min(count, end - start))
-    if count == 0:
-        return []
-    first = [0] if start == 0 else []
-    lo = start + len(first)
-    rest = count - len(first)
-    if rest == 0:
-        return first
-    top = mx.argpartition(-mass[lo:end], kth=rest - 1)[:rest] + lo
-    return [*first, *sorted(top.tolist())]
+    chosen: list[int] = [0][: min(count, 1)] if start == 0 else []
+    taken = set(chosen)
+    lo = start + len(chosen)
+    if count <= len(chosen):
+        return chosen
+    before, after = spread
+    for p in (mx.argsort(-mass[lo:end]) + lo).tolist():
+        for q in range(max(lo, p - before), min(end, p + after + 1)):
+            if len(taken) < count and q not in taken:
+                taken.add(q)
+        if len(taken) >= count:
+            break
+    return sorted(taken)
 
 
 def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int,

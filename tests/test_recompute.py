@@ -75,14 +75,18 @@ def test_bad_positions_and_a_cache_of_another_length_are_refused(tiny_dir):
         read_positions(model.model, cache, TOKENS[:-1], [3])
 
 
-def test_attended_picks_the_first_then_the_most_attended_and_never_the_tail():
-    mass = mx.array([0.0, 1.0, 9.0, 3.0, 7.0, 50.0, 60.0])
-    assert attended(mass, 3, end=5) == [0, 2, 4]
-    assert attended(mass, 10, end=5) == [0, 1, 2, 3, 4]
+def test_attended_takes_the_first_then_the_most_attended_with_their_neighbours():
+    mass = mx.array([0.0, 1.0, 9.0, 3.0, 7.0, 50.0, 60.0, 2.0, 8.0, 0.5])
+    alone = (0, 0)
+    assert attended(mass, 3, end=5, spread=alone) == [0, 2, 4]
+    assert attended(mass, 10, end=5, spread=alone) == [0, 1, 2, 3, 4]
     assert attended(mass, 1, end=5) == [0]
     assert attended(mass, 0, end=5) == []
-    assert attended(mass, 2, start=1, end=5) == [2, 4]  # no sink outside the range
-    assert attended(mass, 2, start=3) == [5, 6]
+    assert attended(mass, 2, start=1, end=5, spread=alone) == [2, 4]  # no sink outside the range
+    # the peak (6) brings one before and two after it (5-8); the next (5, taken already)
+    # brings the one before it (4), and the count is reached
+    assert attended(mass, 6, spread=(1, 2)) == [0, 4, 5, 6, 7, 8]
+    assert attended(mass, 4, start=3, end=9, spread=(1, 2)) == [5, 6, 7, 8]
 
 
 def test_recompute_shares_zero_and_one_are_the_tail_read_and_native(known_pair, tiny_dir):
