@@ -148,6 +148,33 @@ def test_the_large_recomputes_the_share_of_the_turn_its_reading_attended_to(pair
         Session(pair, fwd, bwd, recompute_share=1.5)
 
 
+def test_an_interrupted_recompute_leaves_the_caches_consistent(pair, translators, monkeypatch):
+    """Ctrl-C inside the recompute: the large model's cache keeps what it held before it (the
+    translated span), the turn is unanswered, and asking again answers as the re-prefill."""
+    import mlx_kvlingo.conversation.catchup as catchup
+
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd, reader="small", large_reads_last=4, recompute_share=0.5)
+    s.add_user(MESSAGES[0])
+    n0, real, calls = len(s.tokens), catchup.read_positions, []
+
+    def interrupted(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # the recompute itself, after the read of the turn's end
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(catchup, "read_positions", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        list(s.generate("large", max_tokens=N))
+    monkeypatch.undo()
+    assert_consistent(s)
+    assert s.held("target") == n0 - 4 and s.pending
+    out = [e.token for e in s.generate("large", max_tokens=N)]
+    assert out == native(pair.target.model, pair.tokenizer, s.tokens[:n0])
+    assert_consistent(s)
+
+
 def test_reader_self_keeps_todays_behaviour(pair, translators):
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, reader="self")
@@ -252,13 +279,14 @@ def test_cancel_during_the_small_read(pair, translators, monkeypatch):
 
 def test_save_load_and_trim_with_reader(pair, translators, tmp_path):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="small", large_reads_last=5)
+    s = Session(pair, fwd, bwd, reader="small", large_reads_last=5, recompute_share=0.5)
     converse(s, 3)
     path = s.save(tmp_path / "chat")
     t = Session(pair, fwd, bwd, reader="self")
     t.load(path)
     assert t.reader == "small" and t.turns[-1].read.tokens == s.turns[-1].read.tokens
-    assert t.large_reads_last == 5
+    assert t.large_reads_last == 5 and t.recompute_share == 0.5
+    assert t.turns[-1].switch.recomputed == s.turns[-1].switch.recomputed > 0
     assert converse(s, 2) == converse(t, 2)
     dropped = t.trim(len(t.tokens) // 2)
     assert dropped > 0
