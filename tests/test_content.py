@@ -228,6 +228,16 @@ def test_eval_task_content_cli(pair, exact, tiny_dir, tmp_path):
     assert "summary: recall" in r.output
     bad = CliRunner().invoke(cli, args[:-4] + ["--lengths", "8"])
     assert bad.exit_code != 0 and "at least 32" in bad.output
+    # the chat's reading as a row of its own: the last N tokens, then the recompute
+    r = CliRunner().invoke(cli, args + ["--large-reads-last", "8", "--recompute", "0.5"])
+    assert r.exit_code == 0, r.output
+    result = json.loads(out.read_text())
+    label = "last 8 + recompute 0.5"
+    assert result["conditions"] == ["native", "translated", label, "small"]
+    assert result["cells"][label]["qa"]["64"]["rouge_l"] == 1.0  # exact: native either way
+    assert f"{label}: fact @64" in r.output
+    misplaced = CliRunner().invoke(cli, ["eval", "--recompute", "0.5"])
+    assert misplaced.exit_code != 0 and "go with --task content" in misplaced.output
 
 
 def test_prefix_gain_weights(pair):

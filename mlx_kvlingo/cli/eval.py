@@ -52,6 +52,12 @@ from ._common import (
               help="--task content: tasks of each kind at each length")  # fmt: skip
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
               help="--task content: write the per-length plot here (PNG)")  # fmt: skip
+@click.option("--large-reads-last", "tail", type=click.IntRange(1), default=None,
+              help="--task content: also score the large model reading the prompt's last this "
+                   "many tokens itself on the translated rest, as a chat does (32)")  # fmt: skip
+@click.option("--recompute", "share", type=click.FloatRange(0, 1), default=None,
+              help="--task content: also score that reading followed by the large model "
+                   "recomputing this share of the translated span (chat --recompute)")  # fmt: skip
 @click.option("--multi-turn", is_flag=True, help="Multi-turn alternation evaluation over dialogues")
 @click.option(
     "--switches", default=10, show_default=True, help="Switches per dialogue (--multi-turn)"
@@ -63,7 +69,7 @@ from ._common import (
     help="With --multi-turn: the large answers every turn while the small reads (vs re-prefill)",
 )
 def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_out, task, lengths,
-             per_kind, plot_out, multi_turn, switches, reader_eval, **kw):  # fmt: skip
+             per_kind, plot_out, tail, share, multi_turn, switches, reader_eval, **kw):  # fmt: skip
     """Score the target on held-out continuations under every cache condition."""
     console = Console()
     if task == "content":
@@ -82,7 +88,9 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         texts = content_texts(data_path)
         pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
         return _content(pair, tr, texts, sizes, per_kind, kw["seed"], json_out, plot_out, console,
-                        translator or "demo default")  # fmt: skip
+                        translator or "demo default", tail, share)  # fmt: skip
+    if tail is not None or share is not None:
+        raise click.UsageError("--large-reads-last and --recompute go with --task content")
     if data_path is not None and not multi_turn:
         try:
             summary = validate_data(data_path)  # before loading any model
@@ -146,9 +154,19 @@ def _multi_turn(pair, tr, backward, dialogues, switches, json_out, console, read
             json.dump(result, f, indent=1)
 
 
-def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label):
+def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label,
+             tail=None, share=None):  # fmt: skip
     from ..content_tasks import build_tasks
-    from ..measure.content import evaluate_content, plot, tables, to_json, write_json
+    from ..measure.content import (
+        TargetReadsTail,
+        TargetRecomputes,
+        evaluate_content,
+        goals,
+        plot,
+        tables,
+        to_json,
+        write_json,
+    )
 
     try:
         tasks = build_tasks(pair.tokenizer, texts, lengths, per_kind, seed=seed)
@@ -160,13 +178,21 @@ def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, conso
     console.print(f"[grey50]{len(tasks)} content tasks ({per_kind} per kind and length, seed "
                   f"{seed}); the target answers natively first, then from the translated cache; "
                   f"greedy[/grey50]")  # fmt: skip
-    res = evaluate_content(pair, tasks, {"translated": tr})
+    methods = {"translated": tr}
+    if share is not None:  # the chat's reading: the last `tail` (32) tokens, then the recompute
+        methods[f"last {tail or 32} + recompute {share:g}"] = TargetRecomputes(
+            tr, tail or 32, share
+        )
+    elif tail is not None:
+        methods[f"last {tail}"] = TargetReadsTail(tr, tail)
+    res = evaluate_content(pair, tasks, methods)
     result = to_json(res, pair, {"translator": label, "seed": seed, "lengths": lengths})
     for t in tables(result):
         console.print(t)
-    for g in result["goals"]:
-        mark = "[green]met[/green]" if g["met"] else "[red]not met[/red]"
-        console.print(f"  {g['goal']}: {g['value']:.2f} {mark}")
+    for name in methods:
+        for g in result["goals"] if name == "translated" else goals(result["cells"], name):
+            mark = "[green]met[/green]" if g["met"] else "[red]not met[/red]"
+            console.print(f"  {name}: {g['goal']}: {g['value']:.2f} {mark}")
     if json_out:
         write_json(result, json_out)
     if plot_out:
