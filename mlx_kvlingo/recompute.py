@@ -108,7 +108,7 @@ def read_positions(model, cache: list, tokens: Sequence[int], positions: Sequenc
         if attention and 3 * i >= len(layers):
             peak = _attention_peak(kept[0], shim.keys, layer.self_attn.scale, mask)
             mass = mx.maximum(mass, peak)
-        mx.eval(h, c.keys, c.values, *([mass] if attention else []))
+    mx.eval(h, [(c.keys, c.values) for c in cache], *([mass] if attention else []))
     return mass
 
 
