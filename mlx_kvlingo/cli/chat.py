@@ -392,9 +392,9 @@ class ChatApp:
                    "this many tokens itself (your question in its own words); 1: the last token")  # fmt: skip
 @click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=0.0,
               show_default=True,
-              help="Then the large model also recomputes this share of the translated turn, the "
-                   "tokens its reading attended to most (facts stated once come back; costs its "
-                   "read of that many tokens)")  # fmt: skip
+              help="When the small model reads your turn, the large one also recomputes this share "
+                   "of it, the tokens its reading of the turn's end attended to most (facts "
+                   "stated once come back; costs its read of that many tokens)")  # fmt: skip
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
               help="Before the first prompt, run each path once (compiled kernels, lazy weights) "
                    "and measure the pair's rates for reader auto")  # fmt: skip

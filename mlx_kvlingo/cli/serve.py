@@ -66,8 +66,9 @@ def _loopback(host: str) -> bool:
               help="When the small model reads a turn, the large one still reads its last this "
                    "many tokens itself (default: the library's, 32); 1: the last token")  # fmt: skip
 @click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
-              help="Then the large model also recomputes this share of the translated turn, the "
-                   "tokens its reading attended to most (default: the library's, 0)")  # fmt: skip
+              help="When the small model reads a turn, the large one also recomputes this share "
+                   "of it, the tokens its reading of the turn's end attended to most (default: "
+                   "the library's, 0)")  # fmt: skip
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")
 def serve_cmd(source, target, translator, demo_pair, backward_translator, host, port, api_key, max_tokens,
