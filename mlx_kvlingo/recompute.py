@@ -140,15 +140,20 @@ def attended(mass: mx.array, count: int, start: int = 0, end: int | None = None,
     return sorted(taken)
 
 
-def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int,
-                       share: float) -> list[int]:  # fmt: skip
+def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int, share: float,
+                       start: int = 0) -> list[int]:  # fmt: skip
     """The target reads the span's last `tail` tokens over the translated rest, then
-    recomputes the `share` of the rest its reading attended to most, and the tail once more
-    (its K/V saw the old ones). Returns the recomputed positions before the tail."""
+    recomputes the `share` of [start, cut) its reading attended to most (cut: where the tail
+    begins). Returns the recomputed positions.
+
+    The tail is read once: its K/V stay those of its reading over the translated rest. Reading
+    it again over the recomputed positions costs a second read of the tail and retrieved one
+    fact more in 28 (weights/QUALITY.md, "Selective recompute"); the answer's own first step
+    reads the recomputed positions either way."""
     T = len(tokens)
     cut = max(1, T - tail)
     mass = read_positions(model, cache, tokens, range(cut, T), attention=True)
-    chosen = attended(mass, int(round(share * cut)), end=cut)
+    chosen = attended(mass, int(round(share * (cut - start))), start=start, end=cut)
     if chosen:
-        read_positions(model, cache, tokens, [*chosen, *range(cut, T)])
+        read_positions(model, cache, tokens, chosen)
     return chosen

@@ -120,18 +120,21 @@ def _zero_like(pair, tr, answer):
 def test_the_large_recomputes_the_share_of_the_turn_its_reading_attended_to(pair, translators,
                                                                            tiny_dir):  # fmt: skip
     """`recompute_share`: after the large model reads the turn's last tokens, it recomputes
-    that share of the span just translated. With a translator that writes zeros, share 1
-    recomputes every translated position, so the answers are the re-prefill's token for
-    token; share 0 leaves the zeros (and other answers). The switch records what was
-    recomputed, the status line says it, the caches stay consistent."""
+    that share of the span just translated. With a translator that writes zeros and the large
+    model reading only the last token, share 1 recomputes every translated position, so the
+    answers are the re-prefill's token for token; share 0 leaves the zeros (and other
+    answers). The switch records what was recomputed, the status line says it, the caches
+    stay consistent."""
     fwd, bwd = translators
     zero = _zero_like(pair, fwd, tiny_dir["known_answer"])
-    k = 4
     want = converse(Session(pair, fwd, bwd, mode="reprefill"), 4)
-    full = Session(pair, zero, bwd, reader="small", large_reads_last=k, recompute_share=1.0)
+    full = Session(pair, zero, bwd, reader="small", large_reads_last=1, recompute_share=1.0)
     assert converse(full, 4) == want
-    none = Session(pair, zero, bwd, reader="small", large_reads_last=k)
+    none = Session(pair, zero, bwd, reader="small", large_reads_last=1)
     assert converse(none, 4) != want
+    k = 4
+    full = Session(pair, zero, bwd, reader="small", large_reads_last=k, recompute_share=1.0)
+    converse(full, 4)
     half = Session(pair, zero, bwd, reader="small", large_reads_last=k, recompute_share=0.5)
     converse(half, 4)
     for s, share in ((full, 1.0), (half, 0.5)):
@@ -151,12 +154,12 @@ def test_the_large_recomputes_the_share_of_the_turn_its_reading_attended_to(pair
 def test_an_interrupted_recompute_leaves_the_caches_consistent(pair, translators, monkeypatch):
     """Ctrl-C inside the recompute: the large model's cache keeps what it held before it (the
     translated span), the turn is unanswered, and asking again answers as the re-prefill."""
-    import mlx_kvlingo.conversation.catchup as catchup
+    import mlx_kvlingo.recompute as recompute
 
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, reader="small", large_reads_last=4, recompute_share=0.5)
     s.add_user(MESSAGES[0])
-    n0, real, calls = len(s.tokens), catchup.read_positions, []
+    n0, real, calls = len(s.tokens), recompute.read_positions, []
 
     def interrupted(*a, **k):
         calls.append(1)
@@ -164,7 +167,7 @@ def test_an_interrupted_recompute_leaves_the_caches_consistent(pair, translators
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(catchup, "read_positions", interrupted)
+    monkeypatch.setattr(recompute, "read_positions", interrupted)
     with pytest.raises(KeyboardInterrupt):
         list(s.generate("large", max_tokens=N))
     monkeypatch.undo()

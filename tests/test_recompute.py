@@ -90,8 +90,8 @@ def test_attended_takes_the_first_then_the_most_attended_with_their_neighbours()
 
 
 def test_recompute_shares_zero_and_one_are_the_tail_read_and_native(known_pair, tiny_dir):
-    """Share 0: exactly the target reading the tail itself; share 1: every position the
-    target's own, so its own prefill."""
+    """Share 0: exactly the target reading the tail itself; share 1: every position before
+    the tail the target's own (its own prefill there), the tail as it read it over the rest."""
     pair = known_pair
     exact = exact_translator(pair, tiny_dir["known_answer"])
     zero = exact_translator(pair, {"key_maps": [m * 0 for m in _maps(exact, "key")],
@@ -101,9 +101,12 @@ def test_recompute_shares_zero_and_one_are_the_tail_read_and_native(known_pair, 
     tk, _ = tail_read_kv(pair, TargetReadsTail(zero, 5), task)
     rk, _ = recompute_kv(pair, TargetRecomputes(zero, 5, 0.0), task)
     ak, _ = recompute_kv(pair, TargetRecomputes(zero, 5, 1.0), task)
-    for t, r, a, n in zip(tk, rk, ak, nk):
+    cut = len(task.tokens) - 1 - 5  # share 1: every position before the tail is the target's
+    for t, r, a, n in zip(tk, rk, ak, nk):  # own; the tail stays as read over the zeros
         assert mx.allclose(r, t, atol=1e-5).item()
-        assert mx.allclose(a, n, atol=1e-5).item()
+        assert mx.allclose(a[..., :cut, :], n[..., :cut, :], atol=1e-5).item()
+        assert mx.allclose(a[..., cut:, :], t[..., cut:, :], atol=1e-5).item()
+    assert not mx.allclose(ak[-1][..., :cut, :], tk[-1][..., :cut, :], atol=1e-3).item()
     # a share in between recomputes that many positions before the tail, and no others
     cache = _cache_of(pair.target, *[list(x) for x in _zero_kv(nk)])
     toks = list(task.tokens[:-1])

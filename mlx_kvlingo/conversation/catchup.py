@@ -18,7 +18,7 @@ from ..capture import SpanKV, capture_from_cache, needs_recording, prefill
 from ..decode import append_translation
 from ..kvcache import append_kv, new_cache, prefix_copy
 from ..pair import LoadedModel
-from ..recompute import attended, read_positions
+from ..recompute import recompute_attended
 from .records import Read, SessionError, Switch
 from .timing import Paths
 
@@ -145,20 +145,18 @@ class CatchUp:
 
     def _recompute(self, m: _Model, sw: Switch, n0: int) -> None:
         """After translating `sw`'s span into the large model (its cache now holds [0, cut)):
-        it reads conversation[cut:n0] itself, recomputes the `recompute_share` of the span its
-        reading attended to most, and reads the tail again over them (recompute.py). The cache
-        is left holding [0, n0 - 1): the answer reads the last token. Interrupted, the cache
-        keeps [0, cut) (some of its positions recomputed in some layers: K/V of the target's
-        own either way)."""
+        it reads conversation[cut:n0] itself and recomputes the `recompute_share` of the span
+        its reading attended to most (`recompute.recompute_attended`). The cache is left
+        holding [0, n0 - 1): the answer reads the last token. Interrupted, the cache keeps
+        [0, cut) (some of its positions recomputed in some layers: K/V of the target's own
+        either way)."""
         cut, toks = m.held, self.tokens[:n0]
-        count = self._recompute_count(sw.translated)
+        share = self._recompute_count(sw.translated) / sw.translated
         t0 = time.perf_counter()
         try:
             append_kv(m.cache, *_placeholders(m.cache, n0 - cut))
-            model = m.loaded.model
-            peak = read_positions(model, m.cache, toks, range(cut, n0), attention=True)
-            chosen = attended(peak, count, start=cut - sw.translated, end=cut)
-            read_positions(model, m.cache, toks, [*chosen, *range(cut, n0)])
+            chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut, share,
+                                        start=cut - sw.translated)  # fmt: skip
             m.held = n0 - 1
         finally:
             self._settle(m, m.held)

@@ -123,15 +123,14 @@ class ReadCosts:
     ) -> float | None:  # fmt: skip
         """Predicted TTFT with the small model reading: it catches up on `catch_up` tokens
         (translated back when `backward`, else it reads them), reads `read` tokens, `lacked -
-        tail` are translated into the large model, which reads the last `tail` itself (and,
-        with `recompute` tokens to recompute, the tail again with them: about a read of
-        `recompute + 2 tail` tokens)."""
+        tail` are translated into the large model, which reads the last `tail` itself and
+        recomputes `recompute` of the translated ones (about a read of `recompute + tail`)."""
         needed = [self.source_read, self.forward]
         if catch_up and backward:
             needed.append(self.backward)
         if not all(c.ready for c in needed):
             return None
-        large = self.large_reads(recompute + 2 * tail if recompute else tail)
+        large = self.large_reads(recompute + tail)
         if large is None:
             return None
         if catch_up and backward:
