@@ -45,7 +45,15 @@ from .conversation.records import (
 from .pair import ModelPair
 from .sampling import Sampling
 from .sampling import resolve as resolve_sampling
-from .session import LARGE_READS_LAST, MODES, READER_MARGIN, READER_MIN_TOKENS, READERS, Session
+from .session import (
+    LARGE_READS_LAST,
+    MODES,
+    READER_MARGIN,
+    READER_MIN_TOKENS,
+    READERS,
+    RECOMPUTE_SHARE,
+    Session,
+)
 from .translator import Translator
 
 # Inputs are plain strings (often from a UI or a config), checked at run time:
@@ -412,7 +420,7 @@ class Runtime:
         reader_min_tokens: int = READER_MIN_TOKENS,
         reader_margin: float = READER_MARGIN,
         large_reads_last: int = LARGE_READS_LAST,
-        recompute_share: float = 0.0,
+        recompute_share: float = RECOMPUTE_SHARE,
     ) -> Conversation:
         """A fresh conversation (its own two KV caches) over this runtime's pair.
 

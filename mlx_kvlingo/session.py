@@ -72,6 +72,7 @@ READERS = ("auto", "tokens", "small", "self")
 READER_MIN_TOKENS = 64  # reader "tokens": shorter later turns are read by the large itself
 READER_MARGIN = 0.05  # reader "auto": predicted TTFTs this close, the token rule decides
 LARGE_READS_LAST = 32  # Runtime's default: with the small reading, the large reads the last 32
+RECOMPUTE_SHARE = 0.1  # Runtime's default: and recomputes this share of the turn translated
 
 
 class Session(Messages, CatchUp, Answering, Persistence):
@@ -287,7 +288,8 @@ class Session(Messages, CatchUp, Answering, Persistence):
         self._cancel.set()
 
 
-__all__ = ["LARGE_READS_LAST", "MODES", "READER_MARGIN", "READER_MIN_TOKENS", "READERS", "Session"]
+__all__ = ["LARGE_READS_LAST", "MODES", "READER_MARGIN", "READER_MIN_TOKENS", "READERS"]
+__all__ += ["RECOMPUTE_SHARE", "Session"]
 
 
 def _whole_number(name: str, n, least: int) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..api import LARGE_READS_LAST
+from ..api import LARGE_READS_LAST, RECOMPUTE_SHARE
 from ._common import pair_option, source_option, target_option, translator_option
 
 #: 4096-token prefills take minutes on a CPU: the default lengths depend on the backend
@@ -148,9 +148,17 @@ def _preset_names() -> list[str]:
     help="--conversation: where the small model reads, the large one still reads the turn's last "
     "this many tokens itself (as `kvlingo chat`); 1: the last token only",
 )
+@click.option(
+    "--recompute",
+    "recompute_share",
+    default=RECOMPUTE_SHARE,
+    show_default=True,
+    type=click.FloatRange(0, 1),
+    help="--conversation: and recomputes this share of the translated turn (as `kvlingo chat`)",
+)
 def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, warmup, out, max_minutes,
               moe_loop, seed, dtype, cache_dir, no_progress, conversation, turns, user_lengths,
-              answer_tokens, escalation_rate, policies, large_reads_last, side_by_side):  # fmt: skip
+              answer_tokens, escalation_rate, policies, large_reads_last, recompute_share, side_by_side):  # fmt: skip
     """Time to first token: the source prefills and the cache is translated (switch), or the
     target re-prefills. Writes a markdown table, JSON with every trial, and a TTFT plot."""
     from .. import moe_cpu
@@ -211,7 +219,8 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
             backward = demo_backward
         cfg = cb.ConversationBenchConfig(turns=turns, user_lengths=tuple(parse_lengths(None, None, user_lengths)),
                                          answer_tokens=answer_tokens, escalation_rate=escalation_rate, seed=seed,
-                                         warmup=warmup > 0, large_reads_last=large_reads_last)  # fmt: skip
+                                         warmup=warmup > 0, large_reads_last=large_reads_last,
+                                         recompute_share=recompute_share)  # fmt: skip
         if policies:
             cfg.policies = tuple(p.strip() for p in policies.split(",") if p.strip())
             unknown = set(cfg.policies) - set(cb.ALL_POLICIES)

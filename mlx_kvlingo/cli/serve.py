@@ -68,7 +68,7 @@ def _loopback(host: str) -> bool:
 @click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
               help="When the small model reads a turn, the large one also recomputes this share "
                    "of it, the tokens its reading of the turn's end attended to most (default: "
-                   "the library's, 0)")  # fmt: skip
+                   "the library's, 0.1)")  # fmt: skip
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")
 def serve_cmd(source, target, translator, demo_pair, backward_translator, host, port, api_key, max_tokens,

@@ -124,15 +124,18 @@ class ReadCosts:
         """Predicted TTFT with the small model reading: it catches up on `catch_up` tokens
         (translated back when `backward`, else it reads them), reads `read` tokens, `lacked -
         tail` are translated into the large model, which reads the last `tail` itself and
-        recomputes `recompute` of the translated ones (about a read of `recompute + tail`)."""
+        recomputes `recompute` of the translated ones (about a read of `recompute + tail`,
+        then one step: the answer reads the last token again over the recomputed ones)."""
         needed = [self.source_read, self.forward]
         if catch_up and backward:
             needed.append(self.backward)
         if not all(c.ready for c in needed):
             return None
         large = self.large_reads(recompute + tail)
-        if large is None:
+        step = self.step() if recompute else 0.0
+        if large is None or step is None:
             return None
+        large += step
         if catch_up and backward:
             t = self.backward.predict(catch_up) + (self.source_read.predict(read) if read else 0.0)
         else:

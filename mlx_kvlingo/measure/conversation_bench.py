@@ -36,7 +36,7 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
 from ..pair import ModelPair
-from ..session import LARGE_READS_LAST, Session
+from ..session import LARGE_READS_LAST, RECOMPUTE_SHARE, Session
 from ..translator import Translator
 from . import report
 from .bench import prompt_tokens
@@ -73,6 +73,7 @@ class ConversationBenchConfig:
     policies: tuple[str, ...] = POLICIES
     warmup: bool = True
     large_reads_last: int = LARGE_READS_LAST  # as Runtime's conversations, where the small reads
+    recompute_share: float = RECOMPUTE_SHARE  # likewise
 
 
 @dataclass
@@ -138,7 +139,12 @@ def run_conversation_bench(
         "large reads": Session(pair, forward, backward, reader="self"),
         **{
             f"{r} reads": Session(
-                pair, forward, backward, reader=r, large_reads_last=cfg.large_reads_last
+                pair,
+                forward,
+                backward,
+                reader=r,
+                large_reads_last=cfg.large_reads_last,
+                recompute_share=cfg.recompute_share,
             )
             for r in ("small", "auto", "tokens")
         },  # fmt: skip
