@@ -16,7 +16,7 @@ import time
 
 from ..decode import reserve_translation_memory
 from ..map_reading import measure as measure_map_reading
-from ..session import Session
+from ..session import RECOMPUTE_SHARE, Session
 from .timing import ReadCosts, costs_of
 
 _TEXT = (
@@ -41,11 +41,12 @@ def warm_up(
     (into `costs`, default the pair's).
 
     Each run: for each length, a user turn of about that many tokens answered by the large
-    model twice over, once with the small model reading (small read, forward translation,
-    large first step, then the small catching up on the answer by backward translation) and
-    once with the large model reading it itself; then the small model answers where the large
-    read everything (a long backward translation, the small's decode). `sample(model)` gives the generate keyword
-    arguments a real turn will use (sampler, logits processors), so they compile here too.
+    model twice over, once with the small model reading (small read, forward translation, the
+    large model's recompute and first step, then the small catching up on the answer by
+    backward translation) and once with the large model reading it itself; then the small
+    model answers where the large read everything (a long backward translation, the small's
+    decode). `sample(model)` gives the generate keyword arguments a real turn will use
+    (sampler, logits processors), so they compile here too.
     """
     costs = costs_of(pair) if costs is None else costs
     t0 = time.perf_counter()
@@ -58,7 +59,8 @@ def warm_up(
         selfs = Session(pair, forward, backward, reader="self", read_costs=record)
         both = [selfs]
         if forward is not None:  # without one there is nothing to translate into the large
-            both.insert(0, Session(pair, forward, backward, reader="small", read_costs=record))
+            both.insert(0, Session(pair, forward, backward, reader="small", read_costs=record,
+                                   recompute_share=RECOMPUTE_SHARE))  # fmt: skip
         for n in todo:
             text = _text(pair.tokenizer, n)
             for s in both:
