@@ -107,6 +107,33 @@ def test_the_tail_is_dropped_where_it_would_more_than_double_the_ttft(pair, tran
         assert ("the large reads the last token only" in status_line(st, NAMES)) == (tail == 1)
 
 
+def test_the_recompute_is_dropped_before_the_tail_where_it_would_exceed_the_budget(
+    pair, translators
+):
+    """The large model's own reading on the small path, within the same budget: the last 8
+    tokens and the recompute where both fit, the 8 tokens without it where only they fit (the
+    status line says so), the last token only where neither does."""
+    fwd, bwd = translators
+    long = "word " * 80
+    rates = dict(source_read=(0.05, 0.001), forward=(0.01, 0.001))
+    for per_token, tail, recomputes in ((0.001, 8, True), (0.02, 8, False), (0.2, 1, False)):
+        costs = ReadCosts.fixed(**rates, target_read=(0.01, per_token))
+        s = Session(pair, fwd, bwd, reader="small", large_reads_last=8, recompute_share=0.5,
+                    read_costs=costs)  # fmt: skip
+        s.add_user(long)
+        toks = [e.token for e in s.generate("large", max_tokens=N)]
+        assert toks == talk(Session(pair, fwd, bwd, mode="reprefill"), [long])[0]
+        (st,) = s.turns
+        assert (st.switch.recomputed > 0) == recomputes
+        assert st.switch.tail_read == (tail if recomputes else 0)
+        assert st.prompt_tokens == (1 if recomputes else tail)
+        line = status_line(st, NAMES)
+        assert ("no recompute: recomputing 50% of the turn" in line) == (
+            tail == 8 and not recomputes
+        )
+        assert ("the large reads the last token only" in line) == (tail == 1)
+
+
 LARGE_FAST = dict(source_read=(0.05, 0.01), forward=(0.05, 0.01), backward=(0.05, 0.01),
                   target_read=(0.001, 0.001))  # fmt: skip
 SMALL_FAST = dict(source_read=(0.0, 1e-4), forward=(0.0, 1e-4), backward=(0.0, 1e-4),

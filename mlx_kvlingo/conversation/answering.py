@@ -101,8 +101,13 @@ class Answering:
                     return
             stats.switch = self._catch_up(name, upto)
             sw = stats.switch
-            if small and sw is not None and self._recompute_count(sw.translated):
-                self._recompute(m, sw, n0)  # the large reads the tail and recomputes
+            if (
+                small
+                and sw is not None
+                and self._recompute_count(sw.translated)
+                and (paths is None or paths.recompute)
+            ):  # the large reads the tail and recomputes (where its budget allows: _reading)
+                self._recompute(m, sw, n0)
                 if self._cancel.is_set():
                     stats.finish_reason = "cancelled"
                     return

@@ -108,34 +108,40 @@ class CatchUp:
         self.switches.append(sw)
         return sw
 
-    def _tail(self, upto: int) -> int:
-        """How many of the turn's last tokens the large model reads itself where the small
-        reads for it: `large_reads_last`, unless that is predicted to take more than
-        `TAIL_BUDGET` times the plain handoff's TTFT and `TAIL_ALLOWANCE_S` more than it (then
-        1: the last token only)."""
-        k = self.large_reads_last
-        if k == 1 or self.forward is None or self.mode != "alternation":
-            return k
-        plain, tail = self._paths_with(upto, 1), self._paths_with(upto, k)
-        a, b = plain.small(self.read_costs), tail.small(self.read_costs)
-        if a is None or b is None:
-            return k
-        return 1 if b > max(TAIL_BUDGET * a, a + TAIL_ALLOWANCE_S) else k
+    def _reading(self, upto: int) -> tuple[int, bool]:
+        """How much the large model reads itself where the small reads for it: (its last
+        tokens, whether it recomputes). `large_reads_last` and `recompute_share`, unless that
+        is predicted to take more than `TAIL_BUDGET` times the plain handoff's TTFT and
+        `TAIL_ALLOWANCE_S` more than it; then without the recompute, then the last token only
+        (the plain handoff itself)."""
+        k, share = self.large_reads_last, self.recompute_share > 0
+        ways = [(k, share), *([(k, False)] if share else []), *([(1, False)] if k > 1 else [])]
+        if len(ways) == 1 or self.forward is None or self.mode != "alternation":
+            return ways[0]
+        a = self._paths_with(upto, 1, False).small(self.read_costs)
+        if a is None:
+            return ways[0]
+        limit = max(TAIL_BUDGET * a, a + TAIL_ALLOWANCE_S)
+        for tail, recompute in ways:
+            b = self._paths_with(upto, tail, recompute).small(self.read_costs)
+            if b is None or b <= limit:
+                return tail, recompute
+        return 1, False
 
     def _tail_cut(self, upto: int) -> int:
         """Where the small model's reading for the large one stops: the large reads
-        conversation[cut : upto + 1] itself, its last `_tail` tokens (fewer where it already
-        holds more)."""
+        conversation[cut : upto + 1] itself, its last `_reading` tokens (fewer where it
+        already holds more)."""
         held = min(self._models["target"].held, upto)
-        return max(held, upto + 1 - self._tail(upto))
+        return max(held, upto + 1 - self._reading(upto)[0])
 
-    def _paths_with(self, upto: int, tail: int) -> Paths:
+    def _paths_with(self, upto: int, tail: int, recompute: bool = True) -> Paths:
         t, s = self._models["target"].held, self._models["source"].held
         th, sh = min(t, upto), min(s, upto)
         cut = max(th, upto + 1 - tail)
         return Paths(upto + 1 - th, max(th - sh, 0), max(cut - max(sh, th), 0),
                      self.backward is not None, upto + 1 - cut,
-                     self._recompute_count(cut - th))  # fmt: skip
+                     self._recompute_count(cut - th) if recompute else 0)  # fmt: skip
 
     def _recompute_count(self, translated: int) -> int:
         """How many of `translated` tokens the large model recomputes (`recompute_share`)."""
@@ -168,7 +174,7 @@ class CatchUp:
         (None where no prediction applies: no forward map, or not alternation)."""
         if self.forward is None or self.mode != "alternation":
             return None
-        return self._paths_with(upto, self._tail(upto))
+        return self._paths_with(upto, *self._reading(upto))
 
     def _reader_choice(self, name: str, upto: int) -> tuple[bool, str, Paths | None]:
         """Does the small model read [large's held, upto) for `name` this turn (reader policy,
@@ -180,10 +186,13 @@ class CatchUp:
             why = f"the turn is within the {self.large_reads_last} tok the large reads itself"
             return False, "" if self.reader == "self" else why, None
         small, why = self._policy(upto, paths)
+        over = f"would take over {TAIL_BUDGET:g}x this TTFT and {TAIL_ALLOWANCE_S:g} s more"
         if small and self.large_reads_last > 1 and paths is not None and paths.tail == 1:
             why = (f"the large reads the last token only: reading the last "
-                   f"{self.large_reads_last} tok would take over {TAIL_BUDGET:g}x this TTFT "
-                   f"and {TAIL_ALLOWANCE_S:g} s more")  # fmt: skip
+                   f"{self.large_reads_last} tok {over}")  # fmt: skip
+        elif small and paths is not None and self._recompute_count(paths.lacked - paths.tail) \
+                and not paths.recompute:  # fmt: skip
+            why = f"no recompute: recomputing {self.recompute_share:.0%} of the turn {over}"
         return small, why, paths
 
     def _policy(self, upto: int, paths: Paths | None) -> tuple[bool, str]:
