@@ -85,7 +85,9 @@ class TurnTiming:
     total_s: float
     read_s: float = 0.0  # the small model reading for the large
     translate_s: float = 0.0  # every translation this turn (both directions)
-    large_read_tokens: int = 0  # tokens the large model read itself
+    large_read_tokens: int = 0  # tokens the large model read itself (the recompute's tail too)
+    recomputed_tokens: int = 0  # translated tokens the large model recomputed
+    recompute_s: float = 0.0  # its read of the tail and the recompute
     escalated: bool = False
     escalation_ttft_s: float | None = None  # the large model's TTFT after the escalation
     small_decode_tps: float | None = None  # the small model's decode speed (cascades)
@@ -183,7 +185,12 @@ def run_conversation_bench(
                 ttft, total, st = _answer(s, "target", cfg)
                 tt = TurnTiming(policy, t, n, ttft, total, translate_s=_translate_s(st))
                 tt.read_s = st.read.seconds if st.read else 0.0
-                tt.large_read_tokens = st.prompt_tokens
+                sw = st.switch
+                tt.large_read_tokens = st.prompt_tokens + (sw.tail_read if sw else 0)
+                if sw is not None and sw.tail_read:  # counts the turn's last token twice
+                    tt.large_read_tokens -= 1
+                tt.recomputed_tokens = sw.recomputed if sw else 0
+                tt.recompute_s = sw.recompute_s if sw else 0.0
                 tt.small_read = st.read is not None
                 tt.predicted_ttft_s, tt.alternative_ttft_s = (
                     st.predicted_ttft_s,
