@@ -420,7 +420,7 @@ class Runtime:
         reader_min_tokens: int = READER_MIN_TOKENS,
         reader_margin: float = READER_MARGIN,
         large_reads_last: int = LARGE_READS_LAST,
-        recompute_share: float = RECOMPUTE_SHARE,
+        recompute_share: float | None = None,
     ) -> Conversation:
         """A fresh conversation (its own two KV caches) over this runtime's pair.
 
@@ -437,6 +437,7 @@ class Runtime:
         `recompute_share`: then the large model also recomputes this share of the span just
         translated, the tokens its reading of the turn's end attended to most (facts stated
         once come back; costs the large model's read of that many tokens; recompute.py).
+        Default `RECOMPUTE_SHARE` (0.1), and 0 for a pipelined large model, which cannot.
         `translate_ahead`: while the small
         model answers, translate for the large one between its tokens, within 10% of the small
         model's decode time, so that `escalate` costs the large model one decode step plus
@@ -451,6 +452,8 @@ class Runtime:
             from .pipelined import ShardedSession
 
             make = partial(ShardedSession, self._link)
+        if recompute_share is None:
+            recompute_share = RECOMPUTE_SHARE if self._link is None else 0.0
         session = make(
             self.pair,
             self.forward,

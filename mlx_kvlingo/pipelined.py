@@ -268,6 +268,18 @@ class ShardedSession(Session):
             )
         return self.link.gather(o.cache, start, end)
 
+    @property
+    def recompute_share(self) -> float:
+        return Session.recompute_share.fget(self)
+
+    @recompute_share.setter
+    def recompute_share(self, x: float) -> None:
+        if x:  # it runs all of the large model's layers over chosen rows in this process
+            raise SessionError(
+                "the recompute (recompute_share > 0) is not available with a pipelined large model"
+            )
+        Session.recompute_share.fset(self, x)
+
     def save(self, path):
         raise SessionError("saving is not available when the large model is pipelined over ranks")
 

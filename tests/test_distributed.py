@@ -95,6 +95,7 @@ def test_two_ranks_answer_like_one_process_and_a_lost_rank_is_reported(cases):
         owners = res["owners"]  # rank 0 holds the last layers, and only those
         assert owners[0][1] == max(b for _, b in owners) and owners[1][0] == 0
         assert res["local_layers"] == owners[0][1] - owners[0][0]
+        assert res["recompute_default"] == 0 and "pipelined" in res["recompute_error"]
         assert res["bytes_sent"] > 0 and res["bytes_received"] > 0  # both ways over the wire
         if not case.get("short"):  # reader tokens: the small read the opening, the large "ok"
             assert res["turns"][-3]["read"] > 0 == res["turns"][-2]["read"]

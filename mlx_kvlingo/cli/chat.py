@@ -391,11 +391,11 @@ class ChatApp:
               show_default=True,
               help="When the small model reads your turn, the large one still reads its last "
                    "this many tokens itself (your question in its own words); 1: the last token")  # fmt: skip
-@click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=RECOMPUTE_SHARE,
-              show_default=True,
+@click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
               help="When the small model reads your turn, the large one also recomputes this share "
                    "of it, the tokens its reading of the turn's end attended to most (facts "
-                   "stated once come back; costs its read of that many tokens); 0: none")  # fmt: skip
+                   "stated once come back; costs its read of that many tokens); 0: none; default "
+                   f"{RECOMPUTE_SHARE:g}, 0 with a pipelined large model")  # fmt: skip
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
               help="Before the first prompt, run each path once (compiled kernels, lazy weights) "
                    "and measure the pair's rates for reader auto")  # fmt: skip
