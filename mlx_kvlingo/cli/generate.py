@@ -45,8 +45,10 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
 
     pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
     # the small model reads the prompt, the large one decodes from the translated cache: no
-    # target prefill, not even of the question (large_reads_last=1: the last token only)
-    conv = Runtime(pair, tr).new_conversation(reader="small", large_reads_last=1)
+    # target prefill, not even of the question (large_reads_last=1: the last token only) and
+    # no recompute
+    conv = Runtime(pair, tr).new_conversation(reader="small", large_reads_last=1,
+                                              recompute_share=0)  # fmt: skip
     settings = sampling_settings(sampling)
     try:
         if chat and getattr(pair.tokenizer, "chat_template", None):

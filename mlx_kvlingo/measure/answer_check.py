@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--large-reads-last", type=int, default=api.LARGE_READS_LAST,
                     help="where the small model reads, the large still reads the turn's last this "
                     "many tokens itself (Runtime's default); 1: the last token only")  # fmt: skip
+    ap.add_argument("--recompute", type=float, default=0.0,
+                    help="and recomputes this share of the translated turn (0, the figures "
+                    "documented before the recompute; Runtime's default is 0.1)")  # fmt: skip
     ap.add_argument("--long-later", action="store_true",
                     help="a quiz question, then a held-out paragraph to summarize")  # fmt: skip
     ap.add_argument("--prose", type=Path,
@@ -121,12 +124,18 @@ def main(argv: list[str] | None = None) -> None:
     for msgs in convs[: args.conversations]:
         native, translated = (
             rt.new_conversation(reader="self"),
-            rt.new_conversation(reader=args.reader, large_reads_last=args.large_reads_last),
+            rt.new_conversation(
+                reader=args.reader,
+                large_reads_last=args.large_reads_last,
+                recompute_share=args.recompute,
+            ),
         )
         for turn, q in enumerate(m["content"] for m in msgs if m["role"] == "user"):
             if args.later_from_history and turn > 0:
                 translated = rt.new_conversation(
-                    reader=args.reader, large_reads_last=args.large_reads_last
+                    reader=args.reader,
+                    large_reads_last=args.large_reads_last,
+                    recompute_share=args.recompute,
                 )
                 translated.add_messages(native.messages)
             a = native.ask(q, **greedy).text
@@ -136,13 +145,16 @@ def main(argv: list[str] | None = None) -> None:
                 examples.append({"question": q, "native": a, "translated": b})
     quiz = []
     for q, must in EVERYDAY_QUIZ:
-        quiz_conv = rt.new_conversation(large_reads_last=args.large_reads_last)
+        quiz_conv = rt.new_conversation(
+            large_reads_last=args.large_reads_last, recompute_share=args.recompute
+        )
         quiz.append(is_right(quiz_conv.ask(q, **greedy).text, must))
     result = {
         "pair": args.pair,
         "translator": Path(str(forward)).name,
         "reader": args.reader,
         "large_reads_last": args.large_reads_last,
+        "recompute_share": args.recompute,
         "later_from_history": args.later_from_history,
         "backward_translator": backward is not None,
         "conversations_of": "quiz question, paragraph to summarize" if args.long_later else "data",
