@@ -94,7 +94,7 @@ class Answering:
                 stats.predicted_ttft_s = (paths.small if small else paths.large)(self.read_costs)
             upto = n0 - 1  # the answering model reads at least the last token itself
             if small:  # the large still reads the turn's last tokens itself (_tail_cut)
-                upto = self._tail_cut(n0 - 1)
+                upto = self._tail_cut(n0 - 1, paths)
                 stats.read = self._read_ahead(upto, min(kwargs["prefill_step_size"], 512))
                 if self._cancel.is_set():  # stopped while the small model read
                     stats.finish_reason = "cancelled"

@@ -128,10 +128,12 @@ class CatchUp:
                 return tail, recompute
         return 1, False
 
-    def _tail_cut(self, upto: int) -> int:
+    def _tail_cut(self, upto: int, paths: Paths | None = None) -> int:
         """Where the small model's reading for the large one stops: the large reads
         conversation[cut : upto + 1] itself, its last `_reading` tokens (fewer where it
-        already holds more)."""
+        already holds more). `paths`: this turn's, where already predicted (their tail)."""
+        if paths is not None:
+            return upto + 1 - paths.tail
         held = min(self._models["target"].held, upto)
         return max(held, upto + 1 - self._reading(upto)[0])
 
@@ -157,12 +159,11 @@ class CatchUp:
         [0, cut) (some of its positions recomputed in some layers: K/V of the target's own
         either way)."""
         cut, toks = m.held, self.tokens[:n0]
-        share = self._recompute_count(sw.translated) / sw.translated
         t0 = time.perf_counter()
         try:
             append_kv(m.cache, *_placeholders(m.cache, n0 - cut))
-            chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut, share,
-                                        start=cut - sw.translated)  # fmt: skip
+            chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut,
+                                        self.recompute_share, start=cut - sw.translated)  # fmt: skip
             m.held = n0 - 1
         finally:
             self._settle(m, m.held)
@@ -182,7 +183,7 @@ class CatchUp:
         if name != "target" or self.forward is None or self.mode == "reprefill":
             return False, "", None  # reprefill is the reference: the answering model reads it all
         paths = self._paths(upto)
-        if self._tail_cut(upto) <= self._models["target"].held:  # one way only: no prediction
+        if self._tail_cut(upto, paths) <= self._models["target"].held:  # one way only
             why = f"the turn is within the {self.large_reads_last} tok the large reads itself"
             return False, "" if self.reader == "self" else why, None
         small, why = self._policy(upto, paths)

@@ -186,9 +186,8 @@ def run_conversation_bench(
                 tt = TurnTiming(policy, t, n, ttft, total, translate_s=_translate_s(st))
                 tt.read_s = st.read.seconds if st.read else 0.0
                 sw = st.switch
-                tt.large_read_tokens = st.prompt_tokens + (sw.tail_read if sw else 0)
-                if sw is not None and sw.tail_read:  # counts the turn's last token twice
-                    tt.large_read_tokens -= 1
+                # with the recompute the answer reads the tail's last token again
+                tt.large_read_tokens = max(st.prompt_tokens, sw.tail_read if sw else 0)
                 tt.recomputed_tokens = sw.recomputed if sw else 0
                 tt.recompute_s = sw.recompute_s if sw else 0.0
                 tt.small_read = st.read is not None

@@ -21,9 +21,8 @@ from mlx_kvlingo.demo.pair import demo_content_texts
 ASK = " Summarize the passage in one sentence."
 
 
-def passage(tokenizer, tokens: int) -> str:
-    """The first `tokens` tokens of the held-out documentation text (whole words)."""
-    text = " ".join(read_texts(demo_content_texts()[0])[:40])
+def passage(tokenizer, text: str, tokens: int) -> str:
+    """The first `tokens` tokens of `text` (whole words)."""
     ids = tokenizer.encode(text, add_special_tokens=False)[:tokens]
     return tokenizer.decode(ids).rsplit(" ", 1)[0] + ASK
 
@@ -37,11 +36,12 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     runtime = Runtime.load(pair=a.pair)
     settings = [("self", 0.0), *(("small", float(s)) for s in a.shares.split(","))]
+    docs = " ".join(read_texts(demo_content_texts()[0])[:40])  # held-out documentation
+    texts = {int(n): passage(runtime.pair.tokenizer, docs, int(n)) for n in a.lengths.split(",")}
     ttft: dict = {}
     status: dict = {}
     for _ in range(a.rounds):
-        for n in (int(x) for x in a.lengths.split(",")):
-            text = passage(runtime.pair.tokenizer, n)
+        for n, text in texts.items():
             for reader, share in settings:
                 chat = runtime.new_conversation(reader=reader, recompute_share=share)
                 done = chat.ask(text, max_tokens=1, sampling={"seed": 0})
