@@ -8,7 +8,9 @@ chosen positions), and write their K/V back in every layer: CacheBlend's selecti
 (Yao et al., 2024) on a translated cache instead of concatenated precomputed chunks. Which
 positions: those the target's own reading of the turn's last tokens attends to most
 (`attended`: the peak weight of any head in its deeper layers), so a question read at the
-end points at what it asks about.
+end points at what it asks about, and each such position with the rest of its sentence
+(`Selection`): a name or a number is retrieved whole or not at all, and so is a sentence to
+repeat (weights/QUALITY.md, "Sentences, not neighbours").
 
 The model's own layer modules run unchanged: a cache shim scatters the chosen positions' K/V
 into the layer's buffer and hands back the whole span, and the layer's RoPE module is called
@@ -19,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -116,13 +120,76 @@ def read_positions(model, cache: list, tokens: Sequence[int], positions: Sequenc
 #: name, the five digits of a number) and the peak marks one of them, mostly the first
 #: (weights/QUALITY.md, "Selective recompute")
 SPREAD = (1, 6)
+#: a sentence a peak brings is cut at this many tokens
+SENTENCE_MAX = 32
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How `recompute_attended` picks the positions to recompute from its attention peaks.
+
+    sentences: "rest", a peak brings one token before it and the rest of its sentence (to a
+      sentence end or line break, at most `SENTENCE_MAX` tokens): a stated fact or a sentence
+      to copy is retrieved whole or not at all; "whole", its whole sentence; "", the `spread`
+      neighbours (session 21's rule).
+    floor: at least this many tokens, where the share is above 0 and the span holds them: on a
+      short turn 10% is a few tokens, less than one sentence.
+    """
+
+    sentences: str = "rest"
+    floor: int = 24
+    spread: tuple[int, int] = SPREAD
+
+    def __post_init__(self):
+        if self.sentences not in ("", "rest", "whole"):
+            raise ValueError(f"sentences must be '', 'rest' or 'whole' (got {self.sentences!r})")
+
+    def count(self, share: float, span: int) -> int:
+        """How many of `span` positions a `share` recomputes."""
+        if share <= 0 or span <= 0:
+            return 0
+        return min(span, max(int(round(share * span)), self.floor))
+
+
+#: session 21's rule: peaks with their `SPREAD` neighbours, no floor
+PEAKS = Selection(sentences="", floor=0)
+
+
+@lru_cache(maxsize=4)
+def sentence_ends(tokenizer) -> frozenset[int]:
+    """The token ids whose text ends a sentence (".", "!" or "?", then perhaps closing quotes or
+    brackets) or holds a line break."""
+    out = set()
+    for i in range(len(tokenizer.get_vocab())):
+        text = tokenizer.decode([i])
+        if "\n" in text or text.rstrip(" \"')]\u201d\u2019").endswith((".", "!", "?")):
+            out.add(i)
+    return frozenset(out)
+
+
+def _span(p: int, lo: int, end: int, spread: tuple[int, int], tokens, ends, whole) -> range:
+    """The positions peak `p` brings, within [lo, end)."""
+    before, after = spread
+    if ends is None:
+        return range(max(lo, p - before), min(end, p + after + 1))
+    q = p
+    while q + 1 < min(end, p + SENTENCE_MAX) and tokens[q] not in ends:
+        q += 1
+    a = max(lo, p - before)
+    if whole:
+        while a > max(lo, q + 1 - SENTENCE_MAX) and tokens[a - 1] not in ends:
+            a -= 1
+    return range(a, q + 1)
 
 
 def attended(mass: mx.array, count: int, start: int = 0, end: int | None = None,
-             spread: tuple[int, int] = SPREAD) -> list[int]:  # fmt: skip
+             spread: tuple[int, int] = SPREAD, tokens: Sequence[int] | None = None,
+             ends: frozenset[int] | None = None, whole: bool = False) -> list[int]:  # fmt: skip
     """`count` positions of [start, end), sorted: position 0 where the range holds it (the
     attention sink every row reads, whatever it holds), then, in order of attention `mass`,
-    each position with `spread` = (before, after) neighbours, until `count` are taken."""
+    each position with `spread` = (before, after) neighbours, until `count` are taken. With
+    the span's `tokens` and the sentence `ends` among them, a position brings the one before
+    it and the rest of its sentence instead (`whole`: all of it)."""
     end = mass.shape[0] if end is None else end
     count = max(0, min(count, end - start))
     chosen: list[int] = [0][: min(count, 1)] if start == 0 else []
@@ -130,9 +197,8 @@ def attended(mass: mx.array, count: int, start: int = 0, end: int | None = None,
     lo = start + len(chosen)
     if count <= len(chosen):
         return chosen
-    before, after = spread
     for p in (mx.argsort(-mass[lo:end]) + lo).tolist():
-        for q in range(max(lo, p - before), min(end, p + after + 1)):
+        for q in _span(p, lo, end, spread, tokens, ends, whole):
             if len(taken) < count and q not in taken:
                 taken.add(q)
         if len(taken) >= count:
@@ -141,19 +207,26 @@ def attended(mass: mx.array, count: int, start: int = 0, end: int | None = None,
 
 
 def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int, share: float,
-                       start: int = 0) -> list[int]:  # fmt: skip
+                       start: int = 0, selection: Selection = Selection(),
+                       ends: frozenset[int] | None = None) -> list[int]:  # fmt: skip
     """The target reads the span's last `tail` tokens over the translated rest, then
     recomputes the `share` of [start, cut) its reading attended to most (cut: where the tail
-    begins). Returns the recomputed positions.
+    begins), picked by `selection` (its sentences need the tokenizer's `sentence_ends`).
+    Returns the recomputed positions.
 
     The tail is read once: its K/V stay those of its reading over the translated rest. Reading
     it again over the recomputed positions costs a second read of the tail and retrieved one
     fact more in 28 (weights/QUALITY.md, "Selective recompute"); the answer's own first step
     reads the recomputed positions either way."""
+    if selection.sentences and ends is None:
+        raise ValueError("a selection by sentences needs the tokenizer's sentence_ends")
     T = len(tokens)
     cut = max(1, T - tail)
     mass = read_positions(model, cache, tokens, range(cut, T), attention=True)
-    chosen = attended(mass, int(round(share * (cut - start))), start=start, end=cut)
+    chosen = attended(mass, selection.count(share, cut - start), start=start, end=cut,
+                      spread=selection.spread, tokens=tokens,
+                      ends=ends if selection.sentences else None,
+                      whole=selection.sentences == "whole")  # fmt: skip
     if chosen:
         read_positions(model, cache, tokens, chosen)
     return chosen

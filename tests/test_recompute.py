@@ -11,7 +11,15 @@ from mlx_kvlingo.measure.content import (
     tail_read_kv,
 )
 from mlx_kvlingo.pair import load_model
-from mlx_kvlingo.recompute import attended, read_positions, recompute_attended
+from mlx_kvlingo.recompute import (
+    PEAKS,
+    SENTENCE_MAX,
+    Selection,
+    attended,
+    read_positions,
+    recompute_attended,
+    sentence_ends,
+)
 
 import mlx.core as mx
 import pytest
@@ -89,6 +97,29 @@ def test_attended_takes_the_first_then_the_most_attended_with_their_neighbours()
     assert attended(mass, 4, start=3, end=9, spread=(1, 2)) == [5, 6, 7, 8]
 
 
+def test_attended_with_sentence_ends_takes_the_rest_of_each_sentence():
+    mass = mx.array([0.0, 1.0, 9.0, 3.0, 7.0, 50.0, 60.0, 2.0, 8.0, 0.5])
+    tokens = [10, 11, 12, 99, 13, 14, 15, 16, 99, 17]  # 99 ends a sentence
+    ends = frozenset({99})
+    # the peak (6) brings one before it and the rest of its sentence (6-8), not two after
+    assert attended(mass, 5, spread=(1, 2), tokens=tokens, ends=ends) == [0, 5, 6, 7, 8]
+    # the next (5) brings the one before it (4); then 2 brings 1 and 2, and the count is reached
+    assert attended(mass, 8, spread=(1, 2), tokens=tokens, ends=ends) == [0, 1, 2, 4, 5, 6, 7, 8]
+    # a sentence without an end stops at the range's end or after SENTENCE_MAX tokens
+    assert attended(mass, 9, start=5, end=8, spread=(0, 0), tokens=tokens, ends=ends) == [5, 6, 7]
+    mass = mx.array([0.0, 5.0] + [0.0] * 58 + [4.0] + [0.0] * 39)
+    got = attended(mass, SENTENCE_MAX + 3, spread=(0, 0), tokens=[1] * 100, ends=ends)
+    assert got == [*range(1 + SENTENCE_MAX), 60, 61]
+
+
+def test_sentence_ends_are_the_tokens_ending_a_sentence_or_line(known_pair):
+    tok = known_pair.tokenizer
+    ends = sentence_ends(tok)
+    ids = tok.encode("It rained. Did it? Yes!\nThe end", add_special_tokens=False)
+    marked = [tok.decode([i]) for i in ids if i in ends]
+    assert marked == [".", "?", "!", "\n"]
+
+
 def test_recompute_shares_zero_and_one_are_the_tail_read_and_native(known_pair, tiny_dir):
     """Share 0: exactly the target reading the tail itself; share 1: every position before
     the tail the target's own (its own prefill there), the tail as it read it over the rest."""
@@ -110,7 +141,7 @@ def test_recompute_shares_zero_and_one_are_the_tail_read_and_native(known_pair, 
     # a share in between recomputes that many positions before the tail, and no others
     cache = _cache_of(pair.target, *[list(x) for x in _zero_kv(nk)])
     toks = list(task.tokens[:-1])
-    chosen = recompute_attended(pair.target.model, cache, toks, 5, 0.25)
+    chosen = recompute_attended(pair.target.model, cache, toks, 5, 0.25, selection=PEAKS)
     assert len(chosen) == round(0.25 * (len(toks) - 5))
     assert chosen[0] == 0 and all(0 < p < len(toks) - 5 for p in chosen[1:])
     untouched = [p for p in range(len(toks) - 5) if p not in chosen]
@@ -120,3 +151,29 @@ def test_recompute_shares_zero_and_one_are_the_tail_read_and_native(known_pair, 
 
 def _zero_kv(keys):
     return [mx.zeros_like(k) for k in keys], [mx.zeros_like(k) for k in keys]
+
+
+def test_the_chats_selection_takes_whole_sentences_and_a_floor(known_pair):
+    """`Selection()`, the chat's rule: at least its floor of positions, the peaks' sentences
+    to their ends; a selection by sentences without the tokenizer's ends is refused."""
+    pair = known_pair
+    task = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact",), seed=2)[0]
+    toks = list(task.tokens[:-1])
+    nk, nv = native_kv(pair.target, toks)
+    ends = sentence_ends(pair.tokenizer)
+    cut = len(toks) - 5
+    chosen = recompute_attended(pair.target.model, _cache_of(pair.target, nk, nv), toks, 5, 0.1,
+                                ends=ends)  # fmt: skip
+    assert len(chosen) == min(cut, Selection().floor) > round(0.1 * cut)
+    assert Selection().count(0.1, 1000) == 100 and Selection().count(0.0, 1000) == 0
+    # every run of chosen positions after the sink ends a sentence or the span, but the one the
+    # count cut
+    runs = [[chosen[1]]]
+    for p in chosen[2:]:
+        runs[-1].append(p) if p == runs[-1][-1] + 1 else runs.append([p])
+    open_ = [r for r in runs if r[-1] + 1 != cut and toks[r[-1]] not in ends]
+    assert chosen[0] == 0 and len(runs) > 1 and len(open_) <= 1, runs
+    with pytest.raises(ValueError, match="sentence_ends"):
+        recompute_attended(pair.target.model, _cache_of(pair.target, nk, nv), toks, 5, 0.1)
+    with pytest.raises(ValueError, match="sentences must be"):
+        Selection(sentences="paragraph")

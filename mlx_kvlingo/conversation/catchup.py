@@ -18,7 +18,7 @@ from ..capture import SpanKV, capture_from_cache, needs_recording, prefill
 from ..decode import append_translation
 from ..kvcache import append_kv, new_cache, prefix_copy
 from ..pair import LoadedModel
-from ..recompute import recompute_attended
+from ..recompute import Selection, recompute_attended, sentence_ends
 from .records import Read, SessionError, Switch
 from .timing import Paths
 
@@ -29,6 +29,9 @@ ALIASES = {"source": "source", "target": "target", "small": "source", "large": "
 #: notice an MoE target's seconds-long prefill on the CPU
 TAIL_BUDGET = 2.0
 TAIL_ALLOWANCE_S = 0.5
+#: which translated tokens the large model recomputes: each attention peak with the rest of its
+#: sentence, at least 24 tokens (weights/QUALITY.md, "Sentences, not neighbours")
+RECOMPUTE_SELECTION = Selection()
 
 
 @dataclass
@@ -147,9 +150,9 @@ class CatchUp:
 
     def _recompute_count(self, translated: int) -> int:
         """How many of `translated` tokens the large model recomputes (`recompute_share`)."""
-        if not translated or self.mode != "alternation":
+        if self.mode != "alternation":
             return 0
-        return min(translated, round(self.recompute_share * translated))
+        return RECOMPUTE_SELECTION.count(self.recompute_share, translated)
 
     def _recompute(self, m: _Model, sw: Switch, n0: int) -> None:
         """After translating `sw`'s span into the large model (its cache now holds [0, cut)):
@@ -163,7 +166,9 @@ class CatchUp:
         try:
             append_kv(m.cache, *_placeholders(m.cache, n0 - cut))
             chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut,
-                                        self.recompute_share, start=cut - sw.translated)  # fmt: skip
+                                        self.recompute_share, start=cut - sw.translated,
+                                        selection=RECOMPUTE_SELECTION,
+                                        ends=sentence_ends(self.pair.tokenizer))  # fmt: skip
             m.held = n0 - 1
         finally:
             self._settle(m, m.held)

@@ -32,6 +32,7 @@ from rich.table import Table
 
 from ..content_tasks import KINDS, ContentTask
 from ..kvcache import append_kv, new_cache
+from ..recompute import Selection, recompute_attended, sentence_ends
 from . import report
 
 SCHEMA = "mlx-kvlingo/content-eval"
@@ -147,6 +148,7 @@ class TargetRecomputes:
     method: object
     tail: int = 32
     share: float = 0.1
+    selection: Selection = Selection()  # which tokens (the chat's rule by default)
 
 
 @dataclass(frozen=True)
@@ -210,13 +212,12 @@ def tail_read_kv(pair, cond: TargetReadsTail, task: ContentTask) -> tuple[list, 
 
 def recompute_kv(pair, cond: TargetRecomputes, task: ContentTask) -> tuple[list, list]:
     """The cache after the target recomputed the tail and the attended share of prompt[:-1]."""
-    from ..recompute import recompute_attended
-
     toks = list(task.tokens[:-1])
     keys, values = translated_kv(pair, cond.method, toks)
     cache, dtype = new_cache(pair.target), pair.target.dtype
     append_kv(cache, [k.astype(dtype) for k in keys], [v.astype(dtype) for v in values])
-    recompute_attended(pair.target.model, cache, toks, cond.tail, cond.share)
+    recompute_attended(pair.target.model, cache, toks, cond.tail, cond.share,
+                       selection=cond.selection, ends=sentence_ends(pair.tokenizer))  # fmt: skip
     keys = [c.keys[..., : c.offset, :] for c in cache]
     values = [c.values[..., : c.offset, :] for c in cache]
     mx.eval(keys, values)

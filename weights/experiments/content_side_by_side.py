@@ -7,7 +7,10 @@ small-alone answers are computed once and shared, so every translator meets the 
 
 FILE+question: the target reads the task's question itself on the translated rest; FILE+N: the
 target reads the prompt's last N tokens itself (`content.TargetReadsTail`); FILE+N+rS: and then
-recomputes the share S of the rest its reading attended to most (`content.TargetRecomputes`); native~REL: the
+recomputes the share S of the rest its reading attended to most (`content.TargetRecomputes`),
+each peak with its neighbours (`recompute.PEAKS`, session 21's rule); FILE+N+rSs: each peak with
+the rest of its sentence, FILE+N+rSS: with its whole sentence, and a suffix fK: at least K tokens
+(FILE+32+r0.1sf24 is the chat's rule, `recompute.Selection()`); native~REL: the
 target's own cache with noise of REL times each layer's RMS (`content.NoisyNative`), a reference;
 LABEL=source: the source model alone (`content.SourceAlone`; with `--source`, that source's own
 row beside a reused "small" row of the demo's small model).
@@ -24,10 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo import moe_cpu
-from mlx_kvlingo.content_tasks import build_tasks
+from mlx_kvlingo.content_tasks import KINDS, build_tasks
 from mlx_kvlingo.data import read_texts
 from mlx_kvlingo.demo.pair import demo_content_texts, demo_models, load_demo
 from mlx_kvlingo.format import load_translator
@@ -42,6 +46,7 @@ from mlx_kvlingo.measure.content import (
     to_json,
 )
 from mlx_kvlingo.pair import load_pair
+from mlx_kvlingo.recompute import Selection
 
 from rich.console import Console
 
@@ -50,10 +55,12 @@ def condition(spec: str, pair):
     """FILE, FILE+question, FILE+N, native~REL or source (see the module's doc)."""
     if spec == "source":
         return SourceAlone()
-    path, sep, share = spec.rpartition("+r")
-    if sep and share.replace(".", "", 1).isdigit():  # FILE+N+rS
+    path, sep, rule = spec.rpartition("+r")
+    m = re.fullmatch(r"([0-9.]+)([sS]?)(?:f(\d+))?", rule) if sep else None
+    if m:  # FILE+N+rS, FILE+N+rSs (sentences), FILE+N+rSfK (at least K tokens)
         base, _, tail = path.rpartition("+")
-        return TargetRecomputes(load_translator(base, pair), int(tail), float(share))
+        rule = Selection({"": "", "s": "rest", "S": "whole"}[m[2]], int(m[3] or 0))
+        return TargetRecomputes(load_translator(base, pair), int(tail), float(m[1]), rule)
     if spec.startswith("native~"):
         return NoisyNative(float(spec.removeprefix("native~")))
     path, _, tail = spec.rpartition("+")
@@ -73,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--source", help="another source model for the demo target (its translators "
                     "only; a reused 'small' row stays the demo's small model)")  # fmt: skip
     ap.add_argument("--pair", choices=("dense", "moe"), default="dense", help="the demo pair")
+    ap.add_argument("--kinds", default=",".join(KINDS), help="task kinds to run (all)")
     a = ap.parse_args(argv)
     if a.source and a.pair != "dense":
         ap.error("--source replaces the dense demo pair's small model only")
@@ -87,7 +95,15 @@ def main(argv: list[str] | None = None) -> None:
     known = None
     if a.reuse:
         with open(a.reuse) as f:
-            known = known_replies(json.load(f), tasks)
+            earlier = json.load(f)
+    keep = [i for i, t in enumerate(tasks) if t.kind in a.kinds.split(",")]
+    if a.reuse and len({r["task"] for r in earlier["records"]}) == len(keep):
+        tasks = [tasks[i] for i in keep]  # an earlier run of these kinds only
+    if a.reuse:
+        known = known_replies(earlier, tasks)
+    if len(tasks) != len(keep):
+        tasks = [tasks[i] for i in keep]
+        known = None if known is None else [known[i] for i in keep]
     with moe_cpu.per_expert_loop(a.pair == "moe"):
         scored = evaluate_content(pair, tasks, methods, known=known)
     result = to_json(scored, pair, {"translators": a.translators, "seed": a.seed,
