@@ -134,11 +134,15 @@ class Selection:
       neighbours (session 21's rule).
     floor: at least this many tokens, where the share is above 0 and the span holds them: on a
       short turn 10% is a few tokens, less than one sentence.
+    template: a chat template's markup ("<|im_start|>user\n") is taken as a peak only after
+      every other position: the target attends to it whatever a message says, as it does to
+      position 0.
     """
 
     sentences: str = "rest"
     floor: int = 24
     spread: tuple[int, int] = SPREAD
+    template: bool = True
 
     def __post_init__(self):
         if self.sentences not in ("", "rest", "whole"):
@@ -152,7 +156,32 @@ class Selection:
 
 
 #: session 21's rule: peaks with their `SPREAD` neighbours, no floor
-PEAKS = Selection(sentences="", floor=0)
+PEAKS = Selection(sentences="", floor=0, template=False)
+
+
+@lru_cache(maxsize=4)
+def special_ids(tokenizer) -> frozenset[int]:
+    """The tokenizer's special tokens (a chat template's message markers among them): its
+    named ones and the added tokens marked special."""
+    ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, t in added.items() if getattr(t, "special", False))
+    return frozenset(int(i) for i in ids)
+
+
+def template_positions(tokens: Sequence[int], specials: frozenset[int],
+                       ends: frozenset[int]) -> set[int]:  # fmt: skip
+    """The positions of a chat template's markup: each special token and the rest of its line
+    ("<|im_start|>user\n": the marker, the role, the line break)."""
+    out, inside = set(), False
+    for i, t in enumerate(tokens):
+        if t in specials:
+            out.add(i)
+            inside = True
+        elif inside:
+            out.add(i)
+            inside = t not in ends
+    return out
 
 
 @lru_cache(maxsize=4)
@@ -184,12 +213,14 @@ def _span(p: int, lo: int, end: int, spread: tuple[int, int], tokens, ends, whol
 
 def attended(mass: mx.array, count: int, start: int = 0, end: int | None = None,
              spread: tuple[int, int] = SPREAD, tokens: Sequence[int] | None = None,
-             ends: frozenset[int] | None = None, whole: bool = False) -> list[int]:  # fmt: skip
+             ends: frozenset[int] | None = None, whole: bool = False,
+             skip: set[int] | frozenset[int] = frozenset()) -> list[int]:  # fmt: skip
     """`count` positions of [start, end), sorted: position 0 where the range holds it (the
     attention sink every row reads, whatever it holds), then, in order of attention `mass`,
     each position with `spread` = (before, after) neighbours, until `count` are taken. With
     the span's `tokens` and the sentence `ends` among them, a position brings the one before
-    it and the rest of its sentence instead (`whole`: all of it)."""
+    it and the rest of its sentence instead (`whole`: all of it). Positions in `skip` are
+    taken as peaks only after all others."""
     end = mass.shape[0] if end is None else end
     count = max(0, min(count, end - start))
     chosen: list[int] = [0][: min(count, 1)] if start == 0 else []
@@ -197,7 +228,10 @@ def attended(mass: mx.array, count: int, start: int = 0, end: int | None = None,
     lo = start + len(chosen)
     if count <= len(chosen):
         return chosen
-    for p in (mx.argsort(-mass[lo:end]) + lo).tolist():
+    order = (mx.argsort(-mass[lo:end]) + lo).tolist()
+    if skip:  # skipped positions come last: taken only where a share asks for (nearly) all
+        order = [p for p in order if p not in skip] + [p for p in order if p in skip]
+    for p in order:
         for q in _span(p, lo, end, spread, tokens, ends, whole):
             if len(taken) < count and q not in taken:
                 taken.add(q)
@@ -208,25 +242,29 @@ def attended(mass: mx.array, count: int, start: int = 0, end: int | None = None,
 
 def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int, share: float,
                        start: int = 0, selection: Selection = Selection(),
-                       ends: frozenset[int] | None = None) -> list[int]:  # fmt: skip
+                       ends: frozenset[int] | None = None,
+                       specials: frozenset[int] | None = None) -> list[int]:  # fmt: skip
     """The target reads the span's last `tail` tokens over the translated rest, then
     recomputes the `share` of [start, cut) its reading attended to most (cut: where the tail
-    begins), picked by `selection` (its sentences need the tokenizer's `sentence_ends`).
+    begins), picked by `selection` (with the tokenizer's `sentence_ends` and `special_ids`).
     Returns the recomputed positions.
 
     The tail is read once: its K/V stay those of its reading over the translated rest. Reading
     it again over the recomputed positions costs a second read of the tail and retrieved one
     fact more in 28 (weights/QUALITY.md, "Selective recompute"); the answer's own first step
     reads the recomputed positions either way."""
-    if selection.sentences and ends is None:
-        raise ValueError("a selection by sentences needs the tokenizer's sentence_ends")
+    if (selection.sentences or selection.template) and ends is None:
+        raise ValueError("this selection needs the tokenizer's sentence_ends")
+    if selection.template and specials is None:
+        raise ValueError("this selection needs the tokenizer's special_ids")
     T = len(tokens)
     cut = max(1, T - tail)
     mass = read_positions(model, cache, tokens, range(cut, T), attention=True)
+    skip = template_positions(tokens, specials, ends) if selection.template else frozenset()
     chosen = attended(mass, selection.count(share, cut - start), start=start, end=cut,
                       spread=selection.spread, tokens=tokens,
                       ends=ends if selection.sentences else None,
-                      whole=selection.sentences == "whole")  # fmt: skip
+                      whole=selection.sentences == "whole", skip=skip)  # fmt: skip
     if chosen:
         read_positions(model, cache, tokens, chosen)
     return chosen

@@ -19,6 +19,8 @@ from mlx_kvlingo.recompute import (
     read_positions,
     recompute_attended,
     sentence_ends,
+    special_ids,
+    template_positions,
 )
 
 import mlx.core as mx
@@ -112,6 +114,24 @@ def test_attended_with_sentence_ends_takes_the_rest_of_each_sentence():
     assert got == [*range(1 + SENTENCE_MAX), 60, 61]
 
 
+def test_skipped_positions_are_peaks_after_all_others():
+    mass = mx.array([0.0, 1.0, 9.0, 3.0, 7.0, 50.0, 60.0, 2.0, 8.0, 0.5])
+    assert attended(mass, 3, spread=(0, 0), skip={5, 6}) == [0, 2, 8]
+    assert attended(mass, 10, spread=(0, 0), skip={5, 6}) == list(range(10))
+    # a skipped position is still taken inside another peak's span
+    assert attended(mass, 4, spread=(1, 1), skip={6}) == [0, 4, 5, 6]
+
+
+def test_template_positions_are_the_markers_and_the_rest_of_their_line(known_pair):
+    tok = known_pair.tokenizer
+    toks = tok.apply_chat_template([{"role": "user", "content": "Hi there. Bye."}],
+                                   add_generation_prompt=True)  # fmt: skip
+    marked = template_positions(toks, special_ids(tok), sentence_ends(tok))
+    text = "".join(tok.decode([t]) for i, t in enumerate(toks) if i not in marked)
+    assert "Hi there. Bye." in text and "<|im_" not in text and "user" not in text, text
+    assert toks[max(marked)] in sentence_ends(tok)  # the generation prompt's line break
+
+
 def test_sentence_ends_are_the_tokens_ending_a_sentence_or_line(known_pair):
     tok = known_pair.tokenizer
     ends = sentence_ends(tok)
@@ -162,8 +182,9 @@ def test_the_chats_selection_takes_whole_sentences_and_a_floor(known_pair):
     nk, nv = native_kv(pair.target, toks)
     ends = sentence_ends(pair.tokenizer)
     cut = len(toks) - 5
+    specials = special_ids(pair.tokenizer)
     chosen = recompute_attended(pair.target.model, _cache_of(pair.target, nk, nv), toks, 5, 0.1,
-                                ends=ends)  # fmt: skip
+                                ends=ends, specials=specials)  # fmt: skip
     assert len(chosen) == min(cut, Selection().floor) > round(0.1 * cut)
     assert Selection().count(0.1, 1000) == 100 and Selection().count(0.0, 1000) == 0
     # every run of chosen positions after the sink ends a sentence or the span, but the one the
@@ -173,7 +194,18 @@ def test_the_chats_selection_takes_whole_sentences_and_a_floor(known_pair):
         runs[-1].append(p) if p == runs[-1][-1] + 1 else runs.append([p])
     open_ = [r for r in runs if r[-1] + 1 != cut and toks[r[-1]] not in ends]
     assert chosen[0] == 0 and len(runs) > 1 and len(open_) <= 1, runs
+    # a chat template's markup is not taken as a peak: where a selection that may take it
+    # does, the chat's rule takes other positions instead
+    markup = template_positions(toks, specials, ends)
+    mass = mx.ones((len(toks),)).at[mx.array(sorted(markup))].add(9.0)  # markup attended most
+    plain = attended(mass, 24, end=cut, tokens=toks, ends=ends)
+    rule = attended(mass, 24, end=cut, tokens=toks, ends=ends, skip=markup)
+    before = {p for p in markup if p < cut}
+    assert before <= set(plain) and len(set(rule) & before) < len(before) // 2, (plain, rule)
     with pytest.raises(ValueError, match="sentence_ends"):
         recompute_attended(pair.target.model, _cache_of(pair.target, nk, nv), toks, 5, 0.1)
+    with pytest.raises(ValueError, match="special_ids"):
+        recompute_attended(pair.target.model, _cache_of(pair.target, nk, nv), toks, 5, 0.1,
+                           ends=ends)  # fmt: skip
     with pytest.raises(ValueError, match="sentences must be"):
         Selection(sentences="paragraph")

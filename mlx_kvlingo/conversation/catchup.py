@@ -18,7 +18,7 @@ from ..capture import SpanKV, capture_from_cache, needs_recording, prefill
 from ..decode import append_translation
 from ..kvcache import append_kv, new_cache, prefix_copy
 from ..pair import LoadedModel
-from ..recompute import Selection, recompute_attended, sentence_ends
+from ..recompute import Selection, recompute_attended, sentence_ends, special_ids
 from .records import Read, SessionError, Switch
 from .timing import Paths
 
@@ -168,7 +168,8 @@ class CatchUp:
             chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut,
                                         self.recompute_share, start=cut - sw.translated,
                                         selection=RECOMPUTE_SELECTION,
-                                        ends=sentence_ends(self.pair.tokenizer))  # fmt: skip
+                                        ends=sentence_ends(self.pair.tokenizer),
+                                        specials=special_ids(self.pair.tokenizer))  # fmt: skip
             m.held = n0 - 1
         finally:
             self._settle(m, m.held)

@@ -32,7 +32,7 @@ from rich.table import Table
 
 from ..content_tasks import KINDS, ContentTask
 from ..kvcache import append_kv, new_cache
-from ..recompute import Selection, recompute_attended, sentence_ends
+from ..recompute import Selection, recompute_attended, sentence_ends, special_ids
 from . import report
 
 SCHEMA = "mlx-kvlingo/content-eval"
@@ -217,7 +217,8 @@ def recompute_kv(pair, cond: TargetRecomputes, task: ContentTask) -> tuple[list,
     cache, dtype = new_cache(pair.target), pair.target.dtype
     append_kv(cache, [k.astype(dtype) for k in keys], [v.astype(dtype) for v in values])
     recompute_attended(pair.target.model, cache, toks, cond.tail, cond.share,
-                       selection=cond.selection, ends=sentence_ends(pair.tokenizer))  # fmt: skip
+                       selection=cond.selection, ends=sentence_ends(pair.tokenizer),
+                       specials=special_ids(pair.tokenizer))  # fmt: skip
     keys = [c.keys[..., : c.offset, :] for c in cache]
     values = [c.values[..., : c.offset, :] for c in cache]
     mx.eval(keys, values)

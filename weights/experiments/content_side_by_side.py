@@ -56,10 +56,11 @@ def condition(spec: str, pair):
     if spec == "source":
         return SourceAlone()
     path, sep, rule = spec.rpartition("+r")
-    m = re.fullmatch(r"([0-9.]+)([sS]?)(?:f(\d+))?", rule) if sep else None
-    if m:  # FILE+N+rS, FILE+N+rSs (sentences), FILE+N+rSfK (at least K tokens)
+    m = re.fullmatch(r"([0-9.]+)([sS]?)(?:f(\d+))?(t?)", rule) if sep else None
+    if m:  # FILE+N+rS, FILE+N+rSs (sentences), FILE+N+rSfK (at least K tokens), t: no markup
         base, _, tail = path.rpartition("+")
-        rule = Selection({"": "", "s": "rest", "S": "whole"}[m[2]], int(m[3] or 0))
+        rule = Selection({"": "", "s": "rest", "S": "whole"}[m[2]], int(m[3] or 0),
+                         template=bool(m[4]))  # fmt: skip
         return TargetRecomputes(load_translator(base, pair), int(tail), float(m[1]), rule)
     if spec.startswith("native~"):
         return NoisyNative(float(spec.removeprefix("native~")))
