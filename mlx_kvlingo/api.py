@@ -435,8 +435,9 @@ class Runtime:
         `large_reads_last`: when the small model reads, the large one still reads the turn's
         last this many tokens itself (your question in its own words; 1: the last token only).
         `recompute_share`: then the large model also recomputes this share of the span just
-        translated, the tokens its reading of the turn's end attended to most (facts stated
-        once come back; costs the large model's read of that many tokens; recompute.py).
+        translated (at least 24 tokens), the sentences its reading of the turn's end attended
+        to most (facts stated once come back; costs the large model's read of that many
+        tokens; recompute.py).
         Default `RECOMPUTE_SHARE` (0.1), and 0 for a pipelined large model, which cannot.
         `translate_ahead`: while the small
         model answers, translate for the large one between its tokens, within 10% of the small

@@ -393,8 +393,9 @@ class ChatApp:
                    "this many tokens itself (your question in its own words); 1: the last token")  # fmt: skip
 @click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
               help="When the small model reads your turn, the large one also recomputes this share "
-                   "of it, the tokens its reading of the turn's end attended to most (facts "
-                   "stated once come back; costs its read of that many tokens); 0: none; default "
+                   "of it (at least 24 tokens), the sentences its reading of the turn's end "
+                   "attended to most (facts stated once come back; costs its read of that many "
+                   "tokens); 0: none; default "
                    f"{RECOMPUTE_SHARE:g}, 0 with a pipelined large model")  # fmt: skip
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
               help="Before the first prompt, run each path once (compiled kernels, lazy weights) "

@@ -67,7 +67,8 @@ def _loopback(host: str) -> bool:
                    "many tokens itself (default: the library's, 32); 1: the last token")  # fmt: skip
 @click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
               help="When the small model reads a turn, the large one also recomputes this share "
-                   "of it, the tokens its reading of the turn's end attended to most (default: "
+                   "of it (at least 24 tokens), the sentences its reading of the turn's end "
+                   "attended to most (default: "
                    "the library's, 0.1)")  # fmt: skip
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")
