@@ -30,7 +30,8 @@ ALIASES = {"source": "source", "target": "target", "small": "source", "large": "
 TAIL_BUDGET = 2.0
 TAIL_ALLOWANCE_S = 0.5
 #: which translated tokens the large model recomputes: each attention peak with the rest of its
-#: sentence, at least 24 tokens (weights/QUALITY.md, "Sentences, not neighbours")
+#: sentence, at least 24 tokens, the chat template's markup last (weights/QUALITY.md,
+#: "Sentences, not neighbours")
 RECOMPUTE_SELECTION = Selection()
 
 

@@ -9,8 +9,9 @@ FILE+question: the target reads the task's question itself on the translated res
 target reads the prompt's last N tokens itself (`content.TargetReadsTail`); FILE+N+rS: and then
 recomputes the share S of the rest its reading attended to most (`content.TargetRecomputes`),
 each peak with its neighbours (`recompute.PEAKS`, session 21's rule); FILE+N+rSs: each peak with
-the rest of its sentence, FILE+N+rSS: with its whole sentence, and a suffix fK: at least K tokens
-(FILE+32+r0.1sf24 is the chat's rule, `recompute.Selection()`); native~REL: the
+the rest of its sentence, FILE+N+rSS: with its whole sentence; then a suffix fK: at least K
+tokens, and t: the chat template's markup taken last (FILE+32+r0.1sf24t is the chat's rule,
+`recompute.Selection()`); native~REL: the
 target's own cache with noise of REL times each layer's RMS (`content.NoisyNative`), a reference;
 LABEL=source: the source model alone (`content.SourceAlone`; with `--source`, that source's own
 row beside a reused "small" row of the demo's small model).
@@ -57,7 +58,7 @@ def condition(spec: str, pair):
         return SourceAlone()
     path, sep, rule = spec.rpartition("+r")
     m = re.fullmatch(r"([0-9.]+)([sS]?)(?:f(\d+))?(t?)", rule) if sep else None
-    if m:  # FILE+N+rS, FILE+N+rSs (sentences), FILE+N+rSfK (at least K tokens), t: no markup
+    if m:  # FILE+N+rS, FILE+N+rSs (sentences), FILE+N+rSfK (at least K tokens), t: markup last
         base, _, tail = path.rpartition("+")
         rule = Selection({"": "", "s": "rest", "S": "whole"}[m[2]], int(m[3] or 0),
                          template=bool(m[4]))  # fmt: skip
