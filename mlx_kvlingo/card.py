@@ -93,8 +93,11 @@ def model_card(repo_id: str, metas: dict[str, dict], manifest: dict | None = Non
     cal = first.get("calibration") or {}
     prov = first.get("provenance") or {}
     if cal:
-        out += ["", "## Calibration", ""]
+        which = f" of `{default}`" if len(files) > 1 else ""
+        out += ["", f"## Calibration{which}", ""]
         data = cal.get("data")
+        if isinstance(data, str) and data.startswith(("/", "~")):
+            data = data.rstrip("/").rsplit("/", 1)[-1]  # a local folder: its name only
         if data:
             out.append(f"- data: {json.dumps(data)}")
         s1, s2 = cal.get("stage1") or {}, cal.get("stage2") or {}
@@ -121,28 +124,30 @@ def model_card(repo_id: str, metas: dict[str, dict], manifest: dict | None = Non
         if h is None:
             continue
         stage, table = h
-        direction = (_side(m, "source")[0], _side(m, "target")[0])
+        n = f"{table.get('examples')} / {table.get('tokens')}"
+        # the native and source-alone rows once per direction and held-out set
+        key = (_side(m, "source")[0], _side(m, "target")[0], n)
         for arm in ("native", "translated", "source", "raw"):
             r = table.get(arm) or {}
-            if "skipped" in r or not r or (arm != "translated" and (direction, arm) in seen):
-                continue  # the native and source-alone rows once per direction
-            seen.add((direction, arm))
+            if "skipped" in r or not r or (arm != "translated" and (key, arm) in seen):
+                continue
+            seen.add((key, arm))
             rows.append(
-                f"| `{f}` | {stage} | {arm} | {_fmt(r.get('nll'))} | {_fmt(r.get('top1'))} "
+                f"| `{f}` | {stage} | {n} | {arm} | {_fmt(r.get('nll'))} | {_fmt(r.get('top1'))} "
                 f"| {_fmt(r.get('agree_native'))} | {_fmt(r.get('kl_native'))} "
                 f"| {_fmt(r.get('gap_recovered'))} |"
             )
-        n = f"{table.get('examples')} examples, {table.get('tokens')} tokens"
     if rows:
         out += [
             "",
             "## Held-out quality",
             "",
-            f"Teacher-forced on held-out data ({n}): NLL, top-1 accuracy, agreement with the "
-            "native target, KL(native ‖ arm), fraction of the source-to-native NLL gap recovered.",
+            "Teacher-forced on each file's held-out data (examples / tokens): NLL, top-1 accuracy, "
+            "agreement with the native target, KL(native ‖ arm), fraction of the source-to-native "
+            "NLL gap recovered. Rows on different held-out sets do not compare.",
             "",
-            "| file | stage | arm | NLL | top-1 | agree | KL | gap recovered |",
-            "|---|---|---|---|---|---|---|---|",
+            "| file | stage | held-out | arm | NLL | top-1 | agree | KL | gap recovered |",
+            "|---|---|---|---|---|---|---|---|---|",
             *rows,
         ]
     s_arg, t_arg = _hub_id(src) or "SOURCE", _hub_id(tgt) or "TARGET"

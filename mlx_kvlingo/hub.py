@@ -155,21 +155,41 @@ def build_repo_folder(
     """Copy the translator `files` into `folder` with a model card (README.md) generated from
     their metadata, and a manifest.json (the given one, or one listing the files).
 
-    `link=True` hard-links the files instead of copying them where the filesystem allows.
+    Each file keeps its path below the files' common folder (`a/x.safetensors` and
+    `a/b/x.safetensors` become `x.safetensors` and `b/x.safetensors`), so files of the same
+    name in two folders stay apart and a manifest may name `b/x.safetensors`. A manifest whose
+    default is not among the files is refused. `link=True` hard-links the files instead of
+    copying them where the filesystem allows.
     """
+    import os
+
     from .card import model_card
     from .format import read_metadata
 
+    paths = list(dict.fromkeys(Path(f).resolve() for f in files))
+    if not paths:
+        raise HubError("no translator files given")
+    root = Path(os.path.commonpath([p.parent for p in paths]))
+    names = {p: p.relative_to(root).as_posix() for p in paths}
+    man = json.loads(Path(manifest).read_text()) if manifest else None
+    default = (man or {}).get("default") or {}
+    missing = sorted({default.get(k) for k in ("forward", "backward")} - {None, *names.values()})
+    if missing:
+        raise HubError(
+            f"{manifest}: its default {', '.join(missing)} is not among the files given "
+            f"(paths below {root}: {', '.join(sorted(names.values())[:6])})"
+        )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     metas = {}
-    for f in map(Path, files):
+    for f, name in names.items():
         try:
-            metas[f.name] = read_metadata(f)
+            metas[name] = read_metadata(f)
         except ValueError as e:
             raise HubError(f"{f}: not a translator file ({e})") from None
-        dest = folder / f.name
-        if dest.resolve() != f.resolve():
+        dest = folder / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.resolve() != f:
             dest.unlink(missing_ok=True)
             try:
                 if not link:
@@ -177,10 +197,9 @@ def build_repo_folder(
                 dest.hardlink_to(f)
             except OSError:
                 shutil.copyfile(f, dest)
-    man = json.loads(Path(manifest).read_text()) if manifest else None
     if man is None:
-        names = list(metas)
-        man = {"default": {"forward": names[0]}, "translators": [{"file": n} for n in names]}
+        listed = list(metas)
+        man = {"default": {"forward": listed[0]}, "translators": [{"file": n} for n in listed]}
     (folder / "manifest.json").write_text(json.dumps(man, indent=1) + "\n")
     (folder / "README.md").write_text(model_card(repo_id, metas, man, license=license))
     return folder
