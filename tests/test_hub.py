@@ -96,27 +96,37 @@ def test_local_path_wins(tmp_path, monkeypatch):
 
 def test_round_trip_through_the_hub(known_pair, tiny_dir, tmp_path, hub):
     tr = exact_translator(known_pair, tiny_dir["known_answer"])
-    local = save_translator(tr, tmp_path / "fwd.safetensors", known_pair,
+    (tmp_path / "sub").mkdir()
+    local = save_translator(tr, tmp_path / "sub" / "fwd.safetensors", known_pair,
                             calibration={"data": {"train": "exact known answer"}})  # fmt: skip
+    answer = tiny_dir["known_answer"]
+    wrong = {k: [-m for m in answer[k]] for k in ("key_maps", "value_maps")}  # decodes otherwise
+    other = save_translator(exact_translator(known_pair, wrong), tmp_path / "other.safetensors",
+                            known_pair)  # fmt: skip
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text(json.dumps({"default": {"forward": "sub/fwd.safetensors"}}))
     want = decode_tokens(known_pair, load_translator(local, known_pair))
     hf_home = tmp_path / "hf"
     env = client_env(hf_home, hub.url)
 
-    code, out = run([*CLI, "upload", str(local), REPO, "-m", "test"], env)
+    # two files: the default keeps its subfolder on the Hub, as the manifest names it
+    code, out = run([*CLI, "upload", str(local), str(other), REPO, "--manifest", str(manifest),
+                     "-m", "test"], env)  # fmt: skip
     assert code == 0, out
     sha = re.search(r"/commit/([0-9a-f]{40})", out).group(1)
     assert {"POST /api/repos/create", f"POST /api/models/{REPO}/commit/main"} <= set(
         hub.store.requests
     )
     files = hub.store.repos[REPO]["commits"][sha]
-    assert sorted(files) == ["README.md", "fwd.safetensors", "manifest.json"]
-    assert files["fwd.safetensors"] == local.read_bytes()
+    assert sorted(files) == ["README.md", "manifest.json", "other.safetensors",
+                             "sub/fwd.safetensors"]  # fmt: skip
+    assert files["sub/fwd.safetensors"] == local.read_bytes()
     card = files["README.md"].decode()
     assert "4x2x32 → 4x2x32" in card and f'translator="{REPO}"' in card
 
     code, out = run([*CLI, "download", f"{REPO}@{sha}"], env)  # pinned revision
     assert code == 0, out
-    assert f"snapshots/{sha}" in out and "fwd.safetensors" in out
+    assert f"snapshots/{sha}" in out and "sub/fwd.safetensors" in out
 
     src, tgt = str(tiny_dir["qwen3"]), str(tiny_dir["known"])
     decode = [sys.executable, "-c", DECODE, src, tgt]

@@ -17,5 +17,8 @@ def download_cmd(spec, local_dir):
         path = download(spec, local_dir)
     except HubError as e:
         raise click.ClickException(str(e)) from None
-    files = sorted(p.name for p in path.iterdir()) if path.is_dir() else [path.name]
+    if path.is_dir():  # with subfolders: source15/forward.safetensors
+        files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    else:
+        files = [path.name]
     click.echo(f"{path}\n  " + "\n  ".join(files))
