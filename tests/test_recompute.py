@@ -158,6 +158,11 @@ def test_recompute_shares_zero_and_one_are_the_tail_read_and_native(known_pair, 
         assert mx.allclose(a[..., :cut, :], n[..., :cut, :], atol=1e-5).item()
         assert mx.allclose(a[..., cut:, :], t[..., cut:, :], atol=1e-5).item()
     assert not mx.allclose(ak[-1][..., :cut, :], tk[-1][..., :cut, :], atol=1e-3).item()
+    # ... and with the tail read again over them, the whole cache is the target's own
+    ek, _ = recompute_kv(pair, TargetRecomputes(zero, 5, 1.0, reread=True), task)
+    for e, n in zip(ek, nk):
+        assert mx.allclose(e, n, atol=1e-5).item()
+    assert not mx.allclose(ak[-1], nk[-1], atol=1e-3).item()  # the tail read once is not
     # a share in between recomputes that many positions before the tail, and no others
     cache = _cache_of(pair.target, *[list(x) for x in _zero_kv(nk)])
     toks = list(task.tokens[:-1])

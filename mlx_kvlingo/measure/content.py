@@ -32,7 +32,7 @@ from rich.table import Table
 
 from ..content_tasks import KINDS, ContentTask
 from ..kvcache import append_kv, new_cache
-from ..recompute import Selection, recompute_attended, sentence_ends, special_ids
+from ..recompute import Selection, read_positions, recompute_attended, sentence_ends, special_ids
 from . import report
 
 SCHEMA = "mlx-kvlingo/content-eval"
@@ -149,6 +149,7 @@ class TargetRecomputes:
     tail: int = 32
     share: float = 0.1
     selection: Selection = Selection()  # which tokens (the chat's rule by default)
+    reread: bool = False  # then the tail is read again, over the recomputed positions
 
 
 @dataclass(frozen=True)
@@ -216,9 +217,12 @@ def recompute_kv(pair, cond: TargetRecomputes, task: ContentTask) -> tuple[list,
     keys, values = translated_kv(pair, cond.method, toks)
     cache, dtype = new_cache(pair.target), pair.target.dtype
     append_kv(cache, [k.astype(dtype) for k in keys], [v.astype(dtype) for v in values])
-    recompute_attended(pair.target.model, cache, toks, cond.tail, cond.share,
-                       selection=cond.selection, ends=sentence_ends(pair.tokenizer),
-                       specials=special_ids(pair.tokenizer))  # fmt: skip
+    chosen = recompute_attended(pair.target.model, cache, toks, cond.tail, cond.share,
+                                selection=cond.selection, ends=sentence_ends(pair.tokenizer),
+                                specials=special_ids(pair.tokenizer))  # fmt: skip
+    if cond.reread and chosen:
+        read_positions(pair.target.model, cache, toks, range(max(1, len(toks) - cond.tail),
+                                                             len(toks)))  # fmt: skip
     keys = [c.keys[..., : c.offset, :] for c in cache]
     values = [c.values[..., : c.offset, :] for c in cache]
     mx.eval(keys, values)

@@ -11,7 +11,7 @@ recomputes the share S of the rest its reading attended to most (`content.Target
 each peak with its neighbours (`recompute.PEAKS`, session 21's rule); FILE+N+rSs: each peak with
 the rest of its sentence, FILE+N+rSS: with its whole sentence; then a suffix fK: at least K
 tokens, and t: the chat template's markup taken last (FILE+32+r0.1sf24t is the chat's rule,
-`recompute.Selection()`); native~REL: the
+`recompute.Selection()`), and R: the tail read again over the recomputed positions; native~REL: the
 target's own cache with noise of REL times each layer's RMS (`content.NoisyNative`), a reference;
 LABEL=source: the source model alone (`content.SourceAlone`; with `--source`, that source's own
 row beside a reused "small" row of the demo's small model).
@@ -57,12 +57,13 @@ def condition(spec: str, pair):
     if spec == "source":
         return SourceAlone()
     path, sep, rule = spec.rpartition("+r")
-    m = re.fullmatch(r"([0-9.]+)([sS]?)(?:f(\d+))?(t?)", rule) if sep else None
+    m = re.fullmatch(r"([0-9.]+)([sS]?)(?:f(\d+))?(t?)(R?)", rule) if sep else None
     if m:  # FILE+N+rS, FILE+N+rSs (sentences), FILE+N+rSfK (at least K tokens), t: markup last
         base, _, tail = path.rpartition("+")
         rule = Selection({"": "", "s": "rest", "S": "whole"}[m[2]], int(m[3] or 0),
                          template=bool(m[4]))  # fmt: skip
-        return TargetRecomputes(load_translator(base, pair), int(tail), float(m[1]), rule)
+        return TargetRecomputes(load_translator(base, pair), int(tail), float(m[1]), rule,
+                                reread=bool(m[5]))  # fmt: skip
     if spec.startswith("native~"):
         return NoisyNative(float(spec.removeprefix("native~")))
     path, _, tail = spec.rpartition("+")
