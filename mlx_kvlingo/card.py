@@ -19,13 +19,18 @@ def _hub_id(name) -> str | None:
     return name
 
 
+def _shown(name: str) -> str:
+    """A Hub id as is, a local path by its last component (a card never shows local paths)."""
+    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
+        return name.rstrip("/").rsplit("/", 1)[-1]
+    return name
+
+
 def _side(meta: dict, label: str) -> tuple[str, str | None]:
     """(name, revision) of one side: a Hub id as is, a local folder by its last component."""
     prov = meta.get("provenance") or {}
     name = str(prov.get(f"{label}_model") or (meta.get(label) or {}).get("name") or "?")
-    if name.startswith(("/", ".", "~")) or name.count("/") > 1:
-        name = name.rstrip("/").rsplit("/", 1)[-1]
-    return name, prov.get(f"{label}_revision")
+    return _shown(name), prov.get(f"{label}_revision")
 
 
 def _geometry(d: dict) -> str:
@@ -96,8 +101,8 @@ def model_card(repo_id: str, metas: dict[str, dict], manifest: dict | None = Non
         which = f" of `{default}`" if len(files) > 1 else ""
         out += ["", f"## Calibration{which}", ""]
         data = cal.get("data")
-        if isinstance(data, str) and data.startswith(("/", "~")):
-            data = data.rstrip("/").rsplit("/", 1)[-1]  # a local folder: its name only
+        if isinstance(data, str):
+            data = _shown(data)
         if data:
             out.append(f"- data: {json.dumps(data)}")
         s1, s2 = cal.get("stage1") or {}, cal.get("stage2") or {}

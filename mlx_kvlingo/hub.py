@@ -15,6 +15,7 @@ generated from the files' metadata (`build_repo_folder`, `upload`).
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
@@ -161,8 +162,6 @@ def build_repo_folder(
     default is not among the files is refused. `link=True` hard-links the files instead of
     copying them where the filesystem allows.
     """
-    import os
-
     from .card import model_card
     from .format import read_metadata
 
