@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo.format import load_translator, model_key, save_translator
-from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
+from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig
+from mlx_kvlingo.models.files import load_translator, model_key, save_translator
 
 import mlx.core as mx
 import numpy as np

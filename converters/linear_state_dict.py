@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mlx_kvlingo.capture import KEY_CUTS
+from mlx_kvlingo.kv.capture import KEY_CUTS
 
 from .common import (
     Converted,

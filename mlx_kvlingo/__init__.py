@@ -1,6 +1,6 @@
 """mlx-kvlingo: KV-cache translation between two language models on MLX."""
 
-from . import _blas
+from mlx_kvlingo._platform import blas as _blas
 
 _blas.preload()  # must run before the first `import mlx`
 
@@ -26,7 +26,7 @@ __all__ = [
 _LAZY = {name: "api" for name in __all__ if name != "__version__"}
 
 if _typing.TYPE_CHECKING:  # static checkers see the real names
-    from .api import (
+    from mlx_kvlingo.api import (
         Conversation,
         ConversationError,
         Event,

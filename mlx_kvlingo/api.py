@@ -34,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from .conversation.records import (
+from mlx_kvlingo.conversation.records import (
     AUTO_THRESHOLD,
     SessionBusyError,
     SessionError,
@@ -42,10 +42,9 @@ from .conversation.records import (
     TurnStats,
     status_line,
 )
-from .pair import ModelPair
-from .sampling import Sampling
-from .sampling import resolve as resolve_sampling
-from .session import (
+from mlx_kvlingo.conversation.sampling import Sampling
+from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
+from mlx_kvlingo.conversation.session import (
     LARGE_READS_LAST,
     MODES,
     READER_MARGIN,
@@ -54,7 +53,8 @@ from .session import (
     RECOMPUTE_SHARE,
     Session,
 )
-from .translator import Translator
+from mlx_kvlingo.kv.translator import Translator
+from mlx_kvlingo.models.pair import ModelPair
 
 # Inputs are plain strings (often from a UI or a config), checked at run time:
 #: a model by role: "small" (alias "source") prefills cheaply, "large" ("target") is the one to
@@ -222,7 +222,7 @@ class Runtime:
         backward: Translator | None = None,
         link: Any = None,
     ) -> None:
-        # internal objects (mlx_kvlingo.pair / .translator), exposed for advanced use only
+        # internal objects (mlx_kvlingo.models.pair / .translator), exposed for advanced use only
         self.pair = pair
         self.forward = forward  # small -> large translator (None: switching re-prefills)
         self.backward = backward  # large -> small translator (None: switching re-prefills)
@@ -243,7 +243,7 @@ class Runtime:
         "auto"): a scratch conversation per length, read both ways (see conversation/timing.py).
         `sample(role)`: the generate keyword arguments real turns will use (default: each
         model's default sampling). Returns seconds."""
-        from .conversation.warmup import warm_up
+        from mlx_kvlingo.conversation.warmup import warm_up
 
         if self._link is not None:
             raise ConversationError("warm_up is not available with a pipelined large model")
@@ -279,7 +279,7 @@ class Runtime:
         Qwen3-MoE upcycle), and `translator`/`backward_translator` may then name one of its
         shipped files (None: its defaults; no shipped backward file: None). `pair` with
         `source`/`target` is a ValueError. Resolution and loading:
-        `mlx_kvlingo.loading.load_models_and_translators`.
+        `mlx_kvlingo.models.loading.load_models_and_translators`.
         `translator` maps small -> large, `backward_translator` large -> small; either may be
         None, and switching into that model then re-reads the conversation itself. A
         translator is a file path or a Hugging Face Hub id `org/name[@revision][:file]`
@@ -296,7 +296,7 @@ class Runtime:
         `wire`: what a switch sends each rank, "source" K/V (the rank translates) or
         "target" K/V; "auto" sends the fewer bytes. `timeout`: seconds a rank waits for the
         others (to connect, or within one step) before it gives up with an error (default
-        120). See mlx_kvlingo/DISTRIBUTED.md.
+        120). See mlx_kvlingo/distributed/README.md.
 
         `warmup`: before returning, run a short scratch conversation (`warm_up()`) so that the
         first real turn pays no one-off costs (compiled kernels, lazy weights, first
@@ -323,8 +323,8 @@ class Runtime:
         timeout: float | None,
         demo_pair: str | None = None,
     ) -> Runtime:
-        from .distributed import launched
-        from .loading import load_models_and_translators
+        from mlx_kvlingo.distributed.pipeline import launched
+        from mlx_kvlingo.models.loading import load_models_and_translators
 
         if distributed or (distributed is None and launched()):
             return cls._load_distributed(
@@ -346,9 +346,9 @@ class Runtime:
         timeout: float | None,
         demo_pair: str | None = None,
     ) -> Runtime:
-        from .demo import pair as demo
-        from .loading import DEMO_PAIRS, demo_paths, resolve_translator_spec
-        from .pipelined import load
+        from mlx_kvlingo.distributed.session import load
+        from mlx_kvlingo.models.demo import pair as demo
+        from mlx_kvlingo.models.loading import DEMO_PAIRS, demo_paths, resolve_translator_spec
 
         if isinstance(translator, Translator):
             raise ValueError("a distributed runtime takes a translator file (every rank reads it)")
@@ -377,7 +377,7 @@ class Runtime:
         link, pair = load(source, target, path, wire=wire, timeout=timeout)
         backward = backward_translator
         if backward is not None and not isinstance(backward, Translator):
-            from .format import load_translator
+            from mlx_kvlingo.models.files import load_translator
 
             backward = load_translator(backward, pair.reversed())
         return cls(pair, link.sp.translator, backward, link)
@@ -450,7 +450,7 @@ class Runtime:
         if self._link is not None:
             from functools import partial
 
-            from .pipelined import ShardedSession
+            from mlx_kvlingo.distributed.session import ShardedSession
 
             make = partial(ShardedSession, self._link)
         if recompute_share is None:
@@ -568,7 +568,7 @@ class Conversation:
 
     def __init__(self, runtime: Runtime, session: Session) -> None:
         self.runtime = runtime
-        self._session = session  # internal: mlx_kvlingo.session.Session
+        self._session = session  # internal: mlx_kvlingo.conversation.session.Session
         self._cancel = threading.Event()
         self._last: Event | None = None
         runtime._conversations.add(self)
@@ -691,7 +691,7 @@ class Conversation:
 
         `sampling`: a dict of the settings to change, e.g. `{"temp": 0}` (greedy) or
         `{"top_p": 0.8, "seed": 1}`, merged over the answering model's defaults (its
-        `generation_config.json`, else `mlx_kvlingo.sampling.DEFAULTS`); a `Sampling`, used
+        `generation_config.json`, else `mlx_kvlingo.conversation.sampling.DEFAULTS`); a `Sampling`, used
         whole; None: the model's defaults. The fields are those of `Sampling` (`temp`,
         `top_p`, `top_k`, `min_p`, `repetition_penalty`, `repetition_context_size`, `seed`);
         another is a ConversationError. `seed`: MLX's generator is seeded with `seed` plus

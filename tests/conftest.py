@@ -1,6 +1,6 @@
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
-from mlx_kvlingo import synthetic as syn
-from mlx_kvlingo.pair import load_model, load_pair
+from mlx_kvlingo.data import synthetic as syn
+from mlx_kvlingo.models.pair import load_model, load_pair
 
 import pytest
 

@@ -35,8 +35,8 @@ FILES = {"translator": "t.safetensors", "method": "m.safetensors",
 
 def _saver(kind: str, out: Path, fixtures: Path, log: Path, size_mb: float) -> None:
     """Save version 0, 1, 2, ... of a `kind` file at `out` until killed; log each one."""
-    from mlx_kvlingo.format import save_translator
-    from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
+    from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig
+    from mlx_kvlingo.models.files import save_translator
 
     import mlx.core as mx
 
@@ -50,9 +50,9 @@ def _saver(kind: str, out: Path, fixtures: Path, log: Path, size_mb: float) -> N
     tr.value["weight"] = mx.random.normal(tr.value["weight"].shape)
     mx.eval(tr.parameters())
     if kind == "session":
-        from mlx_kvlingo.format import load_translator
-        from mlx_kvlingo.pair import load_pair
-        from mlx_kvlingo.session import Session
+        from mlx_kvlingo.conversation.session import Session
+        from mlx_kvlingo.models.files import load_translator
+        from mlx_kvlingo.models.pair import load_pair
 
         pair = load_pair(fixtures / "qwen3", fixtures / "known")
         s = Session(pair, load_translator(fixtures / "fwd.safetensors", pair), None)
@@ -69,7 +69,7 @@ def _saver(kind: str, out: Path, fixtures: Path, log: Path, size_mb: float) -> N
         mx.eval(opt.state)
     import time as _time
 
-    from mlx_kvlingo.measure.methods import write_method_file
+    from mlx_kvlingo.eval.methods import write_method_file
 
     for v in range(10**9):
         t0 = _time.perf_counter()
@@ -92,9 +92,9 @@ def _zygote(conn, fixtures: str) -> None:
     sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
     import mlx_kvlingo  # noqa: F401
     from mlx_kvlingo.calibrate import distill  # noqa: F401
-    from mlx_kvlingo.measure import methods  # noqa: F401
-    from mlx_kvlingo.pair import load_pair  # noqa: F401
-    from mlx_kvlingo.session import Session  # noqa: F401
+    from mlx_kvlingo.conversation.session import Session  # noqa: F401
+    from mlx_kvlingo.eval import methods  # noqa: F401
+    from mlx_kvlingo.models.pair import load_pair  # noqa: F401
 
     import mlx.optimizers  # noqa: F401
 
@@ -151,25 +151,25 @@ class Verifier:
 
     def version(self, kind: str, out: Path) -> int:
         if kind == "translator":
-            from mlx_kvlingo.format import load_translator
+            from mlx_kvlingo.models.files import load_translator
 
             return load_translator(out).config.metadata["version"]
         if kind == "method":
-            from mlx_kvlingo.measure.methods import load_method, read_method_file
+            from mlx_kvlingo.eval.methods import load_method, read_method_file
 
             load_method(out)
             return read_method_file(out)[1]["version"]
         if kind == "session":
             if self._session is None:
-                from mlx_kvlingo.pair import load_pair
-                from mlx_kvlingo.session import Session
+                from mlx_kvlingo.conversation.session import Session
+                from mlx_kvlingo.models.pair import load_pair
 
                 pair = load_pair(self.fixtures / "qwen3", self.fixtures / "known")
                 self._session = Session(pair, None, None)
             self._session.load(out)
             return int(self._session.system_prompt[1:])
         from mlx_kvlingo.calibrate.distill import load_checkpoint
-        from mlx_kvlingo.format import load_translator
+        from mlx_kvlingo.models.files import load_translator
 
         import mlx.core as mx
 

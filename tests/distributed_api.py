@@ -121,7 +121,7 @@ def _lost(rt: Runtime) -> dict:
 
 
 def _die_at_first_span() -> None:
-    import mlx_kvlingo.pipelined as pipelined
+    import mlx_kvlingo.distributed.session as pipelined
 
     def die(*args, **kwargs):
         os._exit(0)  # abruptly, but with 0: mlx.launch stops the other ranks when one fails

@@ -52,15 +52,15 @@ FAILURES = ("bug", "hang", "crash", "wrote")
 
 #: the error classes each loader documents (module path, class name); subclasses count
 DOCUMENTED = {
-    "translator": [("mlx_kvlingo.format", "TranslatorFileError")],
-    "method": [("mlx_kvlingo.format", "TranslatorFileError")],  # MethodFileError is one
+    "translator": [("mlx_kvlingo.models.files", "TranslatorFileError")],
+    "method": [("mlx_kvlingo.models.files", "TranslatorFileError")],  # MethodFileError is one
     "session": [("mlx_kvlingo.conversation.records", "SessionFileError")],
     "knlp-translator": [("converters.common", "ConversionError")],
     "knlp-checkpoint": [("converters.common", "ConversionError")],
     "linear-state-dict": [("converters.common", "ConversionError")],
     "mapper-dir": [("converters.common", "ConversionError")],
-    "data-jsonl": [("mlx_kvlingo.data", "DataError")],
-    "data-text": [("mlx_kvlingo.data", "DataError")],
+    "data-jsonl": [("mlx_kvlingo.data.examples", "DataError")],
+    "data-text": [("mlx_kvlingo.data.examples", "DataError")],
     "chat": [],  # ChatApp.handle prints what it refuses and never raises
 }
 LOADERS = tuple(DOCUMENTED)
@@ -467,9 +467,9 @@ def _checksums(files: dict[str, bytes]) -> bytes:
 def build_fixtures(folder: str | Path) -> Path:
     """The tiny known-answer pair, exact translators and one seed per kind of input."""
     import mlx_kvlingo  # noqa: F401
-    from mlx_kvlingo import synthetic as syn
-    from mlx_kvlingo.format import save_translator
-    from mlx_kvlingo.pair import load_pair
+    from mlx_kvlingo.data import synthetic as syn
+    from mlx_kvlingo.models.files import save_translator
+    from mlx_kvlingo.models.pair import load_pair
 
     folder = Path(folder)
     if (folder / "done").exists():
@@ -498,10 +498,10 @@ def build_fixtures(folder: str | Path) -> Path:
 
 
 def _seed_files(folder: Path, seeds: Path, pair, exact) -> None:
-    from mlx_kvlingo.format import load_translator, save_translator
-    from mlx_kvlingo.measure.methods import KVLingo, droidspeak, quantized, raw
-    from mlx_kvlingo.session import Session
-    from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
+    from mlx_kvlingo.conversation.session import Session
+    from mlx_kvlingo.eval.methods import KVLingo, droidspeak, quantized, raw
+    from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig
+    from mlx_kvlingo.models.files import load_translator, save_translator
 
     import mlx.core as mx
     import numpy as np
@@ -590,7 +590,7 @@ def _seed_files(folder: Path, seeds: Path, pair, exact) -> None:
     # data
     d = seeds / "data-jsonl"
     d.mkdir(parents=True, exist_ok=True)
-    from mlx_kvlingo import synthetic as syn
+    from mlx_kvlingo.data import synthetic as syn
 
     text = syn.training_text()
     paras = [p for p in text.split("\n\n") if len(p) > 200][:12]
@@ -638,8 +638,8 @@ class Context:
 
     def __init__(self, fixtures: Path):
         import mlx_kvlingo  # noqa: F401
-        from mlx_kvlingo.format import load_translator
-        from mlx_kvlingo.pair import load_pair
+        from mlx_kvlingo.models.files import load_translator
+        from mlx_kvlingo.models.pair import load_pair
 
         self.fixtures = Path(fixtures)
         self.pair = load_pair(self.fixtures / "qwen3", self.fixtures / "known")
@@ -651,14 +651,14 @@ class Context:
     def warm_up(self) -> None:
         """Run what the loaders run once, untimed: MLX compiles CPU kernels on first use
         (seconds on a busy machine), which is no loader's doing."""
-        from mlx_kvlingo.format import load_translator
-        from mlx_kvlingo.measure.methods import load_method
+        from mlx_kvlingo.eval.methods import load_method
+        from mlx_kvlingo.models.files import load_translator
 
         for f in sorted((self.fixtures / "seeds" / "translator").glob("*.safetensors")):
             pair = self.pair.reversed() if f.name.startswith("bwd") else self.pair
             _use_translator(self, load_translator(f, pair), pair)
         for f in sorted((self.fixtures / "seeds" / "method").glob("*.safetensors")):
-            from mlx_kvlingo.measure.methods import capture_span
+            from mlx_kvlingo.eval.methods import capture_span
 
             import mlx.core as mx
 
@@ -671,7 +671,7 @@ class Context:
             list(s.generate(model, max_tokens=2))
 
     def session(self, **kw):
-        from mlx_kvlingo.session import Session
+        from mlx_kvlingo.conversation.session import Session
 
         return Session(self.pair, self.forward, self.backward, system_prompt="Be brief.", **kw)
 
@@ -697,8 +697,8 @@ class Context:
 
 def _use_translator(ctx: Context, tr, pair) -> None:
     """A translator that loaded must translate a short span of the pair's source."""
-    from mlx_kvlingo.capture import prefill
-    from mlx_kvlingo.kvcache import new_cache
+    from mlx_kvlingo.kv.cache import new_cache
+    from mlx_kvlingo.kv.capture import prefill
 
     import mlx.core as mx
 
@@ -712,7 +712,7 @@ def run_loader(ctx: Context, inp: Input, box: Path) -> None:
     loader, src = inp.loader, box / "in"
     paths = {n: src / n for n in inp.files}
     if loader == "translator":
-        from mlx_kvlingo.format import load_translator
+        from mlx_kvlingo.models.files import load_translator
 
         (path,) = paths.values()
         pair = ctx.pair.reversed() if inp.seed_name.startswith("bwd") else ctx.pair
@@ -720,7 +720,7 @@ def run_loader(ctx: Context, inp: Input, box: Path) -> None:
         if inp.with_pair:
             _use_translator(ctx, tr, pair)
     elif loader == "method":
-        from mlx_kvlingo.measure.methods import capture_span, load_method
+        from mlx_kvlingo.eval.methods import capture_span, load_method
 
         (path,) = paths.values()
         m = load_method(path, ctx.pair if inp.with_pair else None)
@@ -745,7 +745,7 @@ def run_loader(ctx: Context, inp: Input, box: Path) -> None:
         converters.convert_file(path, box / "out" / "t.safetensors",
                                 pair=ctx.pair if inp.with_pair else None, **options)  # fmt: skip
     elif loader in ("data-jsonl", "data-text"):
-        from mlx_kvlingo.data import DataConfig, load_examples, validate_data
+        from mlx_kvlingo.data.examples import DataConfig, load_examples, validate_data
 
         (path,) = paths.values()
         validate_data(path)

@@ -1,6 +1,6 @@
 """Shared test helpers: exact translators for the known-answer pair."""
 
-from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
+from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig
 
 import mlx.core as mx
 import numpy as np

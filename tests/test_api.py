@@ -20,8 +20,8 @@ from mlx_kvlingo import (
     Runtime,
     RuntimeBusyError,
 )
-from mlx_kvlingo.format import save_translator
-from mlx_kvlingo.pair import load_pair
+from mlx_kvlingo.models.files import save_translator
+from mlx_kvlingo.models.pair import load_pair
 
 import mlx.core as mx
 import pytest
@@ -288,7 +288,7 @@ def readme_example() -> str:
 
 def test_readme_example_runs(files, monkeypatch, tmp_path, capsys):
     """The ten-line example, run as written, with the demo pair swapped for the tiny one."""
-    from mlx_kvlingo.demo import pair as demo
+    from mlx_kvlingo.models.demo import pair as demo
 
     defaults = {"forward": str(files["translator"]), "backward": str(files["backward_translator"])}
     monkeypatch.setattr(demo, "demo_models", lambda pair="dense", source=None: (files["source"], files["target"]))  # fmt: skip
@@ -403,8 +403,8 @@ def test_reader_policy_through_the_api(runtime):
 def test_demo_pair_by_name_and_the_backward_rule(files, monkeypatch):
     """`Runtime.load(pair="moe")` loads the MoE demo pair (not silently the dense one); a demo
     pair that ships no backward translator gives None, a missing forward one is an error."""
-    from mlx_kvlingo.demo import pair as demo
-    from mlx_kvlingo.loading import resolve_translator_spec
+    from mlx_kvlingo.models.demo import pair as demo
+    from mlx_kvlingo.models.loading import resolve_translator_spec
 
     asked = []
 
@@ -492,7 +492,7 @@ def test_sampling_overrides_merge_over_each_models_defaults(runtime, monkeypatch
     answers of a cascade; a `Sampling` is used whole; an unknown field is a ConversationError
     naming it, raised before anything runs."""
     from mlx_kvlingo import Sampling
-    from mlx_kvlingo import sampling as S
+    from mlx_kvlingo.conversation import sampling as S
 
     own = {runtime.pair.source.folder: {"top_p": 0.8}, runtime.pair.target.folder: {"top_k": 20}}
     monkeypatch.setattr(S, "generation_config", lambda folder: dict(own.get(folder, {})))

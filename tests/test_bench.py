@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from mlx_kvlingo import moe_cpu
-from mlx_kvlingo.measure import bench
-from mlx_kvlingo import synthetic as syn
+from mlx_kvlingo._platform import moe_cpu
+from mlx_kvlingo.eval import bench
+from mlx_kvlingo.data import synthetic as syn
 from mlx_kvlingo.cli.bench import bench_cmd
-from mlx_kvlingo.measure.presets import PRESETS, QWEN3_MOE, load_preset
+from mlx_kvlingo.eval.presets import PRESETS, QWEN3_MOE, load_preset
 
 # S = source TTFT, P = source prefill, R = target re-prefill TTFT, X = switch TTFT
 S, P, R, X = 1.0, 0.8, 5.0, 0.5
@@ -325,7 +325,7 @@ def test_conversation_bench_three_policies(tmp_path):
     import json
 
     from mlx_kvlingo.cli import cli
-    from mlx_kvlingo.measure.conversation_bench import ALL_POLICIES
+    from mlx_kvlingo.eval.conversation_bench import ALL_POLICIES
 
     from click.testing import CliRunner
 

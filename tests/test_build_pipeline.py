@@ -188,7 +188,7 @@ def test_a_source_can_keep_its_first_layers_the_targets_own():
     for bit and the others moved."""
     import argparse
 
-    from mlx_kvlingo import synthetic as syn
+    from mlx_kvlingo.data import synthetic as syn
 
     import mlx.core as mx
     import numpy as np

@@ -4,11 +4,11 @@ import json
 
 from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
 from mlx_kvlingo.calibrate.distill import Stage2Config, TrainingDivergedError, distill
-from mlx_kvlingo.data import DataConfig, DataError, load_examples
-from mlx_kvlingo.format import load_translator
-from mlx_kvlingo.measure.evaluate import evaluate
-from mlx_kvlingo.pair import load_model, load_pair
-from mlx_kvlingo.scoring import kv_error, mean_kl, prepare
+from mlx_kvlingo.data.examples import DataConfig, DataError, load_examples
+from mlx_kvlingo.eval.evaluate import evaluate
+from mlx_kvlingo.kv.scoring import kv_error, mean_kl, prepare
+from mlx_kvlingo.models.files import load_translator
+from mlx_kvlingo.models.pair import load_model, load_pair
 
 import mlx.core as mx
 import numpy as np

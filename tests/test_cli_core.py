@@ -4,8 +4,8 @@ import json
 import re
 
 from mlx_kvlingo.cli import cli
-from mlx_kvlingo.format import save_translator
-from mlx_kvlingo.pair import load_pair
+from mlx_kvlingo.models.files import save_translator
+from mlx_kvlingo.models.pair import load_pair
 
 import mlx.core as mx
 from click.testing import CliRunner
@@ -83,7 +83,7 @@ def test_generate_and_info(tiny_dir, tmp_path):
 
 
 def test_prompt_longer_than_context_is_refused(tiny_dir):
-    from mlx_kvlingo.decode import PromptTooLongError, handoff
+    from mlx_kvlingo.kv.handoff import PromptTooLongError, handoff
 
     import pytest
 

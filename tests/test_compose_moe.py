@@ -1,7 +1,7 @@
 """Composing a translator through a related target (weights/build/compose_moe.py)."""
 
-from mlx_kvlingo.pair import load_model
-from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
+from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig
+from mlx_kvlingo.models.pair import load_model
 
 import mlx.core as mx
 import numpy as np

@@ -4,9 +4,8 @@ and the content calibration data (prefix-gain weights, target-answered examples)
 import json
 
 from mlx_kvlingo.cli import cli
-from mlx_kvlingo.content_tasks import KINDS, TaskBuilder, build_tasks
-from mlx_kvlingo.format import save_translator
-from mlx_kvlingo.measure.content import (
+from mlx_kvlingo.data.content_tasks import KINDS, TaskBuilder, build_tasks
+from mlx_kvlingo.eval.content import (
     NoisyNative,
     SourceAlone,
     Swap,
@@ -23,7 +22,8 @@ from mlx_kvlingo.measure.content import (
     tail_read_kv,
     to_json,
 )
-from mlx_kvlingo.scoring import kl, native_logp, prefix_gain
+from mlx_kvlingo.kv.scoring import kl, native_logp, prefix_gain
+from mlx_kvlingo.models.files import save_translator
 
 import mlx.core as mx
 import pytest
@@ -113,7 +113,7 @@ def _maps(tr, kind):
 def test_reused_replies_give_the_same_table_and_only_new_methods_run(pair, exact, monkeypatch):
     """A run that reuses an earlier run's replies (`known_replies`) scores exactly as a run
     that computes everything; the native cache is not computed again; other tasks are refused."""
-    import mlx_kvlingo.measure.content as content
+    import mlx_kvlingo.eval.content as content
 
     tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "summary"), seed=5)
     wrong = exact_translator(pair, {"key_maps": [m[::-1] for m in _maps(exact, "key")],
@@ -161,7 +161,7 @@ def test_target_reads_the_tail_itself_from_the_cut_on(pair, exact):
 def test_source_alone_is_the_small_row_under_its_own_label(pair, monkeypatch):
     """`SourceAlone` answers with the source model on its own cache, as the "small" row does,
     beside a reused "small" row (which it does not replace)."""
-    import mlx_kvlingo.measure.content as content
+    import mlx_kvlingo.eval.content as content
 
     tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "qa"), seed=3)
     earlier = to_json(evaluate_content(pair, tasks, {}, progress=False), pair)
@@ -241,7 +241,7 @@ def test_eval_task_content_cli(pair, exact, tiny_dir, tmp_path):
 
 
 def test_prefix_gain_weights(pair):
-    from mlx_kvlingo.data import Example
+    from mlx_kvlingo.data.examples import Example
 
     toks = pair.tokenizer.encode(TEXT)[:40]
     ex = Example(tuple(toks[:30]), tuple(toks[30:]), "t")
@@ -311,7 +311,7 @@ def test_calibrate_without_data_plans_resumes_and_reports(tiny_dir, tmp_path, mo
 
 
 def test_diagnosis_finds_the_answer_and_measures_zero_error_for_an_exact_translator(pair, exact):
-    from mlx_kvlingo.measure.content_diagnosis import answer_positions, layer_swaps, position_errors
+    from weights.experiments.content_diagnosis import answer_positions, layer_swaps, position_errors
 
     tasks = build_tasks(pair.tokenizer, [TEXT], [64], 2, ("fact",), seed=2)
     for t in tasks:
@@ -346,8 +346,9 @@ def test_compare_content_scores_every_method(tiny_dir, text_file, tmp_path):
 
 
 def test_prefix_source_shares_the_targets_first_layers_exactly(pair, tmp_path):
-    from mlx_kvlingo.measure.content_diagnosis import write_prefix_source
-    from mlx_kvlingo.pair import load_model
+    from mlx_kvlingo.models.pair import load_model
+
+    from weights.experiments.content_diagnosis import write_prefix_source
 
     out = write_prefix_source(pair.target.folder, 2, tmp_path / "prefix")
     prefix = load_model(out)

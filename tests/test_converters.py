@@ -8,12 +8,12 @@ import sys
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo import synthetic as syn
-from mlx_kvlingo.capture import SpanKV, capture_from_cache
 from mlx_kvlingo.cli.convert import convert_cmd
-from mlx_kvlingo.decode import handoff
-from mlx_kvlingo.format import TranslatorFileError, load_translator, read_metadata
-from mlx_kvlingo.pair import load_model, load_pair
+from mlx_kvlingo.data import synthetic as syn
+from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache
+from mlx_kvlingo.kv.handoff import handoff
+from mlx_kvlingo.models.files import TranslatorFileError, load_translator, read_metadata
+from mlx_kvlingo.models.pair import load_model, load_pair
 
 import mlx.core as mx
 import numpy as np

@@ -3,7 +3,7 @@ as MLX or the user set it, the tuning can be turned off, and a reserved translat
 first translation at each shorter length."""
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo import _cpu_memory
+from mlx_kvlingo._platform import cpu_memory as _cpu_memory
 
 import mlx.core as mx
 import pytest
@@ -42,7 +42,7 @@ def test_opt_out_leaves_malloc_alone(default_limit, monkeypatch):
 
 
 def test_loading_a_model_tunes_malloc(default_limit, tiny_dir, monkeypatch):
-    from mlx_kvlingo.pair import load_model
+    from mlx_kvlingo.models.pair import load_model
 
     monkeypatch.setattr(_cpu_memory, "state", {})
     load_model(tiny_dir["qwen3"])
@@ -106,10 +106,10 @@ _FIRST_AT_A_NEW_LENGTH = """
 import json, resource, sys
 import mlx_kvlingo
 import mlx.core as mx
-from mlx_kvlingo.capture import SpanKV
-from mlx_kvlingo.decode import reserve_translation_memory, translate_into
-from mlx_kvlingo.kvcache import new_cache
-from mlx_kvlingo.pair import load_pair
+from mlx_kvlingo.kv.capture import SpanKV
+from mlx_kvlingo.kv.handoff import reserve_translation_memory, translate_into
+from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.models.pair import load_pair
 sys.path.insert(0, "tests")
 from helpers import exact_translator
 from mlx_kvlingo import synthetic as syn
@@ -161,7 +161,7 @@ def test_reserved_memory_serves_the_first_translation_at_a_new_length(tmp_path):
     assert result["after_reserve"] < result["grown"] / 4, result
 
 
-_hugepages = __import__("mlx_kvlingo._hugepages", fromlist=["x"])
+_hugepages = __import__("mlx_kvlingo._platform.hugepages", fromlist=["x"])
 
 
 @pytest.mark.skipif(

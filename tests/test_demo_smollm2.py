@@ -4,7 +4,7 @@ import importlib.metadata
 import math
 
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
-from mlx_kvlingo.demo import smollm2
+from mlx_kvlingo.models.demo import smollm2
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -139,7 +139,7 @@ def test_demo_source_quantized_variant_loads(cache, source):
 
 
 def test_missing_source_weights_say_how_to_rebuild(monkeypatch, tmp_path):
-    from mlx_kvlingo.demo.smollm2 import source_files
+    from mlx_kvlingo.models.demo.smollm2 import source_files
 
     monkeypatch.setenv("KVLINGO_WEIGHTS", str(tmp_path))
     (tmp_path / "source").mkdir()

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 from mlx_kvlingo import Runtime
-from mlx_kvlingo.format import save_translator
-from mlx_kvlingo.pair import load_pair
+from mlx_kvlingo.models.files import save_translator
+from mlx_kvlingo.models.pair import load_pair
 
 import pytest
 from helpers import exact_translator

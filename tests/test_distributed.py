@@ -18,9 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlx_kvlingo import synthetic as syn
-from mlx_kvlingo.format import save_translator
-from mlx_kvlingo.pair import load_pair
+from mlx_kvlingo.data import synthetic as syn
+from mlx_kvlingo.models.files import save_translator
+from mlx_kvlingo.models.pair import load_pair
 
 import pytest
 from helpers import exact_translator, inverse

@@ -4,8 +4,8 @@ import json
 import pickle
 import struct
 
-from mlx_kvlingo.format import TranslatorFileError, load_translator, save_translator
-from mlx_kvlingo.pair import load_model, load_pair
+from mlx_kvlingo.models.files import TranslatorFileError, load_translator, save_translator
+from mlx_kvlingo.models.pair import load_model, load_pair
 
 import mlx.core as mx
 import numpy as np
@@ -154,8 +154,8 @@ def test_translator_loaded_here_translates_in_another_thread(tiny_dir, tmp_path)
     (`kvlingo serve` translates on its worker thread)."""
     import threading
 
-    from mlx_kvlingo.capture import trace
-    from mlx_kvlingo.pair import load_pair
+    from mlx_kvlingo.kv.capture import trace
+    from mlx_kvlingo.models.pair import load_pair
 
     from helpers import exact_translator
 

@@ -12,11 +12,11 @@ must then agree with the float32 file's within a relative RMS error of
 wrong layer, head or position gives errors of order 1).
 """
 
-from mlx_kvlingo.capture import prefill
-from mlx_kvlingo.format import load_translator, save_translator
-from mlx_kvlingo.kvcache import new_cache
-from mlx_kvlingo.measure.presets import random_translator
-from mlx_kvlingo.pair import load_pair
+from mlx_kvlingo.eval.presets import random_translator
+from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.capture import prefill
+from mlx_kvlingo.models.files import load_translator, save_translator
+from mlx_kvlingo.models.pair import load_pair
 
 import mlx.core as mx
 import numpy as np

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo.format import load_translator, save_translator
-from mlx_kvlingo.hub import HubSpec, parse_spec, resolve_translator
+from mlx_kvlingo.models.files import load_translator, save_translator
+from mlx_kvlingo.models.hub import HubSpec, parse_spec, resolve_translator
 
 import pytest
 from helpers import exact_translator
@@ -30,7 +30,7 @@ DECODE = r"""
 import json, sys
 from mlx_kvlingo import Runtime
 import mlx.core as mx
-from mlx_kvlingo.decode import handoff
+from mlx_kvlingo.kv.handoff import handoff
 from mlx_lm import stream_generate
 src, tgt, spec, prompt, n = sys.argv[1:6]
 rt = Runtime.load(src, tgt, translator=spec, warmup=False)  # a handoff, not a conversation
@@ -43,7 +43,7 @@ print("TOKENS", json.dumps([r.token for r in out]))
 
 
 def decode_tokens(pair, tr, n=24):
-    from mlx_kvlingo.decode import handoff
+    from mlx_kvlingo.kv.handoff import handoff
 
     import mlx.core as mx
     from mlx_lm import stream_generate
@@ -157,7 +157,7 @@ def test_card_from_metadata(tmp_path):
     """The demo files' metadata yields the card's pair, variant, cut and held-out table; files
     keep their paths below a common folder, so the manifest's default in `source15/` is found
     and the two `backward-mixing-nu2.safetensors` stay apart."""
-    from mlx_kvlingo.hub import HubError, build_repo_folder
+    from mlx_kvlingo.models.hub import HubError, build_repo_folder
 
     weights = ROOT / "weights"
     tr = weights / "translators"

@@ -1,9 +1,9 @@
 """The known-answer pair: translated decoding must equal the target's own, token for token."""
 
-from mlx_kvlingo.decode import handoff
-from mlx_kvlingo.kvcache import new_cache
-from mlx_kvlingo.pair import load_pair
-from mlx_kvlingo.translator import identity_translator
+from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.handoff import handoff
+from mlx_kvlingo.kv.translator import identity_translator
+from mlx_kvlingo.models.pair import load_pair
 
 import mlx.core as mx
 import pytest
@@ -69,8 +69,8 @@ def test_span_starting_after_zero(pair, tiny_dir):
     p0 = 9
     tgt = new_cache(pair.target)
     pair.target.model(mx.array(tokens[:p0])[None], cache=tgt)
-    from mlx_kvlingo.capture import capture_from_cache
-    from mlx_kvlingo.decode import translate_into
+    from mlx_kvlingo.kv.capture import capture_from_cache
+    from mlx_kvlingo.kv.handoff import translate_into
 
     span = capture_from_cache(pair.source, h.source_cache, p0, len(tokens) - 1)
     assert span.start == p0
@@ -88,7 +88,7 @@ def test_span_starting_after_zero(pair, tiny_dir):
 def test_raw_cache_does_not_match(pair):
     tokens = pair.tokenizer.encode(PROMPT)
     g = pair.source.geometry
-    from mlx_kvlingo.translator import Side, TranslatorConfig
+    from mlx_kvlingo.kv.translator import Side, TranslatorConfig
 
     rows = tuple((layer,) for layer in range(g.layers))
     raw = identity_translator(TranslatorConfig("mixing", Side.of(g), Side.of(g), rows, rows))

@@ -6,17 +6,17 @@ import json
 from mlx_kvlingo.calibrate.closed_form import Moments, Stage1Config
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
 from mlx_kvlingo.calibrate.lowrank import balance_codes, factor, fit_lowrank_with_full
-from mlx_kvlingo.capture import trace
 from mlx_kvlingo.cli import cli
-from mlx_kvlingo.data import DataConfig, load_examples
-from mlx_kvlingo.format import (
+from mlx_kvlingo.data.examples import DataConfig, load_examples
+from mlx_kvlingo.kv.capture import trace
+from mlx_kvlingo.kv.lowrank import LowRankTranslator, multiply_adds
+from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig
+from mlx_kvlingo.models.files import (
     TranslatorFileError,
     load_translator,
     read_metadata,
     save_translator,
 )
-from mlx_kvlingo.lowrank import LowRankTranslator, multiply_adds
-from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
 
 import mlx.core as mx
 import numpy as np

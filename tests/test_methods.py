@@ -3,11 +3,9 @@
 import json
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo import synthetic as syn
-from mlx_kvlingo.data import DataConfig, load_examples
-from mlx_kvlingo.format import load_translator
-from mlx_kvlingo.kvcache import append_kv, new_cache
-from mlx_kvlingo.measure.methods import (
+from mlx_kvlingo.data import synthetic as syn
+from mlx_kvlingo.data.examples import DataConfig, load_examples
+from mlx_kvlingo.eval.methods import (
     KVLingo,
     NotApplicable,
     capture_span,
@@ -19,7 +17,9 @@ from mlx_kvlingo.measure.methods import (
     raw,
     scd,
 )
-from mlx_kvlingo.pair import load_model, load_pair
+from mlx_kvlingo.kv.cache import append_kv, new_cache
+from mlx_kvlingo.models.files import load_translator
+from mlx_kvlingo.models.pair import load_model, load_pair
 
 import mlx.core as mx
 import numpy as np

@@ -12,15 +12,15 @@ import json
 
 from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
-from mlx_kvlingo.capture import prefill, trace
 from mlx_kvlingo.cli import cli
-from mlx_kvlingo.data import DataConfig, load_examples
-from mlx_kvlingo.decode import handoff
-from mlx_kvlingo.format import load_translator
-from mlx_kvlingo.kvcache import new_cache
-from mlx_kvlingo.pair import load_model, load_pair
-from mlx_kvlingo.scoring import mean_kl, prepare
-from mlx_kvlingo.translator import Side, TranslatorConfig, identity_translator
+from mlx_kvlingo.data.examples import DataConfig, load_examples
+from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.capture import prefill, trace
+from mlx_kvlingo.kv.handoff import handoff
+from mlx_kvlingo.kv.scoring import mean_kl, prepare
+from mlx_kvlingo.kv.translator import Side, TranslatorConfig, identity_translator
+from mlx_kvlingo.models.files import load_translator
+from mlx_kvlingo.models.pair import load_model, load_pair
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -214,7 +214,7 @@ def test_stage1_stage2_and_decoding_stay_quantized(qpair, data):
 
 def test_calibrate_cli_dtype_stored(qdir, text_file, tmp_path, monkeypatch):
     import mlx_kvlingo.cli.calibrate as calibrate_cli
-    from mlx_kvlingo.loading import load_models_and_translators
+    from mlx_kvlingo.models.loading import load_models_and_translators
 
     loaded = []
 

@@ -6,8 +6,8 @@ import json
 from dataclasses import replace
 
 from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats, status_line
-from mlx_kvlingo.sampling import DEFAULTS, GREEDY, Sampling, resolve
-from mlx_kvlingo.session import Session
+from mlx_kvlingo.conversation.sampling import DEFAULTS, GREEDY, Sampling, resolve
+from mlx_kvlingo.conversation.session import Session
 
 import mlx.core as mx
 import pytest
@@ -156,7 +156,7 @@ def test_the_large_recomputes_the_share_of_the_turn_its_reading_attended_to(pair
 def test_an_interrupted_recompute_leaves_the_caches_consistent(pair, translators, monkeypatch):
     """Ctrl-C inside the recompute: the large model's cache keeps what it held before it (the
     translated span), the turn is unanswered, and asking again answers as the re-prefill."""
-    import mlx_kvlingo.recompute as recompute
+    import mlx_kvlingo.kv.recompute as recompute
 
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, reader="small", large_reads_last=4, recompute_share=0.5)
@@ -371,7 +371,7 @@ def test_sampling_overrides_merge_over_the_model_defaults(tmp_path):
 def test_reader_evaluation_on_the_exact_pair(pair, translators, tiny_dir):
     """Reader-mode multi-turn quality: with exact translators nothing deviates from re-prefill;
     with a perturbed forward translator the deviation shows."""
-    from mlx_kvlingo.measure.multiturn import evaluate_reader, render_reader_table
+    from mlx_kvlingo.eval.multiturn import evaluate_reader, render_reader_table
 
     fwd, bwd = translators
     dialogues = [MESSAGES + MESSAGES[:2], MESSAGES[::-1] + MESSAGES[:2]]

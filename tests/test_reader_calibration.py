@@ -3,8 +3,8 @@
 import json
 
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
-from mlx_kvlingo.data import DataConfig, load_examples
-from mlx_kvlingo.scoring import kl, prepare, student_logp
+from mlx_kvlingo.data.examples import DataConfig, load_examples
+from mlx_kvlingo.kv.scoring import kl, prepare, student_logp
 
 import mlx.core as mx
 import pytest

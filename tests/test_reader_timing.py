@@ -4,9 +4,9 @@ the warm-up that measures the rates. Exact costs are injected (`ReadCosts.fixed`
 here depends on how fast this machine is."""
 
 from mlx_kvlingo.conversation.records import SessionError, status_line
+from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import Cost, Paths, ReadCosts, costs_of
 from mlx_kvlingo.conversation.warmup import warm_up
-from mlx_kvlingo.session import Session
 
 import pytest
 from helpers import assert_session_consistent

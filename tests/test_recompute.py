@@ -1,17 +1,16 @@
 """The target recomputing chosen positions of a translated span (`recompute`): exact against
 its own prefill, only the chosen positions change, and the attention it reports is a softmax's."""
 
-from mlx_kvlingo.content_tasks import build_tasks
-from mlx_kvlingo.kvcache import append_kv, new_cache
-from mlx_kvlingo.measure.content import (
+from mlx_kvlingo.data.content_tasks import build_tasks
+from mlx_kvlingo.eval.content import (
     TargetReadsTail,
     TargetRecomputes,
     native_kv,
     recompute_kv,
     tail_read_kv,
 )
-from mlx_kvlingo.pair import load_model
-from mlx_kvlingo.recompute import (
+from mlx_kvlingo.kv.cache import append_kv, new_cache
+from mlx_kvlingo.kv.recompute import (
     PEAKS,
     SENTENCE_MAX,
     Selection,
@@ -22,6 +21,7 @@ from mlx_kvlingo.recompute import (
     special_ids,
     template_positions,
 )
+from mlx_kvlingo.models.pair import load_model
 
 import mlx.core as mx
 import pytest

@@ -8,10 +8,10 @@ from mlx_kvlingo.calibrate.closed_form import (
     is_validation,
     ridge,
 )
-from mlx_kvlingo.capture import SpanKV
-from mlx_kvlingo.data import DataConfig, Example, load_examples
-from mlx_kvlingo.format import save_translator
-from mlx_kvlingo.pair import load_pair
+from mlx_kvlingo.data.examples import DataConfig, Example, load_examples
+from mlx_kvlingo.kv.capture import SpanKV
+from mlx_kvlingo.models.files import save_translator
+from mlx_kvlingo.models.pair import load_pair
 
 import mlx.core as mx
 import numpy as np

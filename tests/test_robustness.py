@@ -2,7 +2,7 @@
 SIGKILL mid-write (tests/crashsafe.py), the public API under concurrent random operations
 (tests/stress.py), and the memory check made before loading. The full-size runs are
 `tests/tools/fuzz_loaders.py`, `tests/tools/kill_saves.py`, `tests/tools/stress_api.py` and
-`python -m mlx_kvlingo.measure.memory_estimate`."""
+`python -m weights.experiments.memory_estimate`."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import sys
 
 import mlx_kvlingo  # noqa: F401
 from mlx_kvlingo import Runtime
-from mlx_kvlingo.pair import InsufficientMemoryError, estimate_bytes, load_model, load_pair
+from mlx_kvlingo.models.pair import InsufficientMemoryError, estimate_bytes, load_model, load_pair
 
 import crashsafe
 import fuzzing
@@ -96,7 +96,7 @@ def test_api_under_stress(fixtures, tmp_path):
 def test_memory_estimate_and_refusal(tiny_dir, monkeypatch):
     """The estimate before loading is what the weights take; a pair that does not fit is
     refused before anything is loaded, naming the estimate and what the machine has."""
-    from mlx_kvlingo import pair as pair_mod
+    from mlx_kvlingo.models import pair as pair_mod
 
     for kind in ("qwen3", "qwen3_moe"):
         assert estimate_bytes(tiny_dir[kind]) == load_model(tiny_dir[kind]).nbytes()
@@ -114,8 +114,8 @@ def test_memory_estimate_and_refusal(tiny_dir, monkeypatch):
 def test_checkpoint_commits_through_state_json(tmp_path):
     """state.json names the step's files; older step files go once it is replaced."""
     from mlx_kvlingo.calibrate.distill import Stage2Config, load_checkpoint, save_checkpoint
-    from mlx_kvlingo.format import load_translator
-    from mlx_kvlingo.translator import Side, Translator, TranslatorConfig
+    from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig
+    from mlx_kvlingo.models.files import load_translator
 
     import mlx.core as mx
     import mlx.optimizers as optim
@@ -142,7 +142,7 @@ def test_checkpoint_commits_through_state_json(tmp_path):
 
 
 def test_atomic_write_keeps_the_old_file_on_error(tmp_path):
-    from mlx_kvlingo._atomic import atomic_write
+    from mlx_kvlingo._platform.atomic import atomic_write
 
     target = tmp_path / "f.safetensors"
     target.write_bytes(b"old")

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from mlx_kvlingo import Runtime
-from mlx_kvlingo.format import save_translator
-from mlx_kvlingo.pair import load_pair
+from mlx_kvlingo.models.files import save_translator
+from mlx_kvlingo.models.pair import load_pair
 from mlx_kvlingo.serve import Limits, ServeConfig, Server, sampling_kwargs
 from mlx_kvlingo.serve import worker as serve_worker
 from mlx_kvlingo.serve.protocol import APIError
@@ -551,7 +551,7 @@ def test_cli_serves_the_moe_demo_pair(tiny_dir, tmp_path, monkeypatch):
     """`kvlingo serve --pair moe` loads the MoE demo pair (here stood in by the tiny pair) and
     answers a request; before, serve had no --pair and always served the dense pair."""
     from mlx_kvlingo.cli import cli
-    from mlx_kvlingo.demo import pair as demo
+    from mlx_kvlingo.models.demo import pair as demo
 
     from click.testing import CliRunner
 

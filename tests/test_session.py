@@ -10,8 +10,8 @@ from mlx_kvlingo.conversation.records import (
     SessionFileError,
     answer_confidence,
 )
-from mlx_kvlingo.measure.multiturn import evaluate_multiturn, render_table
-from mlx_kvlingo.session import Session
+from mlx_kvlingo.conversation.session import Session
+from mlx_kvlingo.eval.multiturn import evaluate_multiturn, render_table
 
 import mlx.core as mx
 import numpy as np
@@ -356,7 +356,7 @@ def test_multiturn_exact_pair_has_no_deviation(pair, translators):
 
 def test_load_chitchat():
     pytest.importorskip("chitchat_dataset")
-    from mlx_kvlingo.measure.multiturn import load_chitchat
+    from mlx_kvlingo.eval.multiturn import load_chitchat
 
     dialogues = load_chitchat(3, min_messages=22)
     assert len(dialogues) == 3 and all(len(d) >= 22 and all(d[:22]) for d in dialogues)

@@ -1,18 +1,18 @@
 """Shape-changing pairs, every variant and nu, dtypes, layer maps, RoPE round trips."""
 
-from mlx_kvlingo.capture import capture_from_cache, prefill
-from mlx_kvlingo.decode import handoff
-from mlx_kvlingo.kvcache import new_cache
-from mlx_kvlingo.map_reading import MARGIN, STRATEGIES, MapReading, measure, pick, rule
-from mlx_kvlingo.pair import TokenizerMismatchError, load_model, load_pair
-from mlx_kvlingo.rope import unrotate
-from mlx_kvlingo.translator import (
+from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.capture import capture_from_cache, prefill
+from mlx_kvlingo.kv.handoff import handoff
+from mlx_kvlingo.kv.map_reading import MARGIN, STRATEGIES, MapReading, measure, pick, rule
+from mlx_kvlingo.kv.rope import unrotate
+from mlx_kvlingo.kv.translator import (
     Side,
     Translator,
     TranslatorConfig,
     k_norm_all,
     nearest_layer_map,
 )
+from mlx_kvlingo.models.pair import TokenizerMismatchError, load_model, load_pair
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -161,7 +161,7 @@ def test_nearest_layer_map():
 
 
 def test_tokenizer_mismatch_names_first_differing_id(tiny_dir, tmp_path):
-    from mlx_kvlingo import synthetic as syn
+    from mlx_kvlingo.data import synthetic as syn
 
     tok2 = syn.build_tokenizer(tmp_path / "tok2", vocab_size=400)
     other = syn.make_model_folder(tmp_path / "other", "qwen3", tok2)
@@ -212,8 +212,8 @@ def test_native_first_written_into_the_cache_equals_the_spliced_translation(mode
     bit, for a batch of 1 and a one-token span; a plain translator is unaffected."""
     from dataclasses import replace
 
-    from mlx_kvlingo.decode import translate_into
-    from mlx_kvlingo.kvcache import append_kv
+    from mlx_kvlingo.kv.cache import append_kv
+    from mlx_kvlingo.kv.handoff import translate_into
 
     pair = load_pair(models["qwen3"], models["qwen3_moe"])
     plain = random_translator(pair, "mixing", 2)
@@ -333,7 +333,7 @@ def test_k_norm_in_one_pass_is_the_per_layer_loop_bit_for_bit(models):
 def test_fused_cpu_rope_is_the_op_bit_for_bit(traditional, dtype):
     """rope.rotate/unrotate (one compiled pass on the CPU) equal mx.fast.rope exactly, on a
     strided view (a translator's output) and at a large offset."""
-    from mlx_kvlingo.rope import rotate
+    from mlx_kvlingo.kv.rope import rotate
 
     rope = nn.RoPE(64, traditional=traditional, base=1e6, scale=0.5)
     x = (mx.random.normal((3, 37, 2, 64)) * 10).astype(dtype).transpose(0, 2, 1, 3)
@@ -374,7 +374,7 @@ def test_fused_translation_is_the_composed_one_bit_for_bit(models, src, tgt, var
         norm = getattr(pair.target.attention(layer), "k_norm", None)
         if norm is not None:
             norm.weight = mx.random.normal(norm.weight.shape)
-    from mlx_kvlingo.capture import SpanKV
+    from mlx_kvlingo.kv.capture import SpanKV
 
     for start in (0, 9):
         keys = mx.random.normal((s.layers, 1, s.kv_heads, 11, s.head_dim))

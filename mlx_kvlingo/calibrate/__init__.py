@@ -1,6 +1,6 @@
 """Calibration: stage 1 (closed-form ridge), stage 2 (KL self-distillation)."""
 
-from .closed_form import Stage1Config, fit_closed_form
+from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
 
 
 def fit_kvlingo(pair, train, nu: int = 1, native_first: bool = True, progress: bool = True):

@@ -20,13 +20,13 @@ import hashlib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from mlx_kvlingo.kv.capture import layer_features, trace
+from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig, nearest_layer_map
+from mlx_kvlingo.models.files import config_from_metadata, load_translator, read_metadata
+
 import mlx.core as mx
 import numpy as np
 from rich.progress import Progress
-
-from ..capture import layer_features, trace
-from ..format import config_from_metadata, load_translator, read_metadata
-from ..translator import Side, Translator, TranslatorConfig, nearest_layer_map
 
 KINDS = ("key", "value")
 

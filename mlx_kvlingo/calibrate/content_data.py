@@ -17,11 +17,11 @@ import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from mlx_lm import batch_generate
+from mlx_kvlingo._platform.atomic import write_text
+from mlx_kvlingo.data.content_tasks import KINDS, build_tasks
+from mlx_kvlingo.data.examples import Example
 
-from .._atomic import write_text
-from ..content_tasks import KINDS, build_tasks
-from ..data import Example
+from mlx_lm import batch_generate
 
 #: calibration tasks draw from their own seed stream: the content benchmark's seeds (0, 1, ...)
 #: would otherwise state the same first facts in training and evaluation prompts
@@ -34,7 +34,7 @@ def shipped_texts(max_dialogues: int = 400) -> list[str]:
     """Documentation topics from CPython's `pydoc_data` and chitchat training dialogues."""
     import pydoc_data.topics
 
-    from ..demo.data import chitchat_dialogues, is_heldout, to_messages
+    from mlx_kvlingo.models.demo.data import chitchat_dialogues, is_heldout, to_messages
 
     texts = [t for t in pydoc_data.topics.topics.values() if len(t) > 400]
     dialogues = [
@@ -123,8 +123,8 @@ def hash_tokens(tokens: Sequence[int]) -> str:
 
 def write_shipped_data(folder: str | Path | None = None) -> Path:
     """`shipped_texts()` as a JSONL folder `load_examples` reads (written once, then reused)."""
-    from .._cachedir import build_atomically, stamp_ok
-    from ..demo.smollm2 import cache_root
+    from mlx_kvlingo._platform.cachedir import build_atomically, stamp_ok
+    from mlx_kvlingo.models.demo.smollm2 import cache_root
 
     folder = Path(folder) if folder else cache_root() / "data" / "shipped"
     stamp = {"kind": "shipped-text", "version": 1}

@@ -18,16 +18,16 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from mlx_kvlingo._platform.atomic import atomic_write, write_text
+from mlx_kvlingo.kv.scoring import heldout_scores, kl, kv_error, prepare, student_logp
+from mlx_kvlingo.models.files import load_translator, save_translator
+
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-from .._atomic import atomic_write, write_text
-from ..format import load_translator, save_translator
-from ..scoring import heldout_scores, kl, kv_error, prepare, student_logp
 
 
 class TrainingDivergedError(RuntimeError):

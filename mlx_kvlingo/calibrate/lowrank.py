@@ -1,4 +1,4 @@
-"""Stage 1 for the low-rank translator (`mlx_kvlingo/lowrank.py`): reduced-rank ridge regression
+"""Stage 1 for the low-rank translator (`mlx_kvlingo/kv/lowrank.py`): reduced-rank ridge regression
 from the same streaming moments as the full-rank fit (`closed_form.Moments`).
 
 For one kind (keys or values):
@@ -18,12 +18,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from mlx_kvlingo.calibrate.closed_form import (
+    KINDS,
+    Moments,
+    Stage1Accumulator,
+    Stage1Config,
+    residual,
+    ridge,
+)
+from mlx_kvlingo.kv.lowrank import LowRankTranslator
+from mlx_kvlingo.kv.translator import TranslatorConfig
+
 import mlx.core as mx
 import numpy as np
-
-from ..lowrank import LowRankTranslator
-from ..translator import TranslatorConfig
-from .closed_form import KINDS, Moments, Stage1Accumulator, Stage1Config, residual, ridge
 
 
 def fit_lowrank(

@@ -12,9 +12,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import mlx.core as mx
+from mlx_kvlingo.kv.cache import new_cache
 
-from ..kvcache import new_cache
+import mlx.core as mx
 
 
 @dataclass

@@ -8,17 +8,17 @@ from __future__ import annotations
 
 
 def main() -> None:
-    from .._hugepages import reexecute_with_hugepages
+    from mlx_kvlingo._platform.hugepages import reexecute_with_hugepages
 
     reexecute_with_hugepages()  # before the commands' imports (MLX, mlx-lm): seconds each time
-    from ._group import cli
+    from mlx_kvlingo.cli._group import cli
 
     cli()
 
 
 def __getattr__(name: str):
     if name == "cli":
-        from ._group import cli
+        from mlx_kvlingo.cli._group import cli
 
         return cli
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

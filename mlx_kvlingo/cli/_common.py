@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import click
+from mlx_kvlingo.data.examples import DataConfig
+from mlx_kvlingo.models.files import TranslatorFileError
+from mlx_kvlingo.models.hub import HubError
+from mlx_kvlingo.models.loading import load_models_and_translators
+from mlx_kvlingo.models.pair import TokenizerMismatchError
 
-from ..data import DataConfig
-from ..format import TranslatorFileError
-from ..hub import HubError
-from ..loading import load_models_and_translators
-from ..pair import TokenizerMismatchError
+import click
 
 source_option = click.option("--source", help="Source model (hub id or folder); default: demo pair")
 target_option = click.option("--target", help="Target model (hub id or folder); default: demo pair")
@@ -29,7 +29,7 @@ translator_option = click.option(
 
 def resolve_pair(source, target, translator, backward=None, demo_pair: str = "dense", *,
                  require_translator: bool = True, dtype="auto"):  # fmt: skip
-    """(pair, forward, backward) through the one loader (`mlx_kvlingo.loading`): the named pair
+    """(pair, forward, backward) through the one loader (`mlx_kvlingo.models.loading`): the named pair
     and translators, or a demo pair when no model is named (its shipped translators)."""
     if source is None and target is None:
         named = None
@@ -98,7 +98,7 @@ def sampling_options(f):
 
 def sampling_settings(kw: dict) -> dict:
     """The sampling options as `Sampling` fields for `Conversation.send(sampling=...)` and
-    `mlx_kvlingo.sampling.resolve` (None: not given, the model's default)."""
+    `mlx_kvlingo.conversation.sampling.resolve` (None: not given, the model's default)."""
     return {
         "temp": kw.get("temp"),
         "top_p": kw.get("top_p"),
@@ -112,10 +112,10 @@ def sampling_settings(kw: dict) -> dict:
 
 def content_texts(data_path) -> list[str]:
     """The content benchmark's text: `data_path`, or the demo's held-out documentation."""
-    from ..data import DataError, read_texts
+    from mlx_kvlingo.data.examples import DataError, read_texts
 
     if data_path is None:  # the demo's held-out documentation pages, never calibrated on
-        from ..demo.pair import demo_content_texts
+        from mlx_kvlingo.models.demo.pair import demo_content_texts
 
         paths = demo_content_texts()
     else:

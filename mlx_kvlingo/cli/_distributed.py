@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 import sys
 
-import click
+from mlx_kvlingo.distributed.pipeline import DistributedError
 
-from ..distributed import DistributedError
+import click
 
 distributed_option = click.option(
     "--distributed/--single", default=None,
@@ -27,7 +27,7 @@ wire_option = click.option(
 
 
 def wanted(flag) -> bool:
-    from ..distributed import launched
+    from mlx_kvlingo.distributed.pipeline import launched
 
     return launched() if flag is None else flag
 
@@ -35,7 +35,7 @@ def wanted(flag) -> bool:
 def load_runtime(source, target, translator, backward, wire, demo_pair="dense"):
     """Rank 0: the distributed runtime (the other ranks serve inside this call, then exit).
     `demo_pair`: the demo pair to pipeline when no model is named (--pair)."""
-    from ..api import Runtime
+    from mlx_kvlingo.api import Runtime
 
     if (source is None) != (target is None) or (source is not None and not translator):
         raise click.UsageError("give --source, --target and --translator, or none (demo pair)")

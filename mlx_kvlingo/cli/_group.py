@@ -3,21 +3,20 @@
 from __future__ import annotations
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
+from mlx_kvlingo.cli.bench import bench_cmd
+from mlx_kvlingo.cli.calibrate import calibrate_cmd
+from mlx_kvlingo.cli.chat import chat_cmd
+from mlx_kvlingo.cli.compare import compare_cmd
+from mlx_kvlingo.cli.convert import convert_cmd
+from mlx_kvlingo.cli.download import download_cmd
+from mlx_kvlingo.cli.eval import eval_cmd
+from mlx_kvlingo.cli.generate import generate_cmd
+from mlx_kvlingo.cli.info import info_cmd
+from mlx_kvlingo.cli.serve import serve_cmd
+from mlx_kvlingo.cli.translate import translate_cmd
+from mlx_kvlingo.cli.upload import upload_cmd
 
 import click
-
-from .bench import bench_cmd
-from .calibrate import calibrate_cmd
-from .chat import chat_cmd
-from .compare import compare_cmd
-from .convert import convert_cmd
-from .download import download_cmd
-from .eval import eval_cmd
-from .generate import generate_cmd
-from .info import info_cmd
-from .serve import serve_cmd
-from .translate import translate_cmd
-from .upload import upload_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

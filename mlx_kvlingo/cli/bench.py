@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import click
+from mlx_kvlingo.api import LARGE_READS_LAST, RECOMPUTE_SHARE
+from mlx_kvlingo.cli._common import pair_option, source_option, target_option, translator_option
 
-from ..api import LARGE_READS_LAST, RECOMPUTE_SHARE
-from ._common import pair_option, source_option, target_option, translator_option
+import click
 
 #: 4096-token prefills take minutes on a CPU: the default lengths depend on the backend
 DEFAULT_LENGTHS = {"cpu": "64,256,1024", "gpu": "64,256,1024,4096"}
@@ -30,7 +30,7 @@ def parse_lengths(_ctx, _param, value: str | None) -> list[int]:
 
 
 def _preset_names() -> list[str]:
-    from ..measure.presets import PRESETS
+    from mlx_kvlingo.eval.presets import PRESETS
 
     return list(PRESETS)
 
@@ -161,8 +161,8 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
               answer_tokens, escalation_rate, policies, large_reads_last, recompute_share, side_by_side):  # fmt: skip
     """Time to first token: the source prefills and the cache is translated (switch), or the
     target re-prefills. Writes a markdown table, JSON with every trial, and a TTFT plot."""
-    from .. import moe_cpu
-    from ..measure import bench, report
+    from mlx_kvlingo._platform import moe_cpu
+    from mlx_kvlingo.eval import bench, report
 
     def log(msg):
         click.echo(msg, err=True)
@@ -181,15 +181,15 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
     if preset:
         if source or target or translator:
             raise click.UsageError("give --preset or --source/--target/--translator, not both")
-        from ..measure.presets import get_preset, load_preset
+        from mlx_kvlingo.eval.presets import get_preset, load_preset
 
         pair, tr, folder = load_preset(preset, cache_dir, log=log, dtype=dtype)
         p = get_preset(preset)
         info["preset"] = {"name": p.name, "description": p.description, "folder": str(folder),
                           "reference": p.reference}  # fmt: skip
     elif source and target and translator is None:  # latency only: any maps of the right shape
-        from ..measure.presets import random_translator
-        from ._common import resolve_pair
+        from mlx_kvlingo.cli._common import resolve_pair
+        from mlx_kvlingo.eval.presets import random_translator
 
         pair, _, _ = resolve_pair(source, target, None, require_translator=False, dtype=dtype)
         tr = random_translator(pair, seed=seed)
@@ -198,7 +198,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
         info["translator_weights"] = "random (latency only: no --translator given)"
         log("no --translator: timing a random translator of the pair's geometry (latency only)")
     else:
-        from ._common import resolve_pair
+        from mlx_kvlingo.cli._common import resolve_pair
 
         if dtype != "auto":
             raise click.UsageError("--dtype applies to --preset or --source/--target pairs")
@@ -212,7 +212,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
                 f"({', '.join(_preset_names())})"
             ) from None
     if conversation:
-        from ..measure import conversation_bench as cb
+        from mlx_kvlingo.eval import conversation_bench as cb
 
         backward = None
         if not (preset or source or target):  # the demo pair's shipped backward translator
@@ -248,10 +248,10 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
 
 def _side_by_side(names, lengths, trials, warmup, out, seed, dtype, cache_dir, no_progress,
                   moe_loop, answer_tokens, log):  # fmt: skip
-    from .. import moe_cpu
-    from ..measure import bench_pairs, report
-    from ..measure.presets import PRESETS, get_preset, load_preset
-    from ._common import resolve_pair
+    from mlx_kvlingo._platform import moe_cpu
+    from mlx_kvlingo.cli._common import resolve_pair
+    from mlx_kvlingo.eval import bench_pairs, report
+    from mlx_kvlingo.eval.presets import PRESETS, get_preset, load_preset
 
     demos = ("dense", "moe")
     if names.strip() == "all":

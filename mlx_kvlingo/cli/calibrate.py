@@ -6,19 +6,19 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
+from mlx_kvlingo.calibrate.distill import Stage2Config, TrainingDivergedError, distill
+from mlx_kvlingo.calibrate.lowrank import fit_lowrank
+from mlx_kvlingo.cli._common import data_config, data_options
+from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
+from mlx_kvlingo.eval.evaluate import evaluate, table
+from mlx_kvlingo.models.files import save_translator
+from mlx_kvlingo.models.loading import load_models_and_translators
+from mlx_kvlingo.models.pair import InsufficientMemoryError, TokenizerMismatchError
+
 import click
 import mlx.core as mx
 from rich.console import Console
-
-from ..calibrate.closed_form import Stage1Config, fit_closed_form
-from ..calibrate.distill import Stage2Config, TrainingDivergedError, distill
-from ..calibrate.lowrank import fit_lowrank
-from ..data import DataError, load_examples, validate_data
-from ..format import save_translator
-from ..loading import load_models_and_translators
-from ..measure.evaluate import evaluate, table
-from ..pair import InsufficientMemoryError, TokenizerMismatchError
-from ._common import data_config, data_options
 
 
 @click.command("calibrate")
@@ -131,7 +131,7 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
         )
     try:
         if no_data:
-            from ..calibrate.content_data import write_shipped_data
+            from mlx_kvlingo.calibrate.content_data import write_shipped_data
 
             kw["data_path"] = str(write_shipped_data())
         validate_data(kw["data_path"])  # before loading any model
@@ -214,11 +214,11 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
                       train, held, data_path) -> tuple[list, list]:  # fmt: skip
     """The plan, then `n` training and n/10 held-out content examples answered by the target
     (cached for a resume), over `data_path`'s text or the shipped text."""
-    from rich.progress import Progress
+    from mlx_kvlingo.calibrate.content_data import content_examples, shipped_texts, unanswered
+    from mlx_kvlingo.calibrate.plan import CalibrationPlan, measure_rates, probe_peak
+    from mlx_kvlingo.data.examples import read_texts
 
-    from ..calibrate.content_data import content_examples, shipped_texts, unanswered
-    from ..calibrate.plan import CalibrationPlan, measure_rates, probe_peak
-    from ..data import read_texts
+    from rich.progress import Progress
 
     rates = measure_rates(pair)
     longest = max(train, key=lambda e: len(e.prefix) + len(e.continuation))
@@ -248,10 +248,10 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
 
 
 def _content_report(pair, tr, console) -> None:
-    from ..content_tasks import build_tasks
-    from ..data import read_texts
-    from ..demo.pair import demo_content_texts
-    from ..measure.content import evaluate_content, tables, to_json
+    from mlx_kvlingo.data.content_tasks import build_tasks
+    from mlx_kvlingo.data.examples import read_texts
+    from mlx_kvlingo.eval.content import evaluate_content, tables, to_json
+    from mlx_kvlingo.models.demo.pair import demo_content_texts
 
     texts = [t for p in demo_content_texts() for t in read_texts(p)]
     tasks = build_tasks(pair.tokenizer, texts, (128, 512), 3, seed=1)

@@ -9,12 +9,7 @@ from __future__ import annotations
 import shlex
 import sys
 
-import click
-from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
-
-from ..api import (
+from mlx_kvlingo.api import (
     LARGE_READS_LAST,
     MODES,
     READER_MARGIN,
@@ -27,11 +22,7 @@ from ..api import (
     Runtime,
     Stream,
 )
-from ..conversation.records import AUTO_THRESHOLD, LABEL
-from ..distributed import DistributedError
-from ..sampling import describe as describe_sampling
-from ..sampling import resolve as resolve_sampling
-from ._common import (
+from mlx_kvlingo.cli._common import (
     pair_option,
     resolve_pair,
     sampling_options,
@@ -40,7 +31,23 @@ from ._common import (
     target_option,
     translator_option,
 )
-from ._distributed import describe, distributed_option, fail, load_runtime, wanted, wire_option
+from mlx_kvlingo.cli._distributed import (
+    describe,
+    distributed_option,
+    fail,
+    load_runtime,
+    wanted,
+    wire_option,
+)
+from mlx_kvlingo.conversation.records import AUTO_THRESHOLD, LABEL
+from mlx_kvlingo.conversation.sampling import describe as describe_sampling
+from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
+from mlx_kvlingo.distributed.pipeline import DistributedError
+
+import click
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
 
 # model output goes to a terminal: drop control characters (escape sequences, \r) but \n \t
 _CONTROL = {c: None for c in [*range(32), 127] if chr(c) not in "\n\t"}

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 
-import click
-from rich.console import Console
-
-from ..calibrate import fit_kvlingo
-from ..data import DataError, load_examples, validate_data
-from ..loading import load_models_and_translators
-from ..measure.compare import (
+from mlx_kvlingo.calibrate import fit_kvlingo
+from mlx_kvlingo.cli._common import (
+    content_texts,
+    data_config,
+    data_options,
+    pair_option,
+    resolve_pair,
+    source_option,
+    target_option,
+)
+from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
+from mlx_kvlingo.eval.compare import (
     FAMILIES,
     CompareConfig,
     Entry,
@@ -22,17 +27,12 @@ from ..measure.compare import (
     save_methods,
     table,
 )
-from ..measure.methods import KVLingo, MethodFileError, load_method
-from ..pair import TokenizerMismatchError
-from ._common import (
-    content_texts,
-    data_config,
-    data_options,
-    pair_option,
-    resolve_pair,
-    source_option,
-    target_option,
-)
+from mlx_kvlingo.eval.methods import KVLingo, MethodFileError, load_method
+from mlx_kvlingo.models.loading import load_models_and_translators
+from mlx_kvlingo.models.pair import TokenizerMismatchError
+
+import click
+from rich.console import Console
 
 
 def _ints(value: str) -> tuple[int, ...]:
@@ -207,7 +207,7 @@ def compare_cmd(source, target, demo_pair, translators, data_path, methods, exam
         if data_path is None:
             if not demo:
                 raise click.UsageError("--data is required with --source/--target")
-            from ..demo.pair import demo_data
+            from mlx_kvlingo.models.demo.pair import demo_data
 
             held_file = demo_data()[1]  # dialogues the demo never trained on, split in two
             dc = data_config({**kw, "heldout_fraction": 0.5})
@@ -256,8 +256,8 @@ def compare_cmd(source, target, demo_pair, translators, data_path, methods, exam
 
 def _content(pair, entries, data_path, lengths, per_kind, seed, console, log) -> dict:
     """The content benchmark with every applicable method as a condition (same tasks)."""
-    from ..content_tasks import build_tasks
-    from ..measure.content import evaluate_content, tables, to_json
+    from mlx_kvlingo.data.content_tasks import build_tasks
+    from mlx_kvlingo.eval.content import evaluate_content, tables, to_json
 
     try:
         sizes = sorted({int(x) for x in lengths.split(",") if x.strip()})

@@ -96,8 +96,8 @@ def convert_cmd(
         }
         pair = None
         if source is not None:
-            from mlx_kvlingo.loading import load_models_and_translators
-            from mlx_kvlingo.pair import TokenizerMismatchError
+            from mlx_kvlingo.models.loading import load_models_and_translators
+            from mlx_kvlingo.models.pair import TokenizerMismatchError
 
             try:
                 pair = load_models_and_translators(source, target)[0]

@@ -11,7 +11,7 @@ import click
               help="Copy into this folder instead of only the Hub cache")  # fmt: skip
 def download_cmd(spec, local_dir):
     """Fetch a translator repo (or one file) from the Hub, for later or offline use."""
-    from ..hub import HubError, download
+    from mlx_kvlingo.models.hub import HubError, download
 
     try:
         path = download(spec, local_dir)

@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import json
 
-import click
-from rich.console import Console
-
-from ..data import DataError, load_examples, validate_data
-from ..measure.evaluate import evaluate, table
-from ._common import (
+from mlx_kvlingo.cli._common import (
     content_texts,
     data_config,
     data_options,
@@ -19,6 +14,11 @@ from ._common import (
     target_option,
     translator_option,
 )
+from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
+from mlx_kvlingo.eval.evaluate import evaluate, table
+
+import click
+from rich.console import Console
 
 
 @click.command("eval")
@@ -107,7 +107,7 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         return _multi_turn(pair, tr, backward, examples, switches, json_out, console,
                            reader_eval)  # fmt: skip
     if data_path is None:  # the demo's held-out dialogues, never trained on
-        from ..demo.pair import demo_eval_data
+        from mlx_kvlingo.models.demo.pair import demo_eval_data
 
         data_path = demo_eval_data()
         kw["heldout_fraction"] = 1.0
@@ -135,7 +135,7 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
 def _multi_turn(pair, tr, backward, dialogues, switches, json_out, console, reader=False):
     """`backward`: the demo pair's shipped large -> small translator (None: switching back
     re-reads), loaded with the pair by the one loader."""
-    from ..measure.multiturn import (
+    from mlx_kvlingo.eval.multiturn import (
         evaluate_multiturn,
         evaluate_reader,
         load_chitchat,
@@ -156,8 +156,8 @@ def _multi_turn(pair, tr, backward, dialogues, switches, json_out, console, read
 
 def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label,
              tail=None, share=None):  # fmt: skip
-    from ..content_tasks import build_tasks
-    from ..measure.content import (
+    from mlx_kvlingo.data.content_tasks import build_tasks
+    from mlx_kvlingo.eval.content import (
         TargetReadsTail,
         TargetRecomputes,
         evaluate_content,

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 
-import click
-
-from ..sampling import resolve as resolve_sampling
-from ._common import (
+from mlx_kvlingo.cli._common import (
     pair_option,
     resolve_pair,
     sampling_options,
@@ -16,7 +13,17 @@ from ._common import (
     target_option,
     translator_option,
 )
-from ._distributed import describe, distributed_option, fail, load_runtime, wanted, wire_option
+from mlx_kvlingo.cli._distributed import (
+    describe,
+    distributed_option,
+    fail,
+    load_runtime,
+    wanted,
+    wire_option,
+)
+from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
+
+import click
 
 
 @click.command("generate")
@@ -41,7 +48,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
             raise click.UsageError("--json is not available with --distributed")
         return _generate_distributed(source, target, translator, wire, prompt, chat, max_tokens,
                                      sampling_settings(sampling), demo_pair)  # fmt: skip
-    from ..api import ConversationError, Runtime
+    from mlx_kvlingo.api import ConversationError, Runtime
 
     pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
     # the small model reads the prompt, the large one decodes from the translated cache: no
@@ -109,7 +116,7 @@ def _generate_distributed(source, target, translator, wire, prompt, chat, max_to
                           demo_pair="dense"):  # fmt: skip
     """Rank 0: the same switch through a conversation on the distributed runtime (the small
     model reads the prompt, the span is placed on the ranks, the pipelined target decodes)."""
-    from ..distributed import DistributedError
+    from mlx_kvlingo.distributed.pipeline import DistributedError
 
     runtime = load_runtime(source, target, translator, None, wire, demo_pair)  # ranks > 0 stop here
     try:

@@ -6,12 +6,14 @@ import os
 import platform
 import time
 
+from mlx_kvlingo._platform import blas as _blas
+from mlx_kvlingo._platform import cpu_memory as _cpu_memory
+from mlx_kvlingo._platform import hugepages as _hugepages
+
 import click
 import mlx.core as mx
 from rich.console import Console
 from rich.table import Table
-
-from .. import _blas, _cpu_memory, _hugepages
 
 
 def gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
@@ -53,7 +55,7 @@ def info_cmd(models):
     console.print(f"float32 GEMM 1024^3: {gemm_gflops():.1f} GFLOP/s")
     if not models:
         return
-    from ..pair import describe_model, load_model
+    from mlx_kvlingo.models.pair import describe_model, load_model
 
     described = [describe_model(load_model(name, dtype=None)) for name in models]
     table = Table("", *[d["name"] for d in described])

@@ -12,10 +12,10 @@ import os
 import signal
 import sys
 
-import click
+from mlx_kvlingo.cli._common import pair_option, source_option, target_option, translator_option
+from mlx_kvlingo.conversation.records import AUTO_THRESHOLD
 
-from ..conversation.records import AUTO_THRESHOLD
-from ._common import pair_option, source_option, target_option, translator_option
+import click
 
 
 def _interrupt(signum: int, frame: object) -> None:
@@ -77,8 +77,8 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, host, 
               max_conversations, auto_threshold, mode, reader, large_reads_last, recompute_share, insecure,
               verbose):  # fmt: skip
     """Serve the pair over the OpenAI chat-completions API (models: small, large, auto)."""
-    from .. import Runtime
-    from ..serve import Limits, ServeConfig, Server
+    from mlx_kvlingo import Runtime
+    from mlx_kvlingo.serve import Limits, ServeConfig, Server
 
     if not _loopback(host) and not api_key and not insecure:
         raise click.UsageError(

@@ -5,14 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mlx_kvlingo._platform.atomic import atomic_write
+from mlx_kvlingo.cli._common import resolve_pair, source_option, target_option, translator_option
+from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.capture import capture_from_cache, prefill
+from mlx_kvlingo.kv.handoff import translate_into
+
 import click
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
-
-from .._atomic import atomic_write
-from ..capture import capture_from_cache, prefill
-from ..decode import translate_into
-from ..kvcache import new_cache
-from ._common import resolve_pair, source_option, target_option, translator_option
 
 
 @click.command("translate")

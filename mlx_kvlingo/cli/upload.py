@@ -21,7 +21,7 @@ import click
 @click.option("-m", "--message", help="Commit message")
 def upload_cmd(files, repo_id, manifest, folder, no_push, private, license_, message):
     """Publish translator FILES to the Hub repo REPO_ID (org/name) with a generated card."""
-    from ..hub import HubError, build_repo_folder, parse_spec, upload
+    from mlx_kvlingo.models.hub import HubError, build_repo_folder, parse_spec, upload
 
     if parse_spec(repo_id) is None or "@" in repo_id or ":" in repo_id:
         raise click.BadParameter(f"{repo_id!r}: expected org/name", param_hint="REPO_ID")

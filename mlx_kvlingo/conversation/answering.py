@@ -11,12 +11,18 @@ import threading
 import time
 from collections.abc import Iterator
 
+from mlx_kvlingo.conversation.catchup import _Model
+from mlx_kvlingo.conversation.records import (
+    ContextOverflowError,
+    SessionBusyError,
+    SessionError,
+    TokenEvent,
+    TurnStats,
+)
+from mlx_kvlingo.kv.cache import new_cache
+
 import mlx.core as mx
 from mlx_lm import stream_generate
-
-from ..kvcache import new_cache
-from .catchup import _Model
-from .records import ContextOverflowError, SessionBusyError, SessionError, TokenEvent, TurnStats
 
 
 class Answering:

@@ -12,15 +12,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import mlx.core as mx
+from mlx_kvlingo.conversation.records import Read, SessionError, Switch
+from mlx_kvlingo.conversation.timing import Paths
+from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy
+from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, needs_recording, prefill
+from mlx_kvlingo.kv.handoff import append_translation
+from mlx_kvlingo.kv.recompute import Selection, recompute_attended, sentence_ends, special_ids
+from mlx_kvlingo.models.pair import LoadedModel
 
-from ..capture import SpanKV, capture_from_cache, needs_recording, prefill
-from ..decode import append_translation
-from ..kvcache import append_kv, new_cache, prefix_copy
-from ..pair import LoadedModel
-from ..recompute import Selection, recompute_attended, sentence_ends, special_ids
-from .records import Read, SessionError, Switch
-from .timing import Paths
+import mlx.core as mx
 
 ALIASES = {"source": "source", "target": "target", "small": "source", "large": "target"}
 #: the large model's read of the turn's last tokens may add to the small path's predicted TTFT

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .records import ContextOverflowError, SessionError
+from mlx_kvlingo.conversation.records import ContextOverflowError, SessionError
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -11,17 +11,17 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from mlx_kvlingo._platform.atomic import atomic_write
+from mlx_kvlingo.conversation.catchup import _Model
+from mlx_kvlingo.conversation.records import Read, SessionFileError, Switch, TurnStats
+from mlx_kvlingo.kv.cache import prefix_copy
+from mlx_kvlingo.models.files import parse_json, read_header
+from mlx_kvlingo.models.pair import LoadedModel
+
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
-
-from .._atomic import atomic_write
-from ..format import parse_json, read_header
-from ..kvcache import prefix_copy
-from ..pair import LoadedModel
-from .catchup import _Model
-from .records import Read, SessionFileError, Switch, TurnStats
 
 MODELS = ("source", "target")
 SESSION_SCHEMA = "mlx-kvlingo/session"

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import time
 
-from ..decode import reserve_translation_memory
-from ..map_reading import measure as measure_map_reading
-from ..session import RECOMPUTE_SHARE, Session
-from .timing import ReadCosts, costs_of
+from mlx_kvlingo.conversation.session import RECOMPUTE_SHARE, Session
+from mlx_kvlingo.conversation.timing import ReadCosts, costs_of
+from mlx_kvlingo.kv.handoff import reserve_translation_memory
+from mlx_kvlingo.kv.map_reading import measure as measure_map_reading
 
 _TEXT = (
     "The committee met on a grey Tuesday to weigh the river project, its costs and its "

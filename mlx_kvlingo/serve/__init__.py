@@ -13,7 +13,7 @@ server answers exactly as the library does (which model reads, what is translate
 
 from __future__ import annotations
 
-from .protocol import MODEL_IDS, APIError, Limits, sampling_kwargs
-from .server import ServeConfig, Server
+from mlx_kvlingo.serve.protocol import MODEL_IDS, APIError, Limits, sampling_kwargs
+from mlx_kvlingo.serve.server import ServeConfig, Server
 
 __all__ = ["MODEL_IDS", "APIError", "Limits", "ServeConfig", "Server", "sampling_kwargs"]

@@ -25,7 +25,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from ..api import Conversation, Runtime
+from mlx_kvlingo.api import Conversation, Runtime
 
 
 def templated(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:

@@ -5,7 +5,7 @@ A request is checked completely before it reaches the model pair: every bad fiel
 `APIError` (HTTP status + OpenAI error body `{"error": {"message", "type", "param", "code"}}`).
 Sampling fields map onto `Conversation.send`'s `sampling` by `sampling_kwargs`: only fields
 the client set are passed (absent fields leave the answering model's defaults), and only those
-`mlx_kvlingo.sampling.Sampling` has (others are refused with a 400 naming the field).
+`mlx_kvlingo.conversation.sampling.Sampling` has (others are refused with a 400 naming the field).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sampling import FIELDS
+from mlx_kvlingo.conversation.sampling import FIELDS
 
 #: The model ids this server answers to: the small model answers, the large one answers (from
 #: the translated cache), or the cascade (the small answers, the large re-answers when unsure).

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from ..api import Runtime
-from ..conversation.records import AUTO_THRESHOLD
-from . import protocol as P
-from .worker import Job, QueueFull, Result, Worker
+from mlx_kvlingo.api import Runtime
+from mlx_kvlingo.conversation.records import AUTO_THRESHOLD
+from mlx_kvlingo.serve import protocol as P
+from mlx_kvlingo.serve.worker import Job, QueueFull, Result, Worker
 
 log = logging.getLogger("mlx_kvlingo.serve")
 

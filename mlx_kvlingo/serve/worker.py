@@ -27,10 +27,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..api import Conversation, ConversationError, Runtime, RuntimeBusyError, Stream
-from ..conversation.records import AUTO_THRESHOLD
-from .pool import Pool
-from .protocol import APIError, ChatRequest, Limits
+from mlx_kvlingo.api import Conversation, ConversationError, Runtime, RuntimeBusyError, Stream
+from mlx_kvlingo.conversation.records import AUTO_THRESHOLD
+from mlx_kvlingo.serve.pool import Pool
+from mlx_kvlingo.serve.protocol import APIError, ChatRequest, Limits
 
 log = logging.getLogger("mlx_kvlingo.serve")
 _LABELS = {"source": "small", "target": "large"}

@@ -21,9 +21,9 @@ import tempfile
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo.demo.pair import demo_data, demo_models, source_for
-from mlx_kvlingo.demo.smollm2 import DEMO_SOURCES
-from mlx_kvlingo.format import read_metadata
+from mlx_kvlingo.models.demo.pair import demo_data, demo_models, source_for
+from mlx_kvlingo.models.demo.smollm2 import DEMO_SOURCES
+from mlx_kvlingo.models.files import read_metadata
 
 from .manifest import merge_rows
 

@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo.demo.pair import demo_models
-from mlx_kvlingo.demo.smollm2 import cache_root
+from mlx_kvlingo.models.demo.pair import demo_models
+from mlx_kvlingo.models.demo.smollm2 import cache_root
 
 THINGS = """volcanoes, rainbows, bicycles, honey bees, the moon, glaciers, coffee, tea, chocolate,
 bread, cheese, penguins, elephants, dolphins, octopuses, owls, sharks, tigers, whales, ants,
@@ -236,7 +236,7 @@ def write_mix(assistant: Path, chats: int, pages: int) -> None:
 def write_heldout_mix(assistant: Path) -> Path:
     """heldout-assistant-mix/: the assistant held-out conversations beside the chitchat held-out
     dialogues, the early-stopping set of the assistant stage-2 run (`--heldout-data`)."""
-    from mlx_kvlingo.demo.pair import demo_data
+    from mlx_kvlingo.models.demo.pair import demo_data
 
     folder = cache_root() / "data" / "heldout-assistant-mix"
     folder.mkdir(parents=True, exist_ok=True)

@@ -23,12 +23,12 @@ from dataclasses import replace
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo import moe_cpu
-from mlx_kvlingo.data import DataConfig, load_examples
-from mlx_kvlingo.demo.pair import demo_data, demo_models, source_for, translator_path
-from mlx_kvlingo.format import load_translator, save_translator
-from mlx_kvlingo.pair import load_model, load_pair
-from mlx_kvlingo.translator import Side, Translator
+from mlx_kvlingo._platform import moe_cpu
+from mlx_kvlingo.data.examples import DataConfig, load_examples
+from mlx_kvlingo.kv.translator import Side, Translator
+from mlx_kvlingo.models.demo.pair import demo_data, demo_models, source_for, translator_path
+from mlx_kvlingo.models.files import load_translator, save_translator
+from mlx_kvlingo.models.pair import load_model, load_pair
 
 import mlx.core as mx
 import mlx.nn as nn

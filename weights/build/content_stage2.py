@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo.demo.pair import demo_models, source_for
+from mlx_kvlingo.models.demo.pair import demo_models, source_for
 
 import click
 

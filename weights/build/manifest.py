@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mlx_kvlingo._atomic import write_text
+from mlx_kvlingo._platform.atomic import write_text
 
 
 def merge_rows(

@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS; must come before mlx)
-from mlx_kvlingo import moe_cpu
-from mlx_kvlingo.demo import moe as moe_demo
-from mlx_kvlingo.demo import smollm2
+from mlx_kvlingo._platform import moe_cpu
+from mlx_kvlingo.models.demo import moe as moe_demo
+from mlx_kvlingo.models.demo import smollm2
 
 import mlx.core as mx
 import mlx.nn as nn

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo import moe_cpu
+from mlx_kvlingo._platform import moe_cpu
 from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_many
-from mlx_kvlingo.data import DataConfig, load_examples
-from mlx_kvlingo.demo.pair import demo_data, demo_models
-from mlx_kvlingo.pair import load_model, load_pair
+from mlx_kvlingo.data.examples import DataConfig, load_examples
+from mlx_kvlingo.models.demo.pair import demo_data, demo_models
+from mlx_kvlingo.models.pair import load_model, load_pair
 
 from rich.console import Console
 
@@ -82,7 +82,7 @@ def quality_markdown(rows, command: str) -> str:
 
 def row_from_file(f: Path) -> dict:
     """A manifest row from a saved translator's metadata (its calibration report)."""
-    from mlx_kvlingo.format import read_metadata
+    from mlx_kvlingo.models.files import read_metadata
 
     m = read_metadata(f)
     cal = m["calibration"]

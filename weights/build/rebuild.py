@@ -397,7 +397,7 @@ STEPS: tuple[Step, ...] = (
 
 
 def cache_root() -> Path:
-    from mlx_kvlingo.demo.smollm2 import cache_root
+    from mlx_kvlingo.models.demo.smollm2 import cache_root
 
     return cache_root()
 

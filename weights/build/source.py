@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS; must come before mlx)
-from mlx_kvlingo.demo import smollm2
-from mlx_kvlingo.demo.data import HELDOUT_EVERY, chitchat_dialogues, is_heldout, to_messages
+from mlx_kvlingo.models.demo import smollm2
+from mlx_kvlingo.models.demo.data import HELDOUT_EVERY, chitchat_dialogues, is_heldout, to_messages
 
 import mlx.core as mx
 import mlx.nn as nn

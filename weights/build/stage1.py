@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo import moe_cpu
-from mlx_kvlingo.demo.pair import demo_data, demo_models
-from mlx_kvlingo.demo.smollm2 import DEMO_SOURCES
+from mlx_kvlingo._platform import moe_cpu
+from mlx_kvlingo.models.demo.pair import demo_data, demo_models
+from mlx_kvlingo.models.demo.smollm2 import DEMO_SOURCES
 
 
 def command(source: Path, target: Path, data: Path, args) -> list[str]:

@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
             ship.write_text("".join(json.dumps(r) + "\n" for r in kept))
             print(f"{ship}: {len(kept)} pages, {total} characters")
     if args.mix_chat:
-        from mlx_kvlingo.demo.pair import demo_data
+        from mlx_kvlingo.models.demo.pair import demo_data
 
         mixed = args.out.parent / "mixed-issue20"
         mixed.mkdir(parents=True, exist_ok=True)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
-from mlx_kvlingo.demo.smollm2 import sha256_of as sha256
-from mlx_kvlingo.format import save_translator
-from mlx_kvlingo.measure.evaluate import evaluate, table
+from mlx_kvlingo.eval.evaluate import evaluate, table
+from mlx_kvlingo.models.demo.smollm2 import sha256_of as sha256
+from mlx_kvlingo.models.files import save_translator
 
 import mlx.core as mx
 from rich.console import Console

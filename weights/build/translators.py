@@ -18,9 +18,9 @@ from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_many
-from mlx_kvlingo.data import DataConfig, load_examples
-from mlx_kvlingo.demo.pair import demo_data, demo_models
-from mlx_kvlingo.pair import load_model, load_pair
+from mlx_kvlingo.data.examples import DataConfig, load_examples
+from mlx_kvlingo.models.demo.pair import demo_data, demo_models
+from mlx_kvlingo.models.pair import load_model, load_pair
 
 from rich.console import Console
 

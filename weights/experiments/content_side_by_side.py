@@ -31,12 +31,10 @@ import json
 import re
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo import moe_cpu
-from mlx_kvlingo.content_tasks import KINDS, build_tasks
-from mlx_kvlingo.data import read_texts
-from mlx_kvlingo.demo.pair import demo_content_texts, demo_models, load_demo
-from mlx_kvlingo.format import load_translator
-from mlx_kvlingo.measure.content import (
+from mlx_kvlingo._platform import moe_cpu
+from mlx_kvlingo.data.content_tasks import KINDS, build_tasks
+from mlx_kvlingo.data.examples import read_texts
+from mlx_kvlingo.eval.content import (
     NoisyNative,
     SourceAlone,
     TargetReadsTail,
@@ -46,8 +44,10 @@ from mlx_kvlingo.measure.content import (
     tables,
     to_json,
 )
-from mlx_kvlingo.pair import load_pair
-from mlx_kvlingo.recompute import Selection
+from mlx_kvlingo.kv.recompute import Selection
+from mlx_kvlingo.models.demo.pair import demo_content_texts, demo_models, load_demo
+from mlx_kvlingo.models.files import load_translator
+from mlx_kvlingo.models.pair import load_pair
 
 from rich.console import Console
 

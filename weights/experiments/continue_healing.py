@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo.demo import smollm2
+from mlx_kvlingo.models.demo import smollm2
 
 import mlx.core as mx
 import mlx.nn as nn

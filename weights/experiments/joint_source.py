@@ -38,20 +38,11 @@ from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.calibrate.content_data import content_examples, shipped_texts
-from mlx_kvlingo.capture import OutputRecorder, SpanKV, trace
-from mlx_kvlingo.content_tasks import build_tasks
-from mlx_kvlingo.data import DataConfig, load_examples, read_texts
-from mlx_kvlingo.demo.pair import (
-    demo_content_texts,
-    demo_data,
-    demo_eval_data,
-    demo_models,
-    load_demo,
-)
-from mlx_kvlingo.format import load_translator
-from mlx_kvlingo.measure.content import evaluate_content, summarize
-from mlx_kvlingo.pair import load_pair
-from mlx_kvlingo.scoring import (
+from mlx_kvlingo.data.content_tasks import build_tasks
+from mlx_kvlingo.data.examples import DataConfig, load_examples, read_texts
+from mlx_kvlingo.eval.content import evaluate_content, summarize
+from mlx_kvlingo.kv.capture import OutputRecorder, SpanKV, trace
+from mlx_kvlingo.kv.scoring import (
     Prepared,
     heldout_scores,
     kl,
@@ -61,6 +52,15 @@ from mlx_kvlingo.scoring import (
     student_logp,
     teacher_inputs,
 )
+from mlx_kvlingo.models.demo.pair import (
+    demo_content_texts,
+    demo_data,
+    demo_eval_data,
+    demo_models,
+    load_demo,
+)
+from mlx_kvlingo.models.files import load_translator
+from mlx_kvlingo.models.pair import load_pair
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -262,7 +262,7 @@ def main(argv=None) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         mx.save_safetensors(str(folder / "source.safetensors"),
                             dict(tree_flatten(pair.source.model.parameters())))  # fmt: skip
-        from mlx_kvlingo.format import save_translator
+        from mlx_kvlingo.models.files import save_translator
 
         save_translator(translator, folder / "translator.safetensors", pair)
     for label in ("before", "after"):

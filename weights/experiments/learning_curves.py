@@ -22,15 +22,15 @@ from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.calibrate.closed_form import Stage1Accumulator, Stage1Config, document_of
-from mlx_kvlingo.capture import trace
-from mlx_kvlingo.data import DataConfig, load_examples
-from mlx_kvlingo.demo.pair import demo_data, demo_models, translator_path
-from mlx_kvlingo.demo.smollm2 import cache_root
-from mlx_kvlingo.format import load_translator, read_metadata
-from mlx_kvlingo.measure.compare import perturbed_copy
-from mlx_kvlingo.measure.evaluate import raw_translator
-from mlx_kvlingo.pair import load_model, load_pair
-from mlx_kvlingo.scoring import Prepared, kl, native_logp, student_logp, teacher_inputs
+from mlx_kvlingo.data.examples import DataConfig, load_examples
+from mlx_kvlingo.eval.compare import perturbed_copy
+from mlx_kvlingo.eval.evaluate import raw_translator
+from mlx_kvlingo.kv.capture import trace
+from mlx_kvlingo.kv.scoring import Prepared, kl, native_logp, student_logp, teacher_inputs
+from mlx_kvlingo.models.demo.pair import demo_data, demo_models, translator_path
+from mlx_kvlingo.models.demo.smollm2 import cache_root
+from mlx_kvlingo.models.files import load_translator, read_metadata
+from mlx_kvlingo.models.pair import load_model, load_pair
 
 import mlx.core as mx
 import numpy as np

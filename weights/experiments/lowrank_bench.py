@@ -24,14 +24,14 @@ import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.calibrate.closed_form import Stage1Config
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
 from mlx_kvlingo.calibrate.lowrank import fit_lowrank_with_full
-from mlx_kvlingo.capture import trace
-from mlx_kvlingo.data import DataConfig, load_examples
-from mlx_kvlingo.demo.pair import demo_data, demo_models
-from mlx_kvlingo.format import load_translator, save_translator
-from mlx_kvlingo.lowrank import multiply_adds
-from mlx_kvlingo.measure.evaluate import Scores, gap_recovered
-from mlx_kvlingo.pair import load_pair
-from mlx_kvlingo.scoring import native_logp, prepare, student_logp
+from mlx_kvlingo.data.examples import DataConfig, load_examples
+from mlx_kvlingo.eval.evaluate import Scores, gap_recovered
+from mlx_kvlingo.kv.capture import trace
+from mlx_kvlingo.kv.lowrank import multiply_adds
+from mlx_kvlingo.kv.scoring import native_logp, prepare, student_logp
+from mlx_kvlingo.models.demo.pair import demo_data, demo_models
+from mlx_kvlingo.models.files import load_translator, save_translator
+from mlx_kvlingo.models.pair import load_pair
 
 import mlx.core as mx
 import numpy as np

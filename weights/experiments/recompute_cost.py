@@ -15,8 +15,8 @@ import argparse
 import statistics
 
 from mlx_kvlingo import Runtime
-from mlx_kvlingo.data import read_texts
-from mlx_kvlingo.demo.pair import demo_content_texts
+from mlx_kvlingo.data.examples import read_texts
+from mlx_kvlingo.models.demo.pair import demo_content_texts
 
 ASK = " Summarize the passage in one sentence."
 

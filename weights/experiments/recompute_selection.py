@@ -18,19 +18,13 @@ from __future__ import annotations
 import argparse
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-import mlx_kvlingo.recompute as rc
-from mlx_kvlingo.content_tasks import build_tasks
-from mlx_kvlingo.data import read_texts
-from mlx_kvlingo.demo.pair import demo_content_texts, load_demo
-from mlx_kvlingo.format import load_translator
-from mlx_kvlingo.kvcache import append_kv, new_cache
-from mlx_kvlingo.measure.content import (
-    MAX_TOKENS,
-    answers_from,
-    contains,
-    native_kv,
-    translated_kv,
-)
+import mlx_kvlingo.kv.recompute as rc
+from mlx_kvlingo.data.content_tasks import build_tasks
+from mlx_kvlingo.data.examples import read_texts
+from mlx_kvlingo.eval.content import MAX_TOKENS, answers_from, contains, native_kv, translated_kv
+from mlx_kvlingo.kv.cache import append_kv, new_cache
+from mlx_kvlingo.models.demo.pair import demo_content_texts, load_demo
+from mlx_kvlingo.models.files import load_translator
 
 import mlx.core as mx
 

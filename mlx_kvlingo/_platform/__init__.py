@@ -1,0 +1,2 @@
+"""Platform helpers, private: BLAS preload, huge pages, CPU memory, cache folder, atomic writes,
+MoE on the CPU."""

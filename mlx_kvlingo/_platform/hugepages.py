@@ -1,0 +1,83 @@
+"""Transparent huge pages for glibc's heap, asked for by the `kvlingo` script (`cli.main`).
+
+On Linux the CPU backend's arrays come from glibc's heap. A translation of a long span (the
+Qwen3-shaped preset at 1024 tokens: about 500 MB of fresh arrays) touched pages the heap had
+never mapped, one 4 KB fault each (130,000-160,000 minor faults on the first call, where
+later calls had none; eval/RESULTS.md). With `glibc.malloc.hugetlb=1` malloc advises the
+kernel to back its heap with 2 MB pages where the kernel allows them on request
+(`/sys/kernel/mm/transparent_hugepage/enabled` set to `madvise`): the same call faults a few
+hundred times. The tunable is read once, when a process starts, so the script re-executes
+the interpreter with it set (`reexecute_with_hugepages`: one extra interpreter start, before
+MLX is imported). It stays out of the way where it cannot help: not Linux, not glibc 2.35+,
+huge pages `always` (already used) or `never`, or KVLINGO_CPU_MEMORY=default. Users of the
+Python API on Linux can set GLIBC_TUNABLES=glibc.malloc.hugetlb=1 themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+TUNABLE = "glibc.malloc.hugetlb=1"
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+#: set in the re-executed process, so it never re-executes twice
+_GUARD = "KVLINGO_HUGEPAGES_ASKED"
+
+
+def glibc_version() -> tuple[int, int] | None:
+    """(major, minor) of the running glibc, or None off glibc."""
+    try:
+        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
+    except (ValueError, OSError, AttributeError):
+        return None
+    if name != "glibc":
+        return None
+    major, minor, *_ = (int(x) for x in version.split(".") if x.isdigit())
+    return major, minor
+
+
+def transparent_hugepages_mode(path: Path = THP_ENABLED) -> str | None:
+    """The kernel's THP mode: 'always', 'madvise', 'never', or None if unknown."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
+
+
+def tunables_with_hugepages(env: dict) -> dict | None:
+    """The environment to re-execute with, or None when huge pages cannot help here."""
+    if not sys.platform.startswith("linux") or env.get("KVLINGO_CPU_MEMORY") == "default":
+        return None
+    if env.get(_GUARD) or "glibc.malloc.hugetlb" in env.get("GLIBC_TUNABLES", ""):
+        return None
+    version = glibc_version()
+    if version is None or version < (2, 35) or transparent_hugepages_mode() != "madvise":
+        return None
+    tunables = ":".join(t for t in (env.get("GLIBC_TUNABLES"), TUNABLE) if t)
+    return {**env, "GLIBC_TUNABLES": tunables, _GUARD: "1"}
+
+
+def hugepages_status(env) -> str:
+    """One line for `kvlingo info`: whether this process's heap asks for huge pages."""
+    if TUNABLE in env.get("GLIBC_TUNABLES", "").split(":"):
+        return f"asked ({TUNABLE}; kernel THP {transparent_hugepages_mode()})"
+    mode = transparent_hugepages_mode()
+    if mode == "always":
+        return "kernel THP always (the heap gets them without asking)"
+    if env.get("KVLINGO_CPU_MEMORY") == "default":
+        return "not asked (KVLINGO_CPU_MEMORY=default)"
+    return f"not asked (kernel THP {mode}, glibc {glibc_version()}; the `kvlingo` script asks)"
+
+
+def reexecute_with_hugepages() -> None:
+    """Replace this process by the same command with the tunable set, where it helps; returns
+    (and the caller goes on as is) where it does not or the exec fails."""
+    env = tunables_with_hugepages(dict(os.environ))
+    if env is not None:
+        try:
+            os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+        except OSError:
+            pass  # run as is: huge pages are an optimization

@@ -1,0 +1,465 @@
+"""The target pipeline-sharded across ranks (Macs) with MLX's distributed engine.
+
+Who holds what, for N ranks started by `mlx.launch` (rank r owns target layers [a_r, b_r),
+mlx-lm's split: rank 0 the LAST layers, rank N-1 the first):
+
+    rank 0:  the source (whole), the conversation, the terminal; target layers [a_0, L)
+    rank r:  target layers [a_r, b_r) only, and the translator rows of those layers
+
+This module loads that (`load_sharded_pair`) and places one translated span (`place`, every
+rank at once, SPMD):
+
+    rank 0 has the span's source K/V (L_s, 1, H_s, T, D_s), RoPE-free
+    wire "source": rank r is sent the source layers its target rows read, S_r, and maps them
+    wire "target": rank 0 maps every target layer, rank r is sent its rows (b_r - a_r layers)
+    every rank: k_norm (pre_norm cut), RoPE at the span's positions, native first token, dtype
+
+Bytes to rank r per span token (float32, the translation's working dtype):
+    "source": 4 * |S_r| * H_s * (D_s + Dv_s)        "target": 4 * (b_r - a_r) * H_t * (D_t + Dv_t)
+`wire="auto"` sends whichever is fewer bytes (measured: transfer time follows bytes; see
+`weights/experiments/distributed_bench.py` and DISTRIBUTED.md). How the conversation drives the ranks (rank 0
+leads, the others follow its commands) is in `pipelined.py`. Only MLX moves data (`send`/`recv`,
+`all_sum` of the ring/MPI/JACCL backends); nothing here opens a socket.
+
+A rank that dies surfaces on the others as MLX's "[ring] connection ... lost" error, raised
+here as `RankLostError`. A rank that never connects or hangs blocks inside MLX with the GIL
+held; `_watchdog` then ends the process with a clear message after `timeout` seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from mlx_kvlingo.distributed import watchdog as _watchdog
+from mlx_kvlingo.kv.cache import append_kv, new_cache
+from mlx_kvlingo.kv.capture import SpanKV, prefill
+from mlx_kvlingo.kv.lowrank import new_translator
+from mlx_kvlingo.kv.translator import Translator
+from mlx_kvlingo.models.pair import (
+    LoadedModel,
+    ModelPair,
+    geometry_of,
+    vocab_fingerprint,
+    with_dtype,
+)
+
+import mlx.core as mx
+
+WIRES = ("auto", "source", "target")
+DEFAULT_TIMEOUT = 120.0
+#: the load ends in a barrier that waits for the slowest rank to read its weights
+LOAD_TIMEOUT = 1800.0
+
+
+class DistributedError(RuntimeError):
+    """A distributed run cannot go on (a rank is lost, or the ranks disagree)."""
+
+
+class RankLostError(DistributedError):
+    pass
+
+
+def launched() -> bool:
+    """True when this process was started as one rank of several (mlx.launch or mpirun)."""
+    env = os.environ
+    if "MLX_RANK" in env and ("MLX_HOSTFILE" in env or "MLX_JACCL_DEVICES" in env):
+        return True
+    return int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+
+
+def init(backend: str = "any", timeout: float | None = DEFAULT_TIMEOUT) -> mx.distributed.Group:
+    """The world group; ends the process with a clear message if the ranks do not all meet
+    within `timeout` seconds (a host down, a wrong hostfile, a firewall)."""
+    rank = os.environ.get("MLX_RANK", "?")
+    with _watchdog.deadline(timeout, _lost_message(rank, timeout, "connecting to the other ranks")):
+        group = mx.distributed.init(strict=launched(), backend=backend)
+        _eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    return group
+
+
+def _lost_message(rank, timeout, what: str) -> str:
+    return (
+        f"kvlingo: rank {rank}: no answer from the other ranks within {timeout or 0:g} s while {what}. "
+        "A rank died, hangs or cannot connect: check that every host in the hostfile is up "
+        "and runs the same command, that the hostfile's addresses and ports are reachable "
+        "(firewall), and each rank's own error output."
+    )
+
+
+def _eval(*arrays) -> None:
+    with _lost_as_error("waiting for another rank"):
+        mx.eval(*arrays)
+
+
+def _is_lost(e: Exception) -> bool:
+    text = str(e)
+    return any(s in text for s in ("[ring]", "[mpi]", "[jaccl]", "peer"))
+
+
+@contextmanager
+def _lost_as_error(what: str):
+    """MLX's error for a peer whose connection closed, as a `RankLostError`."""
+    try:
+        yield
+    except RuntimeError as e:
+        if _is_lost(e):
+            raise RankLostError(
+                f"lost a rank of the distributed run while {what} ({e}); "
+                "see that rank's own error output"
+            ) from None
+        raise
+
+
+# -- the target, pipelined ---------------------------------------------------------------
+
+
+def pipeline_model(model, group) -> None:
+    """Keep only this rank's layers of an mlx-lm model, with mlx-lm's own `pipeline()`.
+
+    mlx-lm 0.32 pipelines qwen3_moe, qwen2, deepseek and others, not llama: for llama the
+    same split and the same send/recv/all_gather forward are applied here (`_LlamaPipeline`).
+    """
+    inner = model.model
+    if hasattr(inner, "pipeline"):
+        inner.pipeline(group)
+        return
+    from mlx_lm.models.llama import LlamaModel
+
+    if not isinstance(inner, LlamaModel):
+        raise DistributedError(
+            f"mlx-lm cannot pipeline {type(model).__module__}: no `pipeline()` for this family"
+        )
+    if any(getattr(layer, "use_sliding", False) for layer in inner.layers):
+        raise DistributedError("pipelining llama models with sliding-window layers is unsupported")
+    rank, size = group.rank(), group.size()
+    n = len(inner.layers)
+    if n < size:
+        raise DistributedError(f"{n} layers cannot be split over {size} ranks")
+    base, extra = divmod(n, size)  # mlx-lm's split: low ranks get the extra, rank 0 the last
+    split = [base + (1 if r < extra else 0) for r in range(size)]
+    start = sum(split[rank + 1 :])
+    inner.layers = inner.layers[start : start + split[rank]]
+    inner.pipeline_rank, inner.pipeline_size = rank, size
+    inner.start_idx, inner.end_idx = start, start + split[rank]
+    inner.__class__ = _llama_pipeline_class(type(inner))
+
+
+def _llama_pipeline_class(base):
+    from mlx_lm.models.base import create_attention_mask
+
+    class _LlamaPipeline(base):
+        """llama's forward with mlx-lm's pipeline pattern (as in qwen3_moe.py)."""
+
+        def __call__(self, inputs, cache=None, input_embeddings=None):
+            h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
+            rank, size = self.pipeline_rank, self.pipeline_size
+            cache = cache if cache is not None else [None] * len(self.layers)
+            mask = create_attention_mask(h, cache[0])
+            if rank < size - 1:
+                h = mx.distributed.recv_like(h, rank + 1)
+            for layer, c in zip(self.layers, cache):
+                h = layer(h, mask, cache=c)
+            if rank != 0:
+                h = mx.distributed.send(h, rank - 1)
+                if cache[-1] is not None:
+                    cache[-1].keys = mx.depends(cache[-1].keys, h)
+            if size > 1:
+                h = mx.distributed.all_gather(h)[: h.shape[0]]
+            return self.norm(h)
+
+    return _LlamaPipeline
+
+
+def load_pipelined(path: str | Path, group, dtype="auto", timeout=LOAD_TIMEOUT) -> LoadedModel:
+    """This rank's share of the target: a LoadedModel whose layers are the rank's own.
+
+    Families mlx-lm pipelines load through `mlx_lm.utils.sharded_load` (each rank reads only
+    its files); llama through a lazy `mlx_lm.load` and `pipeline_model`.
+    """
+    from mlx_kvlingo.models.families import family_of
+
+    from mlx_lm import load as mlx_lm_load
+    from mlx_lm.utils import sharded_load
+
+    name = str(path)
+    message = _lost_message(group.rank(), timeout, f"loading {name}")
+    with _watchdog.deadline(timeout, message), _lost_as_error(f"loading {name}"):
+        try:
+            model, tokenizer, config = sharded_load(name, pipeline_group=group, return_config=True)
+        except (ValueError, FileNotFoundError) as e:
+            # llama (no `pipeline()` in mlx-lm) or a local folder without a weight index
+            if isinstance(e, ValueError) and "does not support pipelining" not in str(e):
+                raise
+            model, tokenizer, config = mlx_lm_load(name, lazy=True, return_config=True)
+            pipeline_model(model, group)
+        model, dtype = with_dtype(model, config, dtype)
+        _eval(model.parameters())
+        _eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+    from mlx_kvlingo.models.pair import _folder_of
+
+    family = family_of(config["model_type"])
+    return LoadedModel(
+        name, model, tokenizer, config, family, geometry_of(model, config), _folder_of(name)
+    )
+
+
+def owned_layers(model: LoadedModel) -> range:
+    inner = model.model.model
+    return range(inner.start_idx, inner.end_idx)
+
+
+# -- the pair across ranks ---------------------------------------------------------------
+
+
+@dataclass
+class ShardedPair:
+    """Everything one rank holds: the source only on rank 0, its own target layers."""
+
+    group: object
+    source: LoadedModel | None
+    target: LoadedModel  # this rank's layers only
+    translator: Translator  # rank 0: every row (it maps); others: their rows
+    owners: list[range]  # target layers of each rank
+    wire: str
+    timeout: float | None = DEFAULT_TIMEOUT
+    local: dict = field(default_factory=dict, repr=False)  # per-rank translator parts
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def target_layers(self) -> int:
+        return sum(len(r) for r in self.owners)
+
+    def source_rows(self, r: int) -> tuple[int, ...]:
+        """Source layers read by rank r's target layers (what wire "source" sends it)."""
+        c, own = self.translator.config, self.owners[r]
+        rows = c.key_layers[own.start : own.stop] + c.value_layers[own.start : own.stop]
+        return tuple(sorted({s for row in rows for s in row}))
+
+    def bytes_per_token(self, r: int, wire: str) -> int:
+        """Bytes rank r is sent per prompt token (float32) on `wire`."""
+        c = self.translator.config
+        if wire == "source":
+            return (
+                4
+                * len(self.source_rows(r))
+                * c.source.kv_heads
+                * (c.source.head_dim + c.source.value_dim)
+            )
+        return (
+            4 * len(self.owners[r]) * c.target.kv_heads * (c.target.head_dim + c.target.value_dim)
+        )
+
+    def choose_wire(self) -> str:
+        if self.wire != "auto":
+            return self.wire
+        others = range(1, self.size)
+        src = sum(self.bytes_per_token(r, "source") for r in others)
+        tgt = sum(self.bytes_per_token(r, "target") for r in others)
+        return "source" if src < tgt else "target"
+
+    def part(self, wire: str) -> Translator:
+        """This rank's rows of the translator, fed what `wire` sends it."""
+        key = wire
+        if key not in self.local:
+            own = self.owners[self.rank]
+            rows = self.source_rows(self.rank) if wire == "source" else None
+            self.local[key] = self.translator.restricted(own, rows)
+        return self.local[key]
+
+
+def load_sharded_pair(
+    source: str | Path | None,
+    target: str | Path,
+    translator: str | Path | Translator,
+    group=None,
+    *,
+    wire: str = "auto",
+    dtype="auto",
+    timeout: float | None = DEFAULT_TIMEOUT,
+) -> ShardedPair:
+    """Load the pair on every rank: the source on rank 0 only, the target pipelined.
+
+    The source stays on rank 0 (where the prompt is read): the other ranks need neither its
+    weights nor its memory. `translator` is a file path every rank can read, or (rank 0) a
+    loaded Translator that is then sent to the ranks that need their rows.
+    """
+    from mlx_kvlingo.models.files import check_pair, load_translator, read_metadata
+
+    if wire not in WIRES:
+        raise ValueError(f"unknown wire {wire!r}; expected one of {WIRES}")
+    group = group or init(timeout=timeout)
+    rank = group.rank()
+    tgt = load_pipelined(target, group, dtype)
+    own = owned_layers(tgt)
+    gathered = mx.distributed.all_gather(mx.array([own.start, own.stop]), group=group)
+    _eval(gathered)
+    pairs = gathered.reshape(-1, 2).tolist()
+    owners = [range(a, b) for a, b in pairs]
+    total = sum(len(r) for r in owners)
+    src = None
+    if rank == 0:
+        from mlx_kvlingo.models.pair import check_same_tokenizer, load_model
+
+        src = load_model(source, dtype) if source is not None else None
+        if src is None:
+            raise ValueError("rank 0 needs the source model")
+        check_same_tokenizer(src.tokenizer, tgt.tokenizer)
+    if isinstance(translator, Translator):
+        tr = _share_translator(translator if rank == 0 else None, group, timeout)
+    else:
+        tr = load_translator(translator, None, dtype=dtype)
+    whole = replace(tgt, geometry=replace(tgt.geometry, layers=total))
+    if rank == 0 and not isinstance(translator, Translator):
+        pair = ModelPair(src, whole, tgt.tokenizer, vocab_fingerprint(tgt.tokenizer))
+        check_pair(read_metadata(translator), tr.config, pair, translator)
+    tr.check_target(whole)
+    return ShardedPair(group, src, tgt, tr, owners, wire, timeout)
+
+
+def _share_translator(tr: Translator | None, group, timeout) -> Translator:
+    """Rank 0's in-memory translator, copied to every rank (tests and the Python API)."""
+    import json
+
+    from mlx_kvlingo.models.files import build_metadata, config_from_metadata
+
+    meta = json.dumps(build_metadata(tr) if tr is not None else {}).encode()
+    meta = _broadcast_bytes(meta, group, timeout)
+    config = config_from_metadata(json.loads(meta))
+    out = tr if tr is not None else new_translator(config)
+    for kind in ("key", "value"):
+        params = getattr(out, kind)
+        for name in sorted(config.weight_shapes()):
+            k, _, p = name.partition(".")
+            if k == kind:
+                x = params[p] if tr is not None else mx.zeros(config.weight_shapes()[name])
+                params[p] = _broadcast(x.astype(mx.float32), group, timeout)
+    return out
+
+
+# -- rank 0 speaks, the others listen ------------------------------------------------------
+
+
+def _broadcast(x: mx.array, group, timeout, what="waiting for rank 0") -> mx.array:
+    """Rank 0's `x` on every rank (a sum where the others add zeros); shapes must agree."""
+    x = x if group.rank() == 0 else mx.zeros_like(x)
+    with _watchdog.deadline(timeout, _lost_message(group.rank(), timeout, what)):
+        y = mx.distributed.all_sum(x, group=group, stream=mx.cpu)
+        _eval(y)
+    return y
+
+
+def _broadcast_bytes(data: bytes | None, group, timeout, what="waiting for rank 0") -> bytes:
+    n = int(_broadcast(mx.array([len(data or b"")]), group, timeout, what).item())
+    buf = mx.array(list(data or b"\0" * n), dtype=mx.int32) if n else mx.zeros((0,), mx.int32)
+    if n == 0:
+        return b""
+    return bytes(_broadcast(buf, group, timeout, what).tolist())
+
+
+# -- one switch ------------------------------------------------------------------------------
+
+
+@dataclass
+class ShardedHandoff:
+    """One switch on one rank: its own target cache and what the transfer cost."""
+
+    target_cache: list
+    wire: str
+    source_prefill_s: float
+    translate_s: float  # rank 0: map + send + finish its layers; others: receive + finish
+    bytes_sent: int  # rank 0: to all other ranks; others: received
+    translated_tokens: int
+
+
+def place(
+    sp: ShardedPair, span: SpanKV | None, wire: str, length: int, start: int, first: int | None
+) -> tuple[list, list, int]:
+    """Every rank (SPMD): this rank's target layers' K/V for a translated span, ready to append
+    to its cache, and the bytes it sent (rank 0) or received.
+
+    Rank 0 passes the source span (RoPE-free, tokens [start, start + length)); the others pass
+    None and receive what `wire` sends them. `first` is the span's first token id when it
+    starts at 0 (a native-first translator keeps the target's own K/V there)."""
+    what = f"placing a {length}-token span"
+    with _watchdog.deadline(sp.timeout, _lost_message(sp.rank, sp.timeout, what)):
+        if sp.rank == 0:
+            payloads, sent = _send_payloads(sp, span, wire)
+        else:
+            payloads, sent = _recv_payload(sp, wire, length)
+        tokens = (first,) if start == 0 and first is not None else None
+        part = sp.part(wire)
+        if wire == "source":
+            keys, values = part.translate(SpanKV(*payloads, start, tokens), sp.target)
+        else:
+            meta = SpanKV(mx.zeros((0,)), mx.zeros((0,)), start, tokens)
+            keys, values = part.finish(payloads[0], payloads[1], meta, sp.target)
+    return keys, values, sent
+
+
+def handoff(sp: ShardedPair, tokens: list[int]) -> ShardedHandoff:
+    """Every rank: a fresh target cache holding tokens[:-1] translated (rank 0 passes the
+    prompt and prefills it with the source; the others pass the same token count)."""
+    if len(tokens) < 2:
+        raise ValueError("need at least 2 prompt tokens: the target must process the last itself")
+    wire = sp.choose_wire()
+    T = len(tokens) - 1
+    t0 = time.perf_counter()
+    span = None
+    if sp.rank == 0:
+        span = prefill(
+            sp.source, tokens[:-1], new_cache(sp.source), cut=sp.translator.config.key_cut
+        )
+    t1 = time.perf_counter()
+    keys, values, sent = place(sp, span, wire, T, 0, tokens[0])
+    cache = new_cache(sp.target)
+    append_kv(cache, keys, values)
+    return ShardedHandoff(cache, wire, t1 - t0, time.perf_counter() - t1, sent, T)
+
+
+def _send_payloads(sp: ShardedPair, span: SpanKV, wire: str) -> tuple[tuple, int]:
+    """Rank 0: send every other rank its payload, return its own."""
+    sent, mine, pending = 0, None, []
+    if wire == "target":
+        keys, values = sp.translator(span)  # every target layer, RoPE-free, float32
+        keys, values = keys.astype(mx.float32), values.astype(mx.float32)
+    for r in range(sp.size):
+        if wire == "source":
+            rows = mx.array(sp.source_rows(r))
+            k, v = span.keys[rows].astype(mx.float32), span.values[rows].astype(mx.float32)
+        else:
+            own = sp.owners[r]
+            k, v = keys[own.start : own.stop], values[own.start : own.stop]
+        if r == 0:
+            mine = (k, v)
+            continue
+        pending += [mx.distributed.send(x, r, group=sp.group) for x in (k, v)]
+        sent += k.nbytes + v.nbytes
+    _eval(pending)
+    return mine, sent
+
+
+def _recv_payload(sp: ShardedPair, wire: str, T: int) -> tuple[tuple, int]:
+    c, r = sp.translator.config, sp.rank
+    if wire == "source":
+        side, n = c.source, len(sp.source_rows(r))
+    else:
+        side, n = c.target, len(sp.owners[r])
+    k = mx.distributed.recv((n, 1, side.kv_heads, T, side.head_dim), mx.float32, 0, group=sp.group)
+    v = mx.distributed.recv((n, 1, side.kv_heads, T, side.value_dim), mx.float32, 0, group=sp.group)
+    _eval(k, v)
+    return (k, v), k.nbytes + v.nbytes

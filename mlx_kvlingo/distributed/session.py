@@ -1,0 +1,377 @@
+"""A conversation whose large model is pipelined over `mlx.launch` ranks: rank 0 leads.
+
+Rank 0 runs everything a single process runs (the real `Session`, `kvlingo chat`, the API)
+with the small model and its own target layers. Its target model is `_Mirrored`: each forward
+call it makes (a prefill chunk, each decoding step of mlx-lm's `stream_generate`, teacher
+forcing) is first announced to the other ranks, which run the same call on their layers and
+their copy of the same cache, so mlx-lm's pipeline (send/recv/all_gather inside the model)
+meets on every rank. Only rank 0 samples. A translated span is placed by
+`distributed.place` (each rank is sent only what its layers need); a switch back to the
+small model gathers the span's target K/V on rank 0. The other ranks run `follow`, a loop
+over rank 0's commands; they never see the conversation's text.
+
+A command is a small all_sum from rank 0, [op, cache id, cache offset, n, start, wire, first],
+then one with its token ids (forward) or dropped cache ids (drop).
+Rank 0 names each target cache it creates with an id; before a command, a follower trims its
+copy to rank 0's offset (rank 0's cache only shrinks by trimming, which needs no message),
+creates a cache on first use, and drops the ids rank 0 no longer holds.
+"""
+
+from __future__ import annotations
+
+import atexit
+import signal
+import sys
+import threading
+import weakref
+from contextlib import contextmanager
+from dataclasses import replace
+
+from mlx_kvlingo.conversation.records import SessionError
+from mlx_kvlingo.conversation.session import Session
+from mlx_kvlingo.distributed import watchdog as _watchdog
+from mlx_kvlingo.distributed.pipeline import (
+    WIRES,
+    DistributedError,
+    RankLostError,
+    ShardedPair,
+    _broadcast,
+    _eval,
+    _lost_as_error,
+    _lost_message,
+    load_sharded_pair,
+    place,
+)
+from mlx_kvlingo.kv.cache import append_kv, new_cache
+from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, needs_recording
+from mlx_kvlingo.models.pair import ModelPair, vocab_fingerprint
+
+import mlx.core as mx
+
+FORWARD, PLACE, GATHER, DROP, STOP = range(1, 6)
+_open: Link | None = None  # rank 0: the followers serve one runtime at a time
+_HEADER = 7
+_ID = "_kvlingo_cache_id"
+
+
+class Link:
+    """Rank 0's end: sends commands to the other ranks and keeps the byte count."""
+
+    def __init__(self, sp: ShardedPair) -> None:
+        self.sp = sp
+        self.wire = sp.wire
+        self.bytes_sent = 0  # translated spans placed on the other ranks
+        self.bytes_received = 0  # target K/V gathered for switches back to the small model
+        self.closed = False
+        self.lost = False  # a rank was lost: nothing more can be asked of the others
+        self._next_id = 0
+        self._dropped: list[int] = []
+        atexit.register(self.close)
+
+    @property
+    def ranks(self) -> int:
+        return self.sp.size
+
+    @property
+    def owners(self) -> list[range]:
+        return self.sp.owners
+
+    def close(self) -> None:
+        """Release the other ranks (their `Runtime.load` then ends their process)."""
+        global _open
+        if not (self.closed or self.lost):
+            self.closed = True
+            with _uninterrupted():
+                self._command(STOP)
+        if _open is self:
+            _open = None
+
+    # -- commands --------------------------------------------------------------------------
+
+    def _command(
+        self, op: int, cache: list | None = None, n=0, start=0, wire=0, first=0, body=None
+    ):
+        if self.lost or (self.closed and op != STOP):
+            raise DistributedError(
+                "this distributed runtime " + ("lost a rank" if self.lost else "is closed")
+            )
+        from mlx_lm.generate import generation_stream
+
+        # nothing collective may still be running when the next command goes out
+        mx.synchronize(generation_stream)
+        mx.synchronize()
+        if self._dropped:
+            ids, self._dropped = self._dropped, []
+            self._send([DROP, 0, 0, len(ids), 0, 0, 0], mx.array(ids, dtype=mx.int32))
+        cid, offset = (self._id(cache), min(c.offset for c in cache)) if cache else (0, 0)
+        self._send([op, cid, offset, n, start, wire, first], body)
+
+    def _send(self, header: list[int], body: mx.array | None) -> None:
+        group, timeout = self.sp.group, self.sp.timeout
+        with self._watch():
+            _broadcast(mx.array(header, dtype=mx.int32), group, timeout, "sending a command")
+            if body is not None:
+                _broadcast(body, group, timeout, "sending a command")
+
+    @contextmanager
+    def _watch(self):
+        try:
+            yield
+        except RankLostError:
+            self.lost = True
+            raise
+
+    def _id(self, cache: list) -> int:
+        """The id the other ranks know `cache` by (a new one for a new, empty cache)."""
+        head = cache[0]
+        cid = getattr(head, _ID, None)
+        if cid is None:
+            if head.offset:
+                raise DistributedError(
+                    "this operation is not available when the large model is pipelined: it "
+                    "needs a target cache the other ranks do not have"
+                )
+            self._next_id += 1
+            cid = self._next_id
+            setattr(head, _ID, cid)
+            weakref.finalize(head, self._dropped.append, cid)
+        return cid
+
+    # -- what the session asks for ---------------------------------------------------------
+
+    def forward(self, inputs: mx.array, cache: list) -> None:
+        """Announce a forward call of the target on `cache` (rank 0 then runs its own part)."""
+        if inputs.ndim != 2 or inputs.shape[0] != 1:
+            raise DistributedError("a pipelined target runs one sequence at a time")
+        with self._watch(), _lost_as_error("waiting for the last step"):
+            mx.eval(inputs)  # the previous step (and its collectives) ends before the next
+        tokens = inputs.reshape(-1).astype(mx.int32)
+        self._command(FORWARD, cache, n=tokens.size, body=tokens)
+
+    def place(self, cache: list, span: SpanKV) -> None:
+        """Append a translated source span to `cache` here and on every rank."""
+        sp = self.sp
+        wire = self.wire if self.wire != "auto" else sp.choose_wire()
+        first = span.tokens[0] if span.start == 0 and span.tokens else -1
+        with _uninterrupted():
+            self._command(PLACE, cache, span.length, span.start, WIRES.index(wire), first)
+            with self._watch():
+                keys, values, sent = place(sp, span, wire, span.length, span.start, _first(first))
+            append_kv(cache, keys, values)
+        self.bytes_sent += sent
+
+    def gather(self, cache: list, start: int, end: int) -> SpanKV:
+        """The target K/V of [start, end) for every layer, RoPE-free, gathered on rank 0."""
+        sp = self.sp
+        c = sp.target.geometry
+        parts = {0: capture_from_cache(sp.target, cache, start, end)}
+        what = f"gathering a {end - start}-token span"
+        shape = (1, c.kv_heads, end - start)
+        with _uninterrupted(), self._watch():
+            self._command(GATHER, cache, end - start, start)
+            with _watchdog.deadline(sp.timeout, _lost_message(0, sp.timeout, what)):
+                for r in range(1, sp.size):
+                    n = len(sp.owners[r])
+                    k = mx.distributed.recv((n, *shape, c.head_dim), mx.float32, r, group=sp.group)
+                    v = mx.distributed.recv((n, *shape, c.value_dim), mx.float32, r, group=sp.group)
+                    _eval(k, v)
+                    parts[r] = SpanKV(k, v, start)
+                    self.bytes_received += k.nbytes + v.nbytes
+        order = sorted(parts, key=lambda r: sp.owners[r].start)
+        keys = mx.concatenate([parts[r].keys.astype(mx.float32) for r in order])
+        values = mx.concatenate([parts[r].values.astype(mx.float32) for r in order])
+        return SpanKV(keys, values, start)
+
+
+def _first(first: int) -> int | None:
+    return None if first < 0 else first
+
+
+class _Mirrored:
+    """Rank 0's target model: each call is announced to the other ranks, then run here."""
+
+    def __init__(self, inner, link: Link) -> None:
+        self._inner = inner
+        self._link = link
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def __call__(self, inputs, cache=None, **kwargs):
+        if cache is None:
+            raise DistributedError("a pipelined target runs with a cache")
+        with _uninterrupted():
+            self._link.forward(inputs, cache)
+            with _last_stage_only():
+                out = self._inner(inputs, cache=cache, **kwargs)
+            mx.async_eval([(c.keys, c.values) for c in cache])  # the receive runs, whatever is read
+        return out
+
+
+@contextmanager
+def _uninterrupted():
+    """Ctrl-C waits until the other ranks are told and this rank's part is scheduled: an
+    interruption in between would leave the ranks out of step."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pending = []
+    old = signal.signal(signal.SIGINT, lambda *args: pending.append(args))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if pending:
+            raise KeyboardInterrupt
+
+
+@contextmanager
+def _last_stage_only():
+    """mlx-lm's pipelined forward ends in an all_gather so that every rank gets the last stage's
+    output (its generation samples on every rank). Here only rank 0, the last stage, samples:
+    the all_gather is left out on every rank while the forward is built (the same graph on
+    each rank otherwise; no rank waits for an output it does not need)."""
+    real = mx.distributed.all_gather
+    mx.distributed.all_gather = lambda x, *args, **kwargs: x
+    try:
+        yield
+    finally:
+        mx.distributed.all_gather = real
+
+
+class ShardedSession(Session):
+    """A `Session` on rank 0 whose target is pipelined over the ranks of `link`.
+
+    Everything works as in one process except saving and loading (the target cache is spread
+    over the ranks) and pre_norm backward translators (they would recompute the large model's
+    keys on a copy of its cache that the other ranks do not hold).
+    """
+
+    def __init__(self, link: Link, pair: ModelPair, *args, **kwargs) -> None:
+        self.link = link
+        super().__init__(pair, *args, **kwargs)
+
+    def _translate_into(self, m, tr, span: SpanKV) -> None:
+        if m.name != "target":
+            return super()._translate_into(m, tr, span)
+        if tr is not self.forward or self.forward is not self.link.sp.translator:
+            raise SessionError("a pipelined target translates with the runtime's own translator")
+        self.link.place(m.cache, span)
+
+    def _capture(self, o, start: int, end: int, cut: str) -> SpanKV:
+        if o.name != "target":
+            return super()._capture(o, start, end, cut)
+        if needs_recording(o.loaded, cut):
+            raise SessionError(
+                "a pre_norm backward translator is not available with a pipelined large model "
+                "(it would recompute the large model's keys); use a post_norm one or none"
+            )
+        return self.link.gather(o.cache, start, end)
+
+    @property
+    def recompute_share(self) -> float:
+        return Session.recompute_share.fget(self)
+
+    @recompute_share.setter
+    def recompute_share(self, x: float) -> None:
+        if x:  # it runs all of the large model's layers over chosen rows in this process
+            raise SessionError(
+                "the recompute (recompute_share > 0) is not available with a pipelined large model"
+            )
+        Session.recompute_share.fset(self, x)
+
+    def save(self, path):
+        raise SessionError("saving is not available when the large model is pipelined over ranks")
+
+    def load(self, path):
+        raise SessionError("loading is not available when the large model is pipelined over ranks")
+
+
+# -- loading, and the ranks that follow ----------------------------------------------------
+
+
+def load(source, target, translator, *, wire: str = "auto", timeout=None) -> tuple[Link, ModelPair]:
+    """Every rank: load the pair with the target pipelined over the `mlx.launch` ranks.
+
+    Rank 0 gets (link, pair): the pair's target is its share of the model, mirrored to the
+    other ranks, with the whole model's geometry. The other ranks serve rank 0 until it
+    closes the link, then end their process with `SystemExit(0)` (so code after the load
+    runs on rank 0 only)."""
+    from mlx_kvlingo.distributed.pipeline import DEFAULT_TIMEOUT, init
+
+    global _open
+    if _open is not None:
+        raise DistributedError("close the open distributed runtime before loading another")
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    group = init(timeout=timeout)
+    sp = load_sharded_pair(source, target, translator, group, wire=wire, timeout=timeout)
+    if sp.rank != 0:
+        follow(sp)
+        sys.stdout.flush()
+        raise SystemExit(0)
+    link = _open = Link(sp)
+    whole = replace(sp.target.geometry, layers=sp.target_layers)
+    tgt = replace(sp.target, model=_Mirrored(sp.target.model, link), geometry=whole)
+    pair = ModelPair(sp.source, tgt, sp.tokenizer, vocab_fingerprint(sp.tokenizer))
+    return link, pair
+
+
+def follow(sp: ShardedPair) -> None:
+    """Ranks > 0: run rank 0's commands on this rank's layers until it says stop.
+
+    An error here (a lost rank 0, a cache out of step) ends this process with a message:
+    rank 0 then sees the rank as lost instead of waiting for it."""
+    import os
+
+    caches: dict[int, list] = {}
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for rank 0 (it stops a turn)
+    try:
+        while True:
+            # no deadline: rank 0 may wait for its user as long as it likes
+            head = _broadcast(mx.zeros((_HEADER,), mx.int32), sp.group, None).tolist()
+            op, cid, offset, n, start, wire, first = head
+            if op == STOP:
+                return
+            if op == DROP:
+                for i in _broadcast(mx.zeros((n,), mx.int32), sp.group, sp.timeout).tolist():
+                    caches.pop(i, None)
+                continue
+            cache = caches.get(cid)
+            if cache is None:
+                cache = caches[cid] = new_cache(sp.target)
+            _trim(cache, offset, sp.rank)
+            if op == FORWARD:
+                tokens = _broadcast(mx.zeros((n,), mx.int32), sp.group, sp.timeout)
+                with _lost_as_error("running a forward step"), _last_stage_only():
+                    sp.target.model.model(tokens[None], cache=cache)  # sends to the next rank
+                    mx.eval([(c.keys, c.values) for c in cache])
+            elif op == PLACE:
+                keys, values, _ = place(sp, None, WIRES[wire], n, start, _first(first))
+                append_kv(cache, keys, values)
+            elif op == GATHER:
+                span = capture_from_cache(sp.target, cache, start, start + n)
+                with _lost_as_error("sending a span to rank 0"):
+                    sent = [
+                        mx.distributed.send(x.astype(mx.float32), 0, group=sp.group)
+                        for x in (span.keys, span.values)
+                    ]
+                    mx.eval(sent)
+            else:
+                raise DistributedError(f"unknown command {op} from rank 0")
+    except (DistributedError, RuntimeError, ValueError) as e:
+        if isinstance(e, RankLostError):
+            e = RankLostError(f"rank 0 is gone ({e})")
+        sys.stderr.write(f"kvlingo: rank {sp.rank}: {e}\n")
+        sys.stderr.flush()
+        os._exit(1)  # MLX's ring may block on teardown once a peer is gone
+
+
+def _trim(cache: list, offset: int, rank: int) -> None:
+    for c in cache:
+        if c.offset < offset:
+            raise DistributedError(
+                f"rank {rank}'s cache holds {c.offset} tokens, rank 0's {offset}: out of step"
+            )
+        if c.offset > offset:
+            c.trim(c.offset - offset)

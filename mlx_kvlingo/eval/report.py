@@ -1,0 +1,188 @@
+"""What the measuring commands write, in one place: the machine and software a result was
+measured on, the command that made it, JSON result files, markdown tables and headless
+matplotlib figures. `bench`, `conversation_bench`, `compare` and `content` build their own
+results and tables; the pieces they share live here.
+
+Contracts:
+- `machine_info()` and `software_info()` describe this process now (the load average too:
+  call `load_average()` again at the end of a run to record it there);
+- `write_json` writes `jsonable(result)`: keys as strings, tuples as lists, numpy scalars as
+  Python numbers, NaN and infinities as null (strict JSON), anything else unknown as its
+  `str`; indented by one space, with a final newline;
+- `md_table` rows are `| a | b |` lines under a header and a rule of `---` (left) or `---:`
+  (right) per column, as GitHub renders them; cells are written as given;
+- `pyplot()` selects the Agg backend before pyplot is imported (no display needed), and
+  `save_figure` lays the figure out, writes it and closes it (figures do not pile up).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from mlx_kvlingo._platform import blas as _blas
+
+import mlx.core as mx
+import numpy as np
+
+# -- the machine and the software ---------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    """OS, CPU, memory, MLX backend and device, the BLAS loaded, the load average now."""
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "os": platform.platform(),
+        "arch": platform.machine(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "memory_GB": round(total / 1e9, 1),
+        "backend": backend_name(),
+        "device": mx.device_info() if hasattr(mx, "device_info") else {},
+        "blas": _blas.loaded_path or f"none preloaded ({_blas.reason})",
+        "load_average": load_average(),
+    }
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the OS has none)."""
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def backend_name() -> str:
+    """ "cpu", "metal" or "cuda": where MLX runs by default."""
+    if mx.default_device().type != mx.gpu:
+        return "cpu"
+    return "metal" if mx.metal.is_available() else "cuda"
+
+
+def software_info() -> dict:
+    """Versions of Python, mlx, mlx-lm (None when not installed), mlx-kvlingo and numpy."""
+
+    def version(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    from mlx_kvlingo import __version__
+
+    return {
+        "python": platform.python_version(),
+        "mlx": mx.__version__,
+        "mlx-lm": version("mlx-lm"),
+        "mlx-kvlingo": __version__,
+        "numpy": np.__version__,
+        "commit": git_commit(),
+    }
+
+
+def git_commit() -> str | None:
+    """The short commit of the checkout the package runs from (None outside one), with
+    "+dirty" when tracked files differ from it."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        run = lambda *a: subprocess.run(  # noqa: E731
+            ["git", "-C", str(root), *a], capture_output=True, text=True, timeout=5
+        )
+        head = run("rev-parse", "--short", "HEAD")
+        if head.returncode != 0:
+            return None
+        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        return head.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def command_line() -> str:
+    """This process's command line, the program by its file name."""
+    return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+
+
+# -- files ---------------------------------------------------------------------------------------
+
+
+def output_files(out_dir: str | Path, **names: str) -> dict[str, Path]:
+    """`out_dir` (created) / each file name, by role: output_files(d, json="bench.json")."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    return {role: out / name for role, name in names.items()}
+
+
+def jsonable(x):
+    """`x` as strict JSON can hold it (see the module's contracts)."""
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    if isinstance(x, (np.floating, float)):
+        return None if not math.isfinite(float(x)) else float(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, (str, int, bool)) or x is None:
+        return x
+    return str(x)
+
+
+def write_json(result, path: str | Path) -> Path:
+    """Write `jsonable(result)` to `path`, indented, with a final newline."""
+    path = Path(path)
+    path.write_text(json.dumps(jsonable(result), indent=1) + "\n")
+    return path
+
+
+# -- markdown ------------------------------------------------------------------------------------
+
+
+def md_row(cells: Iterable) -> str:
+    """One markdown table row: `| a | b |`."""
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def md_table(columns: Sequence[str], align: str, rows: Iterable[Iterable] = ()) -> list[str]:
+    """Header, rule and rows of a markdown table; `align` has one letter per column, "l"
+    (left) or "r" (right)."""
+    if len(align) != len(columns) or set(align) - {"l", "r"}:
+        raise ValueError(f"align needs one of l/r per column ({len(columns)}), got {align!r}")
+    rule = md_row("---:" if a == "r" else "---" for a in align)
+    return [md_row(columns), rule, *(md_row(r) for r in rows)]
+
+
+# -- figures -------------------------------------------------------------------------------------
+
+
+def pyplot():
+    """matplotlib.pyplot on the headless Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: str | Path, dpi: int = 120) -> Path:
+    """Lay `fig` out, write it to `path` and close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path

@@ -1,0 +1,158 @@
+"""The source's K/V for a span of tokens, in translation space.
+
+Keys come out RoPE-free at one of two cuts: `post_norm` (what the cache holds, un-rotated
+exactly with the model's own RoPE) or `pre_norm` (the `k_proj` output before `k_norm`,
+recorded during prefill). For families without `k_norm` the two cuts coincide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mlx_kvlingo.kv.rope import unrotate
+
+import mlx.core as mx
+import mlx.nn as nn
+
+if TYPE_CHECKING:  # types only: the method does not depend on how models load
+    from mlx_kvlingo.models.pair import LoadedModel
+
+KEY_CUTS = ("post_norm", "pre_norm")
+
+
+@dataclass
+class SpanKV:
+    """K/V of tokens [start, start + T) for every layer: (L, B, H, T, D), float32."""
+
+    keys: mx.array
+    values: mx.array
+    start: int
+    tokens: tuple[int, ...] | None = None  # the span's token ids, when known
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+
+def check_cut(cut: str) -> None:
+    if cut not in KEY_CUTS:
+        raise ValueError(f"unknown key cut {cut!r}; expected one of {KEY_CUTS}")
+
+
+def needs_recording(model: LoadedModel, cut: str) -> bool:
+    check_cut(cut)
+    return cut == "pre_norm" and model.geometry.has_k_norm
+
+
+def capture_from_cache(model: LoadedModel, cache: list, start: int, end: int) -> SpanKV:
+    """Read tokens [start, end) from an mlx-lm cache and un-rotate the keys (post_norm cut)."""
+    if end <= start:
+        raise ValueError(f"empty span [{start}, {end})")
+    keys, values = [], []
+    for i, c in enumerate(cache):
+        if c.offset < end:
+            raise ValueError(f"cache layer {i} holds {c.offset} tokens, span needs {end}")
+        k, v = _layer_kv(c)
+        k = k[..., start:end, :]
+        keys.append(unrotate(model.attention(i).rope, k, start))
+        values.append(_float(v[..., start:end, :]))
+    return SpanKV(mx.stack(keys), mx.stack(values), start)
+
+
+def _float(x: mx.array) -> mx.array:
+    """float32 for translation; float64 is kept (exactness tests run models in float64)."""
+    return x if x.dtype == mx.float64 else x.astype(mx.float32)
+
+
+def _layer_kv(c):
+    if hasattr(c, "bits"):  # QuantizedKVCache: dequantize
+        (kq, vq) = c.keys, c.values
+        k = mx.dequantize(*kq, group_size=c.group_size, bits=c.bits)
+        v = mx.dequantize(*vq, group_size=c.group_size, bits=c.bits)
+        return k, v
+    if type(c).__name__ == "RotatingKVCache":
+        raise ValueError(
+            "cannot capture from a RotatingKVCache (use a plain KVCache for the source)"
+        )
+    return c.keys, c.values
+
+
+class OutputRecorder(nn.Module):
+    """Stands in for a module (e.g. `k_proj`) during a prefill and keeps its outputs."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.outputs: list[mx.array] = []
+
+    def __call__(self, x):
+        y = self.inner(x)
+        self.outputs.append(y)
+        return y
+
+
+def prefill(
+    model: LoadedModel,
+    tokens: mx.array | list[int],
+    cache: list,
+    cut: str = "post_norm",
+    step: int = 2048,
+) -> SpanKV:
+    """Run `tokens` through the model on top of `cache` (extending it) and return their K/V.
+
+    Prefills in chunks of `step` tokens like mlx-lm does, so memory stays bounded.
+    """
+    tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    start = cache[0].offset
+    record = needs_recording(model, cut)
+    recorders = []
+    if record:
+        for i in range(model.geometry.layers):
+            attn = model.attention(i)
+            recorders.append(OutputRecorder(attn.k_proj))
+            attn.k_proj = recorders[-1]
+    try:
+        for s in range(0, tokens.shape[1], step):
+            model.model(tokens[:, s : s + step], cache=cache)
+            mx.eval([(c.keys, c.values) for c in cache])
+    finally:
+        for i, rec in enumerate(recorders):
+            model.attention(i).k_proj = rec.inner
+    span = capture_from_cache(model, cache, start, cache[0].offset)
+    span.tokens = tuple(int(t) for t in tokens[0].tolist())
+    if record:
+        g = model.geometry
+        B = tokens.shape[0]
+        keys = [
+            mx.concatenate(r.outputs, axis=1)
+            .reshape(B, -1, g.kv_heads, g.head_dim)
+            .transpose(0, 2, 1, 3)
+            .astype(span.values.dtype)
+            for r in recorders
+        ]
+        span = SpanKV(mx.stack(keys), span.values, start, span.tokens)
+    return span
+
+
+def trace(model: LoadedModel, tokens, cut: str) -> SpanKV:
+    """RoPE-free K/V of `tokens` for every layer of `model`, read from an empty cache."""
+    from mlx_kvlingo.kv.cache import new_cache
+
+    return prefill(model, list(tokens), new_cache(model), cut=cut)
+
+
+def layer_features(span: SpanKV, kind: str):
+    """(L, T, H*D) float32 numpy: one row per token, heads concatenated, batch 0."""
+    import numpy as np
+
+    x = span.keys if kind == "key" else span.values
+    L, B, H, T, D = x.shape
+    x = x[:, 0].transpose(0, 2, 1, 3).reshape(L, T, H * D)
+    return np.array(x if x.dtype == mx.float64 else x.astype(mx.float32), copy=False)

@@ -1,0 +1,159 @@
+"""The embedded demo pair, ready to use: models converted/assembled once, translators from weights/."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mlx_kvlingo.models.demo.data import write_splits
+from mlx_kvlingo.models.demo.smollm2 import (
+    DEMO_SOURCES,
+    cache_root,
+    ensure_demo_source,
+    ensure_smollm2,
+    source_layers,
+    weights_dir,
+)
+from mlx_kvlingo.models.files import load_translator, read_metadata
+from mlx_kvlingo.models.pair import load_pair
+
+#: The demo pairs: a small source; the target is SmolLM2-135M-Instruct ("dense") or its
+#: Qwen3-MoE upcycle ("moe", weights/moe/). The manifest lists "moe" under its own key.
+PAIRS = ("dense", "moe")
+#: The small model a pair uses unless its manifest's default names another (`default.source`).
+FIRST_SOURCE = "source"
+
+
+def _check_pair(pair: str) -> None:
+    if pair not in PAIRS:
+        raise ValueError(f"unknown demo pair {pair!r} (known: {', '.join(PAIRS)})")
+
+
+def manifest(pair: str = "dense") -> dict:
+    """The manifest section of a demo pair (pair, default, translators)."""
+    _check_pair(pair)
+    path = weights_dir() / "manifest.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: the demo translators have not been built")
+    m = json.loads(path.read_text())
+    if pair == "dense":
+        return m
+    if pair not in m:
+        raise FileNotFoundError(f"{path} has no translators for the {pair!r} demo pair")
+    return m[pair]
+
+
+def default_source(pair: str = "dense") -> str:
+    """The demo source (a `weights/` folder) the pair's default translators read."""
+    try:
+        return manifest(pair)["default"].get("source", FIRST_SOURCE)
+    except FileNotFoundError:  # no translators built yet (weights/build, step 2)
+        return FIRST_SOURCE
+
+
+def defaults(pair: str = "dense", source: str | None = None) -> dict:
+    """{"forward": file, "backward": file} shipped for the pair with that demo source.
+
+    The pair's `default` for its default source; `by_source[source]` for another one.
+    """
+    m = manifest(pair)
+    if source is None or source == m["default"].get("source", FIRST_SOURCE):
+        return m["default"]
+    try:
+        return m["by_source"][source]
+    except KeyError:
+        raise FileNotFoundError(
+            f"the {pair!r} demo pair ships no translators for {source!r}"
+        ) from None
+
+
+def translator_path(
+    name: str | None = None, reverse: bool = False, pair: str = "dense", source: str | None = None
+) -> Path:
+    """A shipped translator by file name, or the pair's default one for the direction.
+
+    `source`: the demo source the default is for (None: the pair's default source).
+    """
+    from mlx_kvlingo.models.hub import is_hub_spec, resolve_translator
+
+    shipped = name is not None and (weights_dir() / "translators" / name).is_file()
+    if name is not None and not shipped and not Path(name).exists() and is_hub_spec(name):
+        return resolve_translator(name, reverse)  # org/name[@rev][:file]
+    if name is None:
+        name = defaults(pair, source)["backward" if reverse else "forward"]
+    path = Path(name)
+    if not path.exists():
+        path = weights_dir() / "translators" / name
+    if not path.exists():
+        raise FileNotFoundError(f"no translator {name!r} in {weights_dir() / 'translators'}")
+    return path
+
+
+def source_for(translator=None, pair: str = "dense", reverse: bool = False) -> str:
+    """The demo source a translator reads: a shipped name, a file, a `Translator`, or None.
+
+    None: the pair's default source. Otherwise the demo source with as many layers as the
+    translator's small side (its source going forward, its target going back).
+    """
+    if translator is None:
+        return default_source(pair)
+    from mlx_kvlingo.kv.translator import Translator
+
+    if isinstance(translator, Translator):
+        side = translator.config.target if reverse else translator.config.source
+        layers = side.layers
+    else:
+        meta = read_metadata(translator_path(str(translator), reverse, pair))
+        layers = meta["target" if reverse else "source"]["layers"]
+    known = {}
+    for folder in DEMO_SOURCES:
+        try:
+            known[folder] = source_layers(folder)
+        except FileNotFoundError:
+            continue
+        if known[folder] == layers:
+            return folder
+    shapes = ", ".join(f"{f} ({n} layers)" for f, n in known.items())
+    raise ValueError(
+        f"translator {translator!r} reads a {layers}-layer small model; the demo's are {shapes}"
+    )
+
+
+def demo_models(pair: str = "dense", source: str | None = None) -> tuple[Path, Path]:
+    """(source folder, target folder), built on first use.
+
+    `source`: which demo source (`weights/<source>/`; None: the pair's default).
+    """
+    _check_pair(pair)
+    small = ensure_demo_source(folder=source or default_source(pair))
+    if pair == "moe":
+        from mlx_kvlingo.models.demo.moe import ensure_smollm2_moe
+
+        return small, ensure_smollm2_moe()
+    return small, ensure_smollm2()
+
+
+def load_demo(translator: str | None = None, reverse: bool = False, pair: str = "dense"):
+    """(pair, translator) for a demo pair: small -> SmolLM2 (dense or MoE), or the reverse.
+
+    The small model is the demo source the translator reads (`source_for`).
+    """
+    folder = source_for(translator, pair, reverse)
+    source, target = demo_models(pair, folder)
+    loaded = load_pair(target, source) if reverse else load_pair(source, target)
+    return loaded, load_translator(translator_path(translator, reverse, pair, folder), loaded)
+
+
+def demo_data() -> tuple[Path, Path]:
+    """(train.jsonl, heldout.jsonl) chitchat dialogues, split as the demo was trained."""
+    return write_splits(cache_root() / "data")
+
+
+def demo_eval_data() -> Path:
+    return demo_data()[1]
+
+
+def demo_content_texts() -> list[Path]:
+    """Held-out Python documentation pages (never calibrated on): the content benchmark's text."""
+    folder = weights_dir() / "data"
+    return [folder / "pydocs-prose-heldout.jsonl", folder / "pydocs-technical-heldout.jsonl"]

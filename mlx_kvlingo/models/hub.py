@@ -1,0 +1,224 @@
+"""Translators on the Hugging Face Hub: `org/name[@revision][:file]` -> a local file.
+
+    org/name                    the repo's default translator (manifest.json `default`, else its
+                                only .safetensors file)
+    org/name@v1.0               the same at a branch, tag or commit (pinned)
+    org/name:forward.safetensors, org/name@abc123:sub/dir/file.safetensors   one file
+
+An existing local path always wins over a Hub id. Files come through `huggingface_hub`
+(`hf_hub_download`, `snapshot_download`) into the user's Hub cache (`HF_HOME`,
+`HF_HUB_CACHE`), from `HF_ENDPOINT`; with `HF_HUB_OFFLINE=1` only the cache is read. A repo
+folder for upload holds the translator file(s), their `manifest.json` and a model card
+generated from the files' metadata (`build_repo_folder`, `upload`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["HubError", "HubSpec", "parse_spec", "resolve_translator", "download", "upload"]
+
+#: org/name, then optional @revision, then optional :path inside the repo
+SPEC = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[^:@\s]+))?(?::(?P<file>\S+))?$")
+ALLOW = ["*.safetensors", "manifest.json", "README.md"]
+
+
+class HubError(ValueError):
+    """A translator that cannot be fetched from the Hub (offline, missing, not a translator)."""
+
+
+@dataclass(frozen=True)
+class HubSpec:
+    repo_id: str
+    revision: str | None = None
+    filename: str | None = None
+
+    def __str__(self) -> str:
+        rev = f"@{self.revision}" if self.revision else ""
+        return f"{self.repo_id}{rev}" + (f":{self.filename}" if self.filename else "")
+
+
+def parse_spec(text: str) -> HubSpec | None:
+    """`org/name[@revision][:file]` -> HubSpec, or None when `text` is not a Hub id."""
+    m = SPEC.match(str(text).strip())
+    if m is None or str(text).startswith((".", "/", "~")):
+        return None
+    return HubSpec(m["repo"], m["rev"], m["file"])
+
+
+def is_hub_spec(text) -> bool:
+    """True for a string that names no existing local path but parses as a Hub id."""
+    return isinstance(text, str) and not Path(text).expanduser().exists() and bool(parse_spec(text))
+
+
+def _errors():
+    from huggingface_hub import errors
+
+    return errors
+
+
+def _explain(spec: HubSpec, e: Exception) -> HubError:
+    """One message per way a Hub lookup fails, naming what to do about it."""
+    from huggingface_hub import constants
+
+    err = _errors()
+    cache = constants.HF_HUB_CACHE
+    if isinstance(e, err.LocalEntryNotFoundError | err.OfflineModeIsEnabled):
+        if constants.HF_HUB_OFFLINE:
+            return HubError(
+                f"{spec}: offline (HF_HUB_OFFLINE=1) and not in the Hub cache ({cache}); "
+                f"fetch it once while online: kvlingo download {spec}"
+            )
+        return HubError(
+            f"{spec}: cannot reach {constants.ENDPOINT} and it is not in the Hub cache "
+            f"({cache}): check the connection, or set HF_HUB_OFFLINE=1 to use cached files"
+        )
+    if isinstance(e, err.RevisionNotFoundError):
+        return HubError(f"{spec}: revision {spec.revision!r} does not exist on the Hub")
+    if isinstance(e, err.RemoteEntryNotFoundError | err.EntryNotFoundError):
+        return HubError(f"{spec}: no file {spec.filename!r} in {spec.repo_id}")
+    if isinstance(e, err.RepositoryNotFoundError | err.GatedRepoError):
+        return HubError(f"{spec}: no such repository on {constants.ENDPOINT} (or it is private)")
+    return HubError(f"{spec}: {type(e).__name__}: {e}")
+
+
+def download(spec: str | HubSpec, local_dir: str | Path | None = None) -> Path:
+    """The repo's translator files (and card, manifest) in the Hub cache or `local_dir`."""
+    from huggingface_hub import snapshot_download
+
+    spec = spec if isinstance(spec, HubSpec) else _parse(spec)
+    try:
+        if spec.filename:
+            from huggingface_hub import hf_hub_download
+
+            return Path(hf_hub_download(spec.repo_id, spec.filename, revision=spec.revision,
+                                        local_dir=local_dir))  # fmt: skip
+        return Path(snapshot_download(spec.repo_id, revision=spec.revision, allow_patterns=ALLOW,
+                                      local_dir=local_dir))  # fmt: skip
+    except HubError:
+        raise
+    except Exception as e:  # noqa: BLE001 - huggingface_hub and httpx raise many kinds
+        raise _explain(spec, e) from None
+
+
+def _parse(text: str) -> HubSpec:
+    spec = parse_spec(text)
+    if spec is None:
+        raise HubError(
+            f"{text!r} is neither a local file nor a Hub id (org/name[@revision][:file])"
+        )
+    return spec
+
+
+def resolve_translator(text: str | Path, reverse: bool = False) -> Path:
+    """A local translator path, or the Hub file `text` names (downloaded or from the cache).
+
+    Without `:file`, the repo's manifest.json `default` (forward, or backward with `reverse`)
+    is taken, else its only .safetensors file.
+    """
+    path = Path(text).expanduser()
+    if path.exists():
+        return path
+    spec = _parse(str(text))
+    got = download(spec)
+    if spec.filename:
+        return got
+    manifest = got / "manifest.json"
+    if manifest.is_file():
+        default = (json.loads(manifest.read_text()).get("default") or {}).get(
+            "backward" if reverse else "forward"
+        )
+        if default and (got / default).is_file():
+            return got / default
+    files = sorted(p.name for p in got.glob("*.safetensors"))
+    if len(files) == 1:
+        return got / files[0]
+    if not files:
+        raise HubError(f"{spec}: the repository holds no .safetensors translator")
+    raise HubError(
+        f"{spec}: {len(files)} translators and no manifest.json default; name one: "
+        + ", ".join(f"{spec}:{f}" for f in files[:6])
+    )
+
+
+# -- publishing ---------------------------------------------------------------------------
+
+
+def build_repo_folder(
+    files, folder: str | Path, repo_id: str, manifest: str | Path | None = None,
+    license: str | None = None, link: bool = False,
+) -> Path:  # fmt: skip
+    """Copy the translator `files` into `folder` with a model card (README.md) generated from
+    their metadata, and a manifest.json (the given one, or one listing the files).
+
+    Each file keeps its path below the files' common folder (`a/x.safetensors` and
+    `a/b/x.safetensors` become `x.safetensors` and `b/x.safetensors`), so files of the same
+    name in two folders stay apart and a manifest may name `b/x.safetensors`. A manifest whose
+    default is not among the files is refused. `link=True` hard-links the files instead of
+    copying them where the filesystem allows.
+    """
+    from mlx_kvlingo.models.card import model_card
+    from mlx_kvlingo.models.files import read_metadata
+
+    paths = list(dict.fromkeys(Path(f).resolve() for f in files))
+    if not paths:
+        raise HubError("no translator files given")
+    root = Path(os.path.commonpath([p.parent for p in paths]))
+    names = {p: p.relative_to(root).as_posix() for p in paths}
+    man = json.loads(Path(manifest).read_text()) if manifest else None
+    default = (man or {}).get("default") or {}
+    missing = sorted({default.get(k) for k in ("forward", "backward")} - {None, *names.values()})
+    if missing:
+        raise HubError(
+            f"{manifest}: its default {', '.join(missing)} is not among the files given "
+            f"(paths below {root}: {', '.join(sorted(names.values())[:6])})"
+        )
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    metas = {}
+    for f, name in names.items():
+        try:
+            metas[name] = read_metadata(f)
+        except ValueError as e:
+            raise HubError(f"{f}: not a translator file ({e})") from None
+        dest = folder / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.resolve() != f:
+            dest.unlink(missing_ok=True)
+            try:
+                if not link:
+                    raise OSError
+                dest.hardlink_to(f)
+            except OSError:
+                shutil.copyfile(f, dest)
+    if man is None:
+        listed = list(metas)
+        man = {"default": {"forward": listed[0]}, "translators": [{"file": n} for n in listed]}
+    (folder / "manifest.json").write_text(json.dumps(man, indent=1) + "\n")
+    (folder / "README.md").write_text(model_card(repo_id, metas, man, license=license))
+    return folder
+
+
+def upload(
+    folder: str | Path, repo_id: str, private: bool = False, message: str | None = None
+) -> str:
+    """Create the repo if needed and push `folder` to its main branch with `upload_folder`;
+    returns the commit URL (its last path component is the revision to pin)."""
+    from huggingface_hub import HfApi
+
+    api = HfApi()
+    spec = HubSpec(repo_id)
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(
+            repo_id=repo_id, folder_path=str(folder),
+            commit_message=message or "Upload mlx-kvlingo translator",
+        )  # fmt: skip
+    except Exception as e:  # noqa: BLE001
+        raise _explain(spec, e) from None
+    return str(info)

@@ -1,0 +1,307 @@
+"""Load a source/target model pair through mlx-lm and describe each one's KV geometry."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+
+from mlx_kvlingo._platform import cpu_memory as _cpu_memory
+from mlx_kvlingo.kv.rope import RopeSpec, describe
+from mlx_kvlingo.models.families import Family, family_of
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm import load as mlx_lm_load
+from mlx_lm.utils import dequantize_model
+
+
+class TokenizerMismatchError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The shape of one model's KV cache, and how its keys are made."""
+
+    model_type: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    value_dim: int
+    rope: RopeSpec
+    has_k_norm: bool
+    dtype: str
+
+    @property
+    def key_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def value_width(self) -> int:
+        return self.kv_heads * self.value_dim
+
+    def as_dict(self) -> dict:
+        return {
+            "model_type": self.model_type,
+            "layers": self.layers,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "value_dim": self.value_dim,
+            "rope": self.rope.as_dict(),
+            "has_k_norm": self.has_k_norm,
+            "dtype": self.dtype,
+        }
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: nn.Module
+    tokenizer: object
+    config: dict
+    family: Family
+    geometry: KVGeometry
+    folder: Path | None = None  # where its files are (generation_config.json, ...), when known
+
+    @property
+    def layers(self) -> list:
+        return self.model.layers
+
+    def attention(self, layer: int) -> nn.Module:
+        return getattr(self.model.layers[layer], self.family.attention)
+
+    @property
+    def rope(self) -> nn.Module:
+        return self.attention(0).rope
+
+    @cached_property
+    def dtype(self) -> mx.Dtype:
+        """The dtype of the model's weights (its cache takes the same); looked up once."""
+        return weights_dtype(self.model)
+
+    @property
+    def context_length(self) -> int | None:
+        """The longest sequence the model was trained for (None if its config does not say)."""
+        return self.config.get("max_position_embeddings")
+
+    def nbytes(self) -> int:
+        from mlx.utils import tree_flatten
+
+        return sum(v.nbytes for _, v in tree_flatten(self.model.parameters()))
+
+
+@dataclass
+class ModelPair:
+    """The small model that prefills (source) and the model that decodes (target)."""
+
+    source: LoadedModel
+    target: LoadedModel
+    tokenizer: object = field(repr=False)
+    tokenizer_fingerprint: str = ""
+
+    def reversed(self) -> ModelPair:
+        return ModelPair(self.target, self.source, self.tokenizer, self.tokenizer_fingerprint)
+
+
+def weights_dtype(model: nn.Module) -> mx.Dtype:
+    """The compute dtype of a model's weights (a quantized embedding's scales tell it)."""
+    emb = model.model.embed_tokens
+    return getattr(emb, "scales", emb.weight).dtype
+
+
+def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
+    model_type = config["model_type"]
+    family = family_of(model_type)
+    layers = model.layers
+    attn = getattr(layers[0], family.attention)
+    heads = config["num_attention_heads"]
+    kv_heads = config.get(family.kv_heads_key) or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    dtype = str(weights_dtype(model))
+    if hasattr(attn, "n_kv_heads") and attn.n_kv_heads != kv_heads:  # config and module disagree
+        kv_heads = attn.n_kv_heads
+    return KVGeometry(
+        model_type=model_type,
+        layers=len(layers),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        value_dim=head_dim,
+        rope=describe(attn.rope),
+        has_k_norm=family.has_k_norm,
+        dtype=dtype.replace("mlx.core.", ""),
+    )
+
+
+def default_dtype() -> mx.Dtype | None:
+    """float32 on the CPU backend (bf16 and quantized matmuls are slow there); as stored on a
+    GPU (Metal or CUDA)."""
+    return None if mx.default_device().type == mx.gpu else mx.float32
+
+
+def with_dtype(model, config: dict, dtype):
+    """`model` in `dtype` ("auto": the backend's default; None: as stored), dequantized first
+    when stored quantized; returns (model, the dtype applied or None)."""
+    if dtype == "auto":
+        dtype = default_dtype()
+    if dtype is not None:
+        if "quantization" in config or "quantization_config" in config:
+            model = dequantize_model(model)
+        model.set_dtype(dtype)
+    return model, dtype
+
+
+def load_model(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") -> LoadedModel:
+    """Load one model by hub id or local folder through `mlx_lm.load`."""
+    name = str(path_or_repo)
+    _cpu_memory.tune()  # before the first allocations that should be reused
+    model, tokenizer, config = mlx_lm_load(name, return_config=True)
+    model, dtype = with_dtype(model, config, dtype)
+    if dtype is not None:
+        mx.eval(model.parameters())
+    family = family_of(config["model_type"])
+    geometry = geometry_of(model, config)
+    return LoadedModel(name, model, tokenizer, config, family, geometry, _folder_of(name))
+
+
+def _folder_of(name: str) -> Path | None:
+    """The local folder mlx_lm.load read (a hub id resolves in the Hub cache, offline)."""
+    if Path(name).is_dir():
+        return Path(name)
+    try:
+        from mlx_lm.utils import hf_repo_to_path
+
+        return hf_repo_to_path(name)
+    except Exception:  # noqa: BLE001 - not in the cache (or not a hub id): no folder to read
+        return None
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    vocab = tokenizer.get_vocab()
+    items = "\n".join(f"{i}\t{t}" for t, i in sorted(vocab.items(), key=lambda kv: kv[1]))
+    return hashlib.sha256(items.encode()).hexdigest()[:16]
+
+
+def check_same_tokenizer(a, b, names=("source", "target")) -> None:
+    """Refuse a pair whose tokenizers map ids to different tokens; name the first difference."""
+    va, vb = a.get_vocab(), b.get_vocab()
+    ia = {i: t for t, i in va.items()}
+    ib = {i: t for t, i in vb.items()}
+    for i in range(max(len(ia), len(ib), max(ia, default=0) + 1, max(ib, default=0) + 1)):
+        ta, tb = ia.get(i), ib.get(i)
+        if ta != tb:
+            raise TokenizerMismatchError(
+                f"the {names[0]} and {names[1]} tokenizers differ: first differing token id {i} "
+                f"is {ta!r} in the {names[0]} and {tb!r} in the {names[1]} "
+                f"(vocab sizes {len(va)} and {len(vb)}); KV translation needs one shared tokenizer"
+            )
+    ea, eb = set(a.eos_token_ids), set(b.eos_token_ids)
+    if ea != eb:
+        raise TokenizerMismatchError(
+            f"the {names[0]} and {names[1]} tokenizers differ in end-of-sequence ids: "
+            f"{sorted(ea)} vs {sorted(eb)}"
+        )
+
+
+def load_pair(
+    source: str | Path | LoadedModel,
+    target: str | Path | LoadedModel,
+    dtype: mx.Dtype | None = "auto",
+) -> ModelPair:
+    """Load source and target (hub ids, local folders or already loaded models).
+
+    Raises `TokenizerMismatchError` if they do not share a tokenizer.
+    """
+    check_fits(*[p for p in (source, target) if not isinstance(p, LoadedModel)], dtype=dtype)
+    src = source if isinstance(source, LoadedModel) else load_model(source, dtype)
+    tgt = target if isinstance(target, LoadedModel) else load_model(target, dtype)
+    check_same_tokenizer(src.tokenizer, tgt.tokenizer)
+    return ModelPair(src, tgt, tgt.tokenizer, vocab_fingerprint(tgt.tokenizer))
+
+
+def describe_model(m: LoadedModel) -> dict:
+    g = m.geometry
+    return {
+        "name": m.name,
+        **g.as_dict(),
+        "parameters_MB": round(m.nbytes() / 2**20, 1),
+        "kv_bytes_per_token": 2 * g.layers * g.kv_heads * g.head_dim * _itemsize(g.dtype),
+    }
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(mx, dtype).size if hasattr(mx, dtype) else 4
+
+
+class InsufficientMemoryError(MemoryError):
+    pass
+
+
+#: bytes per element of the safetensors dtypes a model folder holds
+_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
+             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}  # fmt: skip
+
+
+def estimate_bytes(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") -> int | None:
+    """Bytes a local model folder's weights will take once loaded (None for a hub id not on
+    disk), from its safetensors headers: every floating tensor at `dtype` (float32 on the CPU
+    backend), quantized weights dequantized (their scales and biases dropped), as `load_model`
+    does; anything else as stored. Activations and KV caches come on top."""
+    import json
+    import struct
+
+    folder = Path(path_or_repo)
+    if not (folder / "config.json").exists():
+        return None
+    config = json.loads((folder / "config.json").read_text())
+    if dtype == "auto":
+        dtype = default_dtype()
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    bits = int(quant.get("bits", 4)) if quant else None
+    total = 0
+    for f in sorted(folder.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            stored = t["data_offsets"][1] - t["data_offsets"][0]
+            numel = 1
+            for d in t["shape"]:
+                numel *= d
+            if dtype is None:
+                total += stored
+            elif bits and name.endswith((".scales", ".biases")):
+                continue  # dequantizing folds them into the weight
+            elif bits and t["dtype"] == "U32":  # packed quantized weight: 32 / bits per word
+                total += numel * (32 // bits) * dtype.size
+            elif t["dtype"] in ("F64", "F32", "F16", "BF16"):
+                total += numel * dtype.size
+            else:
+                total += stored
+    return total
+
+
+def physical_memory() -> int:
+    if sys.platform == "darwin":
+        return int(mx.metal.device_info().get("memory_size", 0)) or 16 * 2**30
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(*paths, dtype="auto", headroom: float = 0.85) -> None:
+    """Refuse, before loading, models whose weights alone exceed the machine's memory."""
+    sizes = [estimate_bytes(p, dtype) for p in paths]
+    need = sum(s for s in sizes if s)
+    have = physical_memory()
+    if need > headroom * have:
+        detail = ", ".join(f"{p}: {s / 2**30:.1f} GiB" for p, s in zip(paths, sizes) if s)
+        raise InsufficientMemoryError(
+            f"the models need about {need / 2**30:.1f} GiB once loaded (estimate from their "
+            f"files: {detail}); this machine has {have / 2**30:.1f} GiB, of which "
+            f"{headroom * have / 2**30:.1f} GiB ({headroom:.0%}) may go to weights. Use smaller "
+            "or quantized models"
+        )

@@ -1,0 +1,38 @@
+"""Three unrelated questions in one demo conversation, answered by the large model, with the
+small model reading every turn (`--reader small`), the large reading itself (`--reader self`)
+or the default policy (`--reader auto`: the small reads the opening and long turns): a quick
+look at what the reader mode's deviation does to later answers.
+
+    python -m weights.experiments.reader_check --reader small
+    python -m weights.experiments.reader_check --reader self --translator forward-mixing-nu2.safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from mlx_kvlingo import api
+
+QUESTIONS = (
+    "What is the capital of France?",
+    "Give me three tips for sleeping better.",
+    "What is 12 times 3?",
+)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reader", choices=("auto", "tokens", "small", "self"), default="auto")
+    ap.add_argument("--translator", help="a shipped forward translator file (default: the demo's)")
+    ap.add_argument("--seeds", default="0,1")
+    args = ap.parse_args(argv)
+    rt = api.Runtime.load(translator=args.translator) if args.translator else api.Runtime.load()
+    for seed in (int(s) for s in args.seeds.split(",")):
+        conversation = rt.new_conversation(reader=args.reader)
+        for q in QUESTIONS:
+            answer = conversation.ask(q, sampling={"seed": seed}).text
+            print(f"[seed {seed}] {q}\n    -> {answer[:200]}")
+
+
+if __name__ == "__main__":
+    main()
