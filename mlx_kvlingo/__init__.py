@@ -16,6 +16,8 @@ __all__ = [
     "ConversationError",
     "Event",
     "MemoryUsage",
+    "PolicyError",
+    "ReaderPolicy",
     "Runtime",
     "RuntimeBusyError",
     "Sampling",
@@ -24,6 +26,7 @@ __all__ = [
 ]
 
 _LAZY = {name: "api" for name in __all__ if name != "__version__"}
+_LAZY.update(PolicyError="config", ReaderPolicy="config")
 
 if _typing.TYPE_CHECKING:  # static checkers see the real names
     from mlx_kvlingo.api import (
@@ -36,6 +39,8 @@ if _typing.TYPE_CHECKING:  # static checkers see the real names
         Sampling,
         Timings,
     )
+
+    from .config import PolicyError, ReaderPolicy
 
 
 def __getattr__(name: str) -> object:

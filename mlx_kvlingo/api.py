@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.records import (
     AUTO_THRESHOLD,
     SessionBusyError,
@@ -44,15 +45,7 @@ from mlx_kvlingo.conversation.records import (
 )
 from mlx_kvlingo.conversation.sampling import Sampling
 from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
-from mlx_kvlingo.conversation.session import (
-    LARGE_READS_LAST,
-    MODES,
-    READER_MARGIN,
-    READER_MIN_TOKENS,
-    READERS,
-    RECOMPUTE_SHARE,
-    Session,
-)
+from mlx_kvlingo.conversation.session import MODES, Session
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
 
@@ -383,6 +376,11 @@ class Runtime:
         return cls(pair, link.sp.translator, backward, link)
 
     @property
+    def pipelined(self) -> bool:
+        """Whether the large model is pipelined over ranks (it cannot recompute)."""
+        return self._link is not None
+
+    @property
     def ranks(self) -> int:
         """How many ranks hold the large model (1: this process alone)."""
         return self._link.ranks if self._link is not None else 1
@@ -415,37 +413,17 @@ class Runtime:
         system_prompt: str | None = None,
         mode: Mode = "alternation",
         max_kv_size: int | None = None,
-        reader: Reader | None = None,
-        translate_ahead: bool = False,
-        reader_min_tokens: int = READER_MIN_TOKENS,
-        reader_margin: float = READER_MARGIN,
-        large_reads_last: int = LARGE_READS_LAST,
-        recompute_share: float | None = None,
+        policy: ReaderPolicy | None = None,
     ) -> Conversation:
         """A fresh conversation (its own two KV caches) over this runtime's pair.
 
-        `max_kv_size` caps the conversation's length in tokens (None: no cap). `reader`: who
-        reads a new user turn before the large model answers: "small" (the small model
-        reads, the large one decodes from the translated cache), "self" (the large model reads
-        it itself), "tokens" ("small" for the opening span and for turns of
-        `reader_min_tokens` or more, "self" for shorter later turns, which lose the most
-        quality translated) or "auto" (the default with a forward translator: whichever gives
-        the sooner first token, predicted from rates measured on this pair in this process;
-        when the two are within `reader_margin` of each other, the "tokens" rule decides).
-        `large_reads_last`: when the small model reads, the large one still reads the turn's
-        last this many tokens itself (your question in its own words; 1: the last token only).
-        `recompute_share`: then the large model also recomputes this share of the span just
-        translated (at least 24 tokens), the sentences its reading of the turn's end attended
-        to most (facts stated once come back; costs the large model's read of that many
-        tokens; recompute.py).
-        Default `RECOMPUTE_SHARE` (0.1), and 0 for a pipelined large model, which cannot.
-        `translate_ahead`: while the small
-        model answers, translate for the large one between its tokens, within 10% of the small
-        model's decode time, so that `escalate` costs the large model one decode step plus
-        whatever that budget left untranslated.
+        `max_kv_size` caps the conversation's length in tokens (None: no cap). `policy`: who
+        reads a new user turn before the large model answers and what it recomputes
+        (`ReaderPolicy`, mlx_kvlingo/config.py; None: its defaults, with no recompute for a
+        pipelined large model, which cannot).
         """
-        if reader is not None and reader not in READERS:
-            raise ConversationError(f"unknown reader {reader!r}; expected one of {READERS}")
+        if policy is None:
+            policy = ReaderPolicy(recompute_share=0.0) if self.pipelined else ReaderPolicy()
         make: Any = Session
         if self._link is not None:
             from functools import partial
@@ -453,8 +431,6 @@ class Runtime:
             from mlx_kvlingo.distributed.session import ShardedSession
 
             make = partial(ShardedSession, self._link)
-        if recompute_share is None:
-            recompute_share = RECOMPUTE_SHARE if self._link is None else 0.0
         session = make(
             self.pair,
             self.forward,
@@ -462,12 +438,7 @@ class Runtime:
             mode,
             system_prompt=system_prompt,
             max_kv_size=max_kv_size,
-            reader=reader,
-            reader_min_tokens=reader_min_tokens,
-            reader_margin=reader_margin,
-            large_reads_last=large_reads_last,
-            recompute_share=recompute_share,
-            translate_ahead=translate_ahead,
+            policy=policy,
         )
         return Conversation(self, session)
 
@@ -595,53 +566,15 @@ class Conversation:
         self._locked(lambda: setattr(self._session, "mode", mode), True, None)
 
     @property
-    def reader(self) -> str:
-        """Who reads a new user turn before the large model answers: "auto", "tokens",
-        "small" or "self"."""
-        return self._session.reader
+    def policy(self) -> ReaderPolicy:
+        """Who reads a new user turn before the large model answers, and what the large one
+        recomputes (`ReaderPolicy`; its reader resolved). Change it with
+        `conv.policy = dataclasses.replace(conv.policy, reader="self")`."""
+        return self._session.policy
 
-    @reader.setter
-    def reader(self, reader: Reader) -> None:
-        self._locked(lambda: setattr(self._session, "reader", reader), True, None)
-
-    @property
-    def reader_min_tokens(self) -> int:
-        """Reader "tokens" (and "auto" on a tie): later turns shorter than this many tokens
-        the large model reads itself."""
-        return self._session.reader_min_tokens
-
-    @reader_min_tokens.setter
-    def reader_min_tokens(self, n: int) -> None:
-        self._locked(lambda: setattr(self._session, "reader_min_tokens", n), True, None)
-
-    @property
-    def large_reads_last(self) -> int:
-        """When the small model reads, the large one still reads the turn's last this many
-        tokens itself (1: the last token only)."""
-        return self._session.large_reads_last
-
-    @large_reads_last.setter
-    def large_reads_last(self, n: int) -> None:
-        self._locked(lambda: setattr(self._session, "large_reads_last", n), True, None)
-
-    @property
-    def recompute_share(self) -> float:
-        """The share of a translated turn the large model recomputes after reading its end."""
-        return self._session.recompute_share
-
-    @recompute_share.setter
-    def recompute_share(self, x: float) -> None:
-        self._locked(lambda: setattr(self._session, "recompute_share", x), True, None)
-
-    @property
-    def reader_margin(self) -> float:
-        """Reader "auto": predicted TTFTs within this fraction of each other are a tie, which
-        the "tokens" rule decides (0: time alone)."""
-        return self._session.reader_margin
-
-    @reader_margin.setter
-    def reader_margin(self, x: float) -> None:
-        self._locked(lambda: setattr(self._session, "reader_margin", x), True, None)
+    @policy.setter
+    def policy(self, policy: ReaderPolicy) -> None:
+        self._locked(lambda: setattr(self._session, "policy", policy), True, None)
 
     @property
     def tokens(self) -> int:

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlx_kvlingo.config import ReaderPolicy
+
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("translator", "method", "session", "checkpoint")
 FILES = {"translator": "t.safetensors", "method": "m.safetensors",
@@ -55,7 +57,12 @@ def _saver(kind: str, out: Path, fixtures: Path, log: Path, size_mb: float) -> N
         from mlx_kvlingo.models.pair import load_pair
 
         pair = load_pair(fixtures / "qwen3", fixtures / "known")
-        s = Session(pair, load_translator(fixtures / "fwd.safetensors", pair), None)
+        s = Session(
+            pair,
+            load_translator(fixtures / "fwd.safetensors", pair),
+            None,
+            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        )
         s.add_user("def parse_args(argv):\n    return argv[1:] " * 12)
         list(s.generate("source", max_tokens=2))
     if kind == "checkpoint":
@@ -165,7 +172,9 @@ class Verifier:
                 from mlx_kvlingo.models.pair import load_pair
 
                 pair = load_pair(self.fixtures / "qwen3", self.fixtures / "known")
-                self._session = Session(pair, None, None)
+                self._session = Session(
+                    pair, None, None, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)
+                )
             self._session.load(out)
             return int(self._session.system_prompt[1:])
         from mlx_kvlingo.calibrate.distill import load_checkpoint

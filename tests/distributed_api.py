@@ -15,6 +15,8 @@ import os
 import sys
 import time
 
+from mlx_kvlingo.config import ReaderPolicy
+
 sys.modules.setdefault("torch", None)  # not needed here; transformers would import it (slow)
 
 import mlx_kvlingo  # noqa: E402,F401  (preloads OpenBLAS before mlx)
@@ -48,9 +50,9 @@ def conversation(rt: Runtime, short: bool = False) -> dict:
     opening, the large a short later turn), the large reading a turn's last 3 tokens itself;
     `short`: the first three turns."""
     a = rt.new_conversation(
-        reader="small", large_reads_last=1, recompute_share=0
+        policy=ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
     )  # the plain handoff
-    b = rt.new_conversation(reader="self")
+    b = rt.new_conversation(policy=ReaderPolicy(reader="self"))
     turns = [
         _turn(a.send("def foo(x):", "large", **GREEDY)),
         _turn(b.send("class Bar:", "large", **GREEDY)),
@@ -71,15 +73,19 @@ def conversation(rt: Runtime, short: bool = False) -> dict:
     a.mode = "alternation"
     a.reset()
     turns.append(_turn(a.send("fresh start", "large", **GREEDY)))
-    c = rt.new_conversation(translate_ahead=True, large_reads_last=1, recompute_share=0)
+    c = rt.new_conversation(
+        policy=ReaderPolicy(translate_ahead=True, large_reads_last=1, recompute_share=0)
+    )
     turns.append(_turn(c.send("x = 1", "small", **GREEDY)))
     turns.append(_turn(c.escalate(**GREEDY)))
     d = rt.new_conversation(
-        reader="tokens", large_reads_last=1, recompute_share=0
+        policy=ReaderPolicy(reader="tokens", large_reads_last=1, recompute_share=0)
     )  # the same in every process
     turns.append(_turn(d.send("def foo(x):", "large", **GREEDY)))
     turns.append(_turn(d.send("ok", "large", **GREEDY)))
-    e = rt.new_conversation(reader="small", large_reads_last=3, recompute_share=0)  # last 3 itself
+    e = rt.new_conversation(
+        policy=ReaderPolicy(reader="small", large_reads_last=3, recompute_share=0)
+    )  # last 3 itself
     turns.append(_turn(e.send("def parse_args(argv): return argv", "large", **GREEDY)))
     stats = {k: a.stats()["models"]["target"][k] for k in ("translated_into", "turns", "held")}
     return {"turns": turns, "stats": stats}
@@ -98,9 +104,9 @@ def run_case(case: dict, distributed: bool) -> dict:
         out["owners"] = [[o.start, o.stop] for o in rt._link.owners]
         out["bytes_sent"] = rt._link.bytes_sent
         out["bytes_received"] = rt._link.bytes_received
-        out["recompute_default"] = rt.new_conversation().recompute_share
+        out["recompute_default"] = rt.new_conversation().policy.recompute_share
         try:  # the recompute runs all of the large model's layers in one process
-            rt.new_conversation(recompute_share=0.1)
+            rt.new_conversation(policy=ReaderPolicy(recompute_share=0.1))
             out["recompute_error"] = None
         except Exception as e:  # noqa: BLE001 - the point is which error
             out["recompute_error"] = str(e)
@@ -112,7 +118,7 @@ def _lost(rt: Runtime) -> dict:
     """Rank 0 of a case whose rank 1 dies: the error a user gets, and how long it took."""
     t0 = time.monotonic()
     try:
-        rt.new_conversation(reader="small", large_reads_last=1).ask(
+        rt.new_conversation(policy=ReaderPolicy(reader="small", large_reads_last=1)).ask(
             "def foo(x):", "large", **GREEDY
         )  # a span is sent
         return {"error": None}

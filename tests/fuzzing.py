@@ -46,6 +46,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlx_kvlingo.config import ReaderPolicy
+
 ROOT = Path(__file__).resolve().parents[1]
 OUTCOMES = ("ok", "refused", "bug", "hang", "crash", "wrote")
 FAILURES = ("bug", "hang", "crash", "wrote")
@@ -540,7 +542,13 @@ def _seed_files(folder: Path, seeds: Path, pair, exact) -> None:
     d = seeds / "session"
     d.mkdir(parents=True, exist_ok=True)
     back = load_translator(folder / "bwd.safetensors", pair.reversed())
-    s = Session(pair, exact, back, system_prompt="Be brief.")
+    s = Session(
+        pair,
+        exact,
+        back,
+        system_prompt="Be brief.",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+    )
     s.save(d / "empty.safetensors")
     s.add_user("def parse_args(argv):")
     list(s.generate("source", max_tokens=6))

@@ -20,6 +20,7 @@ from mlx_kvlingo import (
     Runtime,
     RuntimeBusyError,
 )
+from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.models.files import save_translator
 from mlx_kvlingo.models.pair import load_pair
 
@@ -368,35 +369,45 @@ def test_reader_policy_through_the_api(runtime):
 
     assert runtime.load_s >= runtime.warmup_s > 0
     assert costs_of(runtime.pair).target_read.ready and costs_of(runtime.pair).forward.ready
-    auto = runtime.new_conversation(reader_margin=0.2)
-    assert (auto.reader, auto.reader_margin) == ("auto", 0.2)
+    auto = runtime.new_conversation(policy=ReaderPolicy(reader_margin=0.2))
+    assert (auto.policy.reader, auto.policy.reader_margin) == ("auto", 0.2)
     # the large model reads the last 32 tokens of a turn itself: a shorter turn it reads whole
-    assert auto.large_reads_last == 32
+    assert auto.policy.large_reads_last == 32
     done = auto.ask(MSG[0], max_tokens=N, sampling={"temp": 0})
     assert done.timings.read_tokens == 0 and done.timings.alternative_ttft_s is None
     assert "within the 32 tok the large reads itself" in done.status
-    auto.large_reads_last = 1  # the plain handoff: two ways to read, the other one predicted
+    auto.policy = replace(
+        auto.policy, large_reads_last=1
+    )  # the plain handoff: two ways to read, the other one predicted
     done = auto.ask(MSG[1], max_tokens=N, sampling={"temp": 0})
     assert done.timings.alternative_ttft_s > 0 and "TTFT ≈ " in done.status
-    with pytest.raises(ConversationError, match="reader_margin"):
-        auto.reader_margin = -1
-    with pytest.raises(ConversationError, match="large_reads_last"):
-        auto.large_reads_last = 0
+    with pytest.raises(PolicyError, match="reader_margin"):
+        auto.policy = replace(auto.policy, reader_margin=-1)
+    with pytest.raises(PolicyError, match="large_reads_last"):
+        auto.policy = replace(auto.policy, large_reads_last=0)
     # the plain handoff: the large model reads only the last token of a turn the small read
-    conv = runtime.new_conversation(reader="tokens", reader_min_tokens=48, large_reads_last=1)
-    assert (conv.reader, conv.reader_min_tokens, conv.large_reads_last) == ("tokens", 48, 1)
+    conv = runtime.new_conversation(
+        policy=ReaderPolicy(reader="tokens", reader_min_tokens=48, large_reads_last=1)
+    )
+    assert (conv.policy.reader, conv.policy.reader_min_tokens, conv.policy.large_reads_last) == (
+        "tokens",
+        48,
+        1,
+    )
     first = conv.ask(MSG[0], max_tokens=N, sampling={"temp": 0})
     later = conv.ask(MSG[1], max_tokens=N, sampling={"temp": 0})
     assert first.timings.read_tokens > 0 and later.timings.read_tokens == 0
-    conv.reader_min_tokens = 0  # every turn read by the small model now
+    conv.policy = replace(
+        conv.policy, reader_min_tokens=0
+    )  # every turn read by the small model now
     assert conv.ask(MSG[2], max_tokens=N, sampling={"temp": 0}).timings.read_tokens > 0
-    conv.reader = "self"
+    conv.policy = replace(conv.policy, reader="self")
     assert conv.ask(MSG[0], max_tokens=N, sampling={"temp": 0}).timings.read_tokens == 0
-    with pytest.raises(ConversationError, match="reader_min_tokens"):
-        conv.reader_min_tokens = -3
-    with pytest.raises(ConversationError, match="unknown reader"):
-        conv.reader = "huge"
-    assert conv.reader == "self" and conv.reader_min_tokens == 0
+    with pytest.raises(PolicyError, match="reader_min_tokens"):
+        conv.policy = replace(conv.policy, reader_min_tokens=-3)
+    with pytest.raises(PolicyError, match="unknown reader"):
+        conv.policy = replace(conv.policy, reader="huge")
+    assert conv.policy.reader == "self" and conv.policy.reader_min_tokens == 0
     assert_consistent(conv)
 
 

@@ -53,7 +53,7 @@ def test_loading_a_model_tunes_malloc(default_limit, tiny_dir, monkeypatch):
 _HEAP_KEPT = """
 import ctypes, json, os, sys
 import mlx_kvlingo
-from mlx_kvlingo import _cpu_memory
+from mlx_kvlingo._platform import cpu_memory as _cpu_memory
 
 _cpu_memory.TRIM_THRESHOLD = eval(sys.argv[1])
 assert _cpu_memory.tune()["malloc"] == "tuned"
@@ -112,7 +112,7 @@ from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.models.pair import load_pair
 sys.path.insert(0, "tests")
 from helpers import exact_translator
-from mlx_kvlingo import synthetic as syn
+from mlx_kvlingo.data import synthetic as syn
 import pathlib
 d = pathlib.Path(sys.argv[1])
 tok = syn.build_tokenizer(d / "tokenizer")

@@ -3,6 +3,8 @@ the large one answers from the translated cache, five everyday prompts, 200 toke
 
 from collections import Counter
 
+from mlx_kvlingo.config import ReaderPolicy
+
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -59,7 +61,9 @@ def looping_runtime():
 def answer(runtime, prompt: str, **sampling) -> tuple[list[int], str]:
     # answers from translated caches as they are: the large model reads only the last token
     # itself and recomputes none
-    conv = runtime.new_conversation(reader="small", large_reads_last=1, recompute_share=0)
+    conv = runtime.new_conversation(
+        policy=ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
+    )
     done = conv.ask(prompt, max_tokens=200, sampling=sampling)
     assert done.model == "large" and done.timings.read_tokens > 0  # the small model read it
     ids = [t for t in conv._session.tokens[-done.timings.generation_tokens :]]

@@ -5,6 +5,7 @@ reader "auto", the default: the small reads the opening span and long turns only
 import json
 from dataclasses import replace
 
+from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats, status_line
 from mlx_kvlingo.conversation.sampling import DEFAULTS, GREEDY, Sampling, resolve
 from mlx_kvlingo.conversation.session import Session
@@ -60,8 +61,16 @@ def test_reader_equals_reprefill_over_ten_turns(pair, translators, seeded):
     fwd, bwd = translators
     sampler = make_sampler(temp=0.8, top_p=0.95) if seeded else None
     seed = 7 if seeded else None
-    s = Session(pair, fwd, bwd, reader="small")
-    ref = Session(pair, fwd, bwd, mode="reprefill")
+    s = Session(
+        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small")
+    )
+    ref = Session(
+        pair,
+        fwd,
+        bwd,
+        mode="reprefill",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+    )
     got, want = converse(s, sampler=sampler, seed=seed), converse(ref, sampler=sampler, seed=seed)
     assert got == want and s.tokens == ref.tokens
     assert all(len(t) > 0 for t in got)
@@ -87,7 +96,9 @@ def test_the_large_reads_the_last_tokens_itself_on_the_translated_rest(pair, tra
     whole, and says why."""
     fwd, bwd = translators
     k = 8
-    s = Session(pair, fwd, bwd, reader="small", large_reads_last=k)
+    s = Session(
+        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=k, recompute_share=0.0, reader="small")
+    )
     got = []
     for i in range(6):
         s.add_user(MESSAGES[i])
@@ -96,17 +107,31 @@ def test_the_large_reads_the_last_tokens_itself_on_the_translated_rest(pair, tra
         t = s.turns[-1]
         assert t.prompt_tokens == k and t.read is not None and t.read.tokens > 0
         assert t.switch.end == n0 - k  # translated up to the last k tokens, not beyond
-    assert got == converse(Session(pair, fwd, bwd, mode="reprefill"), 6)
+    assert got == converse(
+        Session(
+            pair,
+            fwd,
+            bwd,
+            mode="reprefill",
+            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        ),
+        6,
+    )
     assert_translated_once(s)
     assert_consistent(s)
-    short = Session(pair, fwd, bwd, reader="small", large_reads_last=10_000)
+    short = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=10_000, recompute_share=0.0, reader="small"),
+    )
     short.add_user(MESSAGES[0])
     list(short.generate("large", max_tokens=2))
     (t,) = short.turns
     assert t.read is None and t.switch is None and t.prompt_tokens > k
     assert "within the 10000 tok the large reads itself" in t.read_note
-    with pytest.raises(SessionError, match="large_reads_last"):
-        Session(pair, fwd, bwd, large_reads_last=0)
+    with pytest.raises(PolicyError, match="large_reads_last"):
+        Session(pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=0, recompute_share=0.0))
 
 
 def _zero_like(pair, tr, answer):
@@ -127,15 +152,44 @@ def test_the_large_recomputes_the_share_of_the_turn_its_reading_attended_to(pair
     stay consistent."""
     fwd, bwd = translators
     zero = _zero_like(pair, fwd, tiny_dir["known_answer"])
-    want = converse(Session(pair, fwd, bwd, mode="reprefill"), 4)
-    full = Session(pair, zero, bwd, reader="small", large_reads_last=1, recompute_share=1.0)
+    want = converse(
+        Session(
+            pair,
+            fwd,
+            bwd,
+            mode="reprefill",
+            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        ),
+        4,
+    )
+    full = Session(
+        pair,
+        zero,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=1.0, reader="small"),
+    )
     assert converse(full, 4) == want
-    none = Session(pair, zero, bwd, reader="small", large_reads_last=1)
+    none = Session(
+        pair,
+        zero,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small"),
+    )
     assert converse(none, 4) != want
     k = 4
-    full = Session(pair, zero, bwd, reader="small", large_reads_last=k, recompute_share=1.0)
+    full = Session(
+        pair,
+        zero,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=k, recompute_share=1.0, reader="small"),
+    )
     converse(full, 4)
-    half = Session(pair, zero, bwd, reader="small", large_reads_last=k, recompute_share=0.5)
+    half = Session(
+        pair,
+        zero,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=k, recompute_share=0.5, reader="small"),
+    )
     converse(half, 4)
     for s, share in ((full, 1.0), (half, 0.5)):
         for t in s.turns:
@@ -150,7 +204,7 @@ def test_the_large_recomputes_the_share_of_the_turn_its_reading_attended_to(pair
     assert f"large read the last {k} tok and recomputed {half.turns[-1].switch.recomputed}" in line
     assert half.stats()["recompute_share"] == 0.5
     with pytest.raises(SessionError, match="recompute_share"):
-        Session(pair, fwd, bwd, recompute_share=1.5)
+        Session(pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=1.5))
 
 
 def test_an_interrupted_recompute_leaves_the_caches_consistent(pair, translators, monkeypatch):
@@ -159,7 +213,9 @@ def test_an_interrupted_recompute_leaves_the_caches_consistent(pair, translators
     import mlx_kvlingo.kv.recompute as recompute
 
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="small", large_reads_last=4, recompute_share=0.5)
+    s = Session(
+        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=4, recompute_share=0.5, reader="small")
+    )
     s.add_user(MESSAGES[0])
     n0, real, calls = len(s.tokens), recompute.read_positions, []
 
@@ -182,20 +238,43 @@ def test_an_interrupted_recompute_leaves_the_caches_consistent(pair, translators
 
 def test_reader_self_keeps_todays_behaviour(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="self")
+    s = Session(
+        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self")
+    )
     converse(s, turns=3)
     assert all(t.read is None for t in s.turns)
     assert s.turns[0].prompt_tokens > 1 and not s.translated_spans()
     with pytest.raises(SessionError, match="needs a forward"):
-        Session(pair, None, bwd, reader="small")
-    assert Session(pair, None, bwd).reader == "self"
+        Session(
+            pair,
+            None,
+            bwd,
+            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small"),
+        )
+    assert (
+        Session(
+            pair, None, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)
+        ).policy.reader
+        == "self"
+    )
 
 
 def test_mixed_schedule_and_no_backward_translator(pair, translators):
     fwd, _ = translators
     sched = ["large", "large", "small", "large", "small", "small", "large"]
-    s = Session(pair, fwd, None, reader="small")
-    ref = Session(pair, fwd, None, mode="reprefill")
+    s = Session(
+        pair,
+        fwd,
+        None,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small"),
+    )
+    ref = Session(
+        pair,
+        fwd,
+        None,
+        mode="reprefill",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+    )
     assert converse(s, 7, sched) == converse(ref, 7, sched)
     large = [t for t in s.turns if t.model == "target"]
     # no backward translator: the small reads the large's answer itself, and says so
@@ -208,8 +287,20 @@ def test_mixed_schedule_and_no_backward_translator(pair, translators):
 
 def test_naive_mode_with_reader(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, mode="naive", reader="small")
-    ref = Session(pair, fwd, bwd, mode="reprefill")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        mode="naive",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small"),
+    )
+    ref = Session(
+        pair,
+        fwd,
+        bwd,
+        mode="reprefill",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+    )
     assert converse(s, 4) == converse(ref, 4)
     assert sum(sw.retranslated for sw in s.switches) > 0  # naive re-translates what it held
     assert_consistent(s)
@@ -217,7 +308,9 @@ def test_naive_mode_with_reader(pair, translators):
 
 def test_ctrl_c_during_the_small_read_and_the_large_decode(pair, translators, monkeypatch):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="small")
+    s = Session(
+        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small")
+    )
     converse(s, 2)
     s.add_user("a long user turn " * 12)
     real = pair.source.model.__class__.__call__
@@ -263,7 +356,9 @@ def test_ctrl_c_during_the_small_read_and_the_large_decode(pair, translators, mo
 
 def test_cancel_during_the_small_read(pair, translators, monkeypatch):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="small")
+    s = Session(
+        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small")
+    )
     s.add_user("word " * 40)
     real = pair.source.model.__class__.__call__
 
@@ -284,13 +379,17 @@ def test_cancel_during_the_small_read(pair, translators, monkeypatch):
 
 def test_save_load_and_trim_with_reader(pair, translators, tmp_path):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="small", large_reads_last=5, recompute_share=0.5)
+    s = Session(
+        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=5, recompute_share=0.5, reader="small")
+    )
     converse(s, 3)
     path = s.save(tmp_path / "chat")
-    t = Session(pair, fwd, bwd, reader="self")
+    t = Session(
+        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self")
+    )
     t.load(path)
-    assert t.reader == "small" and t.turns[-1].read.tokens == s.turns[-1].read.tokens
-    assert t.large_reads_last == 5 and t.recompute_share == 0.5
+    assert t.policy.reader == "small" and t.turns[-1].read.tokens == s.turns[-1].read.tokens
+    assert t.policy.large_reads_last == 5 and t.policy.recompute_share == 0.5
     assert t.turns[-1].switch.recomputed == s.turns[-1].switch.recomputed > 0
     assert converse(s, 2) == converse(t, 2)
     dropped = t.trim(len(t.tokens) // 2)
@@ -304,7 +403,9 @@ def test_save_load_and_trim_with_reader(pair, translators, tmp_path):
 
 def test_status_and_stats_show_the_read_and_the_saving(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="small")
+    s = Session(
+        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small")
+    )
     converse(s, 2)
     st = s.last_turn
     line = status_line(st, {"source": "S", "target": "T"})
@@ -398,7 +499,9 @@ def test_logits_processors_see_the_answers_not_the_turns(pair, translators, read
     model's own prompt is one token), and not the user's text, which an answer may need to
     repeat: the same history whoever read the turn."""
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader=reader)
+    s = Session(
+        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader=reader)
+    )
     converse(s, 1)
     s.add_user(MESSAGES[1])
     seen = []
@@ -420,7 +523,18 @@ def test_translate_ahead_makes_escalation_one_step(pair, translators):
     """While the small model answers, the span the large would lack is translated between
     its tokens; escalating then costs the large one token of reading, and stays exact."""
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, translate_ahead=True, ahead_chunk=8, ahead_share=None)
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(
+            large_reads_last=1,
+            recompute_share=0.0,
+            translate_ahead=True,
+            ahead_chunk=8,
+            ahead_share=None,
+        ),
+    )
     s.add_user("a long question " * 6)
     n0 = len(s.tokens)
     small = [e.token for e in s.generate("small", max_tokens=N)]
@@ -455,7 +569,12 @@ def test_translate_ahead_within_budget_leaves_the_rest_to_the_escalation(pair, t
             return min(8, remaining) if not self.history else 0
 
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, translate_ahead=True)
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, translate_ahead=True),
+    )
     s._ahead_budget = OneChunk()
     s.add_user("a long question " * 6)
     n0 = len(s.tokens)
@@ -481,10 +600,33 @@ def test_reader_tokens_reads_the_opening_and_long_turns_only(pair, translators, 
     turns itself and the status line says why. Token-for-token equal to re-prefill on the
     exact pair, each span translated once."""
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="tokens", reader_min_tokens=48)
-    assert Session(pair, fwd, bwd).reader == "auto"
-    assert Session(pair, fwd, bwd).reader_min_tokens == 64
-    ref = Session(pair, fwd, bwd, mode="reprefill")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(
+            large_reads_last=1, recompute_share=0.0, reader="tokens", reader_min_tokens=48
+        ),
+    )
+    assert (
+        Session(
+            pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)
+        ).policy.reader
+        == "auto"
+    )
+    assert (
+        Session(
+            pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)
+        ).policy.reader_min_tokens
+        == 64
+    )
+    ref = Session(
+        pair,
+        fwd,
+        bwd,
+        mode="reprefill",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+    )
     turns = [MESSAGES[0], MESSAGES[1], "word " * 60, MESSAGES[2]]
     got, want = [], []
     for text in turns:
@@ -508,23 +650,37 @@ def test_reader_tokens_reads_the_opening_and_long_turns_only(pair, translators, 
     assert_consistent(s)
     assert s.stats()["reader_min_tokens"] == 48
     # the policy survives a save / load
-    t = Session(pair, fwd, bwd, reader="self")
+    t = Session(
+        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self")
+    )
     t.load(s.save(tmp_path / "auto"))
-    assert (t.reader, t.reader_min_tokens) == ("tokens", 48)
+    assert (t.policy.reader, t.policy.reader_min_tokens) == ("tokens", 48)
 
 
 def test_reader_auto_limits_and_zero(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="tokens", reader_min_tokens=0)  # 0: the small reads all
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(
+            large_reads_last=1, recompute_share=0.0, reader="tokens", reader_min_tokens=0
+        ),
+    )  # 0: the small reads all
     converse(s, 3)
     assert all(t.read is not None and t.prompt_tokens == 1 for t in s.turns)
     for bad in (-1, 2.5, True, "8"):
-        with pytest.raises(SessionError, match="reader_min_tokens"):
-            s.reader_min_tokens = bad
+        with pytest.raises(PolicyError, match="reader_min_tokens"):
+            s.policy = replace(s.policy, reader_min_tokens=bad)
     with pytest.raises(SessionError, match="'auto' needs a forward"):
-        Session(pair, None, bwd, reader="auto")
-    with pytest.raises(SessionError, match="unknown reader"):
-        s.reader = "big"
+        Session(
+            pair,
+            None,
+            bwd,
+            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="auto"),
+        )
+    with pytest.raises(PolicyError, match="unknown reader"):
+        s.policy = replace(s.policy, reader="big")
 
 
 def test_status_line_accounts_for_the_ttft():

@@ -3,7 +3,10 @@ reading its turn itself and the small one reading for it, the token rule as a ti
 the warm-up that measures the rates. Exact costs are injected (`ReadCosts.fixed`): no test
 here depends on how fast this machine is."""
 
-from mlx_kvlingo.conversation.records import SessionError, status_line
+from dataclasses import replace
+
+from mlx_kvlingo.config import PolicyError, ReaderPolicy
+from mlx_kvlingo.conversation.records import status_line
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import Cost, Paths, ReadCosts, costs_of
 from mlx_kvlingo.conversation.warmup import warm_up
@@ -91,8 +94,7 @@ def test_the_tail_is_dropped_where_it_would_more_than_double_the_ttft(pair, tran
     # over 2x the handoff, but less than TAIL_ALLOWANCE_S more: kept
     quick = dict(source_read=(0.0, 1e-4), forward=(0.0, 1e-4), target_read=(0.01, 0.03))
     for rates, tail in ((cheap, 8), (quick, 8), (dear, 1)):
-        s = Session(pair, fwd, bwd, reader="small", large_reads_last=8,
-                    read_costs=ReadCosts.fixed(**rates))  # fmt: skip
+        s = Session(pair, fwd, bwd, read_costs=ReadCosts.fixed(**rates), policy=ReaderPolicy(large_reads_last=8, recompute_share=0.0, reader="small"))  # fmt: skip
         s.add_user(long)
         n0 = len(s.tokens)
         plain, with_tail = s._paths_with(n0 - 1, 1), s._paths_with(n0 - 1, 8)
@@ -100,7 +102,13 @@ def test_the_tail_is_dropped_where_it_would_more_than_double_the_ttft(pair, tran
         assert (b <= max(TAIL_BUDGET * a, a + TAIL_ALLOWANCE_S)) == (tail == 8)
         assert tail == 8 or (b > TAIL_BUDGET * a and b > a + TAIL_ALLOWANCE_S)
         toks = [e.token for e in s.generate("large", max_tokens=N)]
-        ref = Session(pair, fwd, bwd, mode="reprefill")
+        ref = Session(
+            pair,
+            fwd,
+            bwd,
+            mode="reprefill",
+            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        )
         assert toks == talk(ref, [long])[0]
         (st,) = s.turns
         assert st.prompt_tokens == tail and st.read is not None
@@ -118,11 +126,22 @@ def test_the_recompute_is_dropped_before_the_tail_where_it_would_exceed_the_budg
     rates = dict(source_read=(0.05, 0.001), forward=(0.01, 0.001))
     for per_token, tail, recomputes in ((0.001, 8, True), (0.02, 8, False), (0.2, 1, False)):
         costs = ReadCosts.fixed(**rates, target_read=(0.01, per_token))
-        s = Session(pair, fwd, bwd, reader="small", large_reads_last=8, recompute_share=0.5,
-                    read_costs=costs)  # fmt: skip
+        s = Session(pair, fwd, bwd, read_costs=costs, policy=ReaderPolicy(large_reads_last=8, recompute_share=0.5, reader="small"))  # fmt: skip
         s.add_user(long)
         toks = [e.token for e in s.generate("large", max_tokens=N)]
-        assert toks == talk(Session(pair, fwd, bwd, mode="reprefill"), [long])[0]
+        assert (
+            toks
+            == talk(
+                Session(
+                    pair,
+                    fwd,
+                    bwd,
+                    mode="reprefill",
+                    policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+                ),
+                [long],
+            )[0]
+        )
         (st,) = s.turns
         assert (st.switch.recomputed > 0) == recomputes
         assert st.switch.tail_read == (tail if recomputes else 0)
@@ -143,8 +162,20 @@ SMALL_FAST = dict(source_read=(0.0, 1e-4), forward=(0.0, 1e-4), backward=(0.0, 1
 def test_auto_picks_the_large_reading_when_it_is_predicted_faster(pair, translators):
     fwd, bwd = translators
     costs = ReadCosts.fixed(**LARGE_FAST)
-    s = Session(pair, fwd, bwd, read_costs=costs)
-    ref = Session(pair, fwd, bwd, mode="reprefill")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        read_costs=costs,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+    )
+    ref = Session(
+        pair,
+        fwd,
+        bwd,
+        mode="reprefill",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+    )
     long = "word " * 80  # the token rule would have the small read it
     texts = [SHORT[0], long, SHORT[1]]
     assert talk(s, texts) == talk(ref, texts)
@@ -167,8 +198,20 @@ def test_auto_picks_the_large_reading_when_it_is_predicted_faster(pair, translat
 def test_auto_picks_the_small_reading_when_it_is_predicted_faster(pair, translators):
     fwd, bwd = translators
     costs = ReadCosts.fixed(**SMALL_FAST)
-    s = Session(pair, fwd, bwd, read_costs=costs)
-    ref = Session(pair, fwd, bwd, mode="reprefill")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        read_costs=costs,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+    )
+    ref = Session(
+        pair,
+        fwd,
+        bwd,
+        mode="reprefill",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+    )
     assert talk(s, SHORT) == talk(ref, SHORT)
     for st in s.turns:  # even short later turns, which the token rule gives the large
         assert st.read is not None and st.prompt_tokens == 1 and st.read_note == ""
@@ -197,10 +240,10 @@ def opening_tie(pair, n0: int, ratio: float) -> ReadCosts:
 )
 def test_the_token_rule_breaks_ties(pair, translators, tmp_path, ratio, margin, small_reads):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd)
+    s = Session(pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0))
     s.add_user(SHORT[0])
     s.read_costs = opening_tie(pair, len(s.tokens), ratio)
-    s.reader_margin = margin
+    s.policy = replace(s.policy, reader_margin=margin)
     small, why, paths = s._reader_choice("target", len(s.tokens) - 1)
     assert small is small_reads and paths == Paths(len(s.tokens), 0, len(s.tokens) - 1, True)
     assert paths.small(s.read_costs) == pytest.approx(ratio * paths.large(s.read_costs))
@@ -209,22 +252,29 @@ def test_the_token_rule_breaks_ties(pair, translators, tmp_path, ratio, margin, 
     next(s.generate("large", max_tokens=N))
     s.cancel()
     s.add_user(SHORT[1])
-    s.read_costs, s.reader_margin = ReadCosts.fixed(**SMALL_FAST), 1e9
+    s.read_costs = ReadCosts.fixed(**SMALL_FAST)
+    s.policy = replace(s.policy, reader_margin=1e9)
     small, why, _ = s._reader_choice("target", len(s.tokens) - 1)
     assert not small and why == "reader auto, a tie: the large reads turns under 64 tok"
-    t = Session(pair, fwd, bwd)
+    t = Session(pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0))
     t.load(s.save(tmp_path / "tie"))
-    assert (t.reader, t.reader_margin) == ("auto", 1e9)
+    assert (t.policy.reader, t.policy.reader_margin) == ("auto", 1e9)
     for bad in (-0.1, "x", True, float("nan")):
-        with pytest.raises(SessionError, match="reader_margin"):
-            s.reader_margin = bad
+        with pytest.raises(PolicyError, match="reader_margin"):
+            s.policy = replace(s.policy, reader_margin=bad)
 
 
 def test_auto_before_any_timing_is_the_token_rule(pair, translators):
     """Nothing measured yet: the opening is read by the small, a short later turn by the large
     (its own read is timed once after the first answer, for the status line)."""
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, read_costs=ReadCosts())
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        read_costs=ReadCosts(),
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+    )
     talk(s, SHORT[:2])
     opening, short = s.turns
     assert opening.read is not None and opening.read_note == ""
@@ -244,7 +294,13 @@ def test_reader_tokens_and_the_others_ignore_the_rates(pair, translators):
         ("small", ReadCosts.fixed(**LARGE_FAST), [True, True]),
         ("self", ReadCosts.fixed(**SMALL_FAST), [False, False]),
     ):
-        s = Session(pair, fwd, bwd, reader=reader, read_costs=costs)
+        s = Session(
+            pair,
+            fwd,
+            bwd,
+            read_costs=costs,
+            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader=reader),
+        )
         talk(s, SHORT[:2])
         assert [t.read is not None for t in s.turns] == reads, reader
         assert all(t.alternative_ttft_s is not None for t in s.turns)
@@ -261,8 +317,14 @@ def test_warm_up_measures_every_cost_and_pays_the_first_turn(pair, translators):
     assert {n for n, _ in costs.target_step.samples} == {1}
     assert min(n for n, _ in costs.target_read.samples) > 1
     # the pair's shared costs: what sessions get by default
-    s = Session(pair, fwd, bwd)
-    assert s.read_costs is costs_of(pair) and Session(pair, fwd, bwd).read_costs is s.read_costs
+    s = Session(pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0))
+    assert (
+        s.read_costs is costs_of(pair)
+        and Session(
+            pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)
+        ).read_costs
+        is s.read_costs
+    )
 
 
 def test_warm_up_without_translators(pair):
@@ -280,7 +342,12 @@ def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader_min_tokens=40)
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader_min_tokens=40),
+    )
     talk(s, SHORT[:1])
     path = s.save(tmp_path / "new")
     caches, meta = load_prompt_cache(str(path), return_metadata=True)
@@ -290,7 +357,18 @@ def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
         del t["alternative_ttft_s"], t["predicted_ttft_s"]
     old = tmp_path / "old.safetensors"
     save_prompt_cache(str(old), caches, {**meta, "kvlingo_session": json.dumps(state)})
-    t = Session(pair, fwd, bwd, reader="self", reader_margin=0.3)
+    t = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(
+            large_reads_last=1, recompute_share=0.0, reader="self", reader_margin=0.3
+        ),
+    )
     t.load(old)
-    assert (t.reader, t.reader_min_tokens, t.reader_margin) == ("auto", 40, 0.3)
+    assert (t.policy.reader, t.policy.reader_min_tokens, t.policy.reader_margin) == (
+        "auto",
+        40,
+        0.3,
+    )
     assert t.turns[0].alternative_ttft_s is None and t.tokens == s.tokens

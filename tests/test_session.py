@@ -3,6 +3,7 @@ must decode exactly as re-prefill does, translating each missing span exactly on
 
 import threading
 
+from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.records import (
     ContextOverflowError,
     SessionBusyError,
@@ -56,8 +57,20 @@ assert_consistent = assert_session_consistent
 
 def test_alternation_equals_reprefill_both_directions(pair, translators):
     fwd, bwd = translators
-    ref = Session(pair, fwd, bwd, mode="reprefill", reader="self")
-    alt = Session(pair, fwd, bwd, mode="alternation", reader="self")
+    ref = Session(
+        pair,
+        fwd,
+        bwd,
+        mode="reprefill",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self"),
+    )
+    alt = Session(
+        pair,
+        fwd,
+        bwd,
+        mode="alternation",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self"),
+    )
     ref_turns, alt_turns = converse(ref), converse(alt)
     assert [t[2] for t in alt_turns] == [t[2] for t in ref_turns]
     assert all(len(t[2]) > 0 for t in alt_turns)
@@ -97,15 +110,43 @@ def test_seeded_sampling_matches_reprefill(pair, translators):
     fwd, bwd = translators
     sampler = make_sampler(temp=0.8, top_p=0.95)
     sched = SCHEDULE[:4]
-    a = converse(Session(pair, fwd, bwd), sched, sampler, seed=11)
-    b = converse(Session(pair, fwd, bwd, mode="reprefill"), sched, sampler, seed=11)
+    a = converse(
+        Session(pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)),
+        sched,
+        sampler,
+        seed=11,
+    )
+    b = converse(
+        Session(
+            pair,
+            fwd,
+            bwd,
+            mode="reprefill",
+            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        ),
+        sched,
+        sampler,
+        seed=11,
+    )
     assert [t[2] for t in a] == [t[2] for t in b]
 
 
 def test_naive_differs_only_by_retranslation(pair, translators):
     fwd, bwd = translators
-    alt = Session(pair, fwd, bwd, mode="alternation", reader="tokens")
-    naive = Session(pair, fwd, bwd, mode="naive", reader="tokens")
+    alt = Session(
+        pair,
+        fwd,
+        bwd,
+        mode="alternation",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+    )
+    naive = Session(
+        pair,
+        fwd,
+        bwd,
+        mode="naive",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+    )
     alt_turns, naive_turns = converse(alt), converse(naive)
     # exact translators: re-translating changes nothing in the answers...
     assert [t[2] for t in naive_turns] == [t[2] for t in alt_turns]
@@ -126,10 +167,27 @@ def test_pre_norm_translators(pair, tiny_dir):
     fwd = exact_translator(pair, answer, key_cut="pre_norm")
     bwd = exact_translator(pair.reversed(), inverse(answer), key_cut="pre_norm")
     sched = SCHEDULE[:4]
-    a = converse(Session(pair, fwd, bwd), sched)
-    b = converse(Session(pair, fwd, bwd, mode="reprefill"), sched)
+    a = converse(
+        Session(pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)), sched
+    )
+    b = converse(
+        Session(
+            pair,
+            fwd,
+            bwd,
+            mode="reprefill",
+            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        ),
+        sched,
+    )
     assert [t[2] for t in a] == [t[2] for t in b]
-    s = Session(pair, fwd, bwd, mode="naive", reader="tokens")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        mode="naive",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+    )
     s.add_user("hello")
     with pytest.raises(SessionError, match="naive mode needs post_norm"):
         s.generate("small")
@@ -137,9 +195,18 @@ def test_pre_norm_translators(pair, tiny_dir):
 
 def test_without_backward_switching_back_reprefills(pair, translators):
     fwd, _ = translators
-    s = Session(pair, fwd, None)
+    s = Session(pair, fwd, None, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0))
     turns = converse(s, SCHEDULE[:3])
-    ref = converse(Session(pair, fwd, None, mode="reprefill"), SCHEDULE[:3])
+    ref = converse(
+        Session(
+            pair,
+            fwd,
+            None,
+            mode="reprefill",
+            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        ),
+        SCHEDULE[:3],
+    )
     assert [t[2] for t in turns] == [t[2] for t in ref]
     into_target, into_source = s.switches
     assert into_target.translated == into_target.lacked
@@ -148,7 +215,12 @@ def test_without_backward_switching_back_reprefills(pair, translators):
 
 def test_escalate_uses_translated_cache(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="tokens")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+    )
     s.add_user("def parse_args(argv):")
     n0 = len(s.tokens)
     small = [e.token for e in s.generate("small", max_tokens=N)]
@@ -165,7 +237,12 @@ def test_escalate_uses_translated_cache(pair, translators):
 def test_keyboard_interrupt_inside_generation(pair, translators):
     """Ctrl-C lands inside mlx-lm's decode loop: emitted tokens are kept, caches match."""
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="tokens")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+    )
     converse(s, SCHEDULE[:2])
     s.add_user("for item in items:")
     n0 = len(s.tokens)
@@ -196,7 +273,12 @@ def test_keyboard_interrupt_inside_generation(pair, translators):
 
 def test_keyboard_interrupt_in_consumer_and_cancel(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="tokens")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+    )
     s.add_user("class Foo(object):")
     n0 = len(s.tokens)
     got = []
@@ -227,7 +309,13 @@ def test_save_load_round_trip(pair, translators, tmp_path):
     fwd, bwd = translators
     # reader "tokens" (as everywhere here): "auto" decides by this process's measured rates, which a restored
     # session has not measured yet, so the two could read the next turn by different paths
-    s = Session(pair, fwd, bwd, system_prompt="You are terse.", reader="tokens")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        system_prompt="You are terse.",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+    )
     converse(s, SCHEDULE[:3])
     path = s.save(tmp_path / "chat")
     assert path.name == "chat.safetensors"
@@ -235,7 +323,12 @@ def test_save_load_round_trip(pair, translators, tmp_path):
     assert len(caches) == pair.source.geometry.layers + pair.target.geometry.layers
     assert "kvlingo_session" in meta
 
-    t = Session(pair, fwd, bwd, reader="tokens")
+    t = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+    )
     t.load(path)
     assert t.tokens == s.tokens and t.messages == s.messages
     assert (t.held("source"), t.held("target")) == (s.held("source"), s.held("target"))
@@ -251,11 +344,18 @@ def test_save_load_round_trip(pair, translators, tmp_path):
 
 def test_session_file_from_another_pair_refused(pair, translators, tmp_path, tiny_dir):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="tokens")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+    )
     converse(s, SCHEDULE[:1])
     path = s.save(tmp_path / "s.safetensors")
     # same geometry, other weights: the reversed pair
-    other = Session(pair.reversed(), bwd, fwd)
+    other = Session(
+        pair.reversed(), bwd, fwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)
+    )
     with pytest.raises(SessionFileError, match="only loads into the pair that wrote it"):
         other.load(path)
     assert other.tokens == []
@@ -269,7 +369,13 @@ def test_session_file_from_another_pair_refused(pair, translators, tmp_path, tin
 
 def test_bad_input(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, max_kv_size=80, reader="tokens")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        max_kv_size=80,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+    )
     with pytest.raises(SessionError, match="nothing to answer"):
         s.generate("large")
     with pytest.raises(SessionError, match="nothing to escalate"):
@@ -307,7 +413,12 @@ def _interrupt_now(tokens, logits):
 
 def test_concurrent_use_refused(pair, translators):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="tokens")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+    )
     s.add_user("def parse_args(argv):")
     events = s.generate("small", max_tokens=N)
     next(events)
@@ -332,7 +443,12 @@ def test_confidence(pair, translators):
     with pytest.raises(ValueError):
         answer_confidence([])
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="tokens")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+    )
     s.add_user("import json")
     events = list(s.generate("small", max_tokens=N))
     lps = [e.logprob for e in events]
@@ -382,7 +498,13 @@ def test_template_diff_keeps_generated_tokens(pair, translators):
     merged = tok.encode("def", add_special_tokens=False)
     pieces = [t for c in "def" for t in tok.encode(c, add_special_tokens=False)]
     assert len(merged) < len(pieces)  # "def" is one token, the model spells it out
-    s = Session(pair, fwd, bwd, system_prompt="Be brief.", reader="self")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        system_prompt="Be brief.",
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self"),
+    )
     s.add_user("hi")
     n0 = len(s.tokens)
     list(s.generate("small", max_tokens=10, logits_processors=[forcing(pieces + [eos])]))
@@ -410,7 +532,12 @@ def test_template_not_prefix_stable(pair, translators, monkeypatch):
     )
     monkeypatch.setattr(pair.tokenizer._tokenizer, "chat_template", counting)
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, reader="tokens")
+    s = Session(
+        pair,
+        fwd,
+        bwd,
+        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+    )
     turns = converse(s, SCHEDULE[:3])
     assert s.retemplated == 2
     assert all(len(t[2]) > 0 for t in turns)

@@ -124,3 +124,54 @@ def content_texts(data_path) -> list[str]:
         return [t for p in paths for t in read_texts(p)]
     except DataError as e:
         raise click.ClickException(str(e)) from None
+
+
+def policy_options(f):
+    """--reader --reader-min-tokens --reader-margin --large-reads-last --recompute
+    --translate-ahead, collected into one `policy` argument (a `ReaderPolicy`; its defaults are
+    the library's). A pipelined large model cannot recompute: None there means 0."""
+    import functools
+    from dataclasses import replace
+
+    from mlx_kvlingo.config import READERS, ReaderPolicy
+
+    d = ReaderPolicy()
+    opts = [
+        click.option("--reader", type=click.Choice(READERS), default=None,
+                     help="Who reads your turn before the large model answers [default: auto with "
+                          "a forward translator]"),
+        click.option("--reader-min-tokens", type=click.IntRange(0), default=d.reader_min_tokens,
+                     show_default=True,
+                     help="Reader tokens (and auto on a tie): later turns shorter than this are "
+                          "read by the large model itself"),
+        click.option("--reader-margin", type=click.FloatRange(0), default=d.reader_margin,
+                     show_default=True,
+                     help="Reader auto: predicted TTFTs this close (a fraction) are a tie, which "
+                          "the token rule decides"),
+        click.option("--large-reads-last", type=click.IntRange(1), default=d.large_reads_last,
+                     show_default=True,
+                     help="When the small model reads your turn, the large one still reads its "
+                          "last this many tokens itself; 1: the last token"),
+        click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
+                     help="When the small model reads your turn, the large one also recomputes "
+                          "this share of it (at least 24 tokens), the sentences its reading of "
+                          "the turn's end attended to most; 0: none; default "
+                          f"{d.recompute_share:g}, 0 with a pipelined large model"),
+        click.option("--translate-ahead/--no-translate-ahead", default=d.translate_ahead,
+                     show_default=True,
+                     help="While the small model answers, translate for the large one within "
+                          "10% of its decode time (/escalate, /auto)"),
+    ]  # fmt: skip
+    keys = ("reader", "reader_min_tokens", "reader_margin", "large_reads_last", "translate_ahead")
+
+    @functools.wraps(f)
+    def wrapper(*args, **kw):
+        share = kw.pop("recompute_share")
+        policy = ReaderPolicy(**{k: kw.pop(k) for k in keys})
+        kw["policy"] = policy if share is None else replace(policy, recompute_share=share)
+        kw["recompute_given"] = share is not None
+        return f(*args, **kw)
+
+    for opt in reversed(opts):
+        wrapper = opt(wrapper)
+    return wrapper

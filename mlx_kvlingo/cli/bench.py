@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mlx_kvlingo.api import LARGE_READS_LAST, RECOMPUTE_SHARE
 from mlx_kvlingo.cli._common import pair_option, source_option, target_option, translator_option
+from mlx_kvlingo.config import ReaderPolicy
 
 import click
 
@@ -142,7 +142,7 @@ def _preset_names() -> list[str]:
 )
 @click.option(
     "--large-reads-last",
-    default=LARGE_READS_LAST,
+    default=ReaderPolicy().large_reads_last,
     show_default=True,
     type=click.IntRange(1),
     help="--conversation: where the small model reads, the large one still reads the turn's last "
@@ -151,7 +151,7 @@ def _preset_names() -> list[str]:
 @click.option(
     "--recompute",
     "recompute_share",
-    default=RECOMPUTE_SHARE,
+    default=ReaderPolicy().recompute_share,
     show_default=True,
     type=click.FloatRange(0, 1),
     help="--conversation: and recomputes this share of the translated turn (as `kvlingo chat`)",
@@ -219,8 +219,9 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
             backward = demo_backward
         cfg = cb.ConversationBenchConfig(turns=turns, user_lengths=tuple(parse_lengths(None, None, user_lengths)),
                                          answer_tokens=answer_tokens, escalation_rate=escalation_rate, seed=seed,
-                                         warmup=warmup > 0, large_reads_last=large_reads_last,
-                                         recompute_share=recompute_share)  # fmt: skip
+                                         warmup=warmup > 0,
+                                         policy=ReaderPolicy(large_reads_last=large_reads_last,
+                                                             recompute_share=recompute_share))  # fmt: skip
         if policies:
             cfg.policies = tuple(p.strip() for p in policies.split(",") if p.strip())
             unknown = set(cfg.policies) - set(cb.ALL_POLICIES)

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import shlex
 import sys
+from dataclasses import replace
 
 from mlx_kvlingo.api import (
-    LARGE_READS_LAST,
     MODES,
-    READER_MARGIN,
-    READER_MIN_TOKENS,
-    READERS,
-    RECOMPUTE_SHARE,
     Conversation,
     ConversationError,
     Event,
@@ -24,6 +20,7 @@ from mlx_kvlingo.api import (
 )
 from mlx_kvlingo.cli._common import (
     pair_option,
+    policy_options,
     resolve_pair,
     sampling_options,
     sampling_settings,
@@ -74,20 +71,20 @@ HELP = [
 
 def describe_reader(conv) -> str:
     """What the conversation's reader policy does, in words."""
-    last = (f"; the large reads the last {conv.large_reads_last} tok itself"
-            if conv.large_reads_last > 1 else "")  # fmt: skip
-    if conv.recompute_share:
-        last += f" and recomputes {conv.recompute_share:.0%} of the translated turn"
-    if conv.reader == "small":
+    last = (f"; the large reads the last {conv.policy.large_reads_last} tok itself"
+            if conv.policy.large_reads_last > 1 else "")  # fmt: skip
+    if conv.policy.recompute_share:
+        last += f" and recomputes {conv.policy.recompute_share:.0%} of the translated turn"
+    if conv.policy.reader == "small":
         return ("the small model reads every turn, the large one decodes from the translated "
                 f"cache{last}")  # fmt: skip
-    rule = (f"the small model reads the opening and turns of {conv.reader_min_tokens}+ "
+    rule = (f"the small model reads the opening and turns of {conv.policy.reader_min_tokens}+ "
             "tokens, the large one shorter turns")  # fmt: skip
-    if conv.reader == "tokens":
+    if conv.policy.reader == "tokens":
         return rule + last
-    if conv.reader == "auto":
+    if conv.policy.reader == "auto":
         return (f"whichever starts the answer sooner at the rates measured here; within "
-                f"{conv.reader_margin:.0%}, {rule}{last}")  # fmt: skip
+                f"{conv.policy.reader_margin:.0%}, {rule}{last}")  # fmt: skip
     return "the answering model reads your turn itself"
 
 
@@ -258,10 +255,10 @@ class ChatApp:
                 self.error(f"/reader takes a token count after the policy, not {args[1]!r}")
                 return
             if args:
-                self.conv.reader = args[0]
+                self.conv.policy = replace(self.conv.policy, reader=args[0])
             if len(args) > 1:
-                self.conv.reader_min_tokens = int(args[1])
-            self.say(f"  reader: {self.conv.reader} ({describe_reader(self.conv)})")
+                self.conv.policy = replace(self.conv.policy, reader_min_tokens=int(args[1]))
+            self.say(f"  reader: {self.conv.policy.reader} ({describe_reader(self.conv)})")
         elif cmd == "/mode":
             if args:
                 self.conv.mode = args[0]
@@ -329,7 +326,7 @@ class ChatApp:
             ("small -> large", translators["forward"]),
             ("large -> small", translators["backward"]),
             ("mode", self.conv.mode),
-            ("reader", f"{self.conv.reader} ({describe_reader(self.conv)})"),
+            ("reader", f"{self.conv.policy.reader} ({describe_reader(self.conv)})"),
             ("answers", LABEL[self.next]),
             (
                 "sampling",
@@ -383,42 +380,18 @@ class ChatApp:
 @click.option("--mode", type=click.Choice(MODES), default="alternation", show_default=True)
 @click.option("--answer", type=click.Choice(["small", "large"]), default="large", show_default=True,
               help="Which model answers (the small one reads for the large one; /small, /large)")  # fmt: skip
-@click.option("--reader", type=click.Choice(READERS), default=None,
-              help="Who reads your turn before the large model answers [default: auto with a "
-                   "forward translator]")  # fmt: skip
-@click.option("--reader-min-tokens", type=click.IntRange(0), default=READER_MIN_TOKENS,
-              show_default=True,
-              help="Reader tokens (and auto on a tie): later turns shorter than this are read by "
-                   "the large model itself")  # fmt: skip
-@click.option("--reader-margin", type=click.FloatRange(0), default=READER_MARGIN,
-              show_default=True,
-              help="Reader auto: predicted TTFTs this close (a fraction) are a tie, which the "
-                   "token rule decides")  # fmt: skip
-@click.option("--large-reads-last", type=click.IntRange(1), default=LARGE_READS_LAST,
-              show_default=True,
-              help="When the small model reads your turn, the large one still reads its last "
-                   "this many tokens itself (your question in its own words); 1: the last token")  # fmt: skip
-@click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
-              help="When the small model reads your turn, the large one also recomputes this share "
-                   "of it (at least 24 tokens), the sentences its reading of the turn's end "
-                   "attended to most (facts stated once come back; costs its read of that many "
-                   "tokens); 0: none; default "
-                   f"{RECOMPUTE_SHARE:g}, 0 with a pipelined large model")  # fmt: skip
+@policy_options
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
               help="Before the first prompt, run each path once (compiled kernels, lazy weights) "
                    "and measure the pair's rates for reader auto")  # fmt: skip
-@click.option("--translate-ahead/--no-translate-ahead", default=False, show_default=True,
-              help="While the small model answers, translate for the large one within 10% of its "
-                   "decode time (/escalate, /auto)")  # fmt: skip
 @click.option("--first", type=click.Choice(["small", "large"]), default=None, hidden=True)
 @click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
               help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
 @distributed_option
 @wire_option
 def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
-             max_kv_size, mode, answer, reader, reader_min_tokens, reader_margin,
-             large_reads_last, recompute_share, warmup,
-             translate_ahead, first, auto_threshold, **sampling):  # fmt: skip
+             max_kv_size, mode, answer, policy, recompute_given, warmup, first, auto_threshold,
+             **sampling):  # fmt: skip
     """Chat with the pair: the large model answers, the small one reads for it (/small, /large)."""
     import time
 
@@ -445,9 +418,9 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
             "demo" if backward is not None else "none: switching back re-prefills"
         )
     try:
-        conv = runtime.new_conversation(system_prompt, mode, max_kv_size, reader,
-                                        translate_ahead, reader_min_tokens,
-                                        reader_margin, large_reads_last, recompute_share)  # fmt: skip
+        if runtime.pipelined and not recompute_given:
+            policy = replace(policy, recompute_share=0.0)  # a pipelined large model cannot
+        conv = runtime.new_conversation(system_prompt, mode, max_kv_size, policy)
     except ConversationError as e:
         raise click.ClickException(str(e)) from None
     app = ChatApp(conv, max_tokens=max_tokens, sampling=sampling_settings(sampling),

@@ -21,6 +21,7 @@ from mlx_kvlingo.cli._distributed import (
     wanted,
     wire_option,
 )
+from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
 
 import click
@@ -54,8 +55,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     # the small model reads the prompt, the large one decodes from the translated cache: no
     # target prefill, not even of the question (large_reads_last=1: the last token only) and
     # no recompute
-    conv = Runtime(pair, tr).new_conversation(reader="small", large_reads_last=1,
-                                              recompute_share=0)  # fmt: skip
+    conv = Runtime(pair, tr).new_conversation(policy=ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0))  # fmt: skip
     settings = sampling_settings(sampling)
     try:
         if chat and getattr(pair.tokenizer, "chat_template", None):
@@ -120,7 +120,7 @@ def _generate_distributed(source, target, translator, wire, prompt, chat, max_to
 
     runtime = load_runtime(source, target, translator, None, wire, demo_pair)  # ranks > 0 stop here
     try:
-        conv = runtime.new_conversation(large_reads_last=1)
+        conv = runtime.new_conversation(policy=ReaderPolicy(large_reads_last=1))
         if chat:
             conv.add_messages([{"role": "user", "content": prompt}])
         else:

@@ -11,8 +11,15 @@ import logging
 import os
 import signal
 import sys
+from dataclasses import replace
 
-from mlx_kvlingo.cli._common import pair_option, source_option, target_option, translator_option
+from mlx_kvlingo.cli._common import (
+    pair_option,
+    policy_options,
+    source_option,
+    target_option,
+    translator_option,
+)
 from mlx_kvlingo.conversation.records import AUTO_THRESHOLD
 
 import click
@@ -60,21 +67,12 @@ def _loopback(host: str) -> bool:
 @click.option("--mode", type=click.Choice(["alternation", "naive", "reprefill"]),
               default="alternation", show_default=True,
               help="How a model catches up on what it lacks")  # fmt: skip
-@click.option("--reader", type=click.Choice(["auto", "tokens", "small", "self"]), default=None,
-              help="Who reads new turns for the large model (default: the library's policy)")  # fmt: skip
-@click.option("--large-reads-last", type=click.IntRange(1), default=None,
-              help="When the small model reads a turn, the large one still reads its last this "
-                   "many tokens itself (default: the library's, 32); 1: the last token")  # fmt: skip
-@click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
-              help="When the small model reads a turn, the large one also recomputes this share "
-                   "of it (at least 24 tokens), the sentences its reading of the turn's end "
-                   "attended to most (default: "
-                   "the library's, 0.1)")  # fmt: skip
+@policy_options
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")
 def serve_cmd(source, target, translator, demo_pair, backward_translator, host, port, api_key, max_tokens,
               default_max_tokens, max_prompt_tokens, max_body_bytes, queue_size,
-              max_conversations, auto_threshold, mode, reader, large_reads_last, recompute_share, insecure,
+              max_conversations, auto_threshold, mode, policy, recompute_given, insecure,
               verbose):  # fmt: skip
     """Serve the pair over the OpenAI chat-completions API (models: small, large, auto)."""
     from mlx_kvlingo import Runtime
@@ -102,15 +100,10 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, host, 
     config = ServeConfig(host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
                          limits=limits, queue_size=queue_size,
                          max_conversations=max_conversations, auto_threshold=auto_threshold)  # fmt: skip
-    kwargs = {"mode": mode} if reader is None else {"mode": mode, "reader": reader}
-    if large_reads_last is not None:
-        kwargs["large_reads_last"] = large_reads_last
-    if recompute_share is not None:
-        kwargs["recompute_share"] = recompute_share
+    if runtime.pipelined and not recompute_given:
+        policy = replace(policy, recompute_share=0.0)  # a pipelined large model cannot
     try:
-        server = Server(runtime, config, **kwargs)
-    except TypeError as e:  # --reader on a version without a reader policy
-        raise click.UsageError(str(e)) from None
+        server = Server(runtime, config, mode=mode, policy=policy)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
     names = runtime.models

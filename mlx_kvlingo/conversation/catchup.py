@@ -118,7 +118,7 @@ class CatchUp:
         is predicted to take more than `TAIL_BUDGET` times the plain handoff's TTFT and
         `TAIL_ALLOWANCE_S` more than it; then without the recompute, then the last token only
         (the plain handoff itself)."""
-        k, share = self.large_reads_last, self.recompute_share > 0
+        k, share = self.policy.large_reads_last, self.policy.recompute_share > 0
         ways = [(k, share), *([(k, False)] if share else []), *([(1, False)] if k > 1 else [])]
         if len(ways) == 1 or self.forward is None or self.mode != "alternation":
             return ways[0]
@@ -153,7 +153,7 @@ class CatchUp:
         """How many of `translated` tokens the large model recomputes (`recompute_share`)."""
         if self.mode != "alternation":
             return 0
-        return RECOMPUTE_SELECTION.count(self.recompute_share, translated)
+        return RECOMPUTE_SELECTION.count(self.policy.recompute_share, translated)
 
     def _recompute(self, m: _Model, sw: Switch, n0: int) -> None:
         """After translating `sw`'s span into the large model (its cache now holds [0, cut)):
@@ -167,7 +167,7 @@ class CatchUp:
         try:
             append_kv(m.cache, *_placeholders(m.cache, n0 - cut))
             chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut,
-                                        self.recompute_share, start=cut - sw.translated,
+                                        self.policy.recompute_share, start=cut - sw.translated,
                                         selection=RECOMPUTE_SELECTION,
                                         ends=sentence_ends(self.pair.tokenizer),
                                         specials=special_ids(self.pair.tokenizer))  # fmt: skip
@@ -191,32 +191,34 @@ class CatchUp:
             return False, "", None  # reprefill is the reference: the answering model reads it all
         paths = self._paths(upto)
         if self._tail_cut(upto, paths) <= self._models["target"].held:  # one way only
-            why = f"the turn is within the {self.large_reads_last} tok the large reads itself"
-            return False, "" if self.reader == "self" else why, None
+            why = (
+                f"the turn is within the {self.policy.large_reads_last} tok the large reads itself"
+            )
+            return False, "" if self.policy.reader == "self" else why, None
         small, why = self._policy(upto, paths)
         over = f"would take over {TAIL_BUDGET:g}x this TTFT and {TAIL_ALLOWANCE_S:g} s more"
-        if small and self.large_reads_last > 1 and paths is not None and paths.tail == 1:
+        if small and self.policy.large_reads_last > 1 and paths is not None and paths.tail == 1:
             why = (f"the large reads the last token only: reading the last "
-                   f"{self.large_reads_last} tok {over}")  # fmt: skip
+                   f"{self.policy.large_reads_last} tok {over}")  # fmt: skip
         elif small and paths is not None and self._recompute_count(paths.lacked - paths.tail) \
                 and not paths.recompute:  # fmt: skip
-            why = f"no recompute: recomputing {self.recompute_share:.0%} of the turn {over}"
+            why = f"no recompute: recomputing {self.policy.recompute_share:.0%} of the turn {over}"
         return small, why, paths
 
     def _policy(self, upto: int, paths: Paths | None) -> tuple[bool, str]:
         """The reader policy's choice: (the small model reads, why the large reads itself)."""
-        if self.reader in ("small", "self"):
-            return self.reader == "small", ""
+        if self.policy.reader in ("small", "self"):
+            return self.policy.reader == "small", ""
         held = self._models["target"].held
-        rule = held == 0 or upto - held >= self.reader_min_tokens
-        under = f"the large reads turns under {self.reader_min_tokens} tok"
-        if self.reader == "tokens":
+        rule = held == 0 or upto - held >= self.policy.reader_min_tokens
+        under = f"the large reads turns under {self.policy.reader_min_tokens} tok"
+        if self.policy.reader == "tokens":
             return rule, "" if rule else f"reader tokens: {under}"
         large = None if paths is None else paths.large(self.read_costs)
         small = None if paths is None else paths.small(self.read_costs)
         if large is None or small is None:
             return rule, "" if rule else f"reader auto, not timed yet: {under}"
-        if abs(large - small) <= self.reader_margin * min(large, small):
+        if abs(large - small) <= self.policy.reader_margin * min(large, small):
             return rule, "" if rule else f"reader auto, a tie: {under}"
         return small < large, "" if small < large else "reader auto: the faster"
 
@@ -262,7 +264,9 @@ class CatchUp:
         lack on escalation, [large's held, upto), is translated chunk by chunk between the
         small model's tokens (`_ahead_step`). Kept either way: it is a prefix of the
         conversation, so alternation stays exact and no span is translated twice."""
-        if not (self.translate_ahead and self.forward is not None and self.mode == "alternation"):
+        if not (
+            self.policy.translate_ahead and self.forward is not None and self.mode == "alternation"
+        ):
             return None
         t = self._models["target"]
         self._settle(t, min(t.held, upto))
@@ -282,7 +286,7 @@ class CatchUp:
         remaining = min(upto, read) - a
         budget = self._ahead_budget
         if budget is None:
-            n = min(remaining, self.ahead_chunk)
+            n = min(remaining, self.policy.ahead_chunk)
         else:
             if decode_s is not None:
                 budget.earn(decode_s)

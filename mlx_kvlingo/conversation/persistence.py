@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from mlx_kvlingo._platform.atomic import atomic_write
+from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.conversation.catchup import _Model
 from mlx_kvlingo.conversation.records import Read, SessionFileError, Switch, TurnStats
 from mlx_kvlingo.kv.cache import prefix_copy
@@ -82,11 +83,7 @@ class Persistence:
             "messages": self.messages,
             "system_prompt": self.system_prompt,
             "mode": self.mode,
-            "reader": self.reader,
-            "reader_min_tokens": self.reader_min_tokens,
-            "reader_margin": self.reader_margin,
-            "large_reads_last": self.large_reads_last,
-            "recompute_share": self.recompute_share,
+            "policy": self.policy.to_dict(),
             "answer": list(self._answer) if self._answer else None,
             "user_start": self._user_start,
             "switches": [asdict(s) for s in self.switches],
@@ -223,23 +220,27 @@ class Persistence:
                 for t in state.get("turns", [])
             ],
         }
-        reader = state.get("reader")
-        # "auto" in an older file meant the token rule; it is by time now (the rule breaks ties)
-        if reader in ("auto", "tokens", "small", "self") and (reader == "self" or self.forward):
-            out["_reader"] = reader
-        min_tokens = state.get("reader_min_tokens")
-        if _is_int(min_tokens) and min_tokens >= 0:
-            out["_reader_min_tokens"] = min_tokens
-        margin = state.get("reader_margin")
-        if isinstance(margin, (int, float)) and not isinstance(margin, bool) and margin >= 0:
-            out["_reader_margin"] = float(margin)
-        last = state.get("large_reads_last")  # absent from older files: the session's own stays
-        if _is_int(last) and last >= 1:
-            out["_large_reads_last"] = last
-        share = state.get("recompute_share")  # absent from older files: likewise
-        if isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1:
-            out["_recompute_share"] = float(share)
+        # the policy whole; older files kept its settings flat, and a setting a file lacks
+        # keeps the session's own
+        saved = state.get("policy")
+        if saved is None:
+            saved = {k: state[k] for k in LEGACY_POLICY_KEYS if k in state}
+        if not isinstance(saved, dict):
+            raise SessionFileError(f"{path}: policy must be an object")
+        try:
+            ReaderPolicy.from_dict(saved)  # names and values checked
+            policy = replace(self.policy, **saved)
+        except (PolicyError, TypeError) as e:
+            raise SessionFileError(f"{path}: {e}") from None
+        if policy.reader != "self" and not self.forward:
+            policy = replace(policy, reader="self")  # saved with a translator this pair lacks
+        out["policy"] = policy
         return out
+
+
+#: reader settings that files before the policy value kept at the top level
+LEGACY_POLICY_KEYS = ("reader", "reader_min_tokens", "reader_margin", "large_reads_last",
+                      "recompute_share")  # fmt: skip
 
 
 def _is_int(x) -> bool:

@@ -55,7 +55,9 @@ translator, because recomputing would quietly undo the compounding it exists to 
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
+from mlx_kvlingo.config import READERS, ReaderPolicy
 from mlx_kvlingo.conversation.answering import Answering
 from mlx_kvlingo.conversation.budget import AheadBudget
 from mlx_kvlingo.conversation.catchup import CatchUp, _Model
@@ -68,11 +70,6 @@ from mlx_kvlingo.kv.translator import Side, Translator
 from mlx_kvlingo.models.pair import ModelPair
 
 MODES = ("alternation", "naive", "reprefill")
-READERS = ("auto", "tokens", "small", "self")
-READER_MIN_TOKENS = 64  # reader "tokens": shorter later turns are read by the large itself
-READER_MARGIN = 0.05  # reader "auto": predicted TTFTs this close, the token rule decides
-LARGE_READS_LAST = 32  # Runtime's default: with the small reading, the large reads the last 32
-RECOMPUTE_SHARE = 0.1  # Runtime's default: and recomputes this share of the turn translated
 
 
 class Session(Messages, CatchUp, Answering, Persistence):
@@ -100,15 +97,8 @@ class Session(Messages, CatchUp, Answering, Persistence):
         *,
         system_prompt: str | None = None,
         max_kv_size: int | None = None,
-        reader: str | None = None,
-        reader_min_tokens: int = READER_MIN_TOKENS,
-        reader_margin: float = READER_MARGIN,
-        large_reads_last: int = 1,
-        recompute_share: float = 0.0,
+        policy: ReaderPolicy | None = None,
         read_costs: ReadCosts | None = None,
-        translate_ahead: bool = False,
-        ahead_chunk: int = 32,
-        ahead_share: float | None = 0.10,
     ):
         self.pair = pair
         self.forward = forward
@@ -121,20 +111,10 @@ class Session(Messages, CatchUp, Answering, Persistence):
                     f"but this direction needs {a} -> {b}"
                 )
         self.mode = mode
-        self.reader = reader if reader is not None else ("auto" if forward else "self")
-        self.reader_min_tokens = reader_min_tokens
-        self.reader_margin = reader_margin
-        self.large_reads_last = large_reads_last
-        self.recompute_share = recompute_share
+        #: who reads a turn and what the large model recomputes (mlx_kvlingo/config.py)
+        self.policy = ReaderPolicy() if policy is None else policy
         #: what reading costs on this pair (reader "auto"); shared by the pair's sessions
         self.read_costs = costs_of(pair) if read_costs is None else read_costs
-        #: while the small model answers, translate for the large one between its tokens, so
-        #: an escalation costs about one large decode step plus what is left: at most
-        #: `ahead_share` of the small model's decode time (see conversation/budget.py), or,
-        #: with `ahead_share=None`, `ahead_chunk` tokens after every small token
-        self.translate_ahead = translate_ahead
-        self.ahead_chunk = ahead_chunk
-        self._ahead_budget = None if ahead_share is None else AheadBudget(ahead_share)
         self.system_prompt = system_prompt
         self.max_kv_size = max_kv_size
         self._cancel = threading.Event()
@@ -154,50 +134,25 @@ class Session(Messages, CatchUp, Answering, Persistence):
         self._mode = mode
 
     @property
-    def reader(self) -> str:
-        """Who reads a new user turn before the large model answers: "auto", "tokens", "small"
-        or "self"."""
-        return self._reader
+    def policy(self) -> ReaderPolicy:
+        """The reader policy, its reader resolved ("auto" with a forward translator, else
+        "self"). Change it with `session.policy = dataclasses.replace(session.policy, ...)`."""
+        return self._policy
 
-    @reader.setter
-    def reader(self, reader: str) -> None:
-        if reader not in READERS:
-            raise SessionError(f"unknown reader {reader!r}; expected one of {', '.join(READERS)}")
+    @policy.setter
+    def policy(self, policy: ReaderPolicy) -> None:
+        if not isinstance(policy, ReaderPolicy):
+            raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
+        reader = policy.reader or ("auto" if self.forward else "self")
         if reader != "self" and self.forward is None:
             raise SessionError(f"reader {reader!r} needs a forward (small -> large) translator")
-        self._reader = reader
-
-    @property
-    def reader_min_tokens(self) -> int:
-        """The token rule (reader "tokens", and "auto" on a tie): the small model reads the
-        opening span and spans of this many tokens or more; the large shorter later turns."""
-        return self._reader_min_tokens
-
-    @reader_min_tokens.setter
-    def reader_min_tokens(self, n: int) -> None:
-        self._reader_min_tokens = _whole_number("reader_min_tokens", n, 0)
-
-    @property
-    def large_reads_last(self) -> int:
-        """When the small model reads for the large one, the large still reads the turn's last
-        this many tokens itself (at least the last token: 1)."""
-        return self._large_reads_last
-
-    @large_reads_last.setter
-    def large_reads_last(self, n: int) -> None:
-        self._large_reads_last = _whole_number("large_reads_last", n, 1)
-
-    @property
-    def reader_margin(self) -> float:
-        """Reader "auto": when the two predicted TTFTs differ by at most this fraction of the
-        smaller one, the token rule decides (0: time alone)."""
-        return self._reader_margin
-
-    @reader_margin.setter
-    def reader_margin(self, x: float) -> None:
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not x >= 0:
-            raise SessionError(f"reader_margin must be a number >= 0 (got {x!r})")
-        self._reader_margin = float(x)
+        self._policy = replace(policy, reader=reader)
+        #: while the small model answers, translate for the large one between its tokens, so
+        #: an escalation costs about one large decode step plus what is left: at most
+        #: `ahead_share` of the small model's decode time (see conversation/budget.py), or,
+        #: with `ahead_share=None`, `ahead_chunk` tokens after every small token
+        share = policy.ahead_share
+        self._ahead_budget = None if share is None else AheadBudget(share)
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and empty both caches."""
@@ -270,11 +225,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
                 saved += t.alternative_ttft_s - t.ttft_s
         return {
             "mode": self.mode,
-            "reader": self.reader,
-            "reader_min_tokens": self.reader_min_tokens,
-            "reader_margin": self.reader_margin,
-            "large_reads_last": self.large_reads_last,
-            "recompute_share": self.recompute_share,
+            **self.policy.to_dict(),
             "conversation_tokens": len(self.tokens),
             "messages": len(self.messages),
             "switches": len(self.switches),
@@ -288,11 +239,4 @@ class Session(Messages, CatchUp, Answering, Persistence):
         self._cancel.set()
 
 
-__all__ = ["LARGE_READS_LAST", "MODES", "READER_MARGIN", "READER_MIN_TOKENS", "READERS"]
-__all__ += ["RECOMPUTE_SHARE", "Session"]
-
-
-def _whole_number(name: str, n, least: int) -> int:
-    if not isinstance(n, int) or isinstance(n, bool) or n < least:
-        raise SessionError(f"{name} must be a whole number >= {least} (got {n!r})")
-    return n
+__all__ = ["MODES", "READERS", "Session"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.session import RECOMPUTE_SHARE, Session
 from mlx_kvlingo.conversation.timing import ReadCosts, costs_of
 from mlx_kvlingo.kv.handoff import reserve_translation_memory
@@ -56,11 +57,16 @@ def warm_up(
             reserve_translation_memory(into, translator)
     # the first run (the shortest length) pays the one-off costs, unrecorded
     for record, todo in ((ReadCosts(), lengths[:1]), (costs, lengths)):
-        selfs = Session(pair, forward, backward, reader="self", read_costs=record)
+        selfs = Session(
+            pair,
+            forward,
+            backward,
+            read_costs=record,
+            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self"),
+        )
         both = [selfs]
         if forward is not None:  # without one there is nothing to translate into the large
-            both.insert(0, Session(pair, forward, backward, reader="small", read_costs=record,
-                                   recompute_share=RECOMPUTE_SHARE))  # fmt: skip
+            both.insert(0, Session(pair, forward, backward, read_costs=record, policy=ReaderPolicy(large_reads_last=1, recompute_share=RECOMPUTE_SHARE, reader="small")))  # fmt: skip
         for n in todo:
             text = _text(pair.tokenizer, n)
             for s in both:

@@ -27,6 +27,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import replace
 
+from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.records import SessionError
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.distributed import watchdog as _watchdog
@@ -269,16 +270,16 @@ class ShardedSession(Session):
         return self.link.gather(o.cache, start, end)
 
     @property
-    def recompute_share(self) -> float:
-        return Session.recompute_share.fget(self)
+    def policy(self) -> ReaderPolicy:
+        return Session.policy.fget(self)
 
-    @recompute_share.setter
-    def recompute_share(self, x: float) -> None:
-        if x:  # it runs all of the large model's layers over chosen rows in this process
+    @policy.setter
+    def policy(self, policy: ReaderPolicy) -> None:
+        if policy.recompute_share:  # it runs all the large model's layers over chosen rows here
             raise SessionError(
                 "the recompute (recompute_share > 0) is not available with a pipelined large model"
             )
-        Session.recompute_share.fset(self, x)
+        Session.policy.fset(self, policy)
 
     def save(self, path):
         raise SessionError("saving is not available when the large model is pipelined over ranks")

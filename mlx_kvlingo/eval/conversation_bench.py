@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from mlx_kvlingo.conversation.session import LARGE_READS_LAST, RECOMPUTE_SHARE, Session
+from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.bench import prompt_tokens
 from mlx_kvlingo.eval.report import md_row, md_table
@@ -72,8 +73,7 @@ class ConversationBenchConfig:
     seed: int = 0
     policies: tuple[str, ...] = POLICIES
     warmup: bool = True
-    large_reads_last: int = LARGE_READS_LAST  # as Runtime's conversations, where the small reads
-    recompute_share: float = RECOMPUTE_SHARE  # likewise
+    policy: ReaderPolicy = field(default_factory=ReaderPolicy)  # as Runtime's conversations
 
 
 @dataclass
@@ -137,24 +137,17 @@ def run_conversation_bench(
 
         warmup_s = warm_up(pair, forward, backward).warmup_s
         log(f"warm-up {warmup_s:.1f} s")
+    p = cfg.policy
+
+    def session(**changes) -> Session:
+        return Session(pair, forward, backward, policy=replace(p, **changes))
+
     sessions = {
-        "large reads": Session(pair, forward, backward, reader="self"),
-        **{
-            f"{r} reads": Session(
-                pair,
-                forward,
-                backward,
-                reader=r,
-                large_reads_last=cfg.large_reads_last,
-                recompute_share=cfg.recompute_share,
-            )
-            for r in ("small", "auto", "tokens")
-        },  # fmt: skip
-        "cascade": Session(pair, forward, backward, reader="self"),
-        "cascade+ahead": Session(pair, forward, backward, reader="self", translate_ahead=True),
-        "cascade+ahead (no budget)": Session(
-            pair, forward, backward, reader="self", translate_ahead=True, ahead_share=None
-        ),
+        "large reads": session(reader="self"),
+        **{f"{r} reads": session(reader=r) for r in ("small", "auto", "tokens")},
+        "cascade": session(reader="self"),
+        "cascade+ahead": session(reader="self", translate_ahead=True),
+        "cascade+ahead (no budget)": session(reader="self", translate_ahead=True, ahead_share=None),
     }
     rng = random.Random(cfg.seed)
     escalate = [rng.random() < cfg.escalation_rate for _ in range(cfg.turns)]

@@ -16,6 +16,7 @@ import random
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.session import MODES, Session
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
@@ -89,7 +90,14 @@ def evaluate_multiturn(
         answering.append(first if t % 2 == 0 else ("target" if first == "source" else "source"))
     for d, dialogue in enumerate(dialogues):
         for mode in modes:
-            s = Session(pair, forward, backward, mode, system_prompt=system_prompt, reader="self")
+            s = Session(
+                pair,
+                forward,
+                backward,
+                mode,
+                system_prompt=system_prompt,
+                policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self"),
+            )
             for t in range(turns):
                 if 2 * t + 1 >= len(dialogue):
                     break
@@ -165,7 +173,14 @@ def evaluate_reader(
         for cond in READER_CONDITIONS:
             mode = "reprefill" if cond == "reprefill" else "alternation"
             reader = {"small": "small", "auto": "tokens"}.get(cond, "self")
-            s = Session(pair, forward, backward, mode, system_prompt=system_prompt, reader=reader)
+            s = Session(
+                pair,
+                forward,
+                backward,
+                mode,
+                system_prompt=system_prompt,
+                policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader=reader),
+            )
             for t in range(turns):
                 if 2 * t + 1 >= len(dialogue):
                     break

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from mlx_kvlingo import api
+from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.models.demo import pair as demo
 from mlx_kvlingo.models.demo.quiz import EVERYDAY_QUIZ, is_right
 from mlx_kvlingo.models.demo.smollm2 import cache_root, weights_dir
@@ -123,19 +124,23 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     for msgs in convs[: args.conversations]:
         native, translated = (
-            rt.new_conversation(reader="self"),
+            rt.new_conversation(policy=ReaderPolicy(reader="self")),
             rt.new_conversation(
-                reader=args.reader,
-                large_reads_last=args.large_reads_last,
-                recompute_share=args.recompute,
+                policy=ReaderPolicy(
+                    reader=args.reader,
+                    large_reads_last=args.large_reads_last,
+                    recompute_share=args.recompute,
+                )
             ),
         )
         for turn, q in enumerate(m["content"] for m in msgs if m["role"] == "user"):
             if args.later_from_history and turn > 0:
                 translated = rt.new_conversation(
-                    reader=args.reader,
-                    large_reads_last=args.large_reads_last,
-                    recompute_share=args.recompute,
+                    policy=ReaderPolicy(
+                        reader=args.reader,
+                        large_reads_last=args.large_reads_last,
+                        recompute_share=args.recompute,
+                    )
                 )
                 translated.add_messages(native.messages)
             a = native.ask(q, **greedy).text
@@ -146,7 +151,9 @@ def main(argv: list[str] | None = None) -> None:
     quiz = []
     for q, must in EVERYDAY_QUIZ:
         quiz_conv = rt.new_conversation(
-            large_reads_last=args.large_reads_last, recompute_share=args.recompute
+            policy=ReaderPolicy(
+                large_reads_last=args.large_reads_last, recompute_share=args.recompute
+            )
         )
         quiz.append(is_right(quiz_conv.ask(q, **greedy).text, must))
     result = {

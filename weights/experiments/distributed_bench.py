@@ -22,6 +22,7 @@ from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
 from mlx_kvlingo import Runtime
+from mlx_kvlingo.config import ReaderPolicy
 
 SIZES = (64, 256, 1024)
 ANSWER = 16
@@ -41,7 +42,7 @@ def bench(rt: Runtime, wire: str, repeat: int) -> list[dict]:
         switch, read, tps, sent = [], [], [], []
         for _ in range(repeat + 1):  # the first run warms up
             # reader "small": the whole turn of exactly n + 1 raw tokens is translated
-            conv = rt.new_conversation(reader="small")
+            conv = rt.new_conversation(policy=ReaderPolicy(reader="small"))
             conv.add_tokens(toks)
             before = rt.bytes_sent
             for _ in conv.answer("large", max_tokens=ANSWER, sampling={"temp": 0, "seed": 0}):

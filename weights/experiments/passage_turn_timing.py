@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 
 from mlx_kvlingo import Runtime
+from mlx_kvlingo.config import ReaderPolicy
 
 from .passage_words import PASSAGE
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| ---: | --- | --- | ---: | ---: |")
     for r in range(a.rounds):
         for reader in ("auto", "self", "small"):
-            chat = runtime.new_conversation(reader=reader)
+            chat = runtime.new_conversation(policy=ReaderPolicy(reader=reader))
             for text in TURNS:
                 t = chat.ask(text, max_tokens=40, sampling={"seed": 0}).timings
             who = "small" if t.read_tokens else "large"

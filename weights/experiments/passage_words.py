@@ -15,6 +15,7 @@ import argparse
 import re
 
 from mlx_kvlingo import Runtime
+from mlx_kvlingo.config import ReaderPolicy
 
 PASSAGE = (
     "The Industrial Revolution began in Britain in the late eighteenth century. Water and then "
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     for reader in ("self", "small"):
         shares = []
         for seed in range(a.seeds):
-            chat = runtime.new_conversation(reader=reader)
+            chat = runtime.new_conversation(policy=ReaderPolicy(reader=reader))
             events = chat.send(PASSAGE, max_tokens=40, sampling={"seed": seed})
             answer = words("".join(e.text for e in events if e.kind == "token"))
             shares.append(len(answer & passage) / max(len(answer), 1))

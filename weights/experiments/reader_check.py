@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from mlx_kvlingo import api
+from mlx_kvlingo.config import ReaderPolicy
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -28,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     rt = api.Runtime.load(translator=args.translator) if args.translator else api.Runtime.load()
     for seed in (int(s) for s in args.seeds.split(",")):
-        conversation = rt.new_conversation(reader=args.reader)
+        conversation = rt.new_conversation(policy=ReaderPolicy(reader=args.reader))
         for q in QUESTIONS:
             answer = conversation.ask(q, sampling={"seed": seed}).text
             print(f"[seed {seed}] {q}\n    -> {answer[:200]}")

@@ -15,6 +15,7 @@ import argparse
 import statistics
 
 from mlx_kvlingo import Runtime
+from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.data.examples import read_texts
 from mlx_kvlingo.models.demo.pair import demo_content_texts
 
@@ -43,7 +44,9 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(a.rounds):
         for n, text in texts.items():
             for reader, share in settings:
-                chat = runtime.new_conversation(reader=reader, recompute_share=share)
+                chat = runtime.new_conversation(
+                    policy=ReaderPolicy(reader=reader, recompute_share=share)
+                )
                 done = chat.ask(text, max_tokens=1, sampling={"seed": 0})
                 ttft.setdefault((n, reader, share), []).append(done.timings.ttft_s)
                 status[(n, reader, share)] = done.status

@@ -1,0 +1,86 @@
+"""The reader policy: every setting of who reads a turn and how much the large model recomputes,
+in one frozen value with the one set of defaults.
+
+Before the large model answers a turn it lacks, someone reads it:
+
+    reader "self"    the large model reads the turn itself (exact, the slow path on long turns);
+    reader "small"   the small model reads it, the span the large lacks is translated, then the
+                     large reads the last `large_reads_last` tokens itself and recomputes
+                     `recompute_share` of the translated span (the tokens its read attended to);
+    reader "tokens"  "small" for the opening span and spans of `reader_min_tokens` or more;
+    reader "auto"    whichever path is predicted to start the answer sooner (ties within
+                     `reader_margin` go to the token rule). None: "auto" with a forward
+                     translator, "self" without.
+
+`translate_ahead`: while the small model answers, translate for the large one between its tokens
+(at most `ahead_share` of its decode time; None: `ahead_chunk` tokens after every token).
+
+Change a policy with `dataclasses.replace`; it validates itself on construction, and
+`to_dict` / `from_dict` save and restore it whole (the conversation files keep it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+READERS = ("auto", "tokens", "small", "self")
+
+
+class PolicyError(ValueError):
+    """A reader-policy value out of range (the message names the setting)."""
+
+
+@dataclass(frozen=True)
+class ReaderPolicy:
+    reader: str | None = None
+    reader_min_tokens: int = 64
+    reader_margin: float = 0.05
+    large_reads_last: int = 32
+    recompute_share: float = 0.1
+    translate_ahead: bool = False
+    ahead_chunk: int = 32
+    ahead_share: float | None = 0.10
+
+    def __post_init__(self):
+        if self.reader is not None and self.reader not in READERS:
+            raise PolicyError(
+                f"unknown reader {self.reader!r}; expected one of {', '.join(READERS)}"
+            )
+        _whole("reader_min_tokens", self.reader_min_tokens, 0)
+        _whole("large_reads_last", self.large_reads_last, 1)
+        _whole("ahead_chunk", self.ahead_chunk, 1)
+        _number("reader_margin", self.reader_margin, 0.0, None)
+        _number("recompute_share", self.recompute_share, 0.0, 1.0)
+        if self.ahead_share is not None:
+            _number("ahead_share", self.ahead_share, 0.0, 1.0)
+        if not isinstance(self.translate_ahead, bool):
+            raise PolicyError(
+                f"translate_ahead must be True or False (got {self.translate_ahead!r})"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ReaderPolicy:
+        """The policy a file saved; settings it lacks take today's defaults, unknown ones fail."""
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise PolicyError(f"unknown reader-policy setting(s): {', '.join(unknown)}")
+        return cls(**d)
+
+
+def _whole(name: str, n, least: int) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < least:
+        raise PolicyError(f"{name} must be a whole number >= {least} (got {n!r})")
+
+
+def _number(name: str, x, low: float, high: float | None) -> None:
+    ok = not isinstance(x, bool) and isinstance(x, (int, float)) and x >= low
+    if not ok or (high is not None and not x <= high):
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise PolicyError(f"{name} must be a number {bound} (got {x!r})")
+
+
+__all__ = ["READERS", "PolicyError", "ReaderPolicy"]
