@@ -53,3 +53,21 @@ def build_module(name: str):
     if root not in sys.path:
         sys.path.insert(0, root)
     return importlib.import_module(f"weights.build.{name}")
+
+
+def handoff(pair, tr, tokens):
+    """The plain hand-off through the conversation's own (`Session.hand_off`): the small model
+    reads tokens[:-1], that span is translated, the large model reads only the last token.
+    `.target_cache` holds tokens[:-1]; `.source_cache` likewise; `.translated_tokens`."""
+    from types import SimpleNamespace
+
+    from mlx_kvlingo.config import ReaderPolicy
+    from mlx_kvlingo.conversation.session import Session
+    from mlx_kvlingo.conversation.timing import ReadCosts
+
+    plain = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0.0)
+    s = Session(pair, tr, policy=plain, read_costs=ReadCosts())
+    s.add_tokens(tokens)
+    stats = s.hand_off("target")
+    return SimpleNamespace(source_cache=s.cache("source"), target_cache=s.cache("target"),
+                           translated_tokens=stats.switch.translated)  # fmt: skip

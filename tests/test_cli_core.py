@@ -83,12 +83,17 @@ def test_generate_and_info(tiny_dir, tmp_path):
 
 
 def test_prompt_longer_than_context_is_refused(tiny_dir):
-    from mlx_kvlingo.kv.handoff import PromptTooLongError, handoff
+    from mlx_kvlingo.config import ReaderPolicy
+    from mlx_kvlingo.conversation.records import ContextOverflowError
+    from mlx_kvlingo.conversation.session import Session
 
     import pytest
 
     pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
     tr = exact_translator(pair, tiny_dir["known_answer"])
     limit = pair.target.context_length
-    with pytest.raises(PromptTooLongError, match=f"handles at most {limit}"):
-        handoff(pair, tr, [5] * (limit + 1))
+    s = Session(pair, tr, policy=ReaderPolicy(reader="small"))
+    s.add_tokens([5] * (limit + 1))
+    with pytest.raises(ContextOverflowError, match=f"handles at most {limit}"):
+        s.generate("target")
+    assert s.held("source") == 0 and s.held("target") == 0  # refused before any work

@@ -6,20 +6,19 @@ import json
 from mlx_kvlingo.cli import cli
 from mlx_kvlingo.data.content_tasks import KINDS, TaskBuilder, build_tasks
 from mlx_kvlingo.eval.content import (
+    Chat,
     NoisyNative,
     SourceAlone,
     Swap,
-    TargetReadsTail,
+    chat_kv,
     contains,
     evaluate_content,
     greedy,
     known_replies,
     native_kv,
     noisy_kv,
-    question_start,
     recall,
     rouge_l,
-    tail_read_kv,
     to_json,
 )
 from mlx_kvlingo.kv.scoring import kl, native_logp, prefix_gain
@@ -133,29 +132,26 @@ def test_reused_replies_give_the_same_table_and_only_new_methods_run(pair, exact
         known_replies(earlier, other)
 
 
-def test_target_reads_the_tail_itself_from_the_cut_on(pair, exact):
-    """`TargetReadsTail`: positions before the cut are the method's, those after it the
-    target's own (layer 0's K/V depend on the token alone, so they equal the native ones
-    exactly there, and are zero before it under zero maps); the cut of `tail=None` is where
-    the question starts; with an exact translator the replies are native."""
+def test_the_chat_condition_reads_its_tail_itself(pair, exact):
+    """`Chat(translator, tail, 0)`: the conversation's own hand-off. Prompt positions before
+    the cut (the last `tail` tokens) are the translator's, those after it the target's own
+    (layer 0's K/V depend on the token alone, so they equal the native ones exactly there, and
+    are zero before it under zero maps); with an exact translator the replies are native."""
     tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "qa"), seed=2)
     zero = exact_translator(pair, {"key_maps": [m * 0 for m in _maps(exact, "key")],
                                    "value_maps": [m * 0 for m in _maps(exact, "value")]})  # fmt: skip
     for task in tasks:
-        toks = list(task.tokens[:-1])
-        q = question_start(pair.tokenizer, task)
-        assert task.question[:24] in pair.tokenizer.decode(list(task.tokens[q:]))
-        assert task.question[:24] not in pair.tokenizer.decode(list(task.tokens[q + 1 :]))
-        nk, nv = native_kv(pair.target, toks)
-        for tail, cut in ((None, q), (5, len(toks) - 5), (0, len(toks))):
-            keys, values = tail_read_kv(pair, TargetReadsTail(zero, tail), task)
+        nk, nv = native_kv(pair.target, list(task.tokens[:-1]))
+        for tail in (1, 5, 12):
+            cut = len(task.tokens) - tail
+            keys, values = chat_kv(pair, Chat(zero, tail, 0.0), task)
             assert keys[0].shape == nk[0].shape
             for got, ref in ((keys[0], nk[0]), (values[0], nv[0])):
                 assert mx.all(got[..., :cut, :] == 0).item()
                 assert mx.allclose(got[..., cut:, :], ref[..., cut:, :], atol=1e-5).item()
-    res = evaluate_content(pair, tasks, {"q": TargetReadsTail(exact), "t5": TargetReadsTail(exact, 5)},
+    res = evaluate_content(pair, tasks, {"t1": Chat(exact, 1, 0.0), "t5": Chat(exact, 5, 0.1)},
                            small=False, progress=False)  # fmt: skip
-    assert _replies(res, "q") == _replies(res, "native") == _replies(res, "t5")
+    assert _replies(res, "t1") == _replies(res, "native") == _replies(res, "t5")
 
 
 def test_source_alone_is_the_small_row_under_its_own_label(pair, monkeypatch):
@@ -222,20 +218,20 @@ def test_eval_task_content_cli(pair, exact, tiny_dir, tmp_path):
     r = CliRunner().invoke(cli, args)
     assert r.exit_code == 0, r.output
     result = json.loads(out.read_text())
-    assert result["conditions"] == ["native", "translated", "small"]
+    assert result["conditions"] == ["native", "translated", "chat", "small"]
     assert result["cells"]["translated"]["qa"]["64"]["rouge_l"] == 1.0
+    assert result["cells"]["chat"]["qa"]["64"]["rouge_l"] == 1.0  # exact: native either way
     assert png.stat().st_size > 1000
     assert "summary: recall" in r.output
     bad = CliRunner().invoke(cli, args[:-4] + ["--lengths", "8"])
     assert bad.exit_code != 0 and "at least 32" in bad.output
-    # the chat's reading as a row of its own: the last N tokens, then the recompute
+    # the chat's reading with other settings: the last N tokens, then the recompute
     r = CliRunner().invoke(cli, args + ["--large-reads-last", "8", "--recompute", "0.5"])
     assert r.exit_code == 0, r.output
     result = json.loads(out.read_text())
-    label = "last 8 + recompute 0.5"
-    assert result["conditions"] == ["native", "translated", label, "small"]
-    assert result["cells"][label]["qa"]["64"]["rouge_l"] == 1.0  # exact: native either way
-    assert f"{label}: fact @64" in r.output
+    assert result["conditions"] == ["native", "translated", "chat", "small"]
+    assert result["cells"]["chat"]["qa"]["64"]["rouge_l"] == 1.0
+    assert "chat: fact @64" in r.output
     misplaced = CliRunner().invoke(cli, ["eval", "--recompute", "0.5"])
     assert misplaced.exit_code != 0 and "go with --task content" in misplaced.output
 
@@ -382,3 +378,28 @@ def test_plan_counts_only_what_is_left_to_do():
     plan.content_to_answer = 0  # every answer cached: a resume
     assert plan.seconds()["content answers"] == 0
     assert "stage 1 ~42 s" in plan.describe() and "1.0 GiB" in plan.describe()
+
+
+def test_the_content_benchmark_reads_a_turn_as_the_chat_does(pair, exact):
+    """The benchmark's cache for a turn is, bit for bit, the cache a `Conversation` builds
+    for the same turn (the small model reads, translation, the large model's tail read and
+    its recompute, then mlx-lm's prefill up to the last token): one hand-off, not a copy."""
+    from mlx_kvlingo import ReaderPolicy, Runtime
+    from mlx_kvlingo.data.content_tasks import ContentTask
+
+    # an inexact map, so that what the recompute rewrites shows in the cache
+    half = exact_translator(pair, {"key_maps": [0.5 * m for m in _maps(exact, "key")],
+                                   "value_maps": [0.5 * m for m in _maps(exact, "value")]})  # fmt: skip
+    conv = Runtime(pair, half).new_conversation(policy=ReaderPolicy(reader="small"))
+    conv.ask(TEXT[:700] + " When did the sun come out?", max_tokens=2, sampling={"temp": 0})
+    session = conv._session
+    turn = session.turns[-1]
+    assert turn.read is not None and turn.switch.recomputed > 0  # the whole path ran
+    n0 = len(session.tokens) - turn.generation_tokens
+    task = ContentTask("qa", n0, tuple(session.tokens[:n0]), "", "")
+    keys, values = chat_kv(pair, Chat(half), task)
+    chat = session.cache("target")
+    for k, v, c in zip(keys, values, chat):
+        assert k.shape[2] == n0 - 1
+        assert mx.array_equal(k, c.keys[..., : n0 - 1, :]).item()
+        assert mx.array_equal(v, c.values[..., : n0 - 1, :]).item()

@@ -11,7 +11,6 @@ import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.cli.convert import convert_cmd
 from mlx_kvlingo.data import synthetic as syn
 from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache
-from mlx_kvlingo.kv.handoff import handoff
 from mlx_kvlingo.models.files import TranslatorFileError, load_translator, read_metadata
 from mlx_kvlingo.models.pair import load_model, load_pair
 
@@ -20,6 +19,7 @@ import numpy as np
 import pytest
 import pytorch_writers as pw
 from click.testing import CliRunner
+from helpers import handoff
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import KVCache
 

@@ -107,7 +107,7 @@ import json, resource, sys
 import mlx_kvlingo
 import mlx.core as mx
 from mlx_kvlingo.kv.capture import SpanKV
-from mlx_kvlingo.kv.handoff import reserve_translation_memory, translate_into
+from mlx_kvlingo.kv.translate import append_translation, reserve_translation_memory
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.models.pair import load_pair
 sys.path.insert(0, "tests")
@@ -128,7 +128,7 @@ def faults(n):  # minor page faults of one translation of n tokens into a fresh 
     mx.eval(span.keys, span.values)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     cache = new_cache(pair.target)
-    translate_into(pair, tr, span, cache)
+    append_translation(pair.target, tr, span, cache)
     mx.eval([c.state for c in cache])
     after = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     del cache

@@ -30,22 +30,24 @@ DECODE = r"""
 import json, sys
 from mlx_kvlingo import Runtime
 import mlx.core as mx
-from mlx_kvlingo.kv.handoff import handoff
+from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation.session import Session
 from mlx_lm import stream_generate
 src, tgt, spec, prompt, n = sys.argv[1:6]
-rt = Runtime.load(src, tgt, translator=spec, warmup=False)  # a handoff, not a conversation
+rt = Runtime.load(src, tgt, translator=spec, warmup=False)  # a handoff, not a chat turn
 pair, tokens = rt.pair, rt.pair.tokenizer.encode(prompt)
-h = handoff(pair, rt.forward, tokens)
+s = Session(pair, rt.forward, policy=ReaderPolicy("small", large_reads_last=1, recompute_share=0))
+s.add_tokens(tokens)
+s.hand_off("target")
 out = stream_generate(pair.target.model, pair.tokenizer, mx.array(tokens[-1:]),
-                      max_tokens=int(n), prompt_cache=h.target_cache)
+                      max_tokens=int(n), prompt_cache=s.cache("target"))
 print("TOKENS", json.dumps([r.token for r in out]))
 """
 
 
 def decode_tokens(pair, tr, n=24):
-    from mlx_kvlingo.kv.handoff import handoff
-
     import mlx.core as mx
+    from helpers import handoff
     from mlx_lm import stream_generate
 
     tokens = pair.tokenizer.encode(PROMPT)

@@ -16,7 +16,6 @@ from mlx_kvlingo.cli import cli
 from mlx_kvlingo.data.examples import DataConfig, load_examples
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import prefill, trace
-from mlx_kvlingo.kv.handoff import handoff
 from mlx_kvlingo.kv.scoring import mean_kl, prepare
 from mlx_kvlingo.kv.translator import Side, TranslatorConfig, identity_translator
 from mlx_kvlingo.models.files import load_translator
@@ -27,6 +26,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from helpers import handoff
 from mlx.utils import tree_flatten
 from mlx_lm import stream_generate
 from mlx_lm.models.cache import make_prompt_cache

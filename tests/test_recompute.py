@@ -3,11 +3,9 @@ its own prefill, only the chosen positions change, and the attention it reports 
 
 from mlx_kvlingo.data.content_tasks import build_tasks
 from mlx_kvlingo.eval.content import (
-    TargetReadsTail,
-    TargetRecomputes,
+    Chat,
+    chat_kv,
     native_kv,
-    recompute_kv,
-    tail_read_kv,
 )
 from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.recompute import (
@@ -149,19 +147,13 @@ def test_recompute_shares_zero_and_one_are_the_tail_read_and_native(known_pair, 
                                    "value_maps": [m * 0 for m in _maps(exact, "value")]})  # fmt: skip
     task = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact",), seed=2)[0]
     nk, _ = native_kv(pair.target, list(task.tokens[:-1]))
-    tk, _ = tail_read_kv(pair, TargetReadsTail(zero, 5), task)
-    rk, _ = recompute_kv(pair, TargetRecomputes(zero, 5, 0.0), task)
-    ak, _ = recompute_kv(pair, TargetRecomputes(zero, 5, 1.0), task)
-    cut = len(task.tokens) - 1 - 5  # share 1: every position before the tail is the target's
-    for t, r, a, n in zip(tk, rk, ak, nk):  # own; the tail stays as read over the zeros
-        assert mx.allclose(r, t, atol=1e-5).item()
+    tk, _ = chat_kv(pair, Chat(zero, 6, 0.0), task)
+    ak, _ = chat_kv(pair, Chat(zero, 6, 1.0), task)
+    cut = len(task.tokens) - 6  # share 1: every position before the tail is the target's
+    for t, a, n in zip(tk, ak, nk):  # own; the tail stays as read over the zeros
         assert mx.allclose(a[..., :cut, :], n[..., :cut, :], atol=1e-5).item()
         assert mx.allclose(a[..., cut:, :], t[..., cut:, :], atol=1e-5).item()
     assert not mx.allclose(ak[-1][..., :cut, :], tk[-1][..., :cut, :], atol=1e-3).item()
-    # ... and with the tail read again over them, the whole cache is the target's own
-    ek, _ = recompute_kv(pair, TargetRecomputes(zero, 5, 1.0, reread=True), task)
-    for e, n in zip(ek, nk):
-        assert mx.allclose(e, n, atol=1e-5).item()
     assert not mx.allclose(ak[-1], nk[-1], atol=1e-3).item()  # the tail read once is not
     # a share in between recomputes that many positions before the tail, and no others
     cache = _cache_of(pair.target, *[list(x) for x in _zero_kv(nk)])

@@ -143,6 +143,8 @@ SESSION_USERS = {
     "mlx_kvlingo.distributed.session": "ShardedSession is a Session subclass (the pipelined large model)",
     "mlx_kvlingo.eval.multiturn": "measures the session itself, turn by turn",
     "mlx_kvlingo.eval.conversation_bench": "measures the session itself, turn by turn",
+    "mlx_kvlingo.eval.content": "reads a turn through the session's own hand-off",
+    "mlx_kvlingo.eval.bench": "times the session's own hand-off",
 }
 #: still reaching in, to be moved onto `Conversation` (issue 27 part c): this set may only shrink
 SESSION_PENDING: set[str] = set()

@@ -2,7 +2,6 @@
 
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import capture_from_cache, prefill
-from mlx_kvlingo.kv.handoff import handoff
 from mlx_kvlingo.kv.map_reading import MARGIN, STRATEGIES, MapReading, measure, pick, rule
 from mlx_kvlingo.kv.rope import unrotate
 from mlx_kvlingo.kv.translator import (
@@ -18,6 +17,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from helpers import handoff
 from mlx_lm import stream_generate
 
 TEXT = "class Namespace(object):\n    def __init__(self, **kwargs):\n        for name in kwargs:"
@@ -213,7 +213,7 @@ def test_native_first_written_into_the_cache_equals_the_spliced_translation(mode
     from dataclasses import replace
 
     from mlx_kvlingo.kv.cache import append_kv
-    from mlx_kvlingo.kv.handoff import translate_into
+    from mlx_kvlingo.kv.translate import append_translation
 
     pair = load_pair(models["qwen3"], models["qwen3_moe"])
     plain = random_translator(pair, "mixing", 2)
@@ -225,7 +225,7 @@ def test_native_first_written_into_the_cache_equals_the_spliced_translation(mode
         for tr in (anchored, plain):
             spliced, direct = new_cache(pair.target), new_cache(pair.target)
             append_kv(spliced, *tr.translate(span, pair.target))
-            translate_into(pair, tr, span, direct)
+            append_translation(pair.target, tr, span, direct)
             for a, b in zip(spliced, direct, strict=True):
                 assert a.offset == b.offset == n
                 assert mx.array_equal(a.keys[..., :n, :], b.keys[..., :n, :]).item()

@@ -53,11 +53,11 @@ from rich.console import Console
 @click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
               help="--task content: write the per-length plot here (PNG)")  # fmt: skip
 @click.option("--large-reads-last", "tail", type=click.IntRange(1), default=None,
-              help="--task content: also score the large model reading the prompt's last this "
-                   "many tokens itself on the translated rest, as a chat does (32)")  # fmt: skip
+              help="--task content: the chat condition's tail, the prompt's last tokens the "
+                   "large model reads itself [default: the chat's, 32]")  # fmt: skip
 @click.option("--recompute", "share", type=click.FloatRange(0, 1), default=None,
-              help="--task content: also score that reading followed by the large model "
-                   "recomputing this share of the translated span (chat --recompute)")  # fmt: skip
+              help="--task content: the chat condition's recompute share [default: the "
+                   "chat's, 0.1]")  # fmt: skip
 @click.option("--multi-turn", is_flag=True, help="Multi-turn alternation evaluation over dialogues")
 @click.option(
     "--switches", default=10, show_default=True, help="Switches per dialogue (--multi-turn)"
@@ -156,10 +156,10 @@ def _multi_turn(pair, tr, backward, dialogues, switches, json_out, console, read
 
 def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label,
              tail=None, share=None):  # fmt: skip
+    from mlx_kvlingo.config import ReaderPolicy
     from mlx_kvlingo.data.content_tasks import build_tasks
     from mlx_kvlingo.eval.content import (
-        TargetReadsTail,
-        TargetRecomputes,
+        Chat,
         evaluate_content,
         goals,
         plot,
@@ -178,13 +178,12 @@ def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, conso
     console.print(f"[grey50]{len(tasks)} content tasks ({per_kind} per kind and length, seed "
                   f"{seed}); the target answers natively first, then from the translated cache; "
                   f"greedy[/grey50]")  # fmt: skip
-    methods = {"translated": tr}
-    if share is not None:  # the chat's reading: the last `tail` (32) tokens, then the recompute
-        methods[f"last {tail or 32} + recompute {share:g}"] = TargetRecomputes(
-            tr, tail or 32, share
-        )
-    elif tail is not None:
-        methods[f"last {tail}"] = TargetReadsTail(tr, tail)
+    # both through the chat's own hand-off: the whole turn translated (the large model reads
+    # the last token only), and the chat's reading (its last tokens, then the recompute)
+    d = ReaderPolicy()
+    chat = Chat(tr, d.large_reads_last if tail is None else tail,
+                d.recompute_share if share is None else share)  # fmt: skip
+    methods = {"translated": Chat(tr, 1, 0.0), "chat": chat}
     res = evaluate_content(pair, tasks, methods)
     result = to_json(res, pair, {"translator": label, "seed": seed, "lengths": lengths})
     for t in tables(result):

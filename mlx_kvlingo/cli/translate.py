@@ -9,7 +9,7 @@ from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.cli._common import resolve_pair, source_option, target_option, translator_option
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import capture_from_cache, prefill
-from mlx_kvlingo.kv.handoff import translate_into
+from mlx_kvlingo.kv.translate import append_translation
 
 import click
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
@@ -46,7 +46,7 @@ def translate_cmd(source, target, translator, cache_in, prompt, output):
         tokens = pair.tokenizer.encode(prompt)
         span = prefill(pair.source, tokens, new_cache(pair.source), cut=tr.config.key_cut)
     tgt_cache = new_cache(pair.target)
-    translate_into(pair, tr, span, tgt_cache)
+    append_translation(pair.target, tr, span, tgt_cache)
     metadata = dict(metadata)
     metadata["model"] = pair.target.name
     metadata.setdefault("tokenizer_config", json.dumps({}))

@@ -29,13 +29,24 @@ class Answering:
     """Generation, escalation and teacher-forced scoring (state lives on `Session`)."""
 
     def _check_room(self, name: str) -> int | None:
-        """Tokens this turn may still add under `max_kv_size` (None: unlimited)."""
+        """Tokens this turn may still add under `max_kv_size` and both models' own context
+        (None: unlimited). A conversation already past either model's context is refused
+        before any work: both may read it."""
+        n = len(self.tokens)
+        for label, m in (("small", self.pair.source), ("large", self.pair.target)):
+            limit = m.context_length
+            if limit is not None and n > limit:
+                raise ContextOverflowError(
+                    f"the conversation is {n} tokens; the {label} model ({m.name}) handles at "
+                    f"most {limit}: shorten the message, drop the oldest turns with /trim "
+                    f"(Session.trim) or start over with /reset"
+                )
         if self.max_kv_size is None:
             return None
-        room = self.max_kv_size - len(self.tokens)
+        room = self.max_kv_size - n
         if room < 1:
             raise ContextOverflowError(
-                f"the conversation is {len(self.tokens)} tokens, the {name} model's context "
+                f"the conversation is {n} tokens, the {name} model's context "
                 f"limit is {self.max_kv_size} (max_kv_size): drop the oldest turns with "
                 f"/trim (Session.trim) or start over with /reset"
             )
@@ -95,28 +106,9 @@ class Answering:
         texts: list[str] = []
         paths = None
         try:
-            small, stats.read_note, paths = self._reader_choice(name, n0 - 1)
-            if paths is not None:  # what was predicted for the path taken
-                stats.predicted_ttft_s = (paths.small if small else paths.large)(self.read_costs)
-            upto = n0 - 1  # the answering model reads at least the last token itself
-            if small:  # the large still reads the turn's last tokens itself (_tail_cut)
-                upto = self._tail_cut(n0 - 1, paths)
-                stats.read = self._read_ahead(upto, min(kwargs["prefill_step_size"], 512))
-                if self._cancel.is_set():  # stopped while the small model read
-                    stats.finish_reason = "cancelled"
-                    return
-            stats.switch = self._catch_up(name, upto)
-            sw = stats.switch
-            if (
-                small
-                and sw is not None
-                and self._recompute_count(sw.translated)
-                and (paths is None or paths.recompute)
-            ):  # the large reads the tail and recomputes (where its budget allows: _reading)
-                self._recompute(m, sw, n0)
-                if self._cancel.is_set():
-                    stats.finish_reason = "cancelled"
-                    return
+            paths = self._hand_off(name, n0, stats, min(kwargs["prefill_step_size"], 512))
+            if stats.finish_reason == "cancelled":
+                return
             ahead = self._ahead_begin(n0 - 1) if name == "source" else None
             stats.ahead = ahead
             prompt = self.tokens[m.held :]
@@ -174,6 +166,56 @@ class Answering:
             self._commit(m, n0, emitted, texts, stats)
         if emitted and paths is not None:  # the other path's TTFT, predicted with this turn's rates
             self._alternative(stats, paths, self.tokens[:n0])
+
+    def hand_off(self, model: str = "target", chunk: int = 512) -> TurnStats:
+        """Bring `model` up to the conversation, ready for its first step, without answering:
+        the hand-off `generate` runs before it decodes (`_hand_off`). Its cache then holds
+        conversation[:held(model)] and the rest (at least the last token) is the prompt its
+        first step reads. Returns the records (who read, what was translated, recomputed)."""
+        name = self._name(model)
+        self._claim()
+        if not self.tokens:
+            raise SessionError("nothing to answer yet: add a user message first")
+        self._check_mode()
+        self._check_room(name)
+        self._cancel.clear()
+        stats = TurnStats(name, self.mode)
+        self._hand_off(name, len(self.tokens), stats, chunk)
+        return stats
+
+    def _hand_off(self, name: str, n0: int, stats: TurnStats, chunk: int):
+        """The one hand-off, for the model `name` about to answer conversation[:n0]:
+
+            the small model reads the turn           (reader "small": `_read_ahead`)
+            translate the span the large one lacks   (`_catch_up`)
+            the large reads the turn's last tokens   (`large_reads_last`)
+            and recomputes what it attended to most  (`recompute_share`: `_recompute`)
+
+        leaving conversation[held:n0] (at least the last token) for the first step. Where the
+        large reads the turn itself, only the catch-up runs. Fills `stats` (a cancel sets its
+        finish_reason) and returns the predicted paths (None where no prediction applies)."""
+        m = self._models[name]
+        small, stats.read_note, paths = self._reader_choice(name, n0 - 1)
+        if paths is not None:  # what was predicted for the path taken
+            stats.predicted_ttft_s = (paths.small if small else paths.large)(self.read_costs)
+        upto = n0 - 1  # the answering model reads at least the last token itself
+        if small:  # the large still reads the turn's last tokens itself (_tail_cut)
+            upto = self._tail_cut(n0 - 1, paths)
+            stats.read = self._read_ahead(upto, chunk)
+            if self._cancel.is_set():  # stopped while the small model read
+                stats.finish_reason = "cancelled"
+                return paths
+        stats.switch = sw = self._catch_up(name, upto)
+        if (
+            small
+            and sw is not None
+            and self._recompute_count(sw.translated)
+            and (paths is None or paths.recompute)
+        ):  # the large reads the tail and recomputes (where its budget allows: _reading)
+            self._recompute(m, sw, n0)
+            if self._cancel.is_set():
+                stats.finish_reason = "cancelled"
+        return paths
 
     def _answers(self) -> list[int]:
         """The token ids of the conversation's earlier answers, oldest first."""
@@ -260,10 +302,8 @@ class Answering:
         self._user_start = None
         self._answer = (start, name)
         try:
-            small, stats.read_note, _ = self._reader_choice(name, start - 1)
-            if small:
-                stats.read = self._read_ahead(start - 1, min(prefill_step_size, 512))
-            stats.switch = self._catch_up(name, start - 1)
+            self._cancel.clear()
+            self._hand_off(name, start, stats, min(prefill_step_size, 512))
             a = m.held
             toks = self.tokens[a:]
             stats.prompt_tokens = start - a  # read before the answer; the answer is "generated"

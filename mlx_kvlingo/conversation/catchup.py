@@ -16,8 +16,8 @@ from mlx_kvlingo.conversation.records import Read, SessionError, Switch
 from mlx_kvlingo.conversation.timing import Paths
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy
 from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, needs_recording, prefill
-from mlx_kvlingo.kv.handoff import append_translation
 from mlx_kvlingo.kv.recompute import Selection, recompute_attended, sentence_ends, special_ids
+from mlx_kvlingo.kv.translate import append_translation
 from mlx_kvlingo.models.pair import LoadedModel
 
 import mlx.core as mx
@@ -195,7 +195,7 @@ class CatchUp:
                 f"the turn is within the {self.policy.large_reads_last} tok the large reads itself"
             )
             return False, "" if self.policy.reader == "self" else why, None
-        small, why = self._policy(upto, paths)
+        small, why = self._reader_rule(upto, paths)
         over = f"would take over {TAIL_BUDGET:g}x this TTFT and {TAIL_ALLOWANCE_S:g} s more"
         if small and self.policy.large_reads_last > 1 and paths is not None and paths.tail == 1:
             why = (f"the large reads the last token only: reading the last "
@@ -205,7 +205,7 @@ class CatchUp:
             why = f"no recompute: recomputing {self.policy.recompute_share:.0%} of the turn {over}"
         return small, why, paths
 
-    def _policy(self, upto: int, paths: Paths | None) -> tuple[bool, str]:
+    def _reader_rule(self, upto: int, paths: Paths | None) -> tuple[bool, str]:
         """The reader policy's choice: (the small model reads, why the large reads itself)."""
         if self.policy.reader in ("small", "self"):
             return self.policy.reader == "small", ""

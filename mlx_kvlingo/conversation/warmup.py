@@ -13,12 +13,13 @@ translation at each new length up to it does not fault fresh memory in.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.session import RECOMPUTE_SHARE, Session
+from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import ReadCosts, costs_of
-from mlx_kvlingo.kv.handoff import reserve_translation_memory
 from mlx_kvlingo.kv.map_reading import measure as measure_map_reading
+from mlx_kvlingo.kv.translate import reserve_translation_memory
 
 _TEXT = (
     "The committee met on a grey Tuesday to weigh the river project, its costs and its "
@@ -57,16 +58,13 @@ def warm_up(
             reserve_translation_memory(into, translator)
     # the first run (the shortest length) pays the one-off costs, unrecorded
     for record, todo in ((ReadCosts(), lengths[:1]), (costs, lengths)):
-        selfs = Session(
-            pair,
-            forward,
-            backward,
-            read_costs=record,
-            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self"),
-        )
+        plain = ReaderPolicy(large_reads_last=1)  # each rate alone: no tail read
+        selfs = Session(pair, forward, backward, read_costs=record,
+                        policy=replace(plain, reader="self"))  # fmt: skip
         both = [selfs]
         if forward is not None:  # without one there is nothing to translate into the large
-            both.insert(0, Session(pair, forward, backward, read_costs=record, policy=ReaderPolicy(large_reads_last=1, recompute_share=RECOMPUTE_SHARE, reader="small")))  # fmt: skip
+            both.insert(0, Session(pair, forward, backward, read_costs=record,
+                                   policy=replace(plain, reader="small")))  # fmt: skip
         for n in todo:
             text = _text(pair.tokenizer, n)
             for s in both:

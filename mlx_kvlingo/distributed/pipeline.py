@@ -29,14 +29,12 @@ held; `_watchdog` then ends the process with a clear message after `timeout` sec
 from __future__ import annotations
 
 import os
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mlx_kvlingo.distributed import watchdog as _watchdog
-from mlx_kvlingo.kv.cache import append_kv, new_cache
-from mlx_kvlingo.kv.capture import SpanKV, prefill
+from mlx_kvlingo.kv.capture import SpanKV
 from mlx_kvlingo.kv.lowrank import new_translator
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import (
@@ -374,18 +372,6 @@ def _broadcast_bytes(data: bytes | None, group, timeout, what="waiting for rank 
 # -- one switch ------------------------------------------------------------------------------
 
 
-@dataclass
-class ShardedHandoff:
-    """One switch on one rank: its own target cache and what the transfer cost."""
-
-    target_cache: list
-    wire: str
-    source_prefill_s: float
-    translate_s: float  # rank 0: map + send + finish its layers; others: receive + finish
-    bytes_sent: int  # rank 0: to all other ranks; others: received
-    translated_tokens: int
-
-
 def place(
     sp: ShardedPair, span: SpanKV | None, wire: str, length: int, start: int, first: int | None
 ) -> tuple[list, list, int]:
@@ -409,26 +395,6 @@ def place(
             meta = SpanKV(mx.zeros((0,)), mx.zeros((0,)), start, tokens)
             keys, values = part.finish(payloads[0], payloads[1], meta, sp.target)
     return keys, values, sent
-
-
-def handoff(sp: ShardedPair, tokens: list[int]) -> ShardedHandoff:
-    """Every rank: a fresh target cache holding tokens[:-1] translated (rank 0 passes the
-    prompt and prefills it with the source; the others pass the same token count)."""
-    if len(tokens) < 2:
-        raise ValueError("need at least 2 prompt tokens: the target must process the last itself")
-    wire = sp.choose_wire()
-    T = len(tokens) - 1
-    t0 = time.perf_counter()
-    span = None
-    if sp.rank == 0:
-        span = prefill(
-            sp.source, tokens[:-1], new_cache(sp.source), cut=sp.translator.config.key_cut
-        )
-    t1 = time.perf_counter()
-    keys, values, sent = place(sp, span, wire, T, 0, tokens[0])
-    cache = new_cache(sp.target)
-    append_kv(cache, keys, values)
-    return ShardedHandoff(cache, wire, t1 - t0, time.perf_counter() - t1, sent, T)
 
 
 def _send_payloads(sp: ShardedPair, span: SpanKV, wire: str) -> tuple[tuple, int]:

@@ -28,12 +28,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation.session import Session
+from mlx_kvlingo.conversation.timing import ReadCosts
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.report import md_row, md_table
 from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.capture import prefill
-from mlx_kvlingo.kv.handoff import reserve_translation_memory, translate_into
 from mlx_kvlingo.kv.map_reading import measure as measure_map_reading
+from mlx_kvlingo.kv.translate import reserve_translation_memory
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import LoadedModel, ModelPair, describe_model
 
@@ -307,25 +310,28 @@ def run_reprefill(target: LoadedModel, tokens: list[int], clock: _Clock) -> None
 def run_switch(
     pair: ModelPair, tr: Translator, tokens: list[int], clock: _Clock, gemm_inputs: list
 ) -> None:
-    """Source prefill, translation, the target's first step; then the side measurements."""
-    src_cache = new_cache(pair.source)
-
-    def source_prefill():
-        span = prefill(pair.source, tokens[:-1], src_cache, cut=tr.config.key_cut)
-        mx.eval(span.keys, span.values)
-        return span
-
-    span = clock("source_prefill", source_prefill)
-    tgt_cache = new_cache(pair.target)
-    clock("translate", lambda: translate_into(pair, tr, span, tgt_cache))
+    """The conversation's own hand-off (the small model reads, translation; the large model
+    reads only the last token: `Session.hand_off`), the target's first step; then the side
+    measurements of the translation's parts."""
+    plain = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0.0)
+    session = Session(pair, tr, policy=plain, read_costs=ReadCosts())
+    session.add_tokens(tokens)
+    stats = clock("handoff", lambda: session.hand_off("target"))
+    for phase, seconds in (("source_prefill", stats.read.seconds),
+                           ("translate", stats.switch.seconds)):  # fmt: skip
+        clock.times[phase] = seconds
+        clock.peaks[phase] = clock.peaks["handoff"]
+    del clock.times["handoff"], clock.peaks["handoff"]  # recorded as its two phases
+    tgt_cache, src_cache = session.cache("target"), session.cache("source")
     last = mx.array(tokens[-1:])
     clock("target_step", lambda: _first_token(pair.target.model, last, tgt_cache))
     clock.times["switch_ttft"] = clock.times["translate"] + clock.times["target_step"]
     clock.peaks["switch_ttft"] = max(clock.peaks["translate"], clock.peaks["target_step"])
     tgt_cache.clear()
     clock("source_step", lambda: _first_token(pair.source.model, last, src_cache))
+    span = prefill(pair.source, tokens[:-1], new_cache(pair.source), cut=tr.config.key_cut)
     mapped = clock("translate_map", lambda: _evaluated(tr(span)))
-    bare = replace(span, tokens=None)  # the anchor token, if any, is written apart (decode.py)
+    bare = replace(span, tokens=None)  # the anchor token, if any, is written apart
     finished = clock("translate_steps", lambda: _evaluated(tr.finish(*mapped, bare, pair.target)))
     clock("cache_append", lambda: append_kv(new_cache(pair.target), *finished))
     clock("gemm", lambda: mx.eval([a @ w for a, w in gemm_inputs]))

@@ -4,9 +4,8 @@ For every task (`content_tasks`) each condition answers greedily:
   native      the target reading the whole prompt itself (the reference)
   <label>     the target on a cache a method (translator, raw, DroidSpeak, ...) built from the
               source's K/V of prompt[:-1]; it reads only the last prompt token itself
-              (`TargetReadsTail(method, tail)`: the target reads the question, or the last
-              `tail` tokens, itself on the translated cache of the rest; `NoisyNative(rel)`: the
-              native cache with noise of `rel` times each layer's RMS, a reference)
+              (`Chat(translator, tail, share)`: the chat's own path, `Session.hand_off`;
+              `NoisyNative(rel)`: the native cache with noise of `rel` times each layer's RMS)
   small       the source model alone
 Scores, per kind and read length:
   fact, copy     accuracy (the stated value / the sentence appears in the reply) and *retained*
@@ -25,16 +24,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation.session import Session
+from mlx_kvlingo.conversation.timing import ReadCosts
 from mlx_kvlingo.data.content_tasks import KINDS, ContentTask
 from mlx_kvlingo.eval import report
-from mlx_kvlingo.kv.cache import append_kv, new_cache
-from mlx_kvlingo.kv.recompute import (
-    Selection,
-    read_positions,
-    recompute_attended,
-    sentence_ends,
-    special_ids,
-)
+from mlx_kvlingo.kv.cache import new_cache
 
 import mlx.core as mx
 from mlx_lm import stream_generate
@@ -136,26 +131,15 @@ def translated_kv(pair, method, tokens: Sequence[int]) -> tuple[list, list]:
 
 
 @dataclass(frozen=True)
-class TargetReadsTail:
-    """A condition: `method` translates the prompt up to its last `tail` tokens (`tail=None`:
-    up to the task's question) and the target reads the rest itself on that cache, as a
-    reader policy that lets the large model read the user's question would."""
+class Chat:
+    """A condition: the turn as `kvlingo chat` reads it when the small model reads for the
+    large one, through the conversation's own hand-off (`Session.hand_off`): `translator`
+    translates the turn, the large model reads its last `tail` tokens itself and recomputes
+    `share` of the rest (the library's defaults: `ReaderPolicy`)."""
 
-    method: object
-    tail: int | None = None
-
-
-@dataclass(frozen=True)
-class TargetRecomputes:
-    """A condition: `method` translates the prompt, the target reads its last `tail` tokens
-    itself and recomputes the `share` of the rest that reading attended to most
-    (`recompute.recompute_attended`)."""
-
-    method: object
-    tail: int = 32
-    share: float = 0.1
-    selection: Selection = Selection()  # which tokens (the chat's rule by default)
-    reread: bool = False  # then the tail is read again, over the recomputed positions
+    translator: object
+    tail: int = ReaderPolicy().large_reads_last
+    share: float = ReaderPolicy().recompute_share
 
 
 @dataclass(frozen=True)
@@ -191,44 +175,19 @@ def noisy_kv(cond: NoisyNative, native: tuple[list, list]) -> tuple[list, list]:
     return out[0], out[1]
 
 
-def question_start(tokenizer, task: ContentTask) -> int:
-    """The first prompt token of the task's question (the last position whose decoded suffix
-    still holds the question's opening words)."""
-    head = task.question[:24]
-    for i in range(len(task.tokens) - 1, -1, -1):
-        if head in tokenizer.decode(list(task.tokens[i:])):
-            return i
-    raise ValueError(f"the question {task.question!r} is not in the prompt")
-
-
-def tail_read_kv(pair, cond: TargetReadsTail, task: ContentTask) -> tuple[list, list]:
-    """The cache after the target read the tail of prompt[:-1] itself on the translated rest."""
-    toks = list(task.tokens[:-1])
-    cut = question_start(pair.tokenizer, task) if cond.tail is None else len(toks) - cond.tail
-    cut = max(1, min(cut, len(toks)))
-    keys, values = translated_kv(pair, cond.method, toks[:cut])
-    cache, dtype = new_cache(pair.target), pair.target.dtype
-    append_kv(cache, [k.astype(dtype) for k in keys], [v.astype(dtype) for v in values])
-    if cut < len(toks):
-        pair.target.model(mx.array(toks[cut:])[None], cache=cache)
-    keys = [c.keys[..., : c.offset, :] for c in cache]
-    values = [c.values[..., : c.offset, :] for c in cache]
-    mx.eval(keys, values)
-    return keys, values
-
-
-def recompute_kv(pair, cond: TargetRecomputes, task: ContentTask) -> tuple[list, list]:
-    """The cache after the target recomputed the tail and the attended share of prompt[:-1]."""
-    toks = list(task.tokens[:-1])
-    keys, values = translated_kv(pair, cond.method, toks)
-    cache, dtype = new_cache(pair.target), pair.target.dtype
-    append_kv(cache, [k.astype(dtype) for k in keys], [v.astype(dtype) for v in values])
-    chosen = recompute_attended(pair.target.model, cache, toks, cond.tail, cond.share,
-                                selection=cond.selection, ends=sentence_ends(pair.tokenizer),
-                                specials=special_ids(pair.tokenizer))  # fmt: skip
-    if cond.reread and chosen:
-        read_positions(pair.target.model, cache, toks, range(max(1, len(toks) - cond.tail),
-                                                             len(toks)))  # fmt: skip
+def chat_kv(pair, cond: Chat, task: ContentTask) -> tuple[list, list]:
+    """The large model's cache for prompt[:-1] exactly as the chat builds it: a conversation
+    holding the prompt hands off to the large model (small reads, translate, tail, recompute;
+    with fresh read rates, so no time budget trims the policy), then the large model reads the
+    rest of the prompt but its last token, as mlx-lm's prefill does before the first step."""
+    policy = ReaderPolicy(reader="small", large_reads_last=cond.tail, recompute_share=cond.share)
+    session = Session(pair, cond.translator, policy=policy, read_costs=ReadCosts())
+    session.add_tokens(task.tokens)
+    session.hand_off("target")
+    cache, held = session.cache("target"), session.held("target")
+    rest = list(task.tokens[held:-1])
+    if rest:
+        pair.target.model(mx.array(rest)[None], cache=cache)
     keys = [c.keys[..., : c.offset, :] for c in cache]
     values = [c.values[..., : c.offset, :] for c in cache]
     mx.eval(keys, values)
@@ -291,10 +250,8 @@ def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequenc
     for label, m in methods.items():
         if isinstance(m, SourceAlone):
             continue
-        if isinstance(m, TargetReadsTail):
-            kvs[label] = tail_read_kv(pair, m, task)
-        elif isinstance(m, TargetRecomputes):
-            kvs[label] = recompute_kv(pair, m, task)
+        if isinstance(m, Chat):
+            kvs[label] = chat_kv(pair, m, task)
         elif isinstance(m, NoisyNative):
             kvs[label] = noisy_kv(m, native)
         else:

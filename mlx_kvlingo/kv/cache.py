@@ -8,29 +8,13 @@ generation: the translation layer and the conversation both build on it.
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache
 
 
-def new_cache(
-    model,
-    kv_bits: int | None = None,
-    kv_group_size: int | None = None,
-    max_kv_size=None,
-) -> list:
-    """An empty mlx-lm cache for `model` (a LoadedModel): plain, quantized (`kv_bits`) or rotating.
-
-    One entry per layer this process holds (a pipelined target holds only its own layers)."""
-    n = len(model.layers)
-    if kv_bits is not None:
-        D = model.geometry.head_dim
-        if kv_group_size is None:
-            kv_group_size = next((g for g in (64, 32) if D % g == 0), None)
-        if kv_group_size is None or D % kv_group_size:
-            raise ValueError(f"quantized KV needs a head dim divisible by 32 or 64 (have {D})")
-        return [QuantizedKVCache(group_size=kv_group_size, bits=kv_bits) for _ in range(n)]
-    if max_kv_size is not None:
-        return [RotatingKVCache(max_size=max_kv_size, keep=4) for _ in range(n)]
-    return [KVCache() for _ in range(n)]
+def new_cache(model) -> list:
+    """An empty mlx-lm cache for `model` (a LoadedModel): one `KVCache` per layer this process
+    holds (a pipelined target holds only its own layers)."""
+    return [KVCache() for _ in model.layers]
 
 
 def append_kv(cache: list, keys: list, values: list) -> None:

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="the translated side's reader policy: small (every turn translated: "
                     "the translators' check), auto (what a chat does by default: by this "
                     "machine's timing) or tokens (the token rule, auto before issue 28)")  # fmt: skip
-    ap.add_argument("--large-reads-last", type=int, default=api.LARGE_READS_LAST,
+    ap.add_argument("--large-reads-last", type=int, default=ReaderPolicy().large_reads_last,
                     help="where the small model reads, the large still reads the turn's last this "
                     "many tokens itself (Runtime's default); 1: the last token only")  # fmt: skip
     ap.add_argument("--recompute", type=float, default=0.0,
