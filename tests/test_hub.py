@@ -163,16 +163,17 @@ def test_card_from_metadata(tmp_path):
 
     weights = ROOT / "weights"
     tr = weights / "translators"
-    files = sorted(tr.glob("forward-*-nu1.safetensors")) + sorted(
-        tr.glob("*-mixing-nu2.safetensors")
-    )
+    files = [
+        tr / "forward-mixing-nu2-content-chat.safetensors",
+        tr / "backward-mixing-nu2.safetensors",
+    ]
     files += sorted((tr / "source15").glob("*.safetensors"))
-    if len(files) < 5:
+    if len(files) < 4 or not all(f.is_file() for f in files):
         pytest.skip("demo translators not built")
     d = build_repo_folder(files, tmp_path / "repo", "org/demo", weights / "manifest.json")
     card = (d / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: mlx-kvlingo")
-    assert "| `forward-mixing-nu1.safetensors` | stage2 | 40 / 703 | translated |" in card
+    assert "| `backward-mixing-nu2.safetensors` | stage2 | 40 / 703 | translated |" in card
     assert "8x3x64 → 30x3x64" in card and "post_norm" in card
     # the calibration section is the default's, and its local data folder shows by name only
     assert "## Calibration of `source15/" in card and '- data: "mixed-assistant"' in card
