@@ -26,8 +26,10 @@ import mlx.nn as nn
 class LowRankTranslator(Translator):
     """A `Translator` whose per-target-layer maps factor through shared per-source-layer codes."""
 
+    VARIANTS = ("lowrank",)
+
     def __init__(self, config: TranslatorConfig, dtype: mx.Dtype = mx.float32):
-        if config.variant != "lowrank":
+        if config.variant not in self.VARIANTS:
             raise ValueError(f"LowRankTranslator needs the lowrank variant, not {config.variant!r}")
         nn.Module.__init__(self)
         self.config = config
@@ -45,6 +47,10 @@ class LowRankTranslator(Translator):
             where = {s: i for i, s in enumerate(used)}
             setattr(self, f"_{kind}_used", mx.array(used))
             setattr(self, f"_{kind}_index", mx.array([[where[s] for s in r] for r in rows]))
+
+    def _translate_fused(self, span: SpanKV, target) -> None:
+        """No fused CPU pass for factored maps: `translate` maps, then `finish`es."""
+        return None
 
     def map_features(self, x: mx.array, kind: str) -> mx.array:
         """x: source features (Ls, B, Hs, T, D) -> mapped (Lt, B, Ht, T, D') for `kind`."""
@@ -120,7 +126,7 @@ class LowRankTranslator(Translator):
 
 def new_translator(config: TranslatorConfig, dtype: mx.Dtype = mx.float32) -> Translator:
     """A zero translator of the class `config.variant` needs."""
-    cls = LowRankTranslator if config.variant == "lowrank" else Translator
+    cls = next(c for c in (Translator, LowRankTranslator) if config.variant in c.VARIANTS)
     return cls(config, dtype=dtype)
 
 

@@ -155,12 +155,19 @@ def nearest_layer_map(source_layers: int, target_layers: int, nu: int = 1) -> li
 
 
 class Translator(nn.Module):
-    """Maps a source span's K/V to the target's cache layout (see module docstring)."""
+    """Maps a source span's K/V to the target's cache layout (see module docstring).
+
+    A variant with maps of another shape subclasses it (`lowrank.LowRankTranslator`), naming
+    its variants in `VARIANTS` and overriding `map_features` (and `_translate_fused`, the CPU
+    pass for these maps); `lowrank.new_translator` picks the class for a config."""
+
+    VARIANTS = ("headwise", "mixing")
 
     def __init__(self, config: TranslatorConfig, dtype: mx.Dtype = mx.float32):
-        if config.variant == "lowrank":
+        if config.variant not in self.VARIANTS:
             raise ValueError(
-                "a lowrank config needs lowrank.LowRankTranslator (lowrank.new_translator)"
+                f"{type(self).__name__} takes the {'/'.join(self.VARIANTS)} variants, not "
+                f"{config.variant!r} (lowrank.new_translator picks the class)"
             )
         super().__init__()
         self.config = config
@@ -283,10 +290,8 @@ class Translator(nn.Module):
         and RoPE in one compiled pass per kind on the CPU (rope.rotate_sum) and a mixing
         map's output never transposed into a copy: the cache writes read it where it lies.
         None where that pass does not apply (another backend, dtype or RoPE; k_norms that are
-        not one RMSNorm; lowrank maps, which have their own). A native first token is written
-        over position 0 in place (`with_native_first`)."""
-        if self.config.variant == "lowrank":
-            return None
+        not one RMSNorm). A native first token is written over position 0 in place
+        (`with_native_first`)."""
         if target_dtype(target) != mx.float32 or self.key["weight"].dtype != mx.float32:
             return None
         k_terms, k_major = self.map_terms(span.keys, "key")
