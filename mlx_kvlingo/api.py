@@ -37,6 +37,8 @@ from typing import Any, Literal
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.records import (
     AUTO_THRESHOLD,
+    LABEL,
+    ROLE,
     SessionBusyError,
     SessionError,
     TokenEvent,
@@ -65,13 +67,6 @@ Label = Literal["small", "large"]
 #: What `send` and `escalate` return: iterate it; `close()` it to stop early.
 Stream = Generator["Event", None, None]
 
-_ROLE: dict[str, str] = {
-    "small": "source",
-    "large": "target",
-    "source": "source",
-    "target": "target",
-}
-_LABEL: dict[str, Label] = {"source": "small", "target": "large"}
 
 #: Every error a conversation raises for a request it cannot honour (nothing to answer, unknown
 #: model or mode, context full: `ContextOverflowError`, bad session file: `SessionFileError`).
@@ -163,7 +158,7 @@ class MemoryUsage:
 
 def _role(model: str) -> str:
     try:
-        return _ROLE[model]
+        return ROLE[model]
     except (KeyError, TypeError):
         raise ConversationError(
             f"unknown model {model!r}; use 'small' (source) or 'large' (target)"
@@ -643,7 +638,7 @@ class Conversation:
             _seed(seed, self._session.messages)
             return self._session.generate(role, **sample)
 
-        return self._open(start, _LABEL[role], wait, timeout)
+        return self._open(start, LABEL[role], wait, timeout)
 
     def answer(
         self,
@@ -664,7 +659,7 @@ class Conversation:
             _seed(seed, self._session.messages)
             return self._session.generate(role, **sample)
 
-        return self._open(start, _LABEL[role], wait, timeout)
+        return self._open(start, LABEL[role], wait, timeout)
 
     def escalate(
         self,
@@ -683,11 +678,11 @@ class Conversation:
         """
         role = _role(model) if model is not None else None
         if role is not None:
-            label = _LABEL[role]
+            label = LABEL[role]
         else:
             last = self._session.last_turn
             label = "small" if last is not None and last.model == "target" else "large"
-        sample, seed = self._sample_kwargs(_ROLE[label], sampling, max_tokens)
+        sample, seed = self._sample_kwargs(ROLE[label], sampling, max_tokens)
 
         def start() -> Iterator[TokenEvent]:
             _seed(seed, self._session.messages)
@@ -873,7 +868,7 @@ class Conversation:
             if self._cancel.is_set():  # cancel() landed before generate() cleared the flag
                 self._session.cancel()
             for te in events:
-                yield Event("token", te.text, _LABEL[te.model], te.token, te.logprob)
+                yield Event("token", te.text, LABEL[te.model], te.token, te.logprob)
             st = self._session.last_turn
         finally:
             if events is not None:
@@ -912,9 +907,9 @@ class Conversation:
         return Event(
             "done",
             st.text,
-            _LABEL[st.model],
+            LABEL[st.model],
             finish_reason=reason,
             timings=timings,
-            status=status_line(st, {_ROLE[k]: v for k, v in self.runtime.models.items()}),
+            status=status_line(st, {ROLE[k]: v for k, v in self.runtime.models.items()}),
             confidence=st.confidence,
         )

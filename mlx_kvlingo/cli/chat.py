@@ -36,7 +36,7 @@ from mlx_kvlingo.cli._distributed import (
     wanted,
     wire_option,
 )
-from mlx_kvlingo.conversation.records import AUTO_THRESHOLD, LABEL
+from mlx_kvlingo.conversation.records import AUTO_THRESHOLD, LABEL, ROLE
 from mlx_kvlingo.conversation.sampling import describe as describe_sampling
 from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
 from mlx_kvlingo.distributed.pipeline import DistributedError
@@ -48,7 +48,6 @@ from rich.table import Table
 
 # model output goes to a terminal: drop control characters (escape sequences, \r) but \n \t
 _CONTROL = {c: None for c in [*range(32), 127] if chr(c) not in "\n\t"}
-MODEL = {"small": "source", "large": "target"}
 
 HELP = [
     ("/small, /large", "which model answers next (default: large, the small one reads)"),
@@ -230,7 +229,7 @@ class ChatApp:
 
     def command(self, cmd: str, args: list[str]) -> None:
         if cmd in ("/small", "/large"):
-            self.next = MODEL[cmd[1:]]
+            self.next = ROLE[cmd[1:]]
             if self.auto:
                 self.auto = False
                 self.say("  auto: off")
@@ -424,7 +423,7 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     except ConversationError as e:
         raise click.ClickException(str(e)) from None
     app = ChatApp(conv, max_tokens=max_tokens, sampling=sampling_settings(sampling),
-                  auto_threshold=auto_threshold, console=console, first=MODEL[first or answer])  # fmt: skip
+                  auto_threshold=auto_threshold, console=console, first=ROLE[first or answer])  # fmt: skip
     if pipelined:
         app.banner({"forward": translator or "demo", "backward": back})
         app.say(f"  {describe(runtime)} · /save and /load are not available")

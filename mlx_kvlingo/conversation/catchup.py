@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from mlx_kvlingo.conversation.records import Read, SessionError, Switch
+from mlx_kvlingo.conversation.records import ROLE, Read, SessionError, Switch
 from mlx_kvlingo.conversation.timing import Paths
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy
 from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, needs_recording, prefill
@@ -22,7 +22,6 @@ from mlx_kvlingo.models.pair import LoadedModel
 
 import mlx.core as mx
 
-ALIASES = {"source": "source", "target": "target", "small": "source", "large": "target"}
 #: the large model's read of the turn's last tokens may add to the small path's predicted TTFT
 #: as much as the plain handoff's own TTFT (where the large reads only the last token), or
 #: TAIL_ALLOWANCE_S, whichever is more: a user does not notice a fifth of a second, but does
@@ -48,7 +47,7 @@ class CatchUp:
 
     def _name(self, model: str) -> str:
         try:
-            return ALIASES[model]
+            return ROLE[model]
         except KeyError:
             raise SessionError(
                 f"unknown model {model!r}; use 'source'/'small' or 'target'/'large'"

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+#: the two roles, named by size or by direction: the small model is the source of a forward
+#: translation, the large one its target (every module asks these two, nothing else)
+ROLE = {"small": "source", "large": "target", "source": "source", "target": "target"}
 LABEL = {"source": "small", "target": "large"}
 # The `/auto` cascade (and `kvlingo serve`'s model `auto`): the large model answers again when the
 # small answer's mean token log-prob (`answer_confidence`) is below this.

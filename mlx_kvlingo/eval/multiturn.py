@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation.records import LABEL
 from mlx_kvlingo.conversation.session import MODES, Session
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
@@ -302,7 +303,7 @@ def render_table(result: dict, console=None):
 
     for r in result["turns"]:
         label = "0 (none)" if r["turn"] == 0 else str(r["turn"])
-        model = {"source": "small", "target": "large"}[r["model"]]
+        model = LABEL[r["model"]]
         table.add_row(
             label,
             model,

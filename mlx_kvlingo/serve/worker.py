@@ -28,12 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlx_kvlingo.api import Conversation, ConversationError, Runtime, RuntimeBusyError, Stream
-from mlx_kvlingo.conversation.records import AUTO_THRESHOLD
+from mlx_kvlingo.conversation.records import AUTO_THRESHOLD, LABEL
 from mlx_kvlingo.serve.pool import Pool
 from mlx_kvlingo.serve.protocol import APIError, ChatRequest, Limits
 
 log = logging.getLogger("mlx_kvlingo.serve")
-_LABELS = {"source": "small", "target": "large"}
 
 
 class QueueFull(Exception):
@@ -239,7 +238,7 @@ class Worker:
             out = self._pump(job, conv.send(last, req.model, **req.send), req.model, live=True)
         after = conv.stats()
         read, translated = {}, {}
-        for role, label in _LABELS.items():
+        for role, label in LABEL.items():
             a, b = after["models"][role], before["models"][role]
             read[label] = a["prompt_tokens"] - b["prompt_tokens"]
             # and what it read for the other model (reader "small")
