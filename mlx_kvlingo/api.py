@@ -419,14 +419,7 @@ class Runtime:
         """
         if policy is None:
             policy = ReaderPolicy(recompute_share=0.0) if self.pipelined else ReaderPolicy()
-        make: Any = Session
-        if self._link is not None:
-            from functools import partial
-
-            from mlx_kvlingo.distributed.session import ShardedSession
-
-            make = partial(ShardedSession, self._link)
-        session = make(
+        session = Session(
             self.pair,
             self.forward,
             self.backward,
@@ -434,6 +427,7 @@ class Runtime:
             system_prompt=system_prompt,
             max_kv_size=max_kv_size,
             policy=policy,
+            remote=self._link,  # a pipelined large model: its cache lives on the ranks
         )
         return Conversation(self, session)
 

@@ -52,7 +52,7 @@ def conversation(rt: Runtime, short: bool = False) -> dict:
     a = rt.new_conversation(
         policy=ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
     )  # the plain handoff
-    b = rt.new_conversation(policy=ReaderPolicy(reader="self"))
+    b = rt.new_conversation(policy=ReaderPolicy(reader="self", recompute_share=0))
     turns = [
         _turn(a.send("def foo(x):", "large", **GREEDY)),
         _turn(b.send("class Bar:", "large", **GREEDY)),
@@ -118,7 +118,7 @@ def _lost(rt: Runtime) -> dict:
     """Rank 0 of a case whose rank 1 dies: the error a user gets, and how long it took."""
     t0 = time.monotonic()
     try:
-        rt.new_conversation(policy=ReaderPolicy(reader="small", large_reads_last=1)).ask(
+        rt.new_conversation(policy=ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)).ask(
             "def foo(x):", "large", **GREEDY
         )  # a span is sent
         return {"error": None}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from mlx_kvlingo.conversation.records import ROLE, Read, SessionError, Switch
 from mlx_kvlingo.conversation.timing import Paths
@@ -32,6 +33,15 @@ TAIL_ALLOWANCE_S = 0.5
 #: sentence, at least 24 tokens, the chat template's markup last (weights/QUALITY.md,
 #: "Sentences, not neighbours")
 RECOMPUTE_SELECTION = Selection()
+
+
+class RemoteLarge(Protocol):
+    """The large model's cache where it lives on other ranks (the pipelined target,
+    distributed/): a session gathers spans from it and places translated spans into it."""
+
+    def gather(self, cache: list, start: int, end: int) -> SpanKV: ...
+
+    def place(self, cache: list, span: SpanKV) -> None: ...
 
 
 @dataclass
@@ -313,10 +323,22 @@ class CatchUp:
 
     def _translate_into(self, m: _Model, tr, span: SpanKV) -> None:
         """Append the translated span to m's cache (it holds exactly [0, span.start))."""
-        append_translation(m.loaded, tr, span, m.cache)
+        if m.name == "target" and self.remote is not None:
+            if tr is not self.forward:
+                raise SessionError("a pipelined target translates with the runtime's translator")
+            self.remote.place(m.cache, span)
+        else:
+            append_translation(m.loaded, tr, span, m.cache)
 
     def _capture(self, o: _Model, start: int, end: int, cut: str) -> SpanKV:
         """The outgoing model's K/V for [start, end) at the translator's key cut."""
+        if o.name == "target" and self.remote is not None:
+            if needs_recording(o.loaded, cut):
+                raise SessionError(
+                    "a pre_norm backward translator is not available with a pipelined large "
+                    "model (it would recompute the large model's keys); use a post_norm one"
+                )
+            return self.remote.gather(o.cache, start, end)
         if not needs_recording(o.loaded, cut):
             return capture_from_cache(o.loaded, o.cache, start, end)
         # pre-k_norm keys are not in the cache: recompute the span on the cached prefix

@@ -14,7 +14,7 @@ from pathlib import Path
 from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.conversation.catchup import _Model
-from mlx_kvlingo.conversation.records import Read, SessionFileError, Switch, TurnStats
+from mlx_kvlingo.conversation.records import Read, SessionError, SessionFileError, Switch, TurnStats
 from mlx_kvlingo.kv.cache import prefix_copy
 from mlx_kvlingo.models.files import parse_json, read_header
 from mlx_kvlingo.models.pair import LoadedModel
@@ -62,6 +62,12 @@ class Persistence:
             "tokenizer": self.pair.tokenizer_fingerprint,
         }
 
+    def _local_only(self, what: str) -> None:
+        if self.remote is not None:  # the large model's cache is spread over the ranks
+            raise SessionError(
+                f"{what} is not available when the large model is pipelined over ranks"
+            )
+
     def save(self, path: str | Path) -> Path:
         """Write both caches, the conversation and the sync state to one prompt cache file.
 
@@ -69,6 +75,7 @@ class Persistence:
         the source's layers, then the target's; metadata `kvlingo_session` holds the rest.
         A `.safetensors` suffix is added when missing.
         """
+        self._local_only("saving")
         self._claim()
         path = Path(path)
         if path.suffix != ".safetensors":
@@ -100,6 +107,7 @@ class Persistence:
 
     def load(self, path: str | Path) -> None:
         """Restore a session saved by `save` for this same pair (refuses any other pair)."""
+        self._local_only("loading")
         self._claim()
         path = Path(path)
         if not path.is_file() and path.with_name(path.name + ".safetensors").is_file():

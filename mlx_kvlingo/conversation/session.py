@@ -60,7 +60,7 @@ from dataclasses import replace
 from mlx_kvlingo.config import READERS, ReaderPolicy
 from mlx_kvlingo.conversation.answering import Answering
 from mlx_kvlingo.conversation.budget import AheadBudget
-from mlx_kvlingo.conversation.catchup import CatchUp, _Model
+from mlx_kvlingo.conversation.catchup import CatchUp, RemoteLarge, _Model
 from mlx_kvlingo.conversation.messages import Messages
 from mlx_kvlingo.conversation.persistence import MODELS, Persistence
 from mlx_kvlingo.conversation.records import SessionError, Switch, TurnStats
@@ -99,6 +99,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
         max_kv_size: int | None = None,
         policy: ReaderPolicy | None = None,
         read_costs: ReadCosts | None = None,
+        remote: RemoteLarge | None = None,
     ):
         self.pair = pair
         self.forward = forward
@@ -111,6 +112,9 @@ class Session(Messages, CatchUp, Answering, Persistence):
                     f"but this direction needs {a} -> {b}"
                 )
         self.mode = mode
+        #: the large model's cache on other ranks (distributed/): what is gathered from it and
+        #: placed into it goes through `remote`; it cannot recompute, save or load
+        self.remote = remote
         #: who reads a turn and what the large model recomputes (mlx_kvlingo/config.py)
         self.policy = ReaderPolicy() if policy is None else policy
         #: what reading costs on this pair (reader "auto"); shared by the pair's sessions
@@ -143,6 +147,10 @@ class Session(Messages, CatchUp, Answering, Persistence):
     def policy(self, policy: ReaderPolicy) -> None:
         if not isinstance(policy, ReaderPolicy):
             raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
+        if self.remote is not None and policy.recompute_share:  # all layers, in this process
+            raise SessionError(
+                "the recompute (recompute_share > 0) is not available with a pipelined large model"
+            )
         reader = policy.reader or ("auto" if self.forward else "self")
         if reader != "self" and self.forward is None:
             raise SessionError(f"reader {reader!r} needs a forward (small -> large) translator")

@@ -27,9 +27,6 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import replace
 
-from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.records import SessionError
-from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.distributed import watchdog as _watchdog
 from mlx_kvlingo.distributed.pipeline import (
     WIRES,
@@ -44,7 +41,7 @@ from mlx_kvlingo.distributed.pipeline import (
     place,
 )
 from mlx_kvlingo.kv.cache import append_kv, new_cache
-from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, needs_recording
+from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache
 from mlx_kvlingo.models.pair import ModelPair, vocab_fingerprint
 
 import mlx.core as mx
@@ -238,54 +235,6 @@ def _last_stage_only():
         yield
     finally:
         mx.distributed.all_gather = real
-
-
-class ShardedSession(Session):
-    """A `Session` on rank 0 whose target is pipelined over the ranks of `link`.
-
-    Everything works as in one process except saving and loading (the target cache is spread
-    over the ranks) and pre_norm backward translators (they would recompute the large model's
-    keys on a copy of its cache that the other ranks do not hold).
-    """
-
-    def __init__(self, link: Link, pair: ModelPair, *args, **kwargs) -> None:
-        self.link = link
-        super().__init__(pair, *args, **kwargs)
-
-    def _translate_into(self, m, tr, span: SpanKV) -> None:
-        if m.name != "target":
-            return super()._translate_into(m, tr, span)
-        if tr is not self.forward or self.forward is not self.link.sp.translator:
-            raise SessionError("a pipelined target translates with the runtime's own translator")
-        self.link.place(m.cache, span)
-
-    def _capture(self, o, start: int, end: int, cut: str) -> SpanKV:
-        if o.name != "target":
-            return super()._capture(o, start, end, cut)
-        if needs_recording(o.loaded, cut):
-            raise SessionError(
-                "a pre_norm backward translator is not available with a pipelined large model "
-                "(it would recompute the large model's keys); use a post_norm one or none"
-            )
-        return self.link.gather(o.cache, start, end)
-
-    @property
-    def policy(self) -> ReaderPolicy:
-        return Session.policy.fget(self)
-
-    @policy.setter
-    def policy(self, policy: ReaderPolicy) -> None:
-        if policy.recompute_share:  # it runs all the large model's layers over chosen rows here
-            raise SessionError(
-                "the recompute (recompute_share > 0) is not available with a pipelined large model"
-            )
-        Session.policy.fset(self, policy)
-
-    def save(self, path):
-        raise SessionError("saving is not available when the large model is pipelined over ranks")
-
-    def load(self, path):
-        raise SessionError("loading is not available when the large model is pipelined over ranks")
 
 
 # -- loading, and the ranks that follow ----------------------------------------------------
