@@ -118,9 +118,9 @@ def _lost(rt: Runtime) -> dict:
     """Rank 0 of a case whose rank 1 dies: the error a user gets, and how long it took."""
     t0 = time.monotonic()
     try:
-        rt.new_conversation(policy=ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)).ask(
-            "def foo(x):", "large", **GREEDY
-        )  # a span is sent
+        rt.new_conversation(
+            policy=ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
+        ).ask("def foo(x):", "large", **GREEDY)  # a span is sent
         return {"error": None}
     except Exception as e:  # noqa: BLE001 - the point is which error
         return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}

@@ -11,6 +11,7 @@ from mlx_kvlingo.models.demo.smollm2 import (
     cache_root,
     ensure_demo_source,
     ensure_smollm2,
+    missing_weights,
     source_layers,
     weights_dir,
 )
@@ -34,7 +35,7 @@ def manifest(pair: str = "dense") -> dict:
     _check_pair(pair)
     path = weights_dir() / "manifest.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: the demo translators have not been built")
+        raise missing_weights(path, "translators")
     m = json.loads(path.read_text())
     if pair == "dense":
         return m

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.metadata
+import importlib.resources
 import json
 import os
 import shutil
@@ -85,10 +86,61 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(cache_dir).expanduser()
 
 
+#: The demo's files as a wheel: built from the repository's weights/ folder by weights/wheel/,
+#: installed as the import package `mlx_kvlingo_demo` (what the demo pairs' defaults load).
+ASSETS_DIST = "mlx-kvlingo-demo"
+ASSETS_PACKAGE = "mlx_kvlingo_demo"
+ASSETS_HINT = (
+    f"install the {ASSETS_DIST} wheel (in a checkout: `pip wheel --no-deps -w dist . weights/wheel"
+    f" && pip install dist/*.whl`) or set KVLINGO_WEIGHTS to a checkout's weights/ folder"
+)
+
+
+def checkout_weights() -> Path | None:
+    """`weights/` beside the mlx_kvlingo package when it runs from a checkout (an editable
+    install or PYTHONPATH), else None."""
+    folder = _beside_package()
+    return folder if folder.is_dir() and (folder.parent / "pyproject.toml").is_file() else None
+
+
+def _beside_package() -> Path:
+    return Path(str(importlib.resources.files("mlx_kvlingo"))).resolve().parent / "weights"
+
+
+def installed_weights() -> Path | None:
+    """The installed `mlx_kvlingo_demo` package's folder (the mlx-kvlingo-demo wheel), or None."""
+    try:
+        folder = Path(str(importlib.resources.files(ASSETS_PACKAGE)))
+    except ModuleNotFoundError:
+        return None
+    return folder if folder.is_dir() else None
+
+
 def weights_dir() -> Path:
-    """The repo's `weights/` folder ($KVLINGO_WEIGHTS overrides)."""
+    """The demo's files: $KVLINGO_WEIGHTS, else a checkout's `weights/` folder, else the
+    installed mlx-kvlingo-demo wheel's package (found by importlib.resources, wherever it is
+    installed); with none of them, a folder that does not exist (`missing_weights` says what
+    to do)."""
     env = os.environ.get("KVLINGO_WEIGHTS")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "weights"
+    if env:
+        return Path(env)
+    return checkout_weights() or installed_weights() or _beside_package()
+
+
+def missing_weights(where: Path, build_step: str) -> FileNotFoundError:
+    """The one-line error for demo files missing from `where` (under `weights_dir()`)."""
+    if not os.environ.get("KVLINGO_WEIGHTS") and checkout_weights() is None:
+        if installed_weights() is None:
+            return FileNotFoundError(f"the demo's files are not installed: {ASSETS_HINT}.")
+        return FileNotFoundError(
+            f"demo weights not found in {where} (the installed {ASSETS_DIST}); reinstall it or "
+            f"set KVLINGO_WEIGHTS to a checkout's weights/ folder."
+        )
+    return FileNotFoundError(
+        f"demo weights not found in {where}; set KVLINGO_WEIGHTS to the repo's "
+        f"weights/ folder or rebuild them with `python -m weights.build.rebuild --only "
+        f"{build_step}` (from the repo root)."
+    )
 
 
 def default_dequantize() -> bool:
@@ -308,11 +360,7 @@ def shipped_files(folder: str, names: tuple[str, str], build_step: str) -> tuple
     where = weights_dir() / folder
     paths = (where / names[0], where / names[1])
     if not all(p.is_file() for p in paths):
-        raise FileNotFoundError(
-            f"demo weights not found in {where}; set KVLINGO_WEIGHTS to the repo's "
-            f"weights/ folder or rebuild them with `python -m weights.build.rebuild --only "
-            f"{build_step}` (from the repo root)."
-        )
+        raise missing_weights(where, build_step)
     return paths
 
 

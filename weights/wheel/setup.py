@@ -1,0 +1,35 @@
+"""Which files the mlx-kvlingo-demo wheel ships: what the defaults of both demo pairs in
+weights/manifest.json load (their small model, forward and backward translators, the MoE
+target's differences) and the manifest; superseded translators and the build do not ship.
+weights/ itself is the package (`mlx_kvlingo_demo`): nothing is copied or moved."""
+
+import json
+from pathlib import Path
+
+from setuptools import setup
+
+WEIGHTS = Path(__file__).resolve().parent.parent
+#: what mlx_kvlingo/models/demo/moe.py assembles the MoE target from (beside the dense target's GGUF)
+MOE_FILES = ["moe/deltas.safetensors", "moe/moe.json"]
+#: what mlx_kvlingo/models/demo/smollm2.py assembles a demo source from
+SOURCE_FILES = ["model.safetensors", "source.json"]
+
+
+def demo_files() -> list[str]:
+    manifest = json.loads((WEIGHTS / "manifest.json").read_text())
+    files = {"manifest.json", *MOE_FILES}
+    for section in (manifest, manifest["moe"]):
+        default = section["default"]
+        files.update(f"{default.get('source', 'source')}/{name}" for name in SOURCE_FILES)
+        files.update(f"translators/{default[d]}" for d in ("forward", "backward"))
+    missing = sorted(f for f in files if not (WEIGHTS / f).is_file())
+    if missing:
+        raise SystemExit(f"the demo's default files are missing from {WEIGHTS}: {missing}")
+    return sorted(files)
+
+
+setup(
+    packages=["mlx_kvlingo_demo"],
+    package_dir={"mlx_kvlingo_demo": ".."},
+    package_data={"mlx_kvlingo_demo": demo_files()},
+)
