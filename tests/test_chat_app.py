@@ -193,3 +193,29 @@ def test_eof_exits_cleanly(app):
     t.send("C-d")
     screen = t.wait(lambda s: "EXITED" in s)
     assert "bye" in screen and "EXITED rc=0" in screen
+
+
+def test_a_pasted_document_and_a_file_arrive_whole(app, tiny_dir, tmp_path):
+    """A paste longer than a terminal line (4,095 characters in canonical mode) with line
+    breaks arrives as one turn, whole (bracketed paste into the line editor); `/file` sends
+    a file the same way, its question after it. The status line counts every token read."""
+    import re
+
+    tok = load_pair(tiny_dir["qwen3"], tiny_dir["known"]).tokenizer
+    doc = "\n".join(f"Line {i}: the river rose slowly and the farmers moved the cattle uphill."
+                    for i in range(70))  # fmt: skip
+    assert len(doc) > 4095 and len(tok.encode(doc)) > 1000
+    term = app("--reader", "self", "-m", "2")
+    subprocess.run(term._tmux("set-buffer", "--", doc + "\nWhat rose?"), check=True)
+    subprocess.run(term._tmux("paste-buffer", "-p", "-t", "t"), check=True)
+    term.send("Enter")  # (the editor redraws the paste: count status lines, not prompts)
+    screen = term.wait(lambda s: len(status_lines(s)) >= 1, timeout=120)
+    read = [int(n) for n in re.findall(r"large read (\d+) tok", " ".join(status_lines(screen)))]
+    assert read and read[-1] >= len(tok.encode(doc + "\nWhat rose?")), screen[-2000:]
+    path = tmp_path / "doc.txt"
+    path.write_text(doc)
+    term.type(f"/file {path} What rose?")
+    screen = term.wait(lambda s: len(status_lines(s)) >= 2, timeout=120)
+    assert f"{len(doc):,} characters and your question" in screen
+    screen = step(term, f"/file {tmp_path / 'missing.txt'}")
+    assert "/file:" in screen and "No such file" in screen and "Traceback" not in screen

@@ -9,6 +9,7 @@ from __future__ import annotations
 import shlex
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 from mlx_kvlingo.api import (
     MODES,
@@ -56,6 +57,11 @@ HELP = [
         "show or set who reads your turn for the large model (auto: whichever is predicted "
         "to answer sooner; tokens: the small one reads the opening and turns of N+ tokens)",
     ),
+    (
+        "/file PATH [QUESTION]",
+        "send a text file as your turn, the question after it (a paste "
+        "arrives whole too, however long)",
+    ),
     ("/escalate", "answer the last message again with the other model (translated cache)"),
     ("/auto [on|off|T]", "cascade: small answers, large takes over below confidence T"),
     ("/mode [M]", "show or set: alternation | naive | reprefill"),
@@ -102,6 +108,7 @@ class ChatApp:
         self.console = console or Console(highlight=False)
         models = conv.runtime.models
         self.names = {"source": models["small"], "target": models["large"]}
+        self._editor = None  # prompt_toolkit's line editor, on a terminal (`prompt`)
 
     # -- output ------------------------------------------------------------------------------
 
@@ -234,6 +241,20 @@ class ChatApp:
                 self.auto = False
                 self.say("  auto: off")
             self.say(f"  next answers: {cmd[1:]} ({self.names[self.next]})")
+        elif cmd == "/file":
+            if not args:
+                self.error("/file takes a file's path (and a question after it)")
+                return
+            path = Path(args[0]).expanduser()
+            text = path.read_text(encoding="utf-8").strip()
+            if not text:
+                self.error(f"/file: {path} is empty")
+                return
+            question = " ".join(args[1:])
+            self.say(
+                f"  {path}: {len(text):,} characters" + (" and your question" if question else "")
+            )
+            self.turn(text + (f"\n\n{question}" if question else ""))
         elif cmd == "/escalate":
             self.escalate()
         elif cmd == "/auto":
@@ -345,7 +366,18 @@ class ChatApp:
         self.say("  /help for commands · q to quit")
 
     def prompt(self) -> str:
+        """The next line. On a terminal, prompt_toolkit's editor: a paste arrives whole, its
+        line breaks kept (bracketed paste), where `input()` in the terminal's line mode keeps
+        only the first 4,095 characters of a line; elsewhere (a pipe) `input()`."""
         tag = "auto" if self.auto else LABEL[self.next]
+        if self._editor is None:
+            self._editor = False
+            if sys.stdin.isatty() and sys.stdout.isatty():
+                from prompt_toolkit import PromptSession
+
+                self._editor = PromptSession()
+        if self._editor:
+            return self._editor.prompt(f"[{tag}] > ")
         return input(f"[{tag}] > ")
 
     def run(self) -> None:
