@@ -203,8 +203,8 @@ def test_the_large_recomputes_the_share_of_the_turn_its_reading_attended_to(pair
     line = status_line(half.turns[-1], {"source": "s", "target": "t"})
     assert f"large read the last {k} tok and recomputed {half.turns[-1].switch.recomputed}" in line
     assert half.stats()["recompute_share"] == 0.5
-    with pytest.raises(SessionError, match="recompute_share"):
-        Session(pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=1.5))
+    with pytest.raises(PolicyError, match="recompute_share"):
+        ReaderPolicy(large_reads_last=1, recompute_share=1.5)
 
 
 def test_an_interrupted_recompute_leaves_the_caches_consistent(pair, translators, monkeypatch):

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from mlx_kvlingo import Runtime
+from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.models.files import save_translator
 from mlx_kvlingo.models.pair import load_pair
 from mlx_kvlingo.serve import Limits, ServeConfig, Server, sampling_kwargs
@@ -594,6 +595,6 @@ def test_cli_serves_the_moe_demo_pair(tiny_dir, tmp_path, monkeypatch):
                                    "--large-reads-last", "5"])  # fmt: skip
     assert out.exit_code == 0, out.output
     assert asked == ["moe"] and answers[0].choices[0].message.content
-    assert made == [{"mode": "alternation", "large_reads_last": 5}]
+    assert made == [{"mode": "alternation", "policy": ReaderPolicy(large_reads_last=5)}]
     out = CliRunner().invoke(cli, ["serve", "--pair", "moe", "--source", "a", "--target", "b"])
     assert out.exit_code == 2 and "--pair chooses a demo pair" in out.output

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
 #: the two roles, named by size or by direction: the small model is the source of a forward
 #: translation, the large one its target (every module asks these two, nothing else)
 ROLE = {"small": "source", "large": "target", "source": "source", "target": "target"}
-LABEL = {"source": "small", "target": "large"}
+LABEL: dict[str, Literal["small", "large"]] = {"source": "small", "target": "large"}
 # The `/auto` cascade (and `kvlingo serve`'s model `auto`): the large model answers again when the
 # small answer's mean token log-prob (`answer_confidence`) is below this.
 AUTO_THRESHOLD = -1.5
