@@ -24,8 +24,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlx_kvlingo.config import ReaderPolicy
-
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("translator", "method", "session", "checkpoint")
 FILES = {"translator": "t.safetensors", "method": "m.safetensors",
@@ -52,6 +50,7 @@ def _saver(kind: str, out: Path, fixtures: Path, log: Path, size_mb: float) -> N
     tr.value["weight"] = mx.random.normal(tr.value["weight"].shape)
     mx.eval(tr.parameters())
     if kind == "session":
+        from mlx_kvlingo.config import ReaderPolicy
         from mlx_kvlingo.conversation.session import Session
         from mlx_kvlingo.models.files import load_translator
         from mlx_kvlingo.models.pair import load_pair
@@ -168,6 +167,7 @@ class Verifier:
             return read_method_file(out)[1]["version"]
         if kind == "session":
             if self._session is None:
+                from mlx_kvlingo.config import ReaderPolicy
                 from mlx_kvlingo.conversation.session import Session
                 from mlx_kvlingo.models.pair import load_pair
 

@@ -46,8 +46,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mlx_kvlingo.config import ReaderPolicy
-
 ROOT = Path(__file__).resolve().parents[1]
 OUTCOMES = ("ok", "refused", "bug", "hang", "crash", "wrote")
 FAILURES = ("bug", "hang", "crash", "wrote")
@@ -500,6 +498,7 @@ def build_fixtures(folder: str | Path) -> Path:
 
 
 def _seed_files(folder: Path, seeds: Path, pair, exact) -> None:
+    from mlx_kvlingo.config import ReaderPolicy
     from mlx_kvlingo.conversation.session import Session
     from mlx_kvlingo.eval.methods import KVLingo, droidspeak, quantized, raw
     from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig

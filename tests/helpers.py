@@ -71,3 +71,21 @@ def handoff(pair, tr, tokens):
     stats = s.hand_off("target")
     return SimpleNamespace(source_cache=s.cache("source"), target_cache=s.cache("target"),
                            translated_tokens=stats.switch.translated)  # fmt: skip
+
+
+def _plain_policy():
+    from mlx_kvlingo.config import ReaderPolicy
+
+    return ReaderPolicy(large_reads_last=1, recompute_share=0.0)
+
+
+#: the plain hand-off: the large model reads only the last token, no recompute (what the
+#: known-answer and alternation tests check exactly)
+PLAIN = _plain_policy()
+
+
+def plain(**changes):
+    """`PLAIN` with `changes` (dataclasses.replace)."""
+    from dataclasses import replace
+
+    return replace(PLAIN, **changes)

@@ -12,7 +12,7 @@ from mlx_kvlingo.conversation.session import Session
 
 import mlx.core as mx
 import pytest
-from helpers import assert_session_consistent, exact_translator, native_tokens
+from helpers import PLAIN, assert_session_consistent, exact_translator, native_tokens, plain
 from mlx_lm.sample_utils import make_sampler
 
 MESSAGES = [
@@ -61,15 +61,13 @@ def test_reader_equals_reprefill_over_ten_turns(pair, translators, seeded):
     fwd, bwd = translators
     sampler = make_sampler(temp=0.8, top_p=0.95) if seeded else None
     seed = 7 if seeded else None
-    s = Session(
-        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small")
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader="small"))
     ref = Session(
         pair,
         fwd,
         bwd,
         mode="reprefill",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        policy=PLAIN,
     )
     got, want = converse(s, sampler=sampler, seed=seed), converse(ref, sampler=sampler, seed=seed)
     assert got == want and s.tokens == ref.tokens
@@ -113,7 +111,7 @@ def test_the_large_reads_the_last_tokens_itself_on_the_translated_rest(pair, tra
             fwd,
             bwd,
             mode="reprefill",
-            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+            policy=PLAIN,
         ),
         6,
     )
@@ -158,7 +156,7 @@ def test_the_large_recomputes_the_share_of_the_turn_its_reading_attended_to(pair
             fwd,
             bwd,
             mode="reprefill",
-            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+            policy=PLAIN,
         ),
         4,
     )
@@ -173,7 +171,7 @@ def test_the_large_recomputes_the_share_of_the_turn_its_reading_attended_to(pair
         pair,
         zero,
         bwd,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small"),
+        policy=plain(reader="small"),
     )
     assert converse(none, 4) != want
     k = 4
@@ -238,9 +236,7 @@ def test_an_interrupted_recompute_leaves_the_caches_consistent(pair, translators
 
 def test_reader_self_keeps_todays_behaviour(pair, translators):
     fwd, bwd = translators
-    s = Session(
-        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self")
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader="self"))
     converse(s, turns=3)
     assert all(t.read is None for t in s.turns)
     assert s.turns[0].prompt_tokens > 1 and not s.translated_spans()
@@ -249,14 +245,9 @@ def test_reader_self_keeps_todays_behaviour(pair, translators):
             pair,
             None,
             bwd,
-            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small"),
+            policy=plain(reader="small"),
         )
-    assert (
-        Session(
-            pair, None, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)
-        ).policy.reader
-        == "self"
-    )
+    assert Session(pair, None, bwd, policy=PLAIN).policy.reader == "self"
 
 
 def test_mixed_schedule_and_no_backward_translator(pair, translators):
@@ -266,14 +257,14 @@ def test_mixed_schedule_and_no_backward_translator(pair, translators):
         pair,
         fwd,
         None,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small"),
+        policy=plain(reader="small"),
     )
     ref = Session(
         pair,
         fwd,
         None,
         mode="reprefill",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        policy=PLAIN,
     )
     assert converse(s, 7, sched) == converse(ref, 7, sched)
     large = [t for t in s.turns if t.model == "target"]
@@ -292,14 +283,14 @@ def test_naive_mode_with_reader(pair, translators):
         fwd,
         bwd,
         mode="naive",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small"),
+        policy=plain(reader="small"),
     )
     ref = Session(
         pair,
         fwd,
         bwd,
         mode="reprefill",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        policy=PLAIN,
     )
     assert converse(s, 4) == converse(ref, 4)
     assert sum(sw.retranslated for sw in s.switches) > 0  # naive re-translates what it held
@@ -308,9 +299,7 @@ def test_naive_mode_with_reader(pair, translators):
 
 def test_ctrl_c_during_the_small_read_and_the_large_decode(pair, translators, monkeypatch):
     fwd, bwd = translators
-    s = Session(
-        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small")
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader="small"))
     converse(s, 2)
     s.add_user("a long user turn " * 12)
     real = pair.source.model.__class__.__call__
@@ -356,9 +345,7 @@ def test_ctrl_c_during_the_small_read_and_the_large_decode(pair, translators, mo
 
 def test_cancel_during_the_small_read(pair, translators, monkeypatch):
     fwd, bwd = translators
-    s = Session(
-        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small")
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader="small"))
     s.add_user("word " * 40)
     real = pair.source.model.__class__.__call__
 
@@ -384,9 +371,7 @@ def test_save_load_and_trim_with_reader(pair, translators, tmp_path):
     )
     converse(s, 3)
     path = s.save(tmp_path / "chat")
-    t = Session(
-        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self")
-    )
+    t = Session(pair, fwd, bwd, policy=plain(reader="self"))
     t.load(path)
     assert t.policy.reader == "small" and t.turns[-1].read.tokens == s.turns[-1].read.tokens
     assert t.policy.large_reads_last == 5 and t.policy.recompute_share == 0.5
@@ -403,9 +388,7 @@ def test_save_load_and_trim_with_reader(pair, translators, tmp_path):
 
 def test_status_and_stats_show_the_read_and_the_saving(pair, translators):
     fwd, bwd = translators
-    s = Session(
-        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="small")
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader="small"))
     converse(s, 2)
     st = s.last_turn
     line = status_line(st, {"source": "S", "target": "T"})
@@ -499,9 +482,7 @@ def test_logits_processors_see_the_answers_not_the_turns(pair, translators, read
     model's own prompt is one token), and not the user's text, which an answer may need to
     repeat: the same history whoever read the turn."""
     fwd, bwd = translators
-    s = Session(
-        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader=reader)
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader=reader))
     converse(s, 1)
     s.add_user(MESSAGES[1])
     seen = []
@@ -527,9 +508,7 @@ def test_translate_ahead_makes_escalation_one_step(pair, translators):
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(
-            large_reads_last=1,
-            recompute_share=0.0,
+        policy=plain(
             translate_ahead=True,
             ahead_chunk=8,
             ahead_share=None,
@@ -573,7 +552,7 @@ def test_translate_ahead_within_budget_leaves_the_rest_to_the_escalation(pair, t
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, translate_ahead=True),
+        policy=plain(translate_ahead=True),
     )
     s._ahead_budget = OneChunk()
     s.add_user("a long question " * 6)
@@ -604,28 +583,16 @@ def test_reader_tokens_reads_the_opening_and_long_turns_only(pair, translators, 
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(
-            large_reads_last=1, recompute_share=0.0, reader="tokens", reader_min_tokens=48
-        ),
+        policy=plain(reader="tokens", reader_min_tokens=48),
     )
-    assert (
-        Session(
-            pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)
-        ).policy.reader
-        == "auto"
-    )
-    assert (
-        Session(
-            pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)
-        ).policy.reader_min_tokens
-        == 64
-    )
+    assert Session(pair, fwd, bwd, policy=PLAIN).policy.reader == "auto"
+    assert Session(pair, fwd, bwd, policy=PLAIN).policy.reader_min_tokens == 64
     ref = Session(
         pair,
         fwd,
         bwd,
         mode="reprefill",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        policy=PLAIN,
     )
     turns = [MESSAGES[0], MESSAGES[1], "word " * 60, MESSAGES[2]]
     got, want = [], []
@@ -650,9 +617,7 @@ def test_reader_tokens_reads_the_opening_and_long_turns_only(pair, translators, 
     assert_consistent(s)
     assert s.stats()["reader_min_tokens"] == 48
     # the policy survives a save / load
-    t = Session(
-        pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self")
-    )
+    t = Session(pair, fwd, bwd, policy=plain(reader="self"))
     t.load(s.save(tmp_path / "auto"))
     assert (t.policy.reader, t.policy.reader_min_tokens) == ("tokens", 48)
 
@@ -663,9 +628,7 @@ def test_reader_auto_limits_and_zero(pair, translators):
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(
-            large_reads_last=1, recompute_share=0.0, reader="tokens", reader_min_tokens=0
-        ),
+        policy=plain(reader="tokens", reader_min_tokens=0),
     )  # 0: the small reads all
     converse(s, 3)
     assert all(t.read is not None and t.prompt_tokens == 1 for t in s.turns)
@@ -677,7 +640,7 @@ def test_reader_auto_limits_and_zero(pair, translators):
             pair,
             None,
             bwd,
-            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="auto"),
+            policy=plain(reader="auto"),
         )
     with pytest.raises(PolicyError, match="unknown reader"):
         s.policy = replace(s.policy, reader="big")

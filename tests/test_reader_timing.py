@@ -12,7 +12,7 @@ from mlx_kvlingo.conversation.timing import Cost, Paths, ReadCosts, costs_of
 from mlx_kvlingo.conversation.warmup import warm_up
 
 import pytest
-from helpers import assert_session_consistent
+from helpers import PLAIN, assert_session_consistent, plain
 
 N = 6
 SHORT = ["def parse_args(argv):", "class Foo(object):", "print(x)", "return value"]
@@ -107,7 +107,7 @@ def test_the_tail_is_dropped_where_it_would_more_than_double_the_ttft(pair, tran
             fwd,
             bwd,
             mode="reprefill",
-            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+            policy=PLAIN,
         )
         assert toks == talk(ref, [long])[0]
         (st,) = s.turns
@@ -137,7 +137,7 @@ def test_the_recompute_is_dropped_before_the_tail_where_it_would_exceed_the_budg
                     fwd,
                     bwd,
                     mode="reprefill",
-                    policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+                    policy=PLAIN,
                 ),
                 [long],
             )[0]
@@ -167,14 +167,14 @@ def test_auto_picks_the_large_reading_when_it_is_predicted_faster(pair, translat
         fwd,
         bwd,
         read_costs=costs,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        policy=PLAIN,
     )
     ref = Session(
         pair,
         fwd,
         bwd,
         mode="reprefill",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        policy=PLAIN,
     )
     long = "word " * 80  # the token rule would have the small read it
     texts = [SHORT[0], long, SHORT[1]]
@@ -203,14 +203,14 @@ def test_auto_picks_the_small_reading_when_it_is_predicted_faster(pair, translat
         fwd,
         bwd,
         read_costs=costs,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        policy=PLAIN,
     )
     ref = Session(
         pair,
         fwd,
         bwd,
         mode="reprefill",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        policy=PLAIN,
     )
     assert talk(s, SHORT) == talk(ref, SHORT)
     for st in s.turns:  # even short later turns, which the token rule gives the large
@@ -240,7 +240,7 @@ def opening_tie(pair, n0: int, ratio: float) -> ReadCosts:
 )
 def test_the_token_rule_breaks_ties(pair, translators, tmp_path, ratio, margin, small_reads):
     fwd, bwd = translators
-    s = Session(pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0))
+    s = Session(pair, fwd, bwd, policy=PLAIN)
     s.add_user(SHORT[0])
     s.read_costs = opening_tie(pair, len(s.tokens), ratio)
     s.policy = replace(s.policy, reader_margin=margin)
@@ -256,7 +256,7 @@ def test_the_token_rule_breaks_ties(pair, translators, tmp_path, ratio, margin, 
     s.policy = replace(s.policy, reader_margin=1e9)
     small, why, _ = s._reader_choice("target", len(s.tokens) - 1)
     assert not small and why == "reader auto, a tie: the large reads turns under 64 tok"
-    t = Session(pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0))
+    t = Session(pair, fwd, bwd, policy=PLAIN)
     t.load(s.save(tmp_path / "tie"))
     assert (t.policy.reader, t.policy.reader_margin) == ("auto", 1e9)
     for bad in (-0.1, "x", True, float("nan")):
@@ -273,7 +273,7 @@ def test_auto_before_any_timing_is_the_token_rule(pair, translators):
         fwd,
         bwd,
         read_costs=ReadCosts(),
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+        policy=PLAIN,
     )
     talk(s, SHORT[:2])
     opening, short = s.turns
@@ -299,7 +299,7 @@ def test_reader_tokens_and_the_others_ignore_the_rates(pair, translators):
             fwd,
             bwd,
             read_costs=costs,
-            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader=reader),
+            policy=plain(reader=reader),
         )
         talk(s, SHORT[:2])
         assert [t.read is not None for t in s.turns] == reads, reader
@@ -317,13 +317,10 @@ def test_warm_up_measures_every_cost_and_pays_the_first_turn(pair, translators):
     assert {n for n, _ in costs.target_step.samples} == {1}
     assert min(n for n, _ in costs.target_read.samples) > 1
     # the pair's shared costs: what sessions get by default
-    s = Session(pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0))
+    s = Session(pair, fwd, bwd, policy=PLAIN)
     assert (
         s.read_costs is costs_of(pair)
-        and Session(
-            pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)
-        ).read_costs
-        is s.read_costs
+        and Session(pair, fwd, bwd, policy=PLAIN).read_costs is s.read_costs
     )
 
 
@@ -346,7 +343,7 @@ def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader_min_tokens=40),
+        policy=plain(reader_min_tokens=40),
     )
     talk(s, SHORT[:1])
     path = s.save(tmp_path / "new")
@@ -364,9 +361,7 @@ def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(
-            large_reads_last=1, recompute_share=0.0, reader="self", reader_margin=0.3
-        ),
+        policy=plain(reader="self", reader_margin=0.3),
     )
     t.load(old)
     assert (t.policy.reader, t.policy.reader_min_tokens, t.policy.reader_margin) == (

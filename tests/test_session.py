@@ -3,7 +3,6 @@ must decode exactly as re-prefill does, translating each missing span exactly on
 
 import threading
 
-from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.records import (
     ContextOverflowError,
     SessionBusyError,
@@ -17,7 +16,14 @@ from mlx_kvlingo.eval.multiturn import evaluate_multiturn, render_table
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import assert_session_consistent, exact_translator, inverse, native_tokens
+from helpers import (
+    PLAIN,
+    assert_session_consistent,
+    exact_translator,
+    inverse,
+    native_tokens,
+    plain,
+)
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
@@ -62,14 +68,14 @@ def test_alternation_equals_reprefill_both_directions(pair, translators):
         fwd,
         bwd,
         mode="reprefill",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self"),
+        policy=plain(reader="self"),
     )
     alt = Session(
         pair,
         fwd,
         bwd,
         mode="alternation",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self"),
+        policy=plain(reader="self"),
     )
     ref_turns, alt_turns = converse(ref), converse(alt)
     assert [t[2] for t in alt_turns] == [t[2] for t in ref_turns]
@@ -111,7 +117,7 @@ def test_seeded_sampling_matches_reprefill(pair, translators):
     sampler = make_sampler(temp=0.8, top_p=0.95)
     sched = SCHEDULE[:4]
     a = converse(
-        Session(pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)),
+        Session(pair, fwd, bwd, policy=PLAIN),
         sched,
         sampler,
         seed=11,
@@ -122,7 +128,7 @@ def test_seeded_sampling_matches_reprefill(pair, translators):
             fwd,
             bwd,
             mode="reprefill",
-            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+            policy=PLAIN,
         ),
         sched,
         sampler,
@@ -138,14 +144,14 @@ def test_naive_differs_only_by_retranslation(pair, translators):
         fwd,
         bwd,
         mode="alternation",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+        policy=plain(reader="tokens"),
     )
     naive = Session(
         pair,
         fwd,
         bwd,
         mode="naive",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+        policy=plain(reader="tokens"),
     )
     alt_turns, naive_turns = converse(alt), converse(naive)
     # exact translators: re-translating changes nothing in the answers...
@@ -167,16 +173,14 @@ def test_pre_norm_translators(pair, tiny_dir):
     fwd = exact_translator(pair, answer, key_cut="pre_norm")
     bwd = exact_translator(pair.reversed(), inverse(answer), key_cut="pre_norm")
     sched = SCHEDULE[:4]
-    a = converse(
-        Session(pair, fwd, bwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)), sched
-    )
+    a = converse(Session(pair, fwd, bwd, policy=PLAIN), sched)
     b = converse(
         Session(
             pair,
             fwd,
             bwd,
             mode="reprefill",
-            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+            policy=PLAIN,
         ),
         sched,
     )
@@ -186,7 +190,7 @@ def test_pre_norm_translators(pair, tiny_dir):
         fwd,
         bwd,
         mode="naive",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+        policy=plain(reader="tokens"),
     )
     s.add_user("hello")
     with pytest.raises(SessionError, match="naive mode needs post_norm"):
@@ -195,7 +199,7 @@ def test_pre_norm_translators(pair, tiny_dir):
 
 def test_without_backward_switching_back_reprefills(pair, translators):
     fwd, _ = translators
-    s = Session(pair, fwd, None, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0))
+    s = Session(pair, fwd, None, policy=PLAIN)
     turns = converse(s, SCHEDULE[:3])
     ref = converse(
         Session(
@@ -203,7 +207,7 @@ def test_without_backward_switching_back_reprefills(pair, translators):
             fwd,
             None,
             mode="reprefill",
-            policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0),
+            policy=PLAIN,
         ),
         SCHEDULE[:3],
     )
@@ -219,7 +223,7 @@ def test_escalate_uses_translated_cache(pair, translators):
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+        policy=plain(reader="tokens"),
     )
     s.add_user("def parse_args(argv):")
     n0 = len(s.tokens)
@@ -241,7 +245,7 @@ def test_keyboard_interrupt_inside_generation(pair, translators):
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+        policy=plain(reader="tokens"),
     )
     converse(s, SCHEDULE[:2])
     s.add_user("for item in items:")
@@ -277,7 +281,7 @@ def test_keyboard_interrupt_in_consumer_and_cancel(pair, translators):
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+        policy=plain(reader="tokens"),
     )
     s.add_user("class Foo(object):")
     n0 = len(s.tokens)
@@ -314,7 +318,7 @@ def test_save_load_round_trip(pair, translators, tmp_path):
         fwd,
         bwd,
         system_prompt="You are terse.",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+        policy=plain(reader="tokens"),
     )
     converse(s, SCHEDULE[:3])
     path = s.save(tmp_path / "chat")
@@ -327,7 +331,7 @@ def test_save_load_round_trip(pair, translators, tmp_path):
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+        policy=plain(reader="tokens"),
     )
     t.load(path)
     assert t.tokens == s.tokens and t.messages == s.messages
@@ -348,21 +352,19 @@ def test_session_file_from_another_pair_refused(pair, translators, tmp_path, tin
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+        policy=plain(reader="tokens"),
     )
     converse(s, SCHEDULE[:1])
     path = s.save(tmp_path / "s.safetensors")
     # same geometry, other weights: the reversed pair
-    other = Session(
-        pair.reversed(), bwd, fwd, policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0)
-    )
+    other = Session(pair.reversed(), bwd, fwd, policy=PLAIN)
     with pytest.raises(SessionFileError, match="only loads into the pair that wrote it"):
         other.load(path)
     assert other.tokens == []
-    plain = tmp_path / "plain.safetensors"
-    save_prompt_cache(str(plain), s.cache("target"), {"model": "x"})
+    plain_file = tmp_path / "plain.safetensors"
+    save_prompt_cache(str(plain_file), s.cache("target"), {"model": "x"})
     with pytest.raises(SessionFileError, match="without kvlingo session state"):
-        other.load(plain)
+        other.load(plain_file)
     with pytest.raises(SessionFileError, match="no such session file"):
         other.load(tmp_path / "missing.safetensors")
 
@@ -374,7 +376,7 @@ def test_bad_input(pair, translators):
         fwd,
         bwd,
         max_kv_size=80,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+        policy=plain(reader="tokens"),
     )
     with pytest.raises(SessionError, match="nothing to answer"):
         s.generate("large")
@@ -417,7 +419,7 @@ def test_concurrent_use_refused(pair, translators):
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+        policy=plain(reader="tokens"),
     )
     s.add_user("def parse_args(argv):")
     events = s.generate("small", max_tokens=N)
@@ -447,7 +449,7 @@ def test_confidence(pair, translators):
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+        policy=plain(reader="tokens"),
     )
     s.add_user("import json")
     events = list(s.generate("small", max_tokens=N))
@@ -503,7 +505,7 @@ def test_template_diff_keeps_generated_tokens(pair, translators):
         fwd,
         bwd,
         system_prompt="Be brief.",
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="self"),
+        policy=plain(reader="self"),
     )
     s.add_user("hi")
     n0 = len(s.tokens)
@@ -536,7 +538,7 @@ def test_template_not_prefix_stable(pair, translators, monkeypatch):
         pair,
         fwd,
         bwd,
-        policy=ReaderPolicy(large_reads_last=1, recompute_share=0.0, reader="tokens"),
+        policy=plain(reader="tokens"),
     )
     turns = converse(s, SCHEDULE[:3])
     assert s.retemplated == 2
