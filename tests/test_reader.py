@@ -62,13 +62,7 @@ def test_reader_equals_reprefill_over_ten_turns(pair, translators, seeded):
     sampler = make_sampler(temp=0.8, top_p=0.95) if seeded else None
     seed = 7 if seeded else None
     s = Session(pair, fwd, bwd, policy=plain(reader="small"))
-    ref = Session(
-        pair,
-        fwd,
-        bwd,
-        mode="reprefill",
-        policy=PLAIN,
-    )
+    ref = Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN)
     got, want = converse(s, sampler=sampler, seed=seed), converse(ref, sampler=sampler, seed=seed)
     assert got == want and s.tokens == ref.tokens
     assert all(len(t) > 0 for t in got)
@@ -106,13 +100,7 @@ def test_the_large_reads_the_last_tokens_itself_on_the_translated_rest(pair, tra
         assert t.prompt_tokens == k and t.read is not None and t.read.tokens > 0
         assert t.switch.end == n0 - k  # translated up to the last k tokens, not beyond
     assert got == converse(
-        Session(
-            pair,
-            fwd,
-            bwd,
-            mode="reprefill",
-            policy=PLAIN,
-        ),
+        Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN),
         6,
     )
     assert_translated_once(s)
@@ -151,13 +139,7 @@ def test_the_large_recomputes_the_share_of_the_turn_its_reading_attended_to(pair
     fwd, bwd = translators
     zero = _zero_like(pair, fwd, tiny_dir["known_answer"])
     want = converse(
-        Session(
-            pair,
-            fwd,
-            bwd,
-            mode="reprefill",
-            policy=PLAIN,
-        ),
+        Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN),
         4,
     )
     full = Session(
@@ -167,12 +149,7 @@ def test_the_large_recomputes_the_share_of_the_turn_its_reading_attended_to(pair
         policy=ReaderPolicy(large_reads_last=1, recompute_share=1.0, reader="small"),
     )
     assert converse(full, 4) == want
-    none = Session(
-        pair,
-        zero,
-        bwd,
-        policy=plain(reader="small"),
-    )
+    none = Session(pair, zero, bwd, policy=plain(reader="small"))
     assert converse(none, 4) != want
     k = 4
     full = Session(
@@ -241,31 +218,15 @@ def test_reader_self_keeps_todays_behaviour(pair, translators):
     assert all(t.read is None for t in s.turns)
     assert s.turns[0].prompt_tokens > 1 and not s.translated_spans()
     with pytest.raises(SessionError, match="needs a forward"):
-        Session(
-            pair,
-            None,
-            bwd,
-            policy=plain(reader="small"),
-        )
+        Session(pair, None, bwd, policy=plain(reader="small"))
     assert Session(pair, None, bwd, policy=PLAIN).policy.reader == "self"
 
 
 def test_mixed_schedule_and_no_backward_translator(pair, translators):
     fwd, _ = translators
     sched = ["large", "large", "small", "large", "small", "small", "large"]
-    s = Session(
-        pair,
-        fwd,
-        None,
-        policy=plain(reader="small"),
-    )
-    ref = Session(
-        pair,
-        fwd,
-        None,
-        mode="reprefill",
-        policy=PLAIN,
-    )
+    s = Session(pair, fwd, None, policy=plain(reader="small"))
+    ref = Session(pair, fwd, None, mode="reprefill", policy=PLAIN)
     assert converse(s, 7, sched) == converse(ref, 7, sched)
     large = [t for t in s.turns if t.model == "target"]
     # no backward translator: the small reads the large's answer itself, and says so
@@ -278,20 +239,8 @@ def test_mixed_schedule_and_no_backward_translator(pair, translators):
 
 def test_naive_mode_with_reader(pair, translators):
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        mode="naive",
-        policy=plain(reader="small"),
-    )
-    ref = Session(
-        pair,
-        fwd,
-        bwd,
-        mode="reprefill",
-        policy=PLAIN,
-    )
+    s = Session(pair, fwd, bwd, mode="naive", policy=plain(reader="small"))
+    ref = Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN)
     assert converse(s, 4) == converse(ref, 4)
     assert sum(sw.retranslated for sw in s.switches) > 0  # naive re-translates what it held
     assert_consistent(s)
@@ -548,12 +497,7 @@ def test_translate_ahead_within_budget_leaves_the_rest_to_the_escalation(pair, t
             return min(8, remaining) if not self.history else 0
 
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(translate_ahead=True),
-    )
+    s = Session(pair, fwd, bwd, policy=plain(translate_ahead=True))
     s._ahead_budget = OneChunk()
     s.add_user("a long question " * 6)
     n0 = len(s.tokens)
@@ -579,21 +523,10 @@ def test_reader_tokens_reads_the_opening_and_long_turns_only(pair, translators, 
     turns itself and the status line says why. Token-for-token equal to re-prefill on the
     exact pair, each span translated once."""
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(reader="tokens", reader_min_tokens=48),
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader="tokens", reader_min_tokens=48))
     assert Session(pair, fwd, bwd, policy=PLAIN).policy.reader == "auto"
     assert Session(pair, fwd, bwd, policy=PLAIN).policy.reader_min_tokens == 64
-    ref = Session(
-        pair,
-        fwd,
-        bwd,
-        mode="reprefill",
-        policy=PLAIN,
-    )
+    ref = Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN)
     turns = [MESSAGES[0], MESSAGES[1], "word " * 60, MESSAGES[2]]
     got, want = [], []
     for text in turns:
@@ -625,10 +558,7 @@ def test_reader_tokens_reads_the_opening_and_long_turns_only(pair, translators, 
 def test_reader_auto_limits_and_zero(pair, translators):
     fwd, bwd = translators
     s = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(reader="tokens", reader_min_tokens=0),
+        pair, fwd, bwd, policy=plain(reader="tokens", reader_min_tokens=0)
     )  # 0: the small reads all
     converse(s, 3)
     assert all(t.read is not None and t.prompt_tokens == 1 for t in s.turns)
@@ -636,12 +566,7 @@ def test_reader_auto_limits_and_zero(pair, translators):
         with pytest.raises(PolicyError, match="reader_min_tokens"):
             s.policy = replace(s.policy, reader_min_tokens=bad)
     with pytest.raises(SessionError, match="'auto' needs a forward"):
-        Session(
-            pair,
-            None,
-            bwd,
-            policy=plain(reader="auto"),
-        )
+        Session(pair, None, bwd, policy=plain(reader="auto"))
     with pytest.raises(PolicyError, match="unknown reader"):
         s.policy = replace(s.policy, reader="big")
 

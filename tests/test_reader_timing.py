@@ -102,13 +102,7 @@ def test_the_tail_is_dropped_where_it_would_more_than_double_the_ttft(pair, tran
         assert (b <= max(TAIL_BUDGET * a, a + TAIL_ALLOWANCE_S)) == (tail == 8)
         assert tail == 8 or (b > TAIL_BUDGET * a and b > a + TAIL_ALLOWANCE_S)
         toks = [e.token for e in s.generate("large", max_tokens=N)]
-        ref = Session(
-            pair,
-            fwd,
-            bwd,
-            mode="reprefill",
-            policy=PLAIN,
-        )
+        ref = Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN)
         assert toks == talk(ref, [long])[0]
         (st,) = s.turns
         assert st.prompt_tokens == tail and st.read is not None
@@ -132,13 +126,7 @@ def test_the_recompute_is_dropped_before_the_tail_where_it_would_exceed_the_budg
         assert (
             toks
             == talk(
-                Session(
-                    pair,
-                    fwd,
-                    bwd,
-                    mode="reprefill",
-                    policy=PLAIN,
-                ),
+                Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN),
                 [long],
             )[0]
         )
@@ -162,20 +150,8 @@ SMALL_FAST = dict(source_read=(0.0, 1e-4), forward=(0.0, 1e-4), backward=(0.0, 1
 def test_auto_picks_the_large_reading_when_it_is_predicted_faster(pair, translators):
     fwd, bwd = translators
     costs = ReadCosts.fixed(**LARGE_FAST)
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        read_costs=costs,
-        policy=PLAIN,
-    )
-    ref = Session(
-        pair,
-        fwd,
-        bwd,
-        mode="reprefill",
-        policy=PLAIN,
-    )
+    s = Session(pair, fwd, bwd, read_costs=costs, policy=PLAIN)
+    ref = Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN)
     long = "word " * 80  # the token rule would have the small read it
     texts = [SHORT[0], long, SHORT[1]]
     assert talk(s, texts) == talk(ref, texts)
@@ -198,20 +174,8 @@ def test_auto_picks_the_large_reading_when_it_is_predicted_faster(pair, translat
 def test_auto_picks_the_small_reading_when_it_is_predicted_faster(pair, translators):
     fwd, bwd = translators
     costs = ReadCosts.fixed(**SMALL_FAST)
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        read_costs=costs,
-        policy=PLAIN,
-    )
-    ref = Session(
-        pair,
-        fwd,
-        bwd,
-        mode="reprefill",
-        policy=PLAIN,
-    )
+    s = Session(pair, fwd, bwd, read_costs=costs, policy=PLAIN)
+    ref = Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN)
     assert talk(s, SHORT) == talk(ref, SHORT)
     for st in s.turns:  # even short later turns, which the token rule gives the large
         assert st.read is not None and st.prompt_tokens == 1 and st.read_note == ""
@@ -268,13 +232,7 @@ def test_auto_before_any_timing_is_the_token_rule(pair, translators):
     """Nothing measured yet: the opening is read by the small, a short later turn by the large
     (its own read is timed once after the first answer, for the status line)."""
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        read_costs=ReadCosts(),
-        policy=PLAIN,
-    )
+    s = Session(pair, fwd, bwd, read_costs=ReadCosts(), policy=PLAIN)
     talk(s, SHORT[:2])
     opening, short = s.turns
     assert opening.read is not None and opening.read_note == ""
@@ -294,13 +252,7 @@ def test_reader_tokens_and_the_others_ignore_the_rates(pair, translators):
         ("small", ReadCosts.fixed(**LARGE_FAST), [True, True]),
         ("self", ReadCosts.fixed(**SMALL_FAST), [False, False]),
     ):
-        s = Session(
-            pair,
-            fwd,
-            bwd,
-            read_costs=costs,
-            policy=plain(reader=reader),
-        )
+        s = Session(pair, fwd, bwd, read_costs=costs, policy=plain(reader=reader))
         talk(s, SHORT[:2])
         assert [t.read is not None for t in s.turns] == reads, reader
         assert all(t.alternative_ttft_s is not None for t in s.turns)
@@ -339,12 +291,7 @@ def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(reader_min_tokens=40),
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader_min_tokens=40))
     talk(s, SHORT[:1])
     path = s.save(tmp_path / "new")
     caches, meta = load_prompt_cache(str(path), return_metadata=True)
@@ -357,12 +304,7 @@ def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
         del t["alternative_ttft_s"], t["predicted_ttft_s"]
     old = tmp_path / "old.safetensors"
     save_prompt_cache(str(old), caches, {**meta, "kvlingo_session": json.dumps(state)})
-    t = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(reader="self", reader_margin=0.3),
-    )
+    t = Session(pair, fwd, bwd, policy=plain(reader="self", reader_margin=0.3))
     t.load(old)
     assert (t.policy.reader, t.policy.reader_min_tokens, t.policy.reader_margin) == (
         "auto",

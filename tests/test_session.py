@@ -63,20 +63,8 @@ assert_consistent = assert_session_consistent
 
 def test_alternation_equals_reprefill_both_directions(pair, translators):
     fwd, bwd = translators
-    ref = Session(
-        pair,
-        fwd,
-        bwd,
-        mode="reprefill",
-        policy=plain(reader="self"),
-    )
-    alt = Session(
-        pair,
-        fwd,
-        bwd,
-        mode="alternation",
-        policy=plain(reader="self"),
-    )
+    ref = Session(pair, fwd, bwd, mode="reprefill", policy=plain(reader="self"))
+    alt = Session(pair, fwd, bwd, mode="alternation", policy=plain(reader="self"))
     ref_turns, alt_turns = converse(ref), converse(alt)
     assert [t[2] for t in alt_turns] == [t[2] for t in ref_turns]
     assert all(len(t[2]) > 0 for t in alt_turns)
@@ -123,13 +111,7 @@ def test_seeded_sampling_matches_reprefill(pair, translators):
         seed=11,
     )
     b = converse(
-        Session(
-            pair,
-            fwd,
-            bwd,
-            mode="reprefill",
-            policy=PLAIN,
-        ),
+        Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN),
         sched,
         sampler,
         seed=11,
@@ -139,20 +121,8 @@ def test_seeded_sampling_matches_reprefill(pair, translators):
 
 def test_naive_differs_only_by_retranslation(pair, translators):
     fwd, bwd = translators
-    alt = Session(
-        pair,
-        fwd,
-        bwd,
-        mode="alternation",
-        policy=plain(reader="tokens"),
-    )
-    naive = Session(
-        pair,
-        fwd,
-        bwd,
-        mode="naive",
-        policy=plain(reader="tokens"),
-    )
+    alt = Session(pair, fwd, bwd, mode="alternation", policy=plain(reader="tokens"))
+    naive = Session(pair, fwd, bwd, mode="naive", policy=plain(reader="tokens"))
     alt_turns, naive_turns = converse(alt), converse(naive)
     # exact translators: re-translating changes nothing in the answers...
     assert [t[2] for t in naive_turns] == [t[2] for t in alt_turns]
@@ -175,23 +145,11 @@ def test_pre_norm_translators(pair, tiny_dir):
     sched = SCHEDULE[:4]
     a = converse(Session(pair, fwd, bwd, policy=PLAIN), sched)
     b = converse(
-        Session(
-            pair,
-            fwd,
-            bwd,
-            mode="reprefill",
-            policy=PLAIN,
-        ),
+        Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN),
         sched,
     )
     assert [t[2] for t in a] == [t[2] for t in b]
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        mode="naive",
-        policy=plain(reader="tokens"),
-    )
+    s = Session(pair, fwd, bwd, mode="naive", policy=plain(reader="tokens"))
     s.add_user("hello")
     with pytest.raises(SessionError, match="naive mode needs post_norm"):
         s.generate("small")
@@ -202,13 +160,7 @@ def test_without_backward_switching_back_reprefills(pair, translators):
     s = Session(pair, fwd, None, policy=PLAIN)
     turns = converse(s, SCHEDULE[:3])
     ref = converse(
-        Session(
-            pair,
-            fwd,
-            None,
-            mode="reprefill",
-            policy=PLAIN,
-        ),
+        Session(pair, fwd, None, mode="reprefill", policy=PLAIN),
         SCHEDULE[:3],
     )
     assert [t[2] for t in turns] == [t[2] for t in ref]
@@ -219,12 +171,7 @@ def test_without_backward_switching_back_reprefills(pair, translators):
 
 def test_escalate_uses_translated_cache(pair, translators):
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(reader="tokens"),
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader="tokens"))
     s.add_user("def parse_args(argv):")
     n0 = len(s.tokens)
     small = [e.token for e in s.generate("small", max_tokens=N)]
@@ -241,12 +188,7 @@ def test_escalate_uses_translated_cache(pair, translators):
 def test_keyboard_interrupt_inside_generation(pair, translators):
     """Ctrl-C lands inside mlx-lm's decode loop: emitted tokens are kept, caches match."""
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(reader="tokens"),
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader="tokens"))
     converse(s, SCHEDULE[:2])
     s.add_user("for item in items:")
     n0 = len(s.tokens)
@@ -277,12 +219,7 @@ def test_keyboard_interrupt_inside_generation(pair, translators):
 
 def test_keyboard_interrupt_in_consumer_and_cancel(pair, translators):
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(reader="tokens"),
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader="tokens"))
     s.add_user("class Foo(object):")
     n0 = len(s.tokens)
     got = []
@@ -313,13 +250,7 @@ def test_save_load_round_trip(pair, translators, tmp_path):
     fwd, bwd = translators
     # reader "tokens" (as everywhere here): "auto" decides by this process's measured rates, which a restored
     # session has not measured yet, so the two could read the next turn by different paths
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        system_prompt="You are terse.",
-        policy=plain(reader="tokens"),
-    )
+    s = Session(pair, fwd, bwd, system_prompt="You are terse.", policy=plain(reader="tokens"))
     converse(s, SCHEDULE[:3])
     path = s.save(tmp_path / "chat")
     assert path.name == "chat.safetensors"
@@ -327,12 +258,7 @@ def test_save_load_round_trip(pair, translators, tmp_path):
     assert len(caches) == pair.source.geometry.layers + pair.target.geometry.layers
     assert "kvlingo_session" in meta
 
-    t = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(reader="tokens"),
-    )
+    t = Session(pair, fwd, bwd, policy=plain(reader="tokens"))
     t.load(path)
     assert t.tokens == s.tokens and t.messages == s.messages
     assert (t.held("source"), t.held("target")) == (s.held("source"), s.held("target"))
@@ -348,12 +274,7 @@ def test_save_load_round_trip(pair, translators, tmp_path):
 
 def test_session_file_from_another_pair_refused(pair, translators, tmp_path, tiny_dir):
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(reader="tokens"),
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader="tokens"))
     converse(s, SCHEDULE[:1])
     path = s.save(tmp_path / "s.safetensors")
     # same geometry, other weights: the reversed pair
@@ -371,13 +292,7 @@ def test_session_file_from_another_pair_refused(pair, translators, tmp_path, tin
 
 def test_bad_input(pair, translators):
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        max_kv_size=80,
-        policy=plain(reader="tokens"),
-    )
+    s = Session(pair, fwd, bwd, max_kv_size=80, policy=plain(reader="tokens"))
     with pytest.raises(SessionError, match="nothing to answer"):
         s.generate("large")
     with pytest.raises(SessionError, match="nothing to escalate"):
@@ -415,12 +330,7 @@ def _interrupt_now(tokens, logits):
 
 def test_concurrent_use_refused(pair, translators):
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(reader="tokens"),
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader="tokens"))
     s.add_user("def parse_args(argv):")
     events = s.generate("small", max_tokens=N)
     next(events)
@@ -445,12 +355,7 @@ def test_confidence(pair, translators):
     with pytest.raises(ValueError):
         answer_confidence([])
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(reader="tokens"),
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader="tokens"))
     s.add_user("import json")
     events = list(s.generate("small", max_tokens=N))
     lps = [e.logprob for e in events]
@@ -500,13 +405,7 @@ def test_template_diff_keeps_generated_tokens(pair, translators):
     merged = tok.encode("def", add_special_tokens=False)
     pieces = [t for c in "def" for t in tok.encode(c, add_special_tokens=False)]
     assert len(merged) < len(pieces)  # "def" is one token, the model spells it out
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        system_prompt="Be brief.",
-        policy=plain(reader="self"),
-    )
+    s = Session(pair, fwd, bwd, system_prompt="Be brief.", policy=plain(reader="self"))
     s.add_user("hi")
     n0 = len(s.tokens)
     list(s.generate("small", max_tokens=10, logits_processors=[forcing(pieces + [eos])]))
@@ -534,12 +433,7 @@ def test_template_not_prefix_stable(pair, translators, monkeypatch):
     )
     monkeypatch.setattr(pair.tokenizer._tokenizer, "chat_template", counting)
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(reader="tokens"),
-    )
+    s = Session(pair, fwd, bwd, policy=plain(reader="tokens"))
     turns = converse(s, SCHEDULE[:3])
     assert s.retemplated == 2
     assert all(len(t[2]) > 0 for t in turns)
