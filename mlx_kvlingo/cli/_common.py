@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
+from mlx_kvlingo.cli.errors import user_errors
 from mlx_kvlingo.data.examples import DataConfig
-from mlx_kvlingo.models.files import TranslatorFileError
-from mlx_kvlingo.models.hub import HubError
 from mlx_kvlingo.models.loading import load_models_and_translators
-from mlx_kvlingo.models.pair import TokenizerMismatchError
 
 import click
 
@@ -41,11 +39,9 @@ def resolve_pair(source, target, translator, backward=None, demo_pair: str = "de
         raise click.UsageError("--translator is required with --source/--target")
     else:
         named = True
-    try:
+    with user_errors():  # a wrong pair or direction, a missing or corrupt file: one line
         return load_models_and_translators(source, target, translator, backward,
                                            None if named else demo_pair, dtype=dtype)  # fmt: skip
-    except (TokenizerMismatchError, TranslatorFileError, HubError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
 
 
 def data_options(f=None, *, required=True, help=None, heldout_fraction=0.1, max_examples=True):
