@@ -34,7 +34,7 @@ import click
 @pair_option
 @click.option("-p", "--prompt", default="What is the capital of France?", show_default=True)
 @click.option("--chat/--no-chat", default=True, help="Apply the chat template to the prompt")
-@click.option("-m", "--max-tokens", default=100, show_default=True)
+@click.option("-m", "--max-tokens", type=click.IntRange(1), default=100, show_default=True)
 @sampling_options
 @distributed_option
 @wire_option

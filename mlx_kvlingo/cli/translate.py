@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.cli._common import resolve_pair, source_option, target_option, translator_option
+from mlx_kvlingo.cli._params import OutputFile, SafetensorsFile
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import capture_from_cache, prefill
 from mlx_kvlingo.kv.translate import append_translation
@@ -19,10 +20,10 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 @source_option
 @target_option
 @translator_option
-@click.option("--prompt-cache-file", "cache_in", type=click.Path(exists=True, dir_okay=False),
+@click.option("--prompt-cache-file", "cache_in", type=SafetensorsFile(),
               help="Source cache written by `mlx_lm.cache_prompt`")  # fmt: skip
 @click.option("--prompt", help="Or: a prompt the source prefills now (instead of a cache file)")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+@click.option("-o", "--output", required=True, type=OutputFile(),
               help="Target prompt cache file for `mlx_lm.generate --prompt-cache-file`")  # fmt: skip
 def translate_cmd(source, target, translator, cache_in, prompt, output):
     """Translate a source prompt cache into the target's, with no target prefill."""
