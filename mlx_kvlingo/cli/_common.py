@@ -50,6 +50,18 @@ def resolve_pair(source, target, translator, backward=None, demo_pair: str = "de
                                            None if named else demo_pair, dtype=dtype)  # fmt: skip
 
 
+def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:
+    """A prompt longer than either model's context, refused before any work, naming `hint`."""
+    for role, m in (("source", pair.source), ("target", pair.target)):
+        limit = m.context_length
+        if limit is not None and n_tokens > limit:
+            raise click.BadParameter(
+                f"the prompt has {n_tokens} tokens; the {role} ({m.name}) handles at most "
+                f"{limit}: shorten it",
+                param_hint=hint,
+            )
+
+
 def data_options(f=None, *, required=True, help=None, heldout_fraction=0.1, max_examples=True):
     """--data and the example-drawing options shared by calibrate, eval and compare."""
     if f is None:

@@ -6,6 +6,7 @@ import json
 
 from mlx_kvlingo.cli._common import (
     pair_option,
+    refuse_long_prompt,
     resolve_pair,
     sampling_options,
     sampling_settings,
@@ -63,6 +64,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
         else:
             conv.add_tokens(pair.tokenizer.encode(prompt))
         tokens = conv.token_ids
+        refuse_long_prompt(pair, len(tokens), "'-p' / '--prompt'")  # before any work
         ids, pieces = [], []
         for ev in conv.answer("large", max_tokens=max_tokens, sampling=settings):
             if ev.kind == "token":

@@ -6,7 +6,13 @@ import json
 from pathlib import Path
 
 from mlx_kvlingo._platform.atomic import atomic_write
-from mlx_kvlingo.cli._common import resolve_pair, source_option, target_option, translator_option
+from mlx_kvlingo.cli._common import (
+    refuse_long_prompt,
+    resolve_pair,
+    source_option,
+    target_option,
+    translator_option,
+)
 from mlx_kvlingo.cli._params import OutputFile, SafetensorsFile
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import capture_from_cache, prefill
@@ -45,6 +51,7 @@ def translate_cmd(source, target, translator, cache_in, prompt, output):
         span = capture_from_cache(pair.source, src_cache, 0, src_cache[0].offset)
     else:
         tokens = pair.tokenizer.encode(prompt)
+        refuse_long_prompt(pair, len(tokens), "'--prompt'")  # before any work
         span = prefill(pair.source, tokens, new_cache(pair.source), cut=tr.config.key_cut)
     tgt_cache = new_cache(pair.target)
     append_translation(pair.target, tr, span, tgt_cache)
