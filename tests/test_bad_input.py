@@ -247,3 +247,24 @@ def test_the_installed_command_prints_one_line(tmp_path):
     assert "Traceback" not in run.stderr
     lines = [x for x in run.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and "/some/missing/folder" in lines[0], run.stderr
+
+
+def test_only_refusals_raised_on_purpose_become_one_line():
+    """A ValueError our code raises with `raise` is a refusal; one raised by a call inside it
+    (`int("x")`, NumPy) is a bug and keeps its traceback."""
+    from mlx_kvlingo.cli.errors import message
+    from mlx_kvlingo.models.loading import load_models_and_translators
+
+    import numpy as np
+
+    with pytest.raises(ValueError) as refused:
+        load_models_and_translators(demo_pair="sparse")
+    assert message(refused.value) == "unknown demo pair 'sparse' (known: dense, moe)"
+    with pytest.raises(ValueError) as bug:
+        int("x")
+    assert message(bug.value) is None
+    with pytest.raises(ValueError) as bug:
+        np.zeros(3).reshape(2, 2)
+    assert message(bug.value) is None
+    assert message(KeyError("k")) is None and message(TypeError("t")) is None
+    assert message(FileNotFoundError(2, "No such file or directory", "/x/y")).startswith("/x/y:")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import linecache
 import os
 import re
 import sys
@@ -79,14 +80,16 @@ def _frames(e: BaseException) -> list:
     return out[::-1]
 
 
-def _raised_in(e: BaseException) -> str:
-    """The file of the frame that raised `e`."""
+def _raised_on_purpose_in(e: BaseException) -> str:
+    """The file whose own `raise` statement raised `e` ("" when a call inside it did: a
+    ValueError from `int("x")` or from NumPy is not a refusal written for the user)."""
     tb = e.__traceback__
     if tb is None:
         return ""
     while tb.tb_next is not None:
         tb = tb.tb_next
-    return tb.tb_frame.f_code.co_filename
+    file = tb.tb_frame.f_code.co_filename
+    return file if linecache.getline(file, tb.tb_lineno).lstrip().startswith("raise") else ""
 
 
 def _file_read(e: BaseException) -> str | None:
@@ -188,7 +191,7 @@ def message(e: BaseException) -> str | None:
     if isinstance(e, UnicodeDecodeError):
         return _corrupt(e, "not UTF-8 text")
     if type(e) is ValueError:  # raised on purpose by our code or mlx-lm's loader, with a message
-        where = Path(_raised_in(e)).as_posix()
+        where = Path(_raised_on_purpose_in(e)).as_posix()
         if any(f"/{p}/" in where for p in OWN_PACKAGES) or where.endswith("/mlx_lm/utils.py"):
             return one_line(e)
     return None
