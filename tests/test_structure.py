@@ -255,7 +255,7 @@ def test_eval_accepts_text_records_and_scores_all_of_them(tiny_dir, tmp_path, te
     )
 
 
-def test_eval_refuses_bad_data_before_loading_models(tmp_path, monkeypatch):
+def test_eval_refuses_bad_data_before_loading_models(tiny_dir, tmp_path, monkeypatch):
     import mlx_kvlingo.cli._common as common
 
     def boom(*a, **k):
@@ -264,8 +264,10 @@ def test_eval_refuses_bad_data_before_loading_models(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "load_models_and_translators", boom)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"prompt": "no"}\n')
-    out = CliRunner().invoke(cli, ["eval", "--source", "x", "--target", "y", "--translator",
-                                   str(bad), "--data", str(bad)])  # fmt: skip
+    # model folders and a Hub id pass the option checks; the translator is never fetched
+    out = CliRunner().invoke(cli, ["eval", "--source", str(tiny_dir["qwen3"]), "--target",
+                                   str(tiny_dir["known"]), "--translator", "org/translator",
+                                   "--data", str(bad)])  # fmt: skip
     assert out.exit_code != 0
     assert "bad.jsonl:2" in out.output and '{"text": "..."}' in out.output
 

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+
+from mlx_kvlingo.cli._params import ModelSpec, TranslatorSpec
+from mlx_kvlingo.cli.errors import user_errors
 from mlx_kvlingo.data.examples import DataConfig
-from mlx_kvlingo.models.files import TranslatorFileError
-from mlx_kvlingo.models.hub import HubError
 from mlx_kvlingo.models.loading import load_models_and_translators
-from mlx_kvlingo.models.pair import TokenizerMismatchError
 
 import click
 
-source_option = click.option("--source", help="Source model (hub id or folder); default: demo pair")
-target_option = click.option("--target", help="Target model (hub id or folder); default: demo pair")
+source_option = click.option("--source", type=ModelSpec(),
+                             help="Source model (hub id or folder); default: demo pair")  # fmt: skip
+target_option = click.option("--target", type=ModelSpec(),
+                             help="Target model (hub id or folder); default: demo pair")  # fmt: skip
 pair_option = click.option(
     "--pair",
     "demo_pair",
@@ -23,6 +26,7 @@ pair_option = click.option(
 )
 translator_option = click.option(
     "--translator",
+    type=TranslatorSpec(),
     help="Translator file (.safetensors) or Hub id org/name[@revision][:file]",
 )
 
@@ -41,11 +45,21 @@ def resolve_pair(source, target, translator, backward=None, demo_pair: str = "de
         raise click.UsageError("--translator is required with --source/--target")
     else:
         named = True
-    try:
+    with user_errors():  # a wrong pair or direction, a missing or corrupt file: one line
         return load_models_and_translators(source, target, translator, backward,
                                            None if named else demo_pair, dtype=dtype)  # fmt: skip
-    except (TokenizerMismatchError, TranslatorFileError, HubError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
+
+
+def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:
+    """A prompt longer than either model's context, refused before any work, naming `hint`."""
+    for role, m in (("source", pair.source), ("target", pair.target)):
+        limit = m.context_length
+        if limit is not None and n_tokens > limit:
+            raise click.BadParameter(
+                f"the prompt has {n_tokens} tokens; the {role} ({m.name}) handles at most "
+                f"{limit}: shorten it",
+                param_hint=hint,
+            )
 
 
 def data_options(f=None, *, required=True, help=None, heldout_fraction=0.1, max_examples=True):
@@ -57,19 +71,29 @@ def data_options(f=None, *, required=True, help=None, heldout_fraction=0.1, max_
         click.option("--data", "data_path", required=required, type=click.Path(exists=True),
                      help=help or "Text files, JSONL records ({'messages': [...]} chats or "
                                   "{'text': ...}) or a folder of them"),
-        click.option("--min-prefix", default=16, show_default=True),
-        click.option("--max-prefix", default=256, show_default=True),
-        click.option("--continuation", default=32, show_default=True),
-        click.option("--heldout-fraction", default=heldout_fraction, show_default=True,
-                     help="Share of the documents held out (never trained on)"),
-        click.option("--seed", default=0, show_default=True),
+        click.option("--min-prefix", type=click.IntRange(1), default=16, show_default=True),
+        click.option("--max-prefix", type=click.IntRange(1), default=256, show_default=True),
+        click.option("--continuation", type=click.IntRange(1), default=32, show_default=True),
+        click.option("--heldout-fraction", type=click.FloatRange(0, 1), default=heldout_fraction,
+                     show_default=True, help="Share of the documents held out (never trained on)"),
+        click.option("--seed", type=click.IntRange(0), default=0, show_default=True),
     ]  # fmt: skip
     if max_examples:
-        opts.insert(5, click.option("--max-examples", type=int, default=None,
+        opts.insert(5, click.option("--max-examples", type=click.IntRange(1), default=None,
                                     help="Training examples to draw at most"))  # fmt: skip
+
+    @functools.wraps(f)
+    def checked(*args, **kw):
+        if kw["min_prefix"] > kw["max_prefix"]:
+            raise click.BadParameter(
+                f"{kw['min_prefix']} is above --max-prefix {kw['max_prefix']}",
+                param_hint="--min-prefix",
+            )
+        return f(*args, **kw)
+
     for opt in reversed(opts):
-        f = opt(f)
-    return f
+        checked = opt(checked)
+    return checked
 
 
 def data_config(kw) -> DataConfig:
@@ -80,16 +104,20 @@ def data_config(kw) -> DataConfig:
 def sampling_options(f):
     """--temp --top-p --top-k --min-p --repetition-penalty --repetition-context-size --seed."""
     opts = [
-        click.option("--temp", type=float, default=None,
+        click.option("--temp", type=click.FloatRange(0), default=None,
                      help="Temperature; 0 is greedy [default: the model's generation_config.json, else 0.7]"),
-        click.option("--top-p", type=float, default=None, help="[default: model's, else 0.9]"),
-        click.option("--top-k", type=int, default=None, help="[default: model's, else 0: off]"),
-        click.option("--min-p", type=float, default=None, help="[default: model's, else 0.05]"),
-        click.option("--repetition-penalty", type=float, default=None,
+        click.option("--top-p", type=click.FloatRange(0, 1), default=None,
+                     help="[default: model's, else 0.9]"),
+        click.option("--top-k", type=click.IntRange(0), default=None,
+                     help="[default: model's, else 0: off]"),
+        click.option("--min-p", type=click.FloatRange(0, 1), default=None,
+                     help="[default: model's, else 0.05]"),
+        click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True), default=None,
                      help="[default: model's, else 1.1; 1: off; with --temp 0 only if given]"),
-        click.option("--repetition-context-size", type=int, default=None,
+        click.option("--repetition-context-size", type=click.IntRange(1), default=None,
                      help="Conversation tokens the penalty looks back over [default: 256]"),
-        click.option("--seed", type=int, default=None, help="Seed MLX's generator (reproducible answers)"),
+        click.option("--seed", type=click.IntRange(0), default=None,
+                     help="Seed MLX's generator (reproducible answers)"),
     ]  # fmt: skip
     for opt in reversed(opts):
         f = opt(f)

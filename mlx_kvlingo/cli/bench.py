@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from mlx_kvlingo.cli._common import pair_option, source_option, target_option, translator_option
+from mlx_kvlingo.cli._params import IntList, OutputFolder
 from mlx_kvlingo.config import ReaderPolicy
 
 import click
@@ -65,12 +66,12 @@ def _preset_names() -> list[str]:
     "--out",
     default="bench-results",
     show_default=True,
-    type=click.Path(file_okay=False),
+    type=OutputFolder(),
     help="Folder for bench.md, bench.json, ttft.png",
 )
 @click.option(
     "--max-minutes",
-    type=float,
+    type=click.FloatRange(0, min_open=True),
     default=None,
     help="Skip lengths whose extrapolated rounds would overrun this budget",
 )
@@ -80,7 +81,7 @@ def _preset_names() -> list[str]:
     show_default=True,
     help="CPU only: run MoE prefill as one GEMM per expert instead of gather_mm",
 )
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
 @click.option(
     "--dtype",
     type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
@@ -91,7 +92,7 @@ def _preset_names() -> list[str]:
 )
 @click.option(
     "--cache-dir",
-    type=click.Path(file_okay=False),
+    type=OutputFolder(),
     default=None,
     help="Where presets are built (default $KVLINGO_CACHE or ~/.cache/mlx-kvlingo)",
 )
@@ -114,6 +115,7 @@ def _preset_names() -> list[str]:
 )
 @click.option(
     "--user-lengths",
+    type=IntList(2),
     default="32,128,512",
     show_default=True,
     help="--conversation: user-turn lengths in tokens, cycled",

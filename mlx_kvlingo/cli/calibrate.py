@@ -10,6 +10,7 @@ from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
 from mlx_kvlingo.calibrate.distill import Stage2Config, TrainingDivergedError, distill
 from mlx_kvlingo.calibrate.lowrank import fit_lowrank
 from mlx_kvlingo.cli._common import data_config, data_options
+from mlx_kvlingo.cli._params import FloatList, IntList, ModelSpec, OutputFile, OutputFolder
 from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
 from mlx_kvlingo.eval.evaluate import evaluate, table
 from mlx_kvlingo.models.files import save_translator
@@ -22,8 +23,8 @@ from rich.console import Console
 
 
 @click.command("calibrate")
-@click.option("--source", required=True, help="Source model (reads the prompt)")
-@click.option("--target", required=True, help="Target model (decodes)")
+@click.option("--source", required=True, type=ModelSpec(), help="Source model (reads the prompt)")
+@click.option("--target", required=True, type=ModelSpec(), help="Target model (decodes)")
 @click.option(
     "--dtype",
     type=click.Choice(["auto", "stored", "float32", "float16", "bfloat16"]),
@@ -42,7 +43,7 @@ from rich.console import Console
               help="Content examples for stage 2: prompts whose answer is only in the text read "
                    "(facts, copies, questions, summaries), answered by the target on its own "
                    "cache; default 0 with --data, 240 without")  # fmt: skip
-@click.option("--content-lengths", default="128,256,512", show_default=True,
+@click.option("--content-lengths", type=IntList(32), default="128,256,512", show_default=True,
               help="Prompt lengths of the content examples, in tokens")  # fmt: skip
 @click.option("--gain-weights/--no-gain-weights", default=None,
               help="Weight stage 2's loss by how much the prefix changes the target's "
@@ -51,7 +52,7 @@ from rich.console import Console
               help="Add this times the relative L1 error between the translated and the "
                    "target's own K/V to stage 2's loss (KV Prediction's cache term): keeps the "
                    "continuation figures while content examples train; 1.0 for the demo's")  # fmt: skip
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=OutputFile())
 @click.option(
     "--variant", type=click.Choice(["mixing", "headwise"]), default="mixing", show_default=True
 )
@@ -59,7 +60,8 @@ from rich.console import Console
               help="Low-rank translator: a shared code of RANK numbers per source layer (keys and "
                    "values each), decoded per target layer; fitted from the mixing maps, clamped "
                    "to the source's per-layer K/V width. Fewer FLOPs only at small RANK: see mlx_kvlingo/calibrate/README.md")  # fmt: skip
-@click.option("--nu", default=1, show_default=True, help="Source layers read per target layer")
+@click.option("--nu", type=click.IntRange(1), default=1, show_default=True,
+              help="Source layers read per target layer")  # fmt: skip
 @click.option(
     "--key-cut",
     type=click.Choice(["post_norm", "pre_norm"]),
@@ -75,7 +77,7 @@ from rich.console import Console
     show_default=True,
     help="Keep the target's own K/V for the first token (an attention sink; computed once)",
 )
-@click.option("--alpha", default=1e-3, show_default=True,
+@click.option("--alpha", type=click.FloatRange(0), default=1e-3, show_default=True,
               help="Stage-1 ridge strength, relative to the inputs' mean variance: lambda = alpha * "
                    "trace(Cov(X)) / d. It shrinks the maps (1e-3 moves a known-answer pair's "
                    "first-layer maps by ~5%); the report gives the training fit at alpha 0 beside it")  # fmt: skip
@@ -83,10 +85,10 @@ from rich.console import Console
               help="What the stage-1 ridge shrinks toward: zero, identity (same KV heads and head "
                    "sizes: the nearest-by-depth layer copied) or a translator file (e.g. a related "
                    "pair's fit)")  # fmt: skip
-@click.option("--alpha-grid", default=None,
+@click.option("--alpha-grid", type=FloatList(0), default=None,
               help="Comma-separated alphas; each target layer and kind takes the one with the "
                    "lowest residual on held-out calibration documents (overrides --alpha)")  # fmt: skip
-@click.option("--patience", type=int, default=None,
+@click.option("--patience", type=click.IntRange(1), default=None,
               help="Stop stage 2 after this many held-out evaluations without a new best (the "
                    "best evaluated translator is what is written in any case)")  # fmt: skip
 @click.option("--reader-share", type=click.FloatRange(0, 1), default=0.0, show_default=True,
@@ -98,15 +100,17 @@ from rich.console import Console
 @click.option(
     "--init", type=click.Path(exists=True), help="Start stage 2 from this translator (skip stage 1)"
 )
-@click.option("--steps", default=Stage2Config.steps, show_default=True,
+@click.option("--steps", type=click.IntRange(0), default=Stage2Config.steps, show_default=True,
               help="Stage-2 (self-distillation) steps after stage 1; 0: stage 1 only")  # fmt: skip
-@click.option("--lr", default=1e-4, show_default=True)
-@click.option("--warmup", default=10, show_default=True)
-@click.option("--accumulate", default=1, show_default=True)
-@click.option("--grad-clip", default=1.0, show_default=True)
-@click.option("--eval-every", default=25, show_default=True)
-@click.option("--eval-examples", default=32, show_default=True)
-@click.option("--checkpoint-dir", type=click.Path(file_okay=False))
+@click.option("--lr", type=click.FloatRange(0, min_open=True), default=1e-4, show_default=True)
+@click.option("--warmup", type=click.IntRange(0), default=10, show_default=True)
+@click.option("--accumulate", type=click.IntRange(1), default=1, show_default=True)
+@click.option(
+    "--grad-clip", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True
+)
+@click.option("--eval-every", type=click.IntRange(1), default=25, show_default=True)
+@click.option("--eval-examples", type=click.IntRange(0), default=32, show_default=True)
+@click.option("--checkpoint-dir", type=OutputFolder())
 @click.option("--resume/--no-resume", default=True, show_default=True)
 def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_weight, output, variant, rank, nu,
                   key_cut, bias, native_first, alpha, prior, alpha_grid, patience, reader_share, layer_map,

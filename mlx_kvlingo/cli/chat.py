@@ -37,6 +37,7 @@ from mlx_kvlingo.cli._distributed import (
     wanted,
     wire_option,
 )
+from mlx_kvlingo.cli._params import TranslatorSpec
 from mlx_kvlingo.conversation.records import AUTO_THRESHOLD, LABEL, ROLE
 from mlx_kvlingo.conversation.sampling import describe as describe_sampling
 from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
@@ -401,12 +402,13 @@ class ChatApp:
 @target_option
 @translator_option
 @pair_option
-@click.option("--backward-translator",
+@click.option("--backward-translator", type=TranslatorSpec(),
               help="Large -> small translator; without one, switching back to small re-prefills")  # fmt: skip
 @click.option("--system-prompt", default=None, help="System message for the chat template")
-@click.option("-m", "--max-tokens", default=256, show_default=True, help="Tokens per answer")
+@click.option("-m", "--max-tokens", type=click.IntRange(1), default=256, show_default=True,
+              help="Tokens per answer")  # fmt: skip
 @sampling_options
-@click.option("--max-kv-size", type=int, default=None,
+@click.option("--max-kv-size", type=click.IntRange(1), default=None,
               help="Context limit in tokens for both models (refuses beyond it; /trim)")  # fmt: skip
 @click.option("--mode", type=click.Choice(MODES), default="alternation", show_default=True)
 @click.option("--answer", type=click.Choice(["small", "large"]), default="large", show_default=True,

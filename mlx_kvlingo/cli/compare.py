@@ -14,6 +14,7 @@ from mlx_kvlingo.cli._common import (
     source_option,
     target_option,
 )
+from mlx_kvlingo.cli._params import IntList, OutputFile, OutputFolder
 from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
 from mlx_kvlingo.eval.compare import (
     FAMILIES,
@@ -46,6 +47,18 @@ def _ranks(value: str) -> tuple[tuple[float, float], ...]:
         raise click.BadParameter("expected KEY:VALUE rank fractions, e.g. 0.25:0.5,1:1") from None
 
 
+def _check_ranks(ctx, param, value):
+    try:
+        ranks = _ranks(value)
+    except click.BadParameter as e:
+        raise click.BadParameter(e.message, ctx, param) from None
+    if not ranks or any(len(r) != 2 or not all(0 < x <= 1 for x in r) for r in ranks):
+        raise click.BadParameter(
+            f"{value!r}: expected KEY:VALUE fractions in (0, 1], e.g. 0.25:0.5,1:1", ctx, param
+        )
+    return value
+
+
 @click.command("compare")
 @source_option
 @target_option
@@ -65,63 +78,80 @@ def _ranks(value: str) -> tuple[tuple[float, float], ...]:
 @click.option(
     "--methods", default=",".join(FAMILIES), show_default=True, help="Method families to run"
 )
-@click.option("-n", "--examples", default=32, show_default=True, help="Held-out examples scored")
-@click.option("--calib-examples", default=64, show_default=True, help="Training examples used")
+@click.option("-n", "--examples", type=click.IntRange(1), default=32, show_default=True,
+              help="Held-out examples scored")  # fmt: skip
+@click.option("--calib-examples", type=click.IntRange(1), default=64, show_default=True,
+              help="Training examples used")  # fmt: skip
 @click.option(
     "--select-examples",
+    type=click.IntRange(1),
     default=8,
     show_default=True,
     help="Examples for DroidSpeak block profiling and SCD patch selection",
 )
-@click.option("--nu", default="1,2", show_default=True, help="KV-Lingo nu settings")
-@click.option("--bits", default="4,8", show_default=True, help="Quantized-transfer bit widths")
+@click.option(
+    "--nu", type=IntList(1), default="1,2", show_default=True, help="KV-Lingo nu settings"
+)
+@click.option("--bits", type=IntList(1), default="4,8", show_default=True,
+              help="Quantized-transfer bit widths")  # fmt: skip
 @click.option(
     "--droidspeak-layers",
+    type=IntList(1),
     default="1,2,4",
     show_default=True,
     help="DroidSpeak recompute block sizes",
 )
 @click.option(
-    "--droidspeak-stride", default=1, show_default=True, help="Profile every k-th block start only"
+    "--droidspeak-stride",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Profile every k-th block start only",
 )
 @click.option(
     "--scd-ranks",
     default="0.125:0.25,0.25:0.5,1:1",
+    callback=_check_ranks,
     show_default=True,
     help="SCD key:value ranks as fractions of the KV width",
 )
 @click.option(
     "--scd-patches",
+    type=IntList(0),
     default="1,2",
     show_default=True,
     help="SCD patch-layer counts (on the middle rank setting)",
 )
-@click.option("--scd-steps", default=200, show_default=True, help="SCD aligner training steps")
+@click.option("--scd-steps", type=click.IntRange(0), default=200, show_default=True,
+              help="SCD aligner training steps")  # fmt: skip
 @click.option(
     "--scd-hidden-rank",
-    type=int,
+    type=click.IntRange(1),
     default=None,
     help="SCD patch code size (default: a quarter of the source's hidden size)",
 )
-@click.option("--ttft-tokens", default=256, show_default=True, help="Prompt length for TTFT")
-@click.option("--trials", default=3, show_default=True, help="TTFT trials (median)")
+@click.option("--ttft-tokens", type=click.IntRange(2), default=256, show_default=True,
+              help="Prompt length for TTFT")  # fmt: skip
+@click.option("--trials", type=click.IntRange(1), default=3, show_default=True,
+              help="TTFT trials (median)")  # fmt: skip
 @click.option(
     "--bandwidth",
+    type=click.FloatRange(0, min_open=True),
     default=1.0,
     show_default=True,
     help="Link between producer and consumer, Gb/s, for TTFT + wire",
 )
-@click.option("--json", "json_out", type=click.Path(dir_okay=False), help="Write the results here")
+@click.option("--json", "json_out", type=OutputFile(), help="Write the results here")
 @click.option(
     "--plot",
     "plot_out",
-    type=click.Path(dir_okay=False),
+    type=OutputFile(),
     help="Write the quality-latency Pareto plot (PNG) here",
 )
 @click.option(
     "--save-methods",
     "save_dir",
-    type=click.Path(file_okay=False),
+    type=OutputFolder(),
     help="Save every calibrated method here (with manifest.json)",
 )
 @click.option(
@@ -132,13 +162,14 @@ def _ranks(value: str) -> tuple[tuple[float, float], ...]:
 )
 @click.option(
     "--perturb-source",
-    type=float,
+    type=click.FloatRange(0),
     default=None,
     help="Use a copy of --source (a local folder) with Gaussian noise of this scale x "
     "each layer matrix's std: a same-geometry stand-in for a fine-tune",
 )
-@click.option("--perturb-target", type=float, default=None, help="The same for --target")
-@click.option("--perturb-seed", default=0, show_default=True)
+@click.option("--perturb-target", type=click.FloatRange(0), default=None,
+              help="The same for --target")  # fmt: skip
+@click.option("--perturb-seed", type=click.IntRange(0), default=0, show_default=True)
 @click.option(
     "--native-first/--no-native-first",
     default=True,
@@ -151,7 +182,7 @@ def _ranks(value: str) -> tuple[tuple[float, float], ...]:
 @click.option("--content", "content_per_kind", type=click.IntRange(min=1), default=None,
               help="Also the content benchmark (`kvlingo eval --task content`) for every method: "
                    "this many tasks per kind and read length")  # fmt: skip
-@click.option("--content-lengths", default="128,512", show_default=True,
+@click.option("--content-lengths", type=IntList(32), default="128,512", show_default=True,
               help="Read lengths of the content benchmark, in tokens")  # fmt: skip
 def compare_cmd(source, target, demo_pair, translators, data_path, methods, examples, calib_examples,
                 select_examples, nu, bits, droidspeak_layers, droidspeak_stride, scd_ranks,

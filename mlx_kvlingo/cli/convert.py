@@ -11,6 +11,8 @@ import sys
 
 import click
 
+from ._params import ModelSpec, OutputFile
+
 
 def converters_package():
     """The converters package: installed (`kvlingo_converters`) or from a checkout."""
@@ -56,13 +58,17 @@ LAYOUT_NAMES = [
 
 @click.command("convert")
 @click.argument("input_path", metavar="INPUT", type=click.Path(exists=True))
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+@click.option("-o", "--output", required=True, type=OutputFile(),
               help="Translator file to write (.safetensors)")  # fmt: skip
 @click.option("--layout", type=click.Choice(LAYOUT_NAMES), help="Input layout (default: detect)")
-@click.option("--source", help="Source model (hub id or folder): check geometry against it")
-@click.option("--target", help="Target model (hub id or folder): check geometry against it")
+@click.option("--source", type=ModelSpec(),
+              help="Source model (hub id or folder): check geometry against it")  # fmt: skip
+@click.option("--target", type=ModelSpec(),
+              help="Target model (hub id or folder): check geometry against it")  # fmt: skip
 @click.option(
-    "--source-layers", type=int, help="mapper: the source's layer count, if not in the manifest"
+    "--source-layers",
+    type=click.IntRange(1),
+    help="mapper: the source's layer count, if not in the manifest",
 )
 @click.option("--source-geometry", metavar="L,H,D", help="linear: source layers,kv_heads,head_dim")
 @click.option("--target-geometry", metavar="L,H,D", help="linear: target layers,kv_heads,head_dim")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import click
 
+from ._params import OutputFolder
+
 
 @click.command("download")
 @click.argument("spec", metavar="ORG/NAME[@REVISION][:FILE]")
-@click.option("--local-dir", type=click.Path(file_okay=False),
+@click.option("--local-dir", type=OutputFolder(),
               help="Copy into this folder instead of only the Hub cache")  # fmt: skip
 def download_cmd(spec, local_dir):
     """Fetch a translator repo (or one file) from the Hub, for later or offline use."""

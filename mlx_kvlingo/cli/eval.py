@@ -14,6 +14,7 @@ from mlx_kvlingo.cli._common import (
     target_option,
     translator_option,
 )
+from mlx_kvlingo.cli._params import IntList, OutputFile
 from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
 from mlx_kvlingo.eval.evaluate import evaluate, table
 
@@ -34,10 +35,9 @@ from rich.console import Console
     heldout_fraction=1.0,
     max_examples=False,
 )
-@click.option("-n", "--examples", default=64, show_default=True, help="Examples to score at most")
-@click.option(
-    "--json", "json_out", type=click.Path(dir_okay=False), help="Also write the results here"
-)
+@click.option("-n", "--examples", type=click.IntRange(1), default=64, show_default=True,
+              help="Examples to score at most")  # fmt: skip
+@click.option("--json", "json_out", type=OutputFile(), help="Also write the results here")
 @click.option(
     "--task",
     type=click.Choice(["continuation", "content"]),
@@ -46,11 +46,11 @@ from rich.console import Console
     help="continuation: teacher-forced scores on held-out text; content: can the target use what "
     "was read (stated facts, copies, answers and summaries, scored against its native answer)",
 )
-@click.option("--lengths", default="128,512,1024", show_default=True,
+@click.option("--lengths", type=IntList(32), default="128,512,1024", show_default=True,
               help="--task content: read lengths in tokens")  # fmt: skip
-@click.option("--per-kind", default=8, show_default=True,
+@click.option("--per-kind", type=click.IntRange(1), default=8, show_default=True,
               help="--task content: tasks of each kind at each length")  # fmt: skip
-@click.option("--plot", "plot_out", type=click.Path(dir_okay=False),
+@click.option("--plot", "plot_out", type=OutputFile(),
               help="--task content: write the per-length plot here (PNG)")  # fmt: skip
 @click.option("--large-reads-last", "tail", type=click.IntRange(1), default=None,
               help="--task content: the chat condition's tail, the prompt's last tokens the "
@@ -60,7 +60,11 @@ from rich.console import Console
                    "chat's, 0.1]")  # fmt: skip
 @click.option("--multi-turn", is_flag=True, help="Multi-turn alternation evaluation over dialogues")
 @click.option(
-    "--switches", default=10, show_default=True, help="Switches per dialogue (--multi-turn)"
+    "--switches",
+    type=click.IntRange(1),
+    default=10,
+    show_default=True,
+    help="Switches per dialogue (--multi-turn)",
 )
 @click.option(
     "--reader",

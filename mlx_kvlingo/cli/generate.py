@@ -6,6 +6,7 @@ import json
 
 from mlx_kvlingo.cli._common import (
     pair_option,
+    refuse_long_prompt,
     resolve_pair,
     sampling_options,
     sampling_settings,
@@ -34,7 +35,7 @@ import click
 @pair_option
 @click.option("-p", "--prompt", default="What is the capital of France?", show_default=True)
 @click.option("--chat/--no-chat", default=True, help="Apply the chat template to the prompt")
-@click.option("-m", "--max-tokens", default=100, show_default=True)
+@click.option("-m", "--max-tokens", type=click.IntRange(1), default=100, show_default=True)
 @sampling_options
 @distributed_option
 @wire_option
@@ -63,6 +64,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
         else:
             conv.add_tokens(pair.tokenizer.encode(prompt))
         tokens = conv.token_ids
+        refuse_long_prompt(pair, len(tokens), "'-p' / '--prompt'")  # before any work
         ids, pieces = [], []
         for ev in conv.answer("large", max_tokens=max_tokens, sampling=settings):
             if ev.kind == "token":

@@ -9,6 +9,7 @@ import time
 from mlx_kvlingo._platform import blas as _blas
 from mlx_kvlingo._platform import cpu_memory as _cpu_memory
 from mlx_kvlingo._platform import hugepages as _hugepages
+from mlx_kvlingo.cli._params import ModelSpec
 
 import click
 import mlx.core as mx
@@ -40,7 +41,7 @@ def memory_status(state: dict) -> str:
 
 
 @click.command("info")
-@click.argument("models", nargs=-1)
+@click.argument("models", nargs=-1, type=ModelSpec())
 def info_cmd(models):
     """Backend, BLAS and float32 GEMM speed; KV geometry of MODELS (hub ids or folders)."""
     console = Console()

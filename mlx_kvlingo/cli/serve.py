@@ -20,6 +20,7 @@ from mlx_kvlingo.cli._common import (
     target_option,
     translator_option,
 )
+from mlx_kvlingo.cli._params import TranslatorSpec
 from mlx_kvlingo.conversation.records import AUTO_THRESHOLD
 
 import click
@@ -43,24 +44,24 @@ def _loopback(host: str) -> bool:
 @target_option
 @translator_option
 @pair_option
-@click.option("--backward-translator", type=click.Path(dir_okay=False),
+@click.option("--backward-translator", type=TranslatorSpec(),
               help="Large -> small translator (default: the demo's, if any)")  # fmt: skip
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback needs --api-key (or --insecure)")  # fmt: skip
-@click.option("--port", default=8080, show_default=True, type=int)
+@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
 @click.option("--api-key", envvar="KVLINGO_API_KEY", default=None,
               help="Require `Authorization: Bearer KEY` (env KVLINGO_API_KEY)")  # fmt: skip
-@click.option("--max-tokens", default=2048, show_default=True,
+@click.option("--max-tokens", type=click.IntRange(1), default=2048, show_default=True,
               help="Largest max_tokens a request may ask for")  # fmt: skip
-@click.option("--default-max-tokens", default=512, show_default=True,
+@click.option("--default-max-tokens", type=click.IntRange(1), default=512, show_default=True,
               help="max_tokens when a request names none")  # fmt: skip
-@click.option("--max-prompt-tokens", default=4096, show_default=True,
+@click.option("--max-prompt-tokens", type=click.IntRange(1), default=4096, show_default=True,
               help="Longest templated conversation accepted (400 beyond)")  # fmt: skip
-@click.option("--max-body-bytes", default=1 << 20, show_default=True,
+@click.option("--max-body-bytes", type=click.IntRange(1), default=1 << 20, show_default=True,
               help="Largest request body (413 beyond)")  # fmt: skip
-@click.option("--queue-size", default=8, show_default=True,
+@click.option("--queue-size", type=click.IntRange(0), default=8, show_default=True,
               help="Requests that may wait behind the running one (503 beyond)")  # fmt: skip
-@click.option("--max-conversations", default=8, show_default=True,
+@click.option("--max-conversations", type=click.IntRange(0), default=8, show_default=True,
               help="Conversations held for prefix reuse, least recently used dropped first")  # fmt: skip
 @click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
               help="auto: the large model re-answers below this mean token log-prob")  # fmt: skip

@@ -6,7 +6,14 @@ import json
 from pathlib import Path
 
 from mlx_kvlingo._platform.atomic import atomic_write
-from mlx_kvlingo.cli._common import resolve_pair, source_option, target_option, translator_option
+from mlx_kvlingo.cli._common import (
+    refuse_long_prompt,
+    resolve_pair,
+    source_option,
+    target_option,
+    translator_option,
+)
+from mlx_kvlingo.cli._params import OutputFile, SafetensorsFile
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import capture_from_cache, prefill
 from mlx_kvlingo.kv.translate import append_translation
@@ -19,10 +26,10 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 @source_option
 @target_option
 @translator_option
-@click.option("--prompt-cache-file", "cache_in", type=click.Path(exists=True, dir_okay=False),
+@click.option("--prompt-cache-file", "cache_in", type=SafetensorsFile(),
               help="Source cache written by `mlx_lm.cache_prompt`")  # fmt: skip
 @click.option("--prompt", help="Or: a prompt the source prefills now (instead of a cache file)")
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+@click.option("-o", "--output", required=True, type=OutputFile(),
               help="Target prompt cache file for `mlx_lm.generate --prompt-cache-file`")  # fmt: skip
 def translate_cmd(source, target, translator, cache_in, prompt, output):
     """Translate a source prompt cache into the target's, with no target prefill."""
@@ -44,6 +51,7 @@ def translate_cmd(source, target, translator, cache_in, prompt, output):
         span = capture_from_cache(pair.source, src_cache, 0, src_cache[0].offset)
     else:
         tokens = pair.tokenizer.encode(prompt)
+        refuse_long_prompt(pair, len(tokens), "'--prompt'")  # before any work
         span = prefill(pair.source, tokens, new_cache(pair.source), cut=tr.config.key_cut)
     tgt_cache = new_cache(pair.target)
     append_translation(pair.target, tr, span, tgt_cache)

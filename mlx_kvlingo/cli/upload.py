@@ -7,13 +7,15 @@ from pathlib import Path
 
 import click
 
+from ._params import OutputFolder
+
 
 @click.command("upload")
 @click.argument("files", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.argument("repo_id")
 @click.option("--manifest", type=click.Path(exists=True, dir_okay=False),
               help="manifest.json to ship (default translators, quality); default: one listing FILES")  # fmt: skip
-@click.option("--folder", type=click.Path(file_okay=False),
+@click.option("--folder", type=OutputFolder(),
               help="Build the repo folder here (default: a temporary folder)")  # fmt: skip
 @click.option("--no-push", is_flag=True, help="Only build the folder (with --folder)")
 @click.option("--private", is_flag=True, help="Create the repo private")

@@ -15,7 +15,7 @@ from mlx_kvlingo.models.demo.smollm2 import (
     source_layers,
     weights_dir,
 )
-from mlx_kvlingo.models.files import load_translator, read_metadata
+from mlx_kvlingo.models.files import TranslatorFileError, load_translator, read_metadata
 from mlx_kvlingo.models.pair import load_pair
 
 #: The demo pairs: a small source; the target is SmolLM2-135M-Instruct ("dense") or its
@@ -86,7 +86,10 @@ def translator_path(
     if not path.exists():
         path = weights_dir() / "translators" / name
     if not path.exists():
-        raise FileNotFoundError(f"no translator {name!r} in {weights_dir() / 'translators'}")
+        raise FileNotFoundError(
+            f"{name}: no such translator file, nor a demo translator in "
+            f"{weights_dir() / 'translators'}"
+        )
     return path
 
 
@@ -103,9 +106,11 @@ def source_for(translator=None, pair: str = "dense", reverse: bool = False) -> s
     if isinstance(translator, Translator):
         side = translator.config.target if reverse else translator.config.source
         layers = side.layers
+        other = (translator.config.source if reverse else translator.config.target).layers
     else:
         meta = read_metadata(translator_path(str(translator), reverse, pair))
         layers = meta["target" if reverse else "source"]["layers"]
+        other = meta["source" if reverse else "target"]["layers"]
     known = {}
     for folder in DEMO_SOURCES:
         try:
@@ -115,7 +120,13 @@ def source_for(translator=None, pair: str = "dense", reverse: bool = False) -> s
         if known[folder] == layers:
             return folder
     shapes = ", ".join(f"{f} ({n} layers)" for f, n in known.items())
-    raise ValueError(
+    if other in known.values():
+        way, give = ("small -> large", "forward") if reverse else ("large -> small", "backward")
+        raise TranslatorFileError(
+            f"translator {translator!r} reads a {layers}-layer small model: it goes the other "
+            f"way ({way}); give it as the {give} translator (the demo's small models: {shapes})"
+        )
+    raise TranslatorFileError(
         f"translator {translator!r} reads a {layers}-layer small model; the demo's are {shapes}"
     )
 

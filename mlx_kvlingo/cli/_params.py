@@ -1,0 +1,225 @@
+"""Parameter types that refuse a bad value before any model loads, naming the option.
+
+`ModelSpec` (a model folder or a Hub id), `TranslatorSpec` (a translator file, a Hub id or a
+demo translator name), `OutputFile` / `OutputFolder` (somewhere that can be written) and
+`SafetensorsFile` (a whole safetensors file), `IntList` / `FloatList` (comma-separated numbers
+in a range). Numbers take `click.IntRange` /
+`click.FloatRange`. What slips past these is mapped to one line by `errors.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import click
+
+
+def looks_like_path(value: str) -> bool:
+    """Written as a path (absolute, ./, ../ or ~), so never a Hub id or a demo name."""
+    return value.startswith(("/", "./", "../", "~", ".\\", "..\\")) or value in (".", "..")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why the safetensors file `path` cannot be read (header and length only), or None."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{path}: truncated or not a safetensors file ({size} bytes)"
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8 or n > 100 * 2**20:
+            return f"{path}: truncated or not a safetensors file (an incomplete download?)"
+        try:
+            header = json.loads(f.read(n))
+            end = max(
+                (int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"),
+                default=0,
+            )
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return f"{path}: the safetensors header is not valid (a damaged file?)"
+    if 8 + n + end > size:
+        return f"{path}: truncated: its tensors need {8 + n + end} bytes, the file has {size}"
+    return None
+
+
+def model_folder_problem(folder: Path) -> str | None:
+    """Why `folder` is not a model folder mlx-lm can load, or None."""
+    if not folder.is_dir():
+        return f"{folder} is a file, not a model folder (config.json and *.safetensors)"
+    config = folder / "config.json"
+    if not config.is_file():
+        return f"{folder} is not a model folder: it has no config.json"
+    try:
+        parsed = json.loads(config.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"{config}: not valid JSON ({e}); a damaged or incomplete download?"
+    if not isinstance(parsed, dict) or "model_type" not in parsed:
+        return f"{config}: not a model configuration (no model_type)"
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        return f"{folder} is not a model folder: it has no weights (*.safetensors)"
+    for w in weights:
+        problem = _safetensors_problem(w)
+        if problem:
+            return problem
+    return None
+
+
+def hub_id_problem(value: str) -> str | None:
+    """Why `value` is not a usable Hub id (malformed; not cached while offline), or None."""
+    from huggingface_hub import constants, try_to_load_from_cache
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return f"{value}: no such folder, and not a Hub id (org/name)"
+    if constants.HF_HUB_OFFLINE:
+        cached = try_to_load_from_cache(value, "config.json")
+        if not isinstance(cached, str):
+            return (f"{value}: no such folder, and not in the Hub cache while HF_HUB_OFFLINE is "
+                    "set: download it once online, or give a local folder")  # fmt: skip
+    return None
+
+
+class ModelSpec(click.ParamType):
+    """A model: a local folder mlx-lm can load, or a Hub id (org/name)."""
+
+    name = "model"
+
+    def convert(self, value, param, ctx):
+        if value is None or not isinstance(value, str):
+            return value
+        path = Path(value).expanduser()
+        if path.exists():
+            problem = model_folder_problem(path)
+        elif looks_like_path(value):
+            problem = f"{value}: no such folder"
+        else:
+            problem = hub_id_problem(value)
+        if problem:
+            self.fail(problem, param, ctx)
+        return value
+
+
+class TranslatorSpec(click.ParamType):
+    """A translator: a .safetensors file, a Hub id org/name[@revision][:file], or (with a demo
+    pair) a demo translator's name. A file is checked here; the rest when the pair loads."""
+
+    name = "translator"
+
+    def convert(self, value, param, ctx):
+        if value is None or not isinstance(value, str):
+            return value
+        path = Path(value).expanduser()
+        if path.is_dir():
+            self.fail(f"{value} is a folder, not a translator file (.safetensors)", param, ctx)
+        if path.is_file():
+            from mlx_kvlingo.models.files import TranslatorFileError, read_header
+
+            try:
+                read_header(path)
+            except TranslatorFileError as e:
+                self.fail(str(e), param, ctx)
+        elif looks_like_path(value):
+            self.fail(f"{value}: no such file", param, ctx)
+        return value
+
+
+class SafetensorsFile(click.Path):
+    """An existing safetensors file whose header and length are whole (a prompt cache)."""
+
+    def __init__(self, **kw):
+        super().__init__(exists=True, dir_okay=False, **kw)
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        problem = _safetensors_problem(Path(os.fsdecode(value)))
+        if problem:
+            self.fail(problem, param, ctx)
+        return value
+
+
+class OutputFile(click.Path):
+    """A file to write: not a folder, in a folder that exists and can be written."""
+
+    def __init__(self, **kw):
+        super().__init__(dir_okay=False, **kw)
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        path = Path(os.fsdecode(value)).expanduser()
+        folder = path.parent
+        if not folder.is_dir():
+            what = "is a file" if folder.exists() else "does not exist"
+            self.fail(f"cannot write {path}: the folder {folder} {what}", param, ctx)
+        if not os.access(folder, os.W_OK):
+            self.fail(f"cannot write {path}: the folder {folder} is not writable", param, ctx)
+        return value
+
+
+class OutputFolder(click.Path):
+    """A folder to write into (created if missing): not a file, under a writable folder."""
+
+    def __init__(self, **kw):
+        super().__init__(file_okay=False, **kw)
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        path = Path(os.fsdecode(value)).expanduser()
+        up = path
+        while not up.exists() and up.parent != up:
+            up = up.parent
+        if not up.is_dir():
+            self.fail(f"cannot create {path}: {up} is a file", param, ctx)
+        if not os.access(up, os.W_OK):
+            self.fail(f"cannot write in {path}: {up} is not writable", param, ctx)
+        return value
+
+
+class IntList(click.ParamType):
+    """Comma-separated integers, each at least `least` (the value itself is passed on)."""
+
+    name = "integers"
+
+    def __init__(self, least: int = 1):
+        self.least = least
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value
+        try:
+            items = [int(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of integers", param, ctx)
+        if not items:
+            self.fail("give at least one integer", param, ctx)
+        if min(items) < self.least:
+            self.fail(f"{value!r}: every value must be at least {self.least}", param, ctx)
+        return value
+
+
+class FloatList(click.ParamType):
+    """Comma-separated numbers, each at least `least` (the value itself is passed on)."""
+
+    name = "numbers"
+
+    def __init__(self, least: float = 0.0):
+        self.least = least
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value
+        try:
+            items = [float(v) for v in value.split(",") if v.strip()]
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of numbers", param, ctx)
+        if not items:
+            self.fail("give at least one number", param, ctx)
+        if min(items) < self.least:
+            self.fail(f"{value!r}: every value must be at least {self.least:g}", param, ctx)
+        return value

@@ -1,0 +1,234 @@
+"""Every error a user can cause, as one line: the one place `kvlingo` maps exceptions to messages.
+
+The `kvlingo` group (`_group.py`) runs every command inside `user_errors`; an exception that
+reaches it is
+
+- a click error (a bad flag value, a missing argument, a wrong combination): shown on one line
+  naming the option, exit status 2 for usage errors, 1 for the rest;
+- an error the user caused (`explain`): a refusal raised by this package (its own exception
+  classes, and the plain `ValueError`s its code raises on purpose), a file or folder that is
+  missing, unreadable or unwritable (`OSError`), a Hub id that is malformed or not cached
+  offline (`huggingface_hub` errors), a corrupt file (safetensors, JSON, MLX's loaders):
+  one line naming the thing and what to do, exit status 1;
+- anything else, a programming error: it propagates with its traceback.
+
+`kvlingo --debug` (or `KVLINGO_DEBUG=1`) shows the traceback of every error, mapped or not.
+The checks that run before any model loads (paths, model folders, Hub ids, translator files,
+output locations) are the parameter types of `_params.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import linecache
+import os
+import re
+import sys
+import traceback
+from collections.abc import Iterator
+from pathlib import Path
+
+import click
+
+DEBUG_ENV = "KVLINGO_DEBUG"
+#: the packages whose own exception classes are refusals written for the user
+OWN_PACKAGES = ("mlx_kvlingo", "kvlingo_converters", "converters")
+#: MLX's file readers and writers report a bad or unwritable file as a RuntimeError like these
+_MLX_IO = re.compile(r"^\[(load|save|read|write|open)\w*\]")
+#: file suffixes worth naming when an error does not say which file it read
+_FILE_SUFFIXES = {".json", ".jsonl", ".safetensors", ".gguf", ".npz", ".txt", ".md", ".rst"}
+
+
+def one_line(text: object) -> str:
+    """`text` with every run of whitespace (newlines included) as one space."""
+    return " ".join(str(text).split())
+
+
+def debugging(ctx: click.Context | None = None) -> bool:
+    """--debug on the group, or KVLINGO_DEBUG set (to anything but 0, false, no, off)."""
+    ctx = ctx or click.get_current_context(silent=True)
+    root = ctx.find_root() if ctx is not None else None
+    if root is not None and root.params.get("debug"):
+        return True
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+class OneLineUsageError(click.UsageError):
+    """A usage error shown as one line (`Error: ... (see: kvlingo CMD --help)`), exit status 2."""
+
+    def show(self, file=None) -> None:
+        hint = f" (see: {self.ctx.command_path} --help)" if self.ctx is not None else ""
+        click.echo(f"Error: {one_line(self.format_message())}{hint}", file=file, err=file is None)
+
+
+def _own(e: BaseException) -> bool:
+    return any(
+        c.__module__.split(".")[0] in OWN_PACKAGES
+        for c in type(e).__mro__
+        if c not in (BaseException, Exception)
+    )
+
+
+def _frames(e: BaseException) -> list:
+    """The frames `e` passed through, innermost first."""
+    out = []
+    tb = e.__traceback__
+    while tb is not None:
+        out.append(tb.tb_frame)
+        tb = tb.tb_next
+    return out[::-1]
+
+
+def _raised_on_purpose_in(e: BaseException) -> str:
+    """The file whose own `raise` statement raised `e` ("" when a call inside it did: a
+    ValueError from `int("x")` or from NumPy is not a refusal written for the user)."""
+    tb = e.__traceback__
+    if tb is None:
+        return ""
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    file = tb.tb_frame.f_code.co_filename
+    return file if linecache.getline(file, tb.tb_lineno).lstrip().startswith("raise") else ""
+
+
+def _file_read(e: BaseException) -> str | None:
+    """The file an error without a file name was reading, from the frames it passed through
+    (an open file object, or a path to an existing file of a data or weights kind)."""
+    for frame in _frames(e):
+        for value in frame.f_locals.values():
+            name = getattr(value, "name", None) if hasattr(value, "read") else None
+            if isinstance(name, str) and Path(name).is_file():
+                return name
+            if isinstance(value, str | Path) and len(str(value)) < 4096:
+                p = Path(value)
+                if p.suffix in _FILE_SUFFIXES and p.is_file():
+                    return str(p)
+    return None
+
+
+def _frame_value(e: BaseException, name: str) -> str | None:
+    """A string local called `name` in the frames `e` passed through (innermost first)."""
+    for frame in _frames(e):
+        value = frame.f_locals.get(name)
+        if isinstance(value, str):
+            return value
+    return None
+
+
+def _os_message(e: OSError) -> str:
+    what = e.filename if e.filename is not None else None
+    if what is None:
+        return str(e)  # our own OSErrors (an atomic save that could not write) say what failed
+    reason = e.strerror or str(e)
+    if e.filename2 is not None:
+        what = f"{what} -> {e.filename2}"
+    hint = {
+        "FileNotFoundError": "check the path",
+        "PermissionError": "check its permissions, or choose another place",
+        "IsADirectoryError": "give a file, not a folder",
+        "NotADirectoryError": "a part of the path is a file, not a folder",
+    }.get(type(e).__name__)
+    return f"{what}: {reason}" + (f"; {hint}" if hint else "")
+
+
+def _hub_message(e: Exception) -> str | None:
+    from huggingface_hub import constants, errors
+
+    repo = _frame_value(e, "repo_id")
+    named = repo or "the Hub repository"
+    if isinstance(e, errors.HFValidationError):
+        quoted = re.findall(r"'([^']*)'", str(e))
+        value = quoted[-1] if quoted else repo or "?"
+        return (f"{value}: no such file or folder, and not a Hub id (org/name): check the path, "
+                "or give a Hub id")  # fmt: skip
+    if isinstance(e, errors.LocalEntryNotFoundError | errors.OfflineModeIsEnabled):
+        if constants.HF_HUB_OFFLINE:
+            return (f"{named}: not in the Hub cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE "
+                    "is set: fetch it once online, or give a local folder")  # fmt: skip
+        return (f"{named}: not in the Hub cache and the Hub ({constants.ENDPOINT}) cannot be "
+                "reached: check the connection, or give a local folder")  # fmt: skip
+    if isinstance(e, errors.RevisionNotFoundError):
+        return f"{named}: no such revision on the Hub"
+    if isinstance(e, errors.RepositoryNotFoundError | errors.GatedRepoError):
+        return (f"{named}: no such repository on {constants.ENDPOINT} (or it is private or "
+                "gated: log in with `hf auth login`)")  # fmt: skip
+    if isinstance(e, errors.EntryNotFoundError | errors.RemoteEntryNotFoundError):
+        return f"{named}: a file is missing from the repository ({one_line(e)[:200]})"
+    if isinstance(e, errors.HfHubHTTPError):
+        return f"{named}: the Hub answered with an error: {one_line(e)[:300]}"
+    return None
+
+
+def _corrupt(e: Exception, what: str) -> str:
+    file = _file_read(e)
+    where = f"{file}: " if file else ""
+    hint = "an incomplete download or a damaged file? fetch or write it again"
+    return f"{where}{what} ({one_line(e)[:300]}); {hint}"
+
+
+def message(e: BaseException) -> str | None:
+    """The one-line message for an error the user caused, or None for a programming error."""
+    if not isinstance(e, Exception) or isinstance(e, click.exceptions.Exit | click.Abort):
+        return None
+    if isinstance(e, click.ClickException):
+        return one_line(e.format_message())
+    if _own(e):  # a refusal of this package: its message names the file and what is wrong
+        text = one_line(e)
+        if any(c.__name__ == "ConversionError" for c in type(e).__mro__):
+            text = f"{type(e).__name__}: {text}"  # as `kvlingo convert` names them
+        return text
+    if type(e).__module__.startswith("huggingface_hub"):  # some are OSErrors too
+        return _hub_message(e) or one_line(e)
+    if isinstance(e, OSError):
+        return _os_message(e)
+    if type(e).__name__ == "SafetensorError":
+        return _corrupt(e, "not a valid safetensors file")
+    if isinstance(e, RuntimeError) and _MLX_IO.match(str(e)):
+        return _corrupt(e, "cannot read or write this file")
+    if isinstance(e, json.JSONDecodeError):
+        return _corrupt(e, f"not valid JSON at line {e.lineno} column {e.colno}")
+    if isinstance(e, UnicodeDecodeError):
+        return _corrupt(e, "not UTF-8 text")
+    if type(e) is ValueError:  # raised on purpose by our code or mlx-lm's loader, with a message
+        where = Path(_raised_on_purpose_in(e)).as_posix()
+        if any(f"/{p}/" in where for p in OWN_PACKAGES) or where.endswith("/mlx_lm/utils.py"):
+            return one_line(e)
+    return None
+
+
+def explain(e: BaseException) -> click.ClickException | None:
+    """`e` as a one-line click error (usage errors keep exit status 2), or None."""
+    text = message(e)
+    if text is None:
+        return None
+    if isinstance(e, click.UsageError):
+        return OneLineUsageError(text, e.ctx)
+    out = click.ClickException(text)
+    out.exit_code = getattr(e, "exit_code", 1) if isinstance(e, click.ClickException) else 1
+    return out
+
+
+@contextlib.contextmanager
+def user_errors(ctx: click.Context | None = None) -> Iterator[None]:
+    """Run a command: errors the user caused become one-line click errors; programming errors
+    propagate with their traceback; with --debug every error shows its traceback."""
+    try:
+        yield
+    except Exception as e:
+        debug = debugging(ctx)
+        if isinstance(e, click.exceptions.Exit | click.Abort):
+            raise
+        if debug:
+            if not isinstance(e, click.ClickException):
+                raise  # the whole traceback
+            cause = e.__cause__ or e.__context__
+            if cause is not None:  # a command's `raise ClickException(...) from None`
+                traceback.print_exception(type(cause), cause, cause.__traceback__)
+                sys.stderr.flush()
+        mapped = explain(e)
+        if mapped is None:
+            raise
+        if mapped is not e:
+            raise mapped from e
+        raise
