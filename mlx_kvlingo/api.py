@@ -336,22 +336,14 @@ class Runtime:
     ) -> Runtime:
         from mlx_kvlingo.distributed.session import load
         from mlx_kvlingo.models.demo import pair as demo
-        from mlx_kvlingo.models.loading import DEMO_PAIRS, demo_paths, resolve_translator_spec
+        from mlx_kvlingo.models.loading import demo_paths, resolve_translator_spec, which_demo
 
         if isinstance(translator, Translator):
             raise ValueError("a distributed runtime takes a translator file (every rank reads it)")
-        if (source is None) != (target is None):
-            raise ValueError("give both source and target, or neither for the demo pair")
-        if source is None:
-            demo_pair = demo_pair or "dense"
-            if demo_pair not in DEMO_PAIRS:
-                raise ValueError(
-                    f"unknown demo pair {demo_pair!r} (known: {', '.join(DEMO_PAIRS)})"
-                )
+        demo_pair = which_demo(source, target, demo_pair)
+        if demo_pair is not None:
             source, target = demo_paths(demo_pair, translator)
             small = demo.source_for(translator, demo_pair)
-        elif demo_pair is not None:
-            raise ValueError("a demo pair is chosen by name only without source/target")
         elif translator is None:
             raise ValueError("a distributed runtime needs the small -> large translator")
         else:

@@ -227,10 +227,8 @@ def test_side_by_side_runs_every_pair_and_summarizes_them(preset_cache, tmp_path
 
 def test_lengths_that_do_not_fit_are_skipped(tiny_pair, monkeypatch, tmp_path):
     pair, tr = tiny_pair
-    real = bench.estimate_bytes
-    monkeypatch.setattr(
-        bench, "estimate_bytes", lambda p, t, n: 10**15 if n > 10 else real(p, t, n)
-    )
+    real = bench.working_bytes
+    monkeypatch.setattr(bench, "working_bytes", lambda p, t, n: 10**15 if n > 10 else real(p, t, n))
     messages = []
     results = bench.run_bench(
         pair, tr, [6, 40], trials=1, warmup=0, progress=False, log=messages.append

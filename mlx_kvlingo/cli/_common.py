@@ -31,23 +31,26 @@ translator_option = click.option(
 )
 
 
+def demo_pair_of(source, target, demo_pair: str = "dense") -> str | None:
+    """The pair options as typed: both --source and --target (None: that pair), or neither
+    (the demo pair --pair names); --pair only without them."""
+    if (source or target) and demo_pair != "dense":
+        raise click.UsageError("--pair chooses a demo pair: not with --source/--target")
+    if bool(source) != bool(target):
+        raise click.UsageError("give both --source and --target, or neither for the demo pair")
+    return None if source else demo_pair
+
+
 def resolve_pair(source, target, translator, backward=None, demo_pair: str = "dense", *,
                  require_translator: bool = True, dtype="auto"):  # fmt: skip
     """(pair, forward, backward) through the one loader (`mlx_kvlingo.models.loading`): the named pair
     and translators, or a demo pair when no model is named (its shipped translators)."""
-    if source is None and target is None:
-        named = None
-    elif demo_pair != "dense":
-        raise click.UsageError("--pair chooses a demo pair: not with --source/--target")
-    elif not (source and target):
-        raise click.UsageError("give both --source and --target, or neither for the demo pair")
-    elif translator is None and require_translator:
+    demo = demo_pair_of(source, target, demo_pair)
+    if demo is None and translator is None and require_translator:
         raise click.UsageError("--translator is required with --source/--target")
-    else:
-        named = True
     with user_errors():  # a wrong pair or direction, a missing or corrupt file: one line
-        return load_models_and_translators(source, target, translator, backward,
-                                           None if named else demo_pair, dtype=dtype)  # fmt: skip
+        return load_models_and_translators(source, target, translator, backward, demo,
+                                           dtype=dtype)  # fmt: skip
 
 
 def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:

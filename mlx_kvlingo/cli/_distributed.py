@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+from mlx_kvlingo.cli._common import demo_pair_of
 from mlx_kvlingo.distributed.pipeline import DistributedError
 
 import click
@@ -37,13 +38,12 @@ def load_runtime(source, target, translator, backward, wire, demo_pair="dense"):
     `demo_pair`: the demo pair to pipeline when no model is named (--pair)."""
     from mlx_kvlingo.api import Runtime
 
-    if (source is None) != (target is None) or (source is not None and not translator):
-        raise click.UsageError("give --source, --target and --translator, or none (demo pair)")
-    if source is not None and demo_pair != "dense":
-        raise click.UsageError("--pair chooses a demo pair: not with --source/--target")
+    demo = demo_pair_of(source, target, demo_pair)
+    if demo is None and not translator:
+        raise click.UsageError("--translator is required with --source/--target")
     try:
         return Runtime.load(source, target, translator, backward, distributed=True, wire=wire,
-                            pair=demo_pair if source is None else None)  # fmt: skip
+                            pair=demo)  # fmt: skip
     except DistributedError as e:
         fail(e)
 

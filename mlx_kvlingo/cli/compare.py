@@ -9,6 +9,7 @@ from mlx_kvlingo.cli._common import (
     content_texts,
     data_config,
     data_options,
+    demo_pair_of,
     pair_option,
     resolve_pair,
     source_option,
@@ -217,8 +218,7 @@ def compare_cmd(source, target, demo_pair, translators, data_path, methods, exam
         if demo:
             pair, demo_tr, _ = resolve_pair(None, None, None, demo_pair=demo_pair)
         else:
-            if not (source and target):
-                raise click.UsageError("give both --source and --target, or neither for the demo")
+            demo_pair_of(source, target)
             if perturb_source is not None:
                 source = str(perturbed_copy(source, perturb_source, perturb_seed))
                 log(f"source: {source}")

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import sys
 
-import click
+from mlx_kvlingo.cli._common import demo_pair_of
+from mlx_kvlingo.cli._params import ModelSpec, OutputFile
 
-from ._params import ModelSpec, OutputFile
+import click
 
 
 def converters_package():
@@ -87,8 +88,7 @@ def convert_cmd(
 ):  # fmt: skip
     """Convert a translator trained in PyTorch (INPUT: file or mapper directory)."""
     conv = converters_package()
-    if (source is None) != (target is None):
-        raise click.UsageError("give both --source and --target, or neither")
+    demo_pair_of(source, target)  # both or neither
     try:
         options = {
             "source": conv.common.parse_geometry(source_geometry, "--source-geometry"),

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import click
+from mlx_kvlingo.cli._params import OutputFolder
 
-from ._params import OutputFolder
+import click
 
 
 @click.command("download")

@@ -14,6 +14,7 @@ import sys
 from dataclasses import replace
 
 from mlx_kvlingo.cli._common import (
+    demo_pair_of,
     pair_option,
     policy_options,
     source_option,
@@ -88,12 +89,10 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, host, 
         raise click.UsageError("--default-max-tokens must not exceed --max-tokens")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(message)s")  # fmt: skip
-    if demo_pair != "dense" and (source or target):
-        raise click.UsageError("--pair chooses a demo pair: not with --source/--target")
+    demo = demo_pair_of(source, target, demo_pair)
     click.echo("loading models...", err=True)
     try:
-        runtime = Runtime.load(source, target, translator, backward_translator,
-                               pair=None if source or target else demo_pair)  # fmt: skip
+        runtime = Runtime.load(source, target, translator, backward_translator, pair=demo)
     except (ValueError, FileNotFoundError, ImportError) as e:
         raise click.ClickException(str(e)) from None
     limits = Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-import click
+from mlx_kvlingo.cli._params import OutputFolder
 
-from ._params import OutputFolder
+import click
 
 
 @click.command("upload")

@@ -243,7 +243,7 @@ def _activation_bytes(m: LoadedModel, n: int) -> int:
     return scores + ffn + 8 * c * h * 4
 
 
-def estimate_bytes(pair: ModelPair, translator: Translator, n: int) -> int:
+def working_bytes(pair: ModelPair, translator: Translator, n: int) -> int:
     """Rough extra memory (beyond the loaded weights) the largest phase at prompt length n
     needs: source prefill (its cache + activations), switch (source cache, float32 span,
     gathered and transposed translation inputs, output, target cache) or re-prefill (target
@@ -459,7 +459,7 @@ def run_bench(
     bar = _Progress(progress, total=rounds * len(lengths))
     if warmup:  # as the runtime's warm-up does: no first translation faults memory in
         have = available_memory()
-        fits = [n for n in lengths if estimate_bytes(pair, translator, n) <= 0.85 * have]
+        fits = [n for n in lengths if working_bytes(pair, translator, n) <= 0.85 * have]
         if fits:
             reserve_translation_memory(pair.target, translator, max(fits))
     with bar:
@@ -510,7 +510,7 @@ def _warmed(settings: dict) -> str:
 
 
 def _why_skip(pair, tr, n, round_time, trials, started, max_seconds) -> str | None:
-    need, have = estimate_bytes(pair, tr, n), available_memory()
+    need, have = working_bytes(pair, tr, n), available_memory()
     if need > 0.85 * have:
         return f"needs ~{need / 1e9:.1f} GB beyond the weights, {have / 1e9:.1f} GB available"
     done = sorted(m for m in round_time if m < n)

@@ -73,6 +73,21 @@ def _translator(
     return load_translator(path, pair)
 
 
+def which_demo(source, target, demo_pair: str | None) -> str | None:
+    """The demo pair to load, or None for the named pair: both models named (then no demo pair)
+    or neither (then `demo_pair`, "dense" by default). A ValueError otherwise."""
+    if source is None and target is None:
+        demo_pair = demo_pair or "dense"
+        if demo_pair not in DEMO_PAIRS:
+            raise ValueError(f"unknown demo pair {demo_pair!r} (known: {', '.join(DEMO_PAIRS)})")
+        return demo_pair
+    if source is None or target is None:
+        raise ValueError("give both source and target, or neither for the demo pair")
+    if demo_pair is not None:
+        raise ValueError("a demo pair is chosen by name only without source/target")
+    return None
+
+
 def load_models_and_translators(
     source: str | Path | None = None,
     target: str | Path | None = None,
@@ -92,10 +107,8 @@ def load_models_and_translators(
     from mlx_kvlingo.models.pair import load_pair
 
     small = None  # the demo source, for a demo pair
-    if source is None and target is None:
-        demo_pair = demo_pair or "dense"
-        if demo_pair not in DEMO_PAIRS:
-            raise ValueError(f"unknown demo pair {demo_pair!r} (known: {', '.join(DEMO_PAIRS)})")
+    demo_pair = which_demo(source, target, demo_pair)
+    if demo_pair is not None:
         from mlx_kvlingo.models.demo import pair as demo
 
         # the small model is the demo source the named translator reads (default: the pair's)
@@ -104,10 +117,6 @@ def load_models_and_translators(
         else:
             small = demo.source_for(backward, demo_pair, reverse=True)
         source, target = demo.demo_models(demo_pair, small)
-    elif source is None or target is None:
-        raise ValueError("give both source and target, or neither for the demo pair")
-    elif demo_pair is not None:
-        raise ValueError("a demo pair is chosen by name only without source/target")
     pair = load_pair(source, target, dtype=dtype)
     forward = _translator(translator, pair, False, demo_pair, small)
     back = _translator(backward, pair.reversed(), True, demo_pair, small)
