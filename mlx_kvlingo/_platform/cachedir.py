@@ -1,4 +1,5 @@
-"""Folders built once into the user cache: stamped, written to a temp dir, renamed into place."""
+"""The user cache folder, and folders built once into it: stamped, written to a temp dir,
+renamed into place."""
 
 from __future__ import annotations
 
@@ -8,6 +9,13 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """`cache_dir`, else $KVLINGO_CACHE, else ~/.cache/mlx-kvlingo."""
+    if cache_dir is None:
+        cache_dir = os.environ.get("KVLINGO_CACHE") or Path.home() / ".cache" / "mlx-kvlingo"
+    return Path(cache_dir).expanduser()
 
 
 def stamp_ok(folder: Path, stamp: dict, stamp_name: str) -> bool:

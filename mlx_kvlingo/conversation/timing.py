@@ -21,17 +21,22 @@ The two ways a large answer can start, predicted with the same accounting as the
 
 Measurements come from a warm-up at load (`warmup.py`: a scripted scratch conversation, which
 also pays once what a process pays on its first turn: compiled kernels, lazy weights, first
-allocations, the chat template) and from every real turn. The costs are shared by the pair's
-conversations (`costs_of(pair)`); a session may be handed its own (tests inject exact ones).
+allocations, the chat template) and from every real turn. The warm-up's measurements are kept
+in the cache folder (`rates_cache.py`; `to_dict` / `from_dict`), so a later start on the same
+machine, pair and library versions reuses them instead of measuring again. The costs are
+shared by the pair's conversations (`costs_of(pair)`); a session may be handed its own (tests
+inject exact ones).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
 DECAY = 0.7  # weight of a measurement relative to the next newer one
 KEEP = 12  # measurements kept per cost
+NAMES = ("source_read", "forward", "backward", "target_read", "target_step")
 
 
 @dataclass
@@ -86,6 +91,9 @@ class ReadCosts:
     target_read: Cost = field(default_factory=Cost)
     target_step: Cost = field(default_factory=Cost)
     warmup_s: float | None = None  # how long the warm-up took (None: none ran)
+    #: where the rates came from: "measured" by this process's warm-up, "cached" (reused from
+    #: the cache folder, measured by an earlier start), None (no warm-up ran)
+    origin: str | None = None
 
     @classmethod
     def fixed(cls, **rates: tuple[float, float]) -> ReadCosts:
@@ -95,12 +103,39 @@ class ReadCosts:
         out = cls()
         if "target_read" in rates and "target_step" not in rates:
             rates = {**rates, "target_step": rates["target_read"]}
-        for name in ("source_read", "forward", "backward", "target_read", "target_step"):
+        for name in NAMES:
             cost = getattr(out, name)
             if name in rates:
                 a, b = rates[name]
                 cost.samples.extend([(1, a + b), (1001, a + 1001 * b)])
             cost.frozen = True
+        return out
+
+    def to_dict(self) -> dict[str, list[list[float]]]:
+        """The measurements, {name: [[n, seconds], ...]} oldest first (what `from_dict` takes)."""
+        return {name: [[n, s] for n, s in getattr(self, name).samples] for name in NAMES}
+
+    def load(self, data: object) -> None:
+        """Replace the measurements with those of `to_dict`'s output. ValueError when `data`
+        is not that (a name missing or unknown, a sample not a positive (n, seconds)); then
+        nothing is replaced."""
+        if not isinstance(data, dict) or set(data) != set(NAMES):
+            raise ValueError(f"expected the costs {', '.join(NAMES)}")
+        parsed = {}
+        for name in NAMES:
+            samples = data[name]
+            if not isinstance(samples, list) or len(samples) > KEEP:
+                raise ValueError(f"{name}: expected a list of at most {KEEP} samples")
+            parsed[name] = [_sample(name, x) for x in samples]
+        for name, samples in parsed.items():
+            cost = getattr(self, name)
+            cost.samples.clear()
+            cost.samples.extend(samples)
+
+    @classmethod
+    def from_dict(cls, data: object) -> ReadCosts:
+        out = cls()
+        out.load(data)
         return out
 
     def observe_target(self, n: int, seconds: float) -> None:
@@ -141,6 +176,17 @@ class ReadCosts:
         else:
             t = self.source_read.predict(catch_up + read) if catch_up + read else 0.0
         return t + (self.forward.predict(lacked - tail) if lacked > tail else 0.0) + large
+
+
+def _sample(name: str, x: object) -> tuple[int, float]:
+    try:
+        n, s = x  # type: ignore[misc]
+        ok = all(type(v) in (int, float) for v in (n, s)) and n == int(n) > 0 and 0 < s < math.inf
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok or not isinstance(x, list):
+        raise ValueError(f"{name}: {x!r:.40} is not a positive [tokens, seconds]")
+    return int(n), float(s)
 
 
 _ATTR = "_kvlingo_read_costs"

