@@ -221,17 +221,28 @@ class Runtime:
         self._conversations: weakref.WeakSet[Conversation] = weakref.WeakSet()
         self.load_s: float | None = None  # Runtime.load: seconds, warm-up included
         self.warmup_s: float | None = None  # the last warm_up()
+        #: where the last warm_up() got this pair's read rates: "measured" (and stored in the
+        #: cache folder), "cached" (reused from it: measured by an earlier start on this
+        #: machine, pair and library versions); None before any warm-up
+        self.rates: str | None = None
 
     def warm_up(
         self,
         lengths: tuple[int, ...] = (16, 64),
         sample: Callable[[str], dict[str, Any]] | None = None,
+        *,
+        reuse: bool = True,
     ) -> float:
-        """Pay the first turn's one-off costs now and measure this pair's read rates (reader
-        "auto"): a scratch conversation per length, read both ways (see conversation/timing.py).
-        `sample(role)`: the generate keyword arguments real turns will use (default: each
-        model's default sampling). Returns seconds."""
-        from mlx_kvlingo.conversation.warmup import warm_up
+        """Pay the first turn's one-off costs now and give reader "auto" this pair's read rates.
+
+        The first start on a machine measures them (a scratch conversation per length, read
+        both ways; see conversation/timing.py) and stores them in the cache folder
+        (`KVLINGO_CACHE`, default ~/.cache/mlx-kvlingo), keyed by the machine, the pair's files
+        and the library versions; a later start with the same key reuses them and only runs
+        each path once on a few tokens (`rates` says which happened). `reuse=False` measures
+        again (and stores the new rates). `sample(role)`: the generate keyword arguments real
+        turns will use (default: each model's default sampling). Returns seconds."""
+        from mlx_kvlingo.conversation.warmup import start
 
         if self._link is not None:
             raise ConversationError("warm_up is not available with a pipelined large model")
@@ -242,8 +253,10 @@ class Runtime:
                 cfg = resolve_sampling(loaded)
                 return {"sampler": cfg.sampler(), "logits_processors": cfg.logits_processors()}
 
-        costs = warm_up(self.pair, self.forward, self.backward, lengths=lengths, sample=sample)
+        costs = start(self.pair, self.forward, self.backward, lengths=lengths, sample=sample,
+                      reuse=reuse)  # fmt: skip
         self.warmup_s = seconds = float(costs.warmup_s or 0.0)
+        self.rates = costs.origin
         return seconds
 
     @classmethod
@@ -286,10 +299,11 @@ class Runtime:
         others (to connect, or within one step) before it gives up with an error (default
         120). See mlx_kvlingo/distributed/README.md.
 
-        `warmup`: before returning, run a short scratch conversation (`warm_up()`) so that the
-        first real turn pays no one-off costs (compiled kernels, lazy weights, first
-        allocations) and reader "auto" has this pair's rates; `load_s` says how long loading
-        took, warm-up included. Single process only.
+        `warmup`: before returning, run `warm_up()` so that the first real turn pays no one-off
+        costs (compiled kernels, lazy weights, first allocations) and reader "auto" has this
+        pair's rates (measured on the first start on this machine, reused from the cache folder
+        on later ones: `rates`); `load_s` says how long loading took, warm-up included. Single
+        process only.
         """
         t0 = time.perf_counter()
         runtime = cls._load(source, target, translator, backward_translator, distributed, wire,

@@ -416,7 +416,8 @@ class ChatApp:
 @policy_options
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
               help="Before the first prompt, run each path once (compiled kernels, lazy weights) "
-                   "and measure the pair's rates for reader auto")  # fmt: skip
+                   "and measure the pair's rates for reader auto (reused from the cache "
+                   "folder on later starts)")  # fmt: skip
 @click.option("--first", type=click.Choice(["small", "large"]), default=None, hidden=True)
 @click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
               help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
@@ -469,8 +470,10 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
         return
     loaded = None
     if warmup:
-        console.print("[grey50]warming up (each path once, timing this pair)...[/grey50]")
+        from mlx_kvlingo.conversation.warmup import ORIGIN
+
+        console.print("[grey50]warming up (each path once; this pair's rates)...[/grey50]")
         w = runtime.warm_up(sample=app.warm_sample)
-        loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s)"
+        loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {ORIGIN[runtime.rates]})"
     app.banner({"forward": translator or "demo", "backward": back}, loaded)
     app.run()

@@ -109,8 +109,11 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, host, 
     names = runtime.models
     click.echo(f"small: {names['small']}\nlarge: {names['large']}", err=True)
     if getattr(runtime, "load_s", None) is not None:
-        click.echo(f"loaded in {runtime.load_s:.1f} s (warm-up {runtime.warmup_s or 0:.1f} s)",
-                   err=True)  # fmt: skip
+        from mlx_kvlingo.conversation.warmup import ORIGIN
+
+        rates = getattr(runtime, "rates", None)
+        warm = f"warm-up {runtime.warmup_s or 0:.1f} s" + (f", {ORIGIN[rates]}" if rates else "")
+        click.echo(f"loaded in {runtime.load_s:.1f} s ({warm})", err=True)
     key = " (API key required)" if api_key else ""
     click.echo(f"serving on {server.url}{key} · models small, large, auto · Ctrl-C stops", err=True)
     # SIGTERM (kill, systemd, docker stop) stops as Ctrl-C does: running and waiting requests

@@ -1,6 +1,12 @@
-"""The warm-up: what the first turn of a new process pays once, paid before it.
+"""The warm-up: what the first turn of a new process pays once, paid before it, and this pair's
+read rates, measured on the first start and reused from the cache folder on later ones.
 
-A short scratch conversation is run twice over the pair: the first run (its shortest turn)
+`start` is what a start runs (`Runtime.load`, `kvlingo chat`, `kvlingo serve`): when the cache
+folder holds the rates for this machine, pair and library versions (`rates_cache.py`), it
+takes them (and each translator's map reading) and runs only `prime`, a first call of each
+path on a few tokens; otherwise it runs `warm_up` and stores what it measured.
+
+`warm_up`: a short scratch conversation is run twice over the pair: the first run (its shortest turn)
 pays the one-off costs (MLX compiling its kernels, lazy weights, first allocations, the chat
 template, the sampler), unrecorded; the second measures the read costs of `timing.py` at a
 couple of lengths, both ways of reading, so reader "auto" starts from this pair's own rates.
@@ -16,10 +22,15 @@ import time
 from dataclasses import replace
 
 from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation import rates_cache
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import ReadCosts, costs_of
+from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.capture import SpanKV
 from mlx_kvlingo.kv.map_reading import measure as measure_map_reading
 from mlx_kvlingo.kv.translate import reserve_translation_memory
+
+import mlx.core as mx
 
 _TEXT = (
     "The committee met on a grey Tuesday to weigh the river project, its costs and its "
@@ -81,4 +92,81 @@ def warm_up(
     costs.warmup_s = time.perf_counter() - t0
     if log:
         log(f"warm-up {costs.warmup_s:.1f} s")
+    return costs
+
+
+#: what the banners say of `ReadCosts.origin`
+ORIGIN = {"measured": "rates measured", "cached": "rates reused from the cache"}
+
+#: the tokens each model reads, and each translator translates, in `prime`
+PRIME_TOKENS = 8
+
+
+def prime(pair, forward, backward=None, *, tokens: int = PRIME_TOKENS, sample=None) -> None:
+    """The first call of each path on a few tokens, so that the first real turn of this process
+    pays no one-off cost (lazy weights, MLX loading its compiled kernels, first allocations, the
+    chat template, the sampler): each model reads `tokens` tokens of a chat-templated message
+    into a scratch cache as mlx-lm reads a prompt up to its first token (the tokens but the
+    last, then the last, sampled with `sample(role)`'s sampler and logits processors), each
+    translator translates a span of `tokens` into a scratch cache of its target."""
+    from mlx_lm.generate import generation_stream
+
+    text = pair.tokenizer.apply_chat_template(
+        [{"role": "user", "content": _text(pair.tokenizer, tokens)}], tokenize=False,
+        add_generation_prompt=True,
+    )  # fmt: skip
+    ids = mx.array(pair.tokenizer.encode(text)[-tokens:])
+    with mx.stream(generation_stream):
+        for role, loaded in (("target", pair.target), ("source", pair.source)):
+            kwargs = sample(role) if sample else {}
+            cache = new_cache(loaded)
+            loaded.model(ids[None, :-1], cache=cache)
+            mx.eval([c.state for c in cache])
+            logits = loaded.model(ids[None, -1:], cache=cache)[:, -1, :]
+            for processor in kwargs.get("logits_processors") or ():
+                logits = processor(ids, logits)
+            logprobs = logits - mx.logsumexp(logits, keepdims=True)
+            sampler = kwargs.get("sampler")
+            mx.eval(sampler(logprobs) if sampler else mx.argmax(logprobs, axis=-1))
+    for translator, into in ((forward, pair.target), (backward, pair.source)):
+        if translator is not None:
+            s = translator.config.source
+            span = SpanKV(
+                mx.random.normal((s.layers, 1, s.kv_heads, tokens, s.head_dim)),
+                mx.random.normal((s.layers, 1, s.kv_heads, tokens, s.value_dim)), start=0,
+            )  # fmt: skip
+            mx.eval(translator.translate(span, into))
+
+
+def start(
+    pair, forward, backward=None, *, lengths=(16, 64), sample=None, reuse: bool = True,
+    cache_dir=None, log=None,
+) -> ReadCosts:  # fmt: skip
+    """What a start runs. With the rates stored for this machine, pair and library versions
+    (and `reuse`): take them into the pair's costs and the translators' map readings, then
+    `prime` (origin "cached"). Else `warm_up` and store what it measured (origin
+    "measured"; a cache folder that cannot be written is no error). Returns the pair's
+    costs, `warmup_s` the seconds this took."""
+    t0 = time.perf_counter()
+    costs = costs_of(pair)
+    key = rates_cache.key(pair, forward, backward, lengths)
+    stored = rates_cache.load(key, cache_dir) if reuse else None
+    translators = {"forward": forward, "backward": backward}
+    if stored is not None:
+        costs.load(stored.costs.to_dict())
+        for direction, translator in translators.items():
+            if translator is not None and direction in stored.readings:
+                translator.reading = stored.readings[direction]
+        prime(pair, forward, backward, sample=sample)
+        costs.origin, costs.warmup_s = "cached", time.perf_counter() - t0
+        if log:
+            log(f"warm-up {costs.warmup_s:.1f} s ({ORIGIN['cached']})")
+        return costs
+    warm_up(pair, forward, backward, lengths=lengths, sample=sample, costs=costs)
+    costs.origin = "measured"
+    readings = {d: t.reading for d, t in translators.items() if t is not None}
+    rates_cache.save(key, costs, readings, cache_dir)
+    costs.warmup_s = time.perf_counter() - t0
+    if log:
+        log(f"warm-up {costs.warmup_s:.1f} s ({ORIGIN['measured']})")
     return costs

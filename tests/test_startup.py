@@ -1,0 +1,222 @@
+"""Starts like mlx-lm (issue 49): the rates the warm-up measures are kept in the cache folder,
+keyed by the machine, the pair's files and the library versions; a later start with the same
+key reuses them (no measuring, a first-call warm-up only), a changed key measures again, a
+corrupt or foreign file is ignored. On the tiny known-answer pair, each test with its own
+cache folder."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx_kvlingo.conversation.warmup as warmup_module
+from mlx_kvlingo import Runtime
+from mlx_kvlingo.models.files import save_translator
+from mlx_kvlingo.models.pair import load_pair
+
+import mlx.core as mx
+import pytest
+from helpers import exact_translator, inverse
+
+ROOT = Path(__file__).resolve().parents[1]
+LENGTHS = (8, 24)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A private cache folder (KVLINGO_CACHE), empty."""
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("KVLINGO_CACHE", str(folder))
+    return folder
+
+
+@pytest.fixture
+def measures(monkeypatch):
+    """Counts the measuring warm-ups."""
+    calls = []
+    real = warmup_module.warm_up
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(warmup_module, "warm_up", counting)
+    return calls
+
+
+def fresh_runtime(tiny_dir, forward_answer=None) -> Runtime:
+    """A runtime over a freshly loaded pair (its own costs, as in a new process)."""
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+    answer = tiny_dir["known_answer"] if forward_answer is None else forward_answer
+    forward = exact_translator(pair, answer)
+    backward = exact_translator(pair.reversed(), inverse(tiny_dir["known_answer"]))
+    return Runtime(pair, forward, backward)
+
+
+def rate_files(cache: Path) -> list[Path]:
+    return sorted((cache / "rates").glob("*.json"))
+
+
+def test_a_second_start_reuses_the_stored_rates(tiny_dir, cache, measures):
+    from mlx_kvlingo.conversation.timing import costs_of
+
+    first = fresh_runtime(tiny_dir)
+    first.warm_up(lengths=LENGTHS)
+    assert len(measures) == 1
+    second = fresh_runtime(tiny_dir)
+    assert second.pair is not first.pair
+    seconds = second.warm_up(lengths=LENGTHS)
+    assert len(measures) == 1, "the second start measured again"
+
+    assert first.rates == "measured"
+    assert second.rates == "cached" and second.warmup_s == seconds > 0
+    (stored,) = rate_files(cache)
+    costs, measured = costs_of(second.pair), costs_of(first.pair).to_dict()
+    assert costs.to_dict() == measured and costs.origin == "cached"
+    assert costs.target_read.ready and costs.forward.ready and costs.backward.ready
+    # each translator's map reading is the one measured on the first start
+    assert second.forward.reading.chosen == first.forward.reading.chosen != {}
+    assert second.backward.reading.chosen == first.backward.reading.chosen
+    assert rate_files(cache) == [stored]
+    # reader auto decides by the reused rates from the first turn on, and answers as usual
+    conv = second.new_conversation()
+    text = " ".join(["def parse_args(argv):", "class Foo(object):", "print(x)"] * 8)
+    done = [e for e in conv.send(text, model="large", max_tokens=4)][-1]
+    assert done.kind == "done" and done.timings.alternative_ttft_s is not None
+    # reuse=False measures again and stores the new rates over the old
+    second.warm_up(lengths=LENGTHS, reuse=False)
+    assert len(measures) == 2 and second.rates == "measured" and rate_files(cache) == [stored]
+
+
+def test_a_changed_key_measures_again(tiny_dir, cache, measures, monkeypatch):
+    from mlx_kvlingo.conversation import rates_cache
+
+    fresh_runtime(tiny_dir).warm_up(lengths=LENGTHS)
+    assert len(measures) == 1
+    # another library version
+    real = rates_cache.versions
+    monkeypatch.setattr(rates_cache, "versions", lambda: {**real(), "mlx-kvlingo": "9.9.9"})
+    rt = fresh_runtime(tiny_dir)
+    rt.warm_up(lengths=LENGTHS)
+    assert len(measures) == 2 and rt.rates == "measured"
+    monkeypatch.setattr(rates_cache, "versions", real)
+    rt = fresh_runtime(tiny_dir)
+    rt.warm_up(lengths=LENGTHS)
+    assert len(measures) == 2 and rt.rates == "cached"
+    # another translator file (its weights differ): another fingerprint
+    answer = dict(tiny_dir["known_answer"])
+    answer["key_maps"] = [-k for k in answer["key_maps"]]
+    rt = fresh_runtime(tiny_dir, forward_answer=answer)
+    rt.warm_up(lengths=LENGTHS)
+    assert len(measures) == 3 and rt.rates == "measured"
+    # another machine: its device
+    real_machine = rates_cache.machine
+    monkeypatch.setattr(rates_cache, "machine", lambda: {**real_machine(), "chip": "M9 Ultra"})
+    rt = fresh_runtime(tiny_dir)
+    rt.warm_up(lengths=LENGTHS)
+    assert len(measures) == 4 and rt.rates == "measured"
+    # other warm-up lengths
+    rt.warm_up(lengths=(8, 16))
+    assert len(measures) == 5 and len(rate_files(cache)) == 5
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["garbage", "truncated", "not_a_dict", "foreign_key", "other_schema", "bad_costs",
+     "bad_reading", "unreadable"],
+)  # fmt: skip
+def test_a_corrupt_or_foreign_file_is_ignored(tiny_dir, cache, measures, damage):
+    fresh_runtime(tiny_dir).warm_up(lengths=LENGTHS)
+    (path,) = rate_files(cache)
+    good = json.loads(path.read_text())
+    bad = json.loads(path.read_text())
+    if damage == "garbage":
+        path.write_bytes(os.urandom(300) + b"\xff\xfe")
+    elif damage == "truncated":
+        path.write_text(path.read_text()[:200])
+    elif damage == "not_a_dict":
+        path.write_text("[1, 2, 3]")
+    elif damage == "unreadable":
+        path.unlink()
+        path.mkdir()  # a folder where the file should be: reading it is an OSError
+    else:
+        if damage == "foreign_key":  # another machine's file under this name
+            bad["key"]["machine"]["cpus"] = 4096
+        elif damage == "other_schema":
+            bad["schema_version"] = 99
+        elif damage == "bad_costs":
+            bad["costs"]["forward"] = [[16, -1.0], [64, "fast"]]
+        elif damage == "bad_reading":
+            bad["map_reading"]["forward"] = {"key:64": "sideways"}
+        path.write_text(json.dumps(bad))
+    rt = fresh_runtime(tiny_dir)
+    rt.warm_up(lengths=LENGTHS)  # no traceback: measured again
+    assert len(measures) == 2 and rt.rates == "measured"
+    if damage != "unreadable":  # and written anew, whole
+        again = json.loads(path.read_text())
+        assert again["key"] == good["key"] and again["schema_version"] == good["schema_version"]
+        assert fresh_runtime(tiny_dir).warm_up(lengths=LENGTHS) and len(measures) == 2
+
+
+def test_a_cache_folder_that_cannot_be_written_only_measures(tiny_dir, tmp_path, monkeypatch,
+                                                             measures):  # fmt: skip
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("KVLINGO_CACHE", str(blocker))
+    for n in (1, 2):
+        rt = fresh_runtime(tiny_dir)
+        assert rt.warm_up(lengths=LENGTHS) > 0 and rt.rates == "measured" and len(measures) == n
+
+
+def test_rates_round_trip_and_malformed_ones_are_refused():
+    from mlx_kvlingo.conversation.timing import ReadCosts
+    from mlx_kvlingo.kv.map_reading import MapReading
+
+    costs = ReadCosts.fixed(source_read=(0.01, 0.001), target_read=(0.02, 0.01))
+    again = ReadCosts.from_dict(json.loads(json.dumps(costs.to_dict())))
+    assert again.to_dict() == costs.to_dict() and not again.target_read.frozen
+    assert again.large_reads(40) == pytest.approx(costs.large_reads(40))
+    for bad in (
+        None, [], {}, {**costs.to_dict(), "extra": []}, {**costs.to_dict(), "forward": [[0, 1.0]]},
+        {**costs.to_dict(), "forward": [[1.5, 1.0]]}, {**costs.to_dict(), "forward": [[1, 1e999]]},
+        {**costs.to_dict(), "forward": [[True, 1.0]]}, {**costs.to_dict(), "forward": [[1, 2, 3]]},
+        {**costs.to_dict(), "forward": [[1e999, 1.0]]}, {**costs.to_dict(), "forward": "x"},
+        {**costs.to_dict(), "forward": [[1, 1.0]] * 100},
+    ):  # fmt: skip
+        with pytest.raises(ValueError):
+            ReadCosts.from_dict(bad)
+    reading = MapReading({("key", 64): "gathered", ("value", 256): "in_place"})
+    assert MapReading.from_dict(reading.to_dict()).chosen == reading.chosen
+    for bad in (None, {"key:x": "gathered"}, {"keys:64": "gathered"}, {"key:64": "fast"},
+                {"key:²": "gathered"}):  # fmt: skip
+        with pytest.raises(ValueError):
+            MapReading.from_dict(bad)
+
+
+def test_a_fresh_process_reuses_what_the_first_one_measured(tiny_dir, tmp_path):
+    """Two processes, one cache folder: the key is the same across processes (the fingerprints
+    of the models and translator files, the machine, the versions)."""
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+    answer = tiny_dir["known_answer"]
+    save_translator(exact_translator(pair, answer), tmp_path / "fwd.safetensors", pair)
+    back = pair.reversed()
+    save_translator(exact_translator(back, inverse(answer)), tmp_path / "bwd.safetensors", back)
+    code = (
+        "import sys\n"
+        "from mlx_kvlingo import Runtime\n"
+        "rt = Runtime.load(*sys.argv[1:5])\n"
+        "print(rt.rates, rt.load_s >= rt.warmup_s > 0)\n"
+    )
+    args = [str(tiny_dir["qwen3"]), str(tiny_dir["known"]), str(tmp_path / "fwd.safetensors"),
+            str(tmp_path / "bwd.safetensors")]  # fmt: skip
+    env = {**os.environ, "KVLINGO_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    said = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", code, *args], env=env, cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        said.append(out.stdout.split()[-2:])
+    assert said == [["measured", "True"], ["cached", "True"]]
+    mx.clear_cache()
