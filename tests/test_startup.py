@@ -220,3 +220,38 @@ def test_a_fresh_process_reuses_what_the_first_one_measured(tiny_dir, tmp_path):
         said.append(out.stdout.split()[-2:])
     assert said == [["measured", "True"], ["cached", "True"]]
     mx.clear_cache()
+
+
+def test_the_startup_bench_times_both_sides_in_fresh_processes(tiny_dir, tmp_path, monkeypatch):
+    """`kvlingo bench --startup` on the tiny pair, one round: mlx-lm's start, kvlingo's with the
+    rates reused (its untimed start stored them) and on a new cache folder (measured)."""
+    from mlx_kvlingo.cli.bench import bench_cmd
+
+    from click.testing import CliRunner
+
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+    save_translator(exact_translator(pair, tiny_dir["known_answer"]), tmp_path / "fwd.safetensors",
+                    pair)  # fmt: skip
+    monkeypatch.setenv("KVLINGO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        bench_cmd,
+        ["--startup", "-n", "1", "--source", str(tiny_dir["qwen3"]), "--target",
+         str(tiny_dir["known"]), "--translator", str(tmp_path / "fwd.safetensors"), "-o", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    got = json.loads((out / "startup.json").read_text())
+    runs = got["runs"]
+    assert [r["rates"] for r in runs["kvlingo"]] == ["cached"]
+    assert [r["rates"] for r in runs["kvlingo-new"]] == ["measured"]
+    assert runs["mlx-lm"][0]["start_s"] > runs["mlx-lm"][0]["load_s"] > 0
+    for side in ("kvlingo", "kvlingo-new"):
+        r = runs[side][0]
+        assert r["start_s"] > r["load_s"] >= r["warmup_s"] > 0 and r["ttft_s"] > 0
+        assert got["summary"][side]["vs_mlx_lm"]["median"] > 0
+    assert "vs mlx-lm" in result.output and "Goal: kvlingo within 1.5x" in result.output
+    # the user's cache folder keeps its own rates; the new one was removed
+    assert len(rate_files(tmp_path / "cache")) == 1
+    bad = CliRunner().invoke(bench_cmd, ["--startup", "--conversation"])
+    assert bad.exit_code == 2 and "--startup" in bad.output

@@ -158,9 +158,17 @@ def _preset_names() -> list[str]:
     type=click.FloatRange(0, 1),
     help="--conversation: and recomputes this share of the translated turn (as `kvlingo chat`)",
 )
+@click.option(
+    "--startup",
+    is_flag=True,
+    help="Time a start to the first token in fresh processes (-n of each, alternating): "
+    "Runtime.load with the rates reused, on a new cache folder, and mlx-lm's load of the same "
+    "target",
+)
 def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, warmup, out, max_minutes,
               moe_loop, seed, dtype, cache_dir, no_progress, conversation, turns, user_lengths,
-              answer_tokens, escalation_rate, policies, large_reads_last, recompute_share, side_by_side):  # fmt: skip
+              answer_tokens, escalation_rate, policies, large_reads_last, recompute_share, side_by_side,
+              startup):  # fmt: skip
     """Time to first token: the source prefills and the cache is translated (switch), or the
     target re-prefills. Writes a markdown table, JSON with every trial, and a TTFT plot."""
     from mlx_kvlingo._platform import moe_cpu
@@ -172,6 +180,18 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
     import mlx.core as mx
 
     dtype = dtype if dtype == "auto" else getattr(mx, dtype)
+    if startup:
+        if preset or side_by_side or conversation:
+            raise click.UsageError("--startup times the demo pair or --source/--target: not "
+                                   "with --preset, --side-by-side or --conversation")  # fmt: skip
+        from mlx_kvlingo.eval import startup as startup_bench
+
+        result = startup_bench.run_startup_bench(source, target, translator, demo_pair,
+                                                 trials=trials, log=log)  # fmt: skip
+        paths = startup_bench.write_outputs(result, out)
+        click.echo(paths["markdown"].read_text())
+        log("wrote " + ", ".join(str(p) for p in paths.values()))
+        return
     if side_by_side:
         if preset or source or target or translator or conversation:
             raise click.UsageError("--side-by-side names its pairs: not with --preset, "

@@ -1,0 +1,253 @@
+"""`kvlingo bench --startup`: start to the first token in a fresh process, against mlx-lm.
+
+Each start is a new Python process, timed from just before it is spawned to its first token of
+a one-word answer ("Answer in one word: ..."; one token, chat-templated; each side's default
+sampling):
+
+    mlx-lm            `mlx_lm.load(target)` + `stream_generate` of the same target
+    kvlingo           `Runtime.load()` (warm-up included) + `Conversation.send(model="large")`,
+                      on the cache folder in use: the rates reused (a machine that ran it before)
+    kvlingo, new      the same on a new cache folder (the converted models linked in, no
+                      stored rates): the first start on a machine, which measures them
+
+One untimed start of each goes first (files into the OS's page cache, the rates into the cache
+folder), then the three alternate for `trials` rounds, so that drift and other processes' load
+hit all of them. Each child also reports its own parts (imports, load, warm-up, first-turn
+TTFT) and the TTFT of a second answer to the same question in a new conversation (the first
+turn against a later one). On Linux both sides preload the same BLAS (`mlx_kvlingo._platform.
+blas`: OpenBLAS where installed); without it mlx-lm's CPU matmuls run on MLX's reference BLAS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from mlx_kvlingo.eval import report
+
+PROMPT = "Answer in one word: what is the capital of France?"
+GOAL = 1.5  # kvlingo's start to its first token within this many times mlx-lm's (issue 49)
+
+_KVLINGO = """
+import json, sys, time
+t0 = time.perf_counter()
+from mlx_kvlingo import Runtime
+args = json.loads(sys.argv[1])
+t1 = time.perf_counter()
+rt = Runtime.load(args["source"], args["target"], args["translator"], pair=args["pair"])
+t2 = time.perf_counter()
+
+def first_token(conv):
+    t = time.perf_counter()
+    stream = conv.send(args["prompt"], model="large", max_tokens=1)
+    for ev in stream:
+        if ev.kind == "token":
+            stream.close()
+            return time.time(), time.perf_counter() - t
+
+at, ttft = first_token(rt.new_conversation())
+_, later = first_token(rt.new_conversation())
+print(json.dumps({"first_token_at": at, "import_s": t1 - t0, "load_s": t2 - t1,
+                  "warmup_s": rt.warmup_s, "rates": rt.rates, "ttft_s": ttft,
+                  "later_ttft_s": later}))
+"""
+
+_MLX_LM = """
+import json, sys, time
+t0 = time.perf_counter()
+import mlx_kvlingo._platform.blas  # the package preloads the BLAS kvlingo runs on; no MLX yet
+from mlx_lm import load, stream_generate
+args = json.loads(sys.argv[1])
+t1 = time.perf_counter()
+model, tokenizer = load(args["target_folder"])
+t2 = time.perf_counter()
+
+def first_token():
+    t = time.perf_counter()
+    messages = [{"role": "user", "content": args["prompt"]}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    for _ in stream_generate(model, tokenizer, prompt, max_tokens=1):
+        return time.time(), time.perf_counter() - t
+
+at, ttft = first_token()
+_, later = first_token()
+print(json.dumps({"first_token_at": at, "import_s": t1 - t0, "load_s": t2 - t1,
+                  "warmup_s": None, "rates": None, "ttft_s": ttft, "later_ttft_s": later}))
+"""
+
+SIDES = {
+    "mlx-lm": "mlx-lm load + first token",
+    "kvlingo": "kvlingo Runtime.load + first token (rates reused)",
+    "kvlingo-new": "kvlingo, new cache folder (rates measured)",
+}
+
+
+def target_folder(source, target, demo_pair: str) -> str:
+    """The large model's folder (or hub id) as mlx-lm loads it: the demo's converted target."""
+    if target is not None:
+        return str(target)
+    from mlx_kvlingo.models.loading import demo_paths
+
+    return str(demo_paths(demo_pair)[1])
+
+
+def new_cache_folder(cache: Path) -> Path:
+    """A fresh cache folder holding links to everything in `cache` but the stored rates (the
+    converted demo models stay converted: only the rates are new)."""
+    from mlx_kvlingo.conversation.rates_cache import FOLDER
+
+    fresh = Path(tempfile.mkdtemp(prefix="kvlingo-startup-"))
+    if cache.is_dir():
+        for entry in cache.iterdir():
+            if entry.name != FOLDER and not entry.name.startswith("."):
+                (fresh / entry.name).symlink_to(entry.resolve())
+    return fresh
+
+
+def run_one(side: str, args: dict, cache: Path, timeout: float) -> dict:
+    """One start in a fresh process; its parts, and `start_s`: spawn to first token."""
+    env = dict(os.environ)
+    fresh = None
+    if side == "kvlingo-new":
+        fresh = new_cache_folder(cache)
+        env["KVLINGO_CACHE"] = str(fresh)
+    code = _MLX_LM if side == "mlx-lm" else _KVLINGO
+    try:
+        spawned = time.time()
+        out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env,
+                             capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    finally:
+        if fresh is not None:
+            shutil.rmtree(fresh, ignore_errors=True)
+    if out.returncode != 0:
+        tail = "\n".join(out.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"the {side} start failed (exit {out.returncode}):\n{tail}")
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got["start_s"] = got.pop("first_token_at") - spawned
+    return got
+
+
+def run_startup_bench(source=None, target=None, translator=None, demo_pair: str = "dense",
+                      trials: int = 3, timeout: float = 600.0, log=print) -> dict:  # fmt: skip
+    """The three sides, one untimed start each, then `trials` alternating rounds."""
+    from mlx_kvlingo._platform.cachedir import cache_root
+
+    if trials < 1:
+        raise ValueError("need trials >= 1")
+    args = {
+        "source": None if source is None else str(source),
+        "target": None if target is None else str(target),
+        "translator": None if translator is None else str(translator),
+        "pair": None if source or target else demo_pair,
+        "target_folder": target_folder(source, target, demo_pair),
+        "prompt": PROMPT,
+    }
+    cache = cache_root()
+    order = ("kvlingo", "mlx-lm", "kvlingo-new")
+    runs: dict[str, list[dict]] = {side: [] for side in order}
+    load_before = report.load_average()
+    for side in ("kvlingo", "mlx-lm"):  # untimed: the page cache, the stored rates
+        log(f"untimed start: {side}")
+        run_one(side, args, cache, timeout)
+    for i in range(trials):
+        for side in order:
+            got = run_one(side, args, cache, timeout)
+            runs[side].append(got)
+            log(f"round {i + 1}/{trials} · {side}: {got['start_s']:.2f} s (rates {got['rates']})")
+    return {
+        "command": report.command_line(),
+        "machine": report.machine_info(),
+        "software": report.software_info(),
+        "load_average": {"before": load_before, "after": report.load_average()},
+        "args": args,
+        "trials": trials,
+        "runs": runs,
+        "summary": summarize(runs),
+    }
+
+
+def _stats(xs: list) -> dict | None:
+    xs = [x for x in xs if x is not None]
+    return {"min": min(xs), "median": statistics.median(xs)} if xs else None
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    out = {}
+    for side, rs in runs.items():
+        out[side] = {k: _stats([r.get(k) for r in rs]) for k in
+                     ("start_s", "import_s", "load_s", "warmup_s", "ttft_s", "later_ttft_s")}  # fmt: skip
+        out[side]["rates"] = sorted({str(r.get("rates")) for r in rs})
+    base = out["mlx-lm"]["start_s"]
+    for side in ("kvlingo", "kvlingo-new"):
+        mine = out[side]["start_s"]
+        out[side]["vs_mlx_lm"] = {k: mine[k] / base[k] for k in ("min", "median")}
+        ttft, later = out[side]["ttft_s"], out[side]["later_ttft_s"]
+        out[side]["first_vs_later_turn"] = ttft["median"] / later["median"]
+    return out
+
+
+def markdown(result: dict) -> str:
+    s = result["summary"]
+
+    def f(x, key="median"):
+        return "" if x is None else f"{x[key]:.2f}"
+
+    rows = []
+    for side, label in SIDES.items():
+        r = s[side]
+        ratio = f"{r['vs_mlx_lm']['median']:.2f}x" if "vs_mlx_lm" in r else "1x"
+        rows.append([label, f(r["start_s"], "min"), f(r["start_s"]), ratio, f(r["import_s"]),
+                     f(r["load_s"]), f(r["warmup_s"]), f(r["ttft_s"]), f(r["later_ttft_s"])])  # fmt: skip
+    m, la = result["machine"], result["load_average"]
+    lines = [
+        f"## Start to the first token ({result['trials']} fresh processes each, alternating)",
+        "",
+        f'Spawn to the first token of a one-word answer ("{PROMPT}"), in seconds; the parts '
+        "are medians within the child (imports, load, warm-up, the first turn's TTFT, and a "
+        "later turn's in a new conversation).",
+        "",
+        *report.md_table(
+            [
+                "start",
+                "min",
+                "median",
+                "vs mlx-lm (median)",
+                "imports",
+                "load",
+                "warm-up",
+                "first TTFT",
+                "later TTFT",
+            ],
+            "lrrrrrrrr",
+            rows,
+        ),  # fmt: skip
+        "",
+        f"Goal: kvlingo within {GOAL}x of mlx-lm on a machine that ran it before: "
+        f"{s['kvlingo']['vs_mlx_lm']['median']:.2f}x (median), "
+        f"{s['kvlingo']['vs_mlx_lm']['min']:.2f}x (min). First turn against a later one: "
+        f"{s['kvlingo']['first_vs_later_turn']:.2f}x (rates reused), "
+        f"{s['kvlingo-new']['first_vs_later_turn']:.2f}x (new cache folder).",
+        "",
+        f"Machine: {m['cpu']} ({m['cpu_count']} CPUs), {m['backend']}, BLAS {m['blas']}; load "
+        f"average {_load(la['before'])} before, {_load(la['after'])} after. Target: "
+        f"{result['args']['target_folder']}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _load(avg) -> str:
+    return "n/a" if not avg else " / ".join(f"{x:.2f}" for x in avg)
+
+
+def write_outputs(result: dict, out_dir) -> dict[str, Path]:
+    paths = report.output_files(out_dir, json="startup.json", markdown="startup.md")
+    report.write_json(result, paths["json"])
+    paths["markdown"].write_text(markdown(result))
+    return paths
