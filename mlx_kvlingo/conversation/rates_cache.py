@@ -26,6 +26,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,9 +98,14 @@ def machine() -> dict:
 
 
 def versions() -> dict:
-    from mlx_kvlingo import __version__
-
-    return {"mlx": _version("mlx"), "mlx-lm": _version("mlx-lm"), "mlx-kvlingo": __version__}
+    # the package's own version as it runs (a checkout's may differ from an installed one's);
+    # the package is imported whenever this module is
+    ours = getattr(sys.modules.get("mlx_kvlingo"), "__version__", None)
+    return {
+        "mlx": _version("mlx"),
+        "mlx-lm": _version("mlx-lm"),
+        "mlx-kvlingo": ours or _version("mlx-kvlingo"),
+    }
 
 
 def _model(loaded) -> dict:
