@@ -154,11 +154,19 @@ def with_dtype(model, config: dict, dtype):
     return model, dtype
 
 
-def load_model(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") -> LoadedModel:
-    """Load one model by hub id or local folder through `mlx_lm.load`."""
+def load_model(
+    path_or_repo: str | Path, dtype: mx.Dtype | None = "auto", tokenizer: object = None
+) -> LoadedModel:
+    """Load one model by hub id or local folder through `mlx_lm.load`; with `tokenizer` (one
+    mlx-lm built from the same files: `tokenizer_identity`), its weights only."""
     name = str(path_or_repo)
     _cpu_memory.tune()  # before the first allocations that should be reused
-    model, tokenizer, config = mlx_lm_load(name, return_config=True)
+    if tokenizer is None:
+        model, tokenizer, config = mlx_lm_load(name, return_config=True)
+    else:
+        from mlx_lm.utils import load_model as mlx_lm_load_weights
+
+        model, config = mlx_lm_load_weights(Path(name))
     model, dtype = with_dtype(model, config, dtype)
     if dtype is not None:
         mx.eval(model.parameters())
@@ -177,6 +185,48 @@ def _folder_of(name: str) -> Path | None:
         return hf_repo_to_path(name)
     except Exception:  # noqa: BLE001 - not in the cache (or not a hub id): no folder to read
         return None
+
+
+#: the files of a model folder mlx-lm builds its tokenizer from (`mlx_lm.utils.load_tokenizer`),
+#: and those of them that are the model's own (its config, its weights' index, the build stamps
+#: of the folders this package converts)
+_TOKENIZER_FILES = (
+    "*.json",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+)
+_MODEL_FILES = {
+    "config.json",
+    "model.safetensors.index.json",
+    "kvlingo.json",
+    "kvlingo-preset.json",
+}
+
+
+def tokenizer_identity(path: str | Path | LoadedModel) -> str | None:
+    """A digest of what mlx-lm builds a local model folder's tokenizer from: its tokenizer
+    files, byte for byte, and of its config the model type and end-of-sequence ids. Two folders
+    with the same digest get equal tokenizers (a pair's models often ship the same files: one
+    is then loaded, not two). None for a loaded model, a hub id or an unreadable folder."""
+    if isinstance(path, LoadedModel) or not Path(path).is_dir():
+        return None
+    import json
+
+    folder = Path(path)
+    h = hashlib.sha256()
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        h.update(json.dumps([config.get("model_type"), config.get("eos_token_id")]).encode())
+        names = sorted({f.name for g in _TOKENIZER_FILES for f in folder.glob(g)} - _MODEL_FILES)
+        for name in names:
+            h.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return h.hexdigest()
 
 
 def vocab_fingerprint(tokenizer) -> str:
@@ -216,9 +266,14 @@ def load_pair(
     Raises `TokenizerMismatchError` if they do not share a tokenizer.
     """
     check_fits(*[p for p in (source, target) if not isinstance(p, LoadedModel)], dtype=dtype)
-    src = source if isinstance(source, LoadedModel) else load_model(source, dtype)
-    tgt = target if isinstance(target, LoadedModel) else load_model(target, dtype)
-    check_same_tokenizer(src.tokenizer, tgt.tokenizer)
+    shared = tokenizer_identity(source)
+    if shared is not None and shared == tokenizer_identity(target):  # one tokenizer for both
+        tgt = load_model(target, dtype)
+        src = load_model(source, dtype, tokenizer=tgt.tokenizer)
+    else:
+        src = source if isinstance(source, LoadedModel) else load_model(source, dtype)
+        tgt = target if isinstance(target, LoadedModel) else load_model(target, dtype)
+        check_same_tokenizer(src.tokenizer, tgt.tokenizer)
     return ModelPair(src, tgt, tgt.tokenizer, vocab_fingerprint(tgt.tokenizer))
 
 
