@@ -13,7 +13,7 @@ from pathlib import Path
 import mlx_kvlingo.conversation.warmup as warmup_module
 from mlx_kvlingo import Runtime
 from mlx_kvlingo.models.files import save_translator
-from mlx_kvlingo.models.pair import load_pair
+from mlx_kvlingo.models.pair import load_model, load_pair
 
 import mlx.core as mx
 import pytest
@@ -255,3 +255,32 @@ def test_the_startup_bench_times_both_sides_in_fresh_processes(tiny_dir, tmp_pat
     assert len(rate_files(tmp_path / "cache")) == 1
     bad = CliRunner().invoke(bench_cmd, ["--startup", "--conversation"])
     assert bad.exit_code == 2 and "--startup" in bad.output
+
+
+def test_a_pair_whose_folders_build_the_same_tokenizer_loads_it_once(tiny_dir, tmp_path):
+    import shutil
+
+    from mlx_kvlingo.models.pair import tokenizer_identity
+
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
+    assert tokenizer_identity(tiny_dir["qwen3"]) == tokenizer_identity(tiny_dir["known"])
+    assert pair.source.tokenizer is pair.target.tokenizer is pair.tokenizer
+    text = "def parse_args(argv):"
+    alone = load_model(tiny_dir["known"]).tokenizer  # built from its own files
+    assert pair.tokenizer.encode(text) == alone.encode(text)
+    assert pair.tokenizer.apply_chat_template([{"role": "user", "content": text}]) == (
+        alone.apply_chat_template([{"role": "user", "content": text}])
+    )
+    # a tokenizer file that differs: each model builds its own (and the pair is checked)
+    other = shutil.copytree(tiny_dir["known"], tmp_path / "known")
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    (other / "tokenizer_config.json").write_text(json.dumps({**config, "model_max_length": 77}))
+    assert tokenizer_identity(other) != tokenizer_identity(tiny_dir["qwen3"])
+    two = load_pair(tiny_dir["qwen3"], other)
+    assert two.source.tokenizer is not two.target.tokenizer
+    # another model type (mlx-lm may set its tokenizer up by type), a hub id: not compared
+    llama = shutil.copytree(tiny_dir["qwen3"], tmp_path / "as-llama")
+    config = json.loads((llama / "config.json").read_text())
+    (llama / "config.json").write_text(json.dumps({**config, "model_type": "llama"}))
+    assert tokenizer_identity(llama) != tokenizer_identity(tiny_dir["qwen3"])
+    assert tokenizer_identity("org/not-a-folder") is None
