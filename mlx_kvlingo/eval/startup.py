@@ -82,6 +82,11 @@ print(json.dumps({"first_token_at": at, "import_s": t1 - t0, "load_s": t2 - t1,
                   "warmup_s": None, "rates": None, "ttft_s": ttft, "later_ttft_s": later}))
 """
 
+
+class StartupBenchError(RuntimeError):
+    """A timed start failed (its process's last line of error output says why)."""
+
+
 SIDES = {
     "mlx-lm": "mlx-lm load + first token",
     "kvlingo": "kvlingo Runtime.load + first token (rates reused)",
@@ -127,8 +132,8 @@ def run_one(side: str, args: dict, cache: Path, timeout: float) -> dict:
         if fresh is not None:
             shutil.rmtree(fresh, ignore_errors=True)
     if out.returncode != 0:
-        tail = "\n".join(out.stderr.strip().splitlines()[-5:])
-        raise RuntimeError(f"the {side} start failed (exit {out.returncode}):\n{tail}")
+        last = (out.stderr.strip().splitlines() or ["no message"])[-1]
+        raise StartupBenchError(f"the {side} start failed (exit {out.returncode}): {last}")
     got = json.loads(out.stdout.strip().splitlines()[-1])
     got["start_s"] = got.pop("first_token_at") - spawned
     return got
