@@ -26,8 +26,9 @@ def append_translation(model, translator: Translator, span: SpanKV, cache: list)
     append_kv(cache, *translator.translate(span, model))
 
 
-#: the warm-up translates a scratch span this long once (CPU only): later translations up to
-#: this length then reuse memory already mapped instead of faulting fresh pages in
+#: a measuring warm-up (a pair's first start on a machine; conversation/warmup.py) translates a
+#: scratch span this long once (CPU only): later translations up to this length then reuse
+#: memory already mapped instead of faulting fresh pages in
 RESERVE_TOKENS = 1024
 
 
