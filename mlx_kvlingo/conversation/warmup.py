@@ -111,11 +111,9 @@ def prime(pair, forward, backward=None, *, tokens: int = PRIME_TOKENS, sample=No
     translator translates a span of `tokens` into a scratch cache of its target."""
     from mlx_lm.generate import generation_stream
 
-    text = pair.tokenizer.apply_chat_template(
-        [{"role": "user", "content": _text(pair.tokenizer, tokens)}], tokenize=False,
-        add_generation_prompt=True,
-    )  # fmt: skip
-    ids = mx.array(pair.tokenizer.encode(text)[-tokens:])
+    scratch = Session(pair, None, None)  # templated as a real turn is (or plain text)
+    scratch.add_user(_text(pair.tokenizer, tokens))
+    ids = mx.array((scratch.tokens * 2)[-max(tokens, 2) :])
     with mx.stream(generation_stream):
         for role, loaded in (("target", pair.target), ("source", pair.source)):
             kwargs = sample(role) if sample else {}
