@@ -26,9 +26,10 @@ from mlx_kvlingo.conversation import rates_cache
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import ReadCosts, costs_of
 from mlx_kvlingo.kv.cache import new_cache
-from mlx_kvlingo.kv.capture import SpanKV
+from mlx_kvlingo.kv.capture import capture_from_cache, needs_recording
+from mlx_kvlingo.kv.capture import prefill as capture_prefill
 from mlx_kvlingo.kv.map_reading import measure as measure_map_reading
-from mlx_kvlingo.kv.translate import reserve_translation_memory
+from mlx_kvlingo.kv.translate import append_translation, reserve_translation_memory
 
 import mlx.core as mx
 
@@ -105,35 +106,49 @@ PRIME_TOKENS = 8
 def prime(pair, forward, backward=None, *, tokens: int = PRIME_TOKENS, sample=None) -> None:
     """The first call of each path on a few tokens, so that the first real turn of this process
     pays no one-off cost (lazy weights, MLX loading its compiled kernels, first allocations, the
-    chat template, the sampler): each model reads `tokens` tokens of a chat-templated message
-    into a scratch cache as mlx-lm reads a prompt up to its first token (the tokens but the
-    last, then the last, sampled with `sample(role)`'s sampler and logits processors), each
-    translator translates a span of `tokens` into a scratch cache of its target."""
+    chat template, the sampler, the K/V a translator keeps of the first token). On the first
+    `tokens` tokens of a chat-templated message: each model reads them into a scratch cache up
+    to its first token as mlx-lm reads a prompt (all but the last token, then the last, sampled
+    with `sample(role)`'s sampler and logits processors); then, per translator, the hand-off:
+    all but the last token captured from the other model's cache, translated and appended to a
+    scratch cache, the last token read over them and sampled."""
+    # the first tokens of a message templated as a real turn is (or plain text): a translator
+    # that keeps the model's own first token computes that token's K/V once (`anchor.py`)
+    scratch = Session(pair, None, None)
+    scratch.add_user(_text(pair.tokenizer, tokens))
+    ids = (scratch.tokens * 2)[: max(tokens, 2)]
+    caches = {}
+    for role, loaded in (("target", pair.target), ("source", pair.source)):
+        cache = caches[role] = new_cache(loaded)
+        loaded.model(mx.array(ids[:-1])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        _first_token(loaded, ids, cache, sample(role) if sample else {})
+    for translator, role, other in ((forward, "target", "source"), (backward, "source", "target")):
+        if translator is None:
+            continue
+        into, out = (pair.target, pair.source) if role == "target" else (pair.source, pair.target)
+        cut = translator.config.key_cut
+        if needs_recording(out, cut):  # pre-norm keys: recomputed, as the hand-off does
+            span = capture_prefill(out, ids[:-1], new_cache(out), cut=cut)
+        else:
+            span = capture_from_cache(out, caches[other], 0, len(ids) - 1)
+            span.tokens = tuple(ids[:-1])
+        cache = new_cache(into)
+        append_translation(into, translator, span, cache)
+        _first_token(into, ids, cache, sample(role) if sample else {})
+
+
+def _first_token(loaded, ids: list[int], cache: list, kwargs: dict) -> None:
+    """The model reads the last of `ids` over `cache` and samples, as mlx-lm's generate does."""
     from mlx_lm.generate import generation_stream
 
-    scratch = Session(pair, None, None)  # templated as a real turn is (or plain text)
-    scratch.add_user(_text(pair.tokenizer, tokens))
-    ids = mx.array((scratch.tokens * 2)[-max(tokens, 2) :])
     with mx.stream(generation_stream):
-        for role, loaded in (("target", pair.target), ("source", pair.source)):
-            kwargs = sample(role) if sample else {}
-            cache = new_cache(loaded)
-            loaded.model(ids[None, :-1], cache=cache)
-            mx.eval([c.state for c in cache])
-            logits = loaded.model(ids[None, -1:], cache=cache)[:, -1, :]
-            for processor in kwargs.get("logits_processors") or ():
-                logits = processor(ids, logits)
-            logprobs = logits - mx.logsumexp(logits, keepdims=True)
-            sampler = kwargs.get("sampler")
-            mx.eval(sampler(logprobs) if sampler else mx.argmax(logprobs, axis=-1))
-    for translator, into in ((forward, pair.target), (backward, pair.source)):
-        if translator is not None:
-            s = translator.config.source
-            span = SpanKV(
-                mx.random.normal((s.layers, 1, s.kv_heads, tokens, s.head_dim)),
-                mx.random.normal((s.layers, 1, s.kv_heads, tokens, s.value_dim)), start=0,
-            )  # fmt: skip
-            mx.eval(translator.translate(span, into))
+        logits = loaded.model(mx.array(ids[-1:])[None], cache=cache)[:, -1, :]
+        for processor in kwargs.get("logits_processors") or ():
+            logits = processor(mx.array(ids), logits)
+        logprobs = logits - mx.logsumexp(logits, keepdims=True)
+        sampler = kwargs.get("sampler")
+        mx.eval(sampler(logprobs) if sampler else mx.argmax(logprobs, axis=-1))
 
 
 def start(
