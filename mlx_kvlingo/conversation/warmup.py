@@ -6,10 +6,11 @@ folder holds the rates for this machine, pair and library versions (`rates_cache
 takes them (and each translator's map reading) and runs only `prime`, a first call of each
 path on a few tokens; otherwise it runs `warm_up` and stores what it measured.
 
-`warm_up`: a short scratch conversation is run twice over the pair: the first run (its shortest turn)
-pays the one-off costs (MLX compiling its kernels, lazy weights, first allocations, the chat
-template, the sampler), unrecorded; the second measures the read costs of `timing.py` at a
-couple of lengths, both ways of reading, so reader "auto" starts from this pair's own rates.
+`warm_up`: a short scratch conversation is run twice over the pair: the first run (its
+shortest turn) pays the one-off costs (MLX compiling its kernels, lazy weights, first
+allocations, the chat template, the sampler), unrecorded; the second measures the read costs
+of `timing.py` at a couple of lengths, both ways of reading, so reader "auto" starts from this
+pair's own rates.
 Before both, each translator measures how its maps read the source fastest on this pair's
 shapes and this backend (`map_reading.measure`), so the turns run what they will run later,
 and on the CPU translates one scratch span of `decode.RESERVE_TOKENS`, so that the first
