@@ -875,9 +875,6 @@ class Conversation:
                 close = getattr(events, "close", None)
                 if close is not None:
                     close()  # commits what was emitted, trims the caches to match
-                active = self._session._active
-                if active is not None and active[0] is events:  # closed from another thread
-                    self._session._active = None
             self.runtime._release()
             after = self._session.last_turn
             if events is not None and after is not None and after is not before:

@@ -498,7 +498,7 @@ def test_translate_ahead_within_budget_leaves_the_rest_to_the_escalation(pair, t
 
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, policy=plain(translate_ahead=True))
-    s._ahead_budget = OneChunk()
+    s.catchup.ahead_budget = OneChunk()
     s.add_user("a long question " * 6)
     n0 = len(s.tokens)
     list(s.generate("small", max_tokens=N))

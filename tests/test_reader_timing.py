@@ -97,7 +97,7 @@ def test_the_tail_is_dropped_where_it_would_more_than_double_the_ttft(pair, tran
         s = Session(pair, fwd, bwd, read_costs=ReadCosts.fixed(**rates), policy=ReaderPolicy(large_reads_last=8, recompute_share=0.0, reader="small"))  # fmt: skip
         s.add_user(long)
         n0 = len(s.tokens)
-        plain, with_tail = s._paths_with(n0 - 1, 1), s._paths_with(n0 - 1, 8)
+        plain, with_tail = s.catchup.paths_with(n0 - 1, 1), s.catchup.paths_with(n0 - 1, 8)
         a, b = plain.small(s.read_costs), with_tail.small(s.read_costs)
         assert (b <= max(TAIL_BUDGET * a, a + TAIL_ALLOWANCE_S)) == (tail == 8)
         assert tail == 8 or (b > TAIL_BUDGET * a and b > a + TAIL_ALLOWANCE_S)
@@ -208,7 +208,7 @@ def test_the_token_rule_breaks_ties(pair, translators, tmp_path, ratio, margin, 
     s.add_user(SHORT[0])
     s.read_costs = opening_tie(pair, len(s.tokens), ratio)
     s.policy = replace(s.policy, reader_margin=margin)
-    small, why, paths = s._reader_choice("target", len(s.tokens) - 1)
+    small, why, paths = s.catchup.choice("target", len(s.tokens) - 1)
     assert small is small_reads and paths == Paths(len(s.tokens), 0, len(s.tokens) - 1, True)
     assert paths.small(s.read_costs) == pytest.approx(ratio * paths.large(s.read_costs))
     assert why == ("" if small else "reader auto: the faster")
@@ -218,7 +218,7 @@ def test_the_token_rule_breaks_ties(pair, translators, tmp_path, ratio, margin, 
     s.add_user(SHORT[1])
     s.read_costs = ReadCosts.fixed(**SMALL_FAST)
     s.policy = replace(s.policy, reader_margin=1e9)
-    small, why, _ = s._reader_choice("target", len(s.tokens) - 1)
+    small, why, _ = s.catchup.choice("target", len(s.tokens) - 1)
     assert not small and why == "reader auto, a tie: the large reads turns under 64 tok"
     t = Session(pair, fwd, bwd, policy=PLAIN)
     t.load(s.save(tmp_path / "tie"))

@@ -1,28 +1,47 @@
-"""Catching up: a model that is about to answer gets the span the other model holds and it lacks.
+"""Catching up: a model about to answer gets the span the other model holds and it lacks.
 
-    alternation  translate only [held, other's held) at its true positions, once;
-    naive        re-translate everything the other model holds (the drifting baseline);
-    reprefill    read it itself.
+Invariant: each model's `ModelCache` holds conversation[:held] in every layer, and nothing
+here leaves it otherwise, however it stops (cancel, Ctrl-C: `ModelCache.settle`). A span is a
+range [start, end) of conversation positions; it is translated at its true positions, once:
 
-The span is taken from the outgoing model's cache (the `post_norm` cut), or recomputed on its
-cached prefix when the translator reads keys before k_norm (`pre_norm`). Mixed into `Session`."""
+    alternation  translate only [held, other's held) (naive: everything the other holds, the
+                 drifting baseline; reprefill: none, the model reads it itself);
+    reader       who reads a new turn for the large model (reader policy, session.py): the
+                 small model (`small_reads`, then `catch_up`, then the large reads the tail and
+                 `recompute`s) or the large itself;
+    ahead        while the small model answers, translate for the large between its tokens.
+
+Key cut: the span is read from the outgoing model's cache and un-rotated exactly (`post_norm`).
+A `pre_norm` translator on a k_norm family needs the keys before k_norm, which caches do not
+keep: the outgoing model recomputes the span on its cached prefix to record them. Naive mode
+refuses such a translator: recomputing would quietly undo the compounding it exists to show.
+
+`CatchUp` receives the state it acts on (the transcript, both model caches, the switch log) when
+it is made, and never changes the transcript.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-from mlx_kvlingo.conversation.records import ROLE, Read, SessionError, Switch
-from mlx_kvlingo.conversation.timing import Paths
+from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation.budget import AheadBudget
+from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats
+from mlx_kvlingo.conversation.timing import Paths, ReadCosts
+from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy
 from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, needs_recording, prefill
 from mlx_kvlingo.kv.recompute import Selection, recompute_attended, sentence_ends, special_ids
 from mlx_kvlingo.kv.translate import append_translation
-from mlx_kvlingo.models.pair import LoadedModel
+from mlx_kvlingo.kv.translator import Translator
+from mlx_kvlingo.models.pair import LoadedModel, ModelPair
 
 import mlx.core as mx
 
+MODES = ("alternation", "naive", "reprefill")
 #: the large model's read of the turn's last tokens may add to the small path's predicted TTFT
 #: as much as the plain handoff's own TTFT (where the large reads only the last token), or
 #: TAIL_ALLOWANCE_S, whichever is more: a user does not notice a fifth of a second, but does
@@ -33,6 +52,7 @@ TAIL_ALLOWANCE_S = 0.5
 #: sentence, at least 24 tokens, the chat template's markup last (weights/QUALITY.md,
 #: "Sentences, not neighbours")
 RECOMPUTE_SELECTION = Selection()
+_PROBE = (16, 64)  # tokens a never-timed large model reads once each, to time it
 
 
 class RemoteLarge(Protocol):
@@ -45,58 +65,106 @@ class RemoteLarge(Protocol):
 
 
 @dataclass
-class _Model:
-    name: str
+class ModelCache:
+    """One model of the pair and its mlx-lm cache, which holds conversation[:held]."""
+
+    name: str  # "source" or "target"
     loaded: LoadedModel
     cache: list
-    held: int = 0  # the cache holds conversation tokens [0, held)
+    held: int = 0
+
+    def clear(self) -> None:
+        self.cache, self.held = new_cache(self.loaded), 0
+
+    def settle(self, want: int) -> None:
+        """Make every layer hold exactly the first tokens it can vouch for (at most `want`).
+
+        After an interruption some layers may have processed more than others; keeping the
+        smallest count over layers leaves a consistent cache.
+        """
+        keep = min([want] + [c.offset for c in self.cache])
+        for c in self.cache:
+            if c.offset > keep:
+                c.trim(c.offset - keep)
+        self.held = keep
 
 
 class CatchUp:
-    """Bringing one model's cache up to the conversation (state lives on `Session`)."""
+    """Brings one model's cache up to the conversation, and decides who reads a turn."""
 
-    def _name(self, model: str) -> str:
-        try:
-            return ROLE[model]
-        except KeyError:
-            raise SessionError(
-                f"unknown model {model!r}; use 'source'/'small' or 'target'/'large'"
-            ) from None
-
-    @staticmethod
-    def _settle(m: _Model, want: int) -> None:
-        """Make every layer of m's cache hold exactly the first `keep` tokens it can vouch for.
-
-        After an interruption some layers may have processed more than others; keeping the
-        smallest count over layers (and at most `want`) leaves a consistent cache.
-        """
-        keep = min([want] + [c.offset for c in m.cache])
-        for c in m.cache:
-            if c.offset > keep:
-                c.trim(c.offset - keep)
-        m.held = keep
+    def __init__(
+        self,
+        pair: ModelPair,
+        forward: Translator | None,
+        backward: Translator | None,
+        *,
+        transcript: Transcript,
+        models: dict[str, ModelCache],
+        switches: list[Switch],
+        cancel: threading.Event,
+        read_costs: ReadCosts,
+        remote: RemoteLarge | None = None,
+        mode: str = "alternation",
+        policy: ReaderPolicy | None = None,
+    ):
+        self.pair, self.forward, self.backward, self.remote = pair, forward, backward, remote
+        self.transcript, self.models, self.switches = transcript, models, switches
+        self.cancel, self.read_costs = cancel, read_costs
+        self.mode, self.policy = mode, ReaderPolicy() if policy is None else policy
 
     @property
-    def recompute_share(self) -> float:
-        """When the small model reads for the large one: after the large reads the turn's last
-        `large_reads_last` tokens itself, it recomputes this share of the span just translated,
-        the tokens its reading attended to most (0: none; `_recompute`)."""
-        return self._recompute_share
+    def mode(self) -> str:
+        return self._mode
 
-    @recompute_share.setter
-    def recompute_share(self, x: float) -> None:
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1:
-            raise SessionError(f"recompute_share must be a number in [0, 1] (got {x!r})")
-        self._recompute_share = float(x)
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise SessionError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        self._mode = mode
 
-    def _catch_up(self, name: str, upto: int) -> Switch | None:
-        """Bring model `name` to hold conversation[:a] with a <= upto, by the session's mode.
+    @property
+    def policy(self) -> ReaderPolicy:
+        """The reader policy, its reader resolved ("auto" with a forward translator, else
+        "self")."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: ReaderPolicy) -> None:
+        if not isinstance(policy, ReaderPolicy):
+            raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
+        if self.remote is not None and policy.recompute_share:  # all layers, in this process
+            raise SessionError(
+                "the recompute (recompute_share > 0) is not available with a pipelined large model"
+            )
+        reader = policy.reader or ("auto" if self.forward else "self")
+        if reader != "self" and self.forward is None:
+            raise SessionError(f"reader {reader!r} needs a forward (small -> large) translator")
+        self._policy = replace(policy, reader=reader)
+        #: translating ahead costs at most `ahead_share` of the small model's decode time (see
+        #: conversation/budget.py), or, with `ahead_share=None`, `ahead_chunk` tokens a token
+        share = policy.ahead_share
+        self.ahead_budget = None if share is None else AheadBudget(share)
+
+    def check_mode(self) -> None:
+        if self.mode != "naive":
+            return
+        for tr, outgoing in ((self.forward, self.pair.source), (self.backward, self.pair.target)):
+            if tr is not None and needs_recording(outgoing, tr.config.key_cut):
+                raise SessionError(
+                    "naive mode needs post_norm translators (with a pre_norm one the outgoing "
+                    "model would recompute its keys, hiding the re-translation drift)"
+                )
+
+    # -- catching up ------------------------------------------------------------------------
+
+    def catch_up(self, name: str, upto: int) -> Switch | None:
+        """Bring model `name` to hold conversation[:a] with a <= upto, by the mode.
 
         Returns the `Switch` when the other model held tokens this one lacked, else None.
         """
-        m = self._models[name]
-        o = self._models["target" if name == "source" else "source"]
-        self._settle(m, min(m.held, upto))
+        m = self.models[name]
+        o = self.models["target" if name == "source" else "source"]
+        m.settle(min(m.held, upto))
         end = min(o.held, upto)
         if end <= m.held:
             return None
@@ -108,18 +176,168 @@ class CatchUp:
             sw.note = f"no {'forward' if name == 'target' else 'backward'} translator: re-prefill"
         else:
             t0 = time.perf_counter()
-            cut = tr.config.key_cut
             if self.mode == "naive":
                 sw.retranslated = m.held
-                m.cache, m.held = new_cache(m.loaded), 0
-            span = self._capture(o, m.held, end, cut)
-            span.tokens = tuple(self.tokens[span.start : span.end])
-            self._translate_into(m, tr, span)
-            m.held = end
-            sw.translated = span.length
+                m.clear()
+            self._translate(o, m, tr, m.held, end)
+            sw.translated = end - sw.start + sw.retranslated  # naive: from 0
             sw.seconds = time.perf_counter() - t0
         self.switches.append(sw)
         return sw
+
+    def _translate(self, o: ModelCache, m: ModelCache, tr, start: int, end: int) -> None:
+        """Append the translation of o's K/V for [start, end) to m (which holds [0, start))."""
+        cut = tr.config.key_cut
+        try:
+            if o.name == "target" and self.remote is not None:
+                if needs_recording(o.loaded, cut):
+                    raise SessionError(
+                        "a pre_norm backward translator is not available with a pipelined large "
+                        "model (it would recompute the large model's keys); use a post_norm one"
+                    )
+                span = self.remote.gather(o.cache, start, end)
+            elif not needs_recording(o.loaded, cut):
+                span = capture_from_cache(o.loaded, o.cache, start, end)
+            else:  # pre-k_norm keys are not in the cache: recompute the span on the prefix
+                span = prefill(o.loaded, self.transcript.tokens[start:end],
+                               prefix_copy(o.cache, start), cut=cut)  # fmt: skip
+            span.tokens = tuple(self.transcript.tokens[start:end])
+            if m.name == "target" and self.remote is not None:
+                if tr is not self.forward:
+                    raise SessionError(
+                        "a pipelined target translates with the runtime's translator"
+                    )
+                self.remote.place(m.cache, span)
+            else:
+                append_translation(m.loaded, tr, span, m.cache)
+            m.held = end
+        finally:
+            m.settle(m.held)  # an interrupted append leaves no half-written layer
+
+    def small_reads(self, upto: int, chunk: int) -> Read:
+        """The small model catches up on the large's last answer, then reads up to `upto`
+        itself (prefill only), `chunk` tokens at a time; a cancel stops it between chunks.
+        However it stops (cancel, Ctrl-C), its cache holds exactly what it read."""
+        m = self.models["source"]
+        read = Read("source", catch_up=self.catch_up("source", upto))
+        t0 = time.perf_counter()
+        try:
+            while m.held < upto and not self.cancel.is_set():
+                piece = self.transcript.tokens[m.held : min(upto, m.held + chunk)]
+                m.loaded.model(mx.array(piece)[None], cache=m.cache)
+                mx.eval([c.keys for c in m.cache])
+                m.held += len(piece)
+                read.tokens += len(piece)
+        finally:
+            m.settle(m.held)
+            read.seconds = time.perf_counter() - t0
+        return read
+
+    def recompute(self, sw: Switch, n0: int) -> None:
+        """After translating `sw`'s span into the large model (its cache now holds [0, cut)):
+        it reads conversation[cut:n0] itself and recomputes the `recompute_share` of the span
+        its reading attended to most (`recompute.recompute_attended`). The cache is left
+        holding [0, n0 - 1): the answer reads the last token. Interrupted, the cache keeps
+        [0, cut) (some of its positions recomputed in some layers: K/V of the target's own
+        either way)."""
+        m = self.models["target"]
+        cut, toks, tok = m.held, self.transcript.tokens[:n0], self.pair.tokenizer
+        t0 = time.perf_counter()
+        try:
+            append_kv(m.cache, *_placeholders(m.cache, n0 - cut))
+            chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut,
+                                        self.policy.recompute_share, start=cut - sw.translated,
+                                        selection=RECOMPUTE_SELECTION, ends=sentence_ends(tok),
+                                        specials=special_ids(tok))  # fmt: skip
+            m.held = n0 - 1
+        finally:
+            m.settle(m.held)
+        sw.recomputed, sw.tail_read = len(chosen), n0 - cut
+        sw.recompute_s = time.perf_counter() - t0
+
+    # -- translating ahead (cascade) ----------------------------------------------------------
+
+    def ahead_begin(self, upto: int) -> Switch | None:
+        """While the small model answers, the span the large would lack on escalation,
+        [large's held, upto), is translated chunk by chunk between the small model's tokens
+        (`ahead_step`). Kept either way: it is a prefix of the conversation, so alternation
+        stays exact and no span is translated twice."""
+        p = self.policy
+        if not (p.translate_ahead and self.forward is not None and self.mode == "alternation"):
+            return None
+        t = self.models["target"]
+        t.settle(min(t.held, upto))
+        if t.held >= upto:
+            return None
+        if self.ahead_budget is not None:  # a debt carries over; unspent credit does not
+            self.ahead_budget.credit = min(self.ahead_budget.credit, 0.0)
+        return Switch("target", self.mode, t.held, t.held, note=f"translated ahead to {upto}")
+
+    def ahead_step(self, sw: Switch, upto: int, decode_s: float | None) -> float:
+        """After one small token (decoded in `decode_s`, None for the first): translate the
+        next chunk of the ahead span, as much as the budget allows (or `ahead_chunk` tokens
+        without one). Returns the seconds spent."""
+        t, o = self.models["target"], self.models["source"]
+        read = min(c.offset for c in o.cache)  # the small model's cache, mid-answer
+        remaining = min(upto, read) - t.held
+        budget = self.ahead_budget
+        if budget is None:
+            n = min(remaining, self.policy.ahead_chunk)
+        else:
+            if decode_s is not None:
+                budget.earn(decode_s)
+            n = budget.tokens(remaining)
+        if n <= 0:
+            return 0.0
+        t0 = time.perf_counter()
+        self._translate(o, t, self.forward, t.held, t.held + n)
+        seconds = time.perf_counter() - t0
+        if budget is not None:
+            budget.spent(n, seconds)
+        if not sw.translated:
+            self.switches.append(sw)
+        sw.end = t.held
+        sw.translated = sw.end - sw.start
+        sw.seconds += seconds
+        return seconds
+
+    # -- who reads a turn (reader policy) ------------------------------------------------------
+
+    def choice(self, name: str, upto: int) -> tuple[bool, str, Paths | None]:
+        """Does the small model read [large's held, upto) for `name` this turn (reader policy,
+        see session.py)? (yes or no, a note for the status line, the lengths)."""
+        if name != "target" or self.forward is None or self.mode == "reprefill":
+            return False, "", None  # reprefill is the reference: the answering model reads it all
+        p, paths = self.policy, self._paths(upto)
+        if self.tail_cut(upto, paths) <= self.models["target"].held:  # one way only
+            why = f"the turn is within the {p.large_reads_last} tok the large reads itself"
+            return False, "" if p.reader == "self" else why, None
+        small, why = self._reader_rule(upto, paths)
+        over = f"would take over {TAIL_BUDGET:g}x this TTFT and {TAIL_ALLOWANCE_S:g} s more"
+        if small and p.large_reads_last > 1 and paths is not None and paths.tail == 1:
+            why = f"the large reads the last token only: reading the last {p.large_reads_last} tok {over}"  # fmt: skip
+        elif small and paths is not None and self.recompute_count(paths.lacked - paths.tail) \
+                and not paths.recompute:  # fmt: skip
+            why = f"no recompute: recomputing {p.recompute_share:.0%} of the turn {over}"
+        return small, why, paths
+
+    def _reader_rule(self, upto: int, paths: Paths | None) -> tuple[bool, str]:
+        """The reader policy's choice: (the small model reads, why the large reads itself)."""
+        p = self.policy
+        if p.reader in ("small", "self"):
+            return p.reader == "small", ""
+        held = self.models["target"].held
+        rule = held == 0 or upto - held >= p.reader_min_tokens
+        under = f"the large reads turns under {p.reader_min_tokens} tok"
+        if p.reader == "tokens":
+            return rule, "" if rule else f"reader tokens: {under}"
+        large = None if paths is None else paths.large(self.read_costs)
+        small = None if paths is None else paths.small(self.read_costs)
+        if large is None or small is None:
+            return rule, "" if rule else f"reader auto, not timed yet: {under}"
+        if abs(large - small) <= p.reader_margin * min(large, small):
+            return rule, "" if rule else f"reader auto, a tie: {under}"
+        return small < large, "" if small < large else "reader auto: the faster"
 
     def _reading(self, upto: int) -> tuple[int, bool]:
         """How much the large model reads itself where the small reads for it: (its last
@@ -131,110 +349,50 @@ class CatchUp:
         ways = [(k, share), *([(k, False)] if share else []), *([(1, False)] if k > 1 else [])]
         if len(ways) == 1 or self.forward is None or self.mode != "alternation":
             return ways[0]
-        a = self._paths_with(upto, 1, False).small(self.read_costs)
+        a = self.paths_with(upto, 1, False).small(self.read_costs)
         if a is None:
             return ways[0]
         limit = max(TAIL_BUDGET * a, a + TAIL_ALLOWANCE_S)
         for tail, recompute in ways:
-            b = self._paths_with(upto, tail, recompute).small(self.read_costs)
+            b = self.paths_with(upto, tail, recompute).small(self.read_costs)
             if b is None or b <= limit:
                 return tail, recompute
         return 1, False
 
-    def _tail_cut(self, upto: int, paths: Paths | None = None) -> int:
+    def tail_cut(self, upto: int, paths: Paths | None = None) -> int:
         """Where the small model's reading for the large one stops: the large reads
         conversation[cut : upto + 1] itself, its last `_reading` tokens (fewer where it
         already holds more). `paths`: this turn's, where already predicted (their tail)."""
         if paths is not None:
             return upto + 1 - paths.tail
-        held = min(self._models["target"].held, upto)
+        held = min(self.models["target"].held, upto)
         return max(held, upto + 1 - self._reading(upto)[0])
 
-    def _paths_with(self, upto: int, tail: int, recompute: bool = True) -> Paths:
-        t, s = self._models["target"].held, self._models["source"].held
-        th, sh = min(t, upto), min(s, upto)
+    def paths_with(self, upto: int, tail: int, recompute: bool = True) -> Paths:
+        th, sh = min(self.models["target"].held, upto), min(self.models["source"].held, upto)
         cut = max(th, upto + 1 - tail)
         return Paths(upto + 1 - th, max(th - sh, 0), max(cut - max(sh, th), 0),
                      self.backward is not None, upto + 1 - cut,
-                     self._recompute_count(cut - th) if recompute else 0)  # fmt: skip
-
-    def _recompute_count(self, translated: int) -> int:
-        """How many of `translated` tokens the large model recomputes (`recompute_share`)."""
-        if self.mode != "alternation":
-            return 0
-        return RECOMPUTE_SELECTION.count(self.policy.recompute_share, translated)
-
-    def _recompute(self, m: _Model, sw: Switch, n0: int) -> None:
-        """After translating `sw`'s span into the large model (its cache now holds [0, cut)):
-        it reads conversation[cut:n0] itself and recomputes the `recompute_share` of the span
-        its reading attended to most (`recompute.recompute_attended`). The cache is left
-        holding [0, n0 - 1): the answer reads the last token. Interrupted, the cache keeps
-        [0, cut) (some of its positions recomputed in some layers: K/V of the target's own
-        either way)."""
-        cut, toks = m.held, self.tokens[:n0]
-        t0 = time.perf_counter()
-        try:
-            append_kv(m.cache, *_placeholders(m.cache, n0 - cut))
-            chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut,
-                                        self.policy.recompute_share, start=cut - sw.translated,
-                                        selection=RECOMPUTE_SELECTION,
-                                        ends=sentence_ends(self.pair.tokenizer),
-                                        specials=special_ids(self.pair.tokenizer))  # fmt: skip
-            m.held = n0 - 1
-        finally:
-            self._settle(m, m.held)
-        sw.recomputed, sw.tail_read = len(chosen), n0 - cut
-        sw.recompute_s = time.perf_counter() - t0
+                     self.recompute_count(cut - th) if recompute else 0)  # fmt: skip
 
     def _paths(self, upto: int) -> Paths | None:
         """The lengths of the two ways the large model can come to read conversation[:upto + 1]
         (None where no prediction applies: no forward map, or not alternation)."""
         if self.forward is None or self.mode != "alternation":
             return None
-        return self._paths_with(upto, *self._reading(upto))
+        return self.paths_with(upto, *self._reading(upto))
 
-    def _reader_choice(self, name: str, upto: int) -> tuple[bool, str, Paths | None]:
-        """Does the small model read [large's held, upto) for `name` this turn (reader policy,
-        see session.py)? (yes or no, a note for the status line, the lengths)."""
-        if name != "target" or self.forward is None or self.mode == "reprefill":
-            return False, "", None  # reprefill is the reference: the answering model reads it all
-        paths = self._paths(upto)
-        if self._tail_cut(upto, paths) <= self._models["target"].held:  # one way only
-            why = (
-                f"the turn is within the {self.policy.large_reads_last} tok the large reads itself"
-            )
-            return False, "" if self.policy.reader == "self" else why, None
-        small, why = self._reader_rule(upto, paths)
-        over = f"would take over {TAIL_BUDGET:g}x this TTFT and {TAIL_ALLOWANCE_S:g} s more"
-        if small and self.policy.large_reads_last > 1 and paths is not None and paths.tail == 1:
-            why = (f"the large reads the last token only: reading the last "
-                   f"{self.policy.large_reads_last} tok {over}")  # fmt: skip
-        elif small and paths is not None and self._recompute_count(paths.lacked - paths.tail) \
-                and not paths.recompute:  # fmt: skip
-            why = f"no recompute: recomputing {self.policy.recompute_share:.0%} of the turn {over}"
-        return small, why, paths
+    def recompute_count(self, translated: int) -> int:
+        """How many of `translated` tokens the large model recomputes (`recompute_share`)."""
+        if self.mode != "alternation":
+            return 0
+        return RECOMPUTE_SELECTION.count(self.policy.recompute_share, translated)
 
-    def _reader_rule(self, upto: int, paths: Paths | None) -> tuple[bool, str]:
-        """The reader policy's choice: (the small model reads, why the large reads itself)."""
-        if self.policy.reader in ("small", "self"):
-            return self.policy.reader == "small", ""
-        held = self._models["target"].held
-        rule = held == 0 or upto - held >= self.policy.reader_min_tokens
-        under = f"the large reads turns under {self.policy.reader_min_tokens} tok"
-        if self.policy.reader == "tokens":
-            return rule, "" if rule else f"reader tokens: {under}"
-        large = None if paths is None else paths.large(self.read_costs)
-        small = None if paths is None else paths.small(self.read_costs)
-        if large is None or small is None:
-            return rule, "" if rule else f"reader auto, not timed yet: {under}"
-        if abs(large - small) <= self.policy.reader_margin * min(large, small):
-            return rule, "" if rule else f"reader auto, a tie: {under}"
-        return small < large, "" if small < large else "reader auto: the faster"
+    # -- what reading costs --------------------------------------------------------------------
 
-    def _observe(self, stats) -> None:
+    def observe(self, stats: TurnStats) -> None:
         """Feed what this turn measured into the pair's read costs (reader "auto")."""
-        costs = self.read_costs
-        rd, sw = stats.read, stats.switch
+        costs, rd, sw = self.read_costs, stats.read, stats.switch
         if rd is not None:
             costs.source_read.observe(rd.tokens, rd.seconds)
             c = rd.catch_up
@@ -247,113 +405,23 @@ class CatchUp:
         if stats.model == "target":
             costs.observe_target(stats.prompt_tokens, stats.prompt_s)
 
-    def _read_ahead(self, upto: int, chunk: int) -> Read:
-        """The small model catches up on the large's last answer, then reads up to `upto`
-        itself (prefill only), `chunk` tokens at a time; a cancel stops it between chunks.
-
-        However it stops (cancel, Ctrl-C), its cache holds exactly what it read.
-        """
-        m = self._models["source"]
-        read = Read("source", catch_up=self._catch_up("source", upto))
-        t0 = time.perf_counter()
-        try:
-            while m.held < upto and not self._cancel.is_set():
-                piece = self.tokens[m.held : min(upto, m.held + chunk)]
-                m.loaded.model(mx.array(piece)[None], cache=m.cache)
-                mx.eval([c.keys for c in m.cache])
-                m.held += len(piece)
-                read.tokens += len(piece)
-        finally:
-            self._settle(m, m.held)
-            read.seconds = time.perf_counter() - t0
-        return read
-
-    def _ahead_begin(self, upto: int) -> Switch | None:
-        """Translate ahead (cascade): while the small model answers, the span the large would
-        lack on escalation, [large's held, upto), is translated chunk by chunk between the
-        small model's tokens (`_ahead_step`). Kept either way: it is a prefix of the
-        conversation, so alternation stays exact and no span is translated twice."""
-        if not (
-            self.policy.translate_ahead and self.forward is not None and self.mode == "alternation"
-        ):
-            return None
-        t = self._models["target"]
-        self._settle(t, min(t.held, upto))
-        if t.held >= upto:
-            return None
-        if self._ahead_budget is not None:  # a debt carries over; unspent credit does not
-            self._ahead_budget.credit = min(self._ahead_budget.credit, 0.0)
-        return Switch("target", self.mode, t.held, t.held, note=f"translated ahead to {upto}")
-
-    def _ahead_step(self, sw: Switch, upto: int, decode_s: float | None) -> float:
-        """After one small token (decoded in `decode_s`, None for the first): translate the
-        next chunk of the ahead span, as much as the budget allows (or `ahead_chunk` tokens
-        without one). Returns the seconds spent."""
-        t, o = self._models["target"], self._models["source"]
-        a = t.held
-        read = min(c.offset for c in o.cache)  # the small model's cache, mid-answer
-        remaining = min(upto, read) - a
-        budget = self._ahead_budget
-        if budget is None:
-            n = min(remaining, self.policy.ahead_chunk)
-        else:
-            if decode_s is not None:
-                budget.earn(decode_s)
-            n = budget.tokens(remaining)
-        if n <= 0:
-            return 0.0
-        b = a + n
-        t0 = time.perf_counter()
-        try:
-            span = self._capture(o, a, b, self.forward.config.key_cut)
-            span.tokens = tuple(self.tokens[a:b])
-            self._translate_into(t, self.forward, span)
-            t.held = b
-        finally:
-            self._settle(t, t.held)  # an interrupted append leaves no half-written layer
-        seconds = time.perf_counter() - t0
-        if budget is not None:
-            budget.spent(n, seconds)
-        if not sw.translated:
-            self.switches.append(sw)
-        sw.end = t.held
-        sw.translated = sw.end - sw.start
-        sw.seconds += seconds
-        return seconds
-
-    def _translate_into(self, m: _Model, tr, span: SpanKV) -> None:
-        """Append the translated span to m's cache (it holds exactly [0, span.start))."""
-        if m.name == "target" and self.remote is not None:
-            if tr is not self.forward:
-                raise SessionError("a pipelined target translates with the runtime's translator")
-            self.remote.place(m.cache, span)
-        else:
-            append_translation(m.loaded, tr, span, m.cache)
-
-    def _capture(self, o: _Model, start: int, end: int, cut: str) -> SpanKV:
-        """The outgoing model's K/V for [start, end) at the translator's key cut."""
-        if o.name == "target" and self.remote is not None:
-            if needs_recording(o.loaded, cut):
-                raise SessionError(
-                    "a pre_norm backward translator is not available with a pipelined large "
-                    "model (it would recompute the large model's keys); use a post_norm one"
-                )
-            return self.remote.gather(o.cache, start, end)
-        if not needs_recording(o.loaded, cut):
-            return capture_from_cache(o.loaded, o.cache, start, end)
-        # pre-k_norm keys are not in the cache: recompute the span on the cached prefix
-        scratch = prefix_copy(o.cache, start)
-        return prefill(o.loaded, self.tokens[start:end], scratch, cut=cut)
-
-    def _check_mode(self) -> None:
-        if self.mode != "naive":
+    def alternative(self, stats: TurnStats, paths: Paths, conversation: list[int]) -> None:
+        """The TTFT the other way of reading would have had, predicted from the rates this
+        turn updated; the large model's own read is timed once (after the answer, on `_PROBE`
+        tokens of the conversation in a scratch cache) when it never was."""
+        costs = self.read_costs
+        if stats.read is None:
+            stats.alternative_ttft_s = paths.small(costs)
             return
-        for tr, outgoing in ((self.forward, self.pair.source), (self.backward, self.pair.target)):
-            if tr is not None and needs_recording(outgoing, tr.config.key_cut):
-                raise SessionError(
-                    "naive mode needs post_norm translators (with a pre_norm one the outgoing "
-                    "model would recompute its keys, hiding the re-translation drift)"
-                )
+        if not costs.target_read.ready:
+            for n in _PROBE:
+                probe = (conversation * (n // max(len(conversation), 1) + 1))[:n]
+                cache = new_cache(self.pair.target)
+                t0 = time.perf_counter()
+                self.pair.target.model(mx.array(probe)[None], cache=cache)
+                mx.eval([c.keys for c in cache])
+                costs.target_read.observe(n, time.perf_counter() - t0)
+        stats.alternative_ttft_s = stats.alone_prefill_s = paths.large(costs)
 
 
 def _placeholders(cache: list, n: int) -> tuple[list, list]:

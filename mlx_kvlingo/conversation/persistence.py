@@ -2,7 +2,8 @@
 
 The file is what `mlx_lm.models.cache.save_prompt_cache` writes (the source's layers, then
 the target's); metadata `kvlingo_session` holds the rest as JSON. A file loads only into the
-pair that wrote it (geometry and a weight fingerprint per model). Mixed into `Session`."""
+pair that wrote it (geometry and a weight fingerprint per model). `save` and `load` take the
+session's state explicitly; `load` changes it only once every check has passed."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from pathlib import Path
 
 from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
-from mlx_kvlingo.conversation.catchup import _Model
-from mlx_kvlingo.conversation.records import Read, SessionError, SessionFileError, Switch, TurnStats
+from mlx_kvlingo.conversation.catchup import ModelCache
+from mlx_kvlingo.conversation.records import Read, SessionFileError, Switch, TurnStats
+from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import prefix_copy
 from mlx_kvlingo.models.files import parse_json, read_header
-from mlx_kvlingo.models.pair import LoadedModel
+from mlx_kvlingo.models.pair import LoadedModel, ModelPair
 
 import mlx.core as mx
 import numpy as np
@@ -45,205 +47,198 @@ def model_fingerprint(loaded: LoadedModel) -> str:
     return h.hexdigest()[:16]
 
 
-class Persistence:
-    """`save` and `load` (state lives on `Session`)."""
+def save(path: str | Path, pair: ModelPair, *, transcript: Transcript,
+         models: dict[str, ModelCache], mode: str, policy: ReaderPolicy,
+         switches: list[Switch], turns: list[TurnStats]) -> Path:  # fmt: skip
+    """Write both caches, the conversation and the sync state to one prompt cache file.
 
-    def _identity(self) -> dict:
-        def side(loaded):
-            return {
-                "name": loaded.name,
-                "geometry": loaded.geometry.as_dict(),
-                "fingerprint": model_fingerprint(loaded),
-            }
+    The file is an mlx-lm prompt cache (`mlx_lm.models.cache.load_prompt_cache` reads it):
+    the source's layers, then the target's; metadata `kvlingo_session` holds the rest.
+    A `.safetensors` suffix is added when missing.
+    """
+    path = Path(path)
+    if path.suffix != ".safetensors":
+        path = path.with_name(path.name + ".safetensors")
+    t = transcript
+    state = {
+        "schema": SESSION_SCHEMA,
+        "schema_version": SESSION_SCHEMA_VERSION,
+        **_identity(pair),
+        "layers": [pair.source.geometry.layers, pair.target.geometry.layers],
+        "held": {n: models[n].held for n in MODELS},
+        "tokens": t.tokens,
+        "messages": t.messages,
+        "system_prompt": t.system_prompt,
+        "mode": mode,
+        "policy": policy.to_dict(),
+        "answer": list(t.answer) if t.answer else None,
+        "user_start": t.user_start,
+        "switches": [asdict(s) for s in switches],
+        "turns": [{**asdict(x), "logprobs": []} for x in turns],
+    }
+    caches = [c for n in MODELS for c in prefix_copy(models[n].cache, models[n].held)]
+    meta = {"kvlingo_session": json.dumps(state), "model": pair.target.name}
+    with atomic_write(path) as tmp:
+        save_prompt_cache(str(tmp), caches, meta)
+    return path
 
+
+def load(path: str | Path, pair: ModelPair, *, transcript: Transcript,
+         models: dict[str, ModelCache], policy: ReaderPolicy, has_forward: bool,
+         switches: list[Switch], turns: list[TurnStats]) -> ReaderPolicy:  # fmt: skip
+    """Restore a session saved by `save` for this same pair (refuses any other pair) into the
+    given state, in place, once every check has passed; returns the policy to use."""
+    path = Path(path)
+    if not path.is_file() and path.with_name(path.name + ".safetensors").is_file():
+        path = path.with_name(path.name + ".safetensors")
+    if not path.is_file():
+        raise SessionFileError(f"{path}: no such session file")
+    # a well-formed safetensors file, before mlx reads it
+    read_header(path, SessionFileError, "session")
+    try:
+        caches, meta = load_prompt_cache(str(path), return_metadata=True)
+    except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError
+        raise SessionFileError(f"{path}: not a readable prompt cache file ({e})") from None
+    raw = meta.get("kvlingo_session") if isinstance(meta, dict) else None
+    if raw is None:
+        raise SessionFileError(
+            f"{path}: an mlx-lm prompt cache without kvlingo session state "
+            "(write session files with /save or Session.save)"
+        )
+    state = parse_json(raw, f"{path}: the kvlingo_session metadata", SessionFileError)
+    if state.get("schema") != SESSION_SCHEMA or state.get("schema_version") != (
+        SESSION_SCHEMA_VERSION
+    ):
+        raise SessionFileError(
+            f"{path}: unsupported session schema {state.get('schema')!r:.80} "
+            f"v{state.get('schema_version')!r:.40}"
+        )
+    try:
+        r = _restore(path, pair, caches, state, policy, has_forward)
+    except SessionFileError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        what = f"missing {e}" if isinstance(e, KeyError) else str(e)[:300]
+        raise SessionFileError(f"{path}: inconsistent session state: {what}") from None
+    transcript.tokens, transcript.messages = r["tokens"], r["messages"]
+    transcript.system_prompt, transcript.answer = r["system_prompt"], r["answer"]
+    transcript.user_start = r["user_start"]
+    for name, (cache, held) in r["caches"].items():
+        models[name].cache, models[name].held = cache, held
+    switches[:], turns[:] = r["switches"], r["turns"]
+    return r["policy"]
+
+
+def _identity(pair: ModelPair) -> dict:
+    def side(loaded):
         return {
-            "source": side(self.pair.source),
-            "target": side(self.pair.target),
-            "tokenizer": self.pair.tokenizer_fingerprint,
+            "name": loaded.name,
+            "geometry": loaded.geometry.as_dict(),
+            "fingerprint": model_fingerprint(loaded),
         }
 
-    def _local_only(self, what: str) -> None:
-        if self.remote is not None:  # the large model's cache is spread over the ranks
-            raise SessionError(
-                f"{what} is not available when the large model is pipelined over ranks"
-            )
+    return {
+        "source": side(pair.source),
+        "target": side(pair.target),
+        "tokenizer": pair.tokenizer_fingerprint,
+    }
 
-    def save(self, path: str | Path) -> Path:
-        """Write both caches, the conversation and the sync state to one prompt cache file.
 
-        The file is an mlx-lm prompt cache (`mlx_lm.models.cache.load_prompt_cache` reads it):
-        the source's layers, then the target's; metadata `kvlingo_session` holds the rest.
-        A `.safetensors` suffix is added when missing.
-        """
-        self._local_only("saving")
-        self._claim()
-        path = Path(path)
-        if path.suffix != ".safetensors":
-            path = path.with_name(path.name + ".safetensors")
-        state = {
-            "schema": SESSION_SCHEMA,
-            "schema_version": SESSION_SCHEMA_VERSION,
-            **self._identity(),
-            "layers": [self.pair.source.geometry.layers, self.pair.target.geometry.layers],
-            "held": {n: m.held for n, m in self._models.items()},
-            "tokens": self.tokens,
-            "messages": self.messages,
-            "system_prompt": self.system_prompt,
-            "mode": self.mode,
-            "policy": self.policy.to_dict(),
-            "answer": list(self._answer) if self._answer else None,
-            "user_start": self._user_start,
-            "switches": [asdict(s) for s in self.switches],
-            "turns": [{**asdict(t), "logprobs": []} for t in self.turns],
-        }
-        caches = []
-        for name in MODELS:
-            m = self._models[name]
-            caches += prefix_copy(m.cache, m.held)
-        meta = {"kvlingo_session": json.dumps(state), "model": self.pair.target.name}
-        with atomic_write(path) as tmp:
-            save_prompt_cache(str(tmp), caches, meta)
-        return path
-
-    def load(self, path: str | Path) -> None:
-        """Restore a session saved by `save` for this same pair (refuses any other pair)."""
-        self._local_only("loading")
-        self._claim()
-        path = Path(path)
-        if not path.is_file() and path.with_name(path.name + ".safetensors").is_file():
-            path = path.with_name(path.name + ".safetensors")
-        if not path.is_file():
-            raise SessionFileError(f"{path}: no such session file")
-        # a well-formed safetensors file, before mlx reads it
-        read_header(path, SessionFileError, "session")
-        try:
-            caches, meta = load_prompt_cache(str(path), return_metadata=True)
-        except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError
-            raise SessionFileError(f"{path}: not a readable prompt cache file ({e})") from None
-        raw = meta.get("kvlingo_session") if isinstance(meta, dict) else None
-        if raw is None:
+def _restore(path: Path, pair: ModelPair, caches: list, state: dict, policy: ReaderPolicy,
+             has_forward: bool) -> dict:  # fmt: skip
+    """Check a session file's state against this pair; the state to restore."""
+    mine = _identity(pair)
+    for side in MODELS:
+        theirs = state[side]
+        ours = mine[side]
+        if theirs["geometry"] != ours["geometry"] or theirs["fingerprint"] != ours["fingerprint"]:
             raise SessionFileError(
-                f"{path}: an mlx-lm prompt cache without kvlingo session state "
-                "(write session files with /save or Session.save)"
+                f"{path}: saved with {side} model {str(theirs.get('name'))[:200]} "
+                f"({str(state['source'].get('name'))[:200]} -> "
+                f"{str(state['target'].get('name'))[:200]}); this session's "
+                f"{side} is {ours['name']}: a session file only loads into the pair that "
+                "wrote it"
             )
-        state = parse_json(raw, f"{path}: the kvlingo_session metadata", SessionFileError)
-        if state.get("schema") != SESSION_SCHEMA or state.get("schema_version") != (
-            SESSION_SCHEMA_VERSION
-        ):
-            raise SessionFileError(
-                f"{path}: unsupported session schema {state.get('schema')!r:.80} "
-                f"v{state.get('schema_version')!r:.40}"
-            )
-        try:
-            restored = self._restore(path, caches, state)
-        except SessionFileError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-            what = f"missing {e}" if isinstance(e, KeyError) else str(e)[:300]
-            raise SessionFileError(f"{path}: inconsistent session state: {what}") from None
-        for k, v in restored.items():
-            setattr(self, k, v)
-
-    def _restore(self, path: Path, caches: list, state: dict) -> dict:
-        """Check a session file's state against this pair; the attributes to set."""
-        mine = self._identity()
-        for side in MODELS:
-            theirs = state[side]
-            ours = mine[side]
-            if (
-                theirs["geometry"] != ours["geometry"]
-                or theirs["fingerprint"] != (ours["fingerprint"])
-            ):
-                raise SessionFileError(
-                    f"{path}: saved with {side} model {str(theirs.get('name'))[:200]} "
-                    f"({str(state['source'].get('name'))[:200]} -> "
-                    f"{str(state['target'].get('name'))[:200]}); this session's "
-                    f"{side} is {ours['name']}: a session file only loads into the pair that "
-                    "wrote it"
-                )
-        if state.get("tokenizer") and state["tokenizer"] != mine["tokenizer"]:
-            raise SessionFileError(f"{path}: saved with a different tokenizer")
-        tokens = state["tokens"]
-        vocab = _vocab_size(self.pair)
-        if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < vocab for t in tokens):
-            raise SessionFileError(f"{path}: tokens must be a list of token ids below {vocab}")
-        messages = state["messages"]
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in messages
-        ):  # fmt: skip
-            raise SessionFileError(f"{path}: messages must be role/content objects")
-        if tokens and not messages:
-            raise SessionFileError(f"{path}: {len(tokens)} tokens but no messages: inconsistent")
-        layers = state["layers"]
-        if not (isinstance(layers, list) and len(layers) == 2 and all(map(_is_int, layers))):
-            raise SessionFileError(f"{path}: layers must be two layer counts")
-        ls, lt = layers
-        want = (self.pair.source.geometry.layers, self.pair.target.geometry.layers)
-        if (ls, lt) != want or len(caches) != ls + lt:
-            raise SessionFileError(
-                f"{path}: holds {len(caches)} cache layers (says {ls} + {lt}), expected "
-                f"{want[0]} + {want[1]}"
-            )
-        held = state["held"]
-        models = {}
-        for name, part in (("source", caches[:ls]), ("target", caches[ls:])):
-            n = held[name]
-            if not _is_int(n) or not 0 <= n <= len(tokens):
-                raise SessionFileError(
-                    f"{path}: {name} holds {str(n)[:40]} of {len(tokens)} tokens"
-                )
-            m = _Model(name, getattr(self.pair, name), part, n)
-            _check_cache(path, m)
-            models[name] = m
-        answer = state.get("answer")
-        if answer is not None and not (
-            isinstance(answer, list) and len(answer) == 2 and _is_int(answer[0])
-            and 0 <= answer[0] <= len(tokens) and answer[1] in MODELS
-        ):  # fmt: skip
-            raise SessionFileError(f"{path}: answer must be [start token, model]")
-        user_start = state.get("user_start")
-        if user_start is not None and not (_is_int(user_start) and 0 <= user_start <= len(tokens)):
-            raise SessionFileError(f"{path}: user_start must be a token position")
-        system = state.get("system_prompt")
-        if system is not None and not isinstance(system, str):
-            raise SessionFileError(f"{path}: system_prompt must be a string")
-        out = {
-            "_models": models,
-            "tokens": list(tokens),
-            "messages": [dict(m) for m in messages],
-            "system_prompt": system,
-            "_answer": tuple(answer) if answer else None,
-            "_user_start": user_start,
-            "switches": [Switch(**s) for s in state.get("switches", [])],
-            "turns": [
-                TurnStats(
-                    **{
-                        **t,
-                        "switch": _switch(t.get("switch")),
-                        "read": _read(t.get("read")),
-                        "ahead": _switch(t.get("ahead")),
-                    }
-                )  # fmt: skip
-                for t in state.get("turns", [])
-            ],
-        }
-        # the policy whole; older files kept its settings flat, and a setting a file lacks
-        # keeps the session's own
-        saved = state.get("policy")
-        if saved is None:
-            saved = {k: state[k] for k in LEGACY_POLICY_KEYS if k in state}
-        if not isinstance(saved, dict):
-            raise SessionFileError(f"{path}: policy must be an object")
-        try:
-            ReaderPolicy.from_dict(saved)  # names and values checked
-            policy = replace(self.policy, **saved)
-        except (PolicyError, TypeError) as e:
-            raise SessionFileError(f"{path}: {e}") from None
-        if policy.reader != "self" and not self.forward:
-            policy = replace(policy, reader="self")  # saved with a translator this pair lacks
-        out["policy"] = policy
-        return out
+    if state.get("tokenizer") and state["tokenizer"] != mine["tokenizer"]:
+        raise SessionFileError(f"{path}: saved with a different tokenizer")
+    tokens = state["tokens"]
+    vocab = _vocab_size(pair)
+    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < vocab for t in tokens):
+        raise SessionFileError(f"{path}: tokens must be a list of token ids below {vocab}")
+    messages = state["messages"]
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in messages
+    ):  # fmt: skip
+        raise SessionFileError(f"{path}: messages must be role/content objects")
+    if tokens and not messages:
+        raise SessionFileError(f"{path}: {len(tokens)} tokens but no messages: inconsistent")
+    layers = state["layers"]
+    if not (isinstance(layers, list) and len(layers) == 2 and all(map(_is_int, layers))):
+        raise SessionFileError(f"{path}: layers must be two layer counts")
+    ls, lt = layers
+    want = (pair.source.geometry.layers, pair.target.geometry.layers)
+    if (ls, lt) != want or len(caches) != ls + lt:
+        raise SessionFileError(
+            f"{path}: holds {len(caches)} cache layers (says {ls} + {lt}), expected "
+            f"{want[0]} + {want[1]}"
+        )
+    held = state["held"]
+    restored = {}
+    for name, part in (("source", caches[:ls]), ("target", caches[ls:])):
+        n = held[name]
+        if not _is_int(n) or not 0 <= n <= len(tokens):
+            raise SessionFileError(f"{path}: {name} holds {str(n)[:40]} of {len(tokens)} tokens")
+        _check_cache(path, ModelCache(name, getattr(pair, name), part, n))
+        restored[name] = (part, n)
+    answer = state.get("answer")
+    if answer is not None and not (
+        isinstance(answer, list) and len(answer) == 2 and _is_int(answer[0])
+        and 0 <= answer[0] <= len(tokens) and answer[1] in MODELS
+    ):  # fmt: skip
+        raise SessionFileError(f"{path}: answer must be [start token, model]")
+    user_start = state.get("user_start")
+    if user_start is not None and not (_is_int(user_start) and 0 <= user_start <= len(tokens)):
+        raise SessionFileError(f"{path}: user_start must be a token position")
+    system = state.get("system_prompt")
+    if system is not None and not isinstance(system, str):
+        raise SessionFileError(f"{path}: system_prompt must be a string")
+    out = {
+        "caches": restored,
+        "tokens": list(tokens),
+        "messages": [dict(m) for m in messages],
+        "system_prompt": system,
+        "answer": tuple(answer) if answer else None,
+        "user_start": user_start,
+        "switches": [Switch(**s) for s in state.get("switches", [])],
+        "turns": [
+            TurnStats(
+                **{
+                    **t,
+                    "switch": _switch(t.get("switch")),
+                    "read": _read(t.get("read")),
+                    "ahead": _switch(t.get("ahead")),
+                }
+            )  # fmt: skip
+            for t in state.get("turns", [])
+        ],
+    }
+    # the policy whole; older files kept its settings flat, and a setting a file lacks
+    # keeps the session's own
+    saved = state.get("policy")
+    if saved is None:
+        saved = {k: state[k] for k in LEGACY_POLICY_KEYS if k in state}
+    if not isinstance(saved, dict):
+        raise SessionFileError(f"{path}: policy must be an object")
+    try:
+        ReaderPolicy.from_dict(saved)  # names and values checked
+        policy = replace(policy, **saved)
+    except (PolicyError, TypeError) as e:
+        raise SessionFileError(f"{path}: {e}") from None
+    if policy.reader != "self" and not has_forward:
+        policy = replace(policy, reader="self")  # saved with a translator this pair lacks
+    out["policy"] = policy
+    return out
 
 
 #: reader settings that files before the policy value kept at the top level
@@ -264,7 +259,7 @@ def _vocab_size(pair) -> int:
     return min(sizes)
 
 
-def _check_cache(path: Path, m: _Model) -> None:
+def _check_cache(path: Path, m: ModelCache) -> None:
     """Each layer a plain KVCache holding exactly `m.held` tokens in the model's geometry."""
     g = m.loaded.geometry
     for i, c in enumerate(m.cache):

@@ -22,6 +22,16 @@ class SessionError(ValueError):
     """A request the session cannot honour (nothing to answer, unknown model, ...)."""
 
 
+def role(model: str) -> str:
+    """'source' or 'target' for any name of a role (small, large, source, target)."""
+    try:
+        return ROLE[model]
+    except KeyError:
+        raise SessionError(
+            f"unknown model {model!r}; use 'source'/'small' or 'target'/'large'"
+        ) from None
+
+
 class ContextOverflowError(SessionError):
     """The conversation does not fit a model's context (`max_kv_size`)."""
 
@@ -48,7 +58,7 @@ class Switch:
     note: str = ""  # e.g. why it re-prefilled instead of translating
     #: after the translation, the large model read the turn's last `tail_read` tokens itself
     #: and recomputed `recomputed` translated tokens that reading attended to most
-    #: (`Session.recompute_share`), in `recompute_s`
+    #: (the policy's `recompute_share`), in `recompute_s`
     recomputed: int = 0
     tail_read: int = 0
     recompute_s: float = 0.0

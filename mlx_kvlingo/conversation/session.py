@@ -1,78 +1,70 @@
-"""Alternation: one conversation, two models, each with its own cache.
+"""One conversation, two models, each with its own cache: the turn loop, top to bottom.
 
-The conversation is one list of token ids. Each model's mlx-lm cache holds a prefix of it,
-`held` tokens long. When a model is asked to answer, it first catches up on what it lacks:
+Invariant: the conversation is one list of token ids (`Transcript`); each model's mlx-lm cache
+holds a prefix of it, `held` tokens long, in every layer (`ModelCache`). A turn always ends in
+`_commit`, however it stops (end, max tokens, `cancel()`, Ctrl-C, the iterator closed or
+garbage collected): the emitted tokens become the answer and the cache is cut to match, so
+both caches stay consistent. One generation at a time per session. No span is translated twice.
 
-    alternation  translate the span the other model holds and this one lacks (only that
-                 span, appended at its true absolute positions), then read the rest itself;
-    naive        rebuild this model's cache by translating everything the other model holds,
-                 so spans that came from translation are translated again (the baseline that
-                 drifts turn after turn);
-    reprefill    read everything it lacks itself (the exact reference, and the slow one).
+A turn (`generate`, `_generate`):
 
-Reader policy. With `reader="small"`, before the large model answers: the small model
-catches up on the large's last answer (backward translation, or it reads it itself), reads
-the new user turn itself (prefill only), and the large catches up by translating exactly the
-span it lacks. With `reader="self"` the answering model reads what it lacks itself.
-`reader="auto"` (the default whenever a forward translator is loaded) picks, turn by turn,
-whichever starts the answer sooner, predicted from rates measured on this pair in this
-process (conversation/timing.py):
+    1. hand-off (`_hand_off`)  who reads the turn (the reader policy, mlx_kvlingo/config.py):
+                               the small model reads it (`small_reads`), the span the large
+                               lacks is translated (`catch_up`), the large reads the turn's last
+                               `large_reads_last` tokens and recomputes `recompute_share` of the
+                               span (`recompute`); or the answering model catches up by the mode
+                               and reads the rest itself (catchup.py);
+    2. decode                  mlx-lm's `stream_generate` on the answering model's own cache,
+                               reading at least the last conversation token itself;
+    3. commit (`_commit`)      the emitted tokens become the answer, the cache is cut to match.
 
-    large reads   target_read(lacked)                        its prefill plus its first step
-    small reads   catch-up + source_read + forward(lacked - tail) + target_read(tail)
-                  (target_step for a tail of one token; tail: `large_reads_last`)
+Modes: `alternation` translates only the span the other model holds and this one lacks, at its
+true absolute positions; `naive` re-translates everything the other model holds (the baseline
+that drifts turn after turn); `reprefill` reads it all (the exact reference, and the slow one).
 
-When the two are within `reader_margin` (5%) of each other, or before the rates are
-measured, the token rule decides: `reader="tokens"` is "small" for the opening span and for
-spans of at least `reader_min_tokens` (64) tokens, "self" for shorter later turns (a short
-translated turn between the large's native answers is where translation loses the most
-quality: its later answers drift to earlier topics). No span is translated twice.
-
-When the small model reads for the large one, the large still reads the turn's last
-`large_reads_last` tokens itself, on the translated rest (`Runtime`'s conversations: 32; a bare
-`Session`: 1, the plain handoff): the user's question in the target's own K/V. A translated
-short message keeps its topic and loses its request ("suggest a name for my cat" answered with
-what a pet-care assistant can do); read by the large model, it is answered as on the native
-cache, and the earlier context (the system prompt, earlier turns, a long passage) still comes
-translated (weights/QUALITY.md, "In a chat: the large model reads the turn's last 32 tokens").
-With `recompute_share` > 0 it then recomputes that share of the span just translated, the tokens
-its reading of the tail attended to most (conversation/catchup.py, recompute.py). Where that read is predicted to more than double the plain handoff's TTFT and to
-add more than half a second (`catchup.TAIL_BUDGET`, `TAIL_ALLOWANCE_S`: an MoE target's
-prefill on the CPU), the large reads only the last token, and the status line says so.
-
-The answering model always reads at least the last conversation token itself and then
-decodes with mlx-lm's `stream_generate` on its own cache. Messages are appended as the
-chat template's tokens. Nothing here prints: `generate` yields `TokenEvent`s and every turn
-leaves a `TurnStats` (with the `Switch` it needed, if any) in `Session.turns`.
-
-Key cut: spans are read from the outgoing model's cache and un-rotated exactly (the
-`post_norm` cut). A `pre_norm` translator on a k_norm family needs the keys before k_norm,
-which caches do not keep: the outgoing model recomputes the span on top of its cached
-prefix (one forward pass over the span) to record them. Naive mode refuses such a
-translator, because recomputing would quietly undo the compounding it exists to show.
+Reader "auto" (the default with a forward translator) picks, turn by turn, whichever path starts
+the answer sooner, predicted from rates measured on this pair (conversation/timing.py); within
+`reader_margin` of a tie, or before the rates are measured, the token rule decides ("small" for
+the opening span and spans of `reader_min_tokens` or more: a short translated turn between the
+large's native answers is where translation loses the most quality). The large reads the
+turn's last tokens itself (`Runtime`'s conversations: 32; a bare `Session`: 1) because a
+translated short message keeps its topic and loses its request (weights/QUALITY.md, "In a chat:
+the large model reads the turn's last 32 tokens"); where that read is predicted to more than
+double the plain handoff's TTFT and add over half a second (`catchup.TAIL_BUDGET`), it reads
+only the last token, and the status line says so. Nothing here prints: `generate` yields
+`TokenEvent`s and every turn leaves a `TurnStats` (with its `Switch`) in `Session.turns`.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import replace
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from mlx_kvlingo.config import READERS, ReaderPolicy
-from mlx_kvlingo.conversation.answering import Answering
-from mlx_kvlingo.conversation.budget import AheadBudget
-from mlx_kvlingo.conversation.catchup import CatchUp, RemoteLarge, _Model
-from mlx_kvlingo.conversation.messages import Messages
-from mlx_kvlingo.conversation.persistence import MODELS, Persistence
-from mlx_kvlingo.conversation.records import SessionError, Switch, TurnStats
-from mlx_kvlingo.conversation.timing import ReadCosts, costs_of
+from mlx_kvlingo.conversation import persistence
+from mlx_kvlingo.conversation.catchup import MODES, CatchUp, ModelCache, RemoteLarge
+from mlx_kvlingo.conversation.records import (
+    ContextOverflowError,
+    SessionBusyError,
+    SessionError,
+    Switch,
+    TokenEvent,
+    TurnStats,
+    role,
+)
+from mlx_kvlingo.conversation.timing import Paths, ReadCosts, costs_of
+from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.translator import Side, Translator
 from mlx_kvlingo.models.pair import ModelPair
 
-MODES = ("alternation", "naive", "reprefill")
+import mlx.core as mx
+from mlx_lm import stream_generate
 
 
-class Session(Messages, CatchUp, Answering, Persistence):
+class Session:
     """One conversation over a model pair: the source (small) and target (large) model.
 
     `forward` translates source K/V into the target's cache, `backward` the other way.
@@ -101,9 +93,6 @@ class Session(Messages, CatchUp, Answering, Persistence):
         read_costs: ReadCosts | None = None,
         remote: RemoteLarge | None = None,
     ):
-        self.pair = pair
-        self.forward = forward
-        self.backward = backward
         src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
         for label, tr, a, b in (("forward", forward, src, tgt), ("backward", backward, tgt, src)):
             if tr is not None and (tr.config.source, tr.config.target) != (a, b):
@@ -111,95 +100,79 @@ class Session(Messages, CatchUp, Answering, Persistence):
                     f"the {label} translator maps {tr.config.source} -> {tr.config.target}, "
                     f"but this direction needs {a} -> {b}"
                 )
-        self.mode = mode
+        self.pair, self.forward, self.backward = pair, forward, backward
+        self.max_kv_size = max_kv_size
         #: the large model's cache on other ranks (distributed/): what is gathered from it and
         #: placed into it goes through `remote`; it cannot recompute, save or load
         self.remote = remote
-        #: who reads a turn and what the large model recomputes (mlx_kvlingo/config.py)
-        self.policy = ReaderPolicy() if policy is None else policy
-        #: what reading costs on this pair (reader "auto"); shared by the pair's sessions
-        self.read_costs = costs_of(pair) if read_costs is None else read_costs
-        self.system_prompt = system_prompt
-        self.max_kv_size = max_kv_size
-        self._cancel = threading.Event()
-        self._active: tuple | None = None
-        self.reset()
-
-    # -- state -----------------------------------------------------------------------------
-
-    @property
-    def mode(self) -> str:
-        return self._mode
-
-    @mode.setter
-    def mode(self, mode: str) -> None:
-        if mode not in MODES:
-            raise SessionError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-        self._mode = mode
-
-    @property
-    def policy(self) -> ReaderPolicy:
-        """The reader policy, its reader resolved ("auto" with a forward translator, else
-        "self"). Change it with `session.policy = dataclasses.replace(session.policy, ...)`."""
-        return self._policy
-
-    @policy.setter
-    def policy(self, policy: ReaderPolicy) -> None:
-        if not isinstance(policy, ReaderPolicy):
-            raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
-        if self.remote is not None and policy.recompute_share:  # all layers, in this process
-            raise SessionError(
-                "the recompute (recompute_share > 0) is not available with a pipelined large model"
-            )
-        reader = policy.reader or ("auto" if self.forward else "self")
-        if reader != "self" and self.forward is None:
-            raise SessionError(f"reader {reader!r} needs a forward (small -> large) translator")
-        self._policy = replace(policy, reader=reader)
-        #: while the small model answers, translate for the large one between its tokens, so
-        #: an escalation costs about one large decode step plus what is left: at most
-        #: `ahead_share` of the small model's decode time (see conversation/budget.py), or,
-        #: with `ahead_share=None`, `ahead_chunk` tokens after every small token
-        share = policy.ahead_share
-        self._ahead_budget = None if share is None else AheadBudget(share)
-
-    def reset(self) -> None:
-        """Forget the conversation (the system prompt stays) and empty both caches."""
-        self._claim()
-        self.tokens: list[int] = []
-        self.messages: list[dict] = (
-            [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        )
-        self._models = {
-            "source": _Model("source", self.pair.source, new_cache(self.pair.source)),
-            "target": _Model("target", self.pair.target, new_cache(self.pair.target)),
-        }
+        self.transcript = Transcript(pair.tokenizer, system_prompt)
+        self.models = {n: ModelCache(n, getattr(pair, n), new_cache(getattr(pair, n)))
+                       for n in ("source", "target")}  # fmt: skip
         self.turns: list[TurnStats] = []
         self.switches: list[Switch] = []
-        self.retemplated = 0  # times a template was not prefix-stable (caches trimmed)
-        self._user_start: int | None = None  # where an unanswered user message starts
-        self._answer: tuple[int, str] | None = None  # (start, model) of the last answer
+        self._cancel = threading.Event()
+        self._active: tuple | None = None  # (the running generator, its thread)
+        #: catching up and who reads a turn: the mode, the reader policy, the read costs
+        self.catchup = CatchUp(pair, forward, backward, transcript=self.transcript,
+                               models=self.models, switches=self.switches, cancel=self._cancel,
+                               read_costs=costs_of(pair) if read_costs is None else read_costs,
+                               remote=remote, mode=mode, policy=policy)  # fmt: skip
 
-    def held(self, model: str) -> int:
-        """How many conversation tokens `model`'s cache holds."""
-        return self._models[self._name(model)].held
+    # -- settings (kept by the catch-up) --------------------------------------------------------
+
+    mode = property(lambda self: self.catchup.mode,
+                    lambda self, mode: setattr(self.catchup, "mode", mode))  # fmt: skip
+    #: who reads a turn and what the large model recomputes (mlx_kvlingo/config.py), its reader
+    #: resolved ("auto" with a forward translator, else "self"); change it with
+    #: `session.policy = dataclasses.replace(session.policy, ...)`
+    policy = property(lambda self: self.catchup.policy,
+                      lambda self, p: setattr(self.catchup, "policy", p))  # fmt: skip
+    #: what reading costs on this pair (reader "auto"); shared by the pair's sessions
+    read_costs = property(lambda self: self.catchup.read_costs,
+                          lambda self, c: setattr(self.catchup, "read_costs", c))  # fmt: skip
+
+    # -- state ----------------------------------------------------------------------------
+
+    tokens = property(lambda self: self.transcript.tokens, doc="the conversation's token ids")
+    messages = property(lambda self: self.transcript.messages, doc="its role/content dicts")
+    system_prompt = property(lambda self: self.transcript.system_prompt,  # reset() starts with it
+                             lambda self, p: setattr(self.transcript, "system_prompt", p))  # fmt: skip
+    retemplated = property(lambda self: self.transcript.retemplated)
+
+    @property
+    def pending(self) -> bool:
+        """True when the conversation ends with a user message that has no answer yet."""
+        return self.transcript.pending
 
     @property
     def last_turn(self) -> TurnStats | None:
         return self.turns[-1] if self.turns else None
 
-    @property
-    def pending(self) -> bool:
-        """True when the conversation ends with a user message that has no answer yet."""
-        return bool(self.messages) and self.messages[-1]["role"] == "user"
+    def held(self, model: str) -> int:
+        """How many conversation tokens `model`'s cache holds."""
+        return self.models[role(model)].held
 
     def cache(self, model: str) -> list:
         """The mlx-lm cache of `model` (holds `held(model)` tokens). Do not modify it."""
-        return self._models[self._name(model)].cache
+        return self.models[role(model)].cache
 
     def translated_spans(self, into: str | None = None) -> list[tuple[str, int, int]]:
         """Every span translated so far as (into, start, end), in order."""
         out = [(s.into, *s.translated_span) for s in self.switches if s.translated]
-        return [t for t in out if into is None or t[0] == self._name(into)]
+        return [t for t in out if into is None or t[0] == role(into)]
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays) and empty both caches."""
+        self._claim()
+        self.transcript.reset()
+        for m in self.models.values():
+            m.clear()
+        self.turns.clear()
+        self.switches.clear()
+
+    def cancel(self) -> None:
+        """Ask the running generation to stop after its current token (any thread)."""
+        self._cancel.set()
 
     def stats(self) -> dict:
         """Totals over the conversation, per model and per direction.
@@ -210,7 +183,7 @@ class Session(Messages, CatchUp, Answering, Persistence):
         read for, its estimated own prefill minus what reading and translating cost.
         """
         per = {}
-        for name in MODELS:
+        for name, m in self.models.items():
             turns = [t for t in self.turns if t.model == name]
             sw = [s for s in self.switches if s.into == name]
             reads = [t.read for t in self.turns if t.read is not None and t.read.model == name]
@@ -225,12 +198,11 @@ class Session(Messages, CatchUp, Answering, Persistence):
                 "translated_into": sum(s.translated for s in sw),
                 "retranslated_into": sum(s.retranslated for s in sw),
                 "translate_ms": 1e3 * sum(s.seconds for s in sw if s.translated),
-                "held": self._models[name].held,
+                "held": m.held,
             }
-        saved = 0.0  # the small read: the large's predicted TTFT reading itself, less the TTFT
-        for t in self.turns:
-            if t.read is not None and t.alternative_ttft_s is not None and t.ttft_s is not None:
-                saved += t.alternative_ttft_s - t.ttft_s
+        # the small read: the large's predicted TTFT reading itself, less the TTFT
+        saved = sum(t.alternative_ttft_s - t.ttft_s for t in self.turns if t.read is not None
+                    and t.alternative_ttft_s is not None and t.ttft_s is not None)  # fmt: skip
         return {
             "mode": self.mode,
             **self.policy.to_dict(),
@@ -242,9 +214,364 @@ class Session(Messages, CatchUp, Answering, Persistence):
             "models": per,
         }
 
-    def cancel(self) -> None:
-        """Ask the running generation to stop after its current token (any thread)."""
-        self._cancel.set()
+    # -- messages -------------------------------------------------------------------------
+
+    def _cut(self, keep: int) -> None:
+        """Both caches hold at most the first `keep` conversation tokens."""
+        for m in self.models.values():
+            m.settle(min(m.held, keep))
+
+    def add_user(self, text: str) -> list[int]:
+        """Append a user message (and the template's generation prompt); return its tokens.
+
+        An earlier user message that never got an answer (generation stopped before its first
+        token) is replaced.
+        """
+        self._claim()
+        start, keep = self.transcript.add_user(text)
+        self._cut(keep)
+        return self.tokens[start:]
+
+    def add_assistant(self, text: str) -> list[int]:
+        """Append an answer given as text (history from elsewhere); return its tokens.
+
+        Nothing reads it now: whichever model answers next catches up on it like any span it
+        lacks. It cannot be escalated (no model produced it).
+        """
+        self._claim()
+        start, keep = self.transcript.add_assistant(text)
+        self._cut(keep)
+        return self.tokens[start:]
+
+    def add_tokens(self, tokens: Sequence[int]) -> None:
+        """Append raw token ids to the conversation (no template; for tests and tools)."""
+        self._claim()
+        self.transcript.tokens.extend(int(t) for t in tokens)
+
+    def trim(self, max_tokens: int | None = None) -> int:
+        """Drop the oldest turns until the conversation fits in `max_tokens` tokens.
+
+        Default: half of `max_kv_size`. The system prompt and the last message stay. Later
+        tokens move to new positions, so both caches are cut to the prefix the shortened
+        conversation shares with the old one (usually the system prompt) and the next
+        answering model re-reads the rest. Returns the number of messages dropped.
+        """
+        self._claim()
+        if max_tokens is None:
+            if self.max_kv_size is None:
+                raise SessionError("trim needs a token budget (or a session max_kv_size)")
+            max_tokens = self.max_kv_size // 2
+        dropped, keep = self.transcript.trim(max_tokens)
+        self._cut(keep)
+        return dropped
+
+    # -- a turn ---------------------------------------------------------------------------
+
+    def _claim(self) -> None:
+        """Refuse concurrent use; close a generation this thread abandoned (commits it)."""
+        if self._active is None:
+            return
+        gen, owner = self._active
+        if gen.gi_frame is None:  # it ended (closed from any thread, or ran out)
+            self._active = None
+            return
+        if owner != threading.get_ident() or gen.gi_running:
+            raise SessionBusyError(
+                "a generation is running on this session; cancel() it or wait for it to end"
+            )
+        self._active = None
+        gen.close()
+
+    def _begin(self, model: str, room: bool = True) -> tuple[str, int | None]:
+        """Checks before any work on a turn: (the model's role, tokens the turn may add under
+        `max_kv_size` and both models' own context: None for unlimited). A conversation already
+        past either model's context is refused before any work: both may read it."""
+        name = role(model)
+        self._claim()
+        n = len(self.tokens)
+        if not n:
+            raise SessionError("nothing to answer yet: add a user message first")
+        self.catchup.check_mode()
+        left = None
+        for label, m in (("small", self.pair.source), ("large", self.pair.target)) if room else ():
+            if m.context_length is not None and n > m.context_length:
+                raise ContextOverflowError(
+                    f"the conversation is {n} tokens; the {label} model ({m.name}) handles at "
+                    f"most {m.context_length}: shorten the message, drop the oldest turns with "
+                    f"/trim (Session.trim) or start over with /reset"
+                )
+        if room and self.max_kv_size is not None:
+            left = self.max_kv_size - n
+            if left < 1:
+                raise ContextOverflowError(
+                    f"the conversation is {n} tokens, the {name} model's context "
+                    f"limit is {self.max_kv_size} (max_kv_size): drop the oldest turns with "
+                    f"/trim (Session.trim) or start over with /reset"
+                )
+        self._cancel.clear()
+        return name, left
+
+    def generate(
+        self,
+        model: str = "target",
+        *,
+        max_tokens: int = 256,
+        sampler=None,
+        logits_processors=None,
+        prefill_step_size: int = 2048,
+    ) -> Iterator[TokenEvent]:
+        """Stream an answer from `model` ('source'/'small' or 'target'/'large').
+
+        The model first catches up on what it lacks (see the module docstring), then decodes
+        with mlx-lm. Stopping early (break, `cancel()`, KeyboardInterrupt, closing the
+        iterator) commits the tokens emitted so far and trims the cache to match.
+        """
+        name, room = self._begin(model)
+        limit = max_tokens
+        if room is not None and (max_tokens < 0 or max_tokens > room):  # -1: no limit
+            limit = room
+        kwargs = dict(sampler=sampler, logits_processors=logits_processors,
+                      prefill_step_size=prefill_step_size)  # fmt: skip
+        gen = self._generate(name, limit, limit != max_tokens, kwargs)
+        self._active = (gen, threading.get_ident())
+        return gen
+
+    def _generate(self, name: str, limit: int, capped: bool, kwargs) -> Iterator[TokenEvent]:
+        """The turn: hand off (read, catch up, recompute), decode, commit."""
+        m, catchup = self.models[name], self.catchup
+        t0 = time.perf_counter()
+        n0 = len(self.tokens)
+        stats = TurnStats(name, self.mode)
+        emitted: list[int] = []
+        texts: list[str] = []
+        paths = None
+        try:
+            # 1. the hand-off: whoever reads the turn, the answering model's cache then holds
+            #    conversation[:held] and the rest (at least the last token) is its prompt
+            paths = self._hand_off(name, n0, stats, min(kwargs["prefill_step_size"], 512))
+            if stats.finish_reason == "cancelled":
+                return
+            ahead = catchup.ahead_begin(n0 - 1) if name == "source" else None
+            stats.ahead = ahead
+            prompt = self.tokens[m.held :]
+            stats.prompt_tokens = len(prompt)
+            procs = kwargs.get("logits_processors")
+            if procs:  # they see the earlier answers and this one, not only this turn's
+                kwargs = {**kwargs, "logits_processors": _over_answers(procs, self.transcript.answers())}  # fmt: skip
+            # 2. decode with mlx-lm on the answering model's own cache
+            stream = stream_generate(m.loaded.model, self.pair.tokenizer, mx.array(prompt),
+                                     max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
+            try:
+                last_token_at, ahead_s = None, 0.0
+                for r in stream:
+                    now = time.perf_counter()
+                    # the small model's decode time for this token: the wall time since the
+                    # last one, less what translating ahead took in between
+                    decode_s = None if last_token_at is None else now - last_token_at - ahead_s
+                    last_token_at = now
+                    if stats.ttft_s is None:
+                        stats.ttft_s = now - t0
+                    lp = r.logprobs[r.token].item()
+                    emitted.append(r.token)
+                    texts.append(r.text)
+                    stats.logprobs.append(lp)
+                    stats.generation_tokens = r.generation_tokens
+                    stats.generation_tps = r.generation_tps
+                    stats.prompt_tps = r.prompt_tps
+                    stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
+                    stats.peak_memory_gb = r.peak_memory
+                    if len(emitted) == 1:
+                        catchup.observe(stats)
+                    end = r.finish_reason
+                    if end is None and self._cancel.is_set():
+                        end = "cancelled"
+                    if end is not None:
+                        stats.finish_reason = "context" if capped and end == "length" else end
+                        stats.text = "".join(texts)
+                        yield TokenEvent(r.text, r.token, lp, name, stats)
+                        break
+                    yield TokenEvent(r.text, r.token, lp, name)
+                    if ahead is not None:  # between the small model's tokens
+                        ahead_s = catchup.ahead_step(ahead, n0 - 1, decode_s)
+            finally:
+                stream.close()
+        finally:
+            # 3. commit, however the turn stopped
+            self._commit(m, n0, emitted, texts, stats)
+        if emitted and paths is not None:  # the other path's TTFT, predicted with this turn's rates
+            catchup.alternative(stats, paths, self.tokens[:n0])
+
+    def _hand_off(self, name: str, n0: int, stats: TurnStats, chunk: int) -> Paths | None:
+        """The one hand-off, for the model `name` about to answer conversation[:n0]:
+
+            the small model reads the turn           (reader "small": `small_reads`)
+            translate the span the large one lacks   (`catch_up`)
+            the large reads the turn's last tokens   (`large_reads_last`)
+            and recomputes what it attended to most  (`recompute_share`: `recompute`)
+
+        leaving conversation[held:n0] (at least the last token) for the first step. Where the
+        large reads the turn itself, only the catch-up runs. Fills `stats` (a cancel sets its
+        finish_reason) and returns the predicted paths (None where no prediction applies)."""
+        catchup = self.catchup
+        small, stats.read_note, paths = catchup.choice(name, n0 - 1)
+        if paths is not None:  # what was predicted for the path taken
+            stats.predicted_ttft_s = (paths.small if small else paths.large)(self.read_costs)
+        upto = n0 - 1  # the answering model reads at least the last token itself
+        if small:  # the large still reads the turn's last tokens itself (tail_cut)
+            upto = catchup.tail_cut(n0 - 1, paths)
+            stats.read = catchup.small_reads(upto, chunk)
+            if self._cancel.is_set():  # stopped while the small model read
+                stats.finish_reason = "cancelled"
+                return paths
+        stats.switch = sw = catchup.catch_up(name, upto)
+        if (
+            small
+            and sw is not None
+            and catchup.recompute_count(sw.translated)
+            and (paths is None or paths.recompute)
+        ):  # the large reads the tail and recomputes (where its budget allows)
+            catchup.recompute(sw, n0)
+            if self._cancel.is_set():
+                stats.finish_reason = "cancelled"
+        return paths
+
+    def _commit(self, m: ModelCache, n0: int, emitted, texts, stats: TurnStats) -> None:
+        """End a turn: keep the emitted tokens as the answer and make the cache match."""
+        stats.finish_reason = stats.finish_reason or "interrupted"
+        stats.text = "".join(texts)
+        if emitted:
+            self.transcript.commit(n0, emitted, stats.text, m.name)
+        m.settle(len(self.tokens))
+        self.turns.append(stats)
+
+    def hand_off(self, model: str = "target", chunk: int = 512) -> TurnStats:
+        """Bring `model` up to the conversation, ready for its first step, without answering:
+        the hand-off `generate` runs before it decodes (`_hand_off`). Its cache then holds
+        conversation[:held(model)] and the rest (at least the last token) is the prompt its
+        first step reads. Returns the records (who read, what was translated, recomputed)."""
+        name, _ = self._begin(model)
+        stats = TurnStats(name, self.mode)
+        self._hand_off(name, len(self.tokens), stats, chunk)
+        return stats
+
+    def escalate(self, model: str | None = None, **generate_kwargs) -> Iterator[TokenEvent]:
+        """Answer the last user message again with the other model (or `model`).
+
+        The last answer is dropped from the conversation and both caches; the incoming model
+        then catches up by the session's mode and answers.
+        """
+        self._claim()
+        if self.pending:  # e.g. stopped before its first token: the other model answers it
+            if model is None and self.last_turn is None:
+                raise SessionError("the last message has no answer yet: name the model to answer")
+            into = model or ("target" if self.last_turn.model == "source" else "source")
+            return self.generate(into, **generate_kwargs)
+        if model:
+            role(model)  # an unknown name is refused before the answer is dropped
+        start, answered = self.transcript.drop_answer()
+        self._cut(start)
+        into = model or ("target" if answered == "source" else "source")
+        return self.generate(into, **generate_kwargs)
+
+    def score(self, model: str, text: str, prefill_step_size: int = 2048) -> list[float]:
+        """Teacher forcing: append `text` as `model`'s answer; return its tokens' log-probs.
+
+        The model catches up exactly as it would before answering, then reads the answer
+        itself. Used by the multi-turn evaluation (NLL of the real next turn).
+        """
+        name, _ = self._begin(model, room=False)  # scoring checks the answer's room itself
+        t, m = self.transcript, self.models[name]
+        stats = TurnStats(name, self.mode, finish_reason="scored")
+        t0 = time.perf_counter()
+        start, keep = t.append({"role": "assistant", "content": text}, False)
+        self._cut(keep)
+        if self.max_kv_size is not None and len(self.tokens) > self.max_kv_size:
+            n = len(self.tokens)
+            self._cut(t.cut(start))
+            t.messages.pop()
+            raise ContextOverflowError(
+                f"with this answer the conversation is {n} tokens, beyond max_kv_size "
+                f"{self.max_kv_size}: /trim (Session.trim) or /reset"
+            )
+        t.user_start, t.answer = None, (start, name)
+        try:
+            self._hand_off(name, start, stats, min(prefill_step_size, 512))
+            a, toks = m.held, self.tokens[m.held :]
+            stats.prompt_tokens = start - a  # read before the answer; the answer is "generated"
+            out: list[float] = []
+            for s in range(0, len(toks), prefill_step_size):
+                chunk = toks[s : s + prefill_step_size]
+                logits = m.loaded.model(mx.array(chunk)[None], cache=m.cache)[0]
+                logits = logits.astype(mx.float32)
+                logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                # absolute position p = a + s + i predicts token p + 1; want p + 1 >= start
+                lo = max(start - 1 - (a + s), 0)
+                hi = min(len(chunk), len(self.tokens) - 1 - (a + s))
+                if hi > lo:
+                    targets = mx.array(self.tokens[a + s + lo + 1 : a + s + hi + 1])
+                    picked = mx.take_along_axis(logp[lo:hi], targets[:, None], axis=-1)[:, 0]
+                    out.extend(picked.tolist())
+                mx.eval([c.keys for c in m.cache])
+            stats.logprobs = out
+            stats.generation_tokens = len(self.tokens) - start
+            stats.ttft_s = time.perf_counter() - t0
+            stats.text = text
+        finally:
+            m.settle(len(self.tokens))
+            self.turns.append(stats)
+        return out
+
+    # -- files ----------------------------------------------------------------------------
+
+    def _local_only(self, what: str) -> None:
+        if self.remote is not None:  # the large model's cache is spread over the ranks
+            raise SessionError(
+                f"{what} is not available when the large model is pipelined over ranks"
+            )
+
+    def save(self, path: str | Path) -> Path:
+        """Write both caches, the conversation and the sync state to one prompt cache file
+        (an mlx-lm prompt cache; see persistence.py). A `.safetensors` suffix is added when
+        missing."""
+        self._local_only("saving")
+        self._claim()
+        return persistence.save(path, self.pair, transcript=self.transcript, models=self.models,
+                                mode=self.mode, policy=self.policy, switches=self.switches,
+                                turns=self.turns)  # fmt: skip
+
+    def load(self, path: str | Path) -> None:
+        """Restore a session saved by `save` for this same pair (refuses any other pair)."""
+        self._local_only("loading")
+        self._claim()
+        self.policy = persistence.load(path, self.pair, transcript=self.transcript,
+                                       models=self.models, policy=self.policy,
+                                       has_forward=self.forward is not None,
+                                       switches=self.switches, turns=self.turns)  # fmt: skip
+
+
+def _over_answers(processors: list, answers: list[int]) -> list:
+    """Logits processors that see the conversation's answers: earlier ones, then this one.
+
+    mlx-lm hands a processor the part of the prompt it passed last plus the tokens generated
+    so far. That part depends on who read the turn (one token, the 32-token tail or the whole
+    turn), and with a cache holding the conversation no earlier answer is in it, so a
+    repetition penalty would let the model copy its last answer. Here the prompt part is
+    dropped and the earlier answers come first: the penalty keeps answers from repeating
+    themselves and never pushes an answer away from the words of the text it is about.
+    """
+    past = mx.array(answers, dtype=mx.int32)
+
+    def wrap(proc):
+        skip = []  # the prompt part: all that the first call gets
+
+        def call(tokens, logits):
+            if not skip:
+                skip.append(tokens.size)
+            return proc(mx.concatenate([past, tokens[skip[0] :]]), logits)
+
+        return call
+
+    return [wrap(p) for p in processors]
 
 
 __all__ = ["MODES", "READERS", "Session"]
