@@ -1,2 +1,2 @@
-"""The parts of `Session` (session.py), one concern each: records, messages, catching up,
-answering, persistence."""
+"""The conversation: `Session` (session.py) composed of a `Transcript`, two `ModelCache`s and a
+`CatchUp`; records, timing, persistence and warm-up beside it."""

@@ -92,21 +92,12 @@ class ModelCache:
 class CatchUp:
     """Brings one model's cache up to the conversation, and decides who reads a turn."""
 
-    def __init__(
-        self,
-        pair: ModelPair,
-        forward: Translator | None,
-        backward: Translator | None,
-        *,
-        transcript: Transcript,
-        models: dict[str, ModelCache],
-        switches: list[Switch],
-        cancel: threading.Event,
-        read_costs: ReadCosts,
-        remote: RemoteLarge | None = None,
-        mode: str = "alternation",
-        policy: ReaderPolicy | None = None,
-    ):
+    def __init__(self, pair: ModelPair, forward: Translator | None, backward: Translator | None,
+                 *, transcript: Transcript, models: dict[str, ModelCache], switches: list[Switch],
+                 cancel: threading.Event, read_costs: ReadCosts, remote: RemoteLarge | None = None,
+                 mode: str = "alternation", policy: ReaderPolicy | None = None):  # fmt: skip
+        """`transcript`, `models` and `switches` are the session's: read, changed in place, never
+        replaced (the transcript only read)."""
         self.pair, self.forward, self.backward, self.remote = pair, forward, backward, remote
         self.transcript, self.models, self.switches = transcript, models, switches
         self.cancel, self.read_costs = cancel, read_costs
@@ -315,7 +306,8 @@ class CatchUp:
         small, why = self._reader_rule(upto, paths)
         over = f"would take over {TAIL_BUDGET:g}x this TTFT and {TAIL_ALLOWANCE_S:g} s more"
         if small and p.large_reads_last > 1 and paths is not None and paths.tail == 1:
-            why = f"the large reads the last token only: reading the last {p.large_reads_last} tok {over}"  # fmt: skip
+            why = f"the large reads the last token only: reading the last {p.large_reads_last} tok"
+            why += f" {over}"
         elif small and paths is not None and self.recompute_count(paths.lacked - paths.tail) \
                 and not paths.recompute:  # fmt: skip
             why = f"no recompute: recomputing {p.recompute_share:.0%} of the turn {over}"

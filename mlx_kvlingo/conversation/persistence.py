@@ -1,9 +1,9 @@
-"""Session files: both caches, the conversation and the sync state in one mlx-lm prompt cache.
+"""Session files. Invariant: a file loads only into the pair that wrote it (geometry and a weight
+fingerprint per model), and a load that fails leaves the session as it was.
 
 The file is what `mlx_lm.models.cache.save_prompt_cache` writes (the source's layers, then
-the target's); metadata `kvlingo_session` holds the rest as JSON. A file loads only into the
-pair that wrote it (geometry and a weight fingerprint per model). `save` and `load` take the
-session's state explicitly; `load` changes it only once every check has passed."""
+the target's); metadata `kvlingo_session` holds the rest as JSON. `save` and `load` take the
+session's state explicitly (the transcript, both model caches, the records)."""
 
 from __future__ import annotations
 
@@ -114,19 +114,13 @@ def load(path: str | Path, pair: ModelPair, *, transcript: Transcript,
             f"v{state.get('schema_version')!r:.40}"
         )
     try:
-        r = _restore(path, pair, caches, state, policy, has_forward)
+        return _restore(path, pair, caches, state, policy, has_forward,
+                        transcript, models, switches, turns)  # fmt: skip
     except SessionFileError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         what = f"missing {e}" if isinstance(e, KeyError) else str(e)[:300]
         raise SessionFileError(f"{path}: inconsistent session state: {what}") from None
-    transcript.tokens, transcript.messages = r["tokens"], r["messages"]
-    transcript.system_prompt, transcript.answer = r["system_prompt"], r["answer"]
-    transcript.user_start = r["user_start"]
-    for name, (cache, held) in r["caches"].items():
-        models[name].cache, models[name].held = cache, held
-    switches[:], turns[:] = r["switches"], r["turns"]
-    return r["policy"]
 
 
 def _identity(pair: ModelPair) -> dict:
@@ -145,91 +139,59 @@ def _identity(pair: ModelPair) -> dict:
 
 
 def _restore(path: Path, pair: ModelPair, caches: list, state: dict, policy: ReaderPolicy,
-             has_forward: bool) -> dict:  # fmt: skip
-    """Check a session file's state against this pair; the state to restore."""
+             has_forward: bool, transcript: Transcript, models: dict[str, ModelCache],
+             switches: list[Switch], turns: list[TurnStats]) -> ReaderPolicy:  # fmt: skip
+    """Check a session file's state against this pair, then restore it (nothing before every
+    check has passed); returns the policy to use."""
+
+    def need(ok, what: str) -> None:
+        if not ok:
+            raise SessionFileError(f"{path}: {what}")
+
     mine = _identity(pair)
     for side in MODELS:
-        theirs = state[side]
-        ours = mine[side]
-        if theirs["geometry"] != ours["geometry"] or theirs["fingerprint"] != ours["fingerprint"]:
-            raise SessionFileError(
-                f"{path}: saved with {side} model {str(theirs.get('name'))[:200]} "
-                f"({str(state['source'].get('name'))[:200]} -> "
-                f"{str(state['target'].get('name'))[:200]}); this session's "
-                f"{side} is {ours['name']}: a session file only loads into the pair that "
-                "wrote it"
-            )
-    if state.get("tokenizer") and state["tokenizer"] != mine["tokenizer"]:
-        raise SessionFileError(f"{path}: saved with a different tokenizer")
-    tokens = state["tokens"]
-    vocab = _vocab_size(pair)
-    if not isinstance(tokens, list) or not all(_is_int(t) and 0 <= t < vocab for t in tokens):
-        raise SessionFileError(f"{path}: tokens must be a list of token ids below {vocab}")
-    messages = state["messages"]
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and isinstance(m.get("role"), str)
-        and isinstance(m.get("content"), str) for m in messages
-    ):  # fmt: skip
-        raise SessionFileError(f"{path}: messages must be role/content objects")
-    if tokens and not messages:
-        raise SessionFileError(f"{path}: {len(tokens)} tokens but no messages: inconsistent")
+        theirs, ours = state[side], mine[side]
+        src, tgt = (str(state[n].get("name"))[:200] for n in MODELS)
+        need(all(theirs[k] == ours[k] for k in ("geometry", "fingerprint")),
+             f"saved with {side} model {str(theirs.get('name'))[:200]} ({src} -> {tgt}); this "
+             f"session's {side} is {ours['name']}: a session file only loads into the pair that "
+             "wrote it")  # fmt: skip
+    need(not state.get("tokenizer") or state["tokenizer"] == mine["tokenizer"],
+         "saved with a different tokenizer")  # fmt: skip
+    tokens, messages, vocab = state["tokens"], state["messages"], _vocab_size(pair)
+    need(isinstance(tokens, list) and all(_is_int(t) and 0 <= t < vocab for t in tokens),
+         f"tokens must be a list of token ids below {vocab}")  # fmt: skip
+    need(isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
+         and isinstance(m.get("content"), str) for m in messages),
+         "messages must be role/content objects")  # fmt: skip
+    need(messages or not tokens, f"{len(tokens)} tokens but no messages: inconsistent")
     layers = state["layers"]
-    if not (isinstance(layers, list) and len(layers) == 2 and all(map(_is_int, layers))):
-        raise SessionFileError(f"{path}: layers must be two layer counts")
+    need(isinstance(layers, list) and len(layers) == 2 and all(map(_is_int, layers)),
+         "layers must be two layer counts")  # fmt: skip
     ls, lt = layers
     want = (pair.source.geometry.layers, pair.target.geometry.layers)
-    if (ls, lt) != want or len(caches) != ls + lt:
-        raise SessionFileError(
-            f"{path}: holds {len(caches)} cache layers (says {ls} + {lt}), expected "
-            f"{want[0]} + {want[1]}"
-        )
-    held = state["held"]
+    need((ls, lt) == want and len(caches) == ls + lt, f"holds {len(caches)} cache layers "
+         f"(says {ls} + {lt}), expected {want[0]} + {want[1]}")  # fmt: skip
     restored = {}
     for name, part in (("source", caches[:ls]), ("target", caches[ls:])):
-        n = held[name]
-        if not _is_int(n) or not 0 <= n <= len(tokens):
-            raise SessionFileError(f"{path}: {name} holds {str(n)[:40]} of {len(tokens)} tokens")
+        n = state["held"][name]
+        need(_is_int(n) and 0 <= n <= len(tokens),
+             f"{name} holds {str(n)[:40]} of {len(tokens)} tokens")  # fmt: skip
         _check_cache(path, ModelCache(name, getattr(pair, name), part, n))
         restored[name] = (part, n)
-    answer = state.get("answer")
-    if answer is not None and not (
-        isinstance(answer, list) and len(answer) == 2 and _is_int(answer[0])
-        and 0 <= answer[0] <= len(tokens) and answer[1] in MODELS
-    ):  # fmt: skip
-        raise SessionFileError(f"{path}: answer must be [start token, model]")
-    user_start = state.get("user_start")
-    if user_start is not None and not (_is_int(user_start) and 0 <= user_start <= len(tokens)):
-        raise SessionFileError(f"{path}: user_start must be a token position")
-    system = state.get("system_prompt")
-    if system is not None and not isinstance(system, str):
-        raise SessionFileError(f"{path}: system_prompt must be a string")
-    out = {
-        "caches": restored,
-        "tokens": list(tokens),
-        "messages": [dict(m) for m in messages],
-        "system_prompt": system,
-        "answer": tuple(answer) if answer else None,
-        "user_start": user_start,
-        "switches": [Switch(**s) for s in state.get("switches", [])],
-        "turns": [
-            TurnStats(
-                **{
-                    **t,
-                    "switch": _switch(t.get("switch")),
-                    "read": _read(t.get("read")),
-                    "ahead": _switch(t.get("ahead")),
-                }
-            )  # fmt: skip
-            for t in state.get("turns", [])
-        ],
-    }
+    answer, user_start, system = (state.get(k) for k in ("answer", "user_start", "system_prompt"))
+    need(answer is None or (isinstance(answer, list) and len(answer) == 2 and _is_int(answer[0])
+         and 0 <= answer[0] <= len(tokens) and answer[1] in MODELS),
+         "answer must be [start token, model]")  # fmt: skip
+    need(user_start is None or (_is_int(user_start) and 0 <= user_start <= len(tokens)),
+         "user_start must be a token position")  # fmt: skip
+    need(system is None or isinstance(system, str), "system_prompt must be a string")
     # the policy whole; older files kept its settings flat, and a setting a file lacks
     # keeps the session's own
     saved = state.get("policy")
     if saved is None:
         saved = {k: state[k] for k in LEGACY_POLICY_KEYS if k in state}
-    if not isinstance(saved, dict):
-        raise SessionFileError(f"{path}: policy must be an object")
+    need(isinstance(saved, dict), "policy must be an object")
     try:
         ReaderPolicy.from_dict(saved)  # names and values checked
         policy = replace(policy, **saved)
@@ -237,8 +199,17 @@ def _restore(path: Path, pair: ModelPair, caches: list, state: dict, policy: Rea
         raise SessionFileError(f"{path}: {e}") from None
     if policy.reader != "self" and not has_forward:
         policy = replace(policy, reader="self")  # saved with a translator this pair lacks
-    out["policy"] = policy
-    return out
+    saved_turns = [TurnStats(**{**t, "switch": _switch(t.get("switch")),
+                                "read": _read(t.get("read")), "ahead": _switch(t.get("ahead"))})
+                   for t in state.get("turns", [])]  # fmt: skip
+    switches[:] = [Switch(**s) for s in state.get("switches", [])]  # the last that may fail
+    turns[:] = saved_turns
+    transcript.tokens, transcript.messages = list(tokens), [dict(m) for m in messages]
+    transcript.system_prompt, transcript.user_start = system, user_start
+    transcript.answer = tuple(answer) if answer else None
+    for name, (part, n) in restored.items():
+        models[name].cache, models[name].held = part, n
+    return policy
 
 
 #: reader settings that files before the policy value kept at the top level

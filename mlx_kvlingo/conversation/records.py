@@ -24,12 +24,9 @@ class SessionError(ValueError):
 
 def role(model: str) -> str:
     """'source' or 'target' for any name of a role (small, large, source, target)."""
-    try:
-        return ROLE[model]
-    except KeyError:
-        raise SessionError(
-            f"unknown model {model!r}; use 'source'/'small' or 'target'/'large'"
-        ) from None
+    if model not in ROLE:
+        raise SessionError(f"unknown model {model!r}; use 'source'/'small' or 'target'/'large'")
+    return ROLE[model]
 
 
 class ContextOverflowError(SessionError):

@@ -23,16 +23,13 @@ true absolute positions; `naive` re-translates everything the other model holds 
 that drifts turn after turn); `reprefill` reads it all (the exact reference, and the slow one).
 
 Reader "auto" (the default with a forward translator) picks, turn by turn, whichever path starts
-the answer sooner, predicted from rates measured on this pair (conversation/timing.py); within
-`reader_margin` of a tie, or before the rates are measured, the token rule decides ("small" for
-the opening span and spans of `reader_min_tokens` or more: a short translated turn between the
-large's native answers is where translation loses the most quality). The large reads the
-turn's last tokens itself (`Runtime`'s conversations: 32; a bare `Session`: 1) because a
-translated short message keeps its topic and loses its request (weights/QUALITY.md, "In a chat:
-the large model reads the turn's last 32 tokens"); where that read is predicted to more than
-double the plain handoff's TTFT and add over half a second (`catchup.TAIL_BUDGET`), it reads
-only the last token, and the status line says so. Nothing here prints: `generate` yields
-`TokenEvent`s and every turn leaves a `TurnStats` (with its `Switch`) in `Session.turns`.
+the answer sooner, predicted from rates measured on this pair (timing.py); ties go to the token
+rule (a short translated turn between the large's native answers loses the most quality). The
+large reads the turn's last tokens itself (`Runtime`'s conversations: 32; a bare `Session`: 1):
+a translated short message keeps its topic and loses its request (weights/QUALITY.md). Where
+that read would more than double the plain handoff's TTFT (`catchup.TAIL_BUDGET`), it reads the
+last token only. Nothing here prints: `generate` yields `TokenEvent`s and every turn leaves a
+`TurnStats` (with its `Switch`) in `Session.turns`.
 """
 
 from __future__ import annotations
@@ -62,6 +59,12 @@ from mlx_kvlingo.models.pair import ModelPair
 
 import mlx.core as mx
 from mlx_lm import stream_generate
+
+
+def _kept(part: str, name: str, doc: str) -> property:
+    """An attribute one of the session's parts keeps, read and set through the session."""
+    return property(lambda self: getattr(getattr(self, part), name),
+                    lambda self, v: setattr(getattr(self, part), name, v), doc=doc)  # fmt: skip
 
 
 class Session:
@@ -118,26 +121,17 @@ class Session:
                                read_costs=costs_of(pair) if read_costs is None else read_costs,
                                remote=remote, mode=mode, policy=policy)  # fmt: skip
 
-    # -- settings (kept by the catch-up) --------------------------------------------------------
+    # -- settings and state, kept by the parts ------------------------------------------------
 
-    mode = property(lambda self: self.catchup.mode,
-                    lambda self, mode: setattr(self.catchup, "mode", mode))  # fmt: skip
-    #: who reads a turn and what the large model recomputes (mlx_kvlingo/config.py), its reader
-    #: resolved ("auto" with a forward translator, else "self"); change it with
-    #: `session.policy = dataclasses.replace(session.policy, ...)`
-    policy = property(lambda self: self.catchup.policy,
-                      lambda self, p: setattr(self.catchup, "policy", p))  # fmt: skip
-    #: what reading costs on this pair (reader "auto"); shared by the pair's sessions
-    read_costs = property(lambda self: self.catchup.read_costs,
-                          lambda self, c: setattr(self.catchup, "read_costs", c))  # fmt: skip
-
-    # -- state ----------------------------------------------------------------------------
-
-    tokens = property(lambda self: self.transcript.tokens, doc="the conversation's token ids")
-    messages = property(lambda self: self.transcript.messages, doc="its role/content dicts")
-    system_prompt = property(lambda self: self.transcript.system_prompt,  # reset() starts with it
-                             lambda self, p: setattr(self.transcript, "system_prompt", p))  # fmt: skip
-    retemplated = property(lambda self: self.transcript.retemplated)
+    mode = _kept("catchup", "mode", "alternation, naive or reprefill (catchup.py)")
+    policy = _kept("catchup", "policy", "who reads a turn and what the large model recomputes "
+                   "(mlx_kvlingo/config.py), its reader resolved ('auto' with a forward "
+                   "translator, else 'self'); change it with dataclasses.replace")  # fmt: skip
+    read_costs = _kept("catchup", "read_costs", "what reading costs on this pair (reader auto)")
+    tokens = _kept("transcript", "tokens", "the conversation's token ids")
+    messages = _kept("transcript", "messages", "the role/content dicts of the conversation")
+    system_prompt = _kept("transcript", "system_prompt", "the system message (reset keeps it)")
+    retemplated = _kept("transcript", "retemplated", "times a template was not prefix-stable")
 
     @property
     def pending(self) -> bool:
@@ -271,11 +265,8 @@ class Session:
         """Refuse concurrent use; close a generation this thread abandoned (commits it)."""
         if self._active is None:
             return
-        gen, owner = self._active
-        if gen.gi_frame is None:  # it ended (closed from any thread, or ran out)
-            self._active = None
-            return
-        if owner != threading.get_ident() or gen.gi_running:
+        gen, owner = self._active  # gi_frame None: it ended (closed from any thread, ran out)
+        if gen.gi_frame is not None and (owner != threading.get_ident() or gen.gi_running):
             raise SessionBusyError(
                 "a generation is running on this session; cancel() it or wait for it to end"
             )
@@ -357,7 +348,8 @@ class Session:
             stats.prompt_tokens = len(prompt)
             procs = kwargs.get("logits_processors")
             if procs:  # they see the earlier answers and this one, not only this turn's
-                kwargs = {**kwargs, "logits_processors": _over_answers(procs, self.transcript.answers())}  # fmt: skip
+                procs = _over_answers(procs, self.transcript.answers())
+                kwargs = {**kwargs, "logits_processors": procs}
             # 2. decode with mlx-lm on the answering model's own cache
             stream = stream_generate(m.loaded.model, self.pair.tokenizer, mx.array(prompt),
                                      max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
