@@ -1,5 +1,5 @@
-"""What a conversation turn leaves behind: switches, turn statistics, streamed tokens, errors,
-and the one-line status that `kvlingo chat` and the API print for a turn."""
+"""What a conversation turn leaves behind, as plain records that touch no cache: switches, turn
+statistics, streamed tokens, errors, the role names, and the one-line status of a turn."""
 
 from __future__ import annotations
 
