@@ -25,7 +25,7 @@ that drifts turn after turn); `reprefill` reads it all (the exact reference, and
 Reader "auto" (the default with a forward translator) picks, turn by turn, whichever path starts
 the answer sooner, predicted from rates measured on this pair (timing.py); ties go to the token
 rule (a short translated turn between the large's native answers loses the most quality). The
-large reads the turn's last tokens itself (`Runtime`'s conversations: 32; a bare `Session`: 1):
+large reads the turn's last `large_reads_last` tokens itself (32; 1 is the plain handoff):
 a translated short message keeps its topic and loses its request (weights/QUALITY.md). Where
 that read would more than double the plain handoff's TTFT (`catchup.TAIL_BUDGET`), it reads the
 last token only. Nothing here prints: `generate` yields `TokenEvent`s and every turn leaves a
