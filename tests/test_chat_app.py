@@ -65,8 +65,11 @@ class Terminal:
         end = time.time() + timeout
         while time.time() < end:
             screen = self.screen()
-            if predicate(screen):
-                return screen
+            try:
+                if predicate(screen):
+                    return screen
+            except IndexError:  # what the predicate splits on is not on the screen yet
+                pass
             time.sleep(0.1)
         raise AssertionError(f"timed out; the screen shows:\n{self.screen()}")
 
