@@ -34,7 +34,7 @@ from mlx_kvlingo.conversation.timing import ReadCosts
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.report import md_row, md_table
 from mlx_kvlingo.kv.cache import append_kv, new_cache
-from mlx_kvlingo.kv.capture import prefill
+from mlx_kvlingo.kv.capture import capture_from_cache, needs_recording, prefill
 from mlx_kvlingo.kv.map_reading import measure as measure_map_reading
 from mlx_kvlingo.kv.translate import reserve_translation_memory
 from mlx_kvlingo.kv.translator import Translator
@@ -329,7 +329,13 @@ def run_switch(
     clock.peaks["switch_ttft"] = max(clock.peaks["translate"], clock.peaks["target_step"])
     tgt_cache.clear()
     clock("source_step", lambda: _first_token(pair.source.model, last, src_cache))
-    span = prefill(pair.source, tokens[:-1], new_cache(pair.source), cut=tr.config.key_cut)
+    # the span the hand-off read, from the small model's cache (read again only where the
+    # translator wants keys the cache does not keep)
+    cut, n = tr.config.key_cut, len(tokens) - 1
+    if needs_recording(pair.source, cut):
+        span = prefill(pair.source, tokens[:-1], new_cache(pair.source), cut=cut)
+    else:
+        span = capture_from_cache(pair.source, src_cache, 0, n)
     mapped = clock("translate_map", lambda: _evaluated(tr(span)))
     bare = replace(span, tokens=None)  # the anchor token, if any, is written apart
     finished = clock("translate_steps", lambda: _evaluated(tr.finish(*mapped, bare, pair.target)))
