@@ -5,15 +5,11 @@ small-alone answers are computed once and shared, so every translator meets the 
         [--per-kind 6] [--lengths 128,512,1024] [--seed 0] [--reuse EARLIER.json] [--source DIR]
         [--pair moe]
 
-FILE+question: the target reads the task's question itself on the translated rest; FILE+N: the
-target reads the prompt's last N tokens itself (`content.TargetReadsTail`); FILE+N+rS: and then
-recomputes the share S of the rest its reading attended to most (`content.TargetRecomputes`),
-each peak with its neighbours (`recompute.PEAKS`, session 21's rule); FILE+N+rSs: each peak with
-the rest of its sentence, FILE+N+rSS: with its whole sentence; then a suffix fK: at least K
-tokens, and t: the chat template's markup taken last (FILE+32+r0.1sf24t is the chat's rule,
-`recompute.Selection()`), and R: the tail read again over the recomputed positions; native~REL: the
-target's own cache with noise of REL times each layer's RMS (`content.NoisyNative`), a reference;
-LABEL=source: the source model alone (`content.SourceAlone`; with `--source`, that source's own
+FILE+N: the chat's own reading (`content.Chat`, through `Session.hand_off`): the target
+reads the turn's last N tokens itself, no recompute; FILE+N+rS: and then recomputes the share S
+of the translated rest (the chat's rule; the suffix `sf24t` that names it is accepted);
+native~REL: the target's own cache with noise of REL times each layer's RMS
+(`content.NoisyNative`), a reference; LABEL=source: the source model alone (`content.SourceAlone`; with `--source`, that source's own
 row beside a reused "small" row of the demo's small model).
 
 The tasks are `kvlingo eval --task content`'s (the demo's held-out documentation pages; seed 0
@@ -35,16 +31,14 @@ from mlx_kvlingo._platform import moe_cpu
 from mlx_kvlingo.data.content_tasks import KINDS, build_tasks
 from mlx_kvlingo.data.examples import read_texts
 from mlx_kvlingo.eval.content import (
+    Chat,
     NoisyNative,
     SourceAlone,
-    TargetReadsTail,
-    TargetRecomputes,
     evaluate_content,
     known_replies,
     tables,
     to_json,
 )
-from mlx_kvlingo.kv.recompute import Selection
 from mlx_kvlingo.models.demo.pair import demo_content_texts, demo_models, load_demo
 from mlx_kvlingo.models.files import load_translator
 from mlx_kvlingo.models.pair import load_pair
@@ -53,23 +47,15 @@ from rich.console import Console
 
 
 def condition(spec: str, pair):
-    """FILE, FILE+question, FILE+N, native~REL or source (see the module's doc)."""
+    """FILE, FILE+N, FILE+N+rS, native~REL or source (see the module's doc)."""
     if spec == "source":
         return SourceAlone()
-    path, sep, rule = spec.rpartition("+r")
-    m = re.fullmatch(r"([0-9.]+)([sS]?)(?:f(\d+))?(t?)(R?)", rule) if sep else None
-    if m:  # FILE+N+rS, FILE+N+rSs (sentences), FILE+N+rSfK (at least K tokens), t: markup last
-        base, _, tail = path.rpartition("+")
-        rule = Selection({"": "", "s": "rest", "S": "whole"}[m[2]], int(m[3] or 0),
-                         template=bool(m[4]))  # fmt: skip
-        return TargetRecomputes(load_translator(base, pair), int(tail), float(m[1]), rule,
-                                reread=bool(m[5]))  # fmt: skip
     if spec.startswith("native~"):
         return NoisyNative(float(spec.removeprefix("native~")))
-    path, _, tail = spec.rpartition("+")
-    if not path or not (tail == "question" or tail.isdigit()):
+    m = re.fullmatch(r"(.+)\+(\d+)(?:\+r([0-9.]+)(?:sf24t)?)?", spec)
+    if m is None:
         return load_translator(spec, pair)
-    return TargetReadsTail(load_translator(path, pair), None if tail == "question" else int(tail))
+    return Chat(load_translator(m[1], pair), int(m[2]), float(m[3] or 0.0))
 
 
 def main(argv: list[str] | None = None) -> None:
