@@ -47,7 +47,7 @@ from mlx_kvlingo.conversation.records import (
 )
 from mlx_kvlingo.conversation.sampling import Sampling
 from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
-from mlx_kvlingo.conversation.session import MODES, Session
+from mlx_kvlingo.conversation.session import MODES, Progress, Session
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
 
@@ -66,6 +66,9 @@ EventKind = Literal["token", "done"]
 Label = Literal["small", "large"]
 #: What `send` and `escalate` return: iterate it; `close()` it to stop early.
 Stream = Generator["Event", None, None]
+#: with a `progress` callback, a turn is read (and reported) this many tokens at a time: a
+#: chunk's attention scores stay bounded, and a long document shows steady progress
+PROGRESS_CHUNK = 512
 
 
 #: Every error a conversation raises for a request it cannot honour (nothing to answer, unknown
@@ -608,6 +611,7 @@ class Conversation:
         max_tokens: int = 256,
         wait: bool = True,
         timeout: float | None = None,
+        progress: Progress | None = None,
     ) -> Stream:
         """Add a user message and stream `model`'s answer: token events, then one done event.
 
@@ -626,12 +630,14 @@ class Conversation:
         the number of assistant messages before this turn (the one seed rule of every
         answer: reproducible from the messages, a new draw each turn, the same for an
         escalation). `max_tokens`: the answer's length limit. `wait`/`timeout`: what to do
-        when another conversation is generating.
+        when another conversation is generating. `progress(reader, done, total)`: called as
+        the turn is read, every `PROGRESS_CHUNK` tokens (`Session.generate`), e.g. for a
+        progress line on a long document.
         """
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, not {type(text).__name__}")
         role = _role(model)
-        sample, seed = self._sample_kwargs(role, sampling, max_tokens)
+        sample, seed = self._sample_kwargs(role, sampling, max_tokens, progress)
 
         def start() -> Iterator[TokenEvent]:
             self._session.add_user(text)
@@ -648,12 +654,13 @@ class Conversation:
         max_tokens: int = 256,
         wait: bool = True,
         timeout: float | None = None,
+        progress: Progress | None = None,
     ) -> Stream:
         """Stream `model`'s answer to what the conversation holds unanswered (turns given to
         `add_messages` or `add_tokens`), adding no message: `send` without the text. The same
         reader policy, `sampling` and stopping rules as `send`."""
         role = _role(model)
-        sample, seed = self._sample_kwargs(role, sampling, max_tokens)
+        sample, seed = self._sample_kwargs(role, sampling, max_tokens, progress)
 
         def start() -> Iterator[TokenEvent]:
             _seed(seed, self._session.messages)
@@ -669,6 +676,7 @@ class Conversation:
         max_tokens: int = 256,
         wait: bool = True,
         timeout: float | None = None,
+        progress: Progress | None = None,
     ) -> Stream:
         """Answer the last user message again with the other model (or `model`).
 
@@ -682,7 +690,7 @@ class Conversation:
         else:
             last = self._session.last_turn
             label = "small" if last is not None and last.model == "target" else "large"
-        sample, seed = self._sample_kwargs(ROLE[label], sampling, max_tokens)
+        sample, seed = self._sample_kwargs(ROLE[label], sampling, max_tokens, progress)
 
         def start() -> Iterator[TokenEvent]:
             _seed(seed, self._session.messages)
@@ -699,6 +707,7 @@ class Conversation:
         max_tokens: int = 256,
         wait: bool = True,
         timeout: float | None = None,
+        progress: Progress | None = None,
     ) -> Stream:
         """The small model answers; below `threshold` confidence the large one answers again.
 
@@ -712,7 +721,11 @@ class Conversation:
         its `seed` (the seed rule of `send`) apply to both answers.
         """
         kw: dict[str, Any] = dict(
-            sampling=sampling, max_tokens=max_tokens, wait=wait, timeout=timeout
+            sampling=sampling,
+            max_tokens=max_tokens,
+            wait=wait,
+            timeout=timeout,
+            progress=progress,
         )
         self._sample_kwargs("target", sampling, max_tokens)  # a bad setting fails now
         if text is None:
@@ -813,10 +826,15 @@ class Conversation:
     # -- internals -------------------------------------------------------------------------
 
     def _sample_kwargs(
-        self, role: str, sampling: Sampling | Mapping[str, Any] | None, max_tokens: int
+        self,
+        role: str,
+        sampling: Sampling | Mapping[str, Any] | None,
+        max_tokens: int,
+        progress: Progress | None = None,
     ) -> tuple[dict[str, Any], int | None]:
         """`generate` keywords for `role`'s answer under `sampling` (sampling.resolve, the one
-        merge), and the seed for `_seed`."""
+        merge), and the seed for `_seed`. With `progress`, a turn is read in chunks of
+        `PROGRESS_CHUNK` tokens, each reported."""
         loaded = self.runtime.pair.source if role == "source" else self.runtime.pair.target
         try:
             cfg = resolve_sampling(loaded, sampling)
@@ -827,6 +845,8 @@ class Conversation:
             "sampler": cfg.sampler(),
             "logits_processors": cfg.logits_processors(),
         }
+        if progress is not None:
+            sample.update(progress=progress, prefill_step_size=PROGRESS_CHUNK)
         return sample, cfg.seed
 
     def _locked(self, fn: Callable[[], Any], wait: bool, timeout: float | None) -> Any:

@@ -292,6 +292,53 @@ def test_ctrl_c_during_the_small_read_and_the_large_decode(pair, translators, mo
     assert_translated_once(s)
 
 
+@pytest.mark.parametrize("reader", ["small", "self"])
+def test_a_long_turn_reports_progress_and_survives_ctrl_c(pair, translators, reader):
+    """The reading model reports each chunk (`progress`); Ctrl-C raised from the report of the
+    second chunk leaves both caches whole chunks long and the turn unanswered, and the answer
+    then equals the large model's own reading of the conversation, token for token."""
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd, policy=plain(reader=reader))
+    converse(s, 2)
+    s.add_user("a long user turn that is read in chunks " * 8)
+    reports = []
+
+    def progress(who, done, total):
+        reports.append((who, done, total))
+
+    list(s.generate("large", max_tokens=1, prefill_step_size=8, progress=progress))
+    who = "source" if reader == "small" else "target"
+    mine = [r for r in reports if r[0] == who]  # the large may then read the turn's last token
+    total = mine[0][2]
+    assert mine[0] == (who, 0, total) and mine[-1] == (who, total, total) and len(mine) > 3
+    assert [r[1] for r in mine] == sorted(r[1] for r in mine)
+    read = s.last_turn.read.tokens if reader == "small" else s.last_turn.prompt_tokens
+    assert total == read and read >= 8 * 8
+    assert all(r[2] <= 1 for r in reports if r[0] != who)
+
+    s.add_user("another long user turn read in chunks " * 8)
+    n0 = len(s.tokens)
+    calls = []
+
+    def stop_at_second(who, done, total):
+        calls.append(total)
+        if len(calls) == 3:  # 0, the first chunk, the second chunk: Ctrl-C
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        list(s.generate("large", max_tokens=N, prefill_step_size=8, progress=stop_at_second))
+    assert_consistent(s)
+    assert s.pending and len(calls) == 3
+    # stopped after two whole chunks of the turn (the small reads up to the last token, the
+    # large itself reads up to its first step: mlx-lm leaves it the last token)
+    start = n0 - (1 if reader == "small" else 0) - calls[0]
+    assert s.held(who) == start + 16 < n0 - 1
+    out = [e.token for e in s.generate("large", max_tokens=N)]
+    assert out == native(pair.target.model, pair.tokenizer, s.tokens[:n0])
+    assert_consistent(s)
+    assert_translated_once(s)
+
+
 def test_cancel_during_the_small_read(pair, translators, monkeypatch):
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, policy=plain(reader="small"))

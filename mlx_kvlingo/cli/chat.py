@@ -48,6 +48,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+#: turns this long or longer show a progress line while they are read
+PROGRESS_MIN_TOKENS = 1000
 # model output goes to a terminal: drop control characters (escape sequences, \r) but \n \t
 _CONTROL = {c: None for c in [*range(32), 127] if chr(c) not in "\n\t"}
 
@@ -194,7 +196,22 @@ class ChatApp:
         """The answer's `Conversation` keywords: max tokens and the explicit sampling settings
         (the answering model's defaults fill the rest); `--seed` goes through as given, under
         the API's one seed rule (`Conversation.send`)."""
-        return {"max_tokens": self.max_tokens, "sampling": self.sampling}
+        return {"max_tokens": self.max_tokens, "sampling": self.sampling,
+                "progress": self.progress}  # fmt: skip
+
+    def progress(self, reader: str, done: int, total: int) -> None:
+        """A one-line progress line, rewritten in place, while a turn of `PROGRESS_MIN_TOKENS`
+        or more is read; cleared once the reading ends (before the answer prints)."""
+        if total < PROGRESS_MIN_TOKENS or not self.console.is_terminal:
+            return
+        who = (
+            "small model reads for the large"
+            if reader == "source"
+            else f"{LABEL[reader]} model reads"
+        )
+        line = f"  reading {done:,}/{total:,} tok ({who}; Ctrl-C stops)"
+        sys.stdout.write("\r\033[K" + (f"\033[90m{line}\033[0m" if done < total else ""))
+        sys.stdout.flush()
 
     def warm_sample(self, model: str) -> dict:
         """The sampler and processors a real turn uses (for the warm-up), without seeding."""

@@ -205,20 +205,25 @@ class CatchUp:
         finally:
             m.settle(m.held)  # an interrupted append leaves no half-written layer
 
-    def small_reads(self, upto: int, chunk: int) -> Read:
+    def small_reads(self, upto: int, chunk: int, progress=None) -> Read:
         """The small model catches up on the large's last answer, then reads up to `upto`
         itself (prefill only), `chunk` tokens at a time; a cancel stops it between chunks.
-        However it stops (cancel, Ctrl-C), its cache holds exactly what it read."""
+        However it stops (cancel, Ctrl-C), its cache holds exactly what it read.
+        `progress("source", done, total)` is called before the first chunk and after each."""
         m = self.models["source"]
         read = Read("source", catch_up=self.catch_up("source", upto))
-        t0 = time.perf_counter()
+        t0, total = time.perf_counter(), max(upto - m.held, 0)
         try:
             while m.held < upto and not self.cancel.is_set():
+                if progress is not None:
+                    progress("source", read.tokens, total)
                 piece = self.transcript.tokens[m.held : min(upto, m.held + chunk)]
                 m.loaded.model(mx.array(piece)[None], cache=m.cache)
                 mx.eval([c.keys for c in m.cache])
                 m.held += len(piece)
                 read.tokens += len(piece)
+            if progress is not None and total:
+                progress("source", read.tokens, total)
         finally:
             m.settle(m.held)
             read.seconds = time.perf_counter() - t0

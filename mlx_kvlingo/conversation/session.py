@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from mlx_kvlingo.config import READERS, ReaderPolicy
@@ -310,12 +310,17 @@ class Session:
         sampler=None,
         logits_processors=None,
         prefill_step_size: int = 2048,
+        progress: Progress | None = None,
     ) -> Iterator[TokenEvent]:
         """Stream an answer from `model` ('source'/'small' or 'target'/'large').
 
         The model first catches up on what it lacks (see the module docstring), then decodes
         with mlx-lm. Stopping early (break, `cancel()`, KeyboardInterrupt, closing the
-        iterator) commits the tokens emitted so far and trims the cache to match.
+        iterator) commits the tokens emitted so far and trims the cache to match; stopped while
+        a model reads the turn, each cache keeps the chunks it read whole and the turn stays
+        unanswered. `progress(reader, done, total)` is called as the turn is read, chunk by
+        chunk (`reader`: "source" where the small model reads for the large one, else the
+        answering model; `done` of `total` tokens, 0 first), e.g. for a progress line.
         """
         name, room = self._begin(model)
         limit = max_tokens
@@ -323,11 +328,14 @@ class Session:
             limit = room
         kwargs = dict(sampler=sampler, logits_processors=logits_processors,
                       prefill_step_size=prefill_step_size)  # fmt: skip
-        gen = self._generate(name, limit, limit != max_tokens, kwargs)
+        if progress is not None:  # mlx-lm's prefill reports each chunk the answering model reads
+            kwargs["prompt_progress_callback"] = lambda done, total: progress(name, done, total)
+        gen = self._generate(name, limit, limit != max_tokens, kwargs, progress)
         self._active = (gen, threading.get_ident())
         return gen
 
-    def _generate(self, name: str, limit: int, capped: bool, kwargs) -> Iterator[TokenEvent]:
+    def _generate(self, name: str, limit: int, capped: bool, kwargs,
+                  progress: Progress | None = None) -> Iterator[TokenEvent]:  # fmt: skip
         """The turn: hand off (read, catch up, recompute), decode, commit."""
         m, catchup = self.models[name], self.catchup
         t0 = time.perf_counter()
@@ -339,7 +347,8 @@ class Session:
         try:
             # 1. the hand-off: whoever reads the turn, the answering model's cache then holds
             #    conversation[:held] and the rest (at least the last token) is its prompt
-            paths = self._hand_off(name, n0, stats, min(kwargs["prefill_step_size"], 512))
+            paths = self._hand_off(name, n0, stats, min(kwargs["prefill_step_size"], 512),
+                                   progress)  # fmt: skip
             if stats.finish_reason == "cancelled":
                 return
             ahead = catchup.ahead_begin(n0 - 1) if name == "source" else None
@@ -393,7 +402,8 @@ class Session:
         if emitted and paths is not None:  # the other path's TTFT, predicted with this turn's rates
             catchup.alternative(stats, paths, self.tokens[:n0])
 
-    def _hand_off(self, name: str, n0: int, stats: TurnStats, chunk: int) -> Paths | None:
+    def _hand_off(self, name: str, n0: int, stats: TurnStats, chunk: int,
+                  progress: Progress | None = None) -> Paths | None:  # fmt: skip
         """The one hand-off, for the model `name` about to answer conversation[:n0]:
 
             the small model reads the turn           (reader "small": `small_reads`)
@@ -411,7 +421,7 @@ class Session:
         upto = n0 - 1  # the answering model reads at least the last token itself
         if small:  # the large still reads the turn's last tokens itself (tail_cut)
             upto = catchup.tail_cut(n0 - 1, paths)
-            stats.read = catchup.small_reads(upto, chunk)
+            stats.read = catchup.small_reads(upto, chunk, progress)
             if self._cancel.is_set():  # stopped while the small model read
                 stats.finish_reason = "cancelled"
                 return paths
@@ -539,6 +549,11 @@ class Session:
                                        models=self.models, policy=self.policy,
                                        has_forward=self.forward is not None,
                                        switches=self.switches, turns=self.turns)  # fmt: skip
+
+
+#: progress(reader, done, total): `reader` ("source" or "target") has read `done` of the turn's
+#: `total` tokens it reads
+Progress = Callable[[str, int, int], None]
 
 
 def _over_answers(processors: list, answers: list[int]) -> list:
