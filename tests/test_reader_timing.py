@@ -9,7 +9,7 @@ from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.conversation.records import status_line
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import Cost, Paths, ReadCosts, costs_of
-from mlx_kvlingo.conversation.warmup import warm_up
+from mlx_kvlingo.conversation.warmup import PROBE_READ, warm_up
 
 import pytest
 from helpers import PLAIN, assert_session_consistent, plain
@@ -33,17 +33,41 @@ def test_cost_fits_a_line_and_follows_newer_measurements():
     c.observe(16, 0.10)
     assert not c.ready and c.predict(32) == pytest.approx(0.20)  # one length: through 0
     c.observe(64, 0.34)
-    assert c.ready and c.fit() == pytest.approx((0.02, 0.005))
+    assert c.ready and c.fit() == pytest.approx((0.02, 0.005, 0.0))  # two lengths: a line
     assert c.predict(32) == pytest.approx(0.18) and c.predict(0) == 0.0
     c.observe(0, 1.0)  # ignored: nothing read
     c.observe(16, 0.0)
-    assert c.fit() == pytest.approx((0.02, 0.005))
+    assert c.fit() == pytest.approx((0.02, 0.005, 0.0))
     for _ in range(20):  # the machine got twice as slow: the fit follows
         c.observe(16, 0.20)
         c.observe(64, 0.68)
-    assert c.fit() == pytest.approx((0.04, 0.01))
+    assert c.fit() == pytest.approx((0.04, 0.01, 0.0))
     c.observe(64, 0.01)  # a slope < 0 from noise is never fitted
     assert all(x >= 0 for x in c.fit())
+
+
+def test_cost_learns_the_attention_term_from_a_read_over_a_long_cache():
+    """seconds = a + b n + c n (at + n / 2): short reads from an empty cache give a and b, one
+    short read over a long cache gives c, and a long read is then predicted whole; a line
+    through the short reads alone predicts it at a fraction of its cost."""
+    a, b, c = 0.02, 0.005, 2e-6
+
+    def true(n, at=0):
+        return a + b * n + c * n * (at + n / 2)
+
+    line, cost = Cost(), Cost()
+    for n in (16, 64):
+        line.observe(n, true(n))
+        cost.observe(n, true(n))
+    cost.observe(64, true(64, 2048), at=2048)
+    assert cost.fit() == pytest.approx((a, b, c))
+    assert cost.predict(4096) == pytest.approx(true(4096))
+    assert cost.predict(32, at=4064) == pytest.approx(true(32, 4064))  # a tail over a document
+    assert line.predict(4096) < 0.6 * true(4096)
+    translate = Cost(attention=False)  # a translation maps each token on its own: a line
+    translate.observe(16, 0.1)
+    translate.observe(64, 0.34, at=2048)
+    assert translate.fit() == pytest.approx((0.02, 0.005))
 
 
 def test_paths_add_up_the_parts_of_each_ttft():
@@ -240,9 +264,12 @@ def test_auto_before_any_timing_is_the_token_rule(pair, translators):
     assert short.read is None and short.prompt_tokens > 1
     assert short.read_note == "reader auto, not timed yet: the large reads turns under 64 tok"
     # each turn measured what it ran
-    assert [n for n, _ in s.read_costs.source_read.samples] == [opening.read.tokens]
+    assert [n for n, _, _ in s.read_costs.source_read.samples] == [opening.read.tokens]
     assert s.read_costs.forward.samples[0][0] == opening.switch.translated
-    assert (short.prompt_tokens, short.prompt_s) == s.read_costs.target_read.samples[-1]
+    # the large read the short turn over the opening turn and its answer, which it held
+    held = len(s.tokens) - short.generation_tokens - short.prompt_tokens
+    assert s.read_costs.target_read.samples[-1] == (short.prompt_tokens, short.prompt_s, held)
+    assert s.read_costs.source_read.samples[0][2] == 0  # the opening: read from the start
 
 
 def test_reader_tokens_and_the_others_ignore_the_rates(pair, translators):
@@ -266,8 +293,11 @@ def test_warm_up_measures_every_cost_and_pays_the_first_turn(pair, translators):
         assert getattr(costs, name).ready, name
     assert costs.warmup_s > 0
     # its first step after a translation, apart from its reads of more than one token
-    assert {n for n, _ in costs.target_step.samples} == {1}
-    assert min(n for n, _ in costs.target_read.samples) > 1
+    assert {n for n, _, _ in costs.target_step.samples} == {1}
+    assert min(n for n, _, _ in costs.target_read.samples) > 1
+    # each model read a few tokens over a long scratch cache: the attention term
+    for cost in (costs.source_read, costs.target_read):
+        assert any(n == PROBE_READ and at >= PROBE_READ for n, _, at in cost.samples)
     # the pair's shared costs: what sessions get by default
     s = Session(pair, fwd, bwd, policy=PLAIN)
     assert (

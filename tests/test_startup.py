@@ -178,11 +178,12 @@ def test_rates_round_trip_and_malformed_ones_are_refused():
     assert again.to_dict() == costs.to_dict() and not again.target_read.frozen
     assert again.large_reads(40) == pytest.approx(costs.large_reads(40))
     for bad in (
-        None, [], {}, {**costs.to_dict(), "extra": []}, {**costs.to_dict(), "forward": [[0, 1.0]]},
-        {**costs.to_dict(), "forward": [[1.5, 1.0]]}, {**costs.to_dict(), "forward": [[1, 1e999]]},
-        {**costs.to_dict(), "forward": [[True, 1.0]]}, {**costs.to_dict(), "forward": [[1, 2, 3]]},
-        {**costs.to_dict(), "forward": [[1e999, 1.0]]}, {**costs.to_dict(), "forward": "x"},
-        {**costs.to_dict(), "forward": [[1, 1.0]] * 100},
+        None, [], {}, {**costs.to_dict(), "extra": []}, {**costs.to_dict(), "forward": [[0, 1.0, 0]]},
+        {**costs.to_dict(), "forward": [[1.5, 1.0, 0]]}, {**costs.to_dict(), "forward": [[1, 1e999, 0]]},
+        {**costs.to_dict(), "forward": [[True, 1.0, 0]]}, {**costs.to_dict(), "forward": [[1, 2]]},
+        {**costs.to_dict(), "forward": [[1, 2, 3, 4]]}, {**costs.to_dict(), "forward": [[1, 2, -1]]},
+        {**costs.to_dict(), "forward": [[1, 2, 0.5]]}, {**costs.to_dict(), "forward": [[1e999, 1.0, 0]]},
+        {**costs.to_dict(), "forward": "x"}, {**costs.to_dict(), "forward": [[1, 1.0, 0]] * 100},
     ):  # fmt: skip
         with pytest.raises(ValueError):
             ReadCosts.from_dict(bad)

@@ -211,7 +211,7 @@ class CatchUp:
         However it stops (cancel, Ctrl-C), its cache holds exactly what it read.
         `progress("source", done, total)` is called before the first chunk and after each."""
         m = self.models["source"]
-        read = Read("source", catch_up=self.catch_up("source", upto))
+        read = Read("source", catch_up=self.catch_up("source", upto), start=m.held)
         t0, total = time.perf_counter(), max(upto - m.held, 0)
         try:
             while m.held < upto and not self.cancel.is_set():
@@ -370,7 +370,7 @@ class CatchUp:
         cut = max(th, upto + 1 - tail)
         return Paths(upto + 1 - th, max(th - sh, 0), max(cut - max(sh, th), 0),
                      self.backward is not None, upto + 1 - cut,
-                     self.recompute_count(cut - th) if recompute else 0)  # fmt: skip
+                     self.recompute_count(cut - th) if recompute else 0, th, sh)  # fmt: skip
 
     def _paths(self, upto: int) -> Paths | None:
         """The lengths of the two ways the large model can come to read conversation[:upto + 1]
@@ -387,11 +387,12 @@ class CatchUp:
 
     # -- what reading costs --------------------------------------------------------------------
 
-    def observe(self, stats: TurnStats) -> None:
-        """Feed what this turn measured into the pair's read costs (reader "auto")."""
+    def observe(self, stats: TurnStats, at: int) -> None:
+        """Feed what this turn measured into the pair's read costs (reader "auto"); the
+        answering model read its prompt over the `at` tokens it held."""
         costs, rd, sw = self.read_costs, stats.read, stats.switch
         if rd is not None:
-            costs.source_read.observe(rd.tokens, rd.seconds)
+            costs.source_read.observe(rd.tokens, rd.seconds, rd.start)
             c = rd.catch_up
             if c is not None and c.translated and not c.retranslated:
                 costs.backward.observe(c.translated, c.seconds)
@@ -399,8 +400,11 @@ class CatchUp:
             (costs.forward if sw.into == "target" else costs.backward).observe(
                 sw.translated, sw.seconds
             )
+        if sw is not None and sw.recompute_s:  # the tail and the recomputed, read at the end
+            n = sw.tail_read + sw.recomputed
+            costs.target_read.observe(n, sw.recompute_s, sw.end + sw.tail_read - n)
         if stats.model == "target":
-            costs.observe_target(stats.prompt_tokens, stats.prompt_s)
+            costs.observe_target(stats.prompt_tokens, stats.prompt_s, at)
 
     def alternative(self, stats: TurnStats, paths: Paths, conversation: list[int]) -> None:
         """The TTFT the other way of reading would have had, predicted from the rates this

@@ -37,7 +37,7 @@ from mlx_kvlingo.conversation.timing import ReadCosts
 from mlx_kvlingo.kv.map_reading import MapReading
 
 SCHEMA = "mlx-kvlingo/rates"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: samples hold where each read began (the attention term)
 FOLDER = "rates"
 DIRECTIONS = ("forward", "backward")
 

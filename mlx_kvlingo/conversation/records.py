@@ -77,6 +77,7 @@ class Read:
     tokens: int = 0  # tokens it read itself (prefill only, no decoding)
     seconds: float = 0.0
     catch_up: Switch | None = None  # how it first caught up on the large's last answer
+    start: int = 0  # where its read began (the tokens its cache held then)
 
 
 @dataclass

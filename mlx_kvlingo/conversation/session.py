@@ -382,7 +382,7 @@ class Session:
                     stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
                     stats.peak_memory_gb = r.peak_memory
                     if len(emitted) == 1:
-                        catchup.observe(stats)
+                        catchup.observe(stats, n0 - len(prompt))
                     end = r.finish_reason
                     if end is None and self._cancel.is_set():
                         end = "cancelled"

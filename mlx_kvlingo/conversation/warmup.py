@@ -26,7 +26,7 @@ from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation import rates_cache
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import ReadCosts, costs_of
-from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.capture import capture_from_cache, needs_recording
 from mlx_kvlingo.kv.capture import prefill as capture_prefill
 from mlx_kvlingo.kv.map_reading import measure as measure_map_reading
@@ -91,10 +91,39 @@ def warm_up(
         kwargs = sample("source") if sample else {}
         for _ in selfs.generate("source", max_tokens=answer_tokens, **kwargs):
             pass
+    ids = selfs.tokens
+    attention_probe(pair.target, costs.target_read, ids)
+    if forward is not None:  # without one the small model never reads for the large
+        attention_probe(pair.source, costs.source_read, ids)
     costs.warmup_s = time.perf_counter() - t0
     if log:
         log(f"warm-up {costs.warmup_s:.1f} s")
     return costs
+
+
+#: each model reads PROBE_READ tokens over PROBE_AT cached ones (at most half its context): the
+#: attention term of its read costs, which turns of a few dozen tokens do not show
+PROBE_AT, PROBE_READ = 2048, 64
+
+
+def attention_probe(loaded, cost, ids: list[int]) -> None:
+    """`loaded` reads PROBE_READ of `ids` (repeated) over a scratch cache of PROBE_AT zero
+    positions (attention costs the same whatever the K/V hold), twice, the second timed into
+    `cost` at `at` = PROBE_AT."""
+    at = PROBE_AT if loaded.context_length is None else min(PROBE_AT, loaded.context_length // 2)
+    if at < PROBE_READ:
+        return
+    g, probe = loaded.geometry, (ids * (PROBE_READ // max(len(ids), 1) + 1))[:PROBE_READ]
+    dtype = loaded.dtype
+    for timed in (False, True):  # the first pays the new shapes once
+        cache = new_cache(loaded)
+        k = mx.zeros((1, g.kv_heads, at, g.head_dim), dtype=dtype)
+        v = mx.zeros((1, g.kv_heads, at, g.value_dim), dtype=dtype)
+        append_kv(cache, [k] * len(cache), [v] * len(cache))
+        t0 = time.perf_counter()
+        mx.eval(loaded.model(mx.array(probe)[None], cache=cache))
+        if timed:
+            cost.observe(PROBE_READ, time.perf_counter() - t0, at)
 
 
 #: what the banners say of `ReadCosts.origin`
