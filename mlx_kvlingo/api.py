@@ -45,6 +45,7 @@ from mlx_kvlingo.conversation.records import (
     TurnStats,
     status_line,
 )
+from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.sampling import Sampling
 from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
 from mlx_kvlingo.conversation.session import MODES, Progress, Session
@@ -228,6 +229,7 @@ class Runtime:
         #: cache folder), "cached" (reused from it: measured by an earlier start on this
         #: machine, pair and library versions); None before any warm-up
         self.rates: str | None = None
+        self._retention: dict[tuple, Retention | None] = {}
 
     def warm_up(
         self,
@@ -437,8 +439,29 @@ class Runtime:
             max_kv_size=max_kv_size,
             policy=policy,
             remote=self._link,  # a pipelined large model: its cache lives on the ranks
+            retention=self.retention(policy),
         )
         return Conversation(self, session)
+
+    def retention(self, policy: ReaderPolicy | None = None) -> Retention | None:
+        """What the forward translator keeps of the content read, by length, under `policy`'s
+        tail and recompute share (conversation/retention.py): measured on this pair by
+        `kvlingo eval --task content` (kept in the cache folder), else shipped with a demo
+        translator; None when neither (reader "auto" then weighs time alone)."""
+        from mlx_kvlingo.conversation import retention
+        from mlx_kvlingo.models.demo.pair import shipped_retention
+
+        policy = policy or ReaderPolicy()
+        if self.forward is None:
+            return None
+        settings = (policy.large_reads_last, policy.recompute_share)
+        if settings not in self._retention:
+            k = retention.key(self.pair, self.forward, policy)
+            found = retention.load(k)
+            if found is None and (shipped := shipped_retention(k["forward"]["weights"], *settings)):
+                found = retention.Retention.from_dict(shipped)
+            self._retention[settings] = found
+        return self._retention[settings]
 
     def restore(
         self, path: str | Path, mode: Mode = "alternation", max_kv_size: int | None = None
@@ -572,7 +595,11 @@ class Conversation:
 
     @policy.setter
     def policy(self, policy: ReaderPolicy) -> None:
-        self._locked(lambda: setattr(self._session, "policy", policy), True, None)
+        def change() -> None:
+            self._session.policy = policy
+            self._session.retention = self.runtime.retention(policy)
+
+        self._locked(change, True, None)
 
     @property
     def tokens(self) -> int:

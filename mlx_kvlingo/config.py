@@ -9,7 +9,10 @@ Before the large model answers a turn it lacks, someone reads it:
                      `recompute_share` of the translated span (the tokens its read attended to);
     reader "tokens"  "small" for the opening span and spans of `reader_min_tokens` or more;
     reader "auto"    whichever path is predicted to start the answer sooner (ties within
-                     `reader_margin` go to the token rule). None: "auto" with a forward
+                     `reader_margin` go to the token rule), but the small path only where this
+                     translator is measured to keep at least `min_retention` of what the large
+                     model gets right reading the turn itself, at the turn's length
+                     (conversation/retention.py; 0: time alone). None: "auto" with a forward
                      translator, "self" without.
 
 `translate_ahead`: while the small model answers, translate for the large one between its tokens
@@ -37,6 +40,7 @@ class ReaderPolicy:
     reader_margin: float = 0.05
     large_reads_last: int = 32
     recompute_share: float = 0.1
+    min_retention: float = 0.8
     translate_ahead: bool = False
     ahead_chunk: int = 32
     ahead_share: float | None = 0.10
@@ -51,6 +55,7 @@ class ReaderPolicy:
         _whole("ahead_chunk", self.ahead_chunk, 1)
         _number("reader_margin", self.reader_margin, 0.0, None)
         _number("recompute_share", self.recompute_share, 0.0, 1.0)
+        _number("min_retention", self.min_retention, 0.0, 1.0)
         if self.ahead_share is not None:
             _number("ahead_share", self.ahead_share, 0.0, 1.0)
         if not isinstance(self.translate_ahead, bool):

@@ -9,6 +9,7 @@ from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.conversation.records import status_line
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import Cost, Paths, ReadCosts, costs_of
+from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.warmup import PROBE_READ, warm_up
 
 import pytest
@@ -207,6 +208,65 @@ def test_auto_picks_the_small_reading_when_it_is_predicted_faster(pair, translat
         assert "(large alone: TTFT ≈ " in status_line(st, NAMES)
     assert s.turns[1].read.catch_up.translated  # the small caught up on the answer (backward)
     assert_session_consistent(s)
+
+
+def test_auto_weighs_what_the_small_path_keeps(pair, translators):
+    """Measured retention under `min_retention` at a turn's length: the large reads it itself
+    though the small path is faster, and the status line says what it gave up for what; at
+    lengths where the translator keeps enough, or with the threshold at 0, time decides."""
+    fwd, bwd = translators
+    long = "word " * 80  # about 90 tokens with the template
+    kept = Retention(((16, 0.95), (64, 0.9), (256, 0.5)))
+    assert kept.expected(8) == 0.95 and kept.expected(1000) == 0.5
+    assert kept.expected(128) == pytest.approx(0.7)  # halfway in log n
+    s = Session(pair, fwd, bwd, read_costs=ReadCosts.fixed(**SMALL_FAST), policy=PLAIN,
+                retention=kept)  # fmt: skip
+    ref = Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN)
+    texts = [long, SHORT[0]]
+    assert talk(s, texts) == talk(ref, texts)
+    opening, short = s.turns
+    n = opening.prompt_tokens
+    assert opening.read is None and n > 64 and opening.retention == pytest.approx(kept.expected(n))
+    assert opening.read_note == (
+        f"reader auto: the small path keeps ≈{kept.expected(n):.2f} of the content at {n} tok, "
+        "under 0.8"
+    )
+    # as the injected costs would have it: the small path was predicted far sooner
+    as_predicted = replace(opening, ttft_s=opening.predicted_ttft_s)
+    assert opening.alternative_ttft_s < 0.1 * as_predicted.ttft_s
+    sooner = f"{(as_predicted.ttft_s - opening.alternative_ttft_s) * 1e3:.0f} ms sooner"
+    assert f"{sooner}, keeping ≈{opening.retention:.2f})" in status_line(as_predicted, NAMES)
+    assert short.read is not None and short.read_note == ""  # a short turn keeps 0.95
+    # the threshold at 0: time alone, the small reads the long turn too
+    t = Session(pair, fwd, bwd, read_costs=ReadCosts.fixed(**SMALL_FAST),
+                policy=replace(PLAIN, min_retention=0.0), retention=kept)  # fmt: skip
+    talk(t, [long])
+    assert t.turns[0].read is not None and t.turns[0].retention is None
+    with pytest.raises(PolicyError, match="min_retention"):
+        replace(PLAIN, min_retention=1.2)
+    with pytest.raises(ValueError, match="retention points"):
+        Retention(((64, 0.9), (16, 0.95)))
+
+
+def test_retention_is_kept_in_the_cache_folder_and_found_by_the_runtime(
+    pair, translators, tmp_path, monkeypatch
+):
+    from mlx_kvlingo.api import Runtime
+    from mlx_kvlingo.conversation import retention
+
+    monkeypatch.setenv("KVLINGO_CACHE", str(tmp_path))
+    fwd, bwd = translators
+    rt = Runtime(pair, fwd, bwd)
+    assert rt.retention() is None and rt.new_conversation()._session.retention is None
+    kept = Retention(((128, 0.9), (2048, 0.4)), source="test")
+    retention.save(retention.key(pair, fwd, ReaderPolicy()), kept)
+    rt = Runtime(pair, fwd, bwd)
+    conv = rt.new_conversation()
+    assert conv._session.retention == kept and rt.retention() == kept
+    conv.policy = replace(conv.policy, recompute_share=0.2)  # measured for other settings
+    assert conv._session.retention is None
+    (next((tmp_path / "retention").iterdir())).write_text("{not json")
+    assert Runtime(pair, fwd, bwd).retention() is None  # a broken file: unmeasured
 
 
 def opening_tie(pair, n0: int, ratio: float) -> ReadCosts:

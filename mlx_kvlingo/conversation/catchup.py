@@ -30,6 +30,7 @@ from typing import Protocol
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.budget import AheadBudget
 from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats
+from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.timing import Paths, ReadCosts
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy
@@ -95,9 +96,12 @@ class CatchUp:
     def __init__(self, pair: ModelPair, forward: Translator | None, backward: Translator | None,
                  *, transcript: Transcript, models: dict[str, ModelCache], switches: list[Switch],
                  cancel: threading.Event, read_costs: ReadCosts, remote: RemoteLarge | None = None,
-                 mode: str = "alternation", policy: ReaderPolicy | None = None):  # fmt: skip
+                 mode: str = "alternation", policy: ReaderPolicy | None = None,
+                 retention: Retention | None = None):  # fmt: skip
         """`transcript`, `models` and `switches` are the session's: read, changed in place, never
-        replaced (the transcript only read)."""
+        replaced (the transcript only read). `retention`: what the forward translator keeps at
+        each length under this policy (reader "auto"; None: unmeasured)."""
+        self.retention = retention
         self.pair, self.forward, self.backward, self.remote = pair, forward, backward, remote
         self.transcript, self.models, self.switches = transcript, models, switches
         self.cancel, self.read_costs = cancel, read_costs
@@ -328,6 +332,10 @@ class CatchUp:
         under = f"the large reads turns under {p.reader_min_tokens} tok"
         if p.reader == "tokens":
             return rule, "" if rule else f"reader tokens: {under}"
+        kept = self.retention_at(upto)
+        if kept is not None and kept < p.min_retention:
+            return False, (f"reader auto: the small path keeps ≈{kept:.2f} of the content at "
+                           f"{upto + 1 - held:,} tok, under {p.min_retention:g}")  # fmt: skip
         large = None if paths is None else paths.large(self.read_costs)
         small = None if paths is None else paths.small(self.read_costs)
         if large is None or small is None:
@@ -335,6 +343,13 @@ class CatchUp:
         if abs(large - small) <= p.reader_margin * min(large, small):
             return rule, "" if rule else f"reader auto, a tie: {under}"
         return small < large, "" if small < large else "reader auto: the faster"
+
+    def retention_at(self, upto: int) -> float | None:
+        """Reader "auto": the retention expected where the large model lacks
+        conversation[held:upto + 1] (None: not measured, or not weighed)."""
+        if self.retention is None or self.policy.reader != "auto" or not self.policy.min_retention:
+            return None
+        return self.retention.expected(upto + 1 - self.models["target"].held)
 
     def _reading(self, upto: int) -> tuple[int, bool]:
         """How much the large model reads itself where the small reads for it: (its last

@@ -103,6 +103,9 @@ class TurnStats:
     #: itself (its prefill plus its first step; kept under its old name)
     alone_prefill_s: float | None = None
     read_note: str = ""  # why the large read the new turn itself (readers "auto", "tokens")
+    #: reader "auto" with measured retention: what the small path was expected to keep of the
+    #: content at this turn's length (retention.py)
+    retention: float | None = None
     #: the other way of reading this turn, its TTFT predicted from the rates measured on this
     #: pair (conversation/timing.py): the large reading itself when the small read, the small
     #: reading (catch-up, read, translation, the large's first step) when the large read
@@ -182,7 +185,10 @@ def status_line(st: TurnStats, names: dict) -> str:
         alt = st.alternative_ttft_s
         if alt is not None and st.model == "target":
             other = f"{me} alone" if rd is not None else f"{LABEL['source']} + translation"
-            ttft += f" ({other}: TTFT ≈ {_ms(alt)})"
+            why = ""
+            if rd is None and st.retention is not None and alt < st.ttft_s:
+                why = f", {_ms(st.ttft_s - alt)} sooner, keeping ≈{st.retention:.2f}"
+            ttft += f" ({other}: TTFT ≈ {_ms(alt)}{why})"
         parts.append(ttft)
     if st.ahead is not None and st.ahead.translated:
         parts.append(f"translated ahead for {LABEL['target']} {st.ahead.translated} tok "

@@ -51,6 +51,7 @@ from mlx_kvlingo.conversation.records import (
     TurnStats,
     role,
 )
+from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.timing import Paths, ReadCosts, costs_of
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import new_cache
@@ -95,6 +96,7 @@ class Session:
         policy: ReaderPolicy | None = None,
         read_costs: ReadCosts | None = None,
         remote: RemoteLarge | None = None,
+        retention: Retention | None = None,
     ):
         src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
         for label, tr, a, b in (("forward", forward, src, tgt), ("backward", backward, tgt, src)):
@@ -119,7 +121,8 @@ class Session:
         self.catchup = CatchUp(pair, forward, backward, transcript=self.transcript,
                                models=self.models, switches=self.switches, cancel=self._cancel,
                                read_costs=costs_of(pair) if read_costs is None else read_costs,
-                               remote=remote, mode=mode, policy=policy)  # fmt: skip
+                               remote=remote, mode=mode, policy=policy,
+                               retention=retention)  # fmt: skip
 
     # -- settings and state, kept by the parts ------------------------------------------------
 
@@ -128,6 +131,8 @@ class Session:
                    "(mlx_kvlingo/config.py), its reader resolved ('auto' with a forward "
                    "translator, else 'self'); change it with dataclasses.replace")  # fmt: skip
     read_costs = _kept("catchup", "read_costs", "what reading costs on this pair (reader auto)")
+    retention = _kept("catchup", "retention", "what the forward translator keeps of the content "
+                      "by length under this policy (reader auto; retention.py)")  # fmt: skip
     tokens = _kept("transcript", "tokens", "the conversation's token ids")
     messages = _kept("transcript", "messages", "the role/content dicts of the conversation")
     system_prompt = _kept("transcript", "system_prompt", "the system message (reset keeps it)")
@@ -416,6 +421,7 @@ class Session:
         finish_reason) and returns the predicted paths (None where no prediction applies)."""
         catchup = self.catchup
         small, stats.read_note, paths = catchup.choice(name, n0 - 1)
+        stats.retention = catchup.retention_at(n0 - 1) if name == "target" else None
         if paths is not None:  # what was predicted for the path taken
             stats.predicted_ttft_s = (paths.small if small else paths.large)(self.read_costs)
         upto = n0 - 1  # the answering model reads at least the last token itself

@@ -44,6 +44,24 @@ def manifest(pair: str = "dense") -> dict:
     return m[pair]
 
 
+def shipped_retention(weights: str, large_reads_last: int, recompute_share: float) -> dict | None:
+    """The content retention a demo pair's default forward translator ships with (manifest
+    `default.retention`: {"weights", "large_reads_last", "recompute_share", "points",
+    "source"}), where its weight fingerprint and reader settings match; else None."""
+    for pair in PAIRS:
+        try:
+            r = manifest(pair)["default"].get("retention")
+        except (FileNotFoundError, KeyError, ValueError):
+            continue
+        if r and (r.get("weights"), r.get("large_reads_last"), r.get("recompute_share")) == (
+            weights,
+            large_reads_last,
+            recompute_share,
+        ):
+            return r
+    return None
+
+
 def default_source(pair: str = "dense") -> str:
     """The demo source (a `weights/` folder) the pair's default translators read."""
     try:
