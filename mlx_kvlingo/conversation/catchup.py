@@ -25,12 +25,11 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.budget import AheadBudget
 from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats
-from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.timing import Paths, ReadCosts
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy
@@ -39,6 +38,9 @@ from mlx_kvlingo.kv.recompute import Selection, recompute_attended, sentence_end
 from mlx_kvlingo.kv.translate import append_translation
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import LoadedModel, ModelPair
+
+if TYPE_CHECKING:  # annotations only: retention.py reads the cache folder
+    from mlx_kvlingo.conversation.retention import Retention
 
 import mlx.core as mx
 

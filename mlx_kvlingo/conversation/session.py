@@ -38,6 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlx_kvlingo.config import READERS, ReaderPolicy
 from mlx_kvlingo.conversation import persistence
@@ -51,12 +52,14 @@ from mlx_kvlingo.conversation.records import (
     TurnStats,
     role,
 )
-from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.timing import Paths, ReadCosts, costs_of
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.translator import Side, Translator
 from mlx_kvlingo.models.pair import ModelPair
+
+if TYPE_CHECKING:  # annotations only: retention.py reads the cache folder
+    from mlx_kvlingo.conversation.retention import Retention
 
 import mlx.core as mx
 from mlx_lm import stream_generate
