@@ -1,7 +1,7 @@
 """What the measuring commands write, in one place: the machine and software a result was
 measured on, the command that made it, JSON result files, markdown tables and headless
-matplotlib figures. `bench`, `conversation_bench`, `compare` and `content` build their own
-results and tables; the pieces they share live here.
+matplotlib figures. `bench`, `conversation_bench`, `startup`, `compare` and `content` build
+their own results and tables; the pieces they share live here.
 
 Contracts:
 - `machine_info()` and `software_info()` describe this process now (the load average too:
@@ -9,6 +9,7 @@ Contracts:
 - `write_json` writes `jsonable(result)`: keys as strings, tuples as lists, numpy scalars as
   Python numbers, NaN and infinities as null (strict JSON), anything else unknown as its
   `str`; indented by one space, with a final newline;
+- `write` puts a run's files in its folder: NAME.json, NAME.md and, given a plot, its figure;
 - `md_table` rows are `| a | b |` lines under a header and a rule of `---` (left) or `---:`
   (right) per column, as GitHub renders them; cells are written as given;
 - `pyplot()` selects the Agg backend before pyplot is imported (no display needed), and
@@ -118,11 +119,18 @@ def command_line() -> str:
 # -- files ---------------------------------------------------------------------------------------
 
 
-def output_files(out_dir: str | Path, **names: str) -> dict[str, Path]:
-    """`out_dir` (created) / each file name, by role: output_files(d, json="bench.json")."""
+def write(out_dir: str | Path, name: str, result, markdown: str, plot=None,
+          figure: str | None = None) -> dict[str, Path]:  # fmt: skip
+    """`out_dir` (created) / NAME.json (`write_json(result)`), NAME.md (`markdown`) and, with
+    `plot(result, path)`, its figure (`figure`, default NAME.png); the paths by role ("json",
+    "markdown", "plot")."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return {role: out / name for role, name in names.items()}
+    paths = {"json": write_json(result, out / f"{name}.json"), "markdown": out / f"{name}.md"}
+    paths["markdown"].write_text(markdown)
+    if plot is not None:
+        paths["plot"] = plot(result, out / (figure or f"{name}.png"))
+    return paths
 
 
 def jsonable(x):

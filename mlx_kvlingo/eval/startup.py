@@ -252,7 +252,5 @@ def _load(avg) -> str:
 
 
 def write_outputs(result: dict, out_dir) -> dict[str, Path]:
-    paths = report.output_files(out_dir, json="startup.json", markdown="startup.md")
-    report.write_json(result, paths["json"])
-    paths["markdown"].write_text(markdown(result))
-    return paths
+    """startup.json and startup.md in `out_dir`."""
+    return report.write(out_dir, "startup", result, markdown(result))
