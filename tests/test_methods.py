@@ -1,4 +1,4 @@
-"""Other cache hand-off methods: raw, quantized, DroidSpeak, SCD, and `kvlingo compare`."""
+"""Other cache hand-off methods: raw, quantized, DroidSpeak, SCD (REUSE), and `kvlingo compare`."""
 
 import json
 
@@ -127,61 +127,6 @@ def test_scd_factors_equal_known_answer_float64(tiny_dir, text_file):
     np.testing.assert_allclose(np.array(tr.key["bias"]), 0, atol=1e-3)
 
 
-def test_scd_patch_exact_with_full_code(known_pair, data):
-    """Source and known target share every hidden state: a full-rank patch code regenerates
-    the target's own K/V at the patched layers; patched layers are exact even on top of a
-    poor low-rank REUSE elsewhere."""
-    train, held = data
-    (low,) = scd.fit_reuse(known_pair, train[:40], [(4, 4)])
-    samples = scd._hidden_samples(known_pair, train[:20], [(1, 1), (2, 2)], scd.ScdConfig())
-    cfg = scd.ScdConfig(hidden_rank=64, steps=20, alpha=1e-8)
-    patches = {t: scd.train_patch(*samples[t, t], t, cfg) for t in (1, 2)}
-    patched = scd.SCD(low.source, low.target, low.layer_map, low.reuse, patches)
-    assert all(p.report["rel_mse"] < 1e-6 for p in patches.values())
-    span = capture_span(known_pair.source, list(held[0].prefix), points=patched.needs_hidden)
-    keys, values = patched.translate(span, known_pair.target)
-    cache = new_cache(known_pair.target)
-    known_pair.target.model(mx.array(list(held[0].prefix))[None], cache=cache)
-    for t in (1, 2):
-        np.testing.assert_allclose(np.array(keys[t]), np.array(cache[t].keys[..., : span.length, :]), atol=1e-3)  # fmt: skip
-        np.testing.assert_allclose(np.array(values[t]), np.array(cache[t].values[..., : span.length, :]), atol=1e-3)  # fmt: skip
-
-
-# -- selection ---------------------------------------------------------------------------------
-
-
-def test_greedy_patch_selection_constructed_case():
-    """Six layers. Layers 1 and 2 fix the same error (+5 each, +5 together); layer 4 fixes
-    another (+4); layer 5 is worth +6 but costs 4 units; layer 0 gives +1; layer 3 alone gives
-    nothing but +3 on top of layer 4 (outside the pool, restore-one never sees it).
-
-    Hand analysis, pool of 4 and budget 3 units: the restore-one pool is {5, 1, 2, 4} (gains
-    6, 5, 5, 4). Greedy by gain per unit cost: round 1 takes 1 (5/1; 2 ties and comes later),
-    round 2 takes 4 (2 now gains 0, 5 gives 6/4 = 1.5 < 4), round 3 can afford no more than 1
-    unit: 2 gains 0 and 5 does not fit: stop at [1, 4]. Summing restore-one gains instead would
-    take 1 and 2 (5 + 5) and waste a slot."""
-
-    def quality(s):
-        q = 0.0
-        q += 5 if s & {1, 2} else 0
-        q += 4 if 4 in s else 0
-        q += 6 if 5 in s else 0
-        q += 1 if 0 in s else 0
-        q += 3 if {3, 4} <= s else 0
-        return q
-
-    cost = {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 4}.__getitem__
-    pool, gains = scd.restore_one_pool(range(6), quality, size=4)
-    assert pool == [5, 1, 2, 4] and gains[3] == 0
-    chosen, history = scd.greedy_select(pool, quality, cost, budget=3)
-    assert chosen == [1, 4]
-    assert [h["quality"] for h in history] == [0, 5, 9]
-    # with more budget the expensive layer comes in, and the redundant one never does
-    chosen, _ = scd.greedy_select(pool, quality, cost, budget=10)
-    assert chosen == [1, 4, 5]
-    assert scd.greedy_select(pool, quality, cost, max_layers=1)[0] == [1]
-
-
 def test_droidspeak_profiling_finds_the_changed_layers(tiny_dir, models, data, tmp_path):
     """Target = source with layers 2 and 3 changed: recomputing block [2, 4) is exact and the
     profiling must find it; the 1-layer block must start at 2 (where the change begins)."""
@@ -241,10 +186,7 @@ def test_quantized_wire(same_pair, known_pair, data):
 
 def _all_methods(same_pair, known_pair, data, answer):
     train, _ = data
-    (s,) = scd.fit_reuse(known_pair, train[:30], [(8, 16)])
-    samples = scd._hidden_samples(known_pair, train[:5], [(3, 3)], scd.ScdConfig())
-    s = scd.SCD(s.source, s.target, s.layer_map, s.reuse,
-                {3: scd.train_patch(*samples[3, 3], 3, scd.ScdConfig(steps=5))})  # fmt: skip
+    (s,) = scd.fit_reuse(known_pair, train[:30], [(8, 16)], native_first=True)
     kv = KVLingo(exact_translator(known_pair, answer))
     return [
         (same_pair, raw.calibrate(same_pair, native_first=True)),
@@ -291,9 +233,9 @@ def test_compare_command(tiny_dir, text_file, tmp_path):
     args = [
         "compare", "--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["known"]),
         "--data", str(text_file), "--min-prefix", "32", "--max-prefix", "96",
-        "--continuation", "8", "-n", "4", "--calib-examples", "40", "--select-examples", "2",
+        "--continuation", "8", "-n", "4", "--calib-examples", "40",
         "--nu", "1", "--bits", "4", "--droidspeak-layers", "1,4", "--scd-ranks", "0.25:0.5,1:1",
-        "--scd-patches", "1", "--scd-steps", "10", "--ttft-tokens", "32", "--trials", "1",
+        "--ttft-tokens", "32", "--trials", "1",
         "--json", str(out), "--plot", str(tmp_path / "cmp.png"),
         "--save-methods", str(tmp_path / "methods"),
     ]  # fmt: skip

@@ -13,7 +13,7 @@ records `k_proj`), and they arrive in `span.hidden`.
 | raw | `raw` | the source's K/V | identical KV geometry |
 | quantized | `quantized` | the inner method's input, b-bit groups | as its inner method |
 | DroidSpeak | `droidspeak` | source K/V outside a block + one hidden state | same architecture |
-| SCD | `scd` | a low-rank code per layer, hidden codes at patch layers | any pair |
+| SCD (REUSE) | `scd` | a low-rank code per layer | any pair |
 
 Files: linear methods use the translator file format (`format.save_translator` with a `method`
 metadata key); the others a safetensors file whose metadata key `kvlingo_method` holds JSON
@@ -33,7 +33,7 @@ from typing import Protocol, runtime_checkable
 from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.kv.anchor import with_native_first_layers
 from mlx_kvlingo.kv.cache import new_cache
-from mlx_kvlingo.kv.capture import OutputRecorder, SpanKV, prefill
+from mlx_kvlingo.kv.capture import SpanKV, prefill
 from mlx_kvlingo.kv.scoring import Prepared, mean_kl
 from mlx_kvlingo.kv.scoring import prepare as prepare_scored
 from mlx_kvlingo.kv.translator import Side, Translator
@@ -49,7 +49,7 @@ import mlx.core as mx
 import numpy as np
 
 WIRE_BYTES = 2  # unquantized tensors cross the wire as float16
-HIDDEN_POINTS = ("residual", "normed")  # a decoder layer's input, or its input_layernorm output
+HIDDEN_POINTS = ("residual",)  # a decoder layer's input
 SCHEMA = "mlx-kvlingo/method"
 SCHEMA_VERSION = 1
 META_KEY = "kvlingo_method"
@@ -109,27 +109,20 @@ class _InputRecorder:
 
 @contextmanager
 def recording(model, points: Sequence[tuple[str, int]]):
-    """Record hidden states at `points` of `model` (a LoadedModel) while the block runs."""
+    """Record the residual stream entering each layer of `points` (("residual", layer), ...)
+    of `model` (a LoadedModel) while the block runs."""
     recs: dict = {}
     layers = model.layers
     try:
-        for point, i in sorted(set(points), key=lambda p: (p[0] != "normed", p[1])):
-            if point == "normed":
-                recs[point, i] = OutputRecorder(layers[i].input_layernorm)
-                layers[i].input_layernorm = recs[point, i]
-            elif point == "residual":
-                recs[point, i] = _InputRecorder(layers[i])
-                layers[i] = recs[point, i]
-            else:
+        for point, i in sorted(set(points)):
+            if point not in HIDDEN_POINTS:
                 raise ValueError(f"unknown hidden point {point!r}; expected one of {HIDDEN_POINTS}")
+            recs[point, i] = _InputRecorder(layers[i])
+            layers[i] = recs[point, i]
         yield recs
     finally:
-        for (point, i), rec in reversed(list(recs.items())):
-            if point == "residual":
-                layers[i] = rec.inner
-        for (point, i), rec in recs.items():
-            if point == "normed":
-                layers[i].input_layernorm = rec.inner
+        for (_, i), rec in recs.items():
+            layers[i] = rec.inner
 
 
 def capture_span(model, tokens, cut: str = "post_norm", points=(), cache=None) -> SourceSpan:

@@ -116,14 +116,14 @@ def check(pair) -> None:
 
 
 def profile_blocks(
-    pair, prepared, sizes, stride: int = 1, progress: bool = False, native_first: bool = False
+    pair, prepared, sizes, progress: bool = False, native_first: bool = False
 ) -> dict[int, dict[int, float]]:
     """KL(native || DroidSpeak) for every block of each size in `sizes`: {size: {start: kl}}.
 
     `prepared` must carry the source's residual stream at every candidate start."""
     L = pair.target.geometry.layers
     side, hidden = Side.of(pair.target.geometry), pair.target.config["hidden_size"]
-    jobs = [(k, s) for k in sizes for s in range(0, L - k + 1, stride)]
+    jobs = [(k, s) for k in sizes for s in range(L - k + 1)]
     out: dict[int, dict[int, float]] = {k: {} for k in sizes}
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("droidspeak: profiling blocks", total=len(jobs))
@@ -135,9 +135,8 @@ def profile_blocks(
 
 
 def calibrate(
-    pair, examples, layers: int | list[int] = 2, stride: int = 1, progress: bool = False,
-    native_first: bool = False,
-) -> DroidSpeak | list[DroidSpeak]:  # fmt: skip
+    pair, examples, layers: int | list[int] = 2, progress: bool = False, native_first: bool = False
+) -> DroidSpeak | list[DroidSpeak]:
     """Pick, for each block size in `layers`, the block with the lowest KL on `examples`.
 
     Returns one DroidSpeak (an int `layers`) or a list (a list of sizes); profiling scores for
@@ -149,7 +148,7 @@ def calibrate(
         raise ValueError(f"block sizes must be within 1..{L}")
     points = [("residual", s) for s in range(L)]
     prepared = [prepare(pair, ex, "post_norm", points) for ex in examples]
-    scores = profile_blocks(pair, prepared, sizes, stride, progress, native_first)
+    scores = profile_blocks(pair, prepared, sizes, progress, native_first)
     out = []
     for k in sizes:
         best = min(scores[k], key=lambda s: (scores[k][s], s))
