@@ -94,8 +94,6 @@ def test_known_answer_translator_answers_as_native(pair, exact):
     for kind in KINDS:
         assert cells["translated"][kind][64]["rouge_l"] == 1.0
     assert _replies(res, "wrong") != _replies(res, "native")
-    result = to_json(res, pair)
-    assert {g["goal"].split(":")[0] for g in result["goals"]} >= {"fact @64", "summary @64"}
 
 
 def _maps(tr, kind):
@@ -256,7 +254,6 @@ def test_eval_task_content_cli(pair, exact, tiny_dir, tmp_path):
     result = json.loads(out.read_text())
     assert result["conditions"] == ["native", "translated", "chat", "small"]
     assert result["cells"]["chat"]["qa"]["64"]["rouge_l"] == 1.0
-    assert "chat: fact @64" in r.output
     misplaced = CliRunner().invoke(cli, ["eval", "--recompute", "0.5"])
     assert misplaced.exit_code != 0 and "go with --task content" in misplaced.output
 

@@ -66,7 +66,7 @@ def exact_on(pair, method, held, n=4):
 
 def test_raw_and_droidspeak_exact_on_identical_models(same_pair, data):
     _, held = data
-    exact_on(same_pair, raw.calibrate(same_pair), held)
+    exact_on(same_pair, raw.RawTransfer.for_pair(same_pair), held)
     for block in ((0, 1), (1, 3), (2, 4)):  # source == target: any recomputed block is exact
         exact_on(same_pair, droidspeak.DroidSpeak.for_pair(same_pair, block), held, n=2)
 
@@ -76,7 +76,7 @@ def test_droidspeak_full_block_exact_on_known_pair(known_pair, data):
     every layer from the source's layer-0 input is the target's own prefill."""
     _, held = data
     exact_on(known_pair, droidspeak.DroidSpeak.for_pair(known_pair, (0, 4)), held)
-    assert mean_kl(raw.calibrate(known_pair), known_pair,
+    assert mean_kl(raw.RawTransfer.for_pair(known_pair), known_pair,
                    [prepare(known_pair, ex) for ex in held[:2]]) > 0.1  # fmt: skip
 
 
@@ -99,7 +99,7 @@ def test_native_first_keeps_the_targets_first_token(known_pair, data):
     cache = new_cache(known_pair.target)
     known_pair.target.model(mx.array(prompt[:-1])[None], cache=cache)
     (full,) = scd.fit_reuse(known_pair, train[:60], [(None, None)], 1e-9, native_first=True)
-    for m in (raw.calibrate(known_pair, native_first=True), full):
+    for m in (raw.RawTransfer.for_pair(known_pair, native_first=True), full):
         span = capture_span(known_pair.source, prompt[:-1], m.key_cut, m.needs_hidden)
         keys, values = m.translate(span, known_pair.target)
         for layer in range(4):
@@ -164,14 +164,14 @@ def _model_like(tiny_dir, weights):
 def test_not_applicable_reasons(models):
     pair = load_pair(models["qwen3"], models["qwen3_moe"])
     with pytest.raises(NotApplicable, match="identical KV geometry.*4x2x32 vs 6x4x24"):
-        raw.calibrate(pair)
+        raw.RawTransfer.for_pair(pair)
     with pytest.raises(NotApplicable, match="same architecture"):
         droidspeak.calibrate(pair, [])
 
 
 def test_quantized_wire(same_pair, known_pair, data):
     _, held = data
-    r = raw.calibrate(same_pair)
+    r = raw.RawTransfer.for_pair(same_pair)
     q4, q8 = quantized.Quantized(r, 4, 32), quantized.Quantized(r, 8, 32)
     assert r.wire_bytes_per_token() == 4 * 2 * 64 * 2
     assert q4.wire_bytes_per_token() == pytest.approx(4 * 2 * 64 * (0.5 + 4 / 32))
@@ -189,8 +189,8 @@ def _all_methods(same_pair, known_pair, data, answer):
     (s,) = scd.fit_reuse(known_pair, train[:30], [(8, 16)], native_first=True)
     kv = KVLingo(exact_translator(known_pair, answer))
     return [
-        (same_pair, raw.calibrate(same_pair, native_first=True)),
-        (same_pair, quantized.Quantized(raw.calibrate(same_pair), 4, 32)),
+        (same_pair, raw.RawTransfer.for_pair(same_pair, native_first=True)),
+        (same_pair, quantized.Quantized(raw.RawTransfer.for_pair(same_pair), 4, 32)),
         (known_pair, kv),
         (known_pair, quantized.Quantized(kv, 8, 32)),
         (known_pair, droidspeak.DroidSpeak.for_pair(known_pair, (1, 3), native_first=True)),

@@ -112,7 +112,6 @@ def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, conso
         Chat,
         evaluate_content,
         fitting_tasks,
-        goals,
         plot,
         tables,
         to_json,
@@ -133,10 +132,6 @@ def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, conso
                      {"translator": label, "seed": seed, "lengths": lengths})  # fmt: skip
     for t in tables(result):
         console.print(t)
-    for name in conditions:
-        for g in goals(result["cells"], name):
-            mark = "[green]met[/green]" if g["met"] else "[red]not met[/red]"
-            console.print(f"  {name}: {g['goal']}: {g['value']:.2f} {mark}")
     if json_out:
         report.write_json(result, json_out)
     if plot_out:

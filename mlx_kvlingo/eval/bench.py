@@ -533,8 +533,7 @@ def _length_summary(n: int, raw: dict, tr: Translator, answer_tokens: int,
 def run_side_by_side(loaders: Sequence[tuple[str, Callable[[], tuple]]], lengths: Sequence[int],
                      *, log: Callable[[str], None] = print, **bench_kwargs) -> dict:  # fmt: skip
     """`run_bench` on each pair in turn, one after another in this process (each loaded by its
-    loader, () -> (pair, translator, info), and freed after); every pair's results and one
-    summary row per pair and length (`side_by_side_rows`)."""
+    loader, () -> (pair, translator, info), and freed after); every pair's results."""
     started = time.perf_counter()
     out = {
         "schema": SIDE_BY_SIDE_SCHEMA,
@@ -553,37 +552,11 @@ def run_side_by_side(loaders: Sequence[tuple[str, Callable[[], tuple]]], lengths
         del pair, translator
         gc.collect()
         mx.clear_cache()
-    out["summary"] = side_by_side_rows(out)
     out["elapsed_s"] = time.perf_counter() - started
     return out
 
 
-def side_by_side_rows(results: dict) -> list[dict]:
-    """Per pair and length, the figures set side by side: translation against the same-run
-    GEMM and against one target decode step, the switch speed-ups with and without the small
-    model's prefill, and the source's prefill against the target's."""
-    rows = []
-    for name, r in results["pairs"].items():
-        for key, v in r["lengths"].items():
-            d, med = v["derived"], {p: s["median"] for p, s in v["stats"].items()}
-            rows.append({
-                "pair": name, "tokens": int(key), "translation_ms": 1e3 * med["translate"],
-                "gemm_ms": 1e3 * med["gemm"], "efficiency": d["gemm_efficiency"],
-                "translation_vs_target_step": d["translation_vs_target_step"],
-                "gemm_vs_target_step": d["gemm_vs_target_step"],
-                "switch_speedup": d["switch_speedup"], "end_to_end_speedup": d["end_to_end_speedup"],
-                "source_vs_target_prefill": med["source_prefill"] / med["target_prefill"],
-            })  # fmt: skip
-    return rows
-
-
 # -- outputs -------------------------------------------------------------------------------
-
-
-def _machine_line(m: dict, sw: dict) -> str:
-    return (f"{m['backend']} · {m['cpu']} ({m['cpu_count']} cores, {m['memory_GB']} GB) · "
-            f"BLAS {m['blas']} · mlx {sw['mlx']} · mlx-lm {sw['mlx-lm']} · {m['os']}"
-            + (f" · commit {sw['commit']}" if sw.get("commit") else ""))  # fmt: skip
 
 
 def _ms(s: dict) -> str:
@@ -599,10 +572,6 @@ def _rate(x: float) -> str:
     return {0.0: "none (never cheaper)", 1.0: "1.00 (all rates)"}.get(x, f"{x:.2f}")
 
 
-def _load(x) -> str:
-    return "n/a" if not x else "/".join(f"{v:.1f}" for v in x)
-
-
 def markdown_report(results: dict) -> str:
     """llama-bench-style tables (mean ± std over trials), derived figures, the policies."""
     p, m, st = results["pair"], results["machine"], results["settings"]
@@ -614,10 +583,10 @@ def markdown_report(results: dict) -> str:
         f"{tr['variant']} nu={tr['nu'][0]} {tr['key_cut']} {tr['dtype']}"
         + (f" ({p['translator_weights']})" if p.get("translator_weights") else "")
         + f" · models {p['source']['dtype']}/{p['target']['dtype']}",
-        _machine_line(m, results["software"]),
+        report.machine_line(m, results["software"]),
         f"{st['trials']} trials after {st['warmup']} warm-up round(s) at every length; load "
-        f"average at start {_load(m.get('load_average'))}, at end "
-        f"{_load(m.get('load_average_end'))}; {base:.2f} GB resident before the run (weights)",
+        f"average at start {report.load_text(m.get('load_average'))}, at end "
+        f"{report.load_text(m.get('load_average_end'))}; {base:.2f} GB resident before the run (weights)",
         "",
         *md_table(("path", "phase", "test", "ms", "t/s", "median ms", "peak GB (+ over resident)"),
                   "lllrrrr"),
@@ -637,22 +606,7 @@ def markdown_report(results: dict) -> str:
                 _ms(s), _tps(v["trials"][phase], PHASES[phase][1](n)), f"{1e3 * s['median']:.2f}",
                 f"{peak:.2f} (+{max(0.0, peak - base):.2f})",
             )))  # fmt: skip
-    out += ["", "## Derived (medians)", "",
-            *md_table(("n", "switch speed-up R/X", "end-to-end R/(P+X)",
-                       "translation (GEMM) / target step", "translation / target prefill",
-                       "translation GFLOP/s", "GB/s", "GEMM GFLOP/s", "GB/s",
-                       "efficiency vs GEMM"), "r" * 10)]  # fmt: skip
-    for key, v in lengths.items():
-        d = v["derived"]
-        sp, e2 = d["switch_speedup_trials"], d["end_to_end_speedup_trials"]
-        out.append(md_row((
-            key, f"{d['switch_speedup']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})",
-            f"{d['end_to_end_speedup']:.2f}x ({e2['min']:.2f}–{e2['max']:.2f})",
-            f"{100 * d['translation_vs_target_step']:.1f}% ({100 * d['gemm_vs_target_step']:.1f}%)",
-            f"{100 * d['translation_vs_target_prefill']:.1f}%", f"{d['translate_gflops']:.1f}",
-            f"{d['translate_gbs']:.2f}", f"{d['gemm_gflops']:.1f}", f"{d['gemm_gbs']:.2f}",
-            f"{100 * d['gemm_efficiency']:.0f}%",
-        )))  # fmt: skip
+    out += ["", "## Derived (medians)", "", *derived_table({"": results})]
     reading = results.get("map_reading")
     if reading:
         out += ["", "Map reading measured at the start: " + ", ".join(
@@ -687,31 +641,45 @@ def markdown_report(results: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+def derived_table(pairs: dict[str, dict]) -> list[str]:
+    """The figures derived per length (medians), for each pair's `run_bench` results by name
+    (a pair column where they are named): the switch speed-ups with and without the small
+    model's prefill, the translation against one target decode step (the same-run GEMM of its
+    matmuls alone beside it: its floor) and against the target's prefill, and its throughput
+    and efficiency against that GEMM."""
+    named = any(pairs)
+    out = md_table((*(["pair"] if named else []), "n", "switch speed-up R/X",
+                    "end-to-end R/(P+X)", "translation (GEMM) / target step",
+                    "translation / target prefill", "translation GFLOP/s", "GB/s",
+                    "GEMM GFLOP/s", "GB/s", "efficiency vs GEMM"),
+                   "l" * named + "r" * 10)  # fmt: skip
+    for name, results in pairs.items():
+        for key, v in results["lengths"].items():
+            d = v["derived"]
+            sp, e2 = d["switch_speedup_trials"], d["end_to_end_speedup_trials"]
+            out.append(md_row((
+                *([name] if named else []), key,
+                f"{d['switch_speedup']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})",
+                f"{d['end_to_end_speedup']:.2f}x ({e2['min']:.2f}–{e2['max']:.2f})",
+                f"{100 * d['translation_vs_target_step']:.1f}% ({100 * d['gemm_vs_target_step']:.1f}%)",
+                f"{100 * d['translation_vs_target_prefill']:.1f}%", f"{d['translate_gflops']:.1f}",
+                f"{d['translate_gbs']:.2f}", f"{d['gemm_gflops']:.1f}", f"{d['gemm_gbs']:.2f}",
+                f"{100 * d['gemm_efficiency']:.0f}%",
+            )))  # fmt: skip
+    return out
+
+
 def side_by_side_markdown(results: dict) -> str:
-    """One row per pair and length (`side_by_side_rows`)."""
+    """The derived figures of every pair in one table (`derived_table`)."""
     lines = [
         "# Translation on several pairs, side by side",
         "",
-        _machine_line(results["machine"], results["software"]),
+        report.machine_line(results["machine"], results["software"]),
         f"`{results.get('command', '')}` · one pair after another in this process · "
-        f"{results.get('elapsed_s', 0) / 60:.1f} min",
+        f"{results.get('elapsed_s', 0) / 60:.1f} min; each pair's full results in its folder",
         "",
-        "Efficiency = same-run plain GEMM of the translator's shapes / the whole translation "
-        "(maps, k_norm, RoPE, cast, cache writes); beside translation / target step, the GEMM's "
-        "own share: its floor. Each pair's full results are in its own folder.",
-        "",
-        *md_table(("pair", "n", "translation ms", "GEMM ms", "efficiency",
-                   "translation (GEMM) / target step", "switch R/X", "end-to-end R/(P+X)",
-                   "source / target prefill"), "lrrrrrrrr"),
-    ]  # fmt: skip
-    for row in results["summary"]:
-        lines.append(md_row((
-            row["pair"], row["tokens"], f"{row['translation_ms']:.2f}", f"{row['gemm_ms']:.2f}",
-            f"{100 * row['efficiency']:.0f}%",
-            f"{100 * row['translation_vs_target_step']:.1f}% ({100 * row['gemm_vs_target_step']:.1f}%)",
-            f"{row['switch_speedup']:.2f}x", f"{row['end_to_end_speedup']:.2f}x",
-            f"{100 * row['source_vs_target_prefill']:.0f}%",
-        )))  # fmt: skip
+        *derived_table(results["pairs"]),
+    ]
     return "\n".join(lines) + "\n"
 
 

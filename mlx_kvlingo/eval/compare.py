@@ -95,7 +95,7 @@ def calibrate_all(pair, train, cfg: CompareConfig, extra=(), progress=True, log=
                              KVLingo(tr, f"kvlingo nu={nu}"), calibrate_s=s))  # fmt: skip
         entries += kvl if "kvlingo" in cfg.methods else []
     try:
-        rawm, why = raw.calibrate(pair, native_first=NATIVE_FIRST), ""
+        rawm, why = raw.RawTransfer.for_pair(pair, NATIVE_FIRST), ""
     except NotApplicable as e:
         rawm, why = None, str(e)
     if "raw" in cfg.methods:

@@ -40,8 +40,6 @@ SCHEMA = "mlx-kvlingo/content-eval"
 #: greedy tokens each kind may answer with
 MAX_TOKENS = {"fact": 20, "copy": 40, "qa": 40, "summary": 40}
 EXACT_KINDS = ("fact", "copy")
-#: goals for the default translator (issue 26): retained facts/copies by read length, and recall
-GOAL_RETAINED_SHORT, GOAL_RETAINED_LONG, LONG_FROM, GOAL_RECALL = 0.8, 0.6, 1024, 0.7
 PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
 
 _NON_WORD = re.compile(r"[^a-z0-9]+")
@@ -307,32 +305,11 @@ def evaluate_content(pair, tasks: Sequence[ContentTask], conditions: dict, small
     return res
 
 
-def goals(cells: dict, label: str = "translated") -> list[dict]:
-    """Issue 26's goals for `label`: met or not, with the distance."""
-    out = []
-    tr, small = cells.get(label, {}), cells.get("small", {})
-    for kind, by_len in tr.items():
-        for length, s in by_len.items():
-            if kind in EXACT_KINDS:
-                goal = GOAL_RETAINED_LONG if length >= LONG_FROM else GOAL_RETAINED_SHORT
-                what = "retained"
-            else:
-                goal, what = GOAL_RECALL, "recall"
-            out.append({"goal": f"{kind} @{length}: {what} >= {goal}", "value": s["score"],
-                        "met": s["score"] >= goal})  # fmt: skip
-            sm = small.get(kind, {}).get(length)
-            if sm is not None:
-                out.append({"goal": f"{kind} @{length}: above small ({sm['score']:.2f})",
-                            "value": s["score"], "met": s["score"] > sm["score"]})  # fmt: skip
-    return out
-
-
 def to_json(res: ContentResult, pair, extra: dict | None = None) -> dict:
     cells = res.cells()
     return {"schema": SCHEMA, "pair": {"source": pair.source.name, "target": pair.target.name},
-            "conditions": res.conditions, "cells": cells,
-            "goals": goals(cells) if "translated" in cells else [],
-            "records": res.records, **(extra or {})}  # fmt: skip
+            "conditions": res.conditions, "cells": cells, "records": res.records,
+            **(extra or {})}  # fmt: skip
 
 
 def _fmt(x: float) -> str:

@@ -263,8 +263,8 @@ def markdown_report(result: dict) -> str:
         f"{cfg['turns']} turns, user turns of {', '.join(map(str, cfg['user_lengths']))} tokens "
         f"(cycled), answers of {cfg['answer_tokens']} tokens · cascade escalates "
         f"{cfg['escalation_rate']:.0%} (turns {result['escalated_turns']}) · backward translator: "
-        f"{'yes' if result['backward'] else 'no (the small re-reads the large answers)'} · "
-        f"{result['machine']['backend']} · mlx {result['software']['mlx']}",
+        f"{'yes' if result['backward'] else 'no (the small re-reads the large answers)'}",
+        report.machine_line(result["machine"], result["software"]),
         "",
         *md_table(("turn", "user tok", *(f"{p} TTFT ms" for p in policies), "small read ms",
                    "translate ms", *(f"{p} total ms" for p in policies)),

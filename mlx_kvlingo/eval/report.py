@@ -111,6 +111,18 @@ def git_commit() -> str | None:
         return None
 
 
+def machine_line(m: dict, sw: dict) -> str:
+    """One line naming the machine and software of `machine_info()` and `software_info()`."""
+    return (f"{m['backend']} · {m['cpu']} ({m['cpu_count']} cores, {m['memory_GB']} GB) · "
+            f"BLAS {m['blas']} · mlx {sw['mlx']} · mlx-lm {sw['mlx-lm']} · {m['os']}"
+            + (f" · commit {sw['commit']}" if sw.get("commit") else ""))  # fmt: skip
+
+
+def load_text(avg) -> str:
+    """A load average as 1.2/0.8/0.5 ("n/a" where there is none)."""
+    return "n/a" if not avg else "/".join(f"{x:.1f}" for x in avg)
+
+
 def command_line() -> str:
     """This process's command line, the program by its file name."""
     return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])

@@ -93,8 +93,3 @@ class Quantized:
         inner_t = {k[len("inner.") :]: v for k, v in tensors.items() if k.startswith("inner.")}
         inner = kinds[meta["inner"]["method"]].from_state(inner_t, meta["inner"])
         return cls(inner, meta["bits"], meta["group_size"])
-
-
-def calibrate(pair, inner, bits: int = 4, group_size: int = 64, **_) -> Quantized:
-    """Nothing to learn beyond the inner method (calibrated on unquantized data)."""
-    return Quantized(inner, bits, group_size)

@@ -67,8 +67,3 @@ class RawTransfer:
     @classmethod
     def from_state(cls, tensors: dict, meta: dict) -> RawTransfer:
         return cls(Side(**meta["side"]), meta.get("native_first", False))
-
-
-def calibrate(pair, examples=(), native_first: bool = False, **_) -> RawTransfer:
-    """Nothing to learn; raises NotApplicable when the geometries differ."""
-    return RawTransfer.for_pair(pair, native_first)
