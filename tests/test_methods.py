@@ -10,7 +10,6 @@ from mlx_kvlingo.eval.methods import (
     NotApplicable,
     capture_span,
     droidspeak,
-    load_method,
     mean_kl,
     prepare,
     quantized,
@@ -18,7 +17,7 @@ from mlx_kvlingo.eval.methods import (
     scd,
 )
 from mlx_kvlingo.kv.cache import append_kv, new_cache
-from mlx_kvlingo.models.files import load_translator
+from mlx_kvlingo.models.files import save_translator
 from mlx_kvlingo.models.pair import load_model, load_pair
 
 import mlx.core as mx
@@ -158,7 +157,7 @@ def _model_like(tiny_dir, weights):
     return model
 
 
-# -- applicability, quantization, files ------------------------------------------------------
+# -- applicability, quantization ------------------------------------------------------------
 
 
 def test_not_applicable_reasons(models):
@@ -184,66 +183,31 @@ def test_quantized_wire(same_pair, known_pair, data):
     assert 0 < err < float(mx.abs(span.keys).max()) / 4
 
 
-def _all_methods(same_pair, known_pair, data, answer):
-    train, _ = data
-    (s,) = scd.fit_reuse(known_pair, train[:30], [(8, 16)], native_first=True)
-    kv = KVLingo(exact_translator(known_pair, answer))
-    return [
-        (same_pair, raw.RawTransfer.for_pair(same_pair, native_first=True)),
-        (same_pair, quantized.Quantized(raw.RawTransfer.for_pair(same_pair), 4, 32)),
-        (known_pair, kv),
-        (known_pair, quantized.Quantized(kv, 8, 32)),
-        (known_pair, droidspeak.DroidSpeak.for_pair(known_pair, (1, 3), native_first=True)),
-        (known_pair, s),
-    ]
-
-
-def test_every_method_round_trips_its_file(tiny_dir, same_pair, known_pair, data, tmp_path):
-    _, held = data
-    methods = _all_methods(same_pair, known_pair, data, tiny_dir["known_answer"])
-    for i, (pair, m) in enumerate(methods):
-        path = m.save(tmp_path / f"{i}.safetensors", pair)
-        back = load_method(path, pair)
-        assert type(back) is type(m) and back.label() == m.label()
-        assert back.wire_bytes_per_token() == m.wire_bytes_per_token()
-        assert back.nbytes() == m.nbytes()
-        assert getattr(back, "native_first", None) == getattr(m, "native_first", None)
-        span = capture_span(pair.source, list(held[1].prefix), m.key_cut, m.needs_hidden)
-        for a, b in zip(m.translate(span, pair.target), back.translate(span, pair.target)):
-            for x, y in zip(a, b):
-                np.testing.assert_array_equal(np.array(x), np.array(y))
-    # linear methods stay readable by the translator loader
-    load_translator(tmp_path / "3.safetensors", known_pair)
-    with pytest.raises(ValueError, match="wrong model pair"):
-        load_method(
-            tmp_path / "5.safetensors",
-            load_pair(same_pair.source, load_model(tiny_dir["qwen3_moe"])),
-        )
-
-
 # -- the comparison ------------------------------------------------------------------------------
 
 
-def test_compare_command(tiny_dir, text_file, tmp_path):
+def test_compare_command(tiny_dir, known_pair, text_file, tmp_path):
     from mlx_kvlingo.cli import cli
 
     from click.testing import CliRunner
 
     out = tmp_path / "cmp.json"
+    exact = save_translator(exact_translator(known_pair, tiny_dir["known_answer"]),
+                            tmp_path / "exact.safetensors", known_pair)  # fmt: skip
     args = [
         "compare", "--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["known"]),
         "--data", str(text_file), "--min-prefix", "32", "--max-prefix", "96",
         "--continuation", "8", "-n", "4", "--calib-examples", "40",
         "--nu", "1", "--bits", "4", "--droidspeak-layers", "1,4", "--scd-ranks", "0.25:0.5,1:1",
         "--ttft-tokens", "32", "--trials", "1",
-        "--json", str(out), "--plot", str(tmp_path / "cmp.png"),
-        "--save-methods", str(tmp_path / "methods"),
+        "--json", str(out), "--plot", str(tmp_path / "cmp.png"), "--translator", str(exact),
     ]  # fmt: skip
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
     result = json.loads(out.read_text())
     rows = {r["label"]: r for r in result["rows"]}
     assert rows["native (target re-prefill)"]["kl_native"] == 0
+    assert rows[f"kvlingo file {exact}"]["kl_native"] < 1e-4  # a translator file, as a method
     assert rows["raw"]["kl_native"] > 0.1  # the known target's cache layout differs
     ds = [r for r in result["rows"] if r["family"] == "droidspeak"]
     assert len(ds) == 2 and min(r["kl_native"] for r in ds) < 1e-4  # all 4 layers: exact
@@ -252,7 +216,6 @@ def test_compare_command(tiny_dir, text_file, tmp_path):
     assert all("switch_ttft_s" in r and "wire_bytes_per_token" in r for r in result["rows"]
                if r["family"] != "reference")  # fmt: skip
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
-    assert json.loads((tmp_path / "methods" / "manifest.json").read_text())["rows"]
     # a pair with different geometry lists raw and DroidSpeak as not applicable
     res = CliRunner().invoke(cli, [
         "compare", "--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["qwen3_moe"]),

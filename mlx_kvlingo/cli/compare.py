@@ -13,21 +13,19 @@ from mlx_kvlingo.cli._common import (
     source_option,
     target_option,
 )
-from mlx_kvlingo.cli._params import IntList, OutputFile, OutputFolder
+from mlx_kvlingo.cli._params import IntList, OutputFile
 from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.compare import (
     FAMILIES,
     CompareConfig,
-    Entry,
     calibrate_all,
-    load_methods,
     plot,
     run_compare,
-    save_methods,
     table,
 )
-from mlx_kvlingo.eval.methods import KVLingo, MethodFileError, load_method
+from mlx_kvlingo.eval.methods import KVLingo, load_method
+from mlx_kvlingo.models.files import TranslatorFileError
 from mlx_kvlingo.models.loading import load_models_and_translators
 from mlx_kvlingo.models.pair import TokenizerMismatchError
 
@@ -69,7 +67,7 @@ def _ranks(ctx, param, value: str) -> tuple[tuple[float, float], ...]:
     "translators",
     multiple=True,
     type=click.Path(exists=True),
-    help="A translator or method file to include (repeatable)",
+    help="A translator file to include (repeatable)",
 )
 @data_options(
     required=False,
@@ -105,13 +103,6 @@ def _ranks(ctx, param, value: str) -> tuple[tuple[float, float], ...]:
 @click.option("--json", "json_out", type=OutputFile(), help="Write the results here")
 @click.option("--plot", "plot_out", type=OutputFile(),
               help="Write the quality-latency Pareto plot (PNG) here")  # fmt: skip
-@click.option("--save-methods", "save_dir", type=OutputFolder(),
-              help="Save every calibrated method here (with manifest.json)")  # fmt: skip
-@click.option("--load-methods", "load_dir", type=click.Path(file_okay=False, exists=True),
-              help="Use methods saved by --save-methods instead of calibrating")  # fmt: skip
-@click.option(
-    "--calibrate-only", is_flag=True, help="Calibrate and save (--save-methods), no scoring"
-)
 @click.option("--content", "content_per_kind", type=click.IntRange(min=1), default=None,
               help="Also the content benchmark (`kvlingo eval --task content`) for every method: "
                    "this many tasks per kind and read length")  # fmt: skip
@@ -119,20 +110,16 @@ def _ranks(ctx, param, value: str) -> tuple[tuple[float, float], ...]:
               help="Read lengths of the content benchmark, in tokens")  # fmt: skip
 def compare_cmd(source, target, demo_pair, translators, data_path, methods, examples, calib_examples,
                 nu, bits, droidspeak_layers, scd_ranks, ttft_tokens, trials, bandwidth, json_out,
-                plot_out, save_dir, load_dir, calibrate_only, content_per_kind, content_lengths,
-                **kw):  # fmt: skip
+                plot_out, content_per_kind, content_lengths, **kw):  # fmt: skip
     """Compare KV-Lingo, raw, quantized, DroidSpeak and SCD cache hand-off on one pair.
 
-    Each method is calibrated on the training split at several settings (or loaded with
-    --load-methods), scored on the same held-out examples and timed; methods that cannot serve
-    the pair are listed with the reason.
+    Each method is calibrated on the training split at several settings, scored on the same
+    held-out examples and timed; methods that cannot serve the pair are listed with the reason.
     """
     console = Console()
     if not console.is_terminal:  # a file or a pipe: room for the whole table
         console = Console(width=180)
     log = lambda msg: console.print(f"[dim]{msg}[/dim]")  # noqa: E731
-    if calibrate_only and not save_dir:
-        raise click.UsageError("--calibrate-only needs --save-methods DIR")
     demo = source is None and target is None
     if data_path is None and not demo:
         raise click.UsageError("--data is required with --source/--target")
@@ -144,7 +131,9 @@ def compare_cmd(source, target, demo_pair, translators, data_path, methods, exam
         else:
             demo_pair_of(source, target)
             pair, demo_tr, _ = load_models_and_translators(source, target)
-        extra = [(f"kvlingo file {p}", load_method(p, pair)) for p in translators]
+        extra = [
+            (f"kvlingo file {p}", load_method(p, pair, f"kvlingo file {p}")) for p in translators
+        ]
         examples_path = data_path
         if data_path is None:  # dialogues the demo never trained on, split in two
             from mlx_kvlingo.models.demo.pair import demo_data
@@ -152,12 +141,8 @@ def compare_cmd(source, target, demo_pair, translators, data_path, methods, exam
             examples_path, kw["heldout_fraction"] = demo_data()[1], 0.5
             log(f"demo data: {examples_path}, split in two by dialogue")
         train, held = load_examples(examples_path, pair.tokenizer, data_config(kw))
-        entries = load_methods(load_dir, pair) if load_dir else None
-    except (DataError, TokenizerMismatchError, MethodFileError, FileNotFoundError) as e:
+    except (DataError, TokenizerMismatchError, TranslatorFileError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
-    for label, m in extra:
-        if hasattr(m, "_label"):
-            m._label = label
     if demo_tr is not None:
         extra.insert(0, ("kvlingo demo translator", KVLingo(demo_tr, "kvlingo demo translator")))
     if not held:
@@ -168,15 +153,9 @@ def compare_cmd(source, target, demo_pair, translators, data_path, methods, exam
         calib_examples=calib_examples, eval_examples=examples, ttft_tokens=ttft_tokens,
         ttft_trials=trials, bandwidth_gbps=bandwidth,
     )  # fmt: skip
-    if entries is not None:
-        entries = [Entry("kvlingo", label, m) for label, m in extra] + entries
-    elif save_dir or content_per_kind:
+    entries = None  # --content scores the same calibrated methods
+    if content_per_kind:
         entries = calibrate_all(pair, train[:calib_examples], cfg, extra, True, log, fit_kvlingo)
-        if save_dir:
-            save_methods(entries, save_dir, pair)
-            log(f"saved {sum(e.method is not None for e in entries)} methods in {save_dir}")
-    if calibrate_only:
-        return
     result = run_compare(pair, train, held, cfg, extra, entries, True, log, fit_kvlingo)
     console.print(table(result))
     if content_per_kind:

@@ -13,7 +13,6 @@ quality-latency Pareto plot.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,7 +26,6 @@ from mlx_kvlingo.eval.methods import (
     capture_span,
     droidspeak,
     human_bytes,
-    load_method,
     quantized,
     raw,
     scd,
@@ -324,38 +322,4 @@ def plot(result: dict, path: str | Path) -> Path:
     return report.save_figure(fig, path)
 
 
-def save_methods(entries: list, folder: str | Path, pair=None) -> Path:
-    """Each calibrated method in its own file plus `manifest.json` (label -> file)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    manifest = {"rows": []}
-    for i, e in enumerate(entries):
-        row = {"family": e.family, "label": e.label, "calibrate_s": e.calibrate_s}
-        if e.method is None:
-            row["not_applicable"] = e.reason
-        else:
-            name = f"{i:02d}-{e.family}.safetensors"
-            e.method.save(folder / name, pair)
-            row["file"] = name
-        manifest["rows"].append(row)
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return folder
-
-
-def load_methods(folder: str | Path, pair=None) -> list:
-    folder = Path(folder)
-    manifest = json.loads((folder / "manifest.json").read_text())
-    out = []
-    for row in manifest["rows"]:
-        if "file" in row:
-            m = load_method(folder / row["file"], pair)
-            if isinstance(m, KVLingo):
-                m._label = row["label"]
-            out.append(Entry(row["family"], row["label"], m, calibrate_s=row["calibrate_s"]))
-        else:
-            out.append(Entry(row["family"], row["label"], reason=row["not_applicable"]))
-    return out
-
-
-__all__ = ["CompareConfig", "Entry", "calibrate_all", "plot", "run_compare", "save_methods",
-           "load_methods", "table", "time_all"]  # fmt: skip
+__all__ = ["CompareConfig", "Entry", "calibrate_all", "plot", "run_compare", "table", "time_all"]

@@ -15,8 +15,6 @@ token. Only for spans that start at position 0 (the block attends to the span al
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from mlx_kvlingo.eval.methods import (
     WIRE_BYTES,
     NotApplicable,
@@ -26,8 +24,6 @@ from mlx_kvlingo.eval.methods import (
     prepare,
     rotate_layers,
     same_architecture,
-    side_meta,
-    write_method_file,
 )
 from mlx_kvlingo.kv.translator import Side, target_dtype
 
@@ -90,23 +86,6 @@ class DroidSpeak:
 
     def nbytes(self) -> int:
         return 0  # the target's own weights do the work
-
-    def state(self, pair=None) -> tuple[dict, dict]:
-        meta = {
-            "method": "droidspeak", "side": self.side.as_dict(), "hidden_size": self.hidden_size,
-            "block": list(self.block), "profile": self.profile, "native_first": self.native_first,
-        }  # fmt: skip
-        if pair is not None:
-            meta |= {"source": side_meta(pair.source), "target": side_meta(pair.target)}
-        return {}, meta
-
-    def save(self, path, pair=None) -> Path:
-        return write_method_file(path, *self.state(pair))
-
-    @classmethod
-    def from_state(cls, tensors: dict, meta: dict) -> DroidSpeak:
-        return cls(Side(**meta["side"]), meta["hidden_size"], tuple(meta["block"]), meta["profile"],
-                   meta.get("native_first", False))  # fmt: skip
 
 
 def check(pair) -> None:

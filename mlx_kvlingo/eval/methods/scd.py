@@ -18,16 +18,8 @@ target's own k_proj / v_proj at a few greedily chosen layers) are not part of th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
-from mlx_kvlingo.eval.methods import (
-    WIRE_BYTES,
-    anchored,
-    as_float,
-    capture_span,
-    side_meta,
-    write_method_file,
-)
+from mlx_kvlingo.eval.methods import WIRE_BYTES, anchored, as_float, capture_span
 from mlx_kvlingo.kv.capture import layer_features
 from mlx_kvlingo.kv.translator import (
     Side,
@@ -69,12 +61,11 @@ class SCD:
     key_cut = "post_norm"
     needs_hidden = ()
 
-    def __init__(self, source: Side, target: Side, layer_map, reuse: dict, meta=None,
+    def __init__(self, source: Side, target: Side, layer_map, reuse: dict,
                  native_first: bool = False):  # fmt: skip
         self.source, self.target = source, target
         self.layer_map = [int(s) for s in layer_map]  # target layer -> source layer
         self.reuse = reuse  # kind -> {"mu_x", "enc", "dec", "mu_y"} stacked over target layers
-        self.meta = dict(meta or {})
         self._index = mx.array(self.layer_map)
         self.native_first = bool(native_first)
 
@@ -117,39 +108,7 @@ class SCD:
         return {"reuse_per_layer": rk + rv, "total": self.target.layers * (rk + rv)}
 
     def nbytes(self) -> int:
-        return sum(v.nbytes for v in self.tensors().values())
-
-    def tensors(self) -> dict:
-        return {f"reuse.{kind}.{k}": v for kind in KINDS for k, v in self.reuse[kind].items()}
-
-    def state(self, pair=None) -> tuple[dict, dict]:
-        meta = {
-            "method": "scd", "source_side": self.source.as_dict(), "target_side": self.target.as_dict(),
-            "layer_map": self.layer_map, "ranks": {"key": self.ranks[0], "value": self.ranks[1]},
-            "code_size_per_token": self.code_size_per_token(), "native_first": self.native_first,
-            **self.meta,
-        }  # fmt: skip
-        if pair is not None:
-            meta |= {"source": side_meta(pair.source), "target": side_meta(pair.target)}
-        return self.tensors(), meta
-
-    def save(self, path, pair=None) -> Path:
-        return write_method_file(path, *self.state(pair))
-
-    @classmethod
-    def from_state(cls, tensors: dict, meta: dict) -> SCD:
-        if meta.get("patches"):
-            raise ValueError("an SCD with PATCH layers (no longer read)")
-        reuse = {
-            kind: {k: tensors[f"reuse.{kind}.{k}"] for k in ("mu_x", "enc", "dec", "mu_y")}
-            for kind in KINDS
-        }
-        skip = {"method", "source_side", "target_side", "layer_map", "ranks", "patches",
-                "code_size_per_token", "source", "target", "schema", "schema_version",
-                "native_first"}  # fmt: skip
-        return cls(Side(**meta["source_side"]), Side(**meta["target_side"]), meta["layer_map"],
-                   reuse, {k: v for k, v in meta.items() if k not in skip},
-                   meta.get("native_first", False))  # fmt: skip
+        return sum(v.nbytes for kind in KINDS for v in self.reuse[kind].values())
 
     def to_translator(self) -> Translator:
         """The factors multiplied out: a KV-Lingo mixing translator with bias."""
@@ -222,6 +181,5 @@ def fit_reuse(pair, examples, ranks: Sequence[tuple[int | None, int | None]], al
                 for key, v in zip(("mu_x", "enc", "dec", "mu_y"), f):
                     parts[key].append(v)
             reuse[kind] = {k: mx.array(np.stack(v).astype(np.float32)) for k, v in parts.items()}
-        meta = {"calibration": {"reuse": {"examples": len(examples), "tokens": n, "alpha": alpha}}}
-        out.append(SCD(src, tgt, layer_map, reuse, meta=meta, native_first=native_first))
+        out.append(SCD(src, tgt, layer_map, reuse, native_first=native_first))
     return out
