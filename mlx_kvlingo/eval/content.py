@@ -97,26 +97,31 @@ def fitting_tasks(pair, texts: Sequence[str], lengths: Sequence[int], per_kind: 
                   seed: int = 0) -> list[ContentTask]:  # fmt: skip
     """`build_tasks` whose prompts leave room for the longest answer in the pair's context.
 
-    Prompts come within 5% of the length asked (whole sentences); a length where that could
-    overrun the context (8192 on the demo pair) is built shorter, to fit, and keeps the label
-    asked for (each record keeps its prompt's token count). The draws at shorter lengths are
-    those of `build_tasks`. A ValueError for lengths beyond the context."""
+    Prompts come within 5% of the length asked (whole sentences); a length whose prompts
+    overrun the room (8192 on the demo pair) is built again shorter, by what they overran, and
+    keeps the label asked for (each record keeps its prompt's token count). The draws at the
+    lengths left as asked are those of `build_tasks`. A ValueError for lengths beyond the
+    context, or two so near it that they would be built as one."""
     limit = min(m.context_length or 10**9 for m in (pair.source, pair.target))
     room = limit - max(MAX_TOKENS.values())
     asked = sorted(set(lengths))
     if asked[-1] > limit:
         raise ValueError(f"read lengths go up to the pair's context, {limit} tokens")
-    built = [n if n * 1.05 + 4 <= room else int((room - 4) / 1.05) for n in asked]
+    built = [min(n, room - 32) for n in asked]
     if len(set(built)) < len(built):
-        raise ValueError(f"read lengths within 5% of the context ({limit}) are one length: "
-                         f"give one of {[n for n, b in zip(asked, built) if b != n]}")  # fmt: skip
-    label = dict(zip(built, asked))
-    tasks = build_tasks(pair.tokenizer, texts, built, per_kind, seed=seed)
-    longest = max(len(t.tokens) for t in tasks)
-    if longest > room:
-        raise ValueError(f"a {longest}-token prompt leaves no room for its answer in the "
-                         f"pair's {limit}-token context")  # fmt: skip
-    return [replace(t, length=label[t.length]) for t in tasks]
+        raise ValueError(f"read lengths within 32 tokens of the room for an answer in the "
+                         f"context ({room}) are one length: give one of them")  # fmt: skip
+    for _ in range(5):
+        tasks = build_tasks(pair.tokenizer, texts, built, per_kind, seed=seed)
+        over = {}
+        for t in tasks:
+            over[t.length] = max(over.get(t.length, 0), len(t.tokens) - room)
+        if max(over.values()) <= 0:
+            label = dict(zip(built, asked))
+            return [replace(t, length=label[t.length]) for t in tasks]
+        built = [b - over[b] - 8 if over[b] > 0 else b for b in built]
+    raise ValueError(f"no prompts of these lengths fit the pair's {limit}-token context with "
+                     f"room for an answer")  # fmt: skip
 
 
 # -- caches and answers ------------------------------------------------------------------------
