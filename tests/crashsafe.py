@@ -2,11 +2,11 @@
 moment, and the file it was replacing must still load, whole, as the last version it finished
 or the one it was writing (never a torn file, never nothing).
 
-Kinds: translator files (`format.save_translator`), method files (`write_method_file`),
-session files (`Session.save`) and stage-2 checkpoints (`distill.save_checkpoint`: the
-translator, the optimizer state and `state.json` must agree). Each version saved carries its
-number (translator metadata, method metadata, the session's system prompt, the checkpoint's
-step); the saver logs each number once its save returned.
+Kinds: translator files (`format.save_translator`), session files (`Session.save`) and
+stage-2 checkpoints (`distill.save_checkpoint`: the translator, the optimizer state and
+`state.json` must agree). Each version saved carries its number (translator metadata, the
+session's system prompt, the checkpoint's step); the saver logs each number once its save
+returned.
 
 The savers are forked from a "zygote" process that has imported everything but never run an
 MLX computation (forking after one deadlocks MLX's CPU threads), so a saver starts in a
@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("translator", "method", "session", "checkpoint")
-FILES = {"translator": "t.safetensors", "method": "m.safetensors",
-         "session": "s.safetensors", "checkpoint": "ckpt"}  # fmt: skip
+KINDS = ("translator", "session", "checkpoint")
+FILES = {"translator": "t.safetensors", "session": "s.safetensors", "checkpoint": "ckpt"}
 
 
 # -- the savers (run in forked children) ---------------------------------------------------
@@ -75,15 +74,10 @@ def _saver(kind: str, out: Path, fixtures: Path, log: Path, size_mb: float) -> N
         mx.eval(opt.state)
     import time as _time
 
-    from mlx_kvlingo.eval.methods import write_method_file
-
     for v in range(10**9):
         t0 = _time.perf_counter()
         if kind == "translator":
             save_translator(tr, out, version=v)
-        elif kind == "method":
-            write_method_file(out, {"w": tr.key["weight"], "b": tr.value["weight"]},
-                              {"method": "raw", "side": side.as_dict(), "version": v})  # fmt: skip
         elif kind == "session":
             s.system_prompt = f"v{v}"
             s.save(out)
@@ -99,7 +93,6 @@ def _zygote(conn, fixtures: str) -> None:
     import mlx_kvlingo  # noqa: F401
     from mlx_kvlingo.calibrate import distill  # noqa: F401
     from mlx_kvlingo.conversation.session import Session  # noqa: F401
-    from mlx_kvlingo.eval import methods  # noqa: F401
     from mlx_kvlingo.models.pair import load_pair  # noqa: F401
 
     import mlx.optimizers  # noqa: F401
@@ -160,11 +153,6 @@ class Verifier:
             from mlx_kvlingo.models.files import load_translator
 
             return load_translator(out).config.metadata["version"]
-        if kind == "method":
-            from mlx_kvlingo.eval.methods import load_method, read_method_file
-
-            load_method(out)
-            return read_method_file(out)[1]["version"]
         if kind == "session":
             if self._session is None:
                 from mlx_kvlingo.config import ReaderPolicy

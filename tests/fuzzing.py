@@ -1,4 +1,4 @@
-"""Mutation fuzzing of every loader: translator, method and session files, the three PyTorch
+"""Mutation fuzzing of every loader: translator and session files, the three PyTorch
 layouts, mapper directories, JSONL and text data, and the chat's command parser.
 
     input i of loader L under seed S = mutate(Random(f"{S}:{L}:{i}"), L's seed input i mod n)
@@ -53,7 +53,6 @@ FAILURES = ("bug", "hang", "crash", "wrote")
 #: the error classes each loader documents (module path, class name); subclasses count
 DOCUMENTED = {
     "translator": [("mlx_kvlingo.models.files", "TranslatorFileError")],
-    "method": [("mlx_kvlingo.models.files", "TranslatorFileError")],  # MethodFileError is one
     "session": [("mlx_kvlingo.conversation.records", "SessionFileError")],
     "knlp-translator": [("converters.common", "ConversionError")],
     "knlp-checkpoint": [("converters.common", "ConversionError")],
@@ -66,7 +65,6 @@ DOCUMENTED = {
 LOADERS = tuple(DOCUMENTED)
 WHAT = {
     "translator": "translator file (`load_translator`, with and without the pair)",
-    "method": "method file (`load_method`: raw, quantized, DroidSpeak, KV-Lingo)",
     "session": "session file (`Session.load`, then one answer)",
     "knlp-translator": "knlp `kv_lingo_translator_v1` torch file (`kvlingo convert`)",
     "knlp-checkpoint": "knlp stage-2 checkpoint torch file (`kvlingo convert`)",
@@ -277,7 +275,7 @@ class Mutator:
             return data[: 8 + n] + bytes(b), "safetensors:data"
         meta = header.get("__metadata__") or {}
         inner = [k for k, v in meta.items() if isinstance(v, str) and _is_json(v)]
-        if inner and op < 0.7:  # the JSON inside a metadata string (kvlingo, method, session)
+        if inner and op < 0.7:  # the JSON inside a metadata string (kvlingo, session)
             key = r.choice(inner)
             new, how = self.json(json.loads(meta[key]))
             header["__metadata__"][key] = dumps(new) if r.random() < 0.95 else "{"
@@ -500,7 +498,6 @@ def build_fixtures(folder: str | Path) -> Path:
 def _seed_files(folder: Path, seeds: Path, pair, exact) -> None:
     from mlx_kvlingo.config import ReaderPolicy
     from mlx_kvlingo.conversation.session import Session
-    from mlx_kvlingo.eval.methods import KVLingo, droidspeak, quantized, raw
     from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig
     from mlx_kvlingo.models.files import load_translator, save_translator
 
@@ -522,20 +519,6 @@ def _seed_files(folder: Path, seeds: Path, pair, exact) -> None:
     tr.key = {k: mx.random.normal(v.shape) * 0.1 for k, v in tr.key.items()}
     tr.value = {k: mx.random.normal(v.shape) * 0.1 for k, v in tr.value.items()}
     save_translator(tr, d / "headwise.safetensors", pair, calibration={"note": "random"})
-
-    # method files
-    d = seeds / "method"
-    d.mkdir(parents=True, exist_ok=True)
-    kv = KVLingo(load_translator(folder / "fwd.safetensors", pair))
-    methods = {
-        "raw": raw.RawTransfer.for_pair(pair, True),
-        "quantized-raw": quantized.Quantized(raw.RawTransfer.for_pair(pair), 4, 32),
-        "quantized-kvlingo": quantized.Quantized(kv, 8, 32),
-        "droidspeak": droidspeak.DroidSpeak.for_pair(pair, (1, 3), native_first=True),
-        "kvlingo": kv,
-    }
-    for name, m in methods.items():
-        m.save(d / f"{name}.safetensors", pair)
 
     # session files: empty, after a small answer, after a translated large answer
     d = seeds / "session"
@@ -658,20 +641,11 @@ class Context:
     def warm_up(self) -> None:
         """Run what the loaders run once, untimed: MLX compiles CPU kernels on first use
         (seconds on a busy machine), which is no loader's doing."""
-        from mlx_kvlingo.eval.methods import load_method
         from mlx_kvlingo.models.files import load_translator
 
         for f in sorted((self.fixtures / "seeds" / "translator").glob("*.safetensors")):
             pair = self.pair.reversed() if f.name.startswith("bwd") else self.pair
             _use_translator(self, load_translator(f, pair), pair)
-        for f in sorted((self.fixtures / "seeds" / "method").glob("*.safetensors")):
-            from mlx_kvlingo.eval.methods import capture_span
-
-            import mlx.core as mx
-
-            m = load_method(f, self.pair)
-            span = capture_span(self.pair.source, [1, 20, 30, 40], m.key_cut, m.needs_hidden)
-            mx.eval(m.translate(span, self.pair.target))
         s = self.session()
         s.add_user("warm up")
         for model in ("source", "target"):
@@ -726,16 +700,6 @@ def run_loader(ctx: Context, inp: Input, box: Path) -> None:
         tr = load_translator(path, pair if inp.with_pair else None)
         if inp.with_pair:
             _use_translator(ctx, tr, pair)
-    elif loader == "method":
-        from mlx_kvlingo.eval.methods import capture_span, load_method
-
-        (path,) = paths.values()
-        m = load_method(path, ctx.pair if inp.with_pair else None)
-        if inp.with_pair:
-            import mlx.core as mx
-
-            span = capture_span(ctx.pair.source, [1, 20, 30, 40], m.key_cut, m.needs_hidden)
-            mx.eval(m.translate(span, ctx.pair.target))
     elif loader == "session":
         (path,) = paths.values()
         s = ctx.session()

@@ -7,16 +7,11 @@ from mlx_kvlingo.cli import cli
 from mlx_kvlingo.data.content_tasks import KINDS, TaskBuilder, build_tasks
 from mlx_kvlingo.eval.content import (
     Chat,
-    NoisyNative,
-    SourceAlone,
-    Swap,
     chat_kv,
     contains,
     evaluate_content,
-    greedy,
-    known_replies,
+    fitting_tasks,
     native_kv,
-    noisy_kv,
     recall,
     rouge_l,
     to_json,
@@ -99,8 +94,6 @@ def test_known_answer_translator_answers_as_native(pair, exact):
     for kind in KINDS:
         assert cells["translated"][kind][64]["rouge_l"] == 1.0
     assert _replies(res, "wrong") != _replies(res, "native")
-    result = to_json(res, pair)
-    assert {g["goal"].split(":")[0] for g in result["goals"]} >= {"fact @64", "summary @64"}
 
 
 def _maps(tr, kind):
@@ -110,9 +103,12 @@ def _maps(tr, kind):
 
 
 def test_reused_replies_give_the_same_table_and_only_new_methods_run(pair, exact, monkeypatch):
-    """A run that reuses an earlier run's replies (`known_replies`) scores exactly as a run
-    that computes everything; the native cache is not computed again; other tasks are refused."""
+    """The side-by-side experiment reusing an earlier run's replies (`known_replies`) scores
+    exactly as a run that computes everything, translating for the new condition only; other
+    tasks are refused."""
     import mlx_kvlingo.eval.content as content
+
+    from weights.experiments.content_side_by_side import known_replies, side_by_side
 
     tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "summary"), seed=5)
     wrong = exact_translator(pair, {"key_maps": [m[::-1] for m in _maps(exact, "key")],
@@ -120,10 +116,11 @@ def test_reused_replies_give_the_same_table_and_only_new_methods_run(pair, exact
     full = to_json(evaluate_content(pair, tasks, {"A": exact, "B": wrong}, progress=False), pair)
     earlier = to_json(evaluate_content(pair, tasks, {"A": exact}, progress=False), pair)
     calls = []
-    monkeypatch.setattr(content, "native_kv", lambda *a: calls.append(a) or native_kv(*a))
-    again = evaluate_content(pair, tasks, {"B": wrong}, small=False, progress=False,
-                             known=known_replies(earlier, tasks))  # fmt: skip
-    assert calls == []
+    real = content.translated_kv
+    monkeypatch.setattr(content, "translated_kv", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr("weights.experiments.content_side_by_side.condition", lambda spec, p: wrong)
+    again = side_by_side(pair, tasks, {"B": "wrong.safetensors"}, known_replies(earlier, tasks))
+    assert len(calls) == len(tasks)  # B's translations only
     assert again.conditions == ["native", "A", "B", "small"]
     same = json.dumps(again.cells(), sort_keys=True)  # NaN (nothing to retain) == NaN here
     assert same == json.dumps(full["cells"], sort_keys=True)
@@ -155,35 +152,40 @@ def test_the_chat_condition_reads_its_tail_itself(pair, exact):
 
 
 def test_source_alone_is_the_small_row_under_its_own_label(pair, monkeypatch):
-    """`SourceAlone` answers with the source model on its own cache, as the "small" row does,
-    beside a reused "small" row (which it does not replace)."""
+    """A "source" condition of the side-by-side experiment answers with the source model on
+    its own cache, as the "small" row does, beside a reused "small" row (which it does not
+    replace)."""
     import mlx_kvlingo.eval.content as content
+
+    from weights.experiments.content_side_by_side import known_replies, side_by_side
 
     tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "qa"), seed=3)
     earlier = to_json(evaluate_content(pair, tasks, {}, progress=False), pair)
-    models = []  # which model each greedy decoding ran
+    models = []  # which model each read ran
 
-    def spy(model, tokenizer, tokens, cache, *a):
-        models.append("source" if model is pair.source.model else "other")
-        return greedy(model, tokenizer, tokens, cache, *a)
+    def spy(model, tokens):
+        models.append("source" if model is pair.source else "target")
+        return native_kv(model, tokens)
 
-    monkeypatch.setattr(content, "greedy", spy)
-    res = evaluate_content(pair, tasks, {"own": SourceAlone()}, small=False, progress=False,
-                           known=known_replies(earlier, tasks))  # fmt: skip
+    monkeypatch.setattr(content, "native_kv", spy)
+    res = side_by_side(pair, tasks, {"own": "source"}, known_replies(earlier, tasks))
     assert res.conditions == ["native", "own", "small"]
-    assert models == ["source"] * len(tasks)
-    assert _replies(res, "own") == _replies(res, "small") and any(_replies(res, "own"))
+    assert models == ["target", "source"] * len(tasks)
+    replies = {c: [r["reply"] for r in res.records if r["condition"] == c] for c in res.conditions}
+    assert replies["own"] == replies["small"] and any(replies["own"])
 
 
 def test_noisy_native_reference_has_the_error_it_names(pair):
     """`NoisyNative(rel)`: no noise is the native cache bit for bit (and the native replies);
     otherwise each layer's relative error is about `rel`, the same for the same seed."""
+    from weights.experiments.content_side_by_side import NoisyNative
+
     task = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact",), seed=2)[0]
     native = native_kv(pair.target, list(task.tokens[:-1]))
-    same = noisy_kv(NoisyNative(0.0), native)
+    same = NoisyNative(0.0)(pair, task, native)
     for got, ref in zip(same[0] + same[1], native[0] + native[1]):
         assert mx.array_equal(got, ref).item()
-    a, b = noisy_kv(NoisyNative(0.3), native), noisy_kv(NoisyNative(0.3), native)
+    a, b = NoisyNative(0.3)(pair, task, native), NoisyNative(0.3)(pair, task, native)
     for got, again, ref in zip(a[0] + a[1], b[0] + b[1], native[0] + native[1]):
         assert mx.array_equal(got, again).item()
         err = (mx.linalg.norm((got - ref).flatten()) / mx.linalg.norm(ref.flatten())).item()
@@ -195,15 +197,36 @@ def test_noisy_native_reference_has_the_error_it_names(pair):
 def test_swapping_every_layer_native_restores_native(pair, exact):
     """The diagnosis swap: a wrong translator with all target layers native is native exactly;
     with none swapped it is the wrong translator's own answer."""
+    from weights.experiments.content_diagnosis import Swap
+
     tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "copy"), seed=1)
     wrong = exact_translator(pair, {"key_maps": [m * 0 for m in _maps(exact, "key")],
                                     "value_maps": [m * 0 for m in _maps(exact, "value")]})  # fmt: skip
     L = pair.target.geometry.layers
-    swaps = [Swap("all", wrong, frozenset(range(L))), Swap("none", wrong, frozenset())]
-    res = evaluate_content(pair, tasks, {"wrong": wrong}, small=False, swaps=swaps,
-                           progress=False)  # fmt: skip
+    swaps = {
+        "all": Swap("all", wrong, frozenset(range(L))),
+        "none": Swap("none", wrong, frozenset()),
+    }
+    res = evaluate_content(pair, tasks, {"wrong": wrong, **swaps}, small=False, progress=False)
     assert _replies(res, "all") == _replies(res, "native")
     assert _replies(res, "none") == _replies(res, "wrong")
+
+
+def test_prompts_near_the_context_are_built_to_fit_it(pair):
+    """A read length whose prompts could overrun the pair's context with their answer is built
+    shorter and keeps its label; the shorter lengths' draws are `build_tasks`' own; a length
+    beyond the context is refused."""
+    from types import SimpleNamespace
+
+    side = SimpleNamespace(context_length=300)
+    small = SimpleNamespace(source=side, target=side, tokenizer=pair.tokenizer)
+    tasks = fitting_tasks(small, [TEXT], [64, 300], 1, seed=4)
+    assert [t.length for t in tasks] == [64] * 4 + [300] * 4
+    assert all(len(t.tokens) + 40 <= 300 for t in tasks)
+    plain = build_tasks(pair.tokenizer, [TEXT], [64], 1, seed=4)
+    assert [t.tokens for t in tasks[:4]] == [t.tokens for t in plain]
+    with pytest.raises(ValueError, match="up to the pair's context, 300"):
+        fitting_tasks(small, [TEXT], [64, 400], 1)
 
 
 def test_eval_task_content_cli(pair, exact, tiny_dir, tmp_path):
@@ -231,7 +254,6 @@ def test_eval_task_content_cli(pair, exact, tiny_dir, tmp_path):
     result = json.loads(out.read_text())
     assert result["conditions"] == ["native", "translated", "chat", "small"]
     assert result["cells"]["chat"]["qa"]["64"]["rouge_l"] == 1.0
-    assert "chat: fact @64" in r.output
     misplaced = CliRunner().invoke(cli, ["eval", "--recompute", "0.5"])
     assert misplaced.exit_code != 0 and "go with --task content" in misplaced.output
 

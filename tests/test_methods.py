@@ -1,4 +1,4 @@
-"""Other cache hand-off methods: raw, quantized, DroidSpeak, SCD, and `kvlingo compare`."""
+"""Other cache hand-off methods: raw, quantized, DroidSpeak, SCD (REUSE), and `kvlingo compare`."""
 
 import json
 
@@ -10,7 +10,6 @@ from mlx_kvlingo.eval.methods import (
     NotApplicable,
     capture_span,
     droidspeak,
-    load_method,
     mean_kl,
     prepare,
     quantized,
@@ -18,7 +17,7 @@ from mlx_kvlingo.eval.methods import (
     scd,
 )
 from mlx_kvlingo.kv.cache import append_kv, new_cache
-from mlx_kvlingo.models.files import load_translator
+from mlx_kvlingo.models.files import save_translator
 from mlx_kvlingo.models.pair import load_model, load_pair
 
 import mlx.core as mx
@@ -66,7 +65,7 @@ def exact_on(pair, method, held, n=4):
 
 def test_raw_and_droidspeak_exact_on_identical_models(same_pair, data):
     _, held = data
-    exact_on(same_pair, raw.calibrate(same_pair), held)
+    exact_on(same_pair, raw.RawTransfer.for_pair(same_pair), held)
     for block in ((0, 1), (1, 3), (2, 4)):  # source == target: any recomputed block is exact
         exact_on(same_pair, droidspeak.DroidSpeak.for_pair(same_pair, block), held, n=2)
 
@@ -76,7 +75,7 @@ def test_droidspeak_full_block_exact_on_known_pair(known_pair, data):
     every layer from the source's layer-0 input is the target's own prefill."""
     _, held = data
     exact_on(known_pair, droidspeak.DroidSpeak.for_pair(known_pair, (0, 4)), held)
-    assert mean_kl(raw.calibrate(known_pair), known_pair,
+    assert mean_kl(raw.RawTransfer.for_pair(known_pair), known_pair,
                    [prepare(known_pair, ex) for ex in held[:2]]) > 0.1  # fmt: skip
 
 
@@ -99,7 +98,7 @@ def test_native_first_keeps_the_targets_first_token(known_pair, data):
     cache = new_cache(known_pair.target)
     known_pair.target.model(mx.array(prompt[:-1])[None], cache=cache)
     (full,) = scd.fit_reuse(known_pair, train[:60], [(None, None)], 1e-9, native_first=True)
-    for m in (raw.calibrate(known_pair, native_first=True), full):
+    for m in (raw.RawTransfer.for_pair(known_pair, native_first=True), full):
         span = capture_span(known_pair.source, prompt[:-1], m.key_cut, m.needs_hidden)
         keys, values = m.translate(span, known_pair.target)
         for layer in range(4):
@@ -125,61 +124,6 @@ def test_scd_factors_equal_known_answer_float64(tiny_dir, text_file):
         np.array(tr.value["weight"]), np.stack(answer["value_maps"]), atol=1e-3
     )
     np.testing.assert_allclose(np.array(tr.key["bias"]), 0, atol=1e-3)
-
-
-def test_scd_patch_exact_with_full_code(known_pair, data):
-    """Source and known target share every hidden state: a full-rank patch code regenerates
-    the target's own K/V at the patched layers; patched layers are exact even on top of a
-    poor low-rank REUSE elsewhere."""
-    train, held = data
-    (low,) = scd.fit_reuse(known_pair, train[:40], [(4, 4)])
-    samples = scd._hidden_samples(known_pair, train[:20], [(1, 1), (2, 2)], scd.ScdConfig())
-    cfg = scd.ScdConfig(hidden_rank=64, steps=20, alpha=1e-8)
-    patches = {t: scd.train_patch(*samples[t, t], t, cfg) for t in (1, 2)}
-    patched = scd.SCD(low.source, low.target, low.layer_map, low.reuse, patches)
-    assert all(p.report["rel_mse"] < 1e-6 for p in patches.values())
-    span = capture_span(known_pair.source, list(held[0].prefix), points=patched.needs_hidden)
-    keys, values = patched.translate(span, known_pair.target)
-    cache = new_cache(known_pair.target)
-    known_pair.target.model(mx.array(list(held[0].prefix))[None], cache=cache)
-    for t in (1, 2):
-        np.testing.assert_allclose(np.array(keys[t]), np.array(cache[t].keys[..., : span.length, :]), atol=1e-3)  # fmt: skip
-        np.testing.assert_allclose(np.array(values[t]), np.array(cache[t].values[..., : span.length, :]), atol=1e-3)  # fmt: skip
-
-
-# -- selection ---------------------------------------------------------------------------------
-
-
-def test_greedy_patch_selection_constructed_case():
-    """Six layers. Layers 1 and 2 fix the same error (+5 each, +5 together); layer 4 fixes
-    another (+4); layer 5 is worth +6 but costs 4 units; layer 0 gives +1; layer 3 alone gives
-    nothing but +3 on top of layer 4 (outside the pool, restore-one never sees it).
-
-    Hand analysis, pool of 4 and budget 3 units: the restore-one pool is {5, 1, 2, 4} (gains
-    6, 5, 5, 4). Greedy by gain per unit cost: round 1 takes 1 (5/1; 2 ties and comes later),
-    round 2 takes 4 (2 now gains 0, 5 gives 6/4 = 1.5 < 4), round 3 can afford no more than 1
-    unit: 2 gains 0 and 5 does not fit: stop at [1, 4]. Summing restore-one gains instead would
-    take 1 and 2 (5 + 5) and waste a slot."""
-
-    def quality(s):
-        q = 0.0
-        q += 5 if s & {1, 2} else 0
-        q += 4 if 4 in s else 0
-        q += 6 if 5 in s else 0
-        q += 1 if 0 in s else 0
-        q += 3 if {3, 4} <= s else 0
-        return q
-
-    cost = {0: 1, 1: 1, 2: 1, 3: 1, 4: 1, 5: 4}.__getitem__
-    pool, gains = scd.restore_one_pool(range(6), quality, size=4)
-    assert pool == [5, 1, 2, 4] and gains[3] == 0
-    chosen, history = scd.greedy_select(pool, quality, cost, budget=3)
-    assert chosen == [1, 4]
-    assert [h["quality"] for h in history] == [0, 5, 9]
-    # with more budget the expensive layer comes in, and the redundant one never does
-    chosen, _ = scd.greedy_select(pool, quality, cost, budget=10)
-    assert chosen == [1, 4, 5]
-    assert scd.greedy_select(pool, quality, cost, max_layers=1)[0] == [1]
 
 
 def test_droidspeak_profiling_finds_the_changed_layers(tiny_dir, models, data, tmp_path):
@@ -213,20 +157,20 @@ def _model_like(tiny_dir, weights):
     return model
 
 
-# -- applicability, quantization, files ------------------------------------------------------
+# -- applicability, quantization ------------------------------------------------------------
 
 
 def test_not_applicable_reasons(models):
     pair = load_pair(models["qwen3"], models["qwen3_moe"])
     with pytest.raises(NotApplicable, match="identical KV geometry.*4x2x32 vs 6x4x24"):
-        raw.calibrate(pair)
+        raw.RawTransfer.for_pair(pair)
     with pytest.raises(NotApplicable, match="same architecture"):
         droidspeak.calibrate(pair, [])
 
 
 def test_quantized_wire(same_pair, known_pair, data):
     _, held = data
-    r = raw.calibrate(same_pair)
+    r = raw.RawTransfer.for_pair(same_pair)
     q4, q8 = quantized.Quantized(r, 4, 32), quantized.Quantized(r, 8, 32)
     assert r.wire_bytes_per_token() == 4 * 2 * 64 * 2
     assert q4.wire_bytes_per_token() == pytest.approx(4 * 2 * 64 * (0.5 + 4 / 32))
@@ -239,69 +183,31 @@ def test_quantized_wire(same_pair, known_pair, data):
     assert 0 < err < float(mx.abs(span.keys).max()) / 4
 
 
-def _all_methods(same_pair, known_pair, data, answer):
-    train, _ = data
-    (s,) = scd.fit_reuse(known_pair, train[:30], [(8, 16)])
-    samples = scd._hidden_samples(known_pair, train[:5], [(3, 3)], scd.ScdConfig())
-    s = scd.SCD(s.source, s.target, s.layer_map, s.reuse,
-                {3: scd.train_patch(*samples[3, 3], 3, scd.ScdConfig(steps=5))})  # fmt: skip
-    kv = KVLingo(exact_translator(known_pair, answer))
-    return [
-        (same_pair, raw.calibrate(same_pair, native_first=True)),
-        (same_pair, quantized.Quantized(raw.calibrate(same_pair), 4, 32)),
-        (known_pair, kv),
-        (known_pair, quantized.Quantized(kv, 8, 32)),
-        (known_pair, droidspeak.DroidSpeak.for_pair(known_pair, (1, 3), native_first=True)),
-        (known_pair, s),
-    ]
-
-
-def test_every_method_round_trips_its_file(tiny_dir, same_pair, known_pair, data, tmp_path):
-    _, held = data
-    methods = _all_methods(same_pair, known_pair, data, tiny_dir["known_answer"])
-    for i, (pair, m) in enumerate(methods):
-        path = m.save(tmp_path / f"{i}.safetensors", pair)
-        back = load_method(path, pair)
-        assert type(back) is type(m) and back.label() == m.label()
-        assert back.wire_bytes_per_token() == m.wire_bytes_per_token()
-        assert back.nbytes() == m.nbytes()
-        assert getattr(back, "native_first", None) == getattr(m, "native_first", None)
-        span = capture_span(pair.source, list(held[1].prefix), m.key_cut, m.needs_hidden)
-        for a, b in zip(m.translate(span, pair.target), back.translate(span, pair.target)):
-            for x, y in zip(a, b):
-                np.testing.assert_array_equal(np.array(x), np.array(y))
-    # linear methods stay readable by the translator loader
-    load_translator(tmp_path / "3.safetensors", known_pair)
-    with pytest.raises(ValueError, match="wrong model pair"):
-        load_method(
-            tmp_path / "5.safetensors",
-            load_pair(same_pair.source, load_model(tiny_dir["qwen3_moe"])),
-        )
-
-
 # -- the comparison ------------------------------------------------------------------------------
 
 
-def test_compare_command(tiny_dir, text_file, tmp_path):
+def test_compare_command(tiny_dir, known_pair, text_file, tmp_path):
     from mlx_kvlingo.cli import cli
 
     from click.testing import CliRunner
 
     out = tmp_path / "cmp.json"
+    exact = save_translator(exact_translator(known_pair, tiny_dir["known_answer"]),
+                            tmp_path / "exact.safetensors", known_pair)  # fmt: skip
     args = [
         "compare", "--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["known"]),
         "--data", str(text_file), "--min-prefix", "32", "--max-prefix", "96",
-        "--continuation", "8", "-n", "4", "--calib-examples", "40", "--select-examples", "2",
+        "--continuation", "8", "-n", "4", "--calib-examples", "40",
         "--nu", "1", "--bits", "4", "--droidspeak-layers", "1,4", "--scd-ranks", "0.25:0.5,1:1",
-        "--scd-patches", "1", "--scd-steps", "10", "--ttft-tokens", "32", "--trials", "1",
-        "--json", str(out), "--plot", str(tmp_path / "cmp.png"),
-        "--save-methods", str(tmp_path / "methods"),
+        "--ttft-tokens", "32", "--trials", "1",
+        "--json", str(out), "--plot", str(tmp_path / "cmp.png"), "--translator", str(exact),
     ]  # fmt: skip
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
     result = json.loads(out.read_text())
     rows = {r["label"]: r for r in result["rows"]}
     assert rows["native (target re-prefill)"]["kl_native"] == 0
+    assert rows[f"kvlingo file {exact}"]["kl_native"] < 1e-4  # a translator file, as a method
     assert rows["raw"]["kl_native"] > 0.1  # the known target's cache layout differs
     ds = [r for r in result["rows"] if r["family"] == "droidspeak"]
     assert len(ds) == 2 and min(r["kl_native"] for r in ds) < 1e-4  # all 4 layers: exact
@@ -310,7 +216,6 @@ def test_compare_command(tiny_dir, text_file, tmp_path):
     assert all("switch_ttft_s" in r and "wire_bytes_per_token" in r for r in result["rows"]
                if r["family"] != "reference")  # fmt: skip
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
-    assert json.loads((tmp_path / "methods" / "manifest.json").read_text())["rows"]
     # a pair with different geometry lists raw and DroidSpeak as not applicable
     res = CliRunner().invoke(cli, [
         "compare", "--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["qwen3_moe"]),

@@ -71,7 +71,7 @@ def test_kill_during_saves_leaves_previous_file(fixtures, tmp_path):
             crashsafe.kill_campaign(
                 kind, n, tmp_path, fixtures, seed=18, size_mb=2, zygote=zygote, verifier=verifier
             )  # fmt: skip
-            for kind, n in (("translator", 26), ("method", 8), ("session", 8), ("checkpoint", 8))
+            for kind, n in (("translator", 34), ("session", 8), ("checkpoint", 8))
         ]
     finally:
         zygote.close()

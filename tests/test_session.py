@@ -11,7 +11,6 @@ from mlx_kvlingo.conversation.records import (
     answer_confidence,
 )
 from mlx_kvlingo.conversation.session import Session
-from mlx_kvlingo.eval.multiturn import evaluate_multiturn, render_table
 
 import mlx.core as mx
 import numpy as np
@@ -361,28 +360,6 @@ def test_confidence(pair, translators):
     lps = [e.logprob for e in events]
     assert events[-1].stats.confidence == pytest.approx(np.mean(lps))
     assert all(lp <= 0 for lp in lps)
-
-
-def test_multiturn_exact_pair_has_no_deviation(pair, translators):
-    fwd, bwd = translators
-    dialogues = [MESSAGES + MESSAGES[:1], MESSAGES[::-1] + MESSAGES[:1]]
-    res = evaluate_multiturn(pair, fwd, bwd, dialogues, switches=3)
-    assert [r["model"] for r in res["turns"]] == ["source", "target", "source", "target"]
-    for r in res["turns"]:
-        assert r["dialogues"] == 2
-        for mode in ("alternation", "naive"):
-            assert abs(r["deviation"][mode]) < 1e-3
-    assert res["translated_tokens"]["naive"] > res["translated_tokens"]["alternation"] > 0
-    assert res["translated_tokens"]["reprefill"] == 0
-    render_table(res)
-
-
-def test_load_chitchat():
-    pytest.importorskip("chitchat_dataset")
-    from mlx_kvlingo.eval.multiturn import load_chitchat
-
-    dialogues = load_chitchat(3, min_messages=22)
-    assert len(dialogues) == 3 and all(len(d) >= 22 and all(d[:22]) for d in dialogues)
 
 
 def forcing(tokens):

@@ -251,7 +251,9 @@ def test_the_startup_bench_times_both_sides_in_fresh_processes(tiny_dir, tmp_pat
         r = runs[side][0]
         assert r["start_s"] > r["load_s"] >= r["warmup_s"] > 0 and r["ttft_s"] > 0
         assert got["summary"][side]["vs_mlx_lm"]["median"] > 0
-    assert "vs mlx-lm" in result.output and "Goal: kvlingo within 1.5x" in result.output
+    assert (
+        "vs mlx-lm" in result.output and "kvlingo on a machine that ran it before" in result.output
+    )
     # the user's cache folder keeps its own rates; the new one was removed
     assert len(rate_files(tmp_path / "cache")) == 1
     bad = CliRunner().invoke(bench_cmd, ["--startup", "--conversation"])

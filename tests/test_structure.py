@@ -140,7 +140,6 @@ def test_no_import_circles():
 # Session internals stay behind the public API (issue 27). The modules that may import
 # `mlx_kvlingo.conversation.session` besides the conversation layer itself, each for a reason:
 SESSION_USERS = {
-    "mlx_kvlingo.eval.multiturn": "measures the session itself, turn by turn",
     "mlx_kvlingo.eval.conversation_bench": "measures the session itself, turn by turn",
     "mlx_kvlingo.eval.content": "reads a turn through the session's own hand-off",
     "mlx_kvlingo.eval.bench": "times the session's own hand-off",

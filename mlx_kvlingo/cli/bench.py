@@ -1,15 +1,17 @@
-"""`kvlingo bench`: switch TTFT (translation + first step) against re-prefill, on this machine."""
+"""`kvlingo bench`: switch TTFT (translation + first step) against re-prefill, on this machine;
+several pairs side by side, a conversation under several policies, or a start against mlx-lm's."""
 
 from __future__ import annotations
 
 from mlx_kvlingo.cli._common import pair_option, source_option, target_option, translator_option
-from mlx_kvlingo.cli._params import IntList, OutputFolder
+from mlx_kvlingo.cli._params import OutputFolder
 from mlx_kvlingo.config import ReaderPolicy
 
 import click
 
 #: 4096-token prefills take minutes on a CPU: the default lengths depend on the backend
 DEFAULT_LENGTHS = {"cpu": "64,256,1024", "gpu": "64,256,1024,4096"}
+DEMO_PAIRS = ("dense", "moe")
 
 
 def default_lengths() -> str:
@@ -26,7 +28,7 @@ def parse_lengths(_ctx, _param, value: str | None) -> list[int]:
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers, got {value!r}") from None
     if not lengths or lengths[0] < 2:
-        raise click.BadParameter("prefix lengths must be integers >= 2")
+        raise click.BadParameter("lengths must be integers >= 2")
     return lengths
 
 
@@ -88,7 +90,7 @@ def _preset_names() -> list[str]:
     default="auto",
     show_default=True,
     help="What the models and the translator compute in (auto: float32 on a CPU, as stored "
-    "on a GPU)",
+    "on a GPU); presets and --source/--target without --translator",
 )
 @click.option(
     "--cache-dir",
@@ -115,8 +117,8 @@ def _preset_names() -> list[str]:
 )
 @click.option(
     "--user-lengths",
-    type=IntList(2),
     default="32,128,512",
+    callback=parse_lengths,
     show_default=True,
     help="--conversation: user-turn lengths in tokens, cycled",
 )
@@ -138,9 +140,8 @@ def _preset_names() -> list[str]:
 @click.option(
     "--policies",
     default=None,
-    help="--conversation: comma-separated policies to run (default: all but 'tokens reads'); "
-    "of: large reads, small reads, auto reads, tokens reads, cascade, cascade+ahead, "
-    "cascade+ahead (no budget)",
+    help="--conversation: comma-separated policies to run (default: all) of: large reads, "
+    "small reads, auto reads, cascade, cascade+ahead",
 )
 @click.option(
     "--large-reads-last",
@@ -174,138 +175,122 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, wa
     from mlx_kvlingo._platform import moe_cpu
     from mlx_kvlingo.eval import bench, report
 
+    import mlx.core as mx
+
     def log(msg):
         click.echo(msg, err=True)
 
-    import mlx.core as mx
-
+    modes = [o for o, on in (("--startup", startup), ("--side-by-side", side_by_side),
+                             ("--conversation", conversation)) if on]  # fmt: skip
+    pairs = [o for o, on in (("--preset", preset), ("--side-by-side", side_by_side),
+                             ("--source/--target/--translator", source or target or translator)) if on]  # fmt: skip
+    if len(modes) > 1:
+        raise click.UsageError(f"{' and '.join(modes)} are separate runs")
+    if len(pairs) > 1:
+        raise click.UsageError(f"name the pair once: {' or '.join(pairs)}")
+    if startup and preset:
+        raise click.UsageError("--startup times the demo pair or --source/--target, not a preset")
     dtype = dtype if dtype == "auto" else getattr(mx, dtype)
+    settings = dict(trials=trials, warmup=warmup, seed=seed, progress=not no_progress, log=log,
+                    answer_tokens=answer_tokens)  # fmt: skip
     if startup:
-        if preset or side_by_side or conversation:
-            raise click.UsageError("--startup times the demo pair or --source/--target: not "
-                                   "with --preset, --side-by-side or --conversation")  # fmt: skip
         from mlx_kvlingo.eval import startup as startup_bench
 
         result = startup_bench.run_startup_bench(source, target, translator, demo_pair,
                                                  trials=trials, log=log)  # fmt: skip
-        paths = startup_bench.write_outputs(result, out)
-        click.echo(paths["markdown"].read_text())
-        log("wrote " + ", ".join(str(p) for p in paths.values()))
-        return
+        return _show(startup_bench.write_outputs(result, out), log)
     if side_by_side:
-        if preset or source or target or translator or conversation:
-            raise click.UsageError("--side-by-side names its pairs: not with --preset, "
-                                   "--source/--target or --conversation")  # fmt: skip
-        _side_by_side(side_by_side, lengths, trials, warmup, out, seed, dtype, cache_dir,
-                      no_progress, moe_loop, answer_tokens, log)  # fmt: skip
-        return
-    info = {}
-    if preset:
-        if source or target or translator:
-            raise click.UsageError("give --preset or --source/--target/--translator, not both")
-        from mlx_kvlingo.eval.presets import get_preset, load_preset
+        loaders = [(name, lambda name=name: _load(name, None, None, None, dtype, cache_dir, seed,
+                                                  log)[:3])
+                   for name in _side_by_side_names(side_by_side)]  # fmt: skip
+        with moe_cpu.per_expert_loop(moe_loop):
+            results = bench.run_side_by_side(loaders, lengths, **settings)
+    elif conversation:
+        from mlx_kvlingo.eval import conversation_bench as cb
 
-        pair, tr, folder = load_preset(preset, cache_dir, log=log, dtype=dtype)
-        p = get_preset(preset)
-        info["preset"] = {"name": p.name, "description": p.description, "folder": str(folder),
-                          "reference": p.reference}  # fmt: skip
-    elif source and target and translator is None:  # latency only: any maps of the right shape
-        from mlx_kvlingo.cli._common import resolve_pair
-        from mlx_kvlingo.eval.presets import random_translator
+        chosen = tuple(
+            p.strip() for p in (policies or ",".join(cb.POLICIES)).split(",") if p.strip()
+        )
+        unknown = set(chosen) - set(cb.POLICIES)
+        if unknown:
+            raise click.UsageError(f"unknown --policies {sorted(unknown)}; "
+                                   f"expected some of {', '.join(cb.POLICIES)}")  # fmt: skip
+        cfg = cb.ConversationBenchConfig(turns=turns, user_lengths=tuple(user_lengths),
+                                         answer_tokens=answer_tokens, escalation_rate=escalation_rate, seed=seed,
+                                         policies=chosen, warmup=warmup > 0,
+                                         policy=ReaderPolicy(large_reads_last=large_reads_last,
+                                                             recompute_share=recompute_share))  # fmt: skip
+        pair, tr, info, backward = _load(preset or demo_pair, source, target, translator, dtype,
+                                         cache_dir, seed, log)  # fmt: skip
+        with moe_cpu.per_expert_loop(moe_loop):
+            results = cb.run_conversation_bench(pair, tr, backward, cfg, log=log, info=info)
+        results["command"] = report.command_line()
+        return _show(cb.write_outputs(results, out), log)
+    else:
+        pair, tr, info, _ = _load(preset or demo_pair, source, target, translator, dtype,
+                                  cache_dir, seed, log)  # fmt: skip
+        with moe_cpu.per_expert_loop(moe_loop) as patched:
+            info["moe_per_expert_loop"] = patched
+            max_seconds = None if max_minutes is None else 60 * max_minutes
+            results = bench.run_bench(pair, tr, lengths, max_seconds=max_seconds, info=info,
+                                      **settings)  # fmt: skip
+    results["command"] = report.command_line()
+    _show(bench.write_outputs(results, out), log)
 
+
+def _show(paths: dict, log) -> None:
+    click.echo(paths["markdown"].read_text())
+    log("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+def _side_by_side_names(names: str) -> list[str]:
+    """The pairs `--side-by-side` names: demo pairs and presets; "all": both demo pairs and
+    every preset but tiny."""
+    from mlx_kvlingo.eval.presets import PRESETS
+
+    if names.strip() == "all":
+        return [*DEMO_PAIRS, *(p for p in PRESETS if p != "tiny")]
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in DEMO_PAIRS and n not in PRESETS]
+    if unknown:
+        raise click.UsageError(f"unknown pair {unknown[0]!r} in --side-by-side; known: "
+                               f"{', '.join([*DEMO_PAIRS, *PRESETS])}")  # fmt: skip
+    return wanted
+
+
+def _load(name, source, target, translator, dtype, cache_dir, seed, log):
+    """(pair, translator, info, backward) for a preset or demo pair `name`, or the named
+    models: a random translator of the pair's geometry where none is named (latency only);
+    the backward translator is the demo pair's shipped one (None for the others)."""
+    from mlx_kvlingo.cli._common import resolve_pair
+    from mlx_kvlingo.eval.presets import PRESETS, get_preset, load_preset, random_translator
+
+    if name in PRESETS and not (source or target):
+        pair, tr, folder = load_preset(name, cache_dir, log=log, dtype=dtype)
+        p = get_preset(name)
+        return pair, tr, {"preset": {"name": p.name, "description": p.description,
+                                     "folder": str(folder), "reference": p.reference}}, None  # fmt: skip
+    if source and target and translator is None:  # latency only: any maps of the right shape
         pair, _, _ = resolve_pair(source, target, None, require_translator=False, dtype=dtype)
         tr = random_translator(pair, seed=seed)
         if dtype != "auto":
             tr.set_dtype(dtype)
-        info["translator_weights"] = "random (latency only: no --translator given)"
         log("no --translator: timing a random translator of the pair's geometry (latency only)")
-    else:
-        from mlx_kvlingo.cli._common import resolve_pair
-
-        if dtype != "auto":
-            raise click.UsageError("--dtype applies to --preset or --source/--target pairs")
-
-        try:
-            pair, tr, demo_backward = resolve_pair(source, target, translator, demo_pair=demo_pair)
-        except ImportError as e:
-            raise click.ClickException(
-                f"the demo pair is not available in this install ({e}); name a pair with "
-                "--source/--target/--translator or use --preset "
-                f"({', '.join(_preset_names())})"
-            ) from None
-    if conversation:
-        from mlx_kvlingo.eval import conversation_bench as cb
-
-        backward = None
-        if not (preset or source or target):  # the demo pair's shipped backward translator
-            backward = demo_backward
-        cfg = cb.ConversationBenchConfig(turns=turns, user_lengths=tuple(parse_lengths(None, None, user_lengths)),
-                                         answer_tokens=answer_tokens, escalation_rate=escalation_rate, seed=seed,
-                                         warmup=warmup > 0,
-                                         policy=ReaderPolicy(large_reads_last=large_reads_last,
-                                                             recompute_share=recompute_share))  # fmt: skip
-        if policies:
-            cfg.policies = tuple(p.strip() for p in policies.split(",") if p.strip())
-            unknown = set(cfg.policies) - set(cb.ALL_POLICIES)
-            if unknown:
-                raise click.UsageError(f"unknown --policies {sorted(unknown)}; "
-                                       f"expected some of {', '.join(cb.ALL_POLICIES)}")  # fmt: skip
-        with moe_cpu.per_expert_loop(moe_loop):
-            result = cb.run_conversation_bench(pair, tr, backward, cfg, log=log, info=info)
-        result["command"] = report.command_line()
-        paths = cb.write_outputs(result, out)
-        click.echo(paths["markdown"].read_text())
-        return
-    with moe_cpu.per_expert_loop(moe_loop) as patched:
-        info["moe_per_expert_loop"] = patched
-        results = bench.run_bench(
-            pair, tr, lengths, trials=trials, warmup=warmup, seed=seed,
-            max_seconds=None if max_minutes is None else 60 * max_minutes,
-            progress=not no_progress, log=log, info=info, answer_tokens=answer_tokens,
-        )  # fmt: skip
-    results["command"] = report.command_line()
-    paths = bench.write_outputs(results, out)
-    click.echo(paths["markdown"].read_text())
-    log("wrote " + ", ".join(str(p) for p in paths.values()))
-
-
-def _side_by_side(names, lengths, trials, warmup, out, seed, dtype, cache_dir, no_progress,
-                  moe_loop, answer_tokens, log):  # fmt: skip
-    from mlx_kvlingo._platform import moe_cpu
-    from mlx_kvlingo.cli._common import resolve_pair
-    from mlx_kvlingo.eval import bench_pairs, report
-    from mlx_kvlingo.eval.presets import PRESETS, get_preset, load_preset
-
-    demos = ("dense", "moe")
-    if names.strip() == "all":
-        wanted = [*demos, *(p for p in PRESETS if p != "tiny")]
-    else:
-        wanted = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in demos and n not in PRESETS]
-    if unknown:
-        raise click.UsageError(f"unknown pair {unknown[0]!r} in --side-by-side; known: "
-                               f"{', '.join([*demos, *PRESETS])}")  # fmt: skip
-
-    def loader(name):
-        def load():
-            if name in demos:
-                if dtype != "auto":
-                    raise click.UsageError("--dtype applies to presets, not the demo pairs")
-                pair, tr, _ = resolve_pair(None, None, None, demo_pair=name)
-                return pair, tr, {"demo_pair": name}
-            pair, tr, folder = load_preset(name, cache_dir, log=log, dtype=dtype)
-            p = get_preset(name)
-            return pair, tr, {"preset": {"name": p.name, "description": p.description,
-                                         "folder": str(folder), "reference": p.reference}}  # fmt: skip
-
-        return load
-
-    with moe_cpu.per_expert_loop(moe_loop):
-        results = bench_pairs.run_side_by_side(
-            [(n, loader(n)) for n in wanted], lengths, log=log, trials=trials, warmup=warmup,
-            seed=seed, progress=not no_progress, answer_tokens=answer_tokens,
-        )  # fmt: skip
-    results["command"] = report.command_line()
-    paths = bench_pairs.write_outputs(results, out)
-    click.echo(paths["markdown"].read_text())
-    log("wrote " + ", ".join(str(p) for p in paths.values()))
+        return (
+            pair,
+            tr,
+            {"translator_weights": "random (latency only: no --translator given)"},
+            None,
+        )
+    if dtype != "auto":
+        raise click.UsageError("--dtype applies to presets and --source/--target without "
+                               "--translator")  # fmt: skip
+    try:
+        pair, tr, backward = resolve_pair(source, target, translator, demo_pair=name)
+    except ImportError as e:
+        raise click.ClickException(
+            f"the demo pair is not available in this install ({e}); name a pair with "
+            f"--source/--target/--translator or use --preset ({', '.join(PRESETS)})"
+        ) from None
+    demo = not (source or target)
+    return pair, tr, {"demo_pair": name} if demo else {}, backward if demo else None

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 from mlx_kvlingo.calibrate import fit_kvlingo
 from mlx_kvlingo.cli._common import (
     content_texts,
@@ -15,21 +13,19 @@ from mlx_kvlingo.cli._common import (
     source_option,
     target_option,
 )
-from mlx_kvlingo.cli._params import IntList, OutputFile, OutputFolder
+from mlx_kvlingo.cli._params import IntList, OutputFile
 from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
+from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.compare import (
     FAMILIES,
     CompareConfig,
-    Entry,
     calibrate_all,
-    load_methods,
-    perturbed_copy,
     plot,
     run_compare,
-    save_methods,
     table,
 )
-from mlx_kvlingo.eval.methods import KVLingo, MethodFileError, load_method
+from mlx_kvlingo.eval.methods import KVLingo, load_method
+from mlx_kvlingo.models.files import TranslatorFileError
 from mlx_kvlingo.models.loading import load_models_and_translators
 from mlx_kvlingo.models.pair import TokenizerMismatchError
 
@@ -38,26 +34,28 @@ from rich.console import Console
 
 
 def _ints(value: str) -> tuple[int, ...]:
+    """An `IntList` option's value (already checked) as integers."""
     return tuple(int(v) for v in value.split(",") if v.strip())
 
 
-def _ranks(value: str) -> tuple[tuple[float, float], ...]:
+def _families(ctx, param, value: str) -> tuple[str, ...]:
+    fams = tuple(m.strip() for m in value.split(",") if m.strip())
+    bad = [m for m in fams if m not in FAMILIES]
+    if bad or not fams:
+        raise click.BadParameter(f"unknown methods {bad}; choose from {FAMILIES}", ctx, param)
+    return fams
+
+
+def _ranks(ctx, param, value: str) -> tuple[tuple[float, float], ...]:
     try:
-        return tuple(tuple(float(x) for x in r.split(":")) for r in value.split(",") if r.strip())
+        ranks = tuple(tuple(float(x) for x in r.split(":")) for r in value.split(",") if r.strip())
     except ValueError:
-        raise click.BadParameter("expected KEY:VALUE rank fractions, e.g. 0.25:0.5,1:1") from None
-
-
-def _check_ranks(ctx, param, value):
-    try:
-        ranks = _ranks(value)
-    except click.BadParameter as e:
-        raise click.BadParameter(e.message, ctx, param) from None
+        ranks = ()
     if not ranks or any(len(r) != 2 or not all(0 < x <= 1 for x in r) for r in ranks):
         raise click.BadParameter(
             f"{value!r}: expected KEY:VALUE fractions in (0, 1], e.g. 0.25:0.5,1:1", ctx, param
         )
-    return value
+    return ranks
 
 
 @click.command("compare")
@@ -69,68 +67,28 @@ def _check_ranks(ctx, param, value):
     "translators",
     multiple=True,
     type=click.Path(exists=True),
-    help="A translator or method file to include (repeatable)",
+    help="A translator file to include (repeatable)",
 )
 @data_options(
     required=False,
     help="Text/JSONL data: calibration on the train split, scores on the held-out split; "
     "default: the demo's dialogues",
 )
-@click.option(
-    "--methods", default=",".join(FAMILIES), show_default=True, help="Method families to run"
-)
+@click.option("--methods", default=",".join(FAMILIES), callback=_families, show_default=True,
+              help="Method families to run")  # fmt: skip
 @click.option("-n", "--examples", type=click.IntRange(1), default=32, show_default=True,
               help="Held-out examples scored")  # fmt: skip
 @click.option("--calib-examples", type=click.IntRange(1), default=64, show_default=True,
               help="Training examples used")  # fmt: skip
 @click.option(
-    "--select-examples",
-    type=click.IntRange(1),
-    default=8,
-    show_default=True,
-    help="Examples for DroidSpeak block profiling and SCD patch selection",
-)
-@click.option(
     "--nu", type=IntList(1), default="1,2", show_default=True, help="KV-Lingo nu settings"
 )
 @click.option("--bits", type=IntList(1), default="4,8", show_default=True,
               help="Quantized-transfer bit widths")  # fmt: skip
-@click.option(
-    "--droidspeak-layers",
-    type=IntList(1),
-    default="1,2,4",
-    show_default=True,
-    help="DroidSpeak recompute block sizes",
-)
-@click.option(
-    "--droidspeak-stride",
-    type=click.IntRange(1),
-    default=1,
-    show_default=True,
-    help="Profile every k-th block start only",
-)
-@click.option(
-    "--scd-ranks",
-    default="0.125:0.25,0.25:0.5,1:1",
-    callback=_check_ranks,
-    show_default=True,
-    help="SCD key:value ranks as fractions of the KV width",
-)
-@click.option(
-    "--scd-patches",
-    type=IntList(0),
-    default="1,2",
-    show_default=True,
-    help="SCD patch-layer counts (on the middle rank setting)",
-)
-@click.option("--scd-steps", type=click.IntRange(0), default=200, show_default=True,
-              help="SCD aligner training steps")  # fmt: skip
-@click.option(
-    "--scd-hidden-rank",
-    type=click.IntRange(1),
-    default=None,
-    help="SCD patch code size (default: a quarter of the source's hidden size)",
-)
+@click.option("--droidspeak-layers", type=IntList(1), default="1,2,4", show_default=True,
+              help="DroidSpeak recompute block sizes")  # fmt: skip
+@click.option("--scd-ranks", default="0.125:0.25,0.25:0.5,1:1", callback=_ranks, show_default=True,
+              help="SCD key:value ranks as fractions of the KV width")  # fmt: skip
 @click.option("--ttft-tokens", type=click.IntRange(2), default=256, show_default=True,
               help="Prompt length for TTFT")  # fmt: skip
 @click.option("--trials", type=click.IntRange(1), default=3, show_default=True,
@@ -143,143 +101,68 @@ def _check_ranks(ctx, param, value):
     help="Link between producer and consumer, Gb/s, for TTFT + wire",
 )
 @click.option("--json", "json_out", type=OutputFile(), help="Write the results here")
-@click.option(
-    "--plot",
-    "plot_out",
-    type=OutputFile(),
-    help="Write the quality-latency Pareto plot (PNG) here",
-)
-@click.option(
-    "--save-methods",
-    "save_dir",
-    type=OutputFolder(),
-    help="Save every calibrated method here (with manifest.json)",
-)
-@click.option(
-    "--load-methods",
-    "load_dir",
-    type=click.Path(file_okay=False, exists=True),
-    help="Use methods saved by --save-methods instead of calibrating",
-)
-@click.option(
-    "--perturb-source",
-    type=click.FloatRange(0),
-    default=None,
-    help="Use a copy of --source (a local folder) with Gaussian noise of this scale x "
-    "each layer matrix's std: a same-geometry stand-in for a fine-tune",
-)
-@click.option("--perturb-target", type=click.FloatRange(0), default=None,
-              help="The same for --target")  # fmt: skip
-@click.option("--perturb-seed", type=click.IntRange(0), default=0, show_default=True)
-@click.option(
-    "--native-first/--no-native-first",
-    default=True,
-    show_default=True,
-    help="Every method keeps the target's own K/V for the first token (the attention sink)",
-)
-@click.option(
-    "--calibrate-only", is_flag=True, help="Calibrate and save (--save-methods), no scoring"
-)
+@click.option("--plot", "plot_out", type=OutputFile(),
+              help="Write the quality-latency Pareto plot (PNG) here")  # fmt: skip
 @click.option("--content", "content_per_kind", type=click.IntRange(min=1), default=None,
               help="Also the content benchmark (`kvlingo eval --task content`) for every method: "
                    "this many tasks per kind and read length")  # fmt: skip
 @click.option("--content-lengths", type=IntList(32), default="128,512", show_default=True,
               help="Read lengths of the content benchmark, in tokens")  # fmt: skip
 def compare_cmd(source, target, demo_pair, translators, data_path, methods, examples, calib_examples,
-                select_examples, nu, bits, droidspeak_layers, droidspeak_stride, scd_ranks,
-                scd_patches, scd_steps, scd_hidden_rank, ttft_tokens, trials, bandwidth, json_out,
-                plot_out, save_dir, load_dir, perturb_source, perturb_target, perturb_seed, native_first, calibrate_only,
-                content_per_kind, content_lengths, **kw):  # fmt: skip
+                nu, bits, droidspeak_layers, scd_ranks, ttft_tokens, trials, bandwidth, json_out,
+                plot_out, content_per_kind, content_lengths, **kw):  # fmt: skip
     """Compare KV-Lingo, raw, quantized, DroidSpeak and SCD cache hand-off on one pair.
 
-    Each method is calibrated on the training split at several settings (or loaded with
-    --load-methods), scored on the same held-out examples and timed; methods that cannot serve
-    the pair are listed with the reason.
+    Each method is calibrated on the training split at several settings, scored on the same
+    held-out examples and timed; methods that cannot serve the pair are listed with the reason.
     """
     console = Console()
     if not console.is_terminal:  # a file or a pipe: room for the whole table
         console = Console(width=180)
     log = lambda msg: console.print(f"[dim]{msg}[/dim]")  # noqa: E731
-    fams = tuple(m.strip() for m in methods.split(",") if m.strip())
-    bad = [m for m in fams if m not in FAMILIES]
-    if bad:
-        raise click.BadParameter(
-            f"unknown methods {bad}; choose from {FAMILIES}", param_hint="--methods"
-        )
-    if calibrate_only and not save_dir:
-        raise click.UsageError("--calibrate-only needs --save-methods DIR")
     demo = source is None and target is None
-    if data_path is not None:
-        try:
-            validate_data(data_path)  # before loading any model
-        except DataError as e:
-            raise click.ClickException(str(e)) from None
+    if data_path is None and not demo:
+        raise click.UsageError("--data is required with --source/--target")
     try:
+        if data_path is not None:
+            validate_data(data_path)  # before loading any model
         if demo:
             pair, demo_tr, _ = resolve_pair(None, None, None, demo_pair=demo_pair)
         else:
             demo_pair_of(source, target)
-            if perturb_source is not None:
-                source = str(perturbed_copy(source, perturb_source, perturb_seed))
-                log(f"source: {source}")
-            if perturb_target is not None:
-                target = str(perturbed_copy(target, perturb_target, perturb_seed))
-                log(f"target: {target}")
             pair, demo_tr, _ = load_models_and_translators(source, target)
-        extra = [(f"kvlingo file {p}", load_method(p, pair)) for p in translators]
-    except (TokenizerMismatchError, MethodFileError, FileNotFoundError) as e:
-        raise click.ClickException(str(e)) from None
-    for label, m in extra:
-        if hasattr(m, "_label"):
-            m._label = label
-    if demo_tr is not None:
-        extra.insert(0, ("kvlingo demo translator", KVLingo(demo_tr, "kvlingo demo translator")))
-    try:
-        if data_path is None:
-            if not demo:
-                raise click.UsageError("--data is required with --source/--target")
+        extra = [
+            (f"kvlingo file {p}", load_method(p, pair, f"kvlingo file {p}")) for p in translators
+        ]
+        examples_path = data_path
+        if data_path is None:  # dialogues the demo never trained on, split in two
             from mlx_kvlingo.models.demo.pair import demo_data
 
-            held_file = demo_data()[1]  # dialogues the demo never trained on, split in two
-            dc = data_config({**kw, "heldout_fraction": 0.5})
-            train, held = load_examples(held_file, pair.tokenizer, dc)
-            log(f"demo data: {held_file}, split in two by dialogue")
-        else:
-            train, held = load_examples(data_path, pair.tokenizer, data_config(kw))
-    except DataError as e:
+            examples_path, kw["heldout_fraction"] = demo_data()[1], 0.5
+            log(f"demo data: {examples_path}, split in two by dialogue")
+        train, held = load_examples(examples_path, pair.tokenizer, data_config(kw))
+    except (DataError, TokenizerMismatchError, TranslatorFileError, FileNotFoundError) as e:
         raise click.ClickException(str(e)) from None
+    if demo_tr is not None:
+        extra.insert(0, ("kvlingo demo translator", KVLingo(demo_tr, "kvlingo demo translator")))
     if not held:
         raise click.ClickException("no held-out examples; raise --heldout-fraction")
     cfg = CompareConfig(
-        methods=fams, kvlingo_nu=_ints(nu), quant_bits=_ints(bits),
-        droidspeak_layers=_ints(droidspeak_layers), droidspeak_stride=droidspeak_stride,
-        scd_ranks=_ranks(scd_ranks), scd_patches=_ints(scd_patches), scd_steps=scd_steps,
-        scd_hidden_rank=scd_hidden_rank, calib_examples=calib_examples,
-        select_examples=select_examples, eval_examples=examples, ttft_tokens=ttft_tokens,
-        ttft_trials=trials, bandwidth_gbps=bandwidth, native_first=native_first,
+        methods=methods, kvlingo_nu=_ints(nu), quant_bits=_ints(bits),
+        droidspeak_layers=_ints(droidspeak_layers), scd_ranks=scd_ranks,
+        calib_examples=calib_examples, eval_examples=examples, ttft_tokens=ttft_tokens,
+        ttft_trials=trials, bandwidth_gbps=bandwidth,
     )  # fmt: skip
-    entries = None
-    if load_dir:
-        try:
-            entries = [Entry("kvlingo", label, m) for label, m in extra]
-            entries += load_methods(load_dir, pair)
-        except MethodFileError as e:
-            raise click.ClickException(str(e)) from None
-    elif save_dir or content_per_kind:
+    entries = None  # --content scores the same calibrated methods
+    if content_per_kind:
         entries = calibrate_all(pair, train[:calib_examples], cfg, extra, True, log, fit_kvlingo)
-        if save_dir:
-            save_methods(entries, save_dir, pair)
-            log(f"saved {sum(e.method is not None for e in entries)} methods in {save_dir}")
-    if calibrate_only:
-        return
     result = run_compare(pair, train, held, cfg, extra, entries, True, log, fit_kvlingo)
     console.print(table(result))
     if content_per_kind:
-        result["content"] = _content(pair, entries, data_path, content_lengths, content_per_kind,
-                                     kw["seed"], console, log)  # fmt: skip
+        result["content"] = _content(pair, entries, data_path, _ints(content_lengths),
+                                     content_per_kind, kw["seed"], console, log)  # fmt: skip
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=1)
+        report.write_json(result, json_out)
     if plot_out:
         plot(result, plot_out)
         log(f"wrote {plot_out}")
@@ -287,14 +170,12 @@ def compare_cmd(source, target, demo_pair, translators, data_path, methods, exam
 
 def _content(pair, entries, data_path, lengths, per_kind, seed, console, log) -> dict:
     """The content benchmark with every applicable method as a condition (same tasks)."""
-    from mlx_kvlingo.data.content_tasks import build_tasks
-    from mlx_kvlingo.eval.content import evaluate_content, tables, to_json
+    from mlx_kvlingo.eval.content import evaluate_content, fitting_tasks, tables, to_json
 
     try:
-        sizes = sorted({int(x) for x in lengths.split(",") if x.strip()})
-    except ValueError:
-        raise click.BadParameter(lengths, param_hint="--content-lengths") from None
-    tasks = build_tasks(pair.tokenizer, content_texts(data_path), sizes, per_kind, seed=seed)
+        tasks = fitting_tasks(pair, content_texts(data_path), lengths, per_kind, seed=seed)
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
     methods = {e.label: e.method for e in entries if e.method is not None}
     log(f"content benchmark: {len(tasks)} tasks x {len(methods) + 2} conditions")
     result = to_json(evaluate_content(pair, tasks, methods), pair)

@@ -1,8 +1,7 @@
-"""`kvlingo eval`: native / translated / raw / source-alone quality on held-out data."""
+"""`kvlingo eval`: native / translated / raw / source-alone quality on held-out data, or
+(`--task content`) what the target can use of what the small model read."""
 
 from __future__ import annotations
-
-import json
 
 from mlx_kvlingo.cli._common import (
     content_texts,
@@ -16,6 +15,7 @@ from mlx_kvlingo.cli._common import (
 )
 from mlx_kvlingo.cli._params import IntList, OutputFile
 from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
+from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.evaluate import evaluate, table
 
 import click
@@ -47,7 +47,7 @@ from rich.console import Console
     "was read (stated facts, copies, answers and summaries, scored against its native answer)",
 )
 @click.option("--lengths", type=IntList(32), default="128,512,1024", show_default=True,
-              help="--task content: read lengths in tokens")  # fmt: skip
+              help="--task content: read lengths in tokens, up to the pair's context")  # fmt: skip
 @click.option("--per-kind", type=click.IntRange(1), default=8, show_default=True,
               help="--task content: tasks of each kind at each length")  # fmt: skip
 @click.option("--plot", "plot_out", type=OutputFile(),
@@ -58,44 +58,20 @@ from rich.console import Console
 @click.option("--recompute", "share", type=click.FloatRange(0, 1), default=None,
               help="--task content: the chat condition's recompute share [default: the "
                    "chat's, 0.1]")  # fmt: skip
-@click.option("--multi-turn", is_flag=True, help="Multi-turn alternation evaluation over dialogues")
-@click.option(
-    "--switches",
-    type=click.IntRange(1),
-    default=10,
-    show_default=True,
-    help="Switches per dialogue (--multi-turn)",
-)
-@click.option(
-    "--reader",
-    "reader_eval",
-    is_flag=True,
-    help="With --multi-turn: the large answers every turn while the small reads (vs re-prefill)",
-)
 def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_out, task, lengths,
-             per_kind, plot_out, tail, share, multi_turn, switches, reader_eval, **kw):  # fmt: skip
-    """Score the target on held-out continuations under every cache condition."""
+             per_kind, plot_out, tail, share, **kw):  # fmt: skip
+    """Score the target on held-out continuations under every cache condition, or (--task
+    content) on what it can use of what was read."""
     console = Console()
     if task == "content":
-        if multi_turn:
-            raise click.UsageError("--task content and --multi-turn are separate evaluations")
-        try:
-            sizes = sorted({int(x) for x in lengths.split(",") if x.strip()})
-        except ValueError:
-            raise click.BadParameter(
-                f"not a list of integers: {lengths!r}", param_hint="--lengths"
-            ) from None
-        if not sizes or min(sizes) < 32:
-            raise click.BadParameter(
-                "read lengths must be at least 32 tokens", param_hint="--lengths"
-            )
         texts = content_texts(data_path)
         pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
+        sizes = sorted({int(x) for x in lengths.split(",") if x.strip()})
         return _content(pair, tr, texts, sizes, per_kind, kw["seed"], json_out, plot_out, console,
                         translator or "demo default", tail, share)  # fmt: skip
-    if tail is not None or share is not None:
-        raise click.UsageError("--large-reads-last and --recompute go with --task content")
-    if data_path is not None and not multi_turn:
+    if tail is not None or share is not None or plot_out is not None:
+        raise click.UsageError("--large-reads-last, --recompute and --plot go with --task content")
+    if data_path is not None:
         try:
             summary = validate_data(data_path)  # before loading any model
         except DataError as e:
@@ -104,12 +80,7 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
             f"[grey50]{data_path}: {summary['files']} file(s), {summary['chats']} chats, "
             f"{summary['texts']} texts[/grey50]"
         )
-    pair, tr, backward = resolve_pair(source, target, translator, demo_pair=demo_pair)
-    if reader_eval and not multi_turn:
-        raise click.UsageError("--reader goes with --multi-turn")
-    if multi_turn:
-        return _multi_turn(pair, tr, backward, examples, switches, json_out, console,
-                           reader_eval)  # fmt: skip
+    pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
     if data_path is None:  # the demo's held-out dialogues, never trained on
         from mlx_kvlingo.models.demo.pair import demo_eval_data
 
@@ -132,71 +103,36 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         f"(of {len(held)} drawn from {data_path})"
     )
     if json_out:
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=1)
-
-
-def _multi_turn(pair, tr, backward, dialogues, switches, json_out, console, reader=False):
-    """`backward`: the demo pair's shipped large -> small translator (None: switching back
-    re-reads), loaded with the pair by the one loader."""
-    from mlx_kvlingo.eval.multiturn import (
-        evaluate_multiturn,
-        evaluate_reader,
-        load_chitchat,
-        render_reader_table,
-        render_table,
-    )
-
-    if reader:  # `switches` counts the large model's turns here
-        result = evaluate_reader(pair, tr, backward, load_chitchat(dialogues), turns=switches)
-        render_reader_table(result, console)
-    else:
-        result = evaluate_multiturn(pair, tr, backward, load_chitchat(dialogues), switches=switches)
-        render_table(result, console)
-    if json_out:
-        with open(json_out, "w") as f:
-            json.dump(result, f, indent=1)
+        report.write_json(result, json_out)
 
 
 def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label,
              tail=None, share=None):  # fmt: skip
-    from mlx_kvlingo.config import ReaderPolicy
-    from mlx_kvlingo.data.content_tasks import build_tasks
     from mlx_kvlingo.eval.content import (
         Chat,
         evaluate_content,
-        goals,
+        fitting_tasks,
         plot,
         tables,
         to_json,
-        write_json,
     )
 
     try:
-        tasks = build_tasks(pair.tokenizer, texts, lengths, per_kind, seed=seed)
+        tasks = fitting_tasks(pair, texts, lengths, per_kind, seed=seed)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
-    limit = min(m.context_length or 10**9 for m in (pair.source, pair.target))
-    if max(len(t.tokens) for t in tasks) > limit:
-        raise click.ClickException(f"a read length exceeds the pair's context ({limit} tokens)")
     console.print(f"[grey50]{len(tasks)} content tasks ({per_kind} per kind and length, seed "
                   f"{seed}); the target answers natively first, then from the translated cache; "
                   f"greedy[/grey50]")  # fmt: skip
     # both through the chat's own hand-off: the whole turn translated (the large model reads
     # the last token only), and the chat's reading (its last tokens, then the recompute)
-    d = ReaderPolicy()
-    chat = Chat(tr, d.large_reads_last if tail is None else tail,
-                d.recompute_share if share is None else share)  # fmt: skip
-    methods = {"translated": Chat(tr, 1, 0.0), "chat": chat}
-    res = evaluate_content(pair, tasks, methods)
-    result = to_json(res, pair, {"translator": label, "seed": seed, "lengths": lengths})
+    chat = Chat(tr, Chat.tail if tail is None else tail, Chat.share if share is None else share)
+    conditions = {"translated": Chat(tr, 1, 0.0), "chat": chat}
+    result = to_json(evaluate_content(pair, tasks, conditions), pair,
+                     {"translator": label, "seed": seed, "lengths": lengths})  # fmt: skip
     for t in tables(result):
         console.print(t)
-    for name in methods:
-        for g in result["goals"] if name == "translated" else goals(result["cells"], name):
-            mark = "[green]met[/green]" if g["met"] else "[red]not met[/red]"
-            console.print(f"  {name}: {g['goal']}: {g['value']:.2f} {mark}")
     if json_out:
-        write_json(result, json_out)
+        report.write_json(result, json_out)
     if plot_out:
         plot(result, plot_out)

@@ -1,5 +1,6 @@
 """Time to first token when the conversation switches models: translate the KV cache, or
-re-prefill the prompt? Measured on this machine, for one pair, with nothing left out.
+re-prefill the prompt? Measured on this machine, for one pair (or several side by side), with
+nothing left out.
 
 For a prompt of n tokens the two ways to get the target's first token are:
 
@@ -7,25 +8,27 @@ For a prompt of n tokens the two ways to get the target's first token are:
     switch       translate the source's K/V of n-1 tokens (X_tr), then the
                  target's step on the last token (X_step)                   = switch TTFT  X
 
-The switch needs the source to have prefilled those n-1 tokens (P). The paper's speed-up
-R / X leaves P out, which is right when the source had to read the prompt anyway (a cascade
-that escalates) and wrong otherwise; both figures are reported, and the expected TTFT per
-request against the escalation rate r for four policies (see `policy_lines`).
+The switch is the conversation's own hand-off (`Session.hand_off`), which needs the source to
+have prefilled those n-1 tokens (P). The paper's speed-up R / X leaves P out, which is right
+when the source had to read the prompt anyway (a cascade that escalates) and wrong otherwise;
+both figures are reported, and the expected TTFT per request against the escalation rate r for
+the policies of `policy_lines`. Beside the translation, a plain GEMM of its matmul shapes runs
+in the same round: the translation's efficiency is a ratio within one run.
 
 Every trial round runs both paths at every length, in an order that alternates by round, so
 drift and noise from other processes hit both sides; warm-up rounds (every length, every
 phase, so every weight and kernel has been touched and no measured trial is the first to grow
-the heap to a length) are discarded. Peak memory is MLX's
-allocator peak during the phase, loaded weights included.
+the heap to a length) are discarded. Peak memory is MLX's allocator peak during the phase,
+loaded weights included.
 """
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
 
 from mlx_kvlingo.config import ReaderPolicy
@@ -33,8 +36,7 @@ from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import ReadCosts
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.report import md_row, md_table
-from mlx_kvlingo.kv.cache import append_kv, new_cache
-from mlx_kvlingo.kv.capture import capture_from_cache, needs_recording, prefill
+from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.map_reading import measure as measure_map_reading
 from mlx_kvlingo.kv.translate import reserve_translation_memory
 from mlx_kvlingo.kv.translator import Translator
@@ -42,10 +44,14 @@ from mlx_kvlingo.models.pair import LoadedModel, ModelPair, describe_model
 
 import mlx.core as mx
 import numpy as np
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 SCHEMA = "mlx-kvlingo/bench"
+SIDE_BY_SIDE_SCHEMA = "mlx-kvlingo/bench-side-by-side"
 SCHEMA_VERSION = 1
 PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
+RATES = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)  # escalation rates of the policy table
 
 #: phase key -> (label, tokens it processes for a prompt of n tokens)
 PHASES: dict[str, tuple[str, Callable[[int], int]]] = {
@@ -57,58 +63,19 @@ PHASES: dict[str, tuple[str, Callable[[int], int]]] = {
     "translate": ("translation", lambda n: n - 1),
     "target_step": ("target first step after translation", lambda n: 1),
     "switch_ttft": ("switch TTFT (translation + step)", lambda n: n),
-    "translate_map": ("translator matmuls alone", lambda n: n - 1),
-    "translate_steps": ("target-side steps alone (k_norm, RoPE, cast)", lambda n: n - 1),
-    "cache_append": ("cache writes alone", lambda n: n - 1),
     "gemm": ("plain GEMM, same shapes", lambda n: n - 1),
 }
-
-#: The issue's performance targets, checked (not asserted) on every run.
-TARGETS = {
-    "translation_vs_step_at_64": 0.10,
-    "gemm_efficiency": 0.70,
-    "switch_speedup_at_64": 9.6,
-    "linearity_r2": 0.99,
+#: each policy's label: its expected TTFT as a line in the escalation rate r
+POLICIES = {
+    "always_large": "always large: R",
+    "route_first": "route first: (1-r)S + rR",
+    "cascade_reprefill": "cascade re-prefill: (1-r)S + r(P+R)",
+    "cascade_translate": "cascade translate: (1-r)S + r(P+X)",
+    "cascade_ahead": "cascade+ahead: (1-r)S + r(P+X_ahead)",
 }
 
 
 # -- formulas ------------------------------------------------------------------------------
-
-
-def switch_speedup(target_ttft: float, switch_ttft: float) -> float:
-    """The paper's figure: R / X, re-prefill TTFT over switch TTFT (source prefill not counted)."""
-    return target_ttft / switch_ttft
-
-
-def end_to_end_speedup(target_ttft: float, source_prefill: float, switch_ttft: float) -> float:
-    """R / (P + X): the switch with the source's own prefill counted, against re-prefill."""
-    return target_ttft / (source_prefill + switch_ttft)
-
-
-def always_large(r, *, target_ttft: float):
-    """Every request goes to the large model: E[TTFT] = R, whatever the escalation rate r."""
-    return target_ttft + 0.0 * np.asarray(r, dtype=float)
-
-
-def route_first(r, *, source_ttft: float, target_ttft: float):
-    """A router picks one model before generation (a fraction r goes large; its cost ignored):
-    E[TTFT] = (1 - r) S + r R. Translation cannot help: the source never read the prompt."""
-    r = np.asarray(r, dtype=float)
-    return (1 - r) * source_ttft + r * target_ttft
-
-
-def cascade_reprefill(r, *, source_ttft: float, source_prefill: float, target_ttft: float):
-    """The small model reads every prompt; a fraction r escalates after its prefill and the
-    large model re-prefills: E[TTFT] = (1 - r) S + r (P + R)."""
-    r = np.asarray(r, dtype=float)
-    return (1 - r) * source_ttft + r * (source_prefill + target_ttft)
-
-
-def cascade_translate(r, *, source_ttft: float, source_prefill: float, switch_ttft: float):
-    """As `cascade_reprefill`, but escalation translates the source's cache:
-    E[TTFT] = (1 - r) S + r (P + X)."""
-    r = np.asarray(r, dtype=float)
-    return (1 - r) * source_ttft + r * (source_prefill + switch_ttft)
 
 
 def ahead_switch_ttft(
@@ -121,23 +88,22 @@ def ahead_switch_ttft(
     return target_step + max(0.0, translate - share * answer_tokens * source_step)
 
 
-def cascade_ahead(r, *, source_ttft: float, source_prefill: float, ahead_ttft: float):
-    """As `cascade_translate`, with the span translated ahead (see `ahead_switch_ttft`):
-    E[TTFT] = (1 - r) S + r (P + X_ahead). The small model's answer is slowed by at most the
-    share; its TTFT is not (translation starts after its first token)."""
-    r = np.asarray(r, dtype=float)
-    return (1 - r) * source_ttft + r * (source_prefill + ahead_ttft)
-
-
 def policy_lines(
-    *,
-    source_ttft: float,
-    source_prefill: float,
-    target_ttft: float,
-    switch_ttft: float,
+    *, source_ttft: float, source_prefill: float, target_ttft: float, switch_ttft: float,
     ahead_ttft: float | None = None,
-) -> dict[str, tuple[float, float]]:
-    """Each policy's E[TTFT](r) = intercept + slope * r, as (intercept, slope)."""
+) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """Each policy's E[TTFT](r) = intercept + slope * r, as (intercept, slope), for S = source
+    TTFT, P = source prefill, R = target re-prefill TTFT, X = switch TTFT:
+
+    always large        every request goes to the large model: R
+    route first         a router picks one model before generation (its cost ignored):
+                        (1 - r) S + r R; translation cannot help, the source never read
+    cascade re-prefill  the small model reads every prompt, a fraction r escalates after its
+                        prefill and the large model re-prefills: (1 - r) S + r (P + R)
+    cascade translate   the same, escalation translating the source's cache: (1-r) S + r (P + X)
+    cascade+ahead       the same, the span translated ahead (`ahead_switch_ttft`): X_ahead for X;
+                        the small answer is slowed by at most the share, its TTFT is not
+    """
     S, P, R, X = source_ttft, source_prefill, target_ttft, switch_ttft
     lines = {
         "always_large": (R, 0.0),
@@ -150,34 +116,15 @@ def policy_lines(
     return lines
 
 
-def break_even(a: tuple[float, float], b: tuple[float, float]) -> float | None:
-    """Escalation rate r in [0, 1] where lines a and b (intercept, slope) cost the same:
-    r* = (b0 - a0) / (a1 - b1). None when they do not cross inside [0, 1] (or are parallel)."""
-    if a[1] == b[1]:
-        return None
-    r = (b[0] - a[0]) / (a[1] - b[1])
-    return r if 0.0 <= r <= 1.0 else None
-
-
 def cheaper_up_to(line: tuple[float, float], reference: tuple[float, float]) -> float:
-    """The escalation rate up to which `line` costs no more than `reference`: their break-even
-    point, 1.0 when `line` is cheaper at every rate in [0, 1], 0.0 when it is not cheaper at
-    r = 0 (never, or only above the break-even, which needs S > R)."""
-    r = break_even(line, reference)
-    if r is not None:
-        return r if line[1] > reference[1] else 0.0
+    """The escalation rate up to which `line` (intercept, slope) costs no more than
+    `reference`: where they cross, 1.0 when `line` is cheaper at every rate in [0, 1], 0.0 when
+    it is not cheaper at r = 0 (never, or only above the crossing, which needs S > R)."""
+    if line[1] != reference[1]:
+        r = (reference[0] - line[0]) / (line[1] - reference[1])
+        if 0.0 <= r <= 1.0:
+            return r if line[1] > reference[1] else 0.0
     return 1.0 if line[0] + 0.5 * line[1] <= reference[0] + 0.5 * reference[1] else 0.0
-
-
-def linear_fit(x: Sequence[float], y: Sequence[float]) -> dict:
-    """Least-squares y = a + b x with R^2 (R^2 = 1 for fewer than 3 points)."""
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    if len(x) < 2:
-        return {"intercept": float(y[0]) if len(y) else 0.0, "slope": 0.0, "r2": 1.0}
-    b, a = np.polyfit(x, y, 1)
-    ss = float(((y - y.mean()) ** 2).sum())
-    r2 = 1.0 - float(((y - (a + b * x)) ** 2).sum()) / ss if ss > 0 else 1.0
-    return {"intercept": float(a), "slope": float(b), "r2": r2}
 
 
 def summarize(values: Sequence[float]) -> dict:
@@ -192,7 +139,18 @@ def summarize(values: Sequence[float]) -> dict:
     }
 
 
-# -- the machine -----------------------------------------------------------------------------
+def extrapolate(times: dict[int, float], n: int) -> float:
+    """Time at length n from the two longest measured lengths, as a power law t ~ n^e with
+    e clamped to [1, 2] (prefill is between linear and quadratic); e = 1.5 from one point."""
+    xs = sorted(times)
+    e = 1.5
+    if len(xs) >= 2 and times[xs[-2]] > 0:
+        e = math.log(times[xs[-1]] / times[xs[-2]]) / math.log(xs[-1] / xs[-2])
+        e = min(2.0, max(1.0, e))
+    return times[xs[-1]] * (n / xs[-1]) ** e
+
+
+# -- the machine and the pair ------------------------------------------------------------------
 
 
 def available_memory() -> int:
@@ -207,28 +165,6 @@ def available_memory() -> int:
         info = mx.metal.device_info()
         return int(info.get("max_recommended_working_set_size", 0)) - mx.get_active_memory()
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - mx.get_active_memory()
-
-
-def pair_info(pair: ModelPair, translator: Translator, **extra) -> dict:
-    c = translator.config
-    return {
-        "source": describe_model(pair.source),
-        "target": describe_model(pair.target),
-        "tokenizer": pair.tokenizer_fingerprint,
-        "translator": {
-            "variant": c.variant,
-            "nu": [c.nu_k, c.nu_v],
-            "key_cut": c.key_cut,
-            "bias": c.bias,
-            "dtype": str(map_weights(translator)[0].dtype).replace("mlx.core.", ""),
-            "parameters": sum(int(w.size) for w in map_weights(translator)),
-            "provenance": c.metadata.get("provenance"),
-        },
-        **extra,
-    }
-
-
-# -- memory estimate -------------------------------------------------------------------------
 
 
 def _activation_bytes(m: LoadedModel, n: int) -> int:
@@ -259,95 +195,6 @@ def working_bytes(pair: ModelPair, translator: Translator, n: int) -> int:
     return max(source, switch, reprefill)
 
 
-# -- one measurement of each path -------------------------------------------------------------
-
-
-def _first_token(model, last: mx.array, cache) -> mx.array:
-    """One forward step on the last prompt token and greedy sampling, as mlx-lm does."""
-    logits = model(last[None], cache=cache)[:, -1, :]
-    y = mx.argmax(logits - mx.logsumexp(logits, keepdims=True), axis=-1)
-    mx.eval(y)
-    return y
-
-
-class _Clock:
-    """Wall time and MLX peak memory of consecutive phases."""
-
-    def __init__(self):
-        self.times: dict[str, float] = {}
-        self.peaks: dict[str, int] = {}
-
-    def __call__(self, phase: str, fn: Callable):
-        mx.reset_peak_memory()
-        t = time.perf_counter()
-        out = fn()
-        self.times[phase] = time.perf_counter() - t
-        self.peaks[phase] = mx.get_peak_memory()
-        return out
-
-
-def run_reprefill(target: LoadedModel, tokens: list[int], clock: _Clock) -> None:
-    """Target TTFT from scratch: prefill n-1 tokens in mlx-lm's chunks, then the first token."""
-
-    def prefill_all():
-        cache, prompt = new_cache(target), mx.array(tokens[:-1])
-        for s in range(0, prompt.size, PREFILL_STEP):
-            target.model(prompt[s : s + PREFILL_STEP][None], cache=cache)
-            mx.eval([c.state for c in cache])
-            mx.clear_cache()
-        return cache
-
-    cache = clock("target_prefill", prefill_all)
-    clock("target_step_reprefill", lambda: _first_token(target.model, mx.array(tokens[-1:]), cache))
-    clock.times["target_ttft"] = (
-        clock.times["target_prefill"] + clock.times["target_step_reprefill"]
-    )
-    clock.peaks["target_ttft"] = max(
-        clock.peaks["target_prefill"], clock.peaks["target_step_reprefill"]
-    )
-
-
-def run_switch(
-    pair: ModelPair, tr: Translator, tokens: list[int], clock: _Clock, gemm_inputs: list
-) -> None:
-    """The conversation's own hand-off (the small model reads, translation; the large model
-    reads only the last token: `Session.hand_off`), the target's first step; then the side
-    measurements of the translation's parts."""
-    plain = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0.0)
-    session = Session(pair, tr, policy=plain, read_costs=ReadCosts())
-    session.add_tokens(tokens)
-    stats = clock("handoff", lambda: session.hand_off("target"))
-    for phase, seconds in (("source_prefill", stats.read.seconds),
-                           ("translate", stats.switch.seconds)):  # fmt: skip
-        clock.times[phase] = seconds
-        clock.peaks[phase] = clock.peaks["handoff"]
-    del clock.times["handoff"], clock.peaks["handoff"]  # recorded as its two phases
-    tgt_cache, src_cache = session.cache("target"), session.cache("source")
-    last = mx.array(tokens[-1:])
-    clock("target_step", lambda: _first_token(pair.target.model, last, tgt_cache))
-    clock.times["switch_ttft"] = clock.times["translate"] + clock.times["target_step"]
-    clock.peaks["switch_ttft"] = max(clock.peaks["translate"], clock.peaks["target_step"])
-    tgt_cache.clear()
-    clock("source_step", lambda: _first_token(pair.source.model, last, src_cache))
-    # the span the hand-off read, from the small model's cache (read again only where the
-    # translator wants keys the cache does not keep)
-    cut, n = tr.config.key_cut, len(tokens) - 1
-    if needs_recording(pair.source, cut):
-        span = prefill(pair.source, tokens[:-1], new_cache(pair.source), cut=cut)
-    else:
-        span = capture_from_cache(pair.source, src_cache, 0, n)
-    mapped = clock("translate_map", lambda: _evaluated(tr(span)))
-    bare = replace(span, tokens=None)  # the anchor token, if any, is written apart
-    finished = clock("translate_steps", lambda: _evaluated(tr.finish(*mapped, bare, pair.target)))
-    clock("cache_append", lambda: append_kv(new_cache(pair.target), *finished))
-    clock("gemm", lambda: mx.eval([a @ w for a, w in gemm_inputs]))
-
-
-def _evaluated(arrays):
-    mx.eval(arrays)
-    return arrays
-
-
 def map_weights(tr: Translator) -> list[mx.array]:
     """The matrices the translator multiplies by: one weight per kind, or a low-rank
     translator's encoder and decoder per kind."""
@@ -375,13 +222,97 @@ def kernel_work(tr: Translator, n_tokens: int) -> tuple[float, float]:
     return flops, nbytes
 
 
+def pair_info(pair: ModelPair, translator: Translator, **extra) -> dict:
+    c, weights = translator.config, map_weights(translator)
+    return {
+        "source": describe_model(pair.source),
+        "target": describe_model(pair.target),
+        "tokenizer": pair.tokenizer_fingerprint,
+        "translator": {
+            "variant": c.variant,
+            "nu": [c.nu_k, c.nu_v],
+            "key_cut": c.key_cut,
+            "bias": c.bias,
+            "dtype": str(weights[0].dtype).replace("mlx.core.", ""),
+            "parameters": sum(int(w.size) for w in weights),
+            "provenance": c.metadata.get("provenance"),
+        },
+        **extra,
+    }
+
+
+# -- one measurement of each path -------------------------------------------------------------
+
+
+def first_token(model, last: mx.array, cache) -> mx.array:
+    """One forward step on the last prompt token and greedy sampling, as mlx-lm does."""
+    logits = model(last[None], cache=cache)[:, -1, :]
+    y = mx.argmax(logits - mx.logsumexp(logits, keepdims=True), axis=-1)
+    mx.eval(y)
+    return y
+
+
+class _Clock:
+    """Wall time and MLX peak memory of consecutive phases."""
+
+    def __init__(self):
+        self.times: dict[str, float] = {}
+        self.peaks: dict[str, int] = {}
+
+    def __call__(self, phase: str, fn: Callable):
+        mx.reset_peak_memory()
+        t = time.perf_counter()
+        out = fn()
+        self.record(phase, time.perf_counter() - t, mx.get_peak_memory())
+        return out
+
+    def record(self, phase: str, seconds: float, peak: int) -> None:
+        self.times[phase], self.peaks[phase] = seconds, peak
+
+    def total(self, phase: str, *parts: str) -> None:
+        """`phase` as the sum of `parts` (peak: the largest)."""
+        self.record(phase, sum(self.times[p] for p in parts), max(self.peaks[p] for p in parts))
+
+
+def run_reprefill(target: LoadedModel, tokens: list[int], clock: _Clock) -> None:
+    """Target TTFT from scratch: prefill n-1 tokens in mlx-lm's chunks, then the first token."""
+
+    def prefill_all():
+        cache, prompt = new_cache(target), mx.array(tokens[:-1])
+        for s in range(0, prompt.size, PREFILL_STEP):
+            target.model(prompt[s : s + PREFILL_STEP][None], cache=cache)
+            mx.eval([c.state for c in cache])
+            mx.clear_cache()
+        return cache
+
+    cache = clock("target_prefill", prefill_all)
+    clock("target_step_reprefill", lambda: first_token(target.model, mx.array(tokens[-1:]), cache))
+    clock.total("target_ttft", "target_prefill", "target_step_reprefill")
+
+
+def run_switch(
+    pair: ModelPair, tr: Translator, tokens: list[int], clock: _Clock, gemm_inputs: list
+) -> None:
+    """The conversation's own hand-off (the small model reads, translation; the large model
+    reads only the last token: `Session.hand_off`), the target's first step, the source's
+    first step on its cache, and the plain GEMM of the translation's shapes."""
+    plain = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0.0)
+    session = Session(pair, tr, policy=plain, read_costs=ReadCosts())
+    session.add_tokens(tokens)
+    mx.reset_peak_memory()
+    stats = session.hand_off("target")
+    peak = mx.get_peak_memory()
+    clock.record("source_prefill", stats.read.seconds, peak)
+    clock.record("translate", stats.switch.seconds, peak)
+    last = mx.array(tokens[-1:])
+    clock("target_step", lambda: first_token(pair.target.model, last, session.cache("target")))
+    clock.total("switch_ttft", "translate", "target_step")
+    session.cache("target").clear()
+    clock("source_step", lambda: first_token(pair.source.model, last, session.cache("source")))
+    clock("gemm", lambda: mx.eval([a @ w for a, w in gemm_inputs]))
+
+
 # -- the sweep -------------------------------------------------------------------------------
-
-
-@dataclass
-class Skipped:
-    length: int
-    reason: str
 
 
 def prompt_tokens(pair: ModelPair, n: int, seed: int) -> list[int]:
@@ -389,6 +320,19 @@ def prompt_tokens(pair: ModelPair, n: int, seed: int) -> list[int]:
     vocab = len(pair.tokenizer.get_vocab()) if hasattr(pair.tokenizer, "get_vocab") else 256
     high = max(2, min(vocab, pair.target.config.get("vocab_size", vocab)) - 8)
     return np.random.default_rng(seed).integers(0, high, size=n).tolist()
+
+
+def reading_info(reading) -> dict | None:
+    """The map-reading strategy measured per kind and token count (None: not measured)."""
+    if not reading.chosen:  # a translator with one path (lowrank)
+        return None
+    return {
+        f"{kind}@{n}": {
+            "chosen": reading.chosen[(kind, n)],
+            "ms": {k: 1e3 * v for k, v in reading.timings[(kind, n)].items()},
+        }
+        for kind, n in reading.chosen
+    }
 
 
 def run_bench(
@@ -415,11 +359,10 @@ def run_bench(
     Warm-up rounds run every length, as trial rounds do, and are not recorded: they touch
     every weight and kernel, and the heap grows to each length's buffers before a measured
     trial (on a machine that hands freed memory back to its host, a trial that grows it pays
-    for fresh pages: `fresh_memory`). Then each trial round runs every length, both paths, in
-    an order that alternates by round.
-    A length is skipped, with a message, when its estimated memory exceeds what is available,
-    or (with `max_seconds`) when its trials, extrapolated from the shorter lengths, would
-    overrun the time budget.
+    for fresh pages). Then each trial round runs every length, both paths, in an order that
+    alternates by round. A length is skipped, with a message, when its estimated memory
+    exceeds what is available, or (with `max_seconds`) when its trials, extrapolated from the
+    shorter lengths, would overrun the time budget.
     """
     if trials < 1 or warmup < 0:
         raise ValueError("need trials >= 1 and warmup >= 0")
@@ -450,7 +393,7 @@ def run_bench(
             "sampling": "greedy",
             "order": "warm-up rounds at every length, not recorded; then per round every "
             "length runs both paths, their order alternating by round",
-        },
+        },  # fmt: skip
         "phases": {k: v[0] for k, v in PHASES.items()},
         "resident_before_GB": resident / 1e9,
         "map_reading": reading_info(reading),
@@ -462,17 +405,19 @@ def run_bench(
     kept, checked = list(lengths), set()
     rounds = warmup + trials
     tokens = prompt_tokens(pair, lengths[-1], seed)
-    bar = _Progress(progress, total=rounds * len(lengths))
     if warmup:  # as the runtime's warm-up does: no first translation faults memory in
         have = available_memory()
         fits = [n for n in lengths if working_bytes(pair, translator, n) <= 0.85 * have]
         if fits:
             reserve_translation_memory(pair.target, translator, max(fits))
-    with bar:
+    columns = (TextColumn("{task.description}"), BarColumn(),
+               TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
+        job = bar.add_task("bench", total=rounds * len(lengths))
         for rnd in range(rounds):
             warm = rnd < warmup
             for n in list(kept):
-                bar.update(f"{'warm-up' if warm else 'trial'} {rnd + 1}/{rounds} · n={n}")
+                bar.update(job, description=f"{'warm-up' if warm else 'trial'} {rnd + 1}/{rounds} · n={n}")  # fmt: skip
                 if n not in checked:
                     checked.add(n)
                     why = _why_skip(pair, translator, n, round_time, trials, started, max_seconds)
@@ -480,7 +425,7 @@ def run_bench(
                         log(f"skipping n={n}: {why}")
                         results["skipped"].append({"length": n, "reason": why})
                         kept.remove(n)
-                        bar.advance(rounds - rnd)
+                        bar.advance(job, rounds - rnd)
                         continue
                 t0 = time.perf_counter()
                 clock = _Clock()
@@ -497,22 +442,13 @@ def run_bench(
                     for phase, t in clock.times.items():
                         raw[n]["times"].setdefault(phase, []).append(t)
                         raw[n]["peaks"].setdefault(phase, []).append(clock.peaks[phase])
-                bar.advance()
+                bar.advance(job)
     for n in kept:
-        results["lengths"][str(n)] = _length_summary(
-            n, raw[n], translator, answer_tokens, ahead_share
-        )
-    results["targets"] = check_targets(results)
+        results["lengths"][str(n)] = _length_summary(n, raw[n], translator, answer_tokens,
+                                                     ahead_share)  # fmt: skip
     results["elapsed_s"] = time.perf_counter() - started
     results["machine"]["load_average_end"] = report.load_average()
     return results
-
-
-def _warmed(settings: dict) -> str:
-    # files written before warm-up covered every length say so in their "order"
-    if settings.get("order", "").startswith("warm-up rounds at the shortest"):
-        return f"n={settings['lengths'][0]}"
-    return "every length"
 
 
 def _why_skip(pair, tr, n, round_time, trials, started, max_seconds) -> str | None:
@@ -533,20 +469,8 @@ def _why_skip(pair, tr, n, round_time, trials, started, max_seconds) -> str | No
     return None
 
 
-def extrapolate(times: dict[int, float], n: int) -> float:
-    """Time at length n from the two longest measured lengths, as a power law t ~ n^e with
-    e clamped to [1, 2] (prefill is between linear and quadratic); e = 1.5 from one point."""
-    xs = sorted(times)
-    e = 1.5
-    if len(xs) >= 2 and times[xs[-2]] > 0:
-        e = math.log(times[xs[-1]] / times[xs[-2]]) / math.log(xs[-1] / xs[-2])
-        e = min(2.0, max(1.0, e))
-    return times[xs[-1]] * (n / xs[-1]) ** e
-
-
-def _length_summary(
-    n: int, raw: dict, tr: Translator, answer_tokens: int = 16, ahead_share: float = 0.10
-) -> dict:
+def _length_summary(n: int, raw: dict, tr: Translator, answer_tokens: int,
+                    ahead_share: float) -> dict:  # fmt: skip
     times = raw["times"]
     stats = {p: summarize(v) for p, v in times.items()}
     med = {p: s["median"] for p, s in stats.items()}
@@ -557,30 +481,19 @@ def _length_summary(
         translate=med["translate"], target_step=med["target_step"],
         source_step=med["source_step"], answer_tokens=answer_tokens, share=ahead_share,
     )  # fmt: skip
-    lines = policy_lines(
-        source_ttft=S, source_prefill=P, target_ttft=R, switch_ttft=X, ahead_ttft=XA
-    )
-    grid = [0.0, 0.1, 0.25, 0.5, 0.75, 1.0]
-    speedups = [
-        switch_speedup(r, x)
-        for r, x in zip(times["target_ttft"], times["switch_ttft"], strict=True)
-    ]
-    e2e = [
-        end_to_end_speedup(r, p, x)
-        for r, p, x in zip(
-            times["target_ttft"], times["source_prefill"], times["switch_ttft"], strict=True
-        )
-    ]
+    lines = policy_lines(source_ttft=S, source_prefill=P, target_ttft=R, switch_ttft=X,
+                         ahead_ttft=XA)  # fmt: skip
+    r_, p_, x_ = (np.asarray(times[k]) for k in ("target_ttft", "source_prefill", "switch_ttft"))
     return {
         "tokens": n,
         "trials": times,
         "peak_memory": raw["peaks"],
         "stats": stats,
         "derived": {
-            "switch_speedup": switch_speedup(R, X),
-            "switch_speedup_trials": summarize(speedups),
-            "end_to_end_speedup": end_to_end_speedup(R, P, X),
-            "end_to_end_speedup_trials": summarize(e2e),
+            "switch_speedup": R / X,  # the paper's figure: the source's prefill not counted
+            "switch_speedup_trials": summarize(r_ / x_),
+            "end_to_end_speedup": R / (P + X),
+            "end_to_end_speedup_trials": summarize(r_ / (p_ + x_)),
             "translation_vs_target_step": med["translate"] / med["target_step"],
             # the floor of the line above: the translator's matmuls alone, as a plain GEMM
             "gemm_vs_target_step": med["gemm"] / med["target_step"],
@@ -591,13 +504,9 @@ def _length_summary(
             "translate_ms_per_token": 1e3 * med["translate"] / (n - 1),
             "translate_gflops": flops / med["translate"] / 1e9,
             "translate_gbs": nbytes / med["translate"] / 1e9,
-            "map_gflops": flops / med["translate_map"] / 1e9,
             "gemm_gflops": flops / med["gemm"] / 1e9,
             "gemm_gbs": nbytes / med["gemm"] / 1e9,
             "gemm_efficiency": med["gemm"] / med["translate"],
-            "map_efficiency": med["gemm"] / med["translate_map"],
-            # the translation's steps one by one, each as efficiency up to and including it
-            "step_efficiency": step_efficiency(med),
             "kernel_flops": flops,
             "kernel_bytes": nbytes,
             "peak_memory_GB": {p: max(v) / 1e9 for p, v in raw["peaks"].items()},
@@ -605,135 +514,46 @@ def _length_summary(
         "policies": {
             "lines": {k: {"intercept": a, "slope": b} for k, (a, b) in lines.items()},
             "grid": {
-                "r": grid,
-                **{k: [a + b * r for r in grid] for k, (a, b) in lines.items()},
+                "r": list(RATES),
+                **{k: [a + b * r for r in RATES] for k, (a, b) in lines.items()},
             },
-            "break_even": {
-                "cascade_reprefill_vs_always_large": break_even(
-                    lines["cascade_reprefill"], lines["always_large"]
-                ),
-                "cascade_translate_vs_always_large": break_even(
-                    lines["cascade_translate"], lines["always_large"]
-                ),
-                "cascade_reprefill_cheaper_up_to": cheaper_up_to(
-                    lines["cascade_reprefill"], lines["always_large"]
-                ),
-                "cascade_translate_cheaper_up_to": cheaper_up_to(
-                    lines["cascade_translate"], lines["always_large"]
-                ),
-                "cascade_ahead_cheaper_up_to": cheaper_up_to(
-                    lines["cascade_ahead"], lines["always_large"]
-                ),
-                "cascade_translate_beats_route_first": P + X < R,
-                "cascade_translate_beats_cascade_reprefill": X < R,
+            # each cascade against always-large: cheaper up to this escalation rate
+            "cheaper_up_to": {
+                k: cheaper_up_to(lines[k], lines["always_large"])
+                for k in ("cascade_reprefill", "cascade_translate", "cascade_ahead")
             },
-        },
+            "cascade_translate_beats_route_first": P + X < R,
+        },  # fmt: skip
     }
 
 
-def step_efficiency(med: dict) -> dict:
-    """Same-run GEMM time over the time of the translation's steps up to each one: the maps,
-    then + the target-side steps, then + the cache writes (the last is ~ `gemm_efficiency`,
-    measured as one call; the parts are measured separately)."""
-    out, spent = {}, 0.0
-    for step in ("translate_map", "translate_steps", "cache_append"):
-        if step not in med:
-            return out
-        spent += med[step]
-        out[step] = {"ms": 1e3 * med[step], "cumulative_efficiency": med["gemm"] / spent}
+# -- several pairs ---------------------------------------------------------------------------
+
+
+def run_side_by_side(loaders: Sequence[tuple[str, Callable[[], tuple]]], lengths: Sequence[int],
+                     *, log: Callable[[str], None] = print, **bench_kwargs) -> dict:  # fmt: skip
+    """`run_bench` on each pair in turn, one after another in this process (each loaded by its
+    loader, () -> (pair, translator, info), and freed after); every pair's results."""
+    started = time.perf_counter()
+    out = {
+        "schema": SIDE_BY_SIDE_SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": report.machine_info(),
+        "software": report.software_info(),
+        "lengths": sorted(set(lengths)),
+        "pairs": {},
+    }
+    for name, load in loaders:
+        log(f"== {name}")
+        pair, translator, info = load()
+        out["pairs"][name] = run_bench(pair, translator, lengths, log=log, info=info,
+                                       **bench_kwargs)  # fmt: skip
+        del pair, translator
+        gc.collect()
+        mx.clear_cache()
+    out["elapsed_s"] = time.perf_counter() - started
     return out
-
-
-def reading_info(reading) -> dict | None:
-    """The map-reading strategy measured per kind and token count (None: not measured)."""
-    if not reading.chosen:  # a translator with one path (lowrank)
-        return None
-    return {
-        f"{kind}@{n}": {
-            "chosen": reading.chosen[(kind, n)],
-            "ms": {k: 1e3 * v for k, v in reading.timings[(kind, n)].items()},
-        }
-        for kind, n in reading.chosen
-    }
-
-
-def check_targets(results: dict) -> dict:
-    """The issue's four performance targets, with the measured values and margins."""
-    lens = {int(n): v for n, v in results["lengths"].items()}
-    out = {}
-    if not lens:
-        return out
-    n0 = min(lens)
-    d0 = lens[n0]["derived"]
-    out["translation_vs_step"] = {
-        "at": n0,
-        "value": d0["translation_vs_target_step"],
-        "target": f"<= {TARGETS['translation_vs_step_at_64']}",
-        "met": d0["translation_vs_target_step"] <= TARGETS["translation_vs_step_at_64"],
-        # a translation at full GEMM efficiency would still cost this much of a step
-        "gemm_floor": d0["gemm_vs_target_step"],
-    }
-    xs = sorted(lens)
-    fit = linear_fit([n - 1 for n in xs], [lens[n]["stats"]["translate"]["median"] for n in xs])
-    out["linear_growth"] = {
-        **fit,
-        "ms_per_token": {n: lens[n]["derived"]["translate_ms_per_token"] for n in xs},
-        "target": f"R^2 >= {TARGETS['linearity_r2']}",
-        "met": fit["r2"] >= TARGETS["linearity_r2"] if len(xs) >= 3 else None,
-    }
-    eff = {n: lens[n]["derived"]["gemm_efficiency"] for n in xs}
-    out["gemm_efficiency"] = {
-        "value": eff,
-        "min": min(eff.values()),
-        "target": f">= {TARGETS['gemm_efficiency']}",
-        "met": min(eff.values()) >= TARGETS["gemm_efficiency"],
-    }
-    out["switch_speedup"] = {
-        "at": n0,
-        "value": d0["switch_speedup"],
-        "target": f">= {TARGETS['switch_speedup_at_64']}",
-        "met": d0["switch_speedup"] >= TARGETS["switch_speedup_at_64"],
-    }
-    return out
-
-
-# -- progress --------------------------------------------------------------------------------
-
-
-class _Progress:
-    def __init__(self, enabled: bool, total: int):
-        self.enabled, self.total, self.bar, self.task = enabled, total, None, None
-
-    def __enter__(self):
-        if self.enabled:
-            from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-            self.bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                TextColumn("{task.completed}/{task.total}"),
-                TimeElapsedColumn(),
-                console=Console(stderr=True),
-            )
-            self.bar.__enter__()
-            self.task = self.bar.add_task("bench", total=self.total)
-        return self
-
-    def __exit__(self, *exc):
-        if self.bar:
-            self.bar.__exit__(*exc)
-
-    def update(self, description: str):
-        if self.bar:
-            self.bar.update(self.task, description=description)
-
-    def advance(self, k: int = 1):
-        if self.bar:
-            self.bar.advance(self.task, k)
-
-    def skip(self, k: int):
-        self.advance(k)
 
 
 # -- outputs -------------------------------------------------------------------------------
@@ -748,183 +568,119 @@ def _tps(values: Sequence[float], tokens: int) -> str:
     return f"{r.mean():.2f} ± {r.std(ddof=1) if r.size > 1 else 0.0:.2f}"
 
 
-def _r(x: float) -> str:
+def _rate(x: float) -> str:
     return {0.0: "none (never cheaper)", 1.0: "1.00 (all rates)"}.get(x, f"{x:.2f}")
 
 
 def markdown_report(results: dict) -> str:
-    """llama-bench-style tables (mean ± std over trials), derived figures, targets."""
-    p, m, sw, st = results["pair"], results["machine"], results["software"], results["settings"]
-    base = results.get("resident_before_GB", 0.0)
-    tr = p["translator"]
-    head = [
+    """llama-bench-style tables (mean ± std over trials), derived figures, the policies."""
+    p, m, st = results["pair"], results["machine"], results["settings"]
+    base, tr = results.get("resident_before_GB", 0.0), p["translator"]
+    out = [
         "# kvlingo bench",
         "",
         f"source `{p['source']['name']}` → target `{p['target']['name']}` · translator "
         f"{tr['variant']} nu={tr['nu'][0]} {tr['key_cut']} {tr['dtype']}"
         + (f" ({p['translator_weights']})" if p.get("translator_weights") else "")
         + f" · models {p['source']['dtype']}/{p['target']['dtype']}",
-        f"{m['backend']} · {m['cpu']} ({m['cpu_count']} cores, {m['memory_GB']} GB) · "
-        f"BLAS {m['blas']} · mlx {sw['mlx']} · mlx-lm {sw['mlx-lm']} · {m['os']}",
-        f"{st['trials']} trials after {st['warmup']} warm-up round(s) at {_warmed(st)}; "
-        f"load average at start {_load(m.get('load_average'))}, at end "
-        f"{_load(m.get('load_average_end'))}; {base:.2f} GB resident "
-        "before the run (weights)",
+        report.machine_line(m, results["software"]),
+        f"{st['trials']} trials after {st['warmup']} warm-up round(s) at every length; load "
+        f"average at start {report.load_text(m.get('load_average'))}, at end "
+        f"{report.load_text(m.get('load_average_end'))}; {base:.2f} GB resident before the run (weights)",
         "",
         *md_table(("path", "phase", "test", "ms", "t/s", "median ms", "peak GB (+ over resident)"),
                   "lllrrrr"),
     ]  # fmt: skip
-    rows = [
-        ("source", "source_prefill", "pp{}"),
-        ("source", "source_step", "tg1@{}"),
-        ("re-prefill", "target_prefill", "pp{}"),
-        ("re-prefill", "target_step_reprefill", "tg1@{}"),
-        ("re-prefill", "target_ttft", "ttft{}"),
-        ("switch", "translate", "tr{}"),
-        ("switch", "target_step", "tg1@{}"),
-        ("switch", "switch_ttft", "tr{}+tg1"),
-        ("kernel", "translate_map", "mm{}"),
-        ("kernel", "gemm", "mm{}"),
-    ]
-    body = []
-    for key, v in results["lengths"].items():
+    rows = [("source", "source_prefill", "pp{}"), ("source", "source_step", "tg1@{}"),
+            ("re-prefill", "target_prefill", "pp{}"), ("re-prefill", "target_step_reprefill", "tg1@{}"),
+            ("re-prefill", "target_ttft", "ttft{}"), ("switch", "translate", "tr{}"),
+            ("switch", "target_step", "tg1@{}"), ("switch", "switch_ttft", "tr{}+tg1"),
+            ("kernel", "gemm", "mm{}")]  # fmt: skip
+    lengths = results["lengths"]
+    for key, v in lengths.items():
         n = int(key)
         for path, phase, test in rows:
-            s = v["stats"][phase]
-            ntok = PHASES[phase][1](n)
-            shown = n if phase == "target_ttft" else n - 1
-            body.append(md_row((
-                path, PHASES[phase][0], test.format(shown), _ms(s),
-                _tps(v["trials"][phase], ntok), f"{1e3 * s['median']:.2f}",
-                _peak(v["derived"]["peak_memory_GB"][phase], base),
+            s, peak = v["stats"][phase], v["derived"]["peak_memory_GB"][phase]
+            out.append(md_row((
+                path, PHASES[phase][0], test.format(n if phase == "target_ttft" else n - 1),
+                _ms(s), _tps(v["trials"][phase], PHASES[phase][1](n)), f"{1e3 * s['median']:.2f}",
+                f"{peak:.2f} (+{max(0.0, peak - base):.2f})",
             )))  # fmt: skip
-    derived = [
-        "",
-        "## Derived (medians)",
-        "",
-        *md_table(("n", "switch speed-up R/X", "end-to-end R/(P+X)", "translation / target step",
-                   "translation / target prefill", "translation GFLOP/s", "GB/s", "GEMM GFLOP/s",
-                   "GB/s", "efficiency (matmuls alone)"), "r" * 10),
-    ]  # fmt: skip
-    for key, v in results["lengths"].items():
-        d = v["derived"]
-        sp, e2 = d["switch_speedup_trials"], d["end_to_end_speedup_trials"]
-        derived.append(md_row((
-            key, f"{d['switch_speedup']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})",
-            f"{d['end_to_end_speedup']:.2f}x ({e2['min']:.2f}–{e2['max']:.2f})",
-            f"{100 * d['translation_vs_target_step']:.1f}%",
-            f"{100 * d['translation_vs_target_prefill']:.1f}%", f"{d['translate_gflops']:.1f}",
-            f"{d['translate_gbs']:.2f}", f"{d['gemm_gflops']:.1f}", f"{d['gemm_gbs']:.2f}",
-            f"{100 * d['gemm_efficiency']:.0f}% ({100 * d['map_efficiency']:.0f}%)",
-        )))  # fmt: skip
-    pol = [
-        "",
-        "## Expected TTFT per request (ms) against the escalation rate r",
-        "",
-        "S = source TTFT, P = source prefill, R = target re-prefill TTFT, X = switch TTFT, "
-        "X_ahead = one target step + the translation left after translating ahead within "
-        f"{st.get('ahead_share', 0.1):.0%} of a {st.get('answer_tokens', 16)}-token small answer's "
-        "decode time. always large: R · route first: (1-r)S + rR · cascade re-prefill: "
-        "(1-r)S + r(P+R) · cascade translate: (1-r)S + r(P+X) · cascade+ahead: (1-r)S + r(P+X_ahead).",
-        "",
-        *md_table(("n", "r", "always large", "route first", "cascade re-prefill",
-                   "cascade translate", "cascade+ahead"), "r" * 7),
-    ]  # fmt: skip
-    for key, v in results["lengths"].items():
-        g = v["policies"]["grid"]
-        for i, r in enumerate(g["r"]):
-            ahead = g.get("cascade_ahead")
-            pol.append(md_row((
-                key, f"{r:.2f}", *(f"{1e3 * g[k][i]:.1f}" for k in
-                ("always_large", "route_first", "cascade_reprefill", "cascade_translate")),
-                "" if ahead is None else f"{1e3 * ahead[i]:.1f}",
-            )))  # fmt: skip
-    pol += ["", "Break-even: a cascade beats always-large for escalation rates up to r*.", "",
-            *md_table(("n", "r*: cascade re-prefill", "r*: cascade translate",
-                       "r*: cascade+ahead", "cascade translate beats route first (P+X < R)",
-                       "X_ahead / target step"), "rrrrlr")]  # fmt: skip
-    for key, v in results["lengths"].items():
-        b = v["policies"]["break_even"]
-        ahead = b.get("cascade_ahead_cheaper_up_to")
-        steps = v["derived"].get("ahead_switch_ttft_in_steps")
-        pol.append(md_row((
-            key, _r(b["cascade_reprefill_cheaper_up_to"]), _r(b["cascade_translate_cheaper_up_to"]),
-            "" if ahead is None else _r(ahead),
-            "yes" if b["cascade_translate_beats_route_first"] else "no",
-            "" if steps is None else f"{steps:.2f}",
-        )))  # fmt: skip
-    return "\n".join(head + body + derived + _steps_md(results) + pol + _targets_md(results)) + "\n"
-
-
-def _steps_md(results: dict) -> list[str]:
-    """Where the translation's time goes, step by step, against the same-run GEMM."""
-    rows = [(k, v["derived"].get("step_efficiency")) for k, v in results["lengths"].items()]
-    if not any(steps for _, steps in rows):
-        return []
-    out = [
-        "",
-        "## Translation step by step (medians; efficiency = same-run GEMM time / time so far)",
-        "",
-        "| n | maps ms | eff. | + target-side steps ms | eff. | + cache writes ms | eff. | "
-        "one call (translation) eff. |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for key, steps in rows:
-        if not steps:
-            continue
-        cells = " | ".join(
-            f"{s['ms']:.2f} | {100 * s['cumulative_efficiency']:.0f}%" for s in steps.values()
-        )
-        eff = results["lengths"][key]["derived"]["gemm_efficiency"]
-        out.append(f"| {key} | {cells} | {100 * eff:.0f}% |")
+    out += ["", "## Derived (medians)", "", *derived_table({"": results})]
     reading = results.get("map_reading")
     if reading:
-        out += ["", "Map reading measured at load: " + ", ".join(
+        out += ["", "Map reading measured at the start: " + ", ".join(
             f"{k} {v['chosen']} (" + "/".join(f"{s} {ms:.2f} ms" for s, ms in v["ms"].items()) + ")"
             for k, v in reading.items()
         )]  # fmt: skip
-    return out
-
-
-def _peak(peak: float, resident: float) -> str:
-    return f"{peak:.2f} (+{max(0.0, peak - resident):.2f})"
-
-
-def _load(x) -> str:
-    return "n/a" if not x else "/".join(f"{v:.1f}" for v in x)
-
-
-def _targets_md(results: dict) -> list[str]:
-    t = results.get("targets") or {}
-    if not t:
-        return []
-
-    def mark(ok):
-        return "n/a" if ok is None else ("met" if ok else "missed")
-
-    a, lin, eff, sp = (
-        t["translation_vs_step"], t["linear_growth"], t["gemm_efficiency"], t["switch_speedup"]
-    )  # fmt: skip
-    per_tok = ", ".join(f"{n}: {v:.3f}" for n, v in lin["ms_per_token"].items())
-    out = [
-        "",
-        "## Performance targets",
-        "",
-        f"- translation at n={a['at']} vs one target decode step: {100 * a['value']:.1f}% "
-        f"(target <= 10%): {mark(a['met'])}; the same-run GEMM of its matmuls alone: "
-        f"{100 * a['gemm_floor']:.1f}%",
-        f"- translation grows linearly: R^2 {lin['r2']:.4f} (target >= 0.99), ms per token "
-        f"{per_tok}: {mark(lin['met'])}",
-        f"- translation vs same-run GEMM throughput: min {100 * eff['min']:.0f}% (target >= 70%): "
-        f"{mark(eff['met'])}",
-        f"- switch speed-up at n={sp['at']}: {sp['value']:.2f}x (target >= 9.6x): {mark(sp['met'])}",
-    ]
+    out += ["", "## Expected TTFT per request (ms) against the escalation rate r", "",
+            "S = source TTFT, P = source prefill, R = target re-prefill TTFT, X = switch TTFT, "
+            "X_ahead = one target step + the translation left after translating ahead within "
+            f"{st['ahead_share']:.0%} of a {st['answer_tokens']}-token small answer's decode "
+            "time. " + " · ".join(POLICIES.values()) + ".", "",
+            *md_table(("n", "r", *(label.split(":")[0] for label in POLICIES.values())),
+                      "r" * (2 + len(POLICIES)))]  # fmt: skip
+    for key, v in lengths.items():
+        g = v["policies"]["grid"]
+        for i, r in enumerate(g["r"]):
+            out.append(md_row((key, f"{r:.2f}", *(f"{1e3 * g[k][i]:.1f}" for k in POLICIES))))
+    out += ["", "A cascade beats always-large for escalation rates up to r*:", "",
+            *md_table(("n", "r*: cascade re-prefill", "r*: cascade translate", "r*: cascade+ahead",
+                       "cascade translate beats route first (P+X < R)", "X_ahead / target step"),
+                      "rrrrlr")]  # fmt: skip
+    for key, v in lengths.items():
+        pol = v["policies"]
+        out.append(md_row((
+            key, *(_rate(x) for x in pol["cheaper_up_to"].values()),
+            "yes" if pol["cascade_translate_beats_route_first"] else "no",
+            f"{v['derived']['ahead_switch_ttft_in_steps']:.2f}",
+        )))  # fmt: skip
     if results.get("skipped"):
-        out += [
-            "",
-            "Skipped: " + "; ".join(f"n={s['length']}: {s['reason']}" for s in results["skipped"]),
-        ]
+        skipped = "; ".join(f"n={s['length']}: {s['reason']}" for s in results["skipped"])
+        out += ["", f"Skipped: {skipped}"]
+    return "\n".join(out) + "\n"
+
+
+def derived_table(pairs: dict[str, dict]) -> list[str]:
+    """The figures derived per length (medians), for each pair's `run_bench` results by name
+    (a pair column where they are named): the switch speed-ups with and without the small
+    model's prefill, the translation against one target decode step (the same-run GEMM of its
+    matmuls alone beside it: its floor) and against the target's prefill, and its throughput
+    and efficiency against that GEMM."""
+    named = any(pairs)
+    out = md_table((*(["pair"] if named else []), "n", "switch speed-up R/X",
+                    "end-to-end R/(P+X)", "translation (GEMM) / target step",
+                    "translation / target prefill", "translation GFLOP/s", "GB/s",
+                    "GEMM GFLOP/s", "GB/s", "efficiency vs GEMM"),
+                   "l" * named + "r" * 10)  # fmt: skip
+    for name, results in pairs.items():
+        for key, v in results["lengths"].items():
+            d = v["derived"]
+            sp, e2 = d["switch_speedup_trials"], d["end_to_end_speedup_trials"]
+            out.append(md_row((
+                *([name] if named else []), key,
+                f"{d['switch_speedup']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})",
+                f"{d['end_to_end_speedup']:.2f}x ({e2['min']:.2f}–{e2['max']:.2f})",
+                f"{100 * d['translation_vs_target_step']:.1f}% ({100 * d['gemm_vs_target_step']:.1f}%)",
+                f"{100 * d['translation_vs_target_prefill']:.1f}%", f"{d['translate_gflops']:.1f}",
+                f"{d['translate_gbs']:.2f}", f"{d['gemm_gflops']:.1f}", f"{d['gemm_gbs']:.2f}",
+                f"{100 * d['gemm_efficiency']:.0f}%",
+            )))  # fmt: skip
     return out
+
+
+def side_by_side_markdown(results: dict) -> str:
+    """The derived figures of every pair in one table (`derived_table`)."""
+    lines = [
+        "# Translation on several pairs, side by side",
+        "",
+        report.machine_line(results["machine"], results["software"]),
+        f"`{results.get('command', '')}` · one pair after another in this process · "
+        f"{results.get('elapsed_s', 0) / 60:.1f} min; each pair's full results in its folder",
+        "",
+        *derived_table(results["pairs"]),
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def plot(results: dict, path: str | Path) -> Path:
@@ -932,23 +688,18 @@ def plot(results: dict, path: str | Path) -> Path:
     plt = report.pyplot()
     lens = sorted(int(n) for n in results["lengths"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
-
-    def series(fn):
-        per = [np.asarray(fn(results["lengths"][str(n)]["trials"]), float) * 1e3 for n in lens]
-        med = np.array([np.median(v) for v in per])
-        return med, np.array([med - [v.min() for v in per], [v.max() for v in per] - med])
-
     curves = {
         "target re-prefill TTFT (R)": lambda t: t["target_ttft"],
         "switch TTFT: translation + first step (X)": lambda t: t["switch_ttft"],
-        "cascade switch: source prefill + X": lambda t: np.add(
-            t["source_prefill"], t["switch_ttft"]
-        ),
+        "cascade switch: source prefill + X": lambda t: np.add(t["source_prefill"],
+                                                               t["switch_ttft"]),
         "source TTFT (S)": lambda t: np.add(t["source_prefill"], t["source_step"]),
         "translation alone": lambda t: t["translate"],
-    }
+    }  # fmt: skip
     for (label, fn), style in zip(curves.items(), ("o-", "s-", "^--", "v:", "x-."), strict=True):
-        med, err = series(fn)
+        per = [np.asarray(fn(results["lengths"][str(n)]["trials"]), float) * 1e3 for n in lens]
+        med = np.array([np.median(v) for v in per])
+        err = np.array([med - [v.min() for v in per], [v.max() for v in per] - med])
         ax.errorbar(lens, med, yerr=np.maximum(err, 0), fmt=style, capsize=3, label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -962,12 +713,12 @@ def plot(results: dict, path: str | Path) -> Path:
 
 
 def write_outputs(results: dict, out_dir: str | Path) -> dict[str, Path]:
-    """bench.json (everything, raw trials included), bench.md and ttft.png in `out_dir`."""
-    paths = report.output_files(out_dir, json="bench.json", markdown="bench.md", plot="ttft.png")
-    report.write_json(results, paths["json"])
-    paths["markdown"].write_text(markdown_report(results))
-    if results["lengths"]:
-        plot(results, paths["plot"])
-    else:
-        del paths["plot"]
-    return paths
+    """bench.json (everything, raw trials included), bench.md and ttft.png in `out_dir`; for a
+    side-by-side run, side-by-side.json/.md and each pair's own files in `out_dir/<pair>/`."""
+    if results["schema"] == SIDE_BY_SIDE_SCHEMA:
+        for name, r in results["pairs"].items():
+            r.setdefault("command", results.get("command", ""))
+            write_outputs(r, Path(out_dir) / name.replace(">", "_to_").replace("/", "_"))
+        return report.write(out_dir, "side-by-side", results, side_by_side_markdown(results))
+    return report.write(out_dir, "bench", results, markdown_report(results),
+                        plot if results["lengths"] else None, figure="ttft.png")  # fmt: skip

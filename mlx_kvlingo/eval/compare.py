@@ -2,45 +2,44 @@
 
 Each method (`mlx_kvlingo.eval.methods`) is calibrated on the training split at several settings,
 then scored on the same held-out examples with the evaluation harness's metrics (NLL, top-1
-agreement with the native target, KL(native || method), gap recovered), timed on one prompt
-(switch TTFT: the method's translation plus the target's first step, median of a few trials;
-the source's own prefill is not counted, as in `bench`), and sized: bytes per token that
-would cross a wire between two machines, and what the method stores. A method that cannot
-serve the pair is listed with the reason. Output: a rich table, a JSON file and a
+agreement with the native target, KL(native || method), gap recovered: `score_methods`), timed
+on one prompt (switch TTFT: the method's translation plus the target's first step, median of a
+few trials; the source's own prefill is not counted, as in `bench`), and sized: bytes per token
+that would cross a wire between two machines, and what the method stores. Every method keeps
+the target's own K/V at position 0 (the attention sink, as KV-Lingo translators do). A method
+that cannot serve the pair is listed with the reason. Output: a rich table, a JSON file and a
 quality-latency Pareto plot.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from mlx_kvlingo.eval import report
-from mlx_kvlingo.eval.evaluate import MIN_GAP, Scores, format_kl, gap_recovered
+from mlx_kvlingo.eval.bench import first_token
+from mlx_kvlingo.eval.evaluate import MIN_GAP, format_kl, score_methods
 from mlx_kvlingo.eval.methods import (
     KVLingo,
     NotApplicable,
     capture_span,
     droidspeak,
     human_bytes,
-    load_method,
-    prepare,
     quantized,
     raw,
     scd,
 )
 from mlx_kvlingo.kv.cache import append_kv, new_cache
-from mlx_kvlingo.kv.scoring import native_logp, student_logp
 
 import mlx.core as mx
 import numpy as np
-from rich.progress import Progress
 from rich.table import Table
 
 SCHEMA = "mlx-kvlingo/compare"
 FAMILIES = ("kvlingo", "raw", "quantized", "droidspeak", "scd")
+NATIVE_FIRST = True  # every method keeps the target's own K/V at position 0
+SELECT_EXAMPLES = 8  # training examples DroidSpeak profiles its blocks on
 
 
 @dataclass
@@ -49,18 +48,12 @@ class CompareConfig:
     kvlingo_nu: tuple[int, ...] = (1, 2)
     quant_bits: tuple[int, ...] = (4, 8)
     droidspeak_layers: tuple[int, ...] = (1, 2, 4)
-    droidspeak_stride: int = 1
     scd_ranks: tuple[tuple[float, float], ...] = ((0.125, 0.25), (0.25, 0.5), (1.0, 1.0))
-    scd_patches: tuple[int, ...] = (1, 2)  # patched variants of the middle rank setting
-    scd_steps: int = 200
-    scd_hidden_rank: int | None = None
     calib_examples: int = 64
-    select_examples: int = 8  # for DroidSpeak profiling and SCD patch selection
     eval_examples: int = 32
     ttft_tokens: int = 256
     ttft_trials: int = 3
     bandwidth_gbps: float = 1.0
-    native_first: bool = True  # every method keeps the target's own K/V at position 0
 
 
 @dataclass
@@ -75,11 +68,10 @@ class Entry:
     result: dict = field(default_factory=dict)
 
 
-# -- calibration -----------------------------------------------------------------------------
-
-
-def _rank(fraction: float, width: int) -> int:
-    return max(1, int(round(fraction * width)))
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
 
 
 def calibrate_all(pair, train, cfg: CompareConfig, extra=(), progress=True, log=print,
@@ -90,154 +82,53 @@ def calibrate_all(pair, train, cfg: CompareConfig, extra=(), progress=True, log=
     closed form (the caller passes `calibrate.fit_kvlingo`: measuring does not train).
     """
     entries: list[Entry] = [Entry("kvlingo", label, m) for label, m in extra]
-    sel = train[: cfg.select_examples]
-
-    def timed(fn):
-        t = time.perf_counter()
-        out = fn()
-        return out, time.perf_counter() - t
-
-    kvl = {}
-    if ("kvlingo" in cfg.methods or "quantized" in cfg.methods) and fit_kvlingo is None:
-        raise ValueError("comparing kvlingo (or quantized kvlingo) needs fit_kvlingo")
-    if "kvlingo" in cfg.methods or "quantized" in cfg.methods:
+    kvl = []
+    if {"kvlingo", "quantized"} & set(cfg.methods):
+        if fit_kvlingo is None:
+            raise ValueError("comparing kvlingo (or quantized kvlingo) needs fit_kvlingo")
         for nu in cfg.kvlingo_nu:
             log(f"calibrating kvlingo nu={nu} (closed form) on {len(train)} examples")
-            tr, s = timed(lambda nu=nu: fit_kvlingo(pair, train, nu, cfg.native_first, progress))
-            kvl[nu] = Entry("kvlingo", f"kvlingo mixing nu={nu}", KVLingo(tr, f"kvlingo nu={nu}"),
-                            calibrate_s=s)  # fmt: skip
-        if "kvlingo" in cfg.methods:
-            entries += list(kvl.values())
+            tr, s = _timed(lambda nu=nu: fit_kvlingo(pair, train, nu, NATIVE_FIRST, progress))
+            kvl.append(Entry("kvlingo", f"kvlingo mixing nu={nu}",
+                             KVLingo(tr, f"kvlingo nu={nu}"), calibrate_s=s))  # fmt: skip
+        entries += kvl if "kvlingo" in cfg.methods else []
     try:
-        rawm = raw.calibrate(pair, native_first=cfg.native_first)
-        if "raw" in cfg.methods:
-            entries.append(Entry("raw", "raw", rawm))
+        rawm, why = raw.RawTransfer.for_pair(pair, NATIVE_FIRST), ""
     except NotApplicable as e:
-        rawm, raw_reason = None, str(e)
-        if "raw" in cfg.methods:
-            entries.append(Entry("raw", "raw", reason=str(e)))
+        rawm, why = None, str(e)
+    if "raw" in cfg.methods:
+        entries.append(Entry("raw", "raw", rawm, reason=why))
     if "quantized" in cfg.methods:
         for bits in cfg.quant_bits:
             if rawm is None:
-                entries.append(
-                    Entry(
-                        "quantized",
-                        f"raw @{bits}-bit",
-                        reason=f"quantizes raw transfer: {raw_reason}",
-                    )
-                )
+                entries.append(Entry("quantized", f"raw @{bits}-bit",
+                                     reason=f"quantizes raw transfer: {why}"))  # fmt: skip
             else:
                 m = quantized.Quantized(rawm, bits)
                 entries.append(Entry("quantized", m.label(), m))
             if kvl:
-                inner = kvl[min(kvl)]
-                m = quantized.Quantized(inner.method, bits)
-                entries.append(Entry("quantized", m.label(), m, calibrate_s=inner.calibrate_s))
+                m = quantized.Quantized(kvl[0].method, bits)
+                entries.append(Entry("quantized", m.label(), m, calibrate_s=kvl[0].calibrate_s))
     if "droidspeak" in cfg.methods:
-        L = pair.target.geometry.layers
-        sizes = [k for k in cfg.droidspeak_layers if k <= L]
+        sizes = [k for k in cfg.droidspeak_layers if k <= pair.target.geometry.layers]
+        sel = train[:SELECT_EXAMPLES]
         try:
             droidspeak.check(pair)
             log(f"profiling droidspeak blocks of {sizes} layers on {len(sel)} examples")
-            ms, s = timed(lambda: droidspeak.calibrate(pair, sel, sizes, cfg.droidspeak_stride,
-                                                       progress, cfg.native_first))  # fmt: skip
+            ms, s = _timed(lambda: droidspeak.calibrate(pair, sel, sizes, progress=progress,
+                                                        native_first=NATIVE_FIRST))  # fmt: skip
             entries += [Entry("droidspeak", m.label(), m, calibrate_s=s / len(ms)) for m in ms]
         except NotApplicable as e:
             entries.append(Entry("droidspeak", "droidspeak", reason=str(e)))
     if "scd" in cfg.methods:
-        entries += _calibrate_scd(pair, train, cfg, progress, log, timed)
+        s, t = pair.source.geometry, pair.target.geometry
+        wk, wv = min(s.key_width, t.key_width), min(s.value_width, t.value_width)
+        ranks = [(max(1, round(a * wk)), max(1, round(b * wv))) for a, b in cfg.scd_ranks]
+        log(f"calibrating scd at ranks {ranks} on {len(train)} examples")
+        fits, secs = _timed(lambda: scd.fit_reuse(pair, train, ranks, progress=progress,
+                                                  native_first=NATIVE_FIRST))  # fmt: skip
+        entries += [Entry("scd", m.label(), m, calibrate_s=secs / len(fits)) for m in fits]
     return entries
-
-
-def _calibrate_scd(pair, train, cfg, progress, log, timed) -> list:
-    s, t = pair.source.geometry, pair.target.geometry
-    wk, wv = min(s.key_width, t.key_width), min(s.value_width, t.value_width)
-    ranks = [(_rank(a, wk), _rank(b, wv)) for a, b in cfg.scd_ranks]
-    log(f"calibrating scd REUSE at ranks {ranks} on {len(train)} examples")
-    fits, secs = timed(
-        lambda: scd.fit_reuse(pair, train, ranks, progress=progress, native_first=cfg.native_first)
-    )
-    out = [Entry("scd", m.label(), m, calibrate_s=secs / len(fits)) for m in fits]
-    if cfg.scd_patches and max(cfg.scd_patches) > 0:
-        mid = fits[len(fits) // 2]
-        sc = scd.ScdConfig(*mid.ranks, patches=max(cfg.scd_patches), steps=cfg.scd_steps,
-                           hidden_rank=cfg.scd_hidden_rank, select_examples=cfg.select_examples)  # fmt: skip
-        log(f"selecting scd patch layers (up to {sc.patches}) for ranks {mid.ranks}")
-        patched, ps = timed(lambda: scd.select_patches(pair, mid, train, sc, progress))
-        order = patched.meta["calibration"]["patch_selection"]["order"]
-        if not order:
-            log("scd: no layer improves on REUSE alone; no patched variants")
-        for k in sorted(set(cfg.scd_patches)):
-            if 0 < k <= len(order):
-                m = patched.with_patches(order[:k])
-                out.append(
-                    Entry("scd", m.label(), m, calibrate_s=out[len(fits) // 2].calibrate_s + ps)
-                )
-    return out
-
-
-# -- evaluation ------------------------------------------------------------------------------
-
-
-def evaluate_all(pair, entries: list, examples, progress=True) -> dict:
-    """Quality of every applicable entry on `examples`, with native and source-alone rows."""
-    live = [e for e in entries if e.method is not None]
-    cuts = {e.method.key_cut for e in live} or {"post_norm"}
-    points = sorted({p for e in live for p in e.method.needs_hidden})
-    scores = {id(e): Scores.empty() for e in live}
-    native, source, weights = Scores.empty(), Scores.empty(), []
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("evaluating", total=len(examples))
-        for ex in examples:
-            preps = {}
-            for cut in sorted(cuts):
-                p = prepare(pair, ex, cut, points)
-                preps[cut] = p
-            teacher = next(iter(preps.values())).teacher_logp
-            targets = mx.array(list(ex.continuation))
-            native.add(teacher, teacher, targets)
-            source.add(native_logp(pair.source, ex), teacher, targets)
-            for e in live:
-                scores[id(e)].add(student_logp(e.method, pair, preps[e.method.key_cut]),
-                                  teacher, targets)  # fmt: skip
-            weights.append(len(ex.continuation))
-            bar.advance(task)
-    out = {"native": native.summary(weights), "source": source.summary(weights)}
-    src, nat = out["source"]["nll"], out["native"]["nll"]
-    out["native"]["gap_recovered"] = gap_recovered(src, nat, nat)
-    out["source"]["gap_recovered"] = gap_recovered(src, nat, src)
-    for e in live:
-        e.result.update(scores[id(e)].summary(weights))
-        e.result["gap_recovered"] = gap_recovered(src, nat, e.result["nll"])
-    out["examples"], out["tokens"] = len(examples), int(sum(weights))
-    return out
-
-
-# -- latency ---------------------------------------------------------------------------------
-
-
-def _first_token(model, last: mx.array, cache) -> None:
-    logits = model(last[None], cache=cache)[:, -1, :]
-    mx.eval(mx.argmax(logits, axis=-1))
-
-
-def _median_time(fn, trials: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(trials):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return float(np.median(times))
-
-
-def prompt_from(examples, n: int) -> list[int]:
-    """n real tokens: held-out prefixes and continuations, concatenated and cut."""
-    tokens: list[int] = []
-    while len(tokens) < n:
-        for ex in examples:
-            tokens += list(ex.prefix) + list(ex.continuation)
-    return tokens[:n]
 
 
 def time_all(pair, entries: list, tokens: list[int], trials: int = 3) -> dict:
@@ -250,48 +141,52 @@ def time_all(pair, entries: list, tokens: list[int], trials: int = 3) -> dict:
         points = sorted({p for e in live if e.method.key_cut == cut for p in e.method.needs_hidden})
         spans[cut] = capture_span(pair.source, tokens[:-1], cut, points)
 
-    def reprefill():
-        cache = new_cache(pair.target)
-        pair.target.model(mx.array(tokens[:-1])[None], cache=cache)
-        _first_token(pair.target.model, last, cache)
+    def median_time(fn) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(trials):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return float(np.median(times))
 
-    def source_prefill():
-        cache = new_cache(pair.source)
-        pair.source.model(mx.array(tokens[:-1])[None], cache=cache)
-        mx.eval([c.keys for c in cache])
+    def prefill(model):
+        cache = new_cache(model)
+        model.model(mx.array(tokens[:-1])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        return cache
+
+    def switch(m, span):
+        cache = new_cache(pair.target)
+        append_kv(cache, *m.translate(span, pair.target))
+        first_token(pair.target.model, last, cache)
 
     for e in live:
-        span = spans[e.method.key_cut]
-
-        def switch(m=e.method, span=span):
-            cache = new_cache(pair.target)
-            keys, values = m.translate(span, pair.target)
-            append_kv(cache, keys, values)
-            _first_token(pair.target.model, last, cache)
-
-        e.result["switch_ttft_s"] = _median_time(switch, trials)
+        e.result["switch_ttft_s"] = median_time(lambda m=e.method: switch(m, spans[m.key_cut]))
     return {
         "tokens": len(tokens),
-        "target_reprefill_ttft_s": _median_time(reprefill, trials),
-        "source_prefill_s": _median_time(source_prefill, trials),
+        "target_reprefill_ttft_s": median_time(
+            lambda: first_token(pair.target.model, last, prefill(pair.target))
+        ),
+        "source_prefill_s": median_time(lambda: prefill(pair.source)),
     }
-
-
-# -- the whole comparison --------------------------------------------------------------------
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
     """Indices of points not dominated in (latency, loss): nothing else is as fast and as good
     with one of the two strictly better."""
-    front = []
-    for i, (x, y) in enumerate(points):
-        if not any(
-            (xo <= x and yo <= y) and (xo < x or yo < y)
-            for j, (xo, yo) in enumerate(points)
-            if j != i
-        ):
-            front.append(i)
-    return front
+    return [i for i, (x, y) in enumerate(points)
+            if not any(xo <= x and yo <= y and (xo < x or yo < y)
+                       for j, (xo, yo) in enumerate(points) if j != i)]  # fmt: skip
+
+
+def prompt_from(examples, n: int) -> list[int]:
+    """n real tokens: held-out prefixes and continuations, concatenated and cut."""
+    tokens: list[int] = []
+    while len(tokens) < n:
+        for ex in examples:
+            tokens += list(ex.prefix) + list(ex.continuation)
+    return tokens[:n]
 
 
 def run_compare(pair, train, held, cfg: CompareConfig = CompareConfig(), extra=(), entries=None,
@@ -301,13 +196,14 @@ def run_compare(pair, train, held, cfg: CompareConfig = CompareConfig(), extra=(
     train, held = list(train)[: cfg.calib_examples], list(held)[: cfg.eval_examples]
     if entries is None:
         entries = calibrate_all(pair, train, cfg, extra, progress, log, fit_kvlingo)
-    log(f"evaluating {sum(e.method is not None for e in entries)} settings on {len(held)} "
-        f"held-out examples")  # fmt: skip
-    quality = evaluate_all(pair, entries, held, progress)
+    live = [e for e in entries if e.method is not None]
+    log(f"evaluating {len(live)} settings on {len(held)} held-out examples")
+    quality = score_methods(pair, {i: e.method for i, e in enumerate(live)}, held, progress)
+    for i, e in enumerate(live):
+        e.result.update(quality[i])
     log(f"timing switch TTFT at {cfg.ttft_tokens} tokens")
     timing = time_all(pair, entries, prompt_from(held, cfg.ttft_tokens), cfg.ttft_trials)
-    bw = cfg.bandwidth_gbps * 1e9 / 8  # bytes per second
-    n = timing["tokens"] - 1
+    wire_s = (timing["tokens"] - 1) / (cfg.bandwidth_gbps * 1e9 / 8)  # per byte per token
     rows = []
     for e in entries:
         row = {"family": e.family, "label": e.label}
@@ -315,25 +211,21 @@ def run_compare(pair, train, held, cfg: CompareConfig = CompareConfig(), extra=(
             row["not_applicable"] = e.reason
         else:
             m = e.method
-            row |= e.result
-            row |= {
-                "wire_bytes_per_token": m.wire_bytes_per_token(),
-                "translator_bytes": m.nbytes(),
-                "calibrate_s": e.calibrate_s,
-            }
-            row["ttft_with_wire_s"] = row["switch_ttft_s"] + n * row["wire_bytes_per_token"] / bw
+            row |= e.result | {"wire_bytes_per_token": m.wire_bytes_per_token(),
+                               "translator_bytes": m.nbytes(), "calibrate_s": e.calibrate_s}  # fmt: skip
+            row["ttft_with_wire_s"] = row["switch_ttft_s"] + wire_s * row["wire_bytes_per_token"]
             if hasattr(m, "code_size_per_token"):
                 row["code_size_per_token"] = m.code_size_per_token()
         rows.append(row)
     nat = {"family": "reference", "label": "native (target re-prefill)", **quality["native"],
            "switch_ttft_s": timing["target_reprefill_ttft_s"], "wire_bytes_per_token": 4,
            "translator_bytes": 0}  # fmt: skip
-    nat["ttft_with_wire_s"] = nat["switch_ttft_s"] + n * 4 / bw
+    nat["ttft_with_wire_s"] = nat["switch_ttft_s"] + wire_s * 4
     src = {"family": "reference", "label": "source alone", **quality["source"]}
-    live = [r for r in rows if "kl_native" in r] + [nat]
+    scored = [r for r in rows if "kl_native" in r] + [nat]
     for key, name in (("switch_ttft_s", "pareto"), ("ttft_with_wire_s", "pareto_with_wire")):
-        for i in pareto_front([(r[key], r["kl_native"]) for r in live]):
-            live[i][name] = True
+        for i in pareto_front([(r[key], r["kl_native"]) for r in scored]):
+            scored[i][name] = True
     return {
         "schema": SCHEMA,
         "pair": {"source": pair.source.name, "target": pair.target.name},
@@ -343,53 +235,6 @@ def run_compare(pair, train, held, cfg: CompareConfig = CompareConfig(), extra=(
         "rows": [nat, src] + rows,
         "elapsed_s": time.perf_counter() - started,
     }  # fmt: skip
-
-
-# -- a same-geometry pair -----------------------------------------------------------------------
-
-
-def perturbed_copy(
-    folder: str | Path, scale: float, seed: int = 0, out: str | Path | None = None
-) -> Path:
-    """A copy of a local model folder whose transformer-layer matrices get Gaussian noise of
-    `scale` times each matrix's own standard deviation (embeddings, head and norms unchanged):
-    a stand-in for a fine-tune, with the same geometry. Written once, then reused."""
-    import shutil
-
-    from mlx_kvlingo.models.demo.smollm2 import cache_root
-
-    folder = Path(folder)
-    if not (folder / "config.json").exists():
-        raise FileNotFoundError(f"{folder}: not a local model folder")
-    out = (
-        Path(out)
-        if out
-        else cache_root() / "perturbed" / f"{folder.name}-noise{scale:g}-seed{seed}"
-    )
-    if (out / "model.safetensors").exists():
-        return out
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    mx.random.seed(seed)
-    files = sorted(folder.glob("*.safetensors"))
-    for f in files:
-        weights = mx.load(str(f))
-        for k in sorted(weights):
-            v = weights[k]
-            if ".layers." in k and v.ndim == 2 and mx.issubdtype(v.dtype, mx.floating):
-                noise = mx.random.normal(v.shape) * (scale * v.astype(mx.float32).std())
-                weights[k] = (v.astype(mx.float32) + noise).astype(v.dtype)
-        mx.save_safetensors(str(tmp / f.name), weights, metadata={"format": "mlx"})
-    for f in folder.iterdir():
-        if f.is_file() and f.suffix != ".safetensors":
-            shutil.copy(f, tmp / f.name)
-    (tmp / "perturbation.json").write_text(json.dumps(
-        {"from": str(folder), "scale": scale, "seed": seed,
-         "what": "N(0, (scale * std(W))^2) added to every 2-D weight under model.layers"}))  # fmt: skip
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
-    return out
 
 
 # -- output ----------------------------------------------------------------------------------
@@ -477,38 +322,4 @@ def plot(result: dict, path: str | Path) -> Path:
     return report.save_figure(fig, path)
 
 
-def save_methods(entries: list, folder: str | Path, pair=None) -> Path:
-    """Each calibrated method in its own file plus `manifest.json` (label -> file)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    manifest = {"rows": []}
-    for i, e in enumerate(entries):
-        row = {"family": e.family, "label": e.label, "calibrate_s": e.calibrate_s}
-        if e.method is None:
-            row["not_applicable"] = e.reason
-        else:
-            name = f"{i:02d}-{e.family}.safetensors"
-            e.method.save(folder / name, pair)
-            row["file"] = name
-        manifest["rows"].append(row)
-    (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    return folder
-
-
-def load_methods(folder: str | Path, pair=None) -> list:
-    folder = Path(folder)
-    manifest = json.loads((folder / "manifest.json").read_text())
-    out = []
-    for row in manifest["rows"]:
-        if "file" in row:
-            m = load_method(folder / row["file"], pair)
-            if isinstance(m, KVLingo):
-                m._label = row["label"]
-            out.append(Entry(row["family"], row["label"], m, calibrate_s=row["calibrate_s"]))
-        else:
-            out.append(Entry(row["family"], row["label"], reason=row["not_applicable"]))
-    return out
-
-
-__all__ = ["CompareConfig", "Entry", "calibrate_all", "evaluate_all", "plot", "run_compare",
-           "save_methods", "load_methods", "table", "time_all"]  # fmt: skip
+__all__ = ["CompareConfig", "Entry", "calibrate_all", "plot", "run_compare", "table", "time_all"]

@@ -2,10 +2,12 @@
 
 For every task (`content_tasks`) each condition answers greedily:
   native      the target reading the whole prompt itself (the reference)
-  <label>     the target on a cache a method (translator, raw, DroidSpeak, ...) built from the
-              source's K/V of prompt[:-1]; it reads only the last prompt token itself
-              (`Chat(translator, tail, share)`: the chat's own path, `Session.hand_off`;
-              `NoisyNative(rel)`: the native cache with noise of `rel` times each layer's RMS)
+  <label>     the target on a cache built for prompt[:-1] without reading it; it reads only
+              the last prompt token itself. A condition is a `Chat` (the chat's own path,
+              `Session.hand_off`: the small model reads, the span is translated, the large
+              model reads the last `tail` tokens and recomputes `share`), a cache method or
+              translator (`translate(span, target)`: raw, DroidSpeak, ...), or a callable
+              (pair, task, native K/V) -> (keys, values) (an experiment's own cache)
   small       the source model alone
 Scores, per kind and read length:
   fact, copy     accuracy (the stated value / the sentence appears in the reply) and *retained*
@@ -17,22 +19,20 @@ continuation KL is not used here: generic tokens dominate it (see weights/QUALIT
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import ReadCosts
-from mlx_kvlingo.data.content_tasks import KINDS, ContentTask
+from mlx_kvlingo.data.content_tasks import KINDS, ContentTask, build_tasks
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.kv.cache import new_cache
 
 import mlx.core as mx
-from mlx_lm import stream_generate
 from rich.progress import Progress
 from rich.table import Table
 
@@ -40,8 +40,7 @@ SCHEMA = "mlx-kvlingo/content-eval"
 #: greedy tokens each kind may answer with
 MAX_TOKENS = {"fact": 20, "copy": 40, "qa": 40, "summary": 40}
 EXACT_KINDS = ("fact", "copy")
-#: goals for the default translator (issue 26): retained facts/copies by read length, and recall
-GOAL_RETAINED_SHORT, GOAL_RETAINED_LONG, LONG_FROM, GOAL_RECALL = 0.8, 0.6, 1024, 0.7
+PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
 
 _NON_WORD = re.compile(r"[^a-z0-9]+")
 STOPWORDS = frozenset(
@@ -91,28 +90,50 @@ def rouge_l(reference: str, candidate: str) -> float:
     return 2 * p * q / (p + q)
 
 
-# -- answering ---------------------------------------------------------------------------------
+# -- the tasks ---------------------------------------------------------------------------------
 
 
-def greedy(model, tokenizer, tokens: Sequence[int], cache: list, max_tokens: int,
-           until: str = "") -> str:  # fmt: skip
-    """mlx-lm's greedy decoding from `cache` after reading `tokens`, stopping at end of turn
-    (or once the reply `contains` `until`: a fact or copy task is decided then)."""
-    pieces = stream_generate(model, tokenizer, mx.array(list(tokens)), max_tokens=max_tokens,
-                             sampler=lambda logits: mx.argmax(logits, axis=-1),
-                             prompt_cache=cache)  # fmt: skip
-    text = ""
-    for r in pieces:
-        text += r.text
-        if until and contains(until, text):
-            break
-    return text.strip()
+def fitting_tasks(pair, texts: Sequence[str], lengths: Sequence[int], per_kind: int,
+                  seed: int = 0) -> list[ContentTask]:  # fmt: skip
+    """`build_tasks` whose prompts leave room for the longest answer in the pair's context.
+
+    Prompts come within 5% of the length asked (whole sentences); a length whose prompts
+    overrun the room (8192 on the demo pair) is built again shorter, by what they overran, and
+    keeps the label asked for (each record keeps its prompt's token count). The draws at the
+    lengths left as asked are those of `build_tasks`. A ValueError for lengths beyond the
+    context, or two so near it that they would be built as one."""
+    limit = min(m.context_length or 10**9 for m in (pair.source, pair.target))
+    room = limit - max(MAX_TOKENS.values())
+    asked = sorted(set(lengths))
+    if asked[-1] > limit:
+        raise ValueError(f"read lengths go up to the pair's context, {limit} tokens")
+    built = [min(n, room - 32) for n in asked]
+    if len(set(built)) < len(built):
+        raise ValueError(f"read lengths within 32 tokens of the room for an answer in the "
+                         f"context ({room}) are one length: give one of them")  # fmt: skip
+    for _ in range(5):
+        tasks = build_tasks(pair.tokenizer, texts, built, per_kind, seed=seed)
+        over = {}
+        for t in tasks:
+            over[t.length] = max(over.get(t.length, 0), len(t.tokens) - room)
+        if max(over.values()) <= 0:
+            label = dict(zip(built, asked))
+            return [replace(t, length=label[t.length]) for t in tasks]
+        built = [b - over[b] - 8 if over[b] > 0 else b for b in built]
+    raise ValueError(f"no prompts of these lengths fit the pair's {limit}-token context with "
+                     f"room for an answer")  # fmt: skip
+
+
+# -- caches and answers ------------------------------------------------------------------------
 
 
 def native_kv(model, tokens: Sequence[int]) -> tuple[list, list]:
-    """The model's own cache contents (rotated keys, values) per layer for `tokens`."""
-    cache = new_cache(model)
-    model.model(mx.array(list(tokens))[None], cache=cache)
+    """The model's own cache contents (rotated keys, values) per layer for `tokens`, read in
+    mlx-lm's prefill chunks."""
+    cache, x = new_cache(model), mx.array(list(tokens))
+    for s in range(0, x.size, PREFILL_STEP):
+        model.model(x[s : s + PREFILL_STEP][None], cache=cache)
+        mx.eval([c.state for c in cache])
     keys = [c.keys[..., : c.offset, :] for c in cache]
     values = [c.values[..., : c.offset, :] for c in cache]
     mx.eval(keys, values)
@@ -120,7 +141,8 @@ def native_kv(model, tokens: Sequence[int]) -> tuple[list, list]:
 
 
 def translated_kv(pair, method, tokens: Sequence[int]) -> tuple[list, list]:
-    """What `method` builds for the target from the source's K/V of `tokens`."""
+    """What `method` (a translator or cache method) builds for the target from the source's
+    K/V of `tokens`."""
     from mlx_kvlingo.eval.methods import capture_span
 
     cut = getattr(method, "key_cut", None) or method.config.key_cut
@@ -142,39 +164,6 @@ class Chat:
     share: float = ReaderPolicy().recompute_share
 
 
-@dataclass(frozen=True)
-class NoisyNative:
-    """A reference condition: the target's own cache with Gaussian noise added to every K and
-    V, `rel` times that layer's RMS (so ||noise|| / ||native|| is about `rel` per token, the
-    measure the diagnosis gives translation errors in): how much cache error content survives,
-    and how far greedy replies drift from the native ones under a small one."""
-
-    rel: float
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class SourceAlone:
-    """A reference condition: the pair's source model answers on its own reading of the prompt
-    (the "small" row, under a label of its own, for a source other than the one a reused "small"
-    row came from)."""
-
-
-def noisy_kv(cond: NoisyNative, native: tuple[list, list]) -> tuple[list, list]:
-    key = mx.random.key(cond.seed)
-    out = []
-    for arrays in native:
-        noisy = []
-        for a in arrays:
-            key, sub = mx.random.split(key)
-            rms = mx.sqrt(mx.mean(mx.square(a.astype(mx.float32))))
-            noise = mx.random.normal(a.shape, key=sub) * (cond.rel * rms)
-            noisy.append((a.astype(mx.float32) + noise).astype(a.dtype))
-        out.append(noisy)
-    mx.eval(out)
-    return out[0], out[1]
-
-
 def chat_kv(pair, cond: Chat, task: ContentTask) -> tuple[list, list]:
     """The large model's cache for prompt[:-1] exactly as the chat builds it: a conversation
     holding the prompt hands off to the large model (small reads, translate, tail, recompute;
@@ -194,23 +183,32 @@ def chat_kv(pair, cond: Chat, task: ContentTask) -> tuple[list, list]:
     return keys, values
 
 
-def answers_from(pair, kvs: Sequence[tuple[list, list]], last: int, max_tokens: int,
+def condition_kv(pair, cond, task: ContentTask, native: tuple[list, list]) -> tuple[list, list]:
+    """The target's cache for prompt[:-1] under `cond` (see the module's doc)."""
+    if isinstance(cond, Chat):
+        return chat_kv(pair, cond, task)
+    if hasattr(cond, "translate"):
+        return translated_kv(pair, cond, task.tokens[:-1])
+    return cond(pair, task, native)
+
+
+def answers_from(model, tokenizer, kvs: Sequence[tuple[list, list]], last: int, max_tokens: int,
                  until: str = "") -> list[str]:  # fmt: skip
-    """The target's greedy replies on several caches at once (one batch row per (keys,
-    values)), each reading `last` itself; a row stops at end of turn or once it contains
-    `until`. One batched decode costs about what one row does on a memory-bound backend."""
-    dtype, B = pair.target.dtype, len(kvs)
-    cache = new_cache(pair.target)
+    """`model`'s greedy replies on several caches at once (one batch row per (keys, values)),
+    each reading `last` itself; a row stops at end of turn or once it contains `until` (a fact
+    or copy task is decided then). One batched decode costs about what one row does on a
+    memory-bound backend."""
+    dtype, B = model.dtype, len(kvs)
+    cache = new_cache(model)
     for i, c in enumerate(cache):
         c.update_and_fetch(mx.concatenate([kv[0][i].astype(dtype) for kv in kvs], axis=0),
                            mx.concatenate([kv[1][i].astype(dtype) for kv in kvs], axis=0))  # fmt: skip
-    eos = set(pair.tokenizer.eos_token_ids)
+    eos = set(tokenizer.eos_token_ids)
     rows: list[list[int]] = [[] for _ in range(B)]
     live = [True] * B
     y = mx.array([[last]] * B)
     for _ in range(max_tokens):
-        logits = pair.target.model(y, cache=cache)[:, -1, :]
-        nxt = mx.argmax(logits, axis=-1).tolist()
+        nxt = mx.argmax(model.model(y, cache=cache)[:, -1, :], axis=-1).tolist()
         for b, t in enumerate(nxt):
             if not live[b]:
                 continue
@@ -218,56 +216,25 @@ def answers_from(pair, kvs: Sequence[tuple[list, list]], last: int, max_tokens: 
                 live[b] = False
                 continue
             rows[b].append(t)
-            if until and contains(until, pair.tokenizer.decode(rows[b])):
+            if until and contains(until, tokenizer.decode(rows[b])):
                 live[b] = False
         if not any(live):
             break
         y = mx.array(nxt)[:, None]
-    return [pair.tokenizer.decode(r).strip() for r in rows]
+    return [tokenizer.decode(r).strip() for r in rows]
 
 
-@dataclass
-class Swap:
-    """Diagnosis: translated cache with these target layers' K/V replaced by native ones."""
-
-    label: str
-    method: object
-    native_layers: frozenset[int]
-
-
-def _answers(pair, task: ContentTask, methods: dict, small: bool, swaps: Sequence[Swap],
-             known: dict | None = None) -> dict:  # fmt: skip
-    """Every condition's reply; the target's conditions decode together in one batch. Replies
-    in `known` ({condition: reply}, from an earlier run on the same task) are not recomputed."""
-    known = known or {}
-    n, until = MAX_TOKENS[task.kind], task.answer
-    toks = list(task.tokens)
-    need_native = ("native" not in known or bool(swaps)
-                   or any(isinstance(m, NoisyNative) for m in methods.values()))  # fmt: skip
-    native = native_kv(pair.target, toks[:-1]) if need_native else None
-    kvs = {"native": native} if "native" not in known else {}  # its reply, when not known
-    cached, alone = {}, [label for label, m in methods.items() if isinstance(m, SourceAlone)]
-    for label, m in methods.items():
-        if isinstance(m, SourceAlone):
-            continue
-        if isinstance(m, Chat):
-            kvs[label] = chat_kv(pair, m, task)
-        elif isinstance(m, NoisyNative):
-            kvs[label] = noisy_kv(m, native)
-        else:
-            kvs[label] = cached[id(m)] = translated_kv(pair, m, toks[:-1])
-    for s in swaps:
-        if id(s.method) not in cached:
-            cached[id(s.method)] = translated_kv(pair, s.method, toks[:-1])
-        k, v = cached[id(s.method)]
-        kvs[s.label] = ([native[0][i] if i in s.native_layers else k[i] for i in range(len(k))],
-                        [native[1][i] if i in s.native_layers else v[i] for i in range(len(v))])  # fmt: skip
-    out = dict(known)
-    if kvs:  # everything may be known already
-        out.update(zip(kvs, answers_from(pair, list(kvs.values()), toks[-1], n, until)))
-    for label in [*alone, *(["small"] if small and "small" not in known else [])]:
-        out[label] = greedy(pair.source.model, pair.tokenizer, toks, new_cache(pair.source), n,
-                            until)  # fmt: skip
+def _answers(pair, task: ContentTask, conditions: dict, small: bool) -> dict:
+    """Every condition's reply; the target's conditions decode together in one batch."""
+    n, until, toks = MAX_TOKENS[task.kind], task.answer, list(task.tokens)
+    native = native_kv(pair.target, toks[:-1])
+    kvs = {"native": native}
+    kvs |= {label: condition_kv(pair, c, task, native) for label, c in conditions.items()}
+    out = dict(zip(kvs, answers_from(pair.target, pair.tokenizer, list(kvs.values()), toks[-1],
+                                     n, until)))  # fmt: skip
+    if small:
+        alone = native_kv(pair.source, toks[:-1])
+        (out["small"],) = answers_from(pair.source, pair.tokenizer, [alone], toks[-1], n, until)
     return out
 
 
@@ -323,20 +290,15 @@ def summarize(rows: list, native: list) -> dict:
     return s
 
 
-def evaluate_content(pair, tasks: Sequence[ContentTask], methods: dict, small: bool = True,
-                     swaps: Sequence[Swap] = (), progress: bool = True,
-                     known: Sequence[dict] | None = None) -> ContentResult:  # fmt: skip
-    """Every condition's answer to every task, scored against the native answer. `known`:
-    per task, {condition: reply} from an earlier run on the same tasks (`known_replies`),
-    kept and not recomputed (greedy replies repeat exactly from run to run)."""
-    earlier = [c for c in (known[0] if known else {}) if c not in ("native", "small")]
-    conditions = ["native", *earlier, *methods, *(s.label for s in swaps)]
-    conditions += ["small"] if small or (known and "small" in known[0]) else []
-    res = ContentResult(conditions=conditions)
+def evaluate_content(pair, tasks: Sequence[ContentTask], conditions: dict, small: bool = True,
+                     progress: bool = True) -> ContentResult:  # fmt: skip
+    """Every condition's answer to every task ({label: condition}, see the module's doc), with
+    the native one first and the source alone last (`small`), scored against the native one."""
+    res = ContentResult(conditions=["native", *conditions, *(["small"] if small else [])])
     with Progress(disable=not progress, transient=True) as bar:
         job = bar.add_task("content", total=len(tasks))
         for i, task in enumerate(tasks):
-            answers = _answers(pair, task, methods, small, swaps, known[i] if known else None)
+            answers = _answers(pair, task, conditions, small)
             for c, reply in answers.items():
                 res.records.append({
                     "task": i, "condition": c, "kind": task.kind, "length": task.length,
@@ -348,63 +310,24 @@ def evaluate_content(pair, tasks: Sequence[ContentTask], methods: dict, small: b
     return res
 
 
-def known_replies(result: dict, tasks: Sequence[ContentTask]) -> list[dict]:
-    """Per task, {condition: reply} from an earlier run's JSON (`to_json`), checked to be the
-    same tasks (kind, length, question, answer); a ValueError where they differ."""
-    by_task: dict[int, dict] = {}
-    for r in result["records"]:
-        by_task.setdefault(r["task"], {})[r["condition"]] = r
-    if len(by_task) != len(tasks):
-        raise ValueError(f"the earlier run has {len(by_task)} tasks, this one {len(tasks)}")
-    out = []
-    for i, task in enumerate(tasks):
-        rows = by_task[i]
-        first = next(iter(rows.values()))
-        same = (first["kind"], first["length"], first["question"], first["answer"])
-        if same != (task.kind, task.length, task.question, task.answer):
-            raise ValueError(f"task {i} differs from the earlier run's: {same[:3]} vs "
-                             f"{(task.kind, task.length, task.question)}")  # fmt: skip
-        out.append({c: r["reply"] for c, r in rows.items()})
-    return out
-
-
-def goals(cells: dict, label: str = "translated") -> list[dict]:
-    """Issue 26's goals for `label`: met or not, with the distance."""
-    out = []
-    tr, small = cells.get(label, {}), cells.get("small", {})
-    for kind, by_len in tr.items():
-        for length, s in by_len.items():
-            if kind in EXACT_KINDS:
-                goal = GOAL_RETAINED_LONG if length >= LONG_FROM else GOAL_RETAINED_SHORT
-                what = "retained"
-            else:
-                goal, what = GOAL_RECALL, "recall"
-            out.append({"goal": f"{kind} @{length}: {what} >= {goal}", "value": s["score"],
-                        "met": s["score"] >= goal})  # fmt: skip
-            sm = small.get(kind, {}).get(length)
-            if sm is not None:
-                out.append({"goal": f"{kind} @{length}: above small ({sm['score']:.2f})",
-                            "value": s["score"], "met": s["score"] > sm["score"]})  # fmt: skip
-    return out
-
-
 def to_json(res: ContentResult, pair, extra: dict | None = None) -> dict:
     cells = res.cells()
     return {"schema": SCHEMA, "pair": {"source": pair.source.name, "target": pair.target.name},
-            "conditions": res.conditions, "cells": cells,
-            "goals": goals(cells) if "translated" in cells else [],
-            "records": res.records, **(extra or {})}  # fmt: skip
+            "conditions": res.conditions, "cells": cells, "records": res.records,
+            **(extra or {})}  # fmt: skip
 
 
 def _fmt(x: float) -> str:
-    return "n/a" if x != x else f"{x:.2f}"
+    return "n/a" if x is None or x != x else f"{x:.2f}"
 
 
 def tables(result: dict) -> list[Table]:
     """One table per kind: conditions x read lengths, the headline score (accuracy beside it)."""
     out = []
-    cells = result["cells"]
-    lengths = sorted({int(n) for c in cells.values() for k in c.values() for n in k})
+    # read lengths as numbers (they are the keys of a JSON object in a result read back)
+    cells = {c: {k: {int(n): s for n, s in by.items()} for k, by in ks.items()}
+             for c, ks in result["cells"].items()}  # fmt: skip
+    lengths = sorted({n for c in cells.values() for k in c.values() for n in k})
     for kind in KINDS:
         if not any(kind in cells[c] for c in cells):
             continue
@@ -413,9 +336,7 @@ def tables(result: dict) -> list[Table]:
         for c in result["conditions"]:
             row = []
             for n in lengths:
-                s = cells.get(c, {}).get(kind, {}).get(n) or cells.get(c, {}).get(kind, {}).get(
-                    str(n)
-                )
+                s = cells.get(c, {}).get(kind, {}).get(n)
                 if s is None:
                     row.append("")
                 elif kind in EXACT_KINDS:
@@ -448,7 +369,3 @@ def plot(result: dict, path: str | Path) -> Path:
     fig.suptitle(f"content: {Path(result['pair']['source']).name} -> "
                  f"{Path(result['pair']['target']).name}")  # fmt: skip
     return report.save_figure(fig, path, dpi=110)
-
-
-def write_json(result: dict, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(result, indent=1))

@@ -1,28 +1,27 @@
 """A multi-turn conversation timed under several policies, side by side in one run.
 
-    large reads   the large model answers every turn and reads each new user turn itself
-                  (reader "self"): the baseline;
-    small reads   the large model answers every turn; the small one reads each user turn and
-                  the large catches up by KV translation (reader "small", KV-Lingo);
-    auto reads    reader "auto" (the default): per turn, whichever of the two above is
-                  predicted to give the sooner first token, at the rates measured on this
-                  pair (a warm-up before the first turn, then every turn);
-    tokens reads  reader "tokens" (the old default, not run unless asked): the small reads
-                  the opening turn and turns of `reader_min_tokens` (64) or more;
-    cascade       the small model answers; at a given rate (seeded) its answer is escalated
-                  and the large one answers again from a translated cache;
-    cascade+ahead the same, translating ahead: while the small model answers, the span the
-                  large would lack is translated between its tokens (`translate_ahead`),
-                  within 10% of the small model's decode time; the rest at escalation;
-    cascade+ahead (no budget)  the same, `ahead_chunk` tokens after every small token.
+    large reads    the large model answers every turn and reads each new user turn itself
+                   (reader "self"): the baseline;
+    small reads    the large model answers every turn; the small one reads each user turn and
+                   the large catches up by KV translation (reader "small", KV-Lingo);
+    auto reads     reader "auto" (the default): per turn, whichever of the two above is
+                   predicted to give the sooner first token, at the rates measured on this
+                   pair (a warm-up before the first turn, then every turn);
+    cascade        the small model answers; at a given rate (seeded) its answer is escalated
+                   and the large one answers again from a translated cache;
+    cascade+ahead  the same, translating ahead: while the small model answers, the span the
+                   large would lack is translated between its tokens (`translate_ahead`),
+                   within 10% of the small model's decode time; the rest at escalation.
 
-User turns are `user_lengths` tokens long (cycled), answers exactly `answer_tokens` tokens
-(end-of-sequence banned, greedy), so every policy does the same work turn for turn. Per turn:
-TTFT as the user sees it (for an escalated cascade turn: the small answer plus the large's
-TTFT) and the turn's total time, with the small model's read and the translation broken out.
-Policies are interleaved turn by turn, so machine noise hits them alike. Before the first
-turn the pair is warmed up (`conversation/timing.py`): what a new process pays once is not
-counted in anyone's first turn, and reader "auto" starts with measured rates.
+Every policy is a `Session` with its reader policy (`ReaderPolicy`): what is timed is the
+conversation's own path. User turns are `user_lengths` tokens long (cycled), answers exactly
+`answer_tokens` tokens (end-of-sequence banned, greedy), so every policy does the same work turn
+for turn. Per turn: TTFT as the user sees it (for an escalated cascade turn: the small answer
+plus the large's TTFT) and the turn's total time, with the small model's read and the
+translation broken out. Policies are interleaved turn by turn, so machine noise hits them
+alike. Before the first turn the pair is warmed up (`conversation/warmup.py`): what a new
+process pays once is not counted in anyone's first turn, and reader "auto" starts with measured
+rates.
 """
 
 from __future__ import annotations
@@ -44,24 +43,14 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
 SCHEMA = "mlx-kvlingo/conversation-bench"
-
-ALL_POLICIES = (
-    "large reads",
-    "small reads",
-    "auto reads",
-    "tokens reads",
-    "cascade",
-    "cascade+ahead",
-    "cascade+ahead (no budget)",
-)
-POLICIES = (
-    "large reads",
-    "small reads",
-    "auto reads",
-    "cascade",
-    "cascade+ahead",
-    "cascade+ahead (no budget)",
-)
+#: each policy's session, as changes to the reader policy
+POLICIES = {
+    "large reads": {"reader": "self"},
+    "small reads": {"reader": "small"},
+    "auto reads": {"reader": "auto"},
+    "cascade": {"reader": "self"},
+    "cascade+ahead": {"reader": "self", "translate_ahead": True},
+}
 
 
 @dataclass
@@ -71,7 +60,7 @@ class ConversationBenchConfig:
     answer_tokens: int = 16
     escalation_rate: float = 0.25
     seed: int = 0
-    policies: tuple[str, ...] = POLICIES
+    policies: tuple[str, ...] = tuple(POLICIES)
     warmup: bool = True
     policy: ReaderPolicy = field(default_factory=ReaderPolicy)  # as Runtime's conversations
 
@@ -88,15 +77,13 @@ class TurnTiming:
     large_read_tokens: int = 0  # tokens the large model read itself (the recompute's tail too)
     recomputed_tokens: int = 0  # translated tokens the large model recomputed
     recompute_s: float = 0.0  # its read of the tail and the recompute
+    small_read: bool = False  # the small model read this turn for the large one
     escalated: bool = False
     escalation_ttft_s: float | None = None  # the large model's TTFT after the escalation
     small_decode_tps: float | None = None  # the small model's decode speed (cascades)
     large_decode_tps: float | None = None  # the large model's decode speed once escalated
     ahead_s: float = 0.0  # translating ahead during the small model's answer
     small_decode_s: float | None = None  # the small answer after its first token, ahead included
-    small_read: bool = False  # the small model read this turn for the large one
-    predicted_ttft_s: float | None = None  # what the rates predicted for the path taken
-    alternative_ttft_s: float | None = None  # ... and for the other one
 
 
 def _answer(session: Session, model: str, cfg: ConversationBenchConfig, escalate: bool = False):
@@ -116,7 +103,34 @@ def _answer(session: Session, model: str, cfg: ConversationBenchConfig, escalate
 
 def _translate_s(st) -> float:
     switches = [st.switch] + ([st.read.catch_up] if st.read else [])
-    return sum(s.seconds for s in switches if s is not None and s.translated)
+    ahead = st.ahead.seconds if st.ahead is not None else 0.0
+    return ahead + sum(s.seconds for s in switches if s is not None and s.translated)
+
+
+def _turn(s: Session, policy: str, t: int, n: int, cfg, escalate: bool) -> TurnTiming:
+    """One turn of `policy` on its session, timed (the user turn already added)."""
+    if not policy.startswith("cascade"):
+        ttft, total, st = _answer(s, "target", cfg)
+        sw = st.switch
+        return TurnTiming(
+            policy, t, n, ttft, total, read_s=st.read.seconds if st.read else 0.0,
+            translate_s=_translate_s(st),
+            # with the recompute the answer reads the tail's last token again
+            large_read_tokens=max(st.prompt_tokens, sw.tail_read if sw else 0),
+            recomputed_tokens=sw.recomputed if sw else 0,
+            recompute_s=sw.recompute_s if sw else 0.0, small_read=st.read is not None,
+        )  # fmt: skip
+    ttft, total, st = _answer(s, "source", cfg)
+    tt = TurnTiming(policy, t, n, ttft, total, translate_s=_translate_s(st),
+                    small_decode_tps=st.generation_tps, small_decode_s=total - ttft,
+                    ahead_s=st.ahead.seconds if st.ahead is not None else 0.0)  # fmt: skip
+    if escalate:
+        e_ttft, e_total, est = _answer(s, "target", cfg, escalate=True)
+        tt.ttft_s, tt.total_s, tt.escalation_ttft_s = total + e_ttft, total + e_total, e_ttft
+        tt.large_decode_tps, tt.large_read_tokens = est.generation_tps, est.prompt_tokens
+        tt.translate_s += _translate_s(est)
+        tt.escalated = True
+    return tt
 
 
 def run_conversation_bench(
@@ -128,71 +142,28 @@ def run_conversation_bench(
     info: dict | None = None,
 ) -> dict:
     """Time `cfg.turns` turns under each policy; a JSON-ready dict."""
-    unknown = set(cfg.policies) - set(ALL_POLICIES)
+    unknown = set(cfg.policies) - set(POLICIES)
     if unknown:
-        raise ValueError(f"unknown policies {sorted(unknown)}; expected some of {ALL_POLICIES}")
+        raise ValueError(f"unknown policies {sorted(unknown)}; expected some of {list(POLICIES)}")
     warmup_s = None
     if cfg.warmup:
         from mlx_kvlingo.conversation.warmup import warm_up
 
         warmup_s = warm_up(pair, forward, backward).warmup_s
         log(f"warm-up {warmup_s:.1f} s")
-    p = cfg.policy
-
-    def session(**changes) -> Session:
-        return Session(pair, forward, backward, policy=replace(p, **changes))
-
-    sessions = {
-        "large reads": session(reader="self"),
-        **{f"{r} reads": session(reader=r) for r in ("small", "auto", "tokens")},
-        "cascade": session(reader="self"),
-        "cascade+ahead": session(reader="self", translate_ahead=True),
-        "cascade+ahead (no budget)": session(reader="self", translate_ahead=True, ahead_share=None),
-    }
+    sessions = {p: Session(pair, forward, backward, policy=replace(cfg.policy, **POLICIES[p]))
+                for p in cfg.policies}  # fmt: skip
     rng = random.Random(cfg.seed)
     escalate = [rng.random() < cfg.escalation_rate for _ in range(cfg.turns)]
     timings: list[TurnTiming] = []
     for t in range(cfg.turns):
         n = cfg.user_lengths[t % len(cfg.user_lengths)]
         user = prompt_tokens(pair, n, cfg.seed * 1000 + t)
-        for policy in cfg.policies:
-            s = sessions[policy]
+        for policy, s in sessions.items():
             s.add_tokens(user)
-            if policy.startswith("cascade"):
-                ttft, total, st = _answer(s, "source", cfg)
-                tt = TurnTiming(policy, t, n, ttft, total, translate_s=_translate_s(st))
-                tt.small_decode_tps = st.generation_tps
-                tt.small_decode_s = total - ttft
-                if st.ahead is not None:
-                    tt.translate_s += st.ahead.seconds
-                    tt.ahead_s = st.ahead.seconds
-                if escalate[t]:
-                    e_ttft, e_total, est = _answer(s, "target", cfg, escalate=True)
-                    tt.ttft_s, tt.total_s = total + e_ttft, total + e_total
-                    tt.escalation_ttft_s = e_ttft
-                    tt.large_decode_tps = est.generation_tps
-                    tt.translate_s += _translate_s(est)
-                    tt.large_read_tokens = est.prompt_tokens
-                    tt.escalated = True
-            else:
-                ttft, total, st = _answer(s, "target", cfg)
-                tt = TurnTiming(policy, t, n, ttft, total, translate_s=_translate_s(st))
-                tt.read_s = st.read.seconds if st.read else 0.0
-                sw = st.switch
-                # with the recompute the answer reads the tail's last token again
-                tt.large_read_tokens = max(st.prompt_tokens, sw.tail_read if sw else 0)
-                tt.recomputed_tokens = sw.recomputed if sw else 0
-                tt.recompute_s = sw.recompute_s if sw else 0.0
-                tt.small_read = st.read is not None
-                tt.predicted_ttft_s, tt.alternative_ttft_s = (
-                    st.predicted_ttft_s,
-                    st.alternative_ttft_s,
-                )
-            timings.append(tt)
-        log(
-            f"turn {t} ({n} user tokens): "
-            + " · ".join(f"{x.policy} TTFT {x.ttft_s * 1e3:.0f} ms" for x in timings if x.turn == t)
-        )
+            timings.append(_turn(s, policy, t, n, cfg, escalate[t]))
+        log(f"turn {t} ({n} user tokens): "
+            + " · ".join(f"{x.policy} TTFT {x.ttft_s * 1e3:.0f} ms" for x in timings if x.turn == t))  # fmt: skip
     return {
         "schema": SCHEMA,
         "config": asdict(cfg),
@@ -207,62 +178,65 @@ def run_conversation_bench(
     }
 
 
+def _mean(xs) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return float(np.mean(xs)) if xs else None
+
+
 def summarize(timings: list[TurnTiming], cfg: ConversationBenchConfig) -> dict:
-    """Mean TTFT and total per policy and user-turn length; small/large TTFT ratios."""
-    out: dict = {"by_length": {}, "totals": {}}
+    """Mean TTFT per policy and user-turn length; reader auto against the better of the two
+    fixed readers per turn; the cascades' escalations and the small model's decoding."""
+    out: dict = {"by_length": {}}
     for n in sorted(set(cfg.user_lengths)):
         row = {}
         for p in cfg.policies:
             xs = [x for x in timings if x.policy == p and x.user_tokens == n and x.turn > 0]
             xs = xs or [x for x in timings if x.policy == p and x.user_tokens == n]
             if xs:
-                row[p] = {
-                    "ttft_ms": 1e3 * float(np.mean([x.ttft_s for x in xs])),
-                    "total_ms": 1e3 * float(np.mean([x.total_s for x in xs])),
-                    "turns": len(xs),
-                }
+                row[p] = {"ttft_ms": 1e3 * _mean(x.ttft_s for x in xs),
+                          "total_ms": 1e3 * _mean(x.total_s for x in xs), "turns": len(xs)}  # fmt: skip
         if "small reads" in row and "large reads" in row:
             row["ttft_ratio_small_over_large"] = (
                 row["small reads"]["ttft_ms"] / row["large reads"]["ttft_ms"]
             )
         out["by_length"][str(n)] = row
+    cascades = {}
     for p in [p for p in cfg.policies if p.startswith("cascade")]:
-        esc = [x.escalation_ttft_s for x in timings if x.policy == p and x.escalated]
-        tps = [x.small_decode_tps for x in timings if x.policy == p and x.small_decode_tps]
-        large = [x.large_decode_tps for x in timings if x.policy == p and x.large_decode_tps]
-        step = 1e3 / float(np.mean(large)) if large else None  # one large decode step, ms
-        mine = [x for x in timings if x.policy == p and x.small_decode_s]
+        mine = [x for x in timings if x.policy == p]
+        esc = _mean(x.escalation_ttft_s for x in mine)
+        large = _mean(x.large_decode_tps for x in mine)
+        step = 1e3 / large if large else None  # one large decode step, ms
         spent = sum(x.ahead_s for x in mine)
-        # the small answers' time translating ahead over their decode time without it: the
-        # slowdown measured within each answer (machine load slows both alike)
-        share = spent / (sum(x.small_decode_s for x in mine) - spent) if mine else None
-        out.setdefault("cascades", {})[p] = {
-            "ahead_share_of_decode": share,
-            "escalation_ttft_ms": 1e3 * float(np.mean(esc)) if esc else None,
+        decode = sum(x.small_decode_s for x in mine if x.small_decode_s)
+        cascades[p] = {
+            "escalations": sum(x.escalated for x in mine),
+            "escalation_ttft_ms": None if esc is None else 1e3 * esc,
             "large_step_ms": step,
-            "escalation_ttft_in_steps": 1e3 * float(np.mean(esc)) / step if esc and step else None,
-            "small_decode_tps": float(np.mean(tps)) if tps else None,
-            "escalations": len(esc),
+            "escalation_ttft_in_steps": 1e3 * esc / step if esc and step else None,
+            "small_decode_tps": _mean(x.small_decode_tps for x in mine),
+            # the time translating ahead over the small answers' decode time without it: the
+            # slowdown measured within each answer (machine load slows both alike)
+            "ahead_share_of_decode": spent / (decode - spent) if decode > spent else None,
         }
-    base = out.get("cascades", {}).get("cascade", {}).get("small_decode_tps")
-    for c in out.get("cascades", {}).values():  # slowdown of the small model's decoding
-        c["small_decode_slowdown"] = (
-            1 - c["small_decode_tps"] / base if base and c["small_decode_tps"] else None
-        )
+    base = cascades.get("cascade", {}).get("small_decode_tps")
+    for c in cascades.values():  # slowdown of the small model's decoding against plain cascade
+        tps = c["small_decode_tps"]
+        c["small_decode_slowdown"] = 1 - tps / base if base and tps else None
+    if cascades:
+        out["cascades"] = cascades
     by = {(x.policy, x.turn): x for x in timings}
     rows = []
-    for t in sorted({x.turn for x in timings}):
-        both = [by.get((p, t)) for p in ("large reads", "small reads")]
-        auto = by.get(("auto reads", t))
-        if auto is None or None in both:
+    for t in range(cfg.turns):
+        large, small, auto = (by.get((p, t)) for p in ("large reads", "small reads", "auto reads"))
+        if None in (large, small, auto):
             continue
-        best = min(x.ttft_s for x in both)
+        best = min(large.ttft_s, small.ttft_s)
         rows.append({"turn": t, "user_tokens": auto.user_tokens, "small_read": auto.small_read,
-                     "large_reads_ms": 1e3 * both[0].ttft_s, "small_reads_ms": 1e3 * both[1].ttft_s,
+                     "large_reads_ms": 1e3 * large.ttft_s, "small_reads_ms": 1e3 * small.ttft_s,
                      "auto_ms": 1e3 * auto.ttft_s, "auto_over_best": auto.ttft_s / best,
                      # the same path as the faster of the two columns (the rest is noise between
                      # runs of the same path)
-                     "picked_faster": auto.small_read == (both[1].ttft_s < both[0].ttft_s)})  # fmt: skip
+                     "picked_faster": auto.small_read == (small.ttft_s < large.ttft_s)})  # fmt: skip
     if rows:  # the goal: auto within 10% of the better of the two on every turn
         out["auto"] = {
             "turns": rows,
@@ -270,19 +244,17 @@ def summarize(timings: list[TurnTiming], cfg: ConversationBenchConfig) -> dict:
             "within_10pct": sum(r["auto_over_best"] <= 1.10 for r in rows),
             "picked_faster": sum(r["picked_faster"] for r in rows),
         }
-    for p in cfg.policies:
-        xs = [x for x in timings if x.policy == p]
-        out["totals"][p] = {
-            "ttft_ms_sum": 1e3 * sum(x.ttft_s for x in xs),
-            "total_ms_sum": 1e3 * sum(x.total_s for x in xs),
-        }
     return out
+
+
+def _num(x, fmt: str) -> str:
+    return "" if x is None else format(x, fmt)
 
 
 def markdown_report(result: dict) -> str:
     """Per turn, each policy's TTFT and total; means by user-turn length; reader auto against
     the better of the two fixed readers; the cascades' escalations."""
-    cfg = result["config"]
+    cfg, summary = result["config"], result["summary"]
     policies = cfg["policies"]
     lines = [
         "# kvlingo bench --conversation",
@@ -291,37 +263,34 @@ def markdown_report(result: dict) -> str:
         f"{cfg['turns']} turns, user turns of {', '.join(map(str, cfg['user_lengths']))} tokens "
         f"(cycled), answers of {cfg['answer_tokens']} tokens · cascade escalates "
         f"{cfg['escalation_rate']:.0%} (turns {result['escalated_turns']}) · backward translator: "
-        f"{'yes' if result['backward'] else 'no (the small re-reads the large answers)'} · "
-        f"{result['machine']['backend']} · mlx {result['software']['mlx']}",
+        f"{'yes' if result['backward'] else 'no (the small re-reads the large answers)'}",
+        report.machine_line(result["machine"], result["software"]),
         "",
         *md_table(("turn", "user tok", *(f"{p} TTFT ms" for p in policies), "small read ms",
                    "translate ms", *(f"{p} total ms" for p in policies)),
-                  "r" * (2 + 2 * len(policies) + 2)),
+                  "r" * (4 + 2 * len(policies))),
     ]  # fmt: skip
     by_turn: dict[int, dict] = {}
     for x in result["turns"]:
         by_turn.setdefault(x["turn"], {})[x["policy"]] = x
     for t, row in sorted(by_turn.items()):
-        first = next(iter(row.values()))
         sr = row.get("small reads", {})
         esc = " (esc.)" if row.get("cascade", {}).get("escalated") else ""
-        mine = [p for p in policies if p in row]
         lines.append(md_row((
-            t, first["user_tokens"],
-            *(f"{1e3 * row[p]['ttft_s']:.0f}" + (esc if p == "cascade" else "") for p in mine),
+            t, next(iter(row.values()))["user_tokens"],
+            *(f"{1e3 * row[p]['ttft_s']:.0f}" + (esc if p == "cascade" else "") for p in policies),
             f"{1e3 * sr.get('read_s', 0):.0f}", f"{1e3 * sr.get('translate_s', 0):.0f}",
-            *(f"{1e3 * row[p]['total_s']:.0f}" for p in mine),
+            *(f"{1e3 * row[p]['total_s']:.0f}" for p in policies),
         )))  # fmt: skip
     lines += ["", "Mean over turns after the first, by user-turn length:", "",
               *md_table(("user tok", *(f"{p} TTFT ms" for p in policies), "small / large TTFT"),
                         "r" * (2 + len(policies)))]  # fmt: skip
-    for n, row in result["summary"]["by_length"].items():
-        ratio = row.get("ttft_ratio_small_over_large")
+    for n, row in summary["by_length"].items():
         lines.append(md_row((
             n, *(f"{row[p]['ttft_ms']:.0f}" for p in policies if p in row),
-            "" if ratio is None else f"{ratio:.2f}",
+            _num(row.get("ttft_ratio_small_over_large"), ".2f"),
         )))  # fmt: skip
-    auto = result["summary"].get("auto")
+    auto = summary.get("auto")
     if auto:
         lines += ["", f"Reader auto against the better of the large and the small reading, per turn "
                   f"(goal <= 1.10; {auto['within_10pct']} of {len(auto['turns'])} turns within, worst "
@@ -336,8 +305,7 @@ def markdown_report(result: dict) -> str:
                 "small" if r["small_read"] else "large", f"{r['auto_over_best']:.2f}",
                 "yes" if r["picked_faster"] else "no",
             )))  # fmt: skip
-    casc = result["summary"].get("cascades", {})
-    if casc:
+    if summary.get("cascades"):
         lines += ["", "Cascades: the large model's TTFT once escalated (against one of its decode steps, "
                   "goal with translate-ahead <= 1.25), the small model's decode speed (slowdown "
                   "against plain cascade) and its time translating ahead over its decode time "
@@ -345,40 +313,16 @@ def markdown_report(result: dict) -> str:
                   *md_table(("policy", "escalations", "escalation TTFT ms", "large step ms",
                              "TTFT / step", "small decode tok/s", "slowdown", "ahead / decode"),
                             "lrrrrrrr")]  # fmt: skip
-        for p, c in casc.items():
+        for p, c in summary["cascades"].items():
             lines.append(md_row((
                 p, c["escalations"], _num(c["escalation_ttft_ms"], ".0f"),
-                _num(c.get("large_step_ms"), ".0f"), _num(c.get("escalation_ttft_in_steps"), ".2f"),
-                f"{c['small_decode_tps'] or 0:.1f}", _num(c.get("small_decode_slowdown"), ".0%"),
-                _num(c.get("ahead_share_of_decode"), ".1%"),
+                _num(c["large_step_ms"], ".0f"), _num(c["escalation_ttft_in_steps"], ".2f"),
+                _num(c["small_decode_tps"], ".1f"), _num(c["small_decode_slowdown"], ".0%"),
+                _num(c["ahead_share_of_decode"], ".1%"),
             )))  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
-def _num(x, fmt: str) -> str:
-    return "" if x is None else format(x, fmt)
-
-
-def plot(result: dict, path: str | Path) -> Path:
-    """TTFT per turn, one line per policy (log scale)."""
-    plt = report.pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for p in result["config"]["policies"]:
-        xs = [x for x in result["turns"] if x["policy"] == p]
-        ax.plot([x["turn"] for x in xs], [1e3 * x["ttft_s"] for x in xs], marker="o", label=p)
-    ax.set_xlabel("turn (user turn length cycles " + ", ".join(map(str, result["config"]["user_lengths"])) + " tokens)")  # fmt: skip
-    ax.set_ylabel("TTFT ms")
-    ax.set_yscale("log")
-    ax.set_title(f"{result['pair']['source']} -> {result['pair']['target']}", fontsize=9)
-    ax.legend()
-    return report.save_figure(fig, path)
-
-
 def write_outputs(result: dict, out_dir: str | Path) -> dict[str, Path]:
-    """conversation.json, conversation.md and conversation.png in `out_dir`."""
-    paths = report.output_files(out_dir, json="conversation.json", markdown="conversation.md",
-                                plot="conversation.png")  # fmt: skip
-    report.write_json(result, paths["json"])
-    paths["markdown"].write_text(markdown_report(result))
-    plot(result, paths["plot"])
-    return paths
+    """conversation.json and conversation.md in `out_dir`."""
+    return report.write(out_dir, "conversation", result, markdown_report(result))

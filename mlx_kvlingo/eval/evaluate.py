@@ -7,14 +7,15 @@ For every held-out example (prefix, continuation) the target scores the continua
   source      and, for reference, the source model alone on the same continuation.
 Reported: mean NLL per token, top-1 accuracy on the real tokens, top-1 agreement with the native
 target, KL(native || condition), and gap recovered = (NLL_source - NLL_x) / (NLL_source - NLL_native).
+`score_methods` scores any cache methods so (`kvlingo compare` scores every compared one).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlx_kvlingo.kv.scoring import Prepared, native_logp, prepare, student_logp
-from mlx_kvlingo.kv.translator import Side, TranslatorConfig, identity_translator
+from mlx_kvlingo.eval.methods import KVLingo, NotApplicable, prepare, raw
+from mlx_kvlingo.kv.scoring import native_logp, student_logp
 
 import mlx.core as mx
 import numpy as np
@@ -68,50 +69,43 @@ class Scores:
                 "kl_native": avg(self.kl)}  # fmt: skip
 
 
-def raw_translator(pair):
-    """Identity maps layer by layer, or None with the reason when geometries differ."""
-    s, t = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
-    if s != t:
-        return (
-            None,
-            f"geometry differs ({s.layers}x{s.kv_heads}x{s.head_dim} vs {t.layers}x{t.kv_heads}x{t.head_dim})",
-        )
-    rows = tuple((i,) for i in range(t.layers))
-    return identity_translator(TranslatorConfig("mixing", s, t, rows, rows)), ""
-
-
-def evaluate(pair, translator, examples, progress: bool = True) -> dict:
-    """Evaluate on `examples` (data.Example); returns a JSON-ready dict."""
-    raw, raw_reason = raw_translator(pair)
-    scores = {c: Scores.empty() for c in CONDITIONS}
+def score_methods(pair, methods: dict, examples, progress: bool = True) -> dict:
+    """Each cache method's scores ({label: method}, `eval.methods`) on `examples`, beside
+    "native" and "source", token-weighted, each with its gap recovered; and the examples and
+    tokens scored."""
+    cuts = sorted({m.key_cut for m in methods.values()} or {"post_norm"})
+    points = sorted({p for m in methods.values() for p in m.needs_hidden})
+    scores = {label: Scores.empty() for label in ("native", *methods, "source")}
     weights = []
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("evaluating", total=len(examples))
         for ex in examples:
-            prep: Prepared = prepare(pair, ex, translator.config.key_cut)
-            native = prep.teacher_logp
+            preps = {cut: prepare(pair, ex, cut, points) for cut in cuts}
+            teacher = preps[cuts[0]].teacher_logp
             targets = mx.array(list(ex.continuation))
-            scores["native"].add(native, native, targets)
-            scores["translated"].add(student_logp(translator, pair, prep), native, targets)
-            if raw is not None:
-                raw_prep = (
-                    prep
-                    if translator.config.key_cut == "post_norm"
-                    else prepare(pair, ex, "post_norm")
-                )
-                scores["raw"].add(student_logp(raw, pair, raw_prep), native, targets)
-            scores["source"].add(native_logp(pair.source, ex), native, targets)
+            scores["native"].add(teacher, teacher, targets)
+            for label, m in methods.items():
+                scores[label].add(student_logp(m, pair, preps[m.key_cut]), teacher, targets)
+            scores["source"].add(native_logp(pair.source, ex), teacher, targets)
             weights.append(len(ex.continuation))
             bar.advance(task)
-    result = {c: scores[c].summary(weights) for c in CONDITIONS if scores[c].nll}
-    if raw is None:
-        result["raw"] = {"skipped": raw_reason}
-    src, nat = result["source"]["nll"], result["native"]["nll"]
-    for c in ("translated", "raw"):
-        if "nll" in result.get(c, {}):
-            result[c]["gap_recovered"] = gap_recovered(src, nat, result[c]["nll"])
-    result["examples"] = len(examples)
-    result["tokens"] = int(sum(weights))
+    out = {label: s.summary(weights) for label, s in scores.items()}
+    src, nat = out["source"]["nll"], out["native"]["nll"]
+    for r in out.values():
+        r["gap_recovered"] = gap_recovered(src, nat, r["nll"])
+    return {**out, "examples": len(examples), "tokens": int(sum(weights))}
+
+
+def evaluate(pair, translator, examples, progress: bool = True) -> dict:
+    """Evaluate on `examples` (data.Example); returns a JSON-ready dict."""
+    methods = {"translated": KVLingo(translator)}
+    try:
+        methods["raw"] = raw.RawTransfer.for_pair(pair)
+    except NotApplicable as e:
+        skipped = str(e)
+    result = score_methods(pair, methods, examples, progress)
+    if "raw" not in methods:
+        result["raw"] = {"skipped": skipped}
     result["pair"] = {"source": pair.source.name, "target": pair.target.name}
     return result
 
@@ -130,9 +124,8 @@ def table(result: dict, title: str = "evaluation") -> Table:
             t.add_row(c, *["n/a"] * 6)
             t.caption += f" · {c}: n/a, {r['skipped']}"
             continue
-        gap = r.get("gap_recovered")
         t.add_row(
             c, f"{r['nll']:.3f}", f"{np.exp(r['nll']):.1f}", f"{r['top1']:.3f}", f"{r['agree_native']:.3f}",
-            format_kl(r["kl_native"]), format_gap(gap),
+            format_kl(r["kl_native"]), format_gap(r.get("gap_recovered")),
         )  # fmt: skip
     return t

@@ -22,7 +22,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from mlx_kvlingo._platform.cachedir import build_atomically, stamp_ok
+from mlx_kvlingo._platform.cachedir import build_atomically, cache_root, stamp_ok
 
 #: Bump when the way presets are built changes, so cached folders are rebuilt.
 BUILD_VERSION = 1
@@ -145,10 +145,9 @@ PRESETS: dict[str, Preset] = {
 
 
 def preset_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """`cache_dir`, else $KVLINGO_CACHE, else ~/.cache/mlx-kvlingo; plus `presets/`."""
-    if cache_dir is None:
-        cache_dir = os.environ.get("KVLINGO_CACHE") or Path.home() / ".cache" / "mlx-kvlingo"
-    return Path(cache_dir).expanduser() / "presets"
+    """The cache folder (`cache_root`: `cache_dir`, else $KVLINGO_CACHE, else
+    ~/.cache/mlx-kvlingo), `presets/` in it."""
+    return cache_root(cache_dir) / "presets"
 
 
 def folder_name(name: str) -> str:

@@ -1,7 +1,7 @@
 """What the measuring commands write, in one place: the machine and software a result was
 measured on, the command that made it, JSON result files, markdown tables and headless
-matplotlib figures. `bench`, `conversation_bench`, `compare` and `content` build their own
-results and tables; the pieces they share live here.
+matplotlib figures. `bench`, `conversation_bench`, `startup`, `compare` and `content` build
+their own results and tables; the pieces they share live here.
 
 Contracts:
 - `machine_info()` and `software_info()` describe this process now (the load average too:
@@ -9,6 +9,7 @@ Contracts:
 - `write_json` writes `jsonable(result)`: keys as strings, tuples as lists, numpy scalars as
   Python numbers, NaN and infinities as null (strict JSON), anything else unknown as its
   `str`; indented by one space, with a final newline;
+- `write` puts a run's files in its folder: NAME.json, NAME.md and, given a plot, its figure;
 - `md_table` rows are `| a | b |` lines under a header and a rule of `---` (left) or `---:`
   (right) per column, as GitHub renders them; cells are written as given;
 - `pyplot()` selects the Agg backend before pyplot is imported (no display needed), and
@@ -110,6 +111,18 @@ def git_commit() -> str | None:
         return None
 
 
+def machine_line(m: dict, sw: dict) -> str:
+    """One line naming the machine and software of `machine_info()` and `software_info()`."""
+    return (f"{m['backend']} · {m['cpu']} ({m['cpu_count']} cores, {m['memory_GB']} GB) · "
+            f"BLAS {m['blas']} · mlx {sw['mlx']} · mlx-lm {sw['mlx-lm']} · {m['os']}"
+            + (f" · commit {sw['commit']}" if sw.get("commit") else ""))  # fmt: skip
+
+
+def load_text(avg) -> str:
+    """A load average as 1.2/0.8/0.5 ("n/a" where there is none)."""
+    return "n/a" if not avg else "/".join(f"{x:.1f}" for x in avg)
+
+
 def command_line() -> str:
     """This process's command line, the program by its file name."""
     return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
@@ -118,11 +131,18 @@ def command_line() -> str:
 # -- files ---------------------------------------------------------------------------------------
 
 
-def output_files(out_dir: str | Path, **names: str) -> dict[str, Path]:
-    """`out_dir` (created) / each file name, by role: output_files(d, json="bench.json")."""
+def write(out_dir: str | Path, name: str, result, markdown: str, plot=None,
+          figure: str | None = None) -> dict[str, Path]:  # fmt: skip
+    """`out_dir` (created) / NAME.json (`write_json(result)`), NAME.md (`markdown`) and, with
+    `plot(result, path)`, its figure (`figure`, default NAME.png); the paths by role ("json",
+    "markdown", "plot")."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    return {role: out / name for role, name in names.items()}
+    paths = {"json": write_json(result, out / f"{name}.json"), "markdown": out / f"{name}.md"}
+    paths["markdown"].write_text(markdown)
+    if plot is not None:
+        paths["plot"] = plot(result, out / (figure or f"{name}.png"))
+    return paths
 
 
 def jsonable(x):

@@ -26,7 +26,7 @@ def main(work: Path, argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--kinds", default=",".join(crashsafe.KINDS))
     ap.add_argument("--kills", type=int, default=50, help="kills per kind")
-    ap.add_argument("--size-mb", type=float, default=4.0, help="translator/method file size")
+    ap.add_argument("--size-mb", type=float, default=4.0, help="translator file size")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fixtures", type=Path, default=None, help="reuse a fixtures folder")
     args = ap.parse_args(argv)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from mlx_kvlingo.data.content_tasks import ContentTask, build_tasks
 from mlx_kvlingo.eval.content import (
-    Swap,
     evaluate_content,
     native_kv,
     tables,
@@ -28,6 +28,29 @@ from mlx_kvlingo.eval.content import (
 import mlx.core as mx
 import numpy as np
 from rich.console import Console
+
+
+@dataclass(frozen=True)
+class Swap:
+    """A content condition (`content.evaluate_content`): `method`'s translated cache with these
+    target layers' K/V replaced by the native ones."""
+
+    label: str
+    method: object
+    native_layers: frozenset[int]
+
+    def __call__(self, pair, task, native):
+        key = (id(self.method), task.tokens)
+        if key not in _TRANSLATED:  # one translation per task for all its swaps
+            _TRANSLATED.clear()
+            _TRANSLATED[key] = translated_kv(pair, self.method, task.tokens[:-1])
+        k, v = _TRANSLATED[key]
+        layers = range(len(k))
+        return ([native[0][i] if i in self.native_layers else k[i] for i in layers],
+                [native[1][i] if i in self.native_layers else v[i] for i in layers])  # fmt: skip
+
+
+_TRANSLATED: dict = {}
 
 
 def layer_swaps(layers: int, step: int, method) -> list[Swap]:
@@ -160,7 +183,7 @@ def main(argv=None) -> None:
         result = {"pair": {"source": pair.source.name, "target": pair.target.name}}
     else:
         swaps = layer_swaps(pair.target.geometry.layers, args.step, tr)
-        res = evaluate_content(pair, tasks, {"translated": tr}, swaps=swaps)
+        res = evaluate_content(pair, tasks, {"translated": tr, **{s.label: s for s in swaps}})
         result = to_json(res, pair, {"diagnosis": "swaps"})
         for t in tables(result):
             console.print(t)

@@ -8,9 +8,9 @@ small-alone answers are computed once and shared, so every translator meets the 
 FILE+N: the chat's own reading (`content.Chat`, through `Session.hand_off`): the target
 reads the turn's last N tokens itself, no recompute; FILE+N+rS: and then recomputes the share S
 of the translated rest (the chat's rule; the suffix `sf24t` that names it is accepted);
-native~REL: the target's own cache with noise of REL times each layer's RMS
-(`content.NoisyNative`), a reference; LABEL=source: the source model alone (`content.SourceAlone`; with `--source`, that source's own
-row beside a reused "small" row of the demo's small model).
+native~REL: the target's own cache with noise of REL times each layer's RMS (`NoisyNative`), a
+reference; LABEL=source: the source model alone (with `--source`, that source's own row beside a
+reused "small" row of the demo's small model).
 
 The tasks are `kvlingo eval --task content`'s (the demo's held-out documentation pages; seed 0
 is the draw QUALITY.md's tables use, other seeds draw new tasks); OUT.json keeps every reply.
@@ -25,31 +25,93 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo._platform import moe_cpu
-from mlx_kvlingo.data.content_tasks import KINDS, build_tasks
+from mlx_kvlingo.data.content_tasks import KINDS, ContentTask, build_tasks
 from mlx_kvlingo.data.examples import read_texts
-from mlx_kvlingo.eval.content import (
-    Chat,
-    NoisyNative,
-    SourceAlone,
-    evaluate_content,
-    known_replies,
-    tables,
-    to_json,
-)
+from mlx_kvlingo.eval.content import Chat, ContentResult, evaluate_content, score, tables, to_json
 from mlx_kvlingo.models.demo.pair import demo_content_texts, demo_models, load_demo
 from mlx_kvlingo.models.files import load_translator
 from mlx_kvlingo.models.pair import load_pair
 
+import mlx.core as mx
 from rich.console import Console
 
 
+@dataclass(frozen=True)
+class NoisyNative:
+    """A reference condition: the target's own cache with Gaussian noise added to every K and
+    V, `rel` times that layer's RMS (so ||noise|| / ||native|| is about `rel` per token, the
+    measure the diagnosis gives translation errors in): how much cache error content survives,
+    and how far greedy replies drift from the native ones under a small one."""
+
+    rel: float
+    seed: int = 0
+
+    def __call__(self, pair, task, native):
+        key = mx.random.key(self.seed)
+        out = []
+        for arrays in native:
+            noisy = []
+            for a in arrays:
+                key, sub = mx.random.split(key)
+                rms = mx.sqrt(mx.mean(mx.square(a.astype(mx.float32))))
+                noise = mx.random.normal(a.shape, key=sub) * (self.rel * rms)
+                noisy.append((a.astype(mx.float32) + noise).astype(a.dtype))
+            out.append(noisy)
+        mx.eval(out)
+        return out[0], out[1]
+
+
+def known_replies(result: dict, tasks: Sequence[ContentTask]) -> list[dict]:
+    """Per task, {condition: reply} from an earlier run's JSON (`to_json`), checked to be the
+    same tasks (kind, length, question, answer); a ValueError where they differ."""
+    by_task: dict[int, dict] = {}
+    for r in result["records"]:
+        by_task.setdefault(r["task"], {})[r["condition"]] = r
+    if len(by_task) != len(tasks):
+        raise ValueError(f"the earlier run has {len(by_task)} tasks, this one {len(tasks)}")
+    out = []
+    for i, task in enumerate(tasks):
+        rows = by_task[i]
+        first = next(iter(rows.values()))
+        same = (first["kind"], first["length"], first["question"], first["answer"])
+        if same != (task.kind, task.length, task.question, task.answer):
+            raise ValueError(f"task {i} differs from the earlier run's: {same[:3]} vs "
+                             f"{(task.kind, task.length, task.question)}")  # fmt: skip
+        out.append({c: r["reply"] for c, r in rows.items()})
+    return out
+
+
+def side_by_side(pair, tasks, specs: dict, known: list[dict] | None = None) -> ContentResult:
+    """The content benchmark with a condition per {label: spec} (see `condition`), the source
+    alone under each label whose spec is "source", and, from `known` (`known_replies`), the
+    earlier run's other conditions and its "small" row (their replies kept, scored against
+    this run's native replies, which greedy decoding repeats)."""
+    conditions = {label: condition(s, pair) for label, s in specs.items() if s != "source"}
+    alone = [label for label, s in specs.items() if s == "source"]
+    earlier = [c for c in (known[0] if known else {}) if c not in ("native", "small", *specs)]
+    keep_small = bool(known) and "small" in known[0]
+    res = evaluate_content(pair, tasks, conditions, small=bool(alone) or not keep_small)
+    out = ContentResult(conditions=["native", *earlier, *specs, "small"])
+    for r in res.records:
+        out.records += [{**r, "condition": label} for label in alone if r["condition"] == "small"]
+        if not (r["condition"] == "small" and keep_small):
+            out.records.append(r)
+    native = {r["task"]: r for r in res.records if r["condition"] == "native"}
+    for i, task in enumerate(tasks):
+        for c in [*earlier, *(["small"] if keep_small else [])]:
+            reply = known[i][c]
+            out.records.append({**native[i], "condition": c, "reply": reply,
+                                **score(task, native[i]["reply"], reply)})  # fmt: skip
+    return out
+
+
 def condition(spec: str, pair):
-    """FILE, FILE+N, FILE+N+rS, native~REL or source (see the module's doc)."""
-    if spec == "source":
-        return SourceAlone()
+    """FILE, FILE+N, FILE+N+rS or native~REL (see the module's doc)."""
     if spec.startswith("native~"):
         return NoisyNative(float(spec.removeprefix("native~")))
     m = re.fullmatch(r"(.+)\+(\d+)(?:\+r([0-9.]+)(?:sf24t)?)?", spec)
@@ -76,8 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     if any("=" not in t for t in a.translators):
         ap.error("each translator is LABEL=FILE")
     pair = load_pair(a.source, demo_models()[1]) if a.source else load_demo(pair=a.pair)[0]
-    methods = {label: condition(spec, pair)
-               for label, spec in (t.split("=", 1) for t in a.translators)}  # fmt: skip
+    specs = dict(t.split("=", 1) for t in a.translators)
     lengths = [int(x) for x in a.lengths.split(",")]
     texts = [t for path in demo_content_texts() for t in read_texts(path)]
     tasks = build_tasks(pair.tokenizer, texts, lengths, a.per_kind, seed=a.seed)
@@ -94,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
         tasks = [tasks[i] for i in keep]
         known = None if known is None else [known[i] for i in keep]
     with moe_cpu.per_expert_loop(a.pair == "moe"):
-        scored = evaluate_content(pair, tasks, methods, known=known)
+        scored = side_by_side(pair, tasks, specs, known)
     result = to_json(scored, pair, {"translators": a.translators, "seed": a.seed,
                                     "reused": a.reuse, "pair": a.pair})  # fmt: skip
     with open(a.out, "w") as f:

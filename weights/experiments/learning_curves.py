@@ -23,8 +23,7 @@ from pathlib import Path
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.calibrate.closed_form import Stage1Accumulator, Stage1Config, document_of
 from mlx_kvlingo.data.examples import DataConfig, load_examples
-from mlx_kvlingo.eval.compare import perturbed_copy
-from mlx_kvlingo.eval.evaluate import raw_translator
+from mlx_kvlingo.eval.methods.raw import RawTransfer
 from mlx_kvlingo.kv.capture import trace
 from mlx_kvlingo.kv.scoring import Prepared, kl, native_logp, student_logp, teacher_inputs
 from mlx_kvlingo.models.demo.pair import demo_data, demo_models, translator_path
@@ -51,6 +50,37 @@ def configs(maps) -> dict[str, Stage1Config]:
         "zero-chosen": Stage1Config(alpha_grid=GRID, **given),
         "identity-chosen": Stage1Config(prior="identity", alpha_grid=GRID, **given),
     }
+
+
+def perturbed_copy(folder: Path, scale: float, seed: int, out: Path) -> Path:
+    """A copy of a local model folder whose transformer-layer matrices get Gaussian noise of
+    `scale` times each matrix's own standard deviation (embeddings, head and norms unchanged):
+    a stand-in for a fine-tune, with the same geometry. Written once, then reused."""
+    import shutil
+
+    if (out / "model.safetensors").exists():
+        return out
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    mx.random.seed(seed)
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        weights = mx.load(str(f))
+        for k in sorted(weights):
+            v = weights[k]
+            if ".layers." in k and v.ndim == 2 and mx.issubdtype(v.dtype, mx.floating):
+                noise = mx.random.normal(v.shape) * (scale * v.astype(mx.float32).std())
+                weights[k] = (v.astype(mx.float32) + noise).astype(v.dtype)
+        mx.save_safetensors(str(tmp / f.name), weights, metadata={"format": "mlx"})
+    for f in Path(folder).iterdir():
+        if f.is_file() and f.suffix != ".safetensors":
+            shutil.copy(f, tmp / f.name)
+    (tmp / "perturbation.json").write_text(json.dumps(
+        {"from": str(folder), "scale": scale, "seed": seed,
+         "what": "N(0, (scale * std(W))^2) added to every 2-D weight under model.layers"}))  # fmt: skip
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    return out
 
 
 def scores(method, pair, prepared) -> dict:
@@ -172,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         results["pairs"][skipped] = earlier["pairs"][skipped]
         results["pairs"][skipped]["command"] = earlier["command"]
     if skipped != noisy_name:
-        raw, _ = raw_translator(noisy_pair)
+        raw = RawTransfer.for_pair(noisy_pair)
         results["pairs"][noisy_name]["reference"]["raw transfer"] = scores(raw, noisy_pair, prepared[noisy_name])  # fmt: skip
     if skipped != demo_name:
         results["pairs"][demo_name]["reference"]["shipped default"] = scores(

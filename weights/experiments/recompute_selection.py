@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
             rc.read_positions(pair.target.model, cache, toks, [*chosen, *range(cut, len(toks))])
             kvs.append(([c.keys[..., : len(toks), :] for c in cache],
                         [c.values[..., : len(toks), :] for c in cache]))  # fmt: skip
-        replies = answers_from(pair, kvs, task.tokens[-1], MAX_TOKENS["fact"], task.answer)
+        replies = answers_from(pair.target, pair.tokenizer, kvs, task.tokens[-1], MAX_TOKENS["fact"],
+                               task.answer)  # fmt: skip
         right = ["yes" if contains(task.answer, r) else "no" for r in replies]
         wt = _weights(pair.target, tk, toks)
         ws = _weights(pair.source, native_kv(pair.source, toks), toks)

@@ -13,54 +13,36 @@ records `k_proj`), and they arrive in `span.hidden`.
 | raw | `raw` | the source's K/V | identical KV geometry |
 | quantized | `quantized` | the inner method's input, b-bit groups | as its inner method |
 | DroidSpeak | `droidspeak` | source K/V outside a block + one hidden state | same architecture |
-| SCD | `scd` | a low-rank code per layer, hidden codes at patch layers | any pair |
+| SCD (REUSE) | `scd` | a low-rank code per layer | any pair |
 
-Files: linear methods use the translator file format (`format.save_translator` with a `method`
-metadata key); the others a safetensors file whose metadata key `kvlingo_method` holds JSON
-(schema `mlx-kvlingo/method`). `load_method` reads both.
+They are calibrated where they are compared (`compare.calibrate_all`); only KV-Lingo's
+translators are files (`load_method` reads one as a method).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.kv.anchor import with_native_first_layers
 from mlx_kvlingo.kv.cache import new_cache
-from mlx_kvlingo.kv.capture import OutputRecorder, SpanKV, prefill
+from mlx_kvlingo.kv.capture import SpanKV, prefill
 from mlx_kvlingo.kv.scoring import Prepared, mean_kl
 from mlx_kvlingo.kv.scoring import prepare as prepare_scored
 from mlx_kvlingo.kv.translator import Side, Translator
-from mlx_kvlingo.models.files import (
-    TranslatorFileError,
-    load_translator,
-    parse_json,
-    read_header,
-    save_translator,
-)
+from mlx_kvlingo.models.files import load_translator
 
 import mlx.core as mx
-import numpy as np
 
 WIRE_BYTES = 2  # unquantized tensors cross the wire as float16
-HIDDEN_POINTS = ("residual", "normed")  # a decoder layer's input, or its input_layernorm output
-SCHEMA = "mlx-kvlingo/method"
-SCHEMA_VERSION = 1
-META_KEY = "kvlingo_method"
+HIDDEN_POINTS = ("residual",)  # a decoder layer's input
 
 
 class NotApplicable(ValueError):
     """A method that cannot serve this pair; the message is the reason."""
-
-
-class MethodFileError(TranslatorFileError):
-    """A method file that is unreadable, inconsistent, or made for another pair."""
 
 
 @dataclass
@@ -83,8 +65,6 @@ class CacheMethod(Protocol):
     def wire_bytes_per_token(self) -> float: ...
 
     def nbytes(self) -> int: ...  # what the method stores (translator size)
-
-    def save(self, path: str | Path, pair=None) -> Path: ...
 
 
 # -- capture with hidden states --------------------------------------------------------------
@@ -109,27 +89,20 @@ class _InputRecorder:
 
 @contextmanager
 def recording(model, points: Sequence[tuple[str, int]]):
-    """Record hidden states at `points` of `model` (a LoadedModel) while the block runs."""
+    """Record the residual stream entering each layer of `points` (("residual", layer), ...)
+    of `model` (a LoadedModel) while the block runs."""
     recs: dict = {}
     layers = model.layers
     try:
-        for point, i in sorted(set(points), key=lambda p: (p[0] != "normed", p[1])):
-            if point == "normed":
-                recs[point, i] = OutputRecorder(layers[i].input_layernorm)
-                layers[i].input_layernorm = recs[point, i]
-            elif point == "residual":
-                recs[point, i] = _InputRecorder(layers[i])
-                layers[i] = recs[point, i]
-            else:
+        for point, i in sorted(set(points)):
+            if point not in HIDDEN_POINTS:
                 raise ValueError(f"unknown hidden point {point!r}; expected one of {HIDDEN_POINTS}")
+            recs[point, i] = _InputRecorder(layers[i])
+            layers[i] = recs[point, i]
         yield recs
     finally:
-        for (point, i), rec in reversed(list(recs.items())):
-            if point == "residual":
-                layers[i] = rec.inner
-        for (point, i), rec in recs.items():
-            if point == "normed":
-                layers[i].input_layernorm = rec.inner
+        for (_, i), rec in recs.items():
+            layers[i] = rec.inner
 
 
 def capture_span(model, tokens, cut: str = "post_norm", points=(), cache=None) -> SourceSpan:
@@ -199,16 +172,6 @@ def same_architecture(pair) -> str | None:
     return None
 
 
-def side_meta(model) -> dict:
-    g = model.geometry
-    return {
-        "name": model.name,
-        "model_type": g.model_type,
-        "hidden_size": model.config.get("hidden_size"),
-        **Side.of(g).as_dict(),
-    }
-
-
 # -- KV-Lingo's linear translator as a method ------------------------------------------------
 
 
@@ -247,119 +210,11 @@ class KVLingo:
             v.nbytes for p in (self.translator.key, self.translator.value) for v in p.values()
         )
 
-    def save(self, path, pair=None) -> Path:
-        return save_translator(self.translator, path, pair, method="kvlingo")
 
-
-# -- method files ----------------------------------------------------------------------------
-
-
-def write_method_file(path, tensors: dict, meta: dict) -> Path:
-    """Atomically write tensors + `{"schema", "schema_version", **meta}` JSON metadata."""
-    path = Path(path)
-    meta = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **meta}
-    with atomic_write(path) as tmp:
-        mx.save_safetensors(str(tmp), tensors, metadata={META_KEY: json.dumps(meta)})
-    return path
-
-
-def read_method_file(path) -> tuple[dict, dict]:
-    path = Path(path)
-    header = read_header(path, MethodFileError, "method")
-    raw = (header.get("__metadata__") or {}).get(META_KEY)
-    if raw is None:
-        raise MethodFileError(f"{path}: no {META_KEY} metadata: not a method file")
-    meta = parse_json(raw, f"{path}: the {META_KEY} metadata", MethodFileError)
-    if meta.get("schema") != SCHEMA or meta.get("schema_version") != SCHEMA_VERSION:
-        raise MethodFileError(
-            f"{path}: unsupported method schema {meta.get('schema')!r:.80} "
-            f"version {meta.get('schema_version')!r:.40}"
-        )
-    try:
-        tensors = mx.load(str(path))
-    except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError
-        raise MethodFileError(f"{path}: cannot read tensors: {e}") from None
-    for name, t in tensors.items():
-        if not np.isfinite(np.array(t.astype(mx.float32))).all():
-            raise MethodFileError(f"{path}: tensor {name} contains NaN or Inf")
-    return tensors, meta
-
-
-def check_method_pair(meta: dict, pair, path) -> None:
-    for label in ("source", "target"):
-        want = meta.get(label)
-        model = getattr(pair, label)
-        have = side_meta(model)
-        if want is None:
-            continue
-        if not isinstance(want, dict):
-            raise MethodFileError(f"{path}: metadata {label} must be an object")
-        for k in ("layers", "kv_heads", "head_dim", "value_dim", "model_type", "hidden_size"):
-            if want.get(k) is not None and want[k] != have[k]:
-                raise MethodFileError(
-                    f"{path}: made for a {label} with {k}={want[k]}, {model.name} has "
-                    f"{have[k]}: wrong model pair"
-                )
-
-
-def load_method(path, pair=None):
-    """Load any method file (translator format or method format) as a CacheMethod."""
-    from mlx_kvlingo.eval.methods import droidspeak, quantized, raw, scd
-
-    path = Path(path)
-    header = read_header(path, MethodFileError, "method")
-    meta = header.get("__metadata__") or {}
-    if "kvlingo" in meta:
-        tr = load_translator(path, pair)
-        m = KVLingo(tr)
-        wire = tr.config.metadata.get("wire")
-        if tr.config.metadata.get("method") == "quantized" and wire:
-            try:
-                m = quantized.Quantized(m, wire["bits"], wire["group_size"])
-            except _STATE_ERRORS as e:
-                raise MethodFileError(f"{path}: invalid wire settings {wire!r:.80} ({e})") from None
-        return m
-    tensors, meta = read_method_file(path)
-    if pair is not None:
-        check_method_pair(meta, pair, path)
-    kinds = {
-        "raw": raw.RawTransfer,
-        "quantized": quantized.Quantized,
-        "droidspeak": droidspeak.DroidSpeak,
-        "scd": scd.SCD,
-    }
-    method = meta.get("method")
-    if not isinstance(method, str) or method not in kinds:
-        raise MethodFileError(f"{path}: unknown method {method!r:.80}")
-    try:
-        m = kinds[method].from_state(tensors, meta)
-    except _STATE_ERRORS as e:
-        raise MethodFileError(f"{path}: inconsistent method file: {str(e)[:300]}") from None
-    if pair is not None:
-        _check_sides(m, pair, path)
-    return m
-
-
-def _check_sides(m, pair, path) -> None:
-    """The geometry a loaded method says it was built for (`side`, or `source`/`target`,
-    through a quantized method's `inner`) must be the pair's."""
-    src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
-    wants = [("side", src), ("side", tgt), ("source", src), ("target", tgt)]
-    while m is not None:
-        for attr, have in wants:
-            want = getattr(m, attr, None)
-            if isinstance(want, Side) and want != have:
-                raise MethodFileError(
-                    f"{path}: made for {attr} geometry {want.as_dict()}, the pair has "
-                    f"{have.as_dict()}: wrong model pair"
-                )
-        m = getattr(m, "inner", None)
-
-
-#: what building a method from a file's (untrusted) metadata raises when a field is missing or
-#: of the wrong type: all of it means "inconsistent method file"
-_STATE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError,
-                 ZeroDivisionError, RecursionError)  # fmt: skip
+def load_method(path, pair, label: str | None = None) -> KVLingo:
+    """A translator file, checked against `pair`, as a method (`models.files.load_translator`:
+    a wrong file or pair raises its `TranslatorFileError`)."""
+    return KVLingo(load_translator(path, pair), label)
 
 
 def human_bytes(n: float) -> str:
@@ -373,6 +228,6 @@ def human_bytes(n: float) -> str:
 
 
 __all__ = [
-    "CacheMethod", "KVLingo", "MethodFileError", "NotApplicable", "SourceSpan",
-    "capture_span", "load_method", "mean_kl", "prepare", "same_architecture", "same_geometry",
+    "CacheMethod", "KVLingo", "NotApplicable", "SourceSpan", "capture_span", "load_method",
+    "mean_kl", "prepare", "same_architecture", "same_geometry",
 ]  # fmt: skip

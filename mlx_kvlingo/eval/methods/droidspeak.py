@@ -15,8 +15,6 @@ token. Only for spans that start at position 0 (the block attends to the span al
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from mlx_kvlingo.eval.methods import (
     WIRE_BYTES,
     NotApplicable,
@@ -26,8 +24,6 @@ from mlx_kvlingo.eval.methods import (
     prepare,
     rotate_layers,
     same_architecture,
-    side_meta,
-    write_method_file,
 )
 from mlx_kvlingo.kv.translator import Side, target_dtype
 
@@ -91,23 +87,6 @@ class DroidSpeak:
     def nbytes(self) -> int:
         return 0  # the target's own weights do the work
 
-    def state(self, pair=None) -> tuple[dict, dict]:
-        meta = {
-            "method": "droidspeak", "side": self.side.as_dict(), "hidden_size": self.hidden_size,
-            "block": list(self.block), "profile": self.profile, "native_first": self.native_first,
-        }  # fmt: skip
-        if pair is not None:
-            meta |= {"source": side_meta(pair.source), "target": side_meta(pair.target)}
-        return {}, meta
-
-    def save(self, path, pair=None) -> Path:
-        return write_method_file(path, *self.state(pair))
-
-    @classmethod
-    def from_state(cls, tensors: dict, meta: dict) -> DroidSpeak:
-        return cls(Side(**meta["side"]), meta["hidden_size"], tuple(meta["block"]), meta["profile"],
-                   meta.get("native_first", False))  # fmt: skip
-
 
 def check(pair) -> None:
     why = same_architecture(pair)
@@ -116,14 +95,14 @@ def check(pair) -> None:
 
 
 def profile_blocks(
-    pair, prepared, sizes, stride: int = 1, progress: bool = False, native_first: bool = False
+    pair, prepared, sizes, progress: bool = False, native_first: bool = False
 ) -> dict[int, dict[int, float]]:
     """KL(native || DroidSpeak) for every block of each size in `sizes`: {size: {start: kl}}.
 
     `prepared` must carry the source's residual stream at every candidate start."""
     L = pair.target.geometry.layers
     side, hidden = Side.of(pair.target.geometry), pair.target.config["hidden_size"]
-    jobs = [(k, s) for k in sizes for s in range(0, L - k + 1, stride)]
+    jobs = [(k, s) for k in sizes for s in range(L - k + 1)]
     out: dict[int, dict[int, float]] = {k: {} for k in sizes}
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("droidspeak: profiling blocks", total=len(jobs))
@@ -135,9 +114,8 @@ def profile_blocks(
 
 
 def calibrate(
-    pair, examples, layers: int | list[int] = 2, stride: int = 1, progress: bool = False,
-    native_first: bool = False,
-) -> DroidSpeak | list[DroidSpeak]:  # fmt: skip
+    pair, examples, layers: int | list[int] = 2, progress: bool = False, native_first: bool = False
+) -> DroidSpeak | list[DroidSpeak]:
     """Pick, for each block size in `layers`, the block with the lowest KL on `examples`.
 
     Returns one DroidSpeak (an int `layers`) or a list (a list of sizes); profiling scores for
@@ -149,7 +127,7 @@ def calibrate(
         raise ValueError(f"block sizes must be within 1..{L}")
     points = [("residual", s) for s in range(L)]
     prepared = [prepare(pair, ex, "post_norm", points) for ex in examples]
-    scores = profile_blocks(pair, prepared, sizes, stride, progress, native_first)
+    scores = profile_blocks(pair, prepared, sizes, progress, native_first)
     out = []
     for k in sizes:
         best = min(scores[k], key=lambda s: (scores[k][s], s))

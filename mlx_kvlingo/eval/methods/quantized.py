@@ -9,10 +9,7 @@ the inner method's elements times (bits / 8 + 4 / group_size).
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from mlx_kvlingo.eval.methods import WIRE_BYTES, KVLingo, SourceSpan, write_method_file
-from mlx_kvlingo.models.files import save_translator
+from mlx_kvlingo.eval.methods import WIRE_BYTES, SourceSpan
 
 import mlx.core as mx
 
@@ -71,30 +68,3 @@ class Quantized:
 
     def nbytes(self) -> int:
         return self.inner.nbytes()
-
-    def state(self, pair=None) -> tuple[dict, dict]:
-        tensors, inner_meta = self.inner.state(pair)
-        meta = {"method": "quantized", "bits": self.bits, "group_size": self.group_size}
-        meta |= {k: inner_meta[k] for k in ("source", "target") if k in inner_meta}
-        meta["inner"] = inner_meta
-        return {f"inner.{k}": v for k, v in tensors.items()}, meta
-
-    def save(self, path, pair=None) -> Path:
-        if isinstance(self.inner, KVLingo):  # linear: our translator format, plus the wire
-            wire = {"bits": self.bits, "group_size": self.group_size}
-            return save_translator(self.inner.translator, path, pair, method="quantized", wire=wire)
-        return write_method_file(path, *self.state(pair))
-
-    @classmethod
-    def from_state(cls, tensors: dict, meta: dict) -> Quantized:
-        from mlx_kvlingo.eval.methods import droidspeak, raw, scd
-
-        kinds = {"raw": raw.RawTransfer, "droidspeak": droidspeak.DroidSpeak, "scd": scd.SCD}
-        inner_t = {k[len("inner.") :]: v for k, v in tensors.items() if k.startswith("inner.")}
-        inner = kinds[meta["inner"]["method"]].from_state(inner_t, meta["inner"])
-        return cls(inner, meta["bits"], meta["group_size"])
-
-
-def calibrate(pair, inner, bits: int = 4, group_size: int = 64, **_) -> Quantized:
-    """Nothing to learn beyond the inner method (calibrated on unquantized data)."""
-    return Quantized(inner, bits, group_size)

@@ -7,8 +7,6 @@ RoPEs agree. Nothing is stored; what crosses the wire is the whole source cache.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from mlx_kvlingo.eval.methods import (
     WIRE_BYTES,
     NotApplicable,
@@ -16,8 +14,6 @@ from mlx_kvlingo.eval.methods import (
     as_float,
     rotate_layers,
     same_geometry,
-    side_meta,
-    write_method_file,
 )
 from mlx_kvlingo.kv.translator import Side, target_dtype
 
@@ -54,21 +50,3 @@ class RawTransfer:
 
     def nbytes(self) -> int:
         return 0
-
-    def state(self, pair=None) -> tuple[dict, dict]:
-        meta = {"method": "raw", "side": self.side.as_dict(), "native_first": self.native_first}
-        if pair is not None:
-            meta |= {"source": side_meta(pair.source), "target": side_meta(pair.target)}
-        return {}, meta
-
-    def save(self, path, pair=None) -> Path:
-        return write_method_file(path, *self.state(pair))
-
-    @classmethod
-    def from_state(cls, tensors: dict, meta: dict) -> RawTransfer:
-        return cls(Side(**meta["side"]), meta.get("native_first", False))
-
-
-def calibrate(pair, examples=(), native_first: bool = False, **_) -> RawTransfer:
-    """Nothing to learn; raises NotApplicable when the geometries differ."""
-    return RawTransfer.for_pair(pair, native_first)
