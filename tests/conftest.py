@@ -57,3 +57,16 @@ def translators(pair, tiny_dir):
 
     answer = tiny_dir["known_answer"]
     return exact_translator(pair, answer), exact_translator(pair.reversed(), inverse(answer))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_retention_folder(tmp_path_factory):
+    """What `kvlingo eval --task content` stores for reader auto goes to a folder of this run's
+    own (the cache folder's models stay shared): a test's few tasks never steer another's auto."""
+    from mlx_kvlingo.conversation import retention
+
+    mp = pytest.MonkeyPatch()
+    folder = tmp_path_factory.mktemp("retention")
+    mp.setattr(retention, "path_for", lambda k, cache_dir=None: folder / retention.digest(k))
+    yield
+    mp.undo()

@@ -17,7 +17,7 @@ from mlx_kvlingo.eval.content import (
     to_json,
 )
 from mlx_kvlingo.kv.scoring import kl, native_logp, prefix_gain
-from mlx_kvlingo.models.files import save_translator
+from mlx_kvlingo.models.files import load_translator, save_translator
 
 import mlx.core as mx
 import pytest
@@ -256,6 +256,65 @@ def test_eval_task_content_cli(pair, exact, tiny_dir, tmp_path):
     assert result["cells"]["chat"]["qa"]["64"]["rouge_l"] == 1.0
     misplaced = CliRunner().invoke(cli, ["eval", "--recompute", "0.5"])
     assert misplaced.exit_code != 0 and "go with --task content" in misplaced.output
+
+
+def test_retention_pools_facts_and_copies_the_native_answer_got_right():
+    from mlx_kvlingo.eval.content import retention
+
+    def rec(task, cond, kind, length, correct):
+        return {"task": task, "condition": cond, "kind": kind, "length": length,
+                "correct": correct}  # fmt: skip
+
+    records = [
+        rec(0, "native", "fact", 64, True), rec(0, "chat", "fact", 64, True),
+        rec(1, "native", "copy", 64, True), rec(1, "chat", "copy", 64, False),
+        rec(2, "native", "fact", 64, False), rec(2, "chat", "fact", 64, True),  # not counted
+        rec(3, "native", "fact", 128, True), rec(3, "chat", "fact", 128, False),
+        rec(4, "native", "qa", 128, None), rec(4, "chat", "qa", 128, None),
+        rec(5, "native", "fact", 256, False), rec(5, "chat", "fact", 256, False),
+    ]  # fmt: skip
+    assert retention({"records": records}) == [(64, 0.5), (128, 0.0)]
+
+
+def test_eval_task_content_times_each_read_and_stores_the_retention_auto_weighs(
+    pair, exact, tiny_dir, tmp_path, monkeypatch
+):
+    """Each condition's read is timed in the same run, and the chat condition's retention of
+    facts and copies per length is stored where the runtime finds it for those settings (the
+    tiny pair knows no facts: every reply is scored right here, so each length keeps 1.0)."""
+    from mlx_kvlingo.api import Runtime
+    from mlx_kvlingo.config import ReaderPolicy
+    from mlx_kvlingo.eval import content
+    from mlx_kvlingo.eval.content import read_times, retention
+
+    monkeypatch.setattr(content, "contains", lambda answer, reply: True)
+
+    path = tmp_path / "exact.safetensors"
+    save_translator(exact, path, pair)
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    out = tmp_path / "content.json"
+    args = ["eval", "--task", "content", "--source", str(tiny_dir["qwen3"]), "--target",
+            str(tiny_dir["known"]), "--translator", str(path), "--data", str(data),
+            "--lengths", "48,96", "--per-kind", "2", "--kinds", "fact,copy", "--json", str(out),
+            "--large-reads-last", "8"]  # fmt: skip
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    result = json.loads(out.read_text())
+    assert {rec["kind"] for rec in result["records"]} == {"fact", "copy"}
+    times = read_times(result)
+    assert set(times) == {"native", "translated", "chat"} and set(times["chat"]) == {48, 96}
+    assert all(s > 0 for by in times.values() for s in by.values())
+    assert "reading the prompt: median seconds" in r.output
+    points = retention(result)
+    assert points == [(48, 1.0), (96, 1.0)]
+    assert "stored for reader auto" in r.output
+    rt = Runtime(pair, load_translator(path, pair))
+    stored = rt.retention(ReaderPolicy(large_reads_last=8))
+    assert stored is not None and list(stored.points) == points
+    assert rt.retention(ReaderPolicy()) is None  # measured with a tail of 8, not 32
+    bad = CliRunner().invoke(cli, args[:-2] + ["--kinds", "fact,poem"])
+    assert bad.exit_code == 2 and "poem: expected some of fact, copy, qa, summary" in bad.output
 
 
 def test_prefix_gain_weights(pair):

@@ -254,7 +254,9 @@ def test_retention_is_kept_in_the_cache_folder_and_found_by_the_runtime(
     from mlx_kvlingo.api import Runtime
     from mlx_kvlingo.conversation import retention
 
-    monkeypatch.setenv("KVLINGO_CACHE", str(tmp_path))
+    monkeypatch.setattr(
+        retention, "path_for", lambda k, d=None: tmp_path / "retention" / retention.digest(k)
+    )
     fwd, bwd = translators
     rt = Runtime(pair, fwd, bwd)
     assert rt.retention() is None and rt.new_conversation()._session.retention is None

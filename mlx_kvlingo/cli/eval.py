@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 from mlx_kvlingo.cli._common import (
     content_texts,
     data_config,
@@ -14,12 +16,22 @@ from mlx_kvlingo.cli._common import (
     translator_option,
 )
 from mlx_kvlingo.cli._params import IntList, OutputFile
+from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.data.content_tasks import KINDS
 from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.evaluate import evaluate, table
 
 import click
 from rich.console import Console
+
+
+def _kinds(ctx, param, value: str) -> tuple[str, ...]:
+    kinds = tuple(dict.fromkeys(k.strip() for k in value.split(",") if k.strip()))
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise click.BadParameter(f"{', '.join(bad) or 'none'}: expected some of {', '.join(KINDS)}")
+    return kinds
 
 
 @click.command("eval")
@@ -50,6 +62,8 @@ from rich.console import Console
               help="--task content: read lengths in tokens, up to the pair's context")  # fmt: skip
 @click.option("--per-kind", type=click.IntRange(1), default=8, show_default=True,
               help="--task content: tasks of each kind at each length")  # fmt: skip
+@click.option("--kinds", default=",".join(KINDS), show_default=True, callback=_kinds,
+              help="--task content: the task kinds, comma-separated")  # fmt: skip
 @click.option("--plot", "plot_out", type=OutputFile(),
               help="--task content: write the per-length plot here (PNG)")  # fmt: skip
 @click.option("--large-reads-last", "tail", type=click.IntRange(1), default=None,
@@ -59,7 +73,7 @@ from rich.console import Console
               help="--task content: the chat condition's recompute share [default: the "
                    "chat's, 0.1]")  # fmt: skip
 def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_out, task, lengths,
-             per_kind, plot_out, tail, share, **kw):  # fmt: skip
+             per_kind, kinds, plot_out, tail, share, **kw):  # fmt: skip
     """Score the target on held-out continuations under every cache condition, or (--task
     content) on what it can use of what was read."""
     console = Console()
@@ -68,7 +82,7 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
         sizes = sorted({int(x) for x in lengths.split(",") if x.strip()})
         return _content(pair, tr, texts, sizes, per_kind, kw["seed"], json_out, plot_out, console,
-                        translator or "demo default", tail, share)  # fmt: skip
+                        translator or "demo default", tail, share, kinds)  # fmt: skip
     if tail is not None or share is not None or plot_out is not None:
         raise click.UsageError("--large-reads-last, --recompute and --plot go with --task content")
     if data_path is not None:
@@ -107,18 +121,19 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
 
 
 def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label,
-             tail=None, share=None):  # fmt: skip
+             tail=None, share=None, kinds=KINDS):  # fmt: skip
     from mlx_kvlingo.eval.content import (
         Chat,
         evaluate_content,
         fitting_tasks,
         plot,
+        retention,
         tables,
         to_json,
     )
 
     try:
-        tasks = fitting_tasks(pair, texts, lengths, per_kind, seed=seed)
+        tasks = fitting_tasks(pair, texts, lengths, per_kind, seed=seed, kinds=kinds)
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     console.print(f"[grey50]{len(tasks)} content tasks ({per_kind} per kind and length, seed "
@@ -136,3 +151,24 @@ def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, conso
         report.write_json(result, json_out)
     if plot_out:
         plot(result, plot_out)
+    _store_retention(pair, tr, chat, retention(result), len(tasks), seed, console)
+
+
+def _store_retention(pair, tr, chat, points, n_tasks, seed, console) -> None:
+    """Keep the chat condition's retention in the cache folder, where reader "auto" of this
+    pair, translator and settings finds it (conversation/retention.py)."""
+    from mlx_kvlingo.conversation import retention as kept
+
+    if not points:
+        return
+    policy = ReaderPolicy(large_reads_last=chat.tail, recompute_share=chat.share)
+    measured = kept.Retention(tuple(points), source=f"kvlingo eval --task content: {n_tasks} "
+                              f"tasks, seed {seed}, {time.strftime('%Y-%m-%d')}")  # fmt: skip
+    try:
+        path = kept.save(kept.key(pair, tr, policy), measured)
+    except OSError as e:
+        console.print(f"[yellow]retention not stored: {e}[/yellow]")
+        return
+    shown = ", ".join(f"{n} tok {r:.2f}" for n, r in points)
+    console.print(f"[grey50]retention of facts and copies ({shown}) stored for reader auto: "
+                  f"{path}[/grey50]")  # fmt: skip

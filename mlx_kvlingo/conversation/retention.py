@@ -84,9 +84,12 @@ def key(pair, forward, policy) -> dict:
     }
 
 
+def digest(k: dict) -> str:
+    return hashlib.sha256(json.dumps(k, sort_keys=True).encode()).hexdigest()[:20] + ".json"
+
+
 def path_for(k: dict, cache_dir: str | os.PathLike | None = None) -> Path:
-    digest = hashlib.sha256(json.dumps(k, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_root(cache_dir) / FOLDER / f"{digest}.json"
+    return cache_root(cache_dir) / FOLDER / digest(k)
 
 
 def load(k: dict, cache_dir: str | os.PathLike | None = None) -> Retention | None:

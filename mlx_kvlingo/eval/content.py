@@ -15,12 +15,18 @@ Scores, per kind and read length:
   qa, summary    content-word recall of the native answer, and ROUGE-L F1 against it
 The headline per cell is `retained` for fact and copy, `recall` for qa and summary. Teacher-forced
 continuation KL is not used here: generic tokens dominate it (see weights/QUALITY.md).
+Each condition's read is timed (`read_s`: the target's own prefill of prompt[:-1] for native;
+the whole hand-off for a `Chat`, the small model's read included), side by side in one run;
+`retention` gives a `Chat` condition's retained share of facts and copies per length, what
+reader "auto" weighs (conversation/retention.py).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import statistics
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -94,7 +100,7 @@ def rouge_l(reference: str, candidate: str) -> float:
 
 
 def fitting_tasks(pair, texts: Sequence[str], lengths: Sequence[int], per_kind: int,
-                  seed: int = 0) -> list[ContentTask]:  # fmt: skip
+                  seed: int = 0, kinds: Sequence[str] = KINDS) -> list[ContentTask]:  # fmt: skip
     """`build_tasks` whose prompts leave room for the longest answer in the pair's context.
 
     Prompts come within 5% of the length asked (whole sentences); a length whose prompts
@@ -112,7 +118,7 @@ def fitting_tasks(pair, texts: Sequence[str], lengths: Sequence[int], per_kind: 
         raise ValueError(f"read lengths within 32 tokens of the room for an answer in the "
                          f"context ({room}) are one length: give one of them")  # fmt: skip
     for _ in range(5):
-        tasks = build_tasks(pair.tokenizer, texts, built, per_kind, seed=seed)
+        tasks = build_tasks(pair.tokenizer, texts, built, per_kind, kinds, seed=seed)
         over = {}
         for t in tasks:
             over[t.length] = max(over.get(t.length, 0), len(t.tokens) - room)
@@ -224,18 +230,23 @@ def answers_from(model, tokenizer, kvs: Sequence[tuple[list, list]], last: int, 
     return [tokenizer.decode(r).strip() for r in rows]
 
 
-def _answers(pair, task: ContentTask, conditions: dict, small: bool) -> dict:
-    """Every condition's reply; the target's conditions decode together in one batch."""
+def _answers(pair, task: ContentTask, conditions: dict, small: bool) -> tuple[dict, dict]:
+    """Every condition's reply, and the seconds each took to read the prompt; the target's
+    conditions decode together in one batch."""
     n, until, toks = MAX_TOKENS[task.kind], task.answer, list(task.tokens)
+    t0 = time.perf_counter()
     native = native_kv(pair.target, toks[:-1])
-    kvs = {"native": native}
-    kvs |= {label: condition_kv(pair, c, task, native) for label, c in conditions.items()}
+    kvs, seconds = {"native": native}, {"native": time.perf_counter() - t0}
+    for label, c in conditions.items():
+        t0 = time.perf_counter()
+        kvs[label] = condition_kv(pair, c, task, native)
+        seconds[label] = time.perf_counter() - t0
     out = dict(zip(kvs, answers_from(pair.target, pair.tokenizer, list(kvs.values()), toks[-1],
                                      n, until)))  # fmt: skip
     if small:
         alone = native_kv(pair.source, toks[:-1])
         (out["small"],) = answers_from(pair.source, pair.tokenizer, [alone], toks[-1], n, until)
-    return out
+    return out, seconds
 
 
 def score(task: ContentTask, native: str, reply: str) -> dict:
@@ -298,13 +309,13 @@ def evaluate_content(pair, tasks: Sequence[ContentTask], conditions: dict, small
     with Progress(disable=not progress, transient=True) as bar:
         job = bar.add_task("content", total=len(tasks))
         for i, task in enumerate(tasks):
-            answers = _answers(pair, task, conditions, small)
+            answers, seconds = _answers(pair, task, conditions, small)
             for c, reply in answers.items():
                 res.records.append({
                     "task": i, "condition": c, "kind": task.kind, "length": task.length,
                     "tokens": len(task.tokens), "depth": task.depth, "detail": task.detail,
                     "answer": task.answer, "question": task.question, "reply": reply,
-                    **score(task, answers["native"], reply),
+                    "read_s": seconds.get(c), **score(task, answers["native"], reply),
                 })  # fmt: skip
             bar.advance(job)
     return res
@@ -319,6 +330,31 @@ def to_json(res: ContentResult, pair, extra: dict | None = None) -> dict:
 
 def _fmt(x: float) -> str:
     return "n/a" if x is None or x != x else f"{x:.2f}"
+
+
+def retention(result: dict, condition: str = "chat") -> list[tuple[int, float]]:
+    """(read length, retained) of `condition` per length, facts and copies pooled: right where
+    the native answer is right / native right (lengths where native got none are left out)."""
+    right: dict = {}
+    by_task = {}
+    for r in result["records"]:
+        by_task.setdefault(r["task"], {})[r["condition"]] = r
+    for t in by_task.values():
+        nat, mine = t.get("native"), t.get(condition)
+        if mine is None or nat is None or nat["kind"] not in EXACT_KINDS or not nat["correct"]:
+            continue
+        both, total = right.get(nat["length"], (0, 0))
+        right[nat["length"]] = (both + mine["correct"], total + 1)
+    return [(n, b / t) for n, (b, t) in sorted(right.items())]
+
+
+def read_times(result: dict) -> dict:
+    """{condition: {length: median seconds to read the prompt}} (conditions with a read)."""
+    out: dict = {}
+    for r in result["records"]:
+        if r.get("read_s") is not None:
+            out.setdefault(r["condition"], {}).setdefault(r["length"], []).append(r["read_s"])
+    return {c: {n: statistics.median(v) for n, v in sorted(by.items())} for c, by in out.items()}
 
 
 def tables(result: dict) -> list[Table]:
@@ -344,6 +380,15 @@ def tables(result: dict) -> list[Table]:
                 else:
                     row.append(f"{_fmt(s['recall'])} ({_fmt(s['rouge_l'])})")
             t.add_row(c, *row)
+        out.append(t)
+    times = read_times(result)
+    if times:
+        t = Table("condition", *[f"{n} tok" for n in lengths],
+                  title="reading the prompt: median seconds (x the native read)")  # fmt: skip
+        for c, by in times.items():
+            base = times.get("native", {})
+            t.add_row(c, *[f"{by[n]:.2f} ({by[n] / base[n]:.2f}x)" if n in by and base.get(n)
+                           else "" for n in lengths])  # fmt: skip
         out.append(t)
     return out
 
