@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from pathlib import Path
 
 import click
@@ -24,24 +23,12 @@ def looks_like_path(value: str) -> bool:
 
 def _safetensors_problem(path: Path) -> str | None:
     """Why the safetensors file `path` cannot be read (header and length only), or None."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) < 8:
-            return f"{path}: truncated or not a safetensors file ({size} bytes)"
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100 * 2**20:
-            return f"{path}: truncated or not a safetensors file (an incomplete download?)"
-        try:
-            header = json.loads(f.read(n))
-            end = max(
-                (int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"),
-                default=0,
-            )
-        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
-            return f"{path}: the safetensors header is not valid (a damaged file?)"
-    if 8 + n + end > size:
-        return f"{path}: truncated: its tensors need {8 + n + end} bytes, the file has {size}"
+    from mlx_kvlingo.models.files import read_header
+
+    try:
+        read_header(path, ValueError, "safetensors")
+    except ValueError as e:
+        return str(e)
     return None
 
 

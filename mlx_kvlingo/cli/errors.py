@@ -132,32 +132,18 @@ def _os_message(e: OSError) -> str:
     return f"{what}: {reason}" + (f"; {hint}" if hint else "")
 
 
-def _hub_message(e: Exception) -> str | None:
-    from huggingface_hub import constants, errors
+def _hub_message(e: Exception) -> str:
+    from mlx_kvlingo.models.hub import explain
+
+    from huggingface_hub import errors
 
     repo = _frame_value(e, "repo_id")
-    named = repo or "the Hub repository"
     if isinstance(e, errors.HFValidationError):
         quoted = re.findall(r"'([^']*)'", str(e))
         value = quoted[-1] if quoted else repo or "?"
         return (f"{value}: no such file or folder, and not a Hub id (org/name): check the path, "
                 "or give a Hub id")  # fmt: skip
-    if isinstance(e, errors.LocalEntryNotFoundError | errors.OfflineModeIsEnabled):
-        if constants.HF_HUB_OFFLINE:
-            return (f"{named}: not in the Hub cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE "
-                    "is set: fetch it once online, or give a local folder")  # fmt: skip
-        return (f"{named}: not in the Hub cache and the Hub ({constants.ENDPOINT}) cannot be "
-                "reached: check the connection, or give a local folder")  # fmt: skip
-    if isinstance(e, errors.RevisionNotFoundError):
-        return f"{named}: no such revision on the Hub"
-    if isinstance(e, errors.RepositoryNotFoundError | errors.GatedRepoError):
-        return (f"{named}: no such repository on {constants.ENDPOINT} (or it is private or "
-                "gated: log in with `hf auth login`)")  # fmt: skip
-    if isinstance(e, errors.EntryNotFoundError | errors.RemoteEntryNotFoundError):
-        return f"{named}: a file is missing from the repository ({one_line(e)[:200]})"
-    if isinstance(e, errors.HfHubHTTPError):
-        return f"{named}: the Hub answered with an error: {one_line(e)[:300]}"
-    return None
+    return explain(e, repo or "the Hub repository") or one_line(e)
 
 
 def _corrupt(e: Exception, what: str) -> str:
@@ -179,7 +165,7 @@ def message(e: BaseException) -> str | None:
             text = f"{type(e).__name__}: {text}"  # as `kvlingo convert` names them
         return text
     if type(e).__module__.startswith("huggingface_hub"):  # some are OSErrors too
-        return _hub_message(e) or one_line(e)
+        return _hub_message(e)
     if isinstance(e, OSError):
         return _os_message(e)
     if type(e).__name__ == "SafetensorError":

@@ -56,35 +56,27 @@ def is_hub_spec(text) -> bool:
     return isinstance(text, str) and not Path(text).expanduser().exists() and bool(parse_spec(text))
 
 
-def _errors():
-    from huggingface_hub import errors
+def explain(e: Exception, named: str, fetch: str = "give a local folder") -> str | None:
+    """One line for a failed Hub lookup of `named` (None: not a Hub error); `fetch` says what
+    to do when it is not in the cache while offline."""
+    from huggingface_hub import constants, errors
 
-    return errors
-
-
-def _explain(spec: HubSpec, e: Exception) -> HubError:
-    """One message per way a Hub lookup fails, naming what to do about it."""
-    from huggingface_hub import constants
-
-    err = _errors()
-    cache = constants.HF_HUB_CACHE
-    if isinstance(e, err.LocalEntryNotFoundError | err.OfflineModeIsEnabled):
+    if isinstance(e, errors.LocalEntryNotFoundError | errors.OfflineModeIsEnabled):
         if constants.HF_HUB_OFFLINE:
-            return HubError(
-                f"{spec}: offline (HF_HUB_OFFLINE=1) and not in the Hub cache ({cache}); "
-                f"fetch it once while online: kvlingo download {spec}"
-            )
-        return HubError(
-            f"{spec}: cannot reach {constants.ENDPOINT} and it is not in the Hub cache "
-            f"({cache}): check the connection, or set HF_HUB_OFFLINE=1 to use cached files"
-        )
-    if isinstance(e, err.RevisionNotFoundError):
-        return HubError(f"{spec}: revision {spec.revision!r} does not exist on the Hub")
-    if isinstance(e, err.RemoteEntryNotFoundError | err.EntryNotFoundError):
-        return HubError(f"{spec}: no file {spec.filename!r} in {spec.repo_id}")
-    if isinstance(e, err.RepositoryNotFoundError | err.GatedRepoError):
-        return HubError(f"{spec}: no such repository on {constants.ENDPOINT} (or it is private)")
-    return HubError(f"{spec}: {type(e).__name__}: {e}")
+            return (f"{named}: not in the Hub cache ({constants.HF_HUB_CACHE}) and "
+                    f"HF_HUB_OFFLINE=1 is set: {fetch}")  # fmt: skip
+        return (f"{named}: not in the Hub cache and {constants.ENDPOINT} cannot be reached: "
+                f"check the connection, or {fetch}")  # fmt: skip
+    if isinstance(e, errors.RevisionNotFoundError):
+        return f"{named}: no such revision on the Hub"
+    if isinstance(e, errors.RepositoryNotFoundError):  # GatedRepoError too
+        return (f"{named}: no such repository on {constants.ENDPOINT} (or it is private or "
+                "gated: log in with `hf auth login`)")  # fmt: skip
+    if isinstance(e, errors.EntryNotFoundError):
+        return f"{named}: no such file in the repository"
+    if isinstance(e, errors.HfHubHTTPError):
+        return f"{named}: the Hub answered with an error: {' '.join(str(e).split())[:300]}"
+    return None
 
 
 def download(spec: str | HubSpec, local_dir: str | Path | None = None) -> Path:
@@ -100,10 +92,9 @@ def download(spec: str | HubSpec, local_dir: str | Path | None = None) -> Path:
                                         local_dir=local_dir))  # fmt: skip
         return Path(snapshot_download(spec.repo_id, revision=spec.revision, allow_patterns=ALLOW,
                                       local_dir=local_dir))  # fmt: skip
-    except HubError:
-        raise
     except Exception as e:  # noqa: BLE001 - huggingface_hub and httpx raise many kinds
-        raise _explain(spec, e) from None
+        fetch = f"fetch it once online: kvlingo download {spec}"
+        raise HubError(explain(e, str(spec), fetch) or f"{spec}: {type(e).__name__}: {e}") from None
 
 
 def _parse(text: str) -> HubSpec:
@@ -212,7 +203,6 @@ def upload(
     from huggingface_hub import HfApi
 
     api = HfApi()
-    spec = HubSpec(repo_id)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         info = api.upload_folder(
@@ -220,5 +210,5 @@ def upload(
             commit_message=message or "Upload mlx-kvlingo translator",
         )  # fmt: skip
     except Exception as e:  # noqa: BLE001
-        raise _explain(spec, e) from None
+        raise HubError(explain(e, repo_id) or f"{repo_id}: {type(e).__name__}: {e}") from None
     return str(info)
