@@ -3,8 +3,8 @@
 `ModelSpec` (a model folder or a Hub id), `TranslatorSpec` (a translator file, a Hub id or a
 demo translator name), `OutputFile` / `OutputFolder` (somewhere that can be written) and
 `SafetensorsFile` (a whole safetensors file), `IntList` / `FloatList` (comma-separated numbers
-in a range). Numbers take `click.IntRange` /
-`click.FloatRange`. What slips past these is mapped to one line by `errors.py`.
+in a range). Numbers take `click.IntRange` / `click.FloatRange`. What slips past these is
+mapped to one line by `errors.py`.
 """
 
 from __future__ import annotations
@@ -168,45 +168,31 @@ class OutputFolder(click.Path):
         return value
 
 
-class IntList(click.ParamType):
-    """Comma-separated integers, each at least `least` (the value itself is passed on)."""
+class NumberList(click.ParamType):
+    """Comma-separated numbers of `kind` (int or float), each at least `least` (the value
+    itself is passed on)."""
 
-    name = "integers"
-
-    def __init__(self, least: int = 1):
-        self.least = least
-
-    def convert(self, value, param, ctx):
-        if not isinstance(value, str):
-            return value
-        try:
-            items = [int(v) for v in value.split(",") if v.strip()]
-        except ValueError:
-            self.fail(f"{value!r} is not a comma-separated list of integers", param, ctx)
-        if not items:
-            self.fail("give at least one integer", param, ctx)
-        if min(items) < self.least:
-            self.fail(f"{value!r}: every value must be at least {self.least}", param, ctx)
-        return value
-
-
-class FloatList(click.ParamType):
-    """Comma-separated numbers, each at least `least` (the value itself is passed on)."""
-
-    name = "numbers"
-
-    def __init__(self, least: float = 0.0):
-        self.least = least
+    def __init__(self, kind: type = float, least: float = 0.0):
+        self.kind, self.least = kind, least
+        self.name = "integers" if kind is int else "numbers"
 
     def convert(self, value, param, ctx):
         if not isinstance(value, str):
             return value
         try:
-            items = [float(v) for v in value.split(",") if v.strip()]
+            items = [self.kind(v) for v in value.split(",") if v.strip()]
         except ValueError:
-            self.fail(f"{value!r} is not a comma-separated list of numbers", param, ctx)
+            self.fail(f"{value!r} is not a comma-separated list of {self.name}", param, ctx)
         if not items:
-            self.fail("give at least one number", param, ctx)
+            self.fail(f"give at least one {self.name[:-1]}", param, ctx)
         if min(items) < self.least:
             self.fail(f"{value!r}: every value must be at least {self.least:g}", param, ctx)
         return value
+
+
+def IntList(least: int = 1) -> NumberList:  # noqa: N802 - used like the classes it replaced
+    return NumberList(int, least)
+
+
+def FloatList(least: float = 0.0) -> NumberList:  # noqa: N802
+    return NumberList(float, least)
