@@ -31,7 +31,7 @@ def upload_cmd(files, repo_id, manifest, folder, no_push, private, license_, mes
         raise click.UsageError("--no-push needs --folder (where to leave the repo folder)")
     with tempfile.TemporaryDirectory() as tmp:
         where = Path(folder) if folder else Path(tmp)
-        build_repo_folder(files, where, repo_id, manifest, license=license_, link=True)
+        build_repo_folder(files, where, repo_id, manifest, license=license_)
         click.echo(f"repo folder: {where} ({', '.join(sorted(p.name for p in where.iterdir()))})")
         if no_push:
             return

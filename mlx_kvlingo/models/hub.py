@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -142,7 +141,7 @@ def resolve_translator(text: str | Path, reverse: bool = False) -> Path:
 
 def build_repo_folder(
     files, folder: str | Path, repo_id: str, manifest: str | Path | None = None,
-    license: str | None = None, link: bool = False,
+    license: str | None = None,
 ) -> Path:  # fmt: skip
     """Copy the translator `files` into `folder` with a model card (README.md) generated from
     their metadata, and a manifest.json (the given one, or one listing the files).
@@ -150,9 +149,10 @@ def build_repo_folder(
     Each file keeps its path below the files' common folder (`a/x.safetensors` and
     `a/b/x.safetensors` become `x.safetensors` and `b/x.safetensors`), so files of the same
     name in two folders stay apart and a manifest may name `b/x.safetensors`. A manifest whose
-    default is not among the files is refused. `link=True` hard-links the files instead of
-    copying them where the filesystem allows.
+    default is not among the files is refused. The files are hard-linked where the filesystem
+    allows, else copied.
     """
+    from mlx_kvlingo._platform.atomic import link_or_copy
     from mlx_kvlingo.models.card import model_card
     from mlx_kvlingo.models.files import read_metadata
 
@@ -180,13 +180,7 @@ def build_repo_folder(
         dest = folder / name
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.resolve() != f:
-            dest.unlink(missing_ok=True)
-            try:
-                if not link:
-                    raise OSError
-                dest.hardlink_to(f)
-            except OSError:
-                shutil.copyfile(f, dest)
+            link_or_copy(f, dest)
     if man is None:
         listed = list(metas)
         man = {"default": {"forward": listed[0]}, "translators": [{"file": n} for n in listed]}
