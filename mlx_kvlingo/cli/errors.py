@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import linecache
 import os
 import re
 import sys
@@ -72,24 +71,14 @@ def _own(e: BaseException) -> bool:
 
 def _frames(e: BaseException) -> list:
     """The frames `e` passed through, innermost first."""
-    out = []
-    tb = e.__traceback__
-    while tb is not None:
-        out.append(tb.tb_frame)
-        tb = tb.tb_next
-    return out[::-1]
+    return [frame for frame, _ in traceback.walk_tb(e.__traceback__)][::-1]
 
 
 def _raised_on_purpose_in(e: BaseException) -> str:
     """The file whose own `raise` statement raised `e` ("" when a call inside it did: a
     ValueError from `int("x")` or from NumPy is not a refusal written for the user)."""
-    tb = e.__traceback__
-    if tb is None:
-        return ""
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    file = tb.tb_frame.f_code.co_filename
-    return file if linecache.getline(file, tb.tb_lineno).lstrip().startswith("raise") else ""
+    last = traceback.extract_tb(e.__traceback__)[-1:]
+    return last[0].filename if last and (last[0].line or "").startswith("raise") else ""
 
 
 def _file_read(e: BaseException) -> str | None:
@@ -117,7 +106,7 @@ def _frame_value(e: BaseException, name: str) -> str | None:
 
 
 def _os_message(e: OSError) -> str:
-    what = e.filename if e.filename is not None else None
+    what = e.filename
     if what is None:
         return str(e)  # our own OSErrors (an atomic save that could not write) say what failed
     reason = e.strerror or str(e)

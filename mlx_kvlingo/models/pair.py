@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -45,16 +46,7 @@ class KVGeometry:
         return self.kv_heads * self.value_dim
 
     def as_dict(self) -> dict:
-        return {
-            "model_type": self.model_type,
-            "layers": self.layers,
-            "kv_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "value_dim": self.value_dim,
-            "rope": self.rope.as_dict(),
-            "has_k_norm": self.has_k_norm,
-            "dtype": self.dtype,
-        }
+        return asdict(self)
 
 
 @dataclass
@@ -283,21 +275,12 @@ def describe_model(m: LoadedModel) -> dict:
         "name": m.name,
         **g.as_dict(),
         "parameters_MB": round(m.nbytes() / 2**20, 1),
-        "kv_bytes_per_token": 2 * g.layers * g.kv_heads * g.head_dim * _itemsize(g.dtype),
+        "kv_bytes_per_token": 2 * g.layers * g.kv_heads * g.head_dim * getattr(mx, g.dtype).size,
     }
-
-
-def _itemsize(dtype: str) -> int:
-    return getattr(mx, dtype).size if hasattr(mx, dtype) else 4
 
 
 class InsufficientMemoryError(MemoryError):
     pass
-
-
-#: bytes per element of the safetensors dtypes a model folder holds
-_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
-             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}  # fmt: skip
 
 
 def estimate_bytes(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") -> int | None:
@@ -325,9 +308,7 @@ def estimate_bytes(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") ->
             if name == "__metadata__":
                 continue
             stored = t["data_offsets"][1] - t["data_offsets"][0]
-            numel = 1
-            for d in t["shape"]:
-                numel *= d
+            numel = math.prod(t["shape"])
             if dtype is None:
                 total += stored
             elif bits and name.endswith((".scales", ".biases")):
