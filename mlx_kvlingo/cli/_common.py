@@ -65,11 +65,8 @@ def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:
             )
 
 
-def data_options(f=None, *, required=True, help=None, heldout_fraction=0.1, max_examples=True):
+def data_options(*, required=True, help=None, heldout_fraction=0.1, max_examples=True):
     """--data and the example-drawing options shared by calibrate, eval and compare."""
-    if f is None:
-        return lambda g: data_options(g, required=required, help=help,
-                                      heldout_fraction=heldout_fraction, max_examples=max_examples)  # fmt: skip
     opts = [
         click.option("--data", "data_path", required=required, type=click.Path(exists=True),
                      help=help or "Text files, JSONL records ({'messages': [...]} chats or "
@@ -85,18 +82,21 @@ def data_options(f=None, *, required=True, help=None, heldout_fraction=0.1, max_
         opts.insert(5, click.option("--max-examples", type=click.IntRange(1), default=None,
                                     help="Training examples to draw at most"))  # fmt: skip
 
-    @functools.wraps(f)
-    def checked(*args, **kw):
-        if kw["min_prefix"] > kw["max_prefix"]:
-            raise click.BadParameter(
-                f"{kw['min_prefix']} is above --max-prefix {kw['max_prefix']}",
-                param_hint="--min-prefix",
-            )
-        return f(*args, **kw)
+    def decorate(f):
+        @functools.wraps(f)
+        def checked(*args, **kw):
+            if kw["min_prefix"] > kw["max_prefix"]:
+                raise click.BadParameter(
+                    f"{kw['min_prefix']} is above --max-prefix {kw['max_prefix']}",
+                    param_hint="--min-prefix",
+                )
+            return f(*args, **kw)
 
-    for opt in reversed(opts):
-        checked = opt(checked)
-    return checked
+        for opt in reversed(opts):
+            checked = opt(checked)
+        return checked
+
+    return decorate
 
 
 def data_config(kw) -> DataConfig:

@@ -177,8 +177,6 @@ def load_pipelined(path: str | Path, group, dtype="auto", timeout=LOAD_TIMEOUT) 
     Families mlx-lm pipelines load through `mlx_lm.utils.sharded_load` (each rank reads only
     its files); llama through a lazy `mlx_lm.load` and `pipeline_model`.
     """
-    from mlx_kvlingo.models.families import family_of
-
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.utils import sharded_load
 
@@ -198,10 +196,7 @@ def load_pipelined(path: str | Path, group, dtype="auto", timeout=LOAD_TIMEOUT) 
         _eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     from mlx_kvlingo.models.pair import _folder_of
 
-    family = family_of(config["model_type"])
-    return LoadedModel(
-        name, model, tokenizer, config, family, geometry_of(model, config), _folder_of(name)
-    )
+    return LoadedModel(name, model, tokenizer, config, geometry_of(model, config), _folder_of(name))
 
 
 def owned_layers(model: LoadedModel) -> range:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mlx_kvlingo._platform import cpu_memory as _cpu_memory
 from mlx_kvlingo.kv.rope import RopeSpec, describe
-from mlx_kvlingo.models.families import Family, family_of
+from mlx_kvlingo.models.families import has_k_norm
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -55,7 +55,6 @@ class LoadedModel:
     model: nn.Module
     tokenizer: object
     config: dict
-    family: Family
     geometry: KVGeometry
     folder: Path | None = None  # where its files are (generation_config.json, ...), when known
 
@@ -64,7 +63,7 @@ class LoadedModel:
         return self.model.layers
 
     def attention(self, layer: int) -> nn.Module:
-        return getattr(self.model.layers[layer], self.family.attention)
+        return self.model.layers[layer].self_attn
 
     @property
     def rope(self) -> nn.Module:
@@ -107,11 +106,11 @@ def weights_dtype(model: nn.Module) -> mx.Dtype:
 
 def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
     model_type = config["model_type"]
-    family = family_of(model_type)
+    k_norm = has_k_norm(model_type)  # an unsupported family is refused first
     layers = model.layers
-    attn = getattr(layers[0], family.attention)
+    attn = layers[0].self_attn
     heads = config["num_attention_heads"]
-    kv_heads = config.get(family.kv_heads_key) or heads
+    kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     dtype = str(weights_dtype(model))
     if hasattr(attn, "n_kv_heads") and attn.n_kv_heads != kv_heads:  # config and module disagree
@@ -123,7 +122,7 @@ def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
         head_dim=head_dim,
         value_dim=head_dim,
         rope=describe(attn.rope),
-        has_k_norm=family.has_k_norm,
+        has_k_norm=k_norm,
         dtype=dtype.replace("mlx.core.", ""),
     )
 
@@ -162,9 +161,7 @@ def load_model(
     model, dtype = with_dtype(model, config, dtype)
     if dtype is not None:
         mx.eval(model.parameters())
-    family = family_of(config["model_type"])
-    geometry = geometry_of(model, config)
-    return LoadedModel(name, model, tokenizer, config, family, geometry, _folder_of(name))
+    return LoadedModel(name, model, tokenizer, config, geometry_of(model, config), _folder_of(name))
 
 
 def _folder_of(name: str) -> Path | None:
