@@ -41,8 +41,18 @@ def _side_meta(model, side: Side) -> dict:
     return meta
 
 
-def build_metadata(translator: Translator, pair=None, **extra) -> dict:
+def save_translator(
+    translator: Translator, path: str | Path, pair=None, dtype=None, **extra
+) -> Path:
+    """Write the translator (atomically) with metadata describing `pair` and any `extra` keys.
+
+    `dtype` (e.g. mx.float16) stores the tensors in that type, to keep shipped files small.
+    """
     c = translator.config
+    tensors = {f"key.{k}": v for k, v in translator.key.items()}
+    tensors.update({f"value.{k}": v for k, v in translator.value.items()})
+    if dtype is not None:
+        tensors = {k: v.astype(dtype) for k, v in tensors.items()}
     meta = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
@@ -55,32 +65,16 @@ def build_metadata(translator: Translator, pair=None, **extra) -> dict:
         "source": _side_meta(pair.source if pair else None, c.source),
         "target": _side_meta(pair.target if pair else None, c.target),
         "tokenizer": pair.tokenizer_fingerprint if pair else None,
-        "dtype": str(next(iter(translator.key.values())).dtype).replace("mlx.core.", ""),
+        "dtype": None,  # set below, after the free-form keys
     }
     if c.rank is not None:
         meta["rank"] = c.rank
     meta.update(c.metadata)
     meta.update(extra)
-    return meta
-
-
-def save_translator(
-    translator: Translator, path: str | Path, pair=None, dtype=None, **extra
-) -> Path:
-    """Write the translator (atomically) with metadata describing `pair` and any `extra` keys.
-
-    `dtype` (e.g. mx.float16) stores the tensors in that type, to keep shipped files small.
-    """
-    path = Path(path)
-    tensors = {f"key.{k}": v for k, v in translator.key.items()}
-    tensors.update({f"value.{k}": v for k, v in translator.value.items()})
-    if dtype is not None:
-        tensors = {k: v.astype(dtype) for k, v in tensors.items()}
-    meta = build_metadata(translator, pair, **extra)
     meta["dtype"] = str(next(iter(tensors.values())).dtype).replace("mlx.core.", "")
     with atomic_write(path) as tmp:
         mx.save_safetensors(str(tmp), tensors, metadata={"kvlingo": json.dumps(meta)})
-    return path
+    return Path(path)
 
 
 def parse_json(text, what: str, error=TranslatorFileError, want=dict):
