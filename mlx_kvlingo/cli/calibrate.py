@@ -9,7 +9,7 @@ from pathlib import Path
 from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
 from mlx_kvlingo.calibrate.lowrank import fit_lowrank
-from mlx_kvlingo.cli._common import data_config, data_options
+from mlx_kvlingo.cli._common import content_texts, data_config, data_options
 from mlx_kvlingo.cli._params import FloatList, IntList, ModelSpec, OutputFile, OutputFolder
 from mlx_kvlingo.data.examples import load_examples, validate_data
 from mlx_kvlingo.eval.evaluate import evaluate, table
@@ -171,10 +171,9 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
     cal.update(report)
     if not init:
         console.print(fit_line(cal["stage1"]))
-    if held_eval and not init:
-        result = evaluate(pair, tr, held_eval)
-        cal["stage1"]["heldout"] = result
-        console.print(table(result, "after stage 1"))
+        if held_eval:
+            cal["stage1"]["heldout"] = result = evaluate(pair, tr, held_eval)
+            console.print(table(result, "after stage 1"))
     if steps:
         s2 = Stage2Config(steps, lr, warmup, 0.0, grad_clip, accumulate, eval_every, min(16, eval_examples),
                           seed=kw["seed"], patience=patience, reader_share=reader_share,
@@ -186,8 +185,7 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
                 f"interrupted; checkpoint kept in {checkpoint_dir}"
             ) from None
         if held_eval:
-            result = evaluate(pair, tr, held_eval)
-            cal["stage2"]["heldout"] = result
+            cal["stage2"]["heldout"] = result = evaluate(pair, tr, held_eval)
             console.print(table(result, "after stage 2"))
     save_translator(tr, output, pair)
     console.print(f"wrote {output}")
@@ -244,12 +242,9 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
 
 def _content_report(pair, tr, console) -> None:
     from mlx_kvlingo.data.content_tasks import build_tasks
-    from mlx_kvlingo.data.examples import read_texts
     from mlx_kvlingo.eval.content import evaluate_content, tables, to_json
-    from mlx_kvlingo.models.demo.pair import demo_content_texts
 
-    texts = [t for p in demo_content_texts() for t in read_texts(p)]
-    tasks = build_tasks(pair.tokenizer, texts, (128, 512), 3, seed=1)
+    tasks = build_tasks(pair.tokenizer, content_texts(None), (128, 512), 3, seed=1)
     result = to_json(evaluate_content(pair, tasks, {"translated": tr}), pair)
     console.print("content on held-out documentation (3 tasks per kind and length; "
                   "`kvlingo eval --task content` for the full benchmark):")  # fmt: skip
