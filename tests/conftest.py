@@ -3,6 +3,7 @@ from mlx_kvlingo.data import synthetic as syn
 from mlx_kvlingo.models.pair import load_model, load_pair
 
 import pytest
+from helpers import known_answer_target, with_new_head
 
 
 @pytest.fixture(scope="session")
@@ -17,9 +18,9 @@ def tiny_dir(tmp_path_factory):
         "llama": syn.make_model_folder(d / "llama", "llama", tok, seed=2),
         "qwen2": syn.make_model_folder(d / "qwen2", "qwen2", tok, seed=3),
     }
-    answer = syn.known_answer_target(folders["qwen3"], d / "known", seed=4)
+    answer = known_answer_target(folders["qwen3"], d / "known", seed=4)
     folders["known"] = d / "known"
-    folders["qwen3_head"] = syn.with_new_head(folders["qwen3"], d / "qwen3_head")
+    folders["qwen3_head"] = with_new_head(folders["qwen3"], d / "qwen3_head")
     folders["known_answer"] = answer
     folders["root"] = d
     return folders

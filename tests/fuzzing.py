@@ -473,11 +473,11 @@ def build_fixtures(folder: str | Path) -> Path:
     if (folder / "done").exists():
         return folder
     sys.path.insert(0, str(ROOT / "tests"))
-    from helpers import exact_translator
+    from helpers import exact_translator, known_answer_target
 
     tok = syn.build_tokenizer(folder / "tokenizer")
     src = syn.make_model_folder(folder / "qwen3", "qwen3", tok, seed=0)
-    answer = syn.known_answer_target(src, folder / "known", seed=4)
+    answer = known_answer_target(src, folder / "known", seed=4)
     pair = load_pair(src, folder / "known")
     save_translator(exact_translator(pair, answer), folder / "fwd.safetensors", pair)
     back = pair.reversed()

@@ -1,4 +1,9 @@
-"""Shared test helpers: exact translators for the known-answer pair."""
+"""Shared test helpers: the known-answer pair (a target whose cache layout is a
+function-preserving rewrite of its source's) and its exact translators."""
+
+import json
+import shutil
+from pathlib import Path
 
 from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig
 
@@ -42,9 +47,10 @@ def assert_session_consistent(s) -> None:
         assert s.held(name) <= len(s.tokens)
 
 
-def build_module(name: str):
+def build_module(name: str, folder: str = "build"):
     """A module of the demo's build (`weights/build/`, run from the repo root, not installed),
-    e.g. "compose_moe" for `weights.build.compose_moe`."""
+    e.g. "compose_moe" for `weights.build.compose_moe` (`folder="experiments"`: of
+    `weights/experiments/`)."""
     import importlib
     import sys
     from pathlib import Path
@@ -52,7 +58,7 @@ def build_module(name: str):
     root = str(Path(__file__).resolve().parents[1])
     if root not in sys.path:
         sys.path.insert(0, root)
-    return importlib.import_module(f"weights.build.{name}")
+    return importlib.import_module(f"weights.{folder}.{name}")
 
 
 def handoff(pair, tr, tokens):
@@ -89,3 +95,89 @@ def plain(**changes):
     from dataclasses import replace
 
     return replace(PLAIN, **changes)
+
+
+def known_answer_target(
+    source_dir: str | Path, out_dir: str | Path, seed: int = 1, permute: bool = True
+) -> dict:
+    """Rewrite a source model's cache layout without changing what it computes.
+
+    KV heads are permuted together with their query groups and output columns, and each
+    head's values are multiplied by a random orthogonal matrix that `o_proj` undoes. The
+    exact translator is returned: `key_maps[l]`, `value_maps[l]` as (H*D, H*D) matrices in
+    `x @ W` orientation (source features -> target features), with the head permutation.
+    """
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    cfg = json.loads((source_dir / "config.json").read_text())
+    H = cfg["num_key_value_heads"]
+    heads = cfg["num_attention_heads"]
+    D = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    G = heads // H
+    rng = np.random.default_rng(seed)
+    weights = {k: np.array(v) for k, v in mx.load(str(source_dir / "model.safetensors")).items()}
+    key_maps, value_maps = [], []
+    for layer in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{layer}.self_attn."
+        perm = rng.permutation(H) if permute else np.arange(H)  # target head h = source perm[h]
+        Q = [np.linalg.qr(rng.standard_normal((D, D)))[0].astype(np.float32) for _ in range(H)]
+        wk = weights[p + "k_proj.weight"].reshape(H, D, -1)
+        wv = weights[p + "v_proj.weight"].reshape(H, D, -1)
+        wq = weights[p + "q_proj.weight"].reshape(H, G * D, -1)
+        wo = weights[p + "o_proj.weight"].reshape(-1, H, G * D)
+        weights[p + "k_proj.weight"] = wk[perm].reshape(H * D, -1)
+        weights[p + "v_proj.weight"] = np.stack([Q[h] @ wv[perm[h]] for h in range(H)]).reshape(
+            H * D, -1
+        )
+        weights[p + "q_proj.weight"] = wq[perm].reshape(H * G * D, -1)
+        wo = wo[:, perm]  # (out, H, G*D): columns follow the permuted heads
+        for h in range(H):  # o_proj sees Q v: undo it with Q^T per query head in the group
+            block = wo[:, h].reshape(-1, G, D)
+            wo[:, h] = np.einsum("ogd,ed->oge", block, Q[h]).reshape(-1, G * D)
+        weights[p + "o_proj.weight"] = wo.reshape(wo.shape[0], -1)
+        for b in ("k_proj.bias", "v_proj.bias", "q_proj.bias"):
+            if p + b in weights:
+                w = weights[p + b]
+                if b == "k_proj.bias":
+                    weights[p + b] = w.reshape(H, D)[perm].reshape(-1)
+                elif b == "v_proj.bias":
+                    vb = w.reshape(H, D)
+                    weights[p + b] = np.stack([Q[h] @ vb[perm[h]] for h in range(H)]).reshape(-1)
+                else:
+                    weights[p + b] = w.reshape(H, G * D)[perm].reshape(-1)
+        K = np.zeros((H * D, H * D), np.float32)
+        V = np.zeros((H * D, H * D), np.float32)
+        for h in range(H):
+            s = perm[h]
+            K[s * D : (s + 1) * D, h * D : (h + 1) * D] = np.eye(D)
+            V[s * D : (s + 1) * D, h * D : (h + 1) * D] = Q[h].T  # row-vector form: v' = v Q^T
+        key_maps.append(K)
+        value_maps.append(V)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(
+        str(out_dir / "model.safetensors"), {k: mx.array(v) for k, v in weights.items()}
+    )
+    for f in source_dir.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copy(f, out_dir / f.name)
+    return {"key_maps": key_maps, "value_maps": value_maps, "permuted": permute}
+
+
+def with_new_head(
+    source_dir: str | Path, out_dir: str | Path, seed: int = 5, scale: float = 0.5
+) -> Path:
+    """A copy whose output head is perturbed: same KV cache as the source, different predictions.
+
+    Paired with `known_answer_target(source_dir)`, the exact translator still applies, while
+    the model alone scores worse than the target: gap recovered is known to be exactly 1.
+    """
+    source_dir, out_dir = Path(source_dir), Path(out_dir)
+    weights = dict(mx.load(str(source_dir / "model.safetensors")))
+    head = weights["lm_head.weight"]
+    mx.random.seed(seed)
+    weights["lm_head.weight"] = head + scale * mx.random.normal(head.shape) * head.std()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights)
+    for f in source_dir.iterdir():
+        if f.name != "model.safetensors" and f.is_file():
+            shutil.copy(f, out_dir / f.name)
+    return out_dir

@@ -111,13 +111,13 @@ from mlx_kvlingo.kv.translate import append_translation, reserve_translation_mem
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.models.pair import load_pair
 sys.path.insert(0, "tests")
-from helpers import exact_translator
+from helpers import exact_translator, known_answer_target
 from mlx_kvlingo.data import synthetic as syn
 import pathlib
 d = pathlib.Path(sys.argv[1])
 tok = syn.build_tokenizer(d / "tokenizer")
 source = syn.make_model_folder(d / "qwen3", "qwen3", tok, seed=0)
-answer = syn.known_answer_target(source, d / "known", seed=4)
+answer = known_answer_target(source, d / "known", seed=4)
 pair = load_pair(source, d / "known")
 tr = exact_translator(pair, answer)
 s = tr.config.source

@@ -9,13 +9,13 @@ import json
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
 from mlx_kvlingo._platform import moe_cpu
 from mlx_kvlingo.models.demo import moe
-from mlx_kvlingo.models.demo.quiz import EVERYDAY_QUIZ, is_right
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
 import numpy as np
 import pytest
+from helpers import build_module
 from mlx_lm.models import llama, qwen3, qwen3_moe
 from mlx_lm.sample_utils import make_sampler
 
@@ -104,7 +104,7 @@ def test_copied_experts_compute_the_dense_function():
     m = qwen3_moe.Model(qwen3_moe.ModelArgs.from_dict(cfg))
     m.load_weights(list(weights.items()))  # strict: every parameter present, none extra
 
-    d = qwen3.Model(qwen3.ModelArgs.from_dict(moe.dense_qwen3_config(DENSE)))
+    d = qwen3.Model(qwen3.ModelArgs.from_dict(build_module("moe").dense_qwen3_config(DENSE)))
     dw = {k: v for k, v in weights.items() if ".mlp." not in k}
     dw.update({k: v for k, v in dense.items() if ".mlp." in k})
     d.load_weights(list(dw.items()))
@@ -134,6 +134,7 @@ def test_tampered_weights_are_refused(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_real_moe_answers_everyday_questions():
+    quiz = build_module("quiz", "experiments")
     path = moe.ensure_smollm2_moe()
     model, tok = mlx_lm.load(str(path))
     assert model.model_type == "qwen3_moe"
@@ -141,11 +142,11 @@ def test_real_moe_answers_everyday_questions():
     right = []
     # one GEMM per expert on the CPU (the same products; mlx-lm's gather_mm prefill is ~5x slower)
     with moe_cpu.per_expert_loop():
-        for question, words in EVERYDAY_QUIZ:
+        for question, words in quiz.EVERYDAY_QUIZ:
             ids = tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)  # fmt: skip
             answer = mlx_lm.generate(model, tok, ids, max_tokens=16, sampler=make_sampler(0.0))
-            right.append(is_right(answer, words))
-    assert sum(right) >= 7, list(zip(EVERYDAY_QUIZ, right, strict=True))
+            right.append(quiz.is_right(answer, words))
+    assert sum(right) >= 7, list(zip(quiz.EVERYDAY_QUIZ, right, strict=True))
 
 
 def test_pair_option_is_for_the_demo_only():

@@ -18,12 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mlx_kvlingo.data import synthetic as syn
 from mlx_kvlingo.models.files import save_translator
 from mlx_kvlingo.models.pair import load_pair
 
 import pytest
-from helpers import exact_translator, inverse
+from helpers import exact_translator, inverse, known_answer_target
 
 SCRIPT = str(Path(__file__).with_name("distributed_api.py"))
 pytestmark = pytest.mark.skipif(shutil.which("mlx.launch") is None, reason="needs mlx.launch")
@@ -62,7 +61,7 @@ def cases(tiny_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("dist")
     out = []
     for kind, wires in (("qwen3_moe", ("source", "target")), ("llama", ("auto",))):
-        answer = syn.known_answer_target(tiny_dir[kind], d / f"known_{kind}", seed=4)
+        answer = known_answer_target(tiny_dir[kind], d / f"known_{kind}", seed=4)
         pair = load_pair(tiny_dir[kind], d / f"known_{kind}")
         fwd = save_translator(exact_translator(pair, answer), d / f"fwd_{kind}.safetensors", pair)
         back = exact_translator(pair.reversed(), inverse(answer))

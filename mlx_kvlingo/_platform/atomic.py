@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,3 +79,12 @@ def write_text(path: str | Path, text: str) -> Path:
     with atomic_write(path, ".tmp") as tmp:
         tmp.write_text(text)
     return path
+
+
+def link_or_copy(src: str | Path, dst: str | Path) -> None:
+    """Atomically make `dst` a hard link to `src` (a copy where links are not possible)."""
+    with atomic_write(dst, Path(dst).suffix or ".tmp") as tmp:
+        try:
+            os.link(src, tmp)
+        except OSError:
+            shutil.copyfile(src, tmp)

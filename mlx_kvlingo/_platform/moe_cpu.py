@@ -7,7 +7,7 @@ host and multiplies them with that expert's weights in one GEMM. It computes the
 function (up to float rounding order); decode steps and quantized experts keep the original
 path. On Metal it does nothing: `gather_mm` is fast there.
 
-    from mlx_kvlingo import moe_cpu
+    from mlx_kvlingo._platform import moe_cpu
     with moe_cpu.per_expert_loop():
         ...  # prefill MoE models
 """
@@ -62,30 +62,18 @@ def switch_glu_per_expert(self, x: mx.array, indices: mx.array) -> mx.array:
     return y.reshape(*shape, -1)
 
 
-def enable() -> bool:
-    """Patch `SwitchGLU` process-wide; returns False (and does nothing) on a GPU."""
-    if mx.default_device().type == mx.gpu:
-        return False
-    switch_layers.SwitchGLU.__call__ = switch_glu_per_expert
-    return True
-
-
-def disable() -> None:
-    switch_layers.SwitchGLU.__call__ = _original
-
-
 def enabled() -> bool:
     return switch_layers.SwitchGLU.__call__ is switch_glu_per_expert
 
 
 @contextmanager
 def per_expert_loop(active: bool = True):
-    """Use the per-expert path inside the block (when `active` and on CPU)."""
-    was = enabled()
-    if active:
-        enable()
+    """Use the per-expert path inside the block when `active` and on the CPU (on a GPU
+    `gather_mm` is fast); yields whether it is in use."""
+    before = switch_layers.SwitchGLU.__call__
+    if active and mx.default_device().type != mx.gpu:
+        switch_layers.SwitchGLU.__call__ = switch_glu_per_expert
     try:
         yield enabled()
     finally:
-        if not was:
-            disable()
+        switch_layers.SwitchGLU.__call__ = before

@@ -139,23 +139,31 @@ def _acc(d: dict, key, value) -> None:
     d[key] = d[key] + value if key in d else value
 
 
+def centered(xtx, xty, sx, sy, n, center: bool):
+    """Cov-like (X'X, X'Y) sums, centered when the fit has a bias."""
+    if not center:
+        return xtx, xty
+    mx_, my = sx / n, sy / n
+    return xtx - n * np.outer(mx_, mx_), xty - n * np.outer(mx_, my)
+
+
+def ridge_lambda(cxx: np.ndarray, alpha: float) -> float:
+    """lam = alpha * the mean diagonal of the (centered) input covariance."""
+    return alpha * max(np.trace(cxx) / len(cxx), 1e-12) if alpha else 0.0
+
+
 def ridge(xtx, xty, sx, sy, n, alpha: float, center: bool, prior=None):
     """Solve min ||X W + b - Y||^2 + lam ||W - W0||^2 with lam = alpha * mean diag of the
     covariance: (Cxx + lam I) W = Cxy + lam W0. W0 = `prior` (None: zero); alpha 0 is the
     plain least-squares fit, whatever the prior."""
-    if center:
-        mx_, my = sx / n, sy / n
-        cxx = xtx - n * np.outer(mx_, mx_)
-        cxy = xty - n * np.outer(mx_, my)
-    else:
-        cxx, cxy = xtx, xty
+    cxx, cxy = centered(xtx, xty, sx, sy, n, center)
     if alpha == 0:  # plain least squares; lstsq also copes with rank-deficient inputs
         w = np.linalg.lstsq(cxx, cxy, rcond=None)[0]
     else:
-        lam = alpha * max(np.trace(cxx) / len(cxx), 1e-12)
+        lam = ridge_lambda(cxx, alpha)
         rhs = cxy if prior is None else cxy + lam * prior
         w = np.linalg.solve(cxx + lam * np.eye(len(cxx)), rhs)
-    b = (my - mx_ @ w) if center else np.zeros(w.shape[1])
+    b = sy / n - (sx / n) @ w if center else np.zeros(w.shape[1])
     return w, b
 
 

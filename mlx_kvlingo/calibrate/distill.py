@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from mlx_kvlingo._platform.atomic import atomic_write, write_text
+from mlx_kvlingo._platform.atomic import atomic_write, link_or_copy, write_text
 from mlx_kvlingo.kv.scoring import heldout_scores, kl, kv_error, prepare, student_logp
 from mlx_kvlingo.models.files import load_translator, save_translator
 
@@ -116,21 +114,12 @@ def save_checkpoint(
     if best is not None:  # the held-out best (its parameters are in best.safetensors)
         meta["best"] = best
     write_text(folder / "state.json", json.dumps(meta, indent=1))  # the commit
-    _link_or_copy(folder / names["translator"], folder / "translator.safetensors")
+    link_or_copy(folder / names["translator"], folder / "translator.safetensors")
     keep = {*names.values(), "translator.safetensors", "best.safetensors"}
     for old in [*folder.glob("translator-*.safetensors"), *folder.glob("optimizer-*.safetensors"),
                 folder / "optimizer.safetensors"]:  # fmt: skip
         if old.name not in keep:
             old.unlink(missing_ok=True)
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    """Atomically make `dst` a hard link to `src` (a copy where links are not possible)."""
-    with atomic_write(dst) as tmp:
-        try:
-            os.link(src, tmp)
-        except OSError:
-            shutil.copyfile(src, tmp)
 
 
 def load_checkpoint(folder: Path) -> tuple[dict, Path, Path]:

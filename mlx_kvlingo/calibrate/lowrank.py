@@ -23,8 +23,10 @@ from mlx_kvlingo.calibrate.closed_form import (
     Moments,
     Stage1Accumulator,
     Stage1Config,
+    centered,
     residual,
     ridge,
+    ridge_lambda,
 )
 from mlx_kvlingo.kv.lowrank import LowRankTranslator
 from mlx_kvlingo.kv.translator import TranslatorConfig
@@ -104,18 +106,6 @@ def _clamp(config: TranslatorConfig, rank: int) -> int:
     return min(rank, s.kv_heads * max(s.head_dim, s.value_dim))
 
 
-def _centered(xtx, xty, sx, sy, n, center: bool):
-    """Cov-like (X'X, X'Y) sums, centered when the fit has a bias."""
-    if not center:
-        return xtx, xty
-    mx_, my = sx / n, sy / n
-    return xtx - n * np.outer(mx_, mx_), xty - n * np.outer(mx_, my)
-
-
-def _lam(cxx: np.ndarray, alpha: float) -> float:
-    return alpha * max(np.trace(cxx) / len(cxx), 1e-12) if alpha else 0.0
-
-
 def _sqrt_pair(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A^(1/2) and its pseudo-inverse for a symmetric positive semi-definite A."""
     vals, vecs = np.linalg.eigh((a + a.T) / 2)
@@ -134,9 +124,9 @@ def factor(rows, moments: Moments, kind: str, source_layers: int, rank: int, cfg
     problems = [moments.problem(kind, t, r) for t, r in enumerate(rows)]
     full = []  # per target layer: centered (Cxx, Cxy), lam, full-rank ridge W
     for xtx, xty, sx, sy, _yy, n in problems:
-        cxx, cxy = _centered(xtx, xty, sx, sy, n, cfg.bias)
+        cxx, cxy = centered(xtx, xty, sx, sy, n, cfg.bias)
         w, _ = ridge(xtx, xty, sx, sy, n, cfg.alpha, cfg.bias)
-        full.append((cxx, cxy, _lam(cxx, cfg.alpha), w))
+        full.append((cxx, cxy, ridge_lambda(cxx, cfg.alpha), w))
     ds = full[0][0].shape[0] // len(rows[0])
     encoders = np.zeros((source_layers, ds, rank))
     for s in sorted({s for r in rows for s in r}):
@@ -146,7 +136,7 @@ def factor(rows, moments: Moments, kind: str, source_layers: int, rank: int, cfg
                 if layer == s:
                     blocks.append(w[j * ds : (j + 1) * ds])
                     cov = cxx[j * ds : (j + 1) * ds, j * ds : (j + 1) * ds]
-        root, inv_root = _sqrt_pair(cov + _lam(cov, cfg.alpha) * np.eye(ds))
+        root, inv_root = _sqrt_pair(cov + ridge_lambda(cov, cfg.alpha) * np.eye(ds))
         u = np.linalg.svd(root @ np.concatenate(blocks, axis=1), full_matrices=False)[0]
         encoders[s, :, : min(rank, u.shape[1])] = inv_root @ u[:, :rank]
     decoders, biases, r2 = [], [], []

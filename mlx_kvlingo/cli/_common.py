@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 
 from mlx_kvlingo.cli._params import ModelSpec, TranslatorSpec
-from mlx_kvlingo.cli.errors import user_errors
 from mlx_kvlingo.data.examples import DataConfig
 from mlx_kvlingo.models.loading import load_models_and_translators
 
@@ -31,13 +30,17 @@ translator_option = click.option(
 )
 
 
-def demo_pair_of(source, target, demo_pair: str = "dense") -> str | None:
-    """The pair options as typed: both --source and --target (None: that pair), or neither
-    (the demo pair --pair names); --pair only without them."""
+def demo_pair_of(source, target, demo_pair: str = "dense", translator=None, *,
+                 require_translator: bool = False) -> str | None:  # fmt: skip
+    """The pair options as typed: both --source and --target (None: that pair, with a
+    --translator if `require_translator`), or neither (the demo pair --pair names); --pair only
+    without them."""
     if (source or target) and demo_pair != "dense":
         raise click.UsageError("--pair chooses a demo pair: not with --source/--target")
     if bool(source) != bool(target):
         raise click.UsageError("give both --source and --target, or neither for the demo pair")
+    if source and translator is None and require_translator:
+        raise click.UsageError("--translator is required with --source/--target")
     return None if source else demo_pair
 
 
@@ -45,12 +48,9 @@ def resolve_pair(source, target, translator, backward=None, demo_pair: str = "de
                  require_translator: bool = True, dtype="auto"):  # fmt: skip
     """(pair, forward, backward) through the one loader (`mlx_kvlingo.models.loading`): the named pair
     and translators, or a demo pair when no model is named (its shipped translators)."""
-    demo = demo_pair_of(source, target, demo_pair)
-    if demo is None and translator is None and require_translator:
-        raise click.UsageError("--translator is required with --source/--target")
-    with user_errors():  # a wrong pair or direction, a missing or corrupt file: one line
-        return load_models_and_translators(source, target, translator, backward, demo,
-                                           dtype=dtype)  # fmt: skip
+    demo = demo_pair_of(source, target, demo_pair, translator,
+                        require_translator=require_translator)  # fmt: skip
+    return load_models_and_translators(source, target, translator, backward, demo, dtype=dtype)
 
 
 def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:
@@ -65,11 +65,8 @@ def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:
             )
 
 
-def data_options(f=None, *, required=True, help=None, heldout_fraction=0.1, max_examples=True):
+def data_options(*, required=True, help=None, heldout_fraction=0.1, max_examples=True):
     """--data and the example-drawing options shared by calibrate, eval and compare."""
-    if f is None:
-        return lambda g: data_options(g, required=required, help=help,
-                                      heldout_fraction=heldout_fraction, max_examples=max_examples)  # fmt: skip
     opts = [
         click.option("--data", "data_path", required=required, type=click.Path(exists=True),
                      help=help or "Text files, JSONL records ({'messages': [...]} chats or "
@@ -85,18 +82,21 @@ def data_options(f=None, *, required=True, help=None, heldout_fraction=0.1, max_
         opts.insert(5, click.option("--max-examples", type=click.IntRange(1), default=None,
                                     help="Training examples to draw at most"))  # fmt: skip
 
-    @functools.wraps(f)
-    def checked(*args, **kw):
-        if kw["min_prefix"] > kw["max_prefix"]:
-            raise click.BadParameter(
-                f"{kw['min_prefix']} is above --max-prefix {kw['max_prefix']}",
-                param_hint="--min-prefix",
-            )
-        return f(*args, **kw)
+    def decorate(f):
+        @functools.wraps(f)
+        def checked(*args, **kw):
+            if kw["min_prefix"] > kw["max_prefix"]:
+                raise click.BadParameter(
+                    f"{kw['min_prefix']} is above --max-prefix {kw['max_prefix']}",
+                    param_hint="--min-prefix",
+                )
+            return f(*args, **kw)
 
-    for opt in reversed(opts):
-        checked = opt(checked)
-    return checked
+        for opt in reversed(opts):
+            checked = opt(checked)
+        return checked
+
+    return decorate
 
 
 def data_config(kw) -> DataConfig:
@@ -130,38 +130,26 @@ def sampling_options(f):
 def sampling_settings(kw: dict) -> dict:
     """The sampling options as `Sampling` fields for `Conversation.send(sampling=...)` and
     `mlx_kvlingo.conversation.sampling.resolve` (None: not given, the model's default)."""
-    return {
-        "temp": kw.get("temp"),
-        "top_p": kw.get("top_p"),
-        "top_k": kw.get("top_k"),
-        "min_p": kw.get("min_p"),
-        "repetition_penalty": kw.get("repetition_penalty"),
-        "repetition_context_size": kw.get("repetition_context_size"),
-        "seed": kw.get("seed"),
-    }
+    from mlx_kvlingo.conversation.sampling import FIELDS
+
+    return {k: kw.get(k) for k in FIELDS}
 
 
 def content_texts(data_path) -> list[str]:
     """The content benchmark's text: `data_path`, or the demo's held-out documentation."""
-    from mlx_kvlingo.data.examples import DataError, read_texts
+    from mlx_kvlingo.data.examples import read_texts
 
     if data_path is None:  # the demo's held-out documentation pages, never calibrated on
         from mlx_kvlingo.models.demo.pair import demo_content_texts
 
-        paths = demo_content_texts()
-    else:
-        paths = [data_path]
-    try:
-        return [t for p in paths for t in read_texts(p)]
-    except DataError as e:
-        raise click.ClickException(str(e)) from None
+        return [t for p in demo_content_texts() for t in read_texts(p)]
+    return read_texts(data_path)
 
 
 def policy_options(f):
     """--reader --reader-min-tokens --reader-margin --large-reads-last --recompute
     --translate-ahead, collected into one `policy` argument (a `ReaderPolicy`; its defaults are
     the library's). A pipelined large model cannot recompute: None there means 0."""
-    import functools
     from dataclasses import replace
 
     from mlx_kvlingo.config import READERS, ReaderPolicy

@@ -38,9 +38,7 @@ def load_runtime(source, target, translator, backward, wire, demo_pair="dense"):
     `demo_pair`: the demo pair to pipeline when no model is named (--pair)."""
     from mlx_kvlingo.api import Runtime
 
-    demo = demo_pair_of(source, target, demo_pair)
-    if demo is None and not translator:
-        raise click.UsageError("--translator is required with --source/--target")
+    demo = demo_pair_of(source, target, demo_pair, translator, require_translator=True)
     try:
         return Runtime.load(source, target, translator, backward, distributed=True, wire=wire,
                             pair=demo)  # fmt: skip

@@ -105,7 +105,7 @@ def convert_cmd(
             from mlx_kvlingo.models.loading import load_models_and_translators
             from mlx_kvlingo.models.pair import TokenizerMismatchError
 
-            try:
+            try:  # `python -m converters` runs this command outside the group's error mapping
                 pair = load_models_and_translators(source, target)[0]
             except TokenizerMismatchError as e:
                 raise click.ClickException(str(e)) from None

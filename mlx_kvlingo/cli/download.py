@@ -13,12 +13,9 @@ import click
               help="Copy into this folder instead of only the Hub cache")  # fmt: skip
 def download_cmd(spec, local_dir):
     """Fetch a translator repo (or one file) from the Hub, for later or offline use."""
-    from mlx_kvlingo.models.hub import HubError, download
+    from mlx_kvlingo.models.hub import download
 
-    try:
-        path = download(spec, local_dir)
-    except HubError as e:
-        raise click.ClickException(str(e)) from None
+    path = download(spec, local_dir)
     if path.is_dir():  # with subfolders: source15/forward.safetensors
         files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
     else:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import linecache
 import os
 import re
 import sys
@@ -72,24 +71,14 @@ def _own(e: BaseException) -> bool:
 
 def _frames(e: BaseException) -> list:
     """The frames `e` passed through, innermost first."""
-    out = []
-    tb = e.__traceback__
-    while tb is not None:
-        out.append(tb.tb_frame)
-        tb = tb.tb_next
-    return out[::-1]
+    return [frame for frame, _ in traceback.walk_tb(e.__traceback__)][::-1]
 
 
 def _raised_on_purpose_in(e: BaseException) -> str:
     """The file whose own `raise` statement raised `e` ("" when a call inside it did: a
     ValueError from `int("x")` or from NumPy is not a refusal written for the user)."""
-    tb = e.__traceback__
-    if tb is None:
-        return ""
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    file = tb.tb_frame.f_code.co_filename
-    return file if linecache.getline(file, tb.tb_lineno).lstrip().startswith("raise") else ""
+    last = traceback.extract_tb(e.__traceback__)[-1:]
+    return last[0].filename if last and (last[0].line or "").startswith("raise") else ""
 
 
 def _file_read(e: BaseException) -> str | None:
@@ -117,7 +106,7 @@ def _frame_value(e: BaseException, name: str) -> str | None:
 
 
 def _os_message(e: OSError) -> str:
-    what = e.filename if e.filename is not None else None
+    what = e.filename
     if what is None:
         return str(e)  # our own OSErrors (an atomic save that could not write) say what failed
     reason = e.strerror or str(e)
@@ -132,32 +121,18 @@ def _os_message(e: OSError) -> str:
     return f"{what}: {reason}" + (f"; {hint}" if hint else "")
 
 
-def _hub_message(e: Exception) -> str | None:
-    from huggingface_hub import constants, errors
+def _hub_message(e: Exception) -> str:
+    from mlx_kvlingo.models.hub import explain
+
+    from huggingface_hub import errors
 
     repo = _frame_value(e, "repo_id")
-    named = repo or "the Hub repository"
     if isinstance(e, errors.HFValidationError):
         quoted = re.findall(r"'([^']*)'", str(e))
         value = quoted[-1] if quoted else repo or "?"
         return (f"{value}: no such file or folder, and not a Hub id (org/name): check the path, "
                 "or give a Hub id")  # fmt: skip
-    if isinstance(e, errors.LocalEntryNotFoundError | errors.OfflineModeIsEnabled):
-        if constants.HF_HUB_OFFLINE:
-            return (f"{named}: not in the Hub cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE "
-                    "is set: fetch it once online, or give a local folder")  # fmt: skip
-        return (f"{named}: not in the Hub cache and the Hub ({constants.ENDPOINT}) cannot be "
-                "reached: check the connection, or give a local folder")  # fmt: skip
-    if isinstance(e, errors.RevisionNotFoundError):
-        return f"{named}: no such revision on the Hub"
-    if isinstance(e, errors.RepositoryNotFoundError | errors.GatedRepoError):
-        return (f"{named}: no such repository on {constants.ENDPOINT} (or it is private or "
-                "gated: log in with `hf auth login`)")  # fmt: skip
-    if isinstance(e, errors.EntryNotFoundError | errors.RemoteEntryNotFoundError):
-        return f"{named}: a file is missing from the repository ({one_line(e)[:200]})"
-    if isinstance(e, errors.HfHubHTTPError):
-        return f"{named}: the Hub answered with an error: {one_line(e)[:300]}"
-    return None
+    return explain(e, repo or "the Hub repository") or one_line(e)
 
 
 def _corrupt(e: Exception, what: str) -> str:
@@ -179,7 +154,7 @@ def message(e: BaseException) -> str | None:
             text = f"{type(e).__name__}: {text}"  # as `kvlingo convert` names them
         return text
     if type(e).__module__.startswith("huggingface_hub"):  # some are OSErrors too
-        return _hub_message(e) or one_line(e)
+        return _hub_message(e)
     if isinstance(e, OSError):
         return _os_message(e)
     if type(e).__name__ == "SafetensorError":

@@ -44,20 +44,23 @@ import click
 def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens, as_json,
                  **sampling):  # fmt: skip
     """One answer from the target with no target prefill, with honest timings."""
+    from mlx_kvlingo.api import Runtime
+    from mlx_kvlingo.distributed.pipeline import DistributedError
+
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
+    settings = sampling_settings(sampling)
     if wanted(distributed):  # mlx.launch: the target pipelined over the ranks
         if as_json:
             raise click.UsageError("--json is not available with --distributed")
-        return _generate_distributed(source, target, translator, wire, prompt, chat, max_tokens,
-                                     sampling_settings(sampling), demo_pair)  # fmt: skip
-    from mlx_kvlingo.api import ConversationError, Runtime
-
-    pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
+        runtime = load_runtime(source, target, translator, None, wire, demo_pair)  # ranks > 0 stop
+    else:
+        runtime = Runtime(*resolve_pair(source, target, translator, demo_pair=demo_pair)[:2])
+    pair = runtime.pair
     # the small model reads the prompt, the large one decodes from the translated cache: no
     # target prefill, not even of the question (large_reads_last=1: the last token only) and
     # no recompute
-    conv = Runtime(pair, tr).new_conversation(policy=ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0))  # fmt: skip
-    settings = sampling_settings(sampling)
+    policy = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
+    conv = runtime.new_conversation(policy=policy)
     try:
         if chat and getattr(pair.tokenizer, "chat_template", None):
             conv.add_messages([{"role": "user", "content": prompt}])
@@ -72,8 +75,12 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
                     click.echo(ev.text, nl=False)
                 ids.append(int(ev.token))
                 pieces.append(ev.text)
-    except ConversationError as e:
-        raise click.ClickException(str(e)) from None
+        if runtime.pipelined:
+            click.echo()
+            click.echo(f"{describe(runtime)} · {ev.status}", err=True)
+            return runtime.close()
+    except DistributedError as e:
+        fail(e)
     done, t = ev, ev.timings
     # TTFT = the small model's read + translation + the large model's first token
     first = max(t.ttft_s - t.read_s - t.translate_s, 0.0)
@@ -112,26 +119,3 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
         f"{t.generation_tps:.1f} tok/s · peak {t.peak_memory_gb:.2f} GB",
         err=True,
     )
-
-
-def _generate_distributed(source, target, translator, wire, prompt, chat, max_tokens, sampling,
-                          demo_pair="dense"):  # fmt: skip
-    """Rank 0: the same switch through a conversation on the distributed runtime (the small
-    model reads the prompt, the span is placed on the ranks, the pipelined target decodes)."""
-    from mlx_kvlingo.distributed.pipeline import DistributedError
-
-    runtime = load_runtime(source, target, translator, None, wire, demo_pair)  # ranks > 0 stop here
-    try:
-        conv = runtime.new_conversation(policy=ReaderPolicy(large_reads_last=1))
-        if chat:
-            conv.add_messages([{"role": "user", "content": prompt}])
-        else:
-            conv.add_tokens(runtime.pair.tokenizer.encode(prompt))
-        for ev in conv.answer("large", max_tokens=max_tokens, sampling=sampling):
-            if ev.kind == "token":
-                click.echo(ev.text, nl=False)
-        click.echo()
-        click.echo(f"{describe(runtime)} · {ev.status}", err=True)
-        runtime.close()
-    except DistributedError as e:
-        fail(e)

@@ -78,6 +78,7 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, host, 
               verbose):  # fmt: skip
     """Serve the pair over the OpenAI chat-completions API (models: small, large, auto)."""
     from mlx_kvlingo import Runtime
+    from mlx_kvlingo.conversation.warmup import ORIGIN
     from mlx_kvlingo.serve import Limits, ServeConfig, Server
 
     if not _loopback(host) and not api_key and not insecure:
@@ -91,10 +92,7 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, host, 
                         format="%(asctime)s %(levelname)s %(message)s")  # fmt: skip
     demo = demo_pair_of(source, target, demo_pair)
     click.echo("loading models...", err=True)
-    try:
-        runtime = Runtime.load(source, target, translator, backward_translator, pair=demo)
-    except (ValueError, FileNotFoundError, ImportError) as e:
-        raise click.ClickException(str(e)) from None
+    runtime = Runtime.load(source, target, translator, backward_translator, pair=demo)
     limits = Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
                     max_prompt_tokens=max_prompt_tokens)  # fmt: skip
     config = ServeConfig(host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
@@ -108,12 +106,9 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, host, 
         raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
     names = runtime.models
     click.echo(f"small: {names['small']}\nlarge: {names['large']}", err=True)
-    if getattr(runtime, "load_s", None) is not None:
-        from mlx_kvlingo.conversation.warmup import ORIGIN
-
-        rates = getattr(runtime, "rates", None)
-        warm = f"warm-up {runtime.warmup_s or 0:.1f} s" + (f", {ORIGIN[rates]}" if rates else "")
-        click.echo(f"loaded in {runtime.load_s:.1f} s ({warm})", err=True)
+    rates = f", {ORIGIN[runtime.rates]}" if runtime.rates else ""  # pipelined: no warm-up
+    click.echo(f"loaded in {runtime.load_s:.1f} s (warm-up {runtime.warmup_s or 0:.1f} s{rates})",
+               err=True)  # fmt: skip
     key = " (API key required)" if api_key else ""
     click.echo(f"serving on {server.url}{key} · models small, large, auto · Ctrl-C stops", err=True)
     # SIGTERM (kill, systemd, docker stop) stops as Ctrl-C does: running and waiting requests

@@ -23,22 +23,17 @@ import click
 @click.option("-m", "--message", help="Commit message")
 def upload_cmd(files, repo_id, manifest, folder, no_push, private, license_, message):
     """Publish translator FILES to the Hub repo REPO_ID (org/name) with a generated card."""
-    from mlx_kvlingo.models.hub import HubError, build_repo_folder, parse_spec, upload
+    from mlx_kvlingo.models.hub import build_repo_folder, parse_spec, upload
 
     if parse_spec(repo_id) is None or "@" in repo_id or ":" in repo_id:
         raise click.BadParameter(f"{repo_id!r}: expected org/name", param_hint="REPO_ID")
     if no_push and not folder:
         raise click.UsageError("--no-push needs --folder (where to leave the repo folder)")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            where = Path(folder) if folder else Path(tmp)
-            build_repo_folder(files, where, repo_id, manifest, license=license_, link=True)
-            click.echo(
-                f"repo folder: {where} ({', '.join(sorted(p.name for p in where.iterdir()))})"
-            )
-            if no_push:
-                return
-            url = upload(where, repo_id, private=private, message=message)
-    except HubError as e:
-        raise click.ClickException(str(e)) from None
+    with tempfile.TemporaryDirectory() as tmp:
+        where = Path(folder) if folder else Path(tmp)
+        build_repo_folder(files, where, repo_id, manifest, license=license_)
+        click.echo(f"repo folder: {where} ({', '.join(sorted(p.name for p in where.iterdir()))})")
+        if no_push:
+            return
+        url = upload(where, repo_id, private=private, message=message)
     click.echo(f"pushed {repo_id}: {url}")

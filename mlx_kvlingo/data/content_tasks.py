@@ -145,37 +145,33 @@ class TaskBuilder:
             raise ValueError(f"unknown task kind {kind!r} (known: {', '.join(KINDS)})")
         return getattr(self, f"_{kind}")(length)
 
-    def _fact(self, length: int) -> ContentTask:
-        statement, question, answer, ftype = _fact(self.rng)
+    def _hidden(self, kind: str, length: int, hidden: str, question: str, tail: str,
+                answer: str, detail: str = "") -> ContentTask:  # fmt: skip
+        """`hidden` at a random depth inside unrelated text, then `tail` (which asks `question`)."""
         depth = self.rng.choice(DEPTHS)
         state = self.rng.getstate()
 
         def make(budget):
             self.rng.setstate(state)  # the same text on every retry, only its length changes
-            filler = self._run(budget - self._count(statement) - self._count(question))
-            filler.insert(round(depth * len(filler)), statement)
-            return f"{' '.join(filler)}\n\nQuestion: {question} Answer briefly.", {}
+            filler = self._run(budget - self._count(hidden) - self._count(question))
+            filler.insert(round(depth * len(filler)), hidden)
+            return f"{' '.join(filler)}\n\n{tail}", {}
 
         tokens, _ = self._fit(length, make)
-        return ContentTask("fact", length, tuple(tokens), answer, question, depth, ftype)
+        return ContentTask(kind, length, tuple(tokens), answer, question, depth, detail)
+
+    def _fact(self, length: int) -> ContentTask:
+        statement, question, answer, ftype = _fact(self.rng)
+        tail = f"Question: {question} Answer briefly."
+        return self._hidden("fact", length, statement, question, tail, answer, ftype)
 
     def _copy(self, length: int) -> ContentTask:
         near = [s for s in self._run(96) if 6 <= len(s.split()) <= 20 and _PLAIN.fullmatch(s)]
         # no plain sentence of a good size nearby: a fact statement instead
         sentence = self.rng.choice(near) if near else _fact(self.rng)[0]
-        depth = self.rng.choice(DEPTHS)
         marked = f'Remember this sentence: "{sentence}"'
         question = "Repeat the sentence I asked you to remember, word for word."
-        state = self.rng.getstate()
-
-        def make(budget):
-            self.rng.setstate(state)
-            filler = self._run(budget - self._count(marked) - self._count(question))
-            filler.insert(round(depth * len(filler)), marked)
-            return f"{' '.join(filler)}\n\n{question}", {}
-
-        tokens, _ = self._fit(length, make)
-        return ContentTask("copy", length, tuple(tokens), sentence, question, depth)
+        return self._hidden("copy", length, marked, question, question, sentence)
 
     def _passage(self, length: int, kind: str, question_of) -> ContentTask:
         state = self.rng.getstate()

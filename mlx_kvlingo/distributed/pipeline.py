@@ -35,7 +35,6 @@ from pathlib import Path
 
 from mlx_kvlingo.distributed import watchdog as _watchdog
 from mlx_kvlingo.kv.capture import SpanKV
-from mlx_kvlingo.kv.lowrank import new_translator
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import (
     LoadedModel,
@@ -178,8 +177,6 @@ def load_pipelined(path: str | Path, group, dtype="auto", timeout=LOAD_TIMEOUT) 
     Families mlx-lm pipelines load through `mlx_lm.utils.sharded_load` (each rank reads only
     its files); llama through a lazy `mlx_lm.load` and `pipeline_model`.
     """
-    from mlx_kvlingo.models.families import family_of
-
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.utils import sharded_load
 
@@ -199,10 +196,7 @@ def load_pipelined(path: str | Path, group, dtype="auto", timeout=LOAD_TIMEOUT) 
         _eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     from mlx_kvlingo.models.pair import _folder_of
 
-    family = family_of(config["model_type"])
-    return LoadedModel(
-        name, model, tokenizer, config, family, geometry_of(model, config), _folder_of(name)
-    )
+    return LoadedModel(name, model, tokenizer, config, geometry_of(model, config), _folder_of(name))
 
 
 def owned_layers(model: LoadedModel) -> range:
@@ -251,16 +245,10 @@ class ShardedPair:
     def bytes_per_token(self, r: int, wire: str) -> int:
         """Bytes rank r is sent per prompt token (float32) on `wire`."""
         c = self.translator.config
-        if wire == "source":
-            return (
-                4
-                * len(self.source_rows(r))
-                * c.source.kv_heads
-                * (c.source.head_dim + c.source.value_dim)
-            )
-        return (
-            4 * len(self.owners[r]) * c.target.kv_heads * (c.target.head_dim + c.target.value_dim)
+        side, layers = (
+            (c.source, self.source_rows(r)) if wire == "source" else (c.target, self.owners[r])
         )
+        return 4 * len(layers) * side.kv_heads * (side.head_dim + side.value_dim)
 
     def choose_wire(self) -> str:
         if self.wire != "auto":
@@ -272,19 +260,17 @@ class ShardedPair:
 
     def part(self, wire: str) -> Translator:
         """This rank's rows of the translator, fed what `wire` sends it."""
-        key = wire
-        if key not in self.local:
-            own = self.owners[self.rank]
+        if wire not in self.local:
             rows = self.source_rows(self.rank) if wire == "source" else None
-            self.local[key] = self.translator.restricted(own, rows)
-        return self.local[key]
+            self.local[wire] = self.translator.restricted(self.owners[self.rank], rows)
+        return self.local[wire]
 
 
 def load_sharded_pair(
-    source: str | Path | None,
+    source: str | Path,
     target: str | Path,
-    translator: str | Path | Translator,
-    group=None,
+    translator: str | Path,
+    group,
     *,
     wire: str = "auto",
     dtype="auto",
@@ -293,60 +279,29 @@ def load_sharded_pair(
     """Load the pair on every rank: the source on rank 0 only, the target pipelined.
 
     The source stays on rank 0 (where the prompt is read): the other ranks need neither its
-    weights nor its memory. `translator` is a file path every rank can read, or (rank 0) a
-    loaded Translator that is then sent to the ranks that need their rows.
+    weights nor its memory. `translator` is a file every rank can read; each rank checks it
+    against the whole target, rank 0 also against the pair.
     """
     from mlx_kvlingo.models.files import check_pair, load_translator, read_metadata
+    from mlx_kvlingo.models.pair import check_same_tokenizer, load_model
 
     if wire not in WIRES:
         raise ValueError(f"unknown wire {wire!r}; expected one of {WIRES}")
-    group = group or init(timeout=timeout)
-    rank = group.rank()
     tgt = load_pipelined(target, group, dtype)
     own = owned_layers(tgt)
     gathered = mx.distributed.all_gather(mx.array([own.start, own.stop]), group=group)
     _eval(gathered)
-    pairs = gathered.reshape(-1, 2).tolist()
-    owners = [range(a, b) for a, b in pairs]
-    total = sum(len(r) for r in owners)
+    owners = [range(a, b) for a, b in gathered.reshape(-1, 2).tolist()]
+    whole = replace(tgt, geometry=replace(tgt.geometry, layers=sum(len(r) for r in owners)))
+    tr = load_translator(translator, None, dtype=dtype)
     src = None
-    if rank == 0:
-        from mlx_kvlingo.models.pair import check_same_tokenizer, load_model
-
-        src = load_model(source, dtype) if source is not None else None
-        if src is None:
-            raise ValueError("rank 0 needs the source model")
+    if group.rank() == 0:
+        src = load_model(source, dtype)
         check_same_tokenizer(src.tokenizer, tgt.tokenizer)
-    if isinstance(translator, Translator):
-        tr = _share_translator(translator if rank == 0 else None, group, timeout)
-    else:
-        tr = load_translator(translator, None, dtype=dtype)
-    whole = replace(tgt, geometry=replace(tgt.geometry, layers=total))
-    if rank == 0 and not isinstance(translator, Translator):
         pair = ModelPair(src, whole, tgt.tokenizer, vocab_fingerprint(tgt.tokenizer))
         check_pair(read_metadata(translator), tr.config, pair, translator)
     tr.check_target(whole)
     return ShardedPair(group, src, tgt, tr, owners, wire, timeout)
-
-
-def _share_translator(tr: Translator | None, group, timeout) -> Translator:
-    """Rank 0's in-memory translator, copied to every rank (tests and the Python API)."""
-    import json
-
-    from mlx_kvlingo.models.files import build_metadata, config_from_metadata
-
-    meta = json.dumps(build_metadata(tr) if tr is not None else {}).encode()
-    meta = _broadcast_bytes(meta, group, timeout)
-    config = config_from_metadata(json.loads(meta))
-    out = tr if tr is not None else new_translator(config)
-    for kind in ("key", "value"):
-        params = getattr(out, kind)
-        for name in sorted(config.weight_shapes()):
-            k, _, p = name.partition(".")
-            if k == kind:
-                x = params[p] if tr is not None else mx.zeros(config.weight_shapes()[name])
-                params[p] = _broadcast(x.astype(mx.float32), group, timeout)
-    return out
 
 
 # -- rank 0 speaks, the others listen ------------------------------------------------------
@@ -359,14 +314,6 @@ def _broadcast(x: mx.array, group, timeout, what="waiting for rank 0") -> mx.arr
         y = mx.distributed.all_sum(x, group=group, stream=mx.cpu)
         _eval(y)
     return y
-
-
-def _broadcast_bytes(data: bytes | None, group, timeout, what="waiting for rank 0") -> bytes:
-    n = int(_broadcast(mx.array([len(data or b"")]), group, timeout, what).item())
-    buf = mx.array(list(data or b"\0" * n), dtype=mx.int32) if n else mx.zeros((0,), mx.int32)
-    if n == 0:
-        return b""
-    return bytes(_broadcast(buf, group, timeout, what).tolist())
 
 
 # -- one switch ------------------------------------------------------------------------------

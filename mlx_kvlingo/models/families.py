@@ -1,45 +1,26 @@
-"""Where each model family keeps its attention parts: the one place that knows.
+"""The model families KV translation supports: the one place that knows.
 
-mlx-lm caches hold keys after `k_norm` (when the family has one) and after RoPE, values
-as raw `v_proj` output. Everything family-specific the runtime needs is in `FAMILIES`.
+mlx-lm caches hold keys after `k_norm` (when the family has one) and after RoPE, values as raw
+`v_proj` output. Every supported family keeps its attention module in a decoder layer's
+`self_attn` and its KV head count in `num_key_value_heads` (else the attention head count).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Family:
-    model_type: str
-    has_k_norm: bool
-    #: attribute of a decoder layer holding the attention module
-    attention: str = "self_attn"
-    #: config key for the KV head count (falls back to the attention head count)
-    kv_heads_key: str = "num_key_value_heads"
-
-
-FAMILIES: dict[str, Family] = {
-    f.model_type: f
-    for f in (
-        Family("llama", has_k_norm=False),
-        Family("mistral", has_k_norm=False),
-        Family("qwen2", has_k_norm=False),
-        Family("qwen3", has_k_norm=True),
-        Family("qwen3_moe", has_k_norm=True),
-    )
-}
+#: model_type -> whether its attention normalizes the keys (`k_norm`)
+HAS_K_NORM = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True, "qwen3_moe": True}
 
 
 class UnsupportedModelError(ValueError):
     pass
 
 
-def family_of(model_type: str) -> Family:
+def has_k_norm(model_type: str) -> bool:
+    """Whether `model_type`'s keys pass a `k_norm`; `UnsupportedModelError` for another family."""
     try:
-        return FAMILIES[model_type]
+        return HAS_K_NORM[model_type]
     except KeyError:
-        known = ", ".join(sorted(FAMILIES))
+        known = ", ".join(sorted(HAS_K_NORM))
         raise UnsupportedModelError(
             f"model_type {model_type!r} is not supported for KV translation (known: {known})"
         ) from None

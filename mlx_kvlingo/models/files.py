@@ -11,8 +11,6 @@ pair is given, that the file was made for that pair.
 from __future__ import annotations
 
 import json
-import math
-import struct
 from pathlib import Path
 
 from mlx_kvlingo._platform.atomic import atomic_write
@@ -43,8 +41,18 @@ def _side_meta(model, side: Side) -> dict:
     return meta
 
 
-def build_metadata(translator: Translator, pair=None, **extra) -> dict:
+def save_translator(
+    translator: Translator, path: str | Path, pair=None, dtype=None, **extra
+) -> Path:
+    """Write the translator (atomically) with metadata describing `pair` and any `extra` keys.
+
+    `dtype` (e.g. mx.float16) stores the tensors in that type, to keep shipped files small.
+    """
     c = translator.config
+    tensors = {f"key.{k}": v for k, v in translator.key.items()}
+    tensors.update({f"value.{k}": v for k, v in translator.value.items()})
+    if dtype is not None:
+        tensors = {k: v.astype(dtype) for k, v in tensors.items()}
     meta = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
@@ -57,39 +65,16 @@ def build_metadata(translator: Translator, pair=None, **extra) -> dict:
         "source": _side_meta(pair.source if pair else None, c.source),
         "target": _side_meta(pair.target if pair else None, c.target),
         "tokenizer": pair.tokenizer_fingerprint if pair else None,
-        "dtype": str(next(iter(translator.key.values())).dtype).replace("mlx.core.", ""),
+        "dtype": None,  # set below, after the free-form keys
     }
     if c.rank is not None:
         meta["rank"] = c.rank
     meta.update(c.metadata)
     meta.update(extra)
-    return meta
-
-
-def save_translator(
-    translator: Translator, path: str | Path, pair=None, dtype=None, **extra
-) -> Path:
-    """Write the translator (atomically) with metadata describing `pair` and any `extra` keys.
-
-    `dtype` (e.g. mx.float16) stores the tensors in that type, to keep shipped files small.
-    """
-    path = Path(path)
-    tensors = {f"key.{k}": v for k, v in translator.key.items()}
-    tensors.update({f"value.{k}": v for k, v in translator.value.items()})
-    if dtype is not None:
-        tensors = {k: v.astype(dtype) for k, v in tensors.items()}
-    meta = build_metadata(translator, pair, **extra)
     meta["dtype"] = str(next(iter(tensors.values())).dtype).replace("mlx.core.", "")
     with atomic_write(path) as tmp:
         mx.save_safetensors(str(tmp), tensors, metadata={"kvlingo": json.dumps(meta)})
-    return path
-
-
-#: safetensors dtypes and their sizes in bytes (the format's own list)
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
-               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-               "C64": 8}  # fmt: skip
-FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+    return Path(path)
 
 
 def parse_json(text, what: str, error=TranslatorFileError, want=dict):
@@ -107,72 +92,31 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_header(header: dict, body: int, where: str, error=TranslatorFileError) -> None:
-    """Every tensor entry well formed (dtype, shape, offsets agreeing with both), in the file."""
-    meta = header.get("__metadata__") or {}  # MLX writes null when there is none
-    if not isinstance(meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-    ):
-        raise error(
-            f"{where}: corrupt safetensors header: __metadata__ must map strings to strings"
-        )
-    for name, v in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(v, dict) or set(v) != {"dtype", "shape", "data_offsets"}:
-            raise error(f"{where}: corrupt safetensors header: entry {name[:80]!r} is malformed")
-        dtype, shape, offsets = v["dtype"], v["shape"], v["data_offsets"]
-        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
-            raise error(f"{where}: tensor {name[:80]!r} has unknown dtype {dtype!r:.20}")
-        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-            raise error(f"{where}: tensor {name[:80]!r} has an invalid shape")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))
-                and 0 <= offsets[0] <= offsets[1]):  # fmt: skip
-            raise error(f"{where}: tensor {name[:80]!r} has invalid data_offsets")
-        if offsets[1] > body:
-            raise error(
-                f"{where}: truncated: tensor {name[:80]!r} ends at byte {offsets[1]} of the data, "
-                f"the file holds {body} bytes of data"
-            )
-        if math.prod(shape) * DTYPE_BYTES[dtype] != offsets[1] - offsets[0]:
-            raise error(
-                f"{where}: tensor {name[:80]!r}: shape {shape} of {dtype} needs "
-                f"{math.prod(shape) * DTYPE_BYTES[dtype]} bytes, its offsets span "
-                f"{offsets[1] - offsets[0]}"
-            )
-
-
 def read_header(path: str | Path, error=TranslatorFileError, what: str = "translator") -> dict:
-    """Parse and check the safetensors header without loading tensors (`what` the file should
-    be, for the messages; `error` the class to raise)."""
+    """Check a safetensors file without loading its tensors (the `safetensors` library's checks:
+    header, dtypes, shapes and offsets, the file's length); {"__metadata__": its metadata}.
+    `what` the file should be, for the messages; `error` the class to raise."""
+    from safetensors import SafetensorError, safe_open
+
     path = Path(path)
     if not path.is_file():
         raise error(f"{path}: no such {what} file")
-    size = path.stat().st_size
-    convert = (
-        f"; convert it first: kvlingo convert {path} -o translator.safetensors"
-        if what == "translator"
-        else ""
-    )
+    try:
+        with safe_open(str(path), "numpy") as f:
+            return {"__metadata__": f.metadata() or {}}
+    except SafetensorError as e:
+        why = str(e).removeprefix("Error while deserializing header: ")
     with open(path, "rb") as f:
-        head = f.read(8)
-        if head[:4] == b"PK\x03\x04":  # torch.save writes a zip archive
-            raise error(
-                f"{path}: this is a PyTorch file (a torch.save zip archive), not a {what}{convert}"
-            )
-        if len(head) < 8:
-            raise error(f"{path}: truncated or not a safetensors file ({size} bytes)")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8 or n > 100 * 2**20:
-            if head[:2] == b"\x80\x02" or head[:1] == b"\x80":
-                raise error(
-                    f"{path}: this is a Python pickle (a legacy PyTorch file?), not a {what}"
-                    f"{convert}"
-                )
-            raise error(f"{path}: truncated or not a safetensors file")
-        header = parse_json(f.read(n), f"{path}: the safetensors header", error)
-    check_header(header, size - 8 - n, str(path), error)
-    return header
+        head = f.read(4)
+    convert = f"; convert it first: kvlingo convert {path} -o translator.safetensors"
+    convert = convert if what == "translator" else ""
+    if head == b"PK\x03\x04":  # torch.save writes a zip archive
+        kind = "a PyTorch file (a torch.save zip archive)"
+    elif head[:1] == b"\x80":
+        kind = "a Python pickle (a legacy PyTorch file?)"
+    else:
+        raise error(f"{path}: truncated or not a safetensors file ({why[:200]})")
+    raise error(f"{path}: this is {kind}, not a {what}{convert}")
 
 
 def read_metadata(path: str | Path) -> dict:

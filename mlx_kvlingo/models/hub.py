@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,35 +55,27 @@ def is_hub_spec(text) -> bool:
     return isinstance(text, str) and not Path(text).expanduser().exists() and bool(parse_spec(text))
 
 
-def _errors():
-    from huggingface_hub import errors
+def explain(e: Exception, named: str, fetch: str = "give a local folder") -> str | None:
+    """One line for a failed Hub lookup of `named` (None: not a Hub error); `fetch` says what
+    to do when it is not in the cache while offline."""
+    from huggingface_hub import constants, errors
 
-    return errors
-
-
-def _explain(spec: HubSpec, e: Exception) -> HubError:
-    """One message per way a Hub lookup fails, naming what to do about it."""
-    from huggingface_hub import constants
-
-    err = _errors()
-    cache = constants.HF_HUB_CACHE
-    if isinstance(e, err.LocalEntryNotFoundError | err.OfflineModeIsEnabled):
+    if isinstance(e, errors.LocalEntryNotFoundError | errors.OfflineModeIsEnabled):
         if constants.HF_HUB_OFFLINE:
-            return HubError(
-                f"{spec}: offline (HF_HUB_OFFLINE=1) and not in the Hub cache ({cache}); "
-                f"fetch it once while online: kvlingo download {spec}"
-            )
-        return HubError(
-            f"{spec}: cannot reach {constants.ENDPOINT} and it is not in the Hub cache "
-            f"({cache}): check the connection, or set HF_HUB_OFFLINE=1 to use cached files"
-        )
-    if isinstance(e, err.RevisionNotFoundError):
-        return HubError(f"{spec}: revision {spec.revision!r} does not exist on the Hub")
-    if isinstance(e, err.RemoteEntryNotFoundError | err.EntryNotFoundError):
-        return HubError(f"{spec}: no file {spec.filename!r} in {spec.repo_id}")
-    if isinstance(e, err.RepositoryNotFoundError | err.GatedRepoError):
-        return HubError(f"{spec}: no such repository on {constants.ENDPOINT} (or it is private)")
-    return HubError(f"{spec}: {type(e).__name__}: {e}")
+            return (f"{named}: not in the Hub cache ({constants.HF_HUB_CACHE}) and "
+                    f"HF_HUB_OFFLINE=1 is set: {fetch}")  # fmt: skip
+        return (f"{named}: not in the Hub cache and {constants.ENDPOINT} cannot be reached: "
+                f"check the connection, or {fetch}")  # fmt: skip
+    if isinstance(e, errors.RevisionNotFoundError):
+        return f"{named}: no such revision on the Hub"
+    if isinstance(e, errors.RepositoryNotFoundError):  # GatedRepoError too
+        return (f"{named}: no such repository on {constants.ENDPOINT} (or it is private or "
+                "gated: log in with `hf auth login`)")  # fmt: skip
+    if isinstance(e, errors.EntryNotFoundError):
+        return f"{named}: no such file in the repository"
+    if isinstance(e, errors.HfHubHTTPError):
+        return f"{named}: the Hub answered with an error: {' '.join(str(e).split())[:300]}"
+    return None
 
 
 def download(spec: str | HubSpec, local_dir: str | Path | None = None) -> Path:
@@ -100,10 +91,9 @@ def download(spec: str | HubSpec, local_dir: str | Path | None = None) -> Path:
                                         local_dir=local_dir))  # fmt: skip
         return Path(snapshot_download(spec.repo_id, revision=spec.revision, allow_patterns=ALLOW,
                                       local_dir=local_dir))  # fmt: skip
-    except HubError:
-        raise
     except Exception as e:  # noqa: BLE001 - huggingface_hub and httpx raise many kinds
-        raise _explain(spec, e) from None
+        fetch = f"fetch it once online: kvlingo download {spec}"
+        raise HubError(explain(e, str(spec), fetch) or f"{spec}: {type(e).__name__}: {e}") from None
 
 
 def _parse(text: str) -> HubSpec:
@@ -151,7 +141,7 @@ def resolve_translator(text: str | Path, reverse: bool = False) -> Path:
 
 def build_repo_folder(
     files, folder: str | Path, repo_id: str, manifest: str | Path | None = None,
-    license: str | None = None, link: bool = False,
+    license: str | None = None,
 ) -> Path:  # fmt: skip
     """Copy the translator `files` into `folder` with a model card (README.md) generated from
     their metadata, and a manifest.json (the given one, or one listing the files).
@@ -159,9 +149,10 @@ def build_repo_folder(
     Each file keeps its path below the files' common folder (`a/x.safetensors` and
     `a/b/x.safetensors` become `x.safetensors` and `b/x.safetensors`), so files of the same
     name in two folders stay apart and a manifest may name `b/x.safetensors`. A manifest whose
-    default is not among the files is refused. `link=True` hard-links the files instead of
-    copying them where the filesystem allows.
+    default is not among the files is refused. The files are hard-linked where the filesystem
+    allows, else copied.
     """
+    from mlx_kvlingo._platform.atomic import link_or_copy
     from mlx_kvlingo.models.card import model_card
     from mlx_kvlingo.models.files import read_metadata
 
@@ -189,13 +180,7 @@ def build_repo_folder(
         dest = folder / name
         dest.parent.mkdir(parents=True, exist_ok=True)
         if dest.resolve() != f:
-            dest.unlink(missing_ok=True)
-            try:
-                if not link:
-                    raise OSError
-                dest.hardlink_to(f)
-            except OSError:
-                shutil.copyfile(f, dest)
+            link_or_copy(f, dest)
     if man is None:
         listed = list(metas)
         man = {"default": {"forward": listed[0]}, "translators": [{"file": n} for n in listed]}
@@ -212,7 +197,6 @@ def upload(
     from huggingface_hub import HfApi
 
     api = HfApi()
-    spec = HubSpec(repo_id)
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
         info = api.upload_folder(
@@ -220,5 +204,5 @@ def upload(
             commit_message=message or "Upload mlx-kvlingo translator",
         )  # fmt: skip
     except Exception as e:  # noqa: BLE001
-        raise _explain(spec, e) from None
+        raise HubError(explain(e, repo_id) or f"{repo_id}: {type(e).__name__}: {e}") from None
     return str(info)

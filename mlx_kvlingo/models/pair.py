@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cached_property
 from pathlib import Path
 
 from mlx_kvlingo._platform import cpu_memory as _cpu_memory
 from mlx_kvlingo.kv.rope import RopeSpec, describe
-from mlx_kvlingo.models.families import Family, family_of
+from mlx_kvlingo.models.families import has_k_norm
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -45,16 +46,7 @@ class KVGeometry:
         return self.kv_heads * self.value_dim
 
     def as_dict(self) -> dict:
-        return {
-            "model_type": self.model_type,
-            "layers": self.layers,
-            "kv_heads": self.kv_heads,
-            "head_dim": self.head_dim,
-            "value_dim": self.value_dim,
-            "rope": self.rope.as_dict(),
-            "has_k_norm": self.has_k_norm,
-            "dtype": self.dtype,
-        }
+        return asdict(self)
 
 
 @dataclass
@@ -63,7 +55,6 @@ class LoadedModel:
     model: nn.Module
     tokenizer: object
     config: dict
-    family: Family
     geometry: KVGeometry
     folder: Path | None = None  # where its files are (generation_config.json, ...), when known
 
@@ -72,7 +63,7 @@ class LoadedModel:
         return self.model.layers
 
     def attention(self, layer: int) -> nn.Module:
-        return getattr(self.model.layers[layer], self.family.attention)
+        return self.model.layers[layer].self_attn
 
     @property
     def rope(self) -> nn.Module:
@@ -115,11 +106,11 @@ def weights_dtype(model: nn.Module) -> mx.Dtype:
 
 def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
     model_type = config["model_type"]
-    family = family_of(model_type)
+    k_norm = has_k_norm(model_type)  # an unsupported family is refused first
     layers = model.layers
-    attn = getattr(layers[0], family.attention)
+    attn = layers[0].self_attn
     heads = config["num_attention_heads"]
-    kv_heads = config.get(family.kv_heads_key) or heads
+    kv_heads = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     dtype = str(weights_dtype(model))
     if hasattr(attn, "n_kv_heads") and attn.n_kv_heads != kv_heads:  # config and module disagree
@@ -131,7 +122,7 @@ def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
         head_dim=head_dim,
         value_dim=head_dim,
         rope=describe(attn.rope),
-        has_k_norm=family.has_k_norm,
+        has_k_norm=k_norm,
         dtype=dtype.replace("mlx.core.", ""),
     )
 
@@ -170,9 +161,7 @@ def load_model(
     model, dtype = with_dtype(model, config, dtype)
     if dtype is not None:
         mx.eval(model.parameters())
-    family = family_of(config["model_type"])
-    geometry = geometry_of(model, config)
-    return LoadedModel(name, model, tokenizer, config, family, geometry, _folder_of(name))
+    return LoadedModel(name, model, tokenizer, config, geometry_of(model, config), _folder_of(name))
 
 
 def _folder_of(name: str) -> Path | None:
@@ -283,21 +272,12 @@ def describe_model(m: LoadedModel) -> dict:
         "name": m.name,
         **g.as_dict(),
         "parameters_MB": round(m.nbytes() / 2**20, 1),
-        "kv_bytes_per_token": 2 * g.layers * g.kv_heads * g.head_dim * _itemsize(g.dtype),
+        "kv_bytes_per_token": 2 * g.layers * g.kv_heads * g.head_dim * getattr(mx, g.dtype).size,
     }
-
-
-def _itemsize(dtype: str) -> int:
-    return getattr(mx, dtype).size if hasattr(mx, dtype) else 4
 
 
 class InsufficientMemoryError(MemoryError):
     pass
-
-
-#: bytes per element of the safetensors dtypes a model folder holds
-_ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
-             "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1}  # fmt: skip
 
 
 def estimate_bytes(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") -> int | None:
@@ -325,9 +305,7 @@ def estimate_bytes(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") ->
             if name == "__metadata__":
                 continue
             stored = t["data_offsets"][1] - t["data_offsets"][0]
-            numel = 1
-            for d in t["shape"]:
-                numel *= d
+            numel = math.prod(t["shape"])
             if dtype is None:
                 total += stored
             elif bits and name.endswith((".scales", ".biases")):

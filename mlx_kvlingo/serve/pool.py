@@ -20,9 +20,7 @@ dropped, freeing its caches. `size=0` turns reuse off.
 
 from __future__ import annotations
 
-import inspect
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any
 
 from mlx_kvlingo.api import Conversation, Runtime
@@ -49,9 +47,6 @@ class Pool:
         self.runtime = runtime
         self.size = size
         self.tokenizer = runtime.pair.tokenizer
-        unknown = set(conversation_kwargs) - accepted_keywords(runtime.new_conversation)
-        if unknown:
-            raise TypeError(f"new_conversation takes no {', '.join(sorted(unknown))} here")
         self._kwargs = conversation_kwargs  # new_conversation keywords (mode, max_kv_size, ...)
         self._held: OrderedDict[Conversation, tuple[int, ...]] = OrderedDict()
 
@@ -95,12 +90,3 @@ class Pool:
 
     def clear(self) -> None:
         self._held.clear()
-
-
-def accepted_keywords(fn: Callable[..., Any]) -> set[str]:
-    """The keyword parameters `fn` takes (for passing on only what this version supports)."""
-    return {
-        p.name
-        for p in inspect.signature(fn).parameters.values()
-        if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-    }

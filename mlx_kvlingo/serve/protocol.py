@@ -4,8 +4,7 @@ stream chunks and error bodies built as plain dicts.
 A request is checked completely before it reaches the model pair: every bad field is an
 `APIError` (HTTP status + OpenAI error body `{"error": {"message", "type", "param", "code"}}`).
 Sampling fields map onto `Conversation.send`'s `sampling` by `sampling_kwargs`: only fields
-the client set are passed (absent fields leave the answering model's defaults), and only those
-`mlx_kvlingo.conversation.sampling.Sampling` has (others are refused with a 400 naming the field).
+the client set are passed (absent fields leave the answering model's defaults).
 """
 
 from __future__ import annotations
@@ -15,8 +14,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
-
-from mlx_kvlingo.conversation.sampling import FIELDS
 
 #: The model ids this server answers to: the small model answers, the large one answers (from
 #: the translated cache), or the cascade (the small answers, the large re-answers when unsure).
@@ -82,15 +79,6 @@ class ChatRequest:
     include_usage: bool = False
     logprobs: bool = False
 
-    @property
-    def system(self) -> str | None:
-        return self.messages[0]["content"] if self.messages[0]["role"] == "system" else None
-
-    @property
-    def turns(self) -> list[dict[str, str]]:
-        """The messages after the system message."""
-        return self.messages[1:] if self.system is not None else self.messages
-
 
 # -- fields ------------------------------------------------------------------------------------
 
@@ -131,9 +119,6 @@ _SAMPLING = {
     "repetition_penalty": ("repetition_penalty", lambda b, n: _number(b, n, 0.0)),
     "repetition_context_size": ("repetition_context_size", lambda b, n: _integer(b, n, 0)),
     "seed": ("seed", lambda b, n: _integer(b, n)),
-    # OpenAI's additive penalties: passed on if `Sampling` ever has them; 0 is always fine.
-    "frequency_penalty": ("frequency_penalty", lambda b, n: _number(b, n, -2.0, 2.0)),
-    "presence_penalty": ("presence_penalty", lambda b, n: _number(b, n, -2.0, 2.0)),
 }
 
 
@@ -147,24 +132,14 @@ def sampling_kwargs(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
     - max_completion_tokens, else max_tokens (deprecated name) -> max_tokens, at most
       `limits.max_tokens`; absent: `limits.default_max_tokens`;
     - frequency_penalty / presence_penalty: 0 (OpenAI's default) is accepted and ignored;
-      another value is passed on if `Sampling` has it, else refused: mlx-lm's multiplicative
-      repetition_penalty is a different thing, and silently swapping one for the other would
-      change what the client asked for;
-    - a field `Sampling` does not have in this version is refused with a 400 naming it.
+      another value is refused: mlx-lm's multiplicative repetition_penalty is a different
+      thing, and silently swapping one for the other would change what the client asked for.
     """
-    sampling: dict[str, Any] = {}
-    for name, (field_, check) in _SAMPLING.items():
-        if not _set(body, name):
-            continue
-        value = check(body, name)
-        additive = name in ("frequency_penalty", "presence_penalty")
-        if field_ in FIELDS:
-            sampling[field_] = value
-        elif additive and value == 0:
-            continue
-        else:
-            hint = " (repetition_penalty is mlx-lm's)" if additive else ""
-            raise bad(f"{name} is not supported by this server{hint}", name, "unsupported_field")
+    for name in ("frequency_penalty", "presence_penalty"):
+        if _set(body, name) and _number(body, name, -2.0, 2.0) != 0:
+            raise bad(f"{name} is not supported by this server (repetition_penalty is mlx-lm's)",
+                      name, "unsupported_field")  # fmt: skip
+    sampling = {f: check(body, n) for n, (f, check) in _SAMPLING.items() if _set(body, n)}
     name = "max_completion_tokens" if _set(body, "max_completion_tokens") else "max_tokens"
     max_tokens = limits.default_max_tokens
     if _set(body, name):
@@ -308,58 +283,31 @@ def _logprobs(pieces: list[tuple[str, float]] | None) -> dict | None:
     }
 
 
+def _envelope(rid: str, model: str, kind: str, choices: list, **rest: Any) -> dict:
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model,
+            "system_fingerprint": None, "choices": choices, **rest}  # fmt: skip
+
+
 def completion(rid: str, model: str, text: str, reason: str, usage: dict, extra: dict,
                pieces: list[tuple[str, float]] | None = None) -> dict:  # fmt: skip
     """A whole `chat.completion` object."""
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": _logprobs(pieces),
-                "finish_reason": reason,
-            }
-        ],
-        "usage": usage,
-        "kvlingo": extra,
-    }
+    message = {"role": "assistant", "content": text, "refusal": None}
+    lp = _logprobs(pieces)
+    choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
+    return _envelope(rid, model, "chat.completion", [choice], usage=usage, kvlingo=extra)
 
 
 def chunk(rid: str, model: str, delta: dict, reason: str | None = None, *,
           pieces: list[tuple[str, float]] | None = None, usage: bool = False) -> dict:  # fmt: skip
     """One `chat.completion.chunk` (`usage: null` on every chunk when usage was asked for)."""
-    out: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [
-            {"index": 0, "delta": delta, "logprobs": _logprobs(pieces), "finish_reason": reason}
-        ],
-    }
-    if usage:
-        out["usage"] = None
-    return out
+    choice = {"index": 0, "delta": delta, "logprobs": _logprobs(pieces), "finish_reason": reason}
+    rest = {"usage": None} if usage else {}
+    return _envelope(rid, model, "chat.completion.chunk", [choice], **rest)
 
 
 def usage_chunk(rid: str, model: str, usage: dict, extra: dict) -> dict:
     """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [],
-        "usage": usage,
-        "kvlingo": extra,
-    }
+    return _envelope(rid, model, "chat.completion.chunk", [], usage=usage, kvlingo=extra)
 
 
 def model_list(names: dict[str, str]) -> dict:
@@ -370,16 +318,6 @@ def model_list(names: dict[str, str]) -> dict:
         "large": f"{names['large']} answers from the KV cache translated from {names['small']}",
         "auto": f"{names['small']} answers; {names['large']} re-answers when it is unsure",
     }
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": m,
-                "object": "model",
-                "created": created,
-                "owned_by": "kvlingo",
-                "description": about[m],
-            }  # fmt: skip
-            for m in MODEL_IDS
-        ],
-    }
+    data = [{"id": m, "object": "model", "created": created, "owned_by": "kvlingo",
+             "description": about[m]} for m in MODEL_IDS]  # fmt: skip
+    return {"object": "list", "data": data}

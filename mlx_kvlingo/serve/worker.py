@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_kvlingo.api import Conversation, ConversationError, Runtime, RuntimeBusyError, Stream
+from mlx_kvlingo.api import Conversation, ConversationError, Runtime, Stream
 from mlx_kvlingo.conversation.records import AUTO_THRESHOLD, LABEL
 from mlx_kvlingo.serve.pool import Pool
 from mlx_kvlingo.serve.protocol import APIError, ChatRequest, Limits
@@ -45,7 +45,6 @@ class Result:
 
     text: str
     finish_reason: str  # stop | length | context | cancelled
-    completion_tokens: int
     usage: dict[str, Any]
     extra: dict[str, Any]  # the `kvlingo` object: who answered, escalation, reuse
 
@@ -262,7 +261,7 @@ class Worker:
             "ttft_s": out.ttft_s,  # the answering model's, catch-up included, queueing not
             "status": out.status,
         }
-        return Result(out.text, out.reason, out.tokens, usage, extra)
+        return Result(out.text, out.reason, usage, extra)
 
     def _pump(
         self, job: Job, stream: Stream, label: str, live: bool, close: bool = True
@@ -322,6 +321,3 @@ class _Pumped:
     confidence: float | None = None  # mean token log-prob, as Event.confidence
     escalating: bool = False  # a cascade's small answer: the large one answers again
     pieces: list[tuple[str, float]] = field(default_factory=list)
-
-
-__all__ = ["Job", "QueueFull", "Result", "RuntimeBusyError", "Worker"]

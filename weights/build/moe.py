@@ -49,6 +49,24 @@ WEIGHTS = Path(__file__).resolve().parents[1]
 DELTA_QUANT = {"group_size": 64, "bits": 4}
 TRAINED = ("q_proj", "k_proj", "q_norm", "k_norm")
 
+
+def rope_unpermutation(head_dim: int) -> list[int]:
+    """Row order that turns GGUF's interleaved-RoPE q/k rows back into standard (half-split) RoPE.
+
+    llama.cpp stores HF row `c * head_dim/2 + i` at `2 * i + c`; standard RoPE wants HF order.
+    """
+    return [*range(0, head_dim, 2), *range(1, head_dim, 2)]
+
+
+def dense_qwen3_config(dense: dict) -> dict:
+    """A dense qwen3 config with the same function as the copy-upcycled MoE (used for healing)."""
+    cfg = moe_demo.moe_config(dense, 2, 1)
+    for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"):  # fmt: skip
+        cfg.pop(k)
+    return {**cfg, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+
+
 # ---------------------------------------------------------------- statistics
 
 
@@ -56,7 +74,7 @@ def layer_stats(teacher, windows: np.ndarray) -> list[dict]:
     """Per layer over the windows: q and k per head (standard-RoPE order) and the MLP input."""
     layers = teacher.model.layers
     hd = teacher.args.head_dim
-    perm = moe_demo.rope_unpermutation(hd)
+    perm = rope_unpermutation(hd)
     stats = [{"q": [], "k": [], "x": []} for _ in layers]
     for w in windows:
         h = teacher.model.embed_tokens(mx.array(w[None, :-1]))
@@ -130,7 +148,7 @@ def router_init(teacher, stats, experts: int, temperature: float, ridge: float =
 
 def healing_model(teacher, config: dict, stats) -> qwen3.Model:
     """A dense qwen3 equal in function to the copy-upcycled MoE; q/k parts trainable."""
-    cfg = moe_demo.dense_qwen3_config(config)
+    cfg = dense_qwen3_config(config)
     student = qwen3.Model(qwen3.ModelArgs.from_dict(cfg))
     dense = dict(tree_flatten(teacher.parameters()))
     weights = {**dense, **moe_demo.attention_weights(dense, cfg)}

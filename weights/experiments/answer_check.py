@@ -10,7 +10,7 @@ for first questions (one translated span) and for later ones (translated spans a
 answers: the reader mode's mixed cache):
   same start   share of answers whose first 6 words equal the native answer's
   word recall  mean share of the native answer's content words (4+ letters) in the answer
-Plus a keyword quiz (mlx_kvlingo.models.demo.quiz: ten everyday questions, one must-have word each)
+Plus a keyword quiz (`quiz.py`: ten everyday questions, one must-have word each)
 answered from translated caches.
 
 `--long-later`: instead, conversations of a quiz question, then a held-out documentation
@@ -34,8 +34,9 @@ from pathlib import Path
 from mlx_kvlingo import api
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.models.demo import pair as demo
-from mlx_kvlingo.models.demo.quiz import EVERYDAY_QUIZ, is_right
 from mlx_kvlingo.models.demo.smollm2 import cache_root, weights_dir
+
+from weights.experiments.quiz import EVERYDAY_QUIZ, is_right
 
 STOP = set("that this with from have your what when they them their there which about would "
            "could should also into more most some such than then these those will been were "

@@ -57,23 +57,16 @@ def tiny_runtime(folder: Path):
     """The tests' known-answer tiny pair with its exact translator (built offline)."""
     from mlx_kvlingo import Runtime
     from mlx_kvlingo.data import synthetic as syn
-    from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig
     from mlx_kvlingo.models.pair import load_pair
 
-    import mlx.core as mx
-    import numpy as np
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
+    from helpers import exact_translator, known_answer_target
 
     tok = syn.build_tokenizer(folder / "tokenizer")
     src = syn.make_model_folder(folder / "small", "qwen3", tok, seed=0)
-    answer = syn.known_answer_target(src, folder / "large", seed=4)
+    answer = known_answer_target(src, folder / "large", seed=4)
     pair = load_pair(src, folder / "large")
-    rows = tuple((i,) for i in range(pair.target.geometry.layers))
-    cfg = TranslatorConfig("mixing", Side.of(pair.source.geometry), Side.of(pair.target.geometry),
-                           rows, rows, key_cut="post_norm", bias=False)  # fmt: skip
-    tr = Translator(cfg, dtype=mx.float32)
-    tr.key["weight"] = mx.array(np.stack(answer["key_maps"])).astype(mx.float32)
-    tr.value["weight"] = mx.array(np.stack(answer["value_maps"])).astype(mx.float32)
-    return Runtime(pair, tr)
+    return Runtime(pair, exact_translator(pair, answer))
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -34,14 +34,6 @@ RECORD = "moe.json"
 # ---------------------------------------------------------------- conversion
 
 
-def rope_unpermutation(head_dim: int) -> list[int]:
-    """Row order that turns GGUF's interleaved-RoPE q/k rows back into standard (half-split) RoPE.
-
-    llama.cpp stores HF row `c * head_dim/2 + i` at `2 * i + c`; standard RoPE wants HF order.
-    """
-    return [*range(0, head_dim, 2), *range(1, head_dim, 2)]
-
-
 def unpermute_rows(w, n_heads: int, head_dim: int):
     """q_proj/k_proj weight (n_heads * head_dim, in) from GGUF order to standard-RoPE order."""
     rows, cols = w.shape
@@ -70,15 +62,6 @@ def moe_config(dense: dict, experts: int, top_k: int) -> dict:
         # top-k scores sum to 1, so k copies of one MLP add up to that MLP exactly
         "norm_topk_prob": True,
     }
-
-
-def dense_qwen3_config(dense: dict) -> dict:
-    """A dense qwen3 config with the same function as the copy-upcycled MoE (used for healing)."""
-    cfg = moe_config(dense, 2, 1)
-    for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
-              "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"):  # fmt: skip
-        cfg.pop(k)
-    return {**cfg, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
 
 
 def attention_weights(dense: dict, config: dict) -> dict:

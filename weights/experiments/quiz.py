@@ -1,6 +1,6 @@
 """Ten everyday questions with the word a right answer must contain: a quick check of what
 the demo's target says, natively (tests/test_demo_moe.py) or from translated caches
-(weights/experiments/answer_check.py)."""
+(`answer_check.py`)."""
 
 #: (question, words of which one must appear in the answer)
 EVERYDAY_QUIZ = [
