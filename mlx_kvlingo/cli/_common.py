@@ -148,7 +148,7 @@ def content_texts(data_path) -> list[str]:
 
 def policy_options(f):
     """--reader --reader-min-tokens --reader-margin --large-reads-last --recompute
-    --translate-ahead, collected into one `policy` argument (a `ReaderPolicy`; its defaults are
+    --min-retention --translate-ahead, collected into one `policy` argument (a `ReaderPolicy`; its defaults are
     the library's). A pipelined large model cannot recompute: None there means 0."""
     from dataclasses import replace
 
@@ -176,12 +176,24 @@ def policy_options(f):
                           "this share of it (at least 24 tokens), the sentences its reading of "
                           "the turn's end attended to most; 0: none; default "
                           f"{d.recompute_share:g}, 0 with a pipelined large model"),
+        click.option("--min-retention", type=click.FloatRange(0, 1), default=d.min_retention,
+                     show_default=True,
+                     help="Reader auto: the small path only where this translator is measured to "
+                          "keep at least this share of the content at the turn's length "
+                          "(kvlingo eval --task content); 0: time alone"),
         click.option("--translate-ahead/--no-translate-ahead", default=d.translate_ahead,
                      show_default=True,
                      help="While the small model answers, translate for the large one within "
                           "10% of its decode time (/escalate, /auto)"),
     ]  # fmt: skip
-    keys = ("reader", "reader_min_tokens", "reader_margin", "large_reads_last", "translate_ahead")
+    keys = (
+        "reader",
+        "reader_min_tokens",
+        "reader_margin",
+        "large_reads_last",
+        "min_retention",
+        "translate_ahead",
+    )
 
     @functools.wraps(f)
     def wrapper(*args, **kw):
