@@ -45,7 +45,7 @@ CASES = [
     ("generate --seed -1", USAGE, ["--seed", "-1"]),
     ("generate --pair sparse", USAGE, ["--pair", "sparse"]),
     ("generate --source {S}", USAGE, ["--source", "--target"]),
-    ("generate --translator backward-mixing-nu2.safetensors", FAILURE, ["backward-mixing-nu2.safetensors", "other way", "backward"]),
+    ("generate --translator source15/backward-mixing-nu2.safetensors", FAILURE, ["source15/backward-mixing-nu2.safetensors", "other way", "backward"]),
     ("generate --source {S} --target {T} --translator {BWD} -m 2", FAILURE, ["bwd.safetensors", "other way"]),
     ("generate --source {S} --target {MOE} --translator {FWD} -m 2", FAILURE, ["fwd.safetensors", "wrong model pair"]),
     ("generate --source {bad_tokenizer} --target {T} --translator {FWD} -m 2", FAILURE, ["bad_tokenizer/tokenizer.json", "not valid JSON"]),

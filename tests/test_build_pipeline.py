@@ -210,3 +210,34 @@ def test_a_source_can_keep_its_first_layers_the_targets_own():
                                      tree_flatten(teacher.model.layers[k].parameters())):  # fmt: skip
             same = bool(mx.array_equal(w, t))
             assert same == (i < 2), (i, name)
+
+
+def test_add_translator_stores_its_copy_in_float16(tiny_dir, tmp_path):
+    """The shipped copy: float16 tensors, metadata `dtype` float16 and otherwise unchanged,
+    loaded for float32 compute on the CPU; in place too (the defaults were converted so)."""
+    from mlx_kvlingo.eval.presets import random_translator
+    from mlx_kvlingo.models.files import (
+        load_translator,
+        read_header,
+        read_metadata,
+        save_translator,
+    )
+    from mlx_kvlingo.models.pair import load_pair
+
+    import mlx.core as mx
+
+    add = build_module("add_translator")
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir["qwen3_moe"])
+    full = save_translator(random_translator(pair, seed=1), tmp_path / "full.safetensors", pair)
+    half = add.copy_float16(full, tmp_path / "half.safetensors")
+    assert {v["dtype"] for k, v in read_header(half).items() if k != "__metadata__"} == {"F16"}
+    before, after = read_metadata(full), read_metadata(half)
+    assert (before["dtype"], after["dtype"]) == ("float32", "float16")
+    assert {**before, "dtype": "float16"} == after
+    assert half.stat().st_size < 0.6 * full.stat().st_size
+    ref, got = load_translator(full, pair), load_translator(half, pair)
+    assert got.key["weight"].dtype == mx.float32  # computed in float32 on the CPU
+    err = mx.abs(got.key["weight"] - ref.key["weight"]).max().item()
+    assert 0 < err <= mx.abs(ref.key["weight"]).max().item() * 2**-11
+    add.copy_float16(full, full)  # in place
+    assert read_metadata(full) == after and full.read_bytes() == half.read_bytes()

@@ -20,8 +20,6 @@ PROMPTS = [
 #: in one answer. A list repeats a shorter frame ("red has a maximum of 630 nm, green has a
 #: maximum of ...") with new words inside every 8 tokens, and is not a loop.
 SPAN, MAX_REPEATS = 8, 2
-#: the translator the loop check is shown failing with (greedy without penalty loops on it)
-LOOPING_TRANSLATOR = "forward-mixing-nu2-assistant.safetensors"
 
 
 def worst_repeat(token_ids: list[int], n: int = SPAN) -> int:
@@ -51,21 +49,16 @@ def runtime():
     # below, so the warm-up's measured read rates are not needed)
 
 
-@pytest.fixture(scope="module")
-def looping_runtime():
-    from mlx_kvlingo import Runtime
-
-    return Runtime.load(translator=LOOPING_TRANSLATOR, warmup=False)
-
-
-def answer(runtime, prompt: str, **sampling) -> tuple[list[int], str]:
+def answer(runtime, prompt: str, model: str = "large", **sampling) -> tuple[list[int], str]:
     # answers from translated caches as they are: the large model reads only the last token
     # itself and recomputes none
     conv = runtime.new_conversation(
         policy=ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
     )
-    done = conv.ask(prompt, max_tokens=200, sampling=sampling)
-    assert done.model == "large" and done.timings.read_tokens > 0  # the small model read it
+    done = conv.ask(prompt, model, max_tokens=200, sampling=sampling)
+    assert done.model == model
+    if model == "large":
+        assert done.timings.read_tokens > 0  # the small model read it
     ids = [t for t in conv._session.tokens[-done.timings.generation_tokens :]]
     return ids, done.text
 
@@ -78,9 +71,8 @@ def test_default_sampling_does_not_loop(runtime):
     assert all(w <= MAX_REPEATS for w, _ in worst.values()), worst
 
 
-def test_the_check_fails_under_greedy_without_penalty(looping_runtime):
-    """The same check catches the loop greedy decoding falls into on the previous default
-    translator: six tips, five of them ending "...interfere with your body's ability to regulate
-    its internal clock"."""
-    ids, text = answer(looping_runtime, PROMPTS[3], temp=0, repetition_penalty=1.0)
+def test_the_check_fails_under_greedy_without_penalty(runtime):
+    """The same check catches a loop from the demo's own models: the small model answering
+    alone, greedy without penalty, repeats "I'm not sure" to the end."""
+    ids, text = answer(runtime, PROMPTS[4], "small", temp=0, repetition_penalty=1.0)
     assert worst_repeat(ids) > MAX_REPEATS, text

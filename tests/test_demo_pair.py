@@ -80,27 +80,34 @@ def test_eval_on_demo_defaults(tmp_path):
 
 
 def test_each_translator_reads_the_demo_source_with_its_layer_count():
-    """The small model of a demo pair is the one the translator reads: the default (15 layers)
-    unless a translator for the 8-layer source is named; a file for neither is refused."""
+    """The small model of a demo pair is the one the translator reads, found by its layer count
+    (15: `source15`, the default); a file that reads the large model going forward, or a
+    translator for a small model not shipped, is refused."""
+    from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig, nearest_layer_map
     from mlx_kvlingo.models.demo.pair import default_source, source_for
 
     assert default_source() == manifest()["default"]["source"] == "source15"
     assert source_for(None) == "source15"
-    assert source_for("forward-mixing-nu2-content-chat.safetensors") == "source"
     assert source_for("source15/forward-mixing-nu2-content-chat.safetensors") == "source15"
-    assert source_for("backward-mixing-nu2.safetensors", reverse=True) == "source"
-    with pytest.raises(ValueError, match="reads a 30-layer small model"):
-        source_for("backward-mixing-nu2.safetensors")  # going forward it reads the large one
+    assert source_for("source15/backward-mixing-nu2.safetensors", reverse=True) == "source15"
+    with pytest.raises(ValueError, match="reads a 30-layer small model.*other way"):
+        source_for("source15/backward-mixing-nu2.safetensors")  # forward, it reads the large one
+    rows = tuple(map(tuple, nearest_layer_map(8, 30, 2)))
+    eight = Translator(
+        TranslatorConfig("mixing", Side(8, 3, 64, 64), Side(30, 3, 64, 64), rows, rows)
+    )
+    with pytest.raises(
+        ValueError, match=r"reads a 8-layer small model; the demo's are source15 \(15"
+    ):
+        source_for(eight)  # weights/source/ (8 layers) is not shipped
 
 
-def test_naming_an_eight_layer_translator_loads_its_source_and_backward():
+def test_the_defaults_load_the_15_layer_source_both_ways():
+    from mlx_kvlingo.models.demo.pair import defaults
     from mlx_kvlingo.models.loading import load_models_and_translators
 
-    pair, fwd, back = load_models_and_translators(
-        translator="forward-mixing-nu2-content-chat.safetensors"
-    )
-    assert pair.source.geometry.layers == fwd.config.source.layers == 8
-    assert back.config.target.layers == 8  # the 8-layer source's own default backward file
     pair, fwd, back = load_models_and_translators()
-    assert pair.source.geometry.layers == fwd.config.source.layers == back.config.target.layers
-    assert pair.source.geometry.layers == 15
+    assert pair.source.geometry.layers == fwd.config.source.layers == 15
+    assert back.config.target.layers == 15
+    with pytest.raises(FileNotFoundError, match="ships no translators for 'source'"):
+        defaults(source="source")  # the 8-layer source's translators left the tree

@@ -1,4 +1,5 @@
-"""The real demo pair: SmolLM2-135M-Instruct converted from its GGUF, and the pruned source."""
+"""The real demo pair: SmolLM2-135M-Instruct converted from its GGUF, and the pruned source
+(the 15-layer `weights/source15/`, the default)."""
 
 import importlib.metadata
 import math
@@ -127,7 +128,9 @@ def test_demo_source_between_target_and_chance(target, source):
     chance = tmodel.args.vocab_size
     for ids in (ttok.apply_chat_template(HELDOUT_CHAT), ttok.encode(HELDOUT_TEXT)):
         t_ppl, s_ppl = perplexity(tmodel, ids), perplexity(smodel, ids)
-        assert 2 * t_ppl < s_ppl < chance / 20, (t_ppl, s_ppl, chance)
+        # 15 layers, the first 8 the target's own: clearly weaker than the target (held-out
+        # perplexity 51.7 against 33.4, weights/source15/source.json), far from chance
+        assert 1.2 * t_ppl < s_ppl < chance / 20, (t_ppl, s_ppl, chance)
 
 
 def test_demo_source_quantized_variant_loads(cache, source):
@@ -142,19 +145,16 @@ def test_missing_source_weights_say_how_to_rebuild(monkeypatch, tmp_path):
     from mlx_kvlingo.models.demo.smollm2 import source_files
 
     monkeypatch.setenv("KVLINGO_WEIGHTS", str(tmp_path))
-    (tmp_path / "source").mkdir()
-    (tmp_path / "source" / "model.safetensors").write_bytes(b"")  # its config is missing
+    (tmp_path / "source15").mkdir()
+    (tmp_path / "source15" / "model.safetensors").write_bytes(b"")  # its config is missing
     with pytest.raises(
-        FileNotFoundError, match=r"source; .*weights\.build\.rebuild --only source`"
+        FileNotFoundError, match=r"source15; .*weights\.build\.rebuild --only source15`"
     ):
-        source_files()
-    (tmp_path / "source" / "source.json").write_text("{}")
+        source_files()  # the default folder: source15
+    (tmp_path / "source15" / "source.json").write_text("{}")
     assert [p.name for p in source_files()] == ["model.safetensors", "source.json"]
-
-
-@pytest.fixture(scope="session")
-def source15(cache):
-    return mlx_lm.load(str(smollm2.ensure_demo_source(dequantize=True, folder="source15")))
+    with pytest.raises(FileNotFoundError, match=r"rebuild --only source`"):
+        source_files("source")  # the 8-layer source: not shipped, the pipeline rebuilds it
 
 
 def layer_kv(model, ids: list[int]) -> list[tuple[mx.array, mx.array]]:
@@ -165,14 +165,14 @@ def layer_kv(model, ids: list[int]) -> list[tuple[mx.array, mx.array]]:
     return [(c.keys[..., : len(ids), :], c.values[..., : len(ids), :]) for c in cache]
 
 
-def test_source15_first_layers_are_the_targets_own(target, source15):
+def test_source15_first_layers_are_the_targets_own(target, source):
     """weights/source15 ships only its 7 healed layers; the first 8 are the target's, taken from
     it (8-bit) at assembly, so their K/V are the target's; layer 8 (healed) is not."""
     shipped = mx.load(str(smollm2.source_files("source15")[0]))
     assert {int(k.split(".")[2]) for k in shipped if k.startswith("model.layers.")} == set(
         range(8, 15)
     )
-    (tmodel, ttok), (smodel, _) = target, source15
+    (tmodel, ttok), (smodel, _) = target, source
     assert len(smodel.layers) == 15
     ids = ttok.encode(HELDOUT_TEXT)
     t_kv, s_kv = layer_kv(tmodel, ids), layer_kv(smodel, ids)

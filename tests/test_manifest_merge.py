@@ -94,3 +94,27 @@ def test_a_fresh_manifest_gets_defaults(tmp_path):
     assert json.loads(path.read_text()) == {
         "moe": {"translators": [_row("f.safetensors")], "default": {"forward": "f.safetensors"}}}  # fmt: skip
     assert not list(tmp_path.glob(".*"))  # written atomically: no temporary file left
+
+
+def test_a_rebuild_for_another_demo_source_fills_its_by_source_part(tmp_path):
+    """The 8-layer source's grid (`translators` step), rebuilt into a manifest whose default
+    source is another: its rows are added, its defaults go to by_source["source"] (filled where
+    none), and the default, "pair" and "command" of the default source are kept."""
+    build = build_module("translators")
+    path = tmp_path / "manifest.json"
+    start = {**_manifest(), "default": {**_manifest()["default"], "source": "source15"}}
+    path.write_text(json.dumps(start))
+    rebuilt = [_row("forward-a.safetensors", kl=0.1), _row("backward-a.safetensors", "backward")]
+    build.write_manifest(path, rebuilt, "python -m weights.build.translators --steps 1")
+    m = json.loads(path.read_text())
+    assert m["default"] == start["default"] and "previous_default" not in m
+    assert (m["pair"], m["command"], m["moe"]) == (start["pair"], "old", start["moe"])
+    assert m["by_source"] == {"source": {"forward": "forward-a.safetensors",
+                                         "backward": "backward-a.safetensors"}}  # fmt: skip
+    merge = build_module("manifest").merge_rows  # a later register step's --default for it
+    merge(path, [_row("forward-new.safetensors")], default={"forward": "forward-new.safetensors"},
+          demo_source="source")  # fmt: skip
+    m = json.loads(path.read_text())
+    assert m["by_source"]["source"] == {"forward": "forward-new.safetensors",
+                                        "backward": "backward-a.safetensors"}  # fmt: skip
+    assert m["default"] == start["default"]

@@ -144,7 +144,7 @@ def test_demo_wheel_ships_the_defaults_only(venv):
                if n.startswith("mlx_kvlingo_demo/")}  # fmt: skip
     want = {"__init__.py", "manifest.json", "moe/deltas.safetensors", "moe/moe.json"}
     for pair in ("dense", "moe"):
-        source = manifest(pair)["default"].get("source", "source")
+        source = manifest(pair)["default"]["source"]
         want |= {f"{source}/model.safetensors", f"{source}/source.json"}
         want |= {f"translators/{defaults(pair)[d]}" for d in ("forward", "backward")}
     assert shipped == want

@@ -1,5 +1,7 @@
 """Add a translator file to weights/translators and weights/manifest.json with its held-out
 figures (the JSON of `kvlingo eval --json`, per domain), and optionally make it the default.
+The copy in translators/ stores its tensors in float16 (`copy_float16`): half the bytes, and
+loading computes in float32 on a CPU; the held-out figures are those of that copy.
 
     python -m weights.build.add_translator weights/stage2-runs/forward-mixing-nu2-longer.safetensors \
         --eval dialogues=d.json --eval prose=p.json --eval technical=t.json --default
@@ -14,20 +16,33 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
+from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.models.demo.pair import demo_data, demo_models, source_for
 from mlx_kvlingo.models.demo.smollm2 import DEMO_SOURCES
 from mlx_kvlingo.models.files import read_metadata
 
+import mlx.core as mx
+
 from .manifest import merge_rows
 
 WEIGHTS = Path(__file__).resolve().parents[1]
+
+
+def copy_float16(src: Path, dest: Path) -> Path:
+    """Write the translator file `src` to `dest` (may be `src` itself) with its tensors in
+    float16 and its metadata's `dtype` saying so; the rest of the metadata as it was."""
+    meta = read_metadata(src)
+    tensors = {k: v.astype(mx.float16) for k, v in mx.load(str(src)).items()}
+    meta["dtype"] = "float16"
+    with atomic_write(dest) as tmp:
+        mx.save_safetensors(str(tmp), tensors, metadata={"kvlingo": json.dumps(meta)})
+    return dest
 
 
 def kvlingo_eval(translator: Path, data: str, examples: int, pair: str,
@@ -90,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         sub += f"{args.demo_source}/"
     dest = WEIGHTS / "translators" / sub / args.file.name
     dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(args.file, dest)
+    copy_float16(args.file, dest)
     evals = {}
     for item in args.eval:
         domain, path = item.split("=", 1)

@@ -7,7 +7,9 @@ cache loss) that holds the continuation figures. The held-out best (KL on held-o
 ordinary examples together) is written to `--out`/`--name`.safetensors; the checkpoints and
 the target's cached answers go beside it, so an interrupted run resumes.
 
-    OPENBLAS_NUM_THREADS=1 python -m weights.build.content_stage2
+    OPENBLAS_NUM_THREADS=1 python -m weights.build.content_stage2 --init FILE
+
+(`python -m weights.build.rebuild --list`: the steps that run it, with their `--init`.)
 
 Why these settings: weights/QUALITY.md, "Training the maps on the target's answers".
 """
@@ -27,8 +29,7 @@ WEIGHTS = Path(__file__).resolve().parents[1]
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--init", type=Path,
-                    default=WEIGHTS / "translators" / "forward-mixing-nu2-assistant.safetensors")  # fmt: skip
+    ap.add_argument("--init", type=Path, required=True, help="the translator to continue from")
     ap.add_argument("--content", type=int, default=256, help="content examples")
     ap.add_argument("--content-lengths", default="128,256")
     ap.add_argument("--ordinary", type=int, default=256, help="ordinary examples")

@@ -32,15 +32,15 @@ def merge_rows(
 
     `fields` (e.g. "pair", "command") are set on that part; `default` ({direction: file}) sets
     those defaults; `initial_default` only fills directions that have none. Returns the manifest.
-    `demo_source`: the demo small model (`weights/<folder>`) the rows read; `default` then sets
-    that source's defaults: the part's "default" when it is the part's default source, else
-    "by_source"[folder]. `default_source`: make it the part's default source; the defaults of
-    the one it replaces move to "by_source".
+    `demo_source`: the demo small model (`weights/<folder>`) the rows read; `default` and
+    `initial_default` then set that source's defaults: the part's "default" when it is the
+    part's default source, else "by_source"[folder] (and `fields` are not set: they describe
+    the part's default source). `default_source`: make it the part's default source; the
+    defaults of the one it replaces move to "by_source".
     """
     manifest = json.loads(path.read_text()) if path.exists() else {}
     part = manifest if section is None else manifest.setdefault(section, {})
     mine = {r["file"] for r in rows}
-    part.update(fields or {})
     part["translators"] = [r for r in part.get("translators", []) if r["file"] not in mine] + rows
     if demo_source is not None:
         current = (part.get("default") or {}).get("source", "source")
@@ -52,9 +52,11 @@ def merge_rows(
             part["default"] = {**by_source.pop(demo_source, {}), "source": demo_source}
         elif demo_source != current:
             own = part.setdefault("by_source", {}).setdefault(demo_source, {})
+            own.update({d: f for d, f in (initial_default or {}).items() if f and not own.get(d)})
             own.update({d: f for d, f in (default or {}).items() if f})
             write_text(path, json.dumps(manifest, indent=1))
             return manifest
+    part.update(fields or {})
     old = dict(part.get("default") or {})
     new = {d: f for d, f in (initial_default or {}).items() if f and not old.get(d)}
     new |= {d: f for d, f in (default or {}).items() if f}

@@ -105,7 +105,8 @@ def write_manifest(path: Path, rows: list[dict], command: str, set_default: bool
     pair = {"source": "SmolLM2-demo-source (weights/source)",
             "target": "SmolLM2-135M-MoE (weights/moe)"}  # fmt: skip
     manifest = merge_rows(path, rows, section="moe", fields={"pair": pair, "command": command},
-                          default=best if set_default else None, initial_default=best)  # fmt: skip
+                          default=best if set_default else None, initial_default=best,
+                          demo_source="source")  # fmt: skip
     moe = manifest["moe"]
     write_section(WEIGHTS / "QUALITY.md", "moe-pair", quality_markdown(moe["translators"], command))
     console.print(f"defaults: {moe['default']}")

@@ -164,7 +164,8 @@ STEPS: tuple[Step, ...] = (
         expected="not recorded (kvlingo eval on 40 + 24 + 24 + 40 held-out examples)", needs=TARGET,
     ),
     Step(
-        "content_stage2", "weights.build.content_stage2", (),
+        "content_stage2", "weights.build.content_stage2",
+        ("--init", "weights/translators/forward-mixing-nu2-assistant.safetensors"),
         "stage 2 continued from the assistant default on `kvlingo calibrate`'s no-data set "
         "(shipped text + content tasks answered by the target), with the K/V term",
         reads=("weights/translators/forward-mixing-nu2-assistant.safetensors", *SOURCE),

@@ -96,7 +96,8 @@ def write_manifest(path: Path, rows: list[dict], command: str, set_default: bool
     best = {d: r and r["file"] for d, r in best.items()}
     pair = {"source": "SmolLM2-demo-source (weights/source)", "target": "SmolLM2-135M-Instruct"}
     return merge_rows(path, rows, fields={"pair": pair, "command": command},
-                      default=best if set_default else None, initial_default=best)  # fmt: skip
+                      default=best if set_default else None, initial_default=best,
+                      demo_source="source")  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:

@@ -7,7 +7,8 @@ source exactly as the demo assembles it (8-bit layers, dequantized to float32), 
 first few steps at a short linear ramp so they do not jolt the weights), and reports the
 held-out perplexity (the 32 held-out windows of source.json) every --eval-every steps. It
 writes the curve to --out/healing_curve.json; it does not replace weights/source/ (a new
-source would invalidate every shipped translator).
+source would invalidate every shipped translator). It needs the 8-layer `weights/source/`, which
+is not in the tree: `python -m weights.build.rebuild --only source` rebuilds it.
 
     OPENBLAS_NUM_THREADS=1 python -m weights.experiments.continue_healing --max-minutes 25
 """
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     target_dir = smollm2.ensure_smollm2(dequantize=True)
     teacher, tokenizer, _ = mlx_lm.load(str(target_dir), return_config=True)
     teacher.freeze()
-    student, _ = mlx_lm.load(str(smollm2.ensure_demo_source(dequantize=True)))
+    student, _ = mlx_lm.load(str(smollm2.ensure_demo_source(dequantize=True, folder="source")))
     student.freeze()
     for layer in student.model.layers:
         layer.unfreeze()

@@ -4,7 +4,7 @@ or the default policy (`--reader auto`: the small reads the opening and long tur
 look at what the reader mode's deviation does to later answers.
 
     python -m weights.experiments.reader_check --reader small
-    python -m weights.experiments.reader_check --reader self --translator forward-mixing-nu2-assistant.safetensors
+    python -m weights.experiments.reader_check --reader self
 """
 
 from __future__ import annotations

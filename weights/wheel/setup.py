@@ -20,7 +20,7 @@ def demo_files() -> list[str]:
     files = {"manifest.json", *MOE_FILES}
     for section in (manifest, manifest["moe"]):
         default = section["default"]
-        files.update(f"{default.get('source', 'source')}/{name}" for name in SOURCE_FILES)
+        files.update(f"{default['source']}/{name}" for name in SOURCE_FILES)
         files.update(f"translators/{default[d]}" for d in ("forward", "backward"))
     missing = sorted(f for f in files if not (WEIGHTS / f).is_file())
     if missing:

