@@ -7,9 +7,9 @@ from dataclasses import replace
 
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.conversation.records import status_line
+from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import Cost, Paths, ReadCosts, costs_of
-from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.warmup import PROBE_READ, warm_up
 
 import pytest
