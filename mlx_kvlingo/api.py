@@ -458,7 +458,8 @@ class Runtime:
         if settings not in self._retention:
             k = retention.key(self.pair, self.forward, policy)
             found = retention.load(k)
-            if found is None and (shipped := shipped_retention(k["forward"]["weights"], *settings)):
+            path = getattr(self.forward, "path", None)
+            if found is None and path and (shipped := shipped_retention(path, *settings)):
                 found = retention.Retention.from_dict(shipped)
             self._retention[settings] = found
         return self._retention[settings]

@@ -271,6 +271,39 @@ def test_retention_is_kept_in_the_cache_folder_and_found_by_the_runtime(
     assert Runtime(pair, fwd, bwd).retention() is None  # a broken file: unmeasured
 
 
+def test_a_demo_translator_ships_its_retention_and_a_measured_one_wins(
+    pair, translators, tmp_path, monkeypatch
+):
+    """The demo's default forward file carries its retention in the manifest (found by the
+    file the translator came from, whatever dtype it computes in); one measured on this pair
+    (`kvlingo eval --task content`, in the cache folder) takes its place."""
+    from mlx_kvlingo.api import Runtime
+    from mlx_kvlingo.conversation import retention
+    from mlx_kvlingo.models.demo import pair as demo
+
+    monkeypatch.setattr(retention, "path_for", lambda k, d=None: tmp_path / retention.digest(k))
+    fwd, bwd = translators
+    shipped = tmp_path / "forward.safetensors"
+    shipped.write_bytes(b"")
+    entry = {"large_reads_last": 32, "recompute_share": 0.1, "points": [[1024, 0.9], [4096, 0.1]],
+             "source": "kvlingo eval --task content"}  # fmt: skip
+    monkeypatch.setattr(demo, "manifest", lambda p="dense": {"default": {"retention": entry}})
+    monkeypatch.setattr(demo, "translator_path", lambda *a, **k: shipped)
+    fwd.path = shipped
+    try:
+        got = Runtime(pair, fwd, bwd).retention()
+        assert got == Retention(((1024, 0.9), (4096, 0.1)), "kvlingo eval --task content")
+        assert Runtime(pair, fwd, bwd).retention(ReaderPolicy(large_reads_last=8)) is None
+        fwd.path = tmp_path / "another.safetensors"
+        assert Runtime(pair, fwd, bwd).retention() is None  # not the shipped file
+        fwd.path = shipped
+        measured = Retention(((512, 0.5),), "measured here")
+        retention.save(retention.key(pair, fwd, ReaderPolicy()), measured)
+        assert Runtime(pair, fwd, bwd).retention() == measured
+    finally:
+        del fwd.path
+
+
 def opening_tie(pair, n0: int, ratio: float) -> ReadCosts:
     """Costs under which the small path of an opening turn of n0 tokens is `ratio` x the
     large path: large = b * n0, small = 2 c (n0 - 1) + b."""

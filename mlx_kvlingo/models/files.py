@@ -228,6 +228,7 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
     # evaluate now: a lazy cast would carry this thread's stream into the thread that
     # translates (a server's worker), where MLX refuses it ("no Stream(cpu, 0) in thread")
     mx.eval(tr.parameters())
+    tr.path = path  # where it came from (a demo's shipped file carries its measured retention)
     return tr
 
 

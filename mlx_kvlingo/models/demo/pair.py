@@ -45,20 +45,19 @@ def manifest(pair: str = "dense") -> dict:
     return m[pair]
 
 
-def shipped_retention(weights: str, large_reads_last: int, recompute_share: float) -> dict | None:
-    """The content retention a demo pair's default forward translator ships with (manifest
-    `default.retention`: {"weights", "large_reads_last", "recompute_share", "points",
-    "source"}), where its weight fingerprint and reader settings match; else None."""
+def shipped_retention(path, large_reads_last: int, recompute_share: float) -> dict | None:
+    """The content retention a demo pair's default forward translator file `path` ships with
+    (manifest `default.retention`: {"large_reads_last", "recompute_share", "points",
+    "source"}) for these reader settings; else None."""
     for pair in PAIRS:
         try:
             r = manifest(pair)["default"].get("retention")
-        except (FileNotFoundError, KeyError, ValueError):
+            if not r or Path(path).resolve() != translator_path(pair=pair).resolve():
+                continue
+        except (FileNotFoundError, KeyError, ValueError, OSError):
             continue
-        if r and (r.get("weights"), r.get("large_reads_last"), r.get("recompute_share")) == (
-            weights,
-            large_reads_last,
-            recompute_share,
-        ):
+        settings = (r.get("large_reads_last"), r.get("recompute_share"))
+        if settings == (large_reads_last, recompute_share):
             return r
     return None
 
