@@ -85,6 +85,21 @@ def test_a_moe_rebuild_and_an_added_row_keep_the_rest(tmp_path, monkeypatch):
     assert len(m["translators"]) == 4 and len(m["moe"]["translators"]) == 2
 
 
+def test_a_new_default_forward_drops_the_retention_measured_for_the_old_one(tmp_path):
+    merge = build_module("manifest").merge_rows
+    path = tmp_path / "manifest.json"
+    kept = {"large_reads_last": 32, "recompute_share": 0.1, "points": [[1024, 0.8]]}
+    first = _manifest()
+    first["default"]["retention"] = kept
+    path.write_text(json.dumps(first))
+    merge(path, [_row("backward-b.safetensors", "backward")],
+          default={"backward": "backward-b.safetensors"})  # fmt: skip
+    assert json.loads(path.read_text())["default"]["retention"] == kept  # same forward file
+    merge(path, [_row("forward-new.safetensors")], default={"forward": "forward-new.safetensors"})
+    m = json.loads(path.read_text())
+    assert "retention" not in m["default"] and m["previous_default"]["retention"] == kept
+
+
 def test_a_fresh_manifest_gets_defaults(tmp_path):
     merge = build_module("manifest").merge_rows
     path = tmp_path / "manifest.json"

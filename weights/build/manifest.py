@@ -62,6 +62,9 @@ def merge_rows(
     new |= {d: f for d, f in (default or {}).items() if f}
     if any(old.get(d) and old[d] != f for d, f in new.items()):
         part["previous_default"] = old
+    if new.get("forward", old.get("forward")) != old.get("forward"):
+        # measured for the forward file that leaves the default (previous_default keeps it)
+        old = {k: v for k, v in old.items() if k != "retention"}
     part["default"] = {**old, **new}
     write_text(path, json.dumps(manifest, indent=1))
     return manifest
