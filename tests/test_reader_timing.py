@@ -237,6 +237,11 @@ def test_auto_weighs_what_the_small_path_keeps(pair, translators):
     sooner = f"{(as_predicted.ttft_s - opening.alternative_ttft_s) * 1e3:.0f} ms sooner"
     assert f"{sooner}, keeping ≈{opening.retention:.2f})" in status_line(as_predicted, NAMES)
     assert short.read is not None and short.read_note == ""  # a short turn keeps 0.95
+    # where time picks the large model anyway, retention is not what decided
+    u = Session(pair, fwd, bwd, read_costs=ReadCosts.fixed(**LARGE_FAST), policy=PLAIN,
+                retention=kept)  # fmt: skip
+    talk(u, [long])
+    assert u.turns[0].read_note == "reader auto: the faster" and u.turns[0].retention is None
     # the threshold at 0: time alone, the small reads the long turn too
     t = Session(pair, fwd, bwd, read_costs=ReadCosts.fixed(**SMALL_FAST),
                 policy=replace(PLAIN, min_retention=0.0), retention=kept)  # fmt: skip

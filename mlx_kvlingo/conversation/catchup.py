@@ -104,6 +104,7 @@ class CatchUp:
         replaced (the transcript only read). `retention`: what the forward translator keeps at
         each length under this policy (reader "auto"; None: unmeasured)."""
         self.retention = retention
+        self.kept_for: float | None = None  # the last choice's retention, where it decided
         self.pair, self.forward, self.backward, self.remote = pair, forward, backward, remote
         self.transcript, self.models, self.switches = transcript, models, switches
         self.cancel, self.read_costs = cancel, read_costs
@@ -308,6 +309,7 @@ class CatchUp:
     def choice(self, name: str, upto: int) -> tuple[bool, str, Paths | None]:
         """Does the small model read [large's held, upto) for `name` this turn (reader policy,
         see session.py)? (yes or no, a note for the status line, the lengths)."""
+        self.kept_for = None
         if name != "target" or self.forward is None or self.mode == "reprefill":
             return False, "", None  # reprefill is the reference: the answering model reads it all
         p, paths = self.policy, self._paths(upto)
@@ -325,8 +327,12 @@ class CatchUp:
         return small, why, paths
 
     def _reader_rule(self, upto: int, paths: Paths | None) -> tuple[bool, str]:
-        """The reader policy's choice: (the small model reads, why the large reads itself)."""
+        """The reader policy's choice: (the small model reads, why the large reads itself).
+        Reader "auto" decides by time (the token rule on a tie or before any timing), then
+        turns a small path down where its measured retention is under `min_retention`
+        (`kept_for`: that retention, else None)."""
         p = self.policy
+        self.kept_for = None
         if p.reader in ("small", "self"):
             return p.reader == "small", ""
         held = self.models["target"].held
@@ -334,17 +340,20 @@ class CatchUp:
         under = f"the large reads turns under {p.reader_min_tokens} tok"
         if p.reader == "tokens":
             return rule, "" if rule else f"reader tokens: {under}"
-        kept = self.retention_at(upto)
-        if kept is not None and kept < p.min_retention:
-            return False, (f"reader auto: the small path keeps ≈{kept:.2f} of the content at "
-                           f"{upto + 1 - held:,} tok, under {p.min_retention:g}")  # fmt: skip
         large = None if paths is None else paths.large(self.read_costs)
         small = None if paths is None else paths.small(self.read_costs)
         if large is None or small is None:
-            return rule, "" if rule else f"reader auto, not timed yet: {under}"
-        if abs(large - small) <= p.reader_margin * min(large, small):
-            return rule, "" if rule else f"reader auto, a tie: {under}"
-        return small < large, "" if small < large else "reader auto: the faster"
+            small_reads, why = rule, "" if rule else f"reader auto, not timed yet: {under}"
+        elif abs(large - small) <= p.reader_margin * min(large, small):
+            small_reads, why = rule, "" if rule else f"reader auto, a tie: {under}"
+        else:
+            small_reads, why = small < large, "" if small < large else "reader auto: the faster"
+        kept = self.retention_at(upto)
+        if small_reads and kept is not None and kept < p.min_retention:
+            self.kept_for = kept
+            return False, (f"reader auto: the small path keeps ≈{kept:.2f} of the content at "
+                           f"{upto + 1 - held:,} tok, under {p.min_retention:g}")  # fmt: skip
+        return small_reads, why
 
     def retention_at(self, upto: int) -> float | None:
         """Reader "auto": the retention expected where the large model lacks

@@ -103,8 +103,8 @@ class TurnStats:
     #: itself (its prefill plus its first step; kept under its old name)
     alone_prefill_s: float | None = None
     read_note: str = ""  # why the large read the new turn itself (readers "auto", "tokens")
-    #: reader "auto" with measured retention: what the small path was expected to keep of the
-    #: content at this turn's length (retention.py)
+    #: reader "auto" turned the faster small path down: what it was expected to keep of the
+    #: content at this turn's length (retention.py), under `min_retention`
     retention: float | None = None
     #: the other way of reading this turn, its TTFT predicted from the rates measured on this
     #: pair (conversation/timing.py): the large reading itself when the small read, the small

@@ -424,7 +424,7 @@ class Session:
         finish_reason) and returns the predicted paths (None where no prediction applies)."""
         catchup = self.catchup
         small, stats.read_note, paths = catchup.choice(name, n0 - 1)
-        stats.retention = catchup.retention_at(n0 - 1) if name == "target" else None
+        stats.retention = catchup.kept_for if name == "target" else None
         if paths is not None:  # what was predicted for the path taken
             stats.predicted_ttft_s = (paths.small if small else paths.large)(self.read_costs)
         upto = n0 - 1  # the answering model reads at least the last token itself
