@@ -603,6 +603,12 @@ class Conversation:
         self._locked(change, True, None)
 
     @property
+    def retention(self) -> Retention | None:
+        """What the small path keeps of a turn's content by length, which reader "auto" weighs
+        for this policy (`Runtime.retention`; None: not measured)."""
+        return self._session.retention
+
+    @property
     def tokens(self) -> int:
         """Length of the conversation in tokens."""
         return len(self._session.tokens)

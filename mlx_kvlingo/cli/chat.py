@@ -91,9 +91,17 @@ def describe_reader(conv) -> str:
     if conv.policy.reader == "tokens":
         return rule + last
     if conv.policy.reader == "auto":
+        kept = conv.retention
+        keeps = (f", but the small path only where it keeps {conv.policy.min_retention:g}+ of "
+                 f"the content at that length (measured: {_points(kept)})"
+                 if kept is not None and conv.policy.min_retention else "")  # fmt: skip
         return (f"whichever starts the answer sooner at the rates measured here; within "
-                f"{conv.policy.reader_margin:.0%}, {rule}{last}")  # fmt: skip
+                f"{conv.policy.reader_margin:.0%}, {rule}{keeps}{last}")  # fmt: skip
     return "the answering model reads your turn itself"
+
+
+def _points(kept) -> str:
+    return ", ".join(f"{r:.2f} at {n:,} tok" for n, r in kept.points)
 
 
 class ChatApp:
