@@ -330,9 +330,8 @@ class CatchUp:
         """The reader policy's choice: (the small model reads, why the large reads itself).
         Reader "auto" decides by time (the token rule on a tie or before any timing), then
         turns a small path down where its measured retention is under `min_retention`
-        (`kept_for`: that retention, else None)."""
+        (`kept_for`, reset by `choice`: that retention)."""
         p = self.policy
-        self.kept_for = None
         if p.reader in ("small", "self"):
             return p.reader == "small", ""
         held = self.models["target"].held
