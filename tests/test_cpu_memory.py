@@ -107,7 +107,7 @@ import json, resource, sys
 import mlx_kvlingo
 import mlx.core as mx
 from mlx_kvlingo.kv.capture import SpanKV
-from mlx_kvlingo.kv.translate import append_translation, reserve_translation_memory
+from mlx_kvlingo.kv.translator import append_translation, reserve_translation_memory
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.models.pair import load_pair
 sys.path.insert(0, "tests")

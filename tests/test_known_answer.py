@@ -69,7 +69,7 @@ def test_span_starting_after_zero(pair, tiny_dir):
     tgt = new_cache(pair.target)
     pair.target.model(mx.array(tokens[:p0])[None], cache=tgt)
     from mlx_kvlingo.kv.capture import capture_from_cache
-    from mlx_kvlingo.kv.translate import append_translation
+    from mlx_kvlingo.kv.translator import append_translation
 
     span = capture_from_cache(pair.source, h.source_cache, p0, len(tokens) - 1)
     assert span.start == p0

@@ -171,7 +171,7 @@ def test_a_cache_folder_that_cannot_be_written_only_measures(tiny_dir, tmp_path,
 
 def test_rates_round_trip_and_malformed_ones_are_refused():
     from mlx_kvlingo.conversation.timing import ReadCosts
-    from mlx_kvlingo.kv.map_reading import MapReading
+    from mlx_kvlingo.kv.translator import MapReading
 
     costs = ReadCosts.fixed(source_read=(0.01, 0.001), target_read=(0.02, 0.01))
     again = ReadCosts.from_dict(json.loads(json.dumps(costs.to_dict())))

@@ -2,14 +2,19 @@
 
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import capture_from_cache, prefill
-from mlx_kvlingo.kv.map_reading import MARGIN, STRATEGIES, MapReading, measure, pick, rule
 from mlx_kvlingo.kv.rope import unrotate
 from mlx_kvlingo.kv.translator import (
+    MARGIN,
+    STRATEGIES,
+    MapReading,
     Side,
     Translator,
     TranslatorConfig,
     k_norm_all,
+    measure,
     nearest_layer_map,
+    pick,
+    rule,
 )
 from mlx_kvlingo.models.pair import TokenizerMismatchError, load_model, load_pair
 
@@ -213,7 +218,7 @@ def test_native_first_written_into_the_cache_equals_the_spliced_translation(mode
     from dataclasses import replace
 
     from mlx_kvlingo.kv.cache import append_kv
-    from mlx_kvlingo.kv.translate import append_translation
+    from mlx_kvlingo.kv.translator import append_translation
 
     pair = load_pair(models["qwen3"], models["qwen3_moe"])
     plain = random_translator(pair, "mixing", 2)
@@ -274,7 +279,7 @@ def test_map_features_match_the_formula_per_layer(
 ):
     """The batched maps (no per-layer copies) equal the formula evaluated layer by layer,
     for a batch of 2 and a layer map that reads source layers out of order, by every way of
-    reading the source (map_reading.py), whether the maps read every source layer or some."""
+    reading the source (`MapReading`), whether the maps read every source layer or some."""
     tgt = models["qwen3_moe"] if variant == "mixing" else models["qwen3"]
     pair = load_pair(models["qwen3"], tgt)
     tr = random_translator(pair, variant, nu, bias=bias, dtype=dtype)

@@ -16,7 +16,7 @@ from mlx_kvlingo.cli._common import (
 from mlx_kvlingo.cli._params import OutputFile, SafetensorsFile
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import capture_from_cache, prefill
-from mlx_kvlingo.kv.translate import append_translation
+from mlx_kvlingo.kv.translator import append_translation
 
 import click
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache

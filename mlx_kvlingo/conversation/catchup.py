@@ -35,8 +35,7 @@ from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy
 from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, needs_recording, prefill
 from mlx_kvlingo.kv.recompute import Selection, recompute_attended, sentence_ends, special_ids
-from mlx_kvlingo.kv.translate import append_translation
-from mlx_kvlingo.kv.translator import Translator
+from mlx_kvlingo.kv.translator import Translator, append_translation
 from mlx_kvlingo.models.pair import LoadedModel, ModelPair
 
 if TYPE_CHECKING:  # annotations only: retention.py reads the cache folder

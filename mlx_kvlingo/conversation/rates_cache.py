@@ -34,7 +34,7 @@ from pathlib import Path
 from mlx_kvlingo._platform.atomic import write_text
 from mlx_kvlingo._platform.cachedir import cache_root
 from mlx_kvlingo.conversation.timing import ReadCosts
-from mlx_kvlingo.kv.map_reading import MapReading
+from mlx_kvlingo.kv.translator import MapReading
 
 SCHEMA = "mlx-kvlingo/rates"
 SCHEMA_VERSION = 2  # 2: samples hold where each read began (the attention term)

@@ -29,8 +29,8 @@ from mlx_kvlingo.conversation.timing import ReadCosts, costs_of
 from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.capture import capture_from_cache, needs_recording
 from mlx_kvlingo.kv.capture import prefill as capture_prefill
-from mlx_kvlingo.kv.map_reading import measure as measure_map_reading
-from mlx_kvlingo.kv.translate import append_translation, reserve_translation_memory
+from mlx_kvlingo.kv.translator import append_translation, reserve_translation_memory
+from mlx_kvlingo.kv.translator import measure as measure_map_reading
 
 import mlx.core as mx
 
@@ -143,7 +143,7 @@ def prime(pair, forward, backward=None, *, tokens: int = PRIME_TOKENS, sample=No
     all but the last token captured from the other model's cache, translated and appended to a
     scratch cache, the last token read over them and sampled."""
     # the first tokens of a message templated as a real turn is (or plain text): a translator
-    # that keeps the model's own first token computes that token's K/V once (`anchor.py`)
+    # that keeps the model's own first token computes that token's K/V once (`kv/translator.first_token_kv`)
     scratch = Session(pair, None, None)
     scratch.add_user(_text(pair.tokenizer, tokens))
     ids = (scratch.tokens * 2)[: max(tokens, 2)]

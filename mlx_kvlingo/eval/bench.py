@@ -37,9 +37,8 @@ from mlx_kvlingo.conversation.timing import ReadCosts
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.report import md_row, md_table
 from mlx_kvlingo.kv.cache import new_cache
-from mlx_kvlingo.kv.map_reading import measure as measure_map_reading
-from mlx_kvlingo.kv.translate import reserve_translation_memory
-from mlx_kvlingo.kv.translator import Translator
+from mlx_kvlingo.kv.translator import Translator, reserve_translation_memory
+from mlx_kvlingo.kv.translator import measure as measure_map_reading
 from mlx_kvlingo.models.pair import LoadedModel, ModelPair, describe_model
 
 import mlx.core as mx

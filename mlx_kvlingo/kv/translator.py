@@ -9,17 +9,22 @@ listed for target layer t are concatenated per token and mapped:
 Mapped keys then get the target's own k_norm (if the translator works at the pre-norm cut)
 and are rotated with the target's RoPE at their true absolute positions. All target layers
 are mapped in one batched matmul; nothing loops over heads or tokens.
+
+The module's parts, in order: the geometry and config (`Side`, `TranslatorConfig`); the
+`Translator`; the anchor token (position 0 kept native); how the maps read the source
+(`MapReading`); and writing a translated span into a cache (`append_translation`).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import numbers
+import time
 from dataclasses import dataclass, field
 
-from mlx_kvlingo.kv.anchor import with_native_first
+from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.capture import SpanKV, check_cut
-from mlx_kvlingo.kv.map_reading import MapReading, SourceRows, product
 from mlx_kvlingo.kv.rope import rotate, rotate_sum
 
 import mlx.core as mx
@@ -60,7 +65,7 @@ class TranslatorConfig:
     value_layers: tuple[tuple[int, ...], ...]
     key_cut: str = "post_norm"
     bias: bool = False
-    #: the target keeps its own K/V for position 0 (see `anchor.py`): the first token is an
+    #: the target keeps its own K/V for position 0 (the anchor token, below): the first token is an
     #: attention sink whose K/V depend only on its id, so they are computed once, not per prompt
     native_first: bool = False
     metadata: dict = field(default_factory=dict, compare=False)
@@ -179,7 +184,7 @@ class Translator(nn.Module):
             self.value["bias"] = mx.zeros(shapes["value.bias"], dtype=dtype)
         self._key_index = mx.array(config.key_layers)
         self._value_index = mx.array(config.value_layers)
-        self.reading = MapReading()  # how the maps read the source (map_reading.py)
+        self.reading = MapReading()  # how the maps read the source (`MapReading` below)
         self.__dict__["_rows_cache"] = {}  # kind -> (index, SourceRows); not a parameter
 
     # -- the maps -------------------------------------------------------------------------
@@ -411,3 +416,267 @@ def identity_translator(config: TranslatorConfig) -> Translator:
             mx.concatenate([eye] + [mx.zeros_like(eye)] * (nu - 1)), shape
         )
     return tr
+
+
+# -- the anchor token: the target keeps its own K/V for the conversation's first token ------
+#
+# Position 0 is an attention sink in most LMs: huge-norm keys/values that every later token
+# attends to. Its K/V depend only on the token id (nothing precedes it), so the target's own
+# K/V for it are computed once per (model, token id) and reused: exact at no per-prompt cost.
+# Translators with `native_first` are calibrated without position 0 and keep it native.
+
+_CACHE_ATTR = "_kvlingo_first_token_kv"
+
+
+def first_token_kv(target, token: int) -> tuple[mx.array, mx.array]:
+    """The target's native keys and values for `token` at position 0, stacked over layers
+    as (L, 1, H, 1, D) float32; computed once per (model, token id)."""
+    memo = target.__dict__.setdefault(_CACHE_ATTR, {})
+    if token not in memo:
+        cache = new_cache(target)
+        target.model(mx.array([[token]]), cache=cache)
+        keys = mx.stack([c.keys[..., :1, :] for c in cache]).astype(mx.float32)
+        values = mx.stack([c.values[..., :1, :] for c in cache]).astype(mx.float32)
+        mx.eval(keys, values)
+        memo[token] = (keys, values)
+    return memo[token]
+
+
+def with_native_first(
+    target, token: int, keys: mx.array, values: mx.array, token_major: bool = False
+) -> tuple[mx.array, mx.array]:
+    """Position 0 of stacked translated K/V, (L, B, H, T, D) or with `token_major` (L, B, T,
+    H, D), replaced by the target's own. Written in place: a freshly computed array gives
+    its buffer to the update, so the rest is not copied (a concatenate copied all of it)."""
+    k0, v0 = first_token_kv(target, token)
+
+    def put(first, rest):
+        L, B = rest.shape[:2]
+        first = first.transpose(0, 1, 3, 2, 4) if token_major else first
+        first = mx.broadcast_to(first, (L, B, *first.shape[2:])).astype(rest.dtype)
+        if token_major:
+            rest[:, :, :1] = first
+        else:
+            rest[..., :1, :] = first
+        return rest
+
+    return put(k0, keys), put(v0, values)
+
+
+def with_native_first_layers(target, token: int, keys: list, values: list) -> tuple[list, list]:
+    """The same for per-layer lists of (B, H, T, D) arrays (methods that build layers apart)."""
+    k0, v0 = first_token_kv(target, token)
+
+    def splice(first, rest):
+        first = mx.broadcast_to(first, (rest.shape[0], *first.shape[1:])).astype(rest.dtype)
+        return mx.concatenate([first, rest[..., 1:, :]], axis=2)
+
+    return [splice(a, k) for a, k in zip(k0, keys)], [splice(a, v) for a, v in zip(v0, values)]
+
+
+# -- how the maps read the source ---------------------------------------------------------
+#
+# A map for target layer t multiplies the K/V of the nu source layers its row names by W_t.
+# The same products can be computed in more than one way, and which is fastest depends on
+# the shapes (how many source layers are read, how many target layers read each one, the
+# token count) and on the backend:
+#
+# - `in_place`: `mx.gather_mm` reads each target layer's source layer where it lies; no copy
+#   of the source per target layer (MLX's CPU kernel: float32 only).
+# - `gathered`: the source layers are gathered per target layer first, then one batched
+#   matmul (on GPUs the copy is cheap and `gather_mm` is built for MoE routing).
+#
+# Both read only the source layers some target layer uses: a mixing map needs a token's heads
+# side by side, which costs one copy of the source, and a translator into a shallower target
+# (28 source layers, 8 target layers) should not copy the 20 it never reads.
+#
+# `MapReading` holds the rule (`RULE`) and, once `measure` has run (at load, in the warm-up,
+# or in `kvlingo bench`), the strategy measured fastest per map kind and token-count bucket.
+
+STRATEGIES = ("in_place", "gathered")
+#: token counts a measurement times; a span uses the one nearest in log scale. A 1024 bucket
+#: would add ~2.5 s to the dense demo's 9 s warm-up, so longer spans rely on MARGIN below
+BUCKETS = (64, 256)
+#: the rule's strategy is kept unless another is faster by more than this share: two
+#: strategies within noise of each other at 256 tokens were 1.6x apart at 1024
+MARGIN = 0.10
+
+
+def rule(dtype: mx.Dtype) -> str:
+    """The strategy without a measurement: in place where MLX's kernel exists (CPU float32)."""
+    return "in_place" if _in_place_applies(dtype) else "gathered"
+
+
+def _in_place_applies(dtype: mx.Dtype) -> bool:
+    return dtype == mx.float32 and mx.default_device() == mx.cpu
+
+
+@dataclass(frozen=True)
+class SourceRows:
+    """The source layers a map reads (`used`, ascending) and its layer map re-indexed into
+    them (`index`, (Lt, nu)); `everything` when all source layers are read in order."""
+
+    used: mx.array
+    index: mx.array
+    everything: bool
+
+    @classmethod
+    def of(cls, rows: tuple[tuple[int, ...], ...], source_layers: int) -> SourceRows:
+        used = sorted({s for r in rows for s in r})
+        where = {s: i for i, s in enumerate(used)}
+        return cls(
+            mx.array(used),
+            mx.array([[where[s] for s in r] for r in rows]),
+            used == list(range(source_layers)),
+        )
+
+    def select(self, x: mx.array) -> mx.array:
+        """x (Ls, ...) -> the used layers only (a view when all are used)."""
+        return x if self.everything else x[self.used]
+
+
+@dataclass
+class MapReading:
+    """The strategy per (kind, token count measured); empty until `measure` fills it (until
+    then, and for a dtype the measured strategy cannot run in, the rule)."""
+
+    chosen: dict[tuple[str, int], str] = field(default_factory=dict)
+    #: seconds per strategy per (kind, bucket), from the last measurement (for reports)
+    timings: dict[tuple[str, int], dict[str, float]] = field(default_factory=dict)
+
+    def strategy(self, kind: str, n_tokens: int, dtype: mx.Dtype) -> str:
+        measured = [n for k, n in self.chosen if k == kind]
+        if not measured:
+            return rule(dtype)
+        nearest = min(measured, key=lambda n: abs(math.log(max(n_tokens, 1) / n)))
+        got = self.chosen[(kind, nearest)]
+        return got if got != "in_place" or _in_place_applies(dtype) else "gathered"
+
+    def to_dict(self) -> dict[str, str]:
+        """The choices, {"key:64": "in_place", ...} (what `from_dict` takes; timings are not
+        kept: they are for reports)."""
+        return {f"{kind}:{n}": name for (kind, n), name in sorted(self.chosen.items())}
+
+    @classmethod
+    def from_dict(cls, data: object) -> MapReading:
+        """ValueError unless `data` is what `to_dict` gives."""
+        if not isinstance(data, dict):
+            raise ValueError("expected {kind:tokens: strategy}")
+        chosen = {}
+        for k, name in data.items():
+            kind, _, n = str(k).partition(":")
+            if (
+                kind not in ("key", "value")
+                or not (n.isascii() and n.isdigit())
+                or name not in STRATEGIES
+            ):
+                raise ValueError(f"not a map-reading choice: {k!r:.40}: {name!r:.40}")
+            chosen[(kind, int(n))] = name
+        return cls(chosen)
+
+
+def product(rows: mx.array, index: mx.array, w: mx.array, strategy: str) -> mx.array:
+    """rows[index] @ w, with w broadcast over index's shape, computed by `strategy`."""
+    if strategy == "in_place" and _in_place_applies(rows.dtype):
+        shape = mx.broadcast_shapes(index.shape, w.shape[:-2])
+        w_index = mx.arange(math.prod(w.shape[:-2])).reshape(w.shape[:-2])
+        return mx.gather_mm(
+            rows,
+            w,
+            lhs_indices=mx.broadcast_to(index, shape),
+            rhs_indices=mx.broadcast_to(w_index, shape),
+        )
+    return rows[index] @ w
+
+
+def measure(translator, n_tokens=BUCKETS, rounds: int = 2) -> MapReading:
+    """Time each strategy on random source K/V of the translator's shapes (batch 1) and keep
+    the fastest per kind and token count in `translator.reading`. Returns that reading.
+    A translator without per-layer weight maps (lowrank, other methods) keeps its own single
+    path and gets an empty reading."""
+    reading = MapReading()
+    if "weight" not in getattr(translator, "key", {}):
+        return reading
+    s = translator.config.source
+    dtype = translator.key["weight"].dtype
+    for n in n_tokens:
+        for kind, width in (("key", s.head_dim), ("value", s.value_dim)):
+            x = mx.random.normal((s.layers, 1, s.kv_heads, n, width)).astype(dtype)
+            mx.eval(x)
+            times = {
+                name: _best_time(translator, x, kind, MapReading({(kind, n): name}), rounds)
+                for name in STRATEGIES
+                if name != "in_place" or _in_place_applies(dtype)
+            }
+            reading.timings[(kind, n)] = times
+            reading.chosen[(kind, n)] = pick(times, rule(dtype))
+    translator.reading = reading
+    return reading
+
+
+def pick(times: dict[str, float], default: str) -> str:
+    """The fastest strategy, but `default` unless the fastest beats it by more than MARGIN."""
+    fastest = min(times, key=times.get)
+    if default in times and times[fastest] > (1 - MARGIN) * times[default]:
+        return default
+    return fastest
+
+
+def _best_time(translator, x: mx.array, kind: str, reading: MapReading, rounds: int) -> float:
+    mx.eval(translator.map_features(x, kind, reading=reading))  # first call: allocations
+    best = math.inf
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        mx.eval(translator.map_features(x, kind, reading=reading))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+# -- into a cache -------------------------------------------------------------------------
+#
+# Translating into a cache: a span of the small model's K/V, mapped and re-rotated, appended
+# to the large model's mlx-lm cache at its true positions [start, end). The hand-off that uses
+# it is the conversation's own (`Session.hand_off`): there is one, and everything that
+# measures it drives it.
+
+
+def append_translation(model, translator: Translator, span: SpanKV, cache: list) -> None:
+    """Translate `span` for `model` and append it to `model`'s `cache`, which must end where
+    the span starts. A translator that keeps the model's own first token (`native_first`)
+    writes it over the translated position 0 in place, before the cache writes."""
+    if cache[0].offset != span.start:
+        raise ValueError(
+            f"{model.name} cache holds {cache[0].offset} tokens but the span starts at {span.start}"
+        )
+    append_kv(cache, *translator.translate(span, model))
+
+
+#: a measuring warm-up (a pair's first start on a machine; conversation/warmup.py) translates a
+#: scratch span this long once (CPU only): later translations up to this length then reuse
+#: memory already mapped instead of faulting fresh pages in
+RESERVE_TOKENS = 1024
+
+
+def reserve_translation_memory(
+    model, translator: Translator, n_tokens: int = RESERVE_TOKENS
+) -> bool:
+    """On the CPU backend, translate a random span of `n_tokens` into a scratch cache of
+    `model` and free both to the allocator, so that the first translation of each new length
+    up to `n_tokens` costs what a repeat costs. With glibc keeping freed memory mapped
+    (`_cpu_memory.tune`), one long translation's pages serve every shorter one; without this
+    the first translation at each longer length faulted ~100 MB in (dense demo pair, 1024
+    tokens: 24,000 minor faults, ~1.5x a repeat; eval/RESULTS.md). Returns whether it ran.
+    Off the CPU it does nothing: Metal keeps its own buffers."""
+    if mx.default_device() != mx.cpu or n_tokens < 1:
+        return False
+    side = translator.config.source
+    keys = mx.random.normal((side.layers, 1, side.kv_heads, n_tokens, side.head_dim))
+    values = mx.random.normal((side.layers, 1, side.kv_heads, n_tokens, side.value_dim))
+    cache = new_cache(model)
+    append_kv(cache, *translator.translate(SpanKV(keys, values, start=0), model))
+    mx.eval([(c.keys, c.values) for c in cache])
+    del cache, keys, values
+    # MLX's own cache keeps buffers for requests of nearly their size only; handed to malloc,
+    # their pages serve requests of any size
+    mx.clear_cache()
+    return True

@@ -71,7 +71,7 @@ def measure_new_lengths(pair_name: str, sequence, repeats: int, reserve: int, ca
     import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
     from mlx_kvlingo.kv.cache import append_kv, new_cache
     from mlx_kvlingo.kv.capture import SpanKV
-    from mlx_kvlingo.kv.translate import reserve_translation_memory
+    from mlx_kvlingo.kv.translator import reserve_translation_memory
     from mlx_kvlingo.models.demo.pair import load_demo
 
     import mlx.core as mx

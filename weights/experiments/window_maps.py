@@ -25,11 +25,10 @@ from mlx_kvlingo.calibrate.content_data import shipped_texts
 from mlx_kvlingo.data.content_tasks import build_tasks
 from mlx_kvlingo.data.examples import read_texts
 from mlx_kvlingo.eval.content import evaluate_content, summarize
-from mlx_kvlingo.kv.anchor import with_native_first
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import capture_from_cache, prefill
 from mlx_kvlingo.kv.rope import rotate
-from mlx_kvlingo.kv.translator import nearest_layer_map
+from mlx_kvlingo.kv.translator import nearest_layer_map, with_native_first
 from mlx_kvlingo.models.demo.pair import demo_content_texts, load_demo
 
 import mlx.core as mx

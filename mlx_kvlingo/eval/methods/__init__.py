@@ -27,12 +27,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-from mlx_kvlingo.kv.anchor import with_native_first_layers
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import SpanKV, prefill
 from mlx_kvlingo.kv.scoring import Prepared, mean_kl
 from mlx_kvlingo.kv.scoring import prepare as prepare_scored
-from mlx_kvlingo.kv.translator import Side, Translator
+from mlx_kvlingo.kv.translator import Side, Translator, with_native_first_layers
 from mlx_kvlingo.models.files import load_translator
 
 import mlx.core as mx
@@ -130,7 +129,7 @@ def prepare(pair, ex, key_cut: str = "post_norm", points=()) -> Prepared:
 
 
 def anchored(keys: list, values: list, span, target, native_first: bool) -> tuple[list, list]:
-    """With `native_first`, position 0 gets the target's own K/V (`anchor.py`): the attention
+    """With `native_first`, position 0 gets the target's own K/V (`kv/translator.py`, the anchor token): the attention
     sink depends only on its token id, so every method can keep it native at no per-prompt cost
     (KV-Lingo translators do so by default); compare methods with the same setting."""
     if native_first and span.start == 0 and getattr(span, "tokens", None):
