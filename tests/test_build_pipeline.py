@@ -212,7 +212,7 @@ def test_a_source_can_keep_its_first_layers_the_targets_own():
             assert same == (i < 2), (i, name)
 
 
-def test_add_translator_stores_its_copy_in_float16(tiny_dir, tmp_path):
+def test_add_translator_stores_its_copy_in_float16_or_8_bit(tiny_dir, tmp_path):
     """The shipped copy: float16 tensors, metadata `dtype` float16 and otherwise unchanged,
     loaded for float32 compute on the CPU; in place too (the defaults were converted so)."""
     from mlx_kvlingo.eval.presets import random_translator
@@ -230,7 +230,7 @@ def test_add_translator_stores_its_copy_in_float16(tiny_dir, tmp_path):
     add = build_module("add_translator")
     pair = load_pair(tiny_dir["qwen3"], tiny_dir["qwen3_moe"])
     full = save_translator(random_translator(pair, seed=1), tmp_path / "full.safetensors", pair)
-    half = add.copy_float16(full, tmp_path / "half.safetensors")
+    half = add.copy_stored(full, tmp_path / "half.safetensors")
     with safe_open(str(half), "numpy") as f:
         assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"float16"}
     read_header(half)  # a well-formed file
@@ -242,5 +242,10 @@ def test_add_translator_stores_its_copy_in_float16(tiny_dir, tmp_path):
     assert got.key["weight"].dtype == mx.float32  # computed in float32 on the CPU
     err = mx.abs(got.key["weight"] - ref.key["weight"]).max().item()
     assert 0 < err <= mx.abs(ref.key["weight"]).max().item() * 2**-11
-    add.copy_float16(full, full)  # in place
+    q8 = add.copy_stored(full, tmp_path / "q8.safetensors", bits=8)
+    assert read_metadata(q8) == {**after, "quantization": {"group_size": 32, "bits": 8}}
+    w16 = ref.key["weight"].astype(mx.float16)
+    assert mx.array_equal(load_translator(q8, pair).key["weight"],
+                          mx.dequantize(*mx.quantize(w16, 32, 8), 32, 8).astype(mx.float32))  # fmt: skip
+    add.copy_stored(full, full)  # in place
     assert read_metadata(full) == after and full.read_bytes() == half.read_bytes()

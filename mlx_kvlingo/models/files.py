@@ -3,7 +3,10 @@
 Metadata key `kvlingo` holds a JSON object:
     schema, schema_version, variant, key_cut, bias, key_layers, value_layers, rank (lowrank only),
     source / target: {name, model_type, layers, kv_heads, head_dim, value_dim, rope, has_k_norm},
-    tokenizer (vocab fingerprint), dtype, and free-form `calibration` / `provenance` reports.
+    tokenizer (vocab fingerprint), dtype, quantization ({group_size, bits}: 8-bit files only), and
+    free-form `calibration` / `provenance` reports.
+A quantized file stores each map `X` (all but the biases) as mx.quantize's packed `X` with
+`X_scales` and `X_biases` (groups along the last axis); loading dequantizes it.
 Loading checks the file itself (truncation, schema, tensors, shapes, NaN/Inf) and then, when a
 pair is given, that the file was made for that pair.
 """
@@ -41,12 +44,40 @@ def _side_meta(model, side: Side) -> dict:
     return meta
 
 
+def quantize(tensors: dict, bits: int = 8) -> tuple[dict, dict]:
+    """Each map (every tensor but a bias) -> mx.quantize's packed `X` with `X_scales` and
+    `X_biases`, groups of 64 along the last axis (32 where a map's width does not divide by 64);
+    biases as they are. Returns the tensors and the metadata {group_size, bits}."""
+    maps = [k for k in tensors if not k.endswith(".bias")]
+    group = next((g for g in (64, 32) if all(tensors[k].shape[-1] % g == 0 for k in maps)), None)
+    if group is None:
+        raise ValueError(f"cannot quantize maps {maps} in groups of 64 or 32")
+    out = dict(tensors)
+    for name in maps:
+        w, scales, biases = mx.quantize(tensors[name], group_size=group, bits=bits)
+        out.update({name: w, f"{name}_scales": scales, f"{name}_biases": biases})
+    return out, {"group_size": group, "bits": bits}
+
+
+def dequantize(tensors: dict, q: dict) -> dict:
+    """The inverse of `quantize` with metadata `q` = {group_size, bits}: each packed `X` ->
+    mx.dequantize(X, X_scales, X_biases), in the scales' dtype."""
+    out = {k: v for k, v in tensors.items() if not k.endswith(("_scales", "_biases"))}
+    for name in [k for k in out if not k.endswith(".bias")]:
+        parts = (tensors[name], tensors.get(f"{name}_scales"), tensors.get(f"{name}_biases"))
+        if parts[1] is None or parts[2] is None or parts[0].dtype != mx.uint32:
+            raise ValueError(f"{name} is not a packed map with its _scales and _biases")
+        out[name] = mx.dequantize(*parts, group_size=q["group_size"], bits=q["bits"])
+    return out
+
+
 def save_translator(
-    translator: Translator, path: str | Path, pair=None, dtype=None, **extra
+    translator: Translator, path: str | Path, pair=None, dtype=None, bits=None, **extra
 ) -> Path:
     """Write the translator (atomically) with metadata describing `pair` and any `extra` keys.
 
-    `dtype` (e.g. mx.float16) stores the tensors in that type, to keep shipped files small.
+    `dtype` (e.g. mx.float16) stores the tensors in that type, to keep shipped files small;
+    `bits` (e.g. 8) also quantizes the maps (`quantize`).
     """
     c = translator.config
     tensors = {f"key.{k}": v for k, v in translator.key.items()}
@@ -72,6 +103,8 @@ def save_translator(
     meta.update(c.metadata)
     meta.update(extra)
     meta["dtype"] = str(next(iter(tensors.values())).dtype).replace("mlx.core.", "")
+    if bits:
+        tensors, meta["quantization"] = quantize(tensors, bits)
     with atomic_write(path) as tmp:
         mx.save_safetensors(str(tmp), tensors, metadata={"kvlingo": json.dumps(meta)})
     return Path(path)
@@ -199,6 +232,11 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
         tensors = mx.load(str(path))
     except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError
         raise TranslatorFileError(f"{path}: cannot read tensors: {e}") from None
+    if meta.get("quantization"):
+        try:
+            tensors = dequantize(tensors, meta["quantization"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise TranslatorFileError(f"{path}: bad quantized tensors: {str(e)[:300]}") from None
     expected = config.weight_shapes()
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))

@@ -1,7 +1,8 @@
 """Add a translator file to weights/translators and weights/manifest.json with its held-out
 figures (the JSON of `kvlingo eval --json`, per domain), and optionally make it the default.
-The copy in translators/ stores its tensors in float16 (`copy_float16`): half the bytes, and
-loading computes in float32 on a CPU; the held-out figures are those of that copy.
+The copy in translators/ stores its tensors in float16, or with `--bits 8` its maps quantized
+(`copy_stored`): half or a quarter of the float32 bytes; loading computes in float32 on a CPU. The
+held-out figures are those of that copy.
 
     python -m weights.build.add_translator weights/stage2-runs/forward-mixing-nu2-longer.safetensors \
         --eval dialogues=d.json --eval prose=p.json --eval technical=t.json --default
@@ -25,7 +26,7 @@ import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.models.demo.pair import demo_data, demo_models, source_for
 from mlx_kvlingo.models.demo.smollm2 import DEMO_SOURCES
-from mlx_kvlingo.models.files import read_metadata
+from mlx_kvlingo.models.files import load_translator, quantize, read_metadata
 
 import mlx.core as mx
 
@@ -34,12 +35,17 @@ from .manifest import merge_rows
 WEIGHTS = Path(__file__).resolve().parents[1]
 
 
-def copy_float16(src: Path, dest: Path) -> Path:
+def copy_stored(src: Path, dest: Path, bits: int | None = None) -> Path:
     """Write the translator file `src` to `dest` (may be `src` itself) with its tensors in
-    float16 and its metadata's `dtype` saying so; the rest of the metadata as it was."""
+    float16 (with `bits`, its maps then quantized as `save_translator(bits=)` does) and the
+    metadata saying so; the rest of the metadata as it was."""
     meta = read_metadata(src)
-    tensors = {k: v.astype(mx.float16) for k, v in mx.load(str(src)).items()}
+    tr = load_translator(src, dtype=mx.float16)
+    tensors = {f"{side}.{k}": v for side in ("key", "value") for k, v in getattr(tr, side).items()}
     meta["dtype"] = "float16"
+    meta.pop("quantization", None)
+    if bits:
+        tensors, meta["quantization"] = quantize(tensors, bits)
     with atomic_write(dest) as tmp:
         mx.save_safetensors(str(tmp), tensors, metadata={"kvlingo": json.dumps(meta)})
     return dest
@@ -81,6 +87,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--evaluate", action="append", default=[],
                     help="DOMAIN=DATA:N: run kvlingo eval on the copied file")  # fmt: skip
     ap.add_argument("--default", action="store_true")
+    ap.add_argument("--bits", type=int, choices=(8,), default=None,
+                    help="store the maps quantized (default: float16)")  # fmt: skip
     ap.add_argument("--note", default="")
     ap.add_argument("--training-data", default=None, help="what stage 2 trained on, in words")
     ap.add_argument("--pair", choices=("dense", "moe"), default="dense")
@@ -105,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         sub += f"{args.demo_source}/"
     dest = WEIGHTS / "translators" / sub / args.file.name
     dest.parent.mkdir(parents=True, exist_ok=True)
-    copy_float16(args.file, dest)
+    copy_stored(args.file, dest, args.bits)
     evals = {}
     for item in args.eval:
         domain, path = item.split("=", 1)

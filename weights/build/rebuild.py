@@ -357,11 +357,11 @@ STEPS: tuple[Step, ...] = (
         "register_composed_source15", "weights.build.add_translator",
         (f"{RUNS15}/moe/forward-mixing-nu2-prenorm-composed.safetensors", "--pair", "moe",
          "--evaluate", "dialogues=:24", "--demo-source", "source15", "--default",
-         "--default-source",
+         "--default-source", "--bits", "8",
          "--note", "composed from the dense pair's source15/forward-mixing-nu2-content-chat "
          "(weights/build/compose_moe.py): key maps times per-layer bridges to the MoE's "
          "pre-norm keys, value maps kept; no stage 2 on the MoE pair"),
-        "ships it and the 15-layer source as the MoE pair's defaults",
+        "ships it (8-bit maps) and the 15-layer source as the MoE pair's defaults",
         reads=(f"{RUNS15}/moe/forward-mixing-nu2-prenorm-composed.safetensors",),
         writes=("weights/translators/moe/source15/forward-mixing-nu2-prenorm-composed.safetensors",
                 "weights/manifest.json"),
@@ -382,10 +382,11 @@ STEPS: tuple[Step, ...] = (
         "register_moe_backward_source15", "weights.build.add_translator",
         (f"{RUNS15}/moe/backward-mixing-nu2.safetensors", "--pair", "moe",
          "--evaluate", "dialogues=:24", "--demo-source", "source15", "--default",
+         "--bits", "8",
          "--training-data", "stage 1 (closed form) on 200 chitchat dialogues, layer map "
          "weights/build/maps/source15-backward.json",
          "--note", "the MoE -> the 15-layer source, stage 1 only"),
-        "ships it as the MoE pair's default backward translator",
+        "ships it (8-bit maps) as the MoE pair's default backward translator",
         reads=(f"{RUNS15}/moe/backward-mixing-nu2.safetensors",),
         writes=("weights/translators/moe/source15/backward-mixing-nu2.safetensors",
                 "weights/manifest.json"),
