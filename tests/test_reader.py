@@ -339,6 +339,55 @@ def test_a_long_turn_reports_progress_and_survives_ctrl_c(pair, translators, rea
     assert_translated_once(s)
 
 
+def test_a_long_span_is_translated_chunk_by_chunk_into_room_reserved_for_the_turn(
+    pair, translators, monkeypatch
+):
+    """The span is captured and translated `TRANSLATE_CHUNK` tokens at a time into a cache
+    that already has room for the whole turn (it never grows while the turn is read); Ctrl-C
+    in the third chunk leaves the large model's cache two whole chunks long, and the answer
+    then equals the large model's own reading, token for token."""
+    from mlx_kvlingo.conversation import catchup
+
+    monkeypatch.setattr(catchup, "TRANSLATE_CHUNK", 8)
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd, policy=plain(reader="small"))
+    converse(s, 2)
+    real, seen = catchup.append_translation, []
+
+    def record(model, tr, span, cache):
+        if model is pair.source:  # the small model catching up on the last answer
+            return real(model, tr, span, cache)
+        seen.append((span.length, cache[0].keys.shape[2], cache[-1].values.shape[2]))
+        if stop and len(seen) == 3:
+            raise KeyboardInterrupt
+        real(model, tr, span, cache)
+
+    monkeypatch.setattr(catchup, "append_translation", record)
+    stop = False
+    s.add_user("a long user turn that is translated in chunks " * 12)  # past 256: a step
+    n0 = len(s.tokens)
+    out = [e.token for e in s.generate("large", max_tokens=N)]
+    assert out == native(pair.target.model, pair.tokenizer, s.tokens[:n0])
+    assert len(seen) > 3 and all(n <= 8 for n, _, _ in seen)
+    assert sum(n for n, _, _ in seen) == s.last_turn.switch.translated
+    assert {room for _, room, _ in seen} == {seen[0][1]} and seen[0][1] >= n0 + 1  # no growth
+    assert {room for _, _, room in seen} == {seen[0][1]}
+
+    seen.clear()
+    stop = True
+    s.add_user("another long user turn translated chunk by chunk " * 6)
+    n0, start = len(s.tokens), s.held("target")
+    with pytest.raises(KeyboardInterrupt):
+        list(s.generate("large", max_tokens=N))
+    assert_consistent(s)
+    assert s.pending and s.held("target") == start + 16
+    monkeypatch.setattr(catchup, "append_translation", real)
+    out = [e.token for e in s.generate("large", max_tokens=N)]
+    assert out == native(pair.target.model, pair.tokenizer, s.tokens[:n0])
+    assert_consistent(s)
+    assert_translated_once(s)
+
+
 def test_cancel_during_the_small_read(pair, translators, monkeypatch):
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, policy=plain(reader="small"))

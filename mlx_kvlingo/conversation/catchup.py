@@ -32,7 +32,7 @@ from mlx_kvlingo.conversation.budget import AheadBudget
 from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats
 from mlx_kvlingo.conversation.timing import Paths, ReadCosts
 from mlx_kvlingo.conversation.transcript import Transcript
-from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy
+from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy, reserve
 from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, needs_recording, prefill
 from mlx_kvlingo.kv.recompute import Selection, recompute_attended, sentence_ends, special_ids
 from mlx_kvlingo.kv.translator import Translator, append_translation
@@ -54,6 +54,9 @@ TAIL_ALLOWANCE_S = 0.5
 #: sentence, at least 24 tokens, the chat template's markup last (weights/QUALITY.md,
 #: "Sentences, not neighbours")
 RECOMPUTE_SELECTION = Selection()
+#: a span is captured and translated this many tokens at a time: memory for one chunk's
+#: float32 copy and maps, however long the turn (the tokens' results do not depend on it)
+TRANSLATE_CHUNK = 512
 _PROBE = (16, 64)  # tokens a never-timed large model reads once each, to time it
 
 
@@ -77,6 +80,10 @@ class ModelCache:
 
     def clear(self) -> None:
         self.cache, self.held = new_cache(self.loaded), 0
+
+    def reserve(self, n: int) -> None:
+        """Room for `n` tokens in every layer ahead of a long read (`kv.cache.reserve`)."""
+        reserve(self.loaded, self.cache, n)
 
     def settle(self, want: int) -> None:
         """Make every layer hold exactly the first tokens it can vouch for (at most `want`).
@@ -183,33 +190,43 @@ class CatchUp:
         return sw
 
     def _translate(self, o: ModelCache, m: ModelCache, tr, start: int, end: int) -> None:
-        """Append the translation of o's K/V for [start, end) to m (which holds [0, start))."""
+        """Append the translation of o's K/V for [start, end) to m (which holds [0, start)),
+        `TRANSLATE_CHUNK` tokens at a time where both caches are here and o's cache holds the
+        keys the translator reads; m holds whole chunks however it stops."""
         cut = tr.config.key_cut
+        whole = self.remote is not None or needs_recording(o.loaded, cut)
+        chunk = end - start if whole else TRANSLATE_CHUNK
         try:
-            if o.name == "target" and self.remote is not None:
-                if needs_recording(o.loaded, cut):
-                    raise SessionError(
-                        "a pre_norm backward translator is not available with a pipelined large "
-                        "model (it would recompute the large model's keys); use a post_norm one"
-                    )
-                span = self.remote.gather(o.cache, start, end)
-            elif not needs_recording(o.loaded, cut):
-                span = capture_from_cache(o.loaded, o.cache, start, end)
-            else:  # pre-k_norm keys are not in the cache: recompute the span on the prefix
-                span = prefill(o.loaded, self.transcript.tokens[start:end],
-                               prefix_copy(o.cache, start), cut=cut)  # fmt: skip
-            span.tokens = tuple(self.transcript.tokens[start:end])
-            if m.name == "target" and self.remote is not None:
-                if tr is not self.forward:
-                    raise SessionError(
-                        "a pipelined target translates with the runtime's translator"
-                    )
-                self.remote.place(m.cache, span)
-            else:
-                append_translation(m.loaded, tr, span, m.cache)
-            m.held = end
+            for s in range(start, end, chunk):
+                e = min(end, s + chunk)
+                span = self._capture(o, cut, s, e)
+                span.tokens = tuple(self.transcript.tokens[s:e])
+                if m.name == "target" and self.remote is not None:
+                    if tr is not self.forward:
+                        raise SessionError(
+                            "a pipelined target translates with the runtime's translator"
+                        )
+                    self.remote.place(m.cache, span)
+                else:
+                    append_translation(m.loaded, tr, span, m.cache)
+                m.held = e
         finally:
             m.settle(m.held)  # an interrupted append leaves no half-written layer
+
+    def _capture(self, o: ModelCache, cut: str, start: int, end: int) -> SpanKV:
+        """o's RoPE-free K/V for [start, end) at the translator's key cut."""
+        if o.name == "target" and self.remote is not None:
+            if needs_recording(o.loaded, cut):
+                raise SessionError(
+                    "a pre_norm backward translator is not available with a pipelined large "
+                    "model (it would recompute the large model's keys); use a post_norm one"
+                )
+            return self.remote.gather(o.cache, start, end)
+        if not needs_recording(o.loaded, cut):
+            return capture_from_cache(o.loaded, o.cache, start, end)
+        # pre-k_norm keys are not in the cache: recompute the span on the prefix
+        return prefill(o.loaded, self.transcript.tokens[start:end], prefix_copy(o.cache, start),
+                       cut=cut)  # fmt: skip
 
     def small_reads(self, upto: int, chunk: int, progress=None) -> Read:
         """The small model catches up on the large's last answer, then reads up to `upto`
@@ -218,6 +235,7 @@ class CatchUp:
         `progress("source", done, total)` is called before the first chunk and after each."""
         m = self.models["source"]
         read = Read("source", catch_up=self.catch_up("source", upto), start=m.held)
+        m.reserve(upto)
         t0, total = time.perf_counter(), max(upto - m.held, 0)
         try:
             while m.held < upto and not self.cancel.is_set():

@@ -427,6 +427,8 @@ class Session:
         stats.retention = catchup.kept_for if name == "target" else None
         if paths is not None:  # what was predicted for the path taken
             stats.predicted_ttft_s = (paths.small if small else paths.large)(self.read_costs)
+        # room for the turn and the first token: no cache grows (2x its size) while it is read
+        self.models[name].reserve(n0 + 1)
         upto = n0 - 1  # the answering model reads at least the last token itself
         if small:  # the large still reads the turn's last tokens itself (tail_cut)
             upto = catchup.tail_cut(n0 - 1, paths)

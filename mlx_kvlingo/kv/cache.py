@@ -1,4 +1,5 @@
-"""mlx-lm KV caches as this package uses them: build, append translated K/V, copy a prefix.
+"""mlx-lm KV caches as this package uses them: build, reserve room, append translated K/V,
+copy a prefix.
 
 A cache is a list with one mlx-lm cache object per layer; each holds keys after k_norm and
 RoPE and raw values, (B, n_kv_heads, T, head_dim). Nothing here knows about translation or
@@ -15,6 +16,31 @@ def new_cache(model) -> list:
     """An empty mlx-lm cache for `model` (a LoadedModel): one `KVCache` per layer this process
     holds (a pipelined target holds only its own layers)."""
     return [KVCache() for _ in model.layers]
+
+
+def reserve(model, cache: list, n: int) -> None:
+    """Give every layer room for `n` tokens (rounded up to the cache's step) before a long
+    read, so that appending up to `n` never grows it. mlx-lm's `KVCache` grows by
+    concatenating its whole buffer with a new step, which holds the old and the new buffer at
+    once: a chunked read of a long turn peaked at twice the cache. Layers are moved one at a
+    time (the old buffer is freed before the next layer), values and offsets unchanged."""
+    g = model.geometry
+    for c in cache:
+        if not isinstance(c, KVCache):
+            continue
+        have = 0 if c.keys is None else c.keys.shape[2]
+        if have >= n:
+            continue
+        room = -(-n // c.step) * c.step
+        B, H = (1, g.kv_heads) if c.keys is None else c.keys.shape[:2]
+        dtype = model.dtype if c.keys is None else c.keys.dtype
+        keys = mx.zeros((B, H, room, g.head_dim), dtype)
+        values = mx.zeros((B, H, room, g.value_dim), dtype)
+        if c.offset:
+            keys[..., : c.offset, :] = c.keys[..., : c.offset, :]
+            values[..., : c.offset, :] = c.values[..., : c.offset, :]
+        c.keys, c.values = keys, values
+        mx.eval(c.keys, c.values)
 
 
 def append_kv(cache: list, keys: list, values: list) -> None:
