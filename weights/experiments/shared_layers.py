@@ -5,7 +5,11 @@ forward translator (stage 2 trained on the end KL) maps them with relative error
 chat's own reading (`eval.content.Chat`) with the shipped translator and the pinned one on the
 fact tasks of `kvlingo eval --task content --kinds fact,copy --per-kind 3 --seed 5`.
 
-    python -m weights.experiments.shared_layers 2048,4096 [SHARED]
+    python -m weights.experiments.shared_layers 2048,4096 [SHARED] [VARIANTS]
+
+VARIANTS (comma-separated; default `chat,pinned`): `chat` (the shipped translator) or `pinned`,
+each optionally with `-share0.3` (another recompute share) and/or `-tail256` (a longer tail the
+large model reads itself), e.g. `pinned-share0.3-tail256`.
 """
 
 import copy
@@ -50,7 +54,17 @@ tasks = fitting_tasks(
     pair, content_texts(None), [1024, 2048, 4096], 3, seed=5, kinds=("fact", "copy")
 )
 tasks = [t for t in tasks if t.length in lengths and t.kind == "fact"]
-conditions = {"chat": Chat(tr), f"chat-pinned{shared}": Chat(pinned(tr, shared))}
+variants = (sys.argv[3] if len(sys.argv) > 3 else "chat,pinned").split(",")
+exact = pinned(tr, shared)
+conditions = {}
+for v in variants:
+    kw = {}
+    for part in v.split("-")[1:]:
+        if part.startswith("share"):
+            kw["share"] = float(part[5:])
+        elif part.startswith("tail"):
+            kw["tail"] = int(part[4:])
+    conditions[v] = Chat(tr if v.startswith("chat") else exact, **kw)
 res = to_json(evaluate_content(pair, tasks, conditions, small=False, progress=False), pair)
 for r in res["records"]:
     print(
