@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from mlx_kvlingo._platform import moe_cpu
+from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.eval import bench
 from mlx_kvlingo.data import synthetic as syn
 from mlx_kvlingo.cli.bench import bench_cmd
@@ -311,3 +312,34 @@ def test_conversation_bench_policies(tmp_path):
     bad = CliRunner().invoke(cli, ["bench", "--preset", "tiny", "--conversation",
                                    "--policies", "tokens reads"])  # fmt: skip
     assert bad.exit_code != 0 and "unknown --policies" in bad.output
+
+
+def test_conversation_bench_auto_weighs_the_chats_retention(tiny_pair):
+    """The benchmark's reader auto is the chat's: with a measured retention under the threshold
+    (`Runtime.retention`), it lets the large model read every turn itself, and the report
+    measures it against the large path alone; without one, against the faster of both."""
+    from mlx_kvlingo.conversation import retention, timing
+    from mlx_kvlingo.eval.conversation_bench import ConversationBenchConfig, run_conversation_bench
+
+    pair, tr = tiny_pair
+    cfg = ConversationBenchConfig(turns=2, user_lengths=(64,), answer_tokens=2,
+                                  policies=("large reads", "small reads", "auto reads"),
+                                  warmup=False, policy=ReaderPolicy(reader_min_tokens=1))  # fmt: skip
+    k = retention.key(pair, tr, cfg.policy)
+    path = retention.save(k, retention.Retention(((8, 0.0), (64, 0.0)), "a test"))
+    # by time the small path wins: the large model's reading costs 10 ms a token
+    pair.__dict__[timing._ATTR] = timing.ReadCosts.fixed(
+        source_read=(0, 1e-4), forward=(0, 1e-5), backward=(0, 1e-5), target_read=(0, 1e-2)
+    )
+    try:
+        res = run_conversation_bench(pair, tr, None, cfg, log=lambda m: None)
+    finally:
+        path.unlink()
+    rows = res["summary"]["auto"]["turns"]
+    assert [r["small_read"] for r in rows] == [False, False]
+    assert all(r["retention"] == 0.0 and not r["small_keeps"] for r in rows)
+    assert all(r["auto_over_best"] == r["auto_ms"] / r["large_reads_ms"] for r in rows)
+    res = run_conversation_bench(pair, tr, None, cfg, log=lambda m: None)  # none measured
+    del pair.__dict__[timing._ATTR]
+    rows = res["summary"]["auto"]["turns"]
+    assert all(r["small_read"] and r["retention"] is None and r["small_keeps"] for r in rows)

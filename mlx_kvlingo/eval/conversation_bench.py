@@ -31,6 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from mlx_kvlingo.api import Runtime
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.eval import report
@@ -78,6 +79,7 @@ class TurnTiming:
     recomputed_tokens: int = 0  # translated tokens the large model recomputed
     recompute_s: float = 0.0  # its read of the tail and the recompute
     small_read: bool = False  # the small model read this turn for the large one
+    retention: float | None = None  # what reader auto expected the small path to keep
     escalated: bool = False
     escalation_ttft_s: float | None = None  # the large model's TTFT after the escalation
     small_decode_tps: float | None = None  # the small model's decode speed (cascades)
@@ -119,6 +121,7 @@ def _turn(s: Session, policy: str, t: int, n: int, cfg, escalate: bool) -> TurnT
             large_read_tokens=max(st.prompt_tokens, sw.tail_read if sw else 0),
             recomputed_tokens=sw.recomputed if sw else 0,
             recompute_s=sw.recompute_s if sw else 0.0, small_read=st.read is not None,
+            retention=st.retention,
         )  # fmt: skip
     ttft, total, st = _answer(s, "source", cfg)
     tt = TurnTiming(policy, t, n, ttft, total, translate_s=_translate_s(st),
@@ -151,8 +154,11 @@ def run_conversation_bench(
 
         warmup_s = warm_up(pair, forward, backward).warmup_s
         log(f"warm-up {warmup_s:.1f} s")
-    sessions = {p: Session(pair, forward, backward, policy=replace(cfg.policy, **POLICIES[p]))
-                for p in cfg.policies}  # fmt: skip
+    runtime = Runtime(pair, forward, backward)  # reader auto weighs what the chat's weighs
+    policies = {p: replace(cfg.policy, **POLICIES[p]) for p in cfg.policies}
+    sessions = {p: Session(pair, forward, backward, policy=policy,
+                           retention=runtime.retention(policy))
+                for p, policy in policies.items()}  # fmt: skip
     rng = random.Random(cfg.seed)
     escalate = [rng.random() < cfg.escalation_rate for _ in range(cfg.turns)]
     timings: list[TurnTiming] = []
@@ -230,13 +236,16 @@ def summarize(timings: list[TurnTiming], cfg: ConversationBenchConfig) -> dict:
         large, small, auto = (by.get((p, t)) for p in ("large reads", "small reads", "auto reads"))
         if None in (large, small, auto):
             continue
-        best = min(large.ttft_s, small.ttft_s)
+        # the small path counts where it keeps reader auto's retention threshold
+        keeps = auto.retention is None or auto.retention >= cfg.policy.min_retention
+        best = min(large.ttft_s, small.ttft_s) if keeps else large.ttft_s
         rows.append({"turn": t, "user_tokens": auto.user_tokens, "small_read": auto.small_read,
                      "large_reads_ms": 1e3 * large.ttft_s, "small_reads_ms": 1e3 * small.ttft_s,
                      "auto_ms": 1e3 * auto.ttft_s, "auto_over_best": auto.ttft_s / best,
-                     # the same path as the faster of the two columns (the rest is noise between
-                     # runs of the same path)
-                     "picked_faster": auto.small_read == (small.ttft_s < large.ttft_s)})  # fmt: skip
+                     "retention": auto.retention, "small_keeps": keeps,
+                     # the same path as the faster of the columns that keep the threshold (the
+                     # rest is noise between runs of the same path)
+                     "picked_faster": auto.small_read == (keeps and small.ttft_s < large.ttft_s)})  # fmt: skip
     if rows:  # the goal: auto within 10% of the better of the two on every turn
         out["auto"] = {
             "turns": rows,
@@ -292,17 +301,20 @@ def markdown_report(result: dict) -> str:
         )))  # fmt: skip
     auto = summary.get("auto")
     if auto:
-        lines += ["", f"Reader auto against the better of the large and the small reading, per turn "
+        lines += ["", f"Reader auto against the better of the large and the small reading (the small "
+                  f"only where it keeps the retention threshold), per turn "
                   f"(goal <= 1.10; {auto['within_10pct']} of {len(auto['turns'])} turns within, worst "
                   f"{auto['worst_over_best']:.2f}; auto took the faster column's path on "
                   f"{auto['picked_faster']}):", "",
                   *md_table(("turn", "user tok", "large reads ms", "small reads ms", "auto ms",
-                             "auto read by", "auto / best", "faster path"), "rrrrrlrl")]  # fmt: skip
+                             "auto read by", "retention", "auto / best", "faster path"),
+                           "rrrrrlrrl")]  # fmt: skip
         for r in auto["turns"]:
             lines.append(md_row((
                 r["turn"], r["user_tokens"], f"{r['large_reads_ms']:.0f}",
                 f"{r['small_reads_ms']:.0f}", f"{r['auto_ms']:.0f}",
-                "small" if r["small_read"] else "large", f"{r['auto_over_best']:.2f}",
+                "small" if r["small_read"] else "large", _num(r.get("retention"), ".2f"),
+                f"{r['auto_over_best']:.2f}",
                 "yes" if r["picked_faster"] else "no",
             )))  # fmt: skip
     if summary.get("cascades"):

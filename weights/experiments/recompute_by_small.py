@@ -1,7 +1,9 @@
 """Which positions the large model recomputes after a translated turn, chosen by the small
 model's attention (it reads the turn natively, the question included) instead of the large
 model's reading of the turn's end over the translated cache: the chat condition of the content
-benchmark with the selection swapped (`small`), or the larger of both (`both`). Fact tasks of
+benchmark with the selection swapped (`small`), or the larger of both (`both`); or the chat's own
+selection (the large model's reading of the tail) plus the first 16 tokens of every 512-token
+chunk (`chunks`: EPIC's idea, the chunks being those the small model read). Fact tasks of
 `kvlingo eval --task content --seed 5` at the given lengths; one JSON line per task.
 
     python -m weights.experiments.recompute_by_small 4096 0.1 small
@@ -61,18 +63,25 @@ for t in tasks:
     mass = read_positions(pair.source.model, small, toks[: n - 1], range(sh, n - 1), attention=True)
     large = s.cache("target")
     rest = toks[cut:-1]
-    if mode == "both":
+    if mode in ("both", "chunks"):
         append_kv(large, *_placeholders(large, n - 1 - cut))
         lmass = read_positions(
             pair.target.model, large, toks[: n - 1], range(cut, n - 1), attention=True
         )
-        mass = mx.maximum(mass / mx.max(mass[:cut]), lmass / mx.max(lmass[:cut]))
+        if mode == "chunks":
+            mass = lmass
+        else:
+            mass = mx.maximum(mass / mx.max(mass[:cut]), lmass / mx.max(lmass[:cut]))
     else:
         pair.target.model(mx.array(rest)[None], cache=large)
     skip = template_positions(toks[: n - 1], specials, ends)
     chosen = attended(
         mass, sel.count(share, cut), start=0, end=cut, tokens=toks[: n - 1], ends=ends, skip=skip
     )
+    if mode == "chunks":
+        chosen = sorted(
+            set(chosen) | {p for c in range(1, cut, 512) for p in range(c, min(c + 16, cut))}
+        )
     read_positions(pair.target.model, large, toks[: n - 1], chosen)
     keys = [c.keys[..., : c.offset, :] for c in large]
     values = [c.values[..., : c.offset, :] for c in large]
