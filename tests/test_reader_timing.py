@@ -6,7 +6,7 @@ here depends on how fast this machine is."""
 from dataclasses import replace
 
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
-from mlx_kvlingo.conversation.records import status_line
+from mlx_kvlingo.conversation.records import share, status_line
 from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import Cost, Paths, ReadCosts, costs_of
@@ -228,14 +228,22 @@ def test_auto_weighs_what_the_small_path_keeps(pair, translators):
     n = opening.prompt_tokens
     assert opening.read is None and n > 64 and opening.retention == pytest.approx(kept.expected(n))
     assert opening.read_note == (
-        f"reader auto: the small path keeps ≈{kept.expected(n):.2f} of the content at {n} tok, "
+        f"reader auto: the small path keeps ≈{share(kept.expected(n))} of the content at {n} tok, "
         "under 0.8"
     )
     # as the injected costs would have it: the small path was predicted far sooner
     as_predicted = replace(opening, ttft_s=opening.predicted_ttft_s)
     assert opening.alternative_ttft_s < 0.1 * as_predicted.ttft_s
     sooner = f"{(as_predicted.ttft_s - opening.alternative_ttft_s) * 1e3:.0f} ms sooner"
-    assert f"{sooner}, keeping ≈{opening.retention:.2f})" in status_line(as_predicted, NAMES)
+    assert f"{sooner}, keeping ≈{share(opening.retention)})" in status_line(as_predicted, NAMES)
+    # rounded down: a retention just under the threshold never reads as the threshold
+    assert [share(x) for x in (0.795, 0.7999, 0.8, 1.0, 0.0)] == [
+        "0.79",
+        "0.79",
+        "0.80",
+        "1.00",
+        "0.00",
+    ]
     assert short.read is not None and short.read_note == ""  # a short turn keeps 0.95
     # where time picks the large model anyway, retention is not what decided
     u = Session(pair, fwd, bwd, read_costs=ReadCosts.fixed(**LARGE_FAST), policy=PLAIN,

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.budget import AheadBudget
-from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats
+from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats, share
 from mlx_kvlingo.conversation.timing import Paths, ReadCosts
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy, reserve
@@ -367,7 +367,7 @@ class CatchUp:
         kept = self.retention_at(upto)
         if small_reads and kept is not None and kept < p.min_retention:
             self.kept_for = kept
-            return False, (f"reader auto: the small path keeps ≈{kept:.2f} of the content at "
+            return False, (f"reader auto: the small path keeps ≈{share(kept)} of the content at "
                            f"{upto + 1 - held:,} tok, under {p.min_retention:g}")  # fmt: skip
         return small_reads, why
 

@@ -3,6 +3,7 @@ statistics, streamed tokens, errors, the role names, and the one-line status of 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -139,6 +140,11 @@ def answer_confidence(logprobs: Sequence[float]) -> float:
     return float(np.mean(logprobs))
 
 
+def share(x: float) -> str:
+    """A retention with two decimals, rounded down: one under a threshold never reads as it."""
+    return f"{math.floor(x * 100 + 1e-9) / 100:.2f}"
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms"
 
@@ -187,7 +193,7 @@ def status_line(st: TurnStats, names: dict) -> str:
             other = f"{me} alone" if rd is not None else f"{LABEL['source']} + translation"
             why = ""
             if rd is None and st.retention is not None and alt < st.ttft_s:
-                why = f", {_ms(st.ttft_s - alt)} sooner, keeping ≈{st.retention:.2f}"
+                why = f", {_ms(st.ttft_s - alt)} sooner, keeping ≈{share(st.retention)}"
             ttft += f" ({other}: TTFT ≈ {_ms(alt)}{why})"
         parts.append(ttft)
     if st.ahead is not None and st.ahead.translated:
