@@ -864,7 +864,7 @@ class Conversation:
     ) -> tuple[dict[str, Any], int | None]:
         """`generate` keywords for `role`'s answer under `sampling` (sampling.resolve, the one
         merge), and the seed for `_seed`. With `progress`, each chunk of the turn read
-        (`session.READ_CHUNK` tokens) is reported."""
+        (`catchup.READ_CHUNK` tokens) is reported."""
         loaded = self.runtime.pair.source if role == "source" else self.runtime.pair.target
         try:
             cfg = resolve_sampling(loaded, sampling)

@@ -342,13 +342,13 @@ def test_a_long_turn_reports_progress_and_survives_ctrl_c(pair, translators, rea
 def test_a_long_span_is_translated_chunk_by_chunk_into_room_reserved_for_the_turn(
     pair, translators, monkeypatch
 ):
-    """The span is captured and translated `TRANSLATE_CHUNK` tokens at a time into a cache
+    """The span is captured and translated `READ_CHUNK` tokens at a time into a cache
     that already has room for the whole turn (it never grows while the turn is read); Ctrl-C
     in the third chunk leaves the large model's cache two whole chunks long, and the answer
     then equals the large model's own reading, token for token."""
     from mlx_kvlingo.conversation import catchup
 
-    monkeypatch.setattr(catchup, "TRANSLATE_CHUNK", 8)
+    monkeypatch.setattr(catchup, "READ_CHUNK", 8)  # the translation reads it per call
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, policy=plain(reader="small"))
     converse(s, 2)

@@ -54,9 +54,11 @@ TAIL_ALLOWANCE_S = 0.5
 #: sentence, at least 24 tokens, the chat template's markup last (weights/QUALITY.md,
 #: "Sentences, not neighbours")
 RECOMPUTE_SELECTION = Selection()
-#: a span is captured and translated this many tokens at a time: memory for one chunk's
-#: float32 copy and maps, however long the turn (the tokens' results do not depend on it)
-TRANSLATE_CHUNK = 512
+#: a turn is read (by either model: mlx-lm's prefill step for the answering model's own read)
+#: and its span captured and translated this many tokens at a time: one chunk's attention
+#: scores, float32 copy and maps beside the caches however long the turn, and a long document
+#: reports steady progress
+READ_CHUNK = 512
 _PROBE = (16, 64)  # tokens a never-timed large model reads once each, to time it
 
 
@@ -191,11 +193,11 @@ class CatchUp:
 
     def _translate(self, o: ModelCache, m: ModelCache, tr, start: int, end: int) -> None:
         """Append the translation of o's K/V for [start, end) to m (which holds [0, start)),
-        `TRANSLATE_CHUNK` tokens at a time where both caches are here and o's cache holds the
+        `READ_CHUNK` tokens at a time where both caches are here and o's cache holds the
         keys the translator reads; m holds whole chunks however it stops."""
         cut = tr.config.key_cut
         whole = self.remote is not None or needs_recording(o.loaded, cut)
-        chunk = end - start if whole else TRANSLATE_CHUNK
+        chunk = end - start if whole else READ_CHUNK
         try:
             for s in range(start, end, chunk):
                 e = min(end, s + chunk)

@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING
 
 from mlx_kvlingo.config import READERS, ReaderPolicy
 from mlx_kvlingo.conversation import persistence
-from mlx_kvlingo.conversation.catchup import MODES, CatchUp, ModelCache, RemoteLarge
+from mlx_kvlingo.conversation.catchup import MODES, READ_CHUNK, CatchUp, ModelCache, RemoteLarge
 from mlx_kvlingo.conversation.records import (
     ContextOverflowError,
     SessionBusyError,
@@ -63,11 +63,6 @@ if TYPE_CHECKING:  # annotations only: retention.py reads the cache folder
 
 import mlx.core as mx
 from mlx_lm import stream_generate
-
-#: a turn is read this many tokens at a time, by either model (mlx-lm's prefill step for the
-#: answering model's own read): a chunk's attention scores stay small beside the caches however
-#: long the turn, and a long document reports steady progress
-READ_CHUNK = 512
 
 
 def _kept(part: str, name: str, doc: str) -> property:

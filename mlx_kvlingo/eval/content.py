@@ -32,7 +32,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.session import READ_CHUNK, Session
+from mlx_kvlingo.conversation.catchup import READ_CHUNK
+from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import ReadCosts
 from mlx_kvlingo.data.content_tasks import KINDS, ContentTask, build_tasks
 from mlx_kvlingo.eval import report
