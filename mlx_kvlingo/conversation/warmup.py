@@ -143,7 +143,8 @@ def prime(pair, forward, backward=None, *, tokens: int = PRIME_TOKENS, sample=No
     all but the last token captured from the other model's cache, translated and appended to a
     scratch cache, the last token read over them and sampled."""
     # the first tokens of a message templated as a real turn is (or plain text): a translator
-    # that keeps the model's own first token computes that token's K/V once (`kv/translator.first_token_kv`)
+    # that keeps the model's own first token computes that token's K/V once
+    # (`kv.translator.first_token_kv`)
     scratch = Session(pair, None, None)
     scratch.add_user(_text(pair.tokenizer, tokens))
     ids = (scratch.tokens * 2)[: max(tokens, 2)]

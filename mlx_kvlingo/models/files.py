@@ -44,6 +44,13 @@ def _side_meta(model, side: Side) -> dict:
     return meta
 
 
+def translator_tensors(translator: Translator) -> dict:
+    """The file's tensors: `key.<name>` and `value.<name>` for each of the two maps' arrays."""
+    return {
+        f"{side}.{k}": v for side in ("key", "value") for k, v in getattr(translator, side).items()
+    }
+
+
 def quantize(tensors: dict, bits: int = 8) -> tuple[dict, dict]:
     """Each map (every tensor but a bias) -> mx.quantize's packed `X` with `X_scales` and
     `X_biases`, groups of 64 along the last axis (32 where a map's width does not divide by 64);
@@ -80,8 +87,7 @@ def save_translator(
     `bits` (e.g. 8) also quantizes the maps (`quantize`).
     """
     c = translator.config
-    tensors = {f"key.{k}": v for k, v in translator.key.items()}
-    tensors.update({f"value.{k}": v for k, v in translator.value.items()})
+    tensors = translator_tensors(translator)
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
     meta = {

@@ -26,7 +26,12 @@ import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.models.demo.pair import demo_data, demo_models, source_for
 from mlx_kvlingo.models.demo.smollm2 import DEMO_SOURCES
-from mlx_kvlingo.models.files import load_translator, quantize, read_metadata
+from mlx_kvlingo.models.files import (
+    load_translator,
+    quantize,
+    read_metadata,
+    translator_tensors,
+)
 
 import mlx.core as mx
 
@@ -40,8 +45,7 @@ def copy_stored(src: Path, dest: Path, bits: int | None = None) -> Path:
     float16 (with `bits`, its maps then quantized as `save_translator(bits=)` does) and the
     metadata saying so; the rest of the metadata as it was."""
     meta = read_metadata(src)
-    tr = load_translator(src, dtype=mx.float16)
-    tensors = {f"{side}.{k}": v for side in ("key", "value") for k, v in getattr(tr, side).items()}
+    tensors = translator_tensors(load_translator(src, dtype=mx.float16))
     meta["dtype"] = "float16"
     meta.pop("quantization", None)
     if bits:
