@@ -73,7 +73,9 @@ def test_a_second_start_reuses_the_stored_rates(tiny_dir, cache, measures):
     assert second.rates == "cached" and second.warmup_s == seconds > 0
     (stored,) = rate_files(cache)
     costs, measured = costs_of(second.pair), costs_of(first.pair).to_dict()
-    assert costs.to_dict() == measured and costs.origin == "cached"
+    # as stored, or scaled to this start's load where the tiny pair's probe read says so
+    f = second.load_factor
+    assert costs.to_dict() == scaled(measured, f) and costs.origin == "cached"
     assert costs.target_read.ready and costs.forward.ready and costs.backward.ready
     # each translator's map reading is the one measured on the first start
     assert second.forward.reading.chosen == first.forward.reading.chosen != {}
@@ -87,6 +89,46 @@ def test_a_second_start_reuses_the_stored_rates(tiny_dir, cache, measures):
     # reuse=False measures again and stores the new rates over the old
     second.warm_up(lengths=LENGTHS, reuse=False)
     assert len(measures) == 2 and second.rates == "measured" and rate_files(cache) == [stored]
+
+
+def scaled(rates: dict, factor: float) -> dict:
+    return {k: [[n, s * factor, at] for n, s, at in v] for k, v in rates.items()}
+
+
+@pytest.mark.parametrize("slower", [3.0, 1.1, 0.25])
+def test_a_reusing_start_rescales_the_rates_to_its_load(tiny_dir, cache, measures, monkeypatch,
+                                                       slower):  # fmt: skip
+    """A start that reuses stored rates times one read of the large model: where it takes more
+    than LOAD_TOLERANCE times what the rates predict (or less than its inverse), every rate is
+    scaled by that factor, so the first prediction follows this start's machine; within, the
+    rates stay as stored."""
+    from mlx_kvlingo.conversation.timing import costs_of
+
+    first = fresh_runtime(tiny_dir)
+    first.warm_up(lengths=LENGTHS)
+    measured = costs_of(first.pair).to_dict()
+    second = fresh_runtime(tiny_dir)
+    costs = costs_of(second.pair)
+    real = warmup_module.attention_probe
+
+    def probe(loaded, ids):  # the same read, `slower` times what the stored rates predict
+        n, _, at = real(loaded, ids)
+        return n, slower * costs.target_read.predict(n, at), at
+
+    monkeypatch.setattr(warmup_module, "attention_probe", probe)
+    second.warm_up(lengths=LENGTHS)
+    assert len(measures) == 1 and second.rates == "cached"
+    factor = slower if not 1 / 1.2 <= slower <= 1.2 else 1.0
+    assert second.load_factor == pytest.approx(factor)
+    got = costs.to_dict()
+    for name, samples in scaled(measured, factor).items():
+        assert [s[0] for s in got[name]] == [s[0] for s in samples]
+        assert [s[1] for s in got[name]] == pytest.approx([s[1] for s in samples], rel=1e-9)
+    want = costs_of(first.pair).large_reads(300, at=40) * factor
+    assert costs.large_reads(300, at=40) == pytest.approx(want, rel=1e-9)
+    assert ("scaled x" in warmup_module.rates_text(second.rates, second.load_factor)) is (
+        factor != 1.0
+    )
 
 
 def test_a_changed_key_measures_again(tiny_dir, cache, measures, monkeypatch):

@@ -16,7 +16,7 @@ MLX's own cache is not raised. It hands a buffer out again only for a request of
 size, so a larger cache holds the buffers of one length while a translation of another length
 faults fresh pages in (dense demo pair, with a 4 GB cache: 16,000-24,000 minor faults at each
 new length, first translations at 512 and 768 tokens 1.5x their repeats; with MLX's default,
-none and 1.0x; the figures in mlx_kvlingo/eval/RESULTS.md). `decode.reserve_translation_memory`
+none and 1.0x; the figures in mlx_kvlingo/eval/RESULTS.md). `kv.translator.reserve_translation_memory`
 maps the memory of the longest translation once, at load. Set KVLINGO_CPU_MEMORY=default to
 leave malloc as it is.
 """

@@ -1,7 +1,7 @@
 """This pair's read rates on this machine, kept in the cache folder between processes.
 
 What the warm-up measures (`warmup.py`: the read costs of `timing.py` that reader "auto" decides
-by, and the way each translator's maps read the source fastest, `map_reading.measure`) depends
+by, and the way each translator's maps read the source fastest, `kv.translator.measure`) depends
 on the machine, the pair's files and the libraries that run them, not on the process. It is
 written to `<cache folder>/rates/<hash of the key>.json` (the cache folder: `KVLINGO_CACHE`,
 default `~/.cache/mlx-kvlingo`) and reused by a later start whose key is the same:

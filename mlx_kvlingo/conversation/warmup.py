@@ -3,8 +3,10 @@ read rates, measured on the first start and reused from the cache folder on late
 
 `start` is what a start runs (`Runtime.load`, `kvlingo chat`, `kvlingo serve`): when the cache
 folder holds the rates for this machine, pair and library versions (`rates_cache.py`), it
-takes them (and each translator's map reading) and runs only `prime`, a first call of each
-path on a few tokens; otherwise it runs `warm_up` and stores what it measured.
+takes them (and each translator's map reading), runs only `prime`, a first call of each
+path on a few tokens, and `check_load`: one timed read of the large model, which rescales the
+stored rates where this start's machine is busier or quieter than theirs; otherwise it runs
+`warm_up` and stores what it measured.
 
 `warm_up`: a short scratch conversation is run twice over the pair: the first run (its
 shortest turn) pays the one-off costs (MLX compiling its kernels, lazy weights, first
@@ -12,8 +14,8 @@ allocations, the chat template, the sampler), unrecorded; the second measures th
 of `timing.py` at a couple of lengths, both ways of reading, so reader "auto" starts from this
 pair's own rates.
 Before both, each translator measures how its maps read the source fastest on this pair's
-shapes and this backend (`map_reading.measure`), so the turns run what they will run later,
-and on the CPU translates one scratch span of `decode.RESERVE_TOKENS`, so that the first
+shapes and this backend (`kv.translator.measure`), so the turns run what they will run later,
+and on the CPU translates one scratch span of `kv.translator.RESERVE_TOKENS`, so that the first
 translation at each new length up to it does not fault fresh memory in.
 """
 
@@ -92,9 +94,9 @@ def warm_up(
         for _ in selfs.generate("source", max_tokens=answer_tokens, **kwargs):
             pass
     ids = selfs.tokens
-    attention_probe(pair.target, costs.target_read, ids)
+    costs.target_read.observe(*attention_probe(pair.target, ids))
     if forward is not None:  # without one the small model never reads for the large
-        attention_probe(pair.source, costs.source_read, ids)
+        costs.source_read.observe(*attention_probe(pair.source, ids))
     costs.warmup_s = time.perf_counter() - t0
     if log:
         log(f"warm-up {costs.warmup_s:.1f} s")
@@ -106,28 +108,61 @@ def warm_up(
 PROBE_AT, PROBE_READ = 2048, 64
 
 
-def attention_probe(loaded, cost, ids: list[int]) -> None:
+def attention_probe(loaded, ids: list[int]) -> tuple[int, float, int]:
     """`loaded` reads PROBE_READ of `ids` (repeated) over a scratch cache of PROBE_AT zero
-    positions (attention costs the same whatever the K/V hold), twice, the second timed into
-    `cost` at `at` = PROBE_AT."""
+    positions (attention costs the same whatever the K/V hold), twice; returns the second
+    read as (tokens, seconds, at), what `Cost.observe` takes. (0, 0.0, 0), which it ignores,
+    where the context is too short for the probe."""
     at = PROBE_AT if loaded.context_length is None else min(PROBE_AT, loaded.context_length // 2)
     if at < PROBE_READ:
-        return
+        return 0, 0.0, 0
     g, probe = loaded.geometry, (ids * (PROBE_READ // max(len(ids), 1) + 1))[:PROBE_READ]
     dtype = loaded.dtype
-    for timed in (False, True):  # the first pays the new shapes once
+    for _ in range(2):  # the first pays the new shapes once
         cache = new_cache(loaded)
         k = mx.zeros((1, g.kv_heads, at, g.head_dim), dtype=dtype)
         v = mx.zeros((1, g.kv_heads, at, g.value_dim), dtype=dtype)
         append_kv(cache, [k] * len(cache), [v] * len(cache))
         t0 = time.perf_counter()
         mx.eval(loaded.model(mx.array(probe)[None], cache=cache))
-        if timed:
-            cost.observe(PROBE_READ, time.perf_counter() - t0, at)
+        seconds = time.perf_counter() - t0
+    return PROBE_READ, seconds, at
+
+
+#: a start that reuses stored rates rescales them where the large model's probe read takes
+#: more than this many times what they predict, or less than its inverse
+LOAD_TOLERANCE = 1.2
+
+
+def check_load(pair, costs: ReadCosts) -> float:
+    """The factor by which this start's machine is slower (> 1) or faster than when the
+    stored rates were measured: the large model's `attention_probe`, timed against what
+    `costs` predict for it. Beyond `LOAD_TOLERANCE` every cost is scaled by it
+    (`ReadCosts.scale`) and it is returned; within, the rates stay as stored and 1.0 is
+    returned. Rates measured while another job ran (or a laptop on battery) would otherwise
+    decide the first turns of a quiet start: a prediction 1.8x what the read took."""
+    ids = pair.tokenizer.encode(_text(pair.tokenizer, PROBE_READ))
+    n, seconds, at = attention_probe(pair.target, ids)
+    predicted = costs.target_read.predict(n, at) if n else None
+    if not predicted or seconds <= 0:
+        return 1.0
+    factor = seconds / predicted
+    if 1 / LOAD_TOLERANCE <= factor <= LOAD_TOLERANCE:
+        return 1.0
+    costs.scale(factor)
+    return factor
 
 
 #: what the banners say of `ReadCosts.origin`
 ORIGIN = {"measured": "rates measured", "cached": "rates reused from the cache"}
+
+
+def rates_text(origin: str | None, factor: float = 1.0) -> str:
+    """Where the rates came from, as the banners say it: `ORIGIN`, and the factor a reusing
+    start scaled them by (`check_load`)."""
+    text = ORIGIN.get(origin or "", "")
+    return f"{text}, scaled x{factor:.2f} to this start's load" if factor != 1.0 else text
+
 
 #: the tokens each model reads, and each translator translates, in `prime`
 PRIME_TOKENS = 8
@@ -202,15 +237,17 @@ def start(
             if translator is not None and direction in stored.readings:
                 translator.reading = stored.readings[direction]
         prime(pair, forward, backward, sample=sample)
+        costs.load_factor = check_load(pair, costs)
         costs.origin, costs.warmup_s = "cached", time.perf_counter() - t0
         if log:
-            log(f"warm-up {costs.warmup_s:.1f} s ({ORIGIN['cached']})")
+            rates = rates_text(costs.origin, costs.load_factor)
+            log(f"warm-up {costs.warmup_s:.1f} s ({rates})")
         return costs
     warm_up(pair, forward, backward, lengths=lengths, sample=sample, costs=costs)
-    costs.origin = "measured"
+    costs.origin, costs.load_factor = "measured", 1.0
     readings = {d: t.reading for d, t in translators.items() if t is not None}
     rates_cache.save(key, costs, readings, cache_dir)
     costs.warmup_s = time.perf_counter() - t0
     if log:
-        log(f"warm-up {costs.warmup_s:.1f} s ({ORIGIN['measured']})")
+        log(f"warm-up {costs.warmup_s:.1f} s ({rates_text(costs.origin)})")
     return costs
