@@ -99,9 +99,10 @@ def test_the_small_path_with_a_tail_adds_the_large_models_read_of_it():
     assert p.small(costs) == pytest.approx((0.01 + 0.008) + (0.002 + 0.0005 * 8) + (0.02 + 0.32))
     nothing = Paths(lacked=32, catch_up=0, read=0, backward=False, tail=32)  # nothing to read
     assert nothing.small(costs) == pytest.approx(nothing.large(costs))
-    # recomputing 4 of the 8 translated tokens: a read of 4 + 32, then the answer's step
+    # recomputing 4 of the 8 translated tokens: a read of 32 + 4 + 32 (the tail again), then
+    # the answer's step
     r = Paths(lacked=40, catch_up=0, read=8, backward=False, tail=32, recompute=4)
-    assert r.small(costs) == pytest.approx((0.01 + 0.008) + (0.002 + 0.0005 * 8) + (0.02 + 0.36)
+    assert r.small(costs) == pytest.approx((0.01 + 0.008) + (0.002 + 0.0005 * 8) + (0.02 + 0.68)
                                            + (0.02 + 0.01))  # fmt: skip
 
 

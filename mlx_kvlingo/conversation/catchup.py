@@ -34,7 +34,13 @@ from mlx_kvlingo.conversation.timing import Paths, ReadCosts
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy, reserve
 from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, needs_recording, prefill
-from mlx_kvlingo.kv.recompute import Selection, recompute_attended, sentence_ends, special_ids
+from mlx_kvlingo.kv.recompute import (
+    Selection,
+    large_reads,
+    recompute_attended,
+    sentence_ends,
+    special_ids,
+)
 from mlx_kvlingo.kv.translator import Translator, append_translation
 from mlx_kvlingo.models.pair import LoadedModel, ModelPair
 
@@ -445,8 +451,8 @@ class CatchUp:
                 sw.translated, sw.seconds
             )
         if sw is not None and sw.recompute_s:  # the tail and the recomputed, read at the end
-            n = sw.tail_read + sw.recomputed
-            costs.target_read.observe(n, sw.recompute_s, sw.end + sw.tail_read - n)
+            n = large_reads(sw.tail_read, sw.recomputed)
+            costs.target_read.observe(n, sw.recompute_s, max(sw.end - sw.recomputed, 0))
         if stats.model == "target":
             costs.observe_target(stats.prompt_tokens, stats.prompt_s, at)
 

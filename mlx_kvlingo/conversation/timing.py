@@ -24,8 +24,9 @@ The two ways a large answer can start, predicted with the same accounting as the
     large reads     target_read(lacked, at=held)
     small reads     catch-up (backward(k), or source_read when there is no backward map)
                     + source_read(read) + forward(lacked - tail) + the large reading the
-                    tail and recomputing (target_read(tail + recompute) at the turn's end,
-                    then target_step; target_step alone for a one-token tail)
+                    tail, recomputing and reading the tail again (target_read(recompute +
+                    2 * tail) at the turn's end, then target_step; target_step alone for a
+                    one-token tail)
 
 Measurements come from a warm-up at load (`warmup.py`: a scripted scratch conversation, which
 also pays once what a process pays on its first turn: compiled kernels, lazy weights, first
@@ -42,6 +43,8 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+
+from mlx_kvlingo.kv.recompute import large_reads
 
 import numpy as np
 
@@ -205,16 +208,16 @@ class ReadCosts:
         """Predicted TTFT with the small model reading: over the `small_at` tokens it holds it
         catches up on `catch_up` tokens (translated back when `backward`, else it reads them),
         reads `read` tokens, `lacked - tail` are translated into the large model (which held
-        `at`), which reads the last `tail` itself and recomputes `recompute` of the translated
-        ones (about a read of `recompute + tail` at the turn's end, then one step: the answer
-        reads the last token again over the recomputed ones)."""
+        `at`), which reads the last `tail` itself, recomputes `recompute` of the translated
+        ones and reads the tail again (about a read of `recompute + 2 * tail` at the turn's
+        end, `recompute.large_reads`; then one step: the answer reads the last token)."""
         needed = [self.source_read, self.forward]
         if catch_up and backward:
             needed.append(self.backward)
         if not all(c.ready for c in needed):
             return None
         end = at + lacked
-        large = self.large_reads(recompute + tail, end - recompute - tail)
+        large = self.large_reads(large_reads(tail, recompute), end - recompute - tail)
         step = self.step() if recompute else 0.0
         if large is None or step is None:
             return None

@@ -256,15 +256,18 @@ def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int, sha
                        start: int = 0, selection: Selection = Selection(),
                        ends: frozenset[int] | None = None,
                        specials: frozenset[int] | None = None) -> list[int]:  # fmt: skip
-    """The target reads the span's last `tail` tokens over the translated rest, then
-    recomputes the `share` of [start, cut) its reading attended to most (cut: where the tail
-    begins), picked by `selection` (with the tokenizer's `sentence_ends` and `special_ids`).
-    Returns the recomputed positions.
+    """The target reads the span's last `tail` tokens over the translated rest, recomputes
+    the `share` of [start, cut) its reading attended to most (cut: where the tail begins),
+    picked by `selection` (with the tokenizer's `sentence_ends` and `special_ids`), then reads
+    the tail again over the recomputed positions. Returns the recomputed positions.
 
-    The tail is read once: its K/V stay those of its reading over the translated rest. Reading
-    it again over the recomputed positions costs a second read of the tail and retrieved one
-    fact more in 28 (weights/QUALITY.md, "Selective recompute"); the answer's own first step
-    reads the recomputed positions either way."""
+    The tail (a question, at the end of a document) is read again because its K/V, which the
+    answer reads, would otherwise be those of its first reading over the translated rest, the
+    fact it asks for still translated: read again, it kept 4 of 7 facts at 4,096 tokens where
+    read once it kept 3, and never fewer (eval/RESULTS.md, "Long documents"). With every
+    position recomputed (share 1) the cache is then the target's own, bit for bit as its
+    reading in `read_positions`' chunks. It costs a second read of `tail` tokens
+    (`large_reads`)."""
     if (selection.sentences or selection.template) and ends is None:
         raise ValueError("this selection needs the tokenizer's sentence_ends")
     if selection.template and specials is None:
@@ -279,4 +282,11 @@ def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int, sha
                       whole=selection.sentences == "whole", skip=skip)  # fmt: skip
     if chosen:
         read_positions(model, cache, tokens, chosen)
+        read_positions(model, cache, tokens, range(cut, T))
     return chosen
+
+
+def large_reads(tail: int, recomputed: int) -> int:
+    """Tokens the target reads at the end of a translated turn (`recompute_attended`): the
+    tail, the recomputed positions and, where there are any, the tail again."""
+    return tail + recomputed + (tail if recomputed else 0)
