@@ -96,7 +96,7 @@ def read_positions(model, cache: list, tokens: Sequence[int], positions: Sequenc
     those before it, which an earlier chunk has recomputed by then in every layer, so chunks
     read what one pass reads, with one chunk's attention scores in memory (one pass over the
     10% of an 8,000-token turn held 230 MB of them), each over the span up to its last
-    position only (half the attention of reading every chunk over the whole span)."""
+    position only (the columns past it are masked out for every row of the chunk)."""
     T = len(tokens)
     if any(c.offset != T for c in cache):
         raise ValueError(f"the cache holds {[c.offset for c in cache][:1]} tokens, not {T}")
@@ -268,9 +268,8 @@ def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int, sha
     answer reads, would otherwise be those of its first reading over the translated rest, the
     fact it asks for still translated: read again, it kept 4 of 7 facts at 4,096 tokens where
     read once it kept 3, and never fewer (eval/RESULTS.md, "Long documents"). With every
-    position recomputed (share 1) the cache is then the target's own, bit for bit as its
-    reading in `read_positions`' chunks. It costs a second read of `tail` tokens
-    (`large_reads`)."""
+    position recomputed (share 1) the cache is then the target's own (within float rounding,
+    `tests/test_recompute.py`). It costs a second read of `tail` tokens (`large_reads`)."""
     if (selection.sentences or selection.template) and ends is None:
         raise ValueError("this selection needs the tokenizer's sentence_ends")
     if selection.template and specials is None:
