@@ -388,6 +388,39 @@ def test_a_long_span_is_translated_chunk_by_chunk_into_room_reserved_for_the_tur
     assert_translated_once(s)
 
 
+def test_the_small_read_takes_shorter_chunks_as_its_cache_grows(pair, translators, monkeypatch):
+    """Each chunk of the small model's read keeps its attention scores, rows x cached tokens x
+    heads in float32, under `SCORES_BYTES` (the first chunk whole, later ones shorter), and the
+    cache it leaves is the one read in a single pass."""
+    from mlx_kvlingo.conversation import catchup
+    from mlx_kvlingo.kv.cache import new_cache
+
+    heads = pair.source.query_heads
+    monkeypatch.setattr(catchup, "SCORES_BYTES", 4 * heads * 48 * 64)  # 48 rows over 64 tokens
+    fwd, bwd = translators
+    s = Session(pair, fwd, bwd, policy=plain(reader="small"))
+    real, reads = pair.source.model.__class__.__call__, []
+
+    def record(self, inputs, cache=None, **k):
+        if self is pair.source.model:
+            reads.append((inputs.shape[1], cache[0].offset))
+        return real(self, inputs, cache=cache, **k)
+
+    monkeypatch.setattr(pair.source.model.__class__, "__call__", record)
+    s.add_user("a long user turn that the small model reads in chunks " * 8)
+    list(s.generate("large", max_tokens=1, prefill_step_size=32))
+    monkeypatch.undo()
+    assert reads[0][0] == 32 and reads[-2][0] < 32 and len(reads) > 5
+    for n, held in reads[:-1]:  # the last call is the answer's first step, not the read
+        assert n * (held + n) * heads * 4 <= catchup.SCORES_BYTES or n == 32 // 8
+    whole = new_cache(pair.source)
+    pair.source.model(mx.array(s.tokens[: s.held("source")])[None], cache=whole)
+    for c, w in zip(s.cache("source"), whole):
+        assert c.offset == w.offset
+        assert mx.allclose(c.keys[..., : c.offset, :], w.keys[..., : w.offset, :], atol=1e-5)
+        assert mx.allclose(c.values[..., : c.offset, :], w.values[..., : w.offset, :], atol=1e-5)
+
+
 def test_cancel_during_the_small_read(pair, translators, monkeypatch):
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, policy=plain(reader="small"))

@@ -65,6 +65,20 @@ RECOMPUTE_SELECTION = Selection()
 #: scores, float32 copy and maps beside the caches however long the turn, and a long document
 #: reports steady progress
 READ_CHUNK = 512
+#: the small model's read chunk shrinks as its cache grows so that one chunk's attention scores
+#: (float32, the chunk's rows over the cache, every query head) stay under this: MLX's CPU
+#: backend materializes them beside the caches, and at 8,000 tokens a 512-token chunk's held
+#: 150 MB above the two models and both caches (eval/RESULTS.md, "Long documents")
+SCORES_BYTES = 64 << 20
+
+
+def read_chunk(heads: int, held: int, chunk: int = READ_CHUNK) -> int:
+    """Tokens n the next read chunk takes with `held` tokens cached: `chunk`, or fewer where
+    n x (held + chunk) x `heads` x 4 bytes (at least its scores) would pass `SCORES_BYTES`;
+    never fewer than chunk // 8."""
+    return max(chunk // 8, min(chunk, SCORES_BYTES // (4 * heads * (held + chunk))))
+
+
 _PROBE = (16, 64)  # tokens a never-timed large model reads once each, to time it
 
 
@@ -238,7 +252,8 @@ class CatchUp:
 
     def small_reads(self, upto: int, chunk: int, progress=None) -> Read:
         """The small model catches up on the large's last answer, then reads up to `upto`
-        itself (prefill only), `chunk` tokens at a time; a cancel stops it between chunks.
+        itself (prefill only), `chunk` tokens at a time or fewer on a long cache (`read_chunk`);
+        a cancel stops it between chunks.
         However it stops (cancel, Ctrl-C), its cache holds exactly what it read.
         `progress("source", done, total)` is called before the first chunk and after each."""
         m = self.models["source"]
@@ -249,7 +264,8 @@ class CatchUp:
             while m.held < upto and not self.cancel.is_set():
                 if progress is not None:
                     progress("source", read.tokens, total)
-                piece = self.transcript.tokens[m.held : min(upto, m.held + chunk)]
+                n = read_chunk(m.loaded.query_heads, m.held, chunk)
+                piece = self.transcript.tokens[m.held : min(upto, m.held + n)]
                 m.loaded.model(mx.array(piece)[None], cache=m.cache)
                 mx.eval([c.keys for c in m.cache])
                 m.held += len(piece)

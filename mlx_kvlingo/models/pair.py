@@ -66,6 +66,11 @@ class LoadedModel:
         return self.model.layers[layer].self_attn
 
     @property
+    def query_heads(self) -> int:
+        """Attention heads per layer (the queries'; `geometry.kv_heads` are the cache's)."""
+        return int(self.config.get("num_attention_heads", self.geometry.kv_heads))
+
+    @property
     def rope(self) -> nn.Module:
         return self.attention(0).rope
 
