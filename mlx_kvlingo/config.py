@@ -6,7 +6,8 @@ Before the large model answers a turn it lacks, someone reads it:
     reader "self"    the large model reads the turn itself (exact, the slow path on long turns);
     reader "small"   the small model reads it, the span the large lacks is translated, then the
                      large reads the last `large_reads_last` tokens itself and recomputes
-                     `recompute_share` of the translated span (the tokens its read attended to);
+                     `recompute_share` of the translated span (the tokens its read attended to;
+                     on a span past 2,048 tokens as many as on one of 2,048: kv.recompute.Selection);
     reader "tokens"  "small" for the opening span and spans of `reader_min_tokens` or more;
     reader "auto"    whichever path is predicted to start the answer sooner (ties within
                      `reader_margin` go to the token rule), but the small path only where this

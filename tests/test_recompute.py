@@ -194,6 +194,9 @@ def test_the_chats_selection_takes_whole_sentences_and_a_floor(known_pair):
                                 ends=ends, specials=specials)  # fmt: skip
     assert len(chosen) == min(cut, Selection().floor) > round(0.1 * cut)
     assert Selection().count(0.1, 1000) == 100 and Selection().count(0.0, 1000) == 0
+    # past `cap` tokens the count stays that of the cap; without one it is the share
+    assert Selection().count(0.1, 8000) == Selection().count(0.1, 2048) == 205
+    assert Selection(cap=None).count(0.1, 8000) == 800
     # every run of chosen positions after the sink ends a sentence or the span, but the one the
     # count cut
     runs = [[chosen[1]]]

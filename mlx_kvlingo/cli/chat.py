@@ -38,6 +38,7 @@ from mlx_kvlingo.cli._distributed import (
     wire_option,
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
+from mlx_kvlingo.conversation.catchup import RECOMPUTE_SELECTION
 from mlx_kvlingo.conversation.records import AUTO_THRESHOLD, LABEL, ROLE
 from mlx_kvlingo.conversation.sampling import describe as describe_sampling
 from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
@@ -82,7 +83,10 @@ def describe_reader(conv) -> str:
     last = (f"; the large reads the last {conv.policy.large_reads_last} tok itself"
             if conv.policy.large_reads_last > 1 else "")  # fmt: skip
     if conv.policy.recompute_share:
-        last += f" and recomputes {conv.policy.recompute_share:.0%} of the translated turn"
+        share, sel = conv.policy.recompute_share, RECOMPUTE_SELECTION
+        last += f" and recomputes {share:.0%} of the translated turn"
+        if sel.cap:
+            last += f", at most {sel.count(share, sel.cap)} tok"
     if conv.policy.reader == "small":
         return ("the small model reads every turn, the large one decodes from the translated "
                 f"cache{last}")  # fmt: skip
