@@ -67,7 +67,7 @@ RECOMPUTE_SELECTION = Selection()
 READ_CHUNK = 512
 #: the small model's read chunk shrinks as its cache grows so that one chunk's attention scores
 #: (float32, the chunk's rows over the cache, every query head) stay under this: MLX's CPU
-#: backend materializes them beside the caches, and at 8,000 tokens a 512-token chunk's held
+#: backend materializes them beside the caches, and at 8,000 tokens a 512-token chunk's scores held
 #: 150 MB above the two models and both caches (eval/RESULTS.md, "Long documents")
 SCORES_BYTES = 64 << 20
 

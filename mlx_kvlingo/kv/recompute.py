@@ -155,8 +155,8 @@ class Selection:
       What a question attends to does not grow with the document (the fact's first token ranked
       30th of 4,085 positions at 4,096 tokens, 48th-130th of about 2,000 at 2,048), while each
       recomputed token attends over the whole span: 5% of 4,096 tokens kept the facts 10% kept
-      over three draws, in 0.60 of the large model's own read instead of 0.67 (eval/RESULTS.md,
-      "Long documents").
+      over three draws, in 0.60-0.61 of the large model's own read instead of 0.67-0.68
+      (eval/RESULTS.md, "Long documents").
     template: a chat template's markup ("<|im_start|>user\n") is taken as a peak only after
       every other position: the target attends to it whatever a message says, as it does to
       position 0.
