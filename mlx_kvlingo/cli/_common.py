@@ -153,6 +153,7 @@ def policy_options(f):
     from dataclasses import replace
 
     from mlx_kvlingo.config import READERS, ReaderPolicy
+    from mlx_kvlingo.conversation.catchup import RECOMPUTE_SELECTION as sel
 
     d = ReaderPolicy()
     opts = [
@@ -173,8 +174,9 @@ def policy_options(f):
                           "last this many tokens itself; 1: the last token"),
         click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
                      help="When the small model reads your turn, the large one also recomputes "
-                          "this share of it (at least 24 tokens, and on a turn past 2,048 tokens "
-                          "as many as on one of 2,048), the sentences its reading of "
+                          f"this share of it (at least {sel.floor} tokens, and on a turn past "
+                          f"{sel.cap:,} tokens as many as on one of {sel.cap:,}), the sentences "
+                          "its reading of "
                           "the turn's end attended to most; 0: none; default "
                           f"{d.recompute_share:g}, 0 with a pipelined large model"),
         click.option("--min-retention", type=click.FloatRange(0, 1), default=d.min_retention,
