@@ -444,9 +444,9 @@ class Runtime:
 
     def retention(self, policy: ReaderPolicy | None = None) -> Retention | None:
         """What the forward translator keeps of the content read, by length, under `policy`'s
-        tail and recompute share (conversation/retention.py): measured on this pair by
-        `kvlingo eval --task content` (kept in the cache folder), else shipped with a demo
-        translator; None when neither (reader "auto" then weighs time alone)."""
+        tail and recompute share (conversation/retention.py): the counts of `kvlingo eval --task
+        content` on this pair (kept in the cache folder) pooled with those a demo translator
+        ships; None where no length is measured (reader "auto" then weighs time alone)."""
         from mlx_kvlingo.conversation import retention
         from mlx_kvlingo.models.demo.pair import shipped_retention
 
@@ -455,11 +455,13 @@ class Runtime:
             return None
         settings = (policy.large_reads_last, policy.recompute_share)
         if settings not in self._retention:
-            k = retention.key(self.pair, self.forward, policy)
-            found = retention.load(k)
+            draws = retention.load(retention.key(self.pair, self.forward, policy))
             path = getattr(self.forward, "path", None)
-            if found is None and path and (shipped := shipped_retention(path, *settings)):
-                found = retention.Retention.from_dict(shipped)
+            if path and (shipped := shipped_retention(path, *settings)):
+                draws = {shipped["source"]: shipped["counts"], **draws}
+            found = retention.Retention.from_counts(
+                retention.pooled(*draws.values()), "; ".join(draws)
+            )
             self._retention[settings] = found
         return self._retention[settings]
 

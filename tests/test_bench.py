@@ -326,7 +326,8 @@ def test_conversation_bench_auto_weighs_the_chats_retention(tiny_pair):
                                   policies=("large reads", "small reads", "auto reads"),
                                   warmup=False, policy=ReaderPolicy(reader_min_tokens=1))  # fmt: skip
     k = retention.key(pair, tr, cfg.policy)
-    path = retention.save(k, retention.Retention(((8, 0.0), (64, 0.0)), "a test"))
+    retention.record(k, "a test", [(8, 0, 3), (64, 0, 3)])
+    path = retention.path_for(k)
     # by time the small path wins: the large model's reading costs 10 ms a token
     pair.__dict__[timing._ATTR] = timing.ReadCosts.fixed(
         source_read=(0, 1e-4), forward=(0, 1e-5), backward=(0, 1e-5), target_read=(0, 1e-2)

@@ -273,7 +273,7 @@ def test_retention_pools_facts_and_copies_the_native_answer_got_right():
         rec(4, "native", "qa", 128, None), rec(4, "chat", "qa", 128, None),
         rec(5, "native", "fact", 256, False), rec(5, "chat", "fact", 256, False),
     ]  # fmt: skip
-    assert retention({"records": records}) == [(64, 0.5), (128, 0.0)]
+    assert retention({"records": records}) == [(64, 1, 2), (128, 0, 1)]
 
 
 def test_eval_task_content_times_each_read_and_stores_the_retention_auto_weighs(
@@ -306,12 +306,12 @@ def test_eval_task_content_times_each_read_and_stores_the_retention_auto_weighs(
     assert set(times) == {"native", "translated", "chat"} and set(times["chat"]) == {48, 96}
     assert all(s > 0 for by in times.values() for s in by.values())
     assert "reading the prompt: median seconds" in r.output
-    points = retention(result)
-    assert points == [(48, 1.0), (96, 1.0)]
-    assert "stored for reader auto" in r.output
+    assert retention(result) == [(48, 4, 4), (96, 4, 4)]  # 2 facts and 2 copies, all right
+    said = " ".join(r.output.split())
+    assert "retention stored for reader auto" in said and "48 tok 4/4, 96 tok 4/4" in said
     rt = Runtime(pair, load_translator(path, pair))
     stored = rt.retention(ReaderPolicy(large_reads_last=8))
-    assert stored is not None and list(stored.points) == points
+    assert stored is not None and stored.points == ((48, 1.0), (96, 1.0))
     assert rt.retention(ReaderPolicy()) is None  # measured with a tail of 8, not 32
     bad = CliRunner().invoke(cli, args[:-2] + ["--kinds", "fact,poem"])
     assert bad.exit_code == 2 and "poem: expected some of fact, copy, qa, summary" in bad.output

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import time
-
 from mlx_kvlingo.cli._common import (
     content_texts,
     data_config,
@@ -82,7 +80,8 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
         sizes = sorted({int(x) for x in lengths.split(",") if x.strip()})
         return _content(pair, tr, texts, sizes, per_kind, kw["seed"], json_out, plot_out, console,
-                        translator or "demo default", tail, share, kinds)  # fmt: skip
+                        translator or "demo default", tail, share, kinds,
+                        str(data_path or "demo"))  # fmt: skip
     if tail is not None or share is not None or plot_out is not None:
         raise click.UsageError("--large-reads-last, --recompute and --plot go with --task content")
     if data_path is not None:
@@ -121,7 +120,7 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
 
 
 def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label,
-             tail=None, share=None, kinds=KINDS):  # fmt: skip
+             tail=None, share=None, kinds=KINDS, data_label="demo"):  # fmt: skip
     from mlx_kvlingo.eval.content import (
         Chat,
         evaluate_content,
@@ -151,24 +150,26 @@ def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, conso
         report.write_json(result, json_out)
     if plot_out:
         plot(result, plot_out)
-    _store_retention(pair, tr, chat, retention(result), len(tasks), seed, console)
+    draw = f"data {data_label}, seed {seed}, kinds {','.join(kinds)}"
+    _store_retention(pair, tr, chat, retention(result), draw, console)
 
 
-def _store_retention(pair, tr, chat, points, n_tasks, seed, console) -> None:
-    """Keep the chat condition's retention in the cache folder, where reader "auto" of this
-    pair, translator and settings finds it (conversation/retention.py)."""
+def _store_retention(pair, tr, chat, counts, draw, console) -> None:
+    """Add the chat condition's retention counts to those in the cache folder, where reader
+    "auto" of this pair, translator and settings finds them (conversation/retention.py)."""
     from mlx_kvlingo.conversation import retention as kept
 
-    if not points:
+    if not counts:
         return
     policy = ReaderPolicy(large_reads_last=chat.tail, recompute_share=chat.share)
-    measured = kept.Retention(tuple(points), source=f"kvlingo eval --task content: {n_tasks} "
-                              f"tasks, seed {seed}, {time.strftime('%Y-%m-%d')}")  # fmt: skip
     try:
-        path = kept.save(kept.key(pair, tr, policy), measured)
+        draws = kept.record(kept.key(pair, tr, policy), draw, counts)
     except OSError as e:
         console.print(f"[yellow]retention not stored: {e}[/yellow]")
         return
-    shown = ", ".join(f"{n} tok {r:.2f}" for n, r in points)
-    console.print(f"[grey50]retention of facts and copies ({shown}) stored for reader auto: "
-                  f"{path}[/grey50]")  # fmt: skip
+    shown = ", ".join(f"{n} tok {k}/{r}" + ("" if r >= kept.MIN_RIGHT else " (too few yet)")
+                      for n, k, r in kept.pooled(*draws.values()))  # fmt: skip
+    pooled = f", pooled over {len(draws)} draws" if len(draws) > 1 else ""
+    console.print(f"[grey50]retention stored for reader auto, facts and copies kept / native "
+                  f"right{pooled}: {shown} (a length counts once the native read got "
+                  f"{kept.MIN_RIGHT} right there)[/grey50]")  # fmt: skip

@@ -17,8 +17,8 @@ The headline per cell is `retained` for fact and copy, `recall` for qa and summa
 continuation KL is not used here: generic tokens dominate it (see weights/QUALITY.md).
 Each condition's read is timed (`read_s`: the target's own prefill of prompt[:-1] for native;
 the whole hand-off for a `Chat`, the small model's read included), side by side in one run;
-`retention` gives a `Chat` condition's retained share of facts and copies per length, what
-reader "auto" weighs (conversation/retention.py).
+`retention` counts what a `Chat` condition kept of the facts and copies the native read got
+right, per length: what reader "auto" weighs (conversation/retention.py).
 """
 
 from __future__ import annotations
@@ -332,9 +332,10 @@ def _fmt(x: float) -> str:
     return "n/a" if x is None or x != x else f"{x:.2f}"
 
 
-def retention(result: dict, condition: str = "chat") -> list[tuple[int, float]]:
-    """(read length, retained) of `condition` per length, facts and copies pooled: right where
-    the native answer is right / native right (lengths where native got none are left out)."""
+def retention(result: dict, condition: str = "chat") -> list[tuple[int, int, int]]:
+    """(read length, kept, right) of `condition` per length, facts and copies pooled: right =
+    tasks the native answer got right, kept = those `condition` also got right (lengths where
+    native got none are left out); conversation/retention.py weighs them."""
     right: dict = {}
     by_task = {}
     for r in result["records"]:
@@ -344,8 +345,8 @@ def retention(result: dict, condition: str = "chat") -> list[tuple[int, float]]:
         if mine is None or nat is None or nat["kind"] not in EXACT_KINDS or not nat["correct"]:
             continue
         both, total = right.get(nat["length"], (0, 0))
-        right[nat["length"]] = (both + mine["correct"], total + 1)
-    return [(n, b / t) for n, (b, t) in sorted(right.items())]
+        right[nat["length"]] = (both + bool(mine["correct"]), total + 1)
+    return [(n, b, t) for n, (b, t) in sorted(right.items())]
 
 
 def read_times(result: dict) -> dict:
