@@ -10,7 +10,6 @@ from mlx_kvlingo.eval.content import (
 from mlx_kvlingo.kv import recompute
 from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.recompute import (
-    PEAKS,
     SENTENCE_MAX,
     Selection,
     attended,
@@ -168,7 +167,8 @@ def test_recompute_shares_zero_and_one_are_the_tail_read_and_native(known_pair, 
     # a share in between recomputes that many positions before the tail, and no others
     cache = _cache_of(pair.target, *[list(x) for x in _zero_kv(nk)])
     toks = list(task.tokens[:-1])
-    chosen = recompute_attended(pair.target.model, cache, toks, 5, 0.25, selection=PEAKS)
+    peaks = Selection(sentences="", floor=0, template=False, cap=None)  # no sentences, no floor
+    chosen = recompute_attended(pair.target.model, cache, toks, 5, 0.25, selection=peaks)
     assert len(chosen) == round(0.25 * (len(toks) - 5))
     assert chosen[0] == 0 and all(0 < p < len(toks) - 5 for p in chosen[1:])
     untouched = [p for p in range(len(toks) - 5) if p not in chosen]

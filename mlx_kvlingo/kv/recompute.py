@@ -148,7 +148,7 @@ class Selection:
     sentences: "rest", a peak brings one token before it and the rest of its sentence (to a
       sentence end or line break, at most `SENTENCE_MAX` tokens): a stated fact or a sentence
       to copy is retrieved whole or not at all; "whole", its whole sentence; "", the `spread`
-      neighbours (session 21's rule).
+      neighbours only.
     floor: at least this many tokens, where the share is above 0 and the span holds them: on a
       short turn 10% is a few tokens, less than one sentence.
     cap: a span longer than this recomputes as many tokens as one this long (None: no cap).
@@ -179,10 +179,6 @@ class Selection:
             return 0
         capped = span if self.cap is None else min(span, self.cap)
         return min(span, max(int(round(share * capped)), self.floor))
-
-
-#: session 21's rule: peaks with their `SPREAD` neighbours, no floor, no cap
-PEAKS = Selection(sentences="", floor=0, template=False, cap=None)
 
 
 @lru_cache(maxsize=4)
