@@ -131,6 +131,25 @@ def test_a_reusing_start_rescales_the_rates_to_its_load(tiny_dir, cache, measure
     )
 
 
+def test_both_starts_prime_the_recompute(tiny_dir, cache, measures):
+    """A measuring start and a reusing one each call the large model's recompute once on a
+    scratch cache, so the first turn the small model reads does not find the tokenizer's
+    sentence ends (a scan of its vocabulary) or pay the recompute's first calls."""
+    from mlx_kvlingo import ReaderPolicy
+    from mlx_kvlingo.kv import recompute
+
+    for origin in ("measured", "cached"):
+        recompute.sentence_ends.cache_clear()
+        rt = fresh_runtime(tiny_dir)
+        rt.warm_up(lengths=LENGTHS)
+        assert rt.rates == origin and recompute.sentence_ends.cache_info().currsize == 1
+    conv = rt.new_conversation(policy=ReaderPolicy(reader="small", reader_min_tokens=1))
+    text = " ".join(["def parse_args(argv):", "class Foo(object):", "print(x)"] * 8)
+    done = [e for e in conv.send(text, model="large", max_tokens=2)][-1]
+    assert done.kind == "done" and conv._session.last_turn.switch.recomputed > 0
+    assert recompute.sentence_ends.cache_info().misses == 1  # the start's, none since
+
+
 def test_a_changed_key_measures_again(tiny_dir, cache, measures, monkeypatch):
     from mlx_kvlingo.conversation import rates_cache
 
