@@ -56,10 +56,8 @@ def shipped_retention(path, large_reads_last: int, recompute_share: float) -> di
             r = manifest(pair)["default"].get("retention")
             if not r or Path(path).resolve() != translator_path(pair=pair).resolve():
                 continue
-            if (r.get("large_reads_last"), r.get("recompute_share")) == (
-                large_reads_last,
-                recompute_share,
-            ):
+            settings = (r.get("large_reads_last"), r.get("recompute_share"))
+            if settings == (large_reads_last, recompute_share):
                 return {"counts": pooled(map(tuple, r["counts"])), "source": str(r["source"])}
         except (FileNotFoundError, KeyError, ValueError, OSError, TypeError, AttributeError):
             continue
