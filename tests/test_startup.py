@@ -132,9 +132,9 @@ def test_a_reusing_start_rescales_the_rates_to_its_load(tiny_dir, cache, measure
 
 
 def test_both_starts_prime_the_recompute(tiny_dir, cache, measures):
-    """A measuring start and a reusing one each call the large model's recompute once on a
-    scratch cache, so the first turn the small model reads does not find the tokenizer's
-    sentence ends (a scan of its vocabulary) or pay the recompute's first calls."""
+    """A measuring start and a reusing one each look up the tokenizer's sentence ends (a scan
+    of its vocabulary) for the large model's recompute, so the first turn the small model reads
+    does not."""
     from mlx_kvlingo import ReaderPolicy
     from mlx_kvlingo.kv import recompute
 

@@ -26,13 +26,12 @@ from dataclasses import replace
 
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation import rates_cache
-from mlx_kvlingo.conversation.catchup import RECOMPUTE_SELECTION
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.timing import ReadCosts, costs_of
 from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.capture import capture_from_cache, needs_recording
 from mlx_kvlingo.kv.capture import prefill as capture_prefill
-from mlx_kvlingo.kv.recompute import recompute_attended, sentence_ends, special_ids
+from mlx_kvlingo.kv.recompute import sentence_ends, special_ids
 from mlx_kvlingo.kv.translator import append_translation, reserve_translation_memory
 from mlx_kvlingo.kv.translator import measure as measure_map_reading
 
@@ -95,7 +94,7 @@ def warm_up(
         kwargs = sample("source") if sample else {}
         for _ in selfs.generate("source", max_tokens=answer_tokens, **kwargs):
             pass
-        if forward is not None:  # its turns read no tail, so recompute nothing
+        if forward is not None:  # its turns read no tail, so they recompute nothing
             prime_recompute(pair)
     ids = selfs.tokens
     costs.target_read.observe(*attention_probe(pair.target, ids))
@@ -180,8 +179,8 @@ def prime(pair, forward, backward=None, *, tokens: int = PRIME_TOKENS, sample=No
     to its first token as mlx-lm reads a prompt (all but the last token, then the last, sampled
     with `sample(role)`'s sampler and logits processors); then, per translator, the hand-off:
     all but the last token captured from the other model's cache, translated and appended to a
-    scratch cache, the last token read over them and sampled; and the large model's recompute
-    (`prime_recompute`)."""
+    scratch cache, the last token read over them and sampled; and what the large model's
+    recompute looks up (`prime_recompute`)."""
     # the first tokens of a message templated as a real turn is (or plain text): a translator
     # that keeps the model's own first token computes that token's K/V once
     # (`kv.translator.first_token_kv`)
@@ -208,22 +207,17 @@ def prime(pair, forward, backward=None, *, tokens: int = PRIME_TOKENS, sample=No
         append_translation(into, translator, span, cache)
         _first_token(into, ids, cache, sample(role) if sample else {})
     if forward is not None:
-        prime_recompute(pair, tokens)
+        prime_recompute(pair)
 
 
-def prime_recompute(pair, tokens: int = PRIME_TOKENS) -> None:
-    """The large model's recompute called once as the hand-off calls it
-    (`kv.recompute.recompute_attended`, every position of `tokens` recomputed, a 2-token
-    tail), so that the first turn the small model reads does not pay its one-off costs: the
-    tokenizer's sentence ends, found once per process, and the first calls of its kernels
-    (about 0.2 s on the dense demo pair on a CPU: a 128-token turn's recompute took 0.69 s
-    the first time, 0.51 s the next)."""
-    target, tok = pair.target, pair.tokenizer
-    ids = (Session(pair, None, None).add_user(_text(tok, tokens)) * 2)[: max(tokens, 3)]
-    cache = new_cache(target)
-    mx.eval(target.model(mx.array(ids)[None], cache=cache))
-    recompute_attended(target.model, cache, ids, 2, 1.0, selection=RECOMPUTE_SELECTION,
-                       ends=sentence_ends(tok), specials=special_ids(tok))  # fmt: skip
+def prime_recompute(pair) -> None:
+    """What the large model's recompute looks up once per process, looked up before the first
+    turn the small model reads: the tokenizer's sentence ends (a scan of its vocabulary) and
+    special ids (`kv.recompute`). On the dense demo pair on a CPU the first 128-token turn's
+    recompute took 0.73-0.76 s without it, 0.54 s with it, as later turns do; running the
+    recompute itself here saved nothing more."""
+    sentence_ends(pair.tokenizer)
+    special_ids(pair.tokenizer)
 
 
 def _first_token(loaded, ids: list[int], cache: list, kwargs: dict) -> None:
