@@ -458,7 +458,7 @@ class Runtime:
             draws = retention.load(retention.key(self.pair, self.forward, policy))
             path = getattr(self.forward, "path", None)
             if path and (shipped := shipped_retention(path, *settings)):
-                draws = {shipped["source"]: shipped["counts"], **draws}
+                draws = {str(shipped.get("source")): retention.counts_of(shipped), **draws}
             found = retention.Retention.from_counts(
                 retention.pooled(*draws.values()), "; ".join(draws)
             )

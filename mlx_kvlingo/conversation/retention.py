@@ -54,6 +54,15 @@ def pooled(*counts) -> tuple[Count, ...]:
     return tuple((n, k, r) for n, (k, r) in sorted(by.items()))
 
 
+def counts_of(entry: object) -> tuple[Count, ...]:
+    """The counts of a manifest entry ({"counts": [[read length, kept, right], ...]}); none
+    where it is malformed."""
+    try:
+        return pooled(map(tuple, entry["counts"]))  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        return ()
+
+
 @dataclass(frozen=True)
 class Retention:
     """(read length, retention) points, lengths increasing; `source` says where they came from

@@ -46,21 +46,19 @@ def manifest(pair: str = "dense") -> dict:
 
 
 def shipped_retention(path, large_reads_last: int, recompute_share: float) -> dict | None:
-    """The content retention counts a demo pair's default forward translator file `path` ships
-    with (manifest `default.retention`: {"large_reads_last", "recompute_share", "counts":
-    [[read length, kept, right], ...], "source"}) for these reader settings; else None."""
-    from mlx_kvlingo.conversation.retention import pooled
-
+    """The content retention a demo pair's default forward translator file `path` ships with
+    (manifest `default.retention`: {"large_reads_last", "recompute_share", "counts": [[read
+    length, kept, right], ...], "source"}) for these reader settings; else None."""
     for pair in PAIRS:
         try:
             r = manifest(pair)["default"].get("retention")
             if not r or Path(path).resolve() != translator_path(pair=pair).resolve():
                 continue
             settings = (r.get("large_reads_last"), r.get("recompute_share"))
-            if settings == (large_reads_last, recompute_share):
-                return {"counts": pooled(map(tuple, r["counts"])), "source": str(r["source"])}
-        except (FileNotFoundError, KeyError, ValueError, OSError, TypeError, AttributeError):
+        except (FileNotFoundError, KeyError, ValueError, OSError, AttributeError):
             continue
+        if settings == (large_reads_last, recompute_share):
+            return r
     return None
 
 
