@@ -8,10 +8,10 @@ besides time.
 counted by `kvlingo eval --task content` for one pair, forward translator and reader policy
 (the large model's tail and recompute share). Each draw of tasks (data, seed, kinds) keeps its
 counts per length, a re-run replacing them at the lengths it measured; draws pool, and a demo
-translator's shipped counts (`weights/manifest.json`) pool with them. A length is measured once `right(n) >= MIN_RIGHT`;
-`expected(n)` is piecewise linear in log n between measured lengths and the nearest one's value
-outside them. Reader "auto" takes the small path only where `expected(n) >=
-ReaderPolicy.min_retention`.
+translator's shipped counts (`weights/manifest.json`) pool with them. A length is measured
+once `right(n) >= MIN_RIGHT`; `expected(n)` is piecewise linear in log n between measured
+lengths and the nearest one's value outside them. Reader "auto" takes the small path only where
+`expected(n) >= ReaderPolicy.min_retention`.
 
 Stored in `<cache folder>/retention/<hash of the key>.json` (key: both models' weights, the
 forward translator's fingerprint, `large_reads_last` and `recompute_share`). A file that does
