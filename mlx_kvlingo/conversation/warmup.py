@@ -4,9 +4,8 @@ read rates, measured on the first start and reused from the cache folder on late
 `start` is what a start runs (`Runtime.load`, `kvlingo chat`, `kvlingo serve`): when the cache
 folder holds the rates for this machine, pair and library versions (`rates_cache.py`), it
 takes them (and each translator's map reading), runs only `prime`, a first call of each
-path on a few tokens, and `check_load`: one timed read of the large model, which rescales the
-stored rates where this start's machine is busier or quieter than theirs; otherwise it runs
-`warm_up` and stores what it measured.
+path on a few tokens, and `repeat_probes`: each model's long read again, for this start's
+attention term; otherwise it runs `warm_up` and stores what it measured.
 
 `warm_up`: a short scratch conversation is run twice over the pair: the first run (its
 shortest turn) pays the one-off costs (MLX compiling its kernels, lazy weights, first
@@ -132,39 +131,23 @@ def attention_probe(loaded, ids: list[int]) -> tuple[int, float, int]:
     return PROBE_READ, seconds, at
 
 
-#: a start that reuses stored rates rescales them where the large model's probe read takes
-#: more than this many times what they predict, or less than its inverse
-LOAD_TOLERANCE = 1.2
-
-
-def check_load(pair, costs: ReadCosts) -> float:
-    """The factor by which this start's machine is slower (> 1) or faster than when the
-    stored rates were measured: the large model's `attention_probe`, timed against what
-    `costs` predict for it. Beyond `LOAD_TOLERANCE` every cost is scaled by it
-    (`ReadCosts.scale`) and it is returned; within, the rates stay as stored and 1.0 is
-    returned. Rates measured while another job ran (or a laptop on battery) would otherwise
-    decide the first turns of a quiet start: a prediction 1.8x what the read took."""
+def repeat_probes(pair, costs: ReadCosts, forward=None) -> None:
+    """A reusing start's own attention terms: the large model, and the small one where it reads
+    for it (a `forward` translator), repeat their `attention_probe`, which replaces the stored
+    one in their read cost (`Cost.remeasure`). One long read, stored at another hour (another
+    job running, a laptop on battery), otherwise sets how every long turn of this start is
+    predicted; the short reads' rates follow this start from its first turn (every turn is
+    measured). Scaling all the stored rates by the probe's ratio instead predicted a 133-token
+    turn on the small path at 0.69-0.78 of what it took, the short rates being right and the
+    stored probe alone stale."""
     ids = pair.tokenizer.encode(_text(pair.tokenizer, PROBE_READ))
-    n, seconds, at = attention_probe(pair.target, ids)
-    predicted = costs.target_read.predict(n, at) if n else None
-    if not predicted or seconds <= 0:
-        return 1.0
-    factor = seconds / predicted
-    if 1 / LOAD_TOLERANCE <= factor <= LOAD_TOLERANCE:
-        return 1.0
-    costs.scale(factor)
-    return factor
+    costs.target_read.remeasure(*attention_probe(pair.target, ids))
+    if forward is not None:
+        costs.source_read.remeasure(*attention_probe(pair.source, ids))
 
 
 #: what the banners say of `ReadCosts.origin`
-ORIGIN = {"measured": "rates measured", "cached": "rates reused from the cache"}
-
-
-def rates_text(origin: str | None, factor: float = 1.0) -> str:
-    """Where the rates came from, as the banners say it: `ORIGIN`, and the factor a reusing
-    start scaled them by (`check_load`)."""
-    text = ORIGIN.get(origin or "", "")
-    return f"{text}, scaled x{factor:.2f} to this start's load" if factor != 1.0 else text
+RATES = {"measured": "rates measured", "cached": "rates reused from the cache"}
 
 
 #: the tokens each model reads, and each translator translates, in `prime`
@@ -253,17 +236,16 @@ def start(
             if translator is not None and direction in stored.readings:
                 translator.reading = stored.readings[direction]
         prime(pair, forward, backward, sample=sample)
-        costs.load_factor = check_load(pair, costs)
+        repeat_probes(pair, costs, forward)
         costs.origin, costs.warmup_s = "cached", time.perf_counter() - t0
         if log:
-            rates = rates_text(costs.origin, costs.load_factor)
-            log(f"warm-up {costs.warmup_s:.1f} s ({rates})")
+            log(f"warm-up {costs.warmup_s:.1f} s ({RATES[costs.origin]})")
         return costs
     warm_up(pair, forward, backward, lengths=lengths, sample=sample, costs=costs)
-    costs.origin, costs.load_factor = "measured", 1.0
+    costs.origin = "measured"
     readings = {d: t.reading for d, t in translators.items() if t is not None}
     rates_cache.save(key, costs, readings, cache_dir)
     costs.warmup_s = time.perf_counter() - t0
     if log:
-        log(f"warm-up {costs.warmup_s:.1f} s ({rates_text(costs.origin)})")
+        log(f"warm-up {costs.warmup_s:.1f} s ({RATES[costs.origin]})")
     return costs
