@@ -225,6 +225,9 @@ class Runtime:
         #: cache folder), "cached" (reused from it: measured by an earlier start on this
         #: machine, pair and library versions); None before any warm-up
         self.rates: str | None = None
+        #: what a reusing start scaled the stored rates by to this start's load (1.0: as
+        #: stored; `conversation.warmup.check_load`)
+        self.load_factor = 1.0
         self._retention: dict[tuple, Retention | None] = {}
 
     def warm_up(
@@ -257,7 +260,7 @@ class Runtime:
         costs = start(self.pair, self.forward, self.backward, lengths=lengths, sample=sample,
                       reuse=reuse)  # fmt: skip
         self.warmup_s = seconds = float(costs.warmup_s or 0.0)
-        self.rates = costs.origin
+        self.rates, self.load_factor = costs.origin, costs.load_factor
         return seconds
 
     @classmethod

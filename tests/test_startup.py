@@ -73,13 +73,13 @@ def test_a_second_start_reuses_the_stored_rates(tiny_dir, cache, measures):
     assert second.rates == "cached" and second.warmup_s == seconds > 0
     (stored,) = rate_files(cache)
     costs, measured = costs_of(second.pair), costs_of(first.pair).to_dict()
-    # as stored, but for each model's probe read, which this start repeated (the newest)
-    got = costs.to_dict()
+    # as stored (scaled to this start's load where the tiny pair's short read says so), but
+    # for the reads this start repeated: the large model's short read, each model's probe
+    got, f = costs.to_dict(), second.load_factor
     assert costs.origin == "cached"
     for name in measured:
-        probe = [at for _, _, at in got[name]].count(warmup_module.PROBE_AT)
-        assert probe == (name in ("target_read", "source_read"))
-        assert without_probe(got[name]) == without_probe(measured[name])
+        assert not_repeated(got[name]) == not_repeated(scaled(measured, f)[name])
+        assert len(got[name]) - len(not_repeated(got[name])) == REPEATED[name]
     assert costs.target_read.ready and costs.forward.ready and costs.backward.ready
     # each translator's map reading is the one measured on the first start
     assert second.forward.reading.chosen == first.forward.reading.chosen != {}
@@ -95,46 +95,94 @@ def test_a_second_start_reuses_the_stored_rates(tiny_dir, cache, measures):
     assert len(measures) == 2 and second.rates == "measured" and rate_files(cache) == [stored]
 
 
-def without_probe(samples: list) -> list:
-    return [x for x in samples if x[2] != warmup_module.PROBE_AT]
+def scaled(rates: dict, factor: float) -> dict:
+    return {k: [[n, s * factor, at] for n, s, at in v] for k, v in rates.items()}
 
 
-def test_a_reusing_start_repeats_each_models_probe_read(tiny_dir, cache, measures, monkeypatch):
-    """A start that reuses stored rates repeats each model's attention probe (a read over a
-    long scratch cache): the repeat replaces the stored probe in that model's read cost, the
-    other rates stay as stored, so a long turn is predicted by this start's attention term and
-    a short one by the stored rates."""
+#: what a reusing start reads again, per cost: the large model's short read and its probe, the
+#: small model's probe (the warm-up's LENGTHS are neither's length)
+REPEATED = {"source_read": 1, "forward": 0, "backward": 0, "target_read": 2, "target_step": 0}
+
+
+def not_repeated(samples: list) -> list:
+    repeated = {(warmup_module.PROBE_READ, warmup_module.PROBE_AT), (warmup_module.LOAD_READ, 0)}
+    return [x for x in samples if (x[0], x[2]) not in repeated]
+
+
+@pytest.mark.parametrize("slower", [1.6, 1.1, 0.6])
+def test_a_reusing_start_checks_its_load_and_repeats_the_probes(tiny_dir, cache, measures,
+                                                                monkeypatch, slower):  # fmt: skip
+    """A start that reuses stored rates times the large model's short read: where it takes
+    more than LOAD_TOLERANCE times what the rates predict (or less than its inverse), every
+    stored rate is scaled by that factor, so the first prediction follows this start's
+    machine; within, they stay as stored. Either way the short read and each model's attention
+    probe (a read over a long scratch cache) replace the stored ones, so a long turn is
+    predicted by this start's attention term."""
     from mlx_kvlingo.conversation.timing import costs_of
 
     first = fresh_runtime(tiny_dir)
     first.warm_up(lengths=LENGTHS)
     measured = costs_of(first.pair).to_dict()
-    stored = {
-        name: [x for x in v if x[2] == warmup_module.PROBE_AT] for name, v in measured.items()
-    }
-    assert [len(v) for v in stored.values()] == [1, 0, 0, 1, 0]  # source_read, target_read
+    probes = {k: [x for x in v if x[2] == warmup_module.PROBE_AT] for k, v in measured.items()}
+    assert {k: len(v) for k, v in probes.items()} == {**REPEATED, "target_read": 1}
     second = fresh_runtime(tiny_dir)
     costs = costs_of(second.pair)
     real = warmup_module.attention_probe
+    short = []
 
-    def probe(loaded, ids):  # the same read, three times what the stored one took
+    def turn_read(loaded, ids, kwargs):  # `slower` times what the stored rates predict
+        assert loaded is second.pair.target and len(ids) == warmup_module.LOAD_READ
+        short.append(slower * costs.target_read.predict(len(ids)))
+        return short[-1]
+
+    def probe(loaded, ids):  # three times the stored probe, whatever the load
         n, _, at = real(loaded, ids)
         role = "target_read" if loaded is second.pair.target else "source_read"
-        return n, 3 * stored[role][0][1], at
+        return n, 3 * probes[role][0][1], at
 
+    monkeypatch.setattr(warmup_module, "turn_read", turn_read)
     monkeypatch.setattr(warmup_module, "attention_probe", probe)
     second.warm_up(lengths=LENGTHS)
-    assert len(measures) == 1 and second.rates == "cached"
+    assert len(measures) == 1 and second.rates == "cached" and len(short) == 1
+    factor = slower if not 1 / warmup_module.LOAD_TOLERANCE <= slower <= 1.2 else 1.0
+    assert second.load_factor == pytest.approx(factor)
     got = costs.to_dict()
-    for name, samples in measured.items():
-        assert without_probe(got[name]) == without_probe(samples)
-        if stored[name]:
-            ((n, s, at),) = stored[name]
-            assert got[name][-1] == [n, pytest.approx(3 * s, rel=1e-12), at]
-            assert [x[2] for x in got[name]].count(at) == 1  # replaced, not added
-    # the attention term is this start's: a long read over a long cache is predicted slower
-    late = costs.target_read.predict(64, at=4096)
-    assert late > costs_of(first.pair).target_read.predict(64, at=4096) * 1.5
+    for name, samples in scaled(measured, factor).items():
+        assert [s[0] for s in not_repeated(got[name])] == [s[0] for s in not_repeated(samples)]
+        assert [s[1] for s in not_repeated(got[name])] == pytest.approx(
+            [s[1] for s in not_repeated(samples)], rel=1e-9
+        )
+        if probes[name]:  # replaced, not added, and not scaled
+            ((n, s, at),) = probes[name]
+            assert [x for x in got[name] if x[2] == at] == [[n, pytest.approx(3 * s), at]]
+    assert [x for x in got["target_read"] if x[2] == 0][-1] == [64, short[0], 0]
+    assert ("scaled x" in warmup_module.rates_text(second.rates, second.load_factor)) is (
+        factor != 1.0
+    )
+
+
+@pytest.mark.parametrize("slower", [3.0, 0.3])
+def test_rates_far_off_this_starts_load_are_measured_anew(tiny_dir, cache, measures, monkeypatch,
+                                                          slower):  # fmt: skip
+    """Where the short read takes more than REMEASURE times what the stored rates predict (or
+    less than its inverse), the start measures them anew and stores them over the old."""
+    from mlx_kvlingo.conversation.timing import costs_of
+
+    first = fresh_runtime(tiny_dir)
+    first.warm_up(lengths=LENGTHS)
+    (stored,) = rate_files(cache)
+    before = json.loads(stored.read_text())["costs"]
+    second = fresh_runtime(tiny_dir)
+    costs = costs_of(second.pair)
+    monkeypatch.setattr(warmup_module, "turn_read",
+                        lambda loaded, ids, kwargs: slower * costs.target_read.predict(len(ids)))  # fmt: skip
+    second.warm_up(lengths=LENGTHS)
+    assert len(measures) == 2 and second.rates == "measured" and second.load_factor == 1.0
+    assert rate_files(cache) == [stored]
+    after = json.loads(stored.read_text())["costs"]
+    assert after != before and after == costs.to_dict()
+    # nothing of the stored rates is left in this start's
+    assert not any(x in before[name] for name in before for x in after[name])
 
 
 def test_both_starts_prime_the_recompute(tiny_dir, cache, measures):

@@ -499,10 +499,11 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
         return
     loaded = None
     if warmup:
-        from mlx_kvlingo.conversation.warmup import RATES
+        from mlx_kvlingo.conversation.warmup import rates_text
 
         console.print("[grey50]warming up (each path once; this pair's rates)...[/grey50]")
         w = runtime.warm_up(sample=app.warm_sample)
-        loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {RATES[runtime.rates]})"
+        rates = rates_text(runtime.rates, runtime.load_factor)
+        loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {rates})"
     app.banner({"forward": translator or "demo", "backward": back}, loaded)
     app.run()

@@ -128,6 +128,8 @@ class ReadCosts:
     #: where the rates came from: "measured" by this process's warm-up, "cached" (reused from
     #: the cache folder, measured by an earlier start), None (no warm-up ran)
     origin: str | None = None
+    #: what a reusing start scaled the stored rates by (`warmup.check_load`); 1.0: as stored
+    load_factor: float = 1.0
 
     @classmethod
     def fixed(cls, **rates: tuple[float, ...]) -> ReadCosts:
@@ -148,6 +150,16 @@ class ReadCosts:
                 cost.samples.extend((n, a + b * n + c * n * (at + n / 2), at) for n, at in points)
             cost.frozen = True
         return out
+
+    def scale(self, factor: float) -> None:
+        """Every measured second times `factor` (> 0): the same reads on a machine that many
+        times slower. Exact (frozen) costs stay."""
+        if not 0 < factor < math.inf:
+            raise ValueError(f"a scale factor must be positive and finite (got {factor})")
+        for name in NAMES:
+            cost = getattr(self, name)
+            if not cost.frozen:
+                cost.samples = deque(((n, s * factor, at) for n, s, at in cost.samples), KEEP)
 
     def to_dict(self) -> dict[str, list[list[float]]]:
         """The measurements, {name: [[n, seconds, at], ...]} oldest first (what `from_dict`

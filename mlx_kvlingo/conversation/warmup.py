@@ -4,8 +4,10 @@ read rates, measured on the first start and reused from the cache folder on late
 `start` is what a start runs (`Runtime.load`, `kvlingo chat`, `kvlingo serve`): when the cache
 folder holds the rates for this machine, pair and library versions (`rates_cache.py`), it
 takes them (and each translator's map reading), runs only `prime`, a first call of each
-path on a few tokens, and `repeat_probes`: each model's long read again, for this start's
-attention term; otherwise it runs `warm_up` and stores what it measured.
+path on a few tokens, and `check_load`: a short read of the large model, which rescales the
+stored rates where this start's machine is busier or quieter than theirs (or, far off, has them
+measured anew), and each model's long read again, for this start's attention term; otherwise it
+runs `warm_up` and stores what it measured.
 
 `warm_up`: a short scratch conversation is run twice over the pair: the first run (its
 shortest turn) pays the one-off costs (MLX compiling its kernels, lazy weights, first
@@ -26,7 +28,7 @@ from dataclasses import replace
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation import rates_cache
 from mlx_kvlingo.conversation.session import Session
-from mlx_kvlingo.conversation.timing import ReadCosts, costs_of
+from mlx_kvlingo.conversation.timing import NAMES, ReadCosts, costs_of
 from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.capture import capture_from_cache, needs_recording
 from mlx_kvlingo.kv.capture import prefill as capture_prefill
@@ -112,17 +114,15 @@ PROBE_AT, PROBE_READ = 2048, 64
 
 def attention_probe(loaded, ids: list[int]) -> tuple[int, float, int]:
     """`loaded` reads PROBE_READ of `ids` (repeated) over a scratch cache of PROBE_AT zero
-    positions (attention costs the same whatever the K/V hold), on a GPU twice (the first
-    compiles kernels for the new shapes; on the CPU the first read took what the second did,
-    0.86 and 0.45 s on the dense demo pair's models); returns the last read as (tokens,
-    seconds, at), what `Cost.observe` takes. (0, 0.0, 0), which it ignores, where the context
-    is too short for the probe."""
+    positions (attention costs the same whatever the K/V hold), `_runs()` times; returns the
+    last read as (tokens, seconds, at), what `Cost.observe` takes. (0, 0.0, 0), which it
+    ignores, where the context is too short for the probe."""
     at = PROBE_AT if loaded.context_length is None else min(PROBE_AT, loaded.context_length // 2)
     if at < PROBE_READ:
         return 0, 0.0, 0
-    g, probe = loaded.geometry, (ids * (PROBE_READ // max(len(ids), 1) + 1))[:PROBE_READ]
+    g, probe = loaded.geometry, _repeat(ids, PROBE_READ)
     dtype = loaded.dtype
-    for _ in range(2 if mx.default_device() == mx.gpu else 1):
+    for _ in range(_runs()):
         cache = new_cache(loaded)
         k = mx.zeros((1, g.kv_heads, at, g.head_dim), dtype=dtype)
         v = mx.zeros((1, g.kv_heads, at, g.value_dim), dtype=dtype)
@@ -133,23 +133,81 @@ def attention_probe(loaded, ids: list[int]) -> tuple[int, float, int]:
     return PROBE_READ, seconds, at
 
 
-def repeat_probes(pair, costs: ReadCosts, forward=None) -> None:
-    """A reusing start's own attention terms: the large model, and the small one where it reads
-    for it (a `forward` translator), repeat their `attention_probe`, which replaces the stored
-    one in their read cost (`Cost.remeasure`). One long read, stored at another hour (another
-    job running, a laptop on battery), otherwise sets how every long turn of this start is
-    predicted; the short reads' rates follow this start from its first turn (every turn is
-    measured). Scaling all the stored rates by the probe's ratio instead predicted a 133-token
-    turn on the small path at 0.69-0.78 of what it took, the short rates being right and the
-    stored probe alone stale."""
-    ids = pair.tokenizer.encode(_text(pair.tokenizer, PROBE_READ))
+def turn_read(loaded, ids: list[int], kwargs: dict) -> float:
+    """Seconds for `loaded` to read `ids` from an empty cache up to its first token, as a
+    turn's read is timed (all but the last token, then the last, sampled with `kwargs`), the
+    last of `_runs()` reads."""
+    for _ in range(_runs()):
+        cache = new_cache(loaded)
+        t0 = time.perf_counter()
+        loaded.model(mx.array(ids[:-1])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        _first_token(loaded, ids, cache, kwargs)
+        seconds = time.perf_counter() - t0
+    return seconds
+
+
+def _runs() -> int:
+    """How many times a timed read runs: twice on a GPU, where the first compiles kernels for
+    the new shapes; once on the CPU, where the first read took what the second did (the dense
+    demo pair's models over 2,048 cached positions: 0.86 and 0.45 s, three reads each)."""
+    return 2 if mx.default_device() == mx.gpu else 1
+
+
+def _repeat(ids: list[int], n: int) -> list[int]:
+    return (ids * (n // max(len(ids), 1) + 1))[:n]
+
+
+#: a reusing start's load check: the large model's read of LOAD_READ tokens, against the
+#: stored rates; beyond LOAD_TOLERANCE times what they predict (or under its inverse), every
+#: rate is scaled by the ratio
+LOAD_READ, LOAD_TOLERANCE = 64, 1.2
+#: ... and beyond REMEASURE times (or under its inverse), a start measures them anew: rates
+#: stored while the machine was busy are seldom off by one factor (on the dense demo pair, one
+#: such file's short reads took 0.9-1.2 s whatever their length, and scaled by this start's
+#: 64-token read it predicted a 41-token turn at 0.58 of what it took)
+REMEASURE = 2.0
+
+
+def check_load(pair, costs: ReadCosts, forward=None, sample=None) -> float:
+    """A reusing start's own reads against the stored rates, two kinds:
+
+    1. The load: the large model reads LOAD_READ tokens up to its first token (`turn_read`,
+       sampled with `sample("target")`), which replaces the stored read of that length;
+       where it takes more than LOAD_TOLERANCE times what `costs` predict for it (or less
+       than its inverse), every other stored rate is scaled by the ratio first
+       (`ReadCosts.scale`), and the ratio is returned (else 1.0). Rates stored while
+       another job ran predicted a quiet start's 41-token turn at 2.2x what it took.
+    2. The attention term: each model's `attention_probe` (the large one's, and the small
+       one's where a `forward` translator has it read for the large) replaces the stored
+       one (`Cost.remeasure`), whatever the ratio: one long read stored at another hour
+       would otherwise set every long turn's prediction. Scaling every rate by the probe's
+       ratio instead (the stored probe slow, the short rates right) predicted a 133-token
+       turn on the small path at 0.69-0.78 of what it took."""
+    ids = _repeat(pair.tokenizer.encode(_text(pair.tokenizer, LOAD_READ)), LOAD_READ)
+    seconds = turn_read(pair.target, ids, sample("target") if sample else {})
+    predicted = costs.target_read.predict(LOAD_READ)
+    factor = seconds / predicted if predicted else 1.0
+    if 1 / LOAD_TOLERANCE <= factor <= LOAD_TOLERANCE:
+        factor = 1.0
+    else:
+        costs.scale(factor)
+    costs.target_read.remeasure(LOAD_READ, seconds)
     costs.target_read.remeasure(*attention_probe(pair.target, ids))
     if forward is not None:
         costs.source_read.remeasure(*attention_probe(pair.source, ids))
+    return factor
 
 
 #: what the banners say of `ReadCosts.origin`
-RATES = {"measured": "rates measured", "cached": "rates reused from the cache"}
+ORIGIN = {"measured": "rates measured", "cached": "rates reused from the cache"}
+
+
+def rates_text(origin: str | None, factor: float = 1.0) -> str:
+    """Where the rates came from, as the banners say it: `ORIGIN`, and the factor a reusing
+    start scaled them by (`check_load`)."""
+    text = ORIGIN.get(origin or "", "")
+    return f"{text}, scaled x{factor:.2f} to this start's load" if factor != 1.0 else text
 
 
 #: the tokens each model reads, and each translator translates, in `prime`
@@ -224,9 +282,11 @@ def start(
 ) -> ReadCosts:  # fmt: skip
     """What a start runs. With the rates stored for this machine, pair and library versions
     (and `reuse`): take them into the pair's costs and the translators' map readings, then
-    `prime` (origin "cached"). Else `warm_up` and store what it measured (origin
-    "measured"; a cache folder that cannot be written is no error). Returns the pair's
-    costs, `warmup_s` the seconds this took."""
+    `prime` and `check_load` (origin "cached"), unless its short read was more than
+    `REMEASURE` times slower or faster than they predict: then, as without stored rates,
+    `warm_up` and store what it measured over them (origin "measured"; a cache folder that
+    cannot be written is no error). Returns the pair's costs, `warmup_s` the seconds this
+    took."""
     t0 = time.perf_counter()
     costs = costs_of(pair)
     key = rates_cache.key(pair, forward, backward, lengths)
@@ -238,16 +298,19 @@ def start(
             if translator is not None and direction in stored.readings:
                 translator.reading = stored.readings[direction]
         prime(pair, forward, backward, sample=sample)
-        repeat_probes(pair, costs, forward)
-        costs.origin, costs.warmup_s = "cached", time.perf_counter() - t0
-        if log:
-            log(f"warm-up {costs.warmup_s:.1f} s ({RATES[costs.origin]})")
-        return costs
+        costs.load_factor = check_load(pair, costs, forward, sample)
+        if 1 / REMEASURE <= costs.load_factor <= REMEASURE:
+            costs.origin, costs.warmup_s = "cached", time.perf_counter() - t0
+            if log:
+                rates = rates_text(costs.origin, costs.load_factor)
+                log(f"warm-up {costs.warmup_s:.1f} s ({rates})")
+            return costs
+        costs.load({name: [] for name in NAMES})  # too far off to scale: measured anew
     warm_up(pair, forward, backward, lengths=lengths, sample=sample, costs=costs)
-    costs.origin = "measured"
+    costs.origin, costs.load_factor = "measured", 1.0
     readings = {d: t.reading for d, t in translators.items() if t is not None}
     rates_cache.save(key, costs, readings, cache_dir)
     costs.warmup_s = time.perf_counter() - t0
     if log:
-        log(f"warm-up {costs.warmup_s:.1f} s ({RATES[costs.origin]})")
+        log(f"warm-up {costs.warmup_s:.1f} s ({rates_text(costs.origin)})")
     return costs
