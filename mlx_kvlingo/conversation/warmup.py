@@ -162,14 +162,15 @@ def _repeat(ids: list[int], n: int) -> list[int]:
 #: stored rates; beyond LOAD_TOLERANCE times what they predict (or under its inverse), every
 #: rate is scaled by the ratio
 LOAD_READ, LOAD_TOLERANCE = 64, 1.2
-#: ... and beyond REMEASURE times (or under its inverse), a start measures them anew: rates
-#: stored while the machine was busy are seldom off by one factor (on the dense demo pair, one
-#: such file's short reads took 0.9-1.2 s whatever their length, and scaled by this start's
-#: 64-token read it predicted a 41-token turn at 0.58 of what it took)
-REMEASURE = 2.0
+#: ... and beyond REMEASURE times (or under its inverse) and REMEASURE_S seconds off, a start
+#: measures them anew: rates stored while the machine was busy are seldom off by one factor (on
+#: the dense demo pair, one such file's short reads took 0.9-1.2 s whatever their length, and
+#: scaled by this start's 64-token read it predicted a 41-token turn at 0.58 of what it took);
+#: a few milliseconds off are no reason to, however many times over
+REMEASURE, REMEASURE_S = 2.0, 0.05
 
 
-def check_load(pair, costs: ReadCosts, forward=None, sample=None) -> float:
+def check_load(pair, costs: ReadCosts, forward=None, sample=None) -> float | None:
     """A reusing start's own reads against the stored rates, two kinds:
 
     1. The load: the large model reads LOAD_READ tokens up to its first token (`turn_read`,
@@ -177,7 +178,9 @@ def check_load(pair, costs: ReadCosts, forward=None, sample=None) -> float:
        where it takes more than LOAD_TOLERANCE times what `costs` predict for it (or less
        than its inverse), every other stored rate is scaled by the ratio first
        (`ReadCosts.scale`), and the ratio is returned (else 1.0). Rates stored while
-       another job ran predicted a quiet start's 41-token turn at 2.2x what it took.
+       another job ran predicted a quiet start's 41-token turn at 2.2x what it took. Beyond
+       `REMEASURE` times and `REMEASURE_S` seconds, nothing is changed and None is returned
+       (`start` measures anew; step 2 is skipped).
     2. The attention term: each model's `attention_probe` (the large one's, and the small
        one's where a `forward` translator has it read for the large) replaces the stored
        one (`Cost.remeasure`), whatever the ratio: one long read stored at another hour
@@ -188,6 +191,8 @@ def check_load(pair, costs: ReadCosts, forward=None, sample=None) -> float:
     seconds = turn_read(pair.target, ids, sample("target") if sample else {})
     predicted = costs.target_read.predict(LOAD_READ)
     factor = seconds / predicted if predicted else 1.0
+    if not 1 / REMEASURE <= factor <= REMEASURE and abs(seconds - predicted) > REMEASURE_S:
+        return None  # `start` measures anew
     if 1 / LOAD_TOLERANCE <= factor <= LOAD_TOLERANCE:
         factor = 1.0
     else:
@@ -282,8 +287,8 @@ def start(
 ) -> ReadCosts:  # fmt: skip
     """What a start runs. With the rates stored for this machine, pair and library versions
     (and `reuse`): take them into the pair's costs and the translators' map readings, then
-    `prime` and `check_load` (origin "cached"), unless its short read was more than
-    `REMEASURE` times slower or faster than they predict: then, as without stored rates,
+    `prime` and `check_load` (origin "cached"), unless its short read was too far from what
+    they predict (`REMEASURE`): then, as without stored rates,
     `warm_up` and store what it measured over them (origin "measured"; a cache folder that
     cannot be written is no error). Returns the pair's costs, `warmup_s` the seconds this
     took."""
@@ -298,8 +303,9 @@ def start(
             if translator is not None and direction in stored.readings:
                 translator.reading = stored.readings[direction]
         prime(pair, forward, backward, sample=sample)
-        costs.load_factor = check_load(pair, costs, forward, sample)
-        if 1 / REMEASURE <= costs.load_factor <= REMEASURE:
+        factor = check_load(pair, costs, forward, sample)
+        if factor is not None:
+            costs.load_factor = factor
             costs.origin, costs.warmup_s = "cached", time.perf_counter() - t0
             if log:
                 rates = rates_text(costs.origin, costs.load_factor)
