@@ -140,9 +140,7 @@ def turn_read(loaded, ids: list[int], kwargs: dict) -> float:
     for _ in range(_runs()):
         cache = new_cache(loaded)
         t0 = time.perf_counter()
-        loaded.model(mx.array(ids[:-1])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        _first_token(loaded, ids, cache, kwargs)
+        _read_turn(loaded, ids, cache, kwargs)
         seconds = time.perf_counter() - t0
     return seconds
 
@@ -238,9 +236,7 @@ def prime(pair, forward, backward=None, *, tokens: int = PRIME_TOKENS, sample=No
     caches = {}
     for role, loaded in (("target", pair.target), ("source", pair.source)):
         cache = caches[role] = new_cache(loaded)
-        loaded.model(mx.array(ids[:-1])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        _first_token(loaded, ids, cache, sample(role) if sample else {})
+        _read_turn(loaded, ids, cache, sample(role) if sample else {})
     for translator, role, other in ((forward, "target", "source"), (backward, "source", "target")):
         if translator is None:
             continue
@@ -266,6 +262,14 @@ def prime_recompute(pair) -> None:
     recompute itself here saved nothing more."""
     sentence_ends(pair.tokenizer)
     special_ids(pair.tokenizer)
+
+
+def _read_turn(loaded, ids: list[int], cache: list, kwargs: dict) -> None:
+    """The model reads `ids` into `cache` up to its first token, as mlx-lm reads a prompt: all
+    but the last token, then the last (`_first_token`)."""
+    loaded.model(mx.array(ids[:-1])[None], cache=cache)
+    mx.eval([c.state for c in cache])
+    _first_token(loaded, ids, cache, kwargs)
 
 
 def _first_token(loaded, ids: list[int], cache: list, kwargs: dict) -> None:
