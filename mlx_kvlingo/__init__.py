@@ -6,7 +6,7 @@ _blas.preload()  # must run before the first `import mlx`
 
 import typing as _typing  # noqa: E402
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 # The public API: every name below follows semantic versioning (see CHANGELOG.md). Everything
 # else in the package (session, pair, translator, format, calibrate, cli, ...) is internal.
