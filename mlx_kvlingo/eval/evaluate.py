@@ -81,10 +81,14 @@ def raw_transfer(pair):
     return identity_translator(TranslatorConfig("mixing", s, t, rows, rows))
 
 
-def score_translators(pair, translators: dict, examples, progress: bool = True) -> dict:
-    """Each translator's scores ({label: translator}) on `examples`, beside "native" and
-    "source", token-weighted, each with its gap recovered; and the examples and tokens scored."""
-    cuts = sorted({tr.config.key_cut for tr in translators.values()} or {"post_norm"})
+def evaluate(pair, translator, examples, progress: bool = True) -> dict:
+    """Every condition's scores on `examples` (data.Example), token-weighted, each with its gap
+    recovered; the examples and tokens scored; a JSON-ready dict."""
+    translators = {"translated": translator}
+    raw = raw_transfer(pair)
+    if not isinstance(raw, str):
+        translators["raw"] = raw
+    cuts = sorted({tr.config.key_cut for tr in translators.values()})
     scores = {label: Scores.empty() for label in ("native", *translators, "source")}
     weights = []
     with Progress(disable=not progress, transient=True) as bar:
@@ -95,9 +99,8 @@ def score_translators(pair, translators: dict, examples, progress: bool = True) 
             targets = mx.array(list(ex.continuation))
             scores["native"].add(teacher, teacher, targets)
             for label, tr in translators.items():
-                scores[label].add(
-                    student_logp(tr, pair, preps[tr.config.key_cut]), teacher, targets
-                )
+                logp = student_logp(tr, pair, preps[tr.config.key_cut])
+                scores[label].add(logp, teacher, targets)
             scores["source"].add(native_logp(pair.source, ex), teacher, targets)
             weights.append(len(ex.continuation))
             bar.advance(task)
@@ -105,20 +108,10 @@ def score_translators(pair, translators: dict, examples, progress: bool = True) 
     src, nat = out["source"]["nll"], out["native"]["nll"]
     for r in out.values():
         r["gap_recovered"] = gap_recovered(src, nat, r["nll"])
-    return {**out, "examples": len(examples), "tokens": int(sum(weights))}
-
-
-def evaluate(pair, translator, examples, progress: bool = True) -> dict:
-    """Evaluate on `examples` (data.Example); returns a JSON-ready dict."""
-    translators = {"translated": translator}
-    raw = raw_transfer(pair)
-    if not isinstance(raw, str):
-        translators["raw"] = raw
-    result = score_translators(pair, translators, examples, progress)
     if isinstance(raw, str):
-        result["raw"] = {"skipped": raw}
-    result["pair"] = {"source": pair.source.name, "target": pair.target.name}
-    return result
+        out["raw"] = {"skipped": raw}
+    return {**out, "examples": len(examples), "tokens": int(sum(weights)),
+            "pair": {"source": pair.source.name, "target": pair.target.name}}  # fmt: skip
 
 
 def table(result: dict, title: str = "evaluation") -> Table:
