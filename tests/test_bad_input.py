@@ -83,12 +83,6 @@ CASES = [
     ("bench --escalation-rate 2", USAGE, ["--escalation-rate", "2"]),
     ("bench --user-lengths a,b", USAGE, ["--user-lengths", "a,b"]),
     ("bench --max-minutes -5", USAGE, ["--max-minutes", "-5"]),
-    # compare
-    ("compare --nu 0", USAGE, ["--nu", "0"]),
-    ("compare --scd-ranks x", USAGE, ["--scd-ranks"]),
-    ("compare --methods bogus", USAGE, ["--methods", "bogus"]),
-    ("compare --translator /missing/m.safetensors", USAGE, ["--translator", "/missing/m.safetensors"]),
-    ("compare --bandwidth 0", USAGE, ["--bandwidth", "0"]),
     # calibrate
     ("calibrate --source /missing/s --target {T} -o {D}/c.safetensors", USAGE, ["--source", "/missing/s"]),
     ("calibrate --source {S} --target {T} -o {D}/no/such/c.safetensors", USAGE, ["--output", "no/such"]),

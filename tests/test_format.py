@@ -99,6 +99,15 @@ def test_unknown_schema_version(saved, known):
         load_translator(path, known)
 
 
+def test_lowrank_file_of_0_1_is_refused(saved, known):
+    """0.1.0 wrote low-rank translators (variant "lowrank", encoder/decoder tensors); this
+    version refuses them by name, as the one-line error of any unknown variant."""
+    path, _ = saved
+    _rewrite(path, meta=lambda m: {**m, "variant": "lowrank", "rank": 4})
+    with pytest.raises(TranslatorFileError, match="unknown variant 'lowrank'; expected one of"):
+        load_translator(path, known)
+
+
 def test_truncated(saved, known):
     path, _ = saved
     data = path.read_bytes()

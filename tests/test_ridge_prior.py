@@ -130,23 +130,6 @@ def test_validation_split_is_by_document():
     assert 0.1 < share < 0.3
 
 
-def test_lowrank_full_rank_path_equals_fit(known_pair, text_file):
-    """The full-rank translator the low-rank fit solves beside its factors (the same
-    accumulator and moments) is the plain fit, bit for bit; other data is not (control)."""
-    from mlx_kvlingo.calibrate.lowrank import fit_lowrank_with_full
-
-    train, _ = load_examples(text_file, known_pair.tokenizer, DataConfig(32, 96, 8, seed=1))
-    cfg = Stage1Config(prior="identity", alpha=0.3)
-    via, _ = fit_lowrank_with_full(known_pair, train[:3], [], cfg, progress=False)
-    direct = fit_closed_form(known_pair, train[:3], cfg, progress=False)
-    other = fit_closed_form(known_pair, train[:2], cfg, progress=False)
-    for kind in ("key", "value"):
-        got = np.array(getattr(via, kind)["weight"])
-        np.testing.assert_array_equal(got, np.array(getattr(direct, kind)["weight"]))
-        assert not np.array_equal(got, np.array(getattr(other, kind)["weight"]))
-    assert via.config.metadata == direct.config.metadata
-
-
 def test_moments_merge_is_the_sums_of_both_splits():
     """A split of the first examples merged with one of the rest holds exactly what one pass
     accumulates (sums start from the first addition, in order); a reordered pass is only

@@ -219,7 +219,7 @@ def test_every_command_loads_through_the_one_loader():
             if "resolve_pair" in p.read_text() or "load_models_and_translators" in p.read_text()
             or "Runtime.load" in p.read_text()}  # fmt: skip
     commands = {"chat.py", "generate.py", "eval.py", "bench.py", "serve.py", "translate.py",
-                "compare.py", "calibrate.py", "convert.py", "_distributed.py"}  # fmt: skip
+                "calibrate.py", "convert.py", "_distributed.py"}  # fmt: skip
     assert commands <= uses, commands - uses
 
 

@@ -245,7 +245,7 @@ class Stage1Accumulator:
     Two `Moments` splits, `fit` and `validation`, each keyed by input layers and target layer,
     so configs that read the same layers (e.g. headwise and mixing) share them. `add` accepts
     precomputed spans (callers that fit several pairs sharing a target trace it once);
-    `add_all` is the one streaming pass `fit_many` and the low-rank fit make.
+    `add_all` is the one streaming pass `fit_many` makes.
     """
 
     def __init__(self, pair, cfgs: list[Stage1Config], selection_examples=()):

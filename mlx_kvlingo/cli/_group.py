@@ -6,7 +6,6 @@ import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.cli.bench import bench_cmd
 from mlx_kvlingo.cli.calibrate import calibrate_cmd
 from mlx_kvlingo.cli.chat import chat_cmd
-from mlx_kvlingo.cli.compare import compare_cmd
 from mlx_kvlingo.cli.convert import convert_cmd
 from mlx_kvlingo.cli.download import download_cmd
 from mlx_kvlingo.cli.errors import DEBUG_ENV, user_errors
@@ -47,7 +46,6 @@ cli.add_command(generate_cmd)
 cli.add_command(chat_cmd)
 cli.add_command(calibrate_cmd)
 cli.add_command(eval_cmd)
-cli.add_command(compare_cmd)
 cli.add_command(bench_cmd)
 cli.add_command(convert_cmd)
 cli.add_command(upload_cmd)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
-from mlx_kvlingo.calibrate.lowrank import fit_lowrank
 from mlx_kvlingo.cli._common import content_texts, data_config, data_options
 from mlx_kvlingo.cli._params import FloatList, IntList, ModelSpec, OutputFile, OutputFolder
 from mlx_kvlingo.data.examples import load_examples, validate_data
@@ -55,10 +54,6 @@ from rich.console import Console
 @click.option(
     "--variant", type=click.Choice(["mixing", "headwise"]), default="mixing", show_default=True
 )
-@click.option("--rank", type=click.IntRange(min=1),
-              help="Low-rank translator: a shared code of RANK numbers per source layer (keys and "
-                   "values each), decoded per target layer; fitted from the mixing maps, clamped "
-                   "to the source's per-layer K/V width. Fewer FLOPs only at small RANK: see mlx_kvlingo/calibrate/README.md")  # fmt: skip
 @click.option("--nu", type=click.IntRange(1), default=1, show_default=True,
               help="Source layers read per target layer")  # fmt: skip
 @click.option(
@@ -111,7 +106,7 @@ from rich.console import Console
 @click.option("--eval-examples", type=click.IntRange(0), default=32, show_default=True)
 @click.option("--checkpoint-dir", type=OutputFolder())
 @click.option("--resume/--no-resume", default=True, show_default=True)
-def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_weight, output, variant, rank, nu,
+def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_weight, output, variant, nu,
                   key_cut, bias, native_first, alpha, prior, alpha_grid, patience, reader_share, layer_map,
                   init, steps, lr, warmup, accumulate, grad_clip, eval_every, eval_examples,
                   checkpoint_dir, resume, dtype, **kw):  # fmt: skip
@@ -124,11 +119,6 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
     content_sizes = sorted({int(x) for x in content_lengths.split(",") if x.strip()})
     if checkpoint_dir is None and no_data:  # a long run: resumable by default
         checkpoint_dir = str(Path(output).with_suffix("")) + ".ckpt"
-    if rank is not None and (variant != "mixing" or init):
-        raise click.ClickException(
-            "--rank fits a low-rank translator from the mixing maps: it goes with "
-            "--variant mixing and without --init"
-        )
     if no_data:
         from mlx_kvlingo.calibrate.content_data import write_shipped_data
 
@@ -162,11 +152,7 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
             )  # fmt: skip
         except ValueError as e:
             raise click.BadParameter(str(e)) from None
-        tr = (
-            fit_closed_form(pair, train, cfg)
-            if rank is None
-            else fit_lowrank(pair, train, [rank], cfg)[0]
-        )
+        tr = fit_closed_form(pair, train, cfg)
     cal = tr.config.metadata.setdefault("calibration", {})
     cal.update(report)
     if not init:

@@ -1,3 +1,2 @@
-"""The measuring side: quality (`evaluate`, `content`), latency (`bench`, `presets`) and other
-hand-off methods on one harness (`methods/`, `compare`). It scores with `scoring` and never
-imports `calibrate/`: what it compares, the caller fits."""
+"""The measuring side: quality (`evaluate`, `content`) and latency (`bench`, `presets`). It
+scores with `kv.scoring` and never imports `calibrate/`: what it measures, the caller fits."""

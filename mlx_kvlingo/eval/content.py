@@ -5,8 +5,8 @@ For every task (`content_tasks`) each condition answers greedily:
   <label>     the target on a cache built for prompt[:-1] without reading it; it reads only
               the last prompt token itself. A condition is a `Chat` (the chat's own path,
               `Session.hand_off`: the small model reads, the span is translated, the large
-              model reads the last `tail` tokens and recomputes `share`), a cache method or
-              translator (`translate(span, target)`: raw, DroidSpeak, ...), or a callable
+              model reads the last `tail` tokens and recomputes `share`), a translator
+              (`translate(span, target)`, the whole prompt translated), or a callable
               (pair, task, native K/V) -> (keys, values) (an experiment's own cache)
   small       the source model alone
 Scores, per kind and read length:
@@ -38,6 +38,7 @@ from mlx_kvlingo.conversation.timing import ReadCosts
 from mlx_kvlingo.data.content_tasks import KINDS, ContentTask, build_tasks
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.capture import trace
 
 import mlx.core as mx
 from rich.progress import Progress
@@ -146,14 +147,10 @@ def native_kv(model, tokens: Sequence[int]) -> tuple[list, list]:
     return keys, values
 
 
-def translated_kv(pair, method, tokens: Sequence[int]) -> tuple[list, list]:
-    """What `method` (a translator or cache method) builds for the target from the source's
-    K/V of `tokens`."""
-    from mlx_kvlingo.eval.methods import capture_span
-
-    cut = getattr(method, "key_cut", None) or method.config.key_cut
-    span = capture_span(pair.source, tokens, cut, tuple(getattr(method, "needs_hidden", ())))
-    keys, values = method.translate(span, pair.target)
+def translated_kv(pair, translator, tokens: Sequence[int]) -> tuple[list, list]:
+    """What `translator` builds for the target from the source's K/V of `tokens`."""
+    span = trace(pair.source, tokens, translator.config.key_cut)
+    keys, values = translator.translate(span, pair.target)
     mx.eval(keys, values)
     return list(keys), list(values)
 

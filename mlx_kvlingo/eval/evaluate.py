@@ -7,15 +7,15 @@ For every held-out example (prefix, continuation) the target scores the continua
   source      and, for reference, the source model alone on the same continuation.
 Reported: mean NLL per token, top-1 accuracy on the real tokens, top-1 agreement with the native
 target, KL(native || condition), and gap recovered = (NLL_source - NLL_x) / (NLL_source - NLL_native).
-`score_methods` scores any cache methods so (`kvlingo compare` scores every compared one).
+Raw transfer is the identity translator, layer i to layer i (`kv.translator.identity_translator`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlx_kvlingo.eval.methods import KVLingo, NotApplicable, prepare, raw
-from mlx_kvlingo.kv.scoring import native_logp, student_logp
+from mlx_kvlingo.kv.scoring import native_logp, prepare, student_logp
+from mlx_kvlingo.kv.translator import Side, TranslatorConfig, identity_translator
 
 import mlx.core as mx
 import numpy as np
@@ -69,23 +69,38 @@ class Scores:
                 "kl_native": avg(self.kl)}  # fmt: skip
 
 
-def score_methods(pair, methods: dict, examples, progress: bool = True) -> dict:
-    """Each cache method's scores ({label: method}, `eval.methods`) on `examples`, beside
-    "native" and "source", token-weighted, each with its gap recovered; and the examples and
-    tokens scored."""
-    cuts = sorted({m.key_cut for m in methods.values()} or {"post_norm"})
-    points = sorted({p for m in methods.values() for p in m.needs_hidden})
-    scores = {label: Scores.empty() for label in ("native", *methods, "source")}
+def raw_transfer(pair):
+    """The source's cache as it is (the identity translator), or the reason it cannot serve."""
+    s, t = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
+    if s != t:
+        return (
+            "raw transfer needs identical KV geometry (layers x KV heads x head dim: "
+            f"{s.layers}x{s.kv_heads}x{s.head_dim} vs {t.layers}x{t.kv_heads}x{t.head_dim})"
+        )
+    rows = tuple((i,) for i in range(t.layers))
+    return identity_translator(TranslatorConfig("mixing", s, t, rows, rows))
+
+
+def evaluate(pair, translator, examples, progress: bool = True) -> dict:
+    """Every condition's scores on `examples` (data.Example), token-weighted, each with its gap
+    recovered; the examples and tokens scored; a JSON-ready dict."""
+    translators = {"translated": translator}
+    raw = raw_transfer(pair)
+    if not isinstance(raw, str):
+        translators["raw"] = raw
+    cuts = sorted({tr.config.key_cut for tr in translators.values()})
+    scores = {label: Scores.empty() for label in ("native", *translators, "source")}
     weights = []
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("evaluating", total=len(examples))
         for ex in examples:
-            preps = {cut: prepare(pair, ex, cut, points) for cut in cuts}
+            preps = {cut: prepare(pair, ex, cut) for cut in cuts}
             teacher = preps[cuts[0]].teacher_logp
             targets = mx.array(list(ex.continuation))
             scores["native"].add(teacher, teacher, targets)
-            for label, m in methods.items():
-                scores[label].add(student_logp(m, pair, preps[m.key_cut]), teacher, targets)
+            for label, tr in translators.items():
+                logp = student_logp(tr, pair, preps[tr.config.key_cut])
+                scores[label].add(logp, teacher, targets)
             scores["source"].add(native_logp(pair.source, ex), teacher, targets)
             weights.append(len(ex.continuation))
             bar.advance(task)
@@ -93,21 +108,10 @@ def score_methods(pair, methods: dict, examples, progress: bool = True) -> dict:
     src, nat = out["source"]["nll"], out["native"]["nll"]
     for r in out.values():
         r["gap_recovered"] = gap_recovered(src, nat, r["nll"])
-    return {**out, "examples": len(examples), "tokens": int(sum(weights))}
-
-
-def evaluate(pair, translator, examples, progress: bool = True) -> dict:
-    """Evaluate on `examples` (data.Example); returns a JSON-ready dict."""
-    methods = {"translated": KVLingo(translator)}
-    try:
-        methods["raw"] = raw.RawTransfer.for_pair(pair)
-    except NotApplicable as e:
-        skipped = str(e)
-    result = score_methods(pair, methods, examples, progress)
-    if "raw" not in methods:
-        result["raw"] = {"skipped": skipped}
-    result["pair"] = {"source": pair.source.name, "target": pair.target.name}
-    return result
+    if isinstance(raw, str):
+        out["raw"] = {"skipped": raw}
+    return {**out, "examples": len(examples), "tokens": int(sum(weights)),
+            "pair": {"source": pair.source.name, "target": pair.target.name}}  # fmt: skip
 
 
 def table(result: dict, title: str = "evaluation") -> Table:

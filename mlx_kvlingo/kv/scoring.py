@@ -4,7 +4,7 @@ For an example (prefix p, continuation c), the target reads the last prefix toke
 on top of a cache holding p[:-1]; row i of the result is its log-distribution for c[i].
 The teacher is the target on its own (native) cache; a student is the target on a cache some
 method built from the source's K/V. Calibration trains against KL(teacher || student);
-evaluation, comparison and the hand-off methods score with the same functions.
+evaluation scores with the same functions.
 """
 
 from __future__ import annotations

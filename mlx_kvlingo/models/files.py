@@ -1,7 +1,7 @@
 """One translator file: a `.safetensors` file with the tensors and JSON metadata.
 
 Metadata key `kvlingo` holds a JSON object:
-    schema, schema_version, variant, key_cut, bias, key_layers, value_layers, rank (lowrank only),
+    schema, schema_version, variant, key_cut, bias, key_layers, value_layers,
     source / target: {name, model_type, layers, kv_heads, head_dim, value_dim, rope, has_k_norm},
     tokenizer (vocab fingerprint), dtype, quantization ({group_size, bits}: 8-bit files only), and
     free-form `calibration` / `provenance` reports.
@@ -17,7 +17,6 @@ import json
 from pathlib import Path
 
 from mlx_kvlingo._platform.atomic import atomic_write
-from mlx_kvlingo.kv.lowrank import new_translator
 from mlx_kvlingo.kv.translator import Side, Translator, TranslatorConfig
 
 import mlx.core as mx
@@ -104,8 +103,6 @@ def save_translator(
         "tokenizer": pair.tokenizer_fingerprint if pair else None,
         "dtype": None,  # set below, after the free-form keys
     }
-    if c.rank is not None:
-        meta["rank"] = c.rank
     meta.update(c.metadata)
     meta.update(extra)
     meta["dtype"] = str(next(iter(tensors.values())).dtype).replace("mlx.core.", "")
@@ -198,11 +195,13 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
     for label in ("bias", "native_first"):
         if not isinstance(meta.get(label, False), bool):
             raise TypeError(f"{label} must be true or false")
-    if meta.get("rank") is not None and not _is_int(meta["rank"]):
-        raise TypeError("rank must be an integer")
+    if meta["variant"] not in Translator.VARIANTS:  # "lowrank" included (read up to 0.1.0)
+        raise ValueError(
+            f"unknown variant {meta['variant']!r}; expected one of {Translator.VARIANTS}"
+        )
     skip = {
         "schema", "schema_version", "variant", "key_cut", "bias", "key_layers",
-        "value_layers", "source", "target", "native_first", "rank",
+        "value_layers", "source", "target", "native_first",
     }  # fmt: skip
     return TranslatorConfig(
         variant=meta["variant"],
@@ -214,7 +213,6 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
         bias=meta["bias"],
         native_first=meta.get("native_first", False),
         metadata={k: v for k, v in meta.items() if k not in skip},
-        rank=meta.get("rank"),
     )
 
 
@@ -266,7 +264,7 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
         dtype = None if mx.default_device().type == mx.gpu else mx.float32
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
-    tr = new_translator(config, dtype=next(iter(tensors.values())).dtype)
+    tr = Translator(config, dtype=next(iter(tensors.values())).dtype)
     tr.key = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("key.")}
     tr.value = {k.split(".", 1)[1]: v for k, v in tensors.items() if k.startswith("value.")}
     # evaluate now: a lazy cast would carry this thread's stream into the thread that

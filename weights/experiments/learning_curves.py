@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo.calibrate.closed_form import Stage1Accumulator, Stage1Config, document_of
 from mlx_kvlingo.data.examples import DataConfig, load_examples
-from mlx_kvlingo.eval.methods.raw import RawTransfer
+from mlx_kvlingo.eval.evaluate import raw_transfer
 from mlx_kvlingo.kv.capture import trace
 from mlx_kvlingo.kv.scoring import Prepared, kl, native_logp, student_logp, teacher_inputs
 from mlx_kvlingo.models.demo.pair import demo_data, demo_models, translator_path
@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         results["pairs"][skipped] = earlier["pairs"][skipped]
         results["pairs"][skipped]["command"] = earlier["command"]
     if skipped != noisy_name:
-        raw = RawTransfer.for_pair(noisy_pair)
+        raw = raw_transfer(noisy_pair)
         results["pairs"][noisy_name]["reference"]["raw transfer"] = scores(raw, noisy_pair, prepared[noisy_name])  # fmt: skip
     if skipped != demo_name:
         results["pairs"][demo_name]["reference"]["shipped default"] = scores(
