@@ -32,6 +32,16 @@ def _kinds(ctx, param, value: str) -> tuple[str, ...]:
     return kinds
 
 
+def _keeps(ctx, param, value: str | None) -> tuple[float, ...]:
+    try:
+        keeps = tuple(dict.fromkeys(float(k) for k in (value or "").split(",") if k.strip()))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of shares") from None
+    if any(not 0 < k <= 1 for k in keeps):
+        raise click.BadParameter(f"{value}: every kept share must be above 0 and at most 1")
+    return keeps
+
+
 @click.command("eval")
 @source_option
 @target_option
@@ -70,8 +80,12 @@ def _kinds(ctx, param, value: str) -> tuple[str, ...]:
 @click.option("--recompute", "share", type=click.FloatRange(0, 1), default=None,
               help="--task content: the chat condition's recompute share [default: the "
                    "chat's, 0.1]")  # fmt: skip
+@click.option("--specprefill", "keeps", default=None, callback=_keeps, metavar="SHARES",
+              help="--task content: also run the peer that drops tokens, speculative prefill "
+                   "(the small model's look-ahead picks 32-token chunks, the large model reads "
+                   "only those), at these kept shares, e.g. 0.1,0.2,0.3")  # fmt: skip
 def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_out, task, lengths,
-             per_kind, kinds, plot_out, tail, share, **kw):  # fmt: skip
+             per_kind, kinds, plot_out, tail, share, keeps, **kw):  # fmt: skip
     """Score the target on held-out continuations under every cache condition, or (--task
     content) on what it can use of what was read."""
     console = Console()
@@ -81,9 +95,10 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         sizes = sorted({int(x) for x in lengths.split(",") if x.strip()})
         return _content(pair, tr, texts, sizes, per_kind, kw["seed"], json_out, plot_out, console,
                         translator or "demo default", tail, share, kinds,
-                        str(data_path or "demo"))  # fmt: skip
-    if tail is not None or share is not None or plot_out is not None:
-        raise click.UsageError("--large-reads-last, --recompute and --plot go with --task content")
+                        str(data_path or "demo"), keeps)  # fmt: skip
+    if tail is not None or share is not None or plot_out is not None or keeps:
+        raise click.UsageError("--large-reads-last, --recompute, --plot and --specprefill go "
+                               "with --task content")  # fmt: skip
     if data_path is not None:
         try:
             summary = validate_data(data_path)  # before loading any model
@@ -120,9 +135,10 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
 
 
 def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label,
-             tail=None, share=None, kinds=KINDS, data_label="demo"):  # fmt: skip
+             tail=None, share=None, kinds=KINDS, data_label="demo", keeps=()):  # fmt: skip
     from mlx_kvlingo.eval.content import (
         Chat,
+        Peer,
         evaluate_content,
         fitting_tasks,
         plot,
@@ -141,7 +157,8 @@ def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, conso
     # both through the chat's own hand-off: the whole turn translated (the large model reads
     # the last token only), and the chat's reading (its last tokens, then the recompute)
     chat = Chat(tr, Chat.tail if tail is None else tail, Chat.share if share is None else share)
-    conditions = {"translated": Chat(tr, 1, 0.0), "chat": chat}
+    conditions = {"translated": Chat(tr, 1, 0.0), "chat": chat,
+                  **{f"specprefill {k:g}": Peer(k, seed) for k in keeps}}  # fmt: skip
     result = to_json(evaluate_content(pair, tasks, conditions), pair,
                      {"translator": label, "seed": seed, "lengths": lengths})  # fmt: skip
     for t in tables(result):

@@ -5,7 +5,9 @@ For every task (`content_tasks`) each condition answers greedily:
   <label>     the target on a cache built for prompt[:-1] without reading it; it reads only
               the last prompt token itself. A condition is a `Chat` (the chat's own path,
               `Session.hand_off`: the small model reads, the span is translated, the large
-              model reads the last `tail` tokens and recomputes `share`), a translator
+              model reads the last `tail` tokens and recomputes `share`), a `Peer` (speculative
+              prefill, kv/sparse_prefill.py: the target reads only the chunks the small
+              model's look-ahead attends to most, at their own positions), a translator
               (`translate(span, target)`, the whole prompt translated), or a callable
               (pair, task, native K/V) -> (keys, values) (an experiment's own cache)
   small       the source model alone
@@ -16,7 +18,8 @@ Scores, per kind and read length:
 The headline per cell is `retained` for fact and copy, `recall` for qa and summary. Teacher-forced
 continuation KL is not used here: generic tokens dominate it (see weights/QUALITY.md).
 Each condition's read is timed (`read_s`: the target's own prefill of prompt[:-1] for native;
-the whole hand-off for a `Chat`, the small model's read included), side by side in one run;
+the whole hand-off for a `Chat`, the small model's read included; scoring and the sparse read
+for a `Peer`), side by side in one run;
 `retention` counts what a `Chat` condition kept of the facts and copies the native read got
 right, per length: what reader "auto" weighs (conversation/retention.py).
 """
@@ -39,6 +42,7 @@ from mlx_kvlingo.data.content_tasks import KINDS, ContentTask, build_tasks
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import trace
+from mlx_kvlingo.kv.sparse_prefill import positions_shifted, speculative_prefill
 
 import mlx.core as mx
 from rich.progress import Progress
@@ -186,10 +190,34 @@ def chat_kv(pair, cond: Chat, task: ContentTask) -> tuple[list, list]:
     return keys, values
 
 
+@dataclass(frozen=True)
+class Peer:
+    """A condition: speculative prefill (kv/sparse_prefill.py), the peer that drops tokens: the
+    small model scores the prompt, the large model reads the `keep` share of it in the chunks
+    scored highest, at their own positions (the look-ahead sampled with `seed`)."""
+
+    keep: float
+    seed: int = 0
+
+
+def peer_kv(pair, cond: Peer, task: ContentTask) -> tuple[list, list]:
+    """The large model's cache after the peer's read of the prompt: the kept tokens of
+    prompt[:-1] only (N entries; the decode reads the last token at its own position)."""
+    mx.random.seed(cond.seed)
+    cache, _ = speculative_prefill(pair, list(task.tokens), cond.keep)
+    keys = [c.keys[..., : c.offset, :] for c in cache]
+    values = [c.values[..., : c.offset, :] for c in cache]
+    mx.eval(keys, values)
+    return keys, values
+
+
 def condition_kv(pair, cond, task: ContentTask, native: tuple[list, list]) -> tuple[list, list]:
-    """The target's cache for prompt[:-1] under `cond` (see the module's doc)."""
+    """The target's cache for prompt[:-1] under `cond` (see the module's doc); a `Peer`'s holds
+    fewer entries, the kept ones."""
     if isinstance(cond, Chat):
         return chat_kv(pair, cond, task)
+    if isinstance(cond, Peer):
+        return peer_kv(pair, cond, task)
     if hasattr(cond, "translate"):
         return translated_kv(pair, cond, task.tokens[:-1])
     return cond(pair, task, native)
@@ -238,8 +266,14 @@ def _answers(pair, task: ContentTask, conditions: dict, small: bool) -> tuple[di
         t0 = time.perf_counter()
         kvs[label] = condition_kv(pair, c, task, native)
         seconds[label] = time.perf_counter() - t0
-    out = dict(zip(kvs, answers_from(pair.target, pair.tokenizer, list(kvs.values()), toks[-1],
-                                     n, until)))  # fmt: skip
+    full = {c: kv for c, kv in kvs.items() if kv[0][0].shape[2] == len(toks) - 1}
+    out = dict(zip(full, answers_from(pair.target, pair.tokenizer, list(full.values()), toks[-1],
+                                      n, until)))  # fmt: skip
+    for c, kv in kvs.items():  # a sparse read (a Peer's): positions go on after the whole prompt
+        if c not in full:
+            with positions_shifted(pair.target, len(toks) - 1 - kv[0][0].shape[2]):
+                (out[c],) = answers_from(pair.target, pair.tokenizer, [kv], toks[-1], n, until)
+    out = {c: out[c] for c in kvs}
     if small:
         alone = native_kv(pair.source, toks[:-1])
         (out["small"],) = answers_from(pair.source, pair.tokenizer, [alone], toks[-1], n, until)
