@@ -81,7 +81,7 @@ class Pair:
 
         if self.link is not None:
             raise ConversationError("warm_up is not available with a pipelined large model")
-        ask = sample or (lambda model: {**sampler_kwargs(self, model, {}), "seed": None})
+        ask = sample or (lambda model: sampler_kwargs(self, model, {}, seed=False))
         costs = start(self.models, self.forward, self.backward,
                       sample=lambda role: ask(LABEL[role]), reuse=reuse)  # fmt: skip
         self.warmup_s = float(costs.warmup_s or 0.0)

@@ -34,16 +34,18 @@ OPTIONS = {"model": "large", "reader": None, "max_tokens": 256, "sampler": None,
             "auto_threshold": AUTO_THRESHOLD, "wait": True, "timeout": None, "redo": False}  # fmt: skip
 
 
-def sampler_kwargs(pair: Any, model: str, kw: dict) -> dict:
+def sampler_kwargs(pair: Any, model: str, kw: dict, seed: bool = True) -> dict:
     """mlx-lm's sampler keywords for `model`'s answer: `sampler`/`logits_processors` as given,
-    else built from the sampling settings in `kw` over the model's defaults (sampling.resolve)."""
+    else built from the sampling settings in `kw` over the model's defaults (sampling.resolve);
+    with `seed`, also the seed setting."""
     loaded = pair.models.source if ROLE[model] == "source" else pair.models.target
     try:
         cfg = sampling.resolve(loaded, {k: v for k, v in kw.items() if k not in OPTIONS})
     except ValueError as e:
         raise SessionError(str(e)) from None
-    return {"sampler": kw.get("sampler") or cfg.sampler(), "seed": cfg.seed,
-            "logits_processors": kw.get("logits_processors") or cfg.logits_processors()}  # fmt: skip
+    out = {"sampler": kw.get("sampler") or cfg.sampler(),
+           "logits_processors": kw.get("logits_processors") or cfg.logits_processors()}  # fmt: skip
+    return {**out, "seed": cfg.seed} if seed else out
 
 
 def open_stream(pair: Any, cache: Session, prompt: Any, cancel: threading.Event,
