@@ -73,17 +73,18 @@ class Pair:
     def busy(self) -> bool:
         return self.lock.busy
 
-    def warm_up(self, sample: Callable[[str], dict] | None = None, *, reuse: bool = True) -> float:
+    def warm_up(self, lengths: tuple[int, ...] = (16, 64), *, reuse: bool = True,
+                **sampling: Any) -> float:  # fmt: skip
         """Pay the first turn's one-off costs now and give reader "auto" this pair's read
-        rates (measured on a first start, reused from the cache folder later: `rates`).
-        `sample(model)`: the sampler keywords real turns use ("small"/"large"). Seconds."""
+        rates (measured on a first start and kept in the cache folder, reused from it later:
+        `rates`; `reuse=False` measures again). `sampling`: the settings real turns use (as
+        `stream_generate` takes them). Seconds."""
         from mlx_kvlingo.conversation.warmup import rates_text, start
 
         if self.link is not None:
             raise ConversationError("warm_up is not available with a pipelined large model")
-        ask = sample or (lambda model: sampler_kwargs(self, model, {}, seed=False))
-        costs = start(self.models, self.forward, self.backward,
-                      sample=lambda role: ask(LABEL[role]), reuse=reuse)  # fmt: skip
+        costs = start(self.models, self.forward, self.backward, lengths=lengths, reuse=reuse,
+                      sample=lambda role: sampler_kwargs(self, LABEL[role], sampling, False))  # fmt: skip
         self.warmup_s = float(costs.warmup_s or 0.0)
         self.rates, self.rates_note = costs.origin, rates_text(costs.origin, costs.load_factor)
         return self.warmup_s
