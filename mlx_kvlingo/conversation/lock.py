@@ -2,9 +2,10 @@
 
 Invariant: at most one holder drives a pair's models (a generation from its first token request
 to its end, or a change to a conversation: add, trim, save, load, reset); MLX evaluation is never
-interleaved from two threads. A holder is a conversation's cache (`owner`) and, for a stream, the
-stream itself. Asking again from the thread that holds the pair:
+interleaved from two threads. A holder is a conversation's cache or a server's request
+(`owner`) and, for a stream, the stream itself. Asking again from the thread that holds the pair:
 
+    under a plain hold (no stream: a change, a server's request)    -> granted, nested
     for another conversation, or while the holder's stream runs     -> BusyError (no deadlock)
     for the same conversation, its stream left unfinished           -> that stream is closed
                                                                        (it commits what it
@@ -42,6 +43,7 @@ class PairLock:
         self._cond = threading.Condition()
         self._thread: int | None = None
         self._ticket: Ticket | None = None
+        self._nested = 0  # grants nested in this thread's plain hold
 
     @property
     def busy(self) -> bool:
@@ -59,6 +61,9 @@ class PairLock:
                     self._thread, self._ticket = me, ticket
                     return True
                 held = self._ticket
+                if self._thread == me and held is not None and held.stream is None:
+                    self._nested += 1
+                    return True
                 if self._thread == me:
                     gen = held.stream() if held and held.stream else None
                     running = gen is None or getattr(gen, "gi_running", False)
@@ -87,6 +92,9 @@ class PairLock:
 
     def release(self) -> None:
         with self._cond:
+            if self._nested:
+                self._nested -= 1
+                return
             self._thread, self._ticket = None, None
             self._cond.notify_all()
 
