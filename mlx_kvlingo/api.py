@@ -42,6 +42,7 @@ __all__ = ["AUTO_THRESHOLD", "BusyError", "ConversationError", "Conversation", "
            "save_prompt_cache", "stream_generate"]  # fmt: skip
 
 PromptCache = Session  # both models' caches and the conversation (conversation/session.py)
+_LOCKS: weakref.WeakKeyDictionary[Session, PairLock] = weakref.WeakKeyDictionary()
 
 
 class Pair:
@@ -59,6 +60,7 @@ class Pair:
         self.warmup_s: float | None = None
         self.rates: str | None = None  # the last warm-up's read rates: "measured" | "cached"
         self.rates_note = ""  # the same, as the banners say it
+        self.load_factor = 1.0  # what a reusing start scaled the stored rates by
         self._retention: dict[tuple, Any] = {}
 
     @property
@@ -86,16 +88,18 @@ class Pair:
         costs = start(self.models, self.forward, self.backward, lengths=lengths, reuse=reuse,
                       sample=lambda role: sampler_kwargs(self, LABEL[role], sampling, False))  # fmt: skip
         self.warmup_s = float(costs.warmup_s or 0.0)
-        self.rates, self.rates_note = costs.origin, rates_text(costs.origin, costs.load_factor)
+        self.rates, self.load_factor = costs.origin, costs.load_factor
+        self.rates_note = rates_text(costs.origin, costs.load_factor)
         return self.warmup_s
 
-    def retention(self, policy: ReaderPolicy) -> Any:
+    def retention(self, policy: ReaderPolicy | None = None) -> Any:
         """What the forward translator keeps of the content by length under `policy`'s tail
         and recompute share (retention.py: this pair's measured counts pooled with those a demo
         translator ships); None where nothing is measured (reader "auto" weighs time alone)."""
         from mlx_kvlingo.conversation import retention
         from mlx_kvlingo.models.demo.pair import shipped_retention
 
+        policy = policy or ReaderPolicy()
         settings = (policy.large_reads_last, policy.recompute_share)
         if self.forward is not None and settings not in self._retention:
             draws = retention.load(retention.key(self.models, self.forward, policy))
@@ -187,21 +191,21 @@ def make_prompt_cache(pair: Pair, max_kv_size: int | None = None, *,
                     max_kv_size=max_kv_size, policy=policy, remote=pair.link,
                     retention=pair.retention(policy))  # fmt: skip
     pair.caches.add(cache)
+    _LOCKS[cache] = pair.lock
     return cache
 
 
 def save_prompt_cache(file_name: str | Path, cache: PromptCache) -> Path:
     """Write both caches and the conversation to one mlx-lm prompt cache file (a `.safetensors`
-    suffix is added); the path written. Not while a stream of this cache runs in another thread
-    (`Conversation.save` waits for it)."""
-    return cache.save(file_name)
+    suffix is added), once the pair is free; the path written."""
+    return Path(_held(cache, lambda: cache.save(file_name)))
 
 
 def load_prompt_cache(file_name: str | Path, pair: Pair, *, mode: str = "alternation",
                       max_kv_size: int | None = None) -> PromptCache:  # fmt: skip
     """A prompt cache saved by `save_prompt_cache` for this pair (its reader policy with it)."""
     cache = make_prompt_cache(pair, max_kv_size, mode=mode)
-    cache.load(file_name)
+    _held(cache, lambda: cache.load(file_name))
     return cache
 
 
@@ -325,7 +329,7 @@ class Conversation:
         return int(self._locked(lambda: self.cache.trim(max_tokens), wait, timeout))
 
     def save(self, path: str | Path, *, wait: bool = True, timeout: float | None = None) -> Path:
-        """`save_prompt_cache` under the lock."""
+        """`save_prompt_cache`, waiting for the pair as `wait`/`timeout` say."""
         return Path(self._locked(lambda: save_prompt_cache(path, self.cache), wait, timeout))
 
     def load(self, path: str | Path, *, wait: bool = True, timeout: float | None = None) -> None:
@@ -337,8 +341,15 @@ class Conversation:
         self._locked(self.cache.reset, wait, timeout)
 
     def _locked(self, fn: Callable[[], Any], wait: bool, timeout: float | None) -> Any:
-        self.pair.lock.acquire(Ticket(self.cache, threading.Event()), wait, timeout)
-        try:
-            return fn()
-        finally:
-            self.pair.lock.release()
+        return _held(self.cache, fn, wait, timeout)
+
+
+def _held(cache: PromptCache, fn: Callable[[], Any], wait: bool = True,
+          timeout: float | None = None) -> Any:  # fmt: skip
+    """`fn()` under the lock of the pair `cache` was made for (one generation at a time)."""
+    lock = _LOCKS[cache]
+    lock.acquire(Ticket(cache, threading.Event()), wait, timeout)
+    try:
+        return fn()
+    finally:
+        lock.release()

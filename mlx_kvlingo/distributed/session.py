@@ -76,7 +76,7 @@ class Link:
         return self.sp.owners
 
     def close(self) -> None:
-        """Release the other ranks (their `Runtime.load` then ends their process)."""
+        """Release the other ranks (their `load` then ends their process)."""
         global _open
         if not (self.closed or self.lost):
             self.closed = True
