@@ -71,10 +71,10 @@ def _run(pair: Any, cache: Session, prompt: Any, ticket: Ticket, opts: dict,
     if not pair.lock.acquire(ticket, opts["wait"], opts["timeout"]):
         yield final(pair, None, LABEL[ROLE.get(model, "target")])
         return
-    policy = cache.policy
+    policy, reader = cache.policy, opts["reader"]
     try:
-        if opts["reader"] is not None:
-            cache.policy = replace(policy, reader=opts["reader"])
+        if reader is not None:  # this answer only (a policy set anew resets its budgets)
+            cache.policy = replace(policy, reader=reader)
         if isinstance(prompt, str):
             cache.add_user(prompt)
         elif prompt is not None:
@@ -94,7 +94,8 @@ def _run(pair: Any, cache: Session, prompt: Any, ticket: Ticket, opts: dict,
         if st is not None and st.escalating:
             yield from _answer(pair, cache, "large", ticket.cancel, {**opts, "redo": True}, kw)
     finally:
-        cache.policy = policy
+        if reader is not None:
+            cache.policy = policy
         pair.lock.release()
 
 
