@@ -1,15 +1,15 @@
 """A desktop chat window that embeds mlx-kvlingo through its public API (Qt, via PySide6).
 
     python apps/desktop_chat.py                     # the demo pair
-    python apps/desktop_chat.py --source S --target T --translator F [--backward-translator B]
+    python apps/desktop_chat.py --small S --large L --translator F [--backward-translator B]
     QT_QPA_PLATFORM=offscreen python apps/desktop_chat.py --ask "Hi" --ask "large:More?" \\
         --screenshot chat.png                        # headless: answer, save a screenshot, quit
 
-A text box, a small/large model switch, the answer streamed into the window, Stop, Escalate
-(answer the last message again with the other model) and the per-turn status line. Only
-`mlx_kvlingo`'s public names are used. Generation runs on a worker thread, which puts events
-on a queue; a timer on the UI thread drains it, so the window never blocks. Stop calls
-`Conversation.cancel()`, which is safe from any thread.
+A text box, a small/large model switch (large by default: the small model reads for it), the
+answer streamed into the window, Stop, Escalate (answer the last message again with the other
+model) and the per-turn status line. Only `mlx_kvlingo`'s public API is used. Generation runs on
+a worker thread, which puts responses on a queue; a timer on the UI thread drains it, so the
+window never blocks. Stop calls `Conversation.cancel()`, which is safe from any thread.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from mlx_kvlingo import Conversation, Event, Runtime, Sampling
+from mlx_kvlingo import Conversation, GenerationResponse, load
+from mlx_kvlingo.api import Pair
 
 from PySide6.QtCore import QTimer
 from PySide6.QtGui import QColor, QFont, QTextCharFormat, QTextCursor
@@ -54,35 +55,35 @@ def _size(n: int) -> str:
 
 
 class ChatWindow(QMainWindow):
-    """One conversation over `runtime`, in a window."""
+    """One conversation over `pair`, in a window."""
 
     def __init__(
         self,
-        runtime: Runtime,
+        pair: Pair,
         *,
         max_tokens: int = 256,
-        sampling: Sampling | Mapping[str, Any] | None = None,  # None: the model's defaults
+        sampling: dict[str, Any] | None = None,  # e.g. {"temp": 0}; None: the model's defaults
         system_prompt: str | None = None,
     ) -> None:
         super().__init__()
-        self.runtime = runtime
-        self.conversation: Conversation = runtime.new_conversation(system_prompt=system_prompt)
+        self.pair = pair
+        self.conversation = Conversation(pair, system_prompt=system_prompt)
         self.max_tokens = max_tokens
-        self.sampling = sampling  # e.g. {"temp": 0}: greedy, the rest the model's own
+        self.sampling = dict(sampling or {})  # the settings to change, the rest the model's own
         self.busy = False
-        self.last: Event | None = None  # the last turn's done event
+        self.last: GenerationResponse | None = None  # the last answer's last response
         self.on_idle: Callable[[], None] | None = None  # called when a turn has ended
         self._queue: queue.Queue[object] = queue.Queue()
         self._speaker: str | None = None  # whose answer is being streamed
 
-        names = {k: _short(v) for k, v in runtime.models.items()}
+        names = {k: _short(v) for k, v in pair.names.items()}
         self.setWindowTitle(f"kvlingo chat · small: {names['small']} · large: {names['large']}")
         self.transcript = QTextEdit(readOnly=True)
         self.transcript.setFont(QFont("DejaVu Sans", 11))
         self.input = QLineEdit(placeholderText="Type a message, Enter to send")
         self.input.returnPressed.connect(self.send)
         self.model_box = QComboBox()
-        for label in ("small", "large"):
+        for label in ("large", "small"):  # large first: the small model reads for it
             self.model_box.addItem(f"{label} · {names[label]}", label)
         self.model_box.setToolTip("which model answers the next message")
         self.send_button = QPushButton("Send")
@@ -136,9 +137,7 @@ class ChatWindow(QMainWindow):
         self._write("you", text)
         self._start(
             self.model,
-            self.conversation.send(
-                text, self.model, max_tokens=self.max_tokens, sampling=self.sampling
-            ),
+            self.conversation.send(text, self.model, max_tokens=self.max_tokens, **self.sampling),
         )
 
     def escalate(self) -> None:
@@ -148,7 +147,9 @@ class ChatWindow(QMainWindow):
         self._write_note(f"escalating to {other}: answering the last message again")
         self._start(
             other,
-            self.conversation.escalate(other, max_tokens=self.max_tokens, sampling=self.sampling),
+            self.conversation.send(
+                None, other, escalate=True, max_tokens=self.max_tokens, **self.sampling
+            ),
         )
 
     def stop(self) -> None:
@@ -156,13 +157,13 @@ class ChatWindow(QMainWindow):
 
     # -- the worker ------------------------------------------------------------------------
 
-    def _start(self, model: str, events: Iterator[Event]) -> None:
+    def _start(self, model: str, events: Iterator[GenerationResponse]) -> None:
         self._set_busy(True)
         self._speaker = None
         self.status.setText(f"{model} is answering...")
         threading.Thread(target=self._work, args=(events,), daemon=True).start()
 
-    def _work(self, events: Iterator[Event]) -> None:
+    def _work(self, events: Iterator[GenerationResponse]) -> None:
         try:
             for ev in events:
                 self._queue.put(ev)
@@ -183,18 +184,19 @@ class ChatWindow(QMainWindow):
                     self.on_idle()
             elif isinstance(item, Exception):
                 self.status.setText(f"error: {item}")
-            elif isinstance(item, Event) and item.kind == "token":
-                if self._speaker != item.model:
-                    self._speaker = item.model
-                    self._write(item.model, "")
-                self._append(item.text)
-            elif isinstance(item, Event):
-                self.last = item
-                mem = self.runtime.memory()
-                self.status.setText(
-                    f"{item.status}  |  weights {_size(mem.weights_bytes)} · "
-                    f"KV {_size(mem.kv_cache_bytes)} · active {_size(mem.active_bytes)}"
-                )
+            elif isinstance(item, GenerationResponse):
+                if item.token is not None:
+                    if self._speaker != item.model:
+                        self._speaker = item.model
+                        self._write(item.model, "")
+                    self._append(item.text)
+                if item.finish_reason is not None:  # the answer's last response
+                    self.last = item
+                    mem = self.pair.memory()
+                    self.status.setText(
+                        f"{item.status}  |  weights {_size(mem['small'] + mem['large'])} · "
+                        f"KV {_size(mem['kv'])} · active {_size(mem['active'])}"
+                    )
 
     # -- the transcript --------------------------------------------------------------------
 
@@ -265,8 +267,8 @@ def run_script(window: ChatWindow, asks: Sequence[str], screenshot: str | None) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--source", help="small model (hub id or folder); default: the demo pair")
-    p.add_argument("--target", help="large model (hub id or folder)")
+    p.add_argument("--small", help="small model (hub id or folder); default: the demo pair")
+    p.add_argument("--large", help="large model (hub id or folder)")
     p.add_argument("--translator", help="small -> large translator file")
     p.add_argument("--backward-translator", help="large -> small translator file")
     p.add_argument("--system-prompt", default=None)
@@ -278,12 +280,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     print("loading models...", file=sys.stderr)
-    runtime = Runtime.load(args.source, args.target, args.translator, args.backward_translator)
+    pair = load(args.small, args.large, args.translator, args.backward_translator)
     app = QApplication.instance() or QApplication(sys.argv[:1])
     window = ChatWindow(
-        runtime,
+        pair,
         max_tokens=args.max_tokens,
-        sampling={"temp": args.temp},  # None: the model's own
+        sampling={"temp": args.temp} if args.temp is not None else None,  # None: the model's
         system_prompt=args.system_prompt,
     )
     window.show()

@@ -8,39 +8,42 @@ import typing as _typing  # noqa: E402
 
 __version__ = "0.2.0"
 
-# The public API: every name below follows semantic versioning (see CHANGELOG.md). Everything
-# else in the package (session, pair, translator, format, calibrate, cli, ...) is internal.
-# Names resolve lazily, so `import mlx_kvlingo` stays cheap and loads no MLX by itself.
+# The public API, shaped as mlx-lm's (see api.py): every name below follows semantic
+# versioning (see CHANGELOG.md); everything else in the package is internal. Names resolve
+# lazily, so `import mlx_kvlingo` stays cheap and loads no MLX by itself.
 __all__ = [
+    "BusyError",
     "Conversation",
     "ConversationError",
-    "Event",
-    "MemoryUsage",
-    "PolicyError",
+    "GenerationResponse",
     "ReaderPolicy",
-    "Runtime",
-    "RuntimeBusyError",
-    "Sampling",
-    "Timings",
     "__version__",
+    "generate",
+    "load",
+    "load_prompt_cache",
+    "make_prompt_cache",
+    "save_prompt_cache",
+    "stream_generate",
 ]
 
 _LAZY = {name: "api" for name in __all__ if name != "__version__"}
-_LAZY.update(PolicyError="config", ReaderPolicy="config")
+_LAZY.update(ReaderPolicy="config")
 
 if _typing.TYPE_CHECKING:  # static checkers see the real names
     from mlx_kvlingo.api import (
+        BusyError,
         Conversation,
         ConversationError,
-        Event,
-        MemoryUsage,
-        Runtime,
-        RuntimeBusyError,
-        Sampling,
-        Timings,
+        GenerationResponse,
+        generate,
+        load,
+        load_prompt_cache,
+        make_prompt_cache,
+        save_prompt_cache,
+        stream_generate,
     )
 
-    from .config import PolicyError, ReaderPolicy
+    from .config import ReaderPolicy
 
 
 def __getattr__(name: str) -> object:

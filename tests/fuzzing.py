@@ -664,11 +664,11 @@ class Context:
 
             self._console = io.StringIO()
             console = Console(file=self._console, highlight=False, width=100)
-            from mlx_kvlingo import Runtime
+            from mlx_kvlingo import Conversation
+            from mlx_kvlingo.api import Pair
 
-            conv = Runtime(self.pair, self.forward, self.backward).new_conversation(
-                system_prompt="Be brief.", max_kv_size=512
-            )
+            conv = Conversation(Pair(self.pair, self.forward, self.backward), 512,
+                                system_prompt="Be brief.")  # fmt: skip
             self._chat = ChatApp(conv, max_tokens=3,
                                  sampling={"temp": 0.0}, auto_threshold=-1.5, console=console)  # fmt: skip
         self._console.seek(0)
@@ -731,7 +731,7 @@ def run_loader(ctx: Context, inp: Input, box: Path) -> None:
             app.handle(inp.line)
         finally:
             sys.stdout = old
-        _check_session(app.conv._session)
+        _check_session(app.conv.cache)
     else:
         raise ValueError(f"unknown loader {loader!r}")
 

@@ -1,10 +1,9 @@
-from mlx_kvlingo import Runtime  # import it before mlx: on Linux it preloads OpenBLAS
+from mlx_kvlingo import load, make_prompt_cache, save_prompt_cache, stream_generate
 
-runtime = Runtime.load()  # the demo pair; or Runtime.load(source, target, translator_file)
-chat = runtime.new_conversation(system_prompt="You are a concise assistant.")
+pair = load()  # the demo pair; or load(small, large, translator_file)
+cache = make_prompt_cache(pair, system_prompt="You are a concise assistant.")
 for text, model in [("What is a KV cache?", "large"), ("Explain it to a child.", "small")]:
-    for event in chat.send(text, model, max_tokens=48, sampling={"seed": 0}):  # large: small reads
-        print(event.text if event.kind == "token" else f"\n[{event.status}]", end="", flush=True)
-    print()
-chat.save("chat.safetensors")  # later: chat = runtime.restore("chat.safetensors")
-print(runtime.memory())
+    for r in stream_generate(pair, text, cache, model=model, max_tokens=48, seed=0):
+        print(r.text, end=f"\n[{r.status}]\n" if r.finish_reason else "", flush=True)
+save_prompt_cache("chat.safetensors", cache)  # later: load_prompt_cache("chat.safetensors", pair)
+print(pair.memory())

@@ -1,4 +1,4 @@
-"""The public API under stress: T threads x N random operations over one `Runtime`.
+"""The public API under stress: T threads x N random operations over one loaded pair.
 
 Each thread owns two conversations and, until a global deadline, draws operations at random:
 send (model small or large, greedy, a few tokens; sometimes `wait=False` or a short `timeout`),
@@ -13,7 +13,7 @@ the invariants are checked:
     message) and, once every thread is done, nothing holds the pair.
 
 Errors a caller is told to expect are counted by class (`ConversationError` for a request that
-cannot be honoured, e.g. nothing to escalate or a context that is full; `RuntimeBusyError` for
+cannot be honoured, e.g. nothing to escalate or a context that is full; `BusyError` for
 `wait=False` or a timeout); anything else, an invariant that fails, or a thread still running
 after the deadline (a deadlock) is a failure.
 """
@@ -56,7 +56,7 @@ class StressReport:
 
 def check_invariants(conv) -> None:
     """Raise AssertionError when a conversation's caches, tokens and messages disagree."""
-    s = conv._session
+    s = conv.cache
     for role in ("source", "target"):
         held = s.held(role)
         offsets = {c.offset for c in s.cache(role)}
@@ -74,7 +74,7 @@ def check_invariants(conv) -> None:
 
 
 def _worker(tid, runtime, convs, all_convs, rng, n_ops, deadline, folder, report, lock):
-    from mlx_kvlingo import ConversationError, RuntimeBusyError
+    from mlx_kvlingo import BusyError, Conversation, ConversationError, load_prompt_cache
 
     saved: list[Path] = []
     for k in range(n_ops):
@@ -88,22 +88,22 @@ def _worker(tid, runtime, convs, all_convs, rng, n_ops, deadline, folder, report
         try:
             if op == "send":
                 kw = {"model": rng.choice(["small", "large"]), "max_tokens": rng.randint(1, 6),
-                      "sampling": {"temp": 0}}  # fmt: skip
+                      "temp": 0}  # fmt: skip
                 r = rng.random()
                 if r < 0.1:
                     kw["wait"] = False
                 elif r < 0.2:
                     kw["timeout"] = 0.05
                 for ev in conv.send(rng.choice(TEXTS), **kw):
-                    generated += ev.kind == "token"
+                    generated += ev.token is not None
                     if rng.random() < 0.05:  # stop early from this thread
                         break
             elif op == "cancel":
                 other = rng.choice(all_convs)
                 other.cancel()
             elif op == "escalate":
-                for ev in conv.escalate(max_tokens=rng.randint(1, 4), sampling={"temp": 0}):
-                    generated += ev.kind == "token"
+                for ev in conv.send(escalate=True, max_tokens=rng.randint(1, 4), temp=0):
+                    generated += ev.token is not None
             elif op == "save":
                 path = folder / f"t{tid}-{k}.safetensors"
                 saved.append(conv.save(path))
@@ -111,7 +111,8 @@ def _worker(tid, runtime, convs, all_convs, rng, n_ops, deadline, folder, report
                 if not saved:
                     op = "restore (nothing saved)"
                 elif rng.random() < 0.5:
-                    convs[ci] = runtime.restore(rng.choice(saved))
+                    cache = load_prompt_cache(rng.choice(saved), runtime)
+                    convs[ci] = Conversation(runtime, prompt_cache=cache)
                     with lock:
                         all_convs.append(convs[ci])
                     conv = convs[ci]
@@ -121,11 +122,11 @@ def _worker(tid, runtime, convs, all_convs, rng, n_ops, deadline, folder, report
                 conv.reset()
             elif op == "trim":
                 n = rng.choice([8, 16, 32, 64])
-                conv._locked(lambda c=conv, n=n: c._session.trim(n), True, None)
+                conv._locked(lambda c=conv, n=n: c.cache.trim(n), True, None)
             conv._locked(lambda c=conv: check_invariants(c), True, 60)
             with lock:
                 report.ops[op] += 1
-        except (ConversationError, RuntimeBusyError) as e:
+        except (ConversationError, BusyError) as e:
             with lock:
                 report.ops[op] += 1
                 report.errors[type(e).__name__] += 1
@@ -149,13 +150,15 @@ def _worker(tid, runtime, convs, all_convs, rng, n_ops, deadline, folder, report
 def stress(runtime, folder: Path, *, threads: int = 8, ops: int = 50, seed: int = 0,
            timeout: float = 600.0, conversations_per_thread: int = 2) -> StressReport:  # fmt: skip
     """Run the campaign; `timeout`: the global deadline (threads alive after it: deadlock)."""
+    from mlx_kvlingo import Conversation
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     report = StressReport(threads, ops)
     lock = threading.Lock()
     owned = [
-        [runtime.new_conversation(system_prompt="Be brief." if (t + j) % 2 else None,
-                                  max_kv_size=rng_kv(t, j)) for j in range(conversations_per_thread)]
+        [Conversation(runtime, rng_kv(t, j), system_prompt="Be brief." if (t + j) % 2 else None)
+         for j in range(conversations_per_thread)]
         for t in range(threads)
     ]  # fmt: skip
     all_convs = [c for cs in owned for c in cs]

@@ -1,6 +1,6 @@
-"""The public API (mlx_kvlingo.Runtime / Conversation) on the known-answer tiny pair: streaming,
-cancellation from another thread, one generation at a time per runtime, save/restore, memory,
-the README embedding example, and mypy on the public modules."""
+"""The public API (mlx_kvlingo.load / stream_generate / Conversation) on the known-answer tiny
+pair: streaming, cancellation from another thread, one generation at a time per pair,
+save/restore, memory, the README embedding example, and mypy on the public modules."""
 
 import queue
 import re
@@ -13,13 +13,17 @@ from pathlib import Path
 
 import mlx_kvlingo
 from mlx_kvlingo import (
+    BusyError,
     Conversation,
     ConversationError,
-    Event,
-    MemoryUsage,
-    Runtime,
-    RuntimeBusyError,
+    GenerationResponse,
+    generate,
+    load,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
 )
+from mlx_kvlingo import stream_generate as kv_stream_generate
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.models.files import save_translator
 from mlx_kvlingo.models.pair import load_pair
@@ -45,8 +49,8 @@ def files(tiny_dir, tmp_path_factory):
     back = pair.reversed()
     save_translator(exact_translator(back, inverse(answer)), d / "bwd.safetensors", back)
     return {
-        "source": tiny_dir["qwen3"],
-        "target": tiny_dir["known"],
+        "small": tiny_dir["qwen3"],
+        "large": tiny_dir["known"],
         "translator": d / "fwd.safetensors",
         "backward_translator": d / "bwd.safetensors",
     }
@@ -54,18 +58,25 @@ def files(tiny_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runtime(files):
-    return Runtime.load(**files)
+    return load(**files)
 
 
 def native(runtime, role, tokens, n=N):
     """What `role`'s model alone says after reading `tokens` itself (greedy)."""
-    loaded = runtime.pair.source if role == "small" else runtime.pair.target
-    out = stream_generate(loaded.model, runtime.pair.tokenizer, mx.array(tokens), max_tokens=n)
+    loaded = runtime.models.source if role == "small" else runtime.models.target
+    out = stream_generate(loaded.model, runtime.tokenizer, mx.array(tokens), max_tokens=n)
     return [r.token for r in out]
 
 
+def ask(conv, *args, **kwargs) -> GenerationResponse:
+    """An answer's last response (its record and status)."""
+    *_, done = conv.send(*args, **kwargs)
+    assert done.finish_reason is not None and done.handoff is not None
+    return done
+
+
 def assert_consistent(conv: Conversation):
-    s = conv._session
+    s = conv.cache
     for role in ("source", "target"):
         assert all(c.offset == s.held(role) for c in s.cache(role))
         assert s.held(role) <= len(s.tokens)
@@ -75,8 +86,8 @@ def test_import_is_cheap_and_lazy():
     code = (
         "import sys, mlx_kvlingo\n"
         "assert not any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules)\n"
-        "from mlx_kvlingo import Runtime, __version__\n"
-        "assert 'mlx.core' in sys.modules and Runtime.__module__ == 'mlx_kvlingo.api'\n"
+        "from mlx_kvlingo import load, __version__\n"
+        "assert 'mlx.core' in sys.modules and load.__module__ == 'mlx_kvlingo.api'\n"
         "print(__version__)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -84,46 +95,71 @@ def test_import_is_cheap_and_lazy():
     pyproject = (ROOT / "pyproject.toml").read_text()
     version = re.search(r'^version = "(.+)"', pyproject, re.M).group(1)
     assert out.stdout.strip() == mlx_kvlingo.__version__ == version
-    assert set(mlx_kvlingo.__all__) <= set(dir(mlx_kvlingo))
+    assert set(mlx_kvlingo.__all__) <= set(dir(mlx_kvlingo)) and len(mlx_kvlingo.__all__) <= 12
     with pytest.raises(AttributeError):
         mlx_kvlingo.NoSuchThing  # noqa: B018
 
 
 def test_streaming_events_and_switch(runtime):
-    conv = runtime.new_conversation(system_prompt="Be brief.")
-    events = list(conv.send(MSG[0], model="small", max_tokens=N, sampling={"temp": 0}))
-    assert all(isinstance(e, Event) for e in events)
+    conv = Conversation(runtime, system_prompt="Be brief.")
+    events = list(conv.send(MSG[0], model="small", max_tokens=N, temp=0))
+    assert all(isinstance(e, GenerationResponse) for e in events)
     *tokens, done = events
-    assert tokens and all(e.kind == "token" and e.model == "small" for e in tokens)
-    assert done.kind == "done" and done.model == "small" and conv.last is done
-    assert done.text == "".join(e.text for e in tokens)
+    assert tokens and all(e.finish_reason is None and e.model == "small" for e in tokens)
+    assert done.model == "small" and done.token is not None and conv.last.handoff is done.handoff
+    st = done.handoff
+    assert st.text == "".join(e.text for e in events)
     assert done.finish_reason in ("stop", "length")
-    assert done.timings.generation_tokens == len(tokens) and done.timings.switch_tokens == 0
-    assert done.status.startswith("small (") and f"{len(tokens)} tokens" in done.status
-    assert done.confidence is not None and done.confidence <= 0
-    assert conv.messages[-1] == {"role": "assistant", "content": done.text}
+    assert st.generation_tokens == done.generation_tokens == len(events) and st.switch is None
+    assert [e.generation_tokens for e in events] == list(range(1, len(events) + 1))
+    assert done.logprobs.shape[-1] > 1 and done.prompt_tokens == st.prompt_tokens > 0
+    assert done.status.startswith("small (") and f"{len(events)} tokens" in done.status
+    assert st.confidence is not None and st.confidence <= 0
+    assert conv.messages[-1] == {"role": "assistant", "content": st.text}
 
     # the large model takes over from a translated cache and says what it would say alone
-    stream = conv.send(MSG[1], model="large", max_tokens=N, sampling={"temp": 0})
+    stream = conv.send(MSG[1], model="large", max_tokens=N, temp=0)
     n0 = None
     toks = []
     for ev in stream:
         if n0 is None:
-            n0 = len(conv._session.tokens)  # the generator has added the message by now
-        if ev.kind == "token":
-            toks.append(ev.token)
+            n0 = len(conv.cache.tokens)  # the generator has added the message by now
+        toks.append(ev.token)
     done = conv.last
-    assert done.model == "large" and done.timings.translated_tokens > 0
-    assert done.timings.switch_tokens == done.timings.translated_tokens
+    assert done.model == "large" and done.handoff.switch.translated > 0
+    assert done.handoff.switch.lacked == done.handoff.switch.translated
     assert "translated" in done.status
-    assert toks == native(runtime, "large", conv._session.tokens[:n0])
+    assert toks == native(runtime, "large", conv.cache.tokens[:n0])
     assert_consistent(conv)
     with pytest.raises(ConversationError, match="unknown model"):
         conv.send("x", model="medium")
 
 
+def test_mlx_lm_shaped_functions(runtime, tmp_path):
+    """`stream_generate` / `generate` over a prompt cache, saved and loaded as mlx-lm's are: a
+    str is a templated user turn, a token list is read as it is; the same answer either way."""
+    cache = make_prompt_cache(runtime, system_prompt="Be brief.")
+    text = generate(runtime, MSG[0], prompt_cache=cache, max_tokens=N, temp=0)
+    assert cache.messages[-1] == {"role": "assistant", "content": text} and text
+    path = save_prompt_cache(tmp_path / "c", cache)
+    back = load_prompt_cache(path, runtime)
+    assert back.messages == cache.messages and back.tokens == cache.tokens
+    a = list(kv_stream_generate(runtime, MSG[1], cache, model="small", max_tokens=N, temp=0))
+    b = list(kv_stream_generate(runtime, MSG[1], back, model="small", max_tokens=N, temp=0))
+    assert [r.token for r in a] == [r.token for r in b] and a[-1].handoff.switch.translated > 0
+    ids = runtime.tokenizer.encode("def parse_args(argv):")
+    raw = list(kv_stream_generate(runtime, ids, max_tokens=N, temp=0, reader="self"))
+    assert [r.token for r in raw] == native(runtime, "large", ids)
+    seen = []
+    cb = lambda done, total: seen.append((done, total))  # noqa: E731
+    generate(runtime, ids, prompt_progress_callback=cb, max_tokens=2, reader="self")
+    assert seen and seen[-1][0] == seen[-1][1] == len(ids)  # mlx-lm's callback, the large's read
+    with pytest.raises(TypeError, match="prompt must be"):
+        kv_stream_generate(runtime, 3)
+
+
 def test_cancel_mid_stream_from_another_thread(runtime):
-    conv = runtime.new_conversation()
+    conv = Conversation(runtime)
     got: queue.Queue = queue.Queue()
     go = threading.Event()
 
@@ -136,7 +172,7 @@ def test_cancel_mid_stream_from_another_thread(runtime):
     th = threading.Thread(target=worker)
     th.start()
     first = [got.get(timeout=20), got.get(timeout=20)]
-    assert all(e.kind == "token" for e in first)
+    assert all(e.finish_reason is None for e in first)
     conv.cancel()  # from this (another) thread
     go.set()
     th.join(20)
@@ -144,28 +180,27 @@ def test_cancel_mid_stream_from_another_thread(runtime):
     while not got.empty():
         rest.append(got.get())
     done = rest[-1]
-    assert done.kind == "done" and done.finish_reason == "cancelled"
+    assert done.finish_reason == "cancelled" and done.token is not None
     assert "stopped" in done.status
-    assert len(first) + len(rest) - 1 <= 3  # stopped right after the token it was on
-    assert done.text == "".join(e.text for e in first + rest[:-1])
+    assert len(first) + len(rest) <= 3  # stopped right after the token it was on
+    assert done.handoff.text == "".join(e.text for e in first + rest)
     assert not runtime.busy
     assert_consistent(conv)
     # the next turn works and is exact: the large model continues from the kept partial answer
     n0 = None
     toks = []
-    for ev in conv.send(MSG[1], model="large", max_tokens=N, sampling={"temp": 0}):
-        n0 = n0 or len(conv._session.tokens)
-        if ev.kind == "token":
-            toks.append(ev.token)
-    assert toks == native(runtime, "large", conv._session.tokens[:n0])
+    for ev in conv.send(MSG[1], model="large", max_tokens=N, temp=0):
+        n0 = n0 or len(conv.cache.tokens)
+        toks.append(ev.token)
+    assert toks == native(runtime, "large", conv.cache.tokens[:n0])
     assert conv.last.finish_reason in ("stop", "length")
     assert_consistent(conv)
 
 
 def test_one_generation_at_a_time(runtime):
-    a, b = runtime.new_conversation(), runtime.new_conversation()
-    stream = a.send(MSG[0], model="small", max_tokens=N, sampling={"temp": 0})
-    assert next(stream).kind == "token" and runtime.busy
+    a, b = Conversation(runtime), Conversation(runtime)
+    stream = a.send(MSG[0], model="small", max_tokens=N, temp=0)
+    assert next(stream).finish_reason is None and runtime.busy
     errors: list = []
 
     def in_thread(fn):
@@ -177,9 +212,9 @@ def test_one_generation_at_a_time(runtime):
     in_thread(lambda: next(b.send(MSG[1], wait=False)))
     in_thread(lambda: next(b.send(MSG[1], timeout=0.2)))
     in_thread(lambda: b.save("never", wait=False))
-    assert [type(e) for e in errors] == [RuntimeBusyError] * 3
+    assert [type(e) for e in errors] == [BusyError] * 3
     # the same thread asking for another conversation would deadlock: refused
-    with pytest.raises(RuntimeBusyError, match="another conversation"):
+    with pytest.raises(BusyError, match="another conversation"):
         next(b.send(MSG[1]))
     assert b.messages == [] and b.tokens == 0  # nothing reached the refused conversation
 
@@ -188,24 +223,24 @@ def test_one_generation_at_a_time(runtime):
 
     def waiter():
         for ev in b.send(MSG[1], model="large", max_tokens=4):
-            order.append(("b", ev.kind, time.monotonic()))
+            order.append(("b", ev.finish_reason, time.monotonic()))
 
     th = threading.Thread(target=waiter)
     th.start()
     time.sleep(0.3)
     assert order == [] and th.is_alive()  # still waiting for the pair
     for ev in stream:
-        order.append(("a", ev.kind, time.monotonic()))
+        order.append(("a", ev.finish_reason, time.monotonic()))
     th.join(20)
     assert not th.is_alive()
-    a_done = next(t for who, kind, t in order if who == "a" and kind == "done")
+    a_done = next(t for who, kind, t in order if who == "a" and kind is not None)
     assert all(t >= a_done for who, _, t in order if who == "b")
     assert b.last.finish_reason in ("stop", "length")
     assert_consistent(a)
     assert_consistent(b)
 
     # a waiting send that is cancelled ends with one cancelled event, the conversation as it was
-    hold = a.send(MSG[2], max_tokens=N, sampling={"temp": 0})
+    hold = a.send(MSG[2], max_tokens=N, temp=0)
     next(hold)
     seen: list = []
     waiting = b.send(MSG[3])
@@ -215,16 +250,16 @@ def test_one_generation_at_a_time(runtime):
     before = b.messages
     b.cancel()
     th.join(20)
-    assert [(e.kind, e.finish_reason) for e in seen] == [("done", "cancelled")]
+    assert [(e.token, e.finish_reason) for e in seen] == [(None, "cancelled")]
     assert b.messages == before
     hold.close()  # an early close keeps what was emitted and frees the pair
     assert not runtime.busy and a.last is not None
 
     # the same thread starting a new turn on the same conversation ends its unfinished stream
-    s1 = a.send(MSG[0], max_tokens=N, sampling={"temp": 0})
+    s1 = a.send(MSG[0], max_tokens=N, temp=0)
     first = next(s1)
     events = list(a.send(MSG[1], model="large", max_tokens=4))
-    assert events[-1].kind == "done"
+    assert events[-1].finish_reason is not None
     assert [m["role"] for m in a.messages[-4:]] == ["user", "assistant", "user", "assistant"]
     assert a.messages[-3]["content"].startswith(first.text)
     assert_consistent(a)
@@ -238,39 +273,37 @@ def _catch(errors, fn):
 
 
 def test_save_restore_escalate_memory(runtime, tmp_path):
-    conv = runtime.new_conversation(system_prompt="Be brief.")
-    conv.ask(MSG[0], "small", max_tokens=N, sampling={"temp": 0})
-    small = conv.last
-    done = list(conv.escalate(max_tokens=N, sampling={"temp": 0}))[-1]
-    assert done.model == "large" and done.kind == "done"
-    assert conv.messages[-1]["content"] == done.text
+    conv = Conversation(runtime, system_prompt="Be brief.")
+    small = ask(conv, MSG[0], "small", max_tokens=N, temp=0)
+    done = list(conv.send(escalate=True, max_tokens=N, temp=0))[-1]
+    assert done.model == "large" and done.handoff is not None
+    assert conv.messages[-1]["content"] == done.handoff.text
     assert len([m for m in conv.messages if m["role"] == "assistant"]) == 1
-    assert small.text != done.text or small.model != done.model
+    assert small.handoff.text != done.handoff.text or small.model != done.model
     path = conv.save(tmp_path / "chat")
     assert path.name == "chat.safetensors"
-    back = runtime.restore(path)
+    back = Conversation(runtime, prompt_cache=load_prompt_cache(path, runtime))
     assert back.messages == conv.messages and back.tokens == conv.tokens
-    assert back.system_prompt == "Be brief."
+    assert back.messages[0] == {"role": "system", "content": "Be brief."}
     # the same next turn from the original and the restored conversation
-    a = conv.ask(MSG[1], "small", max_tokens=N, sampling={"temp": 0})
-    b = back.ask(MSG[1], "small", max_tokens=N, sampling={"temp": 0})
-    assert a.text == b.text and a.timings.translated_tokens == b.timings.translated_tokens > 0
+    a = ask(conv, MSG[1], "small", max_tokens=N, temp=0)
+    b = ask(back, MSG[1], "small", max_tokens=N, temp=0)
+    assert a.handoff.text == b.handoff.text
+    assert a.handoff.switch.translated == b.handoff.switch.translated > 0
     conv.reset()
     assert conv.messages == [{"role": "system", "content": "Be brief."}]
     with pytest.raises(ConversationError, match="nothing to escalate"):
-        list(conv.escalate())
+        list(conv.send(escalate=True))
     assert not runtime.busy  # a refused request releases the pair
 
-    mem = runtime.memory(reset_peak=True)
-    assert isinstance(mem, MemoryUsage)
-    assert mem.small_weights_bytes > 0 and mem.large_weights_bytes > 0
-    assert mem.translator_bytes > 0 and mem.kv_cache_bytes > 0 and mem.conversations >= 2
-    assert mem.active_bytes >= mem.weights_bytes
-    assert "weights" in str(mem)
-    assert runtime.models == {"small": str(runtime.pair.source.name),
-                              "large": str(runtime.pair.target.name)}  # fmt: skip
+    mem = runtime.memory()
+    assert mem["small"] > 0 and mem["large"] > 0 and mem["translators"] > 0
+    assert mem["kv"] > 0 and mem["conversations"] >= 2
+    assert mem["active"] >= mem["small"] + mem["large"]
+    assert runtime.names == {"small": str(runtime.models.source.name),
+                             "large": str(runtime.models.target.name)}  # fmt: skip
     with pytest.raises(ValueError, match="both source and target"):
-        Runtime.load(source="x")
+        load(small="x")
 
 
 def readme_example() -> str:
@@ -292,7 +325,7 @@ def test_readme_example_runs(files, monkeypatch, tmp_path, capsys):
     from mlx_kvlingo.models.demo import pair as demo
 
     defaults = {"forward": str(files["translator"]), "backward": str(files["backward_translator"])}
-    monkeypatch.setattr(demo, "demo_models", lambda pair="dense", source=None: (files["source"], files["target"]))  # fmt: skip
+    monkeypatch.setattr(demo, "demo_models", lambda pair="dense", source=None: (files["small"], files["large"]))  # fmt: skip
     monkeypatch.setattr(demo, "manifest", lambda pair="dense": {"default": defaults})
     monkeypatch.chdir(tmp_path)
     code = readme_example()
@@ -303,7 +336,6 @@ def test_readme_example_runs(files, monkeypatch, tmp_path, capsys):
     # whichever this machine's measured rates predict sooner; the status line shows the other
     assert re.search(r"\[small \(.*tokens", out) and re.search(r"\[large \(.*TTFT", out)
     assert re.search(r"\[large \(.*(small \+ translation|large alone): TTFT ≈ ", out)
-    assert "weights" in out
     assert (tmp_path / "chat.safetensors").is_file()
 
 
@@ -341,13 +373,13 @@ def test_public_api_typechecks(tmp_path):
 
 def test_add_messages_history_then_answer(runtime):
     """History from elsewhere is appended unread; the next answer catches up on all of it."""
-    conv = runtime.new_conversation(system_prompt="Be brief.")
+    conv = Conversation(runtime, system_prompt="Be brief.")
     conv.add_messages([{"role": "user", "content": MSG[0]}, {"role": "assistant", "content": "ok"}])
-    s = conv._session
+    s = conv.cache
     assert s.held("source") == s.held("target") == 0 and not s.pending
-    done = conv.ask(MSG[1], model="small", max_tokens=N, sampling={"temp": 0})
-    n = len(s.tokens) - done.timings.generation_tokens
-    reference = runtime.pair.tokenizer.apply_chat_template(
+    done = ask(conv, MSG[1], model="small", max_tokens=N, temp=0)
+    n = len(s.tokens) - done.generation_tokens
+    reference = runtime.tokenizer.apply_chat_template(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": MSG[0]},
          {"role": "assistant", "content": "ok"}, {"role": "user", "content": MSG[1]}],
         add_generation_prompt=True,
@@ -368,41 +400,41 @@ def test_reader_policy_through_the_api(runtime):
     from mlx_kvlingo.conversation.timing import costs_of
 
     assert runtime.load_s >= runtime.warmup_s > 0
-    assert costs_of(runtime.pair).target_read.ready and costs_of(runtime.pair).forward.ready
-    auto = runtime.new_conversation(policy=ReaderPolicy(reader_margin=0.2))
+    assert costs_of(runtime.models).target_read.ready and costs_of(runtime.models).forward.ready
+    auto = Conversation(runtime, policy=ReaderPolicy(reader_margin=0.2))
     assert (auto.policy.reader, auto.policy.reader_margin) == ("auto", 0.2)
     # the large model reads the last 32 tokens of a turn itself: a shorter turn it reads whole
     assert auto.policy.large_reads_last == 32
-    done = auto.ask(MSG[0], max_tokens=N, sampling={"temp": 0})
-    assert done.timings.read_tokens == 0 and done.timings.alternative_ttft_s is None
+    done = ask(auto, MSG[0], max_tokens=N, temp=0)
+    assert done.handoff.read is None and done.handoff.alternative_ttft_s is None
     assert "within the 32 tok the large reads itself" in done.status
     auto.policy = replace(
         auto.policy, large_reads_last=1
     )  # the plain handoff: two ways to read, the other one predicted
-    done = auto.ask(MSG[1], max_tokens=N, sampling={"temp": 0})
-    assert done.timings.alternative_ttft_s > 0 and "TTFT ≈ " in done.status
+    done = ask(auto, MSG[1], max_tokens=N, temp=0)
+    assert done.handoff.alternative_ttft_s > 0 and "TTFT ≈ " in done.status
     with pytest.raises(PolicyError, match="reader_margin"):
         auto.policy = replace(auto.policy, reader_margin=-1)
     with pytest.raises(PolicyError, match="large_reads_last"):
         auto.policy = replace(auto.policy, large_reads_last=0)
     # the plain handoff: the large model reads only the last token of a turn the small read
-    conv = runtime.new_conversation(
-        policy=ReaderPolicy(reader="tokens", reader_min_tokens=48, large_reads_last=1)
+    conv = Conversation(
+        runtime, policy=ReaderPolicy(reader="tokens", reader_min_tokens=48, large_reads_last=1)
     )
     assert (conv.policy.reader, conv.policy.reader_min_tokens, conv.policy.large_reads_last) == (
         "tokens",
         48,
         1,
     )
-    first = conv.ask(MSG[0], max_tokens=N, sampling={"temp": 0})
-    later = conv.ask(MSG[1], max_tokens=N, sampling={"temp": 0})
-    assert first.timings.read_tokens > 0 and later.timings.read_tokens == 0
+    first = ask(conv, MSG[0], max_tokens=N, temp=0)
+    later = ask(conv, MSG[1], max_tokens=N, temp=0)
+    assert first.handoff.read.tokens > 0 and later.handoff.read is None
     conv.policy = replace(
         conv.policy, reader_min_tokens=0
     )  # every turn read by the small model now
-    assert conv.ask(MSG[2], max_tokens=N, sampling={"temp": 0}).timings.read_tokens > 0
+    assert ask(conv, MSG[2], max_tokens=N, temp=0).handoff.read.tokens > 0
     conv.policy = replace(conv.policy, reader="self")
-    assert conv.ask(MSG[0], max_tokens=N, sampling={"temp": 0}).timings.read_tokens == 0
+    assert ask(conv, MSG[0], max_tokens=N, temp=0).handoff.read is None
     with pytest.raises(PolicyError, match="reader_min_tokens"):
         conv.policy = replace(conv.policy, reader_min_tokens=-3)
     with pytest.raises(PolicyError, match="unknown reader"):
@@ -412,7 +444,7 @@ def test_reader_policy_through_the_api(runtime):
 
 
 def test_demo_pair_by_name_and_the_backward_rule(files, monkeypatch):
-    """`Runtime.load(pair="moe")` loads the MoE demo pair (not silently the dense one); a demo
+    """`load(pair="moe")` loads the MoE demo pair (not silently the dense one); a demo
     pair that ships no backward translator gives None, a missing forward one is an error."""
     from mlx_kvlingo.models.demo import pair as demo
     from mlx_kvlingo.models.loading import resolve_translator_spec
@@ -421,67 +453,68 @@ def test_demo_pair_by_name_and_the_backward_rule(files, monkeypatch):
 
     def demo_models(pair="dense", source=None):
         asked.append(pair)
-        return files["source"], files["target"]
+        return files["small"], files["large"]
 
     shipped = {"forward": str(files["translator"])}  # no backward file shipped
     monkeypatch.setattr(demo, "demo_models", demo_models)
     monkeypatch.setattr(demo, "manifest", lambda pair="dense": {"default": shipped})
-    rt = Runtime.load(pair="moe", warmup=False)
+    rt = load(pair="moe", warmup=False)
     assert asked == ["moe"] and rt.forward is not None and rt.backward is None
     assert resolve_translator_spec(None, reverse=True, pair_name="moe") is None
-    Runtime.load(warmup=False)
+    load(warmup=False)
     assert asked == ["moe", "dense"]  # the default demo pair
     monkeypatch.setattr(demo, "manifest", lambda pair="dense": {"default": {}})
     with pytest.raises(KeyError):  # negative control: forward is not optional for a demo
         resolve_translator_spec(None, reverse=False, pair_name="moe")
     with pytest.raises(ValueError, match="unknown demo pair"):
-        Runtime.load(pair="sparse", warmup=False)
+        load(pair="sparse", warmup=False)
     with pytest.raises(ValueError, match="demo pair is chosen by name only"):
-        Runtime.load(files["source"], files["target"], pair="moe", warmup=False)
+        load(files["small"], files["large"], pair="moe", warmup=False)
 
 
 def test_cascade_keeps_or_escalates(runtime):
-    """The small model answers; below the threshold the large one answers again (forced by
-    thresholds no confidence can reach: above 0, below any finite log-prob)."""
-    conv = runtime.new_conversation(system_prompt="Be brief.")
-    events = list(conv.cascade(MSG[0], threshold=-1e9, max_tokens=N, sampling={"temp": 0}))
+    """Model "auto": the small model answers; below the threshold the large one answers again
+    (forced by thresholds no confidence can reach: above 0, below any finite log-prob)."""
+    conv = Conversation(runtime, system_prompt="Be brief.")
+    events = list(conv.send(MSG[0], "auto", auto_threshold=-1e9, max_tokens=N, temp=0))
     *tokens, done = events
-    assert all(e.kind == "token" and e.model == "small" for e in tokens)
-    assert done.kind == "done" and done.model == "small" and not done.escalating
-    assert conv.last.text == done.text and conv.messages[-1]["content"] == done.text
+    assert all(e.finish_reason is None and e.model == "small" for e in events[:-1])
+    assert done.model == "small" and not done.handoff.escalating
+    assert conv.last.handoff is done.handoff and conv.messages[-1]["content"] == done.handoff.text
 
-    events = list(conv.cascade(MSG[1], threshold=0.1, max_tokens=N, sampling={"temp": 0}))
-    dones = [e for e in events if e.kind == "done"]
-    assert [d.model for d in dones] == ["small", "large"]
-    assert dones[0].escalating and not dones[1].escalating
-    assert dones[0].confidence < 0.1
-    assert [e.model for e in events[events.index(dones[0]) + 1 :]] == ["large"] * (
-        len(events) - events.index(dones[0]) - 1
-    )
-    assert conv.last is dones[1] and conv.messages[-1]["content"] == dones[1].text
-    assert dones[1].timings.translated_tokens > 0  # the large caught up by translation
+    events = list(conv.send(MSG[1], "auto", auto_threshold=0.1, max_tokens=N, temp=0))
+    dones = [e for e in events if e.finish_reason is not None]
+    assert [d.model for d in dones] == ["small", "large"] and events[-1] is dones[1]
+    assert dones[0].handoff.escalating and not dones[1].handoff.escalating
+    assert dones[0].handoff.confidence < 0.1
+    after = events[events.index(dones[0]) + 1 :]
+    assert after and all(e.model == "large" for e in after)
+    assert conv.last.handoff is dones[1].handoff
+    assert conv.messages[-1]["content"] == dones[1].handoff.text
+    assert dones[1].handoff.switch.translated > 0  # the large caught up by translation
     assert len([m for m in conv.messages if m["role"] == "assistant"]) == 2
+    assert generate(runtime, MSG[2], model="auto", auto_threshold=0.1, max_tokens=N, temp=0)
     assert_consistent(conv)
     assert not runtime.busy
 
 
 def test_trim_and_pending(runtime):
-    conv = runtime.new_conversation(system_prompt="Be brief.")
-    conv.ask(MSG[0], "small", max_tokens=N, sampling={"temp": 0})
-    assert not conv.pending
+    conv = Conversation(runtime, system_prompt="Be brief.")
+    ask(conv, MSG[0], "small", max_tokens=N, temp=0)
+    assert not conv.cache.pending
     conv.add_messages([{"role": "user", "content": MSG[1]}])
-    assert conv.pending
+    assert conv.cache.pending
     assert conv.trim(conv.tokens - 1) == 2  # the first exchange goes, the last message stays
-    assert [m["role"] for m in conv.messages] == ["system", "user"] and conv.pending
-    done = list(conv.answer("large", max_tokens=N, sampling={"temp": 0}))[-1]
-    assert done.kind == "done" and not conv.pending
+    assert [m["role"] for m in conv.messages] == ["system", "user"] and conv.cache.pending
+    done = list(conv.send(None, "large", max_tokens=N, temp=0))[-1]
+    assert done.finish_reason is not None and not conv.cache.pending
     assert_consistent(conv)
     assert conv.trim(10_000) == 0
 
 
 def test_one_seed_rule():
     """An answer is seeded with seed + the assistant messages before the turn it answers."""
-    from mlx_kvlingo.api import _seed
+    from mlx_kvlingo.conversation.stream import seed as _seed
 
     def draw(seed=None, messages=None):
         if messages is None:
@@ -498,46 +531,42 @@ def test_one_seed_rule():
 
 
 def test_sampling_overrides_merge_over_each_models_defaults(runtime, monkeypatch):
-    """`sampling={"temp": ...}` changes the temperature only: top-p and the rest stay the
-    answering model's own (its generation_config.json), in send, answer, escalate and both
-    answers of a cascade; a `Sampling` is used whole; an unknown field is a ConversationError
-    naming it, raised before anything runs."""
-    from mlx_kvlingo import Sampling
+    """`temp=...` changes the temperature only: top-p and the rest stay the answering model's
+    own (its generation_config.json), in a new answer, an escalation and both answers of
+    model "auto"; a `sampler` is used as given (mlx-lm's); an unknown setting is a
+    ConversationError naming it, raised before anything runs."""
     from mlx_kvlingo.conversation import sampling as S
 
-    own = {runtime.pair.source.folder: {"top_p": 0.8}, runtime.pair.target.folder: {"top_k": 20}}
+    small_dir, large_dir = runtime.models.source.folder, runtime.models.target.folder
+    own = {small_dir: {"top_p": 0.8}, large_dir: {"top_k": 20}}
     monkeypatch.setattr(S, "generation_config", lambda folder: dict(own.get(folder, {})))
     used = []
     sampler = S.Sampling.sampler
     monkeypatch.setattr(S.Sampling, "sampler", lambda cfg: used.append(cfg) or sampler(cfg))
-    small, large = S.resolve(runtime.pair.source), S.resolve(runtime.pair.target)
+    small, large = S.resolve(runtime.models.source), S.resolve(runtime.models.target)
     assert (small.top_p, large.top_k) == (0.8, 20)  # the models' own differ from DEFAULTS
 
-    conv = runtime.new_conversation()
-    conv.ask(MSG[0], "small", max_tokens=2, sampling={"temp": 0.3, "seed": 1})
-    list(conv.escalate(max_tokens=2, sampling={"temp": 0.3}))
+    conv = Conversation(runtime)
+    ask(conv, MSG[0], "small", max_tokens=2, temp=0.3, seed=1)
+    list(conv.send(escalate=True, max_tokens=2, temp=0.3))
     conv.add_messages([{"role": "user", "content": MSG[1]}])
-    list(conv.answer("small", max_tokens=2, sampling={"top_k": 5}))
-    list(conv.cascade(MSG[2], threshold=1.0, max_tokens=2, sampling={"temp": 0.3}))  # escalates
-    assert used == [
-        replace(small, temp=0.3, seed=1),
-        replace(large, temp=0.3),
-        replace(small, top_k=5),
-        replace(large, temp=0.3),  # the cascade checks the large one's settings first
-        replace(small, temp=0.3),
-        replace(large, temp=0.3),
-    ]
-    whole = Sampling(temp=0.3)
-    conv.ask(MSG[3], "large", max_tokens=2, sampling=whole)
-    assert used[-1] is whole
+    list(conv.send(None, "small", max_tokens=2, top_k=5))
+    used.clear()
+    list(conv.send(MSG[2], "auto", auto_threshold=1.0, max_tokens=2, temp=0.3))  # escalates
+    assert used[-2:] == [replace(small, temp=0.3), replace(large, temp=0.3)]
+    assert replace(small, temp=0.3, seed=1) != small
+    picked = []
+    argmax = lambda logits: picked.append(1) or mx.argmax(logits, axis=-1)  # noqa: E731
+    ask(conv, MSG[3], "large", max_tokens=2, sampler=argmax)
+    assert picked
 
     n = len(conv.messages)
     unknown = r"unknown sampling settings \['temperature'\] \(temperature is 'temp'\); known: temp"
     for call in (
-        lambda: conv.send(MSG[0], sampling={"temperature": 0}),
-        lambda: conv.answer(sampling={"temperature": 0}),
-        lambda: conv.escalate(sampling={"temperature": 0}),
-        lambda: conv.cascade(MSG[0], sampling={"temperature": 0}),
+        lambda: conv.send(MSG[0], temperature=0),
+        lambda: conv.send(None, temperature=0),
+        lambda: conv.send(escalate=True, temperature=0),
+        lambda: conv.send(MSG[0], "auto", temperature=0),
     ):
         with pytest.raises(ConversationError, match=unknown):
             call()

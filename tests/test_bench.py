@@ -316,7 +316,7 @@ def test_conversation_bench_policies(tmp_path):
 
 def test_conversation_bench_auto_weighs_the_chats_retention(tiny_pair):
     """The benchmark's reader auto is the chat's: with a measured retention under the threshold
-    (`Runtime.retention`), it lets the large model read every turn itself, and the report
+    (`Pair.retention`), it lets the large model read every turn itself, and the report
     measures it against the large path alone; without one, against the faster of both."""
     from mlx_kvlingo.conversation import retention, timing
     from mlx_kvlingo.eval.conversation_bench import ConversationBenchConfig, run_conversation_bench

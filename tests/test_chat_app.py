@@ -222,3 +222,28 @@ def test_a_pasted_document_and_a_file_arrive_whole(app, tiny_dir, tmp_path):
     assert f"{len(doc):,} characters and your question" in screen
     screen = step(term, f"/file {tmp_path / 'missing.txt'}")
     assert "/file:" in screen and "No such file" in screen and "Traceback" not in screen
+
+
+def test_reading_progress_is_mlx_lms_callback_drawn_once():
+    """`ChatApp.progress(done, total)` is mlx-lm's prompt progress callback: a bar while a turn
+    of PROGRESS_MIN_TOKENS or more is read, none for a short one, gone when the reading ends."""
+    import io
+    from types import SimpleNamespace
+
+    from mlx_kvlingo.cli.chat import PROGRESS_MIN_TOKENS, ChatApp
+
+    from rich.console import Console
+
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=True, width=100)
+    conv = SimpleNamespace(pair=SimpleNamespace(names={"small": "s", "large": "l"}))
+    app = ChatApp(conv, max_tokens=8, auto_threshold=-1.5, console=console)
+    app.progress(0, PROGRESS_MIN_TOKENS - 1)  # a short turn: nothing drawn
+    assert app._reading is None and out.getvalue() == ""
+    n = 2 * PROGRESS_MIN_TOKENS
+    for done in (0, n // 2):
+        app.progress(done, n)
+    assert app._reading is not None
+    app.progress(n, n)  # read: the bar goes
+    assert app._reading is None and "reading" in out.getvalue()
+    assert f"{n // 2:,}/{n:,} tok" in out.getvalue()

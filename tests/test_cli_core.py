@@ -67,13 +67,13 @@ def test_generate_and_info(tiny_dir, tmp_path):
         exact_translator(pair, tiny_dir["known_answer"]), tmp_path / "t.safetensors", pair
     )
     out = CliRunner().invoke(cli, [
-        "generate", "--source", str(tiny_dir["qwen3"]), "--target", str(tiny_dir["known"]),
+        "generate", "--small", str(tiny_dir["qwen3"]), "--large", str(tiny_dir["known"]),
         "--translator", str(tr_path), "-p", PROMPT, "--no-chat", "-m", "8",
     ])  # fmt: skip
     assert out.exit_code == 0, out.output
     # the status line accounts for the TTFT: its three parts add up to it
-    m = re.search(r"source prefill \d+ tokens ([\d.]+) ms · translation ([\d.]+) ms · "
-                  r"target first token ([\d.]+) ms · TTFT (\d+) ms", out.output)  # fmt: skip
+    m = re.search(r"small read \d+ tokens ([\d.]+) ms · translation ([\d.]+) ms · "
+                  r"large first token ([\d.]+) ms · TTFT (\d+) ms", out.output)  # fmt: skip
     assert m, out.output
     parts = sum(float(x) for x in m.groups()[:3])
     assert abs(parts - int(m.group(4))) <= 1

@@ -282,7 +282,7 @@ def test_eval_task_content_times_each_read_and_stores_the_retention_auto_weighs(
     """Each condition's read is timed in the same run, and the chat condition's retention of
     facts and copies per length is stored where the runtime finds it for those settings (the
     tiny pair knows no facts: every reply is scored right here, so each length keeps 1.0)."""
-    from mlx_kvlingo.api import Runtime
+    from mlx_kvlingo.api import Pair
     from mlx_kvlingo.config import ReaderPolicy
     from mlx_kvlingo.eval import content
     from mlx_kvlingo.eval.content import read_times, retention
@@ -309,7 +309,7 @@ def test_eval_task_content_times_each_read_and_stores_the_retention_auto_weighs(
     assert retention(result) == [(48, 4, 4), (96, 4, 4)]  # 2 facts and 2 copies, all right
     said = " ".join(r.output.split())
     assert "retention stored for reader auto" in said and "48 tok 4/4, 96 tok 4/4" in said
-    rt = Runtime(pair, load_translator(path, pair))
+    rt = Pair(pair, load_translator(path, pair))
     stored = rt.retention(ReaderPolicy(large_reads_last=8))
     assert stored is not None and stored.points == ((48, 1.0), (96, 1.0))
     assert rt.retention(ReaderPolicy()) is None  # measured with a tail of 8, not 32
@@ -444,15 +444,16 @@ def test_the_content_benchmark_reads_a_turn_as_the_chat_does(pair, exact):
     """The benchmark's cache for a turn is, bit for bit, the cache a `Conversation` builds
     for the same turn (the small model reads, translation, the large model's tail read and
     its recompute, then mlx-lm's prefill up to the last token): one hand-off, not a copy."""
-    from mlx_kvlingo import ReaderPolicy, Runtime
+    from mlx_kvlingo import Conversation, ReaderPolicy
+    from mlx_kvlingo.api import Pair
     from mlx_kvlingo.data.content_tasks import ContentTask
 
     # an inexact map, so that what the recompute rewrites shows in the cache
     half = exact_translator(pair, {"key_maps": [0.5 * m for m in _maps(exact, "key")],
                                    "value_maps": [0.5 * m for m in _maps(exact, "value")]})  # fmt: skip
-    conv = Runtime(pair, half).new_conversation(policy=ReaderPolicy(reader="small"))
-    conv.ask(TEXT[:700] + " When did the sun come out?", max_tokens=2, sampling={"temp": 0})
-    session = conv._session
+    conv = Conversation(Pair(pair, half), policy=ReaderPolicy(reader="small"))
+    list(conv.send(TEXT[:700] + " When did the sun come out?", max_tokens=2, temp=0))
+    session = conv.cache
     turn = session.turns[-1]
     assert turn.read is not None and turn.switch.recomputed > 0  # the whole path ran
     n0 = len(session.tokens) - turn.generation_tokens

@@ -43,24 +43,26 @@ def test_a_list_is_not_a_loop_and_a_repeated_clause_is():
 
 @pytest.fixture(scope="module")
 def runtime():
-    from mlx_kvlingo import Runtime
+    from mlx_kvlingo import load
 
-    return Runtime.load(warmup=False)  # the demo pair, its default translators (reader="small"
+    return load(warmup=False)  # the demo pair, its default translators (reader="small"
     # below, so the warm-up's measured read rates are not needed)
 
 
 def answer(runtime, prompt: str, model: str = "large", **sampling) -> tuple[list[int], str]:
     # answers from translated caches as they are: the large model reads only the last token
     # itself and recomputes none
-    conv = runtime.new_conversation(
-        policy=ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
+    from mlx_kvlingo import Conversation
+
+    conv = Conversation(
+        runtime, policy=ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
     )
-    done = conv.ask(prompt, model, max_tokens=200, sampling=sampling)
+    *_, done = conv.send(prompt, model, max_tokens=200, **sampling)
     assert done.model == model
     if model == "large":
-        assert done.timings.read_tokens > 0  # the small model read it
-    ids = [t for t in conv._session.tokens[-done.timings.generation_tokens :]]
-    return ids, done.text
+        assert done.handoff.read.tokens > 0  # the small model read it
+    ids = [t for t in conv.cache.tokens[-done.generation_tokens :]]
+    return ids, done.handoff.text
 
 
 def test_default_sampling_does_not_loop(runtime):

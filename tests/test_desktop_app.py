@@ -7,7 +7,7 @@ import os
 import time
 from pathlib import Path
 
-from mlx_kvlingo import Runtime
+from mlx_kvlingo import load
 from mlx_kvlingo.models.files import save_translator
 from mlx_kvlingo.models.pair import load_pair
 
@@ -54,8 +54,8 @@ def files(tiny_dir, tmp_path_factory):
     back = pair.reversed()
     save_translator(exact_translator(back, inv), d / "bwd.safetensors", back)
     return {
-        "source": tiny_dir["qwen3"],
-        "target": tiny_dir["known"],
+        "small": tiny_dir["qwen3"],
+        "large": tiny_dir["known"],
         "translator": d / "fwd.safetensors",
         "backward_translator": d / "bwd.safetensors",
     }
@@ -77,34 +77,35 @@ def wait_idle(qapp, window, timeout=30.0):
 
 
 def test_desktop_chat_answers_switches_and_stops(qapp, app_module, files, tmp_path):
-    runtime = Runtime.load(**files)
-    win = app_module.ChatWindow(runtime, max_tokens=16, system_prompt="Be brief.")
+    pair = load(**files)
+    win = app_module.ChatWindow(pair, max_tokens=16, system_prompt="Be brief.")
     win.show()
     QTest.qWaitForWindowExposed(win)
+    assert win.model == "large"  # as `kvlingo chat`: the large answers, the small reads for it
 
-    # a message typed into the text box, sent with Enter, answered by the small model
+    # a message typed into the text box, sent with Enter, answered by the large model
     QTest.keyClicks(win.input, "def parse_args(argv):")
     QTest.keyClick(win.input, Qt.Key.Key_Return)
     assert win.busy and not win.send_button.isEnabled() and win.stop_button.isEnabled()
     wait_idle(qapp, win)
-    small = win.last
-    assert small is not None and small.model == "small" and small.text
+    large = win.last
+    assert large is not None and large.model == "large" and large.handoff.text
     text = win.transcript.toPlainText()
-    assert "you: def parse_args(argv):" in text and "small: " + small.text in text
-    assert win.status.text().startswith("small (") and "tokens" in win.status.text()
+    assert "you: def parse_args(argv):" in text and "large: " + large.handoff.text in text
+    assert win.status.text().startswith("large (") and "tokens" in win.status.text()
     assert win.input.text() == "" and win.send_button.isEnabled()
 
-    # switch the model; the large one answers from the translated cache
-    win.model_box.setCurrentIndex(win.model_box.findData("large"))
-    assert win.model == "large"
+    # switch the model; the small one answers from the translated cache
+    win.model_box.setCurrentIndex(win.model_box.findData("small"))
+    assert win.model == "small"
     win.input.setText("class Foo(object):")
     QTest.mouseClick(win.send_button, Qt.MouseButton.LeftButton)
     wait_idle(qapp, win)
-    large = win.last
-    assert large.model == "large" and large.text and large.timings.translated_tokens > 0
-    assert "large: " + large.text in win.transcript.toPlainText()
+    small = win.last
+    assert small.model == "small" and small.handoff.text and small.handoff.switch.translated > 0
+    assert "small: " + small.handoff.text in win.transcript.toPlainText()
     status = win.status.text()
-    assert status.startswith("large (") and "translated" in status and "KV" in status
+    assert status.startswith("small (") and "translated" in status and "KV" in status
 
     shot = artifacts(tmp_path) / "desktop_chat.png"
     assert win.grab().save(str(shot))
@@ -118,7 +119,7 @@ def test_desktop_chat_answers_switches_and_stops(qapp, app_module, files, tmp_pa
     QTest.mouseClick(win.stop_button, Qt.MouseButton.LeftButton)
     wait_idle(qapp, win)
     assert win.last.finish_reason == "cancelled" and "stopped" in win.status.text()
-    assert win.last.timings.generation_tokens <= 2 and not runtime.busy
+    assert win.last.generation_tokens <= 2 and not pair.busy
 
     # Escalate: the last message answered again by the other model
     win.max_tokens = 8

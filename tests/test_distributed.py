@@ -129,7 +129,7 @@ def test_a_rank_that_cannot_connect_is_a_clear_error_on_rank_0(cases, tmp_path):
 def test_one_rank_runtime_answers_like_one_process_and_refuses_saving(cases, tmp_path):
     """The distributed code path in this process (a group of one): the same answers; what a
     pipelined target cannot do is refused with a clear error."""
-    from mlx_kvlingo import ConversationError, Runtime
+    from mlx_kvlingo import Conversation, ConversationError, load
 
     import distributed_api
 
@@ -137,13 +137,12 @@ def test_one_rank_runtime_answers_like_one_process_and_refuses_saving(cases, tmp
     case = {**cases[0], "short": True}
     one_rank = distributed_api.run_case(case, distributed=True)
     assert one_rank["turns"] == distributed_api.run_case(case, distributed=False)["turns"]
-    with Runtime.load(case["source"], case["target"], case["translator"],
-                      distributed=True) as rt:  # fmt: skip
-        chat = rt.new_conversation()
-        chat.ask("def foo(x):", "large", max_tokens=2)
+    with load(case["source"], case["target"], case["translator"], distributed=True) as rt:
+        chat = Conversation(rt)
+        list(chat.send("def foo(x):", "large", max_tokens=2))
         with pytest.raises(ConversationError, match="not available"):
             chat.save(tmp_path / "s")
         with pytest.raises(RuntimeError, match="close the open distributed runtime"):
-            Runtime.load(case["source"], case["target"], case["translator"], distributed=True)
+            load(case["source"], case["target"], case["translator"], distributed=True)
     with pytest.raises(RuntimeError, match="closed"):
-        chat.ask("more", "large", max_tokens=2)
+        list(chat.send("more", "large", max_tokens=2))

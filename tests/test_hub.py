@@ -2,7 +2,7 @@
 
 `huggingface_hub` reads HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE when it is imported, so every
 client runs in a subprocess with them set; the stand-in runs in this process and is stopped
-by its fixture. Round trip: `kvlingo upload`, `kvlingo download` (pinned), `Runtime.load(
+by its fixture. Round trip: `kvlingo upload`, `kvlingo download` (pinned), `load(
 translator="org/name")`, decode token for token like the local file; then offline from the
 cache, and a clear error offline without it.
 """
@@ -28,14 +28,14 @@ REPO = "kvlingo-test/known-pair"
 CLI = [sys.executable, "-c", "from mlx_kvlingo.cli import main; main()"]
 DECODE = r"""
 import json, sys
-from mlx_kvlingo import Runtime
+from mlx_kvlingo import load
 import mlx.core as mx
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.session import Session
 from mlx_lm import stream_generate
 src, tgt, spec, prompt, n = sys.argv[1:6]
-rt = Runtime.load(src, tgt, translator=spec, warmup=False)  # a handoff, not a chat turn
-pair, tokens = rt.pair, rt.pair.tokenizer.encode(prompt)
+rt = load(src, tgt, translator=spec, warmup=False)  # a handoff, not a chat turn
+pair, tokens = rt.models, rt.tokenizer.encode(prompt)
 s = Session(pair, rt.forward, policy=ReaderPolicy("small", large_reads_last=1, recompute_share=0))
 s.add_tokens(tokens)
 s.hand_off("target")

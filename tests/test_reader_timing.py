@@ -269,31 +269,31 @@ def test_retention_is_kept_in_the_cache_folder_and_found_by_the_runtime(
     """Each draw's counts are stored per length; a re-run of a draw replaces its counts at the
     lengths it measured (the same tasks never count twice), other draws pool, and a length
     counts once the native read got `MIN_RIGHT` right there."""
-    from mlx_kvlingo.api import Runtime
+    from mlx_kvlingo.api import Conversation, Pair
     from mlx_kvlingo.conversation import retention
 
     monkeypatch.setattr(
         retention, "path_for", lambda k, d=None: tmp_path / "retention" / retention.digest(k)
     )
     fwd, bwd = translators
-    rt = Runtime(pair, fwd, bwd)
-    assert rt.retention() is None and rt.new_conversation()._session.retention is None
+    rt = Pair(pair, fwd, bwd)
+    assert rt.retention() is None and Conversation(rt).cache.retention is None
     k = retention.key(pair, fwd, ReaderPolicy())
     retention.record(k, "seed 1", [(128, 3, 3), (2048, 1, 2)])
-    assert Runtime(pair, fwd, bwd).retention().points == ((128, 1.0),)  # 2048: too few yet
+    assert Pair(pair, fwd, bwd).retention().points == ((128, 1.0),)  # 2048: too few yet
     retention.record(k, "seed 1", [(2048, 0, 2)])  # the same draw again: replaces
     retention.record(k, "seed 2", [(2048, 2, 3)])  # another draw: pools
     assert retention.load(k) == {"seed 1": ((128, 3, 3), (2048, 0, 2)), "seed 2": ((2048, 2, 3),)}
-    rt = Runtime(pair, fwd, bwd)
-    conv = rt.new_conversation()
+    rt = Pair(pair, fwd, bwd)
+    conv = Conversation(rt)
     kept = Retention(((128, 1.0), (2048, 0.4)), "seed 1; seed 2")
-    assert conv._session.retention == kept and rt.retention() == kept
+    assert conv.cache.retention == kept and rt.retention() == kept
     conv.policy = replace(conv.policy, recompute_share=0.2)  # measured for other settings
-    assert conv._session.retention is None
+    assert conv.cache.retention is None
     for broken in ("{not json", json.dumps({"schema": retention.SCHEMA, "key": k,
                                             "draws": {"x": [[64, 4, 3]]}})):  # fmt: skip
         (next((tmp_path / "retention").iterdir())).write_text(broken)
-        assert Runtime(pair, fwd, bwd).retention() is None  # a broken file: unmeasured
+        assert Pair(pair, fwd, bwd).retention() is None  # a broken file: unmeasured
     with pytest.raises(ValueError, match="count"):
         retention.pooled([(64, True, 3)])
 
@@ -304,7 +304,7 @@ def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
     """The demo's default forward file carries its retention counts in the manifest (found by
     the file the translator came from, whatever dtype it computes in); counts measured on this
     pair (`kvlingo eval --task content`, in the cache folder) pool with them."""
-    from mlx_kvlingo.api import Runtime
+    from mlx_kvlingo.api import Pair
     from mlx_kvlingo.conversation import retention
     from mlx_kvlingo.models.demo import pair as demo
 
@@ -318,17 +318,17 @@ def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
     monkeypatch.setattr(demo, "translator_path", lambda *a, **k: shipped)
     fwd.path = shipped
     try:
-        got = Runtime(pair, fwd, bwd).retention()
+        got = Pair(pair, fwd, bwd).retention()
         assert got == Retention(((1024, 1.0), (4096, 0.25)), "kvlingo eval --task content")
-        assert Runtime(pair, fwd, bwd).retention(ReaderPolicy(large_reads_last=8)) is None
+        assert Pair(pair, fwd, bwd).retention(ReaderPolicy(large_reads_last=8)) is None
         fwd.path = tmp_path / "another.safetensors"
-        assert Runtime(pair, fwd, bwd).retention() is None  # not the shipped file
+        assert Pair(pair, fwd, bwd).retention() is None  # not the shipped file
         fwd.path = shipped
         retention.record(retention.key(pair, fwd, ReaderPolicy()), "measured here", [(4096, 3, 4)])
-        got = Runtime(pair, fwd, bwd).retention()
+        got = Pair(pair, fwd, bwd).retention()
         assert got.points == ((1024, 1.0), (4096, 0.5)) and got.source.endswith("measured here")
         entry["counts"] = [[1024, 4, 3]]  # a malformed manifest: only what was measured here
-        assert Runtime(pair, fwd, bwd).retention().points == ((4096, 0.75),)
+        assert Pair(pair, fwd, bwd).retention().points == ((4096, 0.75),)
     finally:
         del fwd.path
 

@@ -9,7 +9,7 @@ import os
 import sys
 
 import mlx_kvlingo  # noqa: F401
-from mlx_kvlingo import Runtime
+from mlx_kvlingo import load
 from mlx_kvlingo.models.pair import InsufficientMemoryError, estimate_bytes, load_model, load_pair
 
 import crashsafe
@@ -83,9 +83,9 @@ def test_kill_during_saves_leaves_previous_file(fixtures, tmp_path):
 
 
 def test_api_under_stress(fixtures, tmp_path):
-    """Threads doing random operations on several conversations of one Runtime."""
+    """Threads doing random operations on several conversations of one pair."""
     f = fixtures
-    runtime = Runtime.load(f / "qwen3", f / "known", f / "fwd.safetensors", f / "bwd.safetensors")
+    runtime = load(f / "qwen3", f / "known", f / "fwd.safetensors", f / "bwd.safetensors")
     report = stress.stress(runtime, tmp_path, threads=4, ops=20, seed=18, timeout=120)
     assert not report.deadlocked
     assert not report.failures, report.failures[:5]

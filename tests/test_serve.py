@@ -13,7 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-from mlx_kvlingo import Runtime
+from mlx_kvlingo import load
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.models.files import save_translator
 from mlx_kvlingo.models.pair import load_pair
@@ -43,8 +43,7 @@ def runtime(tiny_dir, tmp_path_factory):
     back = pair.reversed()
     inverse = {k: [m.T for m in v] for k, v in answer.items() if k in ("key_maps", "value_maps")}
     save_translator(exact_translator(back, inverse), d / "bwd.safetensors", back)
-    return Runtime.load(tiny_dir["qwen3"], tiny_dir["known"], d / "fwd.safetensors",
-                        d / "bwd.safetensors")  # fmt: skip
+    return load(tiny_dir["qwen3"], tiny_dir["known"], d / "fwd.safetensors", d / "bwd.safetensors")
 
 
 @pytest.fixture
@@ -79,25 +78,25 @@ def client(server):
 
 def native(runtime, model, tokens, n):
     """What one model alone says after reading `tokens` itself (greedy)."""
-    loaded = runtime.pair.source if model == "small" else runtime.pair.target
-    out = stream_generate(loaded.model, runtime.pair.tokenizer, mx.array(tokens), max_tokens=n)
-    return runtime.pair.tokenizer.decode([r.token for r in out])
+    loaded = runtime.models.source if model == "small" else runtime.models.target
+    out = stream_generate(loaded.model, runtime.tokenizer, mx.array(tokens), max_tokens=n)
+    return runtime.tokenizer.decode([r.token for r in out])
 
 
 def templated(runtime, messages):
-    return runtime.pair.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return runtime.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
 
 
 def wait_idle(server, timeout=20.0):
     deadline = time.monotonic() + timeout
-    while server.worker._current is not None or server.worker.waiting:
+    while server.worker.running is not None or server.worker.waiting:
         assert time.monotonic() < deadline, "the worker did not go idle"
         time.sleep(0.02)
 
 
 def assert_consistent(server):
     for conv in server.worker.pool._held:
-        s = conv._session
+        s = conv.cache
         for role in ("source", "target"):
             assert all(c.offset == s.held(role) for c in s.cache(role))
             assert s.held(role) <= len(s.tokens)
@@ -195,7 +194,7 @@ def test_follow_up_reads_or_translates_only_the_new_suffix(runtime, server, clie
     u = r2.usage
     conv = next(iter(server.worker.pool._held))
     # the conversation keeps answers as generated tokens (re-tokenizing the text may differ)
-    assert u.prompt_tokens == len(conv._session.tokens) - u.completion_tokens
+    assert u.prompt_tokens == len(conv.cache.tokens) - u.completion_tokens
     assert u.prompt_tokens_details.cached_tokens == held
     suffix = u.prompt_tokens - held
     assert 0 < suffix < u.prompt_tokens
@@ -206,7 +205,7 @@ def test_follow_up_reads_or_translates_only_the_new_suffix(runtime, server, clie
     assert translated["large"] <= suffix and read["small"] <= suffix
     assert r2.model_extra["kvlingo"]["reused_messages"] == 3
     # the answer is the large model's own over the whole conversation (exact translator)
-    assert r2.choices[0].message.content == native(runtime, "large", conv._session.tokens[: u.prompt_tokens], 12)  # fmt: skip
+    assert r2.choices[0].message.content == native(runtime, "large", conv.cache.tokens[: u.prompt_tokens], 12)  # fmt: skip
     # a third turn through the small model: what it lacks of the large's turns is translated
     # (backward translator); it reads at most the new suffix itself
     history += [{"role": "assistant", "content": r2.choices[0].message.content},
@@ -299,7 +298,7 @@ def test_disconnect_mid_stream_then_a_normal_request(runtime, server, client, sl
     wait_idle(server)
     (conv,) = server.worker.pool._held
     assert conv.last.finish_reason == "cancelled"
-    assert conv.last.timings.generation_tokens < 48
+    assert conv.last.generation_tokens < 48
     assert_consistent(server)
     r = client.chat.completions.create(model="large", messages=messages, **GREEDY)
     assert r.choices[0].message.content == native(runtime, "large", templated(runtime, messages), 12)  # fmt: skip
@@ -323,7 +322,7 @@ def test_bounded_queue_answers_503(serve, slow_tokens):
     first = threading.Thread(target=run, args=("running",))
     first.start()
     deadline = time.monotonic() + 20
-    while server.worker._current is None:
+    while server.worker.running is None:
         assert time.monotonic() < deadline
         time.sleep(0.01)
     second = threading.Thread(target=run, args=("waiting",))
@@ -396,7 +395,7 @@ def test_bad_fields_are_400_with_openai_error_bodies(client, server):
         assert err["error"]["param"] == param, (fields, err)
     r = client.chat.completions.create(**base, **GREEDY)  # still serving
     assert r.choices[0].message.content
-    assert server.worker._thread.is_alive()
+    assert not server.worker.waiting and server.worker.running is None
 
 
 def test_unknown_model_and_over_long_prompt(client):
@@ -460,15 +459,16 @@ def test_api_key(serve):
 
 
 def test_sampling_fields_map_onto_sampling():
-    """OpenAI's fields become `Conversation.send`'s `sampling` (Sampling's names, only those
-    set) and `max_tokens`; a field `Sampling` lacks is refused, naming it."""
+    """OpenAI's fields become `Conversation.send`'s sampling keywords (the library's names,
+    only those set) and `max_tokens`; a field the library lacks is refused, naming it."""
     body = {"temperature": 0.5, "max_completion_tokens": 9, "max_tokens": 20, "seed": 3}
-    assert sampling_kwargs(body, LIMITS) == {"sampling": {"temp": 0.5, "seed": 3}, "max_tokens": 9}
-    assert sampling_kwargs({}, LIMITS) == {"sampling": {}, "max_tokens": LIMITS.default_max_tokens}
+    assert sampling_kwargs(body, LIMITS) == {"temp": 0.5, "seed": 3, "max_tokens": 9}
+    assert sampling_kwargs({}, LIMITS) == {"max_tokens": LIMITS.default_max_tokens}
     zero = {"frequency_penalty": 0, "presence_penalty": 0.0}
     assert sampling_kwargs(zero, LIMITS) == sampling_kwargs({}, LIMITS)
     extras = {"top_k": 40, "min_p": 0.05, "repetition_penalty": 1.1, "repetition_context_size": 64}
-    assert sampling_kwargs({**extras, "top_p": 0.8}, LIMITS)["sampling"] == {**extras, "top_p": 0.8}
+    got = sampling_kwargs({**extras, "top_p": 0.8}, LIMITS)
+    assert got == {**extras, "top_p": 0.8, "max_tokens": LIMITS.default_max_tokens}
     for name in ("frequency_penalty", "presence_penalty"):
         with pytest.raises(APIError, match=f"{name} is not supported.*repetition_penalty") as e:
             sampling_kwargs({name: 0.5}, LIMITS)

@@ -1,11 +1,8 @@
 """Alternation on the known-answer pair: a conversation that crosses models in both directions
 must decode exactly as re-prefill does, translating each missing span exactly once."""
 
-import threading
-
 from mlx_kvlingo.conversation.records import (
     ContextOverflowError,
-    SessionBusyError,
     SessionError,
     SessionFileError,
     answer_confidence,
@@ -325,28 +322,6 @@ def test_bad_input(pair, translators):
 
 def _interrupt_now(tokens, logits):
     raise KeyboardInterrupt
-
-
-def test_concurrent_use_refused(pair, translators):
-    fwd, bwd = translators
-    s = Session(pair, fwd, bwd, policy=plain(reader="tokens"))
-    s.add_user("def parse_args(argv):")
-    events = s.generate("small", max_tokens=N)
-    next(events)
-    errors = []
-    th = threading.Thread(target=lambda: _catch(errors, s.add_user, "hi"))
-    th.start()
-    th.join()
-    assert isinstance(errors[0], SessionBusyError)
-    rest = list(events)
-    assert len(rest) >= 1 and s.last_turn.finish_reason in ("stop", "length")
-
-
-def _catch(errors, fn, *args):
-    try:
-        fn(*args)
-    except Exception as e:  # noqa: BLE001
-        errors.append(e)
 
 
 def test_confidence(pair, translators):

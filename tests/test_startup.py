@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import mlx_kvlingo.conversation.warmup as warmup_module
-from mlx_kvlingo import Runtime
+from mlx_kvlingo import Conversation
+from mlx_kvlingo.api import Pair
 from mlx_kvlingo.models.files import save_translator
 from mlx_kvlingo.models.pair import load_model, load_pair
 
@@ -53,13 +54,13 @@ def measures(monkeypatch):
     return calls
 
 
-def fresh_runtime(tiny_dir, forward_answer=None) -> Runtime:
+def fresh_runtime(tiny_dir, forward_answer=None) -> Pair:
     """A runtime over a freshly loaded pair (its own costs, as in a new process)."""
     pair = load_pair(tiny_dir["qwen3"], tiny_dir["known"])
     answer = tiny_dir["known_answer"] if forward_answer is None else forward_answer
     forward = exact_translator(pair, answer)
     backward = exact_translator(pair.reversed(), inverse(tiny_dir["known_answer"]))
-    return Runtime(pair, forward, backward)
+    return Pair(pair, forward, backward)
 
 
 def rate_files(cache: Path) -> list[Path]:
@@ -73,14 +74,14 @@ def test_a_second_start_reuses_the_stored_rates(tiny_dir, cache, measures):
     first.warm_up(lengths=LENGTHS)
     assert len(measures) == 1
     second = fresh_runtime(tiny_dir)
-    assert second.pair is not first.pair
+    assert second.models is not first.models
     seconds = second.warm_up(lengths=LENGTHS)
     assert len(measures) == 1, "the second start measured again"
 
     assert first.rates == "measured"
     assert second.rates == "cached" and second.warmup_s == seconds > 0
     (stored,) = rate_files(cache)
-    costs, measured = costs_of(second.pair), costs_of(first.pair).to_dict()
+    costs, measured = costs_of(second.models), costs_of(first.models).to_dict()
     # as stored (scaled to this start's load where the tiny pair's short read says so), but
     # for the reads this start repeated: the large model's short read, each model's probe
     got, f = costs.to_dict(), second.load_factor
@@ -94,10 +95,10 @@ def test_a_second_start_reuses_the_stored_rates(tiny_dir, cache, measures):
     assert second.backward.reading.chosen == first.backward.reading.chosen
     assert rate_files(cache) == [stored]
     # reader auto decides by the reused rates from the first turn on, and answers as usual
-    conv = second.new_conversation()
+    conv = Conversation(second)
     text = " ".join(["def parse_args(argv):", "class Foo(object):", "print(x)"] * 8)
     done = [e for e in conv.send(text, model="large", max_tokens=4)][-1]
-    assert done.kind == "done" and done.timings.alternative_ttft_s is not None
+    assert done.finish_reason and done.handoff.alternative_ttft_s is not None
     # reuse=False measures again and stores the new rates over the old
     second.warm_up(lengths=LENGTHS, reuse=False)
     assert len(measures) == 2 and second.rates == "measured" and rate_files(cache) == [stored]
@@ -131,22 +132,22 @@ def test_a_reusing_start_checks_its_load_and_repeats_the_probes(tiny_dir, cache,
 
     first = fresh_runtime(tiny_dir)
     first.warm_up(lengths=LENGTHS)
-    measured = costs_of(first.pair).to_dict()
+    measured = costs_of(first.models).to_dict()
     probes = {k: [x for x in v if x[2] == warmup_module.PROBE_AT] for k, v in measured.items()}
     assert {k: len(v) for k, v in probes.items()} == {**REPEATED, "target_read": 1}
     second = fresh_runtime(tiny_dir)
-    costs = costs_of(second.pair)
+    costs = costs_of(second.models)
     real = warmup_module.attention_probe
     short = []
 
     def turn_read(loaded, ids, kwargs):  # `slower` times what the stored rates predict
-        assert loaded is second.pair.target and len(ids) == warmup_module.LOAD_READ
+        assert loaded is second.models.target and len(ids) == warmup_module.LOAD_READ
         short.append(slower * costs.target_read.predict(len(ids)))
         return short[-1]
 
     def probe(loaded, ids):  # three times the stored probe, whatever the load
         n, _, at = real(loaded, ids)
-        role = "target_read" if loaded is second.pair.target else "source_read"
+        role = "target_read" if loaded is second.models.target else "source_read"
         return n, 3 * probes[role][0][1], at
 
     monkeypatch.setattr(warmup_module, "turn_read", turn_read)
@@ -184,7 +185,7 @@ def test_rates_far_off_this_starts_load_are_measured_anew(tiny_dir, cache, measu
     (stored,) = rate_files(cache)
     before = json.loads(stored.read_text())["costs"]
     second = fresh_runtime(tiny_dir)
-    costs = costs_of(second.pair)
+    costs = costs_of(second.models)
     monkeypatch.setattr(warmup_module, "turn_read",
                         lambda loaded, ids, kwargs: slower * costs.target_read.predict(len(ids)))  # fmt: skip
     second.warm_up(lengths=LENGTHS)
@@ -208,10 +209,10 @@ def test_both_starts_prime_the_recompute(tiny_dir, cache, measures):
         rt = fresh_runtime(tiny_dir)
         rt.warm_up(lengths=LENGTHS)
         assert rt.rates == origin and recompute.sentence_ends.cache_info().currsize == 1
-    conv = rt.new_conversation(policy=ReaderPolicy(reader="small", reader_min_tokens=1))
+    conv = Conversation(rt, policy=ReaderPolicy(reader="small", reader_min_tokens=1))
     text = " ".join(["def parse_args(argv):", "class Foo(object):", "print(x)"] * 8)
     done = [e for e in conv.send(text, model="large", max_tokens=2)][-1]
-    assert done.kind == "done" and conv._session.last_turn.switch.recomputed > 0
+    assert done.finish_reason and conv.cache.last_turn.switch.recomputed > 0
     assert recompute.sentence_ends.cache_info().misses == 1  # the start's, none since
 
 
@@ -331,8 +332,8 @@ def test_a_fresh_process_reuses_what_the_first_one_measured(tiny_dir, tmp_path):
     save_translator(exact_translator(back, inverse(answer)), tmp_path / "bwd.safetensors", back)
     code = (
         "import sys\n"
-        "from mlx_kvlingo import Runtime\n"
-        "rt = Runtime.load(*sys.argv[1:5])\n"
+        "from mlx_kvlingo import load\n"
+        "rt = load(*sys.argv[1:5])\n"
         "print(rt.rates, rt.load_s >= rt.warmup_s > 0)\n"
     )
     args = [str(tiny_dir["qwen3"]), str(tiny_dir["known"]), str(tmp_path / "fwd.safetensors"),

@@ -69,9 +69,9 @@ def greedy_example() -> str:
     it), greedy and with the small model reading for the large one: reader "auto" would choose
     by this machine's measured times, which differ from run to run."""
     code = (ROOT / "tests" / "readme_example.py").read_text()
-    for old, new in (('sampling={"seed": 0}', 'sampling={"temp": 0}'),
-                     ("new_conversation(", 'new_conversation(policy=ReaderPolicy("small"), '),
-                     ("from mlx_kvlingo import Runtime", "from mlx_kvlingo import ReaderPolicy, Runtime"),
+    for old, new in (("seed=0", "temp=0"),
+                     ("make_prompt_cache(pair, ", 'make_prompt_cache(pair, policy=ReaderPolicy("small"), '),
+                     ("from mlx_kvlingo import ", "from mlx_kvlingo import ReaderPolicy, "),
                      ("max_tokens=48", "max_tokens=16")):  # fmt: skip
         assert old in code, f"the README example no longer has {old!r}: update this test"
         code = code.replace(old, new)
@@ -81,7 +81,7 @@ def greedy_example() -> str:
 def answers(out: str) -> list[str]:
     """The example's answers: its output less the status lines and the memory line."""
     lines = out.strip().splitlines()
-    assert lines and lines[-1].startswith("active "), out
+    assert lines and lines[-1].startswith("{'active': "), out
     return [line for line in lines[:-1] if not re.match(r"\[(large|small) \(", line)]
 
 

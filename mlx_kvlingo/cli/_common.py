@@ -10,17 +10,19 @@ from mlx_kvlingo.models.loading import load_models_and_translators
 
 import click
 
-source_option = click.option("--source", type=ModelSpec(),
-                             help="Source model (hub id or folder); default: demo pair")  # fmt: skip
-target_option = click.option("--target", type=ModelSpec(),
-                             help="Target model (hub id or folder); default: demo pair")  # fmt: skip
+# the small model is the source of a forward translation, the large one its target: the options
+# say small/large, `--source`/`--target` stay as their other names
+source_option = click.option("--small", "--source", "source", type=ModelSpec(),
+                             help="Small model (hub id or folder); default: demo pair")  # fmt: skip
+target_option = click.option("--large", "--target", "target", type=ModelSpec(),
+                             help="Large model (hub id or folder); default: demo pair")  # fmt: skip
 pair_option = click.option(
     "--pair",
     "demo_pair",
     type=click.Choice(["dense", "moe"]),
     default="dense",
     show_default=True,
-    help="Demo pair (no --source/--target): the small model -> SmolLM2-135M-Instruct (dense) "
+    help="Demo pair (no --small/--large): the small model -> SmolLM2-135M-Instruct (dense) "
     "or -> its Qwen3-MoE upcycle (moe)",
 )
 translator_option = click.option(
@@ -32,15 +34,15 @@ translator_option = click.option(
 
 def demo_pair_of(source, target, demo_pair: str = "dense", translator=None, *,
                  require_translator: bool = False) -> str | None:  # fmt: skip
-    """The pair options as typed: both --source and --target (None: that pair, with a
+    """The pair options as typed: both --small and --large (None: that pair, with a
     --translator if `require_translator`), or neither (the demo pair --pair names); --pair only
     without them."""
     if (source or target) and demo_pair != "dense":
-        raise click.UsageError("--pair chooses a demo pair: not with --source/--target")
+        raise click.UsageError("--pair chooses a demo pair: not with --small/--large")
     if bool(source) != bool(target):
-        raise click.UsageError("give both --source and --target, or neither for the demo pair")
+        raise click.UsageError("give both --small and --large, or neither for the demo pair")
     if source and translator is None and require_translator:
-        raise click.UsageError("--translator is required with --source/--target")
+        raise click.UsageError("--translator is required with --small/--large")
     return None if source else demo_pair
 
 
@@ -55,7 +57,7 @@ def resolve_pair(source, target, translator, backward=None, demo_pair: str = "de
 
 def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:
     """A prompt longer than either model's context, refused before any work, naming `hint`."""
-    for role, m in (("source", pair.source), ("target", pair.target)):
+    for role, m in (("small", pair.source), ("large", pair.target)):
         limit = m.context_length
         if limit is not None and n_tokens > limit:
             raise click.BadParameter(
@@ -128,11 +130,11 @@ def sampling_options(f):
 
 
 def sampling_settings(kw: dict) -> dict:
-    """The sampling options as `Sampling` fields for `Conversation.send(sampling=...)` and
-    `mlx_kvlingo.conversation.sampling.resolve` (None: not given, the model's default)."""
+    """The sampling options given, as `stream_generate` / `Conversation.send` keywords (those
+    not given are left out: the answering model's defaults)."""
     from mlx_kvlingo.conversation.sampling import FIELDS
 
-    return {k: kw.get(k) for k in FIELDS}
+    return {k: kw[k] for k in FIELDS if kw.get(k) is not None}
 
 
 def content_texts(data_path) -> list[str]:

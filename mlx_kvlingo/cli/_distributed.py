@@ -1,6 +1,6 @@
 """`kvlingo generate` / `kvlingo chat` as ranks of an `mlx.launch` run (target pipelined).
 
-Every rank runs the same command. Rank 0 loads a distributed `Runtime` and runs the ordinary
+Every rank runs the same command. Rank 0 loads a distributed pair (`load`) and runs the ordinary
 command on it (it owns the terminal); on the other ranks the load serves rank 0's requests
 with their target layers and ends their process when rank 0 is done.
 """
@@ -36,21 +36,18 @@ def wanted(flag) -> bool:
 def load_runtime(source, target, translator, backward, wire, demo_pair="dense"):
     """Rank 0: the distributed runtime (the other ranks serve inside this call, then exit).
     `demo_pair`: the demo pair to pipeline when no model is named (--pair)."""
-    from mlx_kvlingo.api import Runtime
+    from mlx_kvlingo.api import load
 
     demo = demo_pair_of(source, target, demo_pair, translator, require_translator=True)
     try:
-        return Runtime.load(source, target, translator, backward, distributed=True, wire=wire,
-                            pair=demo)  # fmt: skip
+        return load(source, target, translator, backward, distributed=True, wire=wire, pair=demo)
     except DistributedError as e:
         fail(e)
 
 
-def describe(runtime) -> str:
-    owners = ", ".join(
-        f"rank {r}: {o.start}-{o.stop - 1}" for r, o in enumerate(runtime._link.owners)
-    )
-    return f"large model pipelined over {runtime.ranks} ranks (layers {owners})"
+def describe(pair) -> str:
+    owners = ", ".join(f"rank {r}: {o.start}-{o.stop - 1}" for r, o in enumerate(pair.link.owners))
+    return f"large model pipelined over {pair.link.ranks} ranks (layers {owners})"
 
 
 def fail(e: Exception) -> None:

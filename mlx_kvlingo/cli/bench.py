@@ -163,7 +163,7 @@ def _preset_names() -> list[str]:
     "--startup",
     is_flag=True,
     help="Time a start to the first token in fresh processes (-n of each, alternating): "
-    "Runtime.load with the rates reused, on a new cache folder, and mlx-lm's load of the same "
+    "load with the rates reused, on a new cache folder, and mlx-lm's load of the same "
     "target",
 )
 def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, warmup, out, max_minutes,

@@ -12,17 +12,17 @@ from dataclasses import replace
 from pathlib import Path
 
 from mlx_kvlingo.api import (
+    AUTO_THRESHOLD,
     MODES,
     Conversation,
     ConversationError,
-    Event,
-    Runtime,
-    Stream,
+    GenerationResponse,
+    load,
 )
 from mlx_kvlingo.cli._common import (
+    demo_pair_of,
     pair_option,
     policy_options,
-    resolve_pair,
     sampling_options,
     sampling_settings,
     source_option,
@@ -39,7 +39,6 @@ from mlx_kvlingo.cli._distributed import (
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
 from mlx_kvlingo.conversation.catchup import RECOMPUTE_SELECTION
-from mlx_kvlingo.conversation.records import AUTO_THRESHOLD, LABEL, ROLE
 from mlx_kvlingo.conversation.sampling import describe as describe_sampling
 from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
 from mlx_kvlingo.distributed.pipeline import DistributedError
@@ -47,6 +46,7 @@ from mlx_kvlingo.distributed.pipeline import DistributedError
 import click
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 #: turns this long or longer show a progress line while they are read
@@ -95,7 +95,7 @@ def describe_reader(conv) -> str:
     if conv.policy.reader == "tokens":
         return rule + last
     if conv.policy.reader == "auto":
-        kept = conv.retention
+        kept = conv.cache.retention
         keeps = (f", but the small path only where it keeps {conv.policy.min_retention:g}+ of "
                  f"the content at that length (measured: {_points(kept)})"
                  if kept is not None and conv.policy.min_retention else "")  # fmt: skip
@@ -110,10 +110,10 @@ def _points(kept) -> str:
 
 class ChatApp:
     """The chat loop over one `Conversation`, separated from click so it can be driven line by
-    line. Models are named by role inside: "source" (small) and "target" (large)."""
+    line. Models are "small" and "large"."""
 
     def __init__(self, conv: Conversation, *, max_tokens: int, sampling: dict | None = None,
-                 auto_threshold: float, console: Console | None = None, first: str = "target"):  # fmt: skip
+                 auto_threshold: float, console: Console | None = None, first: str = "large"):  # fmt: skip
         self.conv = conv
         self.max_tokens = max_tokens
         self.sampling = sampling or {}  # explicit settings; the rest per model (sampling.py)
@@ -121,9 +121,9 @@ class ChatApp:
         self.auto = False
         self.threshold = auto_threshold
         self.console = console or Console(highlight=False)
-        models = conv.runtime.models
-        self.names = {"source": models["small"], "target": models["large"]}
+        self.names = conv.pair.names
         self._editor = None  # prompt_toolkit's line editor, on a terminal (`prompt`)
+        self._reading: Progress | None = None  # a long turn's reading progress (`progress`)
 
     # -- output ------------------------------------------------------------------------------
 
@@ -139,32 +139,36 @@ class ChatApp:
         for k, v in HELP:
             self.console.print(f"  [bold]{escape(k.ljust(w))}[/bold]  [grey50]{v}[/grey50]")
 
-    def stream(self, events: Stream, cascade: bool = False) -> Event | None:
+    def stream(self, events, cascade: bool = False) -> GenerationResponse | None:
         """Print a streamed answer (a cascade's: one or two), each with its status line;
-        Ctrl-C stops it (the conversation keeps what was emitted). The last done event."""
+        Ctrl-C stops it (the conversation keeps what was emitted). The last answer's last
+        response."""
         import mlx.core as mx
 
         mx.reset_peak_memory()
-        started = False
+        speaker = None
         done = None
         try:
-            for ev in events:
-                if ev.kind == "done":
-                    done, started = ev, False
-                    sys.stdout.write("\n")
-                    self.say("  " + escape(ev.status))
-                    if cascade and ev.model == "small":
-                        self.verdict(ev)
-                        if ev.escalating:
-                            mx.reset_peak_memory()
+            for r in events:
+                self.progress(0, 0)  # the reading is over: clear its progress bar
+                if r.token is not None:
+                    if speaker != r.model:
+                        speaker = r.model
+                        self.console.print(f"[bold magenta]{r.model}[/bold magenta] ", end="")
+                    sys.stdout.write(r.text.translate(_CONTROL))
+                    sys.stdout.flush()
+                if r.finish_reason is None:
                     continue
-                if not started:
-                    started = True
-                    self.console.print(f"[bold magenta]{ev.model}[/bold magenta] ", end="")
-                sys.stdout.write(ev.text.translate(_CONTROL))
-                sys.stdout.flush()
+                done, speaker = r, None
+                sys.stdout.write("\n")
+                self.say("  " + escape(r.status))
+                if cascade and r.model == "small":
+                    self.verdict(r)
+                    if r.handoff is not None and r.handoff.escalating:
+                        mx.reset_peak_memory()
         except KeyboardInterrupt:
             events.close()
+            self.progress(0, 0)
             sys.stdout.write("\n")
             self.say("  " + escape("[stopped]"))
             done = self.conv.last  # the stopped answer (the conversation kept it)
@@ -172,12 +176,13 @@ class ChatApp:
                 self.say("  " + escape(done.status))
         return done
 
-    def verdict(self, ev: Event) -> None:
-        """The cascade's decision on the small answer `ev`, in one line."""
-        if ev.confidence is None or ev.finish_reason == "cancelled":
+    def verdict(self, r: GenerationResponse) -> None:
+        """The cascade's decision on the small answer `r`, in one line."""
+        st = r.handoff
+        if st is None or st.confidence is None or r.finish_reason == "cancelled":
             return
-        score = f"{escape('[auto]')} confidence {ev.confidence:.2f}"
-        if ev.escalating:
+        score = f"{escape('[auto]')} confidence {st.confidence:.2f}"
+        if st.escalating:
             self.say(f"  {score} < {self.threshold:.2f}: escalating to large")
         else:
             self.say(f"  {score} >= {self.threshold:.2f}: kept")
@@ -186,51 +191,43 @@ class ChatApp:
 
     def turn(self, text: str | None) -> None:
         """Answer `text` (None: the message left unanswered) with the next model, or by the
-        cascade when /auto is on."""
-        kw = self.sample()
+        cascade (model "auto") when /auto is on."""
         try:
             if self.auto:
-                self.stream(self.conv.cascade(text, self.threshold, **kw), cascade=True)
-            elif text is None:
-                self.stream(self.conv.answer(LABEL[self.next], **kw))
+                self.stream(self.conv.send(text, "auto", **self.sample()), cascade=True)
             else:
-                self.stream(self.conv.send(text, LABEL[self.next], **kw))
+                self.stream(self.conv.send(text, self.next, **self.sample()))
         except ConversationError as e:
             self.error(str(e))
 
     def escalate(self) -> None:
         try:
-            self.stream(self.conv.escalate(**self.sample()))
+            self.stream(self.conv.send(escalate=True, **self.sample()))
         except ConversationError as e:
             self.error(str(e))
 
     def sample(self) -> dict:
-        """The answer's `Conversation` keywords: max tokens and the explicit sampling settings
-        (the answering model's defaults fill the rest); `--seed` goes through as given, under
-        the API's one seed rule (`Conversation.send`)."""
-        return {"max_tokens": self.max_tokens, "sampling": self.sampling,
-                "progress": self.progress}  # fmt: skip
+        """The answer's keywords: max tokens, the explicit sampling settings (the answering
+        model's defaults fill the rest; `--seed` under the API's one seed rule), the cascade's
+        threshold and the reading progress."""
+        return {"max_tokens": self.max_tokens, **self.sampling, "auto_threshold": self.threshold,
+                "prompt_progress_callback": self.progress}  # fmt: skip
 
-    def progress(self, reader: str, done: int, total: int) -> None:
-        """A one-line progress line, rewritten in place, while a turn of `PROGRESS_MIN_TOKENS`
-        or more is read; cleared once the reading ends (before the answer prints)."""
-        if total < PROGRESS_MIN_TOKENS or not self.console.is_terminal:
-            return
-        who = (
-            "small model reads for the large"
-            if reader == "source"
-            else f"{LABEL[reader]} model reads"
-        )
-        line = f"  reading {done:,}/{total:,} tok ({who}; Ctrl-C stops)"
-        sys.stdout.write("\r\033[K" + (f"\033[90m{line}\033[0m" if done < total else ""))
-        sys.stdout.flush()
-
-    def warm_sample(self, model: str) -> dict:
-        """The sampler and processors a real turn uses (for the warm-up), without seeding."""
-        pair = self.conv.runtime.pair
-        loaded = pair.source if model == "source" else pair.target
-        cfg = resolve_sampling(loaded, self.sampling)
-        return {"sampler": cfg.sampler(), "logits_processors": cfg.logits_processors()}
+    def progress(self, done: int, total: int) -> None:
+        """mlx-lm's prompt progress callback: a progress bar while a turn of
+        `PROGRESS_MIN_TOKENS` or more is read, gone once the reading ends."""
+        if total >= PROGRESS_MIN_TOKENS and done < total and self.console.is_terminal:
+            if self._reading is None:
+                self._reading = Progress(TextColumn("  reading"), BarColumn(),
+                                         TextColumn("{task.completed:,}/{task.total:,} tok "
+                                                    "(Ctrl-C stops)"),
+                                         console=self.console, transient=True)  # fmt: skip
+                self._reading.add_task("read", total=total)
+                self._reading.start()
+            self._reading.update(0, completed=done, total=total)
+        elif self._reading is not None:
+            self._reading.stop()
+            self._reading = None
 
     # -- commands ----------------------------------------------------------------------------
 
@@ -266,7 +263,7 @@ class ChatApp:
 
     def command(self, cmd: str, args: list[str]) -> None:
         if cmd in ("/small", "/large"):
-            self.next = ROLE[cmd[1:]]
+            self.next = cmd[1:]
             if self.auto:
                 self.auto = False
                 self.say("  auto: off")
@@ -319,7 +316,7 @@ class ChatApp:
             self.say(
                 f"  trimmed: {dropped} oldest messages dropped, {self.conv.tokens} tokens left"
             )
-            if dropped and self.conv.pending:  # the message that did not fit: answer it now
+            if dropped and self.conv.cache.pending:  # the message that did not fit: answer it now
                 self.turn(None)
         elif cmd == "/save":
             if not args:
@@ -342,7 +339,7 @@ class ChatApp:
             self.error(f"unknown command {cmd!r}; /help lists the commands")
 
     def stats(self) -> None:
-        st = self.conv.stats()
+        st = self.conv.cache.stats()
         t = Table("", "small", "large")
         self.say(
             f"  mode {st['mode']} · reader {st['reader']} · {st['conversation_tokens']} "
@@ -363,7 +360,7 @@ class ChatApp:
             ("tokens in cache", "held"),
         ]
         for label, key in rows:
-            cells = [st["models"][m][key] for m in ("source", "target")]
+            cells = [st["models"][m][key] for m in ("source", "target")]  # small, large
             t.add_row(label, *[f"{c:.1f}" if isinstance(c, float) else str(c) for c in cells])
         self.console.print(t)
 
@@ -371,23 +368,23 @@ class ChatApp:
 
     def banner(self, translators: dict, loaded: str | None = None) -> None:
         rows = [
-            ("small (source)", self.names["source"]),
-            ("large (target)", self.names["target"]),
+            ("small", self.names["small"]),
+            ("large", self.names["large"]),
             ("small -> large", translators["forward"]),
             ("large -> small", translators["backward"]),
             ("mode", self.conv.mode),
             ("reader", f"{self.conv.policy.reader} ({describe_reader(self.conv)})"),
-            ("answers", LABEL[self.next]),
+            ("answers", self.next),
             (
                 "sampling",
-                describe_sampling(resolve_sampling(self.conv.runtime.pair.target, self.sampling)),
+                describe_sampling(resolve_sampling(self.conv.pair.models.target, self.sampling)),
             ),  # fmt: skip
             ("max tokens", str(self.max_tokens)),
         ]
         if loaded:
             rows.append(("loaded in", loaded))
-        if self.conv.system_prompt:
-            sp = self.conv.system_prompt
+        if self.conv.cache.system_prompt:
+            sp = self.conv.cache.system_prompt
             rows.append(("system", sp if len(sp) <= 60 else sp[:57] + "..."))
         w = max(len(k) for k, _ in rows)
         self.console.print("[bold magenta]kvlingo chat[/bold magenta]")
@@ -399,7 +396,7 @@ class ChatApp:
         """The next line. On a terminal, prompt_toolkit's editor: a paste arrives whole, its
         line breaks kept (bracketed paste), where `input()` in the terminal's line mode keeps
         only the first 4,095 characters of a line; elsewhere (a pipe) `input()`."""
-        tag = "auto" if self.auto else LABEL[self.next]
+        tag = "auto" if self.auto else self.next
         if self._editor is None:
             self._editor = False
             if sys.stdin.isatty() and sys.stdout.isatty():
@@ -447,63 +444,56 @@ class ChatApp:
               help="Before the first prompt, run each path once (compiled kernels, lazy weights) "
                    "and measure the pair's rates for reader auto (reused from the cache "
                    "folder on later starts)")  # fmt: skip
-@click.option("--first", type=click.Choice(["small", "large"]), default=None, hidden=True)
 @click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
               help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
 @distributed_option
 @wire_option
 def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
-             max_kv_size, mode, answer, policy, recompute_given, warmup, first, auto_threshold,
+             max_kv_size, mode, answer, policy, recompute_given, warmup, auto_threshold,
              **sampling):  # fmt: skip
     """Chat with the pair: the large model answers, the small one reads for it (/small, /large)."""
     import time
 
     t0 = time.perf_counter()
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
+    settings = sampling_settings(sampling)
     console = Console(highlight=False)
     pipelined = wanted(distributed)
     if pipelined:  # mlx.launch: the large model pipelined, rank 0 owns the terminal
-        runtime = load_runtime(source, target, translator, backward_translator, wire, demo_pair)
-        back = backward_translator or (
-            "demo" if runtime.backward else "none: switching back re-reads"
-        )
+        pair = load_runtime(source, target, translator, backward_translator, wire, demo_pair)
     else:
+        demo = demo_pair_of(source, target, demo_pair, translator, require_translator=True)
         console.print("[grey50]loading models...[/grey50]")
         try:
-            pair, forward, backward = resolve_pair(source, target, translator,
-                                                   backward_translator, demo_pair)  # fmt: skip
+            pair = load(source, target, translator, backward_translator, pair=demo, warmup=False)
         except ImportError as e:
             raise click.ClickException(
-                f"the demo pair is not available ({e}); pass --source, --target and --translator"
+                f"the demo pair is not available ({e}); pass --small, --large and --translator"
             ) from None
-        runtime = Runtime(pair, forward, backward)
-        back = backward_translator or (
-            "demo" if backward is not None else "none: switching back re-prefills"
-        )
+    back = backward_translator or ("demo" if pair.backward is not None
+                                   else "none: switching back re-reads")  # fmt: skip
     try:
-        if runtime.pipelined and not recompute_given:
+        if pair.link is not None and not recompute_given:
             policy = replace(policy, recompute_share=0.0)  # a pipelined large model cannot
-        conv = runtime.new_conversation(system_prompt, mode, max_kv_size, policy)
+        conv = Conversation(pair, max_kv_size, system_prompt=system_prompt, mode=mode,
+                            policy=policy)  # fmt: skip
     except ConversationError as e:
         raise click.ClickException(str(e)) from None
-    app = ChatApp(conv, max_tokens=max_tokens, sampling=sampling_settings(sampling),
-                  auto_threshold=auto_threshold, console=console, first=ROLE[first or answer])  # fmt: skip
+    app = ChatApp(conv, max_tokens=max_tokens, sampling=settings, auto_threshold=auto_threshold,
+                  console=console, first=answer)  # fmt: skip
     if pipelined:
         app.banner({"forward": translator or "demo", "backward": back})
-        app.say(f"  {describe(runtime)} · /save and /load are not available")
+        app.say(f"  {describe(pair)} · /save and /load are not available")
         try:
             app.run()
-            runtime.close()
+            pair.close()
         except DistributedError as e:
             fail(e)
         return
     loaded = None
     if warmup:
-        from mlx_kvlingo.conversation.warmup import rates_text
-
         console.print("[grey50]warming up (each path once; this pair's rates)...[/grey50]")
-        w = runtime.warm_up(sample=app.warm_sample)
-        rates = rates_text(runtime.rates, runtime.load_factor)
-        loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {rates})"
+        w = pair.warm_up(**settings)
+        loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {pair.rates_note})"
     app.banner({"forward": translator or "demo", "backward": back}, loaded)
     app.run()

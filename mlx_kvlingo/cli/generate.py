@@ -1,13 +1,14 @@
-"""`kvlingo generate`: the source reads the prompt, the target answers from the translated cache."""
+"""`kvlingo generate`: the small model reads the prompt, the large one answers from the translated
+cache, through `mlx_kvlingo.stream_generate`."""
 
 from __future__ import annotations
 
 import json
 
 from mlx_kvlingo.cli._common import (
+    demo_pair_of,
     pair_option,
     refuse_long_prompt,
-    resolve_pair,
     sampling_options,
     sampling_settings,
     source_option,
@@ -43,79 +44,83 @@ import click
               help="Print one JSON object (token ids, texts, timings) instead of streaming text")  # fmt: skip
 def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens, as_json,
                  **sampling):  # fmt: skip
-    """One answer from the target with no target prefill, with honest timings."""
-    from mlx_kvlingo.api import Runtime
+    """One answer from the large model with no large prefill, with honest timings."""
+    from mlx_kvlingo.api import load, make_prompt_cache, stream_generate
     from mlx_kvlingo.distributed.pipeline import DistributedError
 
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     settings = sampling_settings(sampling)
-    if wanted(distributed):  # mlx.launch: the target pipelined over the ranks
+    if wanted(distributed):  # mlx.launch: the large model pipelined over the ranks
         if as_json:
             raise click.UsageError("--json is not available with --distributed")
-        runtime = load_runtime(source, target, translator, None, wire, demo_pair)  # ranks > 0 stop
+        pair = load_runtime(source, target, translator, None, wire, demo_pair)  # ranks > 0 stop
     else:
-        runtime = Runtime(*resolve_pair(source, target, translator, demo_pair=demo_pair)[:2])
-    pair = runtime.pair
+        demo = demo_pair_of(source, target, demo_pair, translator, require_translator=True)
+        pair = load(source, target, translator, pair=demo, warmup=False)
+    tok = pair.tokenizer
+    if chat and getattr(tok, "chat_template", None):
+        msgs = [{"role": "user", "content": prompt}]
+        tokens = list(tok.apply_chat_template(msgs, add_generation_prompt=True))
+    else:
+        tokens = tok.encode(prompt)
+    refuse_long_prompt(pair.models, len(tokens), "'-p' / '--prompt'")  # before any work
     # the small model reads the prompt, the large one decodes from the translated cache: no
-    # target prefill, not even of the question (large_reads_last=1: the last token only) and
+    # large prefill, not even of the question (large_reads_last=1: the last token only) and
     # no recompute
     policy = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
-    conv = runtime.new_conversation(policy=policy)
+    cache = make_prompt_cache(pair, policy=policy)
+    ids, pieces = [], []
     try:
-        if chat and getattr(pair.tokenizer, "chat_template", None):
-            conv.add_messages([{"role": "user", "content": prompt}])
-        else:
-            conv.add_tokens(pair.tokenizer.encode(prompt))
-        tokens = conv.token_ids
-        refuse_long_prompt(pair, len(tokens), "'-p' / '--prompt'")  # before any work
-        ids, pieces = [], []
-        for ev in conv.answer("large", max_tokens=max_tokens, sampling=settings):
-            if ev.kind == "token":
+        for r in stream_generate(pair, tokens, cache, max_tokens=max_tokens, **settings):
+            if r.token is not None:
                 if not as_json:
-                    click.echo(ev.text, nl=False)
-                ids.append(int(ev.token))
-                pieces.append(ev.text)
-        if runtime.pipelined:
+                    click.echo(r.text, nl=False)
+                ids.append(int(r.token))
+                pieces.append(r.text)
+        if pair.link is not None:
             click.echo()
-            click.echo(f"{describe(runtime)} · {ev.status}", err=True)
-            return runtime.close()
+            click.echo(f"{describe(pair)} · {r.status}", err=True)
+            return pair.close()
     except DistributedError as e:
         fail(e)
-    done, t = ev, ev.timings
+    st = r.handoff
+    read_tokens, read_s = (st.read.tokens, st.read.seconds) if st.read else (0, 0.0)
+    sw = st.switch
+    translated, translate_s = (sw.translated, sw.seconds) if sw and sw.translated else (0, 0.0)
     # TTFT = the small model's read + translation + the large model's first token
-    first = max(t.ttft_s - t.read_s - t.translate_s, 0.0)
+    first = max(st.ttft_s - read_s - translate_s, 0.0)
     if as_json:
         out = {
-            "source": pair.source.name,
-            "target": pair.target.name,
+            "small": pair.names["small"],
+            "large": pair.names["large"],
             "prompt": prompt,
             "prompt_token_ids": [int(x) for x in tokens],
             "token_ids": ids,
             "pieces": pieces,
             "text": "".join(pieces),
-            "finish_reason": done.finish_reason,
-            "sampling": resolve_sampling(pair.target, settings).as_dict(),
+            "finish_reason": r.finish_reason,
+            "sampling": resolve_sampling(pair.models.target, settings).as_dict(),
             "timings": {
-                "source_prefill_tokens": t.read_tokens,
-                "source_prefill_s": t.read_s,
-                "translated_tokens": t.translated_tokens,
-                "translate_s": t.translate_s,
-                "target_prompt_tokens": t.prompt_tokens,
-                "target_first_token_s": first,
-                "ttft_s": t.ttft_s,
-                "generation_tokens": t.generation_tokens,
-                "generation_tps": t.generation_tps,
-                "peak_memory_gb": t.peak_memory_gb,
+                "small_read_tokens": read_tokens,
+                "small_read_s": read_s,
+                "translated_tokens": translated,
+                "translate_s": translate_s,
+                "large_prompt_tokens": st.prompt_tokens,
+                "large_first_token_s": first,
+                "ttft_s": st.ttft_s,
+                "generation_tokens": st.generation_tokens,
+                "generation_tps": st.generation_tps,
+                "peak_memory_gb": st.peak_memory_gb,
             },
         }
         click.echo(json.dumps(out, indent=1))
         return
     click.echo()
     click.echo(
-        f"source prefill {t.read_tokens} tokens {t.read_s * 1e3:.1f} ms · "
-        f"translation {t.translate_s * 1e3:.1f} ms · target first token {first * 1e3:.1f} ms · "
-        f"TTFT {t.ttft_s * 1e3:.0f} ms · "
-        f"target decode {t.generation_tokens} tokens "
-        f"{t.generation_tps:.1f} tok/s · peak {t.peak_memory_gb:.2f} GB",
+        f"small read {read_tokens} tokens {read_s * 1e3:.1f} ms · "
+        f"translation {translate_s * 1e3:.1f} ms · large first token {first * 1e3:.1f} ms · "
+        f"TTFT {st.ttft_s * 1e3:.0f} ms · "
+        f"large decode {st.generation_tokens} tokens "
+        f"{st.generation_tps:.1f} tok/s · peak {st.peak_memory_gb:.2f} GB",
         err=True,
     )

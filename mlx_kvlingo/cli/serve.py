@@ -77,8 +77,7 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, host, 
               max_conversations, auto_threshold, mode, policy, recompute_given, insecure,
               verbose):  # fmt: skip
     """Serve the pair over the OpenAI chat-completions API (models: small, large, auto)."""
-    from mlx_kvlingo import Runtime
-    from mlx_kvlingo.conversation.warmup import rates_text
+    from mlx_kvlingo.api import load
     from mlx_kvlingo.serve import Limits, ServeConfig, Server
 
     if not _loopback(host) and not api_key and not insecure:
@@ -92,23 +91,22 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, host, 
                         format="%(asctime)s %(levelname)s %(message)s")  # fmt: skip
     demo = demo_pair_of(source, target, demo_pair)
     click.echo("loading models...", err=True)
-    runtime = Runtime.load(source, target, translator, backward_translator, pair=demo)
+    pair = load(source, target, translator, backward_translator, pair=demo)
     limits = Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
                     max_prompt_tokens=max_prompt_tokens)  # fmt: skip
     config = ServeConfig(host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
                          limits=limits, queue_size=queue_size,
                          max_conversations=max_conversations, auto_threshold=auto_threshold)  # fmt: skip
-    if runtime.pipelined and not recompute_given:
+    if pair.link is not None and not recompute_given:
         policy = replace(policy, recompute_share=0.0)  # a pipelined large model cannot
     try:
-        server = Server(runtime, config, mode=mode, policy=policy)
+        server = Server(pair, config, mode=mode, policy=policy)
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
-    names = runtime.models
+    names = pair.names
     click.echo(f"small: {names['small']}\nlarge: {names['large']}", err=True)
-    # pipelined: no warm-up
-    rates = f", {rates_text(runtime.rates, runtime.load_factor)}" if runtime.rates else ""
-    click.echo(f"loaded in {runtime.load_s:.1f} s (warm-up {runtime.warmup_s or 0:.1f} s{rates})",
+    rates = f", {pair.rates_note}" if pair.rates_note else ""  # pipelined: no warm-up
+    click.echo(f"loaded in {pair.load_s:.1f} s (warm-up {pair.warmup_s or 0:.1f} s{rates})",
                err=True)  # fmt: skip
     key = " (API key required)" if api_key else ""
     click.echo(f"serving on {server.url}{key} · models small, large, auto · Ctrl-C stops", err=True)
@@ -116,10 +114,10 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, host, 
     # are told the server is shutting down instead of losing their connection mid-answer
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        server.serve_forever()  # closes the server and joins its worker on the way out
+        server.serve_forever()  # closes the server and its requests on the way out
     except KeyboardInterrupt:
         click.echo("stopped", err=True)
-    # MLX keeps per-thread state for the worker thread that sampled (compiled samplers, its
+    # MLX keeps per-thread state for the request threads that sampled (compiled samplers, their
     # stream); destroying it in interpreter teardown aborts ("terminate called without an
     # active exception", exit -6). Everything is closed and flushed: leave without teardown.
     sys.stdout.flush()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -36,10 +36,6 @@ class ContextOverflowError(SessionError):
 
 class SessionFileError(SessionError):
     """A session file that is unreadable or was written for another model pair."""
-
-
-class SessionBusyError(RuntimeError):
-    """A generation is already running on this session."""
 
 
 @dataclass
@@ -112,6 +108,8 @@ class TurnStats:
     #: reading (catch-up, read, translation, the large's first step) when the large read
     alternative_ttft_s: float | None = None
     predicted_ttft_s: float | None = None  # what was predicted for the path taken
+    #: a cascade's small answer (model "auto"): under the threshold, the large answers again
+    escalating: bool = False
 
     @property
     def confidence(self) -> float | None:
@@ -120,13 +118,38 @@ class TurnStats:
 
 @dataclass
 class TokenEvent:
-    """One streamed token. The turn's last event carries its `stats`."""
+    """One streamed token. The turn's last event carries its `stats`; `step` is mlx-lm's
+    `GenerationResponse` for the token (its logprobs vector, prompt and generation rates)."""
 
     text: str
     token: int | None
     logprob: float | None
     model: str
     stats: TurnStats | None = None
+    step: object = None
+
+
+@dataclass
+class GenerationResponse:
+    """mlx-lm's `GenerationResponse` (its fields, in its order), plus who answered and, on an
+    answer's last response (`finish_reason` set: stop | length | context | cancelled), the
+    hand-off record: who read the turn, what was translated and recomputed, where the time went
+    (`handoff`, `conversation/records.py`), and the one-line `status` that `kvlingo chat` prints.
+    An answer stopped before its first token ends with a response whose `token` is None."""
+
+    text: str
+    token: int | None
+    logprobs: Any  # mx.array: the log-probabilities over the vocabulary (None: no token)
+    from_draft: bool
+    prompt_tokens: int  # tokens the answering model read itself
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None
+    model: str = "large"  # "small" or "large"
+    handoff: TurnStats | None = None
+    status: str = ""
 
 
 def answer_confidence(logprobs: Sequence[float]) -> float:

@@ -4,7 +4,7 @@ Invariant: the conversation is one list of token ids (`Transcript`); each model'
 holds a prefix of it, `held` tokens long, in every layer (`ModelCache`). A turn always ends in
 `_commit`, however it stops (end, max tokens, `cancel()`, Ctrl-C, the iterator closed or
 garbage collected): the emitted tokens become the answer and the cache is cut to match, so
-both caches stay consistent. One generation at a time per session. No span is translated twice.
+both caches stay consistent. No span is translated twice.
 
 A turn (`generate`, `_generate`):
 
@@ -45,7 +45,6 @@ from mlx_kvlingo.conversation import persistence
 from mlx_kvlingo.conversation.catchup import MODES, READ_CHUNK, CatchUp, ModelCache, RemoteLarge
 from mlx_kvlingo.conversation.records import (
     ContextOverflowError,
-    SessionBusyError,
     SessionError,
     Switch,
     TokenEvent,
@@ -119,7 +118,7 @@ class Session:
         self.turns: list[TurnStats] = []
         self.switches: list[Switch] = []
         self._cancel = threading.Event()
-        self._active: tuple | None = None  # (the running generator, its thread)
+        self._active: Iterator[TokenEvent] | None = None  # the generation left open
         #: catching up and who reads a turn: the mode, the reader policy, the read costs
         self.catchup = CatchUp(pair, forward, backward, transcript=self.transcript,
                                models=self.models, switches=self.switches, cancel=self._cancel,
@@ -270,16 +269,12 @@ class Session:
     # -- a turn ---------------------------------------------------------------------------
 
     def _claim(self) -> None:
-        """Refuse concurrent use; close a generation this thread abandoned (commits it)."""
-        if self._active is None:
-            return
-        gen, owner = self._active  # gi_frame None: it ended (closed from any thread, ran out)
-        if gen.gi_frame is not None and (owner != threading.get_ident() or gen.gi_running):
-            raise SessionBusyError(
-                "a generation is running on this session; cancel() it or wait for it to end"
-            )
-        self._active = None
-        gen.close()
+        """Close the generation this session left unfinished (it commits what it emitted)
+        before the conversation changes. A session is not thread-safe: one generation at a time
+        over a pair is the pair's lock (conversation/lock.py, held by the public API)."""
+        gen, self._active = self._active, None
+        if gen is not None:
+            gen.close()
 
     def _begin(self, model: str, room: bool = True) -> tuple[str, int | None]:
         """Checks before any work on a turn: (the model's role, tokens the turn may add under
@@ -339,7 +334,7 @@ class Session:
         if progress is not None:  # mlx-lm's prefill reports each chunk the answering model reads
             kwargs["prompt_progress_callback"] = lambda done, total: progress(name, done, total)
         gen = self._generate(name, limit, limit != max_tokens, kwargs, progress)
-        self._active = (gen, threading.get_ident())
+        self._active = gen
         return gen
 
     def _generate(self, name: str, limit: int, capped: bool, kwargs,
@@ -396,9 +391,9 @@ class Session:
                     if end is not None:
                         stats.finish_reason = "context" if capped and end == "length" else end
                         stats.text = "".join(texts)
-                        yield TokenEvent(r.text, r.token, lp, name, stats)
+                        yield TokenEvent(r.text, r.token, lp, name, stats, r)
                         break
-                    yield TokenEvent(r.text, r.token, lp, name)
+                    yield TokenEvent(r.text, r.token, lp, name, step=r)
                     if ahead is not None:  # between the small model's tokens
                         ahead_s = catchup.ahead_step(ahead, n0 - 1, decode_s)
             finally:

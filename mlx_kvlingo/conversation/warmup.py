@@ -1,7 +1,7 @@
 """The warm-up: what the first turn of a new process pays once, paid before it, and this pair's
 read rates, measured on the first start and reused from the cache folder on later ones.
 
-`start` is what a start runs (`Runtime.load`, `kvlingo chat`, `kvlingo serve`): when the cache
+`start` is what a start runs (`load`, `kvlingo chat`, `kvlingo serve`): when the cache
 folder holds the rates for this machine, pair and library versions (`rates_cache.py`), it
 takes them (and each translator's map reading), runs only `prime`, a first call of each
 path on a few tokens, and `check_load`: a short read of the large model, which rescales the

@@ -26,6 +26,7 @@ import threading
 import weakref
 from contextlib import contextmanager
 from dataclasses import replace
+from typing import Any
 
 from mlx_kvlingo.distributed import watchdog as _watchdog
 from mlx_kvlingo.distributed.pipeline import (
@@ -75,7 +76,7 @@ class Link:
         return self.sp.owners
 
     def close(self) -> None:
-        """Release the other ranks (their `Runtime.load` then ends their process)."""
+        """Release the other ranks (their `load` then ends their process)."""
         global _open
         if not (self.closed or self.lost):
             self.closed = True
@@ -325,3 +326,31 @@ def _trim(cache: list, offset: int, rank: int) -> None:
             )
         if c.offset > offset:
             c.trim(c.offset - offset)
+
+
+def load_runtime(source, target, translator, backward, demo_pair: str | None, *, wire: str = "auto",
+                 timeout=None) -> tuple[ModelPair, Any, Any, Link]:  # fmt: skip
+    """(pair, forward, backward, link) on rank 0, the large model pipelined over the ranks (the
+    other ranks serve inside this call, then exit): a named pair or the demo pair `demo_pair`,
+    the forward translator a file every rank reads, the backward one loaded here."""
+    from mlx_kvlingo.kv.translator import Translator
+    from mlx_kvlingo.models.demo import pair as demo
+    from mlx_kvlingo.models.files import load_translator
+    from mlx_kvlingo.models.loading import demo_paths, resolve_translator_spec, which_demo
+
+    if isinstance(translator, Translator):
+        raise ValueError("a distributed runtime takes a translator file (every rank reads it)")
+    demo_pair = which_demo(source, target, demo_pair)
+    small = None
+    if demo_pair is not None:
+        source, target = demo_paths(demo_pair, translator)
+        small = demo.source_for(translator, demo_pair)
+    elif translator is None:
+        raise ValueError("a distributed runtime needs the small -> large translator")
+    path = resolve_translator_spec(translator, False, demo_pair, small)
+    if not isinstance(backward, Translator):
+        backward = resolve_translator_spec(backward, True, demo_pair, small)
+    link, pair = load(source, target, path, wire=wire, timeout=timeout)
+    if backward is not None and not isinstance(backward, Translator):
+        backward = load_translator(backward, pair.reversed())
+    return pair, link.sp.translator, backward, link

@@ -31,7 +31,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from mlx_kvlingo.api import Runtime
+from mlx_kvlingo.api import Pair
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.eval import report
@@ -63,7 +63,7 @@ class ConversationBenchConfig:
     seed: int = 0
     policies: tuple[str, ...] = tuple(POLICIES)
     warmup: bool = True
-    policy: ReaderPolicy = field(default_factory=ReaderPolicy)  # as Runtime's conversations
+    policy: ReaderPolicy = field(default_factory=ReaderPolicy)  # as the API's conversations
 
 
 @dataclass
@@ -154,7 +154,7 @@ def run_conversation_bench(
 
         warmup_s = warm_up(pair, forward, backward).warmup_s
         log(f"warm-up {warmup_s:.1f} s")
-    runtime = Runtime(pair, forward, backward)  # reader auto weighs what the chat's weighs
+    runtime = Pair(pair, forward, backward)  # reader auto weighs what the chat's weighs
     policies = {p: replace(cfg.policy, **POLICIES[p]) for p in cfg.policies}
     sessions = {p: Session(pair, forward, backward, policy=policy,
                            retention=runtime.retention(policy))

@@ -5,7 +5,7 @@ a one-word answer ("Answer in one word: ..."; one token, chat-templated; each si
 sampling):
 
     mlx-lm            `mlx_lm.load(target)` + `stream_generate` of the same target
-    kvlingo           `Runtime.load()` (warm-up included) + `Conversation.send(model="large")`,
+    kvlingo           `load()` (warm-up included) + `stream_generate(model="large")`,
                       on the cache folder in use: the rates reused (a machine that ran it before)
     kvlingo, new      the same on a new cache folder (the converted models linked in, no
                       stored rates): the first start on a machine, which measures them
@@ -37,22 +37,19 @@ PROMPT = "Answer in one word: what is the capital of France?"
 _KVLINGO = """
 import json, sys, time
 t0 = time.perf_counter()
-from mlx_kvlingo import Runtime
+from mlx_kvlingo import load, stream_generate
 args = json.loads(sys.argv[1])
 t1 = time.perf_counter()
-rt = Runtime.load(args["source"], args["target"], args["translator"], pair=args["pair"])
+rt = load(args["source"], args["target"], args["translator"], pair=args["pair"])
 t2 = time.perf_counter()
 
-def first_token(conv):
+def first_token():
     t = time.perf_counter()
-    stream = conv.send(args["prompt"], model="large", max_tokens=1)
-    for ev in stream:
-        if ev.kind == "token":
-            stream.close()
-            return time.time(), time.perf_counter() - t
+    for _ in stream_generate(rt, args["prompt"], model="large", max_tokens=1):
+        return time.time(), time.perf_counter() - t
 
-at, ttft = first_token(rt.new_conversation())
-_, later = first_token(rt.new_conversation())
+at, ttft = first_token()
+_, later = first_token()
 print(json.dumps({"first_token_at": at, "import_s": t1 - t0, "load_s": t2 - t1,
                   "warmup_s": rt.warmup_s, "rates": rt.rates, "ttft_s": ttft,
                   "later_ttft_s": later}))
@@ -88,7 +85,7 @@ class StartupBenchError(RuntimeError):
 
 SIDES = {
     "mlx-lm": "mlx-lm load + first token",
-    "kvlingo": "kvlingo Runtime.load + first token (rates reused)",
+    "kvlingo": "kvlingo load + first token (rates reused)",
     "kvlingo-new": "kvlingo, new cache folder (rates measured)",
 }
 

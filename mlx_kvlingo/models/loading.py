@@ -10,7 +10,7 @@ absence lives here: a demo pair that ships no backward translator resolves to No
 back to the small model then re-reads), while a missing forward translator is an error.
 
 `load_models_and_translators` loads the pair (named, or a demo pair when neither model is named)
-and both translators, each validated against its direction of the pair. `Runtime.load` and
+and both translators, each validated against its direction of the pair. `mlx_kvlingo.load` and
 every command load through it; nothing else in the package loads a pair for a command.
 """
 

@@ -3,11 +3,11 @@
 One concern per module, each using only those below it:
 
     server    the standard library's ThreadingHTTPServer: routes, limits, API key, SSE
-    worker    one generation at a time on one thread, a bounded queue, `auto`, usage
+    worker    one generation at a time under the pair's lock, a bounded queue, `auto`, usage
     pool      held conversations matched to requests by templated token prefix (LRU)
     protocol  the OpenAI request checks, sampling keywords, response and chunk bodies
 
-Everything model-side goes through the public API (`Runtime`, `Conversation`), so the
+Everything model-side goes through the public API (`load`, `Conversation`), so the
 server answers exactly as the library does (which model reads, what is translated).
 """
 

@@ -13,7 +13,7 @@ built from R's history. Comparing templated messages rather than the conversatio
 list keeps answers whose re-tokenization differs from the generated tokens reusable (the
 conversation appends each message as the template's token difference).
 
-A conversation is checked out while it answers (the worker runs one request at a time) and
+A conversation is checked out while it answers (the pair's lock: one request at a time) and
 checked back in with its new key afterwards; beyond `size` the least recently used one is
 dropped, freeing its caches. `size=0` turns reuse off.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from mlx_kvlingo.api import Conversation, Runtime
+from mlx_kvlingo.api import Conversation, Pair
 
 
 def templated(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
@@ -41,13 +41,13 @@ def templated(tokenizer: Any, messages: list[dict[str, str]], generation_prompt:
 
 
 class Pool:
-    """Up to `size` held conversations over one runtime, most recently used last."""
+    """Up to `size` held conversations over one pair, most recently used last."""
 
-    def __init__(self, runtime: Runtime, size: int, **conversation_kwargs: Any) -> None:
-        self.runtime = runtime
+    def __init__(self, pair: Pair, size: int, **conversation_kwargs: Any) -> None:
+        self.pair = pair
         self.size = size
-        self.tokenizer = runtime.pair.tokenizer
-        self._kwargs = conversation_kwargs  # new_conversation keywords (mode, max_kv_size, ...)
+        self.tokenizer = pair.tokenizer
+        self._kwargs = conversation_kwargs  # Conversation keywords (mode, max_kv_size, ...)
         self._held: OrderedDict[Conversation, tuple[int, ...]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -76,7 +76,7 @@ class Pool:
             del self._held[conv]
             return conv, messages[n:-1], n
         system = messages[0]["content"] if messages[0]["role"] == "system" else None
-        conv = self.runtime.new_conversation(system_prompt=system, **self._kwargs)
+        conv = Conversation(self.pair, system_prompt=system, **self._kwargs)
         return conv, messages[1 if system is not None else 0 : -1], 0
 
     def checkin(self, conv: Conversation) -> None:

@@ -3,7 +3,7 @@ stream chunks and error bodies built as plain dicts.
 
 A request is checked completely before it reaches the model pair: every bad field is an
 `APIError` (HTTP status + OpenAI error body `{"error": {"message", "type", "param", "code"}}`).
-Sampling fields map onto `Conversation.send`'s `sampling` by `sampling_kwargs`: only fields
+Sampling fields map onto `Conversation.send`'s sampling keywords by `sampling_kwargs`: only fields
 the client set are passed (absent fields leave the answering model's defaults).
 """
 
@@ -72,7 +72,7 @@ class ChatRequest:
 
     model: str
     messages: list[dict[str, str]]  # system first (optional), then user/assistant alternating
-    send: dict[str, Any]  # keywords for Conversation.send / cascade: sampling, max_tokens
+    send: dict[str, Any]  # keywords for Conversation.send: the sampling settings, max_tokens
     max_tokens: int
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -123,8 +123,8 @@ _SAMPLING = {
 
 
 def sampling_kwargs(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
-    """The `Conversation.send` keywords for a request: `sampling` (the `Sampling` fields the
-    client set, merged over the answering model's defaults by the library) and `max_tokens`.
+    """The `Conversation.send` keywords for a request: the sampling settings the client set
+    (merged over the answering model's defaults by the library) and `max_tokens`.
 
     - temperature -> temp; top_p, seed (the library's one seed rule), and top_k, min_p,
       repetition_penalty, repetition_context_size (as mlx_lm.server reads them) -> the field
@@ -144,7 +144,7 @@ def sampling_kwargs(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
     max_tokens = limits.default_max_tokens
     if _set(body, name):
         max_tokens = _integer(body, name, 1, limits.max_tokens)
-    return {"sampling": sampling, "max_tokens": max_tokens}
+    return {**sampling, "max_tokens": max_tokens}
 
 
 # -- messages ----------------------------------------------------------------------------------

@@ -5,8 +5,8 @@
     POST /v1/chat/completions     JSON, or server-sent events with "stream": true
 
 Why the standard library: no new dependency, and nothing an async framework would add pays
-here; every generation runs one at a time on the worker thread, and a handler thread only
-checks the request, queues it, and copies events to its socket. Server-sent events are
+here; every generation runs one at a time under the pair's lock on its request's thread, and a
+handler thread only checks the request, submits it, and copies events to its socket. Server-sent events are
 `data: {json}\\n\\n` lines ending with `data: [DONE]`.
 
 Checked before anything reaches the models, each answered with an OpenAI error body:
@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from mlx_kvlingo.api import Runtime
-from mlx_kvlingo.conversation.records import AUTO_THRESHOLD
+from mlx_kvlingo.api import AUTO_THRESHOLD, Pair
 from mlx_kvlingo.serve import protocol as P
 from mlx_kvlingo.serve.worker import Job, QueueFull, Result, Worker
 
@@ -56,9 +55,9 @@ class ServeConfig:
 
 
 class Server:
-    """`kvlingo serve` over one runtime. `start()` serves on a thread; `close()` stops it.
+    """`kvlingo serve` over one pair. `start()` serves on a thread; `close()` stops it.
 
-    server = Server(runtime, ServeConfig(port=0)).start()
+    server = Server(pair, ServeConfig(port=0)).start()
     print(server.url)  # http://127.0.0.1:PORT/v1
     ...
     server.close()
@@ -66,15 +65,15 @@ class Server:
 
     def __init__(
         self,
-        runtime: Runtime,
+        pair: Pair,
         config: ServeConfig | None = None,
         **conversation_kwargs: Any,
     ) -> None:
-        self.runtime = runtime
+        self.pair = pair
         self.config = config or ServeConfig()
         c = self.config
         self.worker = Worker(
-            runtime,
+            pair,
             limits=c.limits,
             queue_size=c.queue_size,
             max_conversations=c.max_conversations,
@@ -208,7 +207,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._json(200, {"status": "ok"})
         if not self._authorized():
             return
-        models = P.model_list(self.app.runtime.models)
+        models = P.model_list(self.app.pair.names)
         if path in ("/v1/models", "/models"):
             return self._json(200, models)
         for prefix in ("/v1/models/", "/models/"):

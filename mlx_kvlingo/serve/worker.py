@@ -1,16 +1,17 @@
-"""One generation at a time per pair: a bounded queue of jobs and the one thread that runs them.
+"""One generation at a time per pair, under the pair's one lock: each request on its own thread.
 
-    handler threads --submit(job)--> queue (1 running + queue_size waiting) --> worker thread
+    handler threads --submit(job)--> a request thread: the pair's lock (waits) --> run the job
                     <--job.events---  accepted | token... | done | error
 
 Every request's model work (templating, matching a held conversation, reading, translating,
-decoding) runs on the worker thread, so MLX is never driven from two threads and the held
-conversations need no lock. When the queue is full, `submit` raises `QueueFull` at once (the
-server answers 503). A job's `cancel()` (any thread: the client went away) stops its
-generation after the current token; the conversation commits what was emitted, so its caches
-stay consistent and it is held for reuse like any other.
+decoding) runs on a request thread (a pool of 1 + `queue_size`, reused: MLX keeps state per
+thread) while it holds the pair (`conversation/lock.py`, the lock every stream takes), so MLX is
+never driven from two threads at once and the held conversations change only under that lock. At most one request runs and `queue_size` wait: beyond that
+`submit` raises `QueueFull` at once (the server answers 503). A job's `cancel()` (any thread:
+the client went away) ends its wait, or stops its generation after the current token; the
+conversation commits what was emitted, so its caches stay consistent and it is held for reuse.
 
-`auto` is the conversation's cascade (`Conversation.cascade`): the small model answers; if it
+`auto` is the library's model "auto" (`stream_generate`): the small model answers; if it
 finished and its confidence (mean token log-prob) is below `auto_threshold`, the large model
 answers again (a small answer cut by a stop sequence is kept). Only the answer that
 stays in the conversation is sent to the client: the small answer is buffered until it is
@@ -24,11 +25,19 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlx_kvlingo.api import Conversation, ConversationError, Runtime, Stream
-from mlx_kvlingo.conversation.records import AUTO_THRESHOLD, LABEL
+from mlx_kvlingo.api import (
+    AUTO_THRESHOLD,
+    Conversation,
+    ConversationError,
+    GenerationResponse,
+    Pair,
+)
+from mlx_kvlingo.conversation.lock import Ticket
 from mlx_kvlingo.serve.pool import Pool
 from mlx_kvlingo.serve.protocol import APIError, ChatRequest, Limits
 
@@ -49,13 +58,14 @@ class Result:
     extra: dict[str, Any]  # the `kvlingo` object: who answered, escalation, reuse
 
 
-@dataclass
+@dataclass(eq=False)  # a job is itself: hashable, by identity
 class Job:
     request: ChatRequest
     events: queue.Queue = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.monotonic)
     _cancelled: threading.Event = field(default_factory=threading.Event)
     _conv: Conversation | None = None
+    _wake: Any = None  # the pair lock's wake (a waiting job looks at its cancel event)
 
     @property
     def cancelled(self) -> bool:
@@ -67,6 +77,8 @@ class Job:
         conv = self._conv
         if conv is not None:
             conv.cancel()
+        if self._wake is not None:
+            self._wake()
 
     def put(self, kind: str, *payload: Any) -> None:
         self.events.put((kind, *payload))
@@ -112,11 +124,11 @@ class _StopScan:
 
 
 class Worker:
-    """The generation thread for one runtime: `submit` jobs, `close` when done."""
+    """Requests over one pair: `submit` jobs, `close` when done."""
 
     def __init__(
         self,
-        runtime: Runtime,
+        pair: Pair,
         *,
         limits: Limits,
         queue_size: int = 8,
@@ -124,70 +136,65 @@ class Worker:
         auto_threshold: float = AUTO_THRESHOLD,
         conversation_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        self.runtime = runtime
+        self.pair = pair
         self.limits = limits
         self.auto_threshold = auto_threshold
         kwargs = dict(conversation_kwargs or {})
         kwargs.setdefault("max_kv_size", limits.max_prompt_tokens + limits.max_tokens)
-        self.pool = Pool(runtime, max_conversations, **kwargs)
-        self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._slots = threading.BoundedSemaphore(max(queue_size, 0) + 1)  # running + waiting
-        self._current: Job | None = None
-        self._thread = threading.Thread(target=self._loop, name="kvlingo-serve", daemon=True)
-        self._thread.start()
+        self.pool = Pool(pair, max_conversations, **kwargs)
+        n = max(queue_size, 0) + 1  # running + waiting
+        self._slots = threading.BoundedSemaphore(n)
+        self._threads = ThreadPoolExecutor(n, thread_name_prefix="kvlingo-request")
+        self._jobs: dict[Job, Future] = {}  # accepted, not finished
+        self.running: Job | None = None  # the job holding the pair
+        self._closing = False
 
     # -- the handler side ----------------------------------------------------------------------
 
     def submit(self, job: Job) -> None:
-        if not self._slots.acquire(blocking=False):
+        if self._closing or not self._slots.acquire(blocking=False):
             raise QueueFull
-        self._queue.put(job)
+        job._wake = self.pair.lock.wake
+        self._jobs[job] = self._threads.submit(self._job, job)
 
     @property
     def waiting(self) -> int:
-        return self._queue.qsize()
+        return max(len(self._jobs) - (self.running is not None), 0)
 
     def close(self, timeout: float = 10.0) -> None:
-        """Cancel the running job, drop the waiting ones, stop the thread."""
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancel()
-                job.put("error", APIError(503, "the server is shutting down", type="server_error"))
-                self._slots.release()
-        cur = self._current
-        if cur is not None:
-            cur.cancel()
-        self._queue.put(None)
-        self._thread.join(timeout)
+        """Cancel the running job and the waiting ones (503), wait for them to end."""
+        self._closing = True
+        jobs = list(self._jobs.items())
+        for job, _ in jobs:
+            job.cancel()
+        wait([f for _, f in jobs], timeout)
+        self._threads.shutdown(wait=False)
         self.pool.clear()
 
-    # -- the worker thread ---------------------------------------------------------------------
+    # -- a request thread ----------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
+    def _job(self, job: Job) -> None:
+        try:
+            if not self.pair.lock.acquire(Ticket(job, job._cancelled)):  # cancelled waiting
+                job.put("error", APIError(503, "the server is shutting down", type="server_error")
+                        if self._closing else APIError(499, "cancelled", code="cancelled"))  # fmt: skip
                 return
-            self._current = job
+            self.running = job
             try:
-                if job.cancelled:
-                    job.put("error", APIError(499, "cancelled", code="cancelled"))
-                else:
-                    self._run(job)
+                self._run(job)
             except APIError as e:
                 job.put("error", e)
             except ConversationError as e:  # e.g. the conversation outgrew max_kv_size
                 job.put("error", APIError(400, str(e), code="conversation_error"))
-            except Exception as e:  # never let one request take the worker down
+            except Exception as e:  # never let one request take the server down
                 log.exception("request failed")
                 job.put("error", APIError(500, f"internal error: {e}", type="server_error"))
             finally:
-                self._current = None
-                self._slots.release()
+                self.running = None
+                self.pair.lock.release()
+        finally:
+            self._jobs.pop(job, None)
+            self._slots.release()
 
     def _run(self, job: Job) -> None:
         req = job.request
@@ -201,7 +208,7 @@ class Worker:
         job._conv = conv
         ok = False
         try:
-            before = conv.stats()
+            before = conv.cache.stats()
             if history:
                 conv.add_messages(history)
             job.put("accepted")
@@ -220,7 +227,7 @@ class Worker:
         escalated = False
         confidence = None
         if req.model == "auto":
-            stream = conv.cascade(last, self.auto_threshold, **req.send)
+            stream = conv.send(last, "auto", auto_threshold=self.auto_threshold, **req.send)
             try:
                 small = self._pump(job, stream, "small", live=False, close=False)
                 confidence = small.confidence
@@ -235,9 +242,9 @@ class Worker:
                 stream.close()  # a no-op at its end; else keeps the small answer as cut
         else:
             out = self._pump(job, conv.send(last, req.model, **req.send), req.model, live=True)
-        after = conv.stats()
+        after = conv.cache.stats()
         read, translated = {}, {}
-        for role, label in LABEL.items():
+        for role, label in (("source", "small"), ("target", "large")):
             a, b = after["models"][role], before["models"][role]
             read[label] = a["prompt_tokens"] - b["prompt_tokens"]
             # and what it read for the other model (reader "small")
@@ -264,7 +271,12 @@ class Worker:
         return Result(out.text, out.reason, usage, extra)
 
     def _pump(
-        self, job: Job, stream: Stream, label: str, live: bool, close: bool = True
+        self,
+        job: Job,
+        stream: Iterator[GenerationResponse],
+        label: str,
+        live: bool,
+        close: bool = True,
     ) -> _Pumped:
         """Run one answer (up to its done event); emit its text (live) or buffer it. A stop
         sequence ends it; the stream is closed then (which commits the tokens emitted so
@@ -275,23 +287,25 @@ class Worker:
         logprobs: list[float] = []
         asked = hit = False
         try:
-            for ev in stream:
-                if ev.kind == "done":
-                    out.model, out.status = ev.model, ev.status
-                    out.ttft_s = ev.timings.ttft_s if ev.timings is not None else None
-                    out.reason = ev.finish_reason or "stop"
-                    out.escalating = ev.escalating
-                    break
-                out.tokens += 1
-                if ev.logprob is not None:
-                    logprobs.append(ev.logprob)
-                piece, hit = scan.feed(ev.text)
-                if piece:
-                    out.pieces.append((piece, ev.logprob or 0.0))
-                    if live:
-                        job.put("token", piece, ev.logprob or 0.0)
-                if hit:
-                    out.reason = "stop"
+            for r in stream:
+                if r.token is not None:
+                    out.tokens += 1
+                    lp = float(r.logprobs[r.token].item())
+                    logprobs.append(lp)
+                    piece, hit = scan.feed(r.text)
+                    if piece:
+                        out.pieces.append((piece, lp))
+                        if live:
+                            job.put("token", piece, lp)
+                    if hit:
+                        out.reason = "stop"
+                        break
+                if r.finish_reason is not None:  # the answer's last response
+                    st = r.handoff
+                    out.model, out.status = r.model, r.status
+                    out.ttft_s = st.ttft_s if st is not None else None
+                    out.reason = r.finish_reason
+                    out.escalating = st is not None and st.escalating
                     break
                 if job.cancelled and not asked and job._conv is not None:
                     job._conv.cancel()  # ends the stream after this token, with a done event
@@ -318,6 +332,6 @@ class _Pumped:
     reason: str = "cancelled"  # until a done event or a stop sequence says otherwise
     status: str = ""
     ttft_s: float | None = None
-    confidence: float | None = None  # mean token log-prob, as Event.confidence
+    confidence: float | None = None  # mean token log-prob, as the record's confidence
     escalating: bool = False  # a cascade's small answer: the large one answers again
     pieces: list[tuple[str, float]] = field(default_factory=list)

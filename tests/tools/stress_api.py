@@ -1,4 +1,4 @@
-"""The public API under stress: threads x random operations over one Runtime on the tiny
+"""The public API under stress: threads x random operations over one loaded pair on the tiny
 known-answer pair (send small/large, cancel from another thread, escalate, save, restore,
 reset, trim), invariants checked after every operation.
 
@@ -25,7 +25,7 @@ import stress  # noqa: E402
 
 
 def main(work: Path, argv=None) -> int:
-    from mlx_kvlingo import Runtime
+    from mlx_kvlingo import load
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--threads", type=int, default=8)
@@ -35,7 +35,7 @@ def main(work: Path, argv=None) -> int:
     ap.add_argument("--fixtures", type=Path, default=None, help="reuse a fixtures folder")
     args = ap.parse_args(argv)
     f = fuzzing.build_fixtures(args.fixtures or work / "fixtures")
-    runtime = Runtime.load(f / "qwen3", f / "known", f / "fwd.safetensors", f / "bwd.safetensors")
+    runtime = load(f / "qwen3", f / "known", f / "fwd.safetensors", f / "bwd.safetensors")
     r = stress.stress(runtime, work / "files", threads=args.threads, ops=args.ops,
                       seed=args.seed, timeout=args.timeout)  # fmt: skip
     ops = ", ".join(f"{k} {v}" for k, v in sorted(r.ops.items()))
