@@ -45,7 +45,7 @@ from mlx_kvlingo.conversation.records import (
     TurnStats,
     status_line,
 )
-from mlx_kvlingo.conversation.retention import Retention
+from mlx_kvlingo.conversation.rates import Retention
 from mlx_kvlingo.conversation.sampling import Sampling
 from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
 from mlx_kvlingo.conversation.session import MODES, Progress, Session
@@ -225,9 +225,6 @@ class Runtime:
         #: cache folder), "cached" (reused from it: measured by an earlier start on this
         #: machine, pair and library versions); None before any warm-up
         self.rates: str | None = None
-        #: what a reusing start scaled the stored rates by to this start's load (1.0: as
-        #: stored; `conversation.warmup.check_load`)
-        self.load_factor = 1.0
         self._retention: dict[tuple, Retention | None] = {}
 
     def warm_up(
@@ -240,7 +237,7 @@ class Runtime:
         """Pay the first turn's one-off costs now and give reader "auto" this pair's read rates.
 
         The first start on a machine measures them (a scratch conversation per length, read
-        both ways; see conversation/timing.py) and stores them in the cache folder
+        both ways; see conversation/rates.py) and stores them in the cache folder
         (`KVLINGO_CACHE`, default ~/.cache/mlx-kvlingo), keyed by the machine, the pair's files
         and the library versions; a later start with the same key reuses them and only runs
         each path once on a few tokens (`rates` says which happened). `reuse=False` measures
@@ -260,7 +257,7 @@ class Runtime:
         costs = start(self.pair, self.forward, self.backward, lengths=lengths, sample=sample,
                       reuse=reuse)  # fmt: skip
         self.warmup_s = seconds = float(costs.warmup_s or 0.0)
-        self.rates, self.load_factor = costs.origin, costs.load_factor
+        self.rates = costs.origin
         return seconds
 
     @classmethod
@@ -444,10 +441,10 @@ class Runtime:
 
     def retention(self, policy: ReaderPolicy | None = None) -> Retention | None:
         """What the forward translator keeps of the content read, by length, under `policy`'s
-        tail and recompute share (conversation/retention.py): the counts of `kvlingo eval --task
+        tail and recompute share (conversation/rates.py): the counts of `kvlingo eval --task
         content` on this pair (kept in the cache folder) pooled with those a demo translator
         ships; None where no length is measured (reader "auto" then weighs time alone)."""
-        from mlx_kvlingo.conversation import retention
+        from mlx_kvlingo.conversation import rates
         from mlx_kvlingo.models.demo.pair import shipped_retention
 
         policy = policy or ReaderPolicy()
@@ -455,13 +452,11 @@ class Runtime:
             return None
         settings = (policy.large_reads_last, policy.recompute_share)
         if settings not in self._retention:
-            draws = retention.load(retention.key(self.pair, self.forward, policy))
+            draws = rates.load_retention(rates.retention_key(self.pair, self.forward, policy))
             path = getattr(self.forward, "path", None)
             if path and (shipped := shipped_retention(path, *settings)):
-                draws = {str(shipped.get("source")): retention.counts_of(shipped), **draws}
-            found = retention.Retention.from_counts(
-                retention.pooled(*draws.values()), "; ".join(draws)
-            )
+                draws = {str(shipped.get("source")): rates.counts_of(shipped), **draws}
+            found = Retention.from_counts(rates.pooled(*draws.values()), "; ".join(draws))
             self._retention[settings] = found
         return self._retention[settings]
 

@@ -69,7 +69,7 @@ def handoff(pair, tr, tokens):
 
     from mlx_kvlingo.config import ReaderPolicy
     from mlx_kvlingo.conversation.session import Session
-    from mlx_kvlingo.conversation.timing import ReadCosts
+    from mlx_kvlingo.conversation.rates import ReadCosts
 
     plain = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0.0)
     s = Session(pair, tr, policy=plain, read_costs=ReadCosts())

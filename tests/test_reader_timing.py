@@ -8,9 +8,8 @@ from dataclasses import replace
 
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.conversation.records import share, status_line
-from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.session import Session
-from mlx_kvlingo.conversation.timing import Cost, Paths, ReadCosts, costs_of
+from mlx_kvlingo.conversation.rates import Cost, Paths, ReadCosts, Retention, costs_of
 from mlx_kvlingo.conversation.warmup import PROBE_READ, warm_up
 
 import pytest
@@ -89,7 +88,7 @@ def test_paths_add_up_the_parts_of_each_ttft():
     costs.observe_target(5, 100.0)
     costs.observe_target(1, 100.0)
     assert p.large(costs) == pytest.approx(0.42)
-    assert ReadCosts.fixed(target_read=(0, 1)).small_reads(1, 0, 0, True) is None  # not all known
+    assert Paths(1, 0, 0, True).small(ReadCosts.fixed(target_read=(0, 1))) is None  # not all known
 
 
 def test_the_small_path_with_a_tail_adds_the_large_models_read_of_it():
@@ -270,32 +269,33 @@ def test_retention_is_kept_in_the_cache_folder_and_found_by_the_runtime(
     lengths it measured (the same tasks never count twice), other draws pool, and a length
     counts once the native read got `MIN_RIGHT` right there."""
     from mlx_kvlingo.api import Runtime
-    from mlx_kvlingo.conversation import retention
+    from mlx_kvlingo.conversation import rates
 
-    monkeypatch.setattr(
-        retention, "path_for", lambda k, d=None: tmp_path / "retention" / retention.digest(k)
-    )
+    monkeypatch.setattr(rates, "RETENTION", tmp_path / "retention")
     fwd, bwd = translators
     rt = Runtime(pair, fwd, bwd)
     assert rt.retention() is None and rt.new_conversation()._session.retention is None
-    k = retention.key(pair, fwd, ReaderPolicy())
-    retention.record(k, "seed 1", [(128, 3, 3), (2048, 1, 2)])
+    k = rates.retention_key(pair, fwd, ReaderPolicy())
+    rates.record_retention(k, "seed 1", [(128, 3, 3), (2048, 1, 2)])
     assert Runtime(pair, fwd, bwd).retention().points == ((128, 1.0),)  # 2048: too few yet
-    retention.record(k, "seed 1", [(2048, 0, 2)])  # the same draw again: replaces
-    retention.record(k, "seed 2", [(2048, 2, 3)])  # another draw: pools
-    assert retention.load(k) == {"seed 1": ((128, 3, 3), (2048, 0, 2)), "seed 2": ((2048, 2, 3),)}
+    rates.record_retention(k, "seed 1", [(2048, 0, 2)])  # the same draw again: replaces
+    rates.record_retention(k, "seed 2", [(2048, 2, 3)])  # another draw: pools
+    assert rates.load_retention(k) == {
+        "seed 1": ((128, 3, 3), (2048, 0, 2)),
+        "seed 2": ((2048, 2, 3),),
+    }
     rt = Runtime(pair, fwd, bwd)
     conv = rt.new_conversation()
     kept = Retention(((128, 1.0), (2048, 0.4)), "seed 1; seed 2")
     assert conv._session.retention == kept and rt.retention() == kept
     conv.policy = replace(conv.policy, recompute_share=0.2)  # measured for other settings
     assert conv._session.retention is None
-    for broken in ("{not json", json.dumps({"schema": retention.SCHEMA, "key": k,
+    for broken in ("{not json", json.dumps({"schema": rates.SCHEMA, "key": k,
                                             "draws": {"x": [[64, 4, 3]]}})):  # fmt: skip
         (next((tmp_path / "retention").iterdir())).write_text(broken)
         assert Runtime(pair, fwd, bwd).retention() is None  # a broken file: unmeasured
     with pytest.raises(ValueError, match="count"):
-        retention.pooled([(64, True, 3)])
+        rates.pooled([(64, True, 3)])
 
 
 def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
@@ -305,10 +305,10 @@ def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
     the file the translator came from, whatever dtype it computes in); counts measured on this
     pair (`kvlingo eval --task content`, in the cache folder) pool with them."""
     from mlx_kvlingo.api import Runtime
-    from mlx_kvlingo.conversation import retention
+    from mlx_kvlingo.conversation import rates
     from mlx_kvlingo.models.demo import pair as demo
 
-    monkeypatch.setattr(retention, "path_for", lambda k, d=None: tmp_path / retention.digest(k))
+    monkeypatch.setattr(rates, "RETENTION", tmp_path / "retention")
     fwd, bwd = translators
     shipped = tmp_path / "forward.safetensors"
     shipped.write_bytes(b"")
@@ -324,7 +324,8 @@ def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
         fwd.path = tmp_path / "another.safetensors"
         assert Runtime(pair, fwd, bwd).retention() is None  # not the shipped file
         fwd.path = shipped
-        retention.record(retention.key(pair, fwd, ReaderPolicy()), "measured here", [(4096, 3, 4)])
+        k = rates.retention_key(pair, fwd, ReaderPolicy())
+        rates.record_retention(k, "measured here", [(4096, 3, 4)])
         got = Runtime(pair, fwd, bwd).retention()
         assert got.points == ((1024, 1.0), (4096, 0.5)) and got.source.endswith("measured here")
         entry["counts"] = [[1024, 4, 3]]  # a malformed manifest: only what was measured here
@@ -412,7 +413,7 @@ def test_reader_tokens_and_the_others_ignore_the_rates(pair, translators):
 def test_warm_up_measures_every_cost_and_pays_the_first_turn(pair, translators):
     fwd, bwd = translators
     costs = ReadCosts()
-    assert warm_up(pair, fwd, bwd, lengths=(8, 24), answer_tokens=2, costs=costs) is costs
+    assert warm_up(pair, fwd, bwd, lengths=(8, 24), costs=costs) is costs
     for name in ("source_read", "forward", "backward", "target_read"):
         assert getattr(costs, name).ready, name
     assert costs.warmup_s > 0
@@ -432,7 +433,7 @@ def test_warm_up_measures_every_cost_and_pays_the_first_turn(pair, translators):
 
 def test_warm_up_without_translators(pair):
     """No forward map: only the large reading itself is timed (and the small answering)."""
-    costs = warm_up(pair, None, None, lengths=(8, 24), answer_tokens=2, costs=ReadCosts())
+    costs = warm_up(pair, None, None, lengths=(8, 24), costs=ReadCosts())
     assert costs.target_read.ready and not costs.source_read.samples
 
 

@@ -503,7 +503,7 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
 
         console.print("[grey50]warming up (each path once; this pair's rates)...[/grey50]")
         w = runtime.warm_up(sample=app.warm_sample)
-        rates = rates_text(runtime.rates, runtime.load_factor)
+        rates = rates_text(runtime.rates)
         loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {rates})"
     app.banner({"forward": translator or "demo", "backward": back}, loaded)
     app.run()

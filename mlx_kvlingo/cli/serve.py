@@ -107,7 +107,7 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, host, 
     names = runtime.models
     click.echo(f"small: {names['small']}\nlarge: {names['large']}", err=True)
     # pipelined: no warm-up
-    rates = f", {rates_text(runtime.rates, runtime.load_factor)}" if runtime.rates else ""
+    rates = f", {rates_text(runtime.rates)}" if runtime.rates else ""
     click.echo(f"loaded in {runtime.load_s:.1f} s (warm-up {runtime.warmup_s or 0:.1f} s{rates})",
                err=True)  # fmt: skip
     key = " (API key required)" if api_key else ""

@@ -18,7 +18,7 @@ continuation KL is not used here: generic tokens dominate it (see weights/QUALIT
 Each condition's read is timed (`read_s`: the target's own prefill of prompt[:-1] for native;
 the whole hand-off for a `Chat`, the small model's read included), side by side in one run;
 `retention` counts what a `Chat` condition kept of the facts and copies the native read got
-right, per length: what reader "auto" weighs (conversation/retention.py).
+right, per length: what reader "auto" weighs (conversation/rates.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from pathlib import Path
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.catchup import READ_CHUNK
 from mlx_kvlingo.conversation.session import Session
-from mlx_kvlingo.conversation.timing import ReadCosts
+from mlx_kvlingo.conversation.rates import ReadCosts
 from mlx_kvlingo.data.content_tasks import KINDS, ContentTask, build_tasks
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.kv.cache import new_cache
@@ -332,7 +332,7 @@ def _fmt(x: float) -> str:
 def retention(result: dict, condition: str = "chat") -> list[tuple[int, int, int]]:
     """(read length, kept, right) of `condition` per length, facts and copies pooled: right =
     tasks the native answer got right, kept = those `condition` also got right (lengths where
-    native got none are left out); conversation/retention.py weighs them."""
+    native got none are left out); conversation/rates.py weighs them."""
     right: dict = {}
     by_task = {}
     for r in result["records"]:
