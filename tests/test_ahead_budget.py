@@ -9,6 +9,7 @@ from mlx_kvlingo.conversation.catchup import AHEAD_MIN, CatchUp
 from mlx_kvlingo.conversation.rates import ReadCosts
 
 import pytest
+from helpers import fixed_costs
 
 
 def simulate(share, decode_s, per_call, per_token, tokens, span, costs=None):
@@ -43,7 +44,7 @@ def test_translation_time_stays_within_the_share(per_call):
 def test_the_pairs_measured_forward_cost_prices_the_first_chunk():
     """With the forward cost already measured (the warm-up's), no measuring chunk: the first
     chunk waits until the credit covers it."""
-    costs = ReadCosts.fixed(forward=(0.01, 0.001))
+    costs = fixed_costs(forward=(0.01, 0.001))
     spent, chunks, _ = simulate(0.10, 0.02, 0.01, 0.001, tokens=100, span=10_000, costs=costs)
     assert chunks and min(chunks) >= 30 and spent <= 0.10 * 0.02 * 100
 

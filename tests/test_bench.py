@@ -321,6 +321,8 @@ def test_conversation_bench_auto_weighs_the_chats_retention(tiny_pair):
     from mlx_kvlingo.conversation import rates
     from mlx_kvlingo.eval.conversation_bench import ConversationBenchConfig, run_conversation_bench
 
+    from helpers import fixed_costs
+
     pair, tr = tiny_pair
     cfg = ConversationBenchConfig(turns=2, user_lengths=(64,), answer_tokens=2,
                                   policies=("large reads", "small reads", "auto reads"),
@@ -329,7 +331,7 @@ def test_conversation_bench_auto_weighs_the_chats_retention(tiny_pair):
     rates.record_retention(k, "a test", [(8, 0, 3), (64, 0, 3)])
     path = rates.path_for(rates.RETENTION, k)
     # by time the small path wins: the large model's reading costs 10 ms a token
-    pair.__dict__["_kvlingo_read_costs"] = rates.ReadCosts.fixed(
+    pair.__dict__["_kvlingo_read_costs"] = fixed_costs(
         source_read=(0, 1e-4), forward=(0, 1e-5), backward=(0, 1e-5), target_read=(0, 1e-2)
     )
     try:

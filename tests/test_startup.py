@@ -17,7 +17,7 @@ from mlx_kvlingo.models.pair import load_model, load_pair
 
 import mlx.core as mx
 import pytest
-from helpers import exact_translator, inverse
+from helpers import exact_translator, fixed_costs, inverse
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (8, 24)
@@ -256,7 +256,7 @@ def test_rates_round_trip_and_malformed_ones_are_refused():
     from mlx_kvlingo.conversation.rates import ReadCosts
     from mlx_kvlingo.kv.translator import MapReading
 
-    costs = ReadCosts.fixed(source_read=(0.01, 0.001), target_read=(0.02, 0.01))
+    costs = fixed_costs(source_read=(0.01, 0.001), target_read=(0.02, 0.01))
     again = ReadCosts.from_dict(json.loads(json.dumps(costs.to_dict())))
     assert again.to_dict() == costs.to_dict() and not again.target_read.frozen
     assert again.large_reads(40) == pytest.approx(costs.large_reads(40))

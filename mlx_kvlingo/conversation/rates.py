@@ -42,7 +42,6 @@ from mlx_kvlingo._platform import blas
 from mlx_kvlingo._platform.atomic import write_text
 from mlx_kvlingo._platform.cachedir import cache_root
 from mlx_kvlingo.kv.recompute import large_reads
-from mlx_kvlingo.kv.translator import MapReading
 from mlx_kvlingo.models.pair import model_fingerprint
 
 import mlx.core as mx
@@ -58,11 +57,11 @@ RATES, RETENTION = "rates", "retention"  # the cache folder's subfolders
 
 @dataclass
 class Cost:
-    """seconds = a + b n + c n (at + n / 2) over recent (n, seconds, at); `attention=False`:
-    c = 0; `frozen`: an injected, exact cost that ignores measurements."""
+    """seconds = a + b n + c n (at + n / 2) over recent (n, seconds, at); c = 0 without
+    `attention`."""
 
     samples: deque = field(default_factory=lambda: deque(maxlen=KEEP))
-    frozen: bool = False
+    frozen: bool = False  # ignores measurements (exact costs a test injects)
     attention: bool = True
 
     def observe(self, n: int, seconds: float, at: int = 0, again: bool = False) -> None:
@@ -95,11 +94,8 @@ class Cost:
         for terms in (t for t in ([0, 1, 2], [0, 1], [1, 2], [1]) if max(t) < m):
             coef = np.linalg.lstsq(X[:, terms], y, rcond=None)[0]
             e = float(np.sum((X[:, terms] @ coef - y) ** 2))
-            if (
-                np.linalg.matrix_rank(X[:, terms]) == len(terms)
-                and min(coef) >= 0
-                and e < err - 1e-15
-            ):
+            ok = np.linalg.matrix_rank(X[:, terms]) == len(terms) and min(coef) >= 0
+            if ok and e < err - 1e-15:
                 best, err = dict(zip(terms, coef.tolist())), e
         return tuple(best.get(i, 0.0) for i in range(m))
 
@@ -121,24 +117,6 @@ class ReadCosts:
     warmup_s: float | None = None  # how long the last warm-up took (None: none ran)
     origin: str | None = None  # the rates "measured" by this process or "cached" (warmup.py)
 
-    @classmethod
-    def fixed(cls, **rates: tuple[float, ...]) -> ReadCosts:
-        """Exact costs no measurement changes, (a, b) or (a, b, c) per name given (the others
-        stay unmeasured, but `target_step` defaults to target_read(1))."""
-        out = cls()
-        if "target_read" in rates and "target_step" not in rates:
-            a, b, *c = rates["target_read"]
-            rates = {**rates, "target_step": (a + b + sum(c) / 2, 0.0)}
-        for name in NAMES:
-            cost = getattr(out, name)
-            a, b, c = (*rates.get(name, ()), 0.0, 0.0, 0.0)[:3]
-            if c and not cost.attention:
-                raise ValueError(f"{name} has no attention term")
-            points = [(1, 0), (1001, 0), (1, 4000)][: 3 if cost.attention else 2] * (name in rates)
-            cost.samples.extend((n, a + b * n + c * n * (at + n / 2), at) for n, at in points)
-            cost.frozen = True
-        return out
-
     def to_dict(self) -> dict[str, list[list[float]]]:
         """{name: [[n, seconds, at], ...]} oldest first (what `from_dict` takes)."""
         return {name: [list(x) for x in getattr(self, name).samples] for name in NAMES}
@@ -151,9 +129,8 @@ class ReadCosts:
             raise ValueError(f"expected the costs {', '.join(NAMES)}")
         for name in NAMES:
             for n, s, at in data[name] if len(data[name]) <= KEEP else [()]:
-                if not (type(n) is type(at) is int and n > 0 <= at and type(s) in (int, float)):
-                    raise ValueError(f"{name}: not positive [tokens, seconds, at]")
-                if not 0 < s < math.inf:
+                ok = type(n) is type(at) is int and n > 0 <= at and type(s) in (int, float)
+                if not ok or not 0 < s < math.inf:
                     raise ValueError(f"{name}: not positive [tokens, seconds, at]")
                 getattr(out, name).samples.append((n, float(s), at))
         return out
@@ -207,16 +184,11 @@ def costs_of(pair) -> ReadCosts:
 
 @dataclass(frozen=True)
 class Retention:
-    """(read length, retention) points, lengths increasing; `source`: where they came from."""
+    """(read length, retention in [0, 1]) points, lengths increasing; `source`: where they came
+    from."""
 
     points: tuple[tuple[int, float], ...]
     source: str = ""
-
-    def __post_init__(self):
-        ns, rs = [n for n, _ in self.points], [r for _, r in self.points]
-        if not ns or ns != sorted(set(ns)) or ns[0] <= 0 or not all(0 <= r <= 1 for r in rs):
-            raise ValueError(f"retention points must be increasing lengths > 0 with values in "
-                             f"[0, 1] (got {self.points!r:.80})")  # fmt: skip
 
     @classmethod
     def from_counts(cls, counts, source: str = "") -> Retention | None:
@@ -271,18 +243,11 @@ def _files(pair, *translators) -> list[str | None]:
 
 
 def rates_key(pair, forward, backward, lengths) -> dict:
-    """Machine (processor, device, BLAS, threads), pair files, library versions, lengths."""
-    try:
-        cpu = Path("/proc/cpuinfo").read_text().splitlines()
-        chip = next(
-            x.split(":", 1)[1].strip() for x in cpu if x.startswith(("model name", "Model"))
-        )
-    except (OSError, StopIteration):
-        chip = platform.processor()
-    info = mx.device_info()  # a Mac's chip
+    """Machine (platform, device, BLAS, threads), pair files, library versions, lengths."""
+    info = mx.device_info()  # its chip (on Linux the CPU's model name) and memory
     env = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "KVLINGO_CPU_MEMORY")
-    machine = [platform.platform(), chip, os.cpu_count(), str(mx.default_device()),
-               str(info.get("device_name")), str(info.get("memory_size")), blas.loaded_path,
+    machine = [platform.platform(), os.cpu_count(), str(mx.default_device()), blas.loaded_path,
+               *(str(info.get(k)) for k in ("device_name", "memory_size")),
                *map(os.environ.get, env)]  # fmt: skip
     ours = getattr(sys.modules.get("mlx_kvlingo"), "__version__", None)  # a checkout's own
     versions = [importlib.metadata.version(d) for d in ("mlx", "mlx-lm")] + [ours]
@@ -295,65 +260,43 @@ def retention_key(pair, forward, policy) -> dict:
             "recompute_share": policy.recompute_share}  # fmt: skip
 
 
-def path_for(folder: str | Path, k: dict, cache_dir: str | os.PathLike | None = None) -> Path:
+def path_for(folder: str | Path, k: dict) -> Path:
     digest = hashlib.sha256(json.dumps(k, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_root(cache_dir) / folder / f"{digest}.json"
+    return cache_root() / folder / f"{digest}.json"
 
 
-def _read(folder, k: dict, cache_dir=None) -> dict:
-    """The file stored for key `k`; {} where there is none to take (see the docstring)."""
+def read(folder, k: dict) -> dict:
+    """The file stored in `folder` for key `k`; {} where there is none to take (docstring)."""
     try:
-        data = json.loads(path_for(folder, k, cache_dir).read_text())
+        data = json.loads(path_for(folder, k).read_text())
         same = data.get("schema") == SCHEMA and data.get("key") == json.loads(json.dumps(k))
         return data if same else {}
     except (OSError, ValueError, AttributeError):  # missing, unreadable, not JSON, not a dict
         return {}
 
 
-def _write(folder, k: dict, cache_dir=None, **data) -> Path:
-    path = path_for(folder, k, cache_dir)
+def write(folder, k: dict, **data) -> Path:
+    """Store `data` for key `k` in `folder`, atomically; OSError where it cannot be written."""
+    path = path_for(folder, k)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"schema": SCHEMA, "key": k, **data}, indent=1, sort_keys=True)
     return write_text(path, text + "\n")
 
 
-def load_rates(k: dict, cache_dir=None) -> tuple[ReadCosts, dict[str, MapReading]] | None:
-    """The costs and each translator direction's map reading stored for key `k`, or None."""
-    data = _read(RATES, k, cache_dir)
-    try:
-        maps = data["map_reading"]
-        if set(maps) <= {"forward", "backward"}:
-            costs = ReadCosts.from_dict(data["costs"])
-            return costs, {d: MapReading.from_dict(r) for d, r in maps.items()}
-    except (KeyError, TypeError, ValueError):
-        pass
-    return None
-
-
-def save_rates(k: dict, costs: ReadCosts, readings: dict, cache_dir=None) -> Path | None:
-    """Store the rates for key `k`; None where the cache folder cannot be written."""
-    maps = {d: r.to_dict() for d, r in readings.items()}
-    try:
-        return _write(RATES, k, cache_dir, costs=costs.to_dict(), map_reading=maps)
-    except OSError:
-        return None
-
-
-def load_retention(k: dict, cache_dir=None) -> dict[str, tuple[tuple[int, int, int], ...]]:
+def load_retention(k: dict) -> dict[str, tuple[tuple[int, int, int], ...]]:
     """{draw: its counts} stored for key `k`; empty where none parse."""
     try:
-        draws = _read(RETENTION, k, cache_dir)["draws"]
-        return {str(d): pooled(map(tuple, c)) for d, c in draws.items()}
+        return {str(d): pooled(map(tuple, c)) for d, c in read(RETENTION, k)["draws"].items()}
     except (AttributeError, KeyError, TypeError, ValueError):
         return {}
 
 
-def record_retention(k: dict, draw: str, counts, cache_dir=None) -> dict:
+def record_retention(k: dict, draw: str, counts) -> dict:
     """Store one run's counts for `k` under `draw` (what picked its tasks) and return every
     draw's: a draw stored before keeps the lengths this run did not measure, so the same tasks
     never count twice. OSError where the cache folder cannot be written."""
-    draws = load_retention(k, cache_dir)
+    draws = load_retention(k)
     mine = {c[0]: c for c in pooled(counts)}
     draws[draw] = pooled([c for c in draws.get(draw, ()) if c[0] not in mine], mine.values())
-    _write(RETENTION, k, cache_dir, draws={d: [list(c) for c in cs] for d, cs in draws.items()})
+    write(RETENTION, k, draws={d: [list(c) for c in cs] for d, cs in draws.items()})
     return draws

@@ -1,33 +1,35 @@
-"""The warm-up: a new process's one-off costs paid before its first turn, and this pair's read
-rates (rates.py) ready for reader "auto".
+"""The warm-up: a new process's one-off costs paid before its first turn, this pair's read rates
+(rates.py) ready for reader "auto".
 
-`start` (`Runtime.load`, `kvlingo chat`, `kvlingo serve`) takes the rates and map readings
-stored for this machine, pair and versions (`rates.rates_key`), then runs `_scratch` once,
-unrecorded (MLX compiling kernels, lazy weights, first allocations, the chat template, the
-sampler), then `probe`. With none stored (or `reuse=False`) it runs `warm_up` and stores it:
-each translator measures how its maps read fastest (`kv.translator.measure`) and faults in a
-translation's memory on the CPU; `_scratch` unrecorded, `_scratch` at each length measured,
-`probe`. A scratch conversation runs the product's own turns: per length a user turn answered by
-the large model with the small reading it and with the large reading it itself, then one
-answered by the small model (catching up by backward translation); `CatchUp.observe` records.
+    reusing start     the rates and map readings stored for this key (`rates.rates_key`), a
+                      scratch conversation, thrown away, then `probe`
+    measuring start   (none stored, or `reuse=False`) `warm_up`: each translator measures how its
+                      maps read fastest and faults in a translation's memory (kv.translator),
+                      a scratch conversation thrown away, one at each of `lengths` measured,
+                      `probe`; then stored
 
-`probe`: each model that reads for a turn reads `PROBE_READ` tokens over `PROBE_AT` zero
-positions (attention costs the same whatever the K/V hold), once a start; the read replaces a
-stored one: this start's attention term c, which short turns do not show and long ones follow.
+A scratch conversation runs the product's own turns (`CatchUp.observe` records them): per length
+a turn the small model reads for the large one and one the large reads itself, then one the small
+answers; the first pays what a process pays once (MLX compiling its kernels, lazy weights, first
+allocations, the chat template, the sampler). `probe`: each model that reads for a turn reads
+`PROBE_READ` tokens over `PROBE_AT` zero positions once (attention costs the same whatever the K/V
+hold), replacing a stored read of that shape: this start's attention term, which long turns follow.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections import deque
 from dataclasses import replace
 
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation import rates
-from mlx_kvlingo.conversation.rates import ReadCosts, costs_of
+from mlx_kvlingo.conversation.rates import Cost, ReadCosts, costs_of
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.recompute import sentence_ends, special_ids
-from mlx_kvlingo.kv.translator import measure, reserve_translation_memory
+from mlx_kvlingo.kv.translator import MapReading, measure, reserve_translation_memory
 
 import mlx.core as mx
 
@@ -39,26 +41,28 @@ _TEXT = (
 )
 
 
-def start(pair, forward, backward=None, *, lengths=LENGTHS, sample=None, reuse=True,
-          cache_dir=None) -> ReadCosts:  # fmt: skip
+def start(pair, forward, backward=None, *, lengths=LENGTHS, sample=None, reuse=True) -> ReadCosts:
     """The pair's costs (`costs_of`) ready, the one-off costs paid; their `origin` ("cached",
     "measured") and `warmup_s` say which start ran and how long it took."""
-    t0, costs, maps = (
-        time.perf_counter(),
-        costs_of(pair),
-        {"forward": forward, "backward": backward},
-    )
+    t0, costs = time.perf_counter(), costs_of(pair)
+    maps = {"forward": forward, "backward": backward}
     key = rates.rates_key(pair, forward, backward, lengths)
-    stored = rates.load_rates(key, cache_dir) if reuse else None
+    data = rates.read(rates.RATES, key) if reuse else {}
+    try:
+        stored = ReadCosts.from_dict(data["costs"])
+        readings = {d: MapReading.from_dict(data["map_reading"][d]) for d, t in maps.items() if t}
+    except (KeyError, TypeError, ValueError):  # none stored, or not well formed
+        stored = None
     if stored is None:
         warm_up(pair, forward, backward, lengths=lengths, sample=sample, costs=costs)
-        rates.save_rates(key, costs, {d: t.reading for d, t in maps.items() if t}, cache_dir)
+        with contextlib.suppress(OSError):  # an unwritable cache folder: measured every start
+            readings = {d: t.reading.to_dict() for d, t in maps.items() if t}
+            rates.write(rates.RATES, key, costs=costs.to_dict(), map_reading=readings)
     else:
         for name in rates.NAMES:
-            getattr(costs, name).samples = getattr(stored[0], name).samples
-        for d, reading in stored[1].items():
-            if maps[d] is not None:
-                maps[d].reading = reading
+            getattr(costs, name).samples = getattr(stored, name).samples
+        for d, reading in readings.items():
+            maps[d].reading = reading
         _scratch(pair, forward, backward, lengths[:1], sample, None)
         probe(pair, forward, costs)
     costs.origin = "measured" if stored is None else "cached"
@@ -83,9 +87,10 @@ def warm_up(pair, forward, backward=None, *, lengths=LENGTHS, sample=None,
 
 
 def _scratch(pair, forward, backward, lengths, sample, costs: ReadCosts | None) -> None:
-    """A scratch conversation (module docstring), measured into `costs` (None: unrecorded; the
-    large model's reads then need no timing either)."""
-    costs = ReadCosts.fixed(target_read=(0.0, 1.0)) if costs is None else costs
+    """A scratch conversation (module docstring), measured into `costs` (None: thrown away;
+    its large read made `ready`, so no turn times the large model's read apart)."""
+    if costs is None:
+        costs = ReadCosts(target_read=Cost(deque([(1, 1.0, 0), (2, 2.0, 0)])))
     plain = ReaderPolicy(large_reads_last=1, recompute_share=0.0)  # each rate alone
     sessions = [Session(pair, forward, backward, read_costs=costs, policy=replace(plain, reader=r))
                 for r in ("small", "self")[forward is None :]]  # fmt: skip
