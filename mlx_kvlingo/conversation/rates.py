@@ -101,8 +101,8 @@ class Cost:
 
     def predict(self, n: int, at: int = 0) -> float | None:
         """Seconds to read `n` tokens over `at` held (None before any measurement)."""
-        coef = self.fit()
-        return 0.0 if n <= 0 else None if coef is None else float(np.dot(coef, self.features(n, at)))  # fmt: skip
+        coef = self.fit() if n > 0 else ()
+        return None if coef is None else float(np.dot(coef, self.features(n, at)[: len(coef)]))
 
 
 @dataclass
@@ -172,9 +172,13 @@ class Paths:
         step = c.large_reads(1) if self.recompute else 0.0
         if large is None or step is None:
             return None
-        small = c.source_read.predict(self.read + self.catch_up * (not back), self.small_held + self.catch_up * back)  # fmt: skip
-        catch_up = c.backward.predict(self.catch_up) if back else 0.0
-        return catch_up + small + c.forward.predict(self.lacked - self.tail) + large + step
+        if back:  # the small model catches up by backward translation, then reads
+            small = c.backward.predict(self.catch_up) + c.source_read.predict(
+                self.read, self.small_held + self.catch_up
+            )
+        else:  # it reads what it lacks of the large model's answers with the turn
+            small = c.source_read.predict(self.catch_up + self.read, self.small_held)
+        return small + c.forward.predict(self.lacked - self.tail) + large + step
 
 
 def costs_of(pair) -> ReadCosts:
