@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation.rates import Retention
 from mlx_kvlingo.conversation.records import (
     AUTO_THRESHOLD,
     LABEL,
@@ -45,7 +46,6 @@ from mlx_kvlingo.conversation.records import (
     TurnStats,
     status_line,
 )
-from mlx_kvlingo.conversation.rates import Retention
 from mlx_kvlingo.conversation.sampling import Sampling
 from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
 from mlx_kvlingo.conversation.session import MODES, Progress, Session

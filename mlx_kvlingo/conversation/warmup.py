@@ -56,8 +56,8 @@ def start(pair, forward, backward=None, *, lengths=LENGTHS, sample=None, reuse=T
     if stored is None:
         warm_up(pair, forward, backward, lengths=lengths, sample=sample, costs=costs)
         with contextlib.suppress(OSError):  # an unwritable cache folder: measured every start
-            readings = {d: t.reading.to_dict() for d, t in maps.items() if t}
-            rates.write(rates.RATES, key, costs=costs.to_dict(), map_reading=readings)
+            chosen = {d: t.reading.to_dict() for d, t in maps.items() if t}
+            rates.write(rates.RATES, key, costs=costs.to_dict(), map_reading=chosen)
     else:
         for name in rates.NAMES:
             getattr(costs, name).samples = getattr(stored, name).samples
