@@ -33,7 +33,8 @@ from mlx_kvlingo.kv.translator import MapReading, measure, reserve_translation_m
 
 import mlx.core as mx
 
-LENGTHS = (16, 64)  # the scratch turns, tokens
+LENGTHS = (16, 64)  # the measured scratch turns, tokens
+PRIME = 8  # the scratch turn that pays the one-off costs, tokens (its answers: one token)
 PROBE_AT, PROBE_READ = 2048, 32  # PROBE_AT: at most half a model's context
 _TEXT = (
     "The committee met on a grey Tuesday to weigh the river project, its costs and its "
@@ -63,7 +64,7 @@ def start(pair, forward, backward=None, *, lengths=LENGTHS, sample=None, reuse=T
             getattr(costs, name).samples = getattr(stored, name).samples
         for d, reading in readings.items():
             maps[d].reading = reading
-        _scratch(pair, forward, backward, lengths[:1], sample, None)
+        _scratch(pair, forward, backward, (PRIME,), sample, None)
         probe(pair, forward, costs)
     costs.origin = "measured" if stored is None else "cached"
     costs.warmup_s = time.perf_counter() - t0
@@ -79,7 +80,7 @@ def warm_up(pair, forward, backward=None, *, lengths=LENGTHS, sample=None,
         if translator is not None:
             measure(translator)
             reserve_translation_memory(into, translator)
-    _scratch(pair, forward, backward, lengths[:1], sample, None)
+    _scratch(pair, forward, backward, (PRIME,), sample, None)
     _scratch(pair, forward, backward, lengths, sample, costs)
     probe(pair, forward, costs)
     costs.warmup_s = time.perf_counter() - t0
@@ -89,7 +90,8 @@ def warm_up(pair, forward, backward=None, *, lengths=LENGTHS, sample=None,
 def _scratch(pair, forward, backward, lengths, sample, costs: ReadCosts | None) -> None:
     """A scratch conversation (module docstring), measured into `costs` (None: thrown away;
     its large read made `ready`, so no turn times the large model's read apart)."""
-    if costs is None:
+    unrecorded = costs is None
+    if unrecorded:
         costs = ReadCosts(target_read=Cost(deque([(1, 1.0, 0), (2, 2.0, 0)])))
     plain = ReaderPolicy(large_reads_last=1, recompute_share=0.0)  # each rate alone
     sessions = [Session(pair, forward, backward, read_costs=costs, policy=replace(plain, reader=r))
@@ -99,7 +101,8 @@ def _scratch(pair, forward, backward, lengths, sample, costs: ReadCosts | None) 
         words = _TEXT.split()
         k = max(1, round(n * len(words) / len(pair.tokenizer.encode(_TEXT))))
         s.add_user(" ".join((words * (k // len(words) + 1))[:k]))
-        for _ in s.generate(role, max_tokens=2, **(sample(role) if sample else {})):
+        kwargs = sample(role) if sample else {}
+        for _ in s.generate(role, max_tokens=1 if unrecorded else 2, **kwargs):
             pass
     sentence_ends(pair.tokenizer)  # what the large model's recompute looks up once a process
     special_ids(pair.tokenizer)
