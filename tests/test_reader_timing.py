@@ -1,6 +1,6 @@
 """Reader "auto" by time (issue 28): the rates a + b * n, the choice between the large model
 reading its turn itself and the small one reading for it, the token rule as a tie-breaker,
-the warm-up that measures the rates. Exact costs are injected (`ReadCosts.fixed`): no test
+the warm-up that measures the rates. Exact costs are injected (`helpers.fixed_costs`): no test
 here depends on how fast this machine is."""
 
 import json
