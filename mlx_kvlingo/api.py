@@ -60,7 +60,6 @@ class Pair:
         self.warmup_s: float | None = None
         self.rates: str | None = None  # the last warm-up's read rates: "measured" | "cached"
         self.rates_note = ""  # the same, as the banners say it
-        self.load_factor = 1.0  # what a reusing start scaled the stored rates by
         self._retention: dict[tuple, Any] = {}
 
     @property
@@ -88,26 +87,26 @@ class Pair:
         costs = start(self.models, self.forward, self.backward, lengths=lengths, reuse=reuse,
                       sample=lambda role: sampler_kwargs(self, LABEL[role], sampling, False))  # fmt: skip
         self.warmup_s = float(costs.warmup_s or 0.0)
-        self.rates, self.load_factor = costs.origin, costs.load_factor
-        self.rates_note = rates_text(costs.origin, costs.load_factor)
+        self.rates = costs.origin
+        self.rates_note = rates_text(costs.origin)
         return self.warmup_s
 
     def retention(self, policy: ReaderPolicy | None = None) -> Any:
         """What the forward translator keeps of the content by length under `policy`'s tail
-        and recompute share (retention.py: this pair's measured counts pooled with those a demo
-        translator ships); None where nothing is measured (reader "auto" weighs time alone)."""
-        from mlx_kvlingo.conversation import retention
+        and recompute share (conversation/rates.py: this pair's measured counts pooled with
+        those a demo translator ships); None where nothing is measured ("auto" weighs time)."""
+        from mlx_kvlingo.conversation import rates
         from mlx_kvlingo.models.demo.pair import shipped_retention
 
         policy = policy or ReaderPolicy()
         settings = (policy.large_reads_last, policy.recompute_share)
         if self.forward is not None and settings not in self._retention:
-            draws = retention.load(retention.key(self.models, self.forward, policy))
+            draws = rates.load_retention(rates.retention_key(self.models, self.forward, policy))
             path = getattr(self.forward, "path", None)
             if path and (shipped := shipped_retention(path, *settings)):
-                draws = {str(shipped.get("source")): retention.counts_of(shipped), **draws}
-            pooled = retention.pooled(*draws.values())
-            self._retention[settings] = retention.Retention.from_counts(pooled, "; ".join(draws))
+                draws = {str(shipped.get("source")): rates.counts_of(shipped), **draws}
+            pooled = rates.pooled(*draws.values())
+            self._retention[settings] = rates.Retention.from_counts(pooled, "; ".join(draws))
         return self._retention.get(settings)
 
     def memory(self) -> dict[str, int]:

@@ -68,8 +68,8 @@ def handoff(pair, tr, tokens):
     from types import SimpleNamespace
 
     from mlx_kvlingo.config import ReaderPolicy
+    from mlx_kvlingo.conversation.rates import ReadCosts
     from mlx_kvlingo.conversation.session import Session
-    from mlx_kvlingo.conversation.timing import ReadCosts
 
     plain = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0.0)
     s = Session(pair, tr, policy=plain, read_costs=ReadCosts())
@@ -181,3 +181,24 @@ def with_new_head(
         if f.name != "model.safetensors" and f.is_file():
             shutil.copy(f, out_dir / f.name)
     return out_dir
+
+
+def fixed_costs(**rates):
+    """Exact read costs no measurement changes (`rates.ReadCosts`, every cost frozen): (a, b) or
+    (a, b, c) per name given; the others stay unmeasured, but `target_step` defaults to
+    target_read(1)."""
+    from mlx_kvlingo.conversation.rates import NAMES, ReadCosts
+
+    out = ReadCosts()
+    if "target_read" in rates and "target_step" not in rates:
+        a, b, *c = rates["target_read"]
+        rates = {**rates, "target_step": (a + b + sum(c) / 2, 0.0)}
+    for name in NAMES:
+        cost = getattr(out, name)
+        if name in rates:
+            a, b, c = (*rates[name], 0.0)[:3]
+            assert cost.attention or not c, f"{name} has no attention term"
+            points = [(1, 0), (1001, 0), (1, 4000)][: 3 if cost.attention else 2]
+            cost.samples.extend((n, a + b * n + c * n * (at + n / 2), at) for n, at in points)
+        cost.frozen = True
+    return out

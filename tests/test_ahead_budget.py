@@ -1,20 +1,29 @@
-"""The translate-ahead budget: translation time stays within its share of decode time."""
+"""Translating ahead within its budget (`CatchUp.ahead_tokens`): translation time stays within
+its share of the small model's decode time, chunks large enough that the per-call cost is at
+most a quarter of theirs, priced by the pair's forward translation cost."""
 
-from mlx_kvlingo.conversation.budget import MIN_CHUNK, AheadBudget
+from types import SimpleNamespace
+
+from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation.catchup import AHEAD_MIN, CatchUp
+from mlx_kvlingo.conversation.rates import ReadCosts
 
 import pytest
+from helpers import fixed_costs
 
 
-def simulate(budget, decode_s, per_call, per_token, tokens, span):
-    """A fake clock: `tokens` small tokens of `decode_s` each; chunks cost per_call + per_token n."""
+def simulate(share, decode_s, per_call, per_token, tokens, span, costs=None):
+    """A fake clock: `tokens` small tokens of `decode_s` each; a chunk of n costs per_call +
+    per_token n, spent and observed as `CatchUp.ahead_step` does."""
+    c = SimpleNamespace(policy=ReaderPolicy(ahead_share=share), ahead_credit=0.0,
+                        read_costs=costs or ReadCosts())  # fmt: skip
     left, spent, chunks = span, 0.0, []
     for i in range(tokens):
-        if i:
-            budget.earn(decode_s)
-        n = budget.tokens(left)
+        n = CatchUp.ahead_tokens(c, left, decode_s if i else None)
         if n:
             cost = per_call + per_token * n
-            budget.spent(n, cost)
+            c.ahead_credit -= cost
+            c.read_costs.forward.observe(n, cost)
             left, spent = left - n, spent + cost
             chunks.append(n)
     return spent, chunks, left
@@ -22,23 +31,29 @@ def simulate(budget, decode_s, per_call, per_token, tokens, span):
 
 @pytest.mark.parametrize("per_call", [0.0, 0.005, 0.05])
 def test_translation_time_stays_within_the_share(per_call):
-    b = AheadBudget(share=0.10)
     decode, per_token, tokens = 0.02, 0.0002, 400
-    spent, chunks, left = simulate(b, decode, per_call, per_token, tokens, span=100_000)
-    first = per_call + per_token * MIN_CHUNK  # the measuring chunk is paid before it is known
+    spent, chunks, _ = simulate(0.10, decode, per_call, per_token, tokens, span=100_000)
+    first = per_call + per_token * AHEAD_MIN  # the measuring chunk is paid before it is known
     assert spent <= 0.10 * decode * tokens + 2 * first
     assert spent >= 0.10 * decode * tokens * 0.6  # the budget is used, not left idle
     if per_call:  # a large per-call cost makes chunks grow past the smallest
-        assert max(chunks) > 4 * MIN_CHUNK
+        assert max(chunks) > 4 * AHEAD_MIN
+        assert min(chunks[2:]) >= 3 * per_call / per_token - 1  # after two measuring chunks
+
+
+def test_the_pairs_measured_forward_cost_prices_the_first_chunk():
+    """With the forward cost already measured (the warm-up's), no measuring chunk: the first
+    chunk waits until the credit covers it."""
+    costs = fixed_costs(forward=(0.01, 0.001))
+    spent, chunks, _ = simulate(0.10, 0.02, 0.01, 0.001, tokens=100, span=10_000, costs=costs)
+    assert chunks and min(chunks) >= 30 and spent <= 0.10 * 0.02 * 100
 
 
 def test_short_span_is_finished_and_then_nothing_more():
-    b = AheadBudget(share=0.5)
-    spent, chunks, left = simulate(b, 0.02, 0.001, 0.0001, tokens=50, span=40)
+    spent, chunks, left = simulate(0.5, 0.02, 0.001, 0.0001, tokens=50, span=40)
     assert left == 0 and sum(chunks) == 40
 
 
-def test_share_is_checked():
-    for bad in (0.0, -0.1, 1.5):
-        with pytest.raises(ValueError, match="share"):
-            AheadBudget(share=bad)
+def test_without_a_share_a_fixed_chunk_after_every_token():
+    _, chunks, left = simulate(None, 0.02, 0.001, 0.0001, tokens=5, span=100)
+    assert chunks == [ReaderPolicy().ahead_chunk] * 3 + [4] and left == 0

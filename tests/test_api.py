@@ -397,7 +397,7 @@ def test_reader_policy_through_the_api(runtime):
     """`reader`, `reader_min_tokens` and `reader_margin` on a Conversation: auto by default
     (by time, measured by the warm-up at load); the token rule has the small model read the
     opening turn, the large a short later one; bad values raise ConversationError."""
-    from mlx_kvlingo.conversation.timing import costs_of
+    from mlx_kvlingo.conversation.rates import costs_of
 
     assert runtime.load_s >= runtime.warmup_s > 0
     assert costs_of(runtime.models).target_read.ready and costs_of(runtime.models).forward.ready

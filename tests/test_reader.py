@@ -595,15 +595,10 @@ def test_translate_ahead_makes_escalation_one_step(pair, translators):
 def test_translate_ahead_within_budget_leaves_the_rest_to_the_escalation(pair, translators):
     """A budget that allows one chunk of 8 tokens: those are translated ahead, the rest at the
     escalation, each span once, and the large model's answer is still its own."""
-    from mlx_kvlingo.conversation.budget import AheadBudget
-
-    class OneChunk(AheadBudget):
-        def tokens(self, remaining):
-            return min(8, remaining) if not self.history else 0
-
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, policy=plain(translate_ahead=True))
-    s.catchup.ahead_budget = OneChunk()
+    chunks = []
+    s.catchup.ahead_tokens = lambda remaining, decode_s: 0 if chunks else chunks.append(8) or 8
     s.add_user("a long question " * 6)
     n0 = len(s.tokens)
     list(s.generate("small", max_tokens=N))

@@ -1,20 +1,19 @@
 """Reader "auto" by time (issue 28): the rates a + b * n, the choice between the large model
 reading its turn itself and the small one reading for it, the token rule as a tie-breaker,
-the warm-up that measures the rates. Exact costs are injected (`ReadCosts.fixed`): no test
+the warm-up that measures the rates. Exact costs are injected (`helpers.fixed_costs`): no test
 here depends on how fast this machine is."""
 
 import json
 from dataclasses import replace
 
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
+from mlx_kvlingo.conversation.rates import Cost, Paths, ReadCosts, Retention, costs_of
 from mlx_kvlingo.conversation.records import share, status_line
-from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.session import Session
-from mlx_kvlingo.conversation.timing import Cost, Paths, ReadCosts, costs_of
 from mlx_kvlingo.conversation.warmup import PROBE_READ, warm_up
 
 import pytest
-from helpers import PLAIN, assert_session_consistent, plain
+from helpers import PLAIN, assert_session_consistent, fixed_costs, plain
 
 N = 6
 SHORT = ["def parse_args(argv):", "class Foo(object):", "print(x)", "return value"]
@@ -73,7 +72,7 @@ def test_cost_learns_the_attention_term_from_a_read_over_a_long_cache():
 
 
 def test_paths_add_up_the_parts_of_each_ttft():
-    costs = ReadCosts.fixed(
+    costs = fixed_costs(
         source_read=(0.01, 0.001), forward=(0.002, 0.0005), backward=(0.003, 0.0002),
         target_read=(0.02, 0.01),
     )  # fmt: skip
@@ -89,11 +88,11 @@ def test_paths_add_up_the_parts_of_each_ttft():
     costs.observe_target(5, 100.0)
     costs.observe_target(1, 100.0)
     assert p.large(costs) == pytest.approx(0.42)
-    assert ReadCosts.fixed(target_read=(0, 1)).small_reads(1, 0, 0, True) is None  # not all known
+    assert Paths(1, 0, 0, True).small(fixed_costs(target_read=(0, 1))) is None  # not all known
 
 
 def test_the_small_path_with_a_tail_adds_the_large_models_read_of_it():
-    costs = ReadCosts.fixed(
+    costs = fixed_costs(
         source_read=(0.01, 0.001), forward=(0.002, 0.0005), target_read=(0.02, 0.01),
     )  # fmt: skip
     p = Paths(lacked=40, catch_up=0, read=8, backward=False, tail=32)
@@ -121,7 +120,7 @@ def test_the_tail_is_dropped_where_it_would_more_than_double_the_ttft(pair, tran
     # over 2x the handoff, but less than TAIL_ALLOWANCE_S more: kept
     quick = dict(source_read=(0.0, 1e-4), forward=(0.0, 1e-4), target_read=(0.01, 0.03))
     for rates, tail in ((cheap, 8), (quick, 8), (dear, 1)):
-        s = Session(pair, fwd, bwd, read_costs=ReadCosts.fixed(**rates), policy=ReaderPolicy(large_reads_last=8, recompute_share=0.0, reader="small"))  # fmt: skip
+        s = Session(pair, fwd, bwd, read_costs=fixed_costs(**rates), policy=ReaderPolicy(large_reads_last=8, recompute_share=0.0, reader="small"))  # fmt: skip
         s.add_user(long)
         n0 = len(s.tokens)
         plain, with_tail = s.catchup.paths_with(n0 - 1, 1), s.catchup.paths_with(n0 - 1, 8)
@@ -146,7 +145,7 @@ def test_the_recompute_is_dropped_before_the_tail_where_it_would_exceed_the_budg
     long = "word " * 80
     rates = dict(source_read=(0.05, 0.001), forward=(0.01, 0.001))
     for per_token, tail, recomputes in ((0.001, 8, True), (0.02, 8, False), (0.2, 1, False)):
-        costs = ReadCosts.fixed(**rates, target_read=(0.01, per_token))
+        costs = fixed_costs(**rates, target_read=(0.01, per_token))
         s = Session(pair, fwd, bwd, read_costs=costs, policy=ReaderPolicy(large_reads_last=8, recompute_share=0.5, reader="small"))  # fmt: skip
         s.add_user(long)
         toks = [e.token for e in s.generate("large", max_tokens=N)]
@@ -176,7 +175,7 @@ SMALL_FAST = dict(source_read=(0.0, 1e-4), forward=(0.0, 1e-4), backward=(0.0, 1
 
 def test_auto_picks_the_large_reading_when_it_is_predicted_faster(pair, translators):
     fwd, bwd = translators
-    costs = ReadCosts.fixed(**LARGE_FAST)
+    costs = fixed_costs(**LARGE_FAST)
     s = Session(pair, fwd, bwd, read_costs=costs, policy=PLAIN)
     ref = Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN)
     long = "word " * 80  # the token rule would have the small read it
@@ -200,7 +199,7 @@ def test_auto_picks_the_large_reading_when_it_is_predicted_faster(pair, translat
 
 def test_auto_picks_the_small_reading_when_it_is_predicted_faster(pair, translators):
     fwd, bwd = translators
-    costs = ReadCosts.fixed(**SMALL_FAST)
+    costs = fixed_costs(**SMALL_FAST)
     s = Session(pair, fwd, bwd, read_costs=costs, policy=PLAIN)
     ref = Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN)
     assert talk(s, SHORT) == talk(ref, SHORT)
@@ -221,7 +220,7 @@ def test_auto_weighs_what_the_small_path_keeps(pair, translators):
     kept = Retention(((16, 0.95), (64, 0.9), (256, 0.5)))
     assert kept.expected(8) == 0.95 and kept.expected(1000) == 0.5
     assert kept.expected(128) == pytest.approx(0.7)  # halfway in log n
-    s = Session(pair, fwd, bwd, read_costs=ReadCosts.fixed(**SMALL_FAST), policy=PLAIN,
+    s = Session(pair, fwd, bwd, read_costs=fixed_costs(**SMALL_FAST), policy=PLAIN,
                 retention=kept)  # fmt: skip
     ref = Session(pair, fwd, bwd, mode="reprefill", policy=PLAIN)
     texts = [long, SHORT[0]]
@@ -248,19 +247,17 @@ def test_auto_weighs_what_the_small_path_keeps(pair, translators):
     ]
     assert short.read is not None and short.read_note == ""  # a short turn keeps 0.95
     # where time picks the large model anyway, retention is not what decided
-    u = Session(pair, fwd, bwd, read_costs=ReadCosts.fixed(**LARGE_FAST), policy=PLAIN,
+    u = Session(pair, fwd, bwd, read_costs=fixed_costs(**LARGE_FAST), policy=PLAIN,
                 retention=kept)  # fmt: skip
     talk(u, [long])
     assert u.turns[0].read_note == "reader auto: the faster" and u.turns[0].retention is None
     # the threshold at 0: time alone, the small reads the long turn too
-    t = Session(pair, fwd, bwd, read_costs=ReadCosts.fixed(**SMALL_FAST),
+    t = Session(pair, fwd, bwd, read_costs=fixed_costs(**SMALL_FAST),
                 policy=replace(PLAIN, min_retention=0.0), retention=kept)  # fmt: skip
     talk(t, [long])
     assert t.turns[0].read is not None and t.turns[0].retention is None
     with pytest.raises(PolicyError, match="min_retention"):
         replace(PLAIN, min_retention=1.2)
-    with pytest.raises(ValueError, match="retention points"):
-        Retention(((64, 0.9), (16, 0.95)))
 
 
 def test_retention_is_kept_in_the_cache_folder_and_found_by_the_runtime(
@@ -270,32 +267,33 @@ def test_retention_is_kept_in_the_cache_folder_and_found_by_the_runtime(
     lengths it measured (the same tasks never count twice), other draws pool, and a length
     counts once the native read got `MIN_RIGHT` right there."""
     from mlx_kvlingo.api import Conversation, Pair
-    from mlx_kvlingo.conversation import retention
+    from mlx_kvlingo.conversation import rates
 
-    monkeypatch.setattr(
-        retention, "path_for", lambda k, d=None: tmp_path / "retention" / retention.digest(k)
-    )
+    monkeypatch.setattr(rates, "RETENTION", tmp_path / "retention")
     fwd, bwd = translators
     rt = Pair(pair, fwd, bwd)
     assert rt.retention() is None and Conversation(rt).cache.retention is None
-    k = retention.key(pair, fwd, ReaderPolicy())
-    retention.record(k, "seed 1", [(128, 3, 3), (2048, 1, 2)])
+    k = rates.retention_key(pair, fwd, ReaderPolicy())
+    rates.record_retention(k, "seed 1", [(128, 3, 3), (2048, 1, 2)])
     assert Pair(pair, fwd, bwd).retention().points == ((128, 1.0),)  # 2048: too few yet
-    retention.record(k, "seed 1", [(2048, 0, 2)])  # the same draw again: replaces
-    retention.record(k, "seed 2", [(2048, 2, 3)])  # another draw: pools
-    assert retention.load(k) == {"seed 1": ((128, 3, 3), (2048, 0, 2)), "seed 2": ((2048, 2, 3),)}
+    rates.record_retention(k, "seed 1", [(2048, 0, 2)])  # the same draw again: replaces
+    rates.record_retention(k, "seed 2", [(2048, 2, 3)])  # another draw: pools
+    assert rates.load_retention(k) == {
+        "seed 1": ((128, 3, 3), (2048, 0, 2)),
+        "seed 2": ((2048, 2, 3),),
+    }
     rt = Pair(pair, fwd, bwd)
     conv = Conversation(rt)
     kept = Retention(((128, 1.0), (2048, 0.4)), "seed 1; seed 2")
     assert conv.cache.retention == kept and rt.retention() == kept
     conv.policy = replace(conv.policy, recompute_share=0.2)  # measured for other settings
     assert conv.cache.retention is None
-    for broken in ("{not json", json.dumps({"schema": retention.SCHEMA, "key": k,
+    for broken in ("{not json", json.dumps({"schema": rates.SCHEMA, "key": k,
                                             "draws": {"x": [[64, 4, 3]]}})):  # fmt: skip
         (next((tmp_path / "retention").iterdir())).write_text(broken)
         assert Pair(pair, fwd, bwd).retention() is None  # a broken file: unmeasured
     with pytest.raises(ValueError, match="count"):
-        retention.pooled([(64, True, 3)])
+        rates.pooled([(64, True, 3)])
 
 
 def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
@@ -305,10 +303,10 @@ def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
     the file the translator came from, whatever dtype it computes in); counts measured on this
     pair (`kvlingo eval --task content`, in the cache folder) pool with them."""
     from mlx_kvlingo.api import Pair
-    from mlx_kvlingo.conversation import retention
+    from mlx_kvlingo.conversation import rates
     from mlx_kvlingo.models.demo import pair as demo
 
-    monkeypatch.setattr(retention, "path_for", lambda k, d=None: tmp_path / retention.digest(k))
+    monkeypatch.setattr(rates, "RETENTION", tmp_path / "retention")
     fwd, bwd = translators
     shipped = tmp_path / "forward.safetensors"
     shipped.write_bytes(b"")
@@ -324,7 +322,8 @@ def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
         fwd.path = tmp_path / "another.safetensors"
         assert Pair(pair, fwd, bwd).retention() is None  # not the shipped file
         fwd.path = shipped
-        retention.record(retention.key(pair, fwd, ReaderPolicy()), "measured here", [(4096, 3, 4)])
+        k = rates.retention_key(pair, fwd, ReaderPolicy())
+        rates.record_retention(k, "measured here", [(4096, 3, 4)])
         got = Pair(pair, fwd, bwd).retention()
         assert got.points == ((1024, 1.0), (4096, 0.5)) and got.source.endswith("measured here")
         entry["counts"] = [[1024, 4, 3]]  # a malformed manifest: only what was measured here
@@ -338,7 +337,7 @@ def opening_tie(pair, n0: int, ratio: float) -> ReadCosts:
     large path: large = b * n0, small = 2 c (n0 - 1) + b."""
     b = 0.01
     c = (ratio * b * n0 - b) / (2 * (n0 - 1))
-    return ReadCosts.fixed(source_read=(0, c), forward=(0, c), backward=(0, c), target_read=(0, b))
+    return fixed_costs(source_read=(0, c), forward=(0, c), backward=(0, c), target_read=(0, b))
 
 
 @pytest.mark.parametrize(
@@ -364,7 +363,7 @@ def test_the_token_rule_breaks_ties(pair, translators, tmp_path, ratio, margin, 
     next(s.generate("large", max_tokens=N))
     s.cancel()
     s.add_user(SHORT[1])
-    s.read_costs = ReadCosts.fixed(**SMALL_FAST)
+    s.read_costs = fixed_costs(**SMALL_FAST)
     s.policy = replace(s.policy, reader_margin=1e9)
     small, why, _ = s.catchup.choice("target", len(s.tokens) - 1)
     assert not small and why == "reader auto, a tie: the large reads turns under 64 tok"
@@ -399,9 +398,9 @@ def test_auto_before_any_timing_is_the_token_rule(pair, translators):
 def test_reader_tokens_and_the_others_ignore_the_rates(pair, translators):
     fwd, bwd = translators
     for reader, costs, reads in (
-        ("tokens", ReadCosts.fixed(**LARGE_FAST), [True, False]),
-        ("small", ReadCosts.fixed(**LARGE_FAST), [True, True]),
-        ("self", ReadCosts.fixed(**SMALL_FAST), [False, False]),
+        ("tokens", fixed_costs(**LARGE_FAST), [True, False]),
+        ("small", fixed_costs(**LARGE_FAST), [True, True]),
+        ("self", fixed_costs(**SMALL_FAST), [False, False]),
     ):
         s = Session(pair, fwd, bwd, read_costs=costs, policy=plain(reader=reader))
         talk(s, SHORT[:2])
@@ -412,7 +411,7 @@ def test_reader_tokens_and_the_others_ignore_the_rates(pair, translators):
 def test_warm_up_measures_every_cost_and_pays_the_first_turn(pair, translators):
     fwd, bwd = translators
     costs = ReadCosts()
-    assert warm_up(pair, fwd, bwd, lengths=(8, 24), answer_tokens=2, costs=costs) is costs
+    assert warm_up(pair, fwd, bwd, lengths=(8, 24), costs=costs) is costs
     for name in ("source_read", "forward", "backward", "target_read"):
         assert getattr(costs, name).ready, name
     assert costs.warmup_s > 0
@@ -432,7 +431,7 @@ def test_warm_up_measures_every_cost_and_pays_the_first_turn(pair, translators):
 
 def test_warm_up_without_translators(pair):
     """No forward map: only the large reading itself is timed (and the small answering)."""
-    costs = warm_up(pair, None, None, lengths=(8, 24), answer_tokens=2, costs=ReadCosts())
+    costs = warm_up(pair, None, None, lengths=(8, 24), costs=ReadCosts())
     assert costs.target_read.ready and not costs.source_read.samples
 
 

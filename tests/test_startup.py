@@ -1,7 +1,7 @@
 """Starts like mlx-lm (issue 49): the rates the warm-up measures are kept in the cache folder,
 keyed by the machine, the pair's files and the library versions; a later start with the same
-key reuses them (no measuring, a first-call warm-up only), a changed key measures again, a
-corrupt or foreign file is ignored. On the tiny known-answer pair, each test with its own
+key reuses them (no measuring: a first-call warm-up and one probe read per model), a changed key
+measures again, a corrupt or foreign file is ignored. On the tiny known-answer pair, each test with its own
 cache folder."""
 
 import json
@@ -18,7 +18,7 @@ from mlx_kvlingo.models.pair import load_model, load_pair
 
 import mlx.core as mx
 import pytest
-from helpers import exact_translator, inverse
+from helpers import exact_translator, fixed_costs, inverse
 
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = (8, 24)
@@ -30,14 +30,6 @@ def cache(tmp_path, monkeypatch):
     folder = tmp_path / "cache"
     monkeypatch.setenv("KVLINGO_CACHE", str(folder))
     return folder
-
-
-@pytest.fixture(autouse=True)
-def steady_load(monkeypatch):
-    """No start here measures anew for its load (`warmup.REMEASURE_S`): the tiny pair's reads
-    take milliseconds, which another job on the machine can make many times over; the test of
-    measuring anew sets it back."""
-    monkeypatch.setattr(warmup_module, "REMEASURE_S", float("inf"))
 
 
 @pytest.fixture
@@ -68,7 +60,7 @@ def rate_files(cache: Path) -> list[Path]:
 
 
 def test_a_second_start_reuses_the_stored_rates(tiny_dir, cache, measures):
-    from mlx_kvlingo.conversation.timing import costs_of
+    from mlx_kvlingo.conversation.rates import costs_of
 
     first = fresh_runtime(tiny_dir)
     first.warm_up(lengths=LENGTHS)
@@ -82,13 +74,12 @@ def test_a_second_start_reuses_the_stored_rates(tiny_dir, cache, measures):
     assert second.rates == "cached" and second.warmup_s == seconds > 0
     (stored,) = rate_files(cache)
     costs, measured = costs_of(second.models), costs_of(first.models).to_dict()
-    # as stored (scaled to this start's load where the tiny pair's short read says so), but
-    # for the reads this start repeated: the large model's short read, each model's probe
-    got, f = costs.to_dict(), second.load_factor
+    # as stored, but for each model's probe, which this start read again (and replaced)
+    got = costs.to_dict()
     assert costs.origin == "cached"
     for name in measured:
-        assert not_repeated(got[name]) == not_repeated(scaled(measured, f)[name])
-        assert len(got[name]) - len(not_repeated(got[name])) == REPEATED[name]
+        assert not_probe(got[name]) == not_probe(measured[name])
+        assert len(got[name]) - len(not_probe(got[name])) == PROBED[name]
     assert costs.target_read.ready and costs.forward.ready and costs.backward.ready
     # each translator's map reading is the one measured on the first start
     assert second.forward.reading.chosen == first.forward.reading.chosen != {}
@@ -104,97 +95,63 @@ def test_a_second_start_reuses_the_stored_rates(tiny_dir, cache, measures):
     assert len(measures) == 2 and second.rates == "measured" and rate_files(cache) == [stored]
 
 
-def scaled(rates: dict, factor: float) -> dict:
-    return {k: [[n, s * factor, at] for n, s, at in v] for k, v in rates.items()}
+#: the probe samples per cost: each model's read over a long scratch cache (the small model's
+#: with a forward translator)
+PROBED = {"source_read": 1, "forward": 0, "backward": 0, "target_read": 1, "target_step": 0}
 
 
-#: what a reusing start reads again, per cost: the large model's short read and its probe, the
-#: small model's probe (the warm-up's LENGTHS are neither's length)
-REPEATED = {"source_read": 1, "forward": 0, "backward": 0, "target_read": 2, "target_step": 0}
+def not_probe(samples: list) -> list:
+    return [x for x in samples if x[0] != warmup_module.PROBE_READ or x[2] < LENGTHS[-1] * 4]
 
 
-def not_repeated(samples: list) -> list:
-    repeated = {(warmup_module.PROBE_READ, warmup_module.PROBE_AT), (warmup_module.LOAD_READ, 0)}
-    return [x for x in samples if (x[0], x[2]) not in repeated]
+def probe_at(loaded) -> int:
+    """Where a model's probe reads: PROBE_AT, or half its context where that is shorter."""
+    return min(warmup_module.PROBE_AT, (loaded.context_length or 1 << 30) // 2)
 
 
-@pytest.mark.parametrize("slower", [3.0, 1.6, 1.1, 0.6])
-def test_a_reusing_start_checks_its_load_and_repeats_the_probes(tiny_dir, cache, measures,
-                                                                monkeypatch, slower):  # fmt: skip
-    """A start that reuses stored rates times the large model's short read: where it takes
-    more than LOAD_TOLERANCE times what the rates predict (or less than its inverse), every
-    stored rate is scaled by that factor, so the first prediction follows this start's
-    machine; within, they stay as stored. Either way the short read and each model's attention
-    probe (a read over a long scratch cache) replace the stored ones, so a long turn is
-    predicted by this start's attention term. (3x: beyond REMEASURE, but within REMEASURE_S,
-    so scaled, not measured anew.)"""
-    from mlx_kvlingo.conversation.timing import costs_of
+class Counting:
+    """A model that counts its reads over a long cache (`at` positions or more)."""
+
+    def __init__(self, model, at: int):
+        self.wrapped, self.at, self.long_reads = model, at, []
+
+    def __call__(self, x, cache=None, **kwargs):
+        if cache and cache[0].offset >= self.at:
+            self.long_reads.append((x.shape[1], cache[0].offset))
+        return self.wrapped(x, cache=cache, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
+
+
+def test_a_reusing_start_reads_one_probe_per_model(tiny_dir, cache, measures):
+    """A start that reuses stored rates reads each model once over a long scratch cache (its
+    attention term), and that read replaces the stored one: the only sample that changes.
+    Its prediction of a long turn then follows this start's probe."""
+    from mlx_kvlingo.conversation.rates import costs_of
 
     first = fresh_runtime(tiny_dir)
     first.warm_up(lengths=LENGTHS)
-    measured = costs_of(first.models).to_dict()
-    probes = {k: [x for x in v if x[2] == warmup_module.PROBE_AT] for k, v in measured.items()}
-    assert {k: len(v) for k, v in probes.items()} == {**REPEATED, "target_read": 1}
+    stored = costs_of(first.models).to_dict()
     second = fresh_runtime(tiny_dir)
-    costs = costs_of(second.models)
-    real = warmup_module.attention_probe
-    short = []
-
-    def turn_read(loaded, ids, kwargs):  # `slower` times what the stored rates predict
-        assert loaded is second.models.target and len(ids) == warmup_module.LOAD_READ
-        short.append(slower * costs.target_read.predict(len(ids)))
-        return short[-1]
-
-    def probe(loaded, ids):  # three times the stored probe, whatever the load
-        n, _, at = real(loaded, ids)
-        role = "target_read" if loaded is second.models.target else "source_read"
-        return n, 3 * probes[role][0][1], at
-
-    monkeypatch.setattr(warmup_module, "turn_read", turn_read)
-    monkeypatch.setattr(warmup_module, "attention_probe", probe)
+    models = [Counting(m.model, probe_at(m)) for m in (second.models.source, second.models.target)]
+    second.models.source.model, second.models.target.model = models
     second.warm_up(lengths=LENGTHS)
-    assert len(measures) == 1 and second.rates == "cached" and len(short) == 1
-    factor = slower if not 1 / warmup_module.LOAD_TOLERANCE <= slower <= 1.2 else 1.0
-    assert second.load_factor == pytest.approx(factor)
+    assert len(measures) == 1 and second.rates == "cached"
+    for m in models:
+        assert m.long_reads == [(warmup_module.PROBE_READ, m.at)]
+    costs = costs_of(second.models)
     got = costs.to_dict()
-    for name, samples in scaled(measured, factor).items():
-        assert [s[0] for s in not_repeated(got[name])] == [s[0] for s in not_repeated(samples)]
-        assert [s[1] for s in not_repeated(got[name])] == pytest.approx(
-            [s[1] for s in not_repeated(samples)], rel=1e-9
-        )
-        if probes[name]:  # replaced, not added, and not scaled
-            ((n, s, at),) = probes[name]
-            assert [x for x in got[name] if x[2] == at] == [[n, pytest.approx(3 * s), at]]
-    assert [x for x in got["target_read"] if x[2] == 0][-1] == [64, short[0], 0]
-    assert ("scaled x" in warmup_module.rates_text(second.rates, second.load_factor)) is (
-        factor != 1.0
-    )
-
-
-@pytest.mark.parametrize("slower", [3.0, 0.3])
-def test_rates_far_off_this_starts_load_are_measured_anew(tiny_dir, cache, measures, monkeypatch,
-                                                          slower):  # fmt: skip
-    """Where the short read takes more than REMEASURE times what the stored rates predict (or
-    less than its inverse) and more than REMEASURE_S seconds off (here 0: the tiny pair's
-    reads take milliseconds), the start measures them anew and stores them over the old."""
-    monkeypatch.setattr(warmup_module, "REMEASURE_S", 0.0)
-    from mlx_kvlingo.conversation.timing import costs_of
-
-    first = fresh_runtime(tiny_dir)
-    first.warm_up(lengths=LENGTHS)
-    (stored,) = rate_files(cache)
-    before = json.loads(stored.read_text())["costs"]
-    second = fresh_runtime(tiny_dir)
-    costs = costs_of(second.models)
-    monkeypatch.setattr(warmup_module, "turn_read",
-                        lambda loaded, ids, kwargs: slower * costs.target_read.predict(len(ids)))  # fmt: skip
-    second.warm_up(lengths=LENGTHS)
-    assert len(measures) == 2 and second.rates == "measured" and second.load_factor == 1.0
-    assert rate_files(cache) == [stored]
-    after = json.loads(stored.read_text())["costs"]
-    assert after != before and after == costs.to_dict()
-    # nothing of the stored rates is left in this start's
-    assert not any(x in before[name] for name in before for x in after[name])
+    for name in ("source_read", "target_read"):
+        (old,) = [x for x in stored[name] if x not in not_probe(stored[name])]
+        (new,) = [x for x in got[name] if x not in not_probe(got[name])]
+        assert new[0::2] == old[0::2] and new[1] > 0 and new == got[name][-1]  # the newest
+    # a slower probe this start: a long read is predicted slower, a short one about the same
+    before = (costs.target_read.predict(4000), costs.target_read.predict(16))
+    (n, s, at) = got["target_read"][-1]
+    costs.target_read.observe(n, 10 * s, at, again=True)
+    assert costs.target_read.predict(4000) > 2 * before[0]
+    assert len(costs.target_read.samples) == len(got["target_read"])  # replaced, not added
 
 
 def test_both_starts_prime_the_recompute(tiny_dir, cache, measures):
@@ -217,17 +174,18 @@ def test_both_starts_prime_the_recompute(tiny_dir, cache, measures):
 
 
 def test_a_changed_key_measures_again(tiny_dir, cache, measures, monkeypatch):
-    from mlx_kvlingo.conversation import rates_cache
+    import mlx_kvlingo
+    from mlx_kvlingo.conversation import rates
 
     fresh_runtime(tiny_dir).warm_up(lengths=LENGTHS)
     assert len(measures) == 1
     # another library version
-    real = rates_cache.versions
-    monkeypatch.setattr(rates_cache, "versions", lambda: {**real(), "mlx-kvlingo": "9.9.9"})
+    real = mlx_kvlingo.__version__
+    monkeypatch.setattr(mlx_kvlingo, "__version__", "9.9.9")
     rt = fresh_runtime(tiny_dir)
     rt.warm_up(lengths=LENGTHS)
     assert len(measures) == 2 and rt.rates == "measured"
-    monkeypatch.setattr(rates_cache, "versions", real)
+    monkeypatch.setattr(mlx_kvlingo, "__version__", real)
     rt = fresh_runtime(tiny_dir)
     rt.warm_up(lengths=LENGTHS)
     assert len(measures) == 2 and rt.rates == "cached"
@@ -237,9 +195,8 @@ def test_a_changed_key_measures_again(tiny_dir, cache, measures, monkeypatch):
     rt = fresh_runtime(tiny_dir, forward_answer=answer)
     rt.warm_up(lengths=LENGTHS)
     assert len(measures) == 3 and rt.rates == "measured"
-    # another machine: its device
-    real_machine = rates_cache.machine
-    monkeypatch.setattr(rates_cache, "machine", lambda: {**real_machine(), "chip": "M9 Ultra"})
+    # another machine: its platform
+    monkeypatch.setattr(rates.platform, "platform", lambda *a, **k: "M9 Ultra")
     rt = fresh_runtime(tiny_dir)
     rt.warm_up(lengths=LENGTHS)
     assert len(measures) == 4 and rt.rates == "measured"
@@ -269,9 +226,9 @@ def test_a_corrupt_or_foreign_file_is_ignored(tiny_dir, cache, measures, damage)
         path.mkdir()  # a folder where the file should be: reading it is an OSError
     else:
         if damage == "foreign_key":  # another machine's file under this name
-            bad["key"]["machine"]["cpus"] = 4096
+            bad["key"]["machine"][2] = 4096  # its CPU count
         elif damage == "other_schema":
-            bad["schema_version"] = 99
+            bad["schema"] = "mlx-kvlingo/rates-99"
         elif damage == "bad_costs":
             bad["costs"]["forward"] = [[16, -1.0], [64, "fast"]]
         elif damage == "bad_reading":
@@ -282,7 +239,7 @@ def test_a_corrupt_or_foreign_file_is_ignored(tiny_dir, cache, measures, damage)
     assert len(measures) == 2 and rt.rates == "measured"
     if damage != "unreadable":  # and written anew, whole
         again = json.loads(path.read_text())
-        assert again["key"] == good["key"] and again["schema_version"] == good["schema_version"]
+        assert again["key"] == good["key"] and again["schema"] == good["schema"]
         assert fresh_runtime(tiny_dir).warm_up(lengths=LENGTHS) and len(measures) == 2
 
 
@@ -297,10 +254,10 @@ def test_a_cache_folder_that_cannot_be_written_only_measures(tiny_dir, tmp_path,
 
 
 def test_rates_round_trip_and_malformed_ones_are_refused():
-    from mlx_kvlingo.conversation.timing import ReadCosts
+    from mlx_kvlingo.conversation.rates import ReadCosts
     from mlx_kvlingo.kv.translator import MapReading
 
-    costs = ReadCosts.fixed(source_read=(0.01, 0.001), target_read=(0.02, 0.01))
+    costs = fixed_costs(source_read=(0.01, 0.001), target_read=(0.02, 0.01))
     again = ReadCosts.from_dict(json.loads(json.dumps(costs.to_dict())))
     assert again.to_dict() == costs.to_dict() and not again.target_read.frozen
     assert again.large_reads(40) == pytest.approx(costs.large_reads(40))

@@ -173,14 +173,14 @@ def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, conso
 
 def _store_retention(pair, tr, chat, counts, draw, console) -> None:
     """Add the chat condition's retention counts to those in the cache folder, where reader
-    "auto" of this pair, translator and settings finds them (conversation/retention.py)."""
-    from mlx_kvlingo.conversation import retention as kept
+    "auto" of this pair, translator and settings finds them (conversation/rates.py)."""
+    from mlx_kvlingo.conversation import rates as kept
 
     if not counts:
         return
     policy = ReaderPolicy(large_reads_last=chat.tail, recompute_share=chat.share)
     try:
-        draws = kept.record(kept.key(pair, tr, policy), draw, counts)
+        draws = kept.record_retention(kept.retention_key(pair, tr, policy), draw, counts)
     except OSError as e:
         console.print(f"[yellow]retention not stored: {e}[/yellow]")
         return

@@ -22,15 +22,15 @@ it is made, and never changes the transcript.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.budget import AheadBudget
+from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention
 from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats, share
-from mlx_kvlingo.conversation.timing import Paths, ReadCosts
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy, reserve
 from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, needs_recording, prefill
@@ -43,9 +43,6 @@ from mlx_kvlingo.kv.recompute import (
 )
 from mlx_kvlingo.kv.translator import Translator, append_translation
 from mlx_kvlingo.models.pair import LoadedModel, ModelPair
-
-if TYPE_CHECKING:  # annotations only: retention.py reads the cache folder
-    from mlx_kvlingo.conversation.retention import Retention
 
 import mlx.core as mx
 
@@ -60,6 +57,8 @@ TAIL_ALLOWANCE_S = 0.5
 #: sentence, at least 24 tokens, the chat template's markup last (weights/QUALITY.md,
 #: "Sentences, not neighbours")
 RECOMPUTE_SELECTION = Selection()
+#: the fewest tokens translated ahead at a time (conversation/README.md, "Translating ahead")
+AHEAD_MIN = 8
 #: a turn is read (by either model: mlx-lm's prefill step for the answering model's own read)
 #: and its span captured and translated this many tokens at a time: one chunk's attention
 #: scores, float32 copy and maps beside the caches however long the turn, and a long document
@@ -166,10 +165,7 @@ class CatchUp:
         if reader != "self" and self.forward is None:
             raise SessionError(f"reader {reader!r} needs a forward (small -> large) translator")
         self._policy = replace(policy, reader=reader)
-        #: translating ahead costs at most `ahead_share` of the small model's decode time (see
-        #: conversation/budget.py), or, with `ahead_share=None`, `ahead_chunk` tokens a token
-        share = policy.ahead_share
-        self.ahead_budget = None if share is None else AheadBudget(share)
+        self.ahead_credit = 0.0  # seconds of translating ahead the small model's tokens earned
 
     def check_mode(self) -> None:
         if self.mode != "naive":
@@ -313,37 +309,48 @@ class CatchUp:
         t.settle(min(t.held, upto))
         if t.held >= upto:
             return None
-        if self.ahead_budget is not None:  # a debt carries over; unspent credit does not
-            self.ahead_budget.credit = min(self.ahead_budget.credit, 0.0)
+        self.ahead_credit = min(self.ahead_credit, 0.0)  # a debt carries over, credit does not
         return Switch("target", self.mode, t.held, t.held, note=f"translated ahead to {upto}")
 
     def ahead_step(self, sw: Switch, upto: int, decode_s: float | None) -> float:
         """After one small token (decoded in `decode_s`, None for the first): translate the
-        next chunk of the ahead span, as much as the budget allows (or `ahead_chunk` tokens
-        without one). Returns the seconds spent."""
+        next chunk of the ahead span (`ahead_tokens`). Returns the seconds spent."""
         t, o = self.models["target"], self.models["source"]
         read = min(c.offset for c in o.cache)  # the small model's cache, mid-answer
-        remaining = min(upto, read) - t.held
-        budget = self.ahead_budget
-        if budget is None:
-            n = min(remaining, self.policy.ahead_chunk)
-        else:
-            if decode_s is not None:
-                budget.earn(decode_s)
-            n = budget.tokens(remaining)
+        n = self.ahead_tokens(min(upto, read) - t.held, decode_s)
         if n <= 0:
             return 0.0
         t0 = time.perf_counter()
         self._translate(o, t, self.forward, t.held, t.held + n)
         seconds = time.perf_counter() - t0
-        if budget is not None:
-            budget.spent(n, seconds)
+        self.ahead_credit -= seconds
+        self.read_costs.forward.observe(n, seconds)
         if not sw.translated:
             self.switches.append(sw)
         sw.end = t.held
         sw.translated = sw.end - sw.start
         sw.seconds += seconds
         return seconds
+
+    def ahead_tokens(self, remaining: int, decode_s: float | None) -> int:
+        """How many of `remaining` tokens to translate ahead now. Each small token earns
+        `ahead_share` x its decode time; a chunk is translated once the credit covers its
+        predicted cost (`read_costs.forward`: a + b n) and it is at least max(AHEAD_MIN, 3a / b)
+        tokens (its per-call cost a quarter at most), as many as the credit covers; what it
+        overruns is a debt. Unmeasured: AHEAD_MIN tokens. `ahead_share=None`: `ahead_chunk`
+        tokens after every token."""
+        p, cost = self.policy, self.read_costs.forward
+        if p.ahead_share is None or remaining <= 0:
+            return min(max(remaining, 0), p.ahead_chunk)
+        self.ahead_credit += p.ahead_share * max(decode_s or 0.0, 0.0)
+        if self.ahead_credit <= 0 or not cost.samples:  # the first chunk measures
+            return 0 if self.ahead_credit <= 0 else min(remaining, AHEAD_MIN)
+        a, b = cost.fit()
+        b = max(b, 1e-9)
+        # one length measured: twice it, which tells the per-call cost from the per-token one
+        least = max(AHEAD_MIN, math.ceil(3 * a / b)) if cost.ready else 2 * cost.samples[-1][0]
+        most = min(remaining, int((self.ahead_credit - a) / b))
+        return most if most >= min(least, remaining) else 0
 
     # -- who reads a turn (reader policy) ------------------------------------------------------
 

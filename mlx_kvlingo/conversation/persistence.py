@@ -7,7 +7,6 @@ session's state explicitly (the transcript, both model caches, the records)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -19,32 +18,14 @@ from mlx_kvlingo.conversation.records import Read, SessionFileError, Switch, Tur
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import prefix_copy
 from mlx_kvlingo.models.files import parse_json, read_header
-from mlx_kvlingo.models.pair import LoadedModel, ModelPair
+from mlx_kvlingo.models.pair import ModelPair, model_fingerprint
 
 import mlx.core as mx
-import numpy as np
-from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 MODELS = ("source", "target")
 SESSION_SCHEMA = "mlx-kvlingo/session"
 SESSION_SCHEMA_VERSION = 1
-
-
-def model_fingerprint(loaded: LoadedModel) -> str:
-    """Identify a model's weights across dtypes: signs of the clearly non-zero entries of its
-    embedding and K/V projections (dtype casts and 4-bit rounding keep those signs)."""
-    h = hashlib.sha256(json.dumps(loaded.geometry.as_dict(), sort_keys=True).encode())
-    for name, w in sorted(tree_flatten(loaded.model.parameters())):
-        if not any(s in name for s in ("embed_tokens", "k_proj", "v_proj")):
-            continue
-        if not mx.issubdtype(w.dtype, mx.floating):
-            continue
-        x = np.array(w.reshape(-1)[:256].astype(mx.float32))
-        big = np.abs(x) > 0.5 * (x.std() + 1e-12)
-        h.update(name.encode())
-        h.update(np.packbits(big).tobytes() + np.packbits((x > 0) & big).tobytes())
-    return h.hexdigest()[:16]
 
 
 def save(path: str | Path, pair: ModelPair, *, transcript: Transcript,

@@ -101,10 +101,10 @@ class TurnStats:
     alone_prefill_s: float | None = None
     read_note: str = ""  # why the large read the new turn itself (readers "auto", "tokens")
     #: reader "auto" turned the faster small path down: what it was expected to keep of the
-    #: content at this turn's length (retention.py), under `min_retention`
+    #: content at this turn's length (rates.py), under `min_retention`
     retention: float | None = None
     #: the other way of reading this turn, its TTFT predicted from the rates measured on this
-    #: pair (conversation/timing.py): the large reading itself when the small read, the small
+    #: pair (conversation/rates.py): the large reading itself when the small read, the small
     #: reading (catch-up, read, translation, the large's first step) when the large read
     alternative_ttft_s: float | None = None
     predicted_ttft_s: float | None = None  # what was predicted for the path taken

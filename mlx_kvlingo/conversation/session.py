@@ -23,7 +23,7 @@ true absolute positions; `naive` re-translates everything the other model holds 
 that drifts turn after turn); `reprefill` reads it all (the exact reference, and the slow one).
 
 Reader "auto" (the default with a forward translator) picks, turn by turn, whichever path starts
-the answer sooner, predicted from rates measured on this pair (timing.py); ties go to the token
+the answer sooner, predicted from rates measured on this pair (rates.py); ties go to the token
 rule (a short translated turn between the large's native answers loses the most quality). The
 large reads the turn's last `large_reads_last` tokens itself (32; 1 is the plain handoff):
 a translated short message keeps its topic and loses its request (weights/QUALITY.md). Where
@@ -38,11 +38,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from mlx_kvlingo.config import READERS, ReaderPolicy
 from mlx_kvlingo.conversation import persistence
 from mlx_kvlingo.conversation.catchup import MODES, READ_CHUNK, CatchUp, ModelCache, RemoteLarge
+from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention, costs_of
 from mlx_kvlingo.conversation.records import (
     ContextOverflowError,
     SessionError,
@@ -51,14 +51,10 @@ from mlx_kvlingo.conversation.records import (
     TurnStats,
     role,
 )
-from mlx_kvlingo.conversation.timing import Paths, ReadCosts, costs_of
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.translator import Side, Translator
 from mlx_kvlingo.models.pair import ModelPair
-
-if TYPE_CHECKING:  # annotations only: retention.py reads the cache folder
-    from mlx_kvlingo.conversation.retention import Retention
 
 import mlx.core as mx
 from mlx_lm import stream_generate
@@ -134,7 +130,7 @@ class Session:
                    "translator, else 'self'); change it with dataclasses.replace")  # fmt: skip
     read_costs = _kept("catchup", "read_costs", "what reading costs on this pair (reader auto)")
     retention = _kept("catchup", "retention", "what the forward translator keeps of the content "
-                      "by length under this policy (reader auto; retention.py)")  # fmt: skip
+                      "by length under this policy (reader auto; rates.py)")  # fmt: skip
     tokens = _kept("transcript", "tokens", "the conversation's token ids")
     messages = _kept("transcript", "messages", "the role/content dicts of the conversation")
     system_prompt = _kept("transcript", "system_prompt", "the system message (reset keeps it)")

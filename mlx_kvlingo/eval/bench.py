@@ -33,8 +33,8 @@ from pathlib import Path
 
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.catchup import READ_CHUNK
+from mlx_kvlingo.conversation.rates import ReadCosts
 from mlx_kvlingo.conversation.session import Session
-from mlx_kvlingo.conversation.timing import ReadCosts
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.report import md_row, md_table
 from mlx_kvlingo.kv.cache import new_cache

@@ -102,12 +102,12 @@ def target_folder(source, target, demo_pair: str) -> str:
 def new_cache_folder(cache: Path) -> Path:
     """A fresh cache folder holding links to everything in `cache` but the stored rates (the
     converted demo models stay converted: only the rates are new)."""
-    from mlx_kvlingo.conversation.rates_cache import FOLDER
+    from mlx_kvlingo.conversation.rates import RATES
 
     fresh = Path(tempfile.mkdtemp(prefix="kvlingo-startup-"))
     if cache.is_dir():
         for entry in cache.iterdir():
-            if entry.name != FOLDER and not entry.name.startswith("."):
+            if entry.name != RATES and not entry.name.startswith("."):
                 (fresh / entry.name).symlink_to(entry.resolve())
     return fresh
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import sys
@@ -227,6 +228,25 @@ def vocab_fingerprint(tokenizer) -> str:
     vocab = tokenizer.get_vocab()
     items = "\n".join(f"{i}\t{t}" for t, i in sorted(vocab.items(), key=lambda kv: kv[1]))
     return hashlib.sha256(items.encode()).hexdigest()[:16]
+
+
+def model_fingerprint(loaded: LoadedModel) -> str:
+    """Identify a model's weights across dtypes: signs of the clearly non-zero entries of its
+    embedding and K/V projections (dtype casts and 4-bit rounding keep those signs)."""
+    import numpy as np
+    from mlx.utils import tree_flatten
+
+    h = hashlib.sha256(json.dumps(loaded.geometry.as_dict(), sort_keys=True).encode())
+    for name, w in sorted(tree_flatten(loaded.model.parameters())):
+        if not any(s in name for s in ("embed_tokens", "k_proj", "v_proj")):
+            continue
+        if not mx.issubdtype(w.dtype, mx.floating):
+            continue
+        x = np.array(w.reshape(-1)[:256].astype(mx.float32))
+        big = np.abs(x) > 0.5 * (x.std() + 1e-12)
+        h.update(name.encode())
+        h.update(np.packbits(big).tobytes() + np.packbits((x > 0) & big).tobytes())
+    return h.hexdigest()[:16]
 
 
 def check_same_tokenizer(a, b, names=("source", "target")) -> None:

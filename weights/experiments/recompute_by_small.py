@@ -16,8 +16,8 @@ import time
 from mlx_kvlingo import ReaderPolicy, Runtime
 from mlx_kvlingo.cli._common import content_texts
 from mlx_kvlingo.conversation.catchup import _placeholders
+from mlx_kvlingo.conversation.rates import ReadCosts
 from mlx_kvlingo.conversation.session import Session
-from mlx_kvlingo.conversation.timing import ReadCosts
 from mlx_kvlingo.eval.content import MAX_TOKENS, answers_from, contains, fitting_tasks
 from mlx_kvlingo.kv.cache import append_kv
 from mlx_kvlingo.kv.recompute import (
