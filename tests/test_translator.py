@@ -211,6 +211,33 @@ def test_native_first_token_is_the_targets_own(models):
     )
 
 
+@pytest.mark.parametrize("variant", ["mixing", "headwise"])
+def test_a_span_of_the_layers_read_translates_as_the_whole_span(models, variant):
+    """A span captured for the source layers a translator reads (`source_layers_read`) holds
+    those layers of the whole span, and translates to the same K/V, bit for bit; a layer it
+    does not read is not captured."""
+    pair = load_pair(models["qwen3"], models["qwen3_moe" if variant == "mixing" else "qwen3"])
+    s, t = pair.source.geometry, pair.target.geometry
+    rows = tuple((s.layers - 1 - 2 * (i % 2),) for i in range(t.layers))  # out of order, some
+    tr = Translator(TranslatorConfig(variant, Side.of(s), Side.of(t), rows, rows[::-1], bias=True))
+    for params in (tr.key, tr.value):
+        for k, v in params.items():
+            params[k] = mx.random.normal(v.shape) * 0.1
+    tokens = pair.tokenizer.encode(TEXT)
+    cache = new_cache_with(pair, tokens)
+    whole = capture_from_cache(pair.source, cache, 2, len(tokens))
+    read = tr.source_layers_read
+    assert read == tuple(sorted({r[0] for r in rows})) and len(read) < s.layers
+    part = capture_from_cache(pair.source, cache, 2, len(tokens), read)
+    assert part.layers == read and part.keys.shape[0] == len(read)
+    for i, layer in enumerate(read):
+        assert mx.array_equal(part.keys[i], whole.keys[layer]).item()
+        assert mx.array_equal(part.values[i], whole.values[layer]).item()
+    got, want = tr.translate(part, pair.target), tr.translate(whole, pair.target)
+    for a, b in zip(got[0] + got[1], want[0] + want[1], strict=True):
+        assert mx.array_equal(a, b).item()
+
+
 def test_native_first_written_into_the_cache_equals_the_spliced_translation(models):
     """`decode.translate_into` writes the anchor token into the cache before the translated
     rest (no splice copy): the cache equals appending `translate`'s spliced arrays, bit for

@@ -217,7 +217,7 @@ class CatchUp:
         try:
             for s in range(start, end, chunk):
                 e = min(end, s + chunk)
-                span = self._capture(o, cut, s, e)
+                span = self._capture(o, tr, s, e)
                 span.tokens = tuple(self.transcript.tokens[s:e])
                 if m.name == "target" and self.remote is not None:
                     if tr is not self.forward:
@@ -231,8 +231,10 @@ class CatchUp:
         finally:
             m.settle(m.held)  # an interrupted append leaves no half-written layer
 
-    def _capture(self, o: ModelCache, cut: str, start: int, end: int) -> SpanKV:
-        """o's RoPE-free K/V for [start, end) at the translator's key cut."""
+    def _capture(self, o: ModelCache, tr: Translator, start: int, end: int) -> SpanKV:
+        """o's RoPE-free K/V for [start, end) at `tr`'s key cut (read from the cache: of the
+        layers `tr` reads only)."""
+        cut = tr.config.key_cut
         if o.name == "target" and self.remote is not None:
             if needs_recording(o.loaded, cut):
                 raise SessionError(
@@ -241,7 +243,7 @@ class CatchUp:
                 )
             return self.remote.gather(o.cache, start, end)
         if not needs_recording(o.loaded, cut):
-            return capture_from_cache(o.loaded, o.cache, start, end)
+            return capture_from_cache(o.loaded, o.cache, start, end, tr.source_layers_read)
         # pre-k_norm keys are not in the cache: recompute the span on the prefix
         return prefill(o.loaded, self.transcript.tokens[start:end], prefix_copy(o.cache, start),
                        cut=cut)  # fmt: skip

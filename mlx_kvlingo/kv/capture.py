@@ -3,6 +3,10 @@
 Keys come out RoPE-free at one of two cuts: `post_norm` (what the cache holds, un-rotated
 exactly with the model's own RoPE) or `pre_norm` (the `k_proj` output before `k_norm`,
 recorded during prefill). For families without `k_norm` the two cuts coincide.
+
+A span holds every layer, or only the layers a translator reads (`SpanKV.layers`): a
+translator into a shallower target reads few of the source's layers, and the layers it does
+not read are neither copied nor un-rotated.
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mlx_kvlingo.kv.rope import unrotate
+from mlx_kvlingo.kv.rope import unrotate_layers
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,12 +27,14 @@ KEY_CUTS = ("post_norm", "pre_norm")
 
 @dataclass
 class SpanKV:
-    """K/V of tokens [start, start + T) for every layer: (L, B, H, T, D), float32."""
+    """K/V of tokens [start, start + T) for every layer: (L, B, H, T, D), float32; or for
+    the model's layers `layers` (ascending) only, keys[i] being layer layers[i]'s."""
 
     keys: mx.array
     values: mx.array
     start: int
     tokens: tuple[int, ...] | None = None  # the span's token ids, when known
+    layers: tuple[int, ...] | None = None  # None: every layer, in order
 
     @property
     def length(self) -> int:
@@ -49,19 +55,25 @@ def needs_recording(model: LoadedModel, cut: str) -> bool:
     return cut == "pre_norm" and model.geometry.has_k_norm
 
 
-def capture_from_cache(model: LoadedModel, cache: list, start: int, end: int) -> SpanKV:
-    """Read tokens [start, end) from an mlx-lm cache and un-rotate the keys (post_norm cut)."""
+def capture_from_cache(
+    model: LoadedModel, cache: list, start: int, end: int, layers: tuple[int, ...] | None = None
+) -> SpanKV:
+    """Read tokens [start, end) of `layers` (default: every layer) from an mlx-lm cache and
+    un-rotate the keys (post_norm cut)."""
     if end <= start:
         raise ValueError(f"empty span [{start}, {end})")
+    held = range(len(cache)) if layers is None else layers
     keys, values = [], []
-    for i, c in enumerate(cache):
+    for i in held:
+        c = cache[i]
         if c.offset < end:
             raise ValueError(f"cache layer {i} holds {c.offset} tokens, span needs {end}")
         k, v = _layer_kv(c)
-        k = k[..., start:end, :]
-        keys.append(unrotate(model.attention(i).rope, k, start))
-        values.append(_float(v[..., start:end, :]))
-    return SpanKV(mx.stack(keys), mx.stack(values), start)
+        keys.append(k[..., start:end, :])
+        values.append(v[..., start:end, :])
+    keys = unrotate_layers([model.attention(i).rope for i in held], keys, start)
+    layers = None if layers is None else tuple(layers)
+    return SpanKV(keys, _float(mx.stack(values)), start, layers=layers)
 
 
 def _float(x: mx.array) -> mx.array:

@@ -83,6 +83,19 @@ def unrotate(rope: nn.Module, x: mx.array, offset: int) -> mx.array:
     return y if s == 1.0 else y.at[..., :dims].multiply(1.0 / s)
 
 
+def unrotate_layers(ropes: list, xs: list, offset: int) -> mx.array:
+    """`mx.stack([unrotate(r, x, offset) for r, x in zip(ropes, xs)])`, as one un-rotation
+    of the stacked keys where every layer has the same default RoPE (one table, one pass)."""
+    if all(type(r) is nn.RoPE and _same_rope(r, ropes[0]) for r in ropes):
+        x = mx.stack(xs)
+        return unrotate(ropes[0], x.reshape(-1, *x.shape[2:]), offset).reshape(x.shape)
+    return mx.stack([unrotate(r, x, offset) for r, x in zip(ropes, xs, strict=True)])
+
+
+def _same_rope(a: nn.RoPE, b: nn.RoPE) -> bool:
+    return (a.dims, a.traditional, a.base, a.scale) == (b.dims, b.traditional, b.base, b.scale)
+
+
 # -- the CPU path: mx.fast.rope's own tables, one fused pass --------------------------------
 
 

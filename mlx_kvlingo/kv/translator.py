@@ -189,14 +189,17 @@ class Translator(nn.Module):
 
     # -- the maps -------------------------------------------------------------------------
 
-    def map_features(self, x: mx.array, kind: str, reading: MapReading | None = None) -> mx.array:
-        """x: source features (Ls, B, Hs, T, D) -> mapped (Lt, B, Ht, T, D') for `kind`."""
-        terms, token_major = self.map_terms(x, kind, reading)
+    def map_features(
+        self, x: mx.array, kind: str, reading: MapReading | None = None, layers=None
+    ) -> mx.array:
+        """x: source features (Ls, B, Hs, T, D) -> mapped (Lt, B, Ht, T, D') for `kind`;
+        with `layers`, x holds those source layers only (`SpanKV.layers`)."""
+        terms, token_major = self.map_terms(x, kind, reading, layers)
         y = _sum_of(terms)
         return y.transpose(0, 1, 3, 2, 4) if token_major else y
 
     def map_terms(
-        self, x: mx.array, kind: str, reading: MapReading | None = None
+        self, x: mx.array, kind: str, reading: MapReading | None = None, layers=None
     ) -> tuple[list[mx.array], bool]:
         """The terms whose sum (in order) is `kind`'s mapped features: the nu products and
         the bias, and whether they are token-major, (Lt, B, T, Ht, D') (mixing), rather than
@@ -209,7 +212,7 @@ class Translator(nn.Module):
         source = self._source_rows(kind)
         w = params["weight"]
         Lt, nu = source.index.shape
-        x = source.select(x.astype(w.dtype))
+        x = source.select(x.astype(w.dtype), layers)
         U, B, Hs, T, D = x.shape
         strategy = (reading or self.reading).strategy(kind, B * T, w.dtype)
         if self.config.variant == "mixing":
@@ -250,13 +253,24 @@ class Translator(nn.Module):
             rows = tuple(tuple(r) for r in index.tolist())
             cached = self._rows_cache[kind] = (
                 index,
-                SourceRows.of(rows, self.config.source.layers),
+                SourceRows.of(rows),
             )
         return cached[1]
 
+    @property
+    def source_layers_read(self) -> tuple[int, ...]:
+        """The source layers some map reads, ascending: all a span needs to hold."""
+        c = self.config
+        return tuple(
+            sorted({s for rows in (c.key_layers, c.value_layers) for r in rows for s in r})
+        )
+
     def __call__(self, span: SpanKV) -> tuple[mx.array, mx.array]:
         """RoPE-free translated keys and values, (Lt, B, Ht, T, D), before target-side steps."""
-        return self.map_features(span.keys, "key"), self.map_features(span.values, "value")
+        return (
+            self.map_features(span.keys, "key", layers=span.layers),
+            self.map_features(span.values, "value", layers=span.layers),
+        )
 
     # -- into the target's cache ----------------------------------------------------------
 
@@ -274,6 +288,7 @@ class Translator(nn.Module):
                         span.values[..., s : s + chunk, :],
                         span.start + s,
                         span.tokens[s : s + chunk] if span.tokens else None,
+                        span.layers,
                     ),
                     target,
                     chunk,
@@ -299,7 +314,7 @@ class Translator(nn.Module):
         (`with_native_first`)."""
         if target_dtype(target) != mx.float32 or self.key["weight"].dtype != mx.float32:
             return None
-        k_terms, k_major = self.map_terms(span.keys, "key")
+        k_terms, k_major = self.map_terms(span.keys, "key", layers=span.layers)
         scale = None
         if self.config.key_cut == "pre_norm" and target.geometry.has_k_norm:
             norm = _one_rms_norm(target, len(self.config.key_layers))
@@ -310,7 +325,7 @@ class Translator(nn.Module):
         keys = rotate_sum(target.rope, k_terms, span.start, scale, token_major=k_major)
         if keys is None:
             return None
-        v_terms, v_major = self.map_terms(span.values, "value")
+        v_terms, v_major = self.map_terms(span.values, "value", layers=span.layers)
         values = _summed(*v_terms) if len(v_terms) > 1 else v_terms[0]
         if self.config.native_first and span.start == 0 and span.tokens:  # both kinds alike
             keys, values = with_native_first(target, span.tokens[0], keys, values, k_major)
@@ -513,26 +528,29 @@ def _in_place_applies(dtype: mx.Dtype) -> bool:
 
 @dataclass(frozen=True)
 class SourceRows:
-    """The source layers a map reads (`used`, ascending) and its layer map re-indexed into
-    them (`index`, (Lt, nu)); `everything` when all source layers are read in order."""
+    """The source layers a map reads (`layers`, ascending) and its layer map re-indexed into
+    them (`index`, (Lt, nu))."""
 
-    used: mx.array
+    layers: tuple[int, ...]
     index: mx.array
-    everything: bool
 
     @classmethod
-    def of(cls, rows: tuple[tuple[int, ...], ...], source_layers: int) -> SourceRows:
-        used = sorted({s for r in rows for s in r})
+    def of(cls, rows: tuple[tuple[int, ...], ...]) -> SourceRows:
+        used = tuple(sorted({s for r in rows for s in r}))
         where = {s: i for i, s in enumerate(used)}
-        return cls(
-            mx.array(used),
-            mx.array([[where[s] for s in r] for r in rows]),
-            used == list(range(source_layers)),
-        )
+        return cls(used, mx.array([[where[s] for s in r] for r in rows]))
 
-    def select(self, x: mx.array) -> mx.array:
-        """x (Ls, ...) -> the used layers only (a view when all are used)."""
-        return x if self.everything else x[self.used]
+    def select(self, x: mx.array, held: tuple[int, ...] | None = None) -> mx.array:
+        """The used layers of x, which holds source layers `held` (default: every layer, in
+        order): x itself where it holds exactly those, else a copy of them."""
+        return take_layers(x, self.layers, held)
+
+
+def take_layers(x: mx.array, want: tuple[int, ...], held: tuple[int, ...] | None) -> mx.array:
+    """Rows `want` (source layer ids) of x, whose rows are source layers `held` (None: row i
+    is layer i): x itself where they are all of its rows, in order."""
+    at = list(want) if held is None else [held.index(s) for s in want]
+    return x if at == list(range(x.shape[0])) else x[mx.array(at)]
 
 
 @dataclass
