@@ -213,9 +213,9 @@ def test_native_first_token_is_the_targets_own(models):
 
 @pytest.mark.parametrize("variant", ["mixing", "headwise"])
 def test_a_span_of_the_layers_read_translates_as_the_whole_span(models, variant):
-    """A span captured for the source layers a translator reads (`source_layers_read`) holds
-    those layers of the whole span, and translates to the same K/V, bit for bit; a layer it
-    does not read is not captured."""
+    """The span a translator captures (`Translator.capture`: the source layers it reads,
+    token-major for a mixing map) holds those layers of the whole span, and translates to
+    the same K/V, bit for bit; a layer it does not read is not captured."""
     pair = load_pair(models["qwen3"], models["qwen3_moe" if variant == "mixing" else "qwen3"])
     s, t = pair.source.geometry, pair.target.geometry
     rows = tuple((s.layers - 1 - 2 * (i % 2),) for i in range(t.layers))  # out of order, some
@@ -228,7 +228,7 @@ def test_a_span_of_the_layers_read_translates_as_the_whole_span(models, variant)
     whole = capture_from_cache(pair.source, cache, 2, len(tokens))
     read = tr.source_layers_read
     assert read == tuple(sorted({r[0] for r in rows})) and len(read) < s.layers
-    part = capture_from_cache(pair.source, cache, 2, len(tokens), read)
+    part = tr.capture(pair.source, cache, 2, len(tokens))
     assert part.layers == read and part.keys.shape[0] == len(read)
     for i, layer in enumerate(read):
         assert mx.array_equal(part.keys[i], whole.keys[layer]).item()

@@ -33,7 +33,7 @@ from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention
 from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats, share
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy, reserve
-from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, needs_recording, prefill
+from mlx_kvlingo.kv.capture import SpanKV, needs_recording, prefill
 from mlx_kvlingo.kv.recompute import (
     Selection,
     large_reads,
@@ -243,7 +243,7 @@ class CatchUp:
                 )
             return self.remote.gather(o.cache, start, end)
         if not needs_recording(o.loaded, cut):
-            return capture_from_cache(o.loaded, o.cache, start, end, tr.source_layers_read)
+            return tr.capture(o.loaded, o.cache, start, end)
         # pre-k_norm keys are not in the cache: recompute the span on the prefix
         return prefill(o.loaded, self.transcript.tokens[start:end], prefix_copy(o.cache, start),
                        cut=cut)  # fmt: skip

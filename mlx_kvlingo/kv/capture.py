@@ -56,10 +56,16 @@ def needs_recording(model: LoadedModel, cut: str) -> bool:
 
 
 def capture_from_cache(
-    model: LoadedModel, cache: list, start: int, end: int, layers: tuple[int, ...] | None = None
+    model: LoadedModel,
+    cache: list,
+    start: int,
+    end: int,
+    layers: tuple[int, ...] | None = None,
+    token_major: bool = False,
 ) -> SpanKV:
     """Read tokens [start, end) of `layers` (default: every layer) from an mlx-lm cache and
-    un-rotate the keys (post_norm cut)."""
+    un-rotate the keys (post_norm cut). `token_major`: the span's arrays, (L, B, H, T, D) as
+    always, are views of (L, B, T, H, D) memory, the layout a mixing map reads."""
     if end <= start:
         raise ValueError(f"empty span [{start}, {end})")
     held = range(len(cache)) if layers is None else layers
@@ -70,10 +76,13 @@ def capture_from_cache(
             raise ValueError(f"cache layer {i} holds {c.offset} tokens, span needs {end}")
         k, v = _layer_kv(c)
         keys.append(k[..., start:end, :])
-        values.append(v[..., start:end, :])
-    keys = unrotate_layers([model.attention(i).rope for i in held], keys, start)
-    layers = None if layers is None else tuple(layers)
-    return SpanKV(keys, _float(mx.stack(values)), start, layers=layers)
+        values.append(
+            v[..., start:end, :] if not token_major else v[..., start:end, :].swapaxes(1, 2)
+        )
+    keys = unrotate_layers([model.attention(i).rope for i in held], keys, start, token_major)
+    values = _float(mx.stack(values))
+    values = values.swapaxes(2, 3) if token_major else values
+    return SpanKV(keys, values, start, layers=None if layers is None else tuple(layers))
 
 
 def _float(x: mx.array) -> mx.array:

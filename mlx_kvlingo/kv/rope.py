@@ -64,8 +64,9 @@ def rotate(rope: nn.Module, x: mx.array, offset: int) -> mx.array:
     return rope(x, offset=offset)
 
 
-def unrotate(rope: nn.Module, x: mx.array, offset: int) -> mx.array:
-    """Exact inverse of `rotate`, computed in float32: negative angles, same frequencies."""
+def unrotate(rope: nn.Module, x: mx.array, offset: int, token_major: bool = False) -> mx.array:
+    """Exact inverse of `rotate`, computed in float32: negative angles, same frequencies.
+    x is (..., T, D), or with `token_major` (..., T, H, D), and so is the result."""
     x = x if x.dtype == mx.float64 else x.astype(mx.float32)
     dims = _dims(rope)
     if isinstance(rope, nn.RoPE):
@@ -76,20 +77,27 @@ def unrotate(rope: nn.Module, x: mx.array, offset: int) -> mx.array:
     else:
         raise ValueError(f"cannot invert RoPE module {type(rope).__name__}")
     if _fused_applies(x, dims):
-        y = _fused(x, dims, offset, args)
+        y = _fused(x, dims, offset, args, token_major)
+    elif token_major:
+        y = mx.fast.rope(x.swapaxes(-3, -2), dims, offset=offset, **args).swapaxes(-3, -2)
     else:
         y = mx.fast.rope(x, dims, offset=offset, **args)
     s = _input_scale(rope)
     return y if s == 1.0 else y.at[..., :dims].multiply(1.0 / s)
 
 
-def unrotate_layers(ropes: list, xs: list, offset: int) -> mx.array:
-    """`mx.stack([unrotate(r, x, offset) for r, x in zip(ropes, xs)])`, as one un-rotation
-    of the stacked keys where every layer has the same default RoPE (one table, one pass)."""
+def unrotate_layers(ropes: list, xs: list, offset: int, token_major: bool = False) -> mx.array:
+    """`mx.stack([unrotate(r, x, offset) for r, x in zip(ropes, xs)])` for layers' keys xs
+    (B, H, T, D): (L, B, H, T, D), one un-rotation of the stacked keys (one table, one pass)
+    where every layer has the same default RoPE. With `token_major` the result is a view of
+    (L, B, T, H, D) memory, the layout a mixing map reads (no transposed copy later)."""
+    xs = [x.swapaxes(1, 2) for x in xs] if token_major else xs
     if all(type(r) is nn.RoPE and _same_rope(r, ropes[0]) for r in ropes):
         x = mx.stack(xs)
-        return unrotate(ropes[0], x.reshape(-1, *x.shape[2:]), offset).reshape(x.shape)
-    return mx.stack([unrotate(r, x, offset) for r, x in zip(ropes, xs, strict=True)])
+        y = unrotate(ropes[0], x.reshape(-1, *x.shape[2:]), offset, token_major).reshape(x.shape)
+    else:
+        y = mx.stack([unrotate(r, x, offset, token_major) for r, x in zip(ropes, xs, strict=True)])
+    return y.swapaxes(2, 3) if token_major else y
 
 
 def _same_rope(a: nn.RoPE, b: nn.RoPE) -> bool:
@@ -109,9 +117,12 @@ def _fused_applies(x: mx.array, dims: int) -> bool:
     )
 
 
-def _fused(x: mx.array, dims: int, offset: int, args: dict) -> mx.array:
-    """mx.fast.rope(x, dims, offset=offset, **args) as cos/sin tables + one compiled pass."""
-    cos, sin = _tables(x.shape[-2], dims, offset, args, x.dtype)
+def _fused(x: mx.array, dims: int, offset: int, args: dict, token_major: bool = False) -> mx.array:
+    """mx.fast.rope(x, dims, offset=offset, **args) as cos/sin tables + one compiled pass;
+    with `token_major`, on x (..., T, H, D)."""
+    cos, sin = _tables(x.shape[-3 if token_major else -2], dims, offset, args, x.dtype)
+    if token_major:  # (T, 1, ...) broadcasts over the heads axis that follows T
+        cos, sin = cos[:, None], sin[:, None]
     split = (dims // 2, 2) if args["traditional"] else (2, dims // 2)
     pairs = [x.reshape(*x.shape[:-1], *split)]
     return _rotate_pairs(cos, sin, pairs, args["traditional"], False).reshape(x.shape)

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from mlx_kvlingo.kv.cache import append_kv, new_cache
-from mlx_kvlingo.kv.capture import SpanKV, check_cut
+from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, check_cut
 from mlx_kvlingo.kv.rope import rotate, rotate_sum
 
 import mlx.core as mx
@@ -264,6 +264,13 @@ class Translator(nn.Module):
         return tuple(
             sorted({s for rows in (c.key_layers, c.value_layers) for r in rows for s in r})
         )
+
+    def capture(self, model, cache: list, start: int, end: int) -> SpanKV:
+        """`model`'s span [start, end) from its `cache` (post_norm cut) as this translator
+        reads it: the source layers it reads only, token-major where its maps read a token's
+        heads side by side (mixing), so that no transposed copy is made."""
+        return capture_from_cache(model, cache, start, end, self.source_layers_read,
+                                  token_major=self.config.variant == "mixing")  # fmt: skip
 
     def __call__(self, span: SpanKV) -> tuple[mx.array, mx.array]:
         """RoPE-free translated keys and values, (Lt, B, Ht, T, D), before target-side steps."""
