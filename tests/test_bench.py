@@ -71,6 +71,29 @@ def test_cheaper_up_to_by_hand():
     assert bench.cheaper_up_to((6.0, -2.0), ref) == 0.0  # cheaper only above r = 0.5
 
 
+def test_targets_flag_a_regression():
+    """The goals block says, per goal, the measured value and whether it was met: an
+    efficiency under the goal at any length, a slow translation or a small speed-up at the
+    shortest length is flagged."""
+
+    def derived(eff, step, speedup):
+        return {"derived": {"gemm_efficiency": eff, "map_efficiency": 0.9,
+                            "translation_vs_target_step": step, "gemm_vs_target_step": 0.05,
+                            "switch_speedup": speedup}}  # fmt: skip
+
+    good = {"lengths": {"64": derived(0.75, 0.1, 9.5), "256": derived(0.8, 0.3, 20.0)}}
+    t = bench.check_targets(good)
+    assert all(g["met"] for g in t.values())
+    assert t["translation_vs_target_step"]["at"] == 64 and t["switch_speedup"]["value"] == 9.5
+    bad = {"lengths": {"64": derived(0.75, 0.2, 3.5), "256": derived(0.25, 0.3, 20.0)}}
+    t = bench.check_targets(bad)
+    assert not any(g["met"] for g in t.values())
+    assert t["gemm_efficiency"]["value"] == {64: 0.75, 256: 0.25}
+    md = "\n".join(bench.targets_lines(t))
+    assert md.count("**missed**") == 3 and "256: 25% (maps alone 90%)" in md
+    assert bench.check_targets({"lengths": {}}) == {}
+
+
 def test_summary():
     s = bench.summarize([1.0, 2.0, 3.0, 10.0])
     assert s["median"] == 2.5 and s["min"] == 1 and s["max"] == 10 and s["n"] == 4
@@ -127,7 +150,8 @@ def test_cli_end_to_end_writes_json_markdown_png(preset_cache, tmp_path):
     assert data["pair"]["source"]["dtype"] == "float32"
     assert set(data["lengths"]) == {"8", "24"}
     for v in data["lengths"].values():
-        for phase in ("source_prefill", "target_ttft", "translate", "target_step", "switch_ttft"):
+        for phase in ("source_prefill", "target_ttft", "translate", "target_step", "switch_ttft",
+                      "translate_map", "gemm"):  # fmt: skip
             assert len(v["trials"][phase]) == 2
             assert all(t > 0 for t in v["trials"][phase])
         assert v["derived"]["switch_speedup"] > 0
@@ -137,6 +161,7 @@ def test_cli_end_to_end_writes_json_markdown_png(preset_cache, tmp_path):
         assert v["derived"]["ahead_switch_ttft_in_steps"] >= 1.0
         med = {p: s["median"] for p, s in v["stats"].items()}
         assert v["derived"]["gemm_vs_target_step"] == med["gemm"] / med["target_step"]
+        assert v["derived"]["map_efficiency"] == med["gemm"] / med["translate_map"]
         assert v["derived"]["switch_speedup"] == med["target_ttft"] / med["switch_ttft"]
         assert v["derived"]["end_to_end_speedup"] == (
             med["target_ttft"] / (med["source_prefill"] + med["switch_ttft"]))  # fmt: skip
@@ -147,6 +172,14 @@ def test_cli_end_to_end_writes_json_markdown_png(preset_cache, tmp_path):
     assert "| path | phase | test | ms | t/s |" in md
     assert "ttft24" in md and "tr23+tg1" in md and "±" in md
     assert "## Expected TTFT per request" in md
+    assert "| kernel | translator maps alone | map23 |" in md
+    goals = data["targets"]  # the goals block: each goal, its value, met or not
+    assert set(goals) == set(bench.TARGETS)
+    assert goals["switch_speedup"]["at"] == 8 and goals["switch_speedup"]["value"] == (
+        data["lengths"]["8"]["derived"]["switch_speedup"])  # fmt: skip
+    assert set(goals["gemm_efficiency"]["value"]) == {"8", "24"}
+    assert all(isinstance(g["met"], bool) for g in goals.values())
+    assert "## Goals" in md
     png = (out / "ttft.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
@@ -243,6 +276,21 @@ def test_bench_with_moe_loop_runs(tiny_pair):
     with moe_cpu.per_expert_loop():
         results = bench.run_bench(pair, tr, [40], trials=1, warmup=0, progress=False)
     assert results["lengths"]["40"]["trials"]["target_ttft"][0] > 0
+
+
+def test_bench_times_the_maps_of_a_pre_norm_translator(tiny_pair):
+    """A pre_norm translator's keys are not in the cache: the maps-alone phase reads them
+    from a prefill, as the hand-off does."""
+    from dataclasses import replace
+
+    from mlx_kvlingo.kv.translator import Translator
+
+    pair, tr = tiny_pair
+    pre = Translator(replace(tr.config, key_cut="pre_norm"))
+    pre.key, pre.value = tr.key, tr.value
+    results = bench.run_bench(pair, pre, [12], trials=1, warmup=0, progress=False)
+    assert results["lengths"]["12"]["trials"]["translate_map"][0] > 0
+    assert results["pair"]["translator"]["key_cut"] == "pre_norm"
 
 
 def test_extrapolate_between_linear_and_quadratic():

@@ -12,8 +12,11 @@ The switch is the conversation's own hand-off (`Session.hand_off`), which needs 
 have prefilled those n-1 tokens (P). The paper's speed-up R / X leaves P out, which is right
 when the source had to read the prompt anyway (a cascade that escalates) and wrong otherwise;
 both figures are reported, and the expected TTFT per request against the escalation rate r for
-the policies of `policy_lines`. Beside the translation, a plain GEMM of its matmul shapes runs
-in the same round: the translation's efficiency is a ratio within one run.
+the policies of `policy_lines`. Beside the translation, the translator's maps alone (on the
+span the hand-off reads) and a plain GEMM of their matmul shapes run in the same round: the
+translation's efficiency is a ratio within one run, and the maps' share says whether a loss is
+in the arithmetic or around it (capture, RoPE, cache writes). Every run checks the goals
+(`TARGETS`) and records them in `targets`: a regression is flagged, not asserted.
 
 Every trial round runs both paths at every length, in an order that alternates by round, so
 drift and noise from other processes hit both sides; warm-up rounds (every length, every
@@ -38,6 +41,7 @@ from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.report import md_row, md_table
 from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.capture import needs_recording, prefill
 from mlx_kvlingo.kv.translator import Translator, reserve_translation_memory
 from mlx_kvlingo.kv.translator import measure as measure_map_reading
 from mlx_kvlingo.models.pair import LoadedModel, ModelPair, describe_model
@@ -62,8 +66,13 @@ PHASES: dict[str, tuple[str, Callable[[int], int]]] = {
     "translate": ("translation", lambda n: n - 1),
     "target_step": ("target first step after translation", lambda n: 1),
     "switch_ttft": ("switch TTFT (translation + step)", lambda n: n),
+    "translate_map": ("translator maps alone", lambda n: n - 1),
     "gemm": ("plain GEMM, same shapes", lambda n: n - 1),
 }
+#: the goals every run is checked against (`check_targets`): the whole translation at >= 70%
+#: of the same-run GEMM's throughput at every length; at the shortest length, the translation
+#: at most 0.12 of one target decode step and the switch speed-up R/X at least 9
+TARGETS = {"gemm_efficiency": 0.70, "translation_vs_target_step": 0.12, "switch_speedup": 9.0}
 #: each policy's label: its expected TTFT as a line in the escalation rate r
 POLICIES = {
     "always_large": "always large: R",
@@ -294,7 +303,8 @@ def run_switch(
 ) -> None:
     """The conversation's own hand-off (the small model reads, translation; the large model
     reads only the last token: `Session.hand_off`), the target's first step, the source's
-    first step on its cache, and the plain GEMM of the translation's shapes."""
+    first step on its cache, the translator's maps alone on the span the hand-off read, and
+    the plain GEMM of their shapes."""
     plain = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0.0)
     session = Session(pair, tr, policy=plain, read_costs=ReadCosts())
     session.add_tokens(tokens)
@@ -308,6 +318,13 @@ def run_switch(
     clock.total("switch_ttft", "translate", "target_step")
     session.cache("target").clear()
     clock("source_step", lambda: first_token(pair.source.model, last, session.cache("source")))
+    n = len(tokens) - 1
+    if needs_recording(pair.source, tr.config.key_cut):  # keys the cache does not keep
+        span = prefill(pair.source, tokens[:-1], new_cache(pair.source), cut=tr.config.key_cut)
+    else:
+        span = tr.capture(pair.source, session.cache("source"), 0, n)
+    mx.eval(span.keys, span.values)
+    clock("translate_map", lambda: mx.eval(tr(span)))
     clock("gemm", lambda: mx.eval([a @ w for a, w in gemm_inputs]))
 
 
@@ -447,7 +464,35 @@ def run_bench(
                                                      ahead_share)  # fmt: skip
     results["elapsed_s"] = time.perf_counter() - started
     results["machine"]["load_average_end"] = report.load_average()
+    results["targets"] = check_targets(results)
     return results
+
+
+def check_targets(results: dict) -> dict:
+    """Each goal of `TARGETS` with the measured value and whether it was met (empty where no
+    length was measured)."""
+    lens = {int(n): v["derived"] for n, v in results["lengths"].items()}
+    if not lens:
+        return {}
+    n0 = min(lens)
+    eff = {n: d["gemm_efficiency"] for n, d in sorted(lens.items())}
+    step, speedup = lens[n0]["translation_vs_target_step"], lens[n0]["switch_speedup"]
+    return {
+        "gemm_efficiency": {
+            "goal": f">= {TARGETS['gemm_efficiency']}", "value": eff,
+            "maps_alone": {n: d["map_efficiency"] for n, d in sorted(lens.items())},
+            "met": min(eff.values()) >= TARGETS["gemm_efficiency"],
+        },
+        "translation_vs_target_step": {
+            "goal": f"<= {TARGETS['translation_vs_target_step']}", "at": n0, "value": step,
+            "gemm_floor": lens[n0]["gemm_vs_target_step"],
+            "met": step <= TARGETS["translation_vs_target_step"],
+        },
+        "switch_speedup": {
+            "goal": f">= {TARGETS['switch_speedup']}", "at": n0, "value": speedup,
+            "met": speedup >= TARGETS["switch_speedup"],
+        },
+    }  # fmt: skip
 
 
 def _why_skip(pair, tr, n, round_time, trials, started, max_seconds) -> str | None:
@@ -506,6 +551,9 @@ def _length_summary(n: int, raw: dict, tr: Translator, answer_tokens: int,
             "gemm_gflops": flops / med["gemm"] / 1e9,
             "gemm_gbs": nbytes / med["gemm"] / 1e9,
             "gemm_efficiency": med["gemm"] / med["translate"],
+            # the maps alone against the same GEMM, and their share of the whole translation
+            "map_efficiency": med["gemm"] / med["translate_map"],
+            "map_share": med["translate_map"] / med["translate"],
             "kernel_flops": flops,
             "kernel_bytes": nbytes,
             "peak_memory_GB": {p: max(v) / 1e9 for p, v in raw["peaks"].items()},
@@ -594,7 +642,7 @@ def markdown_report(results: dict) -> str:
             ("re-prefill", "target_prefill", "pp{}"), ("re-prefill", "target_step_reprefill", "tg1@{}"),
             ("re-prefill", "target_ttft", "ttft{}"), ("switch", "translate", "tr{}"),
             ("switch", "target_step", "tg1@{}"), ("switch", "switch_ttft", "tr{}+tg1"),
-            ("kernel", "gemm", "mm{}")]  # fmt: skip
+            ("kernel", "translate_map", "map{}"), ("kernel", "gemm", "mm{}")]  # fmt: skip
     lengths = results["lengths"]
     for key, v in lengths.items():
         n = int(key)
@@ -637,7 +685,31 @@ def markdown_report(results: dict) -> str:
     if results.get("skipped"):
         skipped = "; ".join(f"n={s['length']}: {s['reason']}" for s in results["skipped"])
         out += ["", f"Skipped: {skipped}"]
-    return "\n".join(out) + "\n"
+    return "\n".join(out + targets_lines(results.get("targets") or {})) + "\n"
+
+
+def targets_lines(t: dict) -> list[str]:
+    """The goals, met or missed (`check_targets`), as a markdown section."""
+    if not t:
+        return []
+    eff, step, sp = t["gemm_efficiency"], t["translation_vs_target_step"], t["switch_speedup"]
+
+    def mark(met: bool) -> str:
+        return "met" if met else "**missed**"
+
+    per_n = ", ".join(f"{n}: {100 * v:.0f}% (maps alone {100 * eff['maps_alone'][n]:.0f}%)"
+                      for n, v in eff["value"].items())  # fmt: skip
+    return [
+        "",
+        "## Goals",
+        "",
+        f"- translation (the hand-off's, whole) against the same-run GEMM, at every length "
+        f"(goal {eff['goal']}): {per_n}: {mark(eff['met'])}",
+        f"- translation / one target decode step at n={step['at']} (goal {step['goal']}): "
+        f"{step['value']:.3f} (the GEMM's own {step['gemm_floor']:.3f}): {mark(step['met'])}",
+        f"- switch speed-up R/X at n={sp['at']} (goal {sp['goal']}): {sp['value']:.2f}x: "
+        f"{mark(sp['met'])}",
+    ]
 
 
 def derived_table(pairs: dict[str, dict]) -> list[str]:
@@ -650,7 +722,7 @@ def derived_table(pairs: dict[str, dict]) -> list[str]:
     out = md_table((*(["pair"] if named else []), "n", "switch speed-up R/X",
                     "end-to-end R/(P+X)", "translation (GEMM) / target step",
                     "translation / target prefill", "translation GFLOP/s", "GB/s",
-                    "GEMM GFLOP/s", "GB/s", "efficiency vs GEMM"),
+                    "GEMM GFLOP/s", "GB/s", "efficiency vs GEMM (maps alone)"),
                    "l" * named + "r" * 10)  # fmt: skip
     for name, results in pairs.items():
         for key, v in results["lengths"].items():
@@ -663,7 +735,7 @@ def derived_table(pairs: dict[str, dict]) -> list[str]:
                 f"{100 * d['translation_vs_target_step']:.1f}% ({100 * d['gemm_vs_target_step']:.1f}%)",
                 f"{100 * d['translation_vs_target_prefill']:.1f}%", f"{d['translate_gflops']:.1f}",
                 f"{d['translate_gbs']:.2f}", f"{d['gemm_gflops']:.1f}", f"{d['gemm_gbs']:.2f}",
-                f"{100 * d['gemm_efficiency']:.0f}%",
+                f"{100 * d['gemm_efficiency']:.0f}% ({100 * d['map_efficiency']:.0f}%)",
             )))  # fmt: skip
     return out
 
