@@ -22,6 +22,7 @@ pair_option = click.option(
     type=click.Choice(["dense", "moe"]),
     default="dense",
     show_default=True,
+    is_eager=True,  # read before --small/--large, which refuse to stand beside it
     help="Demo pair (no --small/--large): the small model -> SmolLM2-135M-Instruct (dense) "
     "or -> its Qwen3-MoE upcycle (moe)",
 )
@@ -35,10 +36,8 @@ translator_option = click.option(
 def demo_pair_of(source, target, demo_pair: str = "dense", translator=None, *,
                  require_translator: bool = False) -> str | None:  # fmt: skip
     """The pair options as typed: both --small and --large (None: that pair, with a
-    --translator if `require_translator`), or neither (the demo pair --pair names); --pair only
-    without them."""
-    if (source or target) and demo_pair != "dense":
-        raise click.UsageError("--pair chooses a demo pair: not with --small/--large")
+    --translator if `require_translator`), or neither (the demo pair --pair names; `ModelSpec`
+    refuses --pair beside them)."""
     if bool(source) != bool(target):
         raise click.UsageError("give both --small and --large, or neither for the demo pair")
     if source and translator is None and require_translator:
