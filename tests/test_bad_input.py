@@ -55,7 +55,7 @@ CASES = [
     ("chat --backward-translator /missing/b.safetensors", USAGE, ["--backward-translator", "/missing/b.safetensors"]),
     ("chat --max-kv-size 0", USAGE, ["--max-kv-size", "0"]),
     ("chat --recompute 1.5", USAGE, ["--recompute", "1.5"]),
-    ("chat --reader-margin -0.5", USAGE, ["--reader-margin"]),
+    ("chat --reader-min-tokens -1", USAGE, ["--reader-min-tokens"]),
     ("chat --mode sideways", USAGE, ["--mode", "sideways"]),
     # serve
     ("serve --port 70000", USAGE, ["--port", "70000"]),

@@ -148,7 +148,7 @@ def content_texts(data_path) -> list[str]:
 
 
 def policy_options(f):
-    """--reader --reader-min-tokens --reader-margin --large-reads-last --recompute
+    """--reader --reader-min-tokens --large-reads-last --recompute
     --min-retention --translate-ahead, collected into one `policy` argument (a `ReaderPolicy`; its defaults are
     the library's). A pipelined large model cannot recompute: None there means 0."""
     from dataclasses import replace
@@ -165,10 +165,6 @@ def policy_options(f):
                      show_default=True,
                      help="Reader tokens (and auto on a tie): later turns shorter than this are "
                           "read by the large model itself"),
-        click.option("--reader-margin", type=click.FloatRange(0), default=d.reader_margin,
-                     show_default=True,
-                     help="Reader auto: predicted TTFTs this close (a fraction) are a tie, which "
-                          "the token rule decides"),
         click.option("--large-reads-last", type=click.IntRange(1), default=d.large_reads_last,
                      show_default=True,
                      help="When the small model reads your turn, the large one still reads its "
@@ -193,7 +189,6 @@ def policy_options(f):
     keys = (
         "reader",
         "reader_min_tokens",
-        "reader_margin",
         "large_reads_last",
         "min_retention",
         "translate_ahead",
