@@ -175,7 +175,7 @@ def test_pre_norm_cut_on_quantized_k_proj(qpair, role):
 
 def test_stage1_stage2_and_decoding_stay_quantized(qpair, data):
     train, _ = data
-    tr = fit_closed_form(qpair, train[:16], Stage1Config(), progress=False)
+    tr = fit_closed_form(qpair, train[:16], Stage1Config())
     fit = tr.config.metadata["calibration"]["stage1"]["train_fit"]
     assert 0 < fit["key"]["r2_mean"] <= 1 and 0 < fit["value"]["r2_mean"] <= 1
     # translation: a span captured on the quantized source, in the quantized target's layout
@@ -193,7 +193,7 @@ def test_stage1_stage2_and_decoding_stay_quantized(qpair, data):
     before = mean_kl(tr, qpair, prepared)
     start = {k: np.array(v) for k, v in tree_flatten(tr.trainable_parameters())}
     cfg = Stage2Config(steps=8, learning_rate=1e-3, warmup=1, accumulate=1, keep_best=False)
-    distill(tr, qpair, few, (), cfg, progress=False)
+    distill(tr, qpair, few, (), cfg)
     s2 = tr.config.metadata["calibration"]["stage2"]
     assert s2["steps"] == 8 and np.isfinite(s2["final_train_loss"])
     params = tree_flatten(tr.trainable_parameters())
