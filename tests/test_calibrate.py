@@ -6,7 +6,7 @@ from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
 from mlx_kvlingo.calibrate.distill import Stage2Config, TrainingDivergedError, distill
 from mlx_kvlingo.data.examples import DataConfig, DataError, load_examples
 from mlx_kvlingo.eval.evaluate import evaluate
-from mlx_kvlingo.kv.scoring import kv_error, mean_kl, prepare
+from mlx_kvlingo.kv.scoring import heldout_scores, kv_error, prepare
 from mlx_kvlingo.models.files import load_translator
 from mlx_kvlingo.models.pair import load_model, load_pair
 
@@ -98,10 +98,10 @@ def test_stage2_lowers_heldout_kl(shape_pair, shape_data):
     train, held = shape_data
     tr = fit_closed_form(shape_pair, train[:30], Stage1Config())
     prepared = [prepare(shape_pair, e, "post_norm") for e in held[:8]]
-    before = mean_kl(tr, shape_pair, prepared)
+    before = heldout_scores(tr, shape_pair, prepared)[0]
     distill(tr, shape_pair, train, held, Stage2Config(steps=40, learning_rate=3e-5, warmup=4, accumulate=4,
             eval_every=40, eval_examples=8))  # fmt: skip
-    after = mean_kl(tr, shape_pair, prepared)
+    after = heldout_scores(tr, shape_pair, prepared)[0]
     assert after < before
     assert tr.config.metadata["calibration"]["stage2"]["steps"] == 40
 
@@ -205,7 +205,9 @@ def test_stage2_keeps_the_heldout_best_and_stops_early(shape_pair, shape_data, t
     assert min(points, key=lambda p: p[1]) == (s2["best"]["step"], s2["best"]["heldout_kl"])
     assert s2["best"]["step"] > 0, points
     prepared = [prepare(shape_pair, e, "post_norm") for e in train[:4]]
-    assert mean_kl(tr, shape_pair, prepared) == pytest.approx(s2["best"]["heldout_kl"], rel=1e-5)
+    assert heldout_scores(tr, shape_pair, prepared)[0] == pytest.approx(
+        s2["best"]["heldout_kl"], rel=1e-5
+    )
     best = load_translator(tmp_path / "ck2" / "best.safetensors")
     np.testing.assert_allclose(np.array(best.key["weight"]), np.array(tr.key["weight"]), atol=1e-6)
 
