@@ -10,14 +10,14 @@ Before the large model answers a turn it lacks, someone reads it:
                      on a span past 2,048 tokens as many as on one of 2,048: kv.recompute.Selection);
     reader "tokens"  "small" for the opening span and spans of `reader_min_tokens` or more;
     reader "auto"    whichever path is predicted to start the answer sooner (ties within
-                     `reader_margin` go to the token rule), but the small path only where this
+                     `catchup.READER_MARGIN` go to the token rule), but the small path only where this
                      translator is measured to keep at least `min_retention` of what the large
                      model gets right reading the turn itself, at the turn's length
                      (conversation/rates.py; 0: time alone). None: "auto" with a forward
                      translator, "self" without.
 
 `translate_ahead`: while the small model answers, translate for the large one between its tokens
-(at most `ahead_share` of its decode time; None: `ahead_chunk` tokens after every token).
+(within 10% of its decode time: conversation/budget.py).
 
 Change a policy with `dataclasses.replace`; it validates itself on construction, and
 `to_dict` / `from_dict` save and restore it whole (the conversation files keep it).
@@ -25,9 +25,11 @@ Change a policy with `dataclasses.replace`; it validates itself on construction,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 READERS = ("auto", "tokens", "small", "self")
+#: settings that files kept before they became constants beside the code using them: read, dropped
+RETIRED = ("reader_margin", "ahead_chunk", "ahead_share")
 
 
 class PolicyError(ValueError):
@@ -38,13 +40,10 @@ class PolicyError(ValueError):
 class ReaderPolicy:
     reader: str | None = None
     reader_min_tokens: int = 64
-    reader_margin: float = 0.05
     large_reads_last: int = 32
     recompute_share: float = 0.1
     min_retention: float = 0.8
     translate_ahead: bool = False
-    ahead_chunk: int = 32
-    ahead_share: float | None = 0.10
 
     def __post_init__(self):
         if self.reader is not None and self.reader not in READERS:
@@ -53,12 +52,8 @@ class ReaderPolicy:
             )
         _whole("reader_min_tokens", self.reader_min_tokens, 0)
         _whole("large_reads_last", self.large_reads_last, 1)
-        _whole("ahead_chunk", self.ahead_chunk, 1)
-        _number("reader_margin", self.reader_margin, 0.0, None)
         _number("recompute_share", self.recompute_share, 0.0, 1.0)
         _number("min_retention", self.min_retention, 0.0, 1.0)
-        if self.ahead_share is not None:
-            _number("ahead_share", self.ahead_share, 0.0, 1.0)
         if not isinstance(self.translate_ahead, bool):
             raise PolicyError(
                 f"translate_ahead must be True or False (got {self.translate_ahead!r})"
@@ -68,13 +63,14 @@ class ReaderPolicy:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> ReaderPolicy:
-        """The policy a file saved; settings it lacks take today's defaults, unknown ones fail."""
+    def from_dict(cls, d: dict, base: ReaderPolicy | None = None) -> ReaderPolicy:
+        """The policy a file saved; settings it lacks keep `base`'s (default: today's
+        defaults), retired ones are dropped, unknown ones fail."""
         names = {f.name for f in fields(cls)}
-        unknown = sorted(set(d) - names)
+        unknown = sorted(set(d) - names - set(RETIRED))
         if unknown:
             raise PolicyError(f"unknown reader-policy setting(s): {', '.join(unknown)}")
-        return cls(**d)
+        return replace(base or cls(), **{k: v for k, v in d.items() if k in names})
 
 
 def _whole(name: str, n, least: int) -> None:

@@ -4,19 +4,18 @@ most a quarter of theirs, priced by the pair's forward translation cost."""
 
 from types import SimpleNamespace
 
-from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.catchup import AHEAD_MIN, CatchUp
+from mlx_kvlingo.conversation import catchup
+from mlx_kvlingo.conversation.catchup import AHEAD_MIN, AHEAD_SHARE, CatchUp
 from mlx_kvlingo.conversation.rates import ReadCosts
 
 import pytest
 from helpers import fixed_costs
 
 
-def simulate(share, decode_s, per_call, per_token, tokens, span, costs=None):
+def simulate(decode_s, per_call, per_token, tokens, span, costs=None):
     """A fake clock: `tokens` small tokens of `decode_s` each; a chunk of n costs per_call +
     per_token n, spent and observed as `CatchUp.ahead_step` does."""
-    c = SimpleNamespace(policy=ReaderPolicy(ahead_share=share), ahead_credit=0.0,
-                        read_costs=costs or ReadCosts())  # fmt: skip
+    c = SimpleNamespace(ahead_credit=0.0, read_costs=costs or ReadCosts())
     left, spent, chunks = span, 0.0, []
     for i in range(tokens):
         n = CatchUp.ahead_tokens(c, left, decode_s if i else None)
@@ -32,7 +31,8 @@ def simulate(share, decode_s, per_call, per_token, tokens, span, costs=None):
 @pytest.mark.parametrize("per_call", [0.0, 0.005, 0.05])
 def test_translation_time_stays_within_the_share(per_call):
     decode, per_token, tokens = 0.02, 0.0002, 400
-    spent, chunks, _ = simulate(0.10, decode, per_call, per_token, tokens, span=100_000)
+    assert AHEAD_SHARE == 0.10
+    spent, chunks, _ = simulate(decode, per_call, per_token, tokens, span=100_000)
     first = per_call + per_token * AHEAD_MIN  # the measuring chunk is paid before it is known
     assert spent <= 0.10 * decode * tokens + 2 * first
     assert spent >= 0.10 * decode * tokens * 0.6  # the budget is used, not left idle
@@ -45,15 +45,11 @@ def test_the_pairs_measured_forward_cost_prices_the_first_chunk():
     """With the forward cost already measured (the warm-up's), no measuring chunk: the first
     chunk waits until the credit covers it."""
     costs = fixed_costs(forward=(0.01, 0.001))
-    spent, chunks, _ = simulate(0.10, 0.02, 0.01, 0.001, tokens=100, span=10_000, costs=costs)
+    spent, chunks, _ = simulate(0.02, 0.01, 0.001, tokens=100, span=10_000, costs=costs)
     assert chunks and min(chunks) >= 30 and spent <= 0.10 * 0.02 * 100
 
 
-def test_short_span_is_finished_and_then_nothing_more():
-    spent, chunks, left = simulate(0.5, 0.02, 0.001, 0.0001, tokens=50, span=40)
+def test_short_span_is_finished_and_then_nothing_more(monkeypatch):
+    monkeypatch.setattr(catchup, "AHEAD_SHARE", 0.5)
+    spent, chunks, left = simulate(0.02, 0.001, 0.0001, tokens=50, span=40)
     assert left == 0 and sum(chunks) == 40
-
-
-def test_without_a_share_a_fixed_chunk_after_every_token():
-    _, chunks, left = simulate(None, 0.02, 0.001, 0.0001, tokens=5, span=100)
-    assert chunks == [ReaderPolicy().ahead_chunk] * 3 + [4] and left == 0

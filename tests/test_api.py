@@ -394,15 +394,15 @@ def test_add_messages_history_then_answer(runtime):
 
 
 def test_reader_policy_through_the_api(runtime):
-    """`reader`, `reader_min_tokens` and `reader_margin` on a Conversation: auto by default
+    """`reader`, `reader_min_tokens` and `large_reads_last` on a Conversation: auto by default
     (by time, measured by the warm-up at load); the token rule has the small model read the
     opening turn, the large a short later one; bad values raise ConversationError."""
     from mlx_kvlingo.conversation.rates import costs_of
 
     assert runtime.load_s >= runtime.warmup_s > 0
     assert costs_of(runtime.models).target_read.ready and costs_of(runtime.models).forward.ready
-    auto = Conversation(runtime, policy=ReaderPolicy(reader_margin=0.2))
-    assert (auto.policy.reader, auto.policy.reader_margin) == ("auto", 0.2)
+    auto = Conversation(runtime, policy=ReaderPolicy())
+    assert auto.policy.reader == "auto"
     # the large model reads the last 32 tokens of a turn itself: a shorter turn it reads whole
     assert auto.policy.large_reads_last == 32
     done = ask(auto, MSG[0], max_tokens=N, temp=0)
@@ -413,8 +413,6 @@ def test_reader_policy_through_the_api(runtime):
     )  # the plain handoff: two ways to read, the other one predicted
     done = ask(auto, MSG[1], max_tokens=N, temp=0)
     assert done.handoff.alternative_ttft_s > 0 and "TTFT ≈ " in done.status
-    with pytest.raises(PolicyError, match="reader_margin"):
-        auto.policy = replace(auto.policy, reader_margin=-1)
     with pytest.raises(PolicyError, match="large_reads_last"):
         auto.policy = replace(auto.policy, large_reads_last=0)
     # the plain handoff: the large model reads only the last token of a turn the small read

@@ -44,7 +44,7 @@ CASES = [
     ("generate --repetition-penalty 0", USAGE, ["--repetition-penalty"]),
     ("generate --seed -1", USAGE, ["--seed", "-1"]),
     ("generate --pair sparse", USAGE, ["--pair", "sparse"]),
-    ("generate --source {S}", USAGE, ["--source", "--target"]),
+    ("generate --source {S}", USAGE, ["--small", "--large"]),
     ("generate --translator source15/backward-mixing-nu2.safetensors", FAILURE, ["source15/backward-mixing-nu2.safetensors", "other way", "backward"]),
     ("generate --source {S} --target {T} --translator {BWD} -m 2", FAILURE, ["bwd.safetensors", "other way"]),
     ("generate --source {S} --target {MOE} --translator {FWD} -m 2", FAILURE, ["fwd.safetensors", "wrong model pair"]),
@@ -55,7 +55,7 @@ CASES = [
     ("chat --backward-translator /missing/b.safetensors", USAGE, ["--backward-translator", "/missing/b.safetensors"]),
     ("chat --max-kv-size 0", USAGE, ["--max-kv-size", "0"]),
     ("chat --recompute 1.5", USAGE, ["--recompute", "1.5"]),
-    ("chat --reader-margin -0.5", USAGE, ["--reader-margin"]),
+    ("chat --reader-min-tokens -1", USAGE, ["--reader-min-tokens"]),
     ("chat --mode sideways", USAGE, ["--mode", "sideways"]),
     # serve
     ("serve --port 70000", USAGE, ["--port", "70000"]),
@@ -94,7 +94,7 @@ CASES = [
     ("convert {junk} -o {D}/no/such/o.safetensors", USAGE, ["--output", "no/such"]),
     ("convert {junk} -o {D}/o.safetensors", FAILURE, ["junk.safetensors"]),
     ("convert {junk} -o {D}/o.safetensors --source-layers 0", USAGE, ["--source-layers", "0"]),
-    ("convert {junk} -o {D}/o.safetensors --source {S}", USAGE, ["--source", "--target"]),
+    ("convert {junk} -o {D}/o.safetensors --source {S}", USAGE, ["--small", "--large"]),
     # upload
     ("upload {FWD} not-a-repo-id", USAGE, ["REPO_ID", "not-a-repo-id"]),
     ("upload /missing/t.safetensors org/name", USAGE, ["FILES", "/missing/t.safetensors"]),
@@ -211,12 +211,12 @@ def test_debug_shows_the_traceback(files, monkeypatch):
 
 def test_programming_errors_keep_their_traceback(monkeypatch):
     """An error no user can cause is not hidden behind a one-line message."""
-    import mlx_kvlingo.cli._common as common
+    import mlx_kvlingo.api as api
 
     def broken(*a, **k):
         raise TypeError("a bug")
 
-    monkeypatch.setattr(common, "load_models_and_translators", broken)
+    monkeypatch.setattr(api, "load", broken)
     result = CliRunner().invoke(cli, ["generate", "-m", "1"])
     assert isinstance(result.exception, TypeError)
 

@@ -6,7 +6,7 @@ from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
 from mlx_kvlingo.calibrate.distill import Stage2Config, TrainingDivergedError, distill
 from mlx_kvlingo.data.examples import DataConfig, DataError, load_examples
 from mlx_kvlingo.eval.evaluate import evaluate
-from mlx_kvlingo.kv.scoring import kv_error, mean_kl, prepare
+from mlx_kvlingo.kv.scoring import heldout_scores, kv_error, prepare
 from mlx_kvlingo.models.files import load_translator
 from mlx_kvlingo.models.pair import load_model, load_pair
 
@@ -74,7 +74,7 @@ def test_stage1_recovers_known_answer(text_file, tiny_dir):
     )
     train, _ = load_examples(text_file, pair.tokenizer, CFG)
     answer = tiny_dir["known_answer"]
-    tr = fit_closed_form(pair, train[:100], Stage1Config(bias=False, alpha=1e-12), progress=False)
+    tr = fit_closed_form(pair, train[:100], Stage1Config(bias=False, alpha=1e-12))
     np.testing.assert_allclose(np.array(tr.key["weight"]), np.stack(answer["key_maps"]), atol=1e-4)
     np.testing.assert_allclose(
         np.array(tr.value["weight"]), np.stack(answer["value_maps"]), atol=1e-4
@@ -83,9 +83,9 @@ def test_stage1_recovers_known_answer(text_file, tiny_dir):
 
 def test_stage1_headwise_and_layer_selection(text_file, shape_pair, known_pair):
     train, _ = load_examples(text_file, shape_pair.tokenizer, CFG)
-    tr = fit_closed_form(shape_pair, train[:20], Stage1Config(nu=2, window=1), progress=False)
+    tr = fit_closed_form(shape_pair, train[:20], Stage1Config(nu=2, window=1))
     assert tr.config.nu_k == 2 and len(tr.config.key_layers) == shape_pair.target.geometry.layers
-    hw = fit_closed_form(known_pair, train[:20], Stage1Config(variant="headwise"), progress=False)
+    hw = fit_closed_form(known_pair, train[:20], Stage1Config(variant="headwise"))
     assert hw.key["weight"].shape == (4, 2, 32, 32)
 
 
@@ -96,12 +96,12 @@ def shape_data(text_file, shape_pair):
 
 def test_stage2_lowers_heldout_kl(shape_pair, shape_data):
     train, held = shape_data
-    tr = fit_closed_form(shape_pair, train[:30], Stage1Config(), progress=False)
+    tr = fit_closed_form(shape_pair, train[:30], Stage1Config())
     prepared = [prepare(shape_pair, e, "post_norm") for e in held[:8]]
-    before = mean_kl(tr, shape_pair, prepared)
+    before = heldout_scores(tr, shape_pair, prepared)[0]
     distill(tr, shape_pair, train, held, Stage2Config(steps=40, learning_rate=3e-5, warmup=4, accumulate=4,
-            eval_every=40, eval_examples=8), progress=False)  # fmt: skip
-    after = mean_kl(tr, shape_pair, prepared)
+            eval_every=40, eval_examples=8))  # fmt: skip
+    after = heldout_scores(tr, shape_pair, prepared)[0]
     assert after < before
     assert tr.config.metadata["calibration"]["stage2"]["steps"] == 40
 
@@ -111,20 +111,21 @@ def test_resume_equals_uninterrupted(shape_pair, shape_data, tmp_path):
     cfg = Stage2Config(
         steps=6, learning_rate=1e-3, warmup=2, accumulate=2, eval_every=100, save_every=100
     )
-    base = fit_closed_form(shape_pair, train[:10], Stage1Config(), progress=False)
+    base = fit_closed_form(shape_pair, train[:10], Stage1Config())
     weights = {k: v for k, v in base.parameters().items()}
 
     def fresh():
-        tr = fit_closed_form(shape_pair, train[:10], Stage1Config(), progress=False)
+        tr = fit_closed_form(shape_pair, train[:10], Stage1Config())
         tr.update(weights)
         return tr
 
-    full = distill(fresh(), shape_pair, train, (), cfg, progress=False)
-    part = distill(
-        fresh(), shape_pair, train, (), cfg, tmp_path / "ck", progress=False, stop_after=3
-    )
+    steps = []  # progress(step, steps, note) after each step, the faces draw it
+    full = distill(fresh(), shape_pair, train, (), cfg, progress=lambda *a: steps.append(a))
+    assert [(s, n) for s, n, _ in steps] == [(s, 6) for s in range(1, 7)]
+    assert all(note.startswith("loss ") and note.endswith(" tok/s") for _, _, note in steps)
+    part = distill(fresh(), shape_pair, train, (), cfg, tmp_path / "ck", stop_after=3)
     assert json.loads((tmp_path / "ck" / "state.json").read_text())["step"] == 3
-    resumed = distill(fresh(), shape_pair, train, (), cfg, tmp_path / "ck", progress=False)
+    resumed = distill(fresh(), shape_pair, train, (), cfg, tmp_path / "ck")
     assert part is not resumed
     for kind in ("key", "value"):
         np.testing.assert_allclose(
@@ -136,10 +137,10 @@ def test_resume_equals_uninterrupted(shape_pair, shape_data, tmp_path):
 
 def test_nan_loss_stops_and_keeps_checkpoint(shape_pair, shape_data, tmp_path):
     train, _ = shape_data
-    tr = fit_closed_form(shape_pair, train[:10], Stage1Config(), progress=False)
+    tr = fit_closed_form(shape_pair, train[:10], Stage1Config())
     tr.value["weight"] = tr.value["weight"] * float("inf")
     with pytest.raises(TrainingDivergedError, match="at step 1"):
-        distill(tr, shape_pair, train, (), Stage2Config(steps=3), tmp_path / "ck", progress=False)
+        distill(tr, shape_pair, train, (), Stage2Config(steps=3), tmp_path / "ck")
     assert (tmp_path / "ck" / "translator.safetensors").exists()
 
 
@@ -149,9 +150,7 @@ def test_evaluation_known_answer_and_raw(text_file, models, tiny_dir):
 
     pair = load_pair(load_model(tiny_dir["qwen3_head"]), models["known"])
     _, held = load_examples(text_file, pair.tokenizer, CFG)
-    result = evaluate(
-        pair, exact_translator(pair, tiny_dir["known_answer"]), held[:6], progress=False
-    )
+    result = evaluate(pair, exact_translator(pair, tiny_dir["known_answer"]), held[:6])
     assert result["source"]["nll"] > result["native"]["nll"] + 0.1
     assert result["translated"]["gap_recovered"] == pytest.approx(1.0, abs=1e-3)
     assert result["translated"]["kl_native"] < 1e-4
@@ -167,9 +166,11 @@ def test_fit_many_equals_separate_fits(text_file, shape_pair):
     train, _ = load_examples(text_file, shape_pair.tokenizer, CFG)
     maps = [[0, 1]] * 3 + [[2, 3]] * 3
     cfgs = [Stage1Config(nu=1), Stage1Config(nu=2, key_layers=maps, value_layers=maps)]
-    together = fit_many(shape_pair, train[:6], cfgs, progress=False)
+    seen = []  # progress(done, total) after each example: mlx-lm's prompt progress shape
+    together = fit_many(shape_pair, train[:6], cfgs, lambda d, t: seen.append((d, t)))
+    assert seen == [(i, 6) for i in range(1, 7)]
     for cfg, tr in zip(cfgs, together):
-        alone = fit_closed_form(shape_pair, train[:6], cfg, progress=False)
+        alone = fit_closed_form(shape_pair, train[:6], cfg)
         for kind in ("key", "value"):
             for name in ("weight", "bias"):
                 np.testing.assert_allclose(
@@ -181,13 +182,13 @@ def test_fit_many_equals_separate_fits(text_file, shape_pair):
 
 def test_stage2_keeps_the_heldout_best_and_stops_early(shape_pair, shape_data, tmp_path):
     train, held = shape_data
-    start = fit_closed_form(shape_pair, train[:30], Stage1Config(), progress=False)
+    start = fit_closed_form(shape_pair, train[:30], Stage1Config())
     before = {k: np.array(getattr(start, k)["weight"]) for k in ("key", "value")}
     # a learning rate this large only makes the fit worse: the best is the starting point,
     # returned unchanged, and patience 2 stops the run after two evaluations
     cfg = Stage2Config(steps=20, learning_rate=0.5, warmup=1, eval_every=1, eval_examples=4,
                        patience=2, save_every=100)  # fmt: skip
-    tr = distill(start, shape_pair, train, held, cfg, tmp_path / "ck", progress=False)
+    tr = distill(start, shape_pair, train, held, cfg, tmp_path / "ck")
     s2 = tr.config.metadata["calibration"]["stage2"]
     assert s2["stopped_early"] == "patience" and s2["steps"] == 2
     assert s2["best"]["step"] == 0 and all(k >= s2["best"]["heldout_kl"] for _, k in s2["heldout_kl_history"])  # fmt: skip
@@ -196,15 +197,17 @@ def test_stage2_keeps_the_heldout_best_and_stops_early(shape_pair, shape_data, t
     assert not (tmp_path / "ck" / "best.safetensors").exists()  # never improved on the start
     # "held-out" = the 4 training examples, so training improves it: the evaluated point with
     # the lowest KL is what comes back, and what best.safetensors holds
-    tr = fit_closed_form(shape_pair, train[:30], Stage1Config(), progress=False)
+    tr = fit_closed_form(shape_pair, train[:30], Stage1Config())
     cfg = Stage2Config(steps=8, learning_rate=1e-3, warmup=1, eval_every=2, eval_examples=4)
-    distill(tr, shape_pair, train[:4], train[:4], cfg, tmp_path / "ck2", progress=False)
+    distill(tr, shape_pair, train[:4], train[:4], cfg, tmp_path / "ck2")
     s2 = tr.config.metadata["calibration"]["stage2"]
     points = [(0, s2["best"]["start_heldout_kl"]), *s2["heldout_kl_history"]]
     assert min(points, key=lambda p: p[1]) == (s2["best"]["step"], s2["best"]["heldout_kl"])
     assert s2["best"]["step"] > 0, points
     prepared = [prepare(shape_pair, e, "post_norm") for e in train[:4]]
-    assert mean_kl(tr, shape_pair, prepared) == pytest.approx(s2["best"]["heldout_kl"], rel=1e-5)
+    assert heldout_scores(tr, shape_pair, prepared)[0] == pytest.approx(
+        s2["best"]["heldout_kl"], rel=1e-5
+    )
     best = load_translator(tmp_path / "ck2" / "best.safetensors")
     np.testing.assert_allclose(np.array(best.key["weight"]), np.array(tr.key["weight"]), atol=1e-6)
 
@@ -218,7 +221,7 @@ def test_build_scripts_evaluate_distill_and_save(shape_pair, shape_data, tmp_pat
 
     build = build_module("translator_build")
     train, held = shape_data
-    tr = fit_closed_form(shape_pair, train[:30], Stage1Config(), progress=False)
+    tr = fit_closed_form(shape_pair, train[:30], Stage1Config())
     path, data = tmp_path / "t.safetensors", {"train": "test text", "examples": 30}
     args = Namespace(steps=steps, lr=1e-5, accumulate=1)
     row = build.evaluate_distill_save(tr, shape_pair, "t", train[30:], held[:4], held[4:8], args,
@@ -264,7 +267,7 @@ def test_stage2_kv_weight_pulls_the_maps_toward_the_native_kv(text_file, known_p
         tr.key["weight"] = tr.key["weight"] + noise
         tr.value["weight"] = tr.value["weight"] + noise
         cfg = Stage2Config(steps=12, learning_rate=1e-3, warmup=1, eval_every=100, kv_weight=weight)
-        distill(tr, known_pair, train, (), cfg, progress=False)
+        distill(tr, known_pair, train, (), cfg)
         errors[weight] = float(np.mean([kv_error(tr, p).item() for p in probe]))
     assert errors[10.0] < 0.8 * errors[0.0]
     with pytest.raises(ValueError, match="kv_weight"):

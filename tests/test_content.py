@@ -87,7 +87,7 @@ def test_known_answer_translator_answers_as_native(pair, exact):
     tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, seed=0)
     wrong = exact_translator(pair, {"key_maps": [m[::-1] for m in _maps(exact, "key")],
                                     "value_maps": [m[::-1] for m in _maps(exact, "value")]})  # fmt: skip
-    res = evaluate_content(pair, tasks, {"translated": exact, "wrong": wrong}, progress=False)
+    res = evaluate_content(pair, tasks, {"translated": exact, "wrong": wrong})
     assert _replies(res, "translated") == _replies(res, "native")
     assert any(r for r in _replies(res, "native"))  # the tiny target does say something
     cells = res.cells()
@@ -113,8 +113,8 @@ def test_reused_replies_give_the_same_table_and_only_new_methods_run(pair, exact
     tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "summary"), seed=5)
     wrong = exact_translator(pair, {"key_maps": [m[::-1] for m in _maps(exact, "key")],
                                     "value_maps": [m[::-1] for m in _maps(exact, "value")]})  # fmt: skip
-    full = to_json(evaluate_content(pair, tasks, {"A": exact, "B": wrong}, progress=False), pair)
-    earlier = to_json(evaluate_content(pair, tasks, {"A": exact}, progress=False), pair)
+    full = to_json(evaluate_content(pair, tasks, {"A": exact, "B": wrong}), pair)
+    earlier = to_json(evaluate_content(pair, tasks, {"A": exact}), pair)
     calls = []
     real = content.translated_kv
     monkeypatch.setattr(content, "translated_kv", lambda *a: calls.append(a) or real(*a))
@@ -147,7 +147,7 @@ def test_the_chat_condition_reads_its_tail_itself(pair, exact):
                 assert mx.all(got[..., :cut, :] == 0).item()
                 assert mx.allclose(got[..., cut:, :], ref[..., cut:, :], atol=1e-5).item()
     res = evaluate_content(pair, tasks, {"t1": Chat(exact, 1, 0.0), "t5": Chat(exact, 5, 0.1)},
-                           small=False, progress=False)  # fmt: skip
+                           small=False)  # fmt: skip
     assert _replies(res, "t1") == _replies(res, "native") == _replies(res, "t5")
 
 
@@ -160,7 +160,7 @@ def test_source_alone_is_the_small_row_under_its_own_label(pair, monkeypatch):
     from weights.experiments.content_side_by_side import known_replies, side_by_side
 
     tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, ("fact", "qa"), seed=3)
-    earlier = to_json(evaluate_content(pair, tasks, {}, progress=False), pair)
+    earlier = to_json(evaluate_content(pair, tasks, {}), pair)
     models = []  # which model each read ran
 
     def spy(model, tokens):
@@ -190,7 +190,7 @@ def test_noisy_native_reference_has_the_error_it_names(pair):
         assert mx.array_equal(got, again).item()
         err = (mx.linalg.norm((got - ref).flatten()) / mx.linalg.norm(ref.flatten())).item()
         assert 0.27 < err < 0.33, err
-    res = evaluate_content(pair, [task], {"n0": NoisyNative(0.0)}, small=False, progress=False)
+    res = evaluate_content(pair, [task], {"n0": NoisyNative(0.0)}, small=False)
     assert _replies(res, "n0") == _replies(res, "native")
 
 
@@ -207,7 +207,7 @@ def test_swapping_every_layer_native_restores_native(pair, exact):
         "all": Swap("all", wrong, frozenset(range(L))),
         "none": Swap("none", wrong, frozenset()),
     }
-    res = evaluate_content(pair, tasks, {"wrong": wrong, **swaps}, small=False, progress=False)
+    res = evaluate_content(pair, tasks, {"wrong": wrong, **swaps}, small=False)
     assert _replies(res, "all") == _replies(res, "native")
     assert _replies(res, "none") == _replies(res, "wrong")
 

@@ -156,6 +156,11 @@ def test_pair_option_is_for_the_demo_only():
 
     res = CliRunner().invoke(generate_cmd, ["--source", "a", "--target", "b", "--pair", "moe"])
     assert res.exit_code == 2 and "--pair chooses a demo pair" in res.output
+    # typed first, and beside a folder that does not exist: still the rule, not the folder
+    res = CliRunner().invoke(
+        generate_cmd, ["--pair", "moe", "--source", "./nowhere", "--target", "b"]
+    )
+    assert res.exit_code == 2 and "--pair chooses a demo pair" in res.output
     res = CliRunner().invoke(generate_cmd, ["--pair", "sparse"])
     assert res.exit_code == 2 and "'sparse' is not one of" in res.output
 

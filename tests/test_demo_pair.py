@@ -57,7 +57,7 @@ def test_every_shipped_translator_validates_against_its_pair():
 
 def test_default_translator_beats_source_alone(forward, held):
     pair, tr = forward
-    result = evaluate(pair, tr, held, progress=False)
+    result = evaluate(pair, tr, held)
     assert result["translated"]["nll"] < result["source"]["nll"]
     assert result["translated"]["kl_native"] < result["source"]["kl_native"]
 

@@ -16,7 +16,7 @@ from mlx_kvlingo.cli import cli
 from mlx_kvlingo.data.examples import DataConfig, load_examples
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import prefill, trace
-from mlx_kvlingo.kv.scoring import mean_kl, prepare
+from mlx_kvlingo.kv.scoring import heldout_scores, prepare
 from mlx_kvlingo.kv.translator import Side, TranslatorConfig, identity_translator
 from mlx_kvlingo.models.files import load_translator
 from mlx_kvlingo.models.pair import load_model, load_pair
@@ -175,7 +175,7 @@ def test_pre_norm_cut_on_quantized_k_proj(qpair, role):
 
 def test_stage1_stage2_and_decoding_stay_quantized(qpair, data):
     train, _ = data
-    tr = fit_closed_form(qpair, train[:16], Stage1Config(), progress=False)
+    tr = fit_closed_form(qpair, train[:16], Stage1Config())
     fit = tr.config.metadata["calibration"]["stage1"]["train_fit"]
     assert 0 < fit["key"]["r2_mean"] <= 1 and 0 < fit["value"]["r2_mean"] <= 1
     # translation: a span captured on the quantized source, in the quantized target's layout
@@ -190,16 +190,16 @@ def test_stage1_stage2_and_decoding_stay_quantized(qpair, data):
     # on four examples must lower the KL on those four
     few = train[:4]
     prepared = [prepare(qpair, e, "post_norm") for e in few]
-    before = mean_kl(tr, qpair, prepared)
+    before = heldout_scores(tr, qpair, prepared)[0]
     start = {k: np.array(v) for k, v in tree_flatten(tr.trainable_parameters())}
     cfg = Stage2Config(steps=8, learning_rate=1e-3, warmup=1, accumulate=1, keep_best=False)
-    distill(tr, qpair, few, (), cfg, progress=False)
+    distill(tr, qpair, few, (), cfg)
     s2 = tr.config.metadata["calibration"]["stage2"]
     assert s2["steps"] == 8 and np.isfinite(s2["final_train_loss"])
     params = tree_flatten(tr.trainable_parameters())
     moved = {k: float(np.abs(np.array(v) - start[k]).max()) for k, v in params}
     assert all(d > 0 for d in moved.values()), moved
-    after = mean_kl(tr, qpair, prepared)
+    after = heldout_scores(tr, qpair, prepared)[0]
     assert np.isfinite(after) and after < before, (before, after)
     # decoding: greedy from the translated cache
     h = handoff(qpair, tr, tokens)

@@ -558,16 +558,9 @@ def test_translate_ahead_makes_escalation_one_step(pair, translators):
     """While the small model answers, the span the large would lack is translated between
     its tokens; escalating then costs the large one token of reading, and stays exact."""
     fwd, bwd = translators
-    s = Session(
-        pair,
-        fwd,
-        bwd,
-        policy=plain(
-            translate_ahead=True,
-            ahead_chunk=8,
-            ahead_share=None,
-        ),
-    )
+    s = Session(pair, fwd, bwd, policy=plain(translate_ahead=True))
+    # unbudgeted: 8 tokens after every small token
+    s.catchup.ahead_tokens = lambda remaining, decode_s: min(8, max(remaining, 0))
     s.add_user("a long question " * 6)
     n0 = len(s.tokens)
     small = [e.token for e in s.generate("small", max_tokens=N)]

@@ -89,6 +89,6 @@ def test_stage2_reader_share(examples, known_pair, tiny_dir):
     tr.value["weight"] = tr.value["weight"] * 0.5
     before = mx.array(tr.value["weight"])
     cfg = Stage2Config(steps=2, learning_rate=1e-3, warmup=1, reader_share=1.0, eval_every=2)
-    distill(tr, known_pair, examples, examples[:2], cfg, progress=False)
+    distill(tr, known_pair, examples, examples[:2], cfg)
     assert not mx.array_equal(before, tr.value["weight"])
     assert tr.config.metadata["calibration"]["stage2"]["config"]["reader_share"] == 1.0

@@ -349,12 +349,15 @@ def opening_tie(pair, n0: int, ratio: float) -> ReadCosts:
         (0.90, 0.05, True),
     ],
 )
-def test_the_token_rule_breaks_ties(pair, translators, tmp_path, ratio, margin, small_reads):
+def test_the_token_rule_breaks_ties(pair, translators, monkeypatch, ratio, margin, small_reads):
+    from mlx_kvlingo.conversation import catchup
+
+    assert catchup.READER_MARGIN == 0.05  # what the cases with 0.05 stand for
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, policy=PLAIN)
     s.add_user(SHORT[0])
     s.read_costs = opening_tie(pair, len(s.tokens), ratio)
-    s.policy = replace(s.policy, reader_margin=margin)
+    monkeypatch.setattr(catchup, "READER_MARGIN", margin)
     small, why, paths = s.catchup.choice("target", len(s.tokens) - 1)
     assert small is small_reads and paths == Paths(len(s.tokens), 0, len(s.tokens) - 1, True)
     assert paths.small(s.read_costs) == pytest.approx(ratio * paths.large(s.read_costs))
@@ -364,15 +367,9 @@ def test_the_token_rule_breaks_ties(pair, translators, tmp_path, ratio, margin, 
     s.cancel()
     s.add_user(SHORT[1])
     s.read_costs = fixed_costs(**SMALL_FAST)
-    s.policy = replace(s.policy, reader_margin=1e9)
+    monkeypatch.setattr(catchup, "READER_MARGIN", 1e9)
     small, why, _ = s.catchup.choice("target", len(s.tokens) - 1)
     assert not small and why == "reader auto, a tie: the large reads turns under 64 tok"
-    t = Session(pair, fwd, bwd, policy=PLAIN)
-    t.load(s.save(tmp_path / "tie"))
-    assert (t.policy.reader, t.policy.reader_margin) == ("auto", 1e9)
-    for bad in (-0.1, "x", True, float("nan")):
-        with pytest.raises(PolicyError, match="reader_margin"):
-            s.policy = replace(s.policy, reader_margin=bad)
 
 
 def test_auto_before_any_timing_is_the_token_rule(pair, translators):
@@ -436,9 +433,9 @@ def test_warm_up_without_translators(pair):
 
 
 def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
-    """Files written before reader "tokens" and `reader_margin` existed: "auto" (then the token
-    rule) loads as "auto" (now by time, the token rule breaking ties); the margin stays the
-    session's own."""
+    """Files written before reader "tokens" existed: "auto" (then the token rule) loads as
+    "auto" (now by time, the token rule breaking ties); settings that are constants now
+    (`config.RETIRED`: the margin, the ahead chunk and share) are read and dropped."""
     import json
 
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
@@ -449,19 +446,19 @@ def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
     path = s.save(tmp_path / "new")
     caches, meta = load_prompt_cache(str(path), return_metadata=True)
     state = json.loads(meta["kvlingo_session"])
-    policy = state.pop("policy")  # flat, as files before the policy value kept it, and
-    del policy["reader_margin"], policy["translate_ahead"], policy["ahead_chunk"]  # no margin
-    del policy["ahead_share"]
-    state.update(policy)
+    policy = state.pop("policy")  # flat, as files before the policy value kept it
+    del policy["translate_ahead"]
+    state.update(policy, reader_margin=0.3)
     for t in state["turns"]:  # fields a turn did not have then
         del t["alternative_ttft_s"], t["predicted_ttft_s"]
     old = tmp_path / "old.safetensors"
     save_prompt_cache(str(old), caches, {**meta, "kvlingo_session": json.dumps(state)})
-    t = Session(pair, fwd, bwd, policy=plain(reader="self", reader_margin=0.3))
+    t = Session(pair, fwd, bwd, policy=plain(reader="self"))
     t.load(old)
-    assert (t.policy.reader, t.policy.reader_min_tokens, t.policy.reader_margin) == (
-        "auto",
-        40,
-        0.3,
-    )
+    assert (t.policy.reader, t.policy.reader_min_tokens) == ("auto", 40)
+    # a file of the policy value with the settings since retired
+    retired = {"reader_margin": 0.3, "ahead_chunk": 8, "ahead_share": None, "reader_min_tokens": 9}
+    assert ReaderPolicy.from_dict(retired, PLAIN) == plain(reader_min_tokens=9)
+    with pytest.raises(PolicyError, match="unknown reader-policy setting"):
+        ReaderPolicy.from_dict({"reader_margins": 0.3})
     assert t.turns[0].alternative_ttft_s is None and t.tokens == s.tokens

@@ -50,7 +50,7 @@ def test_ridge_toward_prior_limits_and_known_answer():
 def test_identity_prior_with_huge_alpha_is_raw_transfer(known_pair, text_file, variant):
     train, _ = load_examples(text_file, known_pair.tokenizer, DataConfig(32, 96, 8, seed=1))
     tr = fit_closed_form(known_pair, train[:4], Stage1Config(variant=variant, prior="identity",
-                         alpha=1e12), progress=False)  # fmt: skip
+                         alpha=1e12))  # fmt: skip
     for kind in ("key", "value"):
         w = np.array(getattr(tr, kind)["weight"])
         eye = np.eye(w.shape[-1])
@@ -60,20 +60,18 @@ def test_identity_prior_with_huge_alpha_is_raw_transfer(known_pair, text_file, v
 
 def test_file_prior_is_returned_by_huge_alpha_and_ignored_at_zero(known_pair, text_file, tmp_path):
     train, _ = load_examples(text_file, known_pair.tokenizer, DataConfig(32, 96, 8, seed=1))
-    related = fit_closed_form(known_pair, train[:6], Stage1Config(), progress=False)
+    related = fit_closed_form(known_pair, train[:6], Stage1Config())
     path = tmp_path / "related.safetensors"
     save_translator(related, path, known_pair)
-    pulled = fit_closed_form(known_pair, train[6:9], Stage1Config(prior=str(path), alpha=1e12),
-                             progress=False)  # fmt: skip
+    pulled = fit_closed_form(known_pair, train[6:9], Stage1Config(prior=str(path), alpha=1e12))
     for kind in ("key", "value"):
         np.testing.assert_allclose(
             np.array(getattr(pulled, kind)["weight"]),
             np.array(getattr(related, kind)["weight"]),
             atol=1e-5,
         )
-    plain = fit_closed_form(known_pair, train[6:9], Stage1Config(alpha=0.0), progress=False)
-    free = fit_closed_form(known_pair, train[6:9], Stage1Config(prior=str(path), alpha=0.0),
-                           progress=False)  # fmt: skip
+    plain = fit_closed_form(known_pair, train[6:9], Stage1Config(alpha=0.0))
+    free = fit_closed_form(known_pair, train[6:9], Stage1Config(prior=str(path), alpha=0.0))
     np.testing.assert_array_equal(np.array(plain.key["weight"]), np.array(free.key["weight"]))
 
 
@@ -81,16 +79,15 @@ def test_prior_errors(models, text_file, tmp_path, known_pair):
     shape_pair = load_pair(models["qwen3"], models["qwen3_moe"])
     train, _ = load_examples(text_file, shape_pair.tokenizer, DataConfig(32, 96, 8, seed=1))
     with pytest.raises(ValueError, match="identity prior needs the same KV heads"):
-        fit_closed_form(shape_pair, train[:2], Stage1Config(prior="identity"), progress=False)
+        fit_closed_form(shape_pair, train[:2], Stage1Config(prior="identity"))
     with pytest.raises(ValueError, match="neither one of"):
         Stage1Config(prior=str(tmp_path / "missing.safetensors"))
     with pytest.raises(ValueError, match="alpha must be >= 0"):
         Stage1Config(alpha_grid=(1.0, -1.0))
-    hw = fit_closed_form(known_pair, train[:2], Stage1Config(variant="headwise"), progress=False)
+    hw = fit_closed_form(known_pair, train[:2], Stage1Config(variant="headwise"))
     save_translator(hw, tmp_path / "hw.safetensors", known_pair)
     with pytest.raises(ValueError, match="a headwise translator"):
-        fit_closed_form(known_pair, train[:2], Stage1Config(prior=str(tmp_path / "hw.safetensors")),
-                        progress=False)  # fmt: skip
+        fit_closed_form(known_pair, train[:2], Stage1Config(prior=str(tmp_path / "hw.safetensors")))
 
 
 def _spans(rng, geometry, tokens, noise):

@@ -166,8 +166,7 @@ def test_all_kept_answers_as_native_and_fewer_kept_differ(pair):
     """At 100% kept the peer's replies are the native ones token for token (both RoPE
     layouts); at 10% kept the large model reads a tenth and answers from its own decode."""
     tasks = build_tasks(pair.tokenizer, [TEXT], [160], 1, ("fact", "qa"), seed=1)
-    res = evaluate_content(pair, tasks, {"all": Peer(1.0), "tenth": Peer(0.1)}, small=False,
-                           progress=False)  # fmt: skip
+    res = evaluate_content(pair, tasks, {"all": Peer(1.0), "tenth": Peer(0.1)}, small=False)
     replies = {c: [r["reply"] for r in res.records if r["condition"] == c] for c in res.conditions}
     assert replies["all"] == replies["native"] and any(replies["native"])
     assert replies["tenth"] != replies["native"]

@@ -26,7 +26,6 @@ from mlx_kvlingo.models.files import config_from_metadata, load_translator, read
 
 import mlx.core as mx
 import numpy as np
-from rich.progress import Progress
 
 KINDS = ("key", "value")
 
@@ -210,13 +209,13 @@ def _select_layers(pair, examples, cfg: Stage1Config) -> dict[str, list[list[int
 
 
 def fit_closed_form(
-    pair, examples, cfg: Stage1Config = Stage1Config(), progress=True
+    pair, examples, cfg: Stage1Config = Stage1Config(), progress=None
 ) -> Translator:
     """Fit a translator for `pair` on `examples` (data.Example) in one streaming pass."""
     return fit_many(pair, examples, [cfg], progress)[0]
 
 
-def fit_many(pair, examples, cfgs: list[Stage1Config], progress=True) -> list[Translator]:
+def fit_many(pair, examples, cfgs: list[Stage1Config], progress=None) -> list[Translator]:
     """Fit several translators from one pass over the data (variants sharing a key cut).
 
     With an `alpha_grid` in any config, the documents `is_validation` picks are accumulated
@@ -297,15 +296,15 @@ class Stage1Accumulator:
         }
         (self.validation if validation else self.fit).add(features, self.needed, len(tokens))
 
-    def add_all(self, examples, validation_fraction: float | None = None, progress=True):
+    def add_all(self, examples, validation_fraction: float | None = None, progress=None):
         """Accumulate `examples` in order; with a `validation_fraction`, the documents
-        `is_validation` picks go to the validation moments. Returns self."""
-        with Progress(disable=not progress, transient=True) as bar:
-            task = bar.add_task("stage 1: accumulating", total=len(examples))
-            for ex in examples:
-                split = validation_fraction is not None and is_validation(ex, validation_fraction)
-                self.add(ex, validation=split)
-                bar.advance(task)
+        `is_validation` picks go to the validation moments; `progress(done, total)` after each
+        (mlx-lm's prompt progress callback shape: the faces draw it). Returns self."""
+        for i, ex in enumerate(examples):
+            split = validation_fraction is not None and is_validation(ex, validation_fraction)
+            self.add(ex, validation=split)
+            if progress:
+                progress(i + 1, len(examples))
         return self
 
     def solve(self, refit_with_validation: bool = True) -> list[Translator]:

@@ -25,7 +25,6 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 
 class TrainingDivergedError(RuntimeError):
@@ -142,7 +141,7 @@ def distill(
     cfg: Stage2Config = Stage2Config(),
     checkpoint_dir: str | Path | None = None,
     resume: bool = True,
-    progress: bool = True,
+    progress=None,
     stop_after: int | None = None,
 ):
     """Train `translator` in place; returns it with `metadata['calibration']['stage2']` filled.
@@ -150,7 +149,8 @@ def distill(
     With `checkpoint_dir`, saves every `save_every` steps, on Ctrl-C, and when the loss turns
     NaN (then raises `TrainingDivergedError` naming the step); `resume` continues exactly
     (weights, optimizer moments, data position). `stop_after` ends early after that many steps
-    in this call (for tests of resumption).
+    in this call (for tests of resumption). `progress(step, steps, note)` after each step
+    (mlx-lm's prompt progress callback shape, and a note: the loss and tokens per second).
 
     With held-out examples, every `eval_every` steps records the held-out KL and top-1
     agreement with the native target; with `keep_best` the translator returned (and
@@ -190,54 +190,51 @@ def distill(
     stopped_early = None  # or why the run ended before cfg.steps
 
     start_step, t0, tokens = step, time.perf_counter(), 0
-    columns = [TextColumn("stage 2"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TextColumn("{task.fields[info]}"), TimeElapsedColumn()]  # fmt: skip
-    with Progress(*columns, disable=not progress, transient=True) as bar:
-        task = bar.add_task("", total=cfg.steps, completed=step, info="")
-        try:
-            while step < cfg.steps and (stop_after is None or step - start_step < stop_after):
-                grads, total = None, 0.0
-                for j in range(cfg.accumulate):
-                    i = _example_at(step * cfg.accumulate + j, len(train), cfg.seed)
-                    prep = prepare(pair, train[i], key_cut, reader_mode=_reader_mode(i, cfg),
-                                   gain_weights=cfg.gain_weights,
-                                   native_kv=cfg.kv_weight > 0)  # fmt: skip
-                    loss, g = loss_and_grad(prep)
-                    mx.eval(loss, g)
-                    if not math.isfinite(loss.item()):
-                        save()
-                        where = f"; last good state saved in {ckpt}" if ckpt else ""
-                        raise TrainingDivergedError(
-                            f"stage-2 loss is {loss.item()} at step {step + 1}{where}"
-                        )
-                    total += loss.item() / cfg.accumulate
-                    tokens += len(train[i].continuation)
-                    g = tree_map(lambda x: x / cfg.accumulate, g)
-                    grads = g if grads is None else tree_map(mx.add, grads, g)
-                grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
-                optimizer.update(translator, grads)
-                mx.eval(translator.parameters(), optimizer.state)
-                step += 1
-                record = {"step": step, "loss": total}
-                if held and (step % cfg.eval_every == 0 or step == cfg.steps):
-                    record["heldout_kl"], record["heldout_agree"] = heldout_scores(
-                        translator, pair, held
-                    )
-                    best.offer(translator, step, record["heldout_kl"], pair, ckpt)
-                history.append(record)
-                tps = tokens / (time.perf_counter() - t0)
-                bar.update(task, completed=step, info=f"loss {total:.4f} · {tps:.0f} tok/s")
-                if ckpt and step % cfg.save_every == 0:
+    try:
+        while step < cfg.steps and (stop_after is None or step - start_step < stop_after):
+            grads, total = None, 0.0
+            for j in range(cfg.accumulate):
+                i = _example_at(step * cfg.accumulate + j, len(train), cfg.seed)
+                prep = prepare(pair, train[i], key_cut, reader_mode=_reader_mode(i, cfg),
+                               gain_weights=cfg.gain_weights,
+                               native_kv=cfg.kv_weight > 0)  # fmt: skip
+                loss, g = loss_and_grad(prep)
+                mx.eval(loss, g)
+                if not math.isfinite(loss.item()):
                     save()
-                if cfg.patience and best and best.evals_since >= cfg.patience:
-                    stopped_early = "patience"
-                    break
-                if cfg.max_seconds is not None and time.perf_counter() - t0 > cfg.max_seconds:
-                    stopped_early = "time budget"
-                    break
-        except KeyboardInterrupt:
-            save()
-            raise
+                    where = f"; last good state saved in {ckpt}" if ckpt else ""
+                    raise TrainingDivergedError(
+                        f"stage-2 loss is {loss.item()} at step {step + 1}{where}"
+                    )
+                total += loss.item() / cfg.accumulate
+                tokens += len(train[i].continuation)
+                g = tree_map(lambda x: x / cfg.accumulate, g)
+                grads = g if grads is None else tree_map(mx.add, grads, g)
+            grads, _ = optim.clip_grad_norm(grads, cfg.grad_clip)
+            optimizer.update(translator, grads)
+            mx.eval(translator.parameters(), optimizer.state)
+            step += 1
+            record = {"step": step, "loss": total}
+            if held and (step % cfg.eval_every == 0 or step == cfg.steps):
+                record["heldout_kl"], record["heldout_agree"] = heldout_scores(
+                    translator, pair, held
+                )
+                best.offer(translator, step, record["heldout_kl"], pair, ckpt)
+            history.append(record)
+            tps = tokens / (time.perf_counter() - t0)
+            if progress:
+                progress(step, cfg.steps, f"loss {total:.4f} · {tps:.0f} tok/s")
+            if ckpt and step % cfg.save_every == 0:
+                save()
+            if cfg.patience and best and best.evals_since >= cfg.patience:
+                stopped_early = "patience"
+                break
+            if cfg.max_seconds is not None and time.perf_counter() - t0 > cfg.max_seconds:
+                stopped_early = "time budget"
+                break
+    except KeyboardInterrupt:
+        save()
+        raise
     save()
     evals = [h for h in history if "heldout_kl" in h]
     cal = translator.config.metadata.setdefault("calibration", {})

@@ -22,6 +22,7 @@ pair_option = click.option(
     type=click.Choice(["dense", "moe"]),
     default="dense",
     show_default=True,
+    is_eager=True,  # read before --small/--large, which refuse to stand beside it
     help="Demo pair (no --small/--large): the small model -> SmolLM2-135M-Instruct (dense) "
     "or -> its Qwen3-MoE upcycle (moe)",
 )
@@ -35,10 +36,8 @@ translator_option = click.option(
 def demo_pair_of(source, target, demo_pair: str = "dense", translator=None, *,
                  require_translator: bool = False) -> str | None:  # fmt: skip
     """The pair options as typed: both --small and --large (None: that pair, with a
-    --translator if `require_translator`), or neither (the demo pair --pair names); --pair only
-    without them."""
-    if (source or target) and demo_pair != "dense":
-        raise click.UsageError("--pair chooses a demo pair: not with --small/--large")
+    --translator if `require_translator`), or neither (the demo pair --pair names; `ModelSpec`
+    refuses --pair beside them)."""
     if bool(source) != bool(target):
         raise click.UsageError("give both --small and --large, or neither for the demo pair")
     if source and translator is None and require_translator:
@@ -149,7 +148,7 @@ def content_texts(data_path) -> list[str]:
 
 
 def policy_options(f):
-    """--reader --reader-min-tokens --reader-margin --large-reads-last --recompute
+    """--reader --reader-min-tokens --large-reads-last --recompute
     --min-retention --translate-ahead, collected into one `policy` argument (a `ReaderPolicy`; its defaults are
     the library's). A pipelined large model cannot recompute: None there means 0."""
     from dataclasses import replace
@@ -166,10 +165,6 @@ def policy_options(f):
                      show_default=True,
                      help="Reader tokens (and auto on a tie): later turns shorter than this are "
                           "read by the large model itself"),
-        click.option("--reader-margin", type=click.FloatRange(0), default=d.reader_margin,
-                     show_default=True,
-                     help="Reader auto: predicted TTFTs this close (a fraction) are a tie, which "
-                          "the token rule decides"),
         click.option("--large-reads-last", type=click.IntRange(1), default=d.large_reads_last,
                      show_default=True,
                      help="When the small model reads your turn, the large one still reads its "
@@ -194,7 +189,6 @@ def policy_options(f):
     keys = (
         "reader",
         "reader_min_tokens",
-        "reader_margin",
         "large_reads_last",
         "min_retention",
         "translate_ahead",

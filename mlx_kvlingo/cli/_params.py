@@ -74,13 +74,17 @@ def hub_id_problem(value: str) -> str | None:
 
 
 class ModelSpec(click.ParamType):
-    """A model: a local folder mlx-lm can load, or a Hub id (org/name)."""
+    """A model: a local folder mlx-lm can load, or a Hub id (org/name). Beside a demo pair
+    (`--pair`, an eager option, so read first whatever the order typed) it is a wrong
+    combination, refused before the model itself is judged."""
 
     name = "model"
 
     def convert(self, value, param, ctx):
         if value is None or not isinstance(value, str):
             return value
+        if ctx is not None and ctx.params.get("demo_pair", "dense") != "dense":
+            raise click.UsageError("--pair chooses a demo pair: not with --small/--large", ctx)
         path = Path(value).expanduser()
         if path.exists():
             problem = model_folder_problem(path)

@@ -10,6 +10,7 @@ from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
 from mlx_kvlingo.calibrate.distill import Stage2Config, distill
 from mlx_kvlingo.cli._common import content_texts, data_config, data_options
 from mlx_kvlingo.cli._params import FloatList, IntList, ModelSpec, OutputFile, OutputFolder
+from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.data.examples import load_examples, validate_data
 from mlx_kvlingo.eval.evaluate import evaluate, table
 from mlx_kvlingo.models.files import save_translator
@@ -152,26 +153,31 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
             )  # fmt: skip
         except ValueError as e:
             raise click.BadParameter(str(e)) from None
-        tr = fit_closed_form(pair, train, cfg)
+        with progress_bar("stage 1: accumulating", console) as progress:
+            tr = fit_closed_form(pair, train, cfg, progress)
     cal = tr.config.metadata.setdefault("calibration", {})
     cal.update(report)
     if not init:
         console.print(fit_line(cal["stage1"]))
         if held_eval:
-            cal["stage1"]["heldout"] = result = evaluate(pair, tr, held_eval)
+            with progress_bar("evaluating", console) as progress:
+                cal["stage1"]["heldout"] = result = evaluate(pair, tr, held_eval, progress)
             console.print(table(result, "after stage 1"))
     if steps:
         s2 = Stage2Config(steps, lr, warmup, 0.0, grad_clip, accumulate, eval_every, min(16, eval_examples),
                           seed=kw["seed"], patience=patience, reader_share=reader_share,
                           gain_weights=gain_weights, kv_weight=kv_weight)  # fmt: skip
         try:
-            distill(tr, pair, list(train) + content, held, s2, checkpoint_dir, resume)
+            with progress_bar("stage 2", console) as progress:
+                distill(tr, pair, list(train) + content, held, s2, checkpoint_dir, resume,
+                        progress=progress)  # fmt: skip
         except KeyboardInterrupt:
             raise click.ClickException(
                 f"interrupted; checkpoint kept in {checkpoint_dir}"
             ) from None
         if held_eval:
-            cal["stage2"]["heldout"] = result = evaluate(pair, tr, held_eval)
+            with progress_bar("evaluating", console) as progress:
+                cal["stage2"]["heldout"] = result = evaluate(pair, tr, held_eval, progress)
             console.print(table(result, "after stage 2"))
     save_translator(tr, output, pair)
     console.print(f"wrote {output}")
@@ -197,8 +203,6 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
     from mlx_kvlingo.calibrate.plan import CalibrationPlan, measure_rates, probe_peak
     from mlx_kvlingo.data.examples import read_texts
 
-    from rich.progress import Progress
-
     rates = measure_rates(pair)
     longest = max(train, key=lambda e: len(e.prefix) + len(e.continuation))
     peak = probe_peak(lambda: pair.target.model(mx.array(list(longest.prefix) * 2)[None]))
@@ -214,13 +218,12 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
     console.print(plan.describe())
     if cache:
         cache.parent.mkdir(parents=True, exist_ok=True)
-    with Progress(console=console, transient=True) as bar:
-        job = bar.add_task("content answers (target, native)", total=n + n_held)
+    with progress_bar("content answers (target, native)", console) as progress:
         out = content_examples(pair, texts, n, lengths, seed=seed, cache_file=cache,
-                               on_example=lambda k: bar.update(job, completed=k))  # fmt: skip
+                               on_example=lambda k: progress(k, n + n_held))  # fmt: skip
         held_out = content_examples(pair, texts, n_held, lengths, seed=seed + 1000,
                                     cache_file=cache,
-                                    on_example=lambda k: bar.update(job, completed=n + k))  # fmt: skip
+                                    on_example=lambda k: progress(n + k, n + n_held))  # fmt: skip
     console.print(f"{len(out)} training and {len(held_out)} held-out content examples "
                   f"(answers cached in {cache})")  # fmt: skip
     return out, held_out
@@ -231,7 +234,8 @@ def _content_report(pair, tr, console) -> None:
     from mlx_kvlingo.eval.content import evaluate_content, tables, to_json
 
     tasks = build_tasks(pair.tokenizer, content_texts(None), (128, 512), 3, seed=1)
-    result = to_json(evaluate_content(pair, tasks, {"translated": tr}), pair)
+    with progress_bar("content", console) as progress:
+        result = to_json(evaluate_content(pair, tasks, {"translated": tr}, progress=progress), pair)
     console.print("content on held-out documentation (3 tasks per kind and length; "
                   "`kvlingo eval --task content` for the full benchmark):")  # fmt: skip
     for t in tables(result):

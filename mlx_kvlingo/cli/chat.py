@@ -38,7 +38,7 @@ from mlx_kvlingo.cli._distributed import (
     wire_option,
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
-from mlx_kvlingo.conversation.catchup import RECOMPUTE_SELECTION
+from mlx_kvlingo.conversation.catchup import READER_MARGIN, RECOMPUTE_SELECTION
 from mlx_kvlingo.conversation.sampling import describe as describe_sampling
 from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
 from mlx_kvlingo.distributed.pipeline import DistributedError
@@ -100,7 +100,7 @@ def describe_reader(conv) -> str:
                  f"the content at that length (measured: {_points(kept)})"
                  if kept is not None and conv.policy.min_retention else "")  # fmt: skip
         return (f"whichever starts the answer sooner at the rates measured here; within "
-                f"{conv.policy.reader_margin:.0%}, {rule}{keeps}{last}")  # fmt: skip
+                f"{READER_MARGIN:.0%}, {rule}{keeps}{last}")  # fmt: skip
     return "the answering model reads your turn itself"
 
 

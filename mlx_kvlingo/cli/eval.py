@@ -14,6 +14,7 @@ from mlx_kvlingo.cli._common import (
     translator_option,
 )
 from mlx_kvlingo.cli._params import IntList, OutputFile
+from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.data.content_tasks import KINDS
 from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
@@ -122,7 +123,8 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         raise click.ClickException(str(e)) from None
     if not held:
         raise click.ClickException(f"{data_path}: no examples to score; raise --heldout-fraction")
-    result = evaluate(pair, tr, held[:examples])
+    with progress_bar("evaluating", console) as progress:
+        result = evaluate(pair, tr, held[:examples], progress)
     result["translator"] = translator or "demo"
     result["data"] = str(data_path)
     console.print(table(result, f"{pair.source.name} -> {pair.target.name}"))
@@ -159,8 +161,9 @@ def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, conso
     chat = Chat(tr, Chat.tail if tail is None else tail, Chat.share if share is None else share)
     conditions = {"translated": Chat(tr, 1, 0.0), "chat": chat,
                   **{f"specprefill {k:g}": Peer(k, seed) for k in keeps}}  # fmt: skip
-    result = to_json(evaluate_content(pair, tasks, conditions), pair,
-                     {"translator": label, "seed": seed, "lengths": lengths})  # fmt: skip
+    with progress_bar("content", console) as progress:
+        result = to_json(evaluate_content(pair, tasks, conditions, progress=progress), pair,
+                         {"translator": label, "seed": seed, "lengths": lengths})  # fmt: skip
     for t in tables(result):
         console.print(t)
     if json_out:

@@ -53,12 +53,17 @@ MODES = ("alternation", "naive", "reprefill")
 #: notice an MoE target's seconds-long prefill on the CPU
 TAIL_BUDGET = 2.0
 TAIL_ALLOWANCE_S = 0.5
+#: reader auto: predicted TTFTs within this fraction of each other are a tie, which the token
+#: rule decides (a short translated turn between the large's native answers loses the most)
+READER_MARGIN = 0.05
 #: which translated tokens the large model recomputes: each attention peak with the rest of its
 #: sentence, at least 24 tokens, the chat template's markup last (weights/QUALITY.md,
 #: "Sentences, not neighbours")
 RECOMPUTE_SELECTION = Selection()
 #: the fewest tokens translated ahead at a time (conversation/README.md, "Translating ahead")
 AHEAD_MIN = 8
+#: translating ahead spends at most this share of the small model's decode time
+AHEAD_SHARE = 0.10
 #: a turn is read (by either model: mlx-lm's prefill step for the answering model's own read)
 #: and its span captured and translated this many tokens at a time: one chunk's attention
 #: scores, float32 copy and maps beside the caches however long the turn, and a long document
@@ -336,15 +341,14 @@ class CatchUp:
 
     def ahead_tokens(self, remaining: int, decode_s: float | None) -> int:
         """How many of `remaining` tokens to translate ahead now. Each small token earns
-        `ahead_share` x its decode time; a chunk is translated once the credit covers its
+        AHEAD_SHARE x its decode time; a chunk is translated once the credit covers its
         predicted cost (`read_costs.forward`: a + b n) and it is at least max(AHEAD_MIN, 3a / b)
         tokens (its per-call cost a quarter at most), as many as the credit covers; what it
-        overruns is a debt. Unmeasured: AHEAD_MIN tokens. `ahead_share=None`: `ahead_chunk`
-        tokens after every token."""
-        p, cost = self.policy, self.read_costs.forward
-        if p.ahead_share is None or remaining <= 0:
-            return min(max(remaining, 0), p.ahead_chunk)
-        self.ahead_credit += p.ahead_share * max(decode_s or 0.0, 0.0)
+        overruns is a debt. Unmeasured: AHEAD_MIN tokens."""
+        cost = self.read_costs.forward
+        if remaining <= 0:
+            return 0
+        self.ahead_credit += AHEAD_SHARE * max(decode_s or 0.0, 0.0)
         if self.ahead_credit <= 0 or not cost.samples:  # the first chunk measures
             return 0 if self.ahead_credit <= 0 else min(remaining, AHEAD_MIN)
         a, b = cost.fit()
@@ -393,7 +397,7 @@ class CatchUp:
         small = None if paths is None else paths.small(self.read_costs)
         if large is None or small is None:
             small_reads, why = rule, "" if rule else f"reader auto, not timed yet: {under}"
-        elif abs(large - small) <= p.reader_margin * min(large, small):
+        elif abs(large - small) <= READER_MARGIN * min(large, small):
             small_reads, why = rule, "" if rule else f"reader auto, a tie: {under}"
         else:
             small_reads, why = small < large, "" if small < large else "reader auto: the faster"

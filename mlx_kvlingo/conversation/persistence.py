@@ -174,8 +174,7 @@ def _restore(path: Path, pair: ModelPair, caches: list, state: dict, policy: Rea
         saved = {k: state[k] for k in LEGACY_POLICY_KEYS if k in state}
     need(isinstance(saved, dict), "policy must be an object")
     try:
-        ReaderPolicy.from_dict(saved)  # names and values checked
-        policy = replace(policy, **saved)
+        policy = ReaderPolicy.from_dict(saved, policy)  # names and values checked
     except (PolicyError, TypeError) as e:
         raise SessionFileError(f"{path}: {e}") from None
     if policy.reader != "self" and not has_forward:

@@ -272,7 +272,7 @@ class Session:
         if gen is not None:
             gen.close()
 
-    def _begin(self, model: str, room: bool = True) -> tuple[str, int | None]:
+    def _begin(self, model: str) -> tuple[str, int | None]:
         """Checks before any work on a turn: (the model's role, tokens the turn may add under
         `max_kv_size` and both models' own context: None for unlimited). A conversation already
         past either model's context is refused before any work: both may read it."""
@@ -283,14 +283,14 @@ class Session:
             raise SessionError("nothing to answer yet: add a user message first")
         self.catchup.check_mode()
         left = None
-        for label, m in (("small", self.pair.source), ("large", self.pair.target)) if room else ():
+        for label, m in (("small", self.pair.source), ("large", self.pair.target)):
             if m.context_length is not None and n > m.context_length:
                 raise ContextOverflowError(
                     f"the conversation is {n} tokens; the {label} model ({m.name}) handles at "
                     f"most {m.context_length}: shorten the message, drop the oldest turns with "
                     f"/trim (Session.trim) or start over with /reset"
                 )
-        if room and self.max_kv_size is not None:
+        if self.max_kv_size is not None:
             left = self.max_kv_size - n
             if left < 1:
                 raise ContextOverflowError(
@@ -475,54 +475,6 @@ class Session:
         self._cut(start)
         into = model or ("target" if answered == "source" else "source")
         return self.generate(into, **generate_kwargs)
-
-    def score(self, model: str, text: str, prefill_step_size: int = READ_CHUNK) -> list[float]:
-        """Teacher forcing: append `text` as `model`'s answer; return its tokens' log-probs.
-
-        The model catches up exactly as it would before answering, then reads the answer
-        itself. Used by the multi-turn evaluation (NLL of the real next turn).
-        """
-        name, _ = self._begin(model, room=False)  # scoring checks the answer's room itself
-        t, m = self.transcript, self.models[name]
-        stats = TurnStats(name, self.mode, finish_reason="scored")
-        t0 = time.perf_counter()
-        start, keep = t.append({"role": "assistant", "content": text}, False)
-        self._cut(keep)
-        if self.max_kv_size is not None and len(self.tokens) > self.max_kv_size:
-            n = len(self.tokens)
-            self._cut(t.cut(start))
-            t.messages.pop()
-            raise ContextOverflowError(
-                f"with this answer the conversation is {n} tokens, beyond max_kv_size "
-                f"{self.max_kv_size}: /trim (Session.trim) or /reset"
-            )
-        t.user_start, t.answer = None, (start, name)
-        try:
-            self._hand_off(name, start, stats, prefill_step_size)
-            a, toks = m.held, self.tokens[m.held :]
-            stats.prompt_tokens = start - a  # read before the answer; the answer is "generated"
-            out: list[float] = []
-            for s in range(0, len(toks), prefill_step_size):
-                chunk = toks[s : s + prefill_step_size]
-                logits = m.loaded.model(mx.array(chunk)[None], cache=m.cache)[0]
-                logits = logits.astype(mx.float32)
-                logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                # absolute position p = a + s + i predicts token p + 1; want p + 1 >= start
-                lo = max(start - 1 - (a + s), 0)
-                hi = min(len(chunk), len(self.tokens) - 1 - (a + s))
-                if hi > lo:
-                    targets = mx.array(self.tokens[a + s + lo + 1 : a + s + hi + 1])
-                    picked = mx.take_along_axis(logp[lo:hi], targets[:, None], axis=-1)[:, 0]
-                    out.extend(picked.tolist())
-                mx.eval([c.keys for c in m.cache])
-            stats.logprobs = out
-            stats.generation_tokens = len(self.tokens) - start
-            stats.ttft_s = time.perf_counter() - t0
-            stats.text = text
-        finally:
-            m.settle(len(self.tokens))
-            self.turns.append(stats)
-        return out
 
     # -- files ----------------------------------------------------------------------------
 

@@ -45,7 +45,6 @@ from mlx_kvlingo.kv.capture import trace
 from mlx_kvlingo.kv.sparse_prefill import positions_shifted, speculative_prefill
 
 import mlx.core as mx
-from rich.progress import Progress
 from rich.table import Table
 
 SCHEMA = "mlx-kvlingo/content-eval"
@@ -333,22 +332,22 @@ def summarize(rows: list, native: list) -> dict:
 
 
 def evaluate_content(pair, tasks: Sequence[ContentTask], conditions: dict, small: bool = True,
-                     progress: bool = True) -> ContentResult:  # fmt: skip
+                     progress=None) -> ContentResult:  # fmt: skip
     """Every condition's answer to every task ({label: condition}, see the module's doc), with
-    the native one first and the source alone last (`small`), scored against the native one."""
+    the native one first and the source alone last (`small`), scored against the native one;
+    `progress(done, total)` after each task."""
     res = ContentResult(conditions=["native", *conditions, *(["small"] if small else [])])
-    with Progress(disable=not progress, transient=True) as bar:
-        job = bar.add_task("content", total=len(tasks))
-        for i, task in enumerate(tasks):
-            answers, seconds = _answers(pair, task, conditions, small)
-            for c, reply in answers.items():
-                res.records.append({
-                    "task": i, "condition": c, "kind": task.kind, "length": task.length,
-                    "tokens": len(task.tokens), "depth": task.depth, "detail": task.detail,
-                    "answer": task.answer, "question": task.question, "reply": reply,
-                    "read_s": seconds.get(c), **score(task, answers["native"], reply),
-                })  # fmt: skip
-            bar.advance(job)
+    for i, task in enumerate(tasks):
+        answers, seconds = _answers(pair, task, conditions, small)
+        for c, reply in answers.items():
+            res.records.append({
+                "task": i, "condition": c, "kind": task.kind, "length": task.length,
+                "tokens": len(task.tokens), "depth": task.depth, "detail": task.detail,
+                "answer": task.answer, "question": task.question, "reply": reply,
+                "read_s": seconds.get(c), **score(task, answers["native"], reply),
+            })  # fmt: skip
+        if progress:
+            progress(i + 1, len(tasks))
     return res
 
 

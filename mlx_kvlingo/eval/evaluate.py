@@ -19,7 +19,6 @@ from mlx_kvlingo.kv.translator import Side, TranslatorConfig, identity_translato
 
 import mlx.core as mx
 import numpy as np
-from rich.progress import Progress
 from rich.table import Table
 
 CONDITIONS = ("native", "translated", "raw", "source")
@@ -81,9 +80,10 @@ def raw_transfer(pair):
     return identity_translator(TranslatorConfig("mixing", s, t, rows, rows))
 
 
-def evaluate(pair, translator, examples, progress: bool = True) -> dict:
+def evaluate(pair, translator, examples, progress=None) -> dict:
     """Every condition's scores on `examples` (data.Example), token-weighted, each with its gap
-    recovered; the examples and tokens scored; a JSON-ready dict."""
+    recovered; the examples and tokens scored; a JSON-ready dict. `progress(done, total)` after
+    each example."""
     translators = {"translated": translator}
     raw = raw_transfer(pair)
     if not isinstance(raw, str):
@@ -91,19 +91,18 @@ def evaluate(pair, translator, examples, progress: bool = True) -> dict:
     cuts = sorted({tr.config.key_cut for tr in translators.values()})
     scores = {label: Scores.empty() for label in ("native", *translators, "source")}
     weights = []
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("evaluating", total=len(examples))
-        for ex in examples:
-            preps = {cut: prepare(pair, ex, cut) for cut in cuts}
-            teacher = preps[cuts[0]].teacher_logp
-            targets = mx.array(list(ex.continuation))
-            scores["native"].add(teacher, teacher, targets)
-            for label, tr in translators.items():
-                logp = student_logp(tr, pair, preps[tr.config.key_cut])
-                scores[label].add(logp, teacher, targets)
-            scores["source"].add(native_logp(pair.source, ex), teacher, targets)
-            weights.append(len(ex.continuation))
-            bar.advance(task)
+    for i, ex in enumerate(examples):
+        preps = {cut: prepare(pair, ex, cut) for cut in cuts}
+        teacher = preps[cuts[0]].teacher_logp
+        targets = mx.array(list(ex.continuation))
+        scores["native"].add(teacher, teacher, targets)
+        for label, tr in translators.items():
+            logp = student_logp(tr, pair, preps[tr.config.key_cut])
+            scores[label].add(logp, teacher, targets)
+        scores["source"].add(native_logp(pair.source, ex), teacher, targets)
+        weights.append(len(ex.continuation))
+        if progress:
+            progress(i + 1, len(examples))
     out = {label: s.summary(weights) for label, s in scores.items()}
     src, nat = out["source"]["nll"], out["native"]["nll"]
     for r in out.values():

@@ -153,9 +153,3 @@ def heldout_scores(method, pair, prepared: Sequence[Prepared]) -> tuple[float, f
     if not kls:
         return float("nan"), float("nan")
     return float(np.mean(kls)), float(np.mean(agree))
-
-
-def mean_kl(method, pair, prepared: Sequence[Prepared]) -> float:
-    """Mean KL(native || method) over prepared examples (NaN for none)."""
-    vals = [kl(p.teacher_logp, student_logp(method, pair, p)).item() for p in prepared]
-    return float(np.mean(vals)) if vals else float("nan")

@@ -485,17 +485,6 @@ def with_native_first(
     return put(k0, keys), put(v0, values)
 
 
-def with_native_first_layers(target, token: int, keys: list, values: list) -> tuple[list, list]:
-    """The same for per-layer lists of (B, H, T, D) arrays (methods that build layers apart)."""
-    k0, v0 = first_token_kv(target, token)
-
-    def splice(first, rest):
-        first = mx.broadcast_to(first, (rest.shape[0], *first.shape[1:])).astype(rest.dtype)
-        return mx.concatenate([first, rest[..., 1:, :]], axis=2)
-
-    return [splice(a, k) for a, k in zip(k0, keys)], [splice(a, v) for a, v in zip(v0, values)]
-
-
 # -- how the maps read the source ---------------------------------------------------------
 #
 # A map for target layer t multiplies the K/V of the nu source layers its row names by W_t.

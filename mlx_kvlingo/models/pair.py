@@ -38,14 +38,6 @@ class KVGeometry:
     has_k_norm: bool
     dtype: str
 
-    @property
-    def key_width(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @property
-    def value_width(self) -> int:
-        return self.kv_heads * self.value_dim
-
     def as_dict(self) -> dict:
         return asdict(self)
 

@@ -128,7 +128,7 @@ def loss_fn(pair, translator, ex, native, aux: float, kv: float, teacher=None):
 
 
 def content_scores(pair, translator, tasks) -> dict:
-    res = evaluate_content(pair, tasks, {"translated": translator}, small=True, progress=False)
+    res = evaluate_content(pair, tasks, {"translated": translator}, small=True)
     out = {}
     for cond in ("translated", "small"):
         for kind in sorted({t.kind for t in tasks}):

@@ -65,7 +65,7 @@ for v in variants:
         elif part.startswith("tail"):
             kw["tail"] = int(part[4:])
     conditions[v] = Chat(tr if v.startswith("chat") else exact, **kw)
-res = to_json(evaluate_content(pair, tasks, conditions, small=False, progress=False), pair)
+res = to_json(evaluate_content(pair, tasks, conditions, small=False), pair)
 for r in res["records"]:
     print(
         json.dumps(

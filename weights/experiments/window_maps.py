@@ -179,7 +179,7 @@ def main(argv=None) -> None:
         methods[label] = WindowMaps(rows, window, w, g.kv_heads)
         report["fits"][label] = {"heldout_rel_error": err, "fit_s": time.perf_counter() - t0}
         print(f"{label}: held-out rel. error K {err['key']:.3f} V {err['value']:.3f}", flush=True)
-    res = evaluate_content(pair, tasks, methods, small=False, progress=False)
+    res = evaluate_content(pair, tasks, methods, small=False)
     for label in methods:
         for kind in ("fact", "copy"):
             native = [r for r in res.records if r["condition"] == "native" and r["kind"] == kind]
