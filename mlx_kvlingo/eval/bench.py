@@ -340,7 +340,7 @@ def prompt_tokens(pair: ModelPair, n: int, seed: int) -> list[int]:
 
 def reading_info(reading) -> dict | None:
     """The map-reading strategy measured per kind and token count (None: not measured)."""
-    if not reading.chosen:  # a translator with one path (lowrank)
+    if not reading.chosen:  # a translator with one path
         return None
     return {
         f"{kind}@{n}": {

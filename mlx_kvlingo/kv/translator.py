@@ -30,7 +30,7 @@ from mlx_kvlingo.kv.rope import rotate, rotate_sum
 import mlx.core as mx
 import mlx.nn as nn
 
-VARIANTS = ("headwise", "mixing", "lowrank")  # lowrank: see lowrank.py
+VARIANTS = ("headwise", "mixing")
 
 
 @dataclass(frozen=True)
@@ -69,20 +69,10 @@ class TranslatorConfig:
     #: attention sink whose K/V depend only on its id, so they are computed once, not per prompt
     native_first: bool = False
     metadata: dict = field(default_factory=dict, compare=False)
-    #: lowrank only: code width per source layer (clamped to each source layer's K/V width)
-    rank: int | None = None
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
             raise ValueError(f"unknown variant {self.variant!r}; expected one of {VARIANTS}")
-        if self.variant == "lowrank":
-            r = self.rank
-            if not isinstance(r, numbers.Integral) or isinstance(r, bool) or r < 1:
-                raise ValueError(
-                    f"a lowrank translator needs a positive integer rank, not {r!r:.40}"
-                )
-        elif self.rank is not None:
-            raise ValueError(f"rank applies to the lowrank variant only, not {self.variant!r}")
         check_cut(self.key_cut)
         if self.variant == "headwise" and self.source.kv_heads != self.target.kv_heads:
             raise ValueError(
@@ -110,24 +100,9 @@ class TranslatorConfig:
     def nu_v(self) -> int:
         return len(self.value_layers[0])
 
-    def code_width(self, kind: str) -> int:
-        """lowrank: the code width per source layer, `rank` clamped to the layer's K or V width
-        (a wider code cannot carry more: the full-width encoder is already invertible)."""
-        width = self.source.head_dim if kind == "key" else self.source.value_dim
-        return min(self.rank, self.source.kv_heads * width)
-
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         s, t, L = self.source, self.target, self.target.layers
-        if self.variant == "lowrank":  # shared encoder per source layer, decoder per target layer
-            shapes = {}
-            for kind, nu, ds, dt in (("key", self.nu_k, s.head_dim, t.head_dim),
-                                     ("value", self.nu_v, s.value_dim, t.value_dim)):  # fmt: skip
-                r = self.code_width(kind)
-                shapes[f"{kind}.encoder"] = (s.layers, s.kv_heads * ds, r)
-                shapes[f"{kind}.decoder"] = (L, nu * r, t.kv_heads * dt)
-                if self.bias:
-                    shapes[f"{kind}.bias"] = (L, t.kv_heads * dt)
-        elif self.variant == "mixing":
+        if self.variant == "mixing":
             shapes = {
                 "key.weight": (L, self.nu_k * s.kv_heads * s.head_dim, t.kv_heads * t.head_dim),
                 "value.weight": (L, self.nu_v * s.kv_heads * s.value_dim, t.kv_heads * t.value_dim),
@@ -160,20 +135,11 @@ def nearest_layer_map(source_layers: int, target_layers: int, nu: int = 1) -> li
 
 
 class Translator(nn.Module):
-    """Maps a source span's K/V to the target's cache layout (see module docstring).
+    """Maps a source span's K/V to the target's cache layout (see module docstring)."""
 
-    A variant with maps of another shape subclasses it (`lowrank.LowRankTranslator`), naming
-    its variants in `VARIANTS` and overriding `map_features` (and `_translate_fused`, the CPU
-    pass for these maps); `lowrank.new_translator` picks the class for a config."""
-
-    VARIANTS = ("headwise", "mixing")
+    VARIANTS = VARIANTS
 
     def __init__(self, config: TranslatorConfig, dtype: mx.Dtype = mx.float32):
-        if config.variant not in self.VARIANTS:
-            raise ValueError(
-                f"{type(self).__name__} takes the {'/'.join(self.VARIANTS)} variants, not "
-                f"{config.variant!r} (lowrank.new_translator picks the class)"
-            )
         super().__init__()
         self.config = config
         shapes = config.weight_shapes()
@@ -606,8 +572,8 @@ def product(rows: mx.array, index: mx.array, w: mx.array, strategy: str) -> mx.a
 def measure(translator, n_tokens=BUCKETS, rounds: int = 2) -> MapReading:
     """Time each strategy on random source K/V of the translator's shapes (batch 1) and keep
     the fastest per kind and token count in `translator.reading`. Returns that reading.
-    A translator without per-layer weight maps (lowrank, other methods) keeps its own single
-    path and gets an empty reading."""
+    A translator without per-layer weight maps keeps its own single path and gets an empty
+    reading."""
     reading = MapReading()
     if "weight" not in getattr(translator, "key", {}):
         return reading
