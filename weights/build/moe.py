@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     dense_logits = [model(x) for x in texts]
     mx.eval(dense_logits)
     dense_greedy = [greedy(model, tokenizer, p, args.greedy_tokens) for p in PROMPTS]
+    print(f"dense target read ({time.time() - t0:.0f} s)", flush=True)
     weights = dict(mx.load(str(dense_dir / "model.safetensors")))
     rows = {}
     for scale in (float(s) for s in args.scales.split(",")):
