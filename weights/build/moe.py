@@ -114,11 +114,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=WEIGHTS / "moe")
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
-    ap.add_argument("--scales", default="0,1e-6,1e-5,1e-4", help="router logit scales tried")
+    ap.add_argument("--scales", default="0,1e-6,1e-5", help="router logit scales tried")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--windows", type=int, default=1)
     ap.add_argument("--window-tokens", type=int, default=512)
-    ap.add_argument("--greedy-tokens", type=int, default=40)
+    ap.add_argument("--greedy-tokens", type=int, default=32)
     return ap
 
 
