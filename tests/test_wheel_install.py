@@ -142,7 +142,7 @@ def test_demo_wheel_ships_the_defaults_only(venv):
     demo = next(w for w in venv[4] if w.name.startswith("mlx_kvlingo_demo-"))
     shipped = {n.split("/", 1)[1] for n in zipfile.ZipFile(demo).namelist()
                if n.startswith("mlx_kvlingo_demo/")}  # fmt: skip
-    want = {"__init__.py", "manifest.json", "moe/deltas.safetensors", "moe/moe.json"}
+    want = {"__init__.py", "manifest.json", "moe/moe.json"}
     for pair in ("dense", "moe"):
         source = manifest(pair)["default"]["source"]
         want |= {f"{source}/model.safetensors", f"{source}/source.json"}

@@ -8,7 +8,8 @@ mlx-lm caches hold keys after `k_norm` (when the family has one) and after RoPE,
 from __future__ import annotations
 
 #: model_type -> whether its attention normalizes the keys (`k_norm`)
-HAS_K_NORM = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True, "qwen3_moe": True}
+HAS_K_NORM = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True, "qwen2_moe": False,
+              "qwen3_moe": True}  # fmt: skip
 
 
 class UnsupportedModelError(ValueError):

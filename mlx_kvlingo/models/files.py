@@ -328,7 +328,9 @@ def check_pair(meta: dict, config: TranslatorConfig, pair, path) -> None:
                 f"{have.kv_heads} KV heads, head dim {have.head_dim}: wrong model pair"
             )
         mt = meta[label].get("model_type")
-        if mt and mt != model.geometry.model_type:
+        # an exact upcycle (models/demo/moe.py) keeps the K/V cache of the model it came from
+        kv_of = (getattr(model, "config", None) or {}).get("kvlingo_upcycle", {}).get("model_type")
+        if mt and mt not in (model.geometry.model_type, kv_of):
             raise TranslatorFileError(
                 f"{path}: made for a {mt} {label}, {model.name} is {model.geometry.model_type}"
             )

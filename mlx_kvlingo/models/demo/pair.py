@@ -18,8 +18,9 @@ from mlx_kvlingo.models.demo.smollm2 import (
 from mlx_kvlingo.models.files import TranslatorFileError, load_translator, read_metadata
 from mlx_kvlingo.models.pair import load_pair
 
-#: The demo pairs: a small source; the target is SmolLM2-135M-Instruct ("dense") or its
-#: Qwen3-MoE upcycle ("moe", weights/moe/). The manifest lists "moe" under its own key.
+#: The demo pairs: a small source; the target is SmolLM2-135M-Instruct ("dense") or its exact
+#: qwen2_moe upcycle ("moe", weights/moe/moe.json), whose K/V cache is the dense target's: both
+#: pairs read the same translators (the manifest's).
 PAIRS = ("dense", "moe")
 #: The small model a pair uses unless its manifest's default names another (`default.source`):
 #: the 15-layer `weights/source15/`, the only one shipped.
@@ -32,34 +33,27 @@ def _check_pair(pair: str) -> None:
 
 
 def manifest(pair: str = "dense") -> dict:
-    """The manifest section of a demo pair (pair, default, translators)."""
+    """The demo translators' manifest (pair, default, translators): the same for both pairs,
+    the MoE target's K/V being the dense target's (demo/moe.py)."""
     _check_pair(pair)
     path = weights_dir() / "manifest.json"
     if not path.exists():
         raise missing_weights(path, "translators")
-    m = json.loads(path.read_text())
-    if pair == "dense":
-        return m
-    if pair not in m:
-        raise FileNotFoundError(f"{path} has no translators for the {pair!r} demo pair")
-    return m[pair]
+    return json.loads(path.read_text())
 
 
 def shipped_retention(path, large_reads_last: int, recompute_share: float) -> dict | None:
-    """The content retention a demo pair's default forward translator file `path` ships with
+    """The content retention the demos' default forward translator file `path` ships with
     (manifest `default.retention`: {"large_reads_last", "recompute_share", "counts": [[read
     length, kept, right], ...], "source"}) for these reader settings; else None."""
-    for pair in PAIRS:
-        try:
-            r = manifest(pair)["default"].get("retention")
-            if not r or Path(path).resolve() != translator_path(pair=pair).resolve():
-                continue
-            settings = (r.get("large_reads_last"), r.get("recompute_share"))
-        except (FileNotFoundError, KeyError, ValueError, OSError, AttributeError):
-            continue
-        if settings == (large_reads_last, recompute_share):
-            return r
-    return None
+    try:
+        r = manifest()["default"].get("retention")
+        if not r or Path(path).resolve() != translator_path().resolve():
+            return None
+        settings = (r.get("large_reads_last"), r.get("recompute_share"))
+    except (FileNotFoundError, KeyError, ValueError, OSError, AttributeError):
+        return None
+    return r if settings == (large_reads_last, recompute_share) else None
 
 
 def default_source(pair: str = "dense") -> str:
