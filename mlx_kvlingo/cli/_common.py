@@ -24,7 +24,7 @@ pair_option = click.option(
     show_default=True,
     is_eager=True,  # read before --small/--large, which refuse to stand beside it
     help="Demo pair (no --small/--large): the small model -> SmolLM2-135M-Instruct (dense) "
-    "or -> its Qwen3-MoE upcycle (moe)",
+    "or -> its exact qwen2_moe upcycle (moe)",
 )
 translator_option = click.option(
     "--translator",

@@ -1,7 +1,7 @@
 """One section of weights/QUALITY.md, rewritten between its markers; the rest stays as it is.
 
-translators.py owns the "demo-pair" section (the top table), moe_translators.py
-the "moe-pair" section; everything else in the file is written by hand."""
+translators.py owns the "demo-pair" section (the top table); everything else in the file is
+written by hand."""
 
 from __future__ import annotations
 
