@@ -18,6 +18,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
@@ -34,17 +35,24 @@ def tokens_for(n, vocab, seed=0):
     return [int(t) for t in np.random.default_rng(seed).integers(10, vocab - 10, n + 1)]
 
 
+def bytes_sent(pair: Pair) -> int:
+    """Bytes rank 0 has sent to the other ranks so far (0 in one process)."""
+    return pair.link.bytes_sent if pair.link else 0
+
+
 def bench(pair: Pair, wire: str, repeat: int) -> list[dict]:
     rows = []
     vocab = len(pair.tokenizer.get_vocab())
-    sent_so_far = lambda: pair.link.bytes_sent if pair.link else 0  # noqa: E731
+    policy = ReaderPolicy(reader="small")
+    if pair.link:  # a pipelined large model cannot recompute
+        policy = replace(policy, recompute_share=0.0)
     for n in SIZES:
         toks = tokens_for(n, vocab)
         switch, read, tps, sent = [], [], [], []
         for _ in range(repeat + 1):  # the first run warms up
             # reader "small": the whole turn of exactly n + 1 raw tokens is translated
-            cache = make_prompt_cache(pair, policy=ReaderPolicy(reader="small"))
-            before = sent_so_far()
+            cache = make_prompt_cache(pair, policy=policy)
+            before = bytes_sent(pair)
             *_, last = stream_generate(pair, toks, prompt_cache=cache, max_tokens=ANSWER, temp=0,
                                        seed=0)  # fmt: skip
             t = last.handoff
@@ -52,7 +60,7 @@ def bench(pair: Pair, wire: str, repeat: int) -> list[dict]:
             switch.append(t.switch.seconds if translated else 0.0)
             read.append(t.prompt_tokens / t.prompt_tps if t.prompt_tps else 0.0)
             tps.append(t.generation_tps)
-            sent.append(sent_so_far() - before)
+            sent.append(bytes_sent(pair) - before)
             print(f"{wire} {n}: switch {switch[-1]:.3f} s", file=sys.stderr, flush=True)
         rows.append({
             "ranks": pair.link.ranks if pair.link else "single process", "wire": wire,
