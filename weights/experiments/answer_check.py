@@ -29,10 +29,10 @@ import argparse
 import json
 import re
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from mlx_kvlingo import api
-from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo import Conversation, ReaderPolicy, generate, load
 from mlx_kvlingo.models.demo import pair as demo
 from mlx_kvlingo.models.demo.smollm2 import cache_root, weights_dir
 
@@ -89,10 +89,10 @@ def main(argv: list[str] | None = None) -> None:
                     "machine's timing) or tokens (the token rule, auto before issue 28)")  # fmt: skip
     ap.add_argument("--large-reads-last", type=int, default=ReaderPolicy().large_reads_last,
                     help="where the small model reads, the large still reads the turn's last this "
-                    "many tokens itself (Runtime's default); 1: the last token only")  # fmt: skip
+                    "many tokens itself (the default policy's); 1: the last token only")  # fmt: skip
     ap.add_argument("--recompute", type=float, default=0.0,
                     help="and recomputes this share of the translated turn (0, the figures "
-                    "documented before the recompute; Runtime's default is 0.1)")  # fmt: skip
+                    "documented before the recompute; the default policy's is 0.1)")  # fmt: skip
     ap.add_argument("--long-later", action="store_true",
                     help="a quiz question, then a held-out paragraph to summarize")  # fmt: skip
     ap.add_argument("--prose", type=Path,
@@ -114,8 +114,15 @@ def main(argv: list[str] | None = None) -> None:
     source, target = demo.demo_models(args.pair)
     forward = args.translator or demo.translator_path(pair=args.pair)
     backward = None if args.no_backward else demo.translator_path(reverse=True, pair=args.pair)
-    rt = api.Runtime.load(source, target, forward, backward)
-    greedy = {"sampling": {"temp": 0.0, "repetition_penalty": 1.1}, "max_tokens": args.max_tokens}
+    pair = load(source, target, forward, backward)
+    greedy = {"temp": 0.0, "repetition_penalty": 1.1, "max_tokens": args.max_tokens}
+
+    policy = ReaderPolicy(reader=args.reader, large_reads_last=args.large_reads_last,
+                          recompute_share=args.recompute)  # fmt: skip
+
+    def ask(conv: Conversation, q: str) -> str:
+        return generate(pair, q, prompt_cache=conv.cache, **greedy)
+
     if args.long_later:
         convs = long_later_conversations(args.prose)
     else:
@@ -124,39 +131,20 @@ def main(argv: list[str] | None = None) -> None:
     examples = []
     t0 = time.perf_counter()
     for msgs in convs[: args.conversations]:
-        native, translated = (
-            rt.new_conversation(policy=ReaderPolicy(reader="self")),
-            rt.new_conversation(
-                policy=ReaderPolicy(
-                    reader=args.reader,
-                    large_reads_last=args.large_reads_last,
-                    recompute_share=args.recompute,
-                )
-            ),
-        )
+        native = Conversation(pair, policy=ReaderPolicy(reader="self"))
+        translated = Conversation(pair, policy=policy)
         for turn, q in enumerate(m["content"] for m in msgs if m["role"] == "user"):
             if args.later_from_history and turn > 0:
-                translated = rt.new_conversation(
-                    policy=ReaderPolicy(
-                        reader=args.reader,
-                        large_reads_last=args.large_reads_last,
-                        recompute_share=args.recompute,
-                    )
-                )
+                translated = Conversation(pair, policy=policy)
                 translated.add_messages(native.messages)
-            a = native.ask(q, **greedy).text
-            b = translated.ask(q, **greedy).text
+            a, b = ask(native, q), ask(translated, q)
             rows["first" if turn == 0 else "later"].append(compare(a, b))
             if len(examples) < 6 and turn > 0:
                 examples.append({"question": q, "native": a, "translated": b})
     quiz = []
     for q, must in EVERYDAY_QUIZ:
-        quiz_conv = rt.new_conversation(
-            policy=ReaderPolicy(
-                large_reads_last=args.large_reads_last, recompute_share=args.recompute
-            )
-        )
-        quiz.append(is_right(quiz_conv.ask(q, **greedy).text, must))
+        quiz_conv = Conversation(pair, policy=replace(policy, reader=None))
+        quiz.append(is_right(ask(quiz_conv, q), must))
     result = {
         "pair": args.pair,
         "translator": Path(str(forward)).name,

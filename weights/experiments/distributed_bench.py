@@ -5,7 +5,7 @@
     python -m weights.experiments.distributed_bench --out b.json                 # the single process
     python -m weights.experiments.distributed_bench --report b.json              # the markdown table
 
-A switch, as a conversation has it (the public API's `Runtime`, reader "small"): a user turn of
+A switch, as a conversation has it (the public API's `load` and `stream_generate`, reader "small"): a user turn of
 n tokens, the small model reads it, the span is translated into the large model's cache (on
 2 ranks: each rank is sent what its layers need), the large model answers 16 tokens. Reported:
 the switch (translation + transfer), the small model's read, the bytes sent to the other rank,
@@ -18,11 +18,12 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS before mlx)
-from mlx_kvlingo import Runtime
-from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo import ReaderPolicy, load, make_prompt_cache, stream_generate
+from mlx_kvlingo.api import Pair
 
 SIZES = (64, 256, 1024)
 ANSWER = 16
@@ -34,30 +35,38 @@ def tokens_for(n, vocab, seed=0):
     return [int(t) for t in np.random.default_rng(seed).integers(10, vocab - 10, n + 1)]
 
 
-def bench(rt: Runtime, wire: str, repeat: int) -> list[dict]:
+def bytes_sent(pair: Pair) -> int:
+    """Bytes rank 0 has sent to the other ranks so far (0 in one process)."""
+    return pair.link.bytes_sent if pair.link else 0
+
+
+def bench(pair: Pair, wire: str, repeat: int) -> list[dict]:
     rows = []
-    vocab = len(rt.pair.tokenizer.get_vocab())
+    vocab = len(pair.tokenizer.get_vocab())
+    policy = ReaderPolicy(reader="small")
+    if pair.link:  # a pipelined large model cannot recompute
+        policy = replace(policy, recompute_share=0.0)
     for n in SIZES:
         toks = tokens_for(n, vocab)
         switch, read, tps, sent = [], [], [], []
         for _ in range(repeat + 1):  # the first run warms up
             # reader "small": the whole turn of exactly n + 1 raw tokens is translated
-            conv = rt.new_conversation(policy=ReaderPolicy(reader="small"))
-            conv.add_tokens(toks)
-            before = rt.bytes_sent
-            for _ in conv.answer("large", max_tokens=ANSWER, sampling={"temp": 0, "seed": 0}):
-                pass
-            t = conv.last.timings
-            switch.append(t.translate_s)
+            cache = make_prompt_cache(pair, policy=policy)
+            before = bytes_sent(pair)
+            *_, last = stream_generate(pair, toks, prompt_cache=cache, max_tokens=ANSWER, temp=0,
+                                       seed=0)  # fmt: skip
+            t = last.handoff
+            translated = t.switch.translated if t.switch else 0
+            switch.append(t.switch.seconds if translated else 0.0)
             read.append(t.prompt_tokens / t.prompt_tps if t.prompt_tps else 0.0)
             tps.append(t.generation_tps)
-            sent.append(rt.bytes_sent - before)
+            sent.append(bytes_sent(pair) - before)
             print(f"{wire} {n}: switch {switch[-1]:.3f} s", file=sys.stderr, flush=True)
         rows.append({
-            "ranks": rt.ranks if wire != "-" else "single process", "wire": wire,
-            "tokens": t.translated_tokens, "switch_s": statistics.median(switch[1:]),
+            "ranks": pair.link.ranks if pair.link else "single process", "wire": wire,
+            "tokens": translated, "switch_s": statistics.median(switch[1:]),
             "read_s": statistics.median(read[1:]), "decode_tps": statistics.median(tps[1:]),
-            "bytes": sent[-1], "bytes_per_token": sent[-1] // max(t.translated_tokens, 1),
+            "bytes": sent[-1], "bytes_per_token": sent[-1] // max(translated, 1),
         })  # fmt: skip
     return rows
 
@@ -95,13 +104,13 @@ def main(argv: list[str] | None = None) -> None:
     for wire in ("source", "target") if distributed else ("-",):
         kwargs = {"distributed": distributed, "wire": wire} if distributed else {}
         try:  # ranks > 0 serve inside load and leave it with SystemExit once rank 0 is done
-            rt = Runtime.load(args.source, args.target, args.translator, **kwargs)
+            pair = load(args.source, args.target, args.translator, **kwargs)
         except SystemExit:
             continue
         t0 = time.perf_counter()
-        rows += bench(rt, wire, args.repeat)
+        rows += bench(pair, wire, args.repeat)
         print(f"{wire}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-        rt.close()
+        pair.close()
     if rows:  # rank 0
         out = Path(args.out)
         old = json.loads(out.read_text()) if out.exists() else []

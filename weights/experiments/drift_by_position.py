@@ -11,7 +11,7 @@ on (examples of 128-1,024 tokens); if it is flat, a long context loses facts by 
 import json
 import sys
 
-from mlx_kvlingo import ReaderPolicy, Runtime
+from mlx_kvlingo import ReaderPolicy, load
 from mlx_kvlingo.cli._common import content_texts
 from mlx_kvlingo.conversation.rates import ReadCosts
 from mlx_kvlingo.conversation.session import Session
@@ -21,8 +21,8 @@ from mlx_kvlingo.kv.cache import new_cache
 import mlx.core as mx
 
 BUCKET = 512
-rt = Runtime.load(warmup=False)
-pair, tr = rt.pair, rt.forward
+loaded = load(warmup=False)
+pair, tr = loaded.models, loaded.forward
 lengths = [int(x) for x in sys.argv[1].split(",")]
 tasks = fitting_tasks(pair, content_texts(None), lengths, 1, seed=5, kinds=("fact",))
 for t in tasks:

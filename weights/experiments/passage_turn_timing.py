@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from mlx_kvlingo import Runtime
-from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo import ReaderPolicy, load, make_prompt_cache, stream_generate
 
 from .passage_words import PASSAGE
 
@@ -29,15 +28,16 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args(argv)
-    runtime = Runtime.load()
+    pair = load()
     print("| round | reader | read by | TTFT ms | other path predicted ms |")
     print("| ---: | --- | --- | ---: | ---: |")
     for r in range(a.rounds):
         for reader in ("auto", "self", "small"):
-            chat = runtime.new_conversation(policy=ReaderPolicy(reader=reader))
+            cache = make_prompt_cache(pair, policy=ReaderPolicy(reader=reader))
             for text in TURNS:
-                t = chat.ask(text, max_tokens=40, sampling={"seed": 0}).timings
-            who = "small" if t.read_tokens else "large"
+                *_, last = stream_generate(pair, text, prompt_cache=cache, max_tokens=40, seed=0)
+            t = last.handoff
+            who = "small" if t.read and t.read.tokens else "large"
             print(f"| {r} | {reader} | {who} | {ms(t.ttft_s)} | {ms(t.alternative_ttft_s)} |")
 
 

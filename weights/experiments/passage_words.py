@@ -14,8 +14,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from mlx_kvlingo import Runtime
-from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo import ReaderPolicy, generate, load, make_prompt_cache
 
 PASSAGE = (
     "The Industrial Revolution began in Britain in the late eighteenth century. Water and then "
@@ -36,14 +35,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--pair", choices=("dense", "moe"), default="dense")
     a = ap.parse_args(argv)
-    runtime = Runtime.load(pair=a.pair)
+    pair = load(pair=a.pair)
     passage = words(PASSAGE)
     for reader in ("self", "small"):
         shares = []
         for seed in range(a.seeds):
-            chat = runtime.new_conversation(policy=ReaderPolicy(reader=reader))
-            events = chat.send(PASSAGE, max_tokens=40, sampling={"seed": seed})
-            answer = words("".join(e.text for e in events if e.kind == "token"))
+            cache = make_prompt_cache(pair, policy=ReaderPolicy(reader=reader))
+            answer = words(generate(pair, PASSAGE, prompt_cache=cache, max_tokens=40, seed=seed))
             shares.append(len(answer & passage) / max(len(answer), 1))
         each = " ".join(f"{x:.2f}" for x in shares)
         print(f"reader {reader}: {sum(shares) / len(shares):.2f} of the answer's words ({each})")

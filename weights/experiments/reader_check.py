@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from mlx_kvlingo import api
-from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo import ReaderPolicy, generate, load, make_prompt_cache
 
 QUESTIONS = (
     "What is the capital of France?",
@@ -27,11 +26,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--translator", help="a shipped forward translator file (default: the demo's)")
     ap.add_argument("--seeds", default="0,1")
     args = ap.parse_args(argv)
-    rt = api.Runtime.load(translator=args.translator) if args.translator else api.Runtime.load()
+    pair = load(translator=args.translator)
     for seed in (int(s) for s in args.seeds.split(",")):
-        conversation = rt.new_conversation(policy=ReaderPolicy(reader=args.reader))
+        cache = make_prompt_cache(pair, policy=ReaderPolicy(reader=args.reader))
         for q in QUESTIONS:
-            answer = conversation.ask(q, sampling={"seed": seed}).text
+            answer = generate(pair, q, prompt_cache=cache, seed=seed)
             print(f"[seed {seed}] {q}\n    -> {answer[:200]}")
 
 

@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from mlx_kvlingo import ReaderPolicy, Runtime
+from mlx_kvlingo import ReaderPolicy, load
 from mlx_kvlingo.cli._common import content_texts
 from mlx_kvlingo.conversation.catchup import _placeholders
 from mlx_kvlingo.conversation.rates import ReadCosts
@@ -31,8 +31,8 @@ from mlx_kvlingo.kv.recompute import (
 
 import mlx.core as mx
 
-rt = Runtime.load(warmup=False)
-pair, tr = rt.pair, rt.forward
+loaded = load(warmup=False)
+pair, tr = loaded.models, loaded.forward
 lengths = [int(x) for x in sys.argv[1].split(",")]
 share = float(sys.argv[2])
 mode = sys.argv[3]

@@ -14,8 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from mlx_kvlingo import Runtime
-from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo import ReaderPolicy, load, make_prompt_cache, stream_generate
 from mlx_kvlingo.data.examples import read_texts
 from mlx_kvlingo.models.demo.pair import demo_content_texts
 
@@ -35,20 +34,19 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pair", choices=("dense", "moe"), default="dense")
     a = ap.parse_args(argv)
-    runtime = Runtime.load(pair=a.pair)
+    pair = load(pair=a.pair)
     settings = [("self", 0.0), *(("small", float(s)) for s in a.shares.split(","))]
     docs = " ".join(read_texts(demo_content_texts()[0])[:40])  # held-out documentation
-    texts = {int(n): passage(runtime.pair.tokenizer, docs, int(n)) for n in a.lengths.split(",")}
+    texts = {int(n): passage(pair.tokenizer, docs, int(n)) for n in a.lengths.split(",")}
     ttft: dict = {}
     status: dict = {}
     for _ in range(a.rounds):
         for n, text in texts.items():
             for reader, share in settings:
-                chat = runtime.new_conversation(
-                    policy=ReaderPolicy(reader=reader, recompute_share=share)
-                )
-                done = chat.ask(text, max_tokens=1, sampling={"seed": 0})
-                ttft.setdefault((n, reader, share), []).append(done.timings.ttft_s)
+                policy = ReaderPolicy(reader=reader, recompute_share=share)
+                cache = make_prompt_cache(pair, policy=policy)
+                *_, done = stream_generate(pair, text, prompt_cache=cache, max_tokens=1, seed=0)
+                ttft.setdefault((n, reader, share), []).append(done.handoff.ttft_s)
                 status[(n, reader, share)] = done.status
     print("| read tokens | reader | recompute | TTFT ms (median) |")
     print("| ---: | --- | ---: | ---: |")

@@ -12,8 +12,7 @@ server over the same loaded pair:
                      "auto": the small model reads a chat's opening and long new turns, the
                      large answers from the translated cache; short follow-ups it reads itself)
     large, small reads   `reader="small"`: the small model reads every new turn (`smallreads`)
-    large, self      the large model reads everything it lacks itself (`reader="self"`; only
-                     when this version has a reader policy, else it is the row above)
+    large, self      the large model reads everything it lacks itself (`reader="self"`)
     large, no reuse  `--max-conversations 0`: every request is a new conversation
 
 Per request: TTFT (request sent -> first content chunk, queueing included), server TTFT (the
@@ -28,7 +27,6 @@ Everything is bounded: `--requests` per client, `--timeout` per request, `--dead
 from __future__ import annotations
 
 import argparse
-import inspect
 import platform
 import statistics
 import sys
@@ -53,9 +51,9 @@ QUESTIONS = [
 ]
 
 
-def tiny_runtime(folder: Path):
+def tiny_pair(folder: Path):
     """The tests' known-answer tiny pair with its exact translator (built offline)."""
-    from mlx_kvlingo import Runtime
+    from mlx_kvlingo.api import Pair
     from mlx_kvlingo.data import synthetic as syn
     from mlx_kvlingo.models.pair import load_pair
 
@@ -66,7 +64,7 @@ def tiny_runtime(folder: Path):
     src = syn.make_model_folder(folder / "small", "qwen3", tok, seed=0)
     answer = known_answer_target(src, folder / "large", seed=4)
     pair = load_pair(src, folder / "large")
-    return Runtime(pair, exact_translator(pair, answer))
+    return Pair(pair, exact_translator(pair, answer))
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -123,13 +121,13 @@ def client_run(url, model, args, out, stop_at):
         })  # fmt: skip
 
 
-def run_row(runtime, label, model, args, **server_kwargs):
+def run_row(pair, label, model, args, **server_kwargs):
     from mlx_kvlingo.serve import Limits, ServeConfig, Server
 
     config = ServeConfig(port=0, queue_size=max(args.clients, 1),
                          limits=Limits(max_tokens=max(args.max_tokens, 16)),
                          **server_kwargs.pop("config", {}))  # fmt: skip
-    server = Server(runtime, config, **server_kwargs).start()
+    server = Server(pair, config, **server_kwargs).start()
     results: list[dict] = []
     t0 = time.perf_counter()
     stop_at = time.monotonic() + args.deadline
@@ -217,40 +215,34 @@ def main(argv=None) -> int:
     if args.clients < 1 or args.requests < 1 or args.requests * args.clients > 400:
         p.error("1..400 requests in all")
 
-    from mlx_kvlingo import Runtime
+    from mlx_kvlingo import ReaderPolicy, load
 
     print("loading models...", file=sys.stderr)
     if args.tiny:
-        runtime = tiny_runtime(Path(tempfile.mkdtemp(prefix="kvlingo-load-")))
+        pair = tiny_pair(Path(tempfile.mkdtemp(prefix="kvlingo-load-")))
     else:
-        runtime = Runtime.load(args.source, args.target, args.translator,
-                               args.backward_translator)  # fmt: skip
-    has_reader = "reader" in inspect.signature(runtime.new_conversation).parameters
+        pair = load(args.source, args.target, args.translator, args.backward_translator)
     rows, done = [], set()
     for row in [r.strip() for r in args.rows.split(",") if r.strip()]:
         if row == "large":
-            rows.append(run_row(runtime, "`large`", "large", args))
+            rows.append(run_row(pair, "`large`", "large", args))
         elif row == "smallreads":
-            rows.append(run_row(runtime, "`large`, the small reads every turn", "large", args,
-                                reader="small"))  # fmt: skip
+            rows.append(run_row(pair, "`large`, the small reads every turn", "large", args,
+                                policy=ReaderPolicy(reader="small")))  # fmt: skip
         elif row == "self":
-            if has_reader:
-                rows.append(run_row(runtime, "large reads everything itself", "large", args,
-                                    reader="self"))  # fmt: skip
-            else:
-                print("note: this version has no reader policy: `large` is the large model "
-                      "reading everything itself", file=sys.stderr)  # fmt: skip
+            rows.append(run_row(pair, "large reads everything itself", "large", args,
+                                policy=ReaderPolicy(reader="self")))  # fmt: skip
         elif row == "noreuse":
-            rows.append(run_row(runtime, "`large`, no prefix reuse", "large", args,
+            rows.append(run_row(pair, "`large`, no prefix reuse", "large", args,
                                 config={"max_conversations": 0}))  # fmt: skip
         elif row == "small":
-            rows.append(run_row(runtime, "`small`", "small", args))
+            rows.append(run_row(pair, "`small`", "small", args))
         else:
             p.error(f"unknown row {row!r}")
         if rows and rows[-1]["label"] not in done:
             done.add(rows[-1]["label"])
             print(f"  {rows[-1]['label']}: done", file=sys.stderr)
-    out = table(rows, args, runtime.models)
+    out = table(rows, args, pair.names)
     print(out)
     if args.out:
         Path(args.out).write_text(out + "\n")

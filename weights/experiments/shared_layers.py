@@ -16,7 +16,7 @@ import copy
 import json
 import sys
 
-from mlx_kvlingo import Runtime
+from mlx_kvlingo import load
 from mlx_kvlingo.cli._common import content_texts
 from mlx_kvlingo.eval.content import Chat, evaluate_content, fitting_tasks, retention, to_json
 
@@ -48,8 +48,8 @@ def pinned(tr, shared: int):
 
 lengths = [int(x) for x in sys.argv[1].split(",")]
 shared = int(sys.argv[2]) if len(sys.argv) > 2 else 8
-rt = Runtime.load(warmup=False)
-pair, tr = rt.pair, rt.forward
+loaded = load(warmup=False)
+pair, tr = loaded.models, loaded.forward
 tasks = fitting_tasks(
     pair, content_texts(None), [1024, 2048, 4096], 3, seed=5, kinds=("fact", "copy")
 )

@@ -23,7 +23,7 @@ import json
 import sys
 
 import mlx_kvlingo.kv.recompute as recompute
-from mlx_kvlingo import Runtime
+from mlx_kvlingo import load
 from mlx_kvlingo.cli._common import content_texts
 from mlx_kvlingo.eval.content import MAX_TOKENS, Chat, chat_kv, contains, fitting_tasks, native_kv
 from mlx_kvlingo.kv.cache import append_kv, new_cache
@@ -118,8 +118,8 @@ lengths = [int(x) for x in sys.argv[1].split(",")]
 per_kind = int(sys.argv[2]) if len(sys.argv) > 2 else 3
 seed = int(sys.argv[3]) if len(sys.argv) > 3 else 5
 variants = (sys.argv[4] if len(sys.argv) > 4 else "chat,clean,evict8,clean-evict8").split(",")
-rt = Runtime.load(warmup=False)
-pair, tr = rt.pair, rt.forward
+loaded = load(warmup=False)
+pair, tr = loaded.models, loaded.forward
 # the draw of `kvlingo eval --task content --kinds fact,copy --lengths 1024,2048,4096`
 drawn = sorted({1024, 2048, 4096, *lengths})
 tasks = fitting_tasks(pair, content_texts(None), drawn, per_kind, seed=seed, kinds=("fact", "copy"))
