@@ -14,7 +14,7 @@ A turn (`generate`, `_generate`):
                                `large_reads_last` tokens and recomputes `recompute_share` of the
                                span (`recompute`); or the answering model catches up by the mode
                                and reads the rest itself (catchup.py);
-    2. decode                  mlx-lm's `stream_generate` on the answering model's own cache,
+    2. decode (decode.py)      mlx-lm's `stream_generate` on the answering model's own cache,
                                reading at least the last conversation token itself;
     3. commit (`_commit`)      the emitted tokens become the answer, the cache is cut to match.
 
@@ -42,22 +42,20 @@ from pathlib import Path
 from mlx_kvlingo.config import READERS, ReaderPolicy
 from mlx_kvlingo.conversation import persistence
 from mlx_kvlingo.conversation.catchup import MODES, READ_CHUNK, CatchUp, ModelCache, RemoteLarge
+from mlx_kvlingo.conversation.decode import decode, room
 from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention, costs_of
 from mlx_kvlingo.conversation.records import (
-    ContextOverflowError,
     SessionError,
     Switch,
     TokenEvent,
     TurnStats,
     role,
+    totals,
 )
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.translator import Side, Translator
 from mlx_kvlingo.models.pair import ModelPair
-
-import mlx.core as mx
-from mlx_lm import stream_generate
 
 
 def _kept(part: str, name: str, doc: str) -> property:
@@ -179,27 +177,6 @@ class Session:
         times; `estimated_saving_ms` sums, over the large model's answers that the small one
         read for, its estimated own prefill minus what reading and translating cost.
         """
-        per = {}
-        for name, m in self.models.items():
-            turns = [t for t in self.turns if t.model == name]
-            sw = [s for s in self.switches if s.into == name]
-            reads = [t.read for t in self.turns if t.read is not None and t.read.model == name]
-            per[name] = {
-                "turns": len(turns),
-                "generated_tokens": sum(t.generation_tokens for t in turns),
-                "prompt_tokens": sum(t.prompt_tokens for t in turns),
-                "prompt_ms": 1e3 * sum(t.prompt_s for t in turns),
-                "read_for_other_tokens": sum(r.tokens for r in reads),
-                "read_for_other_ms": 1e3 * sum(r.seconds for r in reads),
-                "switches_into": len(sw),
-                "translated_into": sum(s.translated for s in sw),
-                "retranslated_into": sum(s.retranslated for s in sw),
-                "translate_ms": 1e3 * sum(s.seconds for s in sw if s.translated),
-                "held": m.held,
-            }
-        # the small read: the large's predicted TTFT reading itself, less the TTFT
-        saved = sum(t.alternative_ttft_s - t.ttft_s for t in self.turns if t.read is not None
-                    and t.alternative_ttft_s is not None and t.ttft_s is not None)  # fmt: skip
         return {
             "mode": self.mode,
             **self.policy.to_dict(),
@@ -207,8 +184,7 @@ class Session:
             "messages": len(self.messages),
             "switches": len(self.switches),
             "retemplated": self.retemplated,
-            "estimated_saving_ms": 1e3 * saved,
-            "models": per,
+            **totals(self.turns, self.switches, {n: m.held for n, m in self.models.items()}),
         }
 
     # -- messages -------------------------------------------------------------------------
@@ -282,22 +258,7 @@ class Session:
         if not n:
             raise SessionError("nothing to answer yet: add a user message first")
         self.catchup.check_mode()
-        left = None
-        for label, m in (("small", self.pair.source), ("large", self.pair.target)):
-            if m.context_length is not None and n > m.context_length:
-                raise ContextOverflowError(
-                    f"the conversation is {n} tokens; the {label} model ({m.name}) handles at "
-                    f"most {m.context_length}: shorten the message, drop the oldest turns with "
-                    f"/trim (Session.trim) or start over with /reset"
-                )
-        if self.max_kv_size is not None:
-            left = self.max_kv_size - n
-            if left < 1:
-                raise ContextOverflowError(
-                    f"the conversation is {n} tokens, the {name} model's context "
-                    f"limit is {self.max_kv_size} (max_kv_size): drop the oldest turns with "
-                    f"/trim (Session.trim) or start over with /reset"
-                )
+        left = room(self.pair, n, name, self.max_kv_size)
         self._cancel.clear()
         return name, left
 
@@ -321,10 +282,10 @@ class Session:
         chunk (`reader`: "source" where the small model reads for the large one, else the
         answering model; `done` of `total` tokens, 0 first), e.g. for a progress line.
         """
-        name, room = self._begin(model)
+        name, left = self._begin(model)
         limit = max_tokens
-        if room is not None and (max_tokens < 0 or max_tokens > room):  # -1: no limit
-            limit = room
+        if left is not None and (max_tokens < 0 or max_tokens > left):  # -1: no limit
+            limit = left
         kwargs = dict(sampler=sampler, logits_processors=logits_processors,
                       prefill_step_size=prefill_step_size)  # fmt: skip
         if progress is not None:  # mlx-lm's prefill reports each chunk the answering model reads
@@ -353,47 +314,23 @@ class Session:
             stats.ahead = ahead
             prompt = self.tokens[m.held :]
             stats.prompt_tokens = len(prompt)
-            procs = kwargs.get("logits_processors")
-            if procs:  # they see the earlier answers and this one, not only this turn's
-                procs = _over_answers(procs, self.transcript.answers())
-                kwargs = {**kwargs, "logits_processors": procs}
             # 2. decode with mlx-lm on the answering model's own cache
-            stream = stream_generate(m.loaded.model, self.pair.tokenizer, mx.array(prompt),
-                                     max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
-            try:
-                last_token_at, ahead_s = None, 0.0
-                for r in stream:
-                    now = time.perf_counter()
-                    # the small model's decode time for this token: the wall time since the
-                    # last one, less what translating ahead took in between
-                    decode_s = None if last_token_at is None else now - last_token_at - ahead_s
-                    last_token_at = now
-                    if stats.ttft_s is None:
-                        stats.ttft_s = now - t0
-                    lp = r.logprobs[r.token].item()
-                    emitted.append(r.token)
-                    texts.append(r.text)
-                    stats.logprobs.append(lp)
-                    stats.generation_tokens = r.generation_tokens
-                    stats.generation_tps = r.generation_tps
-                    stats.prompt_tps = r.prompt_tps
-                    stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
-                    stats.peak_memory_gb = r.peak_memory
-                    if len(emitted) == 1:
-                        catchup.observe(stats, n0 - len(prompt))
-                    end = r.finish_reason
-                    if end is None and self._cancel.is_set():
-                        end = "cancelled"
-                    if end is not None:
-                        stats.finish_reason = "context" if capped and end == "length" else end
-                        stats.text = "".join(texts)
-                        yield TokenEvent(r.text, r.token, lp, name, stats, r)
-                        break
-                    yield TokenEvent(r.text, r.token, lp, name, step=r)
-                    if ahead is not None:  # between the small model's tokens
-                        ahead_s = catchup.ahead_step(ahead, n0 - 1, decode_s)
-            finally:
-                stream.close()
+            yield from decode(
+                m,
+                self.pair.tokenizer,
+                prompt,
+                limit=limit,
+                capped=capped,
+                kwargs=kwargs,
+                stats=stats,
+                t0=t0,
+                cancel=self._cancel,
+                answers=self.transcript.answers,
+                emitted=emitted,
+                texts=texts,
+                first=lambda: catchup.observe(stats, n0 - len(prompt)),
+                between=None if ahead is None else lambda s: catchup.ahead_step(ahead, n0 - 1, s),
+            )
         finally:
             # 3. commit, however the turn stopped
             self._commit(m, n0, emitted, texts, stats)
@@ -507,31 +444,6 @@ class Session:
 #: progress(reader, done, total): `reader` ("source" or "target") has read `done` of the turn's
 #: `total` tokens it reads
 Progress = Callable[[str, int, int], None]
-
-
-def _over_answers(processors: list, answers: list[int]) -> list:
-    """Logits processors that see the conversation's answers: earlier ones, then this one.
-
-    mlx-lm hands a processor the part of the prompt it passed last plus the tokens generated
-    so far. That part depends on who read the turn (one token, the 32-token tail or the whole
-    turn), and with a cache holding the conversation no earlier answer is in it, so a
-    repetition penalty would let the model copy its last answer. Here the prompt part is
-    dropped and the earlier answers come first: the penalty keeps answers from repeating
-    themselves and never pushes an answer away from the words of the text it is about.
-    """
-    past = mx.array(answers, dtype=mx.int32)
-
-    def wrap(proc):
-        skip = []  # the prompt part: all that the first call gets
-
-        def call(tokens, logits):
-            if not skip:
-                skip.append(tokens.size)
-            return proc(mx.concatenate([past, tokens[skip[0] :]]), logits)
-
-        return call
-
-    return [wrap(p) for p in processors]
 
 
 __all__ = ["MODES", "READERS", "Session"]
