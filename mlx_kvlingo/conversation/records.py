@@ -1,6 +1,5 @@
 """What a conversation turn leaves behind, as plain records that touch no cache: switches, turn
-statistics and their totals, streamed tokens, errors, the role names, and the one-line status of
-a turn."""
+statistics, streamed tokens, errors, the role names, and the one-line status of a turn."""
 
 from __future__ import annotations
 
@@ -162,33 +161,6 @@ def answer_confidence(logprobs: Sequence[float]) -> float:
     if not logprobs:
         raise ValueError("an empty answer has no confidence")
     return float(np.mean(logprobs))
-
-
-def totals(turns: Sequence[TurnStats], switches: Sequence[Switch], held: dict[str, int]) -> dict:
-    """The turns' and switches' sums per model (`held`: the tokens each model's cache holds),
-    and `estimated_saving_ms`: over the turns the small model read for, the large's predicted
-    TTFT reading itself less the TTFT."""
-    per = {}
-    for name, n in held.items():
-        mine = [t for t in turns if t.model == name]
-        sw = [s for s in switches if s.into == name]
-        reads = [t.read for t in turns if t.read is not None and t.read.model == name]
-        per[name] = {
-            "turns": len(mine),
-            "generated_tokens": sum(t.generation_tokens for t in mine),
-            "prompt_tokens": sum(t.prompt_tokens for t in mine),
-            "prompt_ms": 1e3 * sum(t.prompt_s for t in mine),
-            "read_for_other_tokens": sum(r.tokens for r in reads),
-            "read_for_other_ms": 1e3 * sum(r.seconds for r in reads),
-            "switches_into": len(sw),
-            "translated_into": sum(s.translated for s in sw),
-            "retranslated_into": sum(s.retranslated for s in sw),
-            "translate_ms": 1e3 * sum(s.seconds for s in sw if s.translated),
-            "held": n,
-        }
-    saved = sum(t.alternative_ttft_s - t.ttft_s for t in turns if t.read is not None
-                and t.alternative_ttft_s is not None and t.ttft_s is not None)  # fmt: skip
-    return {"estimated_saving_ms": 1e3 * saved, "models": per}
 
 
 def share(x: float) -> str:

@@ -34,27 +34,27 @@ last token only. Nothing here prints: `generate` yields `TokenEvent`s and every 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mlx_kvlingo.config import READERS, ReaderPolicy
 from mlx_kvlingo.conversation import persistence
-from mlx_kvlingo.conversation.catchup import MODES, READ_CHUNK, CatchUp, ModelCache, RemoteLarge
-from mlx_kvlingo.conversation.decode import decode, room
-from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention, costs_of
-from mlx_kvlingo.conversation.records import (
-    SessionError,
-    Switch,
-    TokenEvent,
-    TurnStats,
-    role,
-    totals,
+from mlx_kvlingo.conversation.catchup import (
+    MODES,
+    READ_CHUNK,
+    CatchUp,
+    ModelCache,
+    RemoteLarge,
+    check_directions,
 )
-from mlx_kvlingo.conversation.transcript import Transcript
-from mlx_kvlingo.kv.cache import new_cache
-from mlx_kvlingo.kv.translator import Side, Translator
+from mlx_kvlingo.conversation.decode import decode, room
+from mlx_kvlingo.conversation.history import History
+from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention, costs_of
+from mlx_kvlingo.conversation.records import SessionError, TokenEvent, TurnStats, role
+from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
 
 
@@ -62,6 +62,18 @@ def _kept(part: str, name: str, doc: str) -> property:
     """An attribute one of the session's parts keeps, read and set through the session."""
     return property(lambda self: getattr(getattr(self, part), name),
                     lambda self, v: setattr(getattr(self, part), name, v), doc=doc)  # fmt: skip
+
+
+def _claimed(part: str, method: Callable) -> Callable:
+    """A change to the conversation that one of the session's parts makes, after the session
+    closes the generation it left open (`_claim`); documented by the part's method."""
+
+    @functools.wraps(method)
+    def change(self, *args, **kwargs):
+        self._claim()
+        return method(getattr(self, part), *args, **kwargs)
+
+    return change
 
 
 class Session:
@@ -94,23 +106,15 @@ class Session:
         remote: RemoteLarge | None = None,
         retention: Retention | None = None,
     ):
-        src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
-        for label, tr, a, b in (("forward", forward, src, tgt), ("backward", backward, tgt, src)):
-            if tr is not None and (tr.config.source, tr.config.target) != (a, b):
-                raise SessionError(
-                    f"the {label} translator maps {tr.config.source} -> {tr.config.target}, "
-                    f"but this direction needs {a} -> {b}"
-                )
+        check_directions(pair, forward, backward)
         self.pair, self.forward, self.backward = pair, forward, backward
-        self.max_kv_size = max_kv_size
         #: the large model's cache on other ranks (distributed/): what is gathered from it and
         #: placed into it goes through `remote`; it cannot recompute, save or load
         self.remote = remote
-        self.transcript = Transcript(pair.tokenizer, system_prompt)
-        self.models = {n: ModelCache(n, getattr(pair, n), new_cache(getattr(pair, n)))
-                       for n in ("source", "target")}  # fmt: skip
-        self.turns: list[TurnStats] = []
-        self.switches: list[Switch] = []
+        #: the conversation: its messages, both caches, its records; changed between turns
+        self.history = h = History(pair, system_prompt, max_kv_size)
+        self.transcript, self.models = h.transcript, h.models
+        self.turns, self.switches = h.turns, h.switches
         self._cancel = threading.Event()
         self._active: Iterator[TokenEvent] | None = None  # the generation left open
         #: catching up and who reads a turn: the mode, the reader policy, the read costs
@@ -133,6 +137,7 @@ class Session:
     messages = _kept("transcript", "messages", "the role/content dicts of the conversation")
     system_prompt = _kept("transcript", "system_prompt", "the system message (reset keeps it)")
     retemplated = _kept("transcript", "retemplated", "times a template was not prefix-stable")
+    max_kv_size = _kept("history", "max_kv_size", "the conversation's token limit (None: none)")
 
     @property
     def pending(self) -> bool:
@@ -156,15 +161,6 @@ class Session:
         out = [(s.into, *s.translated_span) for s in self.switches if s.translated]
         return [t for t in out if into is None or t[0] == role(into)]
 
-    def reset(self) -> None:
-        """Forget the conversation (the system prompt stays) and empty both caches."""
-        self._claim()
-        self.transcript.reset()
-        for m in self.models.values():
-            m.clear()
-        self.turns.clear()
-        self.switches.clear()
-
     def cancel(self) -> None:
         """Ask the running generation to stop after its current token (any thread)."""
         self._cancel.set()
@@ -177,66 +173,15 @@ class Session:
         times; `estimated_saving_ms` sums, over the large model's answers that the small one
         read for, its estimated own prefill minus what reading and translating cost.
         """
-        return {
-            "mode": self.mode,
-            **self.policy.to_dict(),
-            "conversation_tokens": len(self.tokens),
-            "messages": len(self.messages),
-            "switches": len(self.switches),
-            "retemplated": self.retemplated,
-            **totals(self.turns, self.switches, {n: m.held for n, m in self.models.items()}),
-        }
+        return self.history.stats(self.mode, self.policy)
 
-    # -- messages -------------------------------------------------------------------------
+    # -- messages, changed by the history (history.py) -------------------------------------
 
-    def _cut(self, keep: int) -> None:
-        """Both caches hold at most the first `keep` conversation tokens."""
-        for m in self.models.values():
-            m.settle(min(m.held, keep))
-
-    def add_user(self, text: str) -> list[int]:
-        """Append a user message (and the template's generation prompt); return its tokens.
-
-        An earlier user message that never got an answer (generation stopped before its first
-        token) is replaced.
-        """
-        self._claim()
-        start, keep = self.transcript.add_user(text)
-        self._cut(keep)
-        return self.tokens[start:]
-
-    def add_assistant(self, text: str) -> list[int]:
-        """Append an answer given as text (history from elsewhere); return its tokens.
-
-        Nothing reads it now: whichever model answers next catches up on it like any span it
-        lacks. It cannot be escalated (no model produced it).
-        """
-        self._claim()
-        start, keep = self.transcript.add_assistant(text)
-        self._cut(keep)
-        return self.tokens[start:]
-
-    def add_tokens(self, tokens: Sequence[int]) -> None:
-        """Append raw token ids to the conversation (no template; for tests and tools)."""
-        self._claim()
-        self.transcript.tokens.extend(int(t) for t in tokens)
-
-    def trim(self, max_tokens: int | None = None) -> int:
-        """Drop the oldest turns until the conversation fits in `max_tokens` tokens.
-
-        Default: half of `max_kv_size`. The system prompt and the last message stay. Later
-        tokens move to new positions, so both caches are cut to the prefix the shortened
-        conversation shares with the old one (usually the system prompt) and the next
-        answering model re-reads the rest. Returns the number of messages dropped.
-        """
-        self._claim()
-        if max_tokens is None:
-            if self.max_kv_size is None:
-                raise SessionError("trim needs a token budget (or a session max_kv_size)")
-            max_tokens = self.max_kv_size // 2
-        dropped, keep = self.transcript.trim(max_tokens)
-        self._cut(keep)
-        return dropped
+    add_user = _claimed("history", History.add_user)
+    add_assistant = _claimed("history", History.add_assistant)
+    add_tokens = _claimed("history", History.add_tokens)
+    trim = _claimed("history", History.trim)
+    reset = _claimed("history", History.reset)
 
     # -- a turn ---------------------------------------------------------------------------
 
@@ -401,17 +346,7 @@ class Session:
         then catches up by the session's mode and answers.
         """
         self._claim()
-        if self.pending:  # e.g. stopped before its first token: the other model answers it
-            if model is None and self.last_turn is None:
-                raise SessionError("the last message has no answer yet: name the model to answer")
-            into = model or ("target" if self.last_turn.model == "source" else "source")
-            return self.generate(into, **generate_kwargs)
-        if model:
-            role(model)  # an unknown name is refused before the answer is dropped
-        start, answered = self.transcript.drop_answer()
-        self._cut(start)
-        into = model or ("target" if answered == "source" else "source")
-        return self.generate(into, **generate_kwargs)
+        return self.generate(self.history.escalation(model), **generate_kwargs)
 
     # -- files ----------------------------------------------------------------------------
 
