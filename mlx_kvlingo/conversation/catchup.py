@@ -41,7 +41,7 @@ from mlx_kvlingo.kv.recompute import (
     sentence_ends,
     special_ids,
 )
-from mlx_kvlingo.kv.translator import Translator, append_translation
+from mlx_kvlingo.kv.translator import Side, Translator, append_translation
 from mlx_kvlingo.models.pair import LoadedModel, ModelPair
 
 import mlx.core as mx
@@ -122,6 +122,17 @@ class ModelCache:
             if c.offset > keep:
                 c.trim(c.offset - keep)
         self.held = keep
+
+
+def check_directions(pair: ModelPair, forward: Translator | None, backward: Translator | None):
+    """`forward` maps the small model's K/V into the large one's, `backward` the other way."""
+    src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
+    for label, tr, a, b in (("forward", forward, src, tgt), ("backward", backward, tgt, src)):
+        if tr is not None and (tr.config.source, tr.config.target) != (a, b):
+            raise SessionError(
+                f"the {label} translator maps {tr.config.source} -> {tr.config.target}, "
+                f"but this direction needs {a} -> {b}"
+            )
 
 
 class CatchUp:

@@ -14,7 +14,7 @@ A turn (`generate`, `_generate`):
                                `large_reads_last` tokens and recomputes `recompute_share` of the
                                span (`recompute`); or the answering model catches up by the mode
                                and reads the rest itself (catchup.py);
-    2. decode                  mlx-lm's `stream_generate` on the answering model's own cache,
+    2. decode (decode.py)      mlx-lm's `stream_generate` on the answering model's own cache,
                                reading at least the last conversation token itself;
     3. commit (`_commit`)      the emitted tokens become the answer, the cache is cut to match.
 
@@ -34,36 +34,46 @@ last token only. Nothing here prints: `generate` yields `TokenEvent`s and every 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mlx_kvlingo.config import READERS, ReaderPolicy
 from mlx_kvlingo.conversation import persistence
-from mlx_kvlingo.conversation.catchup import MODES, READ_CHUNK, CatchUp, ModelCache, RemoteLarge
-from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention, costs_of
-from mlx_kvlingo.conversation.records import (
-    ContextOverflowError,
-    SessionError,
-    Switch,
-    TokenEvent,
-    TurnStats,
-    role,
+from mlx_kvlingo.conversation.catchup import (
+    MODES,
+    READ_CHUNK,
+    CatchUp,
+    ModelCache,
+    RemoteLarge,
+    check_directions,
 )
-from mlx_kvlingo.conversation.transcript import Transcript
-from mlx_kvlingo.kv.cache import new_cache
-from mlx_kvlingo.kv.translator import Side, Translator
+from mlx_kvlingo.conversation.decode import decode, room
+from mlx_kvlingo.conversation.history import History
+from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention, costs_of
+from mlx_kvlingo.conversation.records import SessionError, TokenEvent, TurnStats, role
+from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
-
-import mlx.core as mx
-from mlx_lm import stream_generate
 
 
 def _kept(part: str, name: str, doc: str) -> property:
     """An attribute one of the session's parts keeps, read and set through the session."""
     return property(lambda self: getattr(getattr(self, part), name),
                     lambda self, v: setattr(getattr(self, part), name, v), doc=doc)  # fmt: skip
+
+
+def _claimed(part: str, method: Callable) -> Callable:
+    """A change to the conversation that one of the session's parts makes, after the session
+    closes the generation it left open (`_claim`); documented by the part's method."""
+
+    @functools.wraps(method)
+    def change(self, *args, **kwargs):
+        self._claim()
+        return method(getattr(self, part), *args, **kwargs)
+
+    return change
 
 
 class Session:
@@ -96,23 +106,15 @@ class Session:
         remote: RemoteLarge | None = None,
         retention: Retention | None = None,
     ):
-        src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
-        for label, tr, a, b in (("forward", forward, src, tgt), ("backward", backward, tgt, src)):
-            if tr is not None and (tr.config.source, tr.config.target) != (a, b):
-                raise SessionError(
-                    f"the {label} translator maps {tr.config.source} -> {tr.config.target}, "
-                    f"but this direction needs {a} -> {b}"
-                )
+        check_directions(pair, forward, backward)
         self.pair, self.forward, self.backward = pair, forward, backward
-        self.max_kv_size = max_kv_size
         #: the large model's cache on other ranks (distributed/): what is gathered from it and
         #: placed into it goes through `remote`; it cannot recompute, save or load
         self.remote = remote
-        self.transcript = Transcript(pair.tokenizer, system_prompt)
-        self.models = {n: ModelCache(n, getattr(pair, n), new_cache(getattr(pair, n)))
-                       for n in ("source", "target")}  # fmt: skip
-        self.turns: list[TurnStats] = []
-        self.switches: list[Switch] = []
+        #: the conversation: its messages, both caches, its records; changed between turns
+        self.history = h = History(pair, system_prompt, max_kv_size)
+        self.transcript, self.models = h.transcript, h.models
+        self.turns, self.switches = h.turns, h.switches
         self._cancel = threading.Event()
         self._active: Iterator[TokenEvent] | None = None  # the generation left open
         #: catching up and who reads a turn: the mode, the reader policy, the read costs
@@ -135,6 +137,7 @@ class Session:
     messages = _kept("transcript", "messages", "the role/content dicts of the conversation")
     system_prompt = _kept("transcript", "system_prompt", "the system message (reset keeps it)")
     retemplated = _kept("transcript", "retemplated", "times a template was not prefix-stable")
+    max_kv_size = _kept("history", "max_kv_size", "the conversation's token limit (None: none)")
 
     @property
     def pending(self) -> bool:
@@ -158,15 +161,6 @@ class Session:
         out = [(s.into, *s.translated_span) for s in self.switches if s.translated]
         return [t for t in out if into is None or t[0] == role(into)]
 
-    def reset(self) -> None:
-        """Forget the conversation (the system prompt stays) and empty both caches."""
-        self._claim()
-        self.transcript.reset()
-        for m in self.models.values():
-            m.clear()
-        self.turns.clear()
-        self.switches.clear()
-
     def cancel(self) -> None:
         """Ask the running generation to stop after its current token (any thread)."""
         self._cancel.set()
@@ -179,88 +173,15 @@ class Session:
         times; `estimated_saving_ms` sums, over the large model's answers that the small one
         read for, its estimated own prefill minus what reading and translating cost.
         """
-        per = {}
-        for name, m in self.models.items():
-            turns = [t for t in self.turns if t.model == name]
-            sw = [s for s in self.switches if s.into == name]
-            reads = [t.read for t in self.turns if t.read is not None and t.read.model == name]
-            per[name] = {
-                "turns": len(turns),
-                "generated_tokens": sum(t.generation_tokens for t in turns),
-                "prompt_tokens": sum(t.prompt_tokens for t in turns),
-                "prompt_ms": 1e3 * sum(t.prompt_s for t in turns),
-                "read_for_other_tokens": sum(r.tokens for r in reads),
-                "read_for_other_ms": 1e3 * sum(r.seconds for r in reads),
-                "switches_into": len(sw),
-                "translated_into": sum(s.translated for s in sw),
-                "retranslated_into": sum(s.retranslated for s in sw),
-                "translate_ms": 1e3 * sum(s.seconds for s in sw if s.translated),
-                "held": m.held,
-            }
-        # the small read: the large's predicted TTFT reading itself, less the TTFT
-        saved = sum(t.alternative_ttft_s - t.ttft_s for t in self.turns if t.read is not None
-                    and t.alternative_ttft_s is not None and t.ttft_s is not None)  # fmt: skip
-        return {
-            "mode": self.mode,
-            **self.policy.to_dict(),
-            "conversation_tokens": len(self.tokens),
-            "messages": len(self.messages),
-            "switches": len(self.switches),
-            "retemplated": self.retemplated,
-            "estimated_saving_ms": 1e3 * saved,
-            "models": per,
-        }
+        return self.history.stats(self.mode, self.policy)
 
-    # -- messages -------------------------------------------------------------------------
+    # -- messages, changed by the history (history.py) -------------------------------------
 
-    def _cut(self, keep: int) -> None:
-        """Both caches hold at most the first `keep` conversation tokens."""
-        for m in self.models.values():
-            m.settle(min(m.held, keep))
-
-    def add_user(self, text: str) -> list[int]:
-        """Append a user message (and the template's generation prompt); return its tokens.
-
-        An earlier user message that never got an answer (generation stopped before its first
-        token) is replaced.
-        """
-        self._claim()
-        start, keep = self.transcript.add_user(text)
-        self._cut(keep)
-        return self.tokens[start:]
-
-    def add_assistant(self, text: str) -> list[int]:
-        """Append an answer given as text (history from elsewhere); return its tokens.
-
-        Nothing reads it now: whichever model answers next catches up on it like any span it
-        lacks. It cannot be escalated (no model produced it).
-        """
-        self._claim()
-        start, keep = self.transcript.add_assistant(text)
-        self._cut(keep)
-        return self.tokens[start:]
-
-    def add_tokens(self, tokens: Sequence[int]) -> None:
-        """Append raw token ids to the conversation (no template; for tests and tools)."""
-        self._claim()
-        self.transcript.tokens.extend(int(t) for t in tokens)
-
-    def trim(self, max_tokens: int | None = None) -> int:
-        """Drop the oldest turns until the conversation fits in `max_tokens` tokens.
-
-        Default: half of `max_kv_size`. The system prompt and the last message stay. Later
-        tokens move to new positions, so both caches are cut to the prefix the shortened
-        conversation shares with the old one (usually the system prompt) and the next
-        answering model re-reads the rest. Returns the number of messages dropped.
-        """
-        self._claim()
-        if max_tokens is None:
-            if self.max_kv_size is None:
-                raise SessionError("trim needs a token budget (or a session max_kv_size)")
-            max_tokens = self.max_kv_size // 2
-        dropped, keep = self.transcript.trim(max_tokens)
-        self._cut(keep)
-        return dropped
+    add_user = _claimed("history", History.add_user)
+    add_assistant = _claimed("history", History.add_assistant)
+    add_tokens = _claimed("history", History.add_tokens)
+    trim = _claimed("history", History.trim)
+    reset = _claimed("history", History.reset)
 
     # -- a turn ---------------------------------------------------------------------------
 
@@ -282,22 +203,7 @@ class Session:
         if not n:
             raise SessionError("nothing to answer yet: add a user message first")
         self.catchup.check_mode()
-        left = None
-        for label, m in (("small", self.pair.source), ("large", self.pair.target)):
-            if m.context_length is not None and n > m.context_length:
-                raise ContextOverflowError(
-                    f"the conversation is {n} tokens; the {label} model ({m.name}) handles at "
-                    f"most {m.context_length}: shorten the message, drop the oldest turns with "
-                    f"/trim (Session.trim) or start over with /reset"
-                )
-        if self.max_kv_size is not None:
-            left = self.max_kv_size - n
-            if left < 1:
-                raise ContextOverflowError(
-                    f"the conversation is {n} tokens, the {name} model's context "
-                    f"limit is {self.max_kv_size} (max_kv_size): drop the oldest turns with "
-                    f"/trim (Session.trim) or start over with /reset"
-                )
+        left = room(self.pair, n, name, self.max_kv_size)
         self._cancel.clear()
         return name, left
 
@@ -321,10 +227,10 @@ class Session:
         chunk (`reader`: "source" where the small model reads for the large one, else the
         answering model; `done` of `total` tokens, 0 first), e.g. for a progress line.
         """
-        name, room = self._begin(model)
+        name, left = self._begin(model)
         limit = max_tokens
-        if room is not None and (max_tokens < 0 or max_tokens > room):  # -1: no limit
-            limit = room
+        if left is not None and (max_tokens < 0 or max_tokens > left):  # -1: no limit
+            limit = left
         kwargs = dict(sampler=sampler, logits_processors=logits_processors,
                       prefill_step_size=prefill_step_size)  # fmt: skip
         if progress is not None:  # mlx-lm's prefill reports each chunk the answering model reads
@@ -353,47 +259,23 @@ class Session:
             stats.ahead = ahead
             prompt = self.tokens[m.held :]
             stats.prompt_tokens = len(prompt)
-            procs = kwargs.get("logits_processors")
-            if procs:  # they see the earlier answers and this one, not only this turn's
-                procs = _over_answers(procs, self.transcript.answers())
-                kwargs = {**kwargs, "logits_processors": procs}
             # 2. decode with mlx-lm on the answering model's own cache
-            stream = stream_generate(m.loaded.model, self.pair.tokenizer, mx.array(prompt),
-                                     max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
-            try:
-                last_token_at, ahead_s = None, 0.0
-                for r in stream:
-                    now = time.perf_counter()
-                    # the small model's decode time for this token: the wall time since the
-                    # last one, less what translating ahead took in between
-                    decode_s = None if last_token_at is None else now - last_token_at - ahead_s
-                    last_token_at = now
-                    if stats.ttft_s is None:
-                        stats.ttft_s = now - t0
-                    lp = r.logprobs[r.token].item()
-                    emitted.append(r.token)
-                    texts.append(r.text)
-                    stats.logprobs.append(lp)
-                    stats.generation_tokens = r.generation_tokens
-                    stats.generation_tps = r.generation_tps
-                    stats.prompt_tps = r.prompt_tps
-                    stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
-                    stats.peak_memory_gb = r.peak_memory
-                    if len(emitted) == 1:
-                        catchup.observe(stats, n0 - len(prompt))
-                    end = r.finish_reason
-                    if end is None and self._cancel.is_set():
-                        end = "cancelled"
-                    if end is not None:
-                        stats.finish_reason = "context" if capped and end == "length" else end
-                        stats.text = "".join(texts)
-                        yield TokenEvent(r.text, r.token, lp, name, stats, r)
-                        break
-                    yield TokenEvent(r.text, r.token, lp, name, step=r)
-                    if ahead is not None:  # between the small model's tokens
-                        ahead_s = catchup.ahead_step(ahead, n0 - 1, decode_s)
-            finally:
-                stream.close()
+            yield from decode(
+                m,
+                self.pair.tokenizer,
+                prompt,
+                limit=limit,
+                capped=capped,
+                kwargs=kwargs,
+                stats=stats,
+                t0=t0,
+                cancel=self._cancel,
+                answers=self.transcript.answers,
+                emitted=emitted,
+                texts=texts,
+                first=lambda: catchup.observe(stats, n0 - len(prompt)),
+                between=None if ahead is None else lambda s: catchup.ahead_step(ahead, n0 - 1, s),
+            )
         finally:
             # 3. commit, however the turn stopped
             self._commit(m, n0, emitted, texts, stats)
@@ -464,17 +346,7 @@ class Session:
         then catches up by the session's mode and answers.
         """
         self._claim()
-        if self.pending:  # e.g. stopped before its first token: the other model answers it
-            if model is None and self.last_turn is None:
-                raise SessionError("the last message has no answer yet: name the model to answer")
-            into = model or ("target" if self.last_turn.model == "source" else "source")
-            return self.generate(into, **generate_kwargs)
-        if model:
-            role(model)  # an unknown name is refused before the answer is dropped
-        start, answered = self.transcript.drop_answer()
-        self._cut(start)
-        into = model or ("target" if answered == "source" else "source")
-        return self.generate(into, **generate_kwargs)
+        return self.generate(self.history.escalation(model), **generate_kwargs)
 
     # -- files ----------------------------------------------------------------------------
 
@@ -507,31 +379,6 @@ class Session:
 #: progress(reader, done, total): `reader` ("source" or "target") has read `done` of the turn's
 #: `total` tokens it reads
 Progress = Callable[[str, int, int], None]
-
-
-def _over_answers(processors: list, answers: list[int]) -> list:
-    """Logits processors that see the conversation's answers: earlier ones, then this one.
-
-    mlx-lm hands a processor the part of the prompt it passed last plus the tokens generated
-    so far. That part depends on who read the turn (one token, the 32-token tail or the whole
-    turn), and with a cache holding the conversation no earlier answer is in it, so a
-    repetition penalty would let the model copy its last answer. Here the prompt part is
-    dropped and the earlier answers come first: the penalty keeps answers from repeating
-    themselves and never pushes an answer away from the words of the text it is about.
-    """
-    past = mx.array(answers, dtype=mx.int32)
-
-    def wrap(proc):
-        skip = []  # the prompt part: all that the first call gets
-
-        def call(tokens, logits):
-            if not skip:
-                skip.append(tokens.size)
-            return proc(mx.concatenate([past, tokens[skip[0] :]]), logits)
-
-        return call
-
-    return [wrap(p) for p in processors]
 
 
 __all__ = ["MODES", "READERS", "Session"]
