@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,6 +40,7 @@ from mlx_kvlingo.cli._distributed import (
     wire_option,
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
+from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.conversation.catchup import READER_MARGIN, RECOMPUTE_SELECTION
 from mlx_kvlingo.conversation.sampling import describe as describe_sampling
 from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
@@ -46,7 +49,6 @@ from mlx_kvlingo.distributed.pipeline import DistributedError
 import click
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
 #: turns this long or longer show a progress line while they are read
@@ -123,7 +125,8 @@ class ChatApp:
         self.console = console or Console(highlight=False)
         self.names = conv.pair.names
         self._editor = None  # prompt_toolkit's line editor, on a terminal (`prompt`)
-        self._reading: Progress | None = None  # a long turn's reading progress (`progress`)
+        self._reading: ExitStack | None = None  # a long turn's reading bar, open (`progress`)
+        self._draw: Callable[..., None] = lambda *a: None
 
     # -- output ------------------------------------------------------------------------------
 
@@ -133,11 +136,6 @@ class ChatApp:
 
     def error(self, msg: str) -> None:
         self.console.print(f"[yellow]{escape(msg)}[/yellow]")
-
-    def help(self) -> None:
-        w = max(len(k) for k, _ in HELP)
-        for k, v in HELP:
-            self.console.print(f"  [bold]{escape(k.ljust(w))}[/bold]  [grey50]{v}[/grey50]")
 
     def stream(self, events, cascade: bool = False) -> GenerationResponse | None:
         """Print a streamed answer (a cascade's: one or two), each with its status line;
@@ -214,19 +212,15 @@ class ChatApp:
                 "prompt_progress_callback": self.progress}  # fmt: skip
 
     def progress(self, done: int, total: int) -> None:
-        """mlx-lm's prompt progress callback: a progress bar while a turn of
-        `PROGRESS_MIN_TOKENS` or more is read, gone once the reading ends."""
+        """mlx-lm's prompt progress callback: the faces' one bar (`_progress.py`) while a turn
+        of `PROGRESS_MIN_TOKENS` or more is read, gone once the reading ends."""
         if total >= PROGRESS_MIN_TOKENS and done < total and self.console.is_terminal:
             if self._reading is None:
-                self._reading = Progress(TextColumn("  reading"), BarColumn(),
-                                         TextColumn("{task.completed:,}/{task.total:,} tok "
-                                                    "(Ctrl-C stops)"),
-                                         console=self.console, transient=True)  # fmt: skip
-                self._reading.add_task("read", total=total)
-                self._reading.start()
-            self._reading.update(0, completed=done, total=total)
+                self._reading = ExitStack()
+                self._draw = self._reading.enter_context(progress_bar("  reading", self.console))
+            self._draw(done, total, "tok (Ctrl-C stops)")
         elif self._reading is not None:
-            self._reading.stop()
+            self._reading.close()
             self._reading = None
 
     # -- commands ----------------------------------------------------------------------------
@@ -243,7 +237,7 @@ class ChatApp:
             self.say("  reset: context cleared", "green")
             return True
         if line in ("h", "/help"):
-            self.help()
+            print_help(self.console)
             return True
         if not line.startswith("/"):
             self.turn(line)
@@ -254,143 +248,14 @@ class ChatApp:
             self.error(f"cannot parse {line!r}: {e}")
             return True
         try:
-            self.command(cmd, args)
+            command(self, cmd, args)
         except ConversationError as e:  # context overflow, a bad session file, ...
             self.error(str(e))
         except (OSError, ValueError) as e:
             self.error(f"{cmd}: {e}")
         return True
 
-    def command(self, cmd: str, args: list[str]) -> None:
-        if cmd in ("/small", "/large"):
-            self.next = cmd[1:]
-            if self.auto:
-                self.auto = False
-                self.say("  auto: off")
-            self.say(f"  next answers: {cmd[1:]} ({self.names[self.next]})")
-        elif cmd == "/file":
-            if not args:
-                self.error("/file takes a file's path (and a question after it)")
-                return
-            path = Path(args[0]).expanduser()
-            text = path.read_text(encoding="utf-8").strip()
-            if not text:
-                self.error(f"/file: {path} is empty")
-                return
-            question = " ".join(args[1:])
-            self.say(
-                f"  {path}: {len(text):,} characters" + (" and your question" if question else "")
-            )
-            self.turn(text + (f"\n\n{question}" if question else ""))
-        elif cmd == "/escalate":
-            self.escalate()
-        elif cmd == "/auto":
-            arg = args[0] if args else ("off" if self.auto else "on")
-            if arg in ("on", "off"):
-                self.auto = arg == "on"
-            else:
-                try:
-                    self.threshold = float(arg)
-                except ValueError:
-                    self.error(f"/auto takes on, off or a threshold (a log-prob), not {arg!r}")
-                    return
-                self.auto = True
-            state = f"on, threshold {self.threshold:.2f}" if self.auto else "off"
-            self.say(f"  auto: {state}")
-        elif cmd == "/reader":
-            if len(args) > 1 and not args[1].isdigit():
-                self.error(f"/reader takes a token count after the policy, not {args[1]!r}")
-                return
-            if args:
-                self.conv.policy = replace(self.conv.policy, reader=args[0])
-            if len(args) > 1:
-                self.conv.policy = replace(self.conv.policy, reader_min_tokens=int(args[1]))
-            self.say(f"  reader: {self.conv.policy.reader} ({describe_reader(self.conv)})")
-        elif cmd == "/mode":
-            if args:
-                self.conv.mode = args[0]
-            self.say(f"  mode: {self.conv.mode}")
-        elif cmd == "/trim":
-            n = int(args[0]) if args else None
-            dropped = self.conv.trim(n)
-            self.say(
-                f"  trimmed: {dropped} oldest messages dropped, {self.conv.tokens} tokens left"
-            )
-            if dropped and self.conv.cache.pending:  # the message that did not fit: answer it now
-                self.turn(None)
-        elif cmd == "/save":
-            if not args:
-                self.error("usage: /save FILE")
-                return
-            path = self.conv.save(args[0])
-            self.say(f"  saved {path} ({self.conv.tokens} tokens)", "green")
-        elif cmd == "/load":
-            if not args:
-                self.error("usage: /load FILE")
-                return
-            self.conv.load(args[0])
-            self.say(
-                f"  loaded {args[0]}: {len(self.conv.messages)} messages, {self.conv.tokens} tokens",
-                "green",
-            )
-        elif cmd == "/stats":
-            self.stats()
-        else:
-            self.error(f"unknown command {cmd!r}; /help lists the commands")
-
-    def stats(self) -> None:
-        st = self.conv.cache.stats()
-        t = Table("", "small", "large")
-        self.say(
-            f"  mode {st['mode']} · reader {st['reader']} · {st['conversation_tokens']} "
-            f"conversation tokens · {st['switches']} switches · {st['retemplated']} re-templated · "
-            f"estimated saving vs the large model reading itself {st['estimated_saving_ms']:.0f} ms"
-        )
-        rows = [
-            ("turns answered", "turns"),
-            ("tokens generated", "generated_tokens"),
-            ("tokens read answering", "prompt_tokens"),
-            ("  ms", "prompt_ms"),
-            ("tokens read for the other", "read_for_other_tokens"),
-            ("  ms", "read_for_other_ms"),
-            ("switches into", "switches_into"),
-            ("tokens translated into", "translated_into"),
-            ("  of which re-translated", "retranslated_into"),
-            ("translation ms", "translate_ms"),
-            ("tokens in cache", "held"),
-        ]
-        for label, key in rows:
-            cells = [st["models"][m][key] for m in ("source", "target")]  # small, large
-            t.add_row(label, *[f"{c:.1f}" if isinstance(c, float) else str(c) for c in cells])
-        self.console.print(t)
-
     # -- loop --------------------------------------------------------------------------------
-
-    def banner(self, translators: dict, loaded: str | None = None) -> None:
-        rows = [
-            ("small", self.names["small"]),
-            ("large", self.names["large"]),
-            ("small -> large", translators["forward"]),
-            ("large -> small", translators["backward"]),
-            ("mode", self.conv.mode),
-            ("reader", f"{self.conv.policy.reader} ({describe_reader(self.conv)})"),
-            ("answers", self.next),
-            (
-                "sampling",
-                describe_sampling(resolve_sampling(self.conv.pair.models.target, self.sampling)),
-            ),  # fmt: skip
-            ("max tokens", str(self.max_tokens)),
-        ]
-        if loaded:
-            rows.append(("loaded in", loaded))
-        if self.conv.cache.system_prompt:
-            sp = self.conv.cache.system_prompt
-            rows.append(("system", sp if len(sp) <= 60 else sp[:57] + "..."))
-        w = max(len(k) for k, _ in rows)
-        self.console.print("[bold magenta]kvlingo chat[/bold magenta]")
-        for k, v in rows:
-            self.console.print(f"  {k.ljust(w)}   [bold]{escape(v)}[/bold]")
-        self.say("  /help for commands · q to quit")
 
     def prompt(self) -> str:
         """The next line. On a terminal, prompt_toolkit's editor: a paste arrives whole, its
@@ -421,6 +286,144 @@ class ChatApp:
                 sys.stdout.write("\n")
                 break
         self.say("bye")
+
+
+def print_help(console: Console) -> None:
+    """`/help`: the commands (`HELP`), one a line."""
+    w = max(len(k) for k, _ in HELP)
+    for k, v in HELP:
+        console.print(f"  [bold]{escape(k.ljust(w))}[/bold]  [grey50]{v}[/grey50]")
+
+
+def command(app: ChatApp, cmd: str, args: list[str]) -> None:
+    """One slash command (`HELP`) on `app`; what it refuses it prints."""
+    if cmd in ("/small", "/large"):
+        app.next = cmd[1:]
+        if app.auto:
+            app.auto = False
+            app.say("  auto: off")
+        app.say(f"  next answers: {cmd[1:]} ({app.names[app.next]})")
+    elif cmd == "/file":
+        if not args:
+            app.error("/file takes a file's path (and a question after it)")
+            return
+        path = Path(args[0]).expanduser()
+        text = path.read_text(encoding="utf-8").strip()
+        if not text:
+            app.error(f"/file: {path} is empty")
+            return
+        question = " ".join(args[1:])
+        app.say(f"  {path}: {len(text):,} characters" + (" and your question" if question else ""))
+        app.turn(text + (f"\n\n{question}" if question else ""))
+    elif cmd == "/escalate":
+        app.escalate()
+    elif cmd == "/auto":
+        arg = args[0] if args else ("off" if app.auto else "on")
+        if arg in ("on", "off"):
+            app.auto = arg == "on"
+        else:
+            try:
+                app.threshold = float(arg)
+            except ValueError:
+                app.error(f"/auto takes on, off or a threshold (a log-prob), not {arg!r}")
+                return
+            app.auto = True
+        state = f"on, threshold {app.threshold:.2f}" if app.auto else "off"
+        app.say(f"  auto: {state}")
+    elif cmd == "/reader":
+        if len(args) > 1 and not args[1].isdigit():
+            app.error(f"/reader takes a token count after the policy, not {args[1]!r}")
+            return
+        if args:
+            app.conv.policy = replace(app.conv.policy, reader=args[0])
+        if len(args) > 1:
+            app.conv.policy = replace(app.conv.policy, reader_min_tokens=int(args[1]))
+        app.say(f"  reader: {app.conv.policy.reader} ({describe_reader(app.conv)})")
+    elif cmd == "/mode":
+        if args:
+            app.conv.mode = args[0]
+        app.say(f"  mode: {app.conv.mode}")
+    elif cmd == "/trim":
+        n = int(args[0]) if args else None
+        dropped = app.conv.trim(n)
+        app.say(f"  trimmed: {dropped} oldest messages dropped, {app.conv.tokens} tokens left")
+        if dropped and app.conv.cache.pending:  # the message that did not fit: answer it now
+            app.turn(None)
+    elif cmd == "/save":
+        if not args:
+            app.error("usage: /save FILE")
+            return
+        path = app.conv.save(args[0])
+        app.say(f"  saved {path} ({app.conv.tokens} tokens)", "green")
+    elif cmd == "/load":
+        if not args:
+            app.error("usage: /load FILE")
+            return
+        app.conv.load(args[0])
+        app.say(
+            f"  loaded {args[0]}: {len(app.conv.messages)} messages, {app.conv.tokens} tokens",
+            "green",
+        )
+    elif cmd == "/stats":
+        print_stats(app)
+    else:
+        app.error(f"unknown command {cmd!r}; /help lists the commands")
+
+
+def print_stats(app: ChatApp) -> None:
+    """`/stats`: the totals in one line, then the counters per model in a table."""
+    st = app.conv.cache.stats()
+    t = Table("", "small", "large")
+    app.say(
+        f"  mode {st['mode']} · reader {st['reader']} · {st['conversation_tokens']} "
+        f"conversation tokens · {st['switches']} switches · {st['retemplated']} re-templated · "
+        f"estimated saving vs the large model reading itself {st['estimated_saving_ms']:.0f} ms"
+    )
+    rows = [
+        ("turns answered", "turns"),
+        ("tokens generated", "generated_tokens"),
+        ("tokens read answering", "prompt_tokens"),
+        ("  ms", "prompt_ms"),
+        ("tokens read for the other", "read_for_other_tokens"),
+        ("  ms", "read_for_other_ms"),
+        ("switches into", "switches_into"),
+        ("tokens translated into", "translated_into"),
+        ("  of which re-translated", "retranslated_into"),
+        ("translation ms", "translate_ms"),
+        ("tokens in cache", "held"),
+    ]
+    for label, key in rows:
+        cells = [st["models"][m][key] for m in ("source", "target")]  # small, large
+        t.add_row(label, *[f"{c:.1f}" if isinstance(c, float) else str(c) for c in cells])
+    app.console.print(t)
+
+
+def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> None:
+    """The opening lines: both models, the translators and the settings of the chat."""
+    rows = [
+        ("small", app.names["small"]),
+        ("large", app.names["large"]),
+        ("small -> large", translators["forward"]),
+        ("large -> small", translators["backward"]),
+        ("mode", app.conv.mode),
+        ("reader", f"{app.conv.policy.reader} ({describe_reader(app.conv)})"),
+        ("answers", app.next),
+        (
+            "sampling",
+            describe_sampling(resolve_sampling(app.conv.pair.models.target, app.sampling)),
+        ),
+        ("max tokens", str(app.max_tokens)),
+    ]
+    if loaded:
+        rows.append(("loaded in", loaded))
+    if app.conv.cache.system_prompt:
+        sp = app.conv.cache.system_prompt
+        rows.append(("system", sp if len(sp) <= 60 else sp[:57] + "..."))
+    w = max(len(k) for k, _ in rows)
+    app.console.print("[bold magenta]kvlingo chat[/bold magenta]")
+    for k, v in rows:
+        app.console.print(f"  {k.ljust(w)}   [bold]{escape(v)}[/bold]")
+    app.say("  /help for commands · q to quit")
 
 
 @click.command("chat")
@@ -482,7 +485,7 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     app = ChatApp(conv, max_tokens=max_tokens, sampling=settings, auto_threshold=auto_threshold,
                   console=console, first=answer)  # fmt: skip
     if pipelined:
-        app.banner({"forward": translator or "demo", "backward": back})
+        print_banner(app, {"forward": translator or "demo", "backward": back})
         app.say(f"  {describe(pair)} · /save and /load are not available")
         try:
             app.run()
@@ -495,5 +498,5 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
         console.print("[grey50]warming up (each path once; this pair's rates)...[/grey50]")
         w = pair.warm_up(**settings)
         loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {pair.rates_note})"
-    app.banner({"forward": translator or "demo", "backward": back}, loaded)
+    print_banner(app, {"forward": translator or "demo", "backward": back}, loaded)
     app.run()
