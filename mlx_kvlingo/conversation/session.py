@@ -8,7 +8,8 @@ both caches stay consistent. No span is translated twice.
 
 A turn (`generate`, `_generate`):
 
-    1. hand-off (`_hand_off`)  who reads the turn (the reader policy, mlx_kvlingo/config.py):
+    1. hand-off (`_hand_off`)  who reads the turn (the reader policy, mlx_kvlingo/config.py,
+                               decided once into a `reader.Decision`):
                                the small model reads it (`small_reads`), the span the large
                                lacks is translated (`catch_up`), the large reads the turn's last
                                `large_reads_last` tokens and recomputes `recompute_share` of the
