@@ -135,6 +135,27 @@ def test_the_tail_is_dropped_where_it_would_more_than_double_the_ttft(pair, tran
         assert ("the large reads the last token only" in status_line(st, NAMES)) == (tail == 1)
 
 
+@pytest.mark.parametrize("share_", [0.5, 0.0])
+def test_the_hand_off_follows_the_one_decision(pair, translators, monkeypatch, share_):
+    """`reader.choose` runs once per turn and the hand-off does what its `Decision` says: the
+    small model reads up to its cut, the large holds the rest but the last token after its
+    recompute, and recomputes only where the decision says so."""
+    from mlx_kvlingo.conversation import reader
+
+    fwd, bwd = translators
+    real, seen = reader.choose, []
+    monkeypatch.setattr(reader, "choose", lambda *a: seen.append(real(*a)) or seen[-1])
+    rates = dict(source_read=(0.05, 0.001), forward=(0.01, 0.001), target_read=(0.01, 0.001))
+    policy = ReaderPolicy(reader="small", large_reads_last=8, recompute_share=share_)
+    s = Session(pair, fwd, bwd, read_costs=fixed_costs(**rates), policy=policy)
+    s.add_user("word " * 80)
+    st = s.hand_off("target")
+    (d,) = seen
+    assert d.small and d.cut == len(s.tokens) - 8 == st.read.start + st.read.tokens
+    assert d.recompute == bool(share_) == bool(st.switch.recomputed)
+    assert s.models["target"].held == (len(s.tokens) - 1 if d.recompute else d.cut)
+
+
 def test_the_recompute_is_dropped_before_the_tail_where_it_would_exceed_the_budget(
     pair, translators
 ):
