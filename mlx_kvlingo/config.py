@@ -10,7 +10,7 @@ Before the large model answers a turn it lacks, someone reads it:
                      on a span past 2,048 tokens as many as on one of 2,048: kv.recompute.Selection);
     reader "tokens"  "small" for the opening span and spans of `reader_min_tokens` or more;
     reader "auto"    whichever path is predicted to start the answer sooner (ties within
-                     `catchup.READER_MARGIN` go to the token rule), but the small path only where this
+                     `reader.READER_MARGIN` go to the token rule), but the small path only where this
                      translator is measured to keep at least `min_retention` of what the large
                      model gets right reading the turn itself, at the turn's length
                      (conversation/rates.py; 0: time alone). None: "auto" with a forward

@@ -111,7 +111,7 @@ def test_the_tail_is_dropped_where_it_would_more_than_double_the_ttft(pair, tran
     the plain handoff's predicted TTFT or within TAIL_ALLOWANCE_S of it; beyond both, the large
     reads the last token only, and the status line says why. The answers stay the
     re-prefill's (exact translators)."""
-    from mlx_kvlingo.conversation.catchup import TAIL_ALLOWANCE_S, TAIL_BUDGET
+    from mlx_kvlingo.conversation.reader import TAIL_ALLOWANCE_S, TAIL_BUDGET, paths_with
 
     fwd, bwd = translators
     long = "word " * 80
@@ -123,7 +123,7 @@ def test_the_tail_is_dropped_where_it_would_more_than_double_the_ttft(pair, tran
         s = Session(pair, fwd, bwd, read_costs=fixed_costs(**rates), policy=ReaderPolicy(large_reads_last=8, recompute_share=0.0, reader="small"))  # fmt: skip
         s.add_user(long)
         n0 = len(s.tokens)
-        plain, with_tail = s.catchup.paths_with(n0 - 1, 1), s.catchup.paths_with(n0 - 1, 8)
+        plain, with_tail = paths_with(s.catchup, n0 - 1, 1), paths_with(s.catchup, n0 - 1, 8)
         a, b = plain.small(s.read_costs), with_tail.small(s.read_costs)
         assert (b <= max(TAIL_BUDGET * a, a + TAIL_ALLOWANCE_S)) == (tail == 8)
         assert tail == 8 or (b > TAIL_BUDGET * a and b > a + TAIL_ALLOWANCE_S)
@@ -133,6 +133,27 @@ def test_the_tail_is_dropped_where_it_would_more_than_double_the_ttft(pair, tran
         (st,) = s.turns
         assert st.prompt_tokens == tail and st.read is not None
         assert ("the large reads the last token only" in status_line(st, NAMES)) == (tail == 1)
+
+
+@pytest.mark.parametrize("share_", [0.5, 0.0])
+def test_the_hand_off_follows_the_one_decision(pair, translators, monkeypatch, share_):
+    """`reader.choose` runs once per turn and the hand-off does what its `Decision` says: the
+    small model reads up to its cut, the large holds the rest but the last token after its
+    recompute, and recomputes only where the decision says so."""
+    from mlx_kvlingo.conversation import reader
+
+    fwd, bwd = translators
+    real, seen = reader.choose, []
+    monkeypatch.setattr(reader, "choose", lambda *a: seen.append(real(*a)) or seen[-1])
+    rates = dict(source_read=(0.05, 0.001), forward=(0.01, 0.001), target_read=(0.01, 0.001))
+    policy = ReaderPolicy(reader="small", large_reads_last=8, recompute_share=share_)
+    s = Session(pair, fwd, bwd, read_costs=fixed_costs(**rates), policy=policy)
+    s.add_user("word " * 80)
+    st = s.hand_off("target")
+    (d,) = seen
+    assert d.small and d.cut == len(s.tokens) - 8 == st.read.start + st.read.tokens
+    assert d.recompute == bool(share_) == bool(st.switch.recomputed)
+    assert s.models["target"].held == (len(s.tokens) - 1 if d.recompute else d.cut)
 
 
 def test_the_recompute_is_dropped_before_the_tail_where_it_would_exceed_the_budget(
@@ -350,15 +371,16 @@ def opening_tie(pair, n0: int, ratio: float) -> ReadCosts:
     ],
 )
 def test_the_token_rule_breaks_ties(pair, translators, monkeypatch, ratio, margin, small_reads):
-    from mlx_kvlingo.conversation import catchup
+    from mlx_kvlingo.conversation import reader
 
-    assert catchup.READER_MARGIN == 0.05  # what the cases with 0.05 stand for
+    assert reader.READER_MARGIN == 0.05  # what the cases with 0.05 stand for
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, policy=PLAIN)
     s.add_user(SHORT[0])
     s.read_costs = opening_tie(pair, len(s.tokens), ratio)
-    monkeypatch.setattr(catchup, "READER_MARGIN", margin)
-    small, why, paths = s.catchup.choice("target", len(s.tokens) - 1)
+    monkeypatch.setattr(reader, "READER_MARGIN", margin)
+    d = reader.choose(s.catchup, "target", len(s.tokens) - 1)
+    small, why, paths = d.small, d.note, d.paths
     assert small is small_reads and paths == Paths(len(s.tokens), 0, len(s.tokens) - 1, True)
     assert paths.small(s.read_costs) == pytest.approx(ratio * paths.large(s.read_costs))
     assert why == ("" if small else "reader auto: the faster")
@@ -367,8 +389,9 @@ def test_the_token_rule_breaks_ties(pair, translators, monkeypatch, ratio, margi
     s.cancel()
     s.add_user(SHORT[1])
     s.read_costs = fixed_costs(**SMALL_FAST)
-    monkeypatch.setattr(catchup, "READER_MARGIN", 1e9)
-    small, why, _ = s.catchup.choice("target", len(s.tokens) - 1)
+    monkeypatch.setattr(reader, "READER_MARGIN", 1e9)
+    d = reader.choose(s.catchup, "target", len(s.tokens) - 1)
+    small, why = d.small, d.note
     assert not small and why == "reader auto, a tie: the large reads turns under 64 tok"
 
 

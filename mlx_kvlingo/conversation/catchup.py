@@ -6,7 +6,7 @@ range [start, end) of conversation positions; it is translated at its true posit
 
     alternation  translate only [held, other's held) (naive: everything the other holds, the
                  drifting baseline; reprefill: none, the model reads it itself);
-    reader       who reads a new turn for the large model (reader policy, session.py): the
+    reader       who reads a new turn for the large model (reader policy, reader.py): the
                  small model (`small_reads`, then `catch_up`, then the large reads the tail and
                  `recompute`s) or the large itself;
     ahead        while the small model answers, translate for the large between its tokens.
@@ -30,12 +30,12 @@ from typing import Protocol
 
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention
-from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats, share
+from mlx_kvlingo.conversation.reader import READER_MARGIN, RECOMPUTE_SELECTION  # noqa: F401 (a face reads READER_MARGIN here)
+from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy, reserve
 from mlx_kvlingo.kv.capture import SpanKV, needs_recording, prefill
 from mlx_kvlingo.kv.recompute import (
-    Selection,
     large_reads,
     recompute_attended,
     sentence_ends,
@@ -47,19 +47,6 @@ from mlx_kvlingo.models.pair import LoadedModel, ModelPair
 import mlx.core as mx
 
 MODES = ("alternation", "naive", "reprefill")
-#: the large model's read of the turn's last tokens may add to the small path's predicted TTFT
-#: as much as the plain handoff's own TTFT (where the large reads only the last token), or
-#: TAIL_ALLOWANCE_S, whichever is more: a user does not notice a fifth of a second, but does
-#: notice an MoE target's seconds-long prefill on the CPU
-TAIL_BUDGET = 2.0
-TAIL_ALLOWANCE_S = 0.5
-#: reader auto: predicted TTFTs within this fraction of each other are a tie, which the token
-#: rule decides (a short translated turn between the large's native answers loses the most)
-READER_MARGIN = 0.05
-#: which translated tokens the large model recomputes: each attention peak with the rest of its
-#: sentence, at least 24 tokens, the chat template's markup last (weights/QUALITY.md,
-#: "Sentences, not neighbours")
-RECOMPUTE_SELECTION = Selection()
 #: the fewest tokens translated ahead at a time (conversation/README.md, "Translating ahead")
 AHEAD_MIN = 8
 #: translating ahead spends at most this share of the small model's decode time
@@ -136,7 +123,7 @@ def check_directions(pair: ModelPair, forward: Translator | None, backward: Tran
 
 
 class CatchUp:
-    """Brings one model's cache up to the conversation, and decides who reads a turn."""
+    """Brings one model's cache up to the conversation (who reads a turn: reader.py)."""
 
     def __init__(self, pair: ModelPair, forward: Translator | None, backward: Translator | None,
                  *, transcript: Transcript, models: dict[str, ModelCache], switches: list[Switch],
@@ -147,7 +134,6 @@ class CatchUp:
         replaced (the transcript only read). `retention`: what the forward translator keeps at
         each length under this policy (reader "auto"; None: unmeasured)."""
         self.retention = retention
-        self.kept_for: float | None = None  # the last choice's retention, where it decided
         self.pair, self.forward, self.backward, self.remote = pair, forward, backward, remote
         self.transcript, self.models, self.switches = transcript, models, switches
         self.cancel, self.read_costs = cancel, read_costs
@@ -368,112 +354,6 @@ class CatchUp:
         least = max(AHEAD_MIN, math.ceil(3 * a / b)) if cost.ready else 2 * cost.samples[-1][0]
         most = min(remaining, int((self.ahead_credit - a) / b))
         return most if most >= min(least, remaining) else 0
-
-    # -- who reads a turn (reader policy) ------------------------------------------------------
-
-    def choice(self, name: str, upto: int) -> tuple[bool, str, Paths | None]:
-        """Does the small model read [large's held, upto) for `name` this turn (reader policy,
-        see session.py)? (yes or no, a note for the status line, the lengths)."""
-        self.kept_for = None
-        if name != "target" or self.forward is None or self.mode == "reprefill":
-            return False, "", None  # reprefill is the reference: the answering model reads it all
-        p, paths = self.policy, self._paths(upto)
-        if self.tail_cut(upto, paths) <= self.models["target"].held:  # one way only
-            why = f"the turn is within the {p.large_reads_last} tok the large reads itself"
-            return False, "" if p.reader == "self" else why, None
-        small, why = self._reader_rule(upto, paths)
-        over = f"would take over {TAIL_BUDGET:g}x this TTFT and {TAIL_ALLOWANCE_S:g} s more"
-        if small and p.large_reads_last > 1 and paths is not None and paths.tail == 1:
-            why = f"the large reads the last token only: reading the last {p.large_reads_last} tok"
-            why += f" {over}"
-        elif small and paths is not None and self.recompute_count(paths.lacked - paths.tail) \
-                and not paths.recompute:  # fmt: skip
-            why = f"no recompute: recomputing {p.recompute_share:.0%} of the turn {over}"
-        return small, why, paths
-
-    def _reader_rule(self, upto: int, paths: Paths | None) -> tuple[bool, str]:
-        """The reader policy's choice: (the small model reads, why the large reads itself).
-        Reader "auto" decides by time (the token rule on a tie or before any timing), then
-        turns a small path down where its measured retention is under `min_retention`
-        (`kept_for`, reset by `choice`: that retention)."""
-        p = self.policy
-        if p.reader in ("small", "self"):
-            return p.reader == "small", ""
-        held = self.models["target"].held
-        rule = held == 0 or upto - held >= p.reader_min_tokens
-        under = f"the large reads turns under {p.reader_min_tokens} tok"
-        if p.reader == "tokens":
-            return rule, "" if rule else f"reader tokens: {under}"
-        large = None if paths is None else paths.large(self.read_costs)
-        small = None if paths is None else paths.small(self.read_costs)
-        if large is None or small is None:
-            small_reads, why = rule, "" if rule else f"reader auto, not timed yet: {under}"
-        elif abs(large - small) <= READER_MARGIN * min(large, small):
-            small_reads, why = rule, "" if rule else f"reader auto, a tie: {under}"
-        else:
-            small_reads, why = small < large, "" if small < large else "reader auto: the faster"
-        kept = self.retention_at(upto)
-        if small_reads and kept is not None and kept < p.min_retention:
-            self.kept_for = kept
-            return False, (f"reader auto: the small path keeps ≈{share(kept)} of the content at "
-                           f"{upto + 1 - held:,} tok, under {p.min_retention:g}")  # fmt: skip
-        return small_reads, why
-
-    def retention_at(self, upto: int) -> float | None:
-        """Reader "auto": the retention expected where the large model lacks
-        conversation[held:upto + 1] (None: not measured, or not weighed)."""
-        if self.retention is None or self.policy.reader != "auto" or not self.policy.min_retention:
-            return None
-        return self.retention.expected(upto + 1 - self.models["target"].held)
-
-    def _reading(self, upto: int) -> tuple[int, bool]:
-        """How much the large model reads itself where the small reads for it: (its last
-        tokens, whether it recomputes). `large_reads_last` and `recompute_share`, unless that
-        is predicted to take more than `TAIL_BUDGET` times the plain handoff's TTFT and
-        `TAIL_ALLOWANCE_S` more than it; then without the recompute, then the last token only
-        (the plain handoff itself)."""
-        k, share = self.policy.large_reads_last, self.policy.recompute_share > 0
-        ways = [(k, share), *([(k, False)] if share else []), *([(1, False)] if k > 1 else [])]
-        if len(ways) == 1 or self.forward is None or self.mode != "alternation":
-            return ways[0]
-        a = self.paths_with(upto, 1, False).small(self.read_costs)
-        if a is None:
-            return ways[0]
-        limit = max(TAIL_BUDGET * a, a + TAIL_ALLOWANCE_S)
-        for tail, recompute in ways:
-            b = self.paths_with(upto, tail, recompute).small(self.read_costs)
-            if b is None or b <= limit:
-                return tail, recompute
-        return 1, False
-
-    def tail_cut(self, upto: int, paths: Paths | None = None) -> int:
-        """Where the small model's reading for the large one stops: the large reads
-        conversation[cut : upto + 1] itself, its last `_reading` tokens (fewer where it
-        already holds more). `paths`: this turn's, where already predicted (their tail)."""
-        if paths is not None:
-            return upto + 1 - paths.tail
-        held = min(self.models["target"].held, upto)
-        return max(held, upto + 1 - self._reading(upto)[0])
-
-    def paths_with(self, upto: int, tail: int, recompute: bool = True) -> Paths:
-        th, sh = min(self.models["target"].held, upto), min(self.models["source"].held, upto)
-        cut = max(th, upto + 1 - tail)
-        return Paths(upto + 1 - th, max(th - sh, 0), max(cut - max(sh, th), 0),
-                     self.backward is not None, upto + 1 - cut,
-                     self.recompute_count(cut - th) if recompute else 0, th, sh)  # fmt: skip
-
-    def _paths(self, upto: int) -> Paths | None:
-        """The lengths of the two ways the large model can come to read conversation[:upto + 1]
-        (None where no prediction applies: no forward map, or not alternation)."""
-        if self.forward is None or self.mode != "alternation":
-            return None
-        return self.paths_with(upto, *self._reading(upto))
-
-    def recompute_count(self, translated: int) -> int:
-        """How many of `translated` tokens the large model recomputes (`recompute_share`)."""
-        if self.mode != "alternation":
-            return 0
-        return RECOMPUTE_SELECTION.count(self.policy.recompute_share, translated)
 
     # -- what reading costs --------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ both caches stay consistent. No span is translated twice.
 
 A turn (`generate`, `_generate`):
 
-    1. hand-off (`_hand_off`)  who reads the turn (the reader policy, mlx_kvlingo/config.py):
+    1. hand-off (`_hand_off`)  who reads the turn (the reader policy, mlx_kvlingo/config.py,
+                               decided once into a `reader.Decision`):
                                the small model reads it (`small_reads`), the span the large
                                lacks is translated (`catch_up`), the large reads the turn's last
                                `large_reads_last` tokens and recomputes `recompute_share` of the
@@ -27,7 +28,7 @@ the answer sooner, predicted from rates measured on this pair (rates.py); ties g
 rule (a short translated turn between the large's native answers loses the most quality). The
 large reads the turn's last `large_reads_last` tokens itself (32; 1 is the plain handoff):
 a translated short message keeps its topic and loses its request (weights/QUALITY.md). Where
-that read would more than double the plain handoff's TTFT (`catchup.TAIL_BUDGET`), it reads the
+that read would more than double the plain handoff's TTFT (`reader.TAIL_BUDGET`), it reads the
 last token only. Nothing here prints: `generate` yields `TokenEvent`s and every turn leaves a
 `TurnStats` (with its `Switch`) in `Session.turns`.
 """
@@ -41,7 +42,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from mlx_kvlingo.config import READERS, ReaderPolicy
-from mlx_kvlingo.conversation import persistence
+from mlx_kvlingo.conversation import persistence, reader
 from mlx_kvlingo.conversation.catchup import (
     MODES,
     READ_CHUNK,
@@ -294,27 +295,21 @@ class Session:
         leaving conversation[held:n0] (at least the last token) for the first step. Where the
         large reads the turn itself, only the catch-up runs. Fills `stats` (a cancel sets its
         finish_reason) and returns the predicted paths (None where no prediction applies)."""
-        catchup = self.catchup
-        small, stats.read_note, paths = catchup.choice(name, n0 - 1)
-        stats.retention = catchup.kept_for if name == "target" else None
+        catchup, d = self.catchup, reader.choose(self.catchup, name, n0 - 1)
+        stats.read_note, stats.retention, paths = d.note, d.retention, d.paths
         if paths is not None:  # what was predicted for the path taken
-            stats.predicted_ttft_s = (paths.small if small else paths.large)(self.read_costs)
+            stats.predicted_ttft_s = (paths.small if d.small else paths.large)(self.read_costs)
         # room for the turn and the first token: no cache grows (2x its size) while it is read
         self.models[name].reserve(n0 + 1)
         upto = n0 - 1  # the answering model reads at least the last token itself
-        if small:  # the large still reads the turn's last tokens itself (tail_cut)
-            upto = catchup.tail_cut(n0 - 1, paths)
+        if d.small:  # the large still reads the turn's last tokens itself (from d.cut)
+            upto = d.cut
             stats.read = catchup.small_reads(upto, chunk, progress)
             if self._cancel.is_set():  # stopped while the small model read
                 stats.finish_reason = "cancelled"
                 return paths
         stats.switch = sw = catchup.catch_up(name, upto)
-        if (
-            small
-            and sw is not None
-            and catchup.recompute_count(sw.translated)
-            and (paths is None or paths.recompute)
-        ):  # the large reads the tail and recomputes (where its budget allows)
+        if d.recompute and sw is not None and sw.translated:  # the tail, then the recompute
             catchup.recompute(sw, n0)
             if self._cancel.is_set():
                 stats.finish_reason = "cancelled"
