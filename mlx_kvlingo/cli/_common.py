@@ -154,7 +154,7 @@ def policy_options(f):
     from dataclasses import replace
 
     from mlx_kvlingo.config import READERS, ReaderPolicy
-    from mlx_kvlingo.conversation.catchup import RECOMPUTE_SELECTION as sel
+    from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION as sel
 
     d = ReaderPolicy()
     opts = [

@@ -41,7 +41,7 @@ from mlx_kvlingo.cli._distributed import (
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
 from mlx_kvlingo.cli._progress import progress_bar
-from mlx_kvlingo.conversation.catchup import READER_MARGIN, RECOMPUTE_SELECTION
+from mlx_kvlingo.conversation.reader import READER_MARGIN, RECOMPUTE_SELECTION
 from mlx_kvlingo.conversation.sampling import describe as describe_sampling
 from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
 from mlx_kvlingo.distributed.pipeline import DistributedError

@@ -30,7 +30,7 @@ from typing import Protocol
 
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention
-from mlx_kvlingo.conversation.reader import READER_MARGIN, RECOMPUTE_SELECTION  # noqa: F401 (a face reads READER_MARGIN here)
+from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION
 from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy, reserve
