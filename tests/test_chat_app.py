@@ -220,7 +220,9 @@ def test_a_pasted_document_and_a_file_arrive_whole(app, tiny_dir, tmp_path):
     term.type(f"/file {path} What rose?")
     screen = term.wait(lambda s: len(status_lines(s)) >= 2, timeout=120)
     assert f"{len(doc):,} characters and your question" in screen
-    screen = step(term, f"/file {tmp_path / 'missing.txt'}")
+    # wait for the answer itself: the last turn's prompt may land after a step() counted prompts
+    term.type(f"/file {tmp_path / 'missing.txt'}")
+    screen = term.wait(lambda s: "No such file" in s or "Traceback" in s, timeout=30)
     assert "/file:" in screen and "No such file" in screen and "Traceback" not in screen
 
 
