@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mlx_kvlingo._platform.atomic import write_text
-from mlx_kvlingo.data.content_tasks import KINDS, build_tasks
+from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, build_tasks
 from mlx_kvlingo.data.examples import Example
 
 from mlx_lm import batch_generate
@@ -46,7 +46,7 @@ def shipped_texts(max_dialogues: int = 400) -> list[str]:
 
 
 def content_examples(pair, texts: Sequence[str], n: int, lengths: Sequence[int] = (128, 256, 512),
-                     kinds: Sequence[str] = KINDS, seed: int = 0, cache_file: str | Path | None = None,
+                     kinds: Sequence[str] = DEFAULT_KINDS, seed: int = 0, cache_file: str | Path | None = None,
                      on_example: Callable[[int], None] | None = None,
                      batch: int = 16) -> list[Example]:  # fmt: skip
     """`n` content tasks spread over `lengths` and `kinds`, each with the target's answer.
@@ -105,7 +105,7 @@ def _read_cache(path: Path | None) -> dict[str, list[int]]:
 
 
 def unanswered(pair, texts: Sequence[str], n: int, lengths: Sequence[int] = (128, 256, 512),
-               kinds: Sequence[str] = KINDS, seed: int = 0,
+               kinds: Sequence[str] = DEFAULT_KINDS, seed: int = 0,
                cache_file: str | Path | None = None) -> int:  # fmt: skip
     """How many of `content_examples`' answers the cache file lacks (for the plan)."""
     if not n:

@@ -16,7 +16,7 @@ from mlx_kvlingo.cli._common import (
 from mlx_kvlingo.cli._params import IntList, OutputFile
 from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.data.content_tasks import KINDS
+from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, KINDS
 from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.evaluate import evaluate, table
@@ -71,8 +71,8 @@ def _keeps(ctx, param, value: str | None) -> tuple[float, ...]:
               help="--task content: read lengths in tokens, up to the pair's context")  # fmt: skip
 @click.option("--per-kind", type=click.IntRange(1), default=8, show_default=True,
               help="--task content: tasks of each kind at each length")  # fmt: skip
-@click.option("--kinds", default=",".join(KINDS), show_default=True, callback=_kinds,
-              help="--task content: the task kinds, comma-separated")  # fmt: skip
+@click.option("--kinds", default=",".join(DEFAULT_KINDS), show_default=True, callback=_kinds,
+              help="--task content: the task kinds, comma-separated (also: facts, three facts with one asked)")  # fmt: skip
 @click.option("--plot", "plot_out", type=OutputFile(),
               help="--task content: write the per-length plot here (PNG)")  # fmt: skip
 @click.option("--large-reads-last", "tail", type=click.IntRange(1), default=None,
@@ -137,7 +137,7 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
 
 
 def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label,
-             tail=None, share=None, kinds=KINDS, data_label="demo", keeps=()):  # fmt: skip
+             tail=None, share=None, kinds=DEFAULT_KINDS, data_label="demo", keeps=()):  # fmt: skip
     from mlx_kvlingo.eval.content import (
         Chat,
         Peer,

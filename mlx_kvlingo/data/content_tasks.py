@@ -4,7 +4,9 @@ A task is a chat prompt of about `length` tokens built, with a seed, from ordina
 (documents the pair never saw in calibration, for evaluation) and one of four kinds:
 
   fact     one sentence stating a value (a number, a name, an attribute, a date) hidden at a
-           depth (0.1-0.9) inside unrelated text, then a question for that value
+           depth (0.1, 0.5 or 0.9) inside unrelated text, then a question for that value
+  facts    three such sentences (three kinds of value) at three depths drawn from 0.1-0.9, then
+           a question for one of them; the other two are read and must not be answered
   copy     one sentence marked for remembering inside unrelated text, then "repeat it"
   qa       a passage, then a question about a word the passage uses
   summary  a passage, then "summarize it in one sentence"
@@ -21,7 +23,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-KINDS = ("fact", "copy", "qa", "summary")
+KINDS = ("fact", "facts", "copy", "qa", "summary")
+#: what `kvlingo eval --task content` and calibration draw unless told
+DEFAULT_KINDS = ("fact", "copy", "qa", "summary")
 DEPTHS = (0.1, 0.5, 0.9)
 
 _FIRST = ("Anna", "Boris", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hugo", "Ines",
@@ -73,9 +77,12 @@ def sentences(texts: Sequence[str]) -> list[list[str]]:
     return out
 
 
-def _fact(rng: random.Random) -> tuple[str, str, str, str]:
-    """(statement, question, answer, type) for a fresh random fact."""
-    kind = rng.choice(("number", "name", "attribute", "date"))
+FACT_TYPES = ("number", "name", "attribute", "date")
+
+
+def _fact(rng: random.Random, kind: str | None = None) -> tuple[str, str, str, str]:
+    """(statement, question, answer, type) for a fresh random fact (of type `kind`)."""
+    kind = kind or rng.choice(FACT_TYPES)
     if kind == "number":
         place, code = rng.choice(_PLACES), str(rng.randint(10000, 99999))
         return (f"The access code for {place} is {code}.",
@@ -145,25 +152,41 @@ class TaskBuilder:
             raise ValueError(f"unknown task kind {kind!r} (known: {', '.join(KINDS)})")
         return getattr(self, f"_{kind}")(length)
 
-    def _hidden(self, kind: str, length: int, hidden: str, question: str, tail: str,
-                answer: str, detail: str = "") -> ContentTask:  # fmt: skip
-        """`hidden` at a random depth inside unrelated text, then `tail` (which asks `question`)."""
-        depth = self.rng.choice(DEPTHS)
+    def _hidden(self, kind: str, length: int, hidden: str | list, question: str, tail: str,
+                answer: str, detail: str = "", depths=None) -> ContentTask:  # fmt: skip
+        """`hidden` (a sentence, or several at `depths`) at a random depth inside unrelated
+        text, then `tail` (which asks `question`); the task's depth is the first sentence's."""
+        hidden = [hidden] if isinstance(hidden, str) else hidden
+        depths = depths or [self.rng.choice(DEPTHS)]
         state = self.rng.getstate()
 
         def make(budget):
             self.rng.setstate(state)  # the same text on every retry, only its length changes
-            filler = self._run(budget - self._count(hidden) - self._count(question))
-            filler.insert(round(depth * len(filler)), hidden)
+            used = sum(map(self._count, hidden)) + self._count(question)
+            filler = self._run(budget - used)
+            at = [round(d * len(filler)) for d in depths]
+            for a, h in sorted(zip(at, hidden), key=lambda x: -x[0]):  # the last first
+                filler.insert(a, h)
             return f"{' '.join(filler)}\n\n{tail}", {}
 
         tokens, _ = self._fit(length, make)
-        return ContentTask(kind, length, tuple(tokens), answer, question, depth, detail)
+        return ContentTask(kind, length, tuple(tokens), answer, question, depths[0], detail)
 
     def _fact(self, length: int) -> ContentTask:
         statement, question, answer, ftype = _fact(self.rng)
         tail = f"Question: {question} Answer briefly."
         return self._hidden("fact", length, statement, question, tail, answer, ftype)
+
+    def _facts(self, length: int) -> ContentTask:
+        types = self.rng.sample(FACT_TYPES, 3)
+        facts = [_fact(self.rng, t) for t in types]
+        depths = self.rng.sample([d / 10 for d in range(1, 10)], 3)
+        asked = self.rng.randrange(3)  # the task is the asked fact's, listed first
+        order = [asked, *(i for i in range(3) if i != asked)]
+        statement, question, answer, ftype = facts[asked]
+        tail = f"Question: {question} Answer briefly."
+        return self._hidden("facts", length, [facts[i][0] for i in order], question, tail,
+                            answer, ftype, depths=[depths[i] for i in order])  # fmt: skip
 
     def _copy(self, length: int) -> ContentTask:
         near = [s for s in self._run(96) if 6 <= len(s.split()) <= 20 and _PLAIN.fullmatch(s)]
@@ -200,7 +223,7 @@ class TaskBuilder:
 
 
 def build_tasks(tokenizer, texts: Sequence[str], lengths: Sequence[int], per_kind: int,
-                kinds: Sequence[str] = KINDS, seed: int = 0) -> list[ContentTask]:  # fmt: skip
+                kinds: Sequence[str] = DEFAULT_KINDS, seed: int = 0) -> list[ContentTask]:  # fmt: skip
     """`per_kind` tasks of every kind at every length, reproducible from `seed`."""
     builder = TaskBuilder(tokenizer, texts, seed)
     return [builder.build(k, n) for n in lengths for k in kinds for _ in range(per_kind)]

@@ -38,7 +38,7 @@ from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.catchup import READ_CHUNK
 from mlx_kvlingo.conversation.rates import ReadCosts
 from mlx_kvlingo.conversation.session import Session
-from mlx_kvlingo.data.content_tasks import KINDS, ContentTask, build_tasks
+from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, KINDS, ContentTask, build_tasks
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import trace
@@ -49,8 +49,8 @@ from rich.table import Table
 
 SCHEMA = "mlx-kvlingo/content-eval"
 #: greedy tokens each kind may answer with
-MAX_TOKENS = {"fact": 20, "copy": 40, "qa": 40, "summary": 40}
-EXACT_KINDS = ("fact", "copy")
+MAX_TOKENS = {"fact": 20, "facts": 20, "copy": 40, "qa": 40, "summary": 40}
+EXACT_KINDS = ("fact", "facts", "copy")
 
 _NON_WORD = re.compile(r"[^a-z0-9]+")
 STOPWORDS = frozenset(
@@ -104,7 +104,7 @@ def rouge_l(reference: str, candidate: str) -> float:
 
 
 def fitting_tasks(pair, texts: Sequence[str], lengths: Sequence[int], per_kind: int,
-                  seed: int = 0, kinds: Sequence[str] = KINDS) -> list[ContentTask]:  # fmt: skip
+                  seed: int = 0, kinds: Sequence[str] = DEFAULT_KINDS) -> list[ContentTask]:  # fmt: skip
     """`build_tasks` whose prompts leave room for the longest answer in the pair's context.
 
     Prompts come within 5% of the length asked (whole sentences); a length whose prompts
@@ -428,8 +428,11 @@ def plot(result: dict, path: str | Path) -> Path:
     """Headline score per kind against read length, one line per condition (PNG)."""
     plt = report.pyplot()
     cells = result["cells"]
-    fig, axes = plt.subplots(1, len(KINDS), figsize=(4 * len(KINDS), 3.4), sharey=True)
-    for ax, kind in zip(axes, KINDS):
+    kinds = [k for k in KINDS if any(k in by for by in cells.values())]
+    fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.4), sharey=True,
+                             squeeze=False)  # fmt: skip
+    axes = axes[0]
+    for ax, kind in zip(axes, kinds):
         for c in result["conditions"]:
             if c == "native" or kind not in cells.get(c, {}):
                 continue

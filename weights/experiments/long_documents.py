@@ -1,0 +1,95 @@
+"""Facts kept from long documents, path by path, until each length has enough native-right items.
+
+    python -m weights.experiments.long_documents OUT.jsonl [--lengths 1024,2048,4096]
+        [--kinds fact,facts] [--right 20] [--seed 100] [--pair dense] [--keep 0.3]
+        [--shares 0.2] [--limit-s SECONDS]
+
+Each step draws one task of each kind at one length (`fitting_tasks`, the demo's held-out
+documentation pages, seed `--seed` + step) and answers it greedily under every condition of
+`kvlingo eval --task content` side by side: the large model's own read ("native"), the chat's
+reading through the product's hand-off ("chat": `content.Chat`, the shipped translator and
+`ReaderPolicy`'s defaults; "chat rS": recompute share S), and speculative prefill keeping
+`--keep` ("specprefill K"). Every record is appended to OUT.jsonl as soon as its task is done,
+so a killed run loses one task; run it again to go on. A length is done when its native read
+got `--right` items of every kind right; lengths take turns, shortest first.
+`python -m weights.experiments.long_documents_report OUT.jsonl` tabulates and plots it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
+from mlx_kvlingo._platform import moe_cpu
+from mlx_kvlingo.data.examples import read_texts
+from mlx_kvlingo.eval.content import Chat, Peer, evaluate_content, fitting_tasks
+from mlx_kvlingo.models.demo.pair import demo_content_texts, load_demo
+
+
+def native_right(path: Path) -> tuple[dict, set]:
+    """({(kind, length): native-right count}, the steps done) of an earlier run's records."""
+    right, done = {}, set()
+    if path.exists():
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            done.add((r["kind"], r["length"], r["step"]))
+            if r["condition"] == "native":
+                key = (r["kind"], r["length"])
+                right[key] = right.get(key, 0) + bool(r["correct"])
+    return right, done
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--lengths", default="1024,2048,4096")
+    ap.add_argument("--kinds", default="fact,facts")
+    ap.add_argument("--right", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=100)
+    ap.add_argument("--pair", default="dense")
+    ap.add_argument("--keep", default="0.3", help="speculative prefill's kept shares")
+    ap.add_argument("--shares", default="0.2", help="extra recompute shares beside the chat's")
+    ap.add_argument("--limit-s", type=float, default=float("inf"))
+    args = ap.parse_args()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    kinds = args.kinds.split(",")
+    pair, tr = load_demo(pair=args.pair)
+    if args.pair == "moe":
+        moe_cpu.per_expert_loop(pair.target.model)
+    texts = [t for p in demo_content_texts() for t in read_texts(p)]
+    chat = Chat(tr)
+    conditions = {"chat": chat,
+                  **{f"chat r{s:g}": Chat(tr, chat.tail, s) for s in map(float, args.shares.split(",") if args.shares else [])},
+                  **{f"specprefill {k:g}": Peer(k) for k in map(float, args.keep.split(",") if args.keep else [])}}  # fmt: skip
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()  # fmt: skip
+    start = time.monotonic()
+    step = 0
+    while time.monotonic() - start < args.limit_s:
+        right, done = native_right(args.out)
+        todo = [(k, n) for n in lengths for k in kinds if right.get((k, n), 0) < args.right]
+        if not todo:
+            break
+        for n in lengths:
+            for kind in kinds:
+                if (kind, n) not in todo or (kind, n, step) in done:
+                    continue
+                (task,) = fitting_tasks(pair, texts, [n], 1, seed=args.seed + step, kinds=[kind])
+                res = evaluate_content(pair, [task], conditions, small=False)
+                with args.out.open("a") as f:
+                    for r in res.records:
+                        f.write(json.dumps({**r, "step": step, "seed": args.seed + step,
+                                            "commit": commit, "pair": args.pair}) + "\n")  # fmt: skip
+                by = {r["condition"]: r for r in res.records}
+                print(f"step {step} {kind} {n} tok: " + ", ".join(
+                    f"{c} {'ok' if r['correct'] else '--'} {r['read_s']:.1f}s" for c, r in by.items()),
+                    flush=True)  # fmt: skip
+        step += 1
+
+
+if __name__ == "__main__":
+    main()
