@@ -1,0 +1,132 @@
+"""Tables and the plot of `long_documents` runs: facts kept and read time, path by path.
+
+    python -m weights.experiments.long_documents_report RUN.jsonl [RUN2.jsonl ...] [--plot OUT.png]
+
+Per kind and read length: the items drawn, those the native read got right, and for each path
+the ones it kept of those (kept / right, the share) and the median of its read time over the
+native read's on the same item ("read"; everything before the first decode step, side by side
+in one process). "auto" is what reader auto does with these counts as its retention: the chat's
+path where it kept at least `ReaderPolicy.min_retention` of the native-right items and read
+faster, else the large model's own read. The plot: read time against facts kept, one line per path across the lengths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.eval import report
+
+MIN_RETENTION = ReaderPolicy().min_retention
+
+
+def load(paths) -> dict:
+    """{(kind, length, step): {condition: record}} over every run file."""
+    items: dict = {}
+    for p in paths:
+        for line in Path(p).read_text().splitlines():
+            r = json.loads(line)
+            items.setdefault((r["kind"], r["length"], r["step"], r.get("pair")), {})[
+                r["condition"]
+            ] = r
+    return items
+
+
+def summary(items: dict) -> dict:
+    """{(kind, length): {"n", "right", "commits", "paths": {path: (kept, read ratio)}}}."""
+    out: dict = {}
+    for (kind, n, _, _), by in sorted(items.items()):
+        nat = by.get("native")
+        if nat is None:
+            continue
+        cell = out.setdefault((kind, n), {"n": 0, "right": 0, "commits": set(), "paths": {}})
+        cell["n"] += 1
+        cell["right"] += bool(nat["correct"])
+        cell["commits"].add(nat.get("commit", "?"))
+        for c, r in by.items():
+            if c == "native":
+                continue
+            kept, ratios = cell["paths"].setdefault(c, ([], []))
+            if nat["correct"]:
+                kept.append(bool(r["correct"]))
+            ratios.append(r["read_s"] / nat["read_s"])
+    for cell in out.values():
+        cell["paths"] = {
+            c: (sum(k), len(k), statistics.median(v)) for c, (k, v) in cell["paths"].items()
+        }
+        chat = cell["paths"].get("chat")
+        if chat and chat[1]:
+            small = chat[0] / chat[1] >= MIN_RETENTION and chat[2] < 1.0
+            cell["paths"]["auto"] = (
+                (chat[0], chat[1], chat[2]) if small else (chat[1], chat[1], 1.0)
+            )
+    return out
+
+
+def markdown(s: dict) -> str:
+    paths = sorted({c for cell in s.values() for c in cell["paths"]}, key=_order)
+    head = (
+        "| kind | read tok | native right | " + " | ".join(f"{c}: kept, read" for c in paths) + " |"
+    )
+    rows = [head, "| --- | ---: | ---: | " + " | ".join("---:" for _ in paths) + " |"]
+    for (kind, n), cell in sorted(s.items()):
+        cols = []
+        for c in paths:
+            if c not in cell["paths"]:
+                cols.append("")
+                continue
+            k, r, ratio = cell["paths"][c]
+            share = f" ({k / r:.2f})" if r else ""
+            cols.append(f"{k}/{r}{share}, {ratio:.2f}")
+        rows.append(f"| {kind} | {n} | {cell['right']}/{cell['n']} | " + " | ".join(cols) + " |")
+    commits = sorted({c for cell in s.values() for c in cell["commits"]})
+    return "\n".join(rows) + f"\n\ncommits: {', '.join(commits)}\n"
+
+
+def _order(c: str) -> tuple:
+    return (c != "auto", not c.startswith("chat"), c)
+
+
+def plot(s: dict, path: Path, kind: str = "fact") -> Path:
+    plt = report.pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    cells = {n: cell for (k, n), cell in sorted(s.items()) if k == kind}
+    paths = sorted({c for cell in cells.values() for c in cell["paths"]}, key=_order)
+    for c in paths:
+        pts = [
+            (n, cell["paths"][c])
+            for n, cell in cells.items()
+            if c in cell["paths"] and cell["paths"][c][1]
+        ]
+        xs, ys = [p[2] for _, p in pts], [p[0] / p[1] for _, p in pts]
+        ax.plot(xs, ys, marker="o", label=c, linestyle="--" if c == "auto" else "-")
+        for (n, p), x, y in zip(pts, xs, ys):
+            ax.annotate(f"{n // 1000 if n >= 1000 else n}{'k' if n >= 1000 else ''} ({p[0]}/{p[1]})",
+                        (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)  # fmt: skip
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.axhline(MIN_RETENTION, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("time to read the prompt / the large model's own read (median)")
+    ax.set_ylabel("facts kept / native right")
+    ax.set_ylim(-0.03, 1.05)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title(f"{kind}: each point one read length (kept / native-right items)", fontsize=9)
+    return report.save_figure(fig, path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+")
+    ap.add_argument("--plot", type=Path)
+    args = ap.parse_args()
+    s = summary(load(args.runs))
+    print(markdown(s))
+    if args.plot:
+        print(plot(s, args.plot))
+
+
+if __name__ == "__main__":
+    main()
