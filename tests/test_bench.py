@@ -332,7 +332,7 @@ def test_conversation_bench_policies(tmp_path):
     assert all(t["escalation_ttft_s"] > 0 for t in ahead)
     c = result["summary"]["cascades"]["cascade+ahead"]
     assert c["escalations"] == len(esc) and c["escalation_ttft_in_steps"] > 0
-    assert c["small_decode_slowdown"] is not None and c["ahead_share_of_decode"] >= 0
+    assert c["ahead_share_of_decode"] >= 0
     bad = CliRunner().invoke(cli, ["bench", "--preset", "tiny", "--conversation",
                                    "--policies", "tokens reads"])  # fmt: skip
     assert bad.exit_code != 0 and "unknown --policies" in bad.output

@@ -17,6 +17,12 @@ DEFAULT_LENGTHS = {"cpu": "64,256,1024", "gpu": "64,256,1024,4096"}
 DEMO_PAIRS = ("dense", "moe")
 
 
+def default_lengths() -> str:
+    import mlx.core as mx
+
+    return DEFAULT_LENGTHS["gpu" if mx.default_device().type == mx.gpu else "cpu"]
+
+
 def _ints(value: str) -> list[int]:
     return sorted({int(v) for v in value.split(",") if v.strip()})
 
@@ -97,7 +103,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
 
     from mlx_kvlingo._platform import moe_cpu
     from mlx_kvlingo.cli._progress import progress_bar
-    from mlx_kvlingo.eval import bench, report
+    from mlx_kvlingo.eval import bench
 
     import mlx.core as mx
     from rich.console import Console
@@ -122,8 +128,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
                                                  trials=trials, log=log)  # fmt: skip
         return _show(startup_bench.write_outputs(result, out), log)
     dtype = dtype if dtype == "auto" else getattr(mx, dtype)
-    gpu = mx.default_device().type == mx.gpu
-    lengths = _ints(lengths or DEFAULT_LENGTHS["gpu" if gpu else "cpu"])
+    lengths = _ints(lengths or default_lengths())
     if conversation:
         from mlx_kvlingo.eval import conversation_bench as cb
 
@@ -143,7 +148,6 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
         )
         with moe_cpu.per_expert_loop(moe_loop):
             results = cb.run_conversation_bench(pair, tr, backward, cfg, log=log, info=info)
-        results["command"] = report.command_line()
         return _show(cb.write_outputs(results, out), log)
     bar = nullcontext() if no_progress else progress_bar("bench", Console(stderr=True))
     max_seconds = None if max_minutes is None else 60 * max_minutes
@@ -160,7 +164,6 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
             )
             info["moe_per_expert_loop"] = patched
             results = bench.run_bench(pair, tr, lengths, info=info, **settings)
-    results["command"] = report.command_line()
     _show(bench.write_outputs(results, out), log)
 
 

@@ -60,7 +60,6 @@ SCHEMA_VERSION = 2
 #: prompt of n tokens); the peer's are `peer_phase`'s
 PHASES: dict[str, tuple[str, str, str, Callable[[int], int]]] = {
     "source_prefill": ("source", "source prefill + capture", "pp{m}", lambda n: n - 1),
-    "source_step": ("source", "source first token", "tg1@{m}", lambda n: 1),
     "target_prefill": ("re-prefill", "target prefill (n-1)", "pp{m}", lambda n: n - 1),
     "target_step_reprefill": ("re-prefill", "target first step after its prefill", "tg1@{m}",
                               lambda n: 1),
@@ -125,46 +124,29 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - mx.get_active_memory()
 
 
-def _activation_bytes(m: LoadedModel, n: int) -> int:
-    cfg, c = m.config, min(n, READ_CHUNK)
-    h = cfg["hidden_size"]
-    scores = 3 * cfg["num_attention_heads"] * c * n * 4  # scores, mask, softmax (float32)
-    if cfg.get("num_experts"):
-        k = cfg["num_experts_per_tok"]
-        ffn = c * k * (3 * cfg["moe_intermediate_size"] + 3 * h) * 4
-    else:
-        ffn = 3 * c * cfg["intermediate_size"] * 4
-    return scores + ffn + 8 * c * h * 4
-
-
 def working_bytes(pair: ModelPair, translator: Translator, n: int) -> int:
     """Rough extra memory (beyond the loaded weights) the largest phase at prompt length n
-    needs: source prefill (its cache + activations), switch (source cache, float32 span,
-    gathered and transposed translation inputs, output, target cache) or re-prefill (target
-    cache + activations). Paths run one after the other, so the largest counts."""
+    needs, in float32: the switch holds the source's K/V, its captured span, the gathered
+    translation inputs (chunks of 4096 tokens) and the target's K/V; a read holds its model's K/V
+    and one chunk's attention scores, mask and softmax. Paths run one after the other."""
     s, t, c = pair.source.geometry, pair.target.geometry, translator.config
-    kv_s = 2 * s.layers * s.kv_heads * s.head_dim * n
-    kv_t = 2 * t.layers * t.kv_heads * t.head_dim * n
-    chunk = min(n, 4096)  # Translator.translate works in chunks of 4096 tokens
-    gathered = 2 * t.layers * max(c.nu_k, c.nu_v) * s.kv_heads * s.head_dim * chunk
-    source = 4 * kv_s + _activation_bytes(pair.source, n)
-    switch = 4 * (2 * kv_s + 2 * gathered + 2 * kv_t)
-    reprefill = 4 * kv_t + _activation_bytes(pair.target, n)
-    return max(source, switch, reprefill)
+    kv = {m: 2 * g.layers * g.kv_heads * g.head_dim * n for m, g in (("s", s), ("t", t))}
+    gathered = 2 * t.layers * max(c.nu_k, c.nu_v) * s.kv_heads * s.head_dim * min(n, 4096)
+    chunk = min(n, READ_CHUNK)
+    reads = [kv[k] + 3 * m.config["num_attention_heads"] * chunk * n
+             for k, m in (("s", pair.source), ("t", pair.target))]  # fmt: skip
+    return 4 * max(*reads, 2 * kv["s"] + 2 * gathered + 2 * kv["t"])
 
 
 def map_weights(tr: Translator) -> list[mx.array]:
-    """The matrices the translator multiplies by: one weight per kind, or a low-rank
-    translator's encoder and decoder per kind."""
-    return [p[n] for p in (tr.key, tr.value) for n in ("weight", "encoder", "decoder") if n in p]
+    """The matrices the translator multiplies by: one weight per kind."""
+    return [tr.key["weight"], tr.value["weight"]]
 
 
 def gemm_operands(tr: Translator, n_tokens: int) -> list[tuple[mx.array, mx.array]]:
     """(activations, weights) with exactly the translator's matmul shapes for n_tokens."""
-    out = []
-    for w in map_weights(tr):
-        a = mx.random.normal((*w.shape[:-2], n_tokens, w.shape[-2])).astype(w.dtype)
-        out.append((a, w))
+    out = [(mx.random.normal((*w.shape[:-2], n_tokens, w.shape[-2])).astype(w.dtype), w)
+           for w in map_weights(tr)]  # fmt: skip
     mx.eval(out)
     return out
 
@@ -248,9 +230,8 @@ def run_switch(
     pair: ModelPair, tr: Translator, tokens: list[int], clock: _Clock, gemm_inputs: list
 ) -> None:
     """The conversation's own hand-off (the small model reads, translation; the large model
-    reads only the last token: `Session.hand_off`), the target's first step, the source's
-    first step on its cache, the translator's maps alone on the span the hand-off read, and
-    the plain GEMM of their shapes."""
+    reads only the last token: `Session.hand_off`), the target's first step, the translator's
+    maps alone on the span the hand-off read, and the plain GEMM of their shapes."""
     plain = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0.0)
     session = Session(pair, tr, policy=plain, read_costs=ReadCosts())
     session.add_tokens(tokens)
@@ -262,8 +243,6 @@ def run_switch(
     last = mx.array(tokens[-1:])
     clock("target_step", lambda: first_token(pair.target.model, last, session.cache("target")))
     clock.total("switch_ttft", "translate", "target_step")
-    session.cache("target").clear()
-    clock("source_step", lambda: first_token(pair.source.model, last, session.cache("source")))
     n = len(tokens) - 1
     if needs_recording(pair.source, tr.config.key_cut):  # keys the cache does not keep
         span = prefill(pair.source, tokens[:-1], new_cache(pair.source), cut=tr.config.key_cut)
@@ -350,9 +329,7 @@ def run_bench(
     results = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": report.machine_info(),
-        "software": report.software_info(),
+        **report.run_info(),
         "pair": pair_info(pair, translator, **(info or {})),
         "settings": {
             "lengths": lengths, "trials": trials, "warmup": warmup, "seed": seed,
@@ -491,7 +468,6 @@ def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) ->
             # the floor of the line above: the translator's matmuls alone, as a plain GEMM
             "gemm_vs_target_step": med["gemm"] / med["target_step"],
             "translation_vs_target_prefill": med["translate"] / med["target_prefill"],
-            "source_ttft": P + med["source_step"],
             "translate_ms_per_token": 1e3 * med["translate"] / (n - 1),
             "translate_gflops": flops / med["translate"] / 1e9,
             "translate_gbs": nbytes / med["translate"] / 1e9,
@@ -513,9 +489,8 @@ def run_side_by_side(loaders: Sequence[tuple[str, Callable[[], tuple]]], lengths
     """`run_bench` on each pair in turn, one after another in this process (each loaded by its
     loader, () -> (pair, translator, info), and freed after); every pair's results."""
     started = time.perf_counter()
-    out = {"schema": SIDE_BY_SIDE_SCHEMA, "schema_version": SCHEMA_VERSION,
-           "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": report.machine_info(),
-           "software": report.software_info(), "lengths": sorted(set(lengths)), "pairs": {}}  # fmt: skip
+    out = {"schema": SIDE_BY_SIDE_SCHEMA, "schema_version": SCHEMA_VERSION, **report.run_info(),
+           "lengths": sorted(set(lengths)), "pairs": {}}  # fmt: skip
     for name, load in loaders:
         log(f"== {name}")
         pair, translator, info = load()
@@ -688,7 +663,6 @@ def write_outputs(results: dict, out_dir: str | Path) -> dict[str, Path]:
     each pair's own files in `out_dir/<pair>/`."""
     if results["schema"] == SIDE_BY_SIDE_SCHEMA:
         for name, r in results["pairs"].items():
-            r.setdefault("command", results.get("command", ""))
             write_outputs(r, Path(out_dir) / name.replace(">", "_to_").replace("/", "_"))
         md = ["# Translation on several pairs, side by side", "",
               report.machine_line(results["machine"], results["software"]),
