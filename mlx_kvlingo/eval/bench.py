@@ -535,10 +535,10 @@ def markdown_report(results: dict) -> str:
         *md_table(("path", "phase", "test", "ms", "t/s", "median ms", "peak GB (+ over resident)"),
                   "lllrrrr"),
     ]  # fmt: skip
-    lengths = results["lengths"]
+    lengths, keeps = results["lengths"], st.get("specprefill_keep") or []
     for key, v in lengths.items():
         n = int(key)
-        for phase in v["trials"]:
+        for phase in [*(p for p in PHASES if p in v["trials"]), *map(peer_phase, keeps)]:
             path, label, test, tokens = phase_row(phase)
             s, peak = v["stats"][phase], v["derived"]["peak_memory_GB"][phase]
             out.append(md_row((
@@ -546,7 +546,6 @@ def markdown_report(results: dict) -> str:
                 _tps(v["trials"][phase], tokens(n)), f"{1e3 * s['median']:.2f}",
                 f"{peak:.2f} (+{max(0.0, peak - base):.2f})",
             )))  # fmt: skip
-    keeps = st.get("specprefill_keep") or []
     out += ["", "## Time to first token over the large model's own read (medians)", "",
             "R = the large model reads the prompt itself; ours = the small model reads it and the "
             "hand-off translates it (P + X); speculative prefill = the small model reads and "
