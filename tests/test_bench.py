@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from mlx_kvlingo._platform import moe_cpu
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.eval import bench
+from mlx_kvlingo.eval import bench, report
 from mlx_kvlingo.data import synthetic as syn
 from mlx_kvlingo.cli.bench import bench_cmd
 from mlx_kvlingo.eval.presets import PRESETS, QWEN3_MOE, load_preset
@@ -45,8 +45,9 @@ def test_targets_flag_a_regression():
 
 
 def test_summary():
-    s = bench.summarize([1.0, 2.0, 3.0, 10.0])
+    s = report.stats([1.0, 2.0, None, 3.0, 10.0])  # None: not measured, left out
     assert s["median"] == 2.5 and s["min"] == 1 and s["max"] == 10 and s["n"] == 4
+    assert s["mean"] == 4.0 and report.stats([None]) is None and report.stats([2.0])["std"] == 0
 
 
 def test_kernel_work_counts_translator_matmuls(tiny_pair):

@@ -113,6 +113,17 @@ def git_commit() -> str | None:
         return None
 
 
+def stats(values: Iterable) -> dict | None:
+    """n, median, mean, std (ddof 1; 0 for one value), min and max of the values that are not
+    None (None where none are)."""
+    v = np.asarray([x for x in values if x is not None], float)
+    if not v.size:
+        return None
+    return {"n": int(v.size), "median": float(np.median(v)), "mean": float(v.mean()),
+            "std": float(v.std(ddof=1)) if v.size > 1 else 0.0, "min": float(v.min()),
+            "max": float(v.max())}  # fmt: skip
+
+
 def machine_line(m: dict, sw: dict) -> str:
     """One line naming the machine and software of `machine_info()` and `software_info()`."""
     return (f"{m['backend']} · {m['cpu']} ({m['cpu_count']} cores, {m['memory_GB']} GB) · "

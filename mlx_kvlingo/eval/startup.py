@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -147,15 +146,10 @@ def run_startup_bench(source=None, target=None, translator=None, demo_pair: str 
             "args": args, "trials": trials, "runs": runs, "summary": summarize(runs)}  # fmt: skip
 
 
-def _stats(xs: list) -> dict | None:
-    xs = [x for x in xs if x is not None]
-    return {"min": min(xs), "median": statistics.median(xs)} if xs else None
-
-
 def summarize(runs: dict[str, list[dict]]) -> dict:
     out = {}
     for side, rs in runs.items():
-        out[side] = {k: _stats([r.get(k) for r in rs]) for k in
+        out[side] = {k: report.stats([r.get(k) for r in rs]) for k in
                      ("start_s", "import_s", "load_s", "warmup_s", "ttft_s", "later_ttft_s")}  # fmt: skip
         out[side]["rates"] = sorted({str(r.get("rates")) for r in rs})
     base = out["mlx-lm"]["start_s"]
