@@ -181,29 +181,6 @@ def test_bench_reports_the_map_reading(preset_cache, tmp_path):
     assert "Map reading measured at the start" in (out / "bench.md").read_text()
 
 
-def test_side_by_side_runs_every_pair_and_summarizes_them(preset_cache, tmp_path):
-    """`--side-by-side`: every named pair gets its own sweep and folder; the summary has one
-    row per pair and length, taken from that pair's own results; unknown names are refused."""
-    out = tmp_path / "sbs"
-    result = CliRunner().invoke(
-        bench_cmd,
-        ["--side-by-side", "tiny", "--lengths", "8,24",
-         "--trials", "1", "--warmup", "0", "--out", str(out), "--no-progress"],
-    )  # fmt: skip
-    assert result.exit_code == 0, result.output
-    data = json.loads((out / "side-by-side.json").read_text())
-    assert list(data["pairs"]) == ["tiny"] and list(data["pairs"]["tiny"]["lengths"]) == ["8", "24"]
-    assert (out / "tiny" / "bench.json").exists() and (out / "tiny" / "ttft.png").exists()
-    md = (out / "side-by-side.md").read_text()
-    rows = [line for line in md.splitlines() if line.startswith("| tiny |")]
-    assert [r.split(" | ")[1] for r in rows] == ["8", "24"]
-    for r, n in zip(rows, ("8", "24")):
-        d = data["pairs"]["tiny"]["lengths"][n]["derived"]
-        assert f"{d['switch_speedup']:.2f}x" in r and f"{100 * d['gemm_efficiency']:.0f}%" in r
-    bad = CliRunner().invoke(bench_cmd, ["--side-by-side", "tiny,nope", "--no-progress"])
-    assert bad.exit_code != 0 and "unknown pair 'nope'" in bad.output
-
-
 def test_lengths_that_do_not_fit_are_skipped(tiny_pair, monkeypatch, tmp_path):
     pair, tr = tiny_pair
     real = bench.working_bytes

@@ -1,7 +1,6 @@
 """`kvlingo bench`: time to first token of the large model reading a prompt itself, of the small
 model reading it and the switch (ours), and of speculative prefill (the peer), on this machine;
-several pairs one after another, a conversation under several policies, or a start against
-mlx-lm's."""
+a conversation under several policies, or a start against mlx-lm's."""
 
 from __future__ import annotations
 
@@ -14,7 +13,6 @@ import click
 
 #: 4096-token prefills take minutes on a CPU: the default lengths depend on the backend
 DEFAULT_LENGTHS = {"cpu": "64,256,1024", "gpu": "64,256,1024,4096"}
-DEMO_PAIRS = ("dense", "moe")
 
 
 def default_lengths() -> str:
@@ -62,10 +60,6 @@ def _preset_names() -> list[str]:
               help="What the models and the translator compute in (auto: float32 on a CPU, as "
               "stored on a GPU); presets and --source/--target without --translator")  # fmt: skip
 @click.option("--no-progress", is_flag=True, help="No progress bar")
-@click.option("--side-by-side", "side_by_side", default=None,
-              help="Comma-separated pairs benchmarked one after another in this run, summarized "
-              "side by side: demo pairs (dense, moe) and presets; 'all' for both demo pairs and "
-              "every preset but tiny")  # fmt: skip
 @click.option("--conversation", is_flag=True,
               help="Time a multi-turn conversation: the large reads / the small reads / auto / "
               "cascade")  # fmt: skip
@@ -93,7 +87,7 @@ def _preset_names() -> list[str]:
               "load with the rates reused, on a new cache folder, and mlx-lm's load of the same "
               "target")  # fmt: skip
 def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, trials, warmup, out,
-              max_minutes, moe_loop, seed, dtype, no_progress, side_by_side, conversation, turns,
+              max_minutes, moe_loop, seed, dtype, no_progress, conversation, turns,
               user_lengths, answer_tokens, escalation_rate, policies, large_reads_last,
               recompute_share, startup):  # fmt: skip
     """Time to first token: the target re-prefills, the source prefills and the cache is
@@ -111,14 +105,10 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
     def log(msg):
         click.echo(msg, err=True)
 
-    modes = [o for o, on in (("--startup", startup), ("--side-by-side", side_by_side),
-                             ("--conversation", conversation)) if on]  # fmt: skip
-    pairs = [o for o, on in (("--preset", preset), ("--side-by-side", side_by_side),
-                             ("--source/--target/--translator", source or target or translator)) if on]  # fmt: skip
-    if len(modes) > 1:
-        raise click.UsageError(f"{' and '.join(modes)} are separate runs")
-    if len(pairs) > 1:
-        raise click.UsageError(f"name the pair once: {' or '.join(pairs)}")
+    if startup and conversation:
+        raise click.UsageError("--startup and --conversation are separate runs")
+    if preset and (source or target or translator):
+        raise click.UsageError("name the pair once: --preset or --source/--target/--translator")
     if startup and preset:
         raise click.UsageError("--startup times the demo pair or --source/--target, not a preset")
     if startup:
@@ -151,40 +141,18 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
         return _show(cb.write_outputs(results, out), log)
     bar = nullcontext() if no_progress else progress_bar("bench", Console(stderr=True))
     max_seconds = None if max_minutes is None else 60 * max_minutes
+    pair, tr, info, _ = _load(preset or demo_pair, source, target, translator, dtype, seed, log)
     with bar as progress, moe_cpu.per_expert_loop(moe_loop) as patched:
-        settings = dict(trials=trials, warmup=warmup, seed=seed, keeps=keeps, log=log,
-                        progress=progress, max_seconds=max_seconds)  # fmt: skip
-        if side_by_side:
-            loaders = [(name, lambda name=name: _load(name, None, None, None, dtype, seed, log)[:3])
-                       for name in _side_by_side_names(side_by_side)]  # fmt: skip
-            results = bench.run_side_by_side(loaders, lengths, **settings)
-        else:
-            pair, tr, info, _ = _load(
-                preset or demo_pair, source, target, translator, dtype, seed, log
-            )
-            info["moe_per_expert_loop"] = patched
-            results = bench.run_bench(pair, tr, lengths, info=info, **settings)
+        info["moe_per_expert_loop"] = patched
+        results = bench.run_bench(pair, tr, lengths, trials=trials, warmup=warmup, seed=seed,
+                                  keeps=keeps, max_seconds=max_seconds, progress=progress,
+                                  log=log, info=info)  # fmt: skip
     _show(bench.write_outputs(results, out), log)
 
 
 def _show(paths: dict, log) -> None:
     click.echo(paths["markdown"].read_text())
     log("wrote " + ", ".join(str(p) for p in paths.values()))
-
-
-def _side_by_side_names(names: str) -> list[str]:
-    """The pairs `--side-by-side` names: demo pairs and presets; "all": both demo pairs and
-    every preset but tiny."""
-    from mlx_kvlingo.eval.presets import PRESETS
-
-    if names.strip() == "all":
-        return [*DEMO_PAIRS, *(p for p in PRESETS if p != "tiny")]
-    wanted = [n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in DEMO_PAIRS and n not in PRESETS]
-    if unknown:
-        raise click.UsageError(f"unknown pair {unknown[0]!r} in --side-by-side; known: "
-                               f"{', '.join([*DEMO_PAIRS, *PRESETS])}")  # fmt: skip
-    return wanted
 
 
 def _load(name, source, target, translator, dtype, seed, log):

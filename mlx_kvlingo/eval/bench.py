@@ -1,6 +1,6 @@
 """Time to first token when the large model takes over a prompt of n tokens: it reads the prompt
 itself, the small model reads it and the cache is translated, or the peer drops tokens. Measured
-on this machine, for one pair (or several one after another), with nothing left out.
+on this machine, for one pair, with nothing left out.
 
     re-prefill   target prefill of n-1 tokens, then one step on the last            R
     switch       translate the source's K/V of n-1 tokens, then the target's step   X
@@ -28,7 +28,6 @@ included.
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import time
@@ -53,7 +52,6 @@ import mlx.core as mx
 import numpy as np
 
 SCHEMA = "mlx-kvlingo/bench"
-SIDE_BY_SIDE_SCHEMA = "mlx-kvlingo/bench-side-by-side"
 SCHEMA_VERSION = 2
 
 #: phase key -> (path, label, llama-bench test name of n and m = n-1, tokens it processes for a
@@ -476,25 +474,6 @@ def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) ->
     }  # fmt: skip
 
 
-def run_side_by_side(loaders: Sequence[tuple[str, Callable[[], tuple]]], lengths: Sequence[int],
-                     *, log: Callable[[str], None] = print, **bench_kwargs) -> dict:  # fmt: skip
-    """`run_bench` on each pair in turn, one after another in this process (each loaded by its
-    loader, () -> (pair, translator, info), and freed after); every pair's results."""
-    started = time.perf_counter()
-    out = {"schema": SIDE_BY_SIDE_SCHEMA, "schema_version": SCHEMA_VERSION, **report.run_info(),
-           "lengths": sorted(set(lengths)), "pairs": {}}  # fmt: skip
-    for name, load in loaders:
-        log(f"== {name}")
-        pair, translator, info = load()
-        out["pairs"][name] = run_bench(pair, translator, lengths, log=log, info=info,
-                                       **bench_kwargs)  # fmt: skip
-        del pair, translator
-        gc.collect()
-        mx.clear_cache()
-    out["elapsed_s"] = time.perf_counter() - started
-    return out
-
-
 # -- outputs -------------------------------------------------------------------------------
 
 
@@ -553,7 +532,7 @@ def markdown_report(results: dict) -> str:
             *(f"{ratio[peer_phase(k)]:.2f} ({int(np.median(sp[peer_phase(k)]['cache_entries']))})"
               for k in keeps),
         )))  # fmt: skip
-    out += ["", "## Derived (medians)", "", *derived_table({"": results})]
+    out += ["", "## Derived (medians)", "", *derived_table(results)]
     reading = results.get("map_reading")
     if reading:
         out += ["", "Map reading measured at the start: " + ", ".join(
@@ -590,31 +569,26 @@ def targets_lines(t: dict) -> list[str]:
     ]
 
 
-def derived_table(pairs: dict[str, dict]) -> list[str]:
-    """The figures derived per length (medians), for each pair's `run_bench` results by name
-    (a pair column where they are named): the switch speed-ups with and without the small
+def derived_table(results: dict) -> list[str]:
+    """The figures derived per length (medians): the switch speed-ups with and without the small
     model's prefill, the translation against one target decode step (the same-run GEMM of its
     matmuls alone beside it: its floor) and against the target's prefill, and its throughput
     and efficiency against that GEMM."""
-    named = any(pairs)
-    out = md_table((*(["pair"] if named else []), "n", "switch speed-up R/X",
-                    "end-to-end R/(P+X)", "translation (GEMM) / target step",
-                    "translation / target prefill", "translation GFLOP/s", "GB/s",
-                    "GEMM GFLOP/s", "GB/s", "efficiency vs GEMM (maps alone)"),
-                   "l" * named + "r" * 10)  # fmt: skip
-    for name, results in pairs.items():
-        for key, v in results["lengths"].items():
-            d = v["derived"]
-            sp, e2 = d["switch_speedup_trials"], d["end_to_end_speedup_trials"]
-            out.append(md_row((
-                *([name] if named else []), key,
-                f"{d['switch_speedup']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})",
-                f"{d['end_to_end_speedup']:.2f}x ({e2['min']:.2f}–{e2['max']:.2f})",
-                f"{100 * d['translation_vs_target_step']:.1f}% ({100 * d['gemm_vs_target_step']:.1f}%)",
-                f"{100 * d['translation_vs_target_prefill']:.1f}%", f"{d['translate_gflops']:.1f}",
-                f"{d['translate_gbs']:.2f}", f"{d['gemm_gflops']:.1f}", f"{d['gemm_gbs']:.2f}",
-                f"{100 * d['gemm_efficiency']:.0f}% ({100 * d['map_efficiency']:.0f}%)",
-            )))  # fmt: skip
+    out = md_table(("n", "switch speed-up R/X", "end-to-end R/(P+X)",
+                    "translation (GEMM) / target step", "translation / target prefill",
+                    "translation GFLOP/s", "GB/s", "GEMM GFLOP/s", "GB/s",
+                    "efficiency vs GEMM (maps alone)"), "r" * 10)  # fmt: skip
+    for key, v in results["lengths"].items():
+        d = v["derived"]
+        sp, e2 = d["switch_speedup_trials"], d["end_to_end_speedup_trials"]
+        out.append(md_row((
+            key, f"{d['switch_speedup']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})",
+            f"{d['end_to_end_speedup']:.2f}x ({e2['min']:.2f}–{e2['max']:.2f})",
+            f"{100 * d['translation_vs_target_step']:.1f}% ({100 * d['gemm_vs_target_step']:.1f}%)",
+            f"{100 * d['translation_vs_target_prefill']:.1f}%", f"{d['translate_gflops']:.1f}",
+            f"{d['translate_gbs']:.2f}", f"{d['gemm_gflops']:.1f}", f"{d['gemm_gbs']:.2f}",
+            f"{100 * d['gemm_efficiency']:.0f}% ({100 * d['map_efficiency']:.0f}%)",
+        )))  # fmt: skip
     return out
 
 
@@ -649,17 +623,6 @@ def plot(results: dict, path: str | Path) -> Path:
 
 
 def write_outputs(results: dict, out_dir: str | Path) -> dict[str, Path]:
-    """bench.json (everything, raw trials included), bench.md and ttft.png in `out_dir`; for a
-    side-by-side run, side-by-side.json/.md (every pair's derived figures in one table) and
-    each pair's own files in `out_dir/<pair>/`."""
-    if results["schema"] == SIDE_BY_SIDE_SCHEMA:
-        for name, r in results["pairs"].items():
-            write_outputs(r, Path(out_dir) / name.replace(">", "_to_").replace("/", "_"))
-        md = ["# Translation on several pairs, side by side", "",
-              report.machine_line(results["machine"], results["software"]),
-              f"`{results.get('command', '')}` · one pair after another in this process · "
-              f"{results.get('elapsed_s', 0) / 60:.1f} min; each pair's full results in its folder",
-              "", *derived_table(results["pairs"])]  # fmt: skip
-        return report.write(out_dir, "side-by-side", results, "\n".join(md) + "\n")
+    """bench.json (everything, raw trials included), bench.md and ttft.png in `out_dir`."""
     return report.write(out_dir, "bench", results, markdown_report(results),
                         plot if results["lengths"] else None, figure="ttft.png")  # fmt: skip
