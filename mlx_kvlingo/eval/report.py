@@ -1,6 +1,6 @@
 """What the measuring commands write, in one place: the machine and software a result was
 measured on, the command that made it, JSON result files, markdown tables and headless
-matplotlib figures. `bench`, `conversation_bench`, `startup`, `compare` and `content` build
+matplotlib figures. `bench`, `conversation_bench`, `startup` and `content` build
 their own results and tables; the pieces they share live here.
 
 Contracts:
