@@ -33,7 +33,9 @@ PROMPT = "def main(argv=None):\n    parser = argparse.ArgumentParser(prog=" * 6
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def pair(request, tiny_dir):
     """A tiny pair whose target rotates non-traditionally (qwen3) or traditionally (llama)."""
-    return load_pair(tiny_dir["qwen3"], tiny_dir[request.param])
+    pair = load_pair(tiny_dir["qwen3"], tiny_dir[request.param])
+    assert pair.target.layers[0].self_attn.rope.traditional == (request.param == "llama")
+    return pair
 
 
 def published_select(importance, keep_pct, chunk_size=32):
@@ -74,6 +76,9 @@ def test_chunk_rule_is_the_published_one():
     scores = mx.zeros((100,)).at[40].add(1.0).at[99].add(5.0)  # chunks 1 (32-63) and 3 (96-99)
     # 10% of 4 chunks is one chunk; chunk 3 holds 4 tokens < 10 tokens, so chunk 1 joins
     assert select_chunks(scores, 0.1) == list(range(32, 64)) + [96, 97, 98, 99]
+    # ties go to the earlier chunk, as the published stable sort does: 30% of 4 chunks is 2
+    assert select_chunks(mx.ones((100,)), 0.3) == list(range(64))
+    assert published_select(mx.ones((100,)), 0.3) == list(range(64))
     with pytest.raises(ValueError, match="above 0"):
         select_chunks(scores, 0.0)
 

@@ -1,33 +1,33 @@
-"""Time to first token when the conversation switches models: translate the KV cache, or
-re-prefill the prompt? Measured on this machine, for one pair (or several side by side), with
-nothing left out.
+"""Time to first token when the large model takes over a prompt of n tokens: it reads the prompt
+itself, the small model reads it and the cache is translated, or the peer drops tokens. Measured
+on this machine, for one pair, with nothing left out.
 
-For a prompt of n tokens the two ways to get the target's first token are:
+    re-prefill   target prefill of n-1 tokens, then one step on the last            R
+    switch       translate the source's K/V of n-1 tokens, then the target's step   X
+                 (the conversation's own hand-off, `Session.hand_off`, after the
+                 source's prefill of those n-1 tokens, P): ours, end to end P + X
+    specprefill  speculative prefill at a kept share k (`kv/sparse_prefill.py`): the
+                 small model reads and scores the n tokens, the target reads the
+                 top-scored 32-token chunks at their own positions (about k(n-1)
+                 entries), then its step on the last at position n-1           Q_k
 
-    re-prefill   target prefill of n-1 tokens, then one step on the last   = target TTFT  R
-    switch       translate the source's K/V of n-1 tokens (X_tr), then the
-                 target's step on the last token (X_step)                   = switch TTFT  X
+Each path's TTFT is reported as a share of R: (P+X)/R for ours beside Q_k/R for the peer, and the
+paper's speed-up R/X (the source's prefill left out: right when the small model had to read the
+prompt anyway). Beside the translation, the translator's maps alone (on the span the hand-off
+reads) and a plain GEMM of their matmul shapes run in the same round: the translation's
+efficiency is a ratio within one run, and the maps' share says whether a loss is in the
+arithmetic or around it (capture, RoPE, cache writes). Every run checks the goals (`TARGETS`)
+and records them in `targets`: a regression is flagged, not asserted.
 
-The switch is the conversation's own hand-off (`Session.hand_off`), which needs the source to
-have prefilled those n-1 tokens (P). The paper's speed-up R / X leaves P out, which is right
-when the source had to read the prompt anyway (a cascade that escalates) and wrong otherwise;
-both figures are reported, and the expected TTFT per request against the escalation rate r for
-the policies of `policy_lines`. Beside the translation, the translator's maps alone (on the
-span the hand-off reads) and a plain GEMM of their matmul shapes run in the same round: the
-translation's efficiency is a ratio within one run, and the maps' share says whether a loss is
-in the arithmetic or around it (capture, RoPE, cache writes). Every run checks the goals
-(`TARGETS`) and records them in `targets`: a regression is flagged, not asserted.
-
-Every trial round runs both paths at every length, in an order that alternates by round, so
-drift and noise from other processes hit both sides; warm-up rounds (every length, every
-phase, so every weight and kernel has been touched and no measured trial is the first to grow
-the heap to a length) are discarded. Peak memory is MLX's allocator peak during the phase,
-loaded weights included.
+Every trial round runs every path at every length, in an order that alternates by round, so
+drift and noise from other processes hit all of them; warm-up rounds (every length, every path,
+so every weight and kernel has been touched and no measured trial is the first to grow the heap
+to a length) are discarded. Peak memory is MLX's allocator peak during the phase, loaded weights
+included.
 """
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import time
@@ -39,112 +39,52 @@ from mlx_kvlingo.conversation.catchup import READ_CHUNK
 from mlx_kvlingo.conversation.rates import ReadCosts
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.eval import report
+from mlx_kvlingo.eval.content import Peer
 from mlx_kvlingo.eval.report import md_row, md_table
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import needs_recording, prefill
+from mlx_kvlingo.kv.sparse_prefill import positions_shifted, speculative_prefill
 from mlx_kvlingo.kv.translator import Translator, reserve_translation_memory
 from mlx_kvlingo.kv.translator import measure as measure_map_reading
 from mlx_kvlingo.models.pair import LoadedModel, ModelPair, describe_model
 
 import mlx.core as mx
 import numpy as np
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 SCHEMA = "mlx-kvlingo/bench"
-SIDE_BY_SIDE_SCHEMA = "mlx-kvlingo/bench-side-by-side"
-SCHEMA_VERSION = 1
-RATES = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)  # escalation rates of the policy table
+SCHEMA_VERSION = 2
 
-#: phase key -> (label, tokens it processes for a prompt of n tokens)
-PHASES: dict[str, tuple[str, Callable[[int], int]]] = {
-    "source_prefill": ("source prefill + capture", lambda n: n - 1),
-    "source_step": ("source first token", lambda n: 1),
-    "target_prefill": ("target prefill (n-1)", lambda n: n - 1),
-    "target_ttft": ("target re-prefill TTFT", lambda n: n),
-    "target_step_reprefill": ("target first step after its prefill", lambda n: 1),
-    "translate": ("translation", lambda n: n - 1),
-    "target_step": ("target first step after translation", lambda n: 1),
-    "switch_ttft": ("switch TTFT (translation + step)", lambda n: n),
-    "translate_map": ("translator maps alone", lambda n: n - 1),
-    "gemm": ("plain GEMM, same shapes", lambda n: n - 1),
-}
+#: phase key -> (path, label, llama-bench test name of n and m = n-1, tokens it processes for a
+#: prompt of n tokens); the peer's are `peer_phase`'s
+PHASES: dict[str, tuple[str, str, str, Callable[[int], int]]] = {
+    "source_prefill": ("source", "source prefill + capture", "pp{m}", lambda n: n - 1),
+    "target_prefill": ("re-prefill", "target prefill (n-1)", "pp{m}", lambda n: n - 1),
+    "target_step_reprefill": ("re-prefill", "target first step after its prefill", "tg1@{m}",
+                              lambda n: 1),
+    "target_ttft": ("re-prefill", "target re-prefill TTFT", "ttft{n}", lambda n: n),
+    "translate": ("switch", "translation", "tr{m}", lambda n: n - 1),
+    "target_step": ("switch", "target first step after translation", "tg1@{m}", lambda n: 1),
+    "switch_ttft": ("switch", "switch TTFT (translation + step)", "tr{m}+tg1", lambda n: n),
+    "translate_map": ("kernel", "translator maps alone", "map{m}", lambda n: n - 1),
+    "gemm": ("kernel", "plain GEMM, same shapes", "mm{m}", lambda n: n - 1),
+}  # fmt: skip
 #: the goals every run is checked against (`check_targets`): the whole translation at >= 70%
 #: of the same-run GEMM's throughput at every length; at the shortest length, the translation
 #: at most 0.12 of one target decode step and the switch speed-up R/X at least 9
 TARGETS = {"gemm_efficiency": 0.70, "translation_vs_target_step": 0.12, "switch_speedup": 9.0}
-#: each policy's label: its expected TTFT as a line in the escalation rate r
-POLICIES = {
-    "always_large": "always large: R",
-    "route_first": "route first: (1-r)S + rR",
-    "cascade_reprefill": "cascade re-prefill: (1-r)S + r(P+R)",
-    "cascade_translate": "cascade translate: (1-r)S + r(P+X)",
-    "cascade_ahead": "cascade+ahead: (1-r)S + r(P+X_ahead)",
-}
 
 
-# -- formulas ------------------------------------------------------------------------------
+def peer_phase(keep: float) -> str:
+    """The phase key of speculative prefill at kept share `keep` (its TTFT, scoring included)."""
+    return f"specprefill {keep:g}"
 
 
-def ahead_switch_ttft(
-    *, translate: float, target_step: float, source_step: float, answer_tokens: int, share: float
-) -> float:
-    """The switch TTFT with translate-ahead: while the small model decoded its answer of
-    `answer_tokens` tokens (`source_step` each), a `share` of that time translated the span;
-    the escalation pays what is left plus one target step:
-    X_ahead = target_step + max(0, translate - share * answer_tokens * source_step)."""
-    return target_step + max(0.0, translate - share * answer_tokens * source_step)
-
-
-def policy_lines(
-    *, source_ttft: float, source_prefill: float, target_ttft: float, switch_ttft: float,
-    ahead_ttft: float | None = None,
-) -> dict[str, tuple[float, float]]:  # fmt: skip
-    """Each policy's E[TTFT](r) = intercept + slope * r, as (intercept, slope), for S = source
-    TTFT, P = source prefill, R = target re-prefill TTFT, X = switch TTFT:
-
-    always large        every request goes to the large model: R
-    route first         a router picks one model before generation (its cost ignored):
-                        (1 - r) S + r R; translation cannot help, the source never read
-    cascade re-prefill  the small model reads every prompt, a fraction r escalates after its
-                        prefill and the large model re-prefills: (1 - r) S + r (P + R)
-    cascade translate   the same, escalation translating the source's cache: (1-r) S + r (P + X)
-    cascade+ahead       the same, the span translated ahead (`ahead_switch_ttft`): X_ahead for X;
-                        the small answer is slowed by at most the share, its TTFT is not
-    """
-    S, P, R, X = source_ttft, source_prefill, target_ttft, switch_ttft
-    lines = {
-        "always_large": (R, 0.0),
-        "route_first": (S, R - S),
-        "cascade_reprefill": (S, P + R - S),
-        "cascade_translate": (S, P + X - S),
-    }
-    if ahead_ttft is not None:
-        lines["cascade_ahead"] = (S, P + ahead_ttft - S)
-    return lines
-
-
-def cheaper_up_to(line: tuple[float, float], reference: tuple[float, float]) -> float:
-    """The escalation rate up to which `line` (intercept, slope) costs no more than
-    `reference`: where they cross, 1.0 when `line` is cheaper at every rate in [0, 1], 0.0 when
-    it is not cheaper at r = 0 (never, or only above the crossing, which needs S > R)."""
-    if line[1] != reference[1]:
-        r = (reference[0] - line[0]) / (line[1] - reference[1])
-        if 0.0 <= r <= 1.0:
-            return r if line[1] > reference[1] else 0.0
-    return 1.0 if line[0] + 0.5 * line[1] <= reference[0] + 0.5 * reference[1] else 0.0
-
-
-def summarize(values: Sequence[float]) -> dict:
-    v = np.asarray(values, float)
-    return {
-        "n": int(v.size),
-        "median": float(np.median(v)),
-        "mean": float(v.mean()),
-        "std": float(v.std(ddof=1)) if v.size > 1 else 0.0,
-        "min": float(v.min()),
-        "max": float(v.max()),
-    }
+def phase_row(key: str) -> tuple[str, str, str, Callable[[int], int]]:
+    """A phase's (path, label, test name, tokens), the peer's included."""
+    if key in PHASES:
+        return PHASES[key]
+    keep = key.split()[-1]
+    return "specprefill", f"speculative prefill TTFT, {keep} kept", f"sp{keep}@{{n}}", lambda n: n
 
 
 def extrapolate(times: dict[int, float], n: int) -> float:
@@ -175,46 +115,29 @@ def available_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - mx.get_active_memory()
 
 
-def _activation_bytes(m: LoadedModel, n: int) -> int:
-    cfg, c = m.config, min(n, READ_CHUNK)
-    h = cfg["hidden_size"]
-    scores = 3 * cfg["num_attention_heads"] * c * n * 4  # scores, mask, softmax (float32)
-    if cfg.get("num_experts"):
-        k = cfg["num_experts_per_tok"]
-        ffn = c * k * (3 * cfg["moe_intermediate_size"] + 3 * h) * 4
-    else:
-        ffn = 3 * c * cfg["intermediate_size"] * 4
-    return scores + ffn + 8 * c * h * 4
-
-
 def working_bytes(pair: ModelPair, translator: Translator, n: int) -> int:
     """Rough extra memory (beyond the loaded weights) the largest phase at prompt length n
-    needs: source prefill (its cache + activations), switch (source cache, float32 span,
-    gathered and transposed translation inputs, output, target cache) or re-prefill (target
-    cache + activations). Paths run one after the other, so the largest counts."""
+    needs, in float32: the switch holds the source's K/V, its captured span, the gathered
+    translation inputs (chunks of 4096 tokens) and the target's K/V; a read holds its model's K/V
+    and one chunk's attention scores, mask and softmax. Paths run one after the other."""
     s, t, c = pair.source.geometry, pair.target.geometry, translator.config
-    kv_s = 2 * s.layers * s.kv_heads * s.head_dim * n
-    kv_t = 2 * t.layers * t.kv_heads * t.head_dim * n
-    chunk = min(n, 4096)  # Translator.translate works in chunks of 4096 tokens
-    gathered = 2 * t.layers * max(c.nu_k, c.nu_v) * s.kv_heads * s.head_dim * chunk
-    source = 4 * kv_s + _activation_bytes(pair.source, n)
-    switch = 4 * (2 * kv_s + 2 * gathered + 2 * kv_t)
-    reprefill = 4 * kv_t + _activation_bytes(pair.target, n)
-    return max(source, switch, reprefill)
+    kv = {m: 2 * g.layers * g.kv_heads * g.head_dim * n for m, g in (("s", s), ("t", t))}
+    gathered = 2 * t.layers * max(c.nu_k, c.nu_v) * s.kv_heads * s.head_dim * min(n, 4096)
+    chunk = min(n, READ_CHUNK)
+    reads = [kv[k] + 3 * m.config["num_attention_heads"] * chunk * n
+             for k, m in (("s", pair.source), ("t", pair.target))]  # fmt: skip
+    return 4 * max(*reads, 2 * kv["s"] + 2 * gathered + 2 * kv["t"])
 
 
 def map_weights(tr: Translator) -> list[mx.array]:
-    """The matrices the translator multiplies by: one weight per kind, or a low-rank
-    translator's encoder and decoder per kind."""
-    return [p[n] for p in (tr.key, tr.value) for n in ("weight", "encoder", "decoder") if n in p]
+    """The matrices the translator multiplies by: one weight per kind."""
+    return [tr.key["weight"], tr.value["weight"]]
 
 
 def gemm_operands(tr: Translator, n_tokens: int) -> list[tuple[mx.array, mx.array]]:
     """(activations, weights) with exactly the translator's matmul shapes for n_tokens."""
-    out = []
-    for w in map_weights(tr):
-        a = mx.random.normal((*w.shape[:-2], n_tokens, w.shape[-2])).astype(w.dtype)
-        out.append((a, w))
+    out = [(mx.random.normal((*w.shape[:-2], n_tokens, w.shape[-2])).astype(w.dtype), w)
+           for w in map_weights(tr)]  # fmt: skip
     mx.eval(out)
     return out
 
@@ -223,10 +146,9 @@ def kernel_work(tr: Translator, n_tokens: int) -> tuple[float, float]:
     """(FLOPs, minimum bytes moved) of the translator's matmuls for n_tokens (batch 1)."""
     flops = nbytes = 0.0
     for w in map_weights(tr):
-        item = w.dtype.size
         flops += 2.0 * n_tokens * w.size
         rows = w.size // (w.shape[-2] * w.shape[-1])
-        nbytes += item * (w.size + rows * n_tokens * (w.shape[-2] + w.shape[-1]))
+        nbytes += w.dtype.size * (w.size + rows * n_tokens * (w.shape[-2] + w.shape[-1]))
     return flops, nbytes
 
 
@@ -237,16 +159,13 @@ def pair_info(pair: ModelPair, translator: Translator, **extra) -> dict:
         "target": describe_model(pair.target),
         "tokenizer": pair.tokenizer_fingerprint,
         "translator": {
-            "variant": c.variant,
-            "nu": [c.nu_k, c.nu_v],
-            "key_cut": c.key_cut,
-            "bias": c.bias,
+            "variant": c.variant, "nu": [c.nu_k, c.nu_v], "key_cut": c.key_cut, "bias": c.bias,
             "dtype": str(weights[0].dtype).replace("mlx.core.", ""),
             "parameters": sum(int(w.size) for w in weights),
             "provenance": c.metadata.get("provenance"),
         },
         **extra,
-    }
+    }  # fmt: skip
 
 
 # -- one measurement of each path -------------------------------------------------------------
@@ -302,9 +221,8 @@ def run_switch(
     pair: ModelPair, tr: Translator, tokens: list[int], clock: _Clock, gemm_inputs: list
 ) -> None:
     """The conversation's own hand-off (the small model reads, translation; the large model
-    reads only the last token: `Session.hand_off`), the target's first step, the source's
-    first step on its cache, the translator's maps alone on the span the hand-off read, and
-    the plain GEMM of their shapes."""
+    reads only the last token: `Session.hand_off`), the target's first step, the translator's
+    maps alone on the span the hand-off read, and the plain GEMM of their shapes."""
     plain = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0.0)
     session = Session(pair, tr, policy=plain, read_costs=ReadCosts())
     session.add_tokens(tokens)
@@ -316,8 +234,6 @@ def run_switch(
     last = mx.array(tokens[-1:])
     clock("target_step", lambda: first_token(pair.target.model, last, session.cache("target")))
     clock.total("switch_ttft", "translate", "target_step")
-    session.cache("target").clear()
-    clock("source_step", lambda: first_token(pair.source.model, last, session.cache("source")))
     n = len(tokens) - 1
     if needs_recording(pair.source, tr.config.key_cut):  # keys the cache does not keep
         span = prefill(pair.source, tokens[:-1], new_cache(pair.source), cut=tr.config.key_cut)
@@ -326,6 +242,24 @@ def run_switch(
     mx.eval(span.keys, span.values)
     clock("translate_map", lambda: mx.eval(tr(span)))
     clock("gemm", lambda: mx.eval([a @ w for a, w in gemm_inputs]))
+
+
+def run_peer(pair: ModelPair, tokens: list[int], peer: Peer, clock: _Clock) -> int:
+    """The peer's TTFT, as `kvlingo eval --task content` runs it (`eval.content.peer_kv`):
+    `speculative_prefill` (the small model reads and scores the prompt, the large model reads
+    the kept chunks of tokens[:-1]), then the large model's first step on the last token at its
+    own position (n-1). Returns the entries the large model's cache held before that step."""
+    target, M = pair.target, len(tokens)
+
+    def read_and_step() -> int:
+        mx.random.seed(peer.seed)
+        cache, _ = speculative_prefill(pair, tokens, peer.keep)
+        held = cache[0].offset
+        with positions_shifted(target, M - 1 - held):
+            first_token(target.model, mx.array(tokens[-1:]), cache)
+        return held
+
+    return clock(peer_phase(peer.keep), read_and_step)
 
 
 # -- the sweep -------------------------------------------------------------------------------
@@ -342,13 +276,9 @@ def reading_info(reading) -> dict | None:
     """The map-reading strategy measured per kind and token count (None: not measured)."""
     if not reading.chosen:  # a translator with one path
         return None
-    return {
-        f"{kind}@{n}": {
-            "chosen": reading.chosen[(kind, n)],
-            "ms": {k: 1e3 * v for k, v in reading.timings[(kind, n)].items()},
-        }
-        for kind, n in reading.chosen
-    }
+    return {f"{kind}@{n}": {"chosen": reading.chosen[(kind, n)],
+                            "ms": {k: 1e3 * v for k, v in reading.timings[(kind, n)].items()}}
+            for kind, n in reading.chosen}  # fmt: skip
 
 
 def run_bench(
@@ -359,32 +289,29 @@ def run_bench(
     trials: int = 3,
     warmup: int = 1,
     seed: int = 0,
+    keeps: Sequence[float] = (),
     max_seconds: float | None = None,
-    progress: bool = True,
+    progress: Callable[..., None] | None = None,
     log: Callable[[str], None] = print,
     info: dict | None = None,
-    answer_tokens: int = 16,
-    ahead_share: float = 0.10,
 ) -> dict:
     """Measure every phase at every length; return the results dict (raw trials included).
 
-    `answer_tokens` and `ahead_share` describe the cascade+ahead policy of the escalation
-    table: the small model answers that many tokens before an escalation, translating ahead
-    within that share of its decode time (see `ahead_switch_ttft`).
-
-    Warm-up rounds run every length, as trial rounds do, and are not recorded: they touch
-    every weight and kernel, and the heap grows to each length's buffers before a measured
-    trial (on a machine that hands freed memory back to its host, a trial that grows it pays
-    for fresh pages). Then each trial round runs every length, both paths, in an order that
-    alternates by round. A length is skipped, with a message, when its estimated memory
-    exceeds what is available, or (with `max_seconds`) when its trials, extrapolated from the
-    shorter lengths, would overrun the time budget.
+    `keeps`: the kept shares speculative prefill runs at (none: the peer is not run). Warm-up
+    rounds run every length, as trial rounds do, and are not recorded: they touch every weight
+    and kernel, and the heap grows to each length's buffers before a measured trial (on a
+    machine that hands freed memory back to its host, a trial that grows it pays for fresh
+    pages). Then each trial round runs every length, every path, in an order that alternates
+    by round. A length is skipped, with a message, when its estimated memory exceeds what is
+    available, or (with `max_seconds`) when its trials, extrapolated from the shorter lengths,
+    would overrun the time budget. `progress(done, total, note)` after each length's round.
     """
     if trials < 1 or warmup < 0:
         raise ValueError("need trials >= 1 and warmup >= 0")
     lengths = sorted({int(n) for n in lengths})
     if lengths[0] < 2:
         raise ValueError("prefix lengths must be >= 2 (the target processes the last token)")
+    peers = [Peer(float(k), seed) for k in dict.fromkeys(keeps)]
     translator.check_target(pair.target)
     started = time.perf_counter()
     # how the maps read the source: measured on this pair's shapes, as a warm-up at load does
@@ -393,75 +320,68 @@ def run_bench(
     results = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": report.machine_info(),
-        "software": report.software_info(),
+        **report.run_info(),
         "pair": pair_info(pair, translator, **(info or {})),
         "settings": {
-            "lengths": lengths,
-            "trials": trials,
-            "warmup": warmup,
-            "seed": seed,
-            "prefill_step": READ_CHUNK,
-            "max_seconds": max_seconds,
-            "answer_tokens": answer_tokens,
-            "ahead_share": ahead_share,
-            "sampling": "greedy",
+            "lengths": lengths, "trials": trials, "warmup": warmup, "seed": seed,
+            "specprefill_keep": [p.keep for p in peers], "prefill_step": READ_CHUNK,
+            "max_seconds": max_seconds, "sampling": "greedy",
             "order": "warm-up rounds at every length, not recorded; then per round every "
-            "length runs both paths, their order alternating by round",
-        },  # fmt: skip
-        "phases": {k: v[0] for k, v in PHASES.items()},
+            "length runs every path, their order alternating by round",
+        },
+        "phases": {k: v[1] for k, v in PHASES.items()},
         "resident_before_GB": resident / 1e9,
         "map_reading": reading_info(reading),
         "skipped": [],
         "lengths": {},
-    }
-    raw = {n: {"times": {}, "peaks": {}} for n in lengths}
+    }  # fmt: skip
+    raw = {n: {"times": {}, "peaks": {}, "held": {}} for n in lengths}
     round_time: dict[int, float] = {}
-    kept, checked = list(lengths), set()
-    rounds = warmup + trials
+    kept = list(lengths)
+    rounds, done = warmup + trials, 0
     tokens = prompt_tokens(pair, lengths[-1], seed)
     if warmup:  # as the runtime's warm-up does: no first translation faults memory in
         have = available_memory()
         fits = [n for n in lengths if working_bytes(pair, translator, n) <= 0.85 * have]
         if fits:
             reserve_translation_memory(pair.target, translator, max(fits))
-    columns = (TextColumn("{task.description}"), BarColumn(),
-               TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn())  # fmt: skip
-    with Progress(*columns, console=Console(stderr=True), disable=not progress) as bar:
-        job = bar.add_task("bench", total=rounds * len(lengths))
-        for rnd in range(rounds):
-            warm = rnd < warmup
-            for n in list(kept):
-                bar.update(job, description=f"{'warm-up' if warm else 'trial'} {rnd + 1}/{rounds} · n={n}")  # fmt: skip
-                if n not in checked:
-                    checked.add(n)
-                    why = _why_skip(pair, translator, n, round_time, trials, started, max_seconds)
-                    if why:
-                        log(f"skipping n={n}: {why}")
-                        results["skipped"].append({"length": n, "reason": why})
-                        kept.remove(n)
-                        bar.advance(job, rounds - rnd)
-                        continue
-                t0 = time.perf_counter()
-                clock = _Clock()
-                gemm_in = gemm_operands(translator, n - 1)
-                for path in ("reprefill", "switch") if rnd % 2 == 0 else ("switch", "reprefill"):
-                    if path == "reprefill":
-                        run_reprefill(pair.target, tokens[:n], clock)
-                    else:
-                        run_switch(pair, translator, tokens[:n], clock, gemm_in)
-                    mx.clear_cache()
-                del gemm_in
-                round_time[n] = time.perf_counter() - t0
-                if not warm:
-                    for phase, t in clock.times.items():
-                        raw[n]["times"].setdefault(phase, []).append(t)
-                        raw[n]["peaks"].setdefault(phase, []).append(clock.peaks[phase])
-                bar.advance(job)
+    paths = ["reprefill", "switch", *peers]
+    for rnd in range(rounds):
+        warm = rnd < warmup
+        for n in list(kept):
+            if rnd == 0:  # each length is judged once, after the shorter ones ran
+                why = _why_skip(pair, translator, n, round_time, trials, started, max_seconds)
+                if why:
+                    log(f"skipping n={n}: {why}")
+                    results["skipped"].append({"length": n, "reason": why})
+                    kept.remove(n)
+                    done += rounds - rnd
+                    continue
+            t0 = time.perf_counter()
+            clock, held = _Clock(), {}
+            gemm_in = gemm_operands(translator, n - 1)
+            for path in paths if rnd % 2 == 0 else paths[::-1]:
+                if path == "reprefill":
+                    run_reprefill(pair.target, tokens[:n], clock)
+                elif path == "switch":
+                    run_switch(pair, translator, tokens[:n], clock, gemm_in)
+                else:
+                    held[peer_phase(path.keep)] = run_peer(pair, tokens[:n], path, clock)
+                mx.clear_cache()
+            del gemm_in
+            round_time[n] = time.perf_counter() - t0
+            if not warm:
+                for phase, t in clock.times.items():
+                    raw[n]["times"].setdefault(phase, []).append(t)
+                    raw[n]["peaks"].setdefault(phase, []).append(clock.peaks[phase])
+                for phase, h in held.items():
+                    raw[n]["held"].setdefault(phase, []).append(h)
+            done += 1
+            if progress:
+                progress(done, rounds * len(lengths),
+                         note=f"{'warm-up' if warm else 'trial'} {rnd + 1}/{rounds} · n={n}")  # fmt: skip
     for n in kept:
-        results["lengths"][str(n)] = _length_summary(n, raw[n], translator, answer_tokens,
-                                                     ahead_share)  # fmt: skip
+        results["lengths"][str(n)] = _length_summary(n, raw[n], translator, peers)
     results["elapsed_s"] = time.perf_counter() - started
     results["machine"]["load_average_end"] = report.load_average()
     results["targets"] = check_targets(results)
@@ -506,45 +426,38 @@ def _why_skip(pair, tr, n, round_time, trials, started, max_seconds) -> str | No
     spent = time.perf_counter() - started
     ahead = sum(round_time[m] for m in done) * (trials - 1) + est * trials
     if spent + ahead > max_seconds:
-        return (
-            f"~{est * trials:.0f} s for its {trials} trials (extrapolated from n={done[-1]}) "
-            f"would overrun the {max_seconds:.0f} s budget ({spent:.0f} s spent)"
-        )
+        return (f"~{est * trials:.0f} s for its {trials} trials (extrapolated from n={done[-1]}) "
+                f"would overrun the {max_seconds:.0f} s budget ({spent:.0f} s spent)")  # fmt: skip
     return None
 
 
-def _length_summary(n: int, raw: dict, tr: Translator, answer_tokens: int,
-                    ahead_share: float) -> dict:  # fmt: skip
+def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) -> dict:
     times = raw["times"]
-    stats = {p: summarize(v) for p, v in times.items()}
+    stats = {p: report.stats(v) for p, v in times.items()}
     med = {p: s["median"] for p, s in stats.items()}
     R, X, P = med["target_ttft"], med["switch_ttft"], med["source_prefill"]
-    S = P + med["source_step"]
     flops, nbytes = kernel_work(tr, n - 1)
-    XA = ahead_switch_ttft(
-        translate=med["translate"], target_step=med["target_step"],
-        source_step=med["source_step"], answer_tokens=answer_tokens, share=ahead_share,
-    )  # fmt: skip
-    lines = policy_lines(source_ttft=S, source_prefill=P, target_ttft=R, switch_ttft=X,
-                         ahead_ttft=XA)  # fmt: skip
     r_, p_, x_ = (np.asarray(times[k]) for k in ("target_ttft", "source_prefill", "switch_ttft"))
     return {
         "tokens": n,
         "trials": times,
         "peak_memory": raw["peaks"],
         "stats": stats,
+        # each path's TTFT over the large model's own read (R): ours end to end beside the peer's
+        "ttft_over_target": {"ours": (P + X) / R, "switch alone": X / R,
+                             **{peer_phase(p.keep): med[peer_phase(p.keep)] / R for p in peers}},
+        "specprefill": {peer_phase(p.keep): {"keep": p.keep, "seed": p.seed,
+                                             "cache_entries": raw["held"][peer_phase(p.keep)]}
+                        for p in peers},
         "derived": {
             "switch_speedup": R / X,  # the paper's figure: the source's prefill not counted
-            "switch_speedup_trials": summarize(r_ / x_),
+            "switch_speedup_trials": report.stats(r_ / x_),
             "end_to_end_speedup": R / (P + X),
-            "end_to_end_speedup_trials": summarize(r_ / (p_ + x_)),
+            "end_to_end_speedup_trials": report.stats(r_ / (p_ + x_)),
             "translation_vs_target_step": med["translate"] / med["target_step"],
             # the floor of the line above: the translator's matmuls alone, as a plain GEMM
             "gemm_vs_target_step": med["gemm"] / med["target_step"],
             "translation_vs_target_prefill": med["translate"] / med["target_prefill"],
-            "source_ttft": S,
-            "ahead_switch_ttft": XA,
-            "ahead_switch_ttft_in_steps": XA / med["target_step"],
             "translate_ms_per_token": 1e3 * med["translate"] / (n - 1),
             "translate_gflops": flops / med["translate"] / 1e9,
             "translate_gbs": nbytes / med["translate"] / 1e9,
@@ -558,49 +471,7 @@ def _length_summary(n: int, raw: dict, tr: Translator, answer_tokens: int,
             "kernel_bytes": nbytes,
             "peak_memory_GB": {p: max(v) / 1e9 for p, v in raw["peaks"].items()},
         },
-        "policies": {
-            "lines": {k: {"intercept": a, "slope": b} for k, (a, b) in lines.items()},
-            "grid": {
-                "r": list(RATES),
-                **{k: [a + b * r for r in RATES] for k, (a, b) in lines.items()},
-            },
-            # each cascade against always-large: cheaper up to this escalation rate
-            "cheaper_up_to": {
-                k: cheaper_up_to(lines[k], lines["always_large"])
-                for k in ("cascade_reprefill", "cascade_translate", "cascade_ahead")
-            },
-            "cascade_translate_beats_route_first": P + X < R,
-        },  # fmt: skip
-    }
-
-
-# -- several pairs ---------------------------------------------------------------------------
-
-
-def run_side_by_side(loaders: Sequence[tuple[str, Callable[[], tuple]]], lengths: Sequence[int],
-                     *, log: Callable[[str], None] = print, **bench_kwargs) -> dict:  # fmt: skip
-    """`run_bench` on each pair in turn, one after another in this process (each loaded by its
-    loader, () -> (pair, translator, info), and freed after); every pair's results."""
-    started = time.perf_counter()
-    out = {
-        "schema": SIDE_BY_SIDE_SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "machine": report.machine_info(),
-        "software": report.software_info(),
-        "lengths": sorted(set(lengths)),
-        "pairs": {},
-    }
-    for name, load in loaders:
-        log(f"== {name}")
-        pair, translator, info = load()
-        out["pairs"][name] = run_bench(pair, translator, lengths, log=log, info=info,
-                                       **bench_kwargs)  # fmt: skip
-        del pair, translator
-        gc.collect()
-        mx.clear_cache()
-    out["elapsed_s"] = time.perf_counter() - started
-    return out
+    }  # fmt: skip
 
 
 # -- outputs -------------------------------------------------------------------------------
@@ -615,12 +486,9 @@ def _tps(values: Sequence[float], tokens: int) -> str:
     return f"{r.mean():.2f} ± {r.std(ddof=1) if r.size > 1 else 0.0:.2f}"
 
 
-def _rate(x: float) -> str:
-    return {0.0: "none (never cheaper)", 1.0: "1.00 (all rates)"}.get(x, f"{x:.2f}")
-
-
 def markdown_report(results: dict) -> str:
-    """llama-bench-style tables (mean ± std over trials), derived figures, the policies."""
+    """llama-bench-style tables (mean ± std over trials), each path's TTFT over the large
+    model's own read, derived figures, the goals."""
     p, m, st = results["pair"], results["machine"], results["settings"]
     base, tr = results.get("resident_before_GB", 0.0), p["translator"]
     out = [
@@ -638,50 +506,39 @@ def markdown_report(results: dict) -> str:
         *md_table(("path", "phase", "test", "ms", "t/s", "median ms", "peak GB (+ over resident)"),
                   "lllrrrr"),
     ]  # fmt: skip
-    rows = [("source", "source_prefill", "pp{}"), ("source", "source_step", "tg1@{}"),
-            ("re-prefill", "target_prefill", "pp{}"), ("re-prefill", "target_step_reprefill", "tg1@{}"),
-            ("re-prefill", "target_ttft", "ttft{}"), ("switch", "translate", "tr{}"),
-            ("switch", "target_step", "tg1@{}"), ("switch", "switch_ttft", "tr{}+tg1"),
-            ("kernel", "translate_map", "map{}"), ("kernel", "gemm", "mm{}")]  # fmt: skip
-    lengths = results["lengths"]
+    lengths, keeps = results["lengths"], st.get("specprefill_keep") or []
     for key, v in lengths.items():
         n = int(key)
-        for path, phase, test in rows:
+        for phase in [*(p for p in PHASES if p in v["trials"]), *map(peer_phase, keeps)]:
+            path, label, test, tokens = phase_row(phase)
             s, peak = v["stats"][phase], v["derived"]["peak_memory_GB"][phase]
             out.append(md_row((
-                path, PHASES[phase][0], test.format(n if phase == "target_ttft" else n - 1),
-                _ms(s), _tps(v["trials"][phase], PHASES[phase][1](n)), f"{1e3 * s['median']:.2f}",
+                path, label, test.format(n=n, m=n - 1), _ms(s),
+                _tps(v["trials"][phase], tokens(n)), f"{1e3 * s['median']:.2f}",
                 f"{peak:.2f} (+{max(0.0, peak - base):.2f})",
             )))  # fmt: skip
-    out += ["", "## Derived (medians)", "", *derived_table({"": results})]
+    out += ["", "## Time to first token over the large model's own read (medians)", "",
+            "R = the large model reads the prompt itself; ours = the small model reads it and the "
+            "hand-off translates it (P + X); speculative prefill = the small model reads and "
+            "scores it, the large model reads the kept 32-token chunks (its cache's entries in "
+            "brackets, of n-1).", "",
+            *md_table(("n", "R ms", "ours (P+X)/R", "switch alone X/R",
+                       *(f"specprefill {k:g} kept" for k in keeps)), "r" * (4 + len(keeps)))]  # fmt: skip
+    for key, v in lengths.items():
+        ratio, sp = v["ttft_over_target"], v["specprefill"]
+        out.append(md_row((
+            key, f"{1e3 * v['stats']['target_ttft']['median']:.1f}", f"{ratio['ours']:.2f}",
+            f"{ratio['switch alone']:.3f}",
+            *(f"{ratio[peer_phase(k)]:.2f} ({int(np.median(sp[peer_phase(k)]['cache_entries']))})"
+              for k in keeps),
+        )))  # fmt: skip
+    out += ["", "## Derived (medians)", "", *derived_table(results)]
     reading = results.get("map_reading")
     if reading:
         out += ["", "Map reading measured at the start: " + ", ".join(
             f"{k} {v['chosen']} (" + "/".join(f"{s} {ms:.2f} ms" for s, ms in v["ms"].items()) + ")"
             for k, v in reading.items()
         )]  # fmt: skip
-    out += ["", "## Expected TTFT per request (ms) against the escalation rate r", "",
-            "S = source TTFT, P = source prefill, R = target re-prefill TTFT, X = switch TTFT, "
-            "X_ahead = one target step + the translation left after translating ahead within "
-            f"{st['ahead_share']:.0%} of a {st['answer_tokens']}-token small answer's decode "
-            "time. " + " · ".join(POLICIES.values()) + ".", "",
-            *md_table(("n", "r", *(label.split(":")[0] for label in POLICIES.values())),
-                      "r" * (2 + len(POLICIES)))]  # fmt: skip
-    for key, v in lengths.items():
-        g = v["policies"]["grid"]
-        for i, r in enumerate(g["r"]):
-            out.append(md_row((key, f"{r:.2f}", *(f"{1e3 * g[k][i]:.1f}" for k in POLICIES))))
-    out += ["", "A cascade beats always-large for escalation rates up to r*:", "",
-            *md_table(("n", "r*: cascade re-prefill", "r*: cascade translate", "r*: cascade+ahead",
-                       "cascade translate beats route first (P+X < R)", "X_ahead / target step"),
-                      "rrrrlr")]  # fmt: skip
-    for key, v in lengths.items():
-        pol = v["policies"]
-        out.append(md_row((
-            key, *(_rate(x) for x in pol["cheaper_up_to"].values()),
-            "yes" if pol["cascade_translate_beats_route_first"] else "no",
-            f"{v['derived']['ahead_switch_ttft_in_steps']:.2f}",
-        )))  # fmt: skip
     if results.get("skipped"):
         skipped = "; ".join(f"n={s['length']}: {s['reason']}" for s in results["skipped"])
         out += ["", f"Skipped: {skipped}"]
@@ -712,46 +569,27 @@ def targets_lines(t: dict) -> list[str]:
     ]
 
 
-def derived_table(pairs: dict[str, dict]) -> list[str]:
-    """The figures derived per length (medians), for each pair's `run_bench` results by name
-    (a pair column where they are named): the switch speed-ups with and without the small
+def derived_table(results: dict) -> list[str]:
+    """The figures derived per length (medians): the switch speed-ups with and without the small
     model's prefill, the translation against one target decode step (the same-run GEMM of its
     matmuls alone beside it: its floor) and against the target's prefill, and its throughput
     and efficiency against that GEMM."""
-    named = any(pairs)
-    out = md_table((*(["pair"] if named else []), "n", "switch speed-up R/X",
-                    "end-to-end R/(P+X)", "translation (GEMM) / target step",
-                    "translation / target prefill", "translation GFLOP/s", "GB/s",
-                    "GEMM GFLOP/s", "GB/s", "efficiency vs GEMM (maps alone)"),
-                   "l" * named + "r" * 10)  # fmt: skip
-    for name, results in pairs.items():
-        for key, v in results["lengths"].items():
-            d = v["derived"]
-            sp, e2 = d["switch_speedup_trials"], d["end_to_end_speedup_trials"]
-            out.append(md_row((
-                *([name] if named else []), key,
-                f"{d['switch_speedup']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})",
-                f"{d['end_to_end_speedup']:.2f}x ({e2['min']:.2f}–{e2['max']:.2f})",
-                f"{100 * d['translation_vs_target_step']:.1f}% ({100 * d['gemm_vs_target_step']:.1f}%)",
-                f"{100 * d['translation_vs_target_prefill']:.1f}%", f"{d['translate_gflops']:.1f}",
-                f"{d['translate_gbs']:.2f}", f"{d['gemm_gflops']:.1f}", f"{d['gemm_gbs']:.2f}",
-                f"{100 * d['gemm_efficiency']:.0f}% ({100 * d['map_efficiency']:.0f}%)",
-            )))  # fmt: skip
+    out = md_table(("n", "switch speed-up R/X", "end-to-end R/(P+X)",
+                    "translation (GEMM) / target step", "translation / target prefill",
+                    "translation GFLOP/s", "GB/s", "GEMM GFLOP/s", "GB/s",
+                    "efficiency vs GEMM (maps alone)"), "r" * 10)  # fmt: skip
+    for key, v in results["lengths"].items():
+        d = v["derived"]
+        sp, e2 = d["switch_speedup_trials"], d["end_to_end_speedup_trials"]
+        out.append(md_row((
+            key, f"{d['switch_speedup']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})",
+            f"{d['end_to_end_speedup']:.2f}x ({e2['min']:.2f}–{e2['max']:.2f})",
+            f"{100 * d['translation_vs_target_step']:.1f}% ({100 * d['gemm_vs_target_step']:.1f}%)",
+            f"{100 * d['translation_vs_target_prefill']:.1f}%", f"{d['translate_gflops']:.1f}",
+            f"{d['translate_gbs']:.2f}", f"{d['gemm_gflops']:.1f}", f"{d['gemm_gbs']:.2f}",
+            f"{100 * d['gemm_efficiency']:.0f}% ({100 * d['map_efficiency']:.0f}%)",
+        )))  # fmt: skip
     return out
-
-
-def side_by_side_markdown(results: dict) -> str:
-    """The derived figures of every pair in one table (`derived_table`)."""
-    lines = [
-        "# Translation on several pairs, side by side",
-        "",
-        report.machine_line(results["machine"], results["software"]),
-        f"`{results.get('command', '')}` · one pair after another in this process · "
-        f"{results.get('elapsed_s', 0) / 60:.1f} min; each pair's full results in its folder",
-        "",
-        *derived_table(results["pairs"]),
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def plot(results: dict, path: str | Path) -> Path:
@@ -762,12 +600,13 @@ def plot(results: dict, path: str | Path) -> Path:
     curves = {
         "target re-prefill TTFT (R)": lambda t: t["target_ttft"],
         "switch TTFT: translation + first step (X)": lambda t: t["switch_ttft"],
-        "cascade switch: source prefill + X": lambda t: np.add(t["source_prefill"],
-                                                               t["switch_ttft"]),
-        "source TTFT (S)": lambda t: np.add(t["source_prefill"], t["source_step"]),
+        "ours: source prefill + X": lambda t: np.add(t["source_prefill"], t["switch_ttft"]),
         "translation alone": lambda t: t["translate"],
+        **{f"speculative prefill, {k:g} kept": lambda t, k=k: t[peer_phase(k)]
+           for k in results["settings"].get("specprefill_keep") or []},
     }  # fmt: skip
-    for (label, fn), style in zip(curves.items(), ("o-", "s-", "^--", "v:", "x-."), strict=True):
+    styles = ("o-", "s-", "^--", "x-.", "v:", "d:", "p:", "h:")
+    for (label, fn), style in zip(curves.items(), styles):
         per = [np.asarray(fn(results["lengths"][str(n)]["trials"]), float) * 1e3 for n in lens]
         med = np.array([np.median(v) for v in per])
         err = np.array([med - [v.min() for v in per], [v.max() for v in per] - med])
@@ -784,12 +623,6 @@ def plot(results: dict, path: str | Path) -> Path:
 
 
 def write_outputs(results: dict, out_dir: str | Path) -> dict[str, Path]:
-    """bench.json (everything, raw trials included), bench.md and ttft.png in `out_dir`; for a
-    side-by-side run, side-by-side.json/.md and each pair's own files in `out_dir/<pair>/`."""
-    if results["schema"] == SIDE_BY_SIDE_SCHEMA:
-        for name, r in results["pairs"].items():
-            r.setdefault("command", results.get("command", ""))
-            write_outputs(r, Path(out_dir) / name.replace(">", "_to_").replace("/", "_"))
-        return report.write(out_dir, "side-by-side", results, side_by_side_markdown(results))
+    """bench.json (everything, raw trials included), bench.md and ttft.png in `out_dir`."""
     return report.write(out_dir, "bench", results, markdown_report(results),
                         plot if results["lengths"] else None, figure="ttft.png")  # fmt: skip

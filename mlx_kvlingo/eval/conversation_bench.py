@@ -177,8 +177,7 @@ def run_conversation_bench(
         "pair": {"source": pair.source.name, "target": pair.target.name, **(info or {})},
         "backward": backward is not None,
         "warmup_s": warmup_s,
-        "machine": report.machine_info(),
-        "software": report.software_info(),
+        **report.run_info(),
         "turns": [asdict(x) for x in timings],
         "summary": summarize(timings, cfg),
     }
@@ -202,9 +201,7 @@ def summarize(timings: list[TurnTiming], cfg: ConversationBenchConfig) -> dict:
                 row[p] = {"ttft_ms": 1e3 * _mean(x.ttft_s for x in xs),
                           "total_ms": 1e3 * _mean(x.total_s for x in xs), "turns": len(xs)}  # fmt: skip
         if "small reads" in row and "large reads" in row:
-            row["ttft_ratio_small_over_large"] = (
-                row["small reads"]["ttft_ms"] / row["large reads"]["ttft_ms"]
-            )
+            row["ttft_ratio_small_over_large"] = row["small reads"]["ttft_ms"] / row["large reads"]["ttft_ms"]  # fmt: skip
         out["by_length"][str(n)] = row
     cascades = {}
     for p in [p for p in cfg.policies if p.startswith("cascade")]:
@@ -224,10 +221,6 @@ def summarize(timings: list[TurnTiming], cfg: ConversationBenchConfig) -> dict:
             # slowdown measured within each answer (machine load slows both alike)
             "ahead_share_of_decode": spent / (decode - spent) if decode > spent else None,
         }
-    base = cascades.get("cascade", {}).get("small_decode_tps")
-    for c in cascades.values():  # slowdown of the small model's decoding against plain cascade
-        tps = c["small_decode_tps"]
-        c["small_decode_slowdown"] = 1 - tps / base if base and tps else None
     if cascades:
         out["cascades"] = cascades
     by = {(x.policy, x.turn): x for x in timings}
@@ -261,10 +254,12 @@ def _num(x, fmt: str) -> str:
 
 
 def markdown_report(result: dict) -> str:
-    """Per turn, each policy's TTFT and total; means by user-turn length; reader auto against
-    the better of the two fixed readers; the cascades' escalations."""
+    """Per turn, each policy's TTFT and how reader auto did against the better of the two fixed
+    readers; means by user-turn length; the cascades' escalations."""
     cfg, summary = result["config"], result["summary"]
-    policies = cfg["policies"]
+    policies, auto = cfg["policies"], summary.get("auto")
+    auto_by = {r["turn"]: r for r in auto["turns"]} if auto else {}
+    auto_cols = ("auto read by", "retention", "auto / best", "faster path") if auto else ()
     lines = [
         "# kvlingo bench --conversation",
         "",
@@ -275,62 +270,46 @@ def markdown_report(result: dict) -> str:
         f"{'yes' if result['backward'] else 'no (the small re-reads the large answers)'}",
         report.machine_line(result["machine"], result["software"]),
         "",
-        *md_table(("turn", "user tok", *(f"{p} TTFT ms" for p in policies), "small read ms",
-                   "translate ms", *(f"{p} total ms" for p in policies)),
-                  "r" * (4 + 2 * len(policies))),
     ]  # fmt: skip
+    if auto:
+        lines += [f"Reader auto against the better of the large and the small reading (the small "
+                  f"only where it keeps the retention threshold), per turn (goal <= 1.10): "
+                  f"{auto['within_10pct']} of {len(auto['turns'])} turns within, worst "
+                  f"{auto['worst_over_best']:.2f}; auto took the faster column's path on "
+                  f"{auto['picked_faster']}. Times in ms.", ""]  # fmt: skip
+    lines += md_table(("turn", "user tok", *(f"{p} TTFT" for p in policies), "small read",
+                       "translate", *auto_cols), "r" * (4 + len(policies)) + "lrrl"[: len(auto_cols)])  # fmt: skip
     by_turn: dict[int, dict] = {}
     for x in result["turns"]:
         by_turn.setdefault(x["turn"], {})[x["policy"]] = x
     for t, row in sorted(by_turn.items()):
-        sr = row.get("small reads", {})
+        sr, r = row.get("small reads", {}), auto_by.get(t)
         esc = " (esc.)" if row.get("cascade", {}).get("escalated") else ""
         lines.append(md_row((
             t, next(iter(row.values()))["user_tokens"],
             *(f"{1e3 * row[p]['ttft_s']:.0f}" + (esc if p == "cascade" else "") for p in policies),
             f"{1e3 * sr.get('read_s', 0):.0f}", f"{1e3 * sr.get('translate_s', 0):.0f}",
-            *(f"{1e3 * row[p]['total_s']:.0f}" for p in policies),
+            *(() if not auto else ("", "", "", "") if r is None else (
+                "small" if r["small_read"] else "large", _num(r["retention"], ".2f"),
+                f"{r['auto_over_best']:.2f}", "yes" if r["picked_faster"] else "no")),
         )))  # fmt: skip
-    lines += ["", "Mean over turns after the first, by user-turn length:", "",
-              *md_table(("user tok", *(f"{p} TTFT ms" for p in policies), "small / large TTFT"),
-                        "r" * (2 + len(policies)))]  # fmt: skip
+    lines += ["", "Mean TTFT (ms) over turns after the first, by user-turn length:", "",
+              *md_table(("user tok", *policies, "small / large TTFT"), "r" * (2 + len(policies)))]  # fmt: skip
     for n, row in summary["by_length"].items():
-        lines.append(md_row((
-            n, *(f"{row[p]['ttft_ms']:.0f}" for p in policies if p in row),
-            _num(row.get("ttft_ratio_small_over_large"), ".2f"),
-        )))  # fmt: skip
-    auto = summary.get("auto")
-    if auto:
-        lines += ["", f"Reader auto against the better of the large and the small reading (the small "
-                  f"only where it keeps the retention threshold), per turn "
-                  f"(goal <= 1.10; {auto['within_10pct']} of {len(auto['turns'])} turns within, worst "
-                  f"{auto['worst_over_best']:.2f}; auto took the faster column's path on "
-                  f"{auto['picked_faster']}):", "",
-                  *md_table(("turn", "user tok", "large reads ms", "small reads ms", "auto ms",
-                             "auto read by", "retention", "auto / best", "faster path"),
-                           "rrrrrlrrl")]  # fmt: skip
-        for r in auto["turns"]:
-            lines.append(md_row((
-                r["turn"], r["user_tokens"], f"{r['large_reads_ms']:.0f}",
-                f"{r['small_reads_ms']:.0f}", f"{r['auto_ms']:.0f}",
-                "small" if r["small_read"] else "large", _num(r.get("retention"), ".2f"),
-                f"{r['auto_over_best']:.2f}",
-                "yes" if r["picked_faster"] else "no",
-            )))  # fmt: skip
+        lines.append(md_row((n, *(f"{row[p]['ttft_ms']:.0f}" for p in policies if p in row),
+                             _num(row.get("ttft_ratio_small_over_large"), ".2f"))))  # fmt: skip
     if summary.get("cascades"):
-        lines += ["", "Cascades: the large model's TTFT once escalated (against one of its decode steps, "
-                  "goal with translate-ahead <= 1.25), the small model's decode speed (slowdown "
-                  "against plain cascade) and its time translating ahead over its decode time "
-                  "without it, within the same answers (goal <= 10%):", "",
+        lines += ["", "Cascades: the large model's TTFT once escalated (against one of its decode "
+                  "steps, goal with translate-ahead <= 1.25), the small model's decode speed and "
+                  "its time translating ahead over its decode time without it, within the same "
+                  "answers (goal <= 10%):", "",
                   *md_table(("policy", "escalations", "escalation TTFT ms", "large step ms",
-                             "TTFT / step", "small decode tok/s", "slowdown", "ahead / decode"),
-                            "lrrrrrrr")]  # fmt: skip
+                             "TTFT / step", "small decode tok/s", "ahead / decode"), "lrrrrrr")]  # fmt: skip
         for p, c in summary["cascades"].items():
             lines.append(md_row((
                 p, c["escalations"], _num(c["escalation_ttft_ms"], ".0f"),
                 _num(c["large_step_ms"], ".0f"), _num(c["escalation_ttft_in_steps"], ".2f"),
-                _num(c["small_decode_tps"], ".1f"), _num(c["small_decode_slowdown"], ".0%"),
-                _num(c["ahead_share_of_decode"], ".1%"),
+                _num(c["small_decode_tps"], ".1f"), _num(c["ahead_share_of_decode"], ".1%"),
             )))  # fmt: skip
     return "\n".join(lines) + "\n"
 

@@ -17,7 +17,6 @@ fits a 24 GiB machine in float32 and runs on a CPU. About 6.7 GB target + 2.4 GB
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +29,12 @@ STAMP = "kvlingo-preset.json"
 QWEN3_MOE = "qwen3-0.6b>qwen3-30b-a3b-scaled"
 QWEN3_SHALLOW_MOE = "qwen3-0.6b>qwen3-moe-8-layers"
 LLAMA_QWEN2 = "llama-3.2-1b>qwen2.5-3b-scaled"
+#: Qwen3-0.6B's shape exactly, the source of both Qwen3 presets
+QWEN3_06B = dict(
+    kind="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
+    max_position_embeddings=40960, tie_word_embeddings=True,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -84,11 +89,7 @@ PRESETS: dict[str, Preset] = {
             QWEN3_MOE,
             "Qwen3-0.6B-shaped source; Qwen3-30B-A3B attention geometry with hidden size, "
             "expert width and expert count scaled to fit 24 GiB in float32",
-            source=dict(
-                kind="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
-                num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
-                max_position_embeddings=40960, tie_word_embeddings=True,
-            ),
+            source=QWEN3_06B,
             target=dict(
                 kind="qwen3_moe", hidden_size=1024, num_hidden_layers=48, intermediate_size=3072,
                 num_attention_heads=32, num_key_value_heads=4, head_dim=128, rope_theta=1e6,
@@ -106,11 +107,7 @@ PRESETS: dict[str, Preset] = {
             QWEN3_SHALLOW_MOE,
             "Qwen3-0.6B-shaped source into a shallower qwen3_moe target: 8 layers, 4 KV heads "
             "x 128 (a translator that reads 8 of the source's 28 layers)",
-            source=dict(
-                kind="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072,
-                num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
-                max_position_embeddings=40960, tie_word_embeddings=True,
-            ),
+            source=QWEN3_06B,
             target=dict(
                 kind="qwen3_moe", hidden_size=1024, num_hidden_layers=8, intermediate_size=3072,
                 num_attention_heads=16, num_key_value_heads=4, head_dim=128, rope_theta=1e6,
@@ -144,32 +141,15 @@ PRESETS: dict[str, Preset] = {
 }  # fmt: skip
 
 
-def preset_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """The cache folder (`cache_root`: `cache_dir`, else $KVLINGO_CACHE, else
-    ~/.cache/mlx-kvlingo), `presets/` in it."""
-    return cache_root(cache_dir) / "presets"
-
-
-def folder_name(name: str) -> str:
-    return name.replace(">", "__to__").replace("/", "_")
-
-
-def _stamp(preset: Preset) -> dict:
-    return {"build_version": BUILD_VERSION, "preset": asdict(preset)}
-
-
-def get_preset(name: str) -> Preset:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
-
-
 def build_preset(name: str, cache_dir=None, log=None) -> Path:
-    """Build the preset's folder once (source/, target/, translator.safetensors); return it."""
-    preset = get_preset(name)
-    final = preset_root(cache_dir) / folder_name(name)
-    stamp = _stamp(preset)
+    """Build the preset's folder once (source/, target/, translator.safetensors) in the cache
+    folder's presets/ (`cache_root`: `cache_dir`, else $KVLINGO_CACHE, else
+    ~/.cache/mlx-kvlingo); return it."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    preset = PRESETS[name]
+    final = cache_root(cache_dir) / "presets" / name.replace(">", "__to__").replace("/", "_")
+    stamp = {"build_version": BUILD_VERSION, "preset": asdict(preset)}
     if stamp_ok(final, stamp, STAMP):
         return final
     if log:
@@ -200,12 +180,8 @@ def _build(preset: Preset, folder: Path) -> None:
     shutil.rmtree(tok)
     pair = load_pair(folder / "source", folder / "target")
     tr = random_translator(pair, preset.variant, preset.nu, seed=preset.seed + 2)
-    save_translator(
-        tr,
-        folder / "translator.safetensors",
-        pair,
-        provenance={"preset": preset.name, "random": True},
-    )
+    save_translator(tr, folder / "translator.safetensors", pair,
+                    provenance={"preset": preset.name, "random": True})  # fmt: skip
 
 
 def random_translator(pair, variant: str = "mixing", nu: int = 1, seed: int = 0):

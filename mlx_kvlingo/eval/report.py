@@ -1,11 +1,12 @@
 """What the measuring commands write, in one place: the machine and software a result was
 measured on, the command that made it, JSON result files, markdown tables and headless
-matplotlib figures. `bench`, `conversation_bench`, `startup`, `compare` and `content` build
+matplotlib figures. `bench`, `conversation_bench`, `startup` and `content` build
 their own results and tables; the pieces they share live here.
 
 Contracts:
-- `machine_info()` and `software_info()` describe this process now (the load average too:
-  call `load_average()` again at the end of a run to record it there);
+- `run_info()` says when, by which command, on what machine (`machine_info()`) and software
+  (`software_info()`) a result is measured, as of now (the load average too: call
+  `load_average()` again at the end of a run to record it there);
 - `write_json` writes `jsonable(result)`: keys as strings, tuples as lists, numpy scalars as
   Python numbers, NaN and infinities as null (strict JSON), anything else unknown as its
   `str`; indented by one space, with a final newline;
@@ -24,6 +25,7 @@ import math
 import os
 import platform
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -33,6 +35,12 @@ import mlx.core as mx
 import numpy as np
 
 # -- the machine and the software ---------------------------------------------------------------
+
+
+def run_info() -> dict:
+    """created (local time), command, machine and software of a result measured now."""
+    return {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command_line(),
+            "machine": machine_info(), "software": software_info()}  # fmt: skip
 
 
 def machine_info() -> dict:
@@ -46,13 +54,14 @@ def machine_info() -> dict:
     except OSError:
         pass
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    gpu = mx.default_device().type == mx.gpu
     return {
         "os": platform.platform(),
         "arch": platform.machine(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "memory_GB": round(total / 1e9, 1),
-        "backend": backend_name(),
+        "backend": ("metal" if mx.metal.is_available() else "cuda") if gpu else "cpu",
         "device": mx.device_info() if hasattr(mx, "device_info") else {},
         "blas": _blas.loaded_path or f"none preloaded ({_blas.reason})",
         "load_average": load_average(),
@@ -62,13 +71,6 @@ def machine_info() -> dict:
 def load_average() -> list[float] | None:
     """The 1, 5 and 15 minute load averages (None where the OS has none)."""
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-
-
-def backend_name() -> str:
-    """ "cpu", "metal" or "cuda": where MLX runs by default."""
-    if mx.default_device().type != mx.gpu:
-        return "cpu"
-    return "metal" if mx.metal.is_available() else "cuda"
 
 
 def software_info() -> dict:
@@ -109,6 +111,17 @@ def git_commit() -> str | None:
         return head.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def stats(values: Iterable) -> dict | None:
+    """n, median, mean, std (ddof 1; 0 for one value), min and max of the values that are not
+    None (None where none are)."""
+    v = np.asarray([x for x in values if x is not None], float)
+    if not v.size:
+        return None
+    return {"n": int(v.size), "median": float(np.median(v)), "mean": float(v.mean()),
+            "std": float(v.std(ddof=1)) if v.size > 1 else 0.0, "min": float(v.min()),
+            "max": float(v.max())}  # fmt: skip
 
 
 def machine_line(m: dict, sw: dict) -> str:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,48 +33,38 @@ from mlx_kvlingo.eval import report
 
 PROMPT = "Answer in one word: what is the capital of France?"
 
-_KVLINGO = """
+#: one start, in a fresh process (argv: side, args as JSON): its parts and the wall clock at its
+#: first token, as one JSON line; mlx-lm's side preloads the same BLAS the package does
+_CHILD = """
 import json, sys, time
 t0 = time.perf_counter()
-from mlx_kvlingo import load, stream_generate
-args = json.loads(sys.argv[1])
-t1 = time.perf_counter()
-rt = load(args["source"], args["target"], args["translator"], pair=args["pair"])
-t2 = time.perf_counter()
-
-def first_token():
-    t = time.perf_counter()
-    for _ in stream_generate(rt, args["prompt"], model="large", max_tokens=1):
-        return time.time(), time.perf_counter() - t
-
-at, ttft = first_token()
-_, later = first_token()
-print(json.dumps({"first_token_at": at, "import_s": t1 - t0, "load_s": t2 - t1,
-                  "warmup_s": rt.warmup_s, "rates": rt.rates, "ttft_s": ttft,
-                  "later_ttft_s": later}))
-"""
-
-_MLX_LM = """
-import json, sys, time
-t0 = time.perf_counter()
-import mlx_kvlingo._platform.blas  # the package preloads the BLAS kvlingo runs on; no MLX yet
-from mlx_lm import load, stream_generate
-args = json.loads(sys.argv[1])
-t1 = time.perf_counter()
-model, tokenizer = load(args["target_folder"])
-t2 = time.perf_counter()
-
-def first_token():
-    t = time.perf_counter()
+side, args = sys.argv[1], json.loads(sys.argv[2])
+import mlx_kvlingo._platform.blas  # no MLX yet
+if side == "mlx-lm":
+    from mlx_lm import load, stream_generate
+    t1 = time.perf_counter()
+    model, tokenizer = load(args["target_folder"])
     messages = [{"role": "user", "content": args["prompt"]}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    for _ in stream_generate(model, tokenizer, prompt, max_tokens=1):
+    answer = lambda: stream_generate(model, tokenizer, tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True), max_tokens=1)
+    warmup, rates = None, None
+else:
+    from mlx_kvlingo import load, stream_generate
+    t1 = time.perf_counter()
+    rt = load(args["source"], args["target"], args["translator"], pair=args["pair"])
+    answer = lambda: stream_generate(rt, args["prompt"], model="large", max_tokens=1)
+    warmup, rates = rt.warmup_s, rt.rates
+t2 = time.perf_counter()
+
+def first_token():
+    t = time.perf_counter()
+    for _ in answer():
         return time.time(), time.perf_counter() - t
 
 at, ttft = first_token()
 _, later = first_token()
 print(json.dumps({"first_token_at": at, "import_s": t1 - t0, "load_s": t2 - t1,
-                  "warmup_s": None, "rates": None, "ttft_s": ttft, "later_ttft_s": later}))
+                  "warmup_s": warmup, "rates": rates, "ttft_s": ttft, "later_ttft_s": later}))
 """
 
 
@@ -88,15 +77,6 @@ SIDES = {
     "kvlingo": "kvlingo load + first token (rates reused)",
     "kvlingo-new": "kvlingo, new cache folder (rates measured)",
 }
-
-
-def target_folder(source, target, demo_pair: str) -> str:
-    """The large model's folder (or hub id) as mlx-lm loads it: the demo's converted target."""
-    if target is not None:
-        return str(target)
-    from mlx_kvlingo.models.loading import demo_paths
-
-    return str(demo_paths(demo_pair)[1])
 
 
 def new_cache_folder(cache: Path) -> Path:
@@ -119,10 +99,9 @@ def run_one(side: str, args: dict, cache: Path, timeout: float) -> dict:
     if side == "kvlingo-new":
         fresh = new_cache_folder(cache)
         env["KVLINGO_CACHE"] = str(fresh)
-    code = _MLX_LM if side == "mlx-lm" else _KVLINGO
     try:
         spawned = time.time()
-        out = subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env,
+        out = subprocess.run([sys.executable, "-c", _CHILD, side, json.dumps(args)], env=env,
                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
     finally:
         if fresh is not None:
@@ -139,17 +118,18 @@ def run_startup_bench(source=None, target=None, translator=None, demo_pair: str 
                       trials: int = 3, timeout: float = 600.0, log=print) -> dict:  # fmt: skip
     """The three sides, one untimed start each, then `trials` alternating rounds."""
     from mlx_kvlingo._platform.cachedir import cache_root
+    from mlx_kvlingo.models.loading import demo_paths
 
     if trials < 1:
         raise ValueError("need trials >= 1")
-    args = {
-        "source": None if source is None else str(source),
-        "target": None if target is None else str(target),
-        "translator": None if translator is None else str(translator),
-        "pair": None if source or target else demo_pair,
-        "target_folder": target_folder(source, target, demo_pair),
-        "prompt": PROMPT,
+    named = {
+        k: None if v is None else str(v)
+        for k, v in (("source", source), ("target", target), ("translator", translator))
     }
+    # the large model's folder (or Hub id) as mlx-lm loads it: the demo's converted target
+    folder = str(target) if target is not None else str(demo_paths(demo_pair)[1])
+    args = {**named, "pair": None if source or target else demo_pair, "target_folder": folder,
+            "prompt": PROMPT}  # fmt: skip
     cache = cache_root()
     order = ("kvlingo", "mlx-lm", "kvlingo-new")
     runs: dict[str, list[dict]] = {side: [] for side in order}
@@ -162,27 +142,14 @@ def run_startup_bench(source=None, target=None, translator=None, demo_pair: str 
             got = run_one(side, args, cache, timeout)
             runs[side].append(got)
             log(f"round {i + 1}/{trials} · {side}: {got['start_s']:.2f} s (rates {got['rates']})")
-    return {
-        "command": report.command_line(),
-        "machine": report.machine_info(),
-        "software": report.software_info(),
-        "load_average": {"before": load_before, "after": report.load_average()},
-        "args": args,
-        "trials": trials,
-        "runs": runs,
-        "summary": summarize(runs),
-    }
-
-
-def _stats(xs: list) -> dict | None:
-    xs = [x for x in xs if x is not None]
-    return {"min": min(xs), "median": statistics.median(xs)} if xs else None
+    return {**report.run_info(), "load_average": {"before": load_before, "after": report.load_average()},
+            "args": args, "trials": trials, "runs": runs, "summary": summarize(runs)}  # fmt: skip
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
     out = {}
     for side, rs in runs.items():
-        out[side] = {k: _stats([r.get(k) for r in rs]) for k in
+        out[side] = {k: report.stats([r.get(k) for r in rs]) for k in
                      ("start_s", "import_s", "load_s", "warmup_s", "ttft_s", "later_ttft_s")}  # fmt: skip
         out[side]["rates"] = sorted({str(r.get("rates")) for r in rs})
     base = out["mlx-lm"]["start_s"]
