@@ -4,7 +4,7 @@ and the content calibration data (prefix-gain weights, target-answered examples)
 import json
 
 from mlx_kvlingo.cli import cli
-from mlx_kvlingo.data.content_tasks import KINDS, TaskBuilder, build_tasks
+from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, FACT_TYPES, TaskBuilder, build_tasks
 from mlx_kvlingo.eval.content import (
     Chat,
     chat_kv,
@@ -60,7 +60,7 @@ def test_tasks_are_seeded_and_state_their_answer(pair):
     c = build_tasks(pair.tokenizer, [TEXT], [96], 2, seed=4)
     assert [t.tokens for t in a] == [t.tokens for t in b]
     assert [t.tokens for t in a] != [t.tokens for t in c]
-    assert [t.kind for t in a] == [k for k in KINDS for _ in range(2)]
+    assert [t.kind for t in a] == [k for k in DEFAULT_KINDS for _ in range(2)]
     for t in a:
         text = pair.tokenizer.decode(list(t.tokens))
         assert t.question in text
@@ -68,6 +68,25 @@ def test_tasks_are_seeded_and_state_their_answer(pair):
             assert t.answer and t.answer in text  # the answer is only in what is read
             assert t.answer not in t.question
         assert abs(len(t.tokens) - 96) <= 24, (t.kind, len(t.tokens))
+
+
+def test_three_facts_are_read_and_one_is_asked(pair):
+    """Each "facts" prompt states three values of three types at three depths and asks for one
+    of them: the task's answer is in exactly one stated sentence, at the task's depth."""
+    filler = {" ".join(x.split()).rstrip(".") for x in TEXT.split(". ")} - {""}
+    asked = set()
+    for seed in range(6):
+        (t,) = build_tasks(pair.tokenizer, [TEXT], [400], 1, ("facts",), seed=seed)
+        user = pair.tokenizer.decode(list(t.tokens)).split("Question:")[0]
+        sents = [x.strip().rstrip(".") for x in user.split(". ") if x.strip()]
+        sents = [x for x in sents if not any(x.endswith(f) for f in filler)]
+        stated = [x for x in sents if x.split("<|im_start|>")[-1].strip()]
+        assert len(stated) == 3, stated
+        holding = [i for i, x in enumerate(stated) if t.answer in x]
+        assert len(holding) == 1 and t.answer not in t.question
+        assert t.detail in FACT_TYPES and 0.1 <= t.depth <= 0.9
+        asked.add(holding[0])
+    assert len(asked) > 1  # not always the first (or last) of the three asked
 
 
 def test_unknown_kind_and_empty_text_are_refused(pair):
