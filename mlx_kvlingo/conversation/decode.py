@@ -3,7 +3,7 @@ the turn's records; and the room a turn has before it starts.
 
 Invariant: a turn over a conversation of n tokens may add at most `max_kv_size - n` tokens (no
 limit without `max_kv_size`), and a conversation already past either model's context is refused
-before any work (both may read it). Each token mlx-lm yields is in `emitted`, `texts` and the
+before any work (both may read it). Each token mlx-lm yields is in `emitted` and the
 `TurnStats` before it is yielded, so whoever stops the stream (the end, max tokens, a cancel
 after the current token, the iterator closed) commits exactly what was yielded; the stream is
 closed however the loop stops. Logits processors see the conversation's answers, never the
@@ -59,12 +59,11 @@ def decode(
     cancel: threading.Event,
     answers: Callable[[], list[int]],
     emitted: list[int],
-    texts: list[str],
     first: Callable[[], None],
     between: Callable[[float | None], float] | None = None,
 ) -> Iterator[TokenEvent]:
     """mlx-lm decodes `prompt` on `m`'s cache, at most `limit` tokens (`capped`: the limit is
-    the context's, so "length" ends as "context"). Each token goes to `emitted`, `texts` and
+    the context's, so "length" ends as "context"). Each token goes to `emitted` and
     `stats` (TTFT from `t0`), then is yielded; the last carries `stats`. `first()` runs after the
     first token; `between(decode_s)`, after each token but the last, returns the seconds it took
     (the small model's decode time of a token excludes them: translating ahead)."""
@@ -84,7 +83,7 @@ def decode(
                 stats.ttft_s = now - t0
             lp = r.logprobs[r.token].item()
             emitted.append(r.token)
-            texts.append(r.text)
+            stats.text += r.text
             stats.logprobs.append(lp)
             stats.generation_tokens = r.generation_tokens
             stats.generation_tps = r.generation_tps
@@ -98,7 +97,6 @@ def decode(
                 end = "cancelled"
             if end is not None:
                 stats.finish_reason = "context" if capped and end == "length" else end
-                stats.text = "".join(texts)
                 yield TokenEvent(r.text, r.token, lp, m.name, stats, r)
                 break
             yield TokenEvent(r.text, r.token, lp, m.name, step=r)

@@ -163,6 +163,37 @@ def answer_confidence(logprobs: Sequence[float]) -> float:
     return float(np.mean(logprobs))
 
 
+def totals(s) -> dict:
+    """Totals over session `s`'s conversation, per model and per direction: tokens each model
+    read itself answering (`prompt_tokens`) and for the other (`read_for_other_tokens`),
+    translated into it, and the times; `estimated_saving_ms` sums, over the large model's
+    answers the small one read for, its predicted own TTFT less the TTFT."""
+    per = {}
+    for name, m in s.models.items():
+        turns = [t for t in s.turns if t.model == name]
+        sw = [x for x in s.switches if x.into == name]
+        reads = [t.read for t in s.turns if t.read is not None and t.read.model == name]
+        per[name] = {
+            "turns": len(turns),
+            "generated_tokens": sum(t.generation_tokens for t in turns),
+            "prompt_tokens": sum(t.prompt_tokens for t in turns),
+            "prompt_ms": 1e3 * sum(t.prompt_s for t in turns),
+            "read_for_other_tokens": sum(r.tokens for r in reads),
+            "read_for_other_ms": 1e3 * sum(r.seconds for r in reads),
+            "switches_into": len(sw),
+            "translated_into": sum(x.translated for x in sw),
+            "retranslated_into": sum(x.retranslated for x in sw),
+            "translate_ms": 1e3 * sum(x.seconds for x in sw if x.translated),
+            "held": m.held,
+        }
+    saved = sum(t.alternative_ttft_s - t.ttft_s for t in s.turns if t.read is not None
+                and t.alternative_ttft_s is not None and t.ttft_s is not None)  # fmt: skip
+    return {"mode": s.mode, **s.policy.to_dict(), "conversation_tokens": len(s.tokens),
+            "messages": len(s.messages), "switches": len(s.switches),
+            "retemplated": s.retemplated, "estimated_saving_ms": 1e3 * saved,
+            "models": per}  # fmt: skip
+
+
 def share(x: float) -> str:
     """A retention with two decimals, rounded down: one under a threshold never reads as it."""
     return f"{math.floor(x * 100 + 1e-9) / 100:.2f}"

@@ -74,14 +74,14 @@ class Transcript:
         return start, keep
 
     def drop_answer(self) -> tuple[int, str]:
-        """Remove the last answer a model gave: (where it started, that model)."""
+        """Remove the last answer a model gave: (that model, keep: where it started)."""
         if self.answer is None or not self.messages or self.messages[-1]["role"] != "assistant":
             raise SessionError("nothing to escalate: there is no answer yet")
         start, answered = self.answer
         self.cut(start)
         self.messages.pop()
         self.answer = self.user_start = None
-        return start, answered
+        return answered, start
 
     def commit(self, n0: int, emitted: list[int], text: str, model: str) -> None:
         """Keep the tokens a model emitted after conversation[:n0] as its answer."""
