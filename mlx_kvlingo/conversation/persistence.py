@@ -1,9 +1,11 @@
 """Session files. Invariant: a file loads only into the pair that wrote it (geometry and a weight
-fingerprint per model), and a load that fails leaves the session as it was.
+fingerprint per model), and a load that fails leaves the session as it was, with a one-line
+`SessionFileError`.
 
-The file is what `mlx_lm.models.cache.save_prompt_cache` writes (the source's layers, then
-the target's); metadata `kvlingo_session` holds the rest as JSON. `save` and `load` take the
-session's state explicitly (the transcript, both model caches, the records)."""
+The file is an mlx-lm prompt cache (`mlx_lm.models.cache.save_prompt_cache`: the source's
+layers, then the target's; `load_prompt_cache` reads it); its metadata `kvlingo_session` holds
+the rest as JSON. `save` and `load` take the session's state explicitly (the transcript, both
+model caches, the records); a `.safetensors` suffix is added where missing."""
 
 from __future__ import annotations
 
@@ -31,12 +33,7 @@ SESSION_SCHEMA_VERSION = 1
 def save(path: str | Path, pair: ModelPair, *, transcript: Transcript,
          models: dict[str, ModelCache], mode: str, policy: ReaderPolicy,
          switches: list[Switch], turns: list[TurnStats]) -> Path:  # fmt: skip
-    """Write both caches, the conversation and the sync state to one prompt cache file.
-
-    The file is an mlx-lm prompt cache (`mlx_lm.models.cache.load_prompt_cache` reads it):
-    the source's layers, then the target's; metadata `kvlingo_session` holds the rest.
-    A `.safetensors` suffix is added when missing.
-    """
+    """Write both caches, the conversation and the sync state to one prompt cache file."""
     path = Path(path)
     if path.suffix != ".safetensors":
         path = path.with_name(path.name + ".safetensors")
@@ -105,18 +102,15 @@ def load(path: str | Path, pair: ModelPair, *, transcript: Transcript,
 
 
 def _identity(pair: ModelPair) -> dict:
-    def side(loaded):
+    def side(m):
         return {
-            "name": loaded.name,
-            "geometry": loaded.geometry.as_dict(),
-            "fingerprint": model_fingerprint(loaded),
+            "name": m.name,
+            "geometry": m.geometry.as_dict(),
+            "fingerprint": model_fingerprint(m),
         }
 
-    return {
-        "source": side(pair.source),
-        "target": side(pair.target),
-        "tokenizer": pair.tokenizer_fingerprint,
-    }
+    return {"source": side(pair.source), "target": side(pair.target),
+            "tokenizer": pair.tokenizer_fingerprint}  # fmt: skip
 
 
 def _restore(path: Path, pair: ModelPair, caches: list, state: dict, policy: ReaderPolicy,
@@ -203,11 +197,7 @@ def _is_int(x) -> bool:
 
 def _vocab_size(pair) -> int:
     """Token ids the models can embed (the smaller embedding table of the two)."""
-    sizes = []
-    for loaded in (pair.source, pair.target):
-        emb = loaded.model.model.embed_tokens
-        sizes.append(int(emb.weight.shape[0]))
-    return min(sizes)
+    return min(int(m.model.model.embed_tokens.weight.shape[0]) for m in (pair.source, pair.target))
 
 
 def _check_cache(path: Path, m: ModelCache) -> None:

@@ -1,28 +1,25 @@
-"""This pair's rates on this machine: what reading costs and what the small path keeps, the
-two things reader "auto" weighs (catchup.py), kept in the cache folder between processes.
+"""This pair's rates on this machine, the two things reader "auto" weighs (reader.py): what
+reading costs and what the small path keeps; kept in the cache folder between processes.
 
-Time. A read of n tokens by a model holding `at` costs a + b n + c n (at + n / 2) seconds (per
-call, per token, attention to the `at` held and half the n); a translation a + b n. Each of the
-five costs (`NAMES`; target_read: the large model's read of n >= 2 tokens up to its first
-token, as mlx-lm times it; target_step: its read of one) is a nonnegative least-squares fit to
-its last `KEEP` measurements, each weighing `DECAY` of the next: the warm-up's (warmup.py) and
-every turn's. Per large turn auto predicts both ways its answer can start (`Paths`):
+Time. A read of n tokens by a model holding `at` costs a + b n + c n (at + n / 2) seconds, a
+translation a + b n. Each of the five costs (`NAMES`; target_read: the large model's read of
+n >= 2 tokens up to its first token, target_step: of one) is a nonnegative least-squares fit to
+its last `KEEP` measurements (the warm-up's and every turn's), each weighing `DECAY` of the
+next. Per large turn auto predicts both ways its answer can start (`Paths`):
 
     large reads   target_read(lacked, at=held)
     small reads   catch-up (backward(k), or the small reads it too) + source_read(read)
                   + forward(lacked - tail) + target_read(recompute + 2 tail, at the turn's
                   end) + target_step (target_step alone for a one-token tail, no recompute)
 
-Retention. Of the stated facts and copies the large model gets right reading an n-token turn
-itself (right), those it also gets right on the small path (kept), per length (`kvlingo eval
---task content`, pooled over draws): kept / right where right >= `MIN_RIGHT`, linear in log n
-between measured lengths, the nearest one's outside. Auto takes the small path only where it is
-at least `ReaderPolicy.min_retention`.
+Retention at read length n: of the stated facts and copies the large model gets right reading
+the turn itself (right), those it also gets right on the small path (kept), pooled over draws:
+kept / right where right >= `MIN_RIGHT`, linear in log n between measured lengths, the nearest
+one's outside.
 
-Files: `<cache folder>/rates|retention/<hash of the key>.json`, written atomically; keyed by the
-machine, the pair's files, the versions and the warm-up lengths (`rates_key`), or by the pair,
-the forward translator and the policy's tail and recompute share (`retention_key`). A file that
-does not parse, or whose schema or key differs, is ignored.
+Files: `<cache folder>/rates|retention/<hash of the key>.json`, written atomically, keyed by
+`rates_key` (machine, pair, versions, lengths) or `retention_key` (pair, forward translator,
+tail, recompute share); one that does not parse, or whose schema or key differs, is ignored.
 """
 
 from __future__ import annotations
