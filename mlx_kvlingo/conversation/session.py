@@ -358,32 +358,18 @@ class Session:
         other = "target" if answered == "source" else "source"
         return self.generate(model or other, **generate_kwargs)
 
-    # -- files ----------------------------------------------------------------------------
-
-    def _local_only(self, what: str) -> None:
-        if self.remote is not None:  # the large model's cache is spread over the ranks
-            raise SessionError(
-                f"{what} is not available when the large model is pipelined over ranks"
-            )
+    # -- files (persistence.py) ------------------------------------------------------------
 
     def save(self, path: str | Path) -> Path:
-        """Write both caches, the conversation and the sync state to one prompt cache file
-        (an mlx-lm prompt cache; see persistence.py). A `.safetensors` suffix is added when
-        missing."""
-        self._local_only("saving")
+        """Write both caches, the conversation and the sync state to one mlx-lm prompt cache
+        file (a `.safetensors` suffix is added where missing)."""
         self._claim()
-        return persistence.save(path, self.pair, transcript=self.transcript, models=self.models,
-                                mode=self.mode, policy=self.policy, switches=self.switches,
-                                turns=self.turns)  # fmt: skip
+        return persistence.save(path, self)
 
     def load(self, path: str | Path) -> None:
         """Restore a session saved by `save` for this same pair (refuses any other pair)."""
-        self._local_only("loading")
         self._claim()
-        self.policy = persistence.load(path, self.pair, transcript=self.transcript,
-                                       models=self.models, policy=self.policy,
-                                       has_forward=self.forward is not None,
-                                       switches=self.switches, turns=self.turns)  # fmt: skip
+        self.policy = persistence.load(path, self)
 
 
 #: progress(reader, done, total): `reader` ("source" or "target") has read `done` of the turn's
