@@ -234,7 +234,7 @@ def test_keyboard_interrupt_in_consumer_and_cancel(pair, translators):
         toks.append(e.token)
         if len(toks) == 3:
             s.cancel()
-    assert len(toks) == 4 and e.stats.finish_reason == "cancelled"
+    assert len(toks) == 4 and e.handoff.finish_reason == "cancelled"
     assert s.tokens[n1:] == toks
     s.add_user("print(x)")
     n2 = len(s.tokens)
@@ -332,8 +332,8 @@ def test_confidence(pair, translators):
     s = Session(pair, fwd, bwd, policy=plain(reader="tokens"))
     s.add_user("import json")
     events = list(s.generate("small", max_tokens=N))
-    lps = [e.logprob for e in events]
-    assert events[-1].stats.confidence == pytest.approx(np.mean(lps))
+    lps = [e.logprobs[e.token].item() for e in events]
+    assert events[-1].handoff.confidence == pytest.approx(np.mean(lps))
     assert all(lp <= 0 for lp in lps)
 
 

@@ -17,7 +17,12 @@ import time
 from collections.abc import Callable, Iterator
 
 from mlx_kvlingo.conversation.catchup import ModelCache
-from mlx_kvlingo.conversation.records import ContextOverflowError, TokenEvent, TurnStats
+from mlx_kvlingo.conversation.records import (
+    LABEL,
+    ContextOverflowError,
+    GenerationResponse,
+    TurnStats,
+)
 from mlx_kvlingo.models.pair import ModelPair
 
 import mlx.core as mx
@@ -61,7 +66,7 @@ def decode(
     emitted: list[int],
     first: Callable[[], None],
     between: Callable[[float | None], float] | None = None,
-) -> Iterator[TokenEvent]:
+) -> Iterator[GenerationResponse]:
     """mlx-lm decodes `prompt` on `m`'s cache, at most `limit` tokens (`capped`: the limit is
     the context's, so "length" ends as "context"). Each token goes to `emitted` and
     `stats` (TTFT from `t0`), then is yielded; the last carries `stats`. `first()` runs after the
@@ -72,6 +77,12 @@ def decode(
         kwargs = {**kwargs, "logits_processors": over_answers(procs, answers())}
     stream = stream_generate(m.loaded.model, tokenizer, mx.array(prompt), max_tokens=limit,
                              prompt_cache=m.cache, **kwargs)  # fmt: skip
+
+    def out(r, finish_reason=None, handoff=None) -> GenerationResponse:
+        return GenerationResponse(r.text, r.token, r.logprobs, r.from_draft, r.prompt_tokens,
+                                  r.prompt_tps, r.generation_tokens, r.generation_tps,
+                                  r.peak_memory, finish_reason, LABEL[m.name], handoff)  # fmt: skip
+
     try:
         last_token_at, between_s = None, 0.0
         for r in stream:
@@ -97,9 +108,9 @@ def decode(
                 end = "cancelled"
             if end is not None:
                 stats.finish_reason = "context" if capped and end == "length" else end
-                yield TokenEvent(r.text, r.token, lp, m.name, stats, r)
+                yield out(r, stats.finish_reason, handoff=stats)
                 break
-            yield TokenEvent(r.text, r.token, lp, m.name, step=r)
+            yield out(r)
             if between is not None:
                 between_s = between(decode_s)
     finally:

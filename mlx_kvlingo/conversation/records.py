@@ -117,19 +117,6 @@ class TurnStats:
 
 
 @dataclass
-class TokenEvent:
-    """One streamed token. The turn's last event carries its `stats`; `step` is mlx-lm's
-    `GenerationResponse` for the token (its logprobs vector, prompt and generation rates)."""
-
-    text: str
-    token: int | None
-    logprob: float | None
-    model: str
-    stats: TurnStats | None = None
-    step: object = None
-
-
-@dataclass
 class GenerationResponse:
     """mlx-lm's `GenerationResponse` (its fields, in its order), plus who answered and, on an
     answer's last response (`finish_reason` set: stop | length | context | cancelled), the

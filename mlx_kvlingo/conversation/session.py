@@ -20,7 +20,7 @@ A turn (`generate`):
 Modes: `alternation` translates only the span the other model holds and this one lacks, at its
 true positions; `naive` re-translates everything the other model holds (the drifting baseline);
 `reprefill` reads it all (the exact reference). Nothing here prints: `generate` yields
-`TokenEvent`s and every turn leaves a `TurnStats` in `Session.turns`.
+mlx-lm-shaped `GenerationResponse`s (the last: `handoff`, the turn's record) and every turn leaves a `TurnStats` in `Session.turns`.
 """
 
 from __future__ import annotations
@@ -42,7 +42,13 @@ from mlx_kvlingo.conversation.catchup import (
 )
 from mlx_kvlingo.conversation.decode import decode, room
 from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention, costs_of
-from mlx_kvlingo.conversation.records import SessionError, TokenEvent, TurnStats, role, totals
+from mlx_kvlingo.conversation.records import (
+    GenerationResponse,
+    SessionError,
+    TurnStats,
+    role,
+    totals,
+)
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.translator import Translator
@@ -96,7 +102,7 @@ class Session:
         self.turns: list[TurnStats] = []
         self.switches: list = []  # every `Switch`, in order
         self._cancel = threading.Event()
-        self._active: Iterator[TokenEvent] | None = None  # the generation left open
+        self._active: Iterator[GenerationResponse] | None = None  # the generation left open
         #: catching up and who reads a turn: the mode, the reader policy, the read costs
         self.catchup = CatchUp(pair, forward, backward, transcript=self.transcript,
                                models=self.models, switches=self.switches, cancel=self._cancel,
@@ -227,7 +233,7 @@ class Session:
         logits_processors=None,
         prefill_step_size: int = READ_CHUNK,
         progress: Progress | None = None,
-    ) -> Iterator[TokenEvent]:
+    ) -> Iterator[GenerationResponse]:
         """Stream an answer from `model` ('source'/'small' or 'target'/'large').
 
         The model first catches up on what it lacks (see the module docstring), then decodes
@@ -251,7 +257,7 @@ class Session:
         return gen
 
     def _generate(self, name: str, limit: int, capped: bool, kwargs,
-                  progress: Progress | None = None) -> Iterator[TokenEvent]:  # fmt: skip
+                  progress: Progress | None = None) -> Iterator[GenerationResponse]:  # fmt: skip
         """The turn: hand off (read, catch up, recompute), decode, commit."""
         m, catchup = self.models[name], self.catchup
         t0 = time.perf_counter()
@@ -341,7 +347,7 @@ class Session:
         self._hand_off(name, len(self.tokens), stats, chunk)
         return stats
 
-    def escalate(self, model: str | None = None, **generate_kwargs) -> Iterator[TokenEvent]:
+    def escalate(self, model: str | None = None, **generate_kwargs) -> Iterator[GenerationResponse]:
         """Answer the last user message again with `model`, else the other model than the one
         that answered it: its last answer is dropped from the conversation and both caches,
         and the incoming model catches up by the mode. A message still unanswered (stopped
