@@ -51,22 +51,10 @@ def room(pair: ModelPair, n: int, name: str, max_kv_size: int | None) -> int | N
     return left
 
 
-def decode(
-    m: ModelCache,
-    tokenizer,
-    prompt: list[int],
-    *,
-    limit: int,
-    capped: bool,
-    kwargs: dict,
-    stats: TurnStats,
-    t0: float,
-    cancel: threading.Event,
-    answers: Callable[[], list[int]],
-    emitted: list[int],
-    first: Callable[[], None],
-    between: Callable[[float | None], float] | None = None,
-) -> Iterator[GenerationResponse]:
+def decode(m: ModelCache, transcript, prompt: list[int], stats: TurnStats, emitted: list[int], *,
+           limit: int, capped: bool, kwargs: dict, t0: float, cancel: threading.Event,
+           first: Callable[[], None], between: Callable[[float | None], float] | None = None
+           ) -> Iterator[GenerationResponse]:  # fmt: skip
     """mlx-lm decodes `prompt` on `m`'s cache, at most `limit` tokens (`capped`: the limit is
     the context's, so "length" ends as "context"). Each token goes to `emitted` and
     `stats` (TTFT from `t0`), then is yielded; the last carries `stats`. `first()` runs after the
@@ -74,9 +62,9 @@ def decode(
     (the small model's decode time of a token excludes them: translating ahead)."""
     procs = kwargs.get("logits_processors")
     if procs:  # they see the earlier answers and this one, not only this turn's
-        kwargs = {**kwargs, "logits_processors": over_answers(procs, answers())}
-    stream = stream_generate(m.loaded.model, tokenizer, mx.array(prompt), max_tokens=limit,
-                             prompt_cache=m.cache, **kwargs)  # fmt: skip
+        kwargs = {**kwargs, "logits_processors": over_answers(procs, transcript.answers())}
+    stream = stream_generate(m.loaded.model, transcript.tokenizer, mx.array(prompt),
+                             max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
 
     def out(r, finish_reason=None, handoff=None) -> GenerationResponse:
         return GenerationResponse(r.text, r.token, r.logprobs, r.from_draft, r.prompt_tokens,

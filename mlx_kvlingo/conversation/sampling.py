@@ -52,7 +52,7 @@ FIELDS = tuple(DEFAULTS.as_dict())
 
 
 def generation_config(folder: str | Path | None) -> dict:
-    """The sampling fields of `folder/generation_config.json` as `Sampling` keywords ({} if none)."""
+    """The sampling fields of `folder/generation_config.json` as `Sampling` keywords ({}: none)."""
     if folder is None:
         return {}
     path = Path(folder) / "generation_config.json"

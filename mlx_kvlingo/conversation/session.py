@@ -20,7 +20,8 @@ A turn (`generate`):
 Modes: `alternation` translates only the span the other model holds and this one lacks, at its
 true positions; `naive` re-translates everything the other model holds (the drifting baseline);
 `reprefill` reads it all (the exact reference). Nothing here prints: `generate` yields
-mlx-lm-shaped `GenerationResponse`s (the last: `handoff`, the turn's record) and every turn leaves a `TurnStats` in `Session.turns`.
+mlx-lm-shaped `GenerationResponse`s (the last carries the turn's `TurnStats` as `handoff`), and
+every turn leaves its `TurnStats` in `Session.turns`.
 """
 
 from __future__ import annotations
@@ -102,7 +103,7 @@ class Session:
         self.turns: list[TurnStats] = []
         self.switches: list = []  # every `Switch`, in order
         self._cancel = threading.Event()
-        self._active: Iterator[GenerationResponse] | None = None  # the generation left open
+        self._active: Responses | None = None  # the generation left open
         #: catching up and who reads a turn: the mode, the reader policy, the read costs
         self.catchup = CatchUp(pair, forward, backward, transcript=self.transcript,
                                models=self.models, switches=self.switches, cancel=self._cancel,
@@ -233,17 +234,13 @@ class Session:
         logits_processors=None,
         prefill_step_size: int = READ_CHUNK,
         progress: Progress | None = None,
-    ) -> Iterator[GenerationResponse]:
-        """Stream an answer from `model` ('source'/'small' or 'target'/'large').
-
-        The model first catches up on what it lacks (see the module docstring), then decodes
-        with mlx-lm. Stopping early (break, `cancel()`, KeyboardInterrupt, closing the
-        iterator) commits the tokens emitted so far and trims the cache to match; stopped while
-        a model reads the turn, each cache keeps the chunks it read whole and the turn stays
-        unanswered. `progress(reader, done, total)` is called as the turn is read, chunk by
-        chunk (`reader`: "source" where the small model reads for the large one, else the
-        answering model; `done` of `total` tokens, 0 first), e.g. for a progress line.
-        """
+    ) -> Responses:
+        """Stream an answer from `model` ('source'/'small' or 'target'/'large'): the hand-off,
+        then mlx-lm decodes. Stopped early (break, `cancel()`, KeyboardInterrupt, the iterator
+        closed), the tokens emitted are the answer; stopped while a model reads the turn, each
+        cache keeps the chunks it read whole and the turn stays unanswered.
+        `progress(reader, done, total)` is called as the turn is read, chunk by chunk (`reader`:
+        "source" where the small model reads for the large one, else the answering model)."""
         name, left = self._begin(model)
         limit = max_tokens
         if left is not None and (max_tokens < 0 or max_tokens > left):  # -1: no limit
@@ -257,7 +254,7 @@ class Session:
         return gen
 
     def _generate(self, name: str, limit: int, capped: bool, kwargs,
-                  progress: Progress | None = None) -> Iterator[GenerationResponse]:  # fmt: skip
+                  progress: Progress | None = None) -> Responses:  # fmt: skip
         """The turn: hand off (read, catch up, recompute), decode, commit."""
         m, catchup = self.models[name], self.catchup
         t0 = time.perf_counter()
@@ -276,21 +273,11 @@ class Session:
             prompt = self.tokens[m.held :]
             stats.prompt_tokens = len(prompt)
             # 2. decode with mlx-lm on the answering model's own cache
-            yield from decode(
-                m,
-                self.pair.tokenizer,
-                prompt,
-                limit=limit,
-                capped=capped,
-                kwargs=kwargs,
-                stats=stats,
-                t0=t0,
-                cancel=self._cancel,
-                answers=self.transcript.answers,
-                emitted=emitted,
-                first=lambda: catchup.observe(stats, n0 - len(prompt)),
-                between=None if ahead is None else lambda s: catchup.ahead_step(ahead, n0 - 1, s),
-            )
+            step = None if ahead is None else lambda s: catchup.ahead_step(ahead, n0 - 1, s)
+            yield from decode(m, self.transcript, prompt, stats, emitted, limit=limit,
+                              capped=capped, kwargs=kwargs, t0=t0, cancel=self._cancel,
+                              first=lambda: catchup.observe(stats, n0 - len(prompt)),
+                              between=step)  # fmt: skip
         finally:
             # 3. commit, however the turn stopped
             self._commit(m, n0, emitted, stats)
@@ -347,7 +334,7 @@ class Session:
         self._hand_off(name, len(self.tokens), stats, chunk)
         return stats
 
-    def escalate(self, model: str | None = None, **generate_kwargs) -> Iterator[GenerationResponse]:
+    def escalate(self, model: str | None = None, **generate_kwargs) -> Responses:
         """Answer the last user message again with `model`, else the other model than the one
         that answered it: its last answer is dropped from the conversation and both caches,
         and the incoming model catches up by the mode. A message still unanswered (stopped
@@ -381,6 +368,7 @@ class Session:
 #: progress(reader, done, total): `reader` ("source" or "target") has read `done` of the turn's
 #: `total` tokens it reads
 Progress = Callable[[str, int, int], None]
+Responses = Iterator[GenerationResponse]
 
 
 __all__ = ["MODES", "READERS", "Session"]
