@@ -1,13 +1,10 @@
 """Decode a turn: mlx-lm's `stream_generate` on the answering model's own cache, each token into
 the turn's records; and the room a turn has before it starts.
 
-Invariant: a turn over a conversation of n tokens may add at most `max_kv_size - n` tokens (no
-limit without `max_kv_size`), and a conversation already past either model's context is refused
-before any work (both may read it). Each token mlx-lm yields is in `emitted` and the
-`TurnStats` before it is yielded, so whoever stops the stream (the end, max tokens, a cancel
-after the current token, the iterator closed) commits exactly what was yielded; the stream is
-closed however the loop stops. Logits processors see the conversation's answers, never the
-prompt (`over_answers`).
+Invariant: a turn over n conversation tokens may add at most `max_kv_size - n` (no limit
+without it), and a conversation past either model's context is refused before any work. Each
+token is in `emitted` and the `TurnStats` before it is yielded, so whoever stops the stream
+commits exactly what was yielded; the stream is closed however the loop stops.
 """
 
 from __future__ import annotations
@@ -106,15 +103,9 @@ def decode(m: ModelCache, transcript, prompt: list[int], stats: TurnStats, emitt
 
 
 def over_answers(processors: list, answers: list[int]) -> list:
-    """Logits processors that see the conversation's answers: earlier ones, then this one.
-
-    mlx-lm hands a processor the part of the prompt it passed last plus the tokens generated
-    so far. That part depends on who read the turn (one token, the 32-token tail or the whole
-    turn), and with a cache holding the conversation no earlier answer is in it, so a
-    repetition penalty would let the model copy its last answer. Here the prompt part is
-    dropped and the earlier answers come first: the penalty keeps answers from repeating
-    themselves and never pushes an answer away from the words of the text it is about.
-    """
+    """Logits processors that see the conversation's answers, earlier ones first, then this one,
+    never the prompt part mlx-lm passes them (whatever read the turn, the user's text is not
+    penalized, and an answer cannot copy the last one)."""
     past = mx.array(answers, dtype=mx.int32)
 
     def wrap(proc):

@@ -204,17 +204,15 @@ class Session:
     # -- a turn ---------------------------------------------------------------------------
 
     def _claim(self) -> None:
-        """Close the generation this session left unfinished (it commits what it emitted)
-        before the conversation changes. A session is not thread-safe: one generation at a time
-        over a pair is the pair's lock (conversation/lock.py, held by the public API)."""
+        """Close the generation left unfinished (it commits what it emitted). A session is not
+        thread-safe: one generation at a time is the pair's lock (lock.py, held by the API)."""
         gen, self._active = self._active, None
         if gen is not None:
             gen.close()
 
     def _begin(self, model: str) -> tuple[str, int | None]:
-        """Checks before any work on a turn: (the model's role, tokens the turn may add under
-        `max_kv_size` and both models' own context: None for unlimited). A conversation already
-        past either model's context is refused before any work: both may read it."""
+        """Checks before any work on a turn: (the model's role, tokens the turn may add: None
+        for no limit; decode.room)."""
         name = role(model)
         self._claim()
         n = len(self.tokens)
@@ -324,14 +322,13 @@ class Session:
         m.settle(len(self.tokens))
         self.turns.append(stats)
 
-    def hand_off(self, model: str = "target", chunk: int = READ_CHUNK) -> TurnStats:
-        """Bring `model` up to the conversation, ready for its first step, without answering:
-        the hand-off `generate` runs before it decodes (`_hand_off`). Its cache then holds
-        conversation[:held(model)] and the rest (at least the last token) is the prompt its
-        first step reads. Returns the records (who read, what was translated, recomputed)."""
+    def hand_off(self, model: str = "target") -> TurnStats:
+        """Bring `model` up to the conversation without answering: `generate`'s hand-off. Its
+        cache then holds conversation[:held(model)], the rest (at least the last token) the
+        prompt of its first step. Returns the records (who read, translated, recomputed)."""
         name, _ = self._begin(model)
         stats = TurnStats(name, self.mode)
-        self._hand_off(name, len(self.tokens), stats, chunk)
+        self._hand_off(name, len(self.tokens), stats, READ_CHUNK)
         return stats
 
     def escalate(self, model: str | None = None, **generate_kwargs) -> Responses:
