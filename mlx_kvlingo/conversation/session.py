@@ -122,11 +122,7 @@ class Session:
     messages = _kept("transcript", "messages", "the role/content dicts of the conversation")
     system_prompt = _kept("transcript", "system_prompt", "the system message (reset keeps it)")
     retemplated = _kept("transcript", "retemplated", "times a template was not prefix-stable")
-
-    @property
-    def pending(self) -> bool:
-        """True when the conversation ends with a user message that has no answer yet."""
-        return self.transcript.pending
+    pending = _kept("transcript", "pending", "the last message is a user's, not answered yet")
 
     @property
     def last_turn(self) -> TurnStats | None:
