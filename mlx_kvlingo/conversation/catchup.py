@@ -29,9 +29,10 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention
+from mlx_kvlingo.conversation.rates import Paths, ReadCosts
 from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION
 from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats
+from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy, reserve
 from mlx_kvlingo.kv.capture import SpanKV, needs_recording, prefill

@@ -42,7 +42,7 @@ from mlx_kvlingo.conversation.catchup import (
     check_directions,
 )
 from mlx_kvlingo.conversation.decode import decode, room
-from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention, costs_of
+from mlx_kvlingo.conversation.rates import Paths, ReadCosts, costs_of
 from mlx_kvlingo.conversation.records import (
     GenerationResponse,
     SessionError,
@@ -50,6 +50,7 @@ from mlx_kvlingo.conversation.records import (
     role,
     totals,
 )
+from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.translator import Translator
@@ -117,7 +118,7 @@ class Session:
                    "translator, else 'self'); change it with dataclasses.replace")  # fmt: skip
     read_costs = _kept("catchup", "read_costs", "what reading costs on this pair (reader auto)")
     retention = _kept("catchup", "retention", "what the forward translator keeps of the content "
-                      "by length under this policy (reader auto; rates.py)")  # fmt: skip
+                      "by length under this policy (reader auto; retention.py)")  # fmt: skip
     tokens = _kept("transcript", "tokens", "the conversation's token ids")
     messages = _kept("transcript", "messages", "the role/content dicts of the conversation")
     system_prompt = _kept("transcript", "system_prompt", "the system message (reset keeps it)")
