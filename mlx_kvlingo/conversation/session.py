@@ -137,11 +137,6 @@ class Session:
         """The mlx-lm cache of `model` (holds `held(model)` tokens). Do not modify it."""
         return self.models[role(model)].cache
 
-    def translated_spans(self, into: str | None = None) -> list[tuple[str, int, int]]:
-        """Every span translated so far as (into, start, end), in order."""
-        out = [(s.into, *s.translated_span) for s in self.switches if s.translated]
-        return [t for t in out if into is None or t[0] == role(into)]
-
     def cancel(self) -> None:
         """Ask the running generation to stop after its current token (any thread)."""
         self._cancel.set()
