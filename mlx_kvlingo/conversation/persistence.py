@@ -41,22 +41,13 @@ def save(path: str | Path, s) -> Path:
     path = Path(path)
     if path.suffix != ".safetensors":
         path = path.with_name(path.name + ".safetensors")
-    state = {
-        "schema": SESSION_SCHEMA,
-        "schema_version": SESSION_SCHEMA_VERSION,
-        **_identity(pair),
-        "layers": [pair.source.geometry.layers, pair.target.geometry.layers],
-        "held": {n: models[n].held for n in MODELS},
-        "tokens": t.tokens,
-        "messages": t.messages,
-        "system_prompt": t.system_prompt,
-        "mode": s.mode,
-        "policy": s.policy.to_dict(),
-        "answer": list(t.answer) if t.answer else None,
-        "user_start": t.user_start,
-        "switches": [asdict(x) for x in s.switches],
-        "turns": [{**asdict(x), "logprobs": []} for x in s.turns],
-    }
+    state = {"schema": SESSION_SCHEMA, "schema_version": SESSION_SCHEMA_VERSION, **_identity(pair),
+             "layers": [pair.source.geometry.layers, pair.target.geometry.layers],
+             "held": {n: models[n].held for n in MODELS}, "tokens": t.tokens,
+             "messages": t.messages, "system_prompt": t.system_prompt, "mode": s.mode,
+             "policy": s.policy.to_dict(), "answer": list(t.answer) if t.answer else None,
+             "user_start": t.user_start, "switches": [asdict(x) for x in s.switches],
+             "turns": [{**asdict(x), "logprobs": []} for x in s.turns]}  # fmt: skip
     caches = [c for n in MODELS for c in prefix_copy(models[n].cache, models[n].held)]
     meta = {"kvlingo_session": json.dumps(state), "model": pair.target.name}
     with atomic_write(path) as tmp:
@@ -104,11 +95,8 @@ def load(path: str | Path, s) -> ReaderPolicy:
 
 def _identity(pair: ModelPair) -> dict:
     def side(m):
-        return {
-            "name": m.name,
-            "geometry": m.geometry.as_dict(),
-            "fingerprint": model_fingerprint(m),
-        }
+        return {"name": m.name, "geometry": m.geometry.as_dict(),
+                "fingerprint": model_fingerprint(m)}  # fmt: skip
 
     return {"source": side(pair.source), "target": side(pair.target),
             "tokenizer": pair.tokenizer_fingerprint}  # fmt: skip

@@ -78,20 +78,11 @@ class Session:
             ...
     """
 
-    def __init__(
-        self,
-        pair: ModelPair,
-        forward: Translator | None,
-        backward: Translator | None = None,
-        mode: str = "alternation",
-        *,
-        system_prompt: str | None = None,
-        max_kv_size: int | None = None,
-        policy: ReaderPolicy | None = None,
-        read_costs: ReadCosts | None = None,
-        remote: RemoteLarge | None = None,
-        retention: Retention | None = None,
-    ):
+    def __init__(self, pair: ModelPair, forward: Translator | None,
+                 backward: Translator | None = None, mode: str = "alternation", *,
+                 system_prompt: str | None = None, max_kv_size: int | None = None,
+                 policy: ReaderPolicy | None = None, read_costs: ReadCosts | None = None,
+                 remote: RemoteLarge | None = None, retention: Retention | None = None):  # fmt: skip
         check_directions(pair, forward, backward)
         self.pair, self.forward, self.backward = pair, forward, backward
         #: the large model's cache on other ranks (distributed/): what is gathered from it and
@@ -215,16 +206,9 @@ class Session:
         self._cancel.clear()
         return name, left
 
-    def generate(
-        self,
-        model: str = "target",
-        *,
-        max_tokens: int = 256,
-        sampler=None,
-        logits_processors=None,
-        prefill_step_size: int = READ_CHUNK,
-        progress: Progress | None = None,
-    ) -> Responses:
+    def generate(self, model: str = "target", *, max_tokens: int = 256, sampler=None,
+                 logits_processors=None, prefill_step_size: int = READ_CHUNK,
+                 progress: Progress | None = None) -> Responses:  # fmt: skip
         """Stream an answer from `model` ('source'/'small' or 'target'/'large'): the hand-off,
         then mlx-lm decodes. Stopped early (break, `cancel()`, KeyboardInterrupt, the iterator
         closed), the tokens emitted are the answer; stopped while a model reads the turn, each
