@@ -77,15 +77,12 @@ def decode(m: ModelCache, transcript, prompt: list[int], stats: TurnStats, emitt
             last_token_at = now
             if stats.ttft_s is None:
                 stats.ttft_s = now - t0
-            lp = r.logprobs[r.token].item()
             emitted.append(r.token)
             stats.text += r.text
-            stats.logprobs.append(lp)
-            stats.generation_tokens = r.generation_tokens
-            stats.generation_tps = r.generation_tps
-            stats.prompt_tps = r.prompt_tps
+            stats.logprobs.append(r.logprobs[r.token].item())
+            stats.generation_tokens, stats.generation_tps = r.generation_tokens, r.generation_tps
+            stats.prompt_tps, stats.peak_memory_gb = r.prompt_tps, r.peak_memory
             stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
-            stats.peak_memory_gb = r.peak_memory
             if len(emitted) == 1:
                 first()
             end = r.finish_reason
