@@ -93,20 +93,20 @@ class Pair:
 
     def retention(self, policy: ReaderPolicy | None = None) -> Any:
         """What the forward translator keeps of the content by length under `policy`'s tail
-        and recompute share (conversation/rates.py: this pair's measured counts pooled with
+        and recompute share (conversation/retention.py: this pair's measured counts pooled with
         those a demo translator ships); None where nothing is measured ("auto" weighs time)."""
-        from mlx_kvlingo.conversation import rates
+        from mlx_kvlingo.conversation import retention as kept
         from mlx_kvlingo.models.demo.pair import shipped_retention
 
         policy = policy or ReaderPolicy()
         settings = (policy.large_reads_last, policy.recompute_share)
         if self.forward is not None and settings not in self._retention:
-            draws = rates.load_retention(rates.retention_key(self.models, self.forward, policy))
+            draws = kept.load_retention(kept.retention_key(self.models, self.forward, policy))
             path = getattr(self.forward, "path", None)
             if path and (shipped := shipped_retention(path, *settings)):
-                draws = {str(shipped.get("source")): rates.counts_of(shipped), **draws}
-            pooled = rates.pooled(*draws.values())
-            self._retention[settings] = rates.Retention.from_counts(pooled, "; ".join(draws))
+                draws = {str(shipped.get("source")): kept.counts_of(shipped), **draws}
+            pooled = kept.pooled(*draws.values())
+            self._retention[settings] = kept.Retention.from_counts(pooled, "; ".join(draws))
         return self._retention.get(settings)
 
     def memory(self) -> dict[str, int]:

@@ -47,6 +47,12 @@ def assert_session_consistent(s) -> None:
         assert s.held(name) <= len(s.tokens)
 
 
+def translated_spans(s, into: str | None = None) -> list[tuple[str, int, int]]:
+    """Every span a session translated so far as (into, start, end), in order."""
+    out = [(x.into, *x.translated_span) for x in s.switches if x.translated]
+    return [t for t in out if into is None or t[0] == into]
+
+
 def build_module(name: str, folder: str = "build"):
     """A module of the demo's build (`weights/build/`, run from the repo root, not installed),
     e.g. "compose_moe" for `weights.build.compose_moe` (`folder="experiments"`: of

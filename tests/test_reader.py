@@ -12,7 +12,14 @@ from mlx_kvlingo.conversation.session import Session
 
 import mlx.core as mx
 import pytest
-from helpers import PLAIN, assert_session_consistent, exact_translator, native_tokens, plain
+from helpers import (
+    PLAIN,
+    assert_session_consistent,
+    exact_translator,
+    native_tokens,
+    plain,
+    translated_spans,
+)
 from mlx_lm.sample_utils import make_sampler
 
 MESSAGES = [
@@ -51,7 +58,7 @@ assert_consistent = assert_session_consistent
 def assert_translated_once(s):
     """Spans into each model never overlap: no span is translated twice."""
     for into in ("source", "target"):
-        spans = sorted((a, b) for _, a, b in s.translated_spans(into))
+        spans = sorted((a, b) for _, a, b in translated_spans(s, into))
         for (_, b), (c, _) in zip(spans, spans[1:]):
             assert b <= c, spans
 
@@ -75,7 +82,7 @@ def test_reader_equals_reprefill_over_ten_turns(pair, translators, seeded):
     assert_translated_once(s)
     assert_consistent(s)
     # each span into the large is exactly what it lacked: contiguous from 0 to the last read
-    spans = [(a, b) for _, a, b in s.translated_spans("target")]
+    spans = [(a, b) for _, a, b in translated_spans(s, "target")]
     assert spans[0][0] == 0
     n = len(s.tokens)
     assert all(b - a >= 1 for a, b in spans) and spans[-1][1] < n
@@ -216,7 +223,7 @@ def test_reader_self_keeps_todays_behaviour(pair, translators):
     s = Session(pair, fwd, bwd, policy=plain(reader="self"))
     converse(s, turns=3)
     assert all(t.read is None for t in s.turns)
-    assert s.turns[0].prompt_tokens > 1 and not s.translated_spans()
+    assert s.turns[0].prompt_tokens > 1 and not translated_spans(s)
     with pytest.raises(SessionError, match="needs a forward"):
         Session(pair, None, bwd, policy=plain(reader="small"))
     assert Session(pair, None, bwd, policy=PLAIN).policy.reader == "self"

@@ -7,8 +7,9 @@ import json
 from dataclasses import replace
 
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
-from mlx_kvlingo.conversation.rates import Cost, Paths, ReadCosts, Retention, costs_of
+from mlx_kvlingo.conversation.rates import Cost, Paths, ReadCosts, costs_of
 from mlx_kvlingo.conversation.records import share, status_line
+from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.conversation.warmup import PROBE_READ, warm_up
 
@@ -288,18 +289,18 @@ def test_retention_is_kept_in_the_cache_folder_and_found_by_the_runtime(
     lengths it measured (the same tasks never count twice), other draws pool, and a length
     counts once the native read got `MIN_RIGHT` right there."""
     from mlx_kvlingo.api import Conversation, Pair
-    from mlx_kvlingo.conversation import rates
+    from mlx_kvlingo.conversation import rates, retention
 
-    monkeypatch.setattr(rates, "RETENTION", tmp_path / "retention")
+    monkeypatch.setattr(retention, "RETENTION", tmp_path / "retention")
     fwd, bwd = translators
     rt = Pair(pair, fwd, bwd)
     assert rt.retention() is None and Conversation(rt).cache.retention is None
-    k = rates.retention_key(pair, fwd, ReaderPolicy())
-    rates.record_retention(k, "seed 1", [(128, 3, 3), (2048, 1, 2)])
+    k = retention.retention_key(pair, fwd, ReaderPolicy())
+    retention.record_retention(k, "seed 1", [(128, 3, 3), (2048, 1, 2)])
     assert Pair(pair, fwd, bwd).retention().points == ((128, 1.0),)  # 2048: too few yet
-    rates.record_retention(k, "seed 1", [(2048, 0, 2)])  # the same draw again: replaces
-    rates.record_retention(k, "seed 2", [(2048, 2, 3)])  # another draw: pools
-    assert rates.load_retention(k) == {
+    retention.record_retention(k, "seed 1", [(2048, 0, 2)])  # the same draw again: replaces
+    retention.record_retention(k, "seed 2", [(2048, 2, 3)])  # another draw: pools
+    assert retention.load_retention(k) == {
         "seed 1": ((128, 3, 3), (2048, 0, 2)),
         "seed 2": ((2048, 2, 3),),
     }
@@ -314,7 +315,7 @@ def test_retention_is_kept_in_the_cache_folder_and_found_by_the_runtime(
         (next((tmp_path / "retention").iterdir())).write_text(broken)
         assert Pair(pair, fwd, bwd).retention() is None  # a broken file: unmeasured
     with pytest.raises(ValueError, match="count"):
-        rates.pooled([(64, True, 3)])
+        retention.pooled([(64, True, 3)])
 
 
 def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
@@ -324,10 +325,10 @@ def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
     the file the translator came from, whatever dtype it computes in); counts measured on this
     pair (`kvlingo eval --task content`, in the cache folder) pool with them."""
     from mlx_kvlingo.api import Pair
-    from mlx_kvlingo.conversation import rates
+    from mlx_kvlingo.conversation import retention
     from mlx_kvlingo.models.demo import pair as demo
 
-    monkeypatch.setattr(rates, "RETENTION", tmp_path / "retention")
+    monkeypatch.setattr(retention, "RETENTION", tmp_path / "retention")
     fwd, bwd = translators
     shipped = tmp_path / "forward.safetensors"
     shipped.write_bytes(b"")
@@ -343,8 +344,8 @@ def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
         fwd.path = tmp_path / "another.safetensors"
         assert Pair(pair, fwd, bwd).retention() is None  # not the shipped file
         fwd.path = shipped
-        k = rates.retention_key(pair, fwd, ReaderPolicy())
-        rates.record_retention(k, "measured here", [(4096, 3, 4)])
+        k = retention.retention_key(pair, fwd, ReaderPolicy())
+        retention.record_retention(k, "measured here", [(4096, 3, 4)])
         got = Pair(pair, fwd, bwd).retention()
         assert got.points == ((1024, 1.0), (4096, 0.5)) and got.source.endswith("measured here")
         entry["counts"] = [[1024, 4, 3]]  # a malformed manifest: only what was measured here

@@ -19,6 +19,7 @@ from helpers import (
     inverse,
     native_tokens,
     plain,
+    translated_spans,
 )
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from mlx_lm.sample_utils import make_sampler
@@ -80,7 +81,7 @@ def test_alternation_equals_reprefill_both_directions(pair, translators):
             expected.append((model, ends[model], ends[other]))
         ends[model] = end
     assert [(s.into, s.start, s.end) for s in alt.switches] == expected
-    assert alt.translated_spans() == expected
+    assert translated_spans(alt) == expected
     assert all(s.translated == s.lacked and s.retranslated == 0 for s in alt.switches)
     assert len(expected) == 5  # four handoffs forward/back, one kept turn has no switch
     # per model: translated + read natively + generated = what its cache holds, no overlap
@@ -91,7 +92,7 @@ def test_alternation_equals_reprefill_both_directions(pair, translators):
         read = sum(t.prompt_tokens + t.generation_tokens for t in mine)
         assert sum(b - a for a, b in spans) + read == alt.held(name)
     # re-prefill read all of it natively instead
-    assert ref.translated_spans() == []
+    assert translated_spans(ref) == []
     assert [(s.into, s.start, s.end) for s in ref.switches] == expected
     assert_consistent(alt)
 
@@ -234,7 +235,7 @@ def test_keyboard_interrupt_in_consumer_and_cancel(pair, translators):
         toks.append(e.token)
         if len(toks) == 3:
             s.cancel()
-    assert len(toks) == 4 and e.stats.finish_reason == "cancelled"
+    assert len(toks) == 4 and e.handoff.finish_reason == "cancelled"
     assert s.tokens[n1:] == toks
     s.add_user("print(x)")
     n2 = len(s.tokens)
@@ -332,8 +333,8 @@ def test_confidence(pair, translators):
     s = Session(pair, fwd, bwd, policy=plain(reader="tokens"))
     s.add_user("import json")
     events = list(s.generate("small", max_tokens=N))
-    lps = [e.logprob for e in events]
-    assert events[-1].stats.confidence == pytest.approx(np.mean(lps))
+    lps = [e.logprobs[e.token].item() for e in events]
+    assert events[-1].handoff.confidence == pytest.approx(np.mean(lps))
     assert all(lp <= 0 for lp in lps)
 
 

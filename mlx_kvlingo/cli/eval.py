@@ -176,8 +176,8 @@ def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, conso
 
 def _store_retention(pair, tr, chat, counts, draw, console) -> None:
     """Add the chat condition's retention counts to those in the cache folder, where reader
-    "auto" of this pair, translator and settings finds them (conversation/rates.py)."""
-    from mlx_kvlingo.conversation import rates as kept
+    "auto" of this pair, translator and settings finds them (conversation/retention.py)."""
+    from mlx_kvlingo.conversation import retention as kept
 
     if not counts:
         return

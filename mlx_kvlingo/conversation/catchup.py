@@ -29,9 +29,10 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention
+from mlx_kvlingo.conversation.rates import Paths, ReadCosts
 from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION
 from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats
+from mlx_kvlingo.conversation.retention import Retention
 from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy, reserve
 from mlx_kvlingo.kv.capture import SpanKV, needs_recording, prefill
@@ -47,19 +48,14 @@ from mlx_kvlingo.models.pair import LoadedModel, ModelPair
 import mlx.core as mx
 
 MODES = ("alternation", "naive", "reprefill")
-#: the fewest tokens translated ahead at a time (conversation/README.md, "Translating ahead")
-AHEAD_MIN = 8
-#: translating ahead spends at most this share of the small model's decode time
-AHEAD_SHARE = 0.10
-#: a turn is read (by either model: mlx-lm's prefill step for the answering model's own read)
-#: and its span captured and translated this many tokens at a time: one chunk's attention
-#: scores, float32 copy and maps beside the caches however long the turn, and a long document
-#: reports steady progress
+#: translating ahead: at least AHEAD_MIN tokens at a time, at most AHEAD_SHARE of the small
+#: model's decode time (conversation/README.md, "Translating ahead")
+AHEAD_MIN, AHEAD_SHARE = 8, 0.10
+#: a turn is read (by either model) and its span captured and translated this many tokens at a
+#: time: one chunk's scores and maps beside the caches however long the turn
 READ_CHUNK = 512
-#: the small model's read chunk shrinks as its cache grows so that one chunk's attention scores
-#: (float32, the chunk's rows over the cache, every query head) stay under this: MLX's CPU
-#: backend materializes them beside the caches, and at 8,000 tokens a 512-token chunk's scores held
-#: 150 MB above the two models and both caches (eval/RESULTS.md, "Long documents")
+#: the bound on one read chunk's float32 attention scores (the chunk's rows over the cache, every
+#: query head), which MLX's CPU backend materializes beside the caches
 SCORES_BYTES = 64 << 20
 
 
@@ -130,9 +126,9 @@ class CatchUp:
                  cancel: threading.Event, read_costs: ReadCosts, remote: RemoteLarge | None = None,
                  mode: str = "alternation", policy: ReaderPolicy | None = None,
                  retention: Retention | None = None):  # fmt: skip
-        """`transcript`, `models` and `switches` are the session's: read, changed in place, never
-        replaced (the transcript only read). `retention`: what the forward translator keeps at
-        each length under this policy (reader "auto"; None: unmeasured)."""
+        """`transcript` (only read), `models` and `switches` are the session's, changed in place,
+        never replaced. `retention`: what the forward translator keeps by length (None: not
+        measured)."""
         self.retention = retention
         self.pair, self.forward, self.backward, self.remote = pair, forward, backward, remote
         self.transcript, self.models, self.switches = transcript, models, switches
@@ -151,8 +147,7 @@ class CatchUp:
 
     @property
     def policy(self) -> ReaderPolicy:
-        """The reader policy, its reader resolved ("auto" with a forward translator, else
-        "self")."""
+        """The reader policy, its reader resolved ("auto" with a forward translator, else self)."""
         return self._policy
 
     @policy.setter

@@ -1,13 +1,10 @@
 """Decode a turn: mlx-lm's `stream_generate` on the answering model's own cache, each token into
 the turn's records; and the room a turn has before it starts.
 
-Invariant: a turn over a conversation of n tokens may add at most `max_kv_size - n` tokens (no
-limit without `max_kv_size`), and a conversation already past either model's context is refused
-before any work (both may read it). Each token mlx-lm yields is in `emitted`, `texts` and the
-`TurnStats` before it is yielded, so whoever stops the stream (the end, max tokens, a cancel
-after the current token, the iterator closed) commits exactly what was yielded; the stream is
-closed however the loop stops. Logits processors see the conversation's answers, never the
-prompt (`over_answers`).
+Invariant: a turn over n conversation tokens may add at most `max_kv_size - n` (no limit
+without it), and a conversation past either model's context is refused before any work. Each
+token is in `emitted` and the `TurnStats` before it is yielded, so whoever stops the stream
+commits exactly what was yielded; the stream is closed however the loop stops.
 """
 
 from __future__ import annotations
@@ -17,7 +14,12 @@ import time
 from collections.abc import Callable, Iterator
 
 from mlx_kvlingo.conversation.catchup import ModelCache
-from mlx_kvlingo.conversation.records import ContextOverflowError, TokenEvent, TurnStats
+from mlx_kvlingo.conversation.records import (
+    LABEL,
+    ContextOverflowError,
+    GenerationResponse,
+    TurnStats,
+)
 from mlx_kvlingo.models.pair import ModelPair
 
 import mlx.core as mx
@@ -46,33 +48,26 @@ def room(pair: ModelPair, n: int, name: str, max_kv_size: int | None) -> int | N
     return left
 
 
-def decode(
-    m: ModelCache,
-    tokenizer,
-    prompt: list[int],
-    *,
-    limit: int,
-    capped: bool,
-    kwargs: dict,
-    stats: TurnStats,
-    t0: float,
-    cancel: threading.Event,
-    answers: Callable[[], list[int]],
-    emitted: list[int],
-    texts: list[str],
-    first: Callable[[], None],
-    between: Callable[[float | None], float] | None = None,
-) -> Iterator[TokenEvent]:
+def decode(m: ModelCache, transcript, prompt: list[int], stats: TurnStats, emitted: list[int], *,
+           limit: int, capped: bool, kwargs: dict, t0: float, cancel: threading.Event,
+           first: Callable[[], None], between: Callable[[float | None], float] | None = None
+           ) -> Iterator[GenerationResponse]:  # fmt: skip
     """mlx-lm decodes `prompt` on `m`'s cache, at most `limit` tokens (`capped`: the limit is
-    the context's, so "length" ends as "context"). Each token goes to `emitted`, `texts` and
+    the context's, so "length" ends as "context"). Each token goes to `emitted` and
     `stats` (TTFT from `t0`), then is yielded; the last carries `stats`. `first()` runs after the
     first token; `between(decode_s)`, after each token but the last, returns the seconds it took
     (the small model's decode time of a token excludes them: translating ahead)."""
     procs = kwargs.get("logits_processors")
     if procs:  # they see the earlier answers and this one, not only this turn's
-        kwargs = {**kwargs, "logits_processors": over_answers(procs, answers())}
-    stream = stream_generate(m.loaded.model, tokenizer, mx.array(prompt), max_tokens=limit,
-                             prompt_cache=m.cache, **kwargs)  # fmt: skip
+        kwargs = {**kwargs, "logits_processors": over_answers(procs, transcript.answers())}
+    stream = stream_generate(m.loaded.model, transcript.tokenizer, mx.array(prompt),
+                             max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
+
+    def out(r, finish_reason=None, handoff=None) -> GenerationResponse:
+        return GenerationResponse(r.text, r.token, r.logprobs, r.from_draft, r.prompt_tokens,
+                                  r.prompt_tps, r.generation_tokens, r.generation_tps,
+                                  r.peak_memory, finish_reason, LABEL[m.name], handoff)  # fmt: skip
+
     try:
         last_token_at, between_s = None, 0.0
         for r in stream:
@@ -82,15 +77,12 @@ def decode(
             last_token_at = now
             if stats.ttft_s is None:
                 stats.ttft_s = now - t0
-            lp = r.logprobs[r.token].item()
             emitted.append(r.token)
-            texts.append(r.text)
-            stats.logprobs.append(lp)
-            stats.generation_tokens = r.generation_tokens
-            stats.generation_tps = r.generation_tps
-            stats.prompt_tps = r.prompt_tps
+            stats.text += r.text
+            stats.logprobs.append(r.logprobs[r.token].item())
+            stats.generation_tokens, stats.generation_tps = r.generation_tokens, r.generation_tps
+            stats.prompt_tps, stats.peak_memory_gb = r.prompt_tps, r.peak_memory
             stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
-            stats.peak_memory_gb = r.peak_memory
             if len(emitted) == 1:
                 first()
             end = r.finish_reason
@@ -98,10 +90,9 @@ def decode(
                 end = "cancelled"
             if end is not None:
                 stats.finish_reason = "context" if capped and end == "length" else end
-                stats.text = "".join(texts)
-                yield TokenEvent(r.text, r.token, lp, m.name, stats, r)
+                yield out(r, stats.finish_reason, handoff=stats)
                 break
-            yield TokenEvent(r.text, r.token, lp, m.name, step=r)
+            yield out(r)
             if between is not None:
                 between_s = between(decode_s)
     finally:
@@ -109,15 +100,9 @@ def decode(
 
 
 def over_answers(processors: list, answers: list[int]) -> list:
-    """Logits processors that see the conversation's answers: earlier ones, then this one.
-
-    mlx-lm hands a processor the part of the prompt it passed last plus the tokens generated
-    so far. That part depends on who read the turn (one token, the 32-token tail or the whole
-    turn), and with a cache holding the conversation no earlier answer is in it, so a
-    repetition penalty would let the model copy its last answer. Here the prompt part is
-    dropped and the earlier answers come first: the penalty keeps answers from repeating
-    themselves and never pushes an answer away from the words of the text it is about.
-    """
+    """Logits processors that see the conversation's answers, earlier ones first, then this one,
+    never the prompt part mlx-lm passes them (whatever read the turn, the user's text is not
+    penalized, and an answer cannot copy the last one)."""
     past = mx.array(answers, dtype=mx.int32)
 
     def wrap(proc):

@@ -1,9 +1,11 @@
 """Session files. Invariant: a file loads only into the pair that wrote it (geometry and a weight
-fingerprint per model), and a load that fails leaves the session as it was.
+fingerprint per model), and a load that fails leaves the session as it was, with a one-line
+`SessionFileError`.
 
-The file is what `mlx_lm.models.cache.save_prompt_cache` writes (the source's layers, then
-the target's); metadata `kvlingo_session` holds the rest as JSON. `save` and `load` take the
-session's state explicitly (the transcript, both model caches, the records)."""
+The file is an mlx-lm prompt cache (`mlx_lm.models.cache.save_prompt_cache`: the source's
+layers, then the target's; `load_prompt_cache` reads it); its metadata `kvlingo_session` holds
+the rest as JSON. `save` and `load` take the session's state explicitly (the transcript, both
+model caches, the records); a `.safetensors` suffix is added where missing."""
 
 from __future__ import annotations
 
@@ -14,8 +16,7 @@ from pathlib import Path
 from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.conversation.catchup import ModelCache
-from mlx_kvlingo.conversation.records import Read, SessionFileError, Switch, TurnStats
-from mlx_kvlingo.conversation.transcript import Transcript
+from mlx_kvlingo.conversation.records import Read, SessionError, SessionFileError, Switch, TurnStats
 from mlx_kvlingo.kv.cache import prefix_copy
 from mlx_kvlingo.models.files import parse_json, read_header
 from mlx_kvlingo.models.pair import ModelPair, model_fingerprint
@@ -28,35 +29,25 @@ SESSION_SCHEMA = "mlx-kvlingo/session"
 SESSION_SCHEMA_VERSION = 1
 
 
-def save(path: str | Path, pair: ModelPair, *, transcript: Transcript,
-         models: dict[str, ModelCache], mode: str, policy: ReaderPolicy,
-         switches: list[Switch], turns: list[TurnStats]) -> Path:  # fmt: skip
-    """Write both caches, the conversation and the sync state to one prompt cache file.
+def _local(s, what: str) -> None:
+    if s.remote is not None:  # the large model's cache is spread over the ranks
+        raise SessionError(f"{what} is not available when the large model is pipelined over ranks")
 
-    The file is an mlx-lm prompt cache (`mlx_lm.models.cache.load_prompt_cache` reads it):
-    the source's layers, then the target's; metadata `kvlingo_session` holds the rest.
-    A `.safetensors` suffix is added when missing.
-    """
+
+def save(path: str | Path, s) -> Path:
+    """Write session `s`'s caches, conversation and sync state to one prompt cache file."""
+    _local(s, "saving")
+    pair, t, models = s.pair, s.transcript, s.models
     path = Path(path)
     if path.suffix != ".safetensors":
         path = path.with_name(path.name + ".safetensors")
-    t = transcript
-    state = {
-        "schema": SESSION_SCHEMA,
-        "schema_version": SESSION_SCHEMA_VERSION,
-        **_identity(pair),
-        "layers": [pair.source.geometry.layers, pair.target.geometry.layers],
-        "held": {n: models[n].held for n in MODELS},
-        "tokens": t.tokens,
-        "messages": t.messages,
-        "system_prompt": t.system_prompt,
-        "mode": mode,
-        "policy": policy.to_dict(),
-        "answer": list(t.answer) if t.answer else None,
-        "user_start": t.user_start,
-        "switches": [asdict(s) for s in switches],
-        "turns": [{**asdict(x), "logprobs": []} for x in turns],
-    }
+    state = {"schema": SESSION_SCHEMA, "schema_version": SESSION_SCHEMA_VERSION, **_identity(pair),
+             "layers": [pair.source.geometry.layers, pair.target.geometry.layers],
+             "held": {n: models[n].held for n in MODELS}, "tokens": t.tokens,
+             "messages": t.messages, "system_prompt": t.system_prompt, "mode": s.mode,
+             "policy": s.policy.to_dict(), "answer": list(t.answer) if t.answer else None,
+             "user_start": t.user_start, "switches": [asdict(x) for x in s.switches],
+             "turns": [{**asdict(x), "logprobs": []} for x in s.turns]}  # fmt: skip
     caches = [c for n in MODELS for c in prefix_copy(models[n].cache, models[n].held)]
     meta = {"kvlingo_session": json.dumps(state), "model": pair.target.name}
     with atomic_write(path) as tmp:
@@ -64,11 +55,10 @@ def save(path: str | Path, pair: ModelPair, *, transcript: Transcript,
     return path
 
 
-def load(path: str | Path, pair: ModelPair, *, transcript: Transcript,
-         models: dict[str, ModelCache], policy: ReaderPolicy, has_forward: bool,
-         switches: list[Switch], turns: list[TurnStats]) -> ReaderPolicy:  # fmt: skip
-    """Restore a session saved by `save` for this same pair (refuses any other pair) into the
-    given state, in place, once every check has passed; returns the policy to use."""
+def load(path: str | Path, s) -> ReaderPolicy:
+    """Restore a session saved by `save` for this same pair (refuses any other pair) into
+    session `s`, in place, once every check has passed; returns the policy to use."""
+    _local(s, "loading")
     path = Path(path)
     if not path.is_file() and path.with_name(path.name + ".safetensors").is_file():
         path = path.with_name(path.name + ".safetensors")
@@ -95,8 +85,7 @@ def load(path: str | Path, pair: ModelPair, *, transcript: Transcript,
             f"v{state.get('schema_version')!r:.40}"
         )
     try:
-        return _restore(path, pair, caches, state, policy, has_forward,
-                        transcript, models, switches, turns)  # fmt: skip
+        return _restore(path, s, caches, state)
     except SessionFileError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
@@ -105,25 +94,18 @@ def load(path: str | Path, pair: ModelPair, *, transcript: Transcript,
 
 
 def _identity(pair: ModelPair) -> dict:
-    def side(loaded):
-        return {
-            "name": loaded.name,
-            "geometry": loaded.geometry.as_dict(),
-            "fingerprint": model_fingerprint(loaded),
-        }
+    def side(m):
+        return {"name": m.name, "geometry": m.geometry.as_dict(),
+                "fingerprint": model_fingerprint(m)}  # fmt: skip
 
-    return {
-        "source": side(pair.source),
-        "target": side(pair.target),
-        "tokenizer": pair.tokenizer_fingerprint,
-    }
+    return {"source": side(pair.source), "target": side(pair.target),
+            "tokenizer": pair.tokenizer_fingerprint}  # fmt: skip
 
 
-def _restore(path: Path, pair: ModelPair, caches: list, state: dict, policy: ReaderPolicy,
-             has_forward: bool, transcript: Transcript, models: dict[str, ModelCache],
-             switches: list[Switch], turns: list[TurnStats]) -> ReaderPolicy:  # fmt: skip
-    """Check a session file's state against this pair, then restore it (nothing before every
-    check has passed); returns the policy to use."""
+def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:
+    """Check a session file's state against this pair, then restore it into session `s`
+    (nothing before every check has passed); returns the policy to use."""
+    pair = s.pair
 
     def need(ok, what: str) -> None:
         if not ok:
@@ -174,21 +156,22 @@ def _restore(path: Path, pair: ModelPair, caches: list, state: dict, policy: Rea
         saved = {k: state[k] for k in LEGACY_POLICY_KEYS if k in state}
     need(isinstance(saved, dict), "policy must be an object")
     try:
-        policy = ReaderPolicy.from_dict(saved, policy)  # names and values checked
+        policy = ReaderPolicy.from_dict(saved, s.policy)  # names and values checked
     except (PolicyError, TypeError) as e:
         raise SessionFileError(f"{path}: {e}") from None
-    if policy.reader != "self" and not has_forward:
+    if policy.reader != "self" and s.forward is None:
         policy = replace(policy, reader="self")  # saved with a translator this pair lacks
     saved_turns = [TurnStats(**{**t, "switch": _switch(t.get("switch")),
                                 "read": _read(t.get("read")), "ahead": _switch(t.get("ahead"))})
                    for t in state.get("turns", [])]  # fmt: skip
-    switches[:] = [Switch(**s) for s in state.get("switches", [])]  # the last that may fail
-    turns[:] = saved_turns
-    transcript.tokens, transcript.messages = list(tokens), [dict(m) for m in messages]
-    transcript.system_prompt, transcript.user_start = system, user_start
-    transcript.answer = tuple(answer) if answer else None
+    s.switches[:] = [Switch(**x) for x in state.get("switches", [])]  # the last that may fail
+    s.turns[:] = saved_turns
+    t = s.transcript
+    t.tokens, t.messages = list(tokens), [dict(m) for m in messages]
+    t.system_prompt, t.user_start = system, user_start
+    t.answer = tuple(answer) if answer else None
     for name, (part, n) in restored.items():
-        models[name].cache, models[name].held = part, n
+        s.models[name].cache, s.models[name].held = part, n
     return policy
 
 
@@ -203,11 +186,7 @@ def _is_int(x) -> bool:
 
 def _vocab_size(pair) -> int:
     """Token ids the models can embed (the smaller embedding table of the two)."""
-    sizes = []
-    for loaded in (pair.source, pair.target):
-        emb = loaded.model.model.embed_tokens
-        sizes.append(int(emb.weight.shape[0]))
-    return min(sizes)
+    return min(int(m.model.model.embed_tokens.weight.shape[0]) for m in (pair.source, pair.target))
 
 
 def _check_cache(path: Path, m: ModelCache) -> None:

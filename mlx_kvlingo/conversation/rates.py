@@ -1,27 +1,19 @@
-"""This pair's rates on this machine: what reading costs and what the small path keeps, the
-two things reader "auto" weighs (catchup.py), kept in the cache folder between processes.
+"""This pair's rates on this machine: what reading costs, which reader "auto" weighs (reader.py),
+kept in the cache folder between processes.
 
-Time. A read of n tokens by a model holding `at` costs a + b n + c n (at + n / 2) seconds (per
-call, per token, attention to the `at` held and half the n); a translation a + b n. Each of the
-five costs (`NAMES`; target_read: the large model's read of n >= 2 tokens up to its first
-token, as mlx-lm times it; target_step: its read of one) is a nonnegative least-squares fit to
-its last `KEEP` measurements, each weighing `DECAY` of the next: the warm-up's (warmup.py) and
-every turn's. Per large turn auto predicts both ways its answer can start (`Paths`):
+Time. A read of n tokens by a model holding `at` costs a + b n + c n (at + n / 2) seconds, a
+translation a + b n. Each of the five costs (`NAMES`; target_read: the large model's read of
+n >= 2 tokens up to its first token, target_step: of one) is a nonnegative least-squares fit to
+its last `KEEP` measurements (the warm-up's and every turn's), each weighing `DECAY` of the
+next. Per large turn auto predicts both ways its answer can start (`Paths`):
 
     large reads   target_read(lacked, at=held)
     small reads   catch-up (backward(k), or the small reads it too) + source_read(read)
                   + forward(lacked - tail) + target_read(recompute + 2 tail, at the turn's
                   end) + target_step (target_step alone for a one-token tail, no recompute)
 
-Retention. Of the stated facts and copies the large model gets right reading an n-token turn
-itself (right), those it also gets right on the small path (kept), per length (`kvlingo eval
---task content`, pooled over draws): kept / right where right >= `MIN_RIGHT`, linear in log n
-between measured lengths, the nearest one's outside. Auto takes the small path only where it is
-at least `ReaderPolicy.min_retention`.
-
-Files: `<cache folder>/rates|retention/<hash of the key>.json`, written atomically; keyed by the
-machine, the pair's files, the versions and the warm-up lengths (`rates_key`), or by the pair,
-the forward translator and the policy's tail and recompute share (`retention_key`). A file that
+Files: `<cache folder>/<folder>/<hash of the key>.json` (`read`, `write`; retention.py's too),
+written atomically; the rates keyed by `rates_key` (machine, pair, versions, lengths). One that
 does not parse, or whose schema or key differs, is ignored.
 """
 
@@ -50,9 +42,8 @@ from mlx.utils import tree_flatten
 
 DECAY, KEEP = 0.7, 12
 NAMES = ("source_read", "forward", "backward", "target_read", "target_step")
-MIN_RIGHT = 3  # fewer native answers right at a length would let one answer swing auto
 SCHEMA = "mlx-kvlingo/rates-3"  # 3: no load factor; probes replace their own sample
-RATES, RETENTION = "rates", "retention"  # the cache folder's subfolders
+RATES = "rates"  # the cache folder's subfolder
 
 
 @dataclass
@@ -186,51 +177,7 @@ def costs_of(pair) -> ReadCosts:
     return pair.__dict__.setdefault("_kvlingo_read_costs", ReadCosts())
 
 
-@dataclass(frozen=True)
-class Retention:
-    """(read length, retention in [0, 1]) points, lengths increasing; `source`: where they came
-    from."""
-
-    points: tuple[tuple[int, float], ...]
-    source: str = ""
-
-    @classmethod
-    def from_counts(cls, counts, source: str = "") -> Retention | None:
-        """The lengths of `counts` measured enough (pooled); None where none is."""
-        pts = tuple((n, kept / right) for n, kept, right in pooled(counts) if right >= MIN_RIGHT)
-        return cls(pts, source) if pts else None
-
-    def expected(self, n: int) -> float:
-        """The retention expected at `n` read tokens."""
-        pts = self.points
-        for (n0, r0), (n1, r1) in zip(pts, pts[1:]):
-            if n0 < n < n1:
-                return r0 + math.log(n / n0) / math.log(n1 / n0) * (r1 - r0)
-        return min(pts, key=lambda p: abs(p[0] - n))[1]
-
-
-def pooled(*groups) -> tuple[tuple[int, int, int], ...]:
-    """(read length, kept, right) counts summed per length, lengths increasing; ValueError on a
-    malformed count."""
-    by: dict[int, list[int]] = {}
-    for c in (c for group in groups for c in group):
-        ok = isinstance(c, (tuple, list)) and len(c) == 3 and all(type(x) is int for x in c)
-        if not ok or not 0 <= c[1] <= c[2] or c[0] <= 0:
-            raise ValueError(f"not a (length, kept, right) count: {c!r:.60}")
-        s = by.setdefault(c[0], [0, 0])
-        s[0], s[1] = s[0] + c[1], s[1] + c[2]
-    return tuple((n, k, r) for n, (k, r) in sorted(by.items()))
-
-
-def counts_of(entry: object) -> tuple[tuple[int, int, int], ...]:
-    """A manifest entry's counts ({"counts": [[length, kept, right], ...]}); () if malformed."""
-    try:
-        return pooled(map(tuple, entry["counts"]))  # type: ignore[index]
-    except (KeyError, TypeError, ValueError):
-        return ()
-
-
-def _files(pair, *translators) -> list[str | None]:
+def fingerprints(pair, *translators) -> list[str | None]:
     """Both models (weights, dtype, type, quantization) and each translator (its class,
     settings and the first entries of each weight), as fingerprints."""
 
@@ -255,13 +202,8 @@ def rates_key(pair, forward, backward, lengths) -> dict:
                *map(os.environ.get, env)]  # fmt: skip
     ours = getattr(sys.modules.get("mlx_kvlingo"), "__version__", None)  # a checkout's own
     versions = [importlib.metadata.version(d) for d in ("mlx", "mlx-lm")] + [ours]
-    return {"machine": machine, "pair": _files(pair, forward, backward), "versions": versions,
+    return {"machine": machine, "pair": fingerprints(pair, forward, backward), "versions": versions,
             "lengths": [int(n) for n in lengths]}  # fmt: skip
-
-
-def retention_key(pair, forward, policy) -> dict:
-    return {"pair": _files(pair, forward), "tail": policy.large_reads_last,
-            "recompute_share": policy.recompute_share}  # fmt: skip
 
 
 def path_for(folder: str | Path, k: dict) -> Path:
@@ -285,22 +227,3 @@ def write(folder, k: dict, **data) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"schema": SCHEMA, "key": k, **data}, indent=1, sort_keys=True)
     return write_text(path, text + "\n")
-
-
-def load_retention(k: dict) -> dict[str, tuple[tuple[int, int, int], ...]]:
-    """{draw: its counts} stored for key `k`; empty where none parse."""
-    try:
-        return {str(d): pooled(map(tuple, c)) for d, c in read(RETENTION, k)["draws"].items()}
-    except (AttributeError, KeyError, TypeError, ValueError):
-        return {}
-
-
-def record_retention(k: dict, draw: str, counts) -> dict:
-    """Store one run's counts for `k` under `draw` (what picked its tasks) and return every
-    draw's: a draw stored before keeps the lengths this run did not measure, so the same tasks
-    never count twice. OSError where the cache folder cannot be written."""
-    draws = load_retention(k)
-    mine = {c[0]: c for c in pooled(counts)}
-    draws[draw] = pooled([c for c in draws.get(draw, ()) if c[0] not in mine], mine.values())
-    write(RETENTION, k, draws={d: [list(c) for c in cs] for d, cs in draws.items()})
-    return draws

@@ -10,46 +10,27 @@ under `min_retention` turns the small path down. The tail and the recompute are 
 recompute first) where they would take the small path past TAIL_BUDGET x the plain handoff's
 TTFT and TAIL_ALLOWANCE_S more.
 
-The functions read the state they are handed (`State`: the session's `CatchUp`) and change
-nothing.
+The functions read the `state` they are handed (the session's `CatchUp`: both translators,
+`models`, `mode`, `policy`, `read_costs`, `retention`) and change nothing.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
-from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention
+from mlx_kvlingo.conversation.rates import Paths
 from mlx_kvlingo.conversation.records import share
 from mlx_kvlingo.kv.recompute import Selection
 
 #: the large model's read of the turn's last tokens may add to the small path's predicted TTFT
-#: as much as the plain handoff's own TTFT (where the large reads only the last token), or
-#: TAIL_ALLOWANCE_S, whichever is more: a user does not notice a fifth of a second, but does
-#: notice an MoE target's seconds-long prefill on the CPU
+#: the plain handoff's own TTFT or TAIL_ALLOWANCE_S, whichever is more
 TAIL_BUDGET = 2.0
 TAIL_ALLOWANCE_S = 0.5
-#: reader auto: predicted TTFTs within this fraction of each other are a tie, which the token
-#: rule decides (a short translated turn between the large's native answers loses the most)
+#: reader auto: predicted TTFTs within this fraction of each other are a tie (the token rule)
 READER_MARGIN = 0.05
 #: which translated tokens the large model recomputes: each attention peak with the rest of its
-#: sentence, at least 24 tokens, the chat template's markup last (weights/QUALITY.md,
-#: "Sentences, not neighbours")
+#: sentence (weights/QUALITY.md, "Sentences, not neighbours")
 RECOMPUTE_SELECTION = Selection()
-
-
-class State(Protocol):
-    """What the choice reads (the session's `CatchUp` has it): both translators, both caches
-    (`models[name].held`), the mode, the reader policy, the read costs and the retention."""
-
-    forward: object | None
-    backward: object | None
-    models: dict
-    mode: str
-    policy: ReaderPolicy
-    read_costs: ReadCosts
-    retention: Retention | None
 
 
 @dataclass(frozen=True)
@@ -64,31 +45,30 @@ class Decision:
     retention: float | None = None  # the measured retention that turned the small path down
 
 
-def choose(state: State, name: str, upto: int) -> Decision:
+def choose(state, name: str, upto: int) -> Decision:
     """Does the small model read [large's held, upto) for `name` this turn (reader policy,
     see session.py), where does it stop, and does the large recompute?"""
     if name != "target" or state.forward is None or state.mode == "reprefill":
         return Decision()  # reprefill is the reference: the answering model reads it all
-    p, paths = state.policy, _paths(state, upto)
-    cut = _tail_cut(state, upto, paths)
+    p, (tail, recompute) = state.policy, _reading(state, upto)
+    paths = paths_with(state, upto, tail, recompute) if state.mode == "alternation" else None
+    held = min(state.models["target"].held, upto)
+    cut = max(held, upto + 1 - tail)
     if cut <= state.models["target"].held:  # one way only
         why = f"the turn is within the {p.large_reads_last} tok the large reads itself"
         return Decision(note="" if p.reader == "self" else why)
     small, why, kept = _rule(state, upto, paths)
+    count = recompute_count(state, cut - held)  # 0 unless alternation
     over = f"would take over {TAIL_BUDGET:g}x this TTFT and {TAIL_ALLOWANCE_S:g} s more"
-    if small and p.large_reads_last > 1 and paths is not None and paths.tail == 1:
+    if small and p.large_reads_last > 1 and tail == 1:
         why = f"the large reads the last token only: reading the last {p.large_reads_last} tok"
         why += f" {over}"
-    elif small and paths is not None and recompute_count(state, paths.lacked - paths.tail) \
-            and not paths.recompute:  # fmt: skip
+    elif small and count and not recompute:
         why = f"no recompute: recomputing {p.recompute_share:.0%} of the turn {over}"
-    # the translated span is [held, cut): its recompute was predicted with the paths (none
-    # where no prediction applies: not alternation)
-    recompute = small and paths is not None and paths.recompute > 0
-    return Decision(small, why, paths, cut if small else 0, recompute, kept)
+    return Decision(small, why, paths, cut if small else 0, small and recompute and count > 0, kept)
 
 
-def _rule(state: State, upto: int, paths: Paths | None) -> tuple[bool, str, float | None]:
+def _rule(state, upto: int, paths: Paths | None) -> tuple[bool, str, float | None]:
     """The reader policy's choice: (the small model reads, why the large reads itself, the
     retention that turned the small path down). Reader "auto" decides by time (the token rule
     on a tie or before any timing), then turns a small path down where its measured retention
@@ -109,22 +89,15 @@ def _rule(state: State, upto: int, paths: Paths | None) -> tuple[bool, str, floa
         small_reads, why = rule, "" if rule else f"reader auto, a tie: {under}"
     else:
         small_reads, why = small < large, "" if small < large else "reader auto: the faster"
-    kept = retention_at(state, upto)
+    r = state.retention  # what the small path keeps at this length (None: not measured)
+    kept = None if r is None or not p.min_retention else r.expected(upto + 1 - held)
     if small_reads and kept is not None and kept < p.min_retention:
         return False, (f"reader auto: the small path keeps ≈{share(kept)} of the content at "
                        f"{upto + 1 - held:,} tok, under {p.min_retention:g}"), kept  # fmt: skip
     return small_reads, why, None
 
 
-def retention_at(state: State, upto: int) -> float | None:
-    """Reader "auto": the retention expected where the large model lacks
-    conversation[held:upto + 1] (None: not measured, or not weighed)."""
-    if state.retention is None or state.policy.reader != "auto" or not state.policy.min_retention:
-        return None
-    return state.retention.expected(upto + 1 - state.models["target"].held)
-
-
-def _reading(state: State, upto: int) -> tuple[int, bool]:
+def _reading(state, upto: int) -> tuple[int, bool]:
     """How much the large model reads itself where the small reads for it: (its last
     tokens, whether it recomputes). `large_reads_last` and `recompute_share`, unless that
     is predicted to take more than `TAIL_BUDGET` times the plain handoff's TTFT and
@@ -145,17 +118,7 @@ def _reading(state: State, upto: int) -> tuple[int, bool]:
     return 1, False
 
 
-def _tail_cut(state: State, upto: int, paths: Paths | None) -> int:
-    """Where the small model's reading for the large one stops: the large reads
-    conversation[cut : upto + 1] itself, its last `_reading` tokens (fewer where it
-    already holds more). `paths`: this turn's, where predicted (their tail)."""
-    if paths is not None:
-        return upto + 1 - paths.tail
-    held = min(state.models["target"].held, upto)
-    return max(held, upto + 1 - _reading(state, upto)[0])
-
-
-def paths_with(state: State, upto: int, tail: int, recompute: bool = True) -> Paths:
+def paths_with(state, upto: int, tail: int, recompute: bool = True) -> Paths:
     """The lengths of both ways where the large reads the last `tail` tokens itself (and
     recomputes, where `recompute`)."""
     th, sh = min(state.models["target"].held, upto), min(state.models["source"].held, upto)
@@ -165,15 +128,7 @@ def paths_with(state: State, upto: int, tail: int, recompute: bool = True) -> Pa
                  recompute_count(state, cut - th) if recompute else 0, th, sh)  # fmt: skip
 
 
-def _paths(state: State, upto: int) -> Paths | None:
-    """The lengths of the two ways the large model can come to read conversation[:upto + 1]
-    (None where no prediction applies: no forward map, or not alternation)."""
-    if state.forward is None or state.mode != "alternation":
-        return None
-    return paths_with(state, upto, *_reading(state, upto))
-
-
-def recompute_count(state: State, translated: int) -> int:
+def recompute_count(state, translated: int) -> int:
     """How many of `translated` tokens the large model recomputes (`recompute_share`)."""
     if state.mode != "alternation":
         return 0

@@ -1,5 +1,5 @@
 """What a conversation turn leaves behind, as plain records that touch no cache: switches, turn
-statistics, streamed tokens, errors, the role names, and the one-line status of a turn."""
+statistics, streamed responses, errors, the role names, a turn's status line and the totals."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ from typing import Any, Literal
 
 import numpy as np
 
-#: the two roles, named by size or by direction: the small model is the source of a forward
-#: translation, the large one its target (every module asks these two, nothing else)
+#: the two roles by size or by direction: the small model is a forward translation's source
 ROLE = {"small": "source", "large": "target", "source": "source", "target": "target"}
 LABEL: dict[str, Literal["small", "large"]] = {"source": "small", "target": "large"}
-# The `/auto` cascade (and `kvlingo serve`'s model `auto`): the large model answers again when the
-# small answer's mean token log-prob (`answer_confidence`) is below this.
+#: model "auto": the large model answers again where the small answer's confidence is below this
 AUTO_THRESHOLD = -1.5
 
 
@@ -96,16 +94,12 @@ class TurnStats:
     read: Read | None = None  # the small model's read for this answer (reader "small")
     ahead: Switch | None = None  # translated ahead for the large model during this answer
     prompt_s: float = 0.0  # the answering model's own prefill time this turn
-    #: the small model read: the large model's predicted TTFT reading every token it lacked
-    #: itself (its prefill plus its first step; kept under its old name)
+    #: the small model read: the large model's predicted TTFT reading the turn itself (old name)
     alone_prefill_s: float | None = None
     read_note: str = ""  # why the large read the new turn itself (readers "auto", "tokens")
-    #: reader "auto" turned the faster small path down: what it was expected to keep of the
-    #: content at this turn's length (rates.py), under `min_retention`
+    #: reader "auto" turned the faster small path down: the retention expected at this length
     retention: float | None = None
-    #: the other way of reading this turn, its TTFT predicted from the rates measured on this
-    #: pair (conversation/rates.py): the large reading itself when the small read, the small
-    #: reading (catch-up, read, translation, the large's first step) when the large read
+    #: the other way of reading this turn: its TTFT predicted from this pair's rates (rates.py)
     alternative_ttft_s: float | None = None
     predicted_ttft_s: float | None = None  # what was predicted for the path taken
     #: a cascade's small answer (model "auto"): under the threshold, the large answers again
@@ -117,25 +111,11 @@ class TurnStats:
 
 
 @dataclass
-class TokenEvent:
-    """One streamed token. The turn's last event carries its `stats`; `step` is mlx-lm's
-    `GenerationResponse` for the token (its logprobs vector, prompt and generation rates)."""
-
-    text: str
-    token: int | None
-    logprob: float | None
-    model: str
-    stats: TurnStats | None = None
-    step: object = None
-
-
-@dataclass
 class GenerationResponse:
     """mlx-lm's `GenerationResponse` (its fields, in its order), plus who answered and, on an
-    answer's last response (`finish_reason` set: stop | length | context | cancelled), the
-    hand-off record: who read the turn, what was translated and recomputed, where the time went
-    (`handoff`, `conversation/records.py`), and the one-line `status` that `kvlingo chat` prints.
-    An answer stopped before its first token ends with a response whose `token` is None."""
+    answer's last response (`finish_reason` set), the hand-off record (`handoff`: who read, what
+    was translated and recomputed, where the time went) and the `status` line. An answer stopped
+    before its first token ends with a response whose `token` is None."""
 
     text: str
     token: int | None
@@ -153,14 +133,41 @@ class GenerationResponse:
 
 
 def answer_confidence(logprobs: Sequence[float]) -> float:
-    """Mean token log-probability of an answer: 0 is certain, more negative is less sure.
-
-    This is the `/auto` cascade's score: the small model answers, and the large one takes
-    over when the score falls below a threshold.
-    """
+    """Mean token log-probability of an answer (0: certain), the score of model "auto"."""
     if not logprobs:
         raise ValueError("an empty answer has no confidence")
     return float(np.mean(logprobs))
+
+
+def totals(s) -> dict:
+    """Totals over session `s`'s conversation, per model and per direction: tokens each model
+    read itself answering (`prompt_tokens`) and for the other (`read_for_other_tokens`),
+    translated into it, and the times; `estimated_saving_ms` sums, over the large model's
+    answers the small one read for, its predicted own TTFT less the TTFT."""
+    per = {}
+    for name, m in s.models.items():
+        turns = [t for t in s.turns if t.model == name]
+        sw = [x for x in s.switches if x.into == name]
+        reads = [t.read for t in s.turns if t.read is not None and t.read.model == name]
+        per[name] = {
+            "turns": len(turns),
+            "generated_tokens": sum(t.generation_tokens for t in turns),
+            "prompt_tokens": sum(t.prompt_tokens for t in turns),
+            "prompt_ms": 1e3 * sum(t.prompt_s for t in turns),
+            "read_for_other_tokens": sum(r.tokens for r in reads),
+            "read_for_other_ms": 1e3 * sum(r.seconds for r in reads),
+            "switches_into": len(sw),
+            "translated_into": sum(x.translated for x in sw),
+            "retranslated_into": sum(x.retranslated for x in sw),
+            "translate_ms": 1e3 * sum(x.seconds for x in sw if x.translated),
+            "held": m.held,
+        }
+    saved = sum(t.alternative_ttft_s - t.ttft_s for t in s.turns if t.read is not None
+                and t.alternative_ttft_s is not None and t.ttft_s is not None)  # fmt: skip
+    return {"mode": s.mode, **s.policy.to_dict(), "conversation_tokens": len(s.tokens),
+            "messages": len(s.messages), "switches": len(s.switches),
+            "retemplated": s.retemplated, "estimated_saving_ms": 1e3 * saved,
+            "models": per}  # fmt: skip
 
 
 def share(x: float) -> str:

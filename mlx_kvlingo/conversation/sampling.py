@@ -1,15 +1,11 @@
-"""How an answer is sampled: one config, resolved per answering model, built with mlx-lm.
+"""How an answer is sampled: one config, resolved per answering model, built with mlx-lm's
+`make_sampler` and `make_logits_processors`.
 
-Defaults come from the model folder's `generation_config.json` where it sets them (the
-Hugging Face fields `do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
-`repetition_penalty`), otherwise from `DEFAULTS`: temperature 0.7, top-p 0.9, min-p 0.05,
-repetition penalty 1.1 over the last 256 tokens of the conversation's answers (the previous
-answers included, small models copy them otherwise; the user's text excluded, which an answer
-may need to repeat). Greedy decoding of small chat models loops
-("I'm not sure how to do it." 40 times); these settings keep answers readable. Explicit
-values always win: `resolve` merges them, the one place that does. `temp=0` is greedy; the
-repetition penalty then applies only when given explicitly, so greedy stays plain argmax
-decoding unless asked otherwise.
+`resolve` is the one place settings merge: explicit values over the model folder's
+`generation_config.json` (`do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
+`repetition_penalty`) over `DEFAULTS`, whose repetition penalty covers the conversation's
+answers (decode.py), never the user's text. `temp=0` is greedy and stays plain argmax: the
+default repetition penalty then applies only when given explicitly.
 """
 
 from __future__ import annotations
@@ -31,8 +27,7 @@ class Sampling:
     min_p: float = 0.05
     repetition_penalty: float = 1.1  # 1.0: off
     repetition_context_size: int = 256  # the last answer and the new turn, not only this one
-    seed: int | None = None  # seeds MLX's generator before the answer (None: leave it); a
-    # conversation's answers add the number of assistant messages before them (api._seed)
+    seed: int | None = None  # seeds MLX before the answer (None: leave it; stream.seed)
 
     def sampler(self):
         """mlx-lm's sampler for these settings (argmax when temp is 0)."""
@@ -57,7 +52,7 @@ FIELDS = tuple(DEFAULTS.as_dict())
 
 
 def generation_config(folder: str | Path | None) -> dict:
-    """The sampling fields of `folder/generation_config.json` as `Sampling` keywords ({} if none)."""
+    """The sampling fields of `folder/generation_config.json` as `Sampling` keywords ({}: none)."""
     if folder is None:
         return {}
     path = Path(folder) / "generation_config.json"
@@ -72,27 +67,18 @@ def generation_config(folder: str | Path | None) -> dict:
         out["temp"] = 0.0
     elif isinstance(raw.get("temperature"), (int, float)):
         out["temp"] = float(raw["temperature"])
-    for hf, ours, kind in (("top_p", "top_p", float), ("top_k", "top_k", int),
-                           ("min_p", "min_p", float),
-                           ("repetition_penalty", "repetition_penalty", float)):  # fmt: skip
-        if isinstance(raw.get(hf), (int, float)) and not isinstance(raw.get(hf), bool):
-            out[ours] = kind(raw[hf])
+    kinds = {"top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
+    for k, kind in kinds.items():
+        if isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool):
+            out[k] = kind(raw[k])
     return out
 
 
-#: what a caller may pass as `sampling`: a whole `Sampling`, the fields to set (a dict, merged
-#: over the answering model's defaults; None values count as not set), or None (all defaults)
-Overrides = Sampling | Mapping[str, Any] | None
-
-
-def resolve(model=None, sampling: Overrides = None) -> Sampling:
-    """The one place sampling settings are merged, for `model` (a LoadedModel or None).
-
-    `sampling` a `Sampling`: taken whole, as it is. A mapping of `Sampling` fields (values
-    not None): those fields over the model's generation_config.json over `DEFAULTS`, e.g.
-    `{"temp": 0.2}` keeps the model's top-p. None: the model's defaults. `temp=0` drops the
-    default repetition penalty (greedy stays plain argmax) unless one is given. An unknown
-    field is a ValueError that names the known ones."""
+def resolve(model=None, sampling: Sampling | Mapping[str, Any] | None = None) -> Sampling:
+    """The settings for `model` (a LoadedModel or None): a `Sampling` taken whole; a mapping's
+    fields (None: not set) over the model's generation_config.json over `DEFAULTS` (`{"temp":
+    0.2}` keeps the model's top-p); None: the model's defaults. An unknown field is a ValueError
+    naming the known ones."""
     if isinstance(sampling, Sampling):
         return sampling
     if sampling is None:
@@ -117,16 +103,12 @@ def resolve(model=None, sampling: Overrides = None) -> Sampling:
 
 
 def describe(cfg: Sampling) -> str:
-    """One line for banners: `temp 0.7 · top-p 0.9 · min-p 0.05 · rep 1.1/64`."""
-    if cfg.temp == 0:
-        head = "greedy"
-    else:
-        head = f"temp {cfg.temp:g} · top-p {cfg.top_p:g}" + (
-            f" · top-k {cfg.top_k}" if cfg.top_k else ""
-        )
-        head += f" · min-p {cfg.min_p:g}"
+    """One line for banners: `temp 0.7 · top-p 0.9 · min-p 0.05 · repetition penalty 1.1 over
+    256`."""
+    head = "greedy" if cfg.temp == 0 else f"temp {cfg.temp:g} · top-p {cfg.top_p:g}"
+    if cfg.temp != 0:
+        head += (f" · top-k {cfg.top_k}" if cfg.top_k else "") + f" · min-p {cfg.min_p:g}"
     if cfg.repetition_penalty not in (None, 1.0):
-        head += (
-            f" · repetition penalty {cfg.repetition_penalty:g} over {cfg.repetition_context_size}"
-        )
+        head += f" · repetition penalty {cfg.repetition_penalty:g} over "
+        head += f"{cfg.repetition_context_size}"
     return head + (f" · seed {cfg.seed}" if cfg.seed is not None else "")

@@ -1,41 +1,31 @@
 """One conversation, two models, each with its own cache: the turn loop, top to bottom.
 
 Invariant: the conversation is one list of token ids (`Transcript`); each model's mlx-lm cache
-holds a prefix of it, `held` tokens long, in every layer (`ModelCache`). A turn always ends in
+holds a prefix of it, `held` tokens long, in every layer (`ModelCache`). Every change to the
+conversation cuts both caches to the prefix they still share with it, and a turn always ends in
 `_commit`, however it stops (end, max tokens, `cancel()`, Ctrl-C, the iterator closed or
-garbage collected): the emitted tokens become the answer and the cache is cut to match, so
-both caches stay consistent. No span is translated twice.
+collected): the emitted tokens become the answer and the cache is cut to match. No span is
+translated twice.
 
-A turn (`generate`, `_generate`):
+A turn (`generate`):
 
-    1. hand-off (`_hand_off`)  who reads the turn (the reader policy, mlx_kvlingo/config.py,
-                               decided once into a `reader.Decision`):
-                               the small model reads it (`small_reads`), the span the large
-                               lacks is translated (`catch_up`), the large reads the turn's last
-                               `large_reads_last` tokens and recomputes `recompute_share` of the
-                               span (`recompute`); or the answering model catches up by the mode
-                               and reads the rest itself (catchup.py);
+    1. hand-off (`_hand_off`)  who reads the turn (reader.py, decided once into a `Decision`):
+                               the small model reads it, the span the large lacks is translated,
+                               the large reads the last tokens and recomputes (catchup.py); or
+                               the answering model catches up by the mode and reads the rest;
     2. decode (decode.py)      mlx-lm's `stream_generate` on the answering model's own cache,
                                reading at least the last conversation token itself;
     3. commit (`_commit`)      the emitted tokens become the answer, the cache is cut to match.
 
 Modes: `alternation` translates only the span the other model holds and this one lacks, at its
-true absolute positions; `naive` re-translates everything the other model holds (the baseline
-that drifts turn after turn); `reprefill` reads it all (the exact reference, and the slow one).
-
-Reader "auto" (the default with a forward translator) picks, turn by turn, whichever path starts
-the answer sooner, predicted from rates measured on this pair (rates.py); ties go to the token
-rule (a short translated turn between the large's native answers loses the most quality). The
-large reads the turn's last `large_reads_last` tokens itself (32; 1 is the plain handoff):
-a translated short message keeps its topic and loses its request (weights/QUALITY.md). Where
-that read would more than double the plain handoff's TTFT (`reader.TAIL_BUDGET`), it reads the
-last token only. Nothing here prints: `generate` yields `TokenEvent`s and every turn leaves a
-`TurnStats` (with its `Switch`) in `Session.turns`.
+true positions; `naive` re-translates everything the other model holds (the drifting baseline);
+`reprefill` reads it all (the exact reference). Nothing here prints: `generate` yields
+mlx-lm-shaped `GenerationResponse`s (the last carries the turn's `TurnStats` as `handoff`), and
+every turn leaves its `TurnStats` in `Session.turns`.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,9 +42,17 @@ from mlx_kvlingo.conversation.catchup import (
     check_directions,
 )
 from mlx_kvlingo.conversation.decode import decode, room
-from mlx_kvlingo.conversation.history import History
-from mlx_kvlingo.conversation.rates import Paths, ReadCosts, Retention, costs_of
-from mlx_kvlingo.conversation.records import SessionError, TokenEvent, TurnStats, role
+from mlx_kvlingo.conversation.rates import Paths, ReadCosts, costs_of
+from mlx_kvlingo.conversation.records import (
+    GenerationResponse,
+    SessionError,
+    TurnStats,
+    role,
+    totals,
+)
+from mlx_kvlingo.conversation.retention import Retention
+from mlx_kvlingo.conversation.transcript import Transcript
+from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
 
@@ -65,24 +63,11 @@ def _kept(part: str, name: str, doc: str) -> property:
                     lambda self, v: setattr(getattr(self, part), name, v), doc=doc)  # fmt: skip
 
 
-def _claimed(part: str, method: Callable) -> Callable:
-    """A change to the conversation that one of the session's parts makes, after the session
-    closes the generation it left open (`_claim`); documented by the part's method."""
-
-    @functools.wraps(method)
-    def change(self, *args, **kwargs):
-        self._claim()
-        return method(getattr(self, part), *args, **kwargs)
-
-    return change
-
-
 class Session:
     """One conversation over a model pair: the source (small) and target (large) model.
 
-    `forward` translates source K/V into the target's cache, `backward` the other way.
-    Without `backward`, handing the conversation back to the source re-prefills (and the
-    switch says so in its `note`).
+    `forward` translates source K/V into the target's cache, `backward` the other way; without
+    `backward`, handing the conversation back to the source re-prefills (the switch's `note`).
 
         s = Session(pair, forward, backward)
         s.add_user("Hello")
@@ -93,31 +78,24 @@ class Session:
             ...
     """
 
-    def __init__(
-        self,
-        pair: ModelPair,
-        forward: Translator | None,
-        backward: Translator | None = None,
-        mode: str = "alternation",
-        *,
-        system_prompt: str | None = None,
-        max_kv_size: int | None = None,
-        policy: ReaderPolicy | None = None,
-        read_costs: ReadCosts | None = None,
-        remote: RemoteLarge | None = None,
-        retention: Retention | None = None,
-    ):
+    def __init__(self, pair: ModelPair, forward: Translator | None,
+                 backward: Translator | None = None, mode: str = "alternation", *,
+                 system_prompt: str | None = None, max_kv_size: int | None = None,
+                 policy: ReaderPolicy | None = None, read_costs: ReadCosts | None = None,
+                 remote: RemoteLarge | None = None, retention: Retention | None = None):  # fmt: skip
         check_directions(pair, forward, backward)
         self.pair, self.forward, self.backward = pair, forward, backward
         #: the large model's cache on other ranks (distributed/): what is gathered from it and
         #: placed into it goes through `remote`; it cannot recompute, save or load
         self.remote = remote
-        #: the conversation: its messages, both caches, its records; changed between turns
-        self.history = h = History(pair, system_prompt, max_kv_size)
-        self.transcript, self.models = h.transcript, h.models
-        self.turns, self.switches = h.turns, h.switches
+        self.max_kv_size = max_kv_size  # the conversation's token limit (None: none)
+        self.transcript = Transcript(pair.tokenizer, system_prompt)
+        self.models = {n: ModelCache(n, getattr(pair, n), new_cache(getattr(pair, n)))
+                       for n in ("source", "target")}  # fmt: skip
+        self.turns: list[TurnStats] = []
+        self.switches: list = []  # every `Switch`, in order
         self._cancel = threading.Event()
-        self._active: Iterator[TokenEvent] | None = None  # the generation left open
+        self._active: Responses | None = None  # the generation left open
         #: catching up and who reads a turn: the mode, the reader policy, the read costs
         self.catchup = CatchUp(pair, forward, backward, transcript=self.transcript,
                                models=self.models, switches=self.switches, cancel=self._cancel,
@@ -125,25 +103,18 @@ class Session:
                                remote=remote, mode=mode, policy=policy,
                                retention=retention)  # fmt: skip
 
-    # -- settings and state, kept by the parts ------------------------------------------------
-
     mode = _kept("catchup", "mode", "alternation, naive or reprefill (catchup.py)")
     policy = _kept("catchup", "policy", "who reads a turn and what the large model recomputes "
                    "(mlx_kvlingo/config.py), its reader resolved ('auto' with a forward "
                    "translator, else 'self'); change it with dataclasses.replace")  # fmt: skip
     read_costs = _kept("catchup", "read_costs", "what reading costs on this pair (reader auto)")
     retention = _kept("catchup", "retention", "what the forward translator keeps of the content "
-                      "by length under this policy (reader auto; rates.py)")  # fmt: skip
+                      "by length under this policy (reader auto; retention.py)")  # fmt: skip
     tokens = _kept("transcript", "tokens", "the conversation's token ids")
     messages = _kept("transcript", "messages", "the role/content dicts of the conversation")
     system_prompt = _kept("transcript", "system_prompt", "the system message (reset keeps it)")
     retemplated = _kept("transcript", "retemplated", "times a template was not prefix-stable")
-    max_kv_size = _kept("history", "max_kv_size", "the conversation's token limit (None: none)")
-
-    @property
-    def pending(self) -> bool:
-        """True when the conversation ends with a user message that has no answer yet."""
-        return self.transcript.pending
+    pending = _kept("transcript", "pending", "the last message is a user's, not answered yet")
 
     @property
     def last_turn(self) -> TurnStats | None:
@@ -157,47 +128,74 @@ class Session:
         """The mlx-lm cache of `model` (holds `held(model)` tokens). Do not modify it."""
         return self.models[role(model)].cache
 
-    def translated_spans(self, into: str | None = None) -> list[tuple[str, int, int]]:
-        """Every span translated so far as (into, start, end), in order."""
-        out = [(s.into, *s.translated_span) for s in self.switches if s.translated]
-        return [t for t in out if into is None or t[0] == role(into)]
-
     def cancel(self) -> None:
         """Ask the running generation to stop after its current token (any thread)."""
         self._cancel.set()
 
     def stats(self) -> dict:
-        """Totals over the conversation, per model and per direction.
+        """Totals over the conversation, per model and per direction (`records.totals`)."""
+        return totals(self)
 
-        Per model: tokens it read itself while answering (`prompt_tokens`) and while reading
-        for the other model (`read_for_other_tokens`), tokens translated into it, and the
-        times; `estimated_saving_ms` sums, over the large model's answers that the small one
-        read for, its estimated own prefill minus what reading and translating cost.
-        """
-        return self.history.stats(self.mode, self.policy)
+    # -- changes between turns: the transcript changes, both caches are cut to match ----------
 
-    # -- messages, changed by the history (history.py) -------------------------------------
+    def _change(self, change: Callable, *args) -> int:
+        """`change(*args)` returns (its result, keep): both caches keep at most `keep` tokens."""
+        self._claim()
+        out, keep = change(*args)
+        for m in self.models.values():
+            m.settle(min(m.held, keep))
+        return out
 
-    add_user = _claimed("history", History.add_user)
-    add_assistant = _claimed("history", History.add_assistant)
-    add_tokens = _claimed("history", History.add_tokens)
-    trim = _claimed("history", History.trim)
-    reset = _claimed("history", History.reset)
+    def add_user(self, text: str) -> list[int]:
+        """Append a user message (and the template's generation prompt); return its tokens. An
+        earlier user message that never got an answer (stopped before its first token) is
+        replaced."""
+        start = self._change(self.transcript.add_user, text)
+        return self.tokens[start:]
+
+    def add_assistant(self, text: str) -> list[int]:
+        """Append an answer given as text (history from elsewhere); return its tokens. Whichever
+        model answers next catches up on it; it cannot be escalated (no model produced it)."""
+        start = self._change(self.transcript.add_assistant, text)
+        return self.tokens[start:]
+
+    def add_tokens(self, tokens) -> None:
+        """Append raw token ids to the conversation (no template; for tests and tools)."""
+        self._claim()
+        self.tokens.extend(int(t) for t in tokens)
+
+    def trim(self, max_tokens: int | None = None) -> int:
+        """Drop the oldest turns until the conversation fits in `max_tokens` tokens (default:
+        half of `max_kv_size`); the system prompt and the last message stay, and the next
+        answering model re-reads what moved. Returns the number of messages dropped."""
+        self._claim()
+        if max_tokens is None:
+            if self.max_kv_size is None:
+                raise SessionError("trim needs a token budget (or a session max_kv_size)")
+            max_tokens = self.max_kv_size // 2
+        return self._change(self.transcript.trim, max_tokens)
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays) and empty both caches."""
+        self._claim()
+        self.transcript.reset()
+        for m in self.models.values():
+            m.clear()
+        self.turns.clear()
+        self.switches.clear()
 
     # -- a turn ---------------------------------------------------------------------------
 
     def _claim(self) -> None:
-        """Close the generation this session left unfinished (it commits what it emitted)
-        before the conversation changes. A session is not thread-safe: one generation at a time
-        over a pair is the pair's lock (conversation/lock.py, held by the public API)."""
+        """Close the generation left unfinished (it commits what it emitted). A session is not
+        thread-safe: one generation at a time is the pair's lock (lock.py, held by the API)."""
         gen, self._active = self._active, None
         if gen is not None:
             gen.close()
 
     def _begin(self, model: str) -> tuple[str, int | None]:
-        """Checks before any work on a turn: (the model's role, tokens the turn may add under
-        `max_kv_size` and both models' own context: None for unlimited). A conversation already
-        past either model's context is refused before any work: both may read it."""
+        """Checks before any work on a turn: (the model's role, tokens the turn may add: None
+        for no limit; decode.room)."""
         name = role(model)
         self._claim()
         n = len(self.tokens)
@@ -208,26 +206,15 @@ class Session:
         self._cancel.clear()
         return name, left
 
-    def generate(
-        self,
-        model: str = "target",
-        *,
-        max_tokens: int = 256,
-        sampler=None,
-        logits_processors=None,
-        prefill_step_size: int = READ_CHUNK,
-        progress: Progress | None = None,
-    ) -> Iterator[TokenEvent]:
-        """Stream an answer from `model` ('source'/'small' or 'target'/'large').
-
-        The model first catches up on what it lacks (see the module docstring), then decodes
-        with mlx-lm. Stopping early (break, `cancel()`, KeyboardInterrupt, closing the
-        iterator) commits the tokens emitted so far and trims the cache to match; stopped while
-        a model reads the turn, each cache keeps the chunks it read whole and the turn stays
-        unanswered. `progress(reader, done, total)` is called as the turn is read, chunk by
-        chunk (`reader`: "source" where the small model reads for the large one, else the
-        answering model; `done` of `total` tokens, 0 first), e.g. for a progress line.
-        """
+    def generate(self, model: str = "target", *, max_tokens: int = 256, sampler=None,
+                 logits_processors=None, prefill_step_size: int = READ_CHUNK,
+                 progress: Progress | None = None) -> Responses:  # fmt: skip
+        """Stream an answer from `model` ('source'/'small' or 'target'/'large'): the hand-off,
+        then mlx-lm decodes. Stopped early (break, `cancel()`, KeyboardInterrupt, the iterator
+        closed), the tokens emitted are the answer; stopped while a model reads the turn, each
+        cache keeps the chunks it read whole and the turn stays unanswered.
+        `progress(reader, done, total)` is called as the turn is read, chunk by chunk (`reader`:
+        "source" where the small model reads for the large one, else the answering model)."""
         name, left = self._begin(model)
         limit = max_tokens
         if left is not None and (max_tokens < 0 or max_tokens > left):  # -1: no limit
@@ -241,14 +228,13 @@ class Session:
         return gen
 
     def _generate(self, name: str, limit: int, capped: bool, kwargs,
-                  progress: Progress | None = None) -> Iterator[TokenEvent]:  # fmt: skip
+                  progress: Progress | None = None) -> Responses:  # fmt: skip
         """The turn: hand off (read, catch up, recompute), decode, commit."""
         m, catchup = self.models[name], self.catchup
         t0 = time.perf_counter()
         n0 = len(self.tokens)
         stats = TurnStats(name, self.mode)
         emitted: list[int] = []
-        texts: list[str] = []
         paths = None
         try:
             # 1. the hand-off: whoever reads the turn, the answering model's cache then holds
@@ -261,25 +247,14 @@ class Session:
             prompt = self.tokens[m.held :]
             stats.prompt_tokens = len(prompt)
             # 2. decode with mlx-lm on the answering model's own cache
-            yield from decode(
-                m,
-                self.pair.tokenizer,
-                prompt,
-                limit=limit,
-                capped=capped,
-                kwargs=kwargs,
-                stats=stats,
-                t0=t0,
-                cancel=self._cancel,
-                answers=self.transcript.answers,
-                emitted=emitted,
-                texts=texts,
-                first=lambda: catchup.observe(stats, n0 - len(prompt)),
-                between=None if ahead is None else lambda s: catchup.ahead_step(ahead, n0 - 1, s),
-            )
+            step = None if ahead is None else lambda s: catchup.ahead_step(ahead, n0 - 1, s)
+            yield from decode(m, self.transcript, prompt, stats, emitted, limit=limit,
+                              capped=capped, kwargs=kwargs, t0=t0, cancel=self._cancel,
+                              first=lambda: catchup.observe(stats, n0 - len(prompt)),
+                              between=step)  # fmt: skip
         finally:
             # 3. commit, however the turn stopped
-            self._commit(m, n0, emitted, texts, stats)
+            self._commit(m, n0, emitted, stats)
         if emitted and paths is not None:  # the other path's TTFT, predicted with this turn's rates
             catchup.alternative(stats, paths, self.tokens[:n0])
 
@@ -315,65 +290,58 @@ class Session:
                 stats.finish_reason = "cancelled"
         return paths
 
-    def _commit(self, m: ModelCache, n0: int, emitted, texts, stats: TurnStats) -> None:
+    def _commit(self, m: ModelCache, n0: int, emitted, stats: TurnStats) -> None:
         """End a turn: keep the emitted tokens as the answer and make the cache match."""
         stats.finish_reason = stats.finish_reason or "interrupted"
-        stats.text = "".join(texts)
         if emitted:
             self.transcript.commit(n0, emitted, stats.text, m.name)
         m.settle(len(self.tokens))
         self.turns.append(stats)
 
-    def hand_off(self, model: str = "target", chunk: int = READ_CHUNK) -> TurnStats:
-        """Bring `model` up to the conversation, ready for its first step, without answering:
-        the hand-off `generate` runs before it decodes (`_hand_off`). Its cache then holds
-        conversation[:held(model)] and the rest (at least the last token) is the prompt its
-        first step reads. Returns the records (who read, what was translated, recomputed)."""
+    def hand_off(self, model: str = "target") -> TurnStats:
+        """Bring `model` up to the conversation without answering: `generate`'s hand-off. Its
+        cache then holds conversation[:held(model)], the rest (at least the last token) the
+        prompt of its first step. Returns the records (who read, translated, recomputed)."""
         name, _ = self._begin(model)
         stats = TurnStats(name, self.mode)
-        self._hand_off(name, len(self.tokens), stats, chunk)
+        self._hand_off(name, len(self.tokens), stats, READ_CHUNK)
         return stats
 
-    def escalate(self, model: str | None = None, **generate_kwargs) -> Iterator[TokenEvent]:
-        """Answer the last user message again with the other model (or `model`).
-
-        The last answer is dropped from the conversation and both caches; the incoming model
-        then catches up by the session's mode and answers.
-        """
+    def escalate(self, model: str | None = None, **generate_kwargs) -> Responses:
+        """Answer the last user message again with `model`, else the other model than the one
+        that answered it: its last answer is dropped from the conversation and both caches,
+        and the incoming model catches up by the mode. A message still unanswered (stopped
+        before its first token) is answered as it is."""
         self._claim()
-        return self.generate(self.history.escalation(model), **generate_kwargs)
+        if not self.pending:
+            if model:
+                role(model)  # an unknown name is refused before the answer is dropped
+            answered = self._change(self.transcript.drop_answer)
+        elif model is None and self.last_turn is None:
+            raise SessionError("the last message has no answer yet: name the model to answer")
+        else:
+            answered = getattr(self.last_turn, "model", None)
+        other = "target" if answered == "source" else "source"
+        return self.generate(model or other, **generate_kwargs)
 
-    # -- files ----------------------------------------------------------------------------
-
-    def _local_only(self, what: str) -> None:
-        if self.remote is not None:  # the large model's cache is spread over the ranks
-            raise SessionError(
-                f"{what} is not available when the large model is pipelined over ranks"
-            )
+    # -- files (persistence.py) ------------------------------------------------------------
 
     def save(self, path: str | Path) -> Path:
-        """Write both caches, the conversation and the sync state to one prompt cache file
-        (an mlx-lm prompt cache; see persistence.py). A `.safetensors` suffix is added when
-        missing."""
-        self._local_only("saving")
+        """Write both caches, the conversation and the sync state to one mlx-lm prompt cache
+        file (a `.safetensors` suffix is added where missing)."""
         self._claim()
-        return persistence.save(path, self.pair, transcript=self.transcript, models=self.models,
-                                mode=self.mode, policy=self.policy, switches=self.switches,
-                                turns=self.turns)  # fmt: skip
+        return persistence.save(path, self)
 
     def load(self, path: str | Path) -> None:
         """Restore a session saved by `save` for this same pair (refuses any other pair)."""
-        self._local_only("loading")
         self._claim()
-        self.policy = persistence.load(path, self.pair, transcript=self.transcript,
-                                       models=self.models, policy=self.policy,
-                                       has_forward=self.forward is not None,
-                                       switches=self.switches, turns=self.turns)  # fmt: skip
+        self.policy = persistence.load(path, self)
 
 
 #: progress(reader, done, total): `reader` ("source" or "target") has read `done` of the turn's
 #: `total` tokens it reads
 Progress = Callable[[str, int, int], None]
+Responses = Iterator[GenerationResponse]
 
 
 __all__ = ["MODES", "READERS", "Session"]

@@ -117,12 +117,8 @@ def _answer(pair: Any, cache: Session, model: str | None, cancel: threading.Even
         cache.cancel()
     before, last = cache.last_turn, None
     try:
-        for te in events:
-            r = te.step
-            last = GenerationResponse(te.text, te.token, r.logprobs, r.from_draft,
-                                      r.prompt_tokens, r.prompt_tps, r.generation_tokens,
-                                      r.generation_tps, r.peak_memory, model=LABEL[te.model])  # fmt: skip
-            if te.stats is None:
+        for last in events:
+            if last.handoff is None:
                 yield last
     finally:
         events.close()  # commits what was emitted, trims the caches to match

@@ -16,12 +16,7 @@ from mlx_kvlingo.conversation.records import ContextOverflowError, SessionError
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 class Transcript:
@@ -74,14 +69,14 @@ class Transcript:
         return start, keep
 
     def drop_answer(self) -> tuple[int, str]:
-        """Remove the last answer a model gave: (where it started, that model)."""
+        """Remove the last answer a model gave: (that model, keep: where it started)."""
         if self.answer is None or not self.messages or self.messages[-1]["role"] != "assistant":
             raise SessionError("nothing to escalate: there is no answer yet")
         start, answered = self.answer
         self.cut(start)
         self.messages.pop()
         self.answer = self.user_start = None
-        return start, answered
+        return answered, start
 
     def commit(self, n0: int, emitted: list[int], text: str, model: str) -> None:
         """Keep the tokens a model emitted after conversation[:n0] as its answer."""

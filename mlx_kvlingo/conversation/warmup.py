@@ -1,19 +1,18 @@
 """The warm-up: a new process's one-off costs paid before its first turn, this pair's read rates
 (rates.py) ready for reader "auto".
 
-    reusing start     the rates and map readings stored for this key (`rates.rates_key`), a
-                      scratch conversation, thrown away, then `probe`
-    measuring start   (none stored, or `reuse=False`) `warm_up`: each translator measures how its
-                      maps read fastest and faults in a translation's memory (kv.translator),
-                      a scratch conversation thrown away, one at each of `lengths` measured,
-                      `probe`; then stored
+    reusing start     the rates and map readings stored for this key, a scratch turn, `probe`
+    measuring start   (none stored, or `reuse=False`) `warm_up`: each translator measures how
+                      its maps read fastest and faults in a translation's memory, a scratch
+                      turn, one scratch conversation at each of `lengths` measured, `probe`;
+                      then stored
 
-A scratch conversation runs the product's own turns (`CatchUp.observe` records them): per length
-a turn the small model reads for the large one and one the large reads itself, then one the small
-answers; the first pays what a process pays once (MLX compiling its kernels, lazy weights, first
-allocations, the chat template, the sampler). `probe`: each model that reads for a turn reads
-`PROBE_READ` tokens over `PROBE_AT` zero positions once (attention costs the same whatever the K/V
-hold), replacing a stored read of that shape: this start's attention term, which long turns follow.
+A scratch conversation runs the product's own turns: per length a turn the small model reads
+for the large one and one the large reads itself, then one the small answers; the first pays
+what a process pays once (kernels compiled, weights faulted in, the template, the sampler).
+`probe`: each model that reads for a turn reads `PROBE_READ` tokens over `PROBE_AT` zero
+positions once (attention costs the same whatever the K/V hold), replacing a stored read of
+that shape: this start's attention term, which long turns follow.
 """
 
 from __future__ import annotations
