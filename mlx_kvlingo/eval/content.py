@@ -21,7 +21,7 @@ Each condition's read is timed (`read_s`: the target's own prefill of prompt[:-1
 the whole hand-off for a `Chat`, the small model's read included; scoring and the sparse read
 for a `Peer`), side by side in one run;
 `retention` counts what a `Chat` condition kept of the facts and copies the native read got
-right, per length: what reader "auto" weighs (conversation/rates.py).
+right, per length: what reader "auto" weighs (conversation/retention.py).
 """
 
 from __future__ import annotations
@@ -365,7 +365,7 @@ def _fmt(x: float) -> str:
 def retention(result: dict, condition: str = "chat") -> list[tuple[int, int, int]]:
     """(read length, kept, right) of `condition` per length, facts and copies pooled: right =
     tasks the native answer got right, kept = those `condition` also got right (lengths where
-    native got none are left out); conversation/rates.py weighs them."""
+    native got none are left out); conversation/retention.py weighs them."""
     right: dict = {}
     by_task = {}
     for r in result["records"]:
