@@ -145,6 +145,11 @@ def test_sentence_ends_are_the_tokens_ending_a_sentence_or_line(known_pair):
     marked = [tok.decode([i]) for i in ids if i in ends]
     assert marked == [".", "?", "!", "\n"]
 
+    class OneAtATime:  # no Rust tokenizer behind it: every id decoded alone
+        get_vocab, decode = tok.get_vocab, tok.decode
+
+    assert sentence_ends(OneAtATime()) == ends
+
 
 def test_recompute_shares_zero_and_one_are_the_tail_read_and_native(known_pair, tiny_dir):
     """Share 0: exactly the target reading the tail itself; share 1: the target's own cache
