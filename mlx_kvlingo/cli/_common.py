@@ -129,11 +129,9 @@ def sampling_options(f):
 
 
 def sampling_settings(kw: dict) -> dict:
-    """The sampling options given, as `stream_generate` / `Conversation.send` keywords (those
-    not given are left out: the answering model's defaults)."""
-    from mlx_kvlingo.conversation.sampling import FIELDS
-
-    return {k: kw[k] for k in FIELDS if kw.get(k) is not None}
+    """The sampling options given (`sampling_options`), as `stream_generate` keywords; those not
+    given are left out: the answering model's defaults."""
+    return {k: v for k, v in kw.items() if v is not None}
 
 
 def content_texts(data_path) -> list[str]:
@@ -154,7 +152,6 @@ def policy_options(f):
     from dataclasses import replace
 
     from mlx_kvlingo.config import READERS, ReaderPolicy
-    from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION as sel
 
     d = ReaderPolicy()
     opts = [
@@ -171,10 +168,8 @@ def policy_options(f):
                           "last this many tokens itself; 1: the last token"),
         click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
                      help="When the small model reads your turn, the large one also recomputes "
-                          f"this share of it (at least {sel.floor} tokens, and on a turn past "
-                          f"{sel.cap:,} tokens as many as on one of {sel.cap:,}), the sentences "
-                          "its reading of "
-                          "the turn's end attended to most; 0: none; default "
+                          "this share of it (capped on long turns), the sentences its reading of "
+                          f"the turn's end attended to most; 0: none; default "
                           f"{d.recompute_share:g}, 0 with a pipelined large model"),
         click.option("--min-retention", type=click.FloatRange(0, 1), default=d.min_retention,
                      show_default=True,

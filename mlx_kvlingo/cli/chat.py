@@ -41,9 +41,6 @@ from mlx_kvlingo.cli._distributed import (
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
 from mlx_kvlingo.cli._progress import progress_bar
-from mlx_kvlingo.conversation.reader import READER_MARGIN, RECOMPUTE_SELECTION
-from mlx_kvlingo.conversation.sampling import describe as describe_sampling
-from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
 from mlx_kvlingo.distributed.pipeline import DistributedError
 
 import click
@@ -82,32 +79,24 @@ HELP = [
 
 def describe_reader(conv) -> str:
     """What the conversation's reader policy does, in words."""
-    last = (f"; the large reads the last {conv.policy.large_reads_last} tok itself"
-            if conv.policy.large_reads_last > 1 else "")  # fmt: skip
-    if conv.policy.recompute_share:
-        share, sel = conv.policy.recompute_share, RECOMPUTE_SELECTION
-        last += f" and recomputes {share:.0%} of the translated turn"
-        if sel.cap:
-            last += f", at most {sel.count(share, sel.cap)} tok"
-    if conv.policy.reader == "small":
-        return ("the small model reads every turn, the large one decodes from the translated "
-                f"cache{last}")  # fmt: skip
-    rule = (f"the small model reads the opening and turns of {conv.policy.reader_min_tokens}+ "
-            "tokens, the large one shorter turns")  # fmt: skip
-    if conv.policy.reader == "tokens":
-        return rule + last
-    if conv.policy.reader == "auto":
-        kept = conv.cache.retention
-        keeps = (f", but the small path only where it keeps {conv.policy.min_retention:g}+ of "
-                 f"the content at that length (measured: {_points(kept)})"
-                 if kept is not None and conv.policy.min_retention else "")  # fmt: skip
-        return (f"whichever starts the answer sooner at the rates measured here; within "
-                f"{READER_MARGIN:.0%}, {rule}{keeps}{last}")  # fmt: skip
-    return "the answering model reads your turn itself"
-
-
-def _points(kept) -> str:
-    return ", ".join(f"{r:.2f} at {n:,} tok" for n, r in kept.points)
+    p, kept = conv.policy, conv.cache.retention
+    last = (f"; the large reads the last {p.large_reads_last} tok itself"
+            if p.large_reads_last > 1 else "")  # fmt: skip
+    if p.recompute_share:
+        last += f" and recomputes {p.recompute_share:.0%} of the translated turn"
+    rule = (f"the small model reads the opening and turns of {p.reader_min_tokens}+ tokens, "
+            "the large one shorter turns")  # fmt: skip
+    if p.reader == "auto" and kept is not None and p.min_retention:
+        points = ", ".join(f"{r:.2f} at {n:,} tok" for n, r in kept.points)
+        rule += (f", but the small path only where it keeps {p.min_retention:g}+ of the "
+                 f"content at that length (measured: {points})")  # fmt: skip
+    return {
+        "small": "the small model reads every turn, the large one decodes from the translated cache",
+        "tokens": rule,
+        "auto": f"whichever starts the answer sooner at the rates measured here; on a tie, {rule}",
+    }.get(p.reader, "the answering model reads your turn itself") + (
+        last if p.reader != "self" else ""
+    )
 
 
 class ChatApp:
@@ -187,20 +176,13 @@ class ChatApp:
 
     # -- turns -------------------------------------------------------------------------------
 
-    def turn(self, text: str | None) -> None:
-        """Answer `text` (None: the message left unanswered) with the next model, or by the
-        cascade (model "auto") when /auto is on."""
+    def turn(self, text: str | None, escalate: bool = False) -> None:
+        """Answer `text` (None: the message left unanswered) with the next model, by the cascade
+        (model "auto") when /auto is on, or the last message again with the other model."""
+        cascade = self.auto and not escalate
+        what = {"escalate": True} if escalate else {"prompt": text, "model": "auto" if cascade else self.next}  # fmt: skip
         try:
-            if self.auto:
-                self.stream(self.conv.send(text, "auto", **self.sample()), cascade=True)
-            else:
-                self.stream(self.conv.send(text, self.next, **self.sample()))
-        except ConversationError as e:
-            self.error(str(e))
-
-    def escalate(self) -> None:
-        try:
-            self.stream(self.conv.send(escalate=True, **self.sample()))
+            self.stream(self.conv.send(**what, **self.sample()), cascade=cascade)
         except ConversationError as e:
             self.error(str(e))
 
@@ -316,7 +298,7 @@ def command(app: ChatApp, cmd: str, args: list[str]) -> None:
         app.say(f"  {path}: {len(text):,} characters" + (" and your question" if question else ""))
         app.turn(text + (f"\n\n{question}" if question else ""))
     elif cmd == "/escalate":
-        app.escalate()
+        app.turn(None, escalate=True)
     elif cmd == "/auto":
         arg = args[0] if args else ("off" if app.auto else "on")
         if arg in ("on", "off"):
@@ -408,10 +390,7 @@ def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> 
         ("mode", app.conv.mode),
         ("reader", f"{app.conv.policy.reader} ({describe_reader(app.conv)})"),
         ("answers", app.next),
-        (
-            "sampling",
-            describe_sampling(resolve_sampling(app.conv.pair.models.target, app.sampling)),
-        ),
+        ("sampling", " · ".join(f"{k} {v}" for k, v in app.sampling.items()) or "each model's own"),
         ("max tokens", str(app.max_tokens)),
     ]
     if loaded:

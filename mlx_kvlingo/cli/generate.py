@@ -23,8 +23,6 @@ from mlx_kvlingo.cli._distributed import (
     wanted,
     wire_option,
 )
-from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
 
 import click
 
@@ -45,6 +43,7 @@ import click
 def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens, as_json,
                  **sampling):  # fmt: skip
     """One answer from the large model with no large prefill, with honest timings."""
+    from mlx_kvlingo import ReaderPolicy
     from mlx_kvlingo.api import load, make_prompt_cache, stream_generate
     from mlx_kvlingo.distributed.pipeline import DistributedError
 
@@ -99,7 +98,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
             "pieces": pieces,
             "text": "".join(pieces),
             "finish_reason": r.finish_reason,
-            "sampling": resolve_sampling(pair.models.target, settings).as_dict(),
+            "sampling": settings,  # those given; the rest the large model's own
             "timings": {
                 "small_read_tokens": read_tokens,
                 "small_read_s": read_s,

@@ -13,6 +13,7 @@ import signal
 import sys
 from dataclasses import replace
 
+from mlx_kvlingo.api import AUTO_THRESHOLD
 from mlx_kvlingo.cli._common import (
     demo_pair_of,
     pair_option,
@@ -22,7 +23,6 @@ from mlx_kvlingo.cli._common import (
     translator_option,
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
-from mlx_kvlingo.conversation.records import AUTO_THRESHOLD
 
 import click
 
