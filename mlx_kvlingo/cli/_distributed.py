@@ -33,16 +33,21 @@ def wanted(flag) -> bool:
     return launched() if flag is None else flag
 
 
-def load_runtime(source, target, translator, backward, wire, demo_pair="dense"):
-    """Rank 0: the distributed runtime (the other ranks serve inside this call, then exit).
-    `demo_pair`: the demo pair to pipeline when no model is named (--pair)."""
+def load_pair(source, target, translator, backward, demo_pair, distributed, wire):
+    """The pair the options name, through `mlx_kvlingo.load` (no warm-up): under `mlx.launch`
+    (or `--distributed`) the large model pipelined, ranks > 0 serving inside this call."""
     from mlx_kvlingo.api import load
 
     demo = demo_pair_of(source, target, demo_pair, translator, require_translator=True)
     try:
-        return load(source, target, translator, backward, distributed=True, wire=wire, pair=demo)
+        return load(source, target, translator, backward, pair=demo, distributed=wanted(distributed),
+                    wire=wire, warmup=False)  # fmt: skip
     except DistributedError as e:
         fail(e)
+    except ImportError as e:
+        raise click.ClickException(
+            f"the demo pair is not available ({e}); pass --small, --large and --translator"
+        ) from None
 
 
 def describe(pair) -> str:

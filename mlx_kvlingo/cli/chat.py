@@ -19,10 +19,8 @@ from mlx_kvlingo.api import (
     Conversation,
     ConversationError,
     GenerationResponse,
-    load,
 )
 from mlx_kvlingo.cli._common import (
-    demo_pair_of,
     pair_option,
     policy_options,
     sampling_options,
@@ -35,7 +33,7 @@ from mlx_kvlingo.cli._distributed import (
     describe,
     distributed_option,
     fail,
-    load_runtime,
+    load_pair,
     wanted,
     wire_option,
 )
@@ -440,27 +438,15 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     settings = sampling_settings(sampling)
     console = Console(highlight=False)
-    pipelined = wanted(distributed)
-    if pipelined:  # mlx.launch: the large model pipelined, rank 0 owns the terminal
-        pair = load_runtime(source, target, translator, backward_translator, wire, demo_pair)
-    else:
-        demo = demo_pair_of(source, target, demo_pair, translator, require_translator=True)
+    if not wanted(distributed):
         console.print("[grey50]loading models...[/grey50]")
-        try:
-            pair = load(source, target, translator, backward_translator, pair=demo, warmup=False)
-        except ImportError as e:
-            raise click.ClickException(
-                f"the demo pair is not available ({e}); pass --small, --large and --translator"
-            ) from None
+    pair = load_pair(source, target, translator, backward_translator, demo_pair, distributed, wire)
+    pipelined = pair.link is not None
     back = backward_translator or ("demo" if pair.backward is not None
                                    else "none: switching back re-reads")  # fmt: skip
-    try:
-        if pair.link is not None and not recompute_given:
-            policy = replace(policy, recompute_share=0.0)  # a pipelined large model cannot
-        conv = Conversation(pair, max_kv_size, system_prompt=system_prompt, mode=mode,
-                            policy=policy)  # fmt: skip
-    except ConversationError as e:
-        raise click.ClickException(str(e)) from None
+    if pipelined and not recompute_given:
+        policy = replace(policy, recompute_share=0.0)  # a pipelined large model cannot
+    conv = Conversation(pair, max_kv_size, system_prompt=system_prompt, mode=mode, policy=policy)
     app = ChatApp(conv, max_tokens=max_tokens, sampling=settings, auto_threshold=auto_threshold,
                   console=console, first=answer)  # fmt: skip
     if pipelined:

@@ -17,7 +17,7 @@ from mlx_kvlingo.cli._params import IntList, OutputFile
 from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, KINDS
-from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
+from mlx_kvlingo.data.examples import load_examples, validate_data
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.evaluate import evaluate, table
 
@@ -101,26 +101,18 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         raise click.UsageError("--large-reads-last, --recompute, --plot and --specprefill go "
                                "with --task content")  # fmt: skip
     if data_path is not None:
-        try:
-            summary = validate_data(data_path)  # before loading any model
-        except DataError as e:
-            raise click.ClickException(str(e)) from None
+        summary = validate_data(data_path)  # before loading any model
         console.print(
             f"[grey50]{data_path}: {summary['files']} file(s), {summary['chats']} chats, "
             f"{summary['texts']} texts[/grey50]"
         )
     pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
     if data_path is None:  # the demo's held-out dialogues, never trained on
-        from mlx_kvlingo.models.demo.pair import demo_eval_data
+        from mlx_kvlingo.models.demo.pair import demo_data
 
-        data_path = demo_eval_data()
+        data_path = demo_data()[1]
         kw["heldout_fraction"] = 1.0
-    try:
-        _, held = load_examples(
-            data_path, pair.tokenizer, data_config({"data_path": data_path, **kw})
-        )
-    except DataError as e:
-        raise click.ClickException(str(e)) from None
+    _, held = load_examples(data_path, pair.tokenizer, data_config({"data_path": data_path, **kw}))
     if not held:
         raise click.ClickException(f"{data_path}: no examples to score; raise --heldout-fraction")
     with progress_bar("evaluating", console) as progress:
@@ -149,10 +141,7 @@ def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, conso
         to_json,
     )
 
-    try:
-        tasks = fitting_tasks(pair, texts, lengths, per_kind, seed=seed, kinds=kinds)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+    tasks = fitting_tasks(pair, texts, lengths, per_kind, seed=seed, kinds=kinds)
     console.print(f"[grey50]{len(tasks)} content tasks ({per_kind} per kind and length, seed "
                   f"{seed}); the target answers natively first, then from the translated cache; "
                   f"greedy[/grey50]")  # fmt: skip

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 from mlx_kvlingo.cli._common import (
-    demo_pair_of,
     pair_option,
     refuse_long_prompt,
     sampling_options,
@@ -19,7 +18,7 @@ from mlx_kvlingo.cli._distributed import (
     describe,
     distributed_option,
     fail,
-    load_runtime,
+    load_pair,
     wanted,
     wire_option,
 )
@@ -44,18 +43,14 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
                  **sampling):  # fmt: skip
     """One answer from the large model with no large prefill, with honest timings."""
     from mlx_kvlingo import ReaderPolicy
-    from mlx_kvlingo.api import load, make_prompt_cache, stream_generate
+    from mlx_kvlingo.api import make_prompt_cache, stream_generate
     from mlx_kvlingo.distributed.pipeline import DistributedError
 
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     settings = sampling_settings(sampling)
-    if wanted(distributed):  # mlx.launch: the large model pipelined over the ranks
-        if as_json:
-            raise click.UsageError("--json is not available with --distributed")
-        pair = load_runtime(source, target, translator, None, wire, demo_pair)  # ranks > 0 stop
-    else:
-        demo = demo_pair_of(source, target, demo_pair, translator, require_translator=True)
-        pair = load(source, target, translator, pair=demo, warmup=False)
+    if as_json and wanted(distributed):
+        raise click.UsageError("--json is not available with --distributed")
+    pair = load_pair(source, target, translator, None, demo_pair, distributed, wire)
     tok = pair.tokenizer
     if chat and getattr(tok, "chat_template", None):
         msgs = [{"role": "user", "content": prompt}]

@@ -1,20 +1,13 @@
 """The HTTP face: the standard library's `ThreadingHTTPServer`, as `mlx_lm.server` uses.
 
-    GET  /v1/models               the ids small, large, auto
-    GET  /v1/models/{id}, /health
-    POST /v1/chat/completions     JSON, or server-sent events with "stream": true
+    GET  /v1/models, /v1/models/{id}, /health
+    POST /v1/chat/completions     JSON, or server-sent events (`data: {json}` ... `data: [DONE]`)
 
-Why the standard library: no new dependency, and nothing an async framework would add pays
-here; every generation runs one at a time under the pair's lock on its request's thread, and a
-handler thread only checks the request, submits it, and copies events to its socket. Server-sent events are
-`data: {json}\\n\\n` lines ending with `data: [DONE]`.
-
-Checked before anything reaches the models, each answered with an OpenAI error body:
-401 (API key, when one is set), 404 (path, model), 411/413 (no or too large Content-Length),
-415 (not JSON), 400 (malformed JSON, bad fields, over-long prompt), 503 (queue full,
-with Retry-After). A request handler never lets an exception out: an unexpected one is a 500.
-A client that disconnects (seen as a failed write, or as end-of-file on its socket while it
-waits) cancels its job; the conversation keeps what was emitted, both caches consistent.
+A handler thread checks the request, submits it to the worker and copies its events to the
+socket. Refused before the models, each with an OpenAI error body: 401 (API key), 404 (path,
+model), 411/413 (Content-Length), 415 (not JSON), 400 (bad JSON or fields, prompt too long),
+503 (queue full, Retry-After); an unexpected exception is a 500, never a dropped server. A client
+that disconnects cancels its job; both caches stay consistent.
 """
 
 from __future__ import annotations
@@ -63,23 +56,13 @@ class Server:
     server.close()
     """
 
-    def __init__(
-        self,
-        pair: Pair,
-        config: ServeConfig | None = None,
-        **conversation_kwargs: Any,
-    ) -> None:
+    def __init__(self, pair: Pair, config: ServeConfig | None = None,
+                 **conversation_kwargs: Any) -> None:  # fmt: skip
         self.pair = pair
-        self.config = config or ServeConfig()
-        c = self.config
-        self.worker = Worker(
-            pair,
-            limits=c.limits,
-            queue_size=c.queue_size,
-            max_conversations=c.max_conversations,
-            auto_threshold=c.auto_threshold,
-            conversation_kwargs=conversation_kwargs,
-        )
+        self.config = c = config or ServeConfig()
+        self.worker = Worker(pair, limits=c.limits, queue_size=c.queue_size,
+                             max_conversations=c.max_conversations, auto_threshold=c.auto_threshold,
+                             conversation_kwargs=conversation_kwargs)  # fmt: skip
         handler = type("Handler", (_Handler,), {"app": self, "timeout": c.read_timeout})
         try:
             self.httpd = ThreadingHTTPServer((c.host, c.port), handler)
@@ -100,9 +83,8 @@ class Server:
         return f"http://{host}:{port}/v1"
 
     def start(self) -> Server:
-        self._thread = threading.Thread(
-            target=self.httpd.serve_forever, name="kvlingo-http", daemon=True
-        )
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="kvlingo-http",
+                                        daemon=True)  # fmt: skip
         self._thread.start()
         return self
 
@@ -242,16 +224,10 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             app.worker.submit(job)
         except QueueFull:
-            return self._error(
-                P.APIError(
-                    503,
-                    f"the server is busy: one request runs and "
-                    f"{app.config.queue_size} wait; retry later",
-                    type="server_error",
-                    code="queue_full",
-                ),  # fmt: skip
-                {"Retry-After": "1"},
-            )
+            busy = (f"the server is busy: one request runs and {app.config.queue_size} wait; "
+                    "retry later")  # fmt: skip
+            return self._error(P.APIError(503, busy, type="server_error", code="queue_full"),
+                               {"Retry-After": "1"})  # fmt: skip
         try:
             deadline = job.submitted + app.config.request_timeout
             first = self._next(job, deadline)

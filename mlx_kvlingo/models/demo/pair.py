@@ -173,10 +173,6 @@ def demo_data() -> tuple[Path, Path]:
     return write_splits(cache_root() / "data")
 
 
-def demo_eval_data() -> Path:
-    return demo_data()[1]
-
-
 def demo_content_texts() -> list[Path]:
     """Held-out Python documentation pages (never calibrated on): the content benchmark's text."""
     folder = weights_dir() / "data"
