@@ -1,11 +1,5 @@
-"""Parameter types that refuse a bad value before any model loads, naming the option.
-
-`ModelSpec` (a model folder or a Hub id), `TranslatorSpec` (a translator file, a Hub id or a
-demo translator name), `OutputFile` / `OutputFolder` (somewhere that can be written) and
-`SafetensorsFile` (a whole safetensors file), `IntList` / `FloatList` (comma-separated numbers
-in a range). Numbers take `click.IntRange` / `click.FloatRange`. What slips past these is
-mapped to one line by `errors.py`.
-"""
+"""Parameter types that refuse a bad value before any model loads, naming the option (what
+slips past them `errors.py` maps to one line)."""
 
 from __future__ import annotations
 
@@ -194,7 +188,7 @@ class NumberList(click.ParamType):
         return value
 
 
-def IntList(least: int = 1) -> NumberList:  # noqa: N802 - used like the classes it replaced
+def IntList(least: int = 1) -> NumberList:  # noqa: N802 - used like a type
     return NumberList(int, least)
 
 

@@ -43,129 +43,57 @@ def _preset_names() -> list[str]:
 @target_option
 @translator_option
 @pair_option
-@click.option(
-    "--preset",
-    type=click.Choice(_preset_names()),
-    help="A shape-faithful random pair (built once into the cache) instead of models",
-)
-@click.option(
-    "--lengths",
-    default=None,
-    callback=parse_lengths,
-    help=f"Prefix lengths in tokens, comma-separated [default: {DEFAULT_LENGTHS['cpu']} on a "
-    f"CPU, {DEFAULT_LENGTHS['gpu']} on a GPU]",
-)
+@click.option("--preset", type=click.Choice(_preset_names()),
+              help="A shape-faithful random pair (built once into the cache) instead of models")  # fmt: skip
+@click.option("--lengths", default=None, callback=parse_lengths,
+              help=f"Prefix lengths in tokens, comma-separated [default: {DEFAULT_LENGTHS['cpu']} on a "
+              f"CPU, {DEFAULT_LENGTHS['gpu']} on a GPU]")  # fmt: skip
 @click.option("-n", "--trials", default=3, show_default=True, type=click.IntRange(1))
-@click.option(
-    "--warmup",
-    default=1,
-    show_default=True,
-    type=click.IntRange(0),
-    help="Warm-up rounds (all lengths) before the measured ones",
-)
-@click.option(
-    "-o",
-    "--out",
-    default="bench-results",
-    show_default=True,
-    type=OutputFolder(),
-    help="Folder for bench.md, bench.json, ttft.png",
-)
-@click.option(
-    "--max-minutes",
-    type=click.FloatRange(0, min_open=True),
-    default=None,
-    help="Skip lengths whose extrapolated rounds would overrun this budget",
-)
-@click.option(
-    "--moe-loop/--no-moe-loop",
-    default=False,
-    show_default=True,
-    help="CPU only: run MoE prefill as one GEMM per expert instead of gather_mm",
-)
+@click.option("--warmup", default=1, show_default=True, type=click.IntRange(0),
+              help="Warm-up rounds (all lengths) before the measured ones")  # fmt: skip
+@click.option("-o", "--out", default="bench-results", show_default=True, type=OutputFolder(),
+              help="Folder for bench.md, bench.json, ttft.png")  # fmt: skip
+@click.option("--max-minutes", type=click.FloatRange(0, min_open=True), default=None,
+              help="Skip lengths whose extrapolated rounds would overrun this budget")  # fmt: skip
+@click.option("--moe-loop/--no-moe-loop", default=False, show_default=True,
+              help="CPU only: run MoE prefill as one GEMM per expert instead of gather_mm")  # fmt: skip
 @click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
-@click.option(
-    "--dtype",
-    type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
-    default="auto",
-    show_default=True,
-    help="What the models and the translator compute in (auto: float32 on a CPU, as stored "
-    "on a GPU); presets and --source/--target without --translator",
-)
-@click.option(
-    "--cache-dir",
-    type=OutputFolder(),
-    default=None,
-    help="Where presets are built (default $KVLINGO_CACHE or ~/.cache/mlx-kvlingo)",
-)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+              default="auto", show_default=True,
+              help="What the models and the translator compute in (auto: float32 on a CPU, as stored "
+              "on a GPU); presets and --source/--target without --translator")  # fmt: skip
+@click.option("--cache-dir", type=OutputFolder(), default=None,
+              help="Where presets are built (default $KVLINGO_CACHE or ~/.cache/mlx-kvlingo)")  # fmt: skip
 @click.option("--no-progress", is_flag=True, help="No progress bar")
-@click.option(
-    "--side-by-side",
-    "side_by_side",
-    default=None,
-    help="Comma-separated pairs benchmarked one after another in this run, summarized side by "
-    "side: demo pairs (dense, moe) and presets; 'all' for both demo pairs and every preset "
-    "but tiny",
-)
-@click.option(
-    "--conversation",
-    is_flag=True,
-    help="Time a multi-turn conversation: the large reads / the small reads / auto / cascade",
-)
-@click.option(
-    "--turns", default=8, show_default=True, type=click.IntRange(1), help="--conversation: turns"
-)
-@click.option(
-    "--user-lengths",
-    default="32,128,512",
-    callback=parse_lengths,
-    show_default=True,
-    help="--conversation: user-turn lengths in tokens, cycled",
-)
-@click.option(
-    "--answer-tokens",
-    default=16,
-    show_default=True,
-    type=click.IntRange(1),
-    help="--conversation: tokens per answer (end-of-sequence banned); without it: the small "
-    "answer's length before an escalation in the cascade+ahead column",
-)
-@click.option(
-    "--escalation-rate",
-    default=0.25,
-    show_default=True,
-    type=click.FloatRange(0, 1),
-    help="--conversation: share of cascade turns escalated to the large model",
-)
-@click.option(
-    "--policies",
-    default=None,
-    help="--conversation: comma-separated policies to run (default: all) of: large reads, "
-    "small reads, auto reads, cascade, cascade+ahead",
-)
-@click.option(
-    "--large-reads-last",
-    default=ReaderPolicy().large_reads_last,
-    show_default=True,
-    type=click.IntRange(1),
-    help="--conversation: where the small model reads, the large one still reads the turn's last "
-    "this many tokens itself (as `kvlingo chat`); 1: the last token only",
-)
-@click.option(
-    "--recompute",
-    "recompute_share",
-    default=ReaderPolicy().recompute_share,
-    show_default=True,
-    type=click.FloatRange(0, 1),
-    help="--conversation: and recomputes this share of the translated turn (as `kvlingo chat`)",
-)
-@click.option(
-    "--startup",
-    is_flag=True,
-    help="Time a start to the first token in fresh processes (-n of each, alternating): "
-    "load with the rates reused, on a new cache folder, and mlx-lm's load of the same "
-    "target",
-)
+@click.option("--side-by-side", "side_by_side", default=None,
+              help="Comma-separated pairs benchmarked one after another in this run, summarized side by "
+              "side: demo pairs (dense, moe) and presets; 'all' for both demo pairs and every preset "
+              "but tiny")  # fmt: skip
+@click.option("--conversation", is_flag=True,
+              help="Time a multi-turn conversation: the large reads / the small reads / auto / cascade")  # fmt: skip
+@click.option("--turns", default=8, show_default=True, type=click.IntRange(1),
+              help="--conversation: turns")  # fmt: skip
+@click.option("--user-lengths", default="32,128,512", callback=parse_lengths, show_default=True,
+              help="--conversation: user-turn lengths in tokens, cycled")  # fmt: skip
+@click.option("--answer-tokens", default=16, show_default=True, type=click.IntRange(1),
+              help="--conversation: tokens per answer (end-of-sequence banned); without it: the small "
+              "answer's length before an escalation in the cascade+ahead column")  # fmt: skip
+@click.option("--escalation-rate", default=0.25, show_default=True, type=click.FloatRange(0, 1),
+              help="--conversation: share of cascade turns escalated to the large model")  # fmt: skip
+@click.option("--policies", default=None,
+              help="--conversation: comma-separated policies to run (default: all) of: large reads, "
+              "small reads, auto reads, cascade, cascade+ahead")  # fmt: skip
+@click.option("--large-reads-last", default=ReaderPolicy().large_reads_last, show_default=True,
+              type=click.IntRange(1),
+              help="--conversation: where the small model reads, the large one still reads the turn's last "
+              "this many tokens itself (as `kvlingo chat`); 1: the last token only")  # fmt: skip
+@click.option("--recompute", "recompute_share", default=ReaderPolicy().recompute_share,
+              show_default=True, type=click.FloatRange(0, 1),
+              help="--conversation: and recomputes this share of the translated turn (as `kvlingo chat`)")  # fmt: skip
+@click.option("--startup", is_flag=True,
+              help="Time a start to the first token in fresh processes (-n of each, alternating): "
+              "load with the rates reused, on a new cache folder, and mlx-lm's load of the same "
+              "target")  # fmt: skip
 def bench_cmd(source, target, translator, demo_pair, preset, lengths, trials, warmup, out, max_minutes,
               moe_loop, seed, dtype, cache_dir, no_progress, conversation, turns, user_lengths,
               answer_tokens, escalation_rate, policies, large_reads_last, recompute_share, side_by_side,

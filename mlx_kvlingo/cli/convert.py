@@ -66,11 +66,8 @@ LAYOUT_NAMES = [
               help="Source model (hub id or folder): check geometry against it")  # fmt: skip
 @click.option("--target", type=ModelSpec(),
               help="Target model (hub id or folder): check geometry against it")  # fmt: skip
-@click.option(
-    "--source-layers",
-    type=click.IntRange(1),
-    help="mapper: the source's layer count, if not in the manifest",
-)
+@click.option("--source-layers", type=click.IntRange(1),
+              help="mapper: the source's layer count, if not in the manifest")  # fmt: skip
 @click.option("--source-geometry", metavar="L,H,D", help="linear: source layers,kv_heads,head_dim")
 @click.option("--target-geometry", metavar="L,H,D", help="linear: target layers,kv_heads,head_dim")
 @click.option("--sidecar", type=click.Path(exists=True, dir_okay=False),

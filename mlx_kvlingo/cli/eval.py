@@ -59,14 +59,10 @@ def _keeps(ctx, param, value: str | None) -> tuple[float, ...]:
 @click.option("-n", "--examples", type=click.IntRange(1), default=64, show_default=True,
               help="Examples to score at most")  # fmt: skip
 @click.option("--json", "json_out", type=OutputFile(), help="Also write the results here")
-@click.option(
-    "--task",
-    type=click.Choice(["continuation", "content"]),
-    default="continuation",
-    show_default=True,
-    help="continuation: teacher-forced scores on held-out text; content: can the target use what "
-    "was read (stated facts, copies, answers and summaries, scored against its native answer)",
-)
+@click.option("--task", type=click.Choice(["continuation", "content"]), default="continuation",
+              show_default=True,
+              help="continuation: teacher-forced scores on held-out text; content: can the target use what "
+              "was read (stated facts, copies, answers and summaries, scored against its native answer)")  # fmt: skip
 @click.option("--lengths", type=IntList(32), default="128,512,1024", show_default=True,
               help="--task content: read lengths in tokens, up to the pair's context")  # fmt: skip
 @click.option("--per-kind", type=click.IntRange(1), default=8, show_default=True,

@@ -34,20 +34,14 @@ def _side_meta(model, side: Side) -> dict:
     meta = {"name": None, **side.as_dict()}
     if model is not None:
         g = model.geometry
-        meta.update(
-            name=model.name,
-            model_type=g.model_type,
-            rope=g.rope.as_dict(),
-            has_k_norm=g.has_k_norm,
-        )
+        meta.update(name=model.name, model_type=g.model_type, rope=g.rope.as_dict(),
+                    has_k_norm=g.has_k_norm)  # fmt: skip
     return meta
 
 
 def translator_tensors(translator: Translator) -> dict:
     """The file's tensors: `key.<name>` and `value.<name>` for each of the two maps' arrays."""
-    return {
-        f"{side}.{k}": v for side in ("key", "value") for k, v in getattr(translator, side).items()
-    }
+    return {f"{s}.{k}": v for s in ("key", "value") for k, v in getattr(translator, s).items()}
 
 
 def quantize(tensors: dict, bits: int = 8) -> tuple[dict, dict]:
@@ -77,32 +71,22 @@ def dequantize(tensors: dict, q: dict) -> dict:
     return out
 
 
-def save_translator(
-    translator: Translator, path: str | Path, pair=None, dtype=None, bits=None, **extra
-) -> Path:
-    """Write the translator (atomically) with metadata describing `pair` and any `extra` keys.
-
-    `dtype` (e.g. mx.float16) stores the tensors in that type, to keep shipped files small;
-    `bits` (e.g. 8) also quantizes the maps (`quantize`).
-    """
+def save_translator(translator: Translator, path: str | Path, pair=None, dtype=None, bits=None,
+                    **extra) -> Path:  # fmt: skip
+    """Write the translator (atomically) with metadata describing `pair` and any `extra` keys;
+    tensors in `dtype` (e.g. mx.float16), the maps quantized to `bits` (e.g. 8) if given."""
     c = translator.config
     tensors = translator_tensors(translator)
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
-    meta = {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "variant": c.variant,
-        "key_cut": c.key_cut,
-        "bias": c.bias,
-        "native_first": c.native_first,
-        "key_layers": [list(r) for r in c.key_layers],
-        "value_layers": [list(r) for r in c.value_layers],
-        "source": _side_meta(pair.source if pair else None, c.source),
-        "target": _side_meta(pair.target if pair else None, c.target),
-        "tokenizer": pair.tokenizer_fingerprint if pair else None,
-        "dtype": None,  # set below, after the free-form keys
-    }
+    meta = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "variant": c.variant,
+            "key_cut": c.key_cut, "bias": c.bias, "native_first": c.native_first,
+            "key_layers": [list(r) for r in c.key_layers],
+            "value_layers": [list(r) for r in c.value_layers],
+            "source": _side_meta(pair.source if pair else None, c.source),
+            "target": _side_meta(pair.target if pair else None, c.target),
+            "tokenizer": pair.tokenizer_fingerprint if pair else None,
+            "dtype": None}  # fmt: skip
     meta.update(c.metadata)
     meta.update(extra)
     meta["dtype"] = str(next(iter(tensors.values())).dtype).replace("mlx.core.", "")
@@ -203,17 +187,10 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
         "schema", "schema_version", "variant", "key_cut", "bias", "key_layers",
         "value_layers", "source", "target", "native_first",
     }  # fmt: skip
-    return TranslatorConfig(
-        variant=meta["variant"],
-        source=side("source"),
-        target=side("target"),
-        key_layers=rows("key_layers"),
-        value_layers=rows("value_layers"),
-        key_cut=meta["key_cut"],
-        bias=meta["bias"],
-        native_first=meta.get("native_first", False),
-        metadata={k: v for k, v in meta.items() if k not in skip},
-    )
+    return TranslatorConfig(meta["variant"], side("source"), side("target"), rows("key_layers"),
+                            rows("value_layers"), meta["key_cut"], meta["bias"],
+                            native_first=meta.get("native_first", False),
+                            metadata={k: v for k, v in meta.items() if k not in skip})  # fmt: skip
 
 
 def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
@@ -261,7 +238,9 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
         if not np.isfinite(np.array(tensors[name].astype(mx.float32))).all():
             raise TranslatorFileError(f"{path}: tensor {name} contains NaN or Inf")
     if dtype == "auto":
-        dtype = None if mx.default_device().type == mx.gpu else mx.float32
+        from mlx_kvlingo.models.pair import default_dtype
+
+        dtype = default_dtype()
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
     tr = Translator(config, dtype=next(iter(tensors.values())).dtype)

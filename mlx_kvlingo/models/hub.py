@@ -106,11 +106,8 @@ def _parse(text: str) -> HubSpec:
 
 
 def resolve_translator(text: str | Path, reverse: bool = False) -> Path:
-    """A local translator path, or the Hub file `text` names (downloaded or from the cache).
-
-    Without `:file`, the repo's manifest.json `default` (forward, or backward with `reverse`)
-    is taken, else its only .safetensors file.
-    """
+    """A local translator path, or the Hub file `text` names (downloaded or from the cache):
+    without `:file`, the manifest's default for the direction, else the repo's only file."""
     path = Path(text).expanduser()
     if path.exists():
         return path
@@ -120,9 +117,8 @@ def resolve_translator(text: str | Path, reverse: bool = False) -> Path:
         return got
     manifest = got / "manifest.json"
     if manifest.is_file():
-        default = (json.loads(manifest.read_text()).get("default") or {}).get(
-            "backward" if reverse else "forward"
-        )
+        default = json.loads(manifest.read_text()).get("default") or {}
+        default = default.get("backward" if reverse else "forward")
         if default and (got / default).is_file():
             return got / default
     files = sorted(p.name for p in got.glob("*.safetensors"))
@@ -143,16 +139,10 @@ def build_repo_folder(
     files, folder: str | Path, repo_id: str, manifest: str | Path | None = None,
     license: str | None = None,
 ) -> Path:  # fmt: skip
-    """Copy the translator `files` into `folder` with a model card (README.md) generated from
-    their metadata, and a manifest.json (the given one, or one listing the files).
-
-    Each file keeps its path below the files' common folder (`a/x.safetensors` and
-    `a/b/x.safetensors` become `x.safetensors` and `b/x.safetensors`), so files of the same
-    name in two folders stay apart and a manifest may name `b/x.safetensors` (below a
-    `translators/` folder beside the manifest, paths are kept below that folder). A manifest whose
-    default is not among the files is refused. The files are hard-linked where the filesystem
-    allows, else copied.
-    """
+    """`folder` with the translator `files` (hard-linked, else copied; each at its path below
+    the files' common folder, or below a `translators/` folder beside `manifest`), a manifest.json
+    (the given one, whose default must be among the files, or one listing them) and a model card
+    generated from their metadata."""
     from mlx_kvlingo._platform.atomic import link_or_copy
     from mlx_kvlingo.models.card import model_card
     from mlx_kvlingo.models.files import read_metadata
@@ -193,9 +183,8 @@ def build_repo_folder(
     return folder
 
 
-def upload(
-    folder: str | Path, repo_id: str, private: bool = False, message: str | None = None
-) -> str:
+def upload(folder: str | Path, repo_id: str, private: bool = False,
+           message: str | None = None) -> str:  # fmt: skip
     """Create the repo if needed and push `folder` to its main branch with `upload_folder`;
     returns the commit URL (its last path component is the revision to pin)."""
     from huggingface_hub import HfApi

@@ -151,10 +151,6 @@ def default_dequantize() -> bool:
 # ---------------------------------------------------------------- cache helpers
 
 
-def _build_atomically(final: Path, stamp: dict, build) -> Path:
-    return build_atomically(final, stamp, build, STAMP)
-
-
 def _save_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
 
@@ -171,13 +167,6 @@ def map_name(name: str) -> str:
     return f"{GLOBAL_NAMES[stem]}.{suffix}"
 
 
-def _quant_params(weight, scales) -> tuple[int, int]:
-    """(group_size, bits) of a GGUF block quant as loaded by MLX (32-value blocks)."""
-    group_size = 32
-    bits = weight.shape[-1] * 32 // (scales.shape[-1] * group_size)
-    return group_size, bits
-
-
 def convert_weights(gguf: dict, dequantize: bool) -> dict:
     """Rename GGUF tensors; optionally expand quantized ones to float32."""
     import mlx.core as mx
@@ -192,12 +181,11 @@ def convert_weights(gguf: dict, dequantize: bool) -> dict:
             out[map_name(name)] = w.astype(mx.float32)
             continue
         biases = gguf[f"{stem}.biases"]
-        if dequantize:
-            group_size, bits = _quant_params(w, scales)
+        if dequantize:  # GGUF block quants load as 32-value groups
+            bits = w.shape[-1] * 32 // (scales.shape[-1] * 32)
             f32 = mx.float32
-            out[map_name(name)] = mx.dequantize(
-                w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=bits
-            )
+            out[map_name(name)] = mx.dequantize(w, scales.astype(f32), biases.astype(f32),
+                                                group_size=32, bits=bits)  # fmt: skip
         else:
             out[map_name(name)] = w
             out[map_name(f"{stem}.scales")] = scales
@@ -273,12 +261,8 @@ def write_tokenizer(meta: dict, out: Path) -> None:
         return tokens[int(meta[key].item())] if key in meta else None
 
     build_tokenizer(meta).save(str(out / "tokenizer.json"))
-    specials = {
-        "bos_token": special("bos"),
-        "eos_token": special("eos"),
-        "pad_token": special("padding"),
-        "unk_token": special("unknown"),
-    }
+    specials = {f"{k}_token": special(g) for k, g in
+                (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}  # fmt: skip
     specials = {k: v for k, v in specials.items() if v is not None}
     _save_json(out / "special_tokens_map.json", specials)
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
@@ -343,9 +327,8 @@ def ensure_smollm2(
     gguf = find_gguf()
     name = TARGET_NAME if dequantize else f"{TARGET_NAME}-Q4_1"
     stamp = {"format": FORMAT_VERSION, "gguf": GGUF_NAME, "size": gguf.stat().st_size}
-    return _build_atomically(
-        cache_root(cache_dir) / name, stamp, lambda tmp: convert_gguf(gguf, tmp, dequantize)
-    )
+    return build_atomically(cache_root(cache_dir) / name, stamp,
+                            lambda tmp: convert_gguf(gguf, tmp, dequantize), STAMP)  # fmt: skip
 
 
 # ---------------------------------------------------------------- demo source
@@ -468,8 +451,5 @@ def ensure_demo_source(
     target = ensure_smollm2(cache_dir, dequantize)
     name = DEMO_SOURCES[folder] if dequantize else f"{DEMO_SOURCES[folder]}-quantized"
     stamp = {"format": FORMAT_VERSION, "layers": sha256_of(st)[:16], "config": sha256_of(cfg)[:16]}
-    return _build_atomically(
-        cache_root(cache_dir) / name,
-        stamp,
-        lambda tmp: assemble_source(target, st, cfg, tmp, dequantize),
-    )
+    return build_atomically(cache_root(cache_dir) / name, stamp,
+                            lambda tmp: assemble_source(target, st, cfg, tmp, dequantize), STAMP)  # fmt: skip
