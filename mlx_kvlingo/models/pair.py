@@ -44,12 +44,24 @@ class KVGeometry:
 
 @dataclass
 class LoadedModel:
+    """One model as mlx-lm loads it, with the facts a turn reads as plain attributes:
+    `context_length` (None if its config does not say), `query_heads` (the queries'; the cache's
+    are `geometry.kv_heads`) and `rope` (layer 0's)."""
+
     name: str
     model: nn.Module
     tokenizer: object
     config: dict
     geometry: KVGeometry
     folder: Path | None = None  # where its files are (generation_config.json, ...), when known
+    context_length: int | None = field(init=False)
+    query_heads: int = field(init=False)
+    rope: nn.Module = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.context_length = self.config.get("max_position_embeddings")
+        self.query_heads = int(self.config.get("num_attention_heads", self.geometry.kv_heads))
+        self.rope = self.attention(0).rope
 
     @property
     def layers(self) -> list:
@@ -58,24 +70,10 @@ class LoadedModel:
     def attention(self, layer: int) -> nn.Module:
         return self.model.layers[layer].self_attn
 
-    @property
-    def query_heads(self) -> int:
-        """Attention heads per layer (the queries'; `geometry.kv_heads` are the cache's)."""
-        return int(self.config.get("num_attention_heads", self.geometry.kv_heads))
-
-    @property
-    def rope(self) -> nn.Module:
-        return self.attention(0).rope
-
     @cached_property
     def dtype(self) -> mx.Dtype:
         """The dtype of the model's weights (its cache takes the same); looked up once."""
         return weights_dtype(self.model)
-
-    @property
-    def context_length(self) -> int | None:
-        """The longest sequence the model was trained for (None if its config does not say)."""
-        return self.config.get("max_position_embeddings")
 
     def nbytes(self) -> int:
         from mlx.utils import tree_flatten
