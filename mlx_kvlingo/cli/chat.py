@@ -53,16 +53,11 @@ _CONTROL = {c: None for c in [*range(32), 127] if chr(c) not in "\n\t"}
 
 HELP = [
     ("/small, /large", "which model answers next (default: large, the small one reads)"),
-    (
-        "/reader [auto|tokens|small|self] [N]",
-        "show or set who reads your turn for the large model (auto: whichever is predicted "
-        "to answer sooner; tokens: the small one reads the opening and turns of N+ tokens)",
-    ),
-    (
-        "/file PATH [QUESTION]",
-        "send a text file as your turn, the question after it (a paste "
-        "arrives whole too, however long)",
-    ),
+    ("/reader [auto|tokens|small|self] [N]", "show or set who reads your turn for the large model "
+     "(auto: whichever is predicted to answer sooner; tokens: the small one reads the opening and "
+     "turns of N+ tokens)"),
+    ("/file PATH [QUESTION]", "send a text file as your turn, the question after it (a paste "
+     "arrives whole too, however long)"),
     ("/escalate", "answer the last message again with the other model (translated cache)"),
     ("/auto [on|off|T]", "cascade: small answers, large takes over below confidence T"),
     ("/mode [M]", "show or set: alternation | naive | reprefill"),
@@ -72,7 +67,7 @@ HELP = [
     ("/stats", "tokens read, translated and generated, times and the estimated saving"),
     ("/help, h", "this list"),
     ("/quit, q", "exit (also Ctrl-D; Ctrl-C stops a generation, at the prompt it exits)"),
-]
+]  # fmt: skip
 
 
 def describe_reader(conv) -> str:
@@ -315,9 +310,8 @@ def command(app: ChatApp, cmd: str, args: list[str]) -> None:
             app.error(f"/reader takes a token count after the policy, not {args[1]!r}")
             return
         if args:
-            app.conv.policy = replace(app.conv.policy, reader=args[0])
-        if len(args) > 1:
-            app.conv.policy = replace(app.conv.policy, reader_min_tokens=int(args[1]))
+            more = {"reader_min_tokens": int(args[1])} if len(args) > 1 else {}
+            app.conv.policy = replace(app.conv.policy, reader=args[0], **more)
         app.say(f"  reader: {app.conv.policy.reader} ({describe_reader(app.conv)})")
     elif cmd == "/mode":
         if args:
@@ -329,21 +323,14 @@ def command(app: ChatApp, cmd: str, args: list[str]) -> None:
         app.say(f"  trimmed: {dropped} oldest messages dropped, {app.conv.tokens} tokens left")
         if dropped and app.conv.cache.pending:  # the message that did not fit: answer it now
             app.turn(None)
+    elif cmd in ("/save", "/load") and not args:
+        app.error(f"usage: {cmd} FILE")
     elif cmd == "/save":
-        if not args:
-            app.error("usage: /save FILE")
-            return
-        path = app.conv.save(args[0])
-        app.say(f"  saved {path} ({app.conv.tokens} tokens)", "green")
+        app.say(f"  saved {app.conv.save(args[0])} ({app.conv.tokens} tokens)", "green")
     elif cmd == "/load":
-        if not args:
-            app.error("usage: /load FILE")
-            return
         app.conv.load(args[0])
-        app.say(
-            f"  loaded {args[0]}: {len(app.conv.messages)} messages, {app.conv.tokens} tokens",
-            "green",
-        )
+        app.say(f"  loaded {args[0]}: {len(app.conv.messages)} messages, {app.conv.tokens} tokens",
+                "green")  # fmt: skip
     elif cmd == "/stats":
         print_stats(app)
     else:
@@ -359,19 +346,12 @@ def print_stats(app: ChatApp) -> None:
         f"conversation tokens · {st['switches']} switches · {st['retemplated']} re-templated · "
         f"estimated saving vs the large model reading itself {st['estimated_saving_ms']:.0f} ms"
     )
-    rows = [
-        ("turns answered", "turns"),
-        ("tokens generated", "generated_tokens"),
-        ("tokens read answering", "prompt_tokens"),
-        ("  ms", "prompt_ms"),
-        ("tokens read for the other", "read_for_other_tokens"),
-        ("  ms", "read_for_other_ms"),
-        ("switches into", "switches_into"),
-        ("tokens translated into", "translated_into"),
-        ("  of which re-translated", "retranslated_into"),
-        ("translation ms", "translate_ms"),
-        ("tokens in cache", "held"),
-    ]
+    rows = [("turns answered", "turns"), ("tokens generated", "generated_tokens"),
+            ("tokens read answering", "prompt_tokens"), ("  ms", "prompt_ms"),
+            ("tokens read for the other", "read_for_other_tokens"), ("  ms", "read_for_other_ms"),
+            ("switches into", "switches_into"), ("tokens translated into", "translated_into"),
+            ("  of which re-translated", "retranslated_into"), ("translation ms", "translate_ms"),
+            ("tokens in cache", "held")]  # fmt: skip
     for label, key in rows:
         cells = [st["models"][m][key] for m in ("source", "target")]  # small, large
         t.add_row(label, *[f"{c:.1f}" if isinstance(c, float) else str(c) for c in cells])

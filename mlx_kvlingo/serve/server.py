@@ -318,9 +318,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._sent = True
         self.close_connection = True
 
-        def send(obj: dict) -> bool:
+        def send(obj: dict | str) -> bool:
+            data = obj if isinstance(obj, str) else json.dumps(obj)
             try:
-                self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+                self.wfile.write(f"data: {data}\n\n".encode())
                 self.wfile.flush()
                 return True
             except OSError:  # the client went away: stop its generation
@@ -343,14 +344,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             elif ev[0] == "done":
                 res: Result = ev[1]
-                reason = P.finish_reason(res.finish_reason)
-                if not send(P.chunk(rid, model, {}, reason, usage=usage)):
-                    return
-                if usage and not send(P.usage_chunk(rid, model, res.usage, res.extra)):
-                    return
-                try:
-                    self.wfile.write(b"data: [DONE]\n\n")
-                    self.wfile.flush()
-                except OSError:
-                    pass
+                end = [P.chunk(rid, model, {}, P.finish_reason(res.finish_reason), usage=usage)]
+                end += [P.usage_chunk(rid, model, res.usage, res.extra)] if usage else []
+                all(send(x) for x in [*end, "[DONE]"])  # each only while the client is there
                 return

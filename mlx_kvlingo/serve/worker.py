@@ -99,12 +99,8 @@ class _StopScan:
             out = self.text[self.sent : cut]
             self.sent = max(self.sent, cut)
             return out, True
-        keep = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:k]):
-                    keep = max(keep, k)
-                    break
+        ends = (k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k]))
+        keep = max(ends, default=0)
         end = max(self.sent, len(self.text) - keep)
         out, self.sent = self.text[self.sent : end], end
         return out, False
