@@ -6,12 +6,12 @@ from __future__ import annotations
 from mlx_kvlingo.cli._common import pair_option, source_option, target_option, translator_option
 from mlx_kvlingo.cli._params import OutputFolder
 from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.models.loading import DEMO_PAIRS
 
 import click
 
 #: 4096-token prefills take minutes on a CPU: the default lengths depend on the backend
 DEFAULT_LENGTHS = {"cpu": "64,256,1024", "gpu": "64,256,1024,4096"}
-DEMO_PAIRS = ("dense", "moe")
 
 
 def default_lengths() -> str:

@@ -274,27 +274,20 @@ def declared_names(meta: dict, label: str) -> set[str]:
     return {k for k in map(model_key, names) if k}
 
 
-def check_direction(meta: dict, pair, path) -> None:
-    """Refuse a file made for this pair the other way round, whatever the geometry says."""
-    src, tgt = model_key(pair.source.name), model_key(pair.target.name)
-    if not src or not tgt or src == tgt:
-        return
-    made_src, made_tgt = declared_names(meta, "source"), declared_names(meta, "target")
-    if src in made_tgt and tgt in made_src and src not in made_src:
+def check_pair(meta: dict, config: TranslatorConfig, pair, path) -> None:
+    """Refuse a file made for another pair, or for this pair the other way round (by the names
+    it declares, or by its geometry)."""
+    src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
+    names = model_key(pair.source.name), model_key(pair.target.name)
+    made = declared_names(meta, "source"), declared_names(meta, "target")
+    by_name = all(names) and names[0] != names[1] and names[0] in made[1] and names[1] in made[0]
+    if (by_name and names[0] not in made[0]) or (
+        (config.source, config.target) == (tgt, src) and src != tgt
+    ):
         raise TranslatorFileError(
             f"{path}: this translator goes the other way ({meta['source'].get('name')} -> "
             f"{meta['target'].get('name')}), the pair is {pair.source.name} -> "
             f"{pair.target.name}; swap source and target or use the reverse file"
-        )
-
-
-def check_pair(meta: dict, config: TranslatorConfig, pair, path) -> None:
-    src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
-    check_direction(meta, pair, path)
-    if (config.source, config.target) == (tgt, src) and src != tgt:
-        raise TranslatorFileError(
-            f"{path}: this translator goes the other way ({meta['source'].get('name')} -> "
-            f"{meta['target'].get('name')}); swap source and target or use the reverse file"
         )
     for label, want, have, model in (
         ("source", config.source, src, pair.source),
