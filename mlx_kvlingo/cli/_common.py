@@ -6,7 +6,7 @@ import functools
 
 from mlx_kvlingo.cli._params import ModelSpec, TranslatorSpec
 from mlx_kvlingo.data.examples import DataConfig
-from mlx_kvlingo.models.loading import load_models_and_translators
+from mlx_kvlingo.models.loading import DEMO_PAIRS, load_models_and_translators
 
 import click
 
@@ -16,21 +16,20 @@ source_option = click.option("--small", "--source", "source", type=ModelSpec(),
                              help="Small model (hub id or folder); default: demo pair")  # fmt: skip
 target_option = click.option("--large", "--target", "target", type=ModelSpec(),
                              help="Large model (hub id or folder); default: demo pair")  # fmt: skip
-pair_option = click.option(
-    "--pair",
-    "demo_pair",
-    type=click.Choice(["dense", "moe"]),
-    default="dense",
-    show_default=True,
-    is_eager=True,  # read before --small/--large, which refuse to stand beside it
-    help="Demo pair (no --small/--large): the small model -> SmolLM2-135M-Instruct (dense) "
-    "or -> its exact qwen2_moe upcycle (moe)",
-)
-translator_option = click.option(
-    "--translator",
-    type=TranslatorSpec(),
-    help="Translator file (.safetensors) or Hub id org/name[@revision][:file]",
-)
+# eager: read before --small/--large, which refuse to stand beside it
+pair_option = click.option("--pair", "demo_pair", type=click.Choice(DEMO_PAIRS), default="dense",
+                           show_default=True, is_eager=True,
+                           help="Demo pair (no --small/--large): the small model -> "
+                                "SmolLM2-135M-Instruct (dense) or -> its exact qwen2_moe upcycle (moe)")  # fmt: skip
+translator_option = click.option("--translator", type=TranslatorSpec(),
+                                 help="Translator file (.safetensors) or Hub id org/name[@revision][:file]")  # fmt: skip
+
+
+def _options(opts: list, f):
+    """`f` under the click options `opts`, the first shown first."""
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
 
 
 def demo_pair_of(source, target, demo_pair: str = "dense", translator=None, *,
@@ -59,11 +58,8 @@ def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:
     for role, m in (("small", pair.source), ("large", pair.target)):
         limit = m.context_length
         if limit is not None and n_tokens > limit:
-            raise click.BadParameter(
-                f"the prompt has {n_tokens} tokens; the {role} ({m.name}) handles at most "
-                f"{limit}: shorten it",
-                param_hint=hint,
-            )
+            raise click.BadParameter(f"the prompt has {n_tokens} tokens; the {role} ({m.name}) "
+                                     f"handles at most {limit}: shorten it", param_hint=hint)  # fmt: skip
 
 
 def data_options(*, required=True, help=None, heldout_fraction=0.1, max_examples=True):
@@ -93,9 +89,7 @@ def data_options(*, required=True, help=None, heldout_fraction=0.1, max_examples
                 )
             return f(*args, **kw)
 
-        for opt in reversed(opts):
-            checked = opt(checked)
-        return checked
+        return _options(opts, checked)
 
     return decorate
 
@@ -123,9 +117,7 @@ def sampling_options(f):
         click.option("--seed", type=click.IntRange(0), default=None,
                      help="Seed MLX's generator (reproducible answers)"),
     ]  # fmt: skip
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+    return _options(opts, f)
 
 
 def sampling_settings(kw: dict) -> dict:
@@ -181,13 +173,7 @@ def policy_options(f):
                      help="While the small model answers, translate for the large one within "
                           "10% of its decode time (/escalate, /auto)"),
     ]  # fmt: skip
-    keys = (
-        "reader",
-        "reader_min_tokens",
-        "large_reads_last",
-        "min_retention",
-        "translate_ahead",
-    )
+    keys = ("reader", "reader_min_tokens", "large_reads_last", "min_retention", "translate_ahead")
 
     @functools.wraps(f)
     def wrapper(*args, **kw):
@@ -197,6 +183,4 @@ def policy_options(f):
         kw["recompute_given"] = share is not None
         return f(*args, **kw)
 
-    for opt in reversed(opts):
-        wrapper = opt(wrapper)
-    return wrapper
+    return _options(opts, wrapper)

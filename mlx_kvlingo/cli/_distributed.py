@@ -33,7 +33,7 @@ def wanted(flag) -> bool:
     return launched() if flag is None else flag
 
 
-def load_pair(source, target, translator, backward, demo_pair, distributed, wire):
+def pair_from_options(source, target, translator, backward, demo_pair, distributed, wire):
     """The pair the options name, through `mlx_kvlingo.load` (no warm-up): under `mlx.launch`
     (or `--distributed`) the large model pipelined, ranks > 0 serving inside this call."""
     from mlx_kvlingo.api import load

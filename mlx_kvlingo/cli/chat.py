@@ -33,7 +33,7 @@ from mlx_kvlingo.cli._distributed import (
     describe,
     distributed_option,
     fail,
-    load_pair,
+    pair_from_options,
     wanted,
     wire_option,
 )
@@ -420,7 +420,9 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     console = Console(highlight=False)
     if not wanted(distributed):
         console.print("[grey50]loading models...[/grey50]")
-    pair = load_pair(source, target, translator, backward_translator, demo_pair, distributed, wire)
+    pair = pair_from_options(
+        source, target, translator, backward_translator, demo_pair, distributed, wire
+    )
     pipelined = pair.link is not None
     back = backward_translator or ("demo" if pair.backward is not None
                                    else "none: switching back re-reads")  # fmt: skip

@@ -18,7 +18,7 @@ from mlx_kvlingo.cli._distributed import (
     describe,
     distributed_option,
     fail,
-    load_pair,
+    pair_from_options,
     wanted,
     wire_option,
 )
@@ -50,7 +50,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     settings = sampling_settings(sampling)
     if as_json and wanted(distributed):
         raise click.UsageError("--json is not available with --distributed")
-    pair = load_pair(source, target, translator, None, demo_pair, distributed, wire)
+    pair = pair_from_options(source, target, translator, None, demo_pair, distributed, wire)
     tok = pair.tokenizer
     if chat and getattr(tok, "chat_template", None):
         msgs = [{"role": "user", "content": prompt}]

@@ -190,19 +190,16 @@ class Worker:
         queued = time.monotonic() - job.submitted
         conv, history, held = self.pool.checkout(req.messages)
         job._conv = conv
-        ok = False
         try:
             before = conv.cache.stats()
             if history:
                 conv.add_messages(history)
             job.put("accepted")
             result = self._answer(job, conv, before, held)
-            result.extra["queued_s"] = queued
-            ok = True
         finally:
             job._conv = None
-            if ok:
-                self.pool.checkin(conv)
+        self.pool.checkin(conv)  # only after a whole answer: a failed one is not reused
+        result.extra["queued_s"] = queued
         job.put("done", result)
 
     def _answer(self, job: Job, conv: Conversation, before: dict, held: int) -> Result:
