@@ -135,10 +135,7 @@ def message(e: BaseException) -> str | None:
     if isinstance(e, click.ClickException):
         return one_line(e.format_message())
     if _own(e):  # a refusal of this package: its message names the file and what is wrong
-        text = one_line(e)
-        if any(c.__name__ == "ConversionError" for c in type(e).__mro__):
-            text = f"{type(e).__name__}: {text}"  # as `kvlingo convert` names them
-        return text
+        return one_line(e)
     if type(e).__module__.startswith("huggingface_hub"):  # some are OSErrors too
         return _hub_message(e)
     if isinstance(e, OSError):

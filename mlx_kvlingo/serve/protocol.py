@@ -26,15 +26,11 @@ class APIError(Exception):
     """A request the server refuses: an HTTP status and an OpenAI-style error body."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type,
-            param,
-            code,
-        )
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code  # fmt: skip
+        self.headers = headers  # extra response headers (Retry-After)
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,

@@ -145,6 +145,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._sent = False
         try:
             fn()
+        except P.APIError as e:  # a refusal, before anything reached the models
+            self._error(e, e.headers)
         except (TimeoutError, BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         except Exception as e:  # the server never goes down with a request
@@ -156,17 +158,13 @@ class _Handler(BaseHTTPRequestHandler):
                 except OSError:
                     pass
 
-    def _authorized(self) -> bool:
+    def _authorize(self) -> None:
         key = self.app.config.api_key
-        if not key:
-            return True
-        got = self.headers.get("Authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
-            return True
-        self._error(P.APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                               code="invalid_api_key"))  # fmt: skip
-        return False
+        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+        if key and not (scheme.lower() == "bearer"
+                        and hmac.compare_digest(token.strip().encode(), key.encode())):  # fmt: skip
+            raise P.APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                             code="invalid_api_key")  # fmt: skip
 
     def _client_gone(self) -> bool:
         """True when the client closed its end (end-of-file is readable on the socket)."""
@@ -187,8 +185,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0].rstrip("/")
         if path == "/health":
             return self._json(200, {"status": "ok"})
-        if not self._authorized():
-            return
+        self._authorize()
         models = P.model_list(self.app.pair.names)
         if path in ("/v1/models", "/models"):
             return self._json(200, models)
@@ -197,9 +194,9 @@ class _Handler(BaseHTTPRequestHandler):
                 for m in models["data"]:
                     if m["id"] == path[len(prefix) :]:
                         return self._json(200, m)
-                return self._error(P.APIError(404, f"the model {path[len(prefix):]!r} does not "
-                                                   "exist", code="model_not_found"))  # fmt: skip
-        self._error(P.APIError(404, f"no route {path!r}", code="not_found"))
+                raise P.APIError(404, f"the model {path[len(prefix) :]!r} does not exist",
+                                 code="model_not_found")  # fmt: skip
+        raise P.APIError(404, f"no route {path!r}", code="not_found")
 
     # -- POST ----------------------------------------------------------------------------------
 
@@ -209,25 +206,17 @@ class _Handler(BaseHTTPRequestHandler):
     def _post(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
         if path not in ("/v1/chat/completions", "/chat/completions"):
-            return self._error(P.APIError(404, f"no route {path!r}", code="not_found"))
-        if not self._authorized():
-            return
-        body = self._body()
-        if body is None:
-            return
+            raise P.APIError(404, f"no route {path!r}", code="not_found")
+        self._authorize()
         app = self.app
-        try:
-            req = P.parse_request(body, app.config.limits)
-        except P.APIError as e:
-            return self._error(e)
+        req = P.parse_request(self._body(), app.config.limits)
         job = Job(req)
         try:
             app.worker.submit(job)
         except QueueFull:
-            busy = (f"the server is busy: one request runs and {app.config.queue_size} wait; "
-                    "retry later")  # fmt: skip
-            return self._error(P.APIError(503, busy, type="server_error", code="queue_full"),
-                               {"Retry-After": "1"})  # fmt: skip
+            raise P.APIError(503, f"the server is busy: one request runs and "
+                             f"{app.config.queue_size} wait; retry later", type="server_error",
+                             code="queue_full", headers={"Retry-After": "1"}) from None  # fmt: skip
         try:
             deadline = job.submitted + app.config.request_timeout
             first = self._next(job, deadline)
@@ -243,33 +232,24 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             job.cancel()  # a no-op once the job is done; else (handler failed) stop it
 
-    def _body(self) -> Any | None:
+    def _body(self) -> Any:
+        """The request's JSON body, or an `APIError` saying what is wrong with it."""
         length = self.headers.get("Content-Length")
         if length is None:
-            self._error(P.APIError(411, "a Content-Length header is required"))
-            return None
-        try:
-            n = int(length)
-            if n < 0:
-                raise ValueError
-        except ValueError:
-            self._error(P.APIError(400, f"invalid Content-Length {length!r}"))
-            return None
-        limit = self.app.config.max_body_bytes
+            raise P.APIError(411, "a Content-Length header is required")
+        if not length.strip().isdigit():
+            raise P.APIError(400, f"invalid Content-Length {length!r}")
+        n, limit = int(length), self.app.config.max_body_bytes
         if n > limit:
-            self._error(P.APIError(413, f"the request is {n} bytes; at most {limit}",
-                                   code="request_too_large"))  # fmt: skip
-            return None
+            raise P.APIError(413, f"the request is {n} bytes; at most {limit}",
+                             code="request_too_large")  # fmt: skip
         ctype = self.headers.get("Content-Type", "application/json").split(";")[0].strip()
         if ctype.lower() != "application/json":
-            self._error(P.APIError(415, f"Content-Type must be application/json, not {ctype!r}"))
-            return None
-        raw = self.rfile.read(n)
+            raise P.APIError(415, f"Content-Type must be application/json, not {ctype!r}")
         try:
-            return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+            return json.loads(self.rfile.read(n).decode("utf-8"), parse_constant=_no_constant)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            self._error(P.APIError(400, f"the body is not valid JSON: {e}", code="invalid_json"))
-            return None
+            raise P.APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
 
     def _next(self, job: Job, deadline: float) -> tuple | None:
         """The job's next event; None (job cancelled) when the client left or time ran out."""
