@@ -130,40 +130,30 @@ class SafetensorsFile(click.Path):
 
 
 class OutputFile(click.Path):
-    """A file to write: not a folder, in a folder that exists and can be written."""
+    """A file to write (`OutputFolder`: a folder, created if missing), not the other kind, under
+    a folder that exists and can be written."""
+
+    folder = False
 
     def __init__(self, **kw):
-        super().__init__(dir_okay=False, **kw)
+        super().__init__(file_okay=not self.folder, dir_okay=self.folder, **kw)
 
     def convert(self, value, param, ctx):
         value = super().convert(value, param, ctx)
         path = Path(os.fsdecode(value)).expanduser()
-        folder = path.parent
-        if not folder.is_dir():
-            what = "is a file" if folder.exists() else "does not exist"
-            self.fail(f"cannot write {path}: the folder {folder} {what}", param, ctx)
-        if not os.access(folder, os.W_OK):
-            self.fail(f"cannot write {path}: the folder {folder} is not writable", param, ctx)
-        return value
-
-
-class OutputFolder(click.Path):
-    """A folder to write into (created if missing): not a file, under a writable folder."""
-
-    def __init__(self, **kw):
-        super().__init__(file_okay=False, **kw)
-
-    def convert(self, value, param, ctx):
-        value = super().convert(value, param, ctx)
-        path = Path(os.fsdecode(value)).expanduser()
-        up = path
-        while not up.exists() and up.parent != up:
+        up = path if self.folder else path.parent
+        while self.folder and not up.exists() and up.parent != up:
             up = up.parent
         if not up.is_dir():
-            self.fail(f"cannot create {path}: {up} is a file", param, ctx)
+            what = "is a file" if up.exists() else "does not exist"
+            self.fail(f"cannot write {path}: the folder {up} {what}", param, ctx)
         if not os.access(up, os.W_OK):
-            self.fail(f"cannot write in {path}: {up} is not writable", param, ctx)
+            self.fail(f"cannot write {path}: the folder {up} is not writable", param, ctx)
         return value
+
+
+class OutputFolder(OutputFile):
+    folder = True
 
 
 class NumberList(click.ParamType):

@@ -58,7 +58,6 @@ class ChatRequest:
     model: str
     messages: list[dict[str, str]]  # system first (optional), then user/assistant alternating
     send: dict[str, Any]  # keywords for Conversation.send: the sampling settings, max_tokens
-    max_tokens: int
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -227,9 +226,7 @@ def parse_request(body: Any, limits: Limits) -> ChatRequest:
     if len(stop) > limits.max_stop:
         raise bad(f"at most {limits.max_stop} stop sequences", "stop", "invalid_value")
     send = sampling_kwargs(body, limits)
-    return ChatRequest(
-        model, messages, send, send["max_tokens"], stop, stream, include_usage, logprobs
-    )
+    return ChatRequest(model, messages, send, stop, stream, include_usage, logprobs)
 
 
 # -- responses ---------------------------------------------------------------------------------
