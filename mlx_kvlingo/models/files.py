@@ -194,11 +194,8 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
 
 
 def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
-    """Load and validate a translator file; with `pair`, also check it was made for it.
-
-    `dtype="auto"` computes in float32 on the CPU backend (half-precision matmuls are slow
-    there) and keeps the stored dtype on a GPU (Metal or CUDA).
-    """
+    """Load and validate a translator file (with `pair`: made for it), in `dtype` ("auto": the
+    backend's, `models.pair.default_dtype`)."""
     path = Path(path)
     meta = read_metadata(path)
     try:
@@ -219,12 +216,12 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
         except (KeyError, TypeError, ValueError) as e:
             raise TranslatorFileError(f"{path}: bad quantized tensors: {str(e)[:300]}") from None
     expected = config.weight_shapes()
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
-    if missing:
-        raise TranslatorFileError(f"{path}: missing tensors {missing}")
-    if extra:
-        raise TranslatorFileError(f"{path}: unexpected tensors {extra}")
+    for what, names in (
+        ("missing", set(expected) - set(tensors)),
+        ("unexpected", set(tensors) - set(expected)),
+    ):
+        if names:
+            raise TranslatorFileError(f"{path}: {what} tensors {sorted(names)}")
     for name, shape in expected.items():
         if not mx.issubdtype(tensors[name].dtype, mx.floating):
             raise TranslatorFileError(
@@ -254,10 +251,8 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
 
 
 def model_key(name) -> str | None:
-    """A model's name for comparison: the last path component, lower case.
-
-    `Qwen/Qwen3-4B`, `~/models/Qwen3-4B/` and `Qwen3-4B` compare equal; None stays None.
-    """
+    """A model's name for comparison, its last path component in lower case: `Qwen/Qwen3-4B`,
+    `~/models/Qwen3-4B/` and `Qwen3-4B` compare equal; None stays None."""
     if not name or not isinstance(name, (str, Path)):
         return None
     return str(name).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].lower() or None
@@ -267,10 +262,8 @@ def declared_names(meta: dict, label: str) -> set[str]:
     """The names a translator file gives one side: its metadata and, for a converted file,
     the names the original file declared (provenance)."""
     side, prov = meta.get(label), meta.get("provenance")
-    names = [
-        side.get("name") if isinstance(side, dict) else None,
-        prov.get(f"{label}_model") if isinstance(prov, dict) else None,
-    ]
+    names = (side.get("name") if isinstance(side, dict) else None,
+             prov.get(f"{label}_model") if isinstance(prov, dict) else None)  # fmt: skip
     return {k for k in map(model_key, names) if k}
 
 
@@ -289,10 +282,8 @@ def check_pair(meta: dict, config: TranslatorConfig, pair, path) -> None:
             f"{meta['target'].get('name')}), the pair is {pair.source.name} -> "
             f"{pair.target.name}; swap source and target or use the reverse file"
         )
-    for label, want, have, model in (
-        ("source", config.source, src, pair.source),
-        ("target", config.target, tgt, pair.target),
-    ):
+    for label, want, have, model in (("source", config.source, src, pair.source),
+                                     ("target", config.target, tgt, pair.target)):  # fmt: skip
         if want != have:
             raise TranslatorFileError(
                 f"{path}: made for a {label} with {want.layers} layers, {want.kv_heads} KV heads, "
@@ -306,9 +297,7 @@ def check_pair(meta: dict, config: TranslatorConfig, pair, path) -> None:
             raise TranslatorFileError(
                 f"{path}: made for a {mt} {label}, {model.name} is {model.geometry.model_type}"
             )
-        if meta[label].get("has_k_norm") is not None and meta[label]["has_k_norm"] != (
-            model.geometry.has_k_norm
-        ):
+        if meta[label].get("has_k_norm") not in (None, model.geometry.has_k_norm):
             raise TranslatorFileError(f"{path}: {label} k_norm presence differs from {model.name}")
     fp = meta.get("tokenizer")
     if fp and pair.tokenizer_fingerprint and fp != pair.tokenizer_fingerprint:

@@ -80,13 +80,11 @@ def explain(e: Exception, named: str, fetch: str = "give a local folder") -> str
 
 def download(spec: str | HubSpec, local_dir: str | Path | None = None) -> Path:
     """The repo's translator files (and card, manifest) in the Hub cache or `local_dir`."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import hf_hub_download, snapshot_download
 
     spec = spec if isinstance(spec, HubSpec) else _parse(spec)
     try:
         if spec.filename:
-            from huggingface_hub import hf_hub_download
-
             return Path(hf_hub_download(spec.repo_id, spec.filename, revision=spec.revision,
                                         local_dir=local_dir))  # fmt: skip
         return Path(snapshot_download(spec.repo_id, revision=spec.revision, allow_patterns=ALLOW,
@@ -126,9 +124,9 @@ def resolve_translator(text: str | Path, reverse: bool = False) -> Path:
         return got / files[0]
     if not files:
         raise HubError(f"{spec}: the repository holds no .safetensors translator")
+    named = ", ".join(f"{spec}:{f}" for f in files[:6])
     raise HubError(
-        f"{spec}: {len(files)} translators and no manifest.json default; name one: "
-        + ", ".join(f"{spec}:{f}" for f in files[:6])
+        f"{spec}: {len(files)} translators and no manifest.json default; name one: {named}"
     )
 
 
@@ -159,10 +157,9 @@ def build_repo_folder(
     default = (man or {}).get("default") or {}
     missing = sorted({default.get(k) for k in ("forward", "backward")} - {None, *names.values()})
     if missing:
-        raise HubError(
-            f"{manifest}: its default {', '.join(missing)} is not among the files given "
-            f"(paths below {root}: {', '.join(sorted(names.values())[:6])})"
-        )
+        given = ", ".join(sorted(names.values())[:6])
+        raise HubError(f"{manifest}: its default {', '.join(missing)} is not among the files "
+                       f"given (paths below {root}: {given})")  # fmt: skip
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     metas = {}
@@ -192,10 +189,8 @@ def upload(folder: str | Path, repo_id: str, private: bool = False,
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(
-            repo_id=repo_id, folder_path=str(folder),
-            commit_message=message or "Upload mlx-kvlingo translator",
-        )  # fmt: skip
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder),
+                                 commit_message=message or "Upload mlx-kvlingo translator")  # fmt: skip
     except Exception as e:  # noqa: BLE001
         raise HubError(explain(e, repo_id) or f"{repo_id}: {type(e).__name__}: {e}") from None
     return str(info)

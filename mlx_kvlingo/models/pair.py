@@ -230,9 +230,8 @@ def model_fingerprint(loaded: LoadedModel) -> str:
 def check_same_tokenizer(a, b, names=("source", "target")) -> None:
     """Refuse a pair whose tokenizers map ids to different tokens; name the first difference."""
     va, vb = a.get_vocab(), b.get_vocab()
-    ia = {i: t for t, i in va.items()}
-    ib = {i: t for t, i in vb.items()}
-    for i in range(max(len(ia), len(ib), max(ia, default=0) + 1, max(ib, default=0) + 1)):
+    ia, ib = {i: t for t, i in va.items()}, {i: t for t, i in vb.items()}
+    for i in sorted(set(ia) | set(ib)):
         ta, tb = ia.get(i), ib.get(i)
         if ta != tb:
             raise TokenizerMismatchError(

