@@ -171,11 +171,8 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
 
 def fit_line(stage1: dict) -> str:
     """Stage 1's training fit at the chosen alpha, with the unregularized fit beside it."""
-    parts = []
-    for kind, r in stage1.get("train_fit", {}).items():
-        parts.append(
-            f"{kind} R² {r['r2_mean']:.4f} (alpha 0: {r.get('r2_mean_alpha0', r['r2_mean']):.4f})"
-        )
+    parts = [f"{kind} R² {r['r2_mean']:.4f} (alpha 0: {r.get('r2_mean_alpha0', r['r2_mean']):.4f})"
+             for kind, r in stage1.get("train_fit", {}).items()]  # fmt: skip
     return f"stage 1 fit on training data, alpha {stage1.get('alpha')}: " + " · ".join(parts)
 
 

@@ -265,9 +265,14 @@ class ChatApp:
 
 def print_help(console: Console) -> None:
     """`/help`: the commands (`HELP`), one a line."""
-    w = max(len(k) for k, _ in HELP)
-    for k, v in HELP:
-        console.print(f"  [bold]{escape(k.ljust(w))}[/bold]  [grey50]{v}[/grey50]")
+    _rows(console, HELP, "  [bold]{k}[/bold]  [grey50]{v}[/grey50]")
+
+
+def _rows(console: Console, rows: list, line: str) -> None:
+    """`rows` of (key, value), the keys padded to one width, each printed as `line`."""
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        console.print(line.format(k=escape(k.ljust(w)), v=escape(v)))
 
 
 def command(app: ChatApp, cmd: str, args: list[str]) -> None:
@@ -376,10 +381,8 @@ def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> 
     if app.conv.cache.system_prompt:
         sp = app.conv.cache.system_prompt
         rows.append(("system", sp if len(sp) <= 60 else sp[:57] + "..."))
-    w = max(len(k) for k, _ in rows)
     app.console.print("[bold magenta]kvlingo chat[/bold magenta]")
-    for k, v in rows:
-        app.console.print(f"  {k.ljust(w)}   [bold]{escape(v)}[/bold]")
+    _rows(app.console, rows, "  {k}   [bold]{v}[/bold]")
     app.say("  /help for commands · q to quit")
 
 

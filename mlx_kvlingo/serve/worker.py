@@ -224,13 +224,15 @@ class Worker:
         else:
             out = self._pump(job, conv.send(last, req.model, **req.send), req.model, live=True)
         after = conv.cache.stats()
-        read, translated = {}, {}
-        for role, label in (("source", "small"), ("target", "large")):
-            a, b = after["models"][role], before["models"][role]
-            read[label] = a["prompt_tokens"] - b["prompt_tokens"]
-            # and what it read for the other model (reader "small")
-            read[label] += a.get("read_for_other_tokens", 0) - b.get("read_for_other_tokens", 0)
-            translated[label] = a["translated_into"] - b["translated_into"]
+
+        def grew(role: str, *keys: str) -> int:
+            return sum(
+                after["models"][role].get(k, 0) - before["models"][role].get(k, 0) for k in keys
+            )
+
+        roles = {"small": "source", "large": "target"}  # a model reads for itself or the other
+        read = {m: grew(r, "prompt_tokens", "read_for_other_tokens") for m, r in roles.items()}
+        translated = {m: grew(r, "translated_into") for m, r in roles.items()}
         prompt = conv.tokens - out.tokens
         cached = max(prompt - read[out.model] - translated[out.model], 0)
         # read_tokens: what each model read (prefilled) itself; translated_tokens: into its cache
