@@ -126,37 +126,29 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
 
 def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label,
              tail=None, share=None, kinds=DEFAULT_KINDS, data_label="demo", keeps=()):  # fmt: skip
-    from mlx_kvlingo.eval.content import (
-        Chat,
-        Peer,
-        evaluate_content,
-        fitting_tasks,
-        plot,
-        retention,
-        tables,
-        to_json,
-    )
+    from mlx_kvlingo.eval import content as c
 
-    tasks = fitting_tasks(pair, texts, lengths, per_kind, seed=seed, kinds=kinds)
+    tasks = c.fitting_tasks(pair, texts, lengths, per_kind, seed=seed, kinds=kinds)
     console.print(f"[grey50]{len(tasks)} content tasks ({per_kind} per kind and length, seed "
                   f"{seed}); the target answers natively first, then from the translated cache; "
                   f"greedy[/grey50]")  # fmt: skip
     # both through the chat's own hand-off: the whole turn translated (the large model reads
     # the last token only), and the chat's reading (its last tokens, then the recompute)
-    chat = Chat(tr, Chat.tail if tail is None else tail, Chat.share if share is None else share)
-    conditions = {"translated": Chat(tr, 1, 0.0), "chat": chat,
-                  **{f"specprefill {k:g}": Peer(k, seed) for k in keeps}}  # fmt: skip
+    chat = c.Chat(tr, c.Chat.tail if tail is None else tail,
+                  c.Chat.share if share is None else share)  # fmt: skip
+    conditions = {"translated": c.Chat(tr, 1, 0.0), "chat": chat,
+                  **{f"specprefill {k:g}": c.Peer(k, seed) for k in keeps}}  # fmt: skip
     with progress_bar("content", console) as progress:
-        result = to_json(evaluate_content(pair, tasks, conditions, progress=progress), pair,
-                         {"translator": label, "seed": seed, "lengths": lengths})  # fmt: skip
-    for t in tables(result):
+        result = c.to_json(c.evaluate_content(pair, tasks, conditions, progress=progress), pair,
+                           {"translator": label, "seed": seed, "lengths": lengths})  # fmt: skip
+    for t in c.tables(result):
         console.print(t)
     if json_out:
         report.write_json(result, json_out)
     if plot_out:
-        plot(result, plot_out)
+        c.plot(result, plot_out)
     draw = f"data {data_label}, seed {seed}, kinds {','.join(kinds)}"
-    _store_retention(pair, tr, chat, retention(result), draw, console)
+    _store_retention(pair, tr, chat, c.retention(result), draw, console)
 
 
 def _store_retention(pair, tr, chat, counts, draw, console) -> None:
