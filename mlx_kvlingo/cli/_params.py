@@ -42,11 +42,7 @@ def model_folder_problem(folder: Path) -> str | None:
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         return f"{folder} is not a model folder: it has no weights (*.safetensors)"
-    for w in weights:
-        problem = _safetensors_problem(w)
-        if problem:
-            return problem
-    return None
+    return next(filter(None, map(_safetensors_problem, weights)), None)
 
 
 def hub_id_problem(value: str) -> str | None:

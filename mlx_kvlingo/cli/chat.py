@@ -434,19 +434,16 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     conv = Conversation(pair, max_kv_size, system_prompt=system_prompt, mode=mode, policy=policy)
     app = ChatApp(conv, max_tokens=max_tokens, sampling=settings, auto_threshold=auto_threshold,
                   console=console, first=answer)  # fmt: skip
-    if pipelined:
-        print_banner(app, {"forward": translator or "demo", "backward": back})
-        app.say(f"  {describe(pair)} · /save and /load are not available")
-        try:
-            app.run()
-            pair.close()
-        except DistributedError as e:
-            fail(e)
-        return
     loaded = None
-    if warmup:
+    if warmup and not pipelined:
         console.print("[grey50]warming up (each path once; this pair's rates)...[/grey50]")
         w = pair.warm_up(**settings)
         loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {pair.rates_note})"
     print_banner(app, {"forward": translator or "demo", "backward": back}, loaded)
-    app.run()
+    if pipelined:
+        app.say(f"  {describe(pair)} · /save and /load are not available")
+    try:
+        app.run()
+        pair.close()  # pipelined: releases the other ranks
+    except DistributedError as e:
+        fail(e)

@@ -279,11 +279,9 @@ def usage_chunk(rid: str, model: str, usage: dict, extra: dict) -> dict:
 def model_list(names: dict[str, str]) -> dict:
     """`GET /v1/models`: the three ids, each naming the model(s) behind it."""
     created = int(time.time())
-    about = {
-        "small": f"{names['small']} reads and answers",
-        "large": f"{names['large']} answers from the KV cache translated from {names['small']}",
-        "auto": f"{names['small']} answers; {names['large']} re-answers when it is unsure",
-    }
+    about = {"small": f"{names['small']} reads and answers",
+             "large": f"{names['large']} answers from the KV cache translated from {names['small']}",
+             "auto": f"{names['small']} answers; {names['large']} re-answers when it is unsure"}  # fmt: skip
     data = [{"id": m, "object": "model", "created": created, "owned_by": "kvlingo",
              "description": about[m]} for m in MODEL_IDS]  # fmt: skip
     return {"object": "list", "data": data}
