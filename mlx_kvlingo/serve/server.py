@@ -272,10 +272,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _complete(self, job: Job, rid: str, model: str, deadline: float) -> None:
         pieces: list[tuple[str, float]] = []
-        while True:
-            ev = self._next(job, deadline)
-            if ev is None:
-                return
+        while (
+            ev := self._next(job, deadline)
+        ) is not None:  # None: the client left, or time ran out
             if ev[0] == "token":
                 pieces.append((ev[1], ev[2]))
             elif ev[0] == "error":
@@ -311,10 +310,9 @@ class _Handler(BaseHTTPRequestHandler):
         usage = req.include_usage
         if not send(P.chunk(rid, model, {"role": "assistant", "content": ""}, usage=usage)):
             return
-        while True:
-            ev = self._next(job, deadline)
-            if ev is None:
-                return
+        while (
+            ev := self._next(job, deadline)
+        ) is not None:  # None: the client left, or time ran out
             if ev[0] == "token":
                 lp = [(ev[1], ev[2])] if req.logprobs else None
                 if not send(P.chunk(rid, model, {"content": ev[1]}, pieces=lp, usage=usage)):
