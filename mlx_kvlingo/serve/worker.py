@@ -254,6 +254,12 @@ class Worker:
         out = _Pumped(model=label)
         logprobs: list[float] = []
         asked = hit = False
+
+        def emit(piece: str, lp: float) -> None:
+            out.pieces.append((piece, lp))
+            if live:
+                job.put("token", piece, lp)
+
         try:
             for r in stream:
                 if r.token is not None:
@@ -262,9 +268,7 @@ class Worker:
                     logprobs.append(lp)
                     piece, hit = scan.feed(r.text)
                     if piece:
-                        out.pieces.append((piece, lp))
-                        if live:
-                            job.put("token", piece, lp)
+                        emit(piece, lp)
                     if hit:
                         out.reason = "stop"
                         break
@@ -281,12 +285,8 @@ class Worker:
         finally:
             if close or hit:
                 stream.close()  # a no-op after done; else commits the tokens emitted so far
-        if not hit:
-            rest = scan.flush()
-            if rest:
-                out.pieces.append((rest, 0.0))
-                if live:
-                    job.put("token", rest, 0.0)
+        if not hit and (rest := scan.flush()):
+            emit(rest, 0.0)
         out.text = scan.released
         out.confidence = sum(logprobs) / len(logprobs) if logprobs else None
         return out
