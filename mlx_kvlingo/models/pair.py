@@ -106,11 +106,10 @@ def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
     layers = model.layers
     attn = layers[0].self_attn
     heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
+    # the module's count where it has one (config and module may disagree), else the config's
+    kv_heads = getattr(attn, "n_kv_heads", None) or config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     dtype = str(weights_dtype(model))
-    if hasattr(attn, "n_kv_heads") and attn.n_kv_heads != kv_heads:  # config and module disagree
-        kv_heads = attn.n_kv_heads
     return KVGeometry(model_type, len(layers), kv_heads, head_dim, head_dim, describe(attn.rope),
                       k_norm, dtype.replace("mlx.core.", ""))  # fmt: skip
 
