@@ -21,9 +21,7 @@ from mlx_kvlingo.api import Conversation, Pair
 def templated(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
     """The chat template's token ids for `messages` (the content lines where there is none)."""
     has = getattr(tokenizer, "has_chat_template", None)
-    if has is None:
-        has = bool(getattr(tokenizer, "chat_template", None))
-    if has:
+    if has or (has is None and getattr(tokenizer, "chat_template", None)):
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
         return list(out if isinstance(out, list) else out["input_ids"])
     ids: list[int] = []
