@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from mlx_kvlingo.cli._common import demo_pair_of
 from mlx_kvlingo.distributed.pipeline import DistributedError
@@ -53,6 +55,15 @@ def pair_from_options(source, target, translator, backward, demo_pair, distribut
 def describe(pair) -> str:
     owners = ", ".join(f"rank {r}: {o.start}-{o.stop - 1}" for r, o in enumerate(pair.link.owners))
     return f"large model pipelined over {pair.link.ranks} ranks (layers {owners})"
+
+
+@contextmanager
+def rank_errors() -> Iterator[None]:
+    """A lost or unreachable rank ends the run with one line (`fail`)."""
+    try:
+        yield
+    except DistributedError as e:
+        fail(e)
 
 
 def fail(e: Exception) -> None:

@@ -32,14 +32,13 @@ from mlx_kvlingo.cli._common import (
 from mlx_kvlingo.cli._distributed import (
     describe,
     distributed_option,
-    fail,
     pair_from_options,
+    rank_errors,
     wanted,
     wire_option,
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
 from mlx_kvlingo.cli._progress import progress_bar
-from mlx_kvlingo.distributed.pipeline import DistributedError
 
 import click
 from rich.console import Console
@@ -442,8 +441,6 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     print_banner(app, {"forward": translator or "demo", "backward": back}, loaded)
     if pipelined:
         app.say(f"  {describe(pair)} · /save and /load are not available")
-    try:
+    with rank_errors():
         app.run()
         pair.close()  # pipelined: releases the other ranks
-    except DistributedError as e:
-        fail(e)

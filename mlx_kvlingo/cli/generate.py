@@ -17,8 +17,8 @@ from mlx_kvlingo.cli._common import (
 from mlx_kvlingo.cli._distributed import (
     describe,
     distributed_option,
-    fail,
     pair_from_options,
+    rank_errors,
     wanted,
     wire_option,
 )
@@ -44,7 +44,6 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     """One answer from the large model with no large prefill, with honest timings."""
     from mlx_kvlingo import ReaderPolicy
     from mlx_kvlingo.api import make_prompt_cache, stream_generate
-    from mlx_kvlingo.distributed.pipeline import DistributedError
 
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     settings = sampling_settings(sampling)
@@ -64,7 +63,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     policy = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
     cache = make_prompt_cache(pair, policy=policy)
     ids, pieces = [], []
-    try:
+    with rank_errors():
         for r in stream_generate(pair, tokens, cache, max_tokens=max_tokens, **settings):
             if r.token is not None:
                 if not as_json:
@@ -75,8 +74,6 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
             click.echo()
             click.echo(f"{describe(pair)} · {r.status}", err=True)
             return pair.close()
-    except DistributedError as e:
-        fail(e)
     st = r.handoff
     read_tokens, read_s = (st.read.tokens, st.read.seconds) if st.read else (0, 0.0)
     sw = st.switch
