@@ -42,10 +42,9 @@ def pair_from_options(source, target, translator, backward, demo_pair, distribut
 
     demo = demo_pair_of(source, target, demo_pair, translator, require_translator=True)
     try:
-        return load(source, target, translator, backward, pair=demo, distributed=wanted(distributed),
-                    wire=wire, warmup=False)  # fmt: skip
-    except DistributedError as e:
-        fail(e)
+        with rank_errors():
+            return load(source, target, translator, backward, pair=demo,
+                        distributed=wanted(distributed), wire=wire, warmup=False)  # fmt: skip
     except ImportError as e:
         raise click.ClickException(
             f"the demo pair is not available ({e}); pass --small, --large and --translator"
