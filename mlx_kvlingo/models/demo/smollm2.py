@@ -136,9 +136,8 @@ def missing_weights(where: Path, build_step: str) -> FileNotFoundError:
                              f"--only {build_step}` (from the repo root).")  # fmt: skip
 
 
-def default_dequantize() -> bool:
-    """Quantized matmuls are slow on MLX's CPU backend, so expand on Linux."""
-    return sys.platform != "darwin"
+#: quantized matmuls are slow on MLX's CPU backend: expand the weights except on macOS
+DEQUANTIZE = sys.platform != "darwin"
 
 
 # ---------------------------------------------------------------- cache helpers
@@ -309,7 +308,7 @@ def ensure_smollm2(cache_dir: str | os.PathLike | None = None,
     """The GGUF converted once into an mlx-lm folder under the cache; `dequantize` (default:
     except on macOS) stores float32 weights instead of the Q4_1 ones, slow on MLX's CPU."""
     if dequantize is None:
-        dequantize = default_dequantize()
+        dequantize = DEQUANTIZE
     gguf = find_gguf()
     name = TARGET_NAME if dequantize else f"{TARGET_NAME}-Q4_1"
     stamp = {"format": FORMAT_VERSION, "gguf": GGUF_NAME, "size": gguf.stat().st_size}
@@ -429,7 +428,7 @@ def ensure_demo_source(cache_dir: str | os.PathLike | None = None, dequantize: b
                        folder: str = "source15") -> Path:  # fmt: skip
     """Assemble a demo source model folder (cached) from `weights/<folder>/`; return its path."""
     if dequantize is None:
-        dequantize = default_dequantize()
+        dequantize = DEQUANTIZE
     st, cfg = source_files(folder)
     target = ensure_smollm2(cache_dir, dequantize)
     name = DEMO_SOURCES[folder] if dequantize else f"{DEMO_SOURCES[folder]}-quantized"
