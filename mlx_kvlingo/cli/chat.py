@@ -160,11 +160,9 @@ class ChatApp:
         st = r.handoff
         if st is None or st.confidence is None or r.finish_reason == "cancelled":
             return
-        score = f"{escape('[auto]')} confidence {st.confidence:.2f}"
-        if st.escalating:
-            self.say(f"  {score} < {self.threshold:.2f}: escalating to large")
-        else:
-            self.say(f"  {score} >= {self.threshold:.2f}: kept")
+        t = self.threshold
+        verdict = f"< {t:.2f}: escalating to large" if st.escalating else f">= {t:.2f}: kept"
+        self.say(f"  {escape('[auto]')} confidence {st.confidence:.2f} {verdict}")
 
     # -- turns -------------------------------------------------------------------------------
 

@@ -108,10 +108,6 @@ def parse_json(text, what: str, error=TranslatorFileError, want=dict):
     return value
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def read_header(path: str | Path, error=TranslatorFileError, what: str = "translator") -> dict:
     """Check a safetensors file without loading its tensors (the `safetensors` library's checks:
     header, dtypes, shapes and offsets, the file's length); {"__metadata__": its metadata}.
@@ -169,7 +165,7 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
         r = meta[label]
         if not isinstance(r, list) or not all(isinstance(x, list) for x in r):
             raise TypeError(f"{label} must be a list of lists of source layers")
-        if not all(_is_int(s) for x in r for s in x):
+        if not all(isinstance(s, int) and not isinstance(s, bool) for x in r for s in x):
             raise TypeError(f"{label} must list integer source layers")
         return tuple(tuple(x) for x in r)
 

@@ -34,9 +34,7 @@ class Pool:
     """Up to `size` held conversations over one pair, most recently used last."""
 
     def __init__(self, pair: Pair, size: int, **conversation_kwargs: Any) -> None:
-        self.pair = pair
-        self.size = size
-        self.tokenizer = pair.tokenizer
+        self.pair, self.size, self.tokenizer = pair, size, pair.tokenizer
         self._kwargs = conversation_kwargs  # Conversation keywords (mode, max_kv_size, ...)
         self._held: OrderedDict[Conversation, tuple[int, ...]] = OrderedDict()
 
@@ -46,9 +44,8 @@ class Pool:
     def template(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
         return templated(self.tokenizer, messages, generation_prompt)
 
-    def checkout(
-        self, messages: list[dict[str, str]]
-    ) -> tuple[Conversation, list[dict[str, str]], int]:
+    def checkout(self, messages: list[dict[str, str]]
+                 ) -> tuple[Conversation, list[dict[str, str]], int]:  # fmt: skip
         """The conversation to answer `messages` with, the history it still lacks (without the
         last user message), and how many of `messages` it already held (0: a new one)."""
         prefixes: dict[int, tuple[int, ...]] = {}
