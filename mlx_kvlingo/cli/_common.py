@@ -6,7 +6,7 @@ import functools
 
 from mlx_kvlingo.cli._params import ModelSpec, TranslatorSpec
 from mlx_kvlingo.data.examples import DataConfig
-from mlx_kvlingo.models.loading import load_models_and_translators
+from mlx_kvlingo.models.loading import DEMO_PAIRS, load_models_and_translators
 
 import click
 
@@ -16,21 +16,20 @@ source_option = click.option("--small", "--source", "source", type=ModelSpec(),
                              help="Small model (hub id or folder); default: demo pair")  # fmt: skip
 target_option = click.option("--large", "--target", "target", type=ModelSpec(),
                              help="Large model (hub id or folder); default: demo pair")  # fmt: skip
-pair_option = click.option(
-    "--pair",
-    "demo_pair",
-    type=click.Choice(["dense", "moe"]),
-    default="dense",
-    show_default=True,
-    is_eager=True,  # read before --small/--large, which refuse to stand beside it
-    help="Demo pair (no --small/--large): the small model -> SmolLM2-135M-Instruct (dense) "
-    "or -> its exact qwen2_moe upcycle (moe)",
-)
-translator_option = click.option(
-    "--translator",
-    type=TranslatorSpec(),
-    help="Translator file (.safetensors) or Hub id org/name[@revision][:file]",
-)
+# eager: read before --small/--large, which refuse to stand beside it
+pair_option = click.option("--pair", "demo_pair", type=click.Choice(DEMO_PAIRS), default="dense",
+                           show_default=True, is_eager=True,
+                           help="Demo pair (no --small/--large): the small model -> "
+                                "SmolLM2-135M-Instruct (dense) or -> its exact qwen2_moe upcycle (moe)")  # fmt: skip
+translator_option = click.option("--translator", type=TranslatorSpec(),
+                                 help="Translator file (.safetensors) or Hub id org/name[@revision][:file]")  # fmt: skip
+
+
+def _options(opts: list, f):
+    """`f` under the click options `opts`, the first shown first."""
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
 
 
 def demo_pair_of(source, target, demo_pair: str = "dense", translator=None, *,
@@ -59,11 +58,8 @@ def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:
     for role, m in (("small", pair.source), ("large", pair.target)):
         limit = m.context_length
         if limit is not None and n_tokens > limit:
-            raise click.BadParameter(
-                f"the prompt has {n_tokens} tokens; the {role} ({m.name}) handles at most "
-                f"{limit}: shorten it",
-                param_hint=hint,
-            )
+            raise click.BadParameter(f"the prompt has {n_tokens} tokens; the {role} ({m.name}) "
+                                     f"handles at most {limit}: shorten it", param_hint=hint)  # fmt: skip
 
 
 def data_options(*, required=True, help=None, heldout_fraction=0.1, max_examples=True):
@@ -93,9 +89,7 @@ def data_options(*, required=True, help=None, heldout_fraction=0.1, max_examples
                 )
             return f(*args, **kw)
 
-        for opt in reversed(opts):
-            checked = opt(checked)
-        return checked
+        return _options(opts, checked)
 
     return decorate
 
@@ -123,17 +117,13 @@ def sampling_options(f):
         click.option("--seed", type=click.IntRange(0), default=None,
                      help="Seed MLX's generator (reproducible answers)"),
     ]  # fmt: skip
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+    return _options(opts, f)
 
 
 def sampling_settings(kw: dict) -> dict:
-    """The sampling options given, as `stream_generate` / `Conversation.send` keywords (those
-    not given are left out: the answering model's defaults)."""
-    from mlx_kvlingo.conversation.sampling import FIELDS
-
-    return {k: kw[k] for k in FIELDS if kw.get(k) is not None}
+    """The sampling options given (`sampling_options`), as `stream_generate` keywords; those not
+    given are left out: the answering model's defaults."""
+    return {k: v for k, v in kw.items() if v is not None}
 
 
 def content_texts(data_path) -> list[str]:
@@ -154,7 +144,6 @@ def policy_options(f):
     from dataclasses import replace
 
     from mlx_kvlingo.config import READERS, ReaderPolicy
-    from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION as sel
 
     d = ReaderPolicy()
     opts = [
@@ -171,10 +160,8 @@ def policy_options(f):
                           "last this many tokens itself; 1: the last token"),
         click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
                      help="When the small model reads your turn, the large one also recomputes "
-                          f"this share of it (at least {sel.floor} tokens, and on a turn past "
-                          f"{sel.cap:,} tokens as many as on one of {sel.cap:,}), the sentences "
-                          "its reading of "
-                          "the turn's end attended to most; 0: none; default "
+                          "this share of it (capped on long turns), the sentences its reading of "
+                          f"the turn's end attended to most; 0: none; default "
                           f"{d.recompute_share:g}, 0 with a pipelined large model"),
         click.option("--min-retention", type=click.FloatRange(0, 1), default=d.min_retention,
                      show_default=True,
@@ -186,13 +173,7 @@ def policy_options(f):
                      help="While the small model answers, translate for the large one within "
                           "10% of its decode time (/escalate, /auto)"),
     ]  # fmt: skip
-    keys = (
-        "reader",
-        "reader_min_tokens",
-        "large_reads_last",
-        "min_retention",
-        "translate_ahead",
-    )
+    keys = ("reader", "reader_min_tokens", "large_reads_last", "min_retention", "translate_ahead")
 
     @functools.wraps(f)
     def wrapper(*args, **kw):
@@ -202,6 +183,4 @@ def policy_options(f):
         kw["recompute_given"] = share is not None
         return f(*args, **kw)
 
-    for opt in reversed(opts):
-        wrapper = opt(wrapper)
-    return wrapper
+    return _options(opts, wrapper)

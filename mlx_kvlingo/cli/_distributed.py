@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from mlx_kvlingo.cli._common import demo_pair_of
 from mlx_kvlingo.distributed.pipeline import DistributedError
@@ -33,21 +35,34 @@ def wanted(flag) -> bool:
     return launched() if flag is None else flag
 
 
-def load_runtime(source, target, translator, backward, wire, demo_pair="dense"):
-    """Rank 0: the distributed runtime (the other ranks serve inside this call, then exit).
-    `demo_pair`: the demo pair to pipeline when no model is named (--pair)."""
+def pair_from_options(source, target, translator, backward, demo_pair, distributed, wire):
+    """The pair the options name, through `mlx_kvlingo.load` (no warm-up): under `mlx.launch`
+    (or `--distributed`) the large model pipelined, ranks > 0 serving inside this call."""
     from mlx_kvlingo.api import load
 
     demo = demo_pair_of(source, target, demo_pair, translator, require_translator=True)
     try:
-        return load(source, target, translator, backward, distributed=True, wire=wire, pair=demo)
-    except DistributedError as e:
-        fail(e)
+        with rank_errors():
+            return load(source, target, translator, backward, pair=demo,
+                        distributed=wanted(distributed), wire=wire, warmup=False)  # fmt: skip
+    except ImportError as e:
+        raise click.ClickException(
+            f"the demo pair is not available ({e}); pass --small, --large and --translator"
+        ) from None
 
 
 def describe(pair) -> str:
     owners = ", ".join(f"rank {r}: {o.start}-{o.stop - 1}" for r, o in enumerate(pair.link.owners))
     return f"large model pipelined over {pair.link.ranks} ranks (layers {owners})"
+
+
+@contextmanager
+def rank_errors() -> Iterator[None]:
+    """A lost or unreachable rank ends the run with one line (`fail`)."""
+    try:
+        yield
+    except DistributedError as e:
+        fail(e)
 
 
 def fail(e: Exception) -> None:

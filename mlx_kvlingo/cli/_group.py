@@ -40,14 +40,7 @@ def cli(debug):
     """KV-cache translation between two language models on MLX."""
 
 
-cli.add_command(info_cmd)
-cli.add_command(translate_cmd)
-cli.add_command(generate_cmd)
-cli.add_command(chat_cmd)
-cli.add_command(calibrate_cmd)
-cli.add_command(eval_cmd)
-cli.add_command(bench_cmd)
-cli.add_command(convert_cmd)
-cli.add_command(upload_cmd)
-cli.add_command(download_cmd)
-cli.add_command(serve_cmd)
+COMMANDS = (info_cmd, translate_cmd, generate_cmd, chat_cmd, calibrate_cmd, eval_cmd, bench_cmd,
+            convert_cmd, upload_cmd, download_cmd, serve_cmd)  # fmt: skip
+for _command in COMMANDS:
+    cli.add_command(_command)

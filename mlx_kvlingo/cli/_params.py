@@ -1,11 +1,5 @@
-"""Parameter types that refuse a bad value before any model loads, naming the option.
-
-`ModelSpec` (a model folder or a Hub id), `TranslatorSpec` (a translator file, a Hub id or a
-demo translator name), `OutputFile` / `OutputFolder` (somewhere that can be written) and
-`SafetensorsFile` (a whole safetensors file), `IntList` / `FloatList` (comma-separated numbers
-in a range). Numbers take `click.IntRange` / `click.FloatRange`. What slips past these is
-mapped to one line by `errors.py`.
-"""
+"""Parameter types that refuse a bad value before any model loads, naming the option (what
+slips past them `errors.py` maps to one line)."""
 
 from __future__ import annotations
 
@@ -48,11 +42,7 @@ def model_folder_problem(folder: Path) -> str | None:
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         return f"{folder} is not a model folder: it has no weights (*.safetensors)"
-    for w in weights:
-        problem = _safetensors_problem(w)
-        if problem:
-            return problem
-    return None
+    return next(filter(None, map(_safetensors_problem, weights)), None)
 
 
 def hub_id_problem(value: str) -> str | None:
@@ -136,40 +126,30 @@ class SafetensorsFile(click.Path):
 
 
 class OutputFile(click.Path):
-    """A file to write: not a folder, in a folder that exists and can be written."""
+    """A file to write (`OutputFolder`: a folder, created if missing), not the other kind, under
+    a folder that exists and can be written."""
+
+    folder = False
 
     def __init__(self, **kw):
-        super().__init__(dir_okay=False, **kw)
+        super().__init__(file_okay=not self.folder, dir_okay=self.folder, **kw)
 
     def convert(self, value, param, ctx):
         value = super().convert(value, param, ctx)
         path = Path(os.fsdecode(value)).expanduser()
-        folder = path.parent
-        if not folder.is_dir():
-            what = "is a file" if folder.exists() else "does not exist"
-            self.fail(f"cannot write {path}: the folder {folder} {what}", param, ctx)
-        if not os.access(folder, os.W_OK):
-            self.fail(f"cannot write {path}: the folder {folder} is not writable", param, ctx)
-        return value
-
-
-class OutputFolder(click.Path):
-    """A folder to write into (created if missing): not a file, under a writable folder."""
-
-    def __init__(self, **kw):
-        super().__init__(file_okay=False, **kw)
-
-    def convert(self, value, param, ctx):
-        value = super().convert(value, param, ctx)
-        path = Path(os.fsdecode(value)).expanduser()
-        up = path
-        while not up.exists() and up.parent != up:
+        up = path if self.folder else path.parent
+        while self.folder and not up.exists() and up.parent != up:
             up = up.parent
         if not up.is_dir():
-            self.fail(f"cannot create {path}: {up} is a file", param, ctx)
+            what = "is a file" if up.exists() else "does not exist"
+            self.fail(f"cannot write {path}: the folder {up} {what}", param, ctx)
         if not os.access(up, os.W_OK):
-            self.fail(f"cannot write in {path}: {up} is not writable", param, ctx)
+            self.fail(f"cannot write {path}: the folder {up} is not writable", param, ctx)
         return value
+
+
+class OutputFolder(OutputFile):
+    folder = True
 
 
 class NumberList(click.ParamType):
@@ -194,7 +174,7 @@ class NumberList(click.ParamType):
         return value
 
 
-def IntList(least: int = 1) -> NumberList:  # noqa: N802 - used like the classes it replaced
+def IntList(least: int = 1) -> NumberList:  # noqa: N802 - used like a type
     return NumberList(int, least)
 
 

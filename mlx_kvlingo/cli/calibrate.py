@@ -24,14 +24,10 @@ from rich.console import Console
 @click.command("calibrate")
 @click.option("--source", required=True, type=ModelSpec(), help="Source model (reads the prompt)")
 @click.option("--target", required=True, type=ModelSpec(), help="Target model (decodes)")
-@click.option(
-    "--dtype",
-    type=click.Choice(["auto", "stored", "float32", "float16", "bfloat16"]),
-    default="auto",
-    show_default=True,
-    help="What the models compute in (auto: float32 on a CPU, as stored on a GPU; stored: the "
-    "checkpoint's weights as they are, 4- or 8-bit quantized included, as Metal runs them)",
-)
+@click.option("--dtype", type=click.Choice(["auto", "stored", "float32", "float16", "bfloat16"]),
+              default="auto", show_default=True,
+              help="What the models compute in (auto: float32 on a CPU, as stored on a GPU; stored: the "
+              "checkpoint's weights as they are, 4- or 8-bit quantized included, as Metal runs them)")  # fmt: skip
 @data_options(
     required=False,
     help="Text files, JSONL records ({'messages': [...]} chats or {'text': ...}) or a folder of "
@@ -52,26 +48,16 @@ from rich.console import Console
                    "target's own K/V to stage 2's loss (KV Prediction's cache term): keeps the "
                    "continuation figures while content examples train; 1.0 for the demo's")  # fmt: skip
 @click.option("-o", "--output", required=True, type=OutputFile())
-@click.option(
-    "--variant", type=click.Choice(["mixing", "headwise"]), default="mixing", show_default=True
-)
+@click.option("--variant", type=click.Choice(["mixing", "headwise"]), default="mixing",
+              show_default=True)  # fmt: skip
 @click.option("--nu", type=click.IntRange(1), default=1, show_default=True,
               help="Source layers read per target layer")  # fmt: skip
-@click.option(
-    "--key-cut",
-    type=click.Choice(["post_norm", "pre_norm"]),
-    default="post_norm",
-    show_default=True,
-)
-@click.option(
-    "--bias/--no-bias", default=True, show_default=True, help="Center inputs and fit a bias"
-)
-@click.option(
-    "--native-first/--no-native-first",
-    default=True,
-    show_default=True,
-    help="Keep the target's own K/V for the first token (an attention sink; computed once)",
-)
+@click.option("--key-cut", type=click.Choice(["post_norm", "pre_norm"]), default="post_norm",
+              show_default=True)  # fmt: skip
+@click.option("--bias/--no-bias", default=True, show_default=True,
+              help="Center inputs and fit a bias")  # fmt: skip
+@click.option("--native-first/--no-native-first", default=True, show_default=True,
+              help="Keep the target's own K/V for the first token (an attention sink; computed once)")  # fmt: skip
 @click.option("--alpha", type=click.FloatRange(0), default=1e-3, show_default=True,
               help="Stage-1 ridge strength, relative to the inputs' mean variance: lambda = alpha * "
                    "trace(Cov(X)) / d. It shrinks the maps (1e-3 moves a known-answer pair's "
@@ -89,12 +75,10 @@ from rich.console import Console
 @click.option("--reader-share", type=click.FloatRange(0, 1), default=0.0, show_default=True,
               help="Share of multi-turn chat examples trained as the reader mode builds the "
                    "cache: earlier replies read by the target itself, the rest translated")  # fmt: skip
-@click.option(
-    "--layer-map", type=click.Path(exists=True), help="JSON {key: [[...]...], value: [[...]...]}"
-)
-@click.option(
-    "--init", type=click.Path(exists=True), help="Start stage 2 from this translator (skip stage 1)"
-)
+@click.option("--layer-map", type=click.Path(exists=True),
+              help="JSON {key: [[...]...], value: [[...]...]}")  # fmt: skip
+@click.option("--init", type=click.Path(exists=True),
+              help="Start stage 2 from this translator (skip stage 1)")  # fmt: skip
 @click.option("--steps", type=click.IntRange(0), default=Stage2Config.steps, show_default=True,
               help="Stage-2 (self-distillation) steps after stage 1; 0: stage 1 only")  # fmt: skip
 @click.option("--lr", type=click.FloatRange(0, min_open=True), default=1e-4, show_default=True)
@@ -187,11 +171,8 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
 
 def fit_line(stage1: dict) -> str:
     """Stage 1's training fit at the chosen alpha, with the unregularized fit beside it."""
-    parts = []
-    for kind, r in stage1.get("train_fit", {}).items():
-        parts.append(
-            f"{kind} R² {r['r2_mean']:.4f} (alpha 0: {r.get('r2_mean_alpha0', r['r2_mean']):.4f})"
-        )
+    parts = [f"{kind} R² {r['r2_mean']:.4f} (alpha 0: {r.get('r2_mean_alpha0', r['r2_mean']):.4f})"
+             for kind, r in stage1.get("train_fit", {}).items()]  # fmt: skip
     return f"stage 1 fit on training data, alpha {stage1.get('alpha')}: " + " · ".join(parts)
 
 

@@ -19,10 +19,8 @@ from mlx_kvlingo.api import (
     Conversation,
     ConversationError,
     GenerationResponse,
-    load,
 )
 from mlx_kvlingo.cli._common import (
-    demo_pair_of,
     pair_option,
     policy_options,
     sampling_options,
@@ -34,17 +32,13 @@ from mlx_kvlingo.cli._common import (
 from mlx_kvlingo.cli._distributed import (
     describe,
     distributed_option,
-    fail,
-    load_runtime,
+    pair_from_options,
+    rank_errors,
     wanted,
     wire_option,
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
 from mlx_kvlingo.cli._progress import progress_bar
-from mlx_kvlingo.conversation.reader import READER_MARGIN, RECOMPUTE_SELECTION
-from mlx_kvlingo.conversation.sampling import describe as describe_sampling
-from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
-from mlx_kvlingo.distributed.pipeline import DistributedError
 
 import click
 from rich.console import Console
@@ -58,16 +52,11 @@ _CONTROL = {c: None for c in [*range(32), 127] if chr(c) not in "\n\t"}
 
 HELP = [
     ("/small, /large", "which model answers next (default: large, the small one reads)"),
-    (
-        "/reader [auto|tokens|small|self] [N]",
-        "show or set who reads your turn for the large model (auto: whichever is predicted "
-        "to answer sooner; tokens: the small one reads the opening and turns of N+ tokens)",
-    ),
-    (
-        "/file PATH [QUESTION]",
-        "send a text file as your turn, the question after it (a paste "
-        "arrives whole too, however long)",
-    ),
+    ("/reader [auto|tokens|small|self] [N]", "show or set who reads your turn for the large model "
+     "(auto: whichever is predicted to answer sooner; tokens: the small one reads the opening and "
+     "turns of N+ tokens)"),
+    ("/file PATH [QUESTION]", "send a text file as your turn, the question after it (a paste "
+     "arrives whole too, however long)"),
     ("/escalate", "answer the last message again with the other model (translated cache)"),
     ("/auto [on|off|T]", "cascade: small answers, large takes over below confidence T"),
     ("/mode [M]", "show or set: alternation | naive | reprefill"),
@@ -77,37 +66,29 @@ HELP = [
     ("/stats", "tokens read, translated and generated, times and the estimated saving"),
     ("/help, h", "this list"),
     ("/quit, q", "exit (also Ctrl-D; Ctrl-C stops a generation, at the prompt it exits)"),
-]
+]  # fmt: skip
 
 
 def describe_reader(conv) -> str:
     """What the conversation's reader policy does, in words."""
-    last = (f"; the large reads the last {conv.policy.large_reads_last} tok itself"
-            if conv.policy.large_reads_last > 1 else "")  # fmt: skip
-    if conv.policy.recompute_share:
-        share, sel = conv.policy.recompute_share, RECOMPUTE_SELECTION
-        last += f" and recomputes {share:.0%} of the translated turn"
-        if sel.cap:
-            last += f", at most {sel.count(share, sel.cap)} tok"
-    if conv.policy.reader == "small":
-        return ("the small model reads every turn, the large one decodes from the translated "
-                f"cache{last}")  # fmt: skip
-    rule = (f"the small model reads the opening and turns of {conv.policy.reader_min_tokens}+ "
-            "tokens, the large one shorter turns")  # fmt: skip
-    if conv.policy.reader == "tokens":
-        return rule + last
-    if conv.policy.reader == "auto":
-        kept = conv.cache.retention
-        keeps = (f", but the small path only where it keeps {conv.policy.min_retention:g}+ of "
-                 f"the content at that length (measured: {_points(kept)})"
-                 if kept is not None and conv.policy.min_retention else "")  # fmt: skip
-        return (f"whichever starts the answer sooner at the rates measured here; within "
-                f"{READER_MARGIN:.0%}, {rule}{keeps}{last}")  # fmt: skip
-    return "the answering model reads your turn itself"
-
-
-def _points(kept) -> str:
-    return ", ".join(f"{r:.2f} at {n:,} tok" for n, r in kept.points)
+    p, kept = conv.policy, conv.cache.retention
+    last = (f"; the large reads the last {p.large_reads_last} tok itself"
+            if p.large_reads_last > 1 else "")  # fmt: skip
+    if p.recompute_share:
+        last += f" and recomputes {p.recompute_share:.0%} of the translated turn"
+    rule = (f"the small model reads the opening and turns of {p.reader_min_tokens}+ tokens, "
+            "the large one shorter turns")  # fmt: skip
+    if p.reader == "auto" and kept is not None and p.min_retention:
+        points = ", ".join(f"{r:.2f} at {n:,} tok" for n, r in kept.points)
+        rule += (f", but the small path only where it keeps {p.min_retention:g}+ of the "
+                 f"content at that length (measured: {points})")  # fmt: skip
+    return {
+        "small": "the small model reads every turn, the large one decodes from the translated cache",
+        "tokens": rule,
+        "auto": f"whichever starts the answer sooner at the rates measured here; on a tie, {rule}",
+    }.get(p.reader, "the answering model reads your turn itself") + (
+        last if p.reader != "self" else ""
+    )
 
 
 class ChatApp:
@@ -179,28 +160,19 @@ class ChatApp:
         st = r.handoff
         if st is None or st.confidence is None or r.finish_reason == "cancelled":
             return
-        score = f"{escape('[auto]')} confidence {st.confidence:.2f}"
-        if st.escalating:
-            self.say(f"  {score} < {self.threshold:.2f}: escalating to large")
-        else:
-            self.say(f"  {score} >= {self.threshold:.2f}: kept")
+        t = self.threshold
+        verdict = f"< {t:.2f}: escalating to large" if st.escalating else f">= {t:.2f}: kept"
+        self.say(f"  {escape('[auto]')} confidence {st.confidence:.2f} {verdict}")
 
     # -- turns -------------------------------------------------------------------------------
 
-    def turn(self, text: str | None) -> None:
-        """Answer `text` (None: the message left unanswered) with the next model, or by the
-        cascade (model "auto") when /auto is on."""
+    def turn(self, text: str | None, escalate: bool = False) -> None:
+        """Answer `text` (None: the message left unanswered) with the next model, by the cascade
+        (model "auto") when /auto is on, or the last message again with the other model."""
+        cascade = self.auto and not escalate
+        what = {"escalate": True} if escalate else {"prompt": text, "model": "auto" if cascade else self.next}  # fmt: skip
         try:
-            if self.auto:
-                self.stream(self.conv.send(text, "auto", **self.sample()), cascade=True)
-            else:
-                self.stream(self.conv.send(text, self.next, **self.sample()))
-        except ConversationError as e:
-            self.error(str(e))
-
-    def escalate(self) -> None:
-        try:
-            self.stream(self.conv.send(escalate=True, **self.sample()))
+            self.stream(self.conv.send(**what, **self.sample()), cascade=cascade)
         except ConversationError as e:
             self.error(str(e))
 
@@ -290,9 +262,14 @@ class ChatApp:
 
 def print_help(console: Console) -> None:
     """`/help`: the commands (`HELP`), one a line."""
-    w = max(len(k) for k, _ in HELP)
-    for k, v in HELP:
-        console.print(f"  [bold]{escape(k.ljust(w))}[/bold]  [grey50]{v}[/grey50]")
+    _rows(console, HELP, "  [bold]{k}[/bold]  [grey50]{v}[/grey50]")
+
+
+def _rows(console: Console, rows: list, line: str) -> None:
+    """`rows` of (key, value), the keys padded to one width, each printed as `line`."""
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        console.print(line.format(k=escape(k.ljust(w)), v=escape(v)))
 
 
 def command(app: ChatApp, cmd: str, args: list[str]) -> None:
@@ -316,7 +293,7 @@ def command(app: ChatApp, cmd: str, args: list[str]) -> None:
         app.say(f"  {path}: {len(text):,} characters" + (" and your question" if question else ""))
         app.turn(text + (f"\n\n{question}" if question else ""))
     elif cmd == "/escalate":
-        app.escalate()
+        app.turn(None, escalate=True)
     elif cmd == "/auto":
         arg = args[0] if args else ("off" if app.auto else "on")
         if arg in ("on", "off"):
@@ -335,9 +312,8 @@ def command(app: ChatApp, cmd: str, args: list[str]) -> None:
             app.error(f"/reader takes a token count after the policy, not {args[1]!r}")
             return
         if args:
-            app.conv.policy = replace(app.conv.policy, reader=args[0])
-        if len(args) > 1:
-            app.conv.policy = replace(app.conv.policy, reader_min_tokens=int(args[1]))
+            more = {"reader_min_tokens": int(args[1])} if len(args) > 1 else {}
+            app.conv.policy = replace(app.conv.policy, reader=args[0], **more)
         app.say(f"  reader: {app.conv.policy.reader} ({describe_reader(app.conv)})")
     elif cmd == "/mode":
         if args:
@@ -349,21 +325,14 @@ def command(app: ChatApp, cmd: str, args: list[str]) -> None:
         app.say(f"  trimmed: {dropped} oldest messages dropped, {app.conv.tokens} tokens left")
         if dropped and app.conv.cache.pending:  # the message that did not fit: answer it now
             app.turn(None)
+    elif cmd in ("/save", "/load") and not args:
+        app.error(f"usage: {cmd} FILE")
     elif cmd == "/save":
-        if not args:
-            app.error("usage: /save FILE")
-            return
-        path = app.conv.save(args[0])
-        app.say(f"  saved {path} ({app.conv.tokens} tokens)", "green")
+        app.say(f"  saved {app.conv.save(args[0])} ({app.conv.tokens} tokens)", "green")
     elif cmd == "/load":
-        if not args:
-            app.error("usage: /load FILE")
-            return
         app.conv.load(args[0])
-        app.say(
-            f"  loaded {args[0]}: {len(app.conv.messages)} messages, {app.conv.tokens} tokens",
-            "green",
-        )
+        app.say(f"  loaded {args[0]}: {len(app.conv.messages)} messages, {app.conv.tokens} tokens",
+                "green")  # fmt: skip
     elif cmd == "/stats":
         print_stats(app)
     else:
@@ -379,19 +348,12 @@ def print_stats(app: ChatApp) -> None:
         f"conversation tokens · {st['switches']} switches · {st['retemplated']} re-templated · "
         f"estimated saving vs the large model reading itself {st['estimated_saving_ms']:.0f} ms"
     )
-    rows = [
-        ("turns answered", "turns"),
-        ("tokens generated", "generated_tokens"),
-        ("tokens read answering", "prompt_tokens"),
-        ("  ms", "prompt_ms"),
-        ("tokens read for the other", "read_for_other_tokens"),
-        ("  ms", "read_for_other_ms"),
-        ("switches into", "switches_into"),
-        ("tokens translated into", "translated_into"),
-        ("  of which re-translated", "retranslated_into"),
-        ("translation ms", "translate_ms"),
-        ("tokens in cache", "held"),
-    ]
+    rows = [("turns answered", "turns"), ("tokens generated", "generated_tokens"),
+            ("tokens read answering", "prompt_tokens"), ("  ms", "prompt_ms"),
+            ("tokens read for the other", "read_for_other_tokens"), ("  ms", "read_for_other_ms"),
+            ("switches into", "switches_into"), ("tokens translated into", "translated_into"),
+            ("  of which re-translated", "retranslated_into"), ("translation ms", "translate_ms"),
+            ("tokens in cache", "held")]  # fmt: skip
     for label, key in rows:
         cells = [st["models"][m][key] for m in ("source", "target")]  # small, large
         t.add_row(label, *[f"{c:.1f}" if isinstance(c, float) else str(c) for c in cells])
@@ -408,10 +370,7 @@ def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> 
         ("mode", app.conv.mode),
         ("reader", f"{app.conv.policy.reader} ({describe_reader(app.conv)})"),
         ("answers", app.next),
-        (
-            "sampling",
-            describe_sampling(resolve_sampling(app.conv.pair.models.target, app.sampling)),
-        ),
+        ("sampling", " · ".join(f"{k} {v}" for k, v in app.sampling.items()) or "each model's own"),
         ("max tokens", str(app.max_tokens)),
     ]
     if loaded:
@@ -419,10 +378,8 @@ def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> 
     if app.conv.cache.system_prompt:
         sp = app.conv.cache.system_prompt
         rows.append(("system", sp if len(sp) <= 60 else sp[:57] + "..."))
-    w = max(len(k) for k, _ in rows)
     app.console.print("[bold magenta]kvlingo chat[/bold magenta]")
-    for k, v in rows:
-        app.console.print(f"  {k.ljust(w)}   [bold]{escape(v)}[/bold]")
+    _rows(app.console, rows, "  {k}   [bold]{v}[/bold]")
     app.say("  /help for commands · q to quit")
 
 
@@ -461,42 +418,27 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     settings = sampling_settings(sampling)
     console = Console(highlight=False)
-    pipelined = wanted(distributed)
-    if pipelined:  # mlx.launch: the large model pipelined, rank 0 owns the terminal
-        pair = load_runtime(source, target, translator, backward_translator, wire, demo_pair)
-    else:
-        demo = demo_pair_of(source, target, demo_pair, translator, require_translator=True)
+    if not wanted(distributed):
         console.print("[grey50]loading models...[/grey50]")
-        try:
-            pair = load(source, target, translator, backward_translator, pair=demo, warmup=False)
-        except ImportError as e:
-            raise click.ClickException(
-                f"the demo pair is not available ({e}); pass --small, --large and --translator"
-            ) from None
+    pair = pair_from_options(
+        source, target, translator, backward_translator, demo_pair, distributed, wire
+    )
+    pipelined = pair.link is not None
     back = backward_translator or ("demo" if pair.backward is not None
                                    else "none: switching back re-reads")  # fmt: skip
-    try:
-        if pair.link is not None and not recompute_given:
-            policy = replace(policy, recompute_share=0.0)  # a pipelined large model cannot
-        conv = Conversation(pair, max_kv_size, system_prompt=system_prompt, mode=mode,
-                            policy=policy)  # fmt: skip
-    except ConversationError as e:
-        raise click.ClickException(str(e)) from None
+    if pipelined and not recompute_given:
+        policy = replace(policy, recompute_share=0.0)  # a pipelined large model cannot
+    conv = Conversation(pair, max_kv_size, system_prompt=system_prompt, mode=mode, policy=policy)
     app = ChatApp(conv, max_tokens=max_tokens, sampling=settings, auto_threshold=auto_threshold,
                   console=console, first=answer)  # fmt: skip
-    if pipelined:
-        print_banner(app, {"forward": translator or "demo", "backward": back})
-        app.say(f"  {describe(pair)} · /save and /load are not available")
-        try:
-            app.run()
-            pair.close()
-        except DistributedError as e:
-            fail(e)
-        return
     loaded = None
-    if warmup:
+    if warmup and not pipelined:
         console.print("[grey50]warming up (each path once; this pair's rates)...[/grey50]")
         w = pair.warm_up(**settings)
         loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {pair.rates_note})"
     print_banner(app, {"forward": translator or "demo", "backward": back}, loaded)
-    app.run()
+    if pipelined:
+        app.say(f"  {describe(pair)} · /save and /load are not available")
+    with rank_errors():
+        app.run()
+        pair.close()  # pipelined: releases the other ranks

@@ -21,11 +21,12 @@ def converters_package():
         mod = sys.modules.get(name)
         if mod is not None and hasattr(mod, "LAYOUTS"):
             return mod
-    try:
-        import kvlingo_converters as conv
-    except ImportError:
+    import importlib
+
+    for name in ("kvlingo_converters", "converters"):
         try:
-            import converters as conv
+            conv = importlib.import_module(name)
+            break
         except ImportError:
             conv = None
     if conv is None or not hasattr(conv, "LAYOUTS"):
@@ -47,14 +48,8 @@ def _rows(text, name):
         ) from None
 
 
-LAYOUT_NAMES = [
-    "kv_lingo_translator_v1",
-    "mapper_directory",
-    "linear_state_dict",
-    "v1",
-    "mapper",
-    "linear",
-]
+LAYOUT_NAMES = ["kv_lingo_translator_v1", "mapper_directory", "linear_state_dict",
+                "v1", "mapper", "linear"]  # fmt: skip
 
 
 @click.command("convert")
@@ -66,11 +61,8 @@ LAYOUT_NAMES = [
               help="Source model (hub id or folder): check geometry against it")  # fmt: skip
 @click.option("--target", type=ModelSpec(),
               help="Target model (hub id or folder): check geometry against it")  # fmt: skip
-@click.option(
-    "--source-layers",
-    type=click.IntRange(1),
-    help="mapper: the source's layer count, if not in the manifest",
-)
+@click.option("--source-layers", type=click.IntRange(1),
+              help="mapper: the source's layer count, if not in the manifest")  # fmt: skip
 @click.option("--source-geometry", metavar="L,H,D", help="linear: source layers,kv_heads,head_dim")
 @click.option("--target-geometry", metavar="L,H,D", help="linear: target layers,kv_heads,head_dim")
 @click.option("--sidecar", type=click.Path(exists=True, dir_okay=False),
@@ -113,13 +105,10 @@ def convert_cmd(
     except conv.ConversionError as e:
         raise click.ClickException(f"{type(e).__name__}: {e}") from None
     c, p = done.config, done.provenance
-    click.echo(
-        f"wrote {path}: {p['layout']} -> {c.variant}, key cut {c.key_cut}"
-        + (" (stated with --key-cut)" if p.get("key_cut_override") else "")
-        + f", nu {c.nu_k}/{c.nu_v} "
-        f"(keys/values), bias {c.bias}\n"
-        f"  source {c.source.layers}x{c.source.kv_heads}x{c.source.head_dim}, "
-        f"target {c.target.layers}x{c.target.kv_heads}x{c.target.head_dim}; "
-        f"input sha256 {p['input_sha256'][:16]}..."
-        + ("; geometry checked against the model pair" if pair is not None else "")
-    )
+    stated = " (stated with --key-cut)" if p.get("key_cut_override") else ""
+    checked = "; geometry checked against the model pair" if pair is not None else ""
+    click.echo(f"wrote {path}: {p['layout']} -> {c.variant}, key cut {c.key_cut}{stated}, "
+               f"nu {c.nu_k}/{c.nu_v} (keys/values), bias {c.bias}\n"
+               f"  source {c.source.layers}x{c.source.kv_heads}x{c.source.head_dim}, "
+               f"target {c.target.layers}x{c.target.kv_heads}x{c.target.head_dim}; "
+               f"input sha256 {p['input_sha256'][:16]}...{checked}")  # fmt: skip

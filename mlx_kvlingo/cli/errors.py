@@ -1,20 +1,11 @@
 """Every error a user can cause, as one line: the one place `kvlingo` maps exceptions to messages.
 
-The `kvlingo` group (`_group.py`) runs every command inside `user_errors`; an exception that
-reaches it is
-
-- a click error (a bad flag value, a missing argument, a wrong combination): shown on one line
-  naming the option, exit status 2 for usage errors, 1 for the rest;
-- an error the user caused (`explain`): a refusal raised by this package (its own exception
-  classes, and the plain `ValueError`s its code raises on purpose), a file or folder that is
-  missing, unreadable or unwritable (`OSError`), a Hub id that is malformed or not cached
-  offline (`huggingface_hub` errors), a corrupt file (safetensors, JSON, MLX's loaders):
-  one line naming the thing and what to do, exit status 1;
-- anything else, a programming error: it propagates with its traceback.
-
-`kvlingo --debug` (or `KVLINGO_DEBUG=1`) shows the traceback of every error, mapped or not.
-The checks that run before any model loads (paths, model folders, Hub ids, translator files,
-output locations) are the parameter types of `_params.py`.
+`user_errors` (around every command, `_group.py`) shows a click error on one line naming the
+option (exit status 2 for usage errors, else 1), and maps an error the user caused (`message`: a
+refusal of this package, a missing or unreadable file, a Hub id that is malformed or not cached
+offline, a corrupt file) to one line naming the thing and what to do (exit status 1). Anything
+else is a programming error: it keeps its traceback. `--debug` / `KVLINGO_DEBUG=1` shows every
+traceback. The checks before any model loads are `_params.py`'s parameter types.
 """
 
 from __future__ import annotations
@@ -62,11 +53,8 @@ class OneLineUsageError(click.UsageError):
 
 
 def _own(e: BaseException) -> bool:
-    return any(
-        c.__module__.split(".")[0] in OWN_PACKAGES
-        for c in type(e).__mro__
-        if c not in (BaseException, Exception)
-    )
+    mro = [c for c in type(e).__mro__ if c not in (BaseException, Exception)]
+    return any(c.__module__.split(".")[0] in OWN_PACKAGES for c in mro)
 
 
 def _frames(e: BaseException) -> list:
@@ -112,12 +100,10 @@ def _os_message(e: OSError) -> str:
     reason = e.strerror or str(e)
     if e.filename2 is not None:
         what = f"{what} -> {e.filename2}"
-    hint = {
-        "FileNotFoundError": "check the path",
-        "PermissionError": "check its permissions, or choose another place",
-        "IsADirectoryError": "give a file, not a folder",
-        "NotADirectoryError": "a part of the path is a file, not a folder",
-    }.get(type(e).__name__)
+    hint = {"FileNotFoundError": "check the path",
+            "PermissionError": "check its permissions, or choose another place",
+            "IsADirectoryError": "give a file, not a folder",
+            "NotADirectoryError": "a part of the path is a file, not a folder"}.get(type(e).__name__)  # fmt: skip
     return f"{what}: {reason}" + (f"; {hint}" if hint else "")
 
 
@@ -149,10 +135,7 @@ def message(e: BaseException) -> str | None:
     if isinstance(e, click.ClickException):
         return one_line(e.format_message())
     if _own(e):  # a refusal of this package: its message names the file and what is wrong
-        text = one_line(e)
-        if any(c.__name__ == "ConversionError" for c in type(e).__mro__):
-            text = f"{type(e).__name__}: {text}"  # as `kvlingo convert` names them
-        return text
+        return one_line(e)
     if type(e).__module__.startswith("huggingface_hub"):  # some are OSErrors too
         return _hub_message(e)
     if isinstance(e, OSError):

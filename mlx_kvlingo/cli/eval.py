@@ -17,7 +17,7 @@ from mlx_kvlingo.cli._params import IntList, OutputFile
 from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, KINDS
-from mlx_kvlingo.data.examples import DataError, load_examples, validate_data
+from mlx_kvlingo.data.examples import load_examples, validate_data
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.evaluate import evaluate, table
 
@@ -59,14 +59,10 @@ def _keeps(ctx, param, value: str | None) -> tuple[float, ...]:
 @click.option("-n", "--examples", type=click.IntRange(1), default=64, show_default=True,
               help="Examples to score at most")  # fmt: skip
 @click.option("--json", "json_out", type=OutputFile(), help="Also write the results here")
-@click.option(
-    "--task",
-    type=click.Choice(["continuation", "content"]),
-    default="continuation",
-    show_default=True,
-    help="continuation: teacher-forced scores on held-out text; content: can the target use what "
-    "was read (stated facts, copies, answers and summaries, scored against its native answer)",
-)
+@click.option("--task", type=click.Choice(["continuation", "content"]), default="continuation",
+              show_default=True,
+              help="continuation: teacher-forced scores on held-out text; content: can the target use what "
+              "was read (stated facts, copies, answers and summaries, scored against its native answer)")  # fmt: skip
 @click.option("--lengths", type=IntList(32), default="128,512,1024", show_default=True,
               help="--task content: read lengths in tokens, up to the pair's context")  # fmt: skip
 @click.option("--per-kind", type=click.IntRange(1), default=8, show_default=True,
@@ -101,26 +97,18 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         raise click.UsageError("--large-reads-last, --recompute, --plot and --specprefill go "
                                "with --task content")  # fmt: skip
     if data_path is not None:
-        try:
-            summary = validate_data(data_path)  # before loading any model
-        except DataError as e:
-            raise click.ClickException(str(e)) from None
+        summary = validate_data(data_path)  # before loading any model
         console.print(
             f"[grey50]{data_path}: {summary['files']} file(s), {summary['chats']} chats, "
             f"{summary['texts']} texts[/grey50]"
         )
     pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
     if data_path is None:  # the demo's held-out dialogues, never trained on
-        from mlx_kvlingo.models.demo.pair import demo_eval_data
+        from mlx_kvlingo.models.demo.pair import demo_data
 
-        data_path = demo_eval_data()
+        data_path = demo_data()[1]
         kw["heldout_fraction"] = 1.0
-    try:
-        _, held = load_examples(
-            data_path, pair.tokenizer, data_config({"data_path": data_path, **kw})
-        )
-    except DataError as e:
-        raise click.ClickException(str(e)) from None
+    _, held = load_examples(data_path, pair.tokenizer, data_config({"data_path": data_path, **kw}))
     if not held:
         raise click.ClickException(f"{data_path}: no examples to score; raise --heldout-fraction")
     with progress_bar("evaluating", console) as progress:
@@ -138,40 +126,29 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
 
 def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label,
              tail=None, share=None, kinds=DEFAULT_KINDS, data_label="demo", keeps=()):  # fmt: skip
-    from mlx_kvlingo.eval.content import (
-        Chat,
-        Peer,
-        evaluate_content,
-        fitting_tasks,
-        plot,
-        retention,
-        tables,
-        to_json,
-    )
+    from mlx_kvlingo.eval import content as c
 
-    try:
-        tasks = fitting_tasks(pair, texts, lengths, per_kind, seed=seed, kinds=kinds)
-    except ValueError as e:
-        raise click.ClickException(str(e)) from None
+    tasks = c.fitting_tasks(pair, texts, lengths, per_kind, seed=seed, kinds=kinds)
     console.print(f"[grey50]{len(tasks)} content tasks ({per_kind} per kind and length, seed "
                   f"{seed}); the target answers natively first, then from the translated cache; "
                   f"greedy[/grey50]")  # fmt: skip
     # both through the chat's own hand-off: the whole turn translated (the large model reads
     # the last token only), and the chat's reading (its last tokens, then the recompute)
-    chat = Chat(tr, Chat.tail if tail is None else tail, Chat.share if share is None else share)
-    conditions = {"translated": Chat(tr, 1, 0.0), "chat": chat,
-                  **{f"specprefill {k:g}": Peer(k, seed) for k in keeps}}  # fmt: skip
+    chat = c.Chat(tr, c.Chat.tail if tail is None else tail,
+                  c.Chat.share if share is None else share)  # fmt: skip
+    conditions = {"translated": c.Chat(tr, 1, 0.0), "chat": chat,
+                  **{f"specprefill {k:g}": c.Peer(k, seed) for k in keeps}}  # fmt: skip
     with progress_bar("content", console) as progress:
-        result = to_json(evaluate_content(pair, tasks, conditions, progress=progress), pair,
-                         {"translator": label, "seed": seed, "lengths": lengths})  # fmt: skip
-    for t in tables(result):
+        result = c.to_json(c.evaluate_content(pair, tasks, conditions, progress=progress), pair,
+                           {"translator": label, "seed": seed, "lengths": lengths})  # fmt: skip
+    for t in c.tables(result):
         console.print(t)
     if json_out:
         report.write_json(result, json_out)
     if plot_out:
-        plot(result, plot_out)
+        c.plot(result, plot_out)
     draw = f"data {data_label}, seed {seed}, kinds {','.join(kinds)}"
-    _store_retention(pair, tr, chat, retention(result), draw, console)
+    _store_retention(pair, tr, chat, c.retention(result), draw, console)
 
 
 def _store_retention(pair, tr, chat, counts, draw, console) -> None:

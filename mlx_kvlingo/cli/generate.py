@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 from mlx_kvlingo.cli._common import (
-    demo_pair_of,
     pair_option,
     refuse_long_prompt,
     sampling_options,
@@ -18,13 +17,11 @@ from mlx_kvlingo.cli._common import (
 from mlx_kvlingo.cli._distributed import (
     describe,
     distributed_option,
-    fail,
-    load_runtime,
+    pair_from_options,
+    rank_errors,
     wanted,
     wire_option,
 )
-from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.sampling import resolve as resolve_sampling
 
 import click
 
@@ -45,18 +42,14 @@ import click
 def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens, as_json,
                  **sampling):  # fmt: skip
     """One answer from the large model with no large prefill, with honest timings."""
-    from mlx_kvlingo.api import load, make_prompt_cache, stream_generate
-    from mlx_kvlingo.distributed.pipeline import DistributedError
+    from mlx_kvlingo import ReaderPolicy
+    from mlx_kvlingo.api import make_prompt_cache, stream_generate
 
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     settings = sampling_settings(sampling)
-    if wanted(distributed):  # mlx.launch: the large model pipelined over the ranks
-        if as_json:
-            raise click.UsageError("--json is not available with --distributed")
-        pair = load_runtime(source, target, translator, None, wire, demo_pair)  # ranks > 0 stop
-    else:
-        demo = demo_pair_of(source, target, demo_pair, translator, require_translator=True)
-        pair = load(source, target, translator, pair=demo, warmup=False)
+    if as_json and wanted(distributed):
+        raise click.UsageError("--json is not available with --distributed")
+    pair = pair_from_options(source, target, translator, None, demo_pair, distributed, wire)
     tok = pair.tokenizer
     if chat and getattr(tok, "chat_template", None):
         msgs = [{"role": "user", "content": prompt}]
@@ -70,7 +63,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     policy = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
     cache = make_prompt_cache(pair, policy=policy)
     ids, pieces = [], []
-    try:
+    with rank_errors():
         for r in stream_generate(pair, tokens, cache, max_tokens=max_tokens, **settings):
             if r.token is not None:
                 if not as_json:
@@ -81,8 +74,6 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
             click.echo()
             click.echo(f"{describe(pair)} · {r.status}", err=True)
             return pair.close()
-    except DistributedError as e:
-        fail(e)
     st = r.handoff
     read_tokens, read_s = (st.read.tokens, st.read.seconds) if st.read else (0, 0.0)
     sw = st.switch
@@ -99,7 +90,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
             "pieces": pieces,
             "text": "".join(pieces),
             "finish_reason": r.finish_reason,
-            "sampling": resolve_sampling(pair.models.target, settings).as_dict(),
+            "sampling": settings,  # those given; the rest the large model's own
             "timings": {
                 "small_read_tokens": read_tokens,
                 "small_read_s": read_s,

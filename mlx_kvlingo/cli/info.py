@@ -62,11 +62,8 @@ def info_cmd(models):
     table = Table("", *[d["name"] for d in described])
     for key in ("model_type", "layers", "kv_heads", "head_dim", "rope", "has_k_norm", "dtype",
                 "parameters_MB", "kv_bytes_per_token"):  # fmt: skip
-        cells = []
-        for d in described:
-            v = d[key]
-            if key == "rope":
-                v = f"{v['kind']} dims={v['dims']} base={v['base']} traditional={v['traditional']}"
-            cells.append(str(v))
-        table.add_row(key, *cells)
+        rope = "{kind} dims={dims} base={base} traditional={traditional}"
+        table.add_row(
+            key, *[rope.format(**d[key]) if key == "rope" else str(d[key]) for d in described]
+        )
     console.print(table)

@@ -13,6 +13,7 @@ import signal
 import sys
 from dataclasses import replace
 
+from mlx_kvlingo.api import AUTO_THRESHOLD, MODES
 from mlx_kvlingo.cli._common import (
     demo_pair_of,
     pair_option,
@@ -22,7 +23,6 @@ from mlx_kvlingo.cli._common import (
     translator_option,
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
-from mlx_kvlingo.conversation.records import AUTO_THRESHOLD
 
 import click
 
@@ -66,37 +66,31 @@ def _loopback(host: str) -> bool:
               help="Conversations held for prefix reuse, least recently used dropped first")  # fmt: skip
 @click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
               help="auto: the large model re-answers below this mean token log-prob")  # fmt: skip
-@click.option("--mode", type=click.Choice(["alternation", "naive", "reprefill"]),
-              default="alternation", show_default=True,
+@click.option("--mode", type=click.Choice(MODES), default="alternation", show_default=True,
               help="How a model catches up on what it lacks")  # fmt: skip
 @policy_options
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")
-def serve_cmd(source, target, translator, demo_pair, backward_translator, host, port, api_key, max_tokens,
-              default_max_tokens, max_prompt_tokens, max_body_bytes, queue_size,
-              max_conversations, auto_threshold, mode, policy, recompute_given, insecure,
-              verbose):  # fmt: skip
+def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, policy,
+              recompute_given, insecure, verbose, **settings):  # fmt: skip
     """Serve the pair over the OpenAI chat-completions API (models: small, large, auto)."""
     from mlx_kvlingo.api import load
     from mlx_kvlingo.serve import Limits, ServeConfig, Server
 
+    limits = Limits(**{k: settings.pop(k) for k in ("max_tokens", "default_max_tokens",
+                                                    "max_prompt_tokens")})  # fmt: skip
+    config = ServeConfig(limits=limits, **settings)  # host, port, api_key, the queue's sizes
+    host, port, api_key = config.host, config.port, config.api_key
     if not _loopback(host) and not api_key and not insecure:
-        raise click.UsageError(
-            f"--host {host} exposes the models beyond this machine: set --api-key "
-            "(or KVLINGO_API_KEY), or pass --insecure"
-        )
-    if default_max_tokens > max_tokens:
+        raise click.UsageError(f"--host {host} exposes the models beyond this machine: set "
+                               "--api-key (or KVLINGO_API_KEY), or pass --insecure")  # fmt: skip
+    if limits.default_max_tokens > limits.max_tokens:
         raise click.UsageError("--default-max-tokens must not exceed --max-tokens")
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(message)s")  # fmt: skip
     demo = demo_pair_of(source, target, demo_pair)
     click.echo("loading models...", err=True)
     pair = load(source, target, translator, backward_translator, pair=demo)
-    limits = Limits(max_tokens=max_tokens, default_max_tokens=default_max_tokens,
-                    max_prompt_tokens=max_prompt_tokens)  # fmt: skip
-    config = ServeConfig(host=host, port=port, api_key=api_key, max_body_bytes=max_body_bytes,
-                         limits=limits, queue_size=queue_size,
-                         max_conversations=max_conversations, auto_threshold=auto_threshold)  # fmt: skip
     if pair.link is not None and not recompute_given:
         policy = replace(policy, recompute_share=0.0)  # a pipelined large model cannot
     try:

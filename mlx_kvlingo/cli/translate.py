@@ -39,14 +39,13 @@ def translate_cmd(source, target, translator, cache_in, prompt, output):
     metadata = {}
     if cache_in:
         if tr.config.key_cut == "pre_norm" and pair.source.geometry.has_k_norm:
-            raise click.ClickException(
-                "this translator reads pre-k_norm keys, which a prompt cache file does not hold; "
-                "use --prompt so the source prefills with recording"
-            )
+            raise click.ClickException("this translator reads pre-k_norm keys, which a prompt cache "
+                                       "file does not hold; use --prompt so the source prefills "
+                                       "with recording")  # fmt: skip
         src_cache, metadata = load_prompt_cache(cache_in, return_metadata=True)
-        if len(src_cache) != pair.source.geometry.layers:
+        if len(src_cache) != (layers := pair.source.geometry.layers):
             raise click.ClickException(
-                f"{cache_in} has {len(src_cache)} layers; the source has {pair.source.geometry.layers}"
+                f"{cache_in} has {len(src_cache)} layers; the source has {layers}"
             )
         span = capture_from_cache(pair.source, src_cache, 0, src_cache[0].offset)
     else:
@@ -55,10 +54,8 @@ def translate_cmd(source, target, translator, cache_in, prompt, output):
         span = prefill(pair.source, tokens, new_cache(pair.source), cut=tr.config.key_cut)
     tgt_cache = new_cache(pair.target)
     append_translation(pair.target, tr, span, tgt_cache)
-    metadata = dict(metadata)
-    metadata["model"] = pair.target.name
-    metadata.setdefault("tokenizer_config", json.dumps({}))
-    metadata["kvlingo_translated_from"] = pair.source.name
+    metadata = {"tokenizer_config": json.dumps({}), **metadata, "model": pair.target.name,
+                "kvlingo_translated_from": pair.source.name}  # fmt: skip
     out = Path(output if str(output).endswith(".safetensors") else f"{output}.safetensors")
     with atomic_write(out) as tmp:  # crash-safe: the previous file stays until the rename
         save_prompt_cache(str(tmp), tgt_cache, metadata)

@@ -66,20 +66,13 @@ def model_card(repo_id: str, metas: dict[str, dict], manifest: dict | None = Non
     if bases:
         front += ["base_model:"] + [f"- {b}" for b in bases]
     front.append("---")
-    out = front + [
-        "",
-        f"# {repo_id}",
-        "",
-        "KV-cache translators for mlx-kvlingo (MLX, mlx-lm): per target layer, a "
-        "linear map turns the source model's K/V into the target model's cache layout, so the "
-        "target decodes from the translated cache without prefilling the prompt itself.",
-        "",
-        "## Files",
-        "",
-        "| file | source → target | geometry (layers×kv heads×head dim) | variant | nu (K/V) "
-        "| key cut | dtype |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    out = front + ["", f"# {repo_id}", "",
+                   "KV-cache translators for mlx-kvlingo (MLX, mlx-lm): per target layer, a "
+                   "linear map turns the source model's K/V into the target model's cache layout, "
+                   "so the target decodes from the translated cache without prefilling the prompt "
+                   "itself.", "", "## Files", "",
+                   "| file | source → target | geometry (layers×kv heads×head dim) | variant | "
+                   "nu (K/V) | key cut | dtype |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for f, m in metas.items():
         s, t = _side(m, "source")[0], _side(m, "target")[0]
         nu = f"{len(m['key_layers'][0])}/{len(m['value_layers'][0])}"
@@ -91,10 +84,8 @@ def model_card(repo_id: str, metas: dict[str, dict], manifest: dict | None = Non
     out += ["", "## Pair", "", f"- source: `{src}`" + (f" at `{src_rev}`" if src_rev else "")]
     out.append(f"- target: `{tgt}`" + (f" at `{tgt_rev}`" if tgt_rev else ""))
     out.append(f"- tokenizer fingerprint: `{first.get('tokenizer')}`")
-    out.append(
-        "- key cut `post_norm`: keys after k_norm, before RoPE; `pre_norm`: `k_proj` outputs, the "
-        "target's k_norm applied after the map. Values are `v_proj` outputs."
-    )
+    out.append("- key cut `post_norm`: keys after k_norm, before RoPE; `pre_norm`: `k_proj` "
+               "outputs, the target's k_norm applied after the map. Values are `v_proj` outputs.")  # fmt: skip
     cal = first.get("calibration") or {}
     prov = first.get("provenance") or {}
     if cal:
@@ -107,15 +98,11 @@ def model_card(repo_id: str, metas: dict[str, dict], manifest: dict | None = Non
             out.append(f"- data: {json.dumps(data)}")
         s1, s2 = cal.get("stage1") or {}, cal.get("stage2") or {}
         if s1:
-            out.append(
-                f"- stage 1 (closed-form ridge): {s1.get('examples')} examples, "
-                f"{s1.get('tokens')} tokens, alpha {s1.get('alpha')}"
-            )
+            out.append(f"- stage 1 (closed-form ridge): {s1.get('examples')} examples, "
+                       f"{s1.get('tokens')} tokens, alpha {s1.get('alpha')}")  # fmt: skip
         if s2:
-            out.append(
-                f"- stage 2 (KL self-distillation): {s2.get('steps')} steps, held-out KL "
-                f"{_fmt(s2.get('heldout_kl'))}"
-            )
+            out.append(f"- stage 2 (KL self-distillation): {s2.get('steps')} steps, held-out KL "
+                       f"{_fmt(s2.get('heldout_kl'))}")  # fmt: skip
     if prov:
         out += ["", "## Provenance", "", f"- converted from `{prov.get('layout')}` "
                 f"(`{prov.get('input')}`, sha256 `{str(prov.get('input_sha256'))[:16]}…`)"]  # fmt: skip
@@ -137,42 +124,36 @@ def model_card(repo_id: str, metas: dict[str, dict], manifest: dict | None = Non
             if "skipped" in r or not r or (arm != "translated" and (key, arm) in seen):
                 continue
             seen.add((key, arm))
-            rows.append(
-                f"| `{f}` | {stage} | {n} | {arm} | {_fmt(r.get('nll'))} | {_fmt(r.get('top1'))} "
-                f"| {_fmt(r.get('agree_native'))} | {_fmt(r.get('kl_native'))} "
-                f"| {_fmt(r.get('gap_recovered'))} |"
+            cells = (
+                r.get(k) for k in ("nll", "top1", "agree_native", "kl_native", "gap_recovered")
             )
+            rows.append(f"| `{f}` | {stage} | {n} | {arm} | " + " | ".join(map(_fmt, cells)) + " |")
     if rows:
-        out += [
-            "",
-            "## Held-out quality",
-            "",
-            "Teacher-forced on each file's held-out data (examples / tokens): NLL, top-1 accuracy, "
-            "agreement with the native target, KL(native ‖ arm), fraction of the source-to-native "
-            "NLL gap recovered. Rows on different held-out sets do not compare.",
-            "",
-            "| file | stage | held-out | arm | NLL | top-1 | agree | KL | gap recovered |",
-            "|---|---|---|---|---|---|---|---|---|",
-            *rows,
-        ]
+        out += ["", "## Held-out quality", "",
+                "Teacher-forced on each file's held-out data (examples / tokens): NLL, top-1 "
+                "accuracy, agreement with the native target, KL(native ‖ arm), fraction of the "
+                "source-to-native NLL gap recovered. Rows on different held-out sets do not compare.",
+                "", "| file | stage | held-out | arm | NLL | top-1 | agree | KL | gap recovered |",
+                "|---|---|---|---|---|---|---|---|---|", *rows]  # fmt: skip
     s_arg, t_arg = _hub_id(src) or "SOURCE", _hub_id(tgt) or "TARGET"
-    out += [
-        "",
-        "## Usage",
-        "",
-        "```bash",
-        f"kvlingo chat --small {s_arg} --large {t_arg} --translator {repo_id}:{default}",
-        f"kvlingo download {repo_id}          # into the Hub cache, for offline use",
-        "```",
-        "",
-        "```python",
-        "from mlx_kvlingo import generate, load",
-        "",
-        f'pair = load("{s_arg}", "{t_arg}", translator="{repo_id}")',
-        'print(generate(pair, "Hello!"))',
-        "```",
-        "",
-        "Pin a revision with `" + repo_id + "@<commit>`; `HF_HUB_OFFLINE=1` reads the cache only.",
-        "",
-    ]
-    return "\n".join(out)
+    return (
+        "\n".join(out)
+        + f"""
+
+## Usage
+
+```bash
+kvlingo chat --small {s_arg} --large {t_arg} --translator {repo_id}:{default}
+kvlingo download {repo_id}          # into the Hub cache, for offline use
+```
+
+```python
+from mlx_kvlingo import generate, load
+
+pair = load("{s_arg}", "{t_arg}", translator="{repo_id}")
+print(generate(pair, "Hello!"))
+```
+
+Pin a revision with `{repo_id}@<commit>`; `HF_HUB_OFFLINE=1` reads the cache only.
+"""
+    )

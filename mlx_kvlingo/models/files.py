@@ -34,20 +34,14 @@ def _side_meta(model, side: Side) -> dict:
     meta = {"name": None, **side.as_dict()}
     if model is not None:
         g = model.geometry
-        meta.update(
-            name=model.name,
-            model_type=g.model_type,
-            rope=g.rope.as_dict(),
-            has_k_norm=g.has_k_norm,
-        )
+        meta.update(name=model.name, model_type=g.model_type, rope=g.rope.as_dict(),
+                    has_k_norm=g.has_k_norm)  # fmt: skip
     return meta
 
 
 def translator_tensors(translator: Translator) -> dict:
     """The file's tensors: `key.<name>` and `value.<name>` for each of the two maps' arrays."""
-    return {
-        f"{side}.{k}": v for side in ("key", "value") for k, v in getattr(translator, side).items()
-    }
+    return {f"{s}.{k}": v for s in ("key", "value") for k, v in getattr(translator, s).items()}
 
 
 def quantize(tensors: dict, bits: int = 8) -> tuple[dict, dict]:
@@ -77,32 +71,22 @@ def dequantize(tensors: dict, q: dict) -> dict:
     return out
 
 
-def save_translator(
-    translator: Translator, path: str | Path, pair=None, dtype=None, bits=None, **extra
-) -> Path:
-    """Write the translator (atomically) with metadata describing `pair` and any `extra` keys.
-
-    `dtype` (e.g. mx.float16) stores the tensors in that type, to keep shipped files small;
-    `bits` (e.g. 8) also quantizes the maps (`quantize`).
-    """
+def save_translator(translator: Translator, path: str | Path, pair=None, dtype=None, bits=None,
+                    **extra) -> Path:  # fmt: skip
+    """Write the translator (atomically) with metadata describing `pair` and any `extra` keys;
+    tensors in `dtype` (e.g. mx.float16), the maps quantized to `bits` (e.g. 8) if given."""
     c = translator.config
     tensors = translator_tensors(translator)
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
-    meta = {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
-        "variant": c.variant,
-        "key_cut": c.key_cut,
-        "bias": c.bias,
-        "native_first": c.native_first,
-        "key_layers": [list(r) for r in c.key_layers],
-        "value_layers": [list(r) for r in c.value_layers],
-        "source": _side_meta(pair.source if pair else None, c.source),
-        "target": _side_meta(pair.target if pair else None, c.target),
-        "tokenizer": pair.tokenizer_fingerprint if pair else None,
-        "dtype": None,  # set below, after the free-form keys
-    }
+    meta = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "variant": c.variant,
+            "key_cut": c.key_cut, "bias": c.bias, "native_first": c.native_first,
+            "key_layers": [list(r) for r in c.key_layers],
+            "value_layers": [list(r) for r in c.value_layers],
+            "source": _side_meta(pair.source if pair else None, c.source),
+            "target": _side_meta(pair.target if pair else None, c.target),
+            "tokenizer": pair.tokenizer_fingerprint if pair else None,
+            "dtype": None}  # fmt: skip
     meta.update(c.metadata)
     meta.update(extra)
     meta["dtype"] = str(next(iter(tensors.values())).dtype).replace("mlx.core.", "")
@@ -122,10 +106,6 @@ def parse_json(text, what: str, error=TranslatorFileError, want=dict):
     if not isinstance(value, want):
         raise error(f"{what} must be a JSON {want.__name__}, not {type(value).__name__}")
     return value
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def read_header(path: str | Path, error=TranslatorFileError, what: str = "translator") -> dict:
@@ -185,7 +165,7 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
         r = meta[label]
         if not isinstance(r, list) or not all(isinstance(x, list) for x in r):
             raise TypeError(f"{label} must be a list of lists of source layers")
-        if not all(_is_int(s) for x in r for s in x):
+        if not all(isinstance(s, int) and not isinstance(s, bool) for x in r for s in x):
             raise TypeError(f"{label} must list integer source layers")
         return tuple(tuple(x) for x in r)
 
@@ -203,25 +183,15 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
         "schema", "schema_version", "variant", "key_cut", "bias", "key_layers",
         "value_layers", "source", "target", "native_first",
     }  # fmt: skip
-    return TranslatorConfig(
-        variant=meta["variant"],
-        source=side("source"),
-        target=side("target"),
-        key_layers=rows("key_layers"),
-        value_layers=rows("value_layers"),
-        key_cut=meta["key_cut"],
-        bias=meta["bias"],
-        native_first=meta.get("native_first", False),
-        metadata={k: v for k, v in meta.items() if k not in skip},
-    )
+    return TranslatorConfig(meta["variant"], side("source"), side("target"), rows("key_layers"),
+                            rows("value_layers"), meta["key_cut"], meta["bias"],
+                            native_first=meta.get("native_first", False),
+                            metadata={k: v for k, v in meta.items() if k not in skip})  # fmt: skip
 
 
 def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
-    """Load and validate a translator file; with `pair`, also check it was made for it.
-
-    `dtype="auto"` computes in float32 on the CPU backend (half-precision matmuls are slow
-    there) and keeps the stored dtype on a GPU (Metal or CUDA).
-    """
+    """Load and validate a translator file (with `pair`: made for it), in `dtype` ("auto": the
+    backend's, `models.pair.default_dtype`)."""
     path = Path(path)
     meta = read_metadata(path)
     try:
@@ -242,12 +212,12 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
         except (KeyError, TypeError, ValueError) as e:
             raise TranslatorFileError(f"{path}: bad quantized tensors: {str(e)[:300]}") from None
     expected = config.weight_shapes()
-    missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
-    if missing:
-        raise TranslatorFileError(f"{path}: missing tensors {missing}")
-    if extra:
-        raise TranslatorFileError(f"{path}: unexpected tensors {extra}")
+    for what, names in (
+        ("missing", set(expected) - set(tensors)),
+        ("unexpected", set(tensors) - set(expected)),
+    ):
+        if names:
+            raise TranslatorFileError(f"{path}: {what} tensors {sorted(names)}")
     for name, shape in expected.items():
         if not mx.issubdtype(tensors[name].dtype, mx.floating):
             raise TranslatorFileError(
@@ -261,7 +231,9 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
         if not np.isfinite(np.array(tensors[name].astype(mx.float32))).all():
             raise TranslatorFileError(f"{path}: tensor {name} contains NaN or Inf")
     if dtype == "auto":
-        dtype = None if mx.default_device().type == mx.gpu else mx.float32
+        from mlx_kvlingo.models.pair import default_dtype
+
+        dtype = default_dtype()
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
     tr = Translator(config, dtype=next(iter(tensors.values())).dtype)
@@ -275,10 +247,8 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
 
 
 def model_key(name) -> str | None:
-    """A model's name for comparison: the last path component, lower case.
-
-    `Qwen/Qwen3-4B`, `~/models/Qwen3-4B/` and `Qwen3-4B` compare equal; None stays None.
-    """
+    """A model's name for comparison, its last path component in lower case: `Qwen/Qwen3-4B`,
+    `~/models/Qwen3-4B/` and `Qwen3-4B` compare equal; None stays None."""
     if not name or not isinstance(name, (str, Path)):
         return None
     return str(name).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].lower() or None
@@ -288,39 +258,28 @@ def declared_names(meta: dict, label: str) -> set[str]:
     """The names a translator file gives one side: its metadata and, for a converted file,
     the names the original file declared (provenance)."""
     side, prov = meta.get(label), meta.get("provenance")
-    names = [
-        side.get("name") if isinstance(side, dict) else None,
-        prov.get(f"{label}_model") if isinstance(prov, dict) else None,
-    ]
+    names = (side.get("name") if isinstance(side, dict) else None,
+             prov.get(f"{label}_model") if isinstance(prov, dict) else None)  # fmt: skip
     return {k for k in map(model_key, names) if k}
 
 
-def check_direction(meta: dict, pair, path) -> None:
-    """Refuse a file made for this pair the other way round, whatever the geometry says."""
-    src, tgt = model_key(pair.source.name), model_key(pair.target.name)
-    if not src or not tgt or src == tgt:
-        return
-    made_src, made_tgt = declared_names(meta, "source"), declared_names(meta, "target")
-    if src in made_tgt and tgt in made_src and src not in made_src:
+def check_pair(meta: dict, config: TranslatorConfig, pair, path) -> None:
+    """Refuse a file made for another pair, or for this pair the other way round (by the names
+    it declares, or by its geometry)."""
+    src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
+    names = model_key(pair.source.name), model_key(pair.target.name)
+    made = declared_names(meta, "source"), declared_names(meta, "target")
+    by_name = all(names) and names[0] != names[1] and names[0] in made[1] and names[1] in made[0]
+    if (by_name and names[0] not in made[0]) or (
+        (config.source, config.target) == (tgt, src) and src != tgt
+    ):
         raise TranslatorFileError(
             f"{path}: this translator goes the other way ({meta['source'].get('name')} -> "
             f"{meta['target'].get('name')}), the pair is {pair.source.name} -> "
             f"{pair.target.name}; swap source and target or use the reverse file"
         )
-
-
-def check_pair(meta: dict, config: TranslatorConfig, pair, path) -> None:
-    src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
-    check_direction(meta, pair, path)
-    if (config.source, config.target) == (tgt, src) and src != tgt:
-        raise TranslatorFileError(
-            f"{path}: this translator goes the other way ({meta['source'].get('name')} -> "
-            f"{meta['target'].get('name')}); swap source and target or use the reverse file"
-        )
-    for label, want, have, model in (
-        ("source", config.source, src, pair.source),
-        ("target", config.target, tgt, pair.target),
-    ):
+    for label, want, have, model in (("source", config.source, src, pair.source),
+                                     ("target", config.target, tgt, pair.target)):  # fmt: skip
         if want != have:
             raise TranslatorFileError(
                 f"{path}: made for a {label} with {want.layers} layers, {want.kv_heads} KV heads, "
@@ -334,9 +293,7 @@ def check_pair(meta: dict, config: TranslatorConfig, pair, path) -> None:
             raise TranslatorFileError(
                 f"{path}: made for a {mt} {label}, {model.name} is {model.geometry.model_type}"
             )
-        if meta[label].get("has_k_norm") is not None and meta[label]["has_k_norm"] != (
-            model.geometry.has_k_norm
-        ):
+        if meta[label].get("has_k_norm") not in (None, model.geometry.has_k_norm):
             raise TranslatorFileError(f"{path}: {label} k_norm presence differs from {model.name}")
     fp = meta.get("tokenizer")
     if fp and pair.tokenizer_fingerprint and fp != pair.tokenizer_fingerprint:

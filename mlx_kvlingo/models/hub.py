@@ -80,13 +80,11 @@ def explain(e: Exception, named: str, fetch: str = "give a local folder") -> str
 
 def download(spec: str | HubSpec, local_dir: str | Path | None = None) -> Path:
     """The repo's translator files (and card, manifest) in the Hub cache or `local_dir`."""
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import hf_hub_download, snapshot_download
 
     spec = spec if isinstance(spec, HubSpec) else _parse(spec)
     try:
         if spec.filename:
-            from huggingface_hub import hf_hub_download
-
             return Path(hf_hub_download(spec.repo_id, spec.filename, revision=spec.revision,
                                         local_dir=local_dir))  # fmt: skip
         return Path(snapshot_download(spec.repo_id, revision=spec.revision, allow_patterns=ALLOW,
@@ -106,11 +104,8 @@ def _parse(text: str) -> HubSpec:
 
 
 def resolve_translator(text: str | Path, reverse: bool = False) -> Path:
-    """A local translator path, or the Hub file `text` names (downloaded or from the cache).
-
-    Without `:file`, the repo's manifest.json `default` (forward, or backward with `reverse`)
-    is taken, else its only .safetensors file.
-    """
+    """A local translator path, or the Hub file `text` names (downloaded or from the cache):
+    without `:file`, the manifest's default for the direction, else the repo's only file."""
     path = Path(text).expanduser()
     if path.exists():
         return path
@@ -120,9 +115,8 @@ def resolve_translator(text: str | Path, reverse: bool = False) -> Path:
         return got
     manifest = got / "manifest.json"
     if manifest.is_file():
-        default = (json.loads(manifest.read_text()).get("default") or {}).get(
-            "backward" if reverse else "forward"
-        )
+        default = json.loads(manifest.read_text()).get("default") or {}
+        default = default.get("backward" if reverse else "forward")
         if default and (got / default).is_file():
             return got / default
     files = sorted(p.name for p in got.glob("*.safetensors"))
@@ -130,9 +124,9 @@ def resolve_translator(text: str | Path, reverse: bool = False) -> Path:
         return got / files[0]
     if not files:
         raise HubError(f"{spec}: the repository holds no .safetensors translator")
+    named = ", ".join(f"{spec}:{f}" for f in files[:6])
     raise HubError(
-        f"{spec}: {len(files)} translators and no manifest.json default; name one: "
-        + ", ".join(f"{spec}:{f}" for f in files[:6])
+        f"{spec}: {len(files)} translators and no manifest.json default; name one: {named}"
     )
 
 
@@ -143,16 +137,10 @@ def build_repo_folder(
     files, folder: str | Path, repo_id: str, manifest: str | Path | None = None,
     license: str | None = None,
 ) -> Path:  # fmt: skip
-    """Copy the translator `files` into `folder` with a model card (README.md) generated from
-    their metadata, and a manifest.json (the given one, or one listing the files).
-
-    Each file keeps its path below the files' common folder (`a/x.safetensors` and
-    `a/b/x.safetensors` become `x.safetensors` and `b/x.safetensors`), so files of the same
-    name in two folders stay apart and a manifest may name `b/x.safetensors` (below a
-    `translators/` folder beside the manifest, paths are kept below that folder). A manifest whose
-    default is not among the files is refused. The files are hard-linked where the filesystem
-    allows, else copied.
-    """
+    """`folder` with the translator `files` (hard-linked, else copied; each at its path below
+    the files' common folder, or below a `translators/` folder beside `manifest`), a manifest.json
+    (the given one, whose default must be among the files, or one listing them) and a model card
+    generated from their metadata."""
     from mlx_kvlingo._platform.atomic import link_or_copy
     from mlx_kvlingo.models.card import model_card
     from mlx_kvlingo.models.files import read_metadata
@@ -169,10 +157,9 @@ def build_repo_folder(
     default = (man or {}).get("default") or {}
     missing = sorted({default.get(k) for k in ("forward", "backward")} - {None, *names.values()})
     if missing:
-        raise HubError(
-            f"{manifest}: its default {', '.join(missing)} is not among the files given "
-            f"(paths below {root}: {', '.join(sorted(names.values())[:6])})"
-        )
+        given = ", ".join(sorted(names.values())[:6])
+        raise HubError(f"{manifest}: its default {', '.join(missing)} is not among the files "
+                       f"given (paths below {root}: {given})")  # fmt: skip
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     metas = {}
@@ -193,9 +180,8 @@ def build_repo_folder(
     return folder
 
 
-def upload(
-    folder: str | Path, repo_id: str, private: bool = False, message: str | None = None
-) -> str:
+def upload(folder: str | Path, repo_id: str, private: bool = False,
+           message: str | None = None) -> str:  # fmt: skip
     """Create the repo if needed and push `folder` to its main branch with `upload_folder`;
     returns the commit URL (its last path component is the revision to pin)."""
     from huggingface_hub import HfApi
@@ -203,10 +189,8 @@ def upload(
     api = HfApi()
     try:
         api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(
-            repo_id=repo_id, folder_path=str(folder),
-            commit_message=message or "Upload mlx-kvlingo translator",
-        )  # fmt: skip
+        info = api.upload_folder(repo_id=repo_id, folder_path=str(folder),
+                                 commit_message=message or "Upload mlx-kvlingo translator")  # fmt: skip
     except Exception as e:  # noqa: BLE001
         raise HubError(explain(e, repo_id) or f"{repo_id}: {type(e).__name__}: {e}") from None
     return str(info)

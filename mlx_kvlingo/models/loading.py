@@ -1,17 +1,9 @@
-"""The one resolver and the one loader: a translator spec and a direction -> a file; names -> a pair.
+"""The one loader: model names -> a pair; a translator spec and a direction -> a file.
 
-A translator *spec* is one of
-    a path                        (an existing file: taken as it is)
-    org/name[@revision][:file]    (a Hugging Face Hub id: downloaded, or read from the Hub cache)
-    a demo file name              (with a demo pair: a file under weights/translators/)
-    None                          (with a demo pair: its shipped default for the direction)
-and a *direction*: forward (small -> large) or `reverse` (large -> small). The one rule about
-absence lives here: a demo pair that ships no backward translator resolves to None (switching
-back to the small model then re-reads), while a missing forward translator is an error.
-
-`load_models_and_translators` loads the pair (named, or a demo pair when neither model is named)
-and both translators, each validated against its direction of the pair. `mlx_kvlingo.load` and
-every command load through it; nothing else in the package loads a pair for a command.
+A translator spec is a path, a Hub id `org/name[@revision][:file]`, a demo file name (with a
+demo pair, under weights/translators/) or None (with a demo pair: its shipped default). A demo
+pair that ships no backward translator resolves to None (switching back re-reads); a missing
+forward translator is an error. `mlx_kvlingo.load` and every command load through here.
 """
 
 from __future__ import annotations
@@ -25,20 +17,10 @@ from mlx_kvlingo.kv.translator import Translator
 DEMO_PAIRS = ("dense", "moe")
 
 
-def resolve_translator_spec(
-    spec: str | Path | None,
-    reverse: bool = False,
-    pair_name: str | None = None,
-    demo_source: str | None = None,
-) -> Path | None:
-    """The translator file `spec` names for the direction (see the module docstring).
-
-    `pair_name`: the demo pair the spec is read against ("dense", "moe"), or None for a named
-    pair (then None resolves to None: no translator); `demo_source`: the demo small model
-    whose defaults None means (`demo.pair.source_for`; None: the pair's default). Raises
-    `FileNotFoundError` for a demo name that is not shipped, `HubError` (a ValueError) for
-    what is neither a file nor a Hub id, `ValueError` for an unknown demo pair.
-    """
+def resolve_translator_spec(spec: str | Path | None, reverse: bool = False,
+                            pair_name: str | None = None, demo_source: str | None = None) -> Path | None:  # fmt: skip
+    """The translator file `spec` names for the direction, read against the demo pair
+    `pair_name` and its small model `demo_source` (None: a named pair, the pair's default)."""
     from mlx_kvlingo.models.hub import resolve_translator
 
     if pair_name is not None:
@@ -56,13 +38,8 @@ def resolve_translator_spec(
     return resolve_translator(spec, reverse)  # a path, or a Hub id (HubError: neither)
 
 
-def _translator(
-    spec: str | Path | Translator | None,
-    pair: Any,
-    reverse: bool,
-    pair_name: str | None,
-    demo_source: str | None = None,
-) -> Translator | None:
+def _translator(spec: str | Path | Translator | None, pair: Any, reverse: bool,
+                pair_name: str | None, demo_source: str | None = None) -> Translator | None:  # fmt: skip
     if isinstance(spec, Translator):
         return spec
     path = resolve_translator_spec(spec, reverse, pair_name, demo_source)
@@ -74,13 +51,12 @@ def _translator(
 
 
 def which_demo(source, target, demo_pair: str | None) -> str | None:
-    """The demo pair to load, or None for the named pair: both models named (then no demo pair)
-    or neither (then `demo_pair`, "dense" by default). A ValueError otherwise."""
+    """The demo pair to load ("dense" by default, with neither model named), or None for the
+    named pair (both named). A ValueError otherwise."""
     if source is None and target is None:
-        demo_pair = demo_pair or "dense"
-        if demo_pair not in DEMO_PAIRS:
+        if (demo_pair or "dense") not in DEMO_PAIRS:
             raise ValueError(f"unknown demo pair {demo_pair!r} (known: {', '.join(DEMO_PAIRS)})")
-        return demo_pair
+        return demo_pair or "dense"
     if source is None or target is None:
         raise ValueError("give both source and target, or neither for the demo pair")
     if demo_pair is not None:
@@ -88,22 +64,13 @@ def which_demo(source, target, demo_pair: str | None) -> str | None:
     return None
 
 
-def load_models_and_translators(
-    source: str | Path | None = None,
-    target: str | Path | None = None,
-    translator: str | Path | Translator | None = None,
-    backward: str | Path | Translator | None = None,
-    demo_pair: str | None = None,
-    *,
-    dtype: Any = "auto",
-) -> tuple[Any, Translator | None, Translator | None]:
-    """(pair, forward, backward): the pair and its small -> large and large -> small translators.
-
-    Neither `source` nor `target`: the demo pair `demo_pair` (default "dense"), its shipped
-    translators unless named. Both: that pair; a translator left None is None. `demo_pair` with
-    a named model is a ValueError. Translators are checked against their direction of the pair
-    (`TranslatorFileError`); a pair whose tokenizers differ raises `TokenizerMismatchError`.
-    """
+def load_models_and_translators(source: str | Path | None = None, target: str | Path | None = None,
+                                translator: str | Path | Translator | None = None,
+                                backward: str | Path | Translator | None = None,
+                                demo_pair: str | None = None, *, dtype: Any = "auto",
+                                ) -> tuple[Any, Translator | None, Translator | None]:  # fmt: skip
+    """(pair, forward, backward): the named pair, or with neither model the demo pair `demo_pair`
+    (its shipped translators unless named); each translator checked against its direction."""
     from mlx_kvlingo.models.pair import load_pair
 
     small = None  # the demo source, for a demo pair

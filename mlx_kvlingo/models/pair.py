@@ -44,12 +44,24 @@ class KVGeometry:
 
 @dataclass
 class LoadedModel:
+    """One model as mlx-lm loads it, with the facts a turn reads as plain attributes:
+    `context_length` (None if its config does not say), `query_heads` (the queries'; the cache's
+    are `geometry.kv_heads`) and `rope` (layer 0's)."""
+
     name: str
     model: nn.Module
     tokenizer: object
     config: dict
     geometry: KVGeometry
     folder: Path | None = None  # where its files are (generation_config.json, ...), when known
+    context_length: int | None = field(init=False)
+    query_heads: int = field(init=False)
+    rope: nn.Module = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.context_length = self.config.get("max_position_embeddings")
+        self.query_heads = int(self.config.get("num_attention_heads", self.geometry.kv_heads))
+        self.rope = self.attention(0).rope
 
     @property
     def layers(self) -> list:
@@ -58,24 +70,10 @@ class LoadedModel:
     def attention(self, layer: int) -> nn.Module:
         return self.model.layers[layer].self_attn
 
-    @property
-    def query_heads(self) -> int:
-        """Attention heads per layer (the queries'; `geometry.kv_heads` are the cache's)."""
-        return int(self.config.get("num_attention_heads", self.geometry.kv_heads))
-
-    @property
-    def rope(self) -> nn.Module:
-        return self.attention(0).rope
-
     @cached_property
     def dtype(self) -> mx.Dtype:
         """The dtype of the model's weights (its cache takes the same); looked up once."""
         return weights_dtype(self.model)
-
-    @property
-    def context_length(self) -> int | None:
-        """The longest sequence the model was trained for (None if its config does not say)."""
-        return self.config.get("max_position_embeddings")
 
     def nbytes(self) -> int:
         from mlx.utils import tree_flatten
@@ -108,21 +106,12 @@ def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
     layers = model.layers
     attn = layers[0].self_attn
     heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
+    # the module's count where it has one (config and module may disagree), else the config's
+    kv_heads = getattr(attn, "n_kv_heads", None) or config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     dtype = str(weights_dtype(model))
-    if hasattr(attn, "n_kv_heads") and attn.n_kv_heads != kv_heads:  # config and module disagree
-        kv_heads = attn.n_kv_heads
-    return KVGeometry(
-        model_type=model_type,
-        layers=len(layers),
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        value_dim=head_dim,
-        rope=describe(attn.rope),
-        has_k_norm=k_norm,
-        dtype=dtype.replace("mlx.core.", ""),
-    )
+    return KVGeometry(model_type, len(layers), kv_heads, head_dim, head_dim, describe(attn.rope),
+                      k_norm, dtype.replace("mlx.core.", ""))  # fmt: skip
 
 
 def default_dtype() -> mx.Dtype | None:
@@ -143,9 +132,8 @@ def with_dtype(model, config: dict, dtype):
     return model, dtype
 
 
-def load_model(
-    path_or_repo: str | Path, dtype: mx.Dtype | None = "auto", tokenizer: object = None
-) -> LoadedModel:
+def load_model(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto",
+               tokenizer: object = None) -> LoadedModel:  # fmt: skip
     """Load one model by hub id or local folder through `mlx_lm.load`; with `tokenizer` (one
     mlx-lm built from the same files: `tokenizer_identity`), its weights only."""
     name = str(path_or_repo)
@@ -175,8 +163,7 @@ def _folder_of(name: str) -> Path | None:
 
 
 #: the files of a model folder mlx-lm builds its tokenizer from (`mlx_lm.utils.load_tokenizer`),
-#: and those of them that are the model's own (its config, its weights' index, the build stamps
-#: of the folders this package converts)
+#: less the model's own (config, weights index, this package's build stamps)
 _TOKENIZER_FILES = (
     "*.json",
     "*.py",
@@ -201,8 +188,6 @@ def tokenizer_identity(path: str | Path | LoadedModel) -> str | None:
     is then loaded, not two). None for a loaded model, a hub id or an unreadable folder."""
     if isinstance(path, LoadedModel) or not Path(path).is_dir():
         return None
-    import json
-
     folder = Path(path)
     h = hashlib.sha256()
     try:
@@ -244,9 +229,8 @@ def model_fingerprint(loaded: LoadedModel) -> str:
 def check_same_tokenizer(a, b, names=("source", "target")) -> None:
     """Refuse a pair whose tokenizers map ids to different tokens; name the first difference."""
     va, vb = a.get_vocab(), b.get_vocab()
-    ia = {i: t for t, i in va.items()}
-    ib = {i: t for t, i in vb.items()}
-    for i in range(max(len(ia), len(ib), max(ia, default=0) + 1, max(ib, default=0) + 1)):
+    ia, ib = {i: t for t, i in va.items()}, {i: t for t, i in vb.items()}
+    for i in sorted(set(ia) | set(ib)):
         ta, tb = ia.get(i), ib.get(i)
         if ta != tb:
             raise TokenizerMismatchError(
@@ -262,15 +246,10 @@ def check_same_tokenizer(a, b, names=("source", "target")) -> None:
         )
 
 
-def load_pair(
-    source: str | Path | LoadedModel,
-    target: str | Path | LoadedModel,
-    dtype: mx.Dtype | None = "auto",
-) -> ModelPair:
-    """Load source and target (hub ids, local folders or already loaded models).
-
-    Raises `TokenizerMismatchError` if they do not share a tokenizer.
-    """
+def load_pair(source: str | Path | LoadedModel, target: str | Path | LoadedModel,
+              dtype: mx.Dtype | None = "auto") -> ModelPair:  # fmt: skip
+    """Load source and target (hub ids, local folders or loaded models) sharing one tokenizer
+    (else `TokenizerMismatchError`)."""
     check_fits(*[p for p in (source, target) if not isinstance(p, LoadedModel)], dtype=dtype)
     shared = tokenizer_identity(source)
     if shared is not None and shared == tokenizer_identity(target):  # one tokenizer for both
@@ -285,12 +264,9 @@ def load_pair(
 
 def describe_model(m: LoadedModel) -> dict:
     g = m.geometry
-    return {
-        "name": m.name,
-        **g.as_dict(),
-        "parameters_MB": round(m.nbytes() / 2**20, 1),
-        "kv_bytes_per_token": 2 * g.layers * g.kv_heads * g.head_dim * getattr(mx, g.dtype).size,
-    }
+    kv = 2 * g.layers * g.kv_heads * g.head_dim * getattr(mx, g.dtype).size
+    return {"name": m.name, **g.as_dict(), "parameters_MB": round(m.nbytes() / 2**20, 1),
+            "kv_bytes_per_token": kv}  # fmt: skip
 
 
 class InsufficientMemoryError(MemoryError):
@@ -302,7 +278,6 @@ def estimate_bytes(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") ->
     disk), from its safetensors headers: every floating tensor at `dtype` (float32 on the CPU
     backend), quantized weights dequantized (their scales and biases dropped), as `load_model`
     does; anything else as stored. Activations and KV caches come on top."""
-    import json
     import struct
 
     folder = Path(path_or_repo)

@@ -1,14 +1,6 @@
-"""`kvlingo serve`: the model pair behind an OpenAI-compatible chat-completions endpoint.
-
-One concern per module, each using only those below it:
-
-    server    the standard library's ThreadingHTTPServer: routes, limits, API key, SSE
-    worker    one generation at a time under the pair's lock, a bounded queue, `auto`, usage
-    pool      held conversations matched to requests by templated token prefix (LRU)
-    protocol  the OpenAI request checks, sampling keywords, response and chunk bodies
-
-Everything model-side goes through the public API (`load`, `Conversation`), so the
-server answers exactly as the library does (which model reads, what is translated).
+"""`kvlingo serve`: the pair behind an OpenAI-compatible chat-completions endpoint, over the public
+API (`load`, `Conversation`): server (HTTP) -> worker (one generation at a time) -> pool (prefix
+reuse) -> protocol (request checks, response bodies).
 """
 
 from __future__ import annotations

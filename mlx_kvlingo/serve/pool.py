@@ -1,21 +1,13 @@
 """Held conversations, matched to requests by templated token prefix (as mlx_lm.server reuses its
-prompt cache), kept least-recently-used first.
+prompt cache), least recently used dropped first.
 
-A client sends the whole chat every time. A held conversation C (messages m_1..m_n, both KV
-caches) serves a request R (messages r_1..r_N, r_N a user message) when
+A held conversation C (messages m_1..m_n) serves a request R (r_1..r_N, r_N a user message) when
 
     n < N  and  template(m_1..m_n) == template(r_1..r_n)      (token ids, no generation prompt)
 
-i.e. C's templated tokens are a prefix of R's, cut at a message boundary. Then only
-r_{n+1}..r_{N-1} (history from elsewhere, appended unread) and r_N (sent) are new: the models
-read or translate only that suffix. The longest such C wins; otherwise a new conversation is
-built from R's history. Comparing templated messages rather than the conversation's own token
-list keeps answers whose re-tokenization differs from the generated tokens reusable (the
-conversation appends each message as the template's token difference).
-
-A conversation is checked out while it answers (the pair's lock: one request at a time) and
-checked back in with its new key afterwards; beyond `size` the least recently used one is
-dropped, freeing its caches. `size=0` turns reuse off.
+The longest such C wins, and only r_{n+1}..r_N are new to it; otherwise a new conversation starts
+from R's history. A conversation is checked out while it answers and checked back in under its
+new key; beyond `size` (0: no reuse) the least recently used is dropped with its caches.
 """
 
 from __future__ import annotations
@@ -29,9 +21,7 @@ from mlx_kvlingo.api import Conversation, Pair
 def templated(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
     """The chat template's token ids for `messages` (the content lines where there is none)."""
     has = getattr(tokenizer, "has_chat_template", None)
-    if has is None:
-        has = bool(getattr(tokenizer, "chat_template", None))
-    if has:
+    if has or (has is None and getattr(tokenizer, "chat_template", None)):
         out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
         return list(out if isinstance(out, list) else out["input_ids"])
     ids: list[int] = []
@@ -44,9 +34,7 @@ class Pool:
     """Up to `size` held conversations over one pair, most recently used last."""
 
     def __init__(self, pair: Pair, size: int, **conversation_kwargs: Any) -> None:
-        self.pair = pair
-        self.size = size
-        self.tokenizer = pair.tokenizer
+        self.pair, self.size, self.tokenizer = pair, size, pair.tokenizer
         self._kwargs = conversation_kwargs  # Conversation keywords (mode, max_kv_size, ...)
         self._held: OrderedDict[Conversation, tuple[int, ...]] = OrderedDict()
 
@@ -56,9 +44,8 @@ class Pool:
     def template(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
         return templated(self.tokenizer, messages, generation_prompt)
 
-    def checkout(
-        self, messages: list[dict[str, str]]
-    ) -> tuple[Conversation, list[dict[str, str]], int]:
+    def checkout(self, messages: list[dict[str, str]]
+                 ) -> tuple[Conversation, list[dict[str, str]], int]:  # fmt: skip
         """The conversation to answer `messages` with, the history it still lacks (without the
         last user message), and how many of `messages` it already held (0: a new one)."""
         prefixes: dict[int, tuple[int, ...]] = {}

@@ -25,31 +25,16 @@ _SYSTEM_ROLES = ("system", "developer")
 class APIError(Exception):
     """A request the server refuses: an HTTP status and an OpenAI-style error body."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code  # fmt: skip
+        self.headers = headers  # extra response headers (Retry-After)
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}  # fmt: skip
 
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -73,7 +58,6 @@ class ChatRequest:
     model: str
     messages: list[dict[str, str]]  # system first (optional), then user/assistant alternating
     send: dict[str, Any]  # keywords for Conversation.send: the sampling settings, max_tokens
-    max_tokens: int
     stop: list[str] = field(default_factory=list)
     stream: bool = False
     include_usage: bool = False
@@ -222,9 +206,7 @@ def parse_request(body: Any, limits: Limits) -> ChatRequest:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad("only response_format {'type': 'text'} is supported", "response_format")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
+    stream = False if body.get("stream") is None else body["stream"]
     if not isinstance(stream, bool):
         raise bad("stream must be a boolean", "stream", "invalid_type")
     opts = body.get("stream_options")
@@ -238,25 +220,13 @@ def parse_request(body: Any, limits: Limits) -> ChatRequest:
         raise bad("top_logprobs is not supported (logprobs of the sampled tokens are)",
                   "top_logprobs", "unsupported_value")  # fmt: skip
     stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise bad("stop must be a string or a list of non-empty strings", "stop", "invalid_type")
     if len(stop) > limits.max_stop:
         raise bad(f"at most {limits.max_stop} stop sequences", "stop", "invalid_value")
     send = sampling_kwargs(body, limits)
-    return ChatRequest(
-        model=model,
-        messages=messages,
-        send=send,
-        max_tokens=send["max_tokens"],
-        stop=stop,
-        stream=stream,
-        include_usage=include_usage,
-        logprobs=logprobs,
-    )
+    return ChatRequest(model, messages, send, stop, stream, include_usage, logprobs)
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -274,13 +244,9 @@ def finish_reason(reason: str | None) -> str:
 def _logprobs(pieces: list[tuple[str, float]] | None) -> dict | None:
     if pieces is None:
         return None
-    return {
-        "content": [
-            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-            for t, lp in pieces
-        ],
-        "refusal": None,
-    }
+    content = [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+               for t, lp in pieces]  # fmt: skip
+    return {"content": content, "refusal": None}
 
 
 def _envelope(rid: str, model: str, kind: str, choices: list, **rest: Any) -> dict:
@@ -313,11 +279,9 @@ def usage_chunk(rid: str, model: str, usage: dict, extra: dict) -> dict:
 def model_list(names: dict[str, str]) -> dict:
     """`GET /v1/models`: the three ids, each naming the model(s) behind it."""
     created = int(time.time())
-    about = {
-        "small": f"{names['small']} reads and answers",
-        "large": f"{names['large']} answers from the KV cache translated from {names['small']}",
-        "auto": f"{names['small']} answers; {names['large']} re-answers when it is unsure",
-    }
+    about = {"small": f"{names['small']} reads and answers",
+             "large": f"{names['large']} answers from the KV cache translated from {names['small']}",
+             "auto": f"{names['small']} answers; {names['large']} re-answers when it is unsure"}  # fmt: skip
     data = [{"id": m, "object": "model", "created": created, "owned_by": "kvlingo",
              "description": about[m]} for m in MODEL_IDS]  # fmt: skip
     return {"object": "list", "data": data}

@@ -1,20 +1,13 @@
 """The HTTP face: the standard library's `ThreadingHTTPServer`, as `mlx_lm.server` uses.
 
-    GET  /v1/models               the ids small, large, auto
-    GET  /v1/models/{id}, /health
-    POST /v1/chat/completions     JSON, or server-sent events with "stream": true
+    GET  /v1/models, /v1/models/{id}, /health
+    POST /v1/chat/completions     JSON, or server-sent events (`data: {json}` ... `data: [DONE]`)
 
-Why the standard library: no new dependency, and nothing an async framework would add pays
-here; every generation runs one at a time under the pair's lock on its request's thread, and a
-handler thread only checks the request, submits it, and copies events to its socket. Server-sent events are
-`data: {json}\\n\\n` lines ending with `data: [DONE]`.
-
-Checked before anything reaches the models, each answered with an OpenAI error body:
-401 (API key, when one is set), 404 (path, model), 411/413 (no or too large Content-Length),
-415 (not JSON), 400 (malformed JSON, bad fields, over-long prompt), 503 (queue full,
-with Retry-After). A request handler never lets an exception out: an unexpected one is a 500.
-A client that disconnects (seen as a failed write, or as end-of-file on its socket while it
-waits) cancels its job; the conversation keeps what was emitted, both caches consistent.
+A handler thread checks the request, submits it to the worker and copies its events to the
+socket. Refused before the models, each with an OpenAI error body: 401 (API key), 404 (path,
+model), 411/413 (Content-Length), 415 (not JSON), 400 (bad JSON or fields, prompt too long),
+503 (queue full, Retry-After); an unexpected exception is a 500, never a dropped server. A client
+that disconnects cancels its job; both caches stay consistent.
 """
 
 from __future__ import annotations
@@ -63,23 +56,13 @@ class Server:
     server.close()
     """
 
-    def __init__(
-        self,
-        pair: Pair,
-        config: ServeConfig | None = None,
-        **conversation_kwargs: Any,
-    ) -> None:
+    def __init__(self, pair: Pair, config: ServeConfig | None = None,
+                 **conversation_kwargs: Any) -> None:  # fmt: skip
         self.pair = pair
-        self.config = config or ServeConfig()
-        c = self.config
-        self.worker = Worker(
-            pair,
-            limits=c.limits,
-            queue_size=c.queue_size,
-            max_conversations=c.max_conversations,
-            auto_threshold=c.auto_threshold,
-            conversation_kwargs=conversation_kwargs,
-        )
+        self.config = c = config or ServeConfig()
+        self.worker = Worker(pair, limits=c.limits, queue_size=c.queue_size,
+                             max_conversations=c.max_conversations, auto_threshold=c.auto_threshold,
+                             conversation_kwargs=conversation_kwargs)  # fmt: skip
         handler = type("Handler", (_Handler,), {"app": self, "timeout": c.read_timeout})
         try:
             self.httpd = ThreadingHTTPServer((c.host, c.port), handler)
@@ -100,9 +83,8 @@ class Server:
         return f"http://{host}:{port}/v1"
 
     def start(self) -> Server:
-        self._thread = threading.Thread(
-            target=self.httpd.serve_forever, name="kvlingo-http", daemon=True
-        )
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="kvlingo-http",
+                                        daemon=True)  # fmt: skip
         self._thread.start()
         return self
 
@@ -163,6 +145,8 @@ class _Handler(BaseHTTPRequestHandler):
         self._sent = False
         try:
             fn()
+        except P.APIError as e:  # a refusal, before anything reached the models
+            self._error(e, e.headers)
         except (TimeoutError, BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         except Exception as e:  # the server never goes down with a request
@@ -174,17 +158,13 @@ class _Handler(BaseHTTPRequestHandler):
                 except OSError:
                     pass
 
-    def _authorized(self) -> bool:
+    def _authorize(self) -> None:
         key = self.app.config.api_key
-        if not key:
-            return True
-        got = self.headers.get("Authorization", "")
-        scheme, _, token = got.partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
-            return True
-        self._error(P.APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                               code="invalid_api_key"))  # fmt: skip
-        return False
+        scheme, _, token = self.headers.get("Authorization", "").partition(" ")
+        if key and not (scheme.lower() == "bearer"
+                        and hmac.compare_digest(token.strip().encode(), key.encode())):  # fmt: skip
+            raise P.APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                             code="invalid_api_key")  # fmt: skip
 
     def _client_gone(self) -> bool:
         """True when the client closed its end (end-of-file is readable on the socket)."""
@@ -205,8 +185,7 @@ class _Handler(BaseHTTPRequestHandler):
         path = self.path.split("?", 1)[0].rstrip("/")
         if path == "/health":
             return self._json(200, {"status": "ok"})
-        if not self._authorized():
-            return
+        self._authorize()
         models = P.model_list(self.app.pair.names)
         if path in ("/v1/models", "/models"):
             return self._json(200, models)
@@ -215,9 +194,9 @@ class _Handler(BaseHTTPRequestHandler):
                 for m in models["data"]:
                     if m["id"] == path[len(prefix) :]:
                         return self._json(200, m)
-                return self._error(P.APIError(404, f"the model {path[len(prefix):]!r} does not "
-                                                   "exist", code="model_not_found"))  # fmt: skip
-        self._error(P.APIError(404, f"no route {path!r}", code="not_found"))
+                raise P.APIError(404, f"the model {path[len(prefix) :]!r} does not exist",
+                                 code="model_not_found")  # fmt: skip
+        raise P.APIError(404, f"no route {path!r}", code="not_found")
 
     # -- POST ----------------------------------------------------------------------------------
 
@@ -227,31 +206,17 @@ class _Handler(BaseHTTPRequestHandler):
     def _post(self) -> None:
         path = self.path.split("?", 1)[0].rstrip("/")
         if path not in ("/v1/chat/completions", "/chat/completions"):
-            return self._error(P.APIError(404, f"no route {path!r}", code="not_found"))
-        if not self._authorized():
-            return
-        body = self._body()
-        if body is None:
-            return
+            raise P.APIError(404, f"no route {path!r}", code="not_found")
+        self._authorize()
         app = self.app
-        try:
-            req = P.parse_request(body, app.config.limits)
-        except P.APIError as e:
-            return self._error(e)
+        req = P.parse_request(self._body(), app.config.limits)
         job = Job(req)
         try:
             app.worker.submit(job)
         except QueueFull:
-            return self._error(
-                P.APIError(
-                    503,
-                    f"the server is busy: one request runs and "
-                    f"{app.config.queue_size} wait; retry later",
-                    type="server_error",
-                    code="queue_full",
-                ),  # fmt: skip
-                {"Retry-After": "1"},
-            )
+            raise P.APIError(503, f"the server is busy: one request runs and "
+                             f"{app.config.queue_size} wait; retry later", type="server_error",
+                             code="queue_full", headers={"Retry-After": "1"}) from None  # fmt: skip
         try:
             deadline = job.submitted + app.config.request_timeout
             first = self._next(job, deadline)
@@ -267,33 +232,24 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             job.cancel()  # a no-op once the job is done; else (handler failed) stop it
 
-    def _body(self) -> Any | None:
+    def _body(self) -> Any:
+        """The request's JSON body, or an `APIError` saying what is wrong with it."""
         length = self.headers.get("Content-Length")
         if length is None:
-            self._error(P.APIError(411, "a Content-Length header is required"))
-            return None
-        try:
-            n = int(length)
-            if n < 0:
-                raise ValueError
-        except ValueError:
-            self._error(P.APIError(400, f"invalid Content-Length {length!r}"))
-            return None
-        limit = self.app.config.max_body_bytes
+            raise P.APIError(411, "a Content-Length header is required")
+        if not length.strip().isdigit():
+            raise P.APIError(400, f"invalid Content-Length {length!r}")
+        n, limit = int(length), self.app.config.max_body_bytes
         if n > limit:
-            self._error(P.APIError(413, f"the request is {n} bytes; at most {limit}",
-                                   code="request_too_large"))  # fmt: skip
-            return None
+            raise P.APIError(413, f"the request is {n} bytes; at most {limit}",
+                             code="request_too_large")  # fmt: skip
         ctype = self.headers.get("Content-Type", "application/json").split(";")[0].strip()
         if ctype.lower() != "application/json":
-            self._error(P.APIError(415, f"Content-Type must be application/json, not {ctype!r}"))
-            return None
-        raw = self.rfile.read(n)
+            raise P.APIError(415, f"Content-Type must be application/json, not {ctype!r}")
         try:
-            return json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+            return json.loads(self.rfile.read(n).decode("utf-8"), parse_constant=_no_constant)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            self._error(P.APIError(400, f"the body is not valid JSON: {e}", code="invalid_json"))
-            return None
+            raise P.APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
 
     def _next(self, job: Job, deadline: float) -> tuple | None:
         """The job's next event; None (job cancelled) when the client left or time ran out."""
@@ -316,10 +272,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _complete(self, job: Job, rid: str, model: str, deadline: float) -> None:
         pieces: list[tuple[str, float]] = []
-        while True:
-            ev = self._next(job, deadline)
-            if ev is None:
-                return
+        while (
+            ev := self._next(job, deadline)
+        ) is not None:  # None: the client left, or time ran out
             if ev[0] == "token":
                 pieces.append((ev[1], ev[2]))
             elif ev[0] == "error":
@@ -342,9 +297,10 @@ class _Handler(BaseHTTPRequestHandler):
         self._sent = True
         self.close_connection = True
 
-        def send(obj: dict) -> bool:
+        def send(obj: dict | str) -> bool:
+            data = obj if isinstance(obj, str) else json.dumps(obj)
             try:
-                self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+                self.wfile.write(f"data: {data}\n\n".encode())
                 self.wfile.flush()
                 return True
             except OSError:  # the client went away: stop its generation
@@ -354,10 +310,9 @@ class _Handler(BaseHTTPRequestHandler):
         usage = req.include_usage
         if not send(P.chunk(rid, model, {"role": "assistant", "content": ""}, usage=usage)):
             return
-        while True:
-            ev = self._next(job, deadline)
-            if ev is None:
-                return
+        while (
+            ev := self._next(job, deadline)
+        ) is not None:  # None: the client left, or time ran out
             if ev[0] == "token":
                 lp = [(ev[1], ev[2])] if req.logprobs else None
                 if not send(P.chunk(rid, model, {"content": ev[1]}, pieces=lp, usage=usage)):
@@ -367,14 +322,7 @@ class _Handler(BaseHTTPRequestHandler):
                 return
             elif ev[0] == "done":
                 res: Result = ev[1]
-                reason = P.finish_reason(res.finish_reason)
-                if not send(P.chunk(rid, model, {}, reason, usage=usage)):
-                    return
-                if usage and not send(P.usage_chunk(rid, model, res.usage, res.extra)):
-                    return
-                try:
-                    self.wfile.write(b"data: [DONE]\n\n")
-                    self.wfile.flush()
-                except OSError:
-                    pass
+                end = [P.chunk(rid, model, {}, P.finish_reason(res.finish_reason), usage=usage)]
+                end += [P.usage_chunk(rid, model, res.usage, res.extra)] if usage else []
+                all(send(x) for x in [*end, "[DONE]"])  # each only while the client is there
                 return

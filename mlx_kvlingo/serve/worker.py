@@ -1,22 +1,17 @@
-"""One generation at a time per pair, under the pair's one lock: each request on its own thread.
+"""One generation at a time per pair: each request on its own thread, under the pair's one lock.
 
-    handler threads --submit(job)--> a request thread: the pair's lock (waits) --> run the job
-                    <--job.events---  accepted | token... | done | error
+    handler --submit(job)--> request thread: pair lock (waits) -> run --job.events--> handler
+                             accepted | token... | done | error
 
-Every request's model work (templating, matching a held conversation, reading, translating,
-decoding) runs on a request thread (a pool of 1 + `queue_size`, reused: MLX keeps state per
-thread) while it holds the pair (`conversation/lock.py`, the lock every stream takes), so MLX is
-never driven from two threads at once and the held conversations change only under that lock. At most one request runs and `queue_size` wait: beyond that
-`submit` raises `QueueFull` at once (the server answers 503). A job's `cancel()` (any thread:
-the client went away) ends its wait, or stops its generation after the current token; the
-conversation commits what was emitted, so its caches stay consistent and it is held for reuse.
+Invariant: all model work for a request (templating, matching a held conversation, reading,
+translating, decoding) runs while its thread holds the pair lock (`conversation/lock.py`), so MLX
+is never driven from two threads and held conversations change only under it. One request runs,
+at most `queue_size` wait (`QueueFull` beyond: 503). `Job.cancel()` (any thread) ends a wait or
+stops the generation after its current token; the conversation keeps what was emitted.
 
-`auto` is the library's model "auto" (`stream_generate`): the small model answers; if it
-finished and its confidence (mean token log-prob) is below `auto_threshold`, the large model
-answers again (a small answer cut by a stop sequence is kept). Only the answer that
-stays in the conversation is sent to the client: the small answer is buffered until it is
-kept, the large one streams live. So a streaming `auto` request's first token arrives after
-the small model's whole answer, and never shows text that is then withdrawn.
+Model `auto` is the library's cascade: the small answer is buffered until kept (confidence at
+or above `auto_threshold`, or cut by a stop sequence), else the large one answers live; a client
+never sees text that is then withdrawn.
 """
 
 from __future__ import annotations
@@ -104,12 +99,8 @@ class _StopScan:
             out = self.text[self.sent : cut]
             self.sent = max(self.sent, cut)
             return out, True
-        keep = 0
-        for s in self.stops:
-            for k in range(min(len(s) - 1, len(self.text)), 0, -1):
-                if self.text.endswith(s[:k]):
-                    keep = max(keep, k)
-                    break
+        ends = (k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k]))
+        keep = max(ends, default=0)
         end = max(self.sent, len(self.text) - keep)
         out, self.sent = self.text[self.sent : end], end
         return out, False
@@ -126,16 +117,9 @@ class _StopScan:
 class Worker:
     """Requests over one pair: `submit` jobs, `close` when done."""
 
-    def __init__(
-        self,
-        pair: Pair,
-        *,
-        limits: Limits,
-        queue_size: int = 8,
-        max_conversations: int = 8,
-        auto_threshold: float = AUTO_THRESHOLD,
-        conversation_kwargs: dict[str, Any] | None = None,
-    ) -> None:
+    def __init__(self, pair: Pair, *, limits: Limits, queue_size: int = 8,
+                 max_conversations: int = 8, auto_threshold: float = AUTO_THRESHOLD,
+                 conversation_kwargs: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.pair = pair
         self.limits = limits
         self.auto_threshold = auto_threshold
@@ -206,19 +190,16 @@ class Worker:
         queued = time.monotonic() - job.submitted
         conv, history, held = self.pool.checkout(req.messages)
         job._conv = conv
-        ok = False
         try:
             before = conv.cache.stats()
             if history:
                 conv.add_messages(history)
             job.put("accepted")
             result = self._answer(job, conv, before, held)
-            result.extra["queued_s"] = queued
-            ok = True
         finally:
             job._conv = None
-            if ok:
-                self.pool.checkin(conv)
+        self.pool.checkin(conv)  # only after a whole answer: a failed one is not reused
+        result.extra["queued_s"] = queued
         job.put("done", result)
 
     def _answer(self, job: Job, conv: Conversation, before: dict, held: int) -> Result:
@@ -243,41 +224,28 @@ class Worker:
         else:
             out = self._pump(job, conv.send(last, req.model, **req.send), req.model, live=True)
         after = conv.cache.stats()
-        read, translated = {}, {}
-        for role, label in (("source", "small"), ("target", "large")):
-            a, b = after["models"][role], before["models"][role]
-            read[label] = a["prompt_tokens"] - b["prompt_tokens"]
-            # and what it read for the other model (reader "small")
-            read[label] += a.get("read_for_other_tokens", 0) - b.get("read_for_other_tokens", 0)
-            translated[label] = a["translated_into"] - b["translated_into"]
+
+        def grew(role: str, *keys: str) -> int:
+            return sum(
+                after["models"][role].get(k, 0) - before["models"][role].get(k, 0) for k in keys
+            )
+
+        roles = {"small": "source", "large": "target"}  # a model reads for itself or the other
+        read = {m: grew(r, "prompt_tokens", "read_for_other_tokens") for m, r in roles.items()}
+        translated = {m: grew(r, "translated_into") for m, r in roles.items()}
         prompt = conv.tokens - out.tokens
         cached = max(prompt - read[out.model] - translated[out.model], 0)
-        usage = {
-            "prompt_tokens": prompt,
-            "completion_tokens": out.tokens,
-            "total_tokens": prompt + out.tokens,
-            "prompt_tokens_details": {"cached_tokens": cached},
-            "read_tokens": read,  # tokens each model read (prefilled) itself
-            "translated_tokens": translated,  # tokens translated into each model's cache
-        }
-        extra = {
-            "answered_by": out.model,
-            "escalated": escalated,
-            "confidence": confidence,
-            "reused_messages": held,
-            "ttft_s": out.ttft_s,  # the answering model's, catch-up included, queueing not
-            "status": out.status,
-        }
+        # read_tokens: what each model read (prefilled) itself; translated_tokens: into its cache
+        usage = {"prompt_tokens": prompt, "completion_tokens": out.tokens,
+                 "total_tokens": prompt + out.tokens, "prompt_tokens_details": {"cached_tokens": cached},
+                 "read_tokens": read, "translated_tokens": translated}  # fmt: skip
+        # ttft_s: the answering model's, catch-up included, queueing not
+        extra = {"answered_by": out.model, "escalated": escalated, "confidence": confidence,
+                 "reused_messages": held, "ttft_s": out.ttft_s, "status": out.status}  # fmt: skip
         return Result(out.text, out.reason, usage, extra)
 
-    def _pump(
-        self,
-        job: Job,
-        stream: Iterator[GenerationResponse],
-        label: str,
-        live: bool,
-        close: bool = True,
-    ) -> _Pumped:
+    def _pump(self, job: Job, stream: Iterator[GenerationResponse], label: str, live: bool,
+              close: bool = True) -> _Pumped:  # fmt: skip
         """Run one answer (up to its done event); emit its text (live) or buffer it. A stop
         sequence ends it; the stream is closed then (which commits the tokens emitted so
         far), and at the end unless `close` is False (a cascade goes on). A cancelled job asks
@@ -286,6 +254,12 @@ class Worker:
         out = _Pumped(model=label)
         logprobs: list[float] = []
         asked = hit = False
+
+        def emit(piece: str, lp: float) -> None:
+            out.pieces.append((piece, lp))
+            if live:
+                job.put("token", piece, lp)
+
         try:
             for r in stream:
                 if r.token is not None:
@@ -294,9 +268,7 @@ class Worker:
                     logprobs.append(lp)
                     piece, hit = scan.feed(r.text)
                     if piece:
-                        out.pieces.append((piece, lp))
-                        if live:
-                            job.put("token", piece, lp)
+                        emit(piece, lp)
                     if hit:
                         out.reason = "stop"
                         break
@@ -313,12 +285,8 @@ class Worker:
         finally:
             if close or hit:
                 stream.close()  # a no-op after done; else commits the tokens emitted so far
-        if not hit:
-            rest = scan.flush()
-            if rest:
-                out.pieces.append((rest, 0.0))
-                if live:
-                    job.put("token", rest, 0.0)
+        if not hit and (rest := scan.flush()):
+            emit(rest, 0.0)
         out.text = scan.released
         out.confidence = sum(logprobs) / len(logprobs) if logprobs else None
         return out

@@ -19,9 +19,8 @@ def chitchat_dialogues() -> dict:
     try:
         dist = importlib.metadata.distribution("chitchat-dataset")
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            "the demo data comes from the chitchat-dataset package: pip install chitchat-dataset"
-        ) from None
+        raise FileNotFoundError("the demo data comes from the chitchat-dataset package: pip install "
+                                "chitchat-dataset") from None  # fmt: skip
     return json.loads(Path(dist.locate_file("chitchat_dataset/dataset.json")).read_text())
 
 
@@ -29,13 +28,8 @@ def to_messages(conv: dict) -> list[dict]:
     """Turns alternate user/assistant; the first speaker is the user."""
     turns = conv["messages"]
     first = turns[0][0]["sender"]
-    return [
-        {
-            "role": "user" if turn[0]["sender"] == first else "assistant",
-            "content": "\n".join(m["text"].strip() for m in turn),
-        }
-        for turn in turns
-    ]
+    return [{"role": "user" if turn[0]["sender"] == first else "assistant",
+             "content": "\n".join(m["text"].strip() for m in turn)} for turn in turns]  # fmt: skip
 
 
 def is_heldout(conv_id: str) -> bool:
@@ -50,11 +44,8 @@ def write_splits(folder: Path) -> tuple[Path, Path]:
         return train, held
     dialogues = chitchat_dialogues()
     lines = {True: [], False: []}
-    for k in sorted(dialogues):
-        if dialogues[k]["messages"]:
-            lines[is_heldout(k)].append(
-                json.dumps({"id": k, "messages": to_messages(dialogues[k])})
-            )
+    for k in sorted(k for k in dialogues if dialogues[k]["messages"]):
+        lines[is_heldout(k)].append(json.dumps({"id": k, "messages": to_messages(dialogues[k])}))
     for path, rows in ((train, lines[False]), (held, lines[True])):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("\n".join(rows) + "\n")

