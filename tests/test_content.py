@@ -333,7 +333,9 @@ def test_eval_task_content_times_each_read_and_stores_the_retention_auto_weighs(
     assert stored is not None and stored.points == ((48, 1.0), (96, 1.0))
     assert rt.retention(ReaderPolicy()) is None  # measured with a tail of 8, not 32
     bad = CliRunner().invoke(cli, args[:-2] + ["--kinds", "fact,poem"])
-    assert bad.exit_code == 2 and "poem: expected some of fact, facts, copy, qa, summary" in bad.output
+    assert (
+        bad.exit_code == 2 and "poem: expected some of fact, facts, copy, qa, summary" in bad.output
+    )
 
 
 def test_prefix_gain_weights(pair):
