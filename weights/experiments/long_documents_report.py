@@ -95,6 +95,8 @@ def plot(s: dict, path: Path, kind: str = "fact") -> Path:
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     cells = {n: cell for (k, n), cell in sorted(s.items()) if k == kind}
     paths = sorted({c for cell in cells.values() for c in cell["paths"]}, key=_order)
+    ax.plot([1.0], [1.0], marker="*", markersize=12, color="black", linestyle="",
+            label="large model reads itself")  # fmt: skip
     for c in paths:
         pts = [
             (n, cell["paths"][c])
@@ -102,18 +104,21 @@ def plot(s: dict, path: Path, kind: str = "fact") -> Path:
             if c in cell["paths"] and cell["paths"][c][1]
         ]
         xs, ys = [p[2] for _, p in pts], [p[0] / p[1] for _, p in pts]
-        ax.plot(xs, ys, marker="o", label=c, linestyle="--" if c == "auto" else "-")
-        for (n, p), x, y in zip(pts, xs, ys):
-            ax.annotate(f"{n // 1000 if n >= 1000 else n}{'k' if n >= 1000 else ''} ({p[0]}/{p[1]})",
-                        (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)  # fmt: skip
-    ax.axvline(1.0, color="grey", lw=0.8)
+        auto = c == "auto"
+        ax.plot(xs, ys, marker="s" if auto else "o", label=c, linestyle="--" if auto else "-",
+                markersize=11 if auto else 6, fillstyle="none" if auto else "full",
+                zorder=3 if auto else 2)  # fmt: skip
+        for (n, _), x, y in zip(pts, xs, ys):
+            if not auto:
+                ax.annotate(f"{n / 1024:g}k", (x, y), textcoords="offset points", xytext=(4, 4),
+                            fontsize=7)  # fmt: skip
     ax.axhline(MIN_RETENTION, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("time to read the prompt / the large model's own read (median)")
     ax.set_ylabel("facts kept / native right")
-    ax.set_ylim(-0.03, 1.05)
+    ax.set_ylim(-0.03, 1.08)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower left")
-    ax.set_title(f"{kind}: each point one read length (kept / native-right items)", fontsize=9)
+    ax.set_title(f"{kind}: one point per read length (counts: eval/RESULTS.md)", fontsize=9)
     return report.save_figure(fig, path, dpi=120)
 
 
