@@ -79,20 +79,13 @@ def prepare(
                     tuple(ex.prefix) if replies else (), weights, native)  # fmt: skip
 
 
-def _sub_span(span: SpanKV, start: int, end: int) -> SpanKV:
-    """Tokens [start, end) of `span` (absolute positions), keeping their true positions."""
-    a, b = start - span.start, end - span.start
-    tokens = span.tokens[a:b] if span.tokens else None
-    return SpanKV(span.keys[..., a:b, :], span.values[..., a:b, :], start, tokens)
-
-
 def student_logp(method, pair, prep: Prepared) -> mx.array:
     """(T, V) log-probs of the target on a cache that `method` translated from `prep.span`."""
     cache = new_cache(pair.target)  # fresh each call: gradients flow through its contents
     pos, span = prep.span.start, prep.span
     for start, end in (*prep.replies, (span.end, span.end)):
         if start > pos:  # translated up to the next reply (the whole span as it is, if none)
-            piece = span if (pos, start) == (span.start, span.end) else _sub_span(span, pos, start)
+            piece = span if (pos, start) == (span.start, span.end) else span.sub(pos, start)
             keys, values = method.translate(piece, pair.target)
             for c, k, v in zip(cache, keys, values, strict=True):
                 c.update_and_fetch(k, v)
@@ -110,13 +103,8 @@ def kl(teacher_logp: mx.array, student: mx.array, weights: mx.array | None = Non
 
 
 def kv_error(method, prep: Prepared) -> mx.array:
-    """mean |translated - native| / mean |native|, keys plus values, RoPE-free, every layer.
-
-    KV Prediction's cache term (apple/corenet, projects/kv-prediction: an L1 loss between the
-    predicted and the base model's K/V), made scale-free: 0 for an exact translator, 2 for
-    one that writes zeros. In stage 2 it keeps the maps near the target's own K/V everywhere
-    while content examples pull them toward what the answers need.
-    """
+    """mean |translated - native| / mean |native|, keys plus values, RoPE-free, every layer:
+    KV Prediction's L1 cache term (apple/corenet), scale-free (0 exact, 2 for zeros)."""
     if prep.native is None:
         raise ValueError("kv_error needs examples prepared with native_kv=True")
     keys, values = method(prep.span)

@@ -241,18 +241,8 @@ class Translator(nn.Module):
         """
         if span.length > chunk:
             parts = [
-                self.translate(
-                    SpanKV(
-                        span.keys[..., s : s + chunk, :],
-                        span.values[..., s : s + chunk, :],
-                        span.start + s,
-                        span.tokens[s : s + chunk] if span.tokens else None,
-                        span.layers,
-                    ),
-                    target,
-                    chunk,
-                )
-                for s in range(0, span.length, chunk)
+                self.translate(span.sub(s, min(s + chunk, span.end)), target, chunk)
+                for s in range(span.start, span.end, chunk)
             ]
             ks = [mx.concatenate([p[0][i] for p in parts], axis=2) for i in range(len(parts[0][0]))]
             vs = [mx.concatenate([p[1][i] for p in parts], axis=2) for i in range(len(parts[0][1]))]
