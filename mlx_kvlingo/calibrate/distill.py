@@ -75,13 +75,10 @@ def schedule(cfg: Stage2Config):
     )
 
 
-def _order(n: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng(seed * 1_000_003 + epoch).permutation(n)
-
-
 def _example_at(position: int, n: int, seed: int) -> int:
+    """The example at `position` of the training order: a fresh permutation per epoch."""
     epoch, i = divmod(position, n)
-    return int(_order(n, seed, epoch)[i])
+    return int(np.random.default_rng(seed * 1_000_003 + epoch).permutation(n)[i])
 
 
 def save_checkpoint(

@@ -100,24 +100,17 @@ class TranslatorConfig:
         return len(self.value_layers[0])
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        s, t, L = self.source, self.target, self.target.layers
-        if self.variant == "mixing":
-            shapes = {
-                "key.weight": (L, self.nu_k * s.kv_heads * s.head_dim, t.kv_heads * t.head_dim),
-                "value.weight": (L, self.nu_v * s.kv_heads * s.value_dim, t.kv_heads * t.value_dim),
-            }
+        s, t, L, H = self.source, self.target, self.target.layers, self.target.kv_heads
+        shapes = {}
+        for kind, nu, ds, dt in (("key", self.nu_k, s.head_dim, t.head_dim),
+                                 ("value", self.nu_v, s.value_dim, t.value_dim)):  # fmt: skip
+            if self.variant == "mixing":
+                w, b = (L, nu * s.kv_heads * ds, H * dt), (L, H * dt)
+            else:
+                w, b = (L, H, nu * ds, dt), (L, H, dt)
+            shapes[f"{kind}.weight"] = w
             if self.bias:
-                shapes["key.bias"] = (L, t.kv_heads * t.head_dim)
-                shapes["value.bias"] = (L, t.kv_heads * t.value_dim)
-        else:
-            H = t.kv_heads
-            shapes = {
-                "key.weight": (L, H, self.nu_k * s.head_dim, t.head_dim),
-                "value.weight": (L, H, self.nu_v * s.value_dim, t.value_dim),
-            }
-            if self.bias:
-                shapes["key.bias"] = (L, H, t.head_dim)
-                shapes["value.bias"] = (L, H, t.value_dim)
+                shapes[f"{kind}.bias"] = b
         return shapes
 
 
@@ -141,12 +134,10 @@ class Translator(nn.Module):
     def __init__(self, config: TranslatorConfig, dtype: mx.Dtype = mx.float32):
         super().__init__()
         self.config = config
-        shapes = config.weight_shapes()
-        self.key = {"weight": mx.zeros(shapes["key.weight"], dtype=dtype)}
-        self.value = {"weight": mx.zeros(shapes["value.weight"], dtype=dtype)}
-        if config.bias:
-            self.key["bias"] = mx.zeros(shapes["key.bias"], dtype=dtype)
-            self.value["bias"] = mx.zeros(shapes["value.bias"], dtype=dtype)
+        for kind in ("key", "value"):
+            params = {n.split(".")[1]: mx.zeros(shape, dtype=dtype)
+                      for n, shape in config.weight_shapes().items() if n.startswith(kind)}  # fmt: skip
+            setattr(self, kind, params)
         self.reading = MapReading()  # how the maps read the source (`MapReading` below)
 
     # -- the maps -------------------------------------------------------------------------
