@@ -11,6 +11,7 @@ set GLIBC_TUNABLES=glibc.malloc.hugetlb=1 themselves.
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -22,14 +23,9 @@ _GUARD = "KVLINGO_HUGEPAGES_ASKED"
 
 def glibc_version() -> tuple[int, int] | None:
     """(major, minor) of the running glibc, or None off glibc."""
-    try:
-        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
-    except (ValueError, OSError, AttributeError):
-        return None
-    if name != "glibc":
-        return None
-    major, minor, *_ = (int(x) for x in version.split(".") if x.isdigit())
-    return major, minor
+    name, version = platform.libc_ver()
+    digits = [int(x) for x in version.split(".") if x.isdigit()]
+    return (digits[0], digits[1]) if name == "glibc" and len(digits) >= 2 else None
 
 
 def transparent_hugepages_mode(path: Path = THP_ENABLED) -> str | None:

@@ -180,5 +180,4 @@ def layer_features(span: SpanKV, kind: str):
 
     x = span.keys if kind == "key" else span.values
     L, B, H, T, D = x.shape
-    x = x[:, 0].transpose(0, 2, 1, 3).reshape(L, T, H * D)
-    return np.array(x if x.dtype == mx.float64 else x.astype(mx.float32), copy=False)
+    return np.array(_float(x[:, 0].transpose(0, 2, 1, 3).reshape(L, T, H * D)), copy=False)

@@ -165,7 +165,8 @@ def rotate_sum(
     return _fused(terms, rope.dims, offset, args, token_major, scale)
 
 
-def _sum_then_scale(has_scale, parts):
+def sum_scaled(has_scale: bool, parts) -> mx.array:
+    """parts[0] + parts[1] + ... in order, times the last part with `has_scale`."""
     x = parts[0]
     for t in parts[1 : len(parts) - has_scale]:
         x = x + t
@@ -178,8 +179,8 @@ def _sum_then_scale(has_scale, parts):
 @functools.partial(mx.compile, shapeless=True)
 def _sum_rotate(cos, sin, has_scale, *parts):
     half = len(parts) // 2
-    x = _sum_then_scale(has_scale, parts[:half])
-    return x * cos + _sum_then_scale(has_scale, parts[half:]) * sin
+    x = sum_scaled(has_scale, parts[:half])
+    return x * cos + sum_scaled(has_scale, parts[half:]) * sin
 
 
 def _rotate_pairs(cos, sin, pairs: list, traditional: bool, has_scale: bool) -> mx.array:
@@ -187,15 +188,15 @@ def _rotate_pairs(cos, sin, pairs: list, traditional: bool, has_scale: bool) -> 
     if traditional:
         # a reversed view would send MLX's compiled CPU kernel down its slow strided loop:
         # sum first, swap the pairs in one copy, then rotate contiguous arrays (same adds)
-        x = pairs[0] if len(pairs) == 1 else _summed_scaled(has_scale, *pairs)
+        x = pairs[0] if len(pairs) == 1 else summed_scaled(has_scale, *pairs)
         return _rotate(x, mx.contiguous(x[..., ::-1]), cos, sin)
     swapped = [p[..., ::-1, :] for p in pairs]
     return _sum_rotate(cos, sin, has_scale, *pairs, *swapped)
 
 
 @functools.partial(mx.compile, shapeless=True)
-def _summed_scaled(has_scale, *parts):
-    return _sum_then_scale(has_scale, parts)
+def summed_scaled(has_scale, *parts):
+    return sum_scaled(has_scale, parts)
 
 
 @functools.partial(mx.compile, shapeless=True)

@@ -9,10 +9,6 @@ listed for target layer t are concatenated per token and mapped:
 Mapped keys then get the target's own k_norm (if the translator works at the pre-norm cut)
 and are rotated with the target's RoPE at their true absolute positions. All target layers
 are mapped in one batched matmul; nothing loops over heads or tokens.
-
-The module's parts, in order: the geometry and config (`Side`, `TranslatorConfig`); the
-`Translator`; the anchor token (position 0 kept native); how the maps read the source
-(`MapReading`); and writing a translated span into a cache (`append_translation`).
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, check_cut
-from mlx_kvlingo.kv.rope import rotate, rotate_sum
+from mlx_kvlingo.kv.rope import rotate, rotate_sum, sum_scaled, summed_scaled
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -148,7 +144,7 @@ class Translator(nn.Module):
         """x: source features (Ls, B, Hs, T, D) -> mapped (Lt, B, Ht, T, D') for `kind`;
         with `layers`, x holds those source layers only (`SpanKV.layers`)."""
         terms, token_major = self.map_terms(x, kind, reading, layers)
-        y = _sum_of(terms)
+        y = sum_scaled(False, terms)
         return y.transpose(0, 1, 3, 2, 4) if token_major else y
 
     def map_terms(
@@ -162,9 +158,8 @@ class Translator(nn.Module):
         concatenated; only the source layers some target layer reads are touched, and how
         each product reads them is `reading`'s (default: this translator's) strategy."""
         params = self.key if kind == "key" else self.value
-        used, index = source_rows(
-            self.config.key_layers if kind == "key" else self.config.value_layers
-        )
+        layer_map = self.config.key_layers if kind == "key" else self.config.value_layers
+        used, index = source_rows(tuple(map(tuple, layer_map)))
         w = params["weight"]
         Lt, nu = index.shape
         x = take_layers(x.astype(w.dtype), used, layers)
@@ -261,12 +256,12 @@ class Translator(nn.Module):
             if norm is None:
                 return None
             eps, scale = norm
-            k_terms = [mx.fast.rms_norm(_summed(*k_terms), None, eps)]
+            k_terms = [mx.fast.rms_norm(summed_scaled(False, *k_terms), None, eps)]
         keys = rotate_sum(target.rope, k_terms, span.start, scale, token_major=k_major)
         if keys is None:
             return None
         v_terms, v_major = self.map_terms(span.values, "value", layers=span.layers)
-        values = _summed(*v_terms) if len(v_terms) > 1 else v_terms[0]
+        values = summed_scaled(False, *v_terms) if len(v_terms) > 1 else v_terms[0]
         if self.config.native_first and span.start == 0 and span.tokens:  # both kinds alike
             keys, values = with_native_first(target, span.tokens[0], keys, values, k_major)
         keys = keys.transpose(0, 1, 3, 2, 4) if k_major else keys
@@ -338,29 +333,14 @@ def _one_rms_norm(target, layers: int) -> tuple[float, mx.array] | None:
     return None
 
 
-@functools.partial(mx.compile, shapeless=True)
-def _summed(*terms):
-    """`_sum_of(terms)` in one compiled pass on the CPU: the same adds, in order."""
-    return _sum_of(terms)
-
-
-def _sum_of(terms):
-    total = None
-    for t in terms:
-        total = t if total is None else total + t
-    return total
-
-
 def target_dtype(target) -> mx.Dtype:
     return getattr(target, "dtype", mx.float32)
 
 
 def identity_translator(config: TranslatorConfig) -> Translator:
     """A translator that copies layer-mapped K/V unchanged (raw transfer; needs equal geometry)."""
-    if (
-        config.source.kv_heads * config.source.head_dim
-        != config.target.kv_heads * config.target.head_dim
-    ):
+    s, t = config.source, config.target
+    if s.kv_heads * s.head_dim != t.kv_heads * t.head_dim:
         raise ValueError("raw transfer needs equal KV widths")
     tr = Translator(config)
     shapes = config.weight_shapes()
@@ -436,13 +416,9 @@ def _in_place_applies(dtype: mx.Dtype) -> bool:
     return dtype == mx.float32 and mx.default_device() == mx.cpu
 
 
-def source_rows(rows) -> tuple[tuple[int, ...], mx.array]:
-    """The source layers a layer map reads (ascending) and the map re-indexed into them, (Lt, nu)."""
-    return _source_rows(tuple(map(tuple, rows)))
-
-
 @functools.lru_cache(maxsize=64)
-def _source_rows(rows: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], mx.array]:
+def source_rows(rows: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], mx.array]:
+    """The source layers a layer map reads (ascending) and the map re-indexed into them, (Lt, nu)."""
     used = tuple(sorted({s for r in rows for s in r}))
     where = {s: i for i, s in enumerate(used)}
     return used, mx.array([[where[s] for s in r] for r in rows])
