@@ -70,10 +70,7 @@ def prepare(
     teacher = native_logp(pair.target, ex)
     weights = prefix_gain(pair.target, ex) if gain_weights else None
     native = trace(pair.target, list(ex.prefix)[:-1], key_cut) if native_kv else None
-    extra = ([] if weights is None else [weights]) + (
-        [] if native is None else [native.keys, native.values]
-    )
-    mx.eval(span.keys, span.values, teacher, *extra)
+    mx.eval(span.keys, span.values, teacher, weights, native and (native.keys, native.values))
     replies = tuple(ex.replies) if reader_mode and ex.replies else ()
     return Prepared(span, teacher_inputs(ex), teacher, replies,
                     tuple(ex.prefix) if replies else (), weights, native)  # fmt: skip
