@@ -1,14 +1,9 @@
-"""Calibration examples that need the prefix, answered by the target itself.
+"""Calibration examples that need the prefix: a content task (`content_tasks`) as prefix, the
+target's own greedy answer on its native cache as continuation.
 
-Stage 2 on ordinary continuations learns what any context predicts. Here each example is a
-content task (`content_tasks`: a fact, a sentence to copy, a question or a summary about a
-passage, built over ordinary text) as prefix, and the target's own greedy answer on its native
-cache as continuation: self-distillation data whose right continuation is only in the prefix.
-
-`shipped_texts()` is the text any install has: the Python documentation topics that CPython
-ships (`pydoc_data.topics`, the language reference) and the chitchat dialogues the package
-depends on; the content benchmark's held-out pages are neither. Answers are cached in a JSONL
-file as they are made, so an interrupted build resumes where it stopped.
+`shipped_texts()` is the text any install has (CPython's `pydoc_data` topics and the chitchat
+training dialogues; the content benchmark's held-out pages are neither). Answers are cached in
+a JSONL file as they are made, so an interrupted build resumes where it stopped.
 """
 
 from __future__ import annotations

@@ -222,14 +222,10 @@ def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
     train, held = [], []
     # documents are templated and tokenized lazily: stop once both splits have enough
     for i in order:
-        is_held = i in held_ids
-        bucket, cap = (held, cfg.max_heldout) if is_held else (train, cfg.max_examples)
-        if cap is not None and len(bucket) >= cap:
-            if all(
-                c is not None and len(b) >= c
-                for b, c in ((train, cfg.max_examples), (held, cfg.max_heldout))
-            ):
-                break
+        bucket, cap = (held, cfg.max_heldout) if i in held_ids else (train, cfg.max_examples)
+        if _full(train, cfg.max_examples) and _full(held, cfg.max_heldout):
+            break
+        if _full(bucket, cap):
             continue
         name, (kind, payload) = docs[i]
         if kind == "chat":
@@ -244,6 +240,10 @@ def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
             f"and a continuation of 2+ tokens)"
         )
     return train, held
+
+
+def _full(bucket: list, cap: int | None) -> bool:
+    return cap is not None and len(bucket) >= cap
 
 
 def read_texts(path: str | Path) -> list[str]:

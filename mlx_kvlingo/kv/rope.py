@@ -86,16 +86,12 @@ def unrotate_layers(ropes: list, xs: list, offset: int, token_major: bool = Fals
     where every layer has the same default RoPE. With `token_major` the result is a view of
     (L, B, T, H, D) memory, the layout a mixing map reads (no transposed copy later)."""
     xs = [x.swapaxes(1, 2) for x in xs] if token_major else xs
-    if all(type(r) is nn.RoPE and _same_rope(r, ropes[0]) for r in ropes):
+    if all(type(r) is nn.RoPE and describe(r) == describe(ropes[0]) for r in ropes):
         x = mx.stack(xs)
         y = unrotate(ropes[0], x.reshape(-1, *x.shape[2:]), offset, token_major).reshape(x.shape)
     else:
         y = mx.stack([unrotate(r, x, offset, token_major) for r, x in zip(ropes, xs, strict=True)])
     return y.swapaxes(2, 3) if token_major else y
-
-
-def _same_rope(a: nn.RoPE, b: nn.RoPE) -> bool:
-    return (a.dims, a.traditional, a.base, a.scale) == (b.dims, b.traditional, b.base, b.scale)
 
 
 # -- the CPU path: mx.fast.rope's own tables, one fused pass --------------------------------
