@@ -320,7 +320,6 @@ def test_map_features_match_the_formula_per_layer(
         assert {x for r in rows for x in r} < set(range(Ls))
     tr.config = TranslatorConfig(variant, tr.config.source, tr.config.target, rows, rows[::-1],
                                  bias=bias)  # fmt: skip
-    tr._key_index, tr._value_index = mx.array(rows), mx.array(rows[::-1])
     s = pair.source.geometry
     x = mx.random.normal((Ls, 2, s.kv_heads, 7, s.head_dim)).astype(dtype)
     for kind in ("key", "value"):

@@ -34,16 +34,12 @@ def _fsync(path: Path) -> None:
 
 
 def _fsync_dir(folder: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # not possible everywhere (Windows): the rename is atomic
         fd = os.open(folder, os.O_RDONLY)
-    except OSError:  # not possible everywhere (Windows): the rename itself is still atomic
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @contextlib.contextmanager

@@ -11,11 +11,10 @@ import ctypes
 import os
 import sys
 
-CANDIDATES = (
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3",
-    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libblas.so.3",
-    "/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0",
-    "/usr/lib/aarch64-linux-gnu/openblas-pthread/libopenblas.so.0",
+CANDIDATES = tuple(
+    f"/usr/lib/{arch}-linux-gnu/openblas-pthread/{lib}"
+    for lib in ("libblas.so.3", "libopenblas.so.0")
+    for arch in ("x86_64", "aarch64")
 )
 
 #: Path of the BLAS library that was preloaded, or None.

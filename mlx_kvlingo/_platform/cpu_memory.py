@@ -1,24 +1,12 @@
-"""Memory reuse on the CPU backend: glibc's malloc thresholds, and MLX's buffer cache left as is.
+"""Memory reuse on the CPU backend: glibc's malloc keeps freed memory mapped.
 
-What MLX frees beyond its own buffer cache (32 MB by default in MLX 0.32, and everything after
-`mx.clear_cache()`, which mlx-lm calls after each prefill chunk) goes to glibc's malloc, which
-returns chunks above its mmap threshold (128 KB to 32 MB, adjusted at run time) to the kernel
-at once: the next translation of the same length faults the same pages in again. `tune` sets
-the mmap threshold to 1 GB and turns the heap's trimming off, so freed memory stays mapped and
-serves requests of any size. Memory handed back to the kernel can cost far more than a fault
-to get back: on a virtual machine whose kernel reports free pages to its host, 2-3.5 ms per MB
-against 0.05 for memory the process holds (`weights/experiments/fresh_memory.py`); with the heap trimmed
-past 1 GB free, every 1024-token translation on the Qwen3-shaped preset paid it again (1.5-1.9 s
-against 0.7 s; eval/RESULTS.md). The price: the heap keeps its high-water mark mapped for the
-process's life.
-
-MLX's own cache is not raised. It hands a buffer out again only for a request of nearly its
-size, so a larger cache holds the buffers of one length while a translation of another length
-faults fresh pages in (dense demo pair, with a 4 GB cache: 16,000-24,000 minor faults at each
-new length, first translations at 512 and 768 tokens 1.5x their repeats; with MLX's default,
-none and 1.0x; the figures in mlx_kvlingo/eval/RESULTS.md). `kv.translator.reserve_translation_memory`
-maps the memory of the longest translation once, at load. Set KVLINGO_CPU_MEMORY=default to
-leave malloc as it is.
+glibc returns chunks above its mmap threshold (128 KB to 32 MB, adjusted at run time) and free
+memory at the heap's top to the kernel at once, so the next translation of the same length
+faults the same pages in again. `tune` sets the mmap threshold to 1 GB and turns trimming off:
+freed memory stays mapped and serves requests of any size, at the price of the heap keeping its
+high-water mark. MLX's own buffer cache (which reuses a buffer only for nearly its size) is left
+as is; `kv.translator.reserve_translation_memory` maps the longest translation's memory once.
+Set KVLINGO_CPU_MEMORY=default to leave malloc as it is.
 """
 
 from __future__ import annotations

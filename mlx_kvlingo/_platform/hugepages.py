@@ -1,21 +1,17 @@
 """Transparent huge pages for glibc's heap, asked for by the `kvlingo` script (`cli.main`).
 
-On Linux the CPU backend's arrays come from glibc's heap. A translation of a long span (the
-Qwen3-shaped preset at 1024 tokens: about 500 MB of fresh arrays) touched pages the heap had
-never mapped, one 4 KB fault each (130,000-160,000 minor faults on the first call, where
-later calls had none; eval/RESULTS.md). With `glibc.malloc.hugetlb=1` malloc advises the
-kernel to back its heap with 2 MB pages where the kernel allows them on request
-(`/sys/kernel/mm/transparent_hugepage/enabled` set to `madvise`): the same call faults a few
-hundred times. The tunable is read once, when a process starts, so the script re-executes
-the interpreter with it set (`reexecute_with_hugepages`: one extra interpreter start, before
-MLX is imported). It stays out of the way where it cannot help: not Linux, not glibc 2.35+,
-huge pages `always` (already used) or `never`, or KVLINGO_CPU_MEMORY=default. Users of the
-Python API on Linux can set GLIBC_TUNABLES=glibc.malloc.hugetlb=1 themselves.
+With `glibc.malloc.hugetlb=1` malloc advises the kernel to back its heap with 2 MB pages where
+THP is `madvise`: a long translation's fresh arrays fault once per 2 MB instead of per 4 KB.
+glibc reads the tunable at start, so the script re-executes the interpreter with it set
+(`reexecute_with_hugepages`, before MLX is imported). Nothing happens off Linux, before glibc
+2.35, with THP `always` or `never`, or with KVLINGO_CPU_MEMORY=default; Python API users can
+set GLIBC_TUNABLES=glibc.malloc.hugetlb=1 themselves.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -27,14 +23,9 @@ _GUARD = "KVLINGO_HUGEPAGES_ASKED"
 
 def glibc_version() -> tuple[int, int] | None:
     """(major, minor) of the running glibc, or None off glibc."""
-    try:
-        name, version = os.confstr("CS_GNU_LIBC_VERSION").split()
-    except (ValueError, OSError, AttributeError):
-        return None
-    if name != "glibc":
-        return None
-    major, minor, *_ = (int(x) for x in version.split(".") if x.isdigit())
-    return major, minor
+    name, version = platform.libc_ver()
+    digits = [int(x) for x in version.split(".") if x.isdigit()]
+    return (digits[0], digits[1]) if name == "glibc" and len(digits) >= 2 else None
 
 
 def transparent_hugepages_mode(path: Path = THP_ENABLED) -> str | None:

@@ -47,9 +47,8 @@ class Stage1Config:
     # what the ridge shrinks toward: "zero", "identity" or the path of a translator file
     prior: str = "zero"
     # with a grid, alpha is chosen per (kind, target layer) by the residual on held-out
-    # documents (`validation_fraction` of them, by hash of the document name)
+    # documents (VALIDATION_FRACTION of them, by hash of the document name)
     alpha_grid: tuple[float, ...] | None = None
-    validation_fraction: float = 0.2
     report: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -57,10 +56,6 @@ class Stage1Config:
             raise ValueError(f"ridge alpha must be >= 0 (got {self.alpha}, {self.alpha_grid})")
         if self.alpha_grid is not None and not self.alpha_grid:
             raise ValueError("alpha_grid is empty; give None for a fixed alpha")
-        if not 0 < self.validation_fraction < 1:
-            raise ValueError(
-                f"validation_fraction must be in (0, 1), got {self.validation_fraction}"
-            )
         if self.prior not in PRIORS and not Path(self.prior).is_file():
             raise ValueError(
                 f"prior {self.prior!r} is neither one of {PRIORS} nor a translator file"
@@ -68,6 +63,7 @@ class Stage1Config:
 
 
 PRIORS = ("zero", "identity")
+VALIDATION_FRACTION = 0.2
 
 
 class Moments:
@@ -146,11 +142,6 @@ def centered(xtx, xty, sx, sy, n, center: bool):
     return xtx - n * np.outer(mx_, mx_), xty - n * np.outer(mx_, my)
 
 
-def ridge_lambda(cxx: np.ndarray, alpha: float) -> float:
-    """lam = alpha * the mean diagonal of the (centered) input covariance."""
-    return alpha * max(np.trace(cxx) / len(cxx), 1e-12) if alpha else 0.0
-
-
 def ridge(xtx, xty, sx, sy, n, alpha: float, center: bool, prior=None):
     """Solve min ||X W + b - Y||^2 + lam ||W - W0||^2 with lam = alpha * mean diag of the
     covariance: (Cxx + lam I) W = Cxy + lam W0. W0 = `prior` (None: zero); alpha 0 is the
@@ -159,7 +150,7 @@ def ridge(xtx, xty, sx, sy, n, alpha: float, center: bool, prior=None):
     if alpha == 0:  # plain least squares; lstsq also copes with rank-deficient inputs
         w = np.linalg.lstsq(cxx, cxy, rcond=None)[0]
     else:
-        lam = ridge_lambda(cxx, alpha)
+        lam = alpha * max(np.trace(cxx) / len(cxx), 1e-12)
         rhs = cxy if prior is None else cxy + lam * prior
         w = np.linalg.solve(cxx + lam * np.eye(len(cxx)), rhs)
     b = sy / n - (sx / n) @ w if center else np.zeros(w.shape[1])
@@ -222,8 +213,9 @@ def fit_many(pair, examples, cfgs: list[Stage1Config], progress=None) -> list[Tr
     apart and used to choose alpha (then added back for the final solve).
     """
     acc = Stage1Accumulator(pair, cfgs, examples)
-    acc.add_all(examples, next((c.validation_fraction for c in cfgs if c.alpha_grid), None),
-                progress)  # fmt: skip
+    acc.add_all(
+        examples, VALIDATION_FRACTION if any(c.alpha_grid for c in cfgs) else None, progress
+    )
     return acc.solve()
 
 

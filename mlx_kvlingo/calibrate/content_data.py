@@ -1,20 +1,16 @@
-"""Calibration examples that need the prefix, answered by the target itself.
+"""Calibration examples that need the prefix: a content task (`content_tasks`) as prefix, the
+target's own greedy answer on its native cache as continuation.
 
-Stage 2 on ordinary continuations learns what any context predicts. Here each example is a
-content task (`content_tasks`: a fact, a sentence to copy, a question or a summary about a
-passage, built over ordinary text) as prefix, and the target's own greedy answer on its native
-cache as continuation: self-distillation data whose right continuation is only in the prefix.
-
-`shipped_texts()` is the text any install has: the Python documentation topics that CPython
-ships (`pydoc_data.topics`, the language reference) and the chitchat dialogues the package
-depends on; the content benchmark's held-out pages are neither. Answers are cached in a JSONL
-file as they are made, so an interrupted build resumes where it stopped.
+`shipped_texts()` is the text any install has (CPython's `pydoc_data` topics and the chitchat
+training dialogues; the content benchmark's held-out pages are neither). Answers are cached in
+a JSONL file as they are made, so an interrupted build resumes where it stopped.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from hashlib import sha1
 from pathlib import Path
 
 from mlx_kvlingo._platform.atomic import write_text
@@ -89,7 +85,8 @@ def native_answers(pair, tasks) -> list[list[int]]:
 def _tasks_and_keys(pair, texts, n, lengths, kinds, seed) -> tuple[list, list[str]]:
     per = max(1, -(-n // (len(lengths) * len(kinds))))
     tasks = build_tasks(pair.tokenizer, texts, lengths, per, kinds, SEED_OFFSET + seed)[:n]
-    return tasks, [f"{seed}:{hash_tokens(t.tokens)}" for t in tasks]
+    return tasks, [f"{seed}:{sha1(','.join(map(str, t.tokens)).encode()).hexdigest()[:16]}"
+                   for t in tasks]  # fmt: skip
 
 
 def _read_cache(path: Path | None) -> dict[str, list[int]]:
@@ -113,12 +110,6 @@ def unanswered(pair, texts: Sequence[str], n: int, lengths: Sequence[int] = (128
     _, keys = _tasks_and_keys(pair, texts, n, lengths, kinds, seed)
     done = _read_cache(Path(cache_file) if cache_file else None)
     return sum(k not in done for k in keys)
-
-
-def hash_tokens(tokens: Sequence[int]) -> str:
-    import hashlib
-
-    return hashlib.sha1(",".join(map(str, tokens)).encode()).hexdigest()[:16]
 
 
 def write_shipped_data(folder: str | Path | None = None) -> Path:

@@ -43,22 +43,14 @@ class Stage2Config:
     eval_examples: int = 16
     save_every: int = 25
     seed: int = 0
-    # keep the parameters of the evaluation with the lowest held-out KL and return those
-    keep_best: bool = True
-    # stop after this many held-out evaluations without a new best (None: run all steps)
-    patience: int | None = None
-    # wall-clock budget for this call: stop after the step that crosses it (None: no limit)
-    max_seconds: float | None = None
-    # share of multi-turn examples (training and held-out) whose student cache is built as in
-    # the reader mode: earlier replies read by the target itself, the rest translated
+    keep_best: bool = True  # return the parameters of the lowest held-out KL
+    patience: int | None = None  # stop after this many evaluations without a new best
+    max_seconds: float | None = None  # stop after the step that crosses this wall time
+    # share of multi-turn examples whose earlier replies the target reads itself (reader mode)
     reader_share: float = 0.0
-    # weight each training token's KL by how much the prefix changes the target's prediction
-    # of it (`scoring.prefix_gain`), so tokens any context predicts do not drown the loss;
-    # the held-out KL stays a plain mean, comparable across runs
+    # weight each training token's KL by `scoring.prefix_gain` (the held-out KL stays a mean)
     gain_weights: bool = False
-    # weight of `scoring.kv_error` (translated vs the target's own K/V, KV Prediction's cache
-    # term) added to the KL: it holds the continuation figures while content examples train
-    kv_weight: float = 0.0
+    kv_weight: float = 0.0  # weight of `scoring.kv_error` added to the KL
 
     def __post_init__(self):
         if self.patience is not None and self.patience < 1:
@@ -83,13 +75,10 @@ def schedule(cfg: Stage2Config):
     )
 
 
-def _order(n: int, seed: int, epoch: int) -> np.ndarray:
-    return np.random.default_rng(seed * 1_000_003 + epoch).permutation(n)
-
-
 def _example_at(position: int, n: int, seed: int) -> int:
+    """The example at `position` of the training order: a fresh permutation per epoch."""
     epoch, i = divmod(position, n)
-    return int(_order(n, seed, epoch)[i])
+    return int(np.random.default_rng(seed * 1_000_003 + epoch).permutation(n)[i])
 
 
 def save_checkpoint(

@@ -85,24 +85,21 @@ def measure_rates(pair, probe_tokens: int = 128) -> Rates:
     """Per-token prefill cost of both models and one target decode step, measured here."""
     tokens = (mx.arange(probe_tokens) % 1000 + 10)[None]  # ordinary token ids; content is moot
 
-    def read(model):
-        def run():
-            cache = new_cache(model)
-            model.model(tokens, cache=cache)
-            mx.eval([c.keys for c in cache])
+    def read(model) -> list:
+        cache = new_cache(model)
+        model.model(tokens, cache=cache)
+        mx.eval([c.keys for c in cache])
+        return cache
 
-        return run
-
-    cache = new_cache(pair.target)
-    pair.target.model(tokens, cache=cache)
-    mx.eval([c.keys for c in cache])
+    cache = read(pair.target)
 
     def step():
         mx.eval(pair.target.model(tokens[:, :1], cache=cache))
         for c in cache:
             c.offset -= 1  # stay at the probe length (the decode step is the probe)
 
-    src, tgt, dec = _timed(read(pair.source)), _timed(read(pair.target)), _timed(step)
+    src, tgt = _timed(lambda: read(pair.source)), _timed(lambda: read(pair.target))
+    dec = _timed(step)
     return Rates(1e3 * src / probe_tokens, 1e3 * tgt / probe_tokens, 1e3 * dec)
 
 

@@ -112,17 +112,19 @@ def validate_data(path: str | Path) -> dict:
 
     Raises `DataError` naming the file and line of the first problem.
     """
-    files = _files(Path(path))
-    chats = texts = 0
-    for f in files:
+    kinds = [kind for _, kind, _ in _documents(path)]
+    return {"files": len(_files(Path(path))), "chats": kinds.count("chat"),
+            "texts": kinds.count("text")}  # fmt: skip
+
+
+def _documents(path: str | Path):
+    """(name, kind, record) of every record under `path`: ("chat", messages) or ("text", str)."""
+    for f in _files(Path(path)):
         if f.suffix in CHAT_SUFFIXES:
-            kinds = [k for k, _ in _read_jsonl(f)]
-            chats += kinds.count("chat")
-            texts += kinds.count("text")
+            for i, (kind, record) in enumerate(_read_jsonl(f), 1):
+                yield f"{f.name}:{i}", kind, record
         else:
-            _read_text(f)
-            texts += 1
-    return {"files": len(files), "chats": chats, "texts": texts}
+            yield f.name, "text", _read_text(f)
 
 
 def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
@@ -201,17 +203,13 @@ def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
     """
     rng = random.Random(cfg.seed)
     docs: list[tuple[str, object]] = []
-    for f in _files(Path(path)):
-        if f.suffix in CHAT_SUFFIXES:
-            for i, (kind, record) in enumerate(_read_jsonl(f), 1):
-                if kind == "chat":
-                    docs.append((f"{f.name}:{i}", ("chat", record)))
-                else:
-                    blocks = _text_documents(tokenizer, f"{f.name}:{i}", record, cfg)
-                    docs += [(name, ("text", toks)) for name, toks in blocks]
+    for name, kind, record in _documents(path):
+        if kind == "chat":
+            docs.append((name, ("chat", record)))
         else:
-            blocks = _text_documents(tokenizer, f.name, _read_text(f), cfg)
-            docs += [(name, ("text", toks)) for name, toks in blocks]
+            docs += [
+                (n, ("text", toks)) for n, toks in _text_documents(tokenizer, name, record, cfg)
+            ]
     if not docs:
         raise DataError(f"{path}: no documents long enough for min_prefix={cfg.min_prefix}")
     order = list(range(len(docs)))
@@ -224,14 +222,10 @@ def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
     train, held = [], []
     # documents are templated and tokenized lazily: stop once both splits have enough
     for i in order:
-        is_held = i in held_ids
-        bucket, cap = (held, cfg.max_heldout) if is_held else (train, cfg.max_examples)
-        if cap is not None and len(bucket) >= cap:
-            if all(
-                c is not None and len(b) >= c
-                for b, c in ((train, cfg.max_examples), (held, cfg.max_heldout))
-            ):
-                break
+        bucket, cap = (held, cfg.max_heldout) if i in held_ids else (train, cfg.max_examples)
+        if _full(train, cfg.max_examples) and _full(held, cfg.max_heldout):
+            break
+        if _full(bucket, cap):
             continue
         name, (kind, payload) = docs[i]
         if kind == "chat":
@@ -248,14 +242,12 @@ def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
     return train, held
 
 
+def _full(bucket: list, cap: int | None) -> bool:
+    return cap is not None and len(bucket) >= cap
+
+
 def read_texts(path: str | Path) -> list[str]:
     """Every document under `path` as plain text: text files whole, JSONL `text` records, and
     chats as their messages' contents one after another (for task generators, not examples)."""
-    out = []
-    for f in _files(Path(path)):
-        if f.suffix in CHAT_SUFFIXES:
-            for kind, obj in _read_jsonl(f):
-                out.append(obj if kind == "text" else "\n".join(m["content"] for m in obj))
-        else:
-            out.append(_read_text(f))
-    return out
+    return [r if kind == "text" else "\n".join(m["content"] for m in r)
+            for _, kind, r in _documents(path)]  # fmt: skip

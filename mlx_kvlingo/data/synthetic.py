@@ -48,17 +48,12 @@ BASE = {
 
 def training_text() -> str:
     """Local English + code text for the tokenizer: the standard library's own sources."""
-    import argparse  # noqa: E401
-    import collections
-    import dataclasses
-    import functools
+    import importlib
     import inspect
-    import json as json_mod
-    import pathlib
-    import textwrap
 
-    mods = (argparse, collections, dataclasses, functools, pathlib, json_mod, textwrap, inspect)
-    return "\n".join(inspect.getsource(m) for m in mods)
+    mods = ("argparse", "collections", "dataclasses", "functools", "pathlib", "json", "textwrap",
+            "inspect")  # fmt: skip
+    return "\n".join(inspect.getsource(importlib.import_module(m)) for m in mods)
 
 
 def build_tokenizer(folder: str | Path, vocab_size: int = 512) -> Path:

@@ -20,10 +20,9 @@ def new_cache(model) -> list:
 
 def reserve(model, cache: list, n: int) -> None:
     """Give every layer room for `n` tokens (rounded up to the cache's step) before a long
-    read, so that appending up to `n` never grows it. mlx-lm's `KVCache` grows by
-    concatenating its whole buffer with a new step, which holds the old and the new buffer at
-    once: a chunked read of a long turn peaked at twice the cache. Layers are moved one at a
-    time (the old buffer is freed before the next layer), values and offsets unchanged."""
+    read, so that appending up to `n` never grows it (mlx-lm's `KVCache` grows by a
+    concatenate that holds the old and the new buffer at once). Layers are moved one at a
+    time, values and offsets unchanged."""
     g = model.geometry
     for c in cache:
         if not isinstance(c, KVCache):

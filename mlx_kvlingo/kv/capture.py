@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.rope import unrotate_layers
 
 import mlx.core as mx
@@ -43,6 +44,12 @@ class SpanKV:
     @property
     def end(self) -> int:
         return self.start + self.length
+
+    def sub(self, start: int, end: int) -> SpanKV:
+        """Tokens [start, end) (absolute positions) of this span, at their true positions."""
+        a, b = start - self.start, end - self.start
+        tokens = self.tokens[a:b] if self.tokens else None
+        return SpanKV(self.keys[..., a:b, :], self.values[..., a:b, :], start, tokens, self.layers)
 
 
 def check_cut(cut: str) -> None:
@@ -164,8 +171,6 @@ def prefill(
 
 def trace(model: LoadedModel, tokens, cut: str) -> SpanKV:
     """RoPE-free K/V of `tokens` for every layer of `model`, read from an empty cache."""
-    from mlx_kvlingo.kv.cache import new_cache
-
     return prefill(model, list(tokens), new_cache(model), cut=cut)
 
 
@@ -175,5 +180,4 @@ def layer_features(span: SpanKV, kind: str):
 
     x = span.keys if kind == "key" else span.values
     L, B, H, T, D = x.shape
-    x = x[:, 0].transpose(0, 2, 1, 3).reshape(L, T, H * D)
-    return np.array(x if x.dtype == mx.float64 else x.astype(mx.float32), copy=False)
+    return np.array(_float(x[:, 0].transpose(0, 2, 1, 3).reshape(L, T, H * D)), copy=False)

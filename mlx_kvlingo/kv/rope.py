@@ -11,7 +11,7 @@ translator's sums of products, bias and k_norm weights join that pass (`rotate_s
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -28,13 +28,7 @@ class RopeSpec:
     scale: float
 
     def as_dict(self) -> dict:
-        return {
-            "kind": self.kind,
-            "dims": self.dims,
-            "traditional": self.traditional,
-            "base": self.base,
-            "scale": self.scale,
-        }
+        return asdict(self)
 
 
 def _dims(rope: nn.Module) -> int:
@@ -60,7 +54,7 @@ def rotate(rope: nn.Module, x: mx.array, offset: int) -> mx.array:
     """Apply the model's RoPE to `x` (..., T, D) whose first token sits at `offset`."""
     if isinstance(rope, nn.RoPE) and _fused_applies(x, rope.dims):
         args = dict(traditional=rope.traditional, base=rope.base, scale=rope.scale)
-        return _fused(x, rope.dims, offset, args)
+        return _fused([x], rope.dims, offset, args)
     return rope(x, offset=offset)
 
 
@@ -77,7 +71,7 @@ def unrotate(rope: nn.Module, x: mx.array, offset: int, token_major: bool = Fals
     else:
         raise ValueError(f"cannot invert RoPE module {type(rope).__name__}")
     if _fused_applies(x, dims):
-        y = _fused(x, dims, offset, args, token_major)
+        y = _fused([x], dims, offset, args, token_major)
     elif token_major:
         y = mx.fast.rope(x.swapaxes(-3, -2), dims, offset=offset, **args).swapaxes(-3, -2)
     else:
@@ -92,16 +86,12 @@ def unrotate_layers(ropes: list, xs: list, offset: int, token_major: bool = Fals
     where every layer has the same default RoPE. With `token_major` the result is a view of
     (L, B, T, H, D) memory, the layout a mixing map reads (no transposed copy later)."""
     xs = [x.swapaxes(1, 2) for x in xs] if token_major else xs
-    if all(type(r) is nn.RoPE and _same_rope(r, ropes[0]) for r in ropes):
+    if all(type(r) is nn.RoPE and describe(r) == describe(ropes[0]) for r in ropes):
         x = mx.stack(xs)
         y = unrotate(ropes[0], x.reshape(-1, *x.shape[2:]), offset, token_major).reshape(x.shape)
     else:
         y = mx.stack([unrotate(r, x, offset, token_major) for r, x in zip(ropes, xs, strict=True)])
     return y.swapaxes(2, 3) if token_major else y
-
-
-def _same_rope(a: nn.RoPE, b: nn.RoPE) -> bool:
-    return (a.dims, a.traditional, a.base, a.scale) == (b.dims, b.traditional, b.base, b.scale)
 
 
 # -- the CPU path: mx.fast.rope's own tables, one fused pass --------------------------------
@@ -117,15 +107,21 @@ def _fused_applies(x: mx.array, dims: int) -> bool:
     )
 
 
-def _fused(x: mx.array, dims: int, offset: int, args: dict, token_major: bool = False) -> mx.array:
-    """mx.fast.rope(x, dims, offset=offset, **args) as cos/sin tables + one compiled pass;
-    with `token_major`, on x (..., T, H, D)."""
+def _fused(
+    terms: list, dims: int, offset: int, args: dict, token_major: bool = False, scale=None
+) -> mx.array:
+    """mx.fast.rope(sum(terms) * scale, dims, offset=offset, **args) as cos/sin tables + one
+    compiled pass; terms (..., T, D), or with `token_major` (..., T, H, D), and so is the result."""
+    x = terms[0]
     cos, sin = _tables(x.shape[-3 if token_major else -2], dims, offset, args, x.dtype)
     if token_major:  # (T, 1, ...) broadcasts over the heads axis that follows T
         cos, sin = cos[:, None], sin[:, None]
     split = (dims // 2, 2) if args["traditional"] else (2, dims // 2)
-    pairs = [x.reshape(*x.shape[:-1], *split)]
-    return _rotate_pairs(cos, sin, pairs, args["traditional"], False).reshape(x.shape)
+    pairs = [t.reshape(*t.shape[:-1], *split) for t in terms]
+    if scale is not None:
+        pairs.append(scale.reshape(*scale.shape[:-1], *split))
+    out = _rotate_pairs(cos, sin, pairs, args["traditional"], scale is not None)
+    return out.reshape(*out.shape[:-2], dims)
 
 
 def _tables(T: int, dims: int, offset: int, args: dict, dtype) -> tuple[mx.array, mx.array]:
@@ -159,23 +155,14 @@ def rotate_sum(
     x = terms[0]
     if not (isinstance(rope, nn.RoPE) and x.dtype == mx.float32):
         return None
-    width = x.shape[-1]
-    if not _fused_applies(x, rope.dims) or any(t.shape[-1] != width for t in terms):
+    if not _fused_applies(x, rope.dims) or any(t.shape[-1] != rope.dims for t in terms):
         return None
-    T = x.shape[-3] if token_major else x.shape[-2]
     args = dict(traditional=rope.traditional, base=rope.base, scale=rope.scale)
-    cos, sin = _tables(T, rope.dims, offset, args, x.dtype)
-    if token_major:  # (T, 1, ...) broadcasts over the heads axis that follows T
-        cos, sin = cos[:, None], sin[:, None]
-    split = (width // 2, 2) if rope.traditional else (2, width // 2)
-    pairs = [t.reshape(*t.shape[:-1], *split) for t in terms]
-    if scale is not None:
-        pairs.append(scale.reshape(*scale.shape[:-1], *split))
-    out = _rotate_pairs(cos, sin, pairs, rope.traditional, scale is not None)
-    return out.reshape(*out.shape[:-2], width)
+    return _fused(terms, rope.dims, offset, args, token_major, scale)
 
 
-def _sum_then_scale(has_scale, parts):
+def sum_scaled(has_scale: bool, parts) -> mx.array:
+    """parts[0] + parts[1] + ... in order, times the last part with `has_scale`."""
     x = parts[0]
     for t in parts[1 : len(parts) - has_scale]:
         x = x + t
@@ -188,25 +175,24 @@ def _sum_then_scale(has_scale, parts):
 @functools.partial(mx.compile, shapeless=True)
 def _sum_rotate(cos, sin, has_scale, *parts):
     half = len(parts) // 2
-    x = _sum_then_scale(has_scale, parts[:half])
-    return x * cos + _sum_then_scale(has_scale, parts[half:]) * sin
+    x = sum_scaled(has_scale, parts[:half])
+    return x * cos + sum_scaled(has_scale, parts[half:]) * sin
 
 
 def _rotate_pairs(cos, sin, pairs: list, traditional: bool, has_scale: bool) -> mx.array:
     """pairs: (..., D/2, 2) if traditional else (..., 2, D/2), the last one the scale."""
     if traditional:
-        # a view reversing the innermost axis sends MLX's compiled CPU kernel down its general
-        # strided loop (29 ms against 11 ms for (30, 1, 1024, 3, 64) keys): sum first, swap
-        # the pairs in one copy, then rotate contiguous arrays; the same products and adds
-        x = pairs[0] if len(pairs) == 1 else _summed_scaled(has_scale, *pairs)
+        # a reversed view would send MLX's compiled CPU kernel down its slow strided loop:
+        # sum first, swap the pairs in one copy, then rotate contiguous arrays (same adds)
+        x = pairs[0] if len(pairs) == 1 else summed_scaled(has_scale, *pairs)
         return _rotate(x, mx.contiguous(x[..., ::-1]), cos, sin)
     swapped = [p[..., ::-1, :] for p in pairs]
     return _sum_rotate(cos, sin, has_scale, *pairs, *swapped)
 
 
 @functools.partial(mx.compile, shapeless=True)
-def _summed_scaled(has_scale, *parts):
-    return _sum_then_scale(has_scale, parts)
+def summed_scaled(has_scale, *parts):
+    return sum_scaled(has_scale, parts)
 
 
 @functools.partial(mx.compile, shapeless=True)

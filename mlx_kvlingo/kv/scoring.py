@@ -70,20 +70,10 @@ def prepare(
     teacher = native_logp(pair.target, ex)
     weights = prefix_gain(pair.target, ex) if gain_weights else None
     native = trace(pair.target, list(ex.prefix)[:-1], key_cut) if native_kv else None
-    extra = ([] if weights is None else [weights]) + (
-        [] if native is None else [native.keys, native.values]
-    )
-    mx.eval(span.keys, span.values, teacher, *extra)
+    mx.eval(span.keys, span.values, teacher, weights, native and (native.keys, native.values))
     replies = tuple(ex.replies) if reader_mode and ex.replies else ()
     return Prepared(span, teacher_inputs(ex), teacher, replies,
                     tuple(ex.prefix) if replies else (), weights, native)  # fmt: skip
-
-
-def _sub_span(span: SpanKV, start: int, end: int) -> SpanKV:
-    """Tokens [start, end) of `span` (absolute positions), keeping their true positions."""
-    a, b = start - span.start, end - span.start
-    tokens = span.tokens[a:b] if span.tokens else None
-    return SpanKV(span.keys[..., a:b, :], span.values[..., a:b, :], start, tokens)
 
 
 def student_logp(method, pair, prep: Prepared) -> mx.array:
@@ -92,7 +82,7 @@ def student_logp(method, pair, prep: Prepared) -> mx.array:
     pos, span = prep.span.start, prep.span
     for start, end in (*prep.replies, (span.end, span.end)):
         if start > pos:  # translated up to the next reply (the whole span as it is, if none)
-            piece = span if (pos, start) == (span.start, span.end) else _sub_span(span, pos, start)
+            piece = span if (pos, start) == (span.start, span.end) else span.sub(pos, start)
             keys, values = method.translate(piece, pair.target)
             for c, k, v in zip(cache, keys, values, strict=True):
                 c.update_and_fetch(k, v)
@@ -110,13 +100,8 @@ def kl(teacher_logp: mx.array, student: mx.array, weights: mx.array | None = Non
 
 
 def kv_error(method, prep: Prepared) -> mx.array:
-    """mean |translated - native| / mean |native|, keys plus values, RoPE-free, every layer.
-
-    KV Prediction's cache term (apple/corenet, projects/kv-prediction: an L1 loss between the
-    predicted and the base model's K/V), made scale-free: 0 for an exact translator, 2 for
-    one that writes zeros. In stage 2 it keeps the maps near the target's own K/V everywhere
-    while content examples pull them toward what the answers need.
-    """
+    """mean |translated - native| / mean |native|, keys plus values, RoPE-free, every layer:
+    KV Prediction's L1 cache term (apple/corenet), scale-free (0 exact, 2 for zeros)."""
     if prep.native is None:
         raise ValueError("kv_error needs examples prepared with native_kv=True")
     keys, values = method(prep.span)

@@ -9,10 +9,6 @@ listed for target layer t are concatenated per token and mapped:
 Mapped keys then get the target's own k_norm (if the translator works at the pre-norm cut)
 and are rotated with the target's RoPE at their true absolute positions. All target layers
 are mapped in one batched matmul; nothing loops over heads or tokens.
-
-The module's parts, in order: the geometry and config (`Side`, `TranslatorConfig`); the
-`Translator`; the anchor token (position 0 kept native); how the maps read the source
-(`MapReading`); and writing a translated span into a cache (`append_translation`).
 """
 
 from __future__ import annotations
@@ -21,11 +17,11 @@ import functools
 import math
 import numbers
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache, check_cut
-from mlx_kvlingo.kv.rope import rotate, rotate_sum
+from mlx_kvlingo.kv.rope import rotate, rotate_sum, sum_scaled, summed_scaled
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -43,8 +39,7 @@ class Side:
     value_dim: int
 
     def __post_init__(self):
-        for k in ("layers", "kv_heads", "head_dim", "value_dim"):
-            v = getattr(self, k)
+        for k, v in self.as_dict().items():
             if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{k} must be a positive integer, not {v!r:.40}")
 
@@ -53,7 +48,7 @@ class Side:
         return cls(geometry.layers, geometry.kv_heads, geometry.head_dim, geometry.value_dim)
 
     def as_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("layers", "kv_heads", "head_dim", "value_dim")}
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -101,24 +96,17 @@ class TranslatorConfig:
         return len(self.value_layers[0])
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        s, t, L = self.source, self.target, self.target.layers
-        if self.variant == "mixing":
-            shapes = {
-                "key.weight": (L, self.nu_k * s.kv_heads * s.head_dim, t.kv_heads * t.head_dim),
-                "value.weight": (L, self.nu_v * s.kv_heads * s.value_dim, t.kv_heads * t.value_dim),
-            }
+        s, t, L, H = self.source, self.target, self.target.layers, self.target.kv_heads
+        shapes = {}
+        for kind, nu, ds, dt in (("key", self.nu_k, s.head_dim, t.head_dim),
+                                 ("value", self.nu_v, s.value_dim, t.value_dim)):  # fmt: skip
+            if self.variant == "mixing":
+                w, b = (L, nu * s.kv_heads * ds, H * dt), (L, H * dt)
+            else:
+                w, b = (L, H, nu * ds, dt), (L, H, dt)
+            shapes[f"{kind}.weight"] = w
             if self.bias:
-                shapes["key.bias"] = (L, t.kv_heads * t.head_dim)
-                shapes["value.bias"] = (L, t.kv_heads * t.value_dim)
-        else:
-            H = t.kv_heads
-            shapes = {
-                "key.weight": (L, H, self.nu_k * s.head_dim, t.head_dim),
-                "value.weight": (L, H, self.nu_v * s.value_dim, t.value_dim),
-            }
-            if self.bias:
-                shapes["key.bias"] = (L, H, t.head_dim)
-                shapes["value.bias"] = (L, H, t.value_dim)
+                shapes[f"{kind}.bias"] = b
         return shapes
 
 
@@ -142,16 +130,11 @@ class Translator(nn.Module):
     def __init__(self, config: TranslatorConfig, dtype: mx.Dtype = mx.float32):
         super().__init__()
         self.config = config
-        shapes = config.weight_shapes()
-        self.key = {"weight": mx.zeros(shapes["key.weight"], dtype=dtype)}
-        self.value = {"weight": mx.zeros(shapes["value.weight"], dtype=dtype)}
-        if config.bias:
-            self.key["bias"] = mx.zeros(shapes["key.bias"], dtype=dtype)
-            self.value["bias"] = mx.zeros(shapes["value.bias"], dtype=dtype)
-        self._key_index = mx.array(config.key_layers)
-        self._value_index = mx.array(config.value_layers)
+        for kind in ("key", "value"):
+            params = {n.split(".")[1]: mx.zeros(shape, dtype=dtype)
+                      for n, shape in config.weight_shapes().items() if n.startswith(kind)}  # fmt: skip
+            setattr(self, kind, params)
         self.reading = MapReading()  # how the maps read the source (`MapReading` below)
-        self.__dict__["_rows_cache"] = {}  # kind -> (index, SourceRows); not a parameter
 
     # -- the maps -------------------------------------------------------------------------
 
@@ -161,7 +144,7 @@ class Translator(nn.Module):
         """x: source features (Ls, B, Hs, T, D) -> mapped (Lt, B, Ht, T, D') for `kind`;
         with `layers`, x holds those source layers only (`SpanKV.layers`)."""
         terms, token_major = self.map_terms(x, kind, reading, layers)
-        y = _sum_of(terms)
+        y = sum_scaled(False, terms)
         return y.transpose(0, 1, 3, 2, 4) if token_major else y
 
     def map_terms(
@@ -175,10 +158,11 @@ class Translator(nn.Module):
         concatenated; only the source layers some target layer reads are touched, and how
         each product reads them is `reading`'s (default: this translator's) strategy."""
         params = self.key if kind == "key" else self.value
-        source = self._source_rows(kind)
+        layer_map = self.config.key_layers if kind == "key" else self.config.value_layers
+        used, index = source_rows(tuple(map(tuple, layer_map)))
         w = params["weight"]
-        Lt, nu = source.index.shape
-        x = source.select(x.astype(w.dtype), layers)
+        Lt, nu = index.shape
+        x = take_layers(x.astype(w.dtype), used, layers)
         U, B, Hs, T, D = x.shape
         strategy = (reading or self.reading).strategy(kind, B * T, w.dtype)
         if self.config.variant == "mixing":
@@ -186,7 +170,7 @@ class Translator(nn.Module):
             rows = x.transpose(0, 1, 3, 2, 4).reshape(U, B * T, Hs * D)
             k, Ht = Hs * D, self.config.target.kv_heads
             terms = [
-                product(rows, source.index[:, j], w[:, j * k : (j + 1) * k], strategy).reshape(
+                product(rows, index[:, j], w[:, j * k : (j + 1) * k], strategy).reshape(
                     Lt, B, T, Ht, -1
                 )
                 for j in range(nu)
@@ -201,7 +185,7 @@ class Translator(nn.Module):
         terms = [
             product(
                 rows,
-                source.index[:, j, None, None] * (B * Hs) + heads,
+                index[:, j, None, None] * (B * Hs) + heads,
                 w[:, None, :, j * D : (j + 1) * D],
                 strategy,
             )  # fmt: skip
@@ -210,18 +194,6 @@ class Translator(nn.Module):
         if "bias" in params:
             terms.append(params["bias"][:, None, :, None, :])
         return terms, False
-
-    def _source_rows(self, kind: str) -> SourceRows:
-        """The source layers `kind`'s map reads, from its index (cached while it is the same)."""
-        index = self._key_index if kind == "key" else self._value_index
-        cached = self._rows_cache.get(kind)
-        if cached is None or cached[0] is not index:
-            rows = tuple(tuple(r) for r in index.tolist())
-            cached = self._rows_cache[kind] = (
-                index,
-                SourceRows.of(rows),
-            )
-        return cached[1]
 
     @property
     def source_layers_read(self) -> tuple[int, ...]:
@@ -255,18 +227,8 @@ class Translator(nn.Module):
         """
         if span.length > chunk:
             parts = [
-                self.translate(
-                    SpanKV(
-                        span.keys[..., s : s + chunk, :],
-                        span.values[..., s : s + chunk, :],
-                        span.start + s,
-                        span.tokens[s : s + chunk] if span.tokens else None,
-                        span.layers,
-                    ),
-                    target,
-                    chunk,
-                )
-                for s in range(0, span.length, chunk)
+                self.translate(span.sub(s, min(s + chunk, span.end)), target, chunk)
+                for s in range(span.start, span.end, chunk)
             ]
             ks = [mx.concatenate([p[0][i] for p in parts], axis=2) for i in range(len(parts[0][0]))]
             vs = [mx.concatenate([p[1][i] for p in parts], axis=2) for i in range(len(parts[0][1]))]
@@ -294,12 +256,12 @@ class Translator(nn.Module):
             if norm is None:
                 return None
             eps, scale = norm
-            k_terms = [mx.fast.rms_norm(_summed(*k_terms), None, eps)]
+            k_terms = [mx.fast.rms_norm(summed_scaled(False, *k_terms), None, eps)]
         keys = rotate_sum(target.rope, k_terms, span.start, scale, token_major=k_major)
         if keys is None:
             return None
         v_terms, v_major = self.map_terms(span.values, "value", layers=span.layers)
-        values = _summed(*v_terms) if len(v_terms) > 1 else v_terms[0]
+        values = summed_scaled(False, *v_terms) if len(v_terms) > 1 else v_terms[0]
         if self.config.native_first and span.start == 0 and span.tokens:  # both kinds alike
             keys, values = with_native_first(target, span.tokens[0], keys, values, k_major)
         keys = keys.transpose(0, 1, 3, 2, 4) if k_major else keys
@@ -371,29 +333,14 @@ def _one_rms_norm(target, layers: int) -> tuple[float, mx.array] | None:
     return None
 
 
-@functools.partial(mx.compile, shapeless=True)
-def _summed(*terms):
-    """`_sum_of(terms)` in one compiled pass on the CPU: the same adds, in order."""
-    return _sum_of(terms)
-
-
-def _sum_of(terms):
-    total = None
-    for t in terms:
-        total = t if total is None else total + t
-    return total
-
-
 def target_dtype(target) -> mx.Dtype:
     return getattr(target, "dtype", mx.float32)
 
 
 def identity_translator(config: TranslatorConfig) -> Translator:
     """A translator that copies layer-mapped K/V unchanged (raw transfer; needs equal geometry)."""
-    if (
-        config.source.kv_heads * config.source.head_dim
-        != config.target.kv_heads * config.target.head_dim
-    ):
+    s, t = config.source, config.target
+    if s.kv_heads * s.head_dim != t.kv_heads * t.head_dim:
         raise ValueError("raw transfer needs equal KV widths")
     tr = Translator(config)
     shapes = config.weight_shapes()
@@ -406,12 +353,8 @@ def identity_translator(config: TranslatorConfig) -> Translator:
     return tr
 
 
-# -- the anchor token: the target keeps its own K/V for the conversation's first token ------
-#
-# Position 0 is an attention sink in most LMs: huge-norm keys/values that every later token
-# attends to. Its K/V depend only on the token id (nothing precedes it), so the target's own
-# K/V for it are computed once per (model, token id) and reused: exact at no per-prompt cost.
-# Translators with `native_first` are calibrated without position 0 and keep it native.
+# -- the anchor token: position 0's K/V depend only on its id (nothing precedes it), so a
+# `native_first` translator keeps the target's own, computed once per (model, token id) ------
 
 _CACHE_ATTR = "_kvlingo_first_token_kv"
 
@@ -434,8 +377,7 @@ def with_native_first(
     target, token: int, keys: mx.array, values: mx.array, token_major: bool = False
 ) -> tuple[mx.array, mx.array]:
     """Position 0 of stacked translated K/V, (L, B, H, T, D) or with `token_major` (L, B, T,
-    H, D), replaced by the target's own. Written in place: a freshly computed array gives
-    its buffer to the update, so the rest is not copied (a concatenate copied all of it)."""
+    H, D), replaced by the target's own, in place (the rest is not copied)."""
     k0, v0 = first_token_kv(target, token)
 
     def put(first, rest):
@@ -453,29 +395,15 @@ def with_native_first(
 
 # -- how the maps read the source ---------------------------------------------------------
 #
-# A map for target layer t multiplies the K/V of the nu source layers its row names by W_t.
-# The same products can be computed in more than one way, and which is fastest depends on
-# the shapes (how many source layers are read, how many target layers read each one, the
-# token count) and on the backend:
-#
-# - `in_place`: `mx.gather_mm` reads each target layer's source layer where it lies; no copy
-#   of the source per target layer (MLX's CPU kernel: float32 only).
-# - `gathered`: the source layers are gathered per target layer first, then one batched
-#   matmul (on GPUs the copy is cheap and `gather_mm` is built for MoE routing).
-#
-# Both read only the source layers some target layer uses: a mixing map needs a token's heads
-# side by side, which costs one copy of the source, and a translator into a shallower target
-# (28 source layers, 8 target layers) should not copy the 20 it never reads.
-#
-# `MapReading` holds the rule (`RULE`) and, once `measure` has run (at load, in the warm-up,
-# or in `kvlingo bench`), the strategy measured fastest per map kind and token-count bucket.
+# rows[index] @ W_t for the source layers some target layer reads, by one of two strategies:
+# `in_place` (`mx.gather_mm` reads each source layer where it lies; MLX's CPU kernel, float32
+# only) or `gathered` (copy the rows per target layer, then one batched matmul). `MapReading`
+# holds the strategy `measure` timed fastest per kind and token count; before that, `rule`.
 
 STRATEGIES = ("in_place", "gathered")
-#: token counts a measurement times; a span uses the one nearest in log scale. A 1024 bucket
-#: would add ~2.5 s to the dense demo's 9 s warm-up, so longer spans rely on MARGIN below
+#: token counts a measurement times; a span uses the one nearest in log scale
 BUCKETS = (64, 256)
-#: the rule's strategy is kept unless another is faster by more than this share: two
-#: strategies within noise of each other at 256 tokens were 1.6x apart at 1024
+#: the rule's strategy is kept unless another is faster by more than this share
 MARGIN = 0.10
 
 
@@ -488,24 +416,12 @@ def _in_place_applies(dtype: mx.Dtype) -> bool:
     return dtype == mx.float32 and mx.default_device() == mx.cpu
 
 
-@dataclass(frozen=True)
-class SourceRows:
-    """The source layers a map reads (`layers`, ascending) and its layer map re-indexed into
-    them (`index`, (Lt, nu))."""
-
-    layers: tuple[int, ...]
-    index: mx.array
-
-    @classmethod
-    def of(cls, rows: tuple[tuple[int, ...], ...]) -> SourceRows:
-        used = tuple(sorted({s for r in rows for s in r}))
-        where = {s: i for i, s in enumerate(used)}
-        return cls(used, mx.array([[where[s] for s in r] for r in rows]))
-
-    def select(self, x: mx.array, held: tuple[int, ...] | None = None) -> mx.array:
-        """The used layers of x, which holds source layers `held` (default: every layer, in
-        order): x itself where it holds exactly those, else a copy of them."""
-        return take_layers(x, self.layers, held)
+@functools.lru_cache(maxsize=64)
+def source_rows(rows: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], mx.array]:
+    """The source layers a layer map reads (ascending) and the map re-indexed into them, (Lt, nu)."""
+    used = tuple(sorted({s for r in rows for s in r}))
+    where = {s: i for i, s in enumerate(used)}
+    return used, mx.array([[where[s] for s in r] for r in rows])
 
 
 def take_layers(x: mx.array, want: tuple[int, ...], held: tuple[int, ...] | None) -> mx.array:
@@ -571,9 +487,8 @@ def product(rows: mx.array, index: mx.array, w: mx.array, strategy: str) -> mx.a
 
 def measure(translator, n_tokens=BUCKETS, rounds: int = 2) -> MapReading:
     """Time each strategy on random source K/V of the translator's shapes (batch 1) and keep
-    the fastest per kind and token count in `translator.reading`. Returns that reading.
-    A translator without per-layer weight maps keeps its own single path and gets an empty
-    reading."""
+    the fastest per kind and token count in `translator.reading` (empty for a translator
+    without per-layer weight maps). Returns that reading."""
     reading = MapReading()
     if "weight" not in getattr(translator, "key", {}):
         return reading
@@ -613,17 +528,11 @@ def _best_time(translator, x: mx.array, kind: str, reading: MapReading, rounds: 
 
 
 # -- into a cache -------------------------------------------------------------------------
-#
-# Translating into a cache: a span of the small model's K/V, mapped and re-rotated, appended
-# to the large model's mlx-lm cache at its true positions [start, end). The hand-off that uses
-# it is the conversation's own (`Session.hand_off`): there is one, and everything that
-# measures it drives it.
 
 
 def append_translation(model, translator: Translator, span: SpanKV, cache: list) -> None:
     """Translate `span` for `model` and append it to `model`'s `cache`, which must end where
-    the span starts. A translator that keeps the model's own first token (`native_first`)
-    writes it over the translated position 0 in place, before the cache writes."""
+    the span starts (positions [start, end) of the cache)."""
     if cache[0].offset != span.start:
         raise ValueError(
             f"{model.name} cache holds {cache[0].offset} tokens but the span starts at {span.start}"
@@ -631,9 +540,7 @@ def append_translation(model, translator: Translator, span: SpanKV, cache: list)
     append_kv(cache, *translator.translate(span, model))
 
 
-#: a measuring warm-up (a pair's first start on a machine; conversation/warmup.py) translates a
-#: scratch span this long once (CPU only): later translations up to this length then reuse
-#: memory already mapped instead of faulting fresh pages in
+#: the scratch span `reserve_translation_memory` translates: shorter spans reuse its pages
 RESERVE_TOKENS = 1024
 
 
@@ -641,12 +548,9 @@ def reserve_translation_memory(
     model, translator: Translator, n_tokens: int = RESERVE_TOKENS
 ) -> bool:
     """On the CPU backend, translate a random span of `n_tokens` into a scratch cache of
-    `model` and free both to the allocator, so that the first translation of each new length
-    up to `n_tokens` costs what a repeat costs. With glibc keeping freed memory mapped
-    (`_cpu_memory.tune`), one long translation's pages serve every shorter one; without this
-    the first translation at each longer length faulted ~100 MB in (dense demo pair, 1024
-    tokens: 24,000 minor faults, ~1.5x a repeat; eval/RESULTS.md). Returns whether it ran.
-    Off the CPU it does nothing: Metal keeps its own buffers."""
+    `model` and free both to malloc (which `cpu_memory.tune` keeps mapped), so that the first
+    translation of any length up to `n_tokens` costs what a repeat costs. Returns whether it
+    ran; off the CPU it does nothing."""
     if mx.default_device() != mx.cpu or n_tokens < 1:
         return False
     side = translator.config.source
@@ -656,7 +560,5 @@ def reserve_translation_memory(
     append_kv(cache, *translator.translate(SpanKV(keys, values, start=0), model))
     mx.eval([(c.keys, c.values) for c in cache])
     del cache, keys, values
-    # MLX's own cache keeps buffers for requests of nearly their size only; handed to malloc,
-    # their pages serve requests of any size
-    mx.clear_cache()
+    mx.clear_cache()  # MLX's cache reuses a buffer for nearly its size only; malloc for any
     return True

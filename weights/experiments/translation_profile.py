@@ -38,7 +38,7 @@ def before_maps(tr, span):
 
     def map_features(x, kind):
         params = tr.key if kind == "key" else tr.value
-        index = tr._key_index if kind == "key" else tr._value_index
+        index = mx.array(tr.config.key_layers if kind == "key" else tr.config.value_layers)
         w = params["weight"]
         Lt, nu = index.shape
         Ls, B, Hs, T, D = x.shape
