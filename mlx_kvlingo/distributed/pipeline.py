@@ -1,13 +1,12 @@
-"""The target pipeline-sharded across ranks (Macs) with MLX's distributed engine.
+"""The large model pipeline-sharded across ranks (Macs) with MLX's distributed engine.
 
-Who holds what, for N ranks started by `mlx.launch` (rank r owns target layers [a_r, b_r),
-mlx-lm's split: rank 0 the LAST layers, rank N-1 the first):
+For N ranks started by `mlx.launch`, rank r owns target layers [a_r, b_r) (mlx-lm's split:
+rank 0 the LAST layers, rank N-1 the first):
 
     rank 0:  the source (whole), the conversation, the terminal; target layers [a_0, L)
     rank r:  target layers [a_r, b_r) only, and the translator rows of those layers
 
-This module loads that (`load_sharded_pair`) and places one translated span (`place`, every
-rank at once, SPMD):
+`load_sharded_pair` loads that; `place` puts one translated span on every rank at once (SPMD):
 
     rank 0 has the span's source K/V (L_s, 1, H_s, T, D_s), RoPE-free
     wire "source": rank r is sent the source layers its target rows read, S_r, and maps them
@@ -16,14 +15,9 @@ rank at once, SPMD):
 
 Bytes to rank r per span token (float32, the translation's working dtype):
     "source": 4 * |S_r| * H_s * (D_s + Dv_s)        "target": 4 * (b_r - a_r) * H_t * (D_t + Dv_t)
-`wire="auto"` sends whichever is fewer bytes (measured: transfer time follows bytes; see
-`weights/experiments/distributed_bench.py` and DISTRIBUTED.md). How the conversation drives the ranks (rank 0
-leads, the others follow its commands) is in `pipelined.py`. Only MLX moves data (`send`/`recv`,
-`all_sum` of the ring/MPI/JACCL backends); nothing here opens a socket.
-
-A rank that dies surfaces on the others as MLX's "[ring] connection ... lost" error, raised
-here as `RankLostError`. A rank that never connects or hangs blocks inside MLX with the GIL
-held; `_watchdog` then ends the process with a clear message after `timeout` seconds.
+`wire="auto"` sends the fewer. Only MLX moves data (send/recv, all_sum); nothing here opens a
+socket. A rank that dies surfaces on the others as `RankLostError`; one that never connects
+or hangs blocks inside MLX with the GIL held, so `watchdog` ends the process with one line.
 """
 
 from __future__ import annotations
@@ -39,6 +33,7 @@ from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import (
     LoadedModel,
     ModelPair,
+    _folder_of,
     geometry_of,
     vocab_fingerprint,
     with_dtype,
@@ -71,20 +66,21 @@ def launched() -> bool:
 def init(backend: str = "any", timeout: float | None = DEFAULT_TIMEOUT) -> mx.distributed.Group:
     """The world group; ends the process with a clear message if the ranks do not all meet
     within `timeout` seconds (a host down, a wrong hostfile, a firewall)."""
-    rank = os.environ.get("MLX_RANK", "?")
-    with _watchdog.deadline(timeout, _lost_message(rank, timeout, "connecting to the other ranks")):
+    with deadline(os.environ.get("MLX_RANK", "?"), timeout, "connecting to the other ranks"):
         group = mx.distributed.init(strict=launched(), backend=backend)
         _eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return group
 
 
-def _lost_message(rank, timeout, what: str) -> str:
-    return (
+def deadline(rank, timeout: float | None, what: str):
+    """End this process with one line if the block runs past `timeout` seconds."""
+    message = (
         f"kvlingo: rank {rank}: no answer from the other ranks within {timeout or 0:g} s while {what}. "
         "A rank died, hangs or cannot connect: check that every host in the hostfile is up "
         "and runs the same command, that the hostfile's addresses and ports are reachable "
         "(firewall), and each rank's own error output."
     )
+    return _watchdog.deadline(timeout, message)
 
 
 def _eval(*arrays) -> None:
@@ -117,14 +113,15 @@ def _lost_as_error(what: str):
 def pipeline_model(model, group) -> None:
     """Keep only this rank's layers of an mlx-lm model, with mlx-lm's own `pipeline()`.
 
-    mlx-lm 0.32 pipelines qwen3_moe, qwen2, deepseek and others, not llama: for llama the
-    same split and the same send/recv/all_gather forward are applied here (`_LlamaPipeline`).
+    mlx-lm has no `pipeline()` for llama: there its split (`PipelineMixin.pipeline`) and its
+    send/recv/all_gather forward (`_LlamaPipeline`) are applied here.
     """
     inner = model.model
     if hasattr(inner, "pipeline"):
         inner.pipeline(group)
         return
     from mlx_lm.models.llama import LlamaModel
+    from mlx_lm.models.pipeline import PipelineMixin
 
     if not isinstance(inner, LlamaModel):
         raise DistributedError(
@@ -132,16 +129,8 @@ def pipeline_model(model, group) -> None:
         )
     if any(getattr(layer, "use_sliding", False) for layer in inner.layers):
         raise DistributedError("pipelining llama models with sliding-window layers is unsupported")
-    rank, size = group.rank(), group.size()
-    n = len(inner.layers)
-    if n < size:
-        raise DistributedError(f"{n} layers cannot be split over {size} ranks")
-    base, extra = divmod(n, size)  # mlx-lm's split: low ranks get the extra, rank 0 the last
-    split = [base + (1 if r < extra else 0) for r in range(size)]
-    start = sum(split[rank + 1 :])
-    inner.layers = inner.layers[start : start + split[rank]]
-    inner.pipeline_rank, inner.pipeline_size = rank, size
-    inner.start_idx, inner.end_idx = start, start + split[rank]
+    PipelineMixin.pipeline(inner, group)
+    inner.layers = inner.layers[inner.start_idx :]
     inner.__class__ = _llama_pipeline_class(type(inner))
 
 
@@ -171,7 +160,7 @@ def _llama_pipeline_class(base):
     return _LlamaPipeline
 
 
-def load_pipelined(path: str | Path, group, dtype="auto", timeout=LOAD_TIMEOUT) -> LoadedModel:
+def load_pipelined(path: str | Path, group, dtype="auto") -> LoadedModel:
     """This rank's share of the target: a LoadedModel whose layers are the rank's own.
 
     Families mlx-lm pipelines load through `mlx_lm.utils.sharded_load` (each rank reads only
@@ -181,8 +170,7 @@ def load_pipelined(path: str | Path, group, dtype="auto", timeout=LOAD_TIMEOUT) 
     from mlx_lm.utils import sharded_load
 
     name = str(path)
-    message = _lost_message(group.rank(), timeout, f"loading {name}")
-    with _watchdog.deadline(timeout, message), _lost_as_error(f"loading {name}"):
+    with deadline(group.rank(), LOAD_TIMEOUT, f"loading {name}"), _lost_as_error(f"loading {name}"):
         try:
             model, tokenizer, config = sharded_load(name, pipeline_group=group, return_config=True)
         except (ValueError, FileNotFoundError) as e:
@@ -194,14 +182,7 @@ def load_pipelined(path: str | Path, group, dtype="auto", timeout=LOAD_TIMEOUT) 
         model, dtype = with_dtype(model, config, dtype)
         _eval(model.parameters())
         _eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
-    from mlx_kvlingo.models.pair import _folder_of
-
     return LoadedModel(name, model, tokenizer, config, geometry_of(model, config), _folder_of(name))
-
-
-def owned_layers(model: LoadedModel) -> range:
-    inner = model.model.model
-    return range(inner.start_idx, inner.end_idx)
 
 
 # -- the pair across ranks ---------------------------------------------------------------
@@ -251,6 +232,7 @@ class ShardedPair:
         return 4 * len(layers) * side.kv_heads * (side.head_dim + side.value_dim)
 
     def choose_wire(self) -> str:
+        """`wire`, or for "auto" the one that sends the other ranks fewer bytes."""
         if self.wire != "auto":
             return self.wire
         others = range(1, self.size)
@@ -288,8 +270,8 @@ def load_sharded_pair(
     if wire not in WIRES:
         raise ValueError(f"unknown wire {wire!r}; expected one of {WIRES}")
     tgt = load_pipelined(target, group, dtype)
-    own = owned_layers(tgt)
-    gathered = mx.distributed.all_gather(mx.array([own.start, own.stop]), group=group)
+    inner = tgt.model.model
+    gathered = mx.distributed.all_gather(mx.array([inner.start_idx, inner.end_idx]), group=group)
     _eval(gathered)
     owners = [range(a, b) for a, b in gathered.reshape(-1, 2).tolist()]
     whole = replace(tgt, geometry=replace(tgt.geometry, layers=sum(len(r) for r in owners)))
@@ -310,7 +292,7 @@ def load_sharded_pair(
 def _broadcast(x: mx.array, group, timeout, what="waiting for rank 0") -> mx.array:
     """Rank 0's `x` on every rank (a sum where the others add zeros); shapes must agree."""
     x = x if group.rank() == 0 else mx.zeros_like(x)
-    with _watchdog.deadline(timeout, _lost_message(group.rank(), timeout, what)):
+    with deadline(group.rank(), timeout, what):
         y = mx.distributed.all_sum(x, group=group, stream=mx.cpu)
         _eval(y)
     return y
@@ -328,8 +310,7 @@ def place(
     Rank 0 passes the source span (RoPE-free, tokens [start, start + length)); the others pass
     None and receive what `wire` sends them. `first` is the span's first token id when it
     starts at 0 (a native-first translator keeps the target's own K/V there)."""
-    what = f"placing a {length}-token span"
-    with _watchdog.deadline(sp.timeout, _lost_message(sp.rank, sp.timeout, what)):
+    with deadline(sp.rank, sp.timeout, f"placing a {length}-token span"):
         if sp.rank == 0:
             payloads, sent = _send_payloads(sp, span, wire)
         else:

@@ -20,6 +20,7 @@ creates a cache on first use, and drops the ids rank 0 no longer holds.
 from __future__ import annotations
 
 import atexit
+import os
 import signal
 import sys
 import threading
@@ -28,8 +29,8 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
-from mlx_kvlingo.distributed import watchdog as _watchdog
 from mlx_kvlingo.distributed.pipeline import (
+    DEFAULT_TIMEOUT,
     WIRES,
     DistributedError,
     RankLostError,
@@ -37,7 +38,8 @@ from mlx_kvlingo.distributed.pipeline import (
     _broadcast,
     _eval,
     _lost_as_error,
-    _lost_message,
+    deadline,
+    init,
     load_sharded_pair,
     place,
 )
@@ -58,7 +60,6 @@ class Link:
 
     def __init__(self, sp: ShardedPair) -> None:
         self.sp = sp
-        self.wire = sp.wire
         self.bytes_sent = 0  # translated spans placed on the other ranks
         self.bytes_received = 0  # target K/V gathered for switches back to the small model
         self.closed = False
@@ -150,7 +151,7 @@ class Link:
     def place(self, cache: list, span: SpanKV) -> None:
         """Append a translated source span to `cache` here and on every rank."""
         sp = self.sp
-        wire = self.wire if self.wire != "auto" else sp.choose_wire()
+        wire = sp.choose_wire()
         first = span.tokens[0] if span.start == 0 and span.tokens else -1
         with _uninterrupted():
             self._command(PLACE, cache, span.length, span.start, WIRES.index(wire), first)
@@ -164,11 +165,10 @@ class Link:
         sp = self.sp
         c = sp.target.geometry
         parts = {0: capture_from_cache(sp.target, cache, start, end)}
-        what = f"gathering a {end - start}-token span"
         shape = (1, c.kv_heads, end - start)
         with _uninterrupted(), self._watch():
             self._command(GATHER, cache, end - start, start)
-            with _watchdog.deadline(sp.timeout, _lost_message(0, sp.timeout, what)):
+            with deadline(0, sp.timeout, f"gathering a {end - start}-token span"):
                 for r in range(1, sp.size):
                     n = len(sp.owners[r])
                     k = mx.distributed.recv((n, *shape, c.head_dim), mx.float32, r, group=sp.group)
@@ -248,8 +248,6 @@ def load(source, target, translator, *, wire: str = "auto", timeout=None) -> tup
     other ranks, with the whole model's geometry. The other ranks serve rank 0 until it
     closes the link, then end their process with `SystemExit(0)` (so code after the load
     runs on rank 0 only)."""
-    from mlx_kvlingo.distributed.pipeline import DEFAULT_TIMEOUT, init
-
     global _open
     if _open is not None:
         raise DistributedError("close the open distributed runtime before loading another")
@@ -272,8 +270,6 @@ def follow(sp: ShardedPair) -> None:
 
     An error here (a lost rank 0, a cache out of step) ends this process with a message:
     rank 0 then sees the rank as lost instead of waiting for it."""
-    import os
-
     caches: dict[int, list] = {}
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for rank 0 (it stops a turn)
