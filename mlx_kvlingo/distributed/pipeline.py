@@ -114,7 +114,7 @@ def pipeline_model(model, group) -> None:
     """Keep only this rank's layers of an mlx-lm model, with mlx-lm's own `pipeline()`.
 
     mlx-lm has no `pipeline()` for llama: there its split (`PipelineMixin.pipeline`) and its
-    send/recv/all_gather forward (`_LlamaPipeline`) are applied here.
+    pipelined forward (qwen2's) are applied here.
     """
     inner = model.model
     if hasattr(inner, "pipeline"):
@@ -122,6 +122,7 @@ def pipeline_model(model, group) -> None:
         return
     from mlx_lm.models.llama import LlamaModel
     from mlx_lm.models.pipeline import PipelineMixin
+    from mlx_lm.models.qwen2 import Qwen2Model
 
     if not isinstance(inner, LlamaModel):
         raise DistributedError(
@@ -131,33 +132,9 @@ def pipeline_model(model, group) -> None:
         raise DistributedError("pipelining llama models with sliding-window layers is unsupported")
     PipelineMixin.pipeline(inner, group)
     inner.layers = inner.layers[inner.start_idx :]
-    inner.__class__ = _llama_pipeline_class(type(inner))
-
-
-def _llama_pipeline_class(base):
-    from mlx_lm.models.base import create_attention_mask
-
-    class _LlamaPipeline(base):
-        """llama's forward with mlx-lm's pipeline pattern (as in qwen3_moe.py)."""
-
-        def __call__(self, inputs, cache=None, input_embeddings=None):
-            h = input_embeddings if input_embeddings is not None else self.embed_tokens(inputs)
-            rank, size = self.pipeline_rank, self.pipeline_size
-            cache = cache if cache is not None else [None] * len(self.layers)
-            mask = create_attention_mask(h, cache[0])
-            if rank < size - 1:
-                h = mx.distributed.recv_like(h, rank + 1)
-            for layer, c in zip(self.layers, cache):
-                h = layer(h, mask, cache=c)
-            if rank != 0:
-                h = mx.distributed.send(h, rank - 1)
-                if cache[-1] is not None:
-                    cache[-1].keys = mx.depends(cache[-1].keys, h)
-            if size > 1:
-                h = mx.distributed.all_gather(h)[: h.shape[0]]
-            return self.norm(h)
-
-    return _LlamaPipeline
+    # qwen2's pipelined forward is llama's graph without sliding windows, over `pipeline_layers`
+    pipelined = {"__call__": Qwen2Model.__call__, "pipeline_layers": property(lambda m: m.layers)}
+    inner.__class__ = type("LlamaPipeline", (type(inner),), pipelined)
 
 
 def load_pipelined(path: str | Path, group, dtype="auto") -> LoadedModel:
