@@ -186,14 +186,6 @@ class ShardedPair:
     def size(self) -> int:
         return self.group.size()
 
-    @property
-    def tokenizer(self):
-        return self.target.tokenizer
-
-    @property
-    def target_layers(self) -> int:
-        return sum(len(r) for r in self.owners)
-
     def source_rows(self, r: int) -> tuple[int, ...]:
         """Source layers read by rank r's target layers (what wire "source" sends it)."""
         c, own = self.translator.config, self.owners[r]

@@ -241,30 +241,6 @@ def _last_stage_only():
 # -- loading, and the ranks that follow ----------------------------------------------------
 
 
-def load(source, target, translator, *, wire: str = "auto", timeout=None) -> tuple[Link, ModelPair]:
-    """Every rank: load the pair with the target pipelined over the `mlx.launch` ranks.
-
-    Rank 0 gets (link, pair): the pair's target is its share of the model, mirrored to the
-    other ranks, with the whole model's geometry. The other ranks serve rank 0 until it
-    closes the link, then end their process with `SystemExit(0)` (so code after the load
-    runs on rank 0 only)."""
-    global _open
-    if _open is not None:
-        raise DistributedError("close the open distributed runtime before loading another")
-    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
-    group = init(timeout=timeout)
-    sp = load_sharded_pair(source, target, translator, group, wire=wire, timeout=timeout)
-    if sp.rank != 0:
-        follow(sp)
-        sys.stdout.flush()
-        raise SystemExit(0)
-    link = _open = Link(sp)
-    whole = replace(sp.target.geometry, layers=sp.target_layers)
-    tgt = replace(sp.target, model=_Mirrored(sp.target.model, link), geometry=whole)
-    pair = ModelPair(sp.source, tgt, sp.tokenizer, vocab_fingerprint(sp.tokenizer))
-    return link, pair
-
-
 def follow(sp: ShardedPair) -> None:
     """Ranks > 0: run rank 0's commands on this rank's layers until it says stop.
 
@@ -326,27 +302,44 @@ def _trim(cache: list, offset: int, rank: int) -> None:
 
 def load_runtime(source, target, translator, backward, demo_pair: str | None, *, wire: str = "auto",
                  timeout=None) -> tuple[ModelPair, Any, Any, Link]:  # fmt: skip
-    """(pair, forward, backward, link) on rank 0, the large model pipelined over the ranks (the
-    other ranks serve inside this call, then exit): a named pair or the demo pair `demo_pair`,
-    the forward translator a file every rank reads, the backward one loaded here."""
+    """Every rank: load a named pair or the demo pair `demo_pair`, the large model pipelined over
+    the `mlx.launch` ranks, the forward translator a file every rank reads.
+
+    Rank 0 gets (pair, forward, backward, link): the pair's large model is its share, mirrored
+    to the other ranks, with the whole model's geometry. The other ranks serve rank 0 until it
+    closes the link, then end their process with `SystemExit(0)` (so code after the load runs
+    on rank 0 only)."""
     from mlx_kvlingo.kv.translator import Translator
     from mlx_kvlingo.models.demo import pair as demo
     from mlx_kvlingo.models.files import load_translator
-    from mlx_kvlingo.models.loading import demo_paths, resolve_translator_spec, which_demo
+    from mlx_kvlingo.models.loading import resolve_translator_spec, which_demo
 
+    global _open
+    if _open is not None:
+        raise DistributedError("close the open distributed runtime before loading another")
     if isinstance(translator, Translator):
         raise ValueError("a distributed runtime takes a translator file (every rank reads it)")
     demo_pair = which_demo(source, target, demo_pair)
     small = None
     if demo_pair is not None:
-        source, target = demo_paths(demo_pair, translator)
         small = demo.source_for(translator, demo_pair)
+        source, target = demo.demo_models(demo_pair, small)
     elif translator is None:
         raise ValueError("a distributed runtime needs the small -> large translator")
     path = resolve_translator_spec(translator, False, demo_pair, small)
     if not isinstance(backward, Translator):
         backward = resolve_translator_spec(backward, True, demo_pair, small)
-    link, pair = load(source, target, path, wire=wire, timeout=timeout)
+    timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+    group = init(timeout=timeout)
+    sp = load_sharded_pair(source, target, path, group, wire=wire, timeout=timeout)
+    if sp.rank != 0:
+        follow(sp)
+        sys.stdout.flush()
+        raise SystemExit(0)
+    link = _open = Link(sp)
+    whole = replace(sp.target.geometry, layers=sum(map(len, sp.owners)))
+    tgt = replace(sp.target, model=_Mirrored(sp.target.model, link), geometry=whole)
+    pair = ModelPair(sp.source, tgt, tgt.tokenizer, vocab_fingerprint(tgt.tokenizer))
     if backward is not None and not isinstance(backward, Translator):
         backward = load_translator(backward, pair.reversed())
-    return pair, link.sp.translator, backward, link
+    return pair, sp.translator, backward, link
