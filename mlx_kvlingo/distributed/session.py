@@ -156,7 +156,7 @@ class Link:
         with _uninterrupted():
             self._command(PLACE, cache, span.length, span.start, WIRES.index(wire), first)
             with self._watch():
-                keys, values, sent = place(sp, span, wire, span.length, span.start, _first(first))
+                keys, values, sent = place(sp, span, wire, span.length, span.start, first)
             append_kv(cache, keys, values)
         self.bytes_sent += sent
 
@@ -180,10 +180,6 @@ class Link:
         keys = mx.concatenate([parts[r].keys.astype(mx.float32) for r in order])
         values = mx.concatenate([parts[r].values.astype(mx.float32) for r in order])
         return SpanKV(keys, values, start)
-
-
-def _first(first: int) -> int | None:
-    return None if first < 0 else first
 
 
 class _Mirrored:
@@ -263,14 +259,19 @@ def follow(sp: ShardedPair) -> None:
             cache = caches.get(cid)
             if cache is None:
                 cache = caches[cid] = new_cache(sp.target)
-            _trim(cache, offset, sp.rank)
+            for c in cache:
+                if c.offset < offset:
+                    raise DistributedError(
+                        f"rank {sp.rank}'s cache holds {c.offset} tokens, rank 0's {offset}: out of step"
+                    )
+                c.trim(c.offset - offset)
             if op == FORWARD:
                 tokens = _broadcast(mx.zeros((n,), mx.int32), sp.group, sp.timeout)
                 with _lost_as_error("running a forward step"), _last_stage_only():
                     sp.target.model.model(tokens[None], cache=cache)  # sends to the next rank
                     mx.eval([(c.keys, c.values) for c in cache])
             elif op == PLACE:
-                keys, values, _ = place(sp, None, WIRES[wire], n, start, _first(first))
+                keys, values, _ = place(sp, None, WIRES[wire], n, start, first)
                 append_kv(cache, keys, values)
             elif op == GATHER:
                 span = capture_from_cache(sp.target, cache, start, start + n)
@@ -288,16 +289,6 @@ def follow(sp: ShardedPair) -> None:
         sys.stderr.write(f"kvlingo: rank {sp.rank}: {e}\n")
         sys.stderr.flush()
         os._exit(1)  # MLX's ring may block on teardown once a peer is gone
-
-
-def _trim(cache: list, offset: int, rank: int) -> None:
-    for c in cache:
-        if c.offset < offset:
-            raise DistributedError(
-                f"rank {rank}'s cache holds {c.offset} tokens, rank 0's {offset}: out of step"
-            )
-        if c.offset > offset:
-            c.trim(c.offset - offset)
 
 
 def load_runtime(source, target, translator, backward, demo_pair: str | None, *, wire: str = "auto",
