@@ -62,11 +62,7 @@ def rank_errors() -> Iterator[None]:
     try:
         yield
     except DistributedError as e:
-        fail(e)
-
-
-def fail(e: Exception) -> None:
-    click.echo(f"Error: {e}", err=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)  # MLX's ring may block on teardown once a peer is gone
+        click.echo(f"Error: {e}", err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)  # MLX's ring may block on teardown once a peer is gone
