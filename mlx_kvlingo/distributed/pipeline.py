@@ -63,11 +63,11 @@ def launched() -> bool:
     return int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
 
 
-def init(backend: str = "any", timeout: float | None = DEFAULT_TIMEOUT) -> mx.distributed.Group:
+def init(timeout: float | None) -> mx.distributed.Group:
     """The world group; ends the process with a clear message if the ranks do not all meet
     within `timeout` seconds (a host down, a wrong hostfile, a firewall)."""
     with deadline(os.environ.get("MLX_RANK", "?"), timeout, "connecting to the other ranks"):
-        group = mx.distributed.init(strict=launched(), backend=backend)
+        group = mx.distributed.init(strict=launched())
         _eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return group
 
@@ -88,18 +88,13 @@ def _eval(*arrays) -> None:
         mx.eval(*arrays)
 
 
-def _is_lost(e: Exception) -> bool:
-    text = str(e)
-    return any(s in text for s in ("[ring]", "[mpi]", "[jaccl]", "peer"))
-
-
 @contextmanager
 def _lost_as_error(what: str):
     """MLX's error for a peer whose connection closed, as a `RankLostError`."""
     try:
         yield
     except RuntimeError as e:
-        if _is_lost(e):
+        if any(s in str(e) for s in ("[ring]", "[mpi]", "[jaccl]", "peer")):
             raise RankLostError(
                 f"lost a rank of the distributed run while {what} ({e}); "
                 "see that rank's own error output"
@@ -137,7 +132,7 @@ def pipeline_model(model, group) -> None:
     inner.__class__ = type("LlamaPipeline", (type(inner),), pipelined)
 
 
-def load_pipelined(path: str | Path, group, dtype="auto") -> LoadedModel:
+def load_pipelined(path: str | Path, group) -> LoadedModel:
     """This rank's share of the target: a LoadedModel whose layers are the rank's own.
 
     Families mlx-lm pipelines load through `mlx_lm.utils.sharded_load` (each rank reads only
@@ -156,7 +151,7 @@ def load_pipelined(path: str | Path, group, dtype="auto") -> LoadedModel:
                 raise
             model, tokenizer, config = mlx_lm_load(name, lazy=True, return_config=True)
             pipeline_model(model, group)
-        model, dtype = with_dtype(model, config, dtype)
+        model, _ = with_dtype(model, config, "auto")
         _eval(model.parameters())
         _eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return LoadedModel(name, model, tokenizer, config, geometry_of(model, config), _folder_of(name))
@@ -175,7 +170,7 @@ class ShardedPair:
     translator: Translator  # rank 0: every row (it maps); others: their rows
     owners: list[range]  # target layers of each rank
     wire: str
-    timeout: float | None = DEFAULT_TIMEOUT
+    timeout: float | None
     local: dict = field(default_factory=dict, repr=False)  # per-rank translator parts
 
     @property
@@ -217,16 +212,7 @@ class ShardedPair:
         return self.local[wire]
 
 
-def load_sharded_pair(
-    source: str | Path,
-    target: str | Path,
-    translator: str | Path,
-    group,
-    *,
-    wire: str = "auto",
-    dtype="auto",
-    timeout: float | None = DEFAULT_TIMEOUT,
-) -> ShardedPair:
+def load_sharded_pair(source, target, translator, group, wire: str, timeout) -> ShardedPair:
     """Load the pair on every rank: the source on rank 0 only, the target pipelined.
 
     The source stays on rank 0 (where the prompt is read): the other ranks need neither its
@@ -238,16 +224,16 @@ def load_sharded_pair(
 
     if wire not in WIRES:
         raise ValueError(f"unknown wire {wire!r}; expected one of {WIRES}")
-    tgt = load_pipelined(target, group, dtype)
+    tgt = load_pipelined(target, group)
     inner = tgt.model.model
     gathered = mx.distributed.all_gather(mx.array([inner.start_idx, inner.end_idx]), group=group)
     _eval(gathered)
     owners = [range(a, b) for a, b in gathered.reshape(-1, 2).tolist()]
     whole = replace(tgt, geometry=replace(tgt.geometry, layers=sum(len(r) for r in owners)))
-    tr = load_translator(translator, None, dtype=dtype)
+    tr = load_translator(translator)
     src = None
     if group.rank() == 0:
-        src = load_model(source, dtype)
+        src = load_model(source)
         check_same_tokenizer(src.tokenizer, tgt.tokenizer)
         pair = ModelPair(src, whole, tgt.tokenizer, vocab_fingerprint(tgt.tokenizer))
         check_pair(read_metadata(translator), tr.config, pair, translator)

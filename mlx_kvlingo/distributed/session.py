@@ -321,8 +321,8 @@ def load_runtime(source, target, translator, backward, demo_pair: str | None, *,
     if not isinstance(backward, Translator):
         backward = resolve_translator_spec(backward, True, demo_pair, small)
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
-    group = init(timeout=timeout)
-    sp = load_sharded_pair(source, target, path, group, wire=wire, timeout=timeout)
+    group = init(timeout)
+    sp = load_sharded_pair(source, target, path, group, wire, timeout)
     if sp.rank != 0:
         follow(sp)
         sys.stdout.flush()
