@@ -56,7 +56,7 @@ def _child() -> subprocess.Popen:
         _proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(os.getpid())], stdin=subprocess.PIPE, bufsize=0
         )
-        atexit.register(_stop)
+        atexit.register(_stop, _proc)
     return _proc
 
 
@@ -68,15 +68,9 @@ def _send(line: str) -> None:
         pass
 
 
-def _stop() -> None:
-    global _proc
-    if _proc is not None:
-        try:
-            _proc.stdin.close()
-            _proc.wait(timeout=5)
-        except Exception:  # noqa: BLE001 - best effort at exit
-            _proc.kill()
-        _proc = None
+def _stop(proc: subprocess.Popen) -> None:
+    proc.stdin.close()  # the child exits at end-of-file
+    proc.wait()
 
 
 @contextmanager
