@@ -187,13 +187,17 @@ class ShardedPair:
         rows = c.key_layers[own.start : own.stop] + c.value_layers[own.start : own.stop]
         return tuple(sorted({s for row in rows for s in row}))
 
+    def payload(self, r: int, wire: str):
+        """(the geometry, the number of layers) of what rank r is sent on `wire`."""
+        c = self.translator.config
+        if wire == "source":
+            return c.source, len(self.source_rows(r))
+        return c.target, len(self.owners[r])
+
     def bytes_per_token(self, r: int, wire: str) -> int:
         """Bytes rank r is sent per prompt token (float32) on `wire`."""
-        c = self.translator.config
-        side, layers = (
-            (c.source, self.source_rows(r)) if wire == "source" else (c.target, self.owners[r])
-        )
-        return 4 * len(layers) * side.kv_heads * (side.head_dim + side.value_dim)
+        side, n = self.payload(r, wire)
+        return 4 * n * side.kv_heads * (side.head_dim + side.value_dim)
 
     def choose_wire(self) -> str:
         """`wire`, or for "auto" the one that sends the other ranks fewer bytes."""
@@ -303,11 +307,7 @@ def _send_payloads(sp: ShardedPair, span: SpanKV, wire: str) -> tuple[tuple, int
 
 
 def _recv_payload(sp: ShardedPair, wire: str, T: int) -> tuple[tuple, int]:
-    c, r = sp.translator.config, sp.rank
-    if wire == "source":
-        side, n = c.source, len(sp.source_rows(r))
-    else:
-        side, n = c.target, len(sp.owners[r])
+    side, n = sp.payload(sp.rank, wire)
     k = mx.distributed.recv((n, 1, side.kv_heads, T, side.head_dim), mx.float32, 0, group=sp.group)
     v = mx.distributed.recv((n, 1, side.kv_heads, T, side.value_dim), mx.float32, 0, group=sp.group)
     _eval(k, v)
