@@ -50,13 +50,19 @@ def _pool(x: mx.array, width: int) -> mx.array:
 
 
 def score_tokens(model, tokens: Sequence[int], lookahead: int = LOOKAHEAD, pool: int = POOL,
-                 temp: float = 0.6, top_p: float = 0.95, step: int = STEP) -> mx.array:  # fmt: skip
-    """Each prompt token's importance to `model` (the small one) by the formula above: (M,)."""
+                 temp: float = 0.6, top_p: float = 0.95, step: int = STEP,
+                 cache: list | None = None) -> mx.array:  # fmt: skip
+    """Each prompt token's importance to `model` (the small one) by the formula above: (M,).
+    `cache`: the model's cache already holding tokens[:-1] (its read is then skipped; the
+    look-ahead's entries are trimmed off again)."""
     M, x = len(tokens), mx.array(list(tokens))
-    cache = new_cache(model)
-    for s in range(0, M - 1, step):
-        model.model(x[s : min(s + step, M - 1)][None], cache=cache)
-        mx.eval([c.state for c in cache])
+    if cache is None:
+        cache = new_cache(model)
+        for s in range(0, M - 1, step):
+            model.model(x[s : min(s + step, M - 1)][None], cache=cache)
+            mx.eval([c.state for c in cache])
+    elif any(c.offset != M - 1 for c in cache):
+        raise ValueError(f"the cache must hold the prompt but its last token ({M - 1})")
     logits = model.model(x[M - 1 :][None], cache=cache)
     sampler = make_sampler(temp=temp, top_p=top_p)
     queries: list[list] = [[] for _ in model.layers]
@@ -79,6 +85,8 @@ def score_tokens(model, tokens: Sequence[int], lookahead: int = LOOKAHEAD, pool:
         peak = w if peak is None else mx.maximum(peak, w)
     importance = peak.mean(axis=0)
     mx.eval(importance)
+    for c in cache:  # the prompt's entries only, as given
+        c.trim(c.offset - (M - 1))
     return importance
 
 

@@ -9,7 +9,8 @@ documentation pages, seed `--seed` + step) and answers it greedily under every c
 `kvlingo eval --task content` side by side: the large model's own read ("native"), the chat's
 reading through the product's hand-off ("chat": `content.Chat`, the shipped translator and
 `ReaderPolicy`'s defaults; "chat rS": recompute share S), and speculative prefill keeping
-`--keep` ("specprefill K"). Every record is appended to OUT.jsonl as soon as its task is done,
+`--keep` ("specprefill K"); with `--hybrid-only`, the hybrid alone (`Hybrid`: the chat's reading,
+the peer's selection of what the large model recomputes). Every record is appended to OUT.jsonl as soon as its task is done,
 so a killed run loses one task; run it again to go on. A length is done when its native read
 got `--right` items of every kind right; lengths take turns, shortest first.
 `python -m weights.experiments.long_documents_report OUT.jsonl` tabulates and plots it.
@@ -21,13 +22,58 @@ import argparse
 import json
 import subprocess
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo._platform import moe_cpu
+from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation.rates import ReadCosts
+from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION
+from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.data.examples import read_texts
 from mlx_kvlingo.eval.content import Chat, Peer, evaluate_content, fitting_tasks
+from mlx_kvlingo.kv.recompute import read_positions
+from mlx_kvlingo.kv.sparse_prefill import score_tokens, select_chunks
 from mlx_kvlingo.models.demo.pair import demo_content_texts, load_demo
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class Hybrid:
+    """The chat's reading with the peer's selection: the small model reads, the span is
+    translated, the large model reads the last `tail` tokens; then the small model's
+    look-ahead (speculative prefill's scores, over the cache it already holds) picks the
+    32-token chunks the large model recomputes, as many positions as the chat's recompute
+    takes (`share`, its cap), and the tail is read again."""
+
+    translator: object
+    tail: int = ReaderPolicy().large_reads_last
+    share: float = ReaderPolicy().recompute_share
+
+    def __call__(self, pair, task, native):
+        toks = list(task.tokens)
+        policy = ReaderPolicy(reader="small", large_reads_last=self.tail, recompute_share=0.0)
+        session = Session(pair, self.translator, policy=policy, read_costs=ReadCosts())
+        session.add_tokens(toks)
+        session.hand_off("target")
+        cache, held = session.cache("target"), session.held("target")
+        small = session.held("source")
+        cut = held - self.tail
+        scores = score_tokens(pair.source, toks[: small + 1], cache=session.cache("source"))
+        scores = mx.concatenate([scores, mx.zeros((max(0, cut - scores.shape[0]),))])[:cut]
+        count = RECOMPUTE_SELECTION.count(self.share, cut)
+        chosen = sorted({0, *select_chunks(scores, count / cut)})  # whole chunks: <= 1 over
+        read_positions(pair.target.model, cache, toks[:held], chosen)
+        read_positions(pair.target.model, cache, toks[:held], range(cut, held))
+        rest = toks[held:-1]
+        if rest:
+            pair.target.model(mx.array(rest)[None], cache=cache)
+        keys = [c.keys[..., : c.offset, :] for c in cache]
+        values = [c.values[..., : c.offset, :] for c in cache]
+        mx.eval(keys, values)
+        return keys, values
 
 
 def native_right(path: Path) -> tuple[dict, set]:
@@ -54,6 +100,8 @@ def main() -> None:
     ap.add_argument("--keep", default="0.3", help="speculative prefill's kept shares")
     ap.add_argument("--shares", default="0.2", help="extra recompute shares beside the chat's")
     ap.add_argument("--limit-s", type=float, default=float("inf"))
+    ap.add_argument("--hybrid-only", action="store_true",
+                    help="only the hybrid (the chat's reading, the peer's selection)")  # fmt: skip
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     kinds = args.kinds.split(",")
@@ -65,6 +113,8 @@ def main() -> None:
     conditions = {"chat": chat,
                   **{f"chat r{s:g}": Chat(tr, chat.tail, s) for s in map(float, args.shares.split(",") if args.shares else [])},
                   **{f"specprefill {k:g}": Peer(k) for k in map(float, args.keep.split(",") if args.keep else [])}}  # fmt: skip
+    if args.hybrid_only:
+        conditions = {"hybrid": Hybrid(tr)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
     start = time.monotonic()
