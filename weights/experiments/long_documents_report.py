@@ -24,14 +24,16 @@ MIN_RETENTION = ReaderPolicy().min_retention
 
 
 def load(paths) -> dict:
-    """{(kind, length, step): {condition: record}} over every run file."""
+    """{(kind, length, step, pair): {condition: record}} over every run file; each record keeps
+    the read time of the native read in its own run (`native_s`), its ratio's reference."""
     items: dict = {}
     for p in paths:
-        for line in Path(p).read_text().splitlines():
-            r = json.loads(line)
-            items.setdefault((r["kind"], r["length"], r["step"], r.get("pair")), {})[
-                r["condition"]
-            ] = r
+        rows = [json.loads(line) for line in Path(p).read_text().splitlines()]
+        key = lambda r: (r["kind"], r["length"], r["step"], r.get("pair"))  # noqa: E731
+        native = {key(r): r["read_s"] for r in rows if r["condition"] == "native"}
+        for r in rows:
+            if key(r) in native:
+                items.setdefault(key(r), {})[r["condition"]] = {**r, "native_s": native[key(r)]}
     return items
 
 
@@ -52,7 +54,7 @@ def summary(items: dict) -> dict:
             kept, ratios = cell["paths"].setdefault(c, ([], []))
             if nat["correct"]:
                 kept.append(bool(r["correct"]))
-            ratios.append(r["read_s"] / nat["read_s"])
+            ratios.append(r["read_s"] / r["native_s"])
     for cell in out.values():
         cell["paths"] = {
             c: (sum(k), len(k), statistics.median(v)) for c, (k, v) in cell["paths"].items()
