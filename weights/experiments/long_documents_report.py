@@ -5,9 +5,7 @@
 Per kind and read length: the items drawn, those the native read got right, and for each path
 the ones it kept of those (kept / right, the share) and the median of its read time over the
 native read's on the same item ("read"; everything before the first decode step, side by side
-in one process). "auto" is what reader auto does with these counts as its retention: the chat's
-path where it kept at least `ReaderPolicy.min_retention` of the native-right items and read
-faster, else the large model's own read. The plot: read time against facts kept, one line per path across the lengths.
+in one process). The plot: read time against facts kept, one line per path across the lengths.
 """
 
 from __future__ import annotations
@@ -59,12 +57,6 @@ def summary(items: dict) -> dict:
         cell["paths"] = {
             c: (sum(k), len(k), statistics.median(v)) for c, (k, v) in cell["paths"].items()
         }
-        chat = cell["paths"].get("chat")
-        if chat and chat[1]:
-            small = chat[0] / chat[1] >= MIN_RETENTION and chat[2] < 1.0
-            cell["paths"]["auto"] = (
-                (chat[0], chat[1], chat[2]) if small else (chat[1], chat[1], 1.0)
-            )
     return out
 
 
@@ -89,7 +81,7 @@ def markdown(s: dict) -> str:
 
 
 def _order(c: str) -> tuple:
-    return (c != "auto", not c.startswith("chat"), c)
+    return (not c.startswith("chat"), c)
 
 
 def plot(s: dict, path: Path, kind: str = "fact") -> Path:
@@ -106,13 +98,9 @@ def plot(s: dict, path: Path, kind: str = "fact") -> Path:
             if c in cell["paths"] and cell["paths"][c][1]
         ]
         xs, ys = [p[2] for _, p in pts], [p[0] / p[1] for _, p in pts]
-        auto = c == "auto"
-        ax.plot(xs, ys, marker="s" if auto else "o", label=c, linestyle="--" if auto else "-",
-                markersize=11 if auto else 6, fillstyle="none" if auto else "full",
-                zorder=3 if auto else 2)  # fmt: skip
+        ax.plot(xs, ys, marker="o", label=c)
         for (n, _), x, y in zip(pts, xs, ys):
-            if not auto:
-                ax.annotate(f"{n / 1024:g}k", (x, y), textcoords="offset points", xytext=(4, 4),
+            ax.annotate(f"{n / 1024:g}k", (x, y), textcoords="offset points", xytext=(4, 4),
                             fontsize=7)  # fmt: skip
     ax.axhline(MIN_RETENTION, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("time to read the prompt / the large model's own read (median)")
