@@ -137,6 +137,14 @@ def fitting_tasks(pair, texts: Sequence[str], lengths: Sequence[int], per_kind: 
 # -- caches and answers ------------------------------------------------------------------------
 
 
+def cache_kv(cache: list) -> tuple[list, list]:
+    """What `cache` holds, per layer: (keys, values) up to its offset, evaluated."""
+    keys = [c.keys[..., : c.offset, :] for c in cache]
+    values = [c.values[..., : c.offset, :] for c in cache]
+    mx.eval(keys, values)
+    return keys, values
+
+
 def native_kv(model, tokens: Sequence[int]) -> tuple[list, list]:
     """The model's own cache contents (rotated keys, values) per layer for `tokens`, read in
     mlx-lm's prefill chunks."""
@@ -144,10 +152,7 @@ def native_kv(model, tokens: Sequence[int]) -> tuple[list, list]:
     for s in range(0, x.size, READ_CHUNK):
         model.model(x[s : s + READ_CHUNK][None], cache=cache)
         mx.eval([c.state for c in cache])
-    keys = [c.keys[..., : c.offset, :] for c in cache]
-    values = [c.values[..., : c.offset, :] for c in cache]
-    mx.eval(keys, values)
-    return keys, values
+    return cache_kv(cache)
 
 
 def translated_kv(pair, translator, tokens: Sequence[int]) -> tuple[list, list]:
@@ -183,10 +188,7 @@ def chat_kv(pair, cond: Chat, task: ContentTask) -> tuple[list, list]:
     rest = list(task.tokens[held:-1])
     if rest:
         pair.target.model(mx.array(rest)[None], cache=cache)
-    keys = [c.keys[..., : c.offset, :] for c in cache]
-    values = [c.values[..., : c.offset, :] for c in cache]
-    mx.eval(keys, values)
-    return keys, values
+    return cache_kv(cache)
 
 
 @dataclass(frozen=True)
@@ -204,10 +206,7 @@ def peer_kv(pair, cond: Peer, task: ContentTask) -> tuple[list, list]:
     prompt[:-1] only (N entries; the decode reads the last token at its own position)."""
     mx.random.seed(cond.seed)
     cache, _ = speculative_prefill(pair, list(task.tokens), cond.keep)
-    keys = [c.keys[..., : c.offset, :] for c in cache]
-    values = [c.values[..., : c.offset, :] for c in cache]
-    mx.eval(keys, values)
-    return keys, values
+    return cache_kv(cache)
 
 
 def condition_kv(pair, cond, task: ContentTask, native: tuple[list, list]) -> tuple[list, list]:

@@ -32,7 +32,7 @@ from mlx_kvlingo.conversation.rates import ReadCosts
 from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.data.examples import read_texts
-from mlx_kvlingo.eval.content import Chat, Peer, evaluate_content, fitting_tasks
+from mlx_kvlingo.eval.content import Chat, Peer, cache_kv, evaluate_content, fitting_tasks
 from mlx_kvlingo.kv.recompute import read_positions
 from mlx_kvlingo.kv.sparse_prefill import score_tokens, select_chunks
 from mlx_kvlingo.models.demo.pair import demo_content_texts, load_demo
@@ -70,10 +70,7 @@ class Hybrid:
         rest = toks[held:-1]
         if rest:
             pair.target.model(mx.array(rest)[None], cache=cache)
-        keys = [c.keys[..., : c.offset, :] for c in cache]
-        values = [c.values[..., : c.offset, :] for c in cache]
-        mx.eval(keys, values)
-        return keys, values
+        return cache_kv(cache)
 
 
 def native_right(path: Path) -> tuple[dict, set]:
