@@ -313,7 +313,7 @@ def test_conversation_bench_policies(tmp_path):
     assert c["ahead_share_of_decode"] >= 0
     bad = CliRunner().invoke(cli, ["bench", "--preset", "tiny", "--conversation",
                                    "--policies", "tokens reads"])  # fmt: skip
-    assert bad.exit_code != 0 and "unknown --policies" in bad.output
+    assert bad.exit_code == 2 and "tokens reads: expected some of large reads" in bad.output
 
 
 def test_conversation_bench_auto_weighs_the_chats_retention(tiny_pair):

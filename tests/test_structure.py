@@ -279,10 +279,14 @@ def test_eval_help_lists_only_options_that_act():
 
 
 def test_gap_recovered_and_kl_format():
-    from mlx_kvlingo.eval.evaluate import format_gap, format_kl, gap_recovered
+    from mlx_kvlingo.eval.evaluate import format_kl, gap_recovered
+    from mlx_kvlingo.eval.report import number
 
     assert gap_recovered(3.0, 2.0, 2.5) == pytest.approx(0.5)
-    assert format_gap(gap_recovered(2.0001, 2.0, 2.5)) == "n/a"  # 1e-4 nats apart: no gap
+    assert number(gap_recovered(2.0001, 2.0, 2.5)) == "n/a"  # 1e-4 nats apart: no gap
+    assert (
+        number(None) == "" and number(None, none="n/a") == "n/a" and number(0.5, ".1%") == "50.0%"
+    )
     assert format_kl(-0.0) == "0.0000" and format_kl(-3e-7) == "0.0000"
     assert format_kl(0.01234) == "0.0123"
 
@@ -312,8 +316,8 @@ def test_calibrate_reports_alpha_zero_fit_and_runs_stage2_by_default(tiny_dir, t
 def test_bench_without_translator_times_a_random_one(tiny_dir, tmp_path):
     from mlx_kvlingo.cli.bench import DEFAULT_LENGTHS, default_lengths
 
-    assert "4096" not in default_lengths()  # the tests run on the CPU backend
-    assert "4096" in DEFAULT_LENGTHS["gpu"]
+    assert 4096 not in default_lengths()  # the tests run on the CPU backend
+    assert 4096 in DEFAULT_LENGTHS["gpu"]
     out = CliRunner().invoke(cli, ["bench", "--source", str(tiny_dir["qwen3"]), "--target",
                                    str(tiny_dir["qwen3_moe"]), "--lengths", "8", "-n", "1",
                                    "--warmup", "0", "--no-progress", "-o", str(tmp_path / "b")])  # fmt: skip

@@ -153,25 +153,50 @@ class OutputFolder(OutputFile):
 
 
 class NumberList(click.ParamType):
-    """Comma-separated numbers of `kind` (int or float), each at least `least` (the value
-    itself is passed on)."""
+    """Comma-separated numbers of `kind` (int or float), each at least `least` (above it with
+    `open_least`) and at most `most`, as a sorted tuple without repeats; '' is none where
+    `empty` allows it."""
 
-    def __init__(self, kind: type = float, least: float = 0.0):
-        self.kind, self.least = kind, least
+    def __init__(self, kind: type = float, least: float = 0.0, most: float | None = None, *,
+                 open_least: bool = False, empty: bool = False):  # fmt: skip
+        self.kind, self.least, self.most = kind, least, most
+        self.open_least, self.empty = open_least, empty
         self.name = "integers" if kind is int else "numbers"
 
     def convert(self, value, param, ctx):
         if not isinstance(value, str):
             return value
         try:
-            items = [self.kind(v) for v in value.split(",") if v.strip()]
+            items = tuple(sorted({self.kind(v) for v in value.split(",") if v.strip()}))
         except ValueError:
             self.fail(f"{value!r} is not a comma-separated list of {self.name}", param, ctx)
-        if not items:
+        if not items and not self.empty:
             self.fail(f"give at least one {self.name[:-1]}", param, ctx)
-        if min(items) < self.least:
-            self.fail(f"{value!r}: every value must be at least {self.least:g}", param, ctx)
-        return value
+        if items and (items[0] <= self.least if self.open_least else items[0] < self.least):
+            bound = "above" if self.open_least else "at least"
+            self.fail(f"{value!r}: every value must be {bound} {self.least:g}", param, ctx)
+        if self.most is not None and items and items[-1] > self.most:
+            self.fail(f"{value!r}: every value must be at most {self.most:g}", param, ctx)
+        return items
+
+
+class ChoiceList(click.ParamType):
+    """Comma-separated names out of `choices`, in the order given, without repeats."""
+
+    name = "names"
+
+    def __init__(self, choices):
+        self.choices = tuple(choices)
+
+    def convert(self, value, param, ctx):
+        if not isinstance(value, str):
+            return value
+        items = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+        bad = [v for v in items if v not in self.choices]
+        if bad or not items:
+            expected = ", ".join(self.choices)
+            self.fail(f"{', '.join(bad) or 'none'}: expected some of {expected}", param, ctx)
+        return items
 
 
 def IntList(least: int = 1) -> NumberList:  # noqa: N802 - used like a type
@@ -180,3 +205,7 @@ def IntList(least: int = 1) -> NumberList:  # noqa: N802 - used like a type
 
 def FloatList(least: float = 0.0) -> NumberList:  # noqa: N802
     return NumberList(float, least)
+
+
+#: kept shares of speculative prefill (bench, eval --task content): in (0, 1], '' for none
+KEPT_SHARES = NumberList(float, 0.0, 1.0, open_least=True, empty=True)

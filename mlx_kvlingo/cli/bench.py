@@ -5,30 +5,21 @@ a conversation under several policies, or a start against mlx-lm's."""
 from __future__ import annotations
 
 from mlx_kvlingo.cli._common import pair_option, source_option, target_option, translator_option
-from mlx_kvlingo.cli._params import IntList, OutputFolder
-from mlx_kvlingo.cli.eval import _keeps
+from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, IntList, OutputFolder
 from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.eval.conversation_bench import POLICIES
+from mlx_kvlingo.eval.presets import PRESETS
 
 import click
 
 #: 4096-token prefills take minutes on a CPU: the default lengths depend on the backend
-DEFAULT_LENGTHS = {"cpu": "64,256,1024", "gpu": "64,256,1024,4096"}
+DEFAULT_LENGTHS = {"cpu": (64, 256, 1024), "gpu": (64, 256, 1024, 4096)}
 
 
-def default_lengths() -> str:
+def default_lengths() -> tuple[int, ...]:
     import mlx.core as mx
 
     return DEFAULT_LENGTHS["gpu" if mx.default_device().type == mx.gpu else "cpu"]
-
-
-def _ints(value: str) -> list[int]:
-    return sorted({int(v) for v in value.split(",") if v.strip()})
-
-
-def _preset_names() -> list[str]:
-    from mlx_kvlingo.eval.presets import PRESETS
-
-    return list(PRESETS)
 
 
 @click.command("bench")
@@ -36,13 +27,13 @@ def _preset_names() -> list[str]:
 @target_option
 @translator_option
 @pair_option
-@click.option("--preset", type=click.Choice(_preset_names()),
+@click.option("--preset", type=click.Choice(list(PRESETS)),
               help="A shape-faithful random pair (built once into the cache folder) instead of "
               "models")  # fmt: skip
 @click.option("--lengths", type=IntList(2), default=None,
-              help=f"Prefix lengths in tokens, comma-separated [default: {DEFAULT_LENGTHS['cpu']} "
-              f"on a CPU, {DEFAULT_LENGTHS['gpu']} on a GPU]")  # fmt: skip
-@click.option("--specprefill", "keeps", default="0.2", show_default=True, callback=_keeps,
+              help="Prefix lengths in tokens, comma-separated [default: 64,256,1024 on a CPU, "
+              "64,256,1024,4096 on a GPU]")  # fmt: skip
+@click.option("--specprefill", "keeps", default="0.2", show_default=True, type=KEPT_SHARES,
               metavar="SHARES", help="Also time speculative prefill, the peer that drops tokens, "
               "at these kept shares (comma-separated, e.g. 0.1,0.2,0.3; '' for none)")  # fmt: skip
 @click.option("-n", "--trials", default=3, show_default=True, type=click.IntRange(1))
@@ -71,8 +62,8 @@ def _preset_names() -> list[str]:
               help="--conversation: tokens per answer (end-of-sequence banned)")  # fmt: skip
 @click.option("--escalation-rate", default=0.25, show_default=True, type=click.FloatRange(0, 1),
               help="--conversation: share of cascade turns escalated to the large model")  # fmt: skip
-@click.option("--policies", default=None,
-              help="--conversation: comma-separated policies to run (default: all) of: large "
+@click.option("--policies", type=ChoiceList(POLICIES), default=",".join(POLICIES),
+              help="--conversation: comma-separated policies to run [default: all] of: large "
               "reads, small reads, auto reads, cascade, cascade+ahead")  # fmt: skip
 @click.option("--large-reads-last", default=ReaderPolicy().large_reads_last, show_default=True,
               type=click.IntRange(1),
@@ -118,33 +109,24 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
                                                  trials=trials, log=log)  # fmt: skip
         return _show(startup_bench.write_outputs(result, out), log)
     dtype = dtype if dtype == "auto" else getattr(mx, dtype)
-    lengths = _ints(lengths or default_lengths())
+    pair, tr, info, backward = _load(
+        preset, demo_pair, source, target, translator, dtype, seed, log
+    )
     if conversation:
         from mlx_kvlingo.eval import conversation_bench as cb
 
-        chosen = tuple(
-            p.strip() for p in (policies or ",".join(cb.POLICIES)).split(",") if p.strip()
-        )
-        unknown = set(chosen) - set(cb.POLICIES)
-        if unknown:
-            raise click.UsageError(f"unknown --policies {sorted(unknown)}; "
-                                   f"expected some of {', '.join(cb.POLICIES)}")  # fmt: skip
         policy = ReaderPolicy(large_reads_last=large_reads_last, recompute_share=recompute_share)
-        cfg = cb.ConversationBenchConfig(turns=turns, user_lengths=tuple(_ints(user_lengths)),
+        cfg = cb.ConversationBenchConfig(turns=turns, user_lengths=user_lengths,
                                          answer_tokens=answer_tokens, escalation_rate=escalation_rate,
-                                         seed=seed, policies=chosen, warmup=warmup > 0, policy=policy)  # fmt: skip
-        pair, tr, info, backward = _load(
-            preset or demo_pair, source, target, translator, dtype, seed, log
-        )
+                                         seed=seed, policies=policies, warmup=warmup > 0, policy=policy)  # fmt: skip
         with moe_cpu.per_expert_loop(moe_loop):
             results = cb.run_conversation_bench(pair, tr, backward, cfg, log=log, info=info)
         return _show(cb.write_outputs(results, out), log)
     bar = nullcontext() if no_progress else progress_bar("bench", Console(stderr=True))
     max_seconds = None if max_minutes is None else 60 * max_minutes
-    pair, tr, info, _ = _load(preset or demo_pair, source, target, translator, dtype, seed, log)
     with bar as progress, moe_cpu.per_expert_loop(moe_loop) as patched:
         info["moe_per_expert_loop"] = patched
-        results = bench.run_bench(pair, tr, lengths, trials=trials, warmup=warmup, seed=seed,
+        results = bench.run_bench(pair, tr, lengths or default_lengths(), trials=trials, warmup=warmup, seed=seed,
                                   keeps=keeps, max_seconds=max_seconds, progress=progress,
                                   log=log, info=info)  # fmt: skip
     _show(bench.write_outputs(results, out), log)
@@ -155,16 +137,16 @@ def _show(paths: dict, log) -> None:
     log("wrote " + ", ".join(str(p) for p in paths.values()))
 
 
-def _load(name, source, target, translator, dtype, seed, log):
-    """(pair, translator, info, backward) for a preset or demo pair `name`, or the named
-    models: a random translator of the pair's geometry where none is named (latency only);
-    the backward translator is the demo pair's shipped one (None for the others)."""
+def _load(preset, demo_pair, source, target, translator, dtype, seed, log):
+    """(pair, translator, info, backward) for a preset, the named models or a demo pair: a
+    random translator of the pair's geometry where models but no translator are named (latency
+    only); the backward translator is the demo pair's shipped one (None for the others)."""
     from mlx_kvlingo.cli._common import resolve_pair
-    from mlx_kvlingo.eval.presets import PRESETS, load_preset, random_translator
+    from mlx_kvlingo.eval.presets import load_preset, random_translator
 
-    if name in PRESETS and not (source or target):
-        pair, tr, folder = load_preset(name, log=log, dtype=dtype)
-        p = PRESETS[name]
+    if preset:
+        pair, tr, folder = load_preset(preset, log=log, dtype=dtype)
+        p = PRESETS[preset]
         return pair, tr, {"preset": {"name": p.name, "description": p.description,
                                      "folder": str(folder), "reference": p.reference}}, None  # fmt: skip
     if source and target and translator is None:  # latency only: any maps of the right shape
@@ -184,11 +166,12 @@ def _load(name, source, target, translator, dtype, seed, log):
             "--dtype applies to presets and --source/--target without --translator"
         )
     try:
-        pair, tr, backward = resolve_pair(source, target, translator, demo_pair=name)
+        pair, tr, backward = resolve_pair(source, target, translator, demo_pair=demo_pair)
     except ImportError as e:
         raise click.ClickException(
             f"the demo pair is not available in this install ({e}); name a pair with "
             f"--source/--target/--translator or use --preset ({', '.join(PRESETS)})"
         ) from None
-    demo = not (source or target)
-    return pair, tr, {"demo_pair": name} if demo else {}, backward if demo else None
+    if source:
+        return pair, tr, {}, None
+    return pair, tr, {"demo_pair": demo_pair}, backward

@@ -56,8 +56,6 @@ from rich.console import Console
               show_default=True)  # fmt: skip
 @click.option("--bias/--no-bias", default=True, show_default=True,
               help="Center inputs and fit a bias")  # fmt: skip
-@click.option("--native-first/--no-native-first", default=True, show_default=True,
-              help="Keep the target's own K/V for the first token (an attention sink; computed once)")  # fmt: skip
 @click.option("--alpha", type=click.FloatRange(0), default=1e-3, show_default=True,
               help="Stage-1 ridge strength, relative to the inputs' mean variance: lambda = alpha * "
                    "trace(Cov(X)) / d. It shrinks the maps (1e-3 moves a known-answer pair's "
@@ -84,16 +82,13 @@ from rich.console import Console
 @click.option("--lr", type=click.FloatRange(0, min_open=True), default=1e-4, show_default=True)
 @click.option("--warmup", type=click.IntRange(0), default=10, show_default=True)
 @click.option("--accumulate", type=click.IntRange(1), default=1, show_default=True)
-@click.option(
-    "--grad-clip", type=click.FloatRange(0, min_open=True), default=1.0, show_default=True
-)
 @click.option("--eval-every", type=click.IntRange(1), default=25, show_default=True)
 @click.option("--eval-examples", type=click.IntRange(0), default=32, show_default=True)
 @click.option("--checkpoint-dir", type=OutputFolder())
 @click.option("--resume/--no-resume", default=True, show_default=True)
 def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_weight, output, variant, nu,
-                  key_cut, bias, native_first, alpha, prior, alpha_grid, patience, reader_share, layer_map,
-                  init, steps, lr, warmup, accumulate, grad_clip, eval_every, eval_examples,
+                  key_cut, bias, alpha, prior, alpha_grid, patience, reader_share, layer_map,
+                  init, steps, lr, warmup, accumulate, eval_every, eval_examples,
                   checkpoint_dir, resume, dtype, **kw):  # fmt: skip
     """Fit a translator SOURCE -> TARGET (on your data, or with none); swap the two for the
     other direction."""
@@ -101,7 +96,6 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
     no_data = kw["data_path"] is None
     content_n = (240 if no_data else 0) if content_n is None else content_n
     gain_weights = no_data if gain_weights is None else gain_weights
-    content_sizes = sorted({int(x) for x in content_lengths.split(",") if x.strip()})
     if checkpoint_dir is None and no_data:  # a long run: resumable by default
         checkpoint_dir = str(Path(output).with_suffix("")) + ".ckpt"
     if no_data:
@@ -117,30 +111,28 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
     content = []
     if content_n or no_data:
         content, held_content = _content_examples(
-            pair, console, content_n, content_sizes, kw["seed"], checkpoint_dir, steps,
+            pair, console, content_n, content_lengths, kw["seed"], checkpoint_dir, steps,
             accumulate, [] if init else train, train, held, None if no_data else kw["data_path"],
         )  # fmt: skip
         # stage 2's early stopping sees content too: a held-out KL of generic text alone
         # would keep the translator that drops what was read
         held = [x for pair_ in zip(held_content, held) for x in pair_] + held[len(held_content) :]
     held_eval = held[:eval_examples]
-    report = {"data": str(kw["data_path"]), "data_config": dcfg.__dict__}
     if init:
         tr = init_tr
     else:
         maps = json.loads(Path(layer_map).read_text()) if layer_map else {}
         try:
-            grid = tuple(float(a) for a in alpha_grid.split(",")) if alpha_grid else None
             cfg = Stage1Config(
-                variant, nu, key_cut, bias, native_first, alpha, maps.get("key"), maps.get("value"),
-                prior=prior, alpha_grid=grid,
+                variant, nu, key_cut, bias, alpha=alpha, key_layers=maps.get("key"),
+                value_layers=maps.get("value"), prior=prior, alpha_grid=alpha_grid,
             )  # fmt: skip
         except ValueError as e:
             raise click.BadParameter(str(e)) from None
         with progress_bar("stage 1: accumulating", console) as progress:
             tr = fit_closed_form(pair, train, cfg, progress)
     cal = tr.config.metadata.setdefault("calibration", {})
-    cal.update(report)
+    cal.update(data=str(kw["data_path"]), data_config=dcfg.__dict__)
     if not init:
         console.print(fit_line(cal["stage1"]))
         if held_eval:
@@ -148,9 +140,9 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
                 cal["stage1"]["heldout"] = result = evaluate(pair, tr, held_eval, progress)
             console.print(table(result, "after stage 1"))
     if steps:
-        s2 = Stage2Config(steps, lr, warmup, 0.0, grad_clip, accumulate, eval_every, min(16, eval_examples),
-                          seed=kw["seed"], patience=patience, reader_share=reader_share,
-                          gain_weights=gain_weights, kv_weight=kv_weight)  # fmt: skip
+        s2 = Stage2Config(steps, lr, warmup, accumulate=accumulate, eval_every=eval_every,
+                          eval_examples=min(16, eval_examples), seed=kw["seed"], patience=patience,
+                          reader_share=reader_share, gain_weights=gain_weights, kv_weight=kv_weight)  # fmt: skip
         try:
             with progress_bar("stage 2", console) as progress:
                 distill(tr, pair, list(train) + content, held, s2, checkpoint_dir, resume,

@@ -7,7 +7,6 @@ The work is done by the converters package (`converters/` in a checkout, install
 from __future__ import annotations
 
 import json
-import sys
 
 from mlx_kvlingo.cli._common import demo_pair_of
 from mlx_kvlingo.cli._params import ModelSpec, OutputFile
@@ -16,25 +15,21 @@ import click
 
 
 def converters_package():
-    """The converters package: installed (`kvlingo_converters`) or from a checkout."""
-    for name in ("converters", "kvlingo_converters"):  # already imported (python -m converters)
-        mod = sys.modules.get(name)
-        if mod is not None and hasattr(mod, "LAYOUTS"):
-            return mod
+    """The converters package: a checkout's `converters` (already imported by `python -m
+    converters`), else the installed `kvlingo_converters`."""
     import importlib
 
-    for name in ("kvlingo_converters", "converters"):
+    for name in ("converters", "kvlingo_converters"):
         try:
             conv = importlib.import_module(name)
-            break
         except ImportError:
-            conv = None
-    if conv is None or not hasattr(conv, "LAYOUTS"):
-        raise click.ClickException(
-            "the converters package is missing: install mlx-kvlingo from a checkout "
-            "(pip install -e '.[torch]') or run `python -m converters` from the repository root"
-        )
-    return conv
+            continue
+        if hasattr(conv, "LAYOUTS"):  # not another package of that name
+            return conv
+    raise click.ClickException(
+        "the converters package is missing: install mlx-kvlingo from a checkout "
+        "(pip install -e '.[torch]') or run `python -m converters` from the repository root"
+    )
 
 
 def _rows(text, name):

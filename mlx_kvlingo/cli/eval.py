@@ -13,34 +13,17 @@ from mlx_kvlingo.cli._common import (
     target_option,
     translator_option,
 )
-from mlx_kvlingo.cli._params import IntList, OutputFile
+from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, IntList, OutputFile
 from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, KINDS
 from mlx_kvlingo.data.examples import load_examples, validate_data
 from mlx_kvlingo.eval import report
+from mlx_kvlingo.eval.content import Chat
 from mlx_kvlingo.eval.evaluate import evaluate, table
 
 import click
 from rich.console import Console
-
-
-def _kinds(ctx, param, value: str) -> tuple[str, ...]:
-    kinds = tuple(dict.fromkeys(k.strip() for k in value.split(",") if k.strip()))
-    bad = [k for k in kinds if k not in KINDS]
-    if bad or not kinds:
-        raise click.BadParameter(f"{', '.join(bad) or 'none'}: expected some of {', '.join(KINDS)}")
-    return kinds
-
-
-def _keeps(ctx, param, value: str | None) -> tuple[float, ...]:
-    try:
-        keeps = tuple(dict.fromkeys(float(k) for k in (value or "").split(",") if k.strip()))
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of shares") from None
-    if any(not 0 < k <= 1 for k in keeps):
-        raise click.BadParameter(f"{value}: every kept share must be above 0 and at most 1")
-    return keeps
 
 
 @click.command("eval")
@@ -67,7 +50,7 @@ def _keeps(ctx, param, value: str | None) -> tuple[float, ...]:
               help="--task content: read lengths in tokens, up to the pair's context")  # fmt: skip
 @click.option("--per-kind", type=click.IntRange(1), default=8, show_default=True,
               help="--task content: tasks of each kind at each length")  # fmt: skip
-@click.option("--kinds", default=",".join(DEFAULT_KINDS), show_default=True, callback=_kinds,
+@click.option("--kinds", default=",".join(DEFAULT_KINDS), show_default=True, type=ChoiceList(KINDS),
               help="--task content: the task kinds, comma-separated (also: facts, three facts with one asked)")  # fmt: skip
 @click.option("--plot", "plot_out", type=OutputFile(),
               help="--task content: write the per-length plot here (PNG)")  # fmt: skip
@@ -77,7 +60,7 @@ def _keeps(ctx, param, value: str | None) -> tuple[float, ...]:
 @click.option("--recompute", "share", type=click.FloatRange(0, 1), default=None,
               help="--task content: the chat condition's recompute share [default: the "
                    "chat's, 0.1]")  # fmt: skip
-@click.option("--specprefill", "keeps", default=None, callback=_keeps, metavar="SHARES",
+@click.option("--specprefill", "keeps", default="", type=KEPT_SHARES, metavar="SHARES",
               help="--task content: also run the peer that drops tokens, speculative prefill "
                    "(the small model's look-ahead picks 32-token chunks, the large model reads "
                    "only those), at these kept shares, e.g. 0.1,0.2,0.3")  # fmt: skip
@@ -87,12 +70,12 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
     content) on what it can use of what was read."""
     console = Console()
     if task == "content":
-        texts = content_texts(data_path)
+        texts = content_texts(data_path)  # before loading any model
         pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
-        sizes = sorted({int(x) for x in lengths.split(",") if x.strip()})
-        return _content(pair, tr, texts, sizes, per_kind, kw["seed"], json_out, plot_out, console,
-                        translator or "demo default", tail, share, kinds,
-                        str(data_path or "demo"), keeps)  # fmt: skip
+        chat = Chat(tr, Chat.tail if tail is None else tail, Chat.share if share is None else share)
+        return _content(pair, tr, texts, lengths, per_kind, kinds, kw["seed"], chat, keeps,
+                        json_out, plot_out, console, translator or "demo default",
+                        str(data_path or "demo"))  # fmt: skip
     if tail is not None or share is not None or plot_out is not None or keeps:
         raise click.UsageError("--large-reads-last, --recompute, --plot and --specprefill go "
                                "with --task content")  # fmt: skip
@@ -124,8 +107,8 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         report.write_json(result, json_out)
 
 
-def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, console, label,
-             tail=None, share=None, kinds=DEFAULT_KINDS, data_label="demo", keeps=()):  # fmt: skip
+def _content(pair, tr, texts, lengths, per_kind, kinds, seed, chat, keeps, json_out, plot_out,
+             console, label, data_label):  # fmt: skip
     from mlx_kvlingo.eval import content as c
 
     tasks = c.fitting_tasks(pair, texts, lengths, per_kind, seed=seed, kinds=kinds)
@@ -134,13 +117,11 @@ def _content(pair, tr, texts, lengths, per_kind, seed, json_out, plot_out, conso
                   f"greedy[/grey50]")  # fmt: skip
     # both through the chat's own hand-off: the whole turn translated (the large model reads
     # the last token only), and the chat's reading (its last tokens, then the recompute)
-    chat = c.Chat(tr, c.Chat.tail if tail is None else tail,
-                  c.Chat.share if share is None else share)  # fmt: skip
     conditions = {"translated": c.Chat(tr, 1, 0.0), "chat": chat,
                   **{f"specprefill {k:g}": c.Peer(k, seed) for k in keeps}}  # fmt: skip
     with progress_bar("content", console) as progress:
         result = c.to_json(c.evaluate_content(pair, tasks, conditions, progress=progress), pair,
-                           {"translator": label, "seed": seed, "lengths": lengths})  # fmt: skip
+                           {"translator": label, "seed": seed, "lengths": list(lengths)})  # fmt: skip
     for t in c.tables(result):
         console.print(t)
     if json_out:

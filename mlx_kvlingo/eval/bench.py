@@ -13,17 +13,11 @@ on this machine, for one pair, with nothing left out.
 
 Each path's TTFT is reported as a share of R: (P+X)/R for ours beside Q_k/R for the peer, and the
 paper's speed-up R/X (the source's prefill left out: right when the small model had to read the
-prompt anyway). Beside the translation, the translator's maps alone (on the span the hand-off
-reads) and a plain GEMM of their matmul shapes run in the same round: the translation's
-efficiency is a ratio within one run, and the maps' share says whether a loss is in the
-arithmetic or around it (capture, RoPE, cache writes). Every run checks the goals (`TARGETS`)
-and records them in `targets`: a regression is flagged, not asserted.
-
-Every trial round runs every path at every length, in an order that alternates by round, so
-drift and noise from other processes hit all of them; warm-up rounds (every length, every path,
-so every weight and kernel has been touched and no measured trial is the first to grow the heap
-to a length) are discarded. Peak memory is MLX's allocator peak during the phase, loaded weights
-included.
+prompt anyway). The translator's maps alone and a plain GEMM of their shapes run in the same round,
+so the translation's efficiency is a ratio within one run. Every run checks the goals (`TARGETS`)
+and records them in `targets`: a regression is flagged, not asserted. Trial rounds run every path
+at every length, their order alternating by round, after warm-up rounds that are not recorded.
+Peak memory is MLX's allocator peak during the phase, loaded weights included.
 """
 
 from __future__ import annotations
@@ -298,13 +292,11 @@ def run_bench(
     """Measure every phase at every length; return the results dict (raw trials included).
 
     `keeps`: the kept shares speculative prefill runs at (none: the peer is not run). Warm-up
-    rounds run every length, as trial rounds do, and are not recorded: they touch every weight
-    and kernel, and the heap grows to each length's buffers before a measured trial (on a
-    machine that hands freed memory back to its host, a trial that grows it pays for fresh
-    pages). Then each trial round runs every length, every path, in an order that alternates
-    by round. A length is skipped, with a message, when its estimated memory exceeds what is
-    available, or (with `max_seconds`) when its trials, extrapolated from the shorter lengths,
-    would overrun the time budget. `progress(done, total, note)` after each length's round.
+    rounds run every length, so that no measured trial is the first to touch a weight, a kernel
+    or a length's buffers. A length is skipped, with a message, when its estimated memory
+    exceeds what is available, or (with `max_seconds`) when its trials, extrapolated from the
+    shorter lengths, would overrun the time budget. `progress(done, total, note)` after each
+    length's round.
     """
     if trials < 1 or warmup < 0:
         raise ValueError("need trials >= 1 and warmup >= 0")
@@ -326,10 +318,7 @@ def run_bench(
             "lengths": lengths, "trials": trials, "warmup": warmup, "seed": seed,
             "specprefill_keep": [p.keep for p in peers], "prefill_step": READ_CHUNK,
             "max_seconds": max_seconds, "sampling": "greedy",
-            "order": "warm-up rounds at every length, not recorded; then per round every "
-            "length runs every path, their order alternating by round",
         },
-        "phases": {k: v[1] for k, v in PHASES.items()},
         "resident_before_GB": resident / 1e9,
         "map_reading": reading_info(reading),
         "skipped": [],
@@ -458,17 +447,12 @@ def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) ->
             # the floor of the line above: the translator's matmuls alone, as a plain GEMM
             "gemm_vs_target_step": med["gemm"] / med["target_step"],
             "translation_vs_target_prefill": med["translate"] / med["target_prefill"],
-            "translate_ms_per_token": 1e3 * med["translate"] / (n - 1),
             "translate_gflops": flops / med["translate"] / 1e9,
             "translate_gbs": nbytes / med["translate"] / 1e9,
             "gemm_gflops": flops / med["gemm"] / 1e9,
             "gemm_gbs": nbytes / med["gemm"] / 1e9,
             "gemm_efficiency": med["gemm"] / med["translate"],
-            # the maps alone against the same GEMM, and their share of the whole translation
-            "map_efficiency": med["gemm"] / med["translate_map"],
-            "map_share": med["translate_map"] / med["translate"],
-            "kernel_flops": flops,
-            "kernel_bytes": nbytes,
+            "map_efficiency": med["gemm"] / med["translate_map"],  # the maps alone
             "peak_memory_GB": {p: max(v) / 1e9 for p, v in raw["peaks"].items()},
         },
     }  # fmt: skip

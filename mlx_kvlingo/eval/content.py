@@ -2,26 +2,14 @@
 
 For every task (`content_tasks`) each condition answers greedily:
   native      the target reading the whole prompt itself (the reference)
-  <label>     the target on a cache built for prompt[:-1] without reading it; it reads only
-              the last prompt token itself. A condition is a `Chat` (the chat's own path,
-              `Session.hand_off`: the small model reads, the span is translated, the large
-              model reads the last `tail` tokens and recomputes `share`), a `Peer` (speculative
-              prefill, kv/sparse_prefill.py: the target reads only the chunks the small
-              model's look-ahead attends to most, at their own positions), a translator
-              (`translate(span, target)`, the whole prompt translated), or a callable
-              (pair, task, native K/V) -> (keys, values) (an experiment's own cache)
+  <label>     the target on a cache built for prompt[:-1] without reading it, then the last
+              prompt token: a `Chat` (the chat's own hand-off), a `Peer` (speculative
+              prefill), a translator (the whole prompt translated) or a callable
+              (pair, task, native K/V) -> (keys, values)
   small       the source model alone
-Scores, per kind and read length:
-  fact, copy     accuracy (the stated value / the sentence appears in the reply) and *retained*
-                 = right where the native answer is right / native right
-  qa, summary    content-word recall of the native answer, and ROUGE-L F1 against it
-The headline per cell is `retained` for fact and copy, `recall` for qa and summary. Teacher-forced
-continuation KL is not used here: generic tokens dominate it (see weights/QUALITY.md).
-Each condition's read is timed (`read_s`: the target's own prefill of prompt[:-1] for native;
-the whole hand-off for a `Chat`, the small model's read included; scoring and the sparse read
-for a `Peer`), side by side in one run;
-`retention` counts what a `Chat` condition kept of the facts and copies the native read got
-right, per length: what reader "auto" weighs (conversation/retention.py).
+Scores per kind and read length: for fact and copy, accuracy and *retained* = right where the
+native answer is right / native right (the headline); for qa and summary, content-word recall
+of the native answer (the headline) and ROUGE-L F1. Each condition's read is timed (`read_s`).
 """
 
 from __future__ import annotations
@@ -294,19 +282,18 @@ class ContentResult:
     conditions: list = field(default_factory=list)
 
     def cells(self) -> dict:
-        """{condition: {kind: {length: summary}}} (see `summarize`)."""
-        out: dict = {}
-        by_task: dict = {}
+        """{condition: {kind: {length: summary}}} (see `summarize`), in the order of the
+        conditions, the kinds and the lengths."""
+        native = {r["task"]: r for r in self.records if r["condition"] == "native"}
+        groups: dict = {}
         for r in self.records:
-            by_task.setdefault(r["task"], {})[r["condition"]] = r
-        for c in self.conditions:
-            for kind in KINDS:
-                for length in sorted({r["length"] for r in self.records}):
-                    rows = [t[c] for t in by_task.values()
-                            if c in t and t[c]["kind"] == kind and t[c]["length"] == length]  # fmt: skip
-                    if rows:
-                        native = [by_task[r["task"]]["native"] for r in rows]
-                        out.setdefault(c, {}).setdefault(kind, {})[length] = summarize(rows, native)
+            groups.setdefault((r["condition"], r["kind"], r["length"]), []).append(r)
+        order = lambda k: (self.conditions.index(k[0]), KINDS.index(k[1]), k[2])  # noqa: E731
+        out: dict = {}
+        for c, kind, length in sorted(groups, key=order):
+            rows = groups[c, kind, length]
+            cell = summarize(rows, [native[r["task"]] for r in rows])
+            out.setdefault(c, {}).setdefault(kind, {})[length] = cell
         return out
 
 
@@ -357,25 +344,20 @@ def to_json(res: ContentResult, pair, extra: dict | None = None) -> dict:
             **(extra or {})}  # fmt: skip
 
 
-def _fmt(x: float) -> str:
-    return "n/a" if x is None or x != x else f"{x:.2f}"
-
-
 def retention(result: dict, condition: str = "chat") -> list[tuple[int, int, int]]:
     """(read length, kept, right) of `condition` per length, facts and copies pooled: right =
     tasks the native answer got right, kept = those `condition` also got right (lengths where
     native got none are left out); conversation/retention.py weighs them."""
+    native = {r["task"]: r for r in result["records"] if r["condition"] == "native"}
     right: dict = {}
-    by_task = {}
     for r in result["records"]:
-        by_task.setdefault(r["task"], {})[r["condition"]] = r
-    for t in by_task.values():
-        nat, mine = t.get("native"), t.get(condition)
-        if mine is None or nat is None or nat["kind"] not in EXACT_KINDS or not nat["correct"]:
+        nat = native.get(r["task"])
+        if r["condition"] != condition or nat is None or nat["kind"] not in EXACT_KINDS:
             continue
-        both, total = right.get(nat["length"], (0, 0))
-        right[nat["length"]] = (both + bool(mine["correct"]), total + 1)
-    return [(n, b, t) for n, (b, t) in sorted(right.items())]
+        if nat["correct"]:
+            kept, total = right.get(nat["length"], (0, 0))
+            right[nat["length"]] = (kept + bool(r["correct"]), total + 1)
+    return [(n, k, t) for n, (k, t) in sorted(right.items())]
 
 
 def read_times(result: dict) -> dict:
@@ -406,9 +388,13 @@ def tables(result: dict) -> list[Table]:
                 if s is None:
                     row.append("")
                 elif kind in EXACT_KINDS:
-                    row.append(f"{_fmt(s['retained'])} ({s['accuracy']:.2f}, n={s['n']})")
+                    row.append(
+                        f"{report.number(s['retained'], none='n/a')} ({s['accuracy']:.2f}, n={s['n']})"
+                    )
                 else:
-                    row.append(f"{_fmt(s['recall'])} ({_fmt(s['rouge_l'])})")
+                    row.append(
+                        f"{report.number(s['recall'], none='n/a')} ({report.number(s['rouge_l'], none='n/a')})"
+                    )
             t.add_row(c, *row)
         out.append(t)
     times = read_times(result)

@@ -13,15 +13,11 @@
                    large would lack is translated between its tokens (`translate_ahead`),
                    within 10% of the small model's decode time; the rest at escalation.
 
-Every policy is a `Session` with its reader policy (`ReaderPolicy`): what is timed is the
-conversation's own path. User turns are `user_lengths` tokens long (cycled), answers exactly
-`answer_tokens` tokens (end-of-sequence banned, greedy), so every policy does the same work turn
-for turn. Per turn: TTFT as the user sees it (for an escalated cascade turn: the small answer
-plus the large's TTFT) and the turn's total time, with the small model's read and the
-translation broken out. Policies are interleaved turn by turn, so machine noise hits them
-alike. Before the first turn the pair is warmed up (`conversation/warmup.py`): what a new
-process pays once is not counted in anyone's first turn, and reader "auto" starts with measured
-rates.
+Every policy is a `Session` with its reader policy (`ReaderPolicy`), interleaved turn by turn.
+User turns are `user_lengths` tokens (cycled), answers exactly `answer_tokens` tokens
+(end-of-sequence banned, greedy), so every policy does the same work. Per turn: TTFT as the user
+sees it (an escalated cascade turn: the small answer plus the large's TTFT), the turn's total,
+the small model's read and the translation. The pair is warmed up first (`conversation/warmup.py`).
 """
 
 from __future__ import annotations
@@ -36,7 +32,7 @@ from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.bench import prompt_tokens
-from mlx_kvlingo.eval.report import md_row, md_table
+from mlx_kvlingo.eval.report import md_row, md_table, number
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
 
@@ -249,10 +245,6 @@ def summarize(timings: list[TurnTiming], cfg: ConversationBenchConfig) -> dict:
     return out
 
 
-def _num(x, fmt: str) -> str:
-    return "" if x is None else format(x, fmt)
-
-
 def markdown_report(result: dict) -> str:
     """Per turn, each policy's TTFT and how reader auto did against the better of the two fixed
     readers; means by user-turn length; the cascades' escalations."""
@@ -290,14 +282,14 @@ def markdown_report(result: dict) -> str:
             *(f"{1e3 * row[p]['ttft_s']:.0f}" + (esc if p == "cascade" else "") for p in policies),
             f"{1e3 * sr.get('read_s', 0):.0f}", f"{1e3 * sr.get('translate_s', 0):.0f}",
             *(() if not auto else ("", "", "", "") if r is None else (
-                "small" if r["small_read"] else "large", _num(r["retention"], ".2f"),
+                "small" if r["small_read"] else "large", number(r["retention"], ".2f"),
                 f"{r['auto_over_best']:.2f}", "yes" if r["picked_faster"] else "no")),
         )))  # fmt: skip
     lines += ["", "Mean TTFT (ms) over turns after the first, by user-turn length:", "",
               *md_table(("user tok", *policies, "small / large TTFT"), "r" * (2 + len(policies)))]  # fmt: skip
     for n, row in summary["by_length"].items():
         lines.append(md_row((n, *(f"{row[p]['ttft_ms']:.0f}" for p in policies if p in row),
-                             _num(row.get("ttft_ratio_small_over_large"), ".2f"))))  # fmt: skip
+                             number(row.get("ttft_ratio_small_over_large"), ".2f"))))  # fmt: skip
     if summary.get("cascades"):
         lines += ["", "Cascades: the large model's TTFT once escalated (against one of its decode "
                   "steps, goal with translate-ahead <= 1.25), the small model's decode speed and "
@@ -307,9 +299,9 @@ def markdown_report(result: dict) -> str:
                              "TTFT / step", "small decode tok/s", "ahead / decode"), "lrrrrrr")]  # fmt: skip
         for p, c in summary["cascades"].items():
             lines.append(md_row((
-                p, c["escalations"], _num(c["escalation_ttft_ms"], ".0f"),
-                _num(c["large_step_ms"], ".0f"), _num(c["escalation_ttft_in_steps"], ".2f"),
-                _num(c["small_decode_tps"], ".1f"), _num(c["ahead_share_of_decode"], ".1%"),
+                p, c["escalations"], number(c["escalation_ttft_ms"], ".0f"),
+                number(c["large_step_ms"], ".0f"), number(c["escalation_ttft_in_steps"], ".2f"),
+                number(c["small_decode_tps"], ".1f"), number(c["ahead_share_of_decode"], ".1%"),
             )))  # fmt: skip
     return "\n".join(lines) + "\n"
 

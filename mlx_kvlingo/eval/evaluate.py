@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mlx_kvlingo.eval.report import number
 from mlx_kvlingo.kv.scoring import native_logp, prepare, student_logp
 from mlx_kvlingo.kv.translator import Side, TranslatorConfig, identity_translator
 
@@ -36,10 +37,6 @@ def gap_recovered(nll_source: float, nll_native: float, nll: float) -> float:
 def format_kl(x: float) -> str:
     """KL is never negative: float error below zero prints as 0.0000, not -0.0000."""
     return f"{x if x > 0 else 0.0:.4f}"
-
-
-def format_gap(x: float | None) -> str:
-    return "" if x is None else ("n/a" if x != x else f"{x:.3f}")
 
 
 @dataclass
@@ -129,6 +126,6 @@ def table(result: dict, title: str = "evaluation") -> Table:
             continue
         t.add_row(
             c, f"{r['nll']:.3f}", f"{np.exp(r['nll']):.1f}", f"{r['top1']:.3f}", f"{r['agree_native']:.3f}",
-            format_kl(r["kl_native"]), format_gap(r.get("gap_recovered")),
+            format_kl(r["kl_native"]), number(r.get("gap_recovered"), ".3f"),
         )  # fmt: skip
     return t

@@ -1,17 +1,10 @@
 """Shape-faithful model pairs with random weights, for benchmarks that need no download.
 
-A preset names a source and a target architecture (mlx-lm `model_type` plus config), a
-shared offline BPE tokenizer (see `synthetic`) and a random translator of the right shape.
-It is built once into `$KVLINGO_CACHE/presets/<name>` (default `~/.cache/mlx-kvlingo`) and
-reused while its recipe is unchanged. Timings depend on shapes, not on weight values, so
-these pairs measure latency faithfully; their outputs are of course meaningless.
-
-`qwen3-0.6b>qwen3-30b-a3b-scaled` keeps everything the translator and the attention see:
-the source is Qwen3-0.6B-shaped exactly (28 layers, hidden 1024, 16 heads, 8 KV heads,
-head dim 128, real vocabulary size), the target keeps Qwen3-30B-A3B's attention geometry
-(48 layers, 32 query heads, 4 KV heads, head dim 128) and top-8 routing, but its hidden size
-(2048 -> 1024), expert width (768 -> 384) and expert count (128 -> 16) are scaled so that it
-fits a 24 GiB machine in float32 and runs on a CPU. About 6.7 GB target + 2.4 GB source.
+A preset names a source and a target architecture (mlx-lm `model_type` plus config), a shared
+offline BPE tokenizer (`synthetic`) and a random translator of the right shape, built once into
+`$KVLINGO_CACHE/presets/<name>` and reused while its recipe is unchanged. Timings depend on
+shapes, not on weight values: these pairs measure latency faithfully; their outputs are
+meaningless. Each preset's description and `reference` say what was kept and what was scaled.
 """
 
 from __future__ import annotations

@@ -1,21 +1,6 @@
 """What the measuring commands write, in one place: the machine and software a result was
-measured on, the command that made it, JSON result files, markdown tables and headless
-matplotlib figures. `bench`, `conversation_bench`, `startup` and `content` build
-their own results and tables; the pieces they share live here.
-
-Contracts:
-- `run_info()` says when, by which command, on what machine (`machine_info()`) and software
-  (`software_info()`) a result is measured, as of now (the load average too: call
-  `load_average()` again at the end of a run to record it there);
-- `write_json` writes `jsonable(result)`: keys as strings, tuples as lists, numpy scalars as
-  Python numbers, NaN and infinities as null (strict JSON), anything else unknown as its
-  `str`; indented by one space, with a final newline;
-- `write` puts a run's files in its folder: NAME.json, NAME.md and, given a plot, its figure;
-- `md_table` rows are `| a | b |` lines under a header and a rule of `---` (left) or `---:`
-  (right) per column, as GitHub renders them; cells are written as given;
-- `pyplot()` selects the Agg backend before pyplot is imported (no display needed), and
-  `save_figure` lays the figure out, writes it and closes it (figures do not pile up).
-"""
+measured on, JSON result files (strict: NaN and infinities as null), markdown tables and headless
+matplotlib figures."""
 
 from __future__ import annotations
 
@@ -100,17 +85,12 @@ def git_commit() -> str | None:
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
+    describe = ["git", "-C", str(root), "describe", "--always", "--dirty=+dirty", "--exclude=*"]
     try:
-        run = lambda *a: subprocess.run(  # noqa: E731
-            ["git", "-C", str(root), *a], capture_output=True, text=True, timeout=5
-        )
-        head = run("rev-parse", "--short", "HEAD")
-        if head.returncode != 0:
-            return None
-        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
-        return head.stdout.strip() + ("+dirty" if dirty else "")
+        run = subprocess.run(describe, capture_output=True, text=True, timeout=5)
     except (OSError, subprocess.SubprocessError):
         return None
+    return run.stdout.strip() if run.returncode == 0 else None
 
 
 def stats(values: Iterable) -> dict | None:
@@ -141,6 +121,13 @@ def command_line() -> str:
     return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
 
 
+def number(x: float | None, fmt: str = ".2f", none: str = "") -> str:
+    """`x` formatted by `fmt`; `none` for None, "n/a" for NaN."""
+    if x is None:
+        return none
+    return "n/a" if x != x else format(x, fmt)
+
+
 # -- files ---------------------------------------------------------------------------------------
 
 
@@ -159,7 +146,8 @@ def write(out_dir: str | Path, name: str, result, markdown: str, plot=None,
 
 
 def jsonable(x):
-    """`x` as strict JSON can hold it (see the module's contracts)."""
+    """`x` as strict JSON holds it: keys as strings, tuples as lists, numpy scalars as Python
+    numbers, NaN and infinities as null, anything else unknown as its `str`."""
     if isinstance(x, dict):
         return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -191,8 +179,6 @@ def md_row(cells: Iterable) -> str:
 def md_table(columns: Sequence[str], align: str, rows: Iterable[Iterable] = ()) -> list[str]:
     """Header, rule and rows of a markdown table; `align` has one letter per column, "l"
     (left) or "r" (right)."""
-    if len(align) != len(columns) or set(align) - {"l", "r"}:
-        raise ValueError(f"align needs one of l/r per column ({len(columns)}), got {align!r}")
     rule = md_row("---:" if a == "r" else "---" for a in align)
     return [md_row(columns), rule, *(md_row(r) for r in rows)]
 

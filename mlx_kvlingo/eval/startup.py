@@ -10,12 +10,9 @@ sampling):
     kvlingo, new      the same on a new cache folder (the converted models linked in, no
                       stored rates): the first start on a machine, which measures them
 
-One untimed start of each goes first (files into the OS's page cache, the rates into the cache
-folder), then the three alternate for `trials` rounds, so that drift and other processes' load
-hit all of them. Each child also reports its own parts (imports, load, warm-up, first-turn
-TTFT) and the TTFT of a second answer to the same question in a new conversation (the first
-turn against a later one). On Linux both sides preload the same BLAS (`mlx_kvlingo._platform.
-blas`: OpenBLAS where installed); without it mlx-lm's CPU matmuls run on MLX's reference BLAS.
+One untimed start of each goes first, then the three alternate for `trials` rounds. Each child
+also reports its parts (imports, load, warm-up, first-turn TTFT) and the TTFT of a second answer
+in a new conversation. Both sides preload the same BLAS (`mlx_kvlingo._platform.blas`).
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ from mlx_kvlingo.eval import report
 PROMPT = "Answer in one word: what is the capital of France?"
 
 #: one start, in a fresh process (argv: side, args as JSON): its parts and the wall clock at its
-#: first token, as one JSON line; mlx-lm's side preloads the same BLAS the package does
+#: first token, as one JSON line
 _CHILD = """
 import json, sys, time
 t0 = time.perf_counter()
@@ -122,14 +119,11 @@ def run_startup_bench(source=None, target=None, translator=None, demo_pair: str 
 
     if trials < 1:
         raise ValueError("need trials >= 1")
-    named = {
-        k: None if v is None else str(v)
-        for k, v in (("source", source), ("target", target), ("translator", translator))
-    }
+    named = {"source": source, "target": target, "translator": translator}
+    args = {k: None if v is None else str(v) for k, v in named.items()}
     # the large model's folder (or Hub id) as mlx-lm loads it: the demo's converted target
-    folder = str(target) if target is not None else str(demo_paths(demo_pair)[1])
-    args = {**named, "pair": None if source or target else demo_pair, "target_folder": folder,
-            "prompt": PROMPT}  # fmt: skip
+    args["target_folder"] = str(target if target is not None else demo_paths(demo_pair)[1])
+    args.update(pair=None if source or target else demo_pair, prompt=PROMPT)
     cache = cache_root()
     order = ("kvlingo", "mlx-lm", "kvlingo-new")
     runs: dict[str, list[dict]] = {side: [] for side in order}
