@@ -174,10 +174,7 @@ def user_errors(ctx: click.Context | None = None) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        debug = debugging(ctx)
-        if isinstance(e, click.exceptions.Exit | click.Abort):
-            raise
-        if debug:
+        if debugging(ctx):
             if not isinstance(e, click.ClickException):
                 raise  # the whole traceback
             cause = e.__cause__ or e.__context__
@@ -187,6 +184,4 @@ def user_errors(ctx: click.Context | None = None) -> Iterator[None]:
         mapped = explain(e)
         if mapped is None:
             raise
-        if mapped is not e:
-            raise mapped from e
-        raise
+        raise mapped from e

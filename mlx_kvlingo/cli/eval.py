@@ -19,7 +19,6 @@ from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, KINDS
 from mlx_kvlingo.data.examples import load_examples, validate_data
 from mlx_kvlingo.eval import report
-from mlx_kvlingo.eval.content import Chat
 from mlx_kvlingo.eval.evaluate import evaluate, table
 
 import click
@@ -70,12 +69,33 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
     content) on what it can use of what was read."""
     console = Console()
     if task == "content":
+        from mlx_kvlingo.eval import content as c
+
         texts = content_texts(data_path)  # before loading any model
         pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
-        chat = Chat(tr, Chat.tail if tail is None else tail, Chat.share if share is None else share)
-        return _content(pair, tr, texts, lengths, per_kind, kinds, kw["seed"], chat, keeps,
-                        json_out, plot_out, console, translator or "demo default",
-                        str(data_path or "demo"))  # fmt: skip
+        seed = kw["seed"]
+        tasks = c.fitting_tasks(pair, texts, lengths, per_kind, seed=seed, kinds=kinds)
+        console.print(f"[grey50]{len(tasks)} content tasks ({per_kind} per kind and length, seed "
+                      f"{seed}); the target answers natively first, then from the translated "
+                      f"cache; greedy[/grey50]")  # fmt: skip
+        # both through the chat's own hand-off: the whole turn translated (the large model reads
+        # the last token only), and the chat's reading (its last tokens, then the recompute)
+        tail = c.Chat.tail if tail is None else tail
+        chat = c.Chat(tr, tail, c.Chat.share if share is None else share)
+        conditions = {"translated": c.Chat(tr, 1, 0.0), "chat": chat,
+                      **{f"specprefill {k:g}": c.Peer(k, seed) for k in keeps}}  # fmt: skip
+        label = {"translator": translator or "demo default", "seed": seed, "lengths": list(lengths)}
+        with progress_bar("content", console) as progress:
+            result = c.evaluate_content(pair, tasks, conditions, progress=progress)
+        result = c.to_json(result, pair, label)
+        for t in c.tables(result):
+            console.print(t)
+        if json_out:
+            report.write_json(result, json_out)
+        if plot_out:
+            c.plot(result, plot_out)
+        draw = f"data {data_path or 'demo'}, seed {seed}, kinds {','.join(kinds)}"
+        return _store_retention(pair, tr, chat, c.retention(result), draw, console)
     if tail is not None or share is not None or plot_out is not None or keeps:
         raise click.UsageError("--large-reads-last, --recompute, --plot and --specprefill go "
                                "with --task content")  # fmt: skip
@@ -105,31 +125,6 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
     )
     if json_out:
         report.write_json(result, json_out)
-
-
-def _content(pair, tr, texts, lengths, per_kind, kinds, seed, chat, keeps, json_out, plot_out,
-             console, label, data_label):  # fmt: skip
-    from mlx_kvlingo.eval import content as c
-
-    tasks = c.fitting_tasks(pair, texts, lengths, per_kind, seed=seed, kinds=kinds)
-    console.print(f"[grey50]{len(tasks)} content tasks ({per_kind} per kind and length, seed "
-                  f"{seed}); the target answers natively first, then from the translated cache; "
-                  f"greedy[/grey50]")  # fmt: skip
-    # both through the chat's own hand-off: the whole turn translated (the large model reads
-    # the last token only), and the chat's reading (its last tokens, then the recompute)
-    conditions = {"translated": c.Chat(tr, 1, 0.0), "chat": chat,
-                  **{f"specprefill {k:g}": c.Peer(k, seed) for k in keeps}}  # fmt: skip
-    with progress_bar("content", console) as progress:
-        result = c.to_json(c.evaluate_content(pair, tasks, conditions, progress=progress), pair,
-                           {"translator": label, "seed": seed, "lengths": list(lengths)})  # fmt: skip
-    for t in c.tables(result):
-        console.print(t)
-    if json_out:
-        report.write_json(result, json_out)
-    if plot_out:
-        c.plot(result, plot_out)
-    draw = f"data {data_label}, seed {seed}, kinds {','.join(kinds)}"
-    _store_retention(pair, tr, chat, c.retention(result), draw, console)
 
 
 def _store_retention(pair, tr, chat, counts, draw, console) -> None:

@@ -15,7 +15,7 @@ from mlx_kvlingo.cli._common import (
 )
 from mlx_kvlingo.cli._params import OutputFile, SafetensorsFile
 from mlx_kvlingo.kv.cache import new_cache
-from mlx_kvlingo.kv.capture import capture_from_cache, prefill
+from mlx_kvlingo.kv.capture import capture_from_cache, trace
 from mlx_kvlingo.kv.translator import append_translation
 
 import click
@@ -51,7 +51,7 @@ def translate_cmd(source, target, translator, cache_in, prompt, output):
     else:
         tokens = pair.tokenizer.encode(prompt)
         refuse_long_prompt(pair, len(tokens), "'--prompt'")  # before any work
-        span = prefill(pair.source, tokens, new_cache(pair.source), cut=tr.config.key_cut)
+        span = trace(pair.source, tokens, tr.config.key_cut)
     tgt_cache = new_cache(pair.target)
     append_translation(pair.target, tr, span, tgt_cache)
     metadata = {"tokenizer_config": json.dumps({}), **metadata, "model": pair.target.name,

@@ -23,7 +23,6 @@ Peak memory is MLX's allocator peak during the phase, loaded weights included.
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -36,11 +35,11 @@ from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.content import Peer
 from mlx_kvlingo.eval.report import md_row, md_table
 from mlx_kvlingo.kv.cache import new_cache
-from mlx_kvlingo.kv.capture import needs_recording, prefill
+from mlx_kvlingo.kv.capture import needs_recording, trace
 from mlx_kvlingo.kv.sparse_prefill import positions_shifted, speculative_prefill
 from mlx_kvlingo.kv.translator import Translator, reserve_translation_memory
 from mlx_kvlingo.kv.translator import measure as measure_map_reading
-from mlx_kvlingo.models.pair import LoadedModel, ModelPair, describe_model
+from mlx_kvlingo.models.pair import LoadedModel, ModelPair, describe_model, physical_memory
 
 import mlx.core as mx
 import numpy as np
@@ -106,7 +105,7 @@ def available_memory() -> int:
     if mx.metal.is_available():
         info = mx.metal.device_info()
         return int(info.get("max_recommended_working_set_size", 0)) - mx.get_active_memory()
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") - mx.get_active_memory()
+    return physical_memory() - mx.get_active_memory()
 
 
 def working_bytes(pair: ModelPair, translator: Translator, n: int) -> int:
@@ -196,7 +195,7 @@ class _Clock:
 
 
 def run_reprefill(target: LoadedModel, tokens: list[int], clock: _Clock) -> None:
-    """Target TTFT from scratch: prefill n-1 tokens in mlx-lm's chunks, then the first token."""
+    """Target TTFT from scratch: prefill n-1 tokens in the chat's chunks, then the first token."""
 
     def prefill_all():
         cache, prompt = new_cache(target), mx.array(tokens[:-1])
@@ -214,9 +213,8 @@ def run_reprefill(target: LoadedModel, tokens: list[int], clock: _Clock) -> None
 def run_switch(
     pair: ModelPair, tr: Translator, tokens: list[int], clock: _Clock, gemm_inputs: list
 ) -> None:
-    """The conversation's own hand-off (the small model reads, translation; the large model
-    reads only the last token: `Session.hand_off`), the target's first step, the translator's
-    maps alone on the span the hand-off read, and the plain GEMM of their shapes."""
+    """The conversation's own hand-off (`Session.hand_off`, the large model reading only the last
+    token), the target's first step, the maps alone on the span read and a GEMM of their shapes."""
     plain = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0.0)
     session = Session(pair, tr, policy=plain, read_costs=ReadCosts())
     session.add_tokens(tokens)
@@ -230,7 +228,7 @@ def run_switch(
     clock.total("switch_ttft", "translate", "target_step")
     n = len(tokens) - 1
     if needs_recording(pair.source, tr.config.key_cut):  # keys the cache does not keep
-        span = prefill(pair.source, tokens[:-1], new_cache(pair.source), cut=tr.config.key_cut)
+        span = trace(pair.source, tokens[:-1], tr.config.key_cut)
     else:
         span = tr.capture(pair.source, session.cache("source"), 0, n)
     mx.eval(span.keys, span.values)
@@ -239,10 +237,9 @@ def run_switch(
 
 
 def run_peer(pair: ModelPair, tokens: list[int], peer: Peer, clock: _Clock) -> int:
-    """The peer's TTFT, as `kvlingo eval --task content` runs it (`eval.content.peer_kv`):
-    `speculative_prefill` (the small model reads and scores the prompt, the large model reads
-    the kept chunks of tokens[:-1]), then the large model's first step on the last token at its
-    own position (n-1). Returns the entries the large model's cache held before that step."""
+    """The peer's TTFT, as `eval.content.peer_kv` reads: `speculative_prefill`, then the large
+    model's first step on the last token at its own position (n-1). Returns the entries the
+    large model's cache held before that step."""
     target, M = pair.target, len(tokens)
 
     def read_and_step() -> int:
@@ -306,8 +303,7 @@ def run_bench(
     peers = [Peer(float(k), seed) for k in dict.fromkeys(keeps)]
     translator.check_target(pair.target)
     started = time.perf_counter()
-    # how the maps read the source: measured on this pair's shapes, as a warm-up at load does
-    reading = measure_map_reading(translator)
+    reading = measure_map_reading(translator)  # as a warm-up at load does
     resident = mx.get_active_memory()  # the loaded weights (and anything else alive)
     results = {
         "schema": SCHEMA,
@@ -426,7 +422,7 @@ def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) ->
     med = {p: s["median"] for p, s in stats.items()}
     R, X, P = med["target_ttft"], med["switch_ttft"], med["source_prefill"]
     flops, nbytes = kernel_work(tr, n - 1)
-    r_, p_, x_ = (np.asarray(times[k]) for k in ("target_ttft", "source_prefill", "switch_ttft"))
+    r_, x_ = (np.asarray(times[k]) for k in ("target_ttft", "switch_ttft"))
     return {
         "tokens": n,
         "trials": times,
@@ -441,8 +437,6 @@ def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) ->
         "derived": {
             "switch_speedup": R / X,  # the paper's figure: the source's prefill not counted
             "switch_speedup_trials": report.stats(r_ / x_),
-            "end_to_end_speedup": R / (P + X),
-            "end_to_end_speedup_trials": report.stats(r_ / (p_ + x_)),
             "translation_vs_target_step": med["translate"] / med["target_step"],
             # the floor of the line above: the translator's matmuls alone, as a plain GEMM
             "gemm_vs_target_step": med["gemm"] / med["target_step"],
@@ -471,8 +465,7 @@ def _tps(values: Sequence[float], tokens: int) -> str:
 
 
 def markdown_report(results: dict) -> str:
-    """llama-bench-style tables (mean ± std over trials), each path's TTFT over the large
-    model's own read, derived figures, the goals."""
+    """bench.md: llama-bench-style tables (mean ± std over trials), TTFT over R, derived, goals."""
     p, m, st = results["pair"], results["machine"], results["settings"]
     base, tr = results.get("resident_before_GB", 0.0), p["translator"]
     out = [
@@ -483,9 +476,8 @@ def markdown_report(results: dict) -> str:
         + (f" ({p['translator_weights']})" if p.get("translator_weights") else "")
         + f" · models {p['source']['dtype']}/{p['target']['dtype']}",
         report.machine_line(m, results["software"]),
-        f"{st['trials']} trials after {st['warmup']} warm-up round(s) at every length; load "
-        f"average at start {report.load_text(m.get('load_average'))}, at end "
-        f"{report.load_text(m.get('load_average_end'))}; {base:.2f} GB resident before the run (weights)",
+        f"{st['trials']} trials after {st['warmup']} warm-up round(s) at every length; "
+        f"{report.load_span(m)}; {base:.2f} GB resident before the run (weights)",
         "",
         *md_table(("path", "phase", "test", "ms", "t/s", "median ms", "peak GB (+ over resident)"),
                   "lllrrrr"),
@@ -554,20 +546,16 @@ def targets_lines(t: dict) -> list[str]:
 
 
 def derived_table(results: dict) -> list[str]:
-    """The figures derived per length (medians): the switch speed-ups with and without the small
-    model's prefill, the translation against one target decode step (the same-run GEMM of its
-    matmuls alone beside it: its floor) and against the target's prefill, and its throughput
-    and efficiency against that GEMM."""
-    out = md_table(("n", "switch speed-up R/X", "end-to-end R/(P+X)",
-                    "translation (GEMM) / target step", "translation / target prefill",
-                    "translation GFLOP/s", "GB/s", "GEMM GFLOP/s", "GB/s",
-                    "efficiency vs GEMM (maps alone)"), "r" * 10)  # fmt: skip
+    """The figures derived per length (medians): the switch speed-up, the translation against
+    one target decode step (the same-run GEMM of its matmuls alone beside it: its floor) and
+    against the target's prefill, and its throughput and efficiency against that GEMM."""
+    out = md_table(("n", "switch speed-up R/X", "translation (GEMM) / target step",
+                    "translation / target prefill", "translation GFLOP/s", "GB/s", "GEMM GFLOP/s",
+                    "GB/s", "efficiency vs GEMM (maps alone)"), "r" * 9)  # fmt: skip
     for key, v in results["lengths"].items():
-        d = v["derived"]
-        sp, e2 = d["switch_speedup_trials"], d["end_to_end_speedup_trials"]
+        d, sp = v["derived"], v["derived"]["switch_speedup_trials"]
         out.append(md_row((
             key, f"{d['switch_speedup']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})",
-            f"{d['end_to_end_speedup']:.2f}x ({e2['min']:.2f}–{e2['max']:.2f})",
             f"{100 * d['translation_vs_target_step']:.1f}% ({100 * d['gemm_vs_target_step']:.1f}%)",
             f"{100 * d['translation_vs_target_prefill']:.1f}%", f"{d['translate_gflops']:.1f}",
             f"{d['translate_gbs']:.2f}", f"{d['gemm_gflops']:.1f}", f"{d['gemm_gbs']:.2f}",

@@ -153,10 +153,8 @@ def translated_kv(pair, translator, tokens: Sequence[int]) -> tuple[list, list]:
 
 @dataclass(frozen=True)
 class Chat:
-    """A condition: the turn as `kvlingo chat` reads it when the small model reads for the
-    large one, through the conversation's own hand-off (`Session.hand_off`): `translator`
-    translates the turn, the large model reads its last `tail` tokens itself and recomputes
-    `share` of the rest (the library's defaults: `ReaderPolicy`)."""
+    """A condition: the turn as `kvlingo chat` reads it when the small model reads for the large
+    one (`Session.hand_off`): the large model reads the last `tail` tokens, recomputes `share`."""
 
     translator: object
     tail: int = ReaderPolicy().large_reads_last
@@ -164,10 +162,8 @@ class Chat:
 
 
 def chat_kv(pair, cond: Chat, task: ContentTask) -> tuple[list, list]:
-    """The large model's cache for prompt[:-1] exactly as the chat builds it: a conversation
-    holding the prompt hands off to the large model (small reads, translate, tail, recompute;
-    with fresh read rates, so no time budget trims the policy), then the large model reads the
-    rest of the prompt but its last token, as mlx-lm's prefill does before the first step."""
+    """The large model's cache for prompt[:-1] as the chat builds it: the hand-off (fresh read
+    rates: no time budget trims the policy), then the rest of the prompt but its last token."""
     policy = ReaderPolicy(reader="small", large_reads_last=cond.tail, recompute_share=cond.share)
     session = Session(pair, cond.translator, policy=policy, read_costs=ReadCosts())
     session.add_tokens(task.tokens)
@@ -181,25 +177,22 @@ def chat_kv(pair, cond: Chat, task: ContentTask) -> tuple[list, list]:
 
 @dataclass(frozen=True)
 class Peer:
-    """A condition: speculative prefill (kv/sparse_prefill.py), the peer that drops tokens: the
-    small model scores the prompt, the large model reads the `keep` share of it in the chunks
-    scored highest, at their own positions (the look-ahead sampled with `seed`)."""
+    """A condition: speculative prefill (kv/sparse_prefill.py) keeping the `keep` share of the
+    prompt, the look-ahead sampled with `seed`."""
 
     keep: float
     seed: int = 0
 
 
 def peer_kv(pair, cond: Peer, task: ContentTask) -> tuple[list, list]:
-    """The large model's cache after the peer's read of the prompt: the kept tokens of
-    prompt[:-1] only (N entries; the decode reads the last token at its own position)."""
+    """The large model's cache after the peer's read: the kept tokens of prompt[:-1] only."""
     mx.random.seed(cond.seed)
     cache, _ = speculative_prefill(pair, list(task.tokens), cond.keep)
     return cache_kv(cache)
 
 
 def condition_kv(pair, cond, task: ContentTask, native: tuple[list, list]) -> tuple[list, list]:
-    """The target's cache for prompt[:-1] under `cond` (see the module's doc); a `Peer`'s holds
-    fewer entries, the kept ones."""
+    """The target's cache for prompt[:-1] under `cond` (see the module's doc)."""
     if isinstance(cond, Chat):
         return chat_kv(pair, cond, task)
     if isinstance(cond, Peer):

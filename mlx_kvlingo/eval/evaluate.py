@@ -12,7 +12,7 @@ Raw transfer is the identity translator, layer i to layer i (`kv.translator.iden
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlx_kvlingo.eval.report import number
 from mlx_kvlingo.kv.scoring import native_logp, prepare, student_logp
@@ -41,14 +41,10 @@ def format_kl(x: float) -> str:
 
 @dataclass
 class Scores:
-    nll: list
-    top1: list
-    agree: list
-    kl: list
-
-    @classmethod
-    def empty(cls):
-        return cls([], [], [], [])
+    nll: list = field(default_factory=list)
+    top1: list = field(default_factory=list)
+    agree: list = field(default_factory=list)
+    kl: list = field(default_factory=list)
 
     def add(self, logp: mx.array, native_logp: mx.array, targets: mx.array) -> None:
         self.nll.append(float(-mx.take_along_axis(logp, targets[:, None], axis=-1).mean()))
@@ -86,7 +82,7 @@ def evaluate(pair, translator, examples, progress=None) -> dict:
     if not isinstance(raw, str):
         translators["raw"] = raw
     cuts = sorted({tr.config.key_cut for tr in translators.values()})
-    scores = {label: Scores.empty() for label in ("native", *translators, "source")}
+    scores = {label: Scores() for label in ("native", *translators, "source")}
     weights = []
     for i, ex in enumerate(examples):
         preps = {cut: prepare(pair, ex, cut) for cut in cuts}

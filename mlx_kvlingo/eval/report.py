@@ -15,6 +15,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from mlx_kvlingo._platform import blas as _blas
+from mlx_kvlingo.models.pair import physical_memory
 
 import mlx.core as mx
 import numpy as np
@@ -23,8 +24,10 @@ import numpy as np
 
 
 def run_info() -> dict:
-    """created (local time), command, machine and software of a result measured now."""
-    return {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command_line(),
+    """created (local time), command (the program by its file name), machine and software of a
+    result measured now."""
+    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    return {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command,
             "machine": machine_info(), "software": software_info()}  # fmt: skip
 
 
@@ -38,14 +41,13 @@ def machine_info() -> dict:
                 break
     except OSError:
         pass
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     gpu = mx.default_device().type == mx.gpu
     return {
         "os": platform.platform(),
         "arch": platform.machine(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
-        "memory_GB": round(total / 1e9, 1),
+        "memory_GB": round(physical_memory() / 1e9, 1),
         "backend": ("metal" if mx.metal.is_available() else "cuda") if gpu else "cpu",
         "device": mx.device_info() if hasattr(mx, "device_info") else {},
         "blas": _blas.loaded_path or f"none preloaded ({_blas.reason})",
@@ -111,14 +113,12 @@ def machine_line(m: dict, sw: dict) -> str:
             + (f" · commit {sw['commit']}" if sw.get("commit") else ""))  # fmt: skip
 
 
-def load_text(avg) -> str:
-    """A load average as 1.2/0.8/0.5 ("n/a" where there is none)."""
-    return "n/a" if not avg else "/".join(f"{x:.1f}" for x in avg)
-
-
-def command_line() -> str:
-    """This process's command line, the program by its file name."""
-    return " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+def load_span(m: dict) -> str:
+    """The load averages of `machine_info()` at a run's start and (`load_average_end`) its end,
+    as "load average 1.2/0.8/0.5 at start, ... at end" ("n/a" where there is none)."""
+    start, end = (m.get(k) for k in ("load_average", "load_average_end"))
+    text = [("n/a" if not a else "/".join(f"{x:.1f}" for x in a)) for a in (start, end)]
+    return f"load average {text[0]} at start, {text[1]} at end"
 
 
 def number(x: float | None, fmt: str = ".2f", none: str = "") -> str:

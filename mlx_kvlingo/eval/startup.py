@@ -127,7 +127,7 @@ def run_startup_bench(source=None, target=None, translator=None, demo_pair: str 
     cache = cache_root()
     order = ("kvlingo", "mlx-lm", "kvlingo-new")
     runs: dict[str, list[dict]] = {side: [] for side in order}
-    load_before = report.load_average()
+    info = report.run_info()  # the load average at the start
     for side in ("kvlingo", "mlx-lm"):  # untimed: the page cache, the stored rates
         log(f"untimed start: {side}")
         run_one(side, args, cache, timeout)
@@ -136,8 +136,8 @@ def run_startup_bench(source=None, target=None, translator=None, demo_pair: str 
             got = run_one(side, args, cache, timeout)
             runs[side].append(got)
             log(f"round {i + 1}/{trials} · {side}: {got['start_s']:.2f} s (rates {got['rates']})")
-    return {**report.run_info(), "load_average": {"before": load_before, "after": report.load_average()},
-            "args": args, "trials": trials, "runs": runs, "summary": summarize(runs)}  # fmt: skip
+    info["machine"]["load_average_end"] = report.load_average()
+    return {**info, "args": args, "trials": trials, "runs": runs, "summary": summarize(runs)}
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict:
@@ -167,7 +167,6 @@ def markdown(result: dict) -> str:
         ratio = f"{r['vs_mlx_lm']['median']:.2f}x" if "vs_mlx_lm" in r else "1x"
         rows.append([label, f(r["start_s"], "min"), f(r["start_s"]), ratio, f(r["import_s"]),
                      f(r["load_s"]), f(r["warmup_s"]), f(r["ttft_s"]), f(r["later_ttft_s"])])  # fmt: skip
-    la = result["load_average"]
     columns = ("start", "min", "median", "vs mlx-lm (median)", "imports", "load", "warm-up",
                "first TTFT", "later TTFT")  # fmt: skip
     kv = s["kvlingo"]
@@ -185,9 +184,8 @@ def markdown(result: dict) -> str:
         f"{kv['first_vs_later_turn']:.2f}x (rates reused), "
         f"{s['kvlingo-new']['first_vs_later_turn']:.2f}x (new cache folder).",
         "",
-        f"{report.machine_line(result['machine'], result['software'])}; load average "
-        f"{report.load_text(la['before'])} before, {report.load_text(la['after'])} after. "
-        f"Target: {result['args']['target_folder']}.",
+        f"{report.machine_line(result['machine'], result['software'])}; "
+        f"{report.load_span(result['machine'])}. Target: {result['args']['target_folder']}.",
     ]
     return "\n".join(lines) + "\n"
 
