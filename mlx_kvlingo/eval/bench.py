@@ -455,13 +455,8 @@ def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) ->
 # -- outputs -------------------------------------------------------------------------------
 
 
-def _ms(s: dict) -> str:
-    return f"{1e3 * s['mean']:.2f} ± {1e3 * s['std']:.2f}"
-
-
-def _tps(values: Sequence[float], tokens: int) -> str:
-    r = tokens / np.asarray(values, float)
-    return f"{r.mean():.2f} ± {r.std(ddof=1) if r.size > 1 else 0.0:.2f}"
+def _mean_std(s: dict, scale: float = 1.0) -> str:
+    return f"{scale * s['mean']:.2f} ± {scale * s['std']:.2f}"
 
 
 def markdown_report(results: dict) -> str:
@@ -489,8 +484,9 @@ def markdown_report(results: dict) -> str:
             path, label, test, tokens = phase_row(phase)
             s, peak = v["stats"][phase], v["derived"]["peak_memory_GB"][phase]
             out.append(md_row((
-                path, label, test.format(n=n, m=n - 1), _ms(s),
-                _tps(v["trials"][phase], tokens(n)), f"{1e3 * s['median']:.2f}",
+                path, label, test.format(n=n, m=n - 1), _mean_std(s, 1e3),
+                _mean_std(report.stats(tokens(n) / np.asarray(v["trials"][phase]))),
+                f"{1e3 * s['median']:.2f}",
                 f"{peak:.2f} (+{max(0.0, peak - base):.2f})",
             )))  # fmt: skip
     out += ["", "## Time to first token over the large model's own read (medians)", "",

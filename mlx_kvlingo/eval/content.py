@@ -9,7 +9,8 @@ For every task (`content_tasks`) each condition answers greedily:
   small       the source model alone
 Scores per kind and read length: for fact and copy, accuracy and *retained* = right where the
 native answer is right / native right (the headline); for qa and summary, content-word recall
-of the native answer (the headline) and ROUGE-L F1. Each condition's read is timed (`read_s`).
+of the native answer (the headline) and ROUGE-L F1. Each condition's read is timed (`read_s`:
+the target's own prefill; a `Chat`'s whole hand-off; a `Peer`'s scoring and sparse read).
 """
 
 from __future__ import annotations
