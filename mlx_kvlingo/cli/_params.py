@@ -199,13 +199,5 @@ class ChoiceList(click.ParamType):
         return items
 
 
-def IntList(least: int = 1) -> NumberList:  # noqa: N802 - used like a type
-    return NumberList(int, least)
-
-
-def FloatList(least: float = 0.0) -> NumberList:  # noqa: N802
-    return NumberList(float, least)
-
-
 #: kept shares of speculative prefill (bench, eval --task content): in (0, 1], '' for none
 KEPT_SHARES = NumberList(float, 0.0, 1.0, open_least=True, empty=True)

@@ -5,7 +5,7 @@ a conversation under several policies, or a start against mlx-lm's."""
 from __future__ import annotations
 
 from mlx_kvlingo.cli._common import pair_option, source_option, target_option, translator_option
-from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, IntList, OutputFolder
+from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, NumberList, OutputFolder
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.eval.conversation_bench import POLICIES
 from mlx_kvlingo.eval.presets import PRESETS
@@ -30,7 +30,7 @@ def default_lengths() -> tuple[int, ...]:
 @click.option("--preset", type=click.Choice(list(PRESETS)),
               help="A shape-faithful random pair (built once into the cache folder) instead of "
               "models")  # fmt: skip
-@click.option("--lengths", type=IntList(2), default=None,
+@click.option("--lengths", type=NumberList(int, 2), default=None,
               help="Prefix lengths in tokens, comma-separated [default: 64,256,1024 on a CPU, "
               "64,256,1024,4096 on a GPU]")  # fmt: skip
 @click.option("--specprefill", "keeps", default="0.2", show_default=True, type=KEPT_SHARES,
@@ -56,8 +56,8 @@ def default_lengths() -> tuple[int, ...]:
               "cascade")  # fmt: skip
 @click.option("--turns", default=8, show_default=True, type=click.IntRange(1),
               help="--conversation: turns")  # fmt: skip
-@click.option("--user-lengths", default="32,128,512", show_default=True, type=IntList(2),
-              help="--conversation: user-turn lengths in tokens, cycled")  # fmt: skip
+@click.option("--user-lengths", default="32,128,512", show_default=True,
+              type=NumberList(int, 2), help="--conversation: user-turn lengths in tokens, cycled")  # fmt: skip
 @click.option("--answer-tokens", default=16, show_default=True, type=click.IntRange(1),
               help="--conversation: tokens per answer (end-of-sequence banned)")  # fmt: skip
 @click.option("--escalation-rate", default=0.25, show_default=True, type=click.FloatRange(0, 1),
@@ -126,9 +126,9 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
     max_seconds = None if max_minutes is None else 60 * max_minutes
     with bar as progress, moe_cpu.per_expert_loop(moe_loop) as patched:
         info["moe_per_expert_loop"] = patched
-        results = bench.run_bench(pair, tr, lengths or default_lengths(), trials=trials, warmup=warmup, seed=seed,
-                                  keeps=keeps, max_seconds=max_seconds, progress=progress,
-                                  log=log, info=info)  # fmt: skip
+        results = bench.run_bench(pair, tr, lengths or default_lengths(), trials=trials,
+                                  warmup=warmup, seed=seed, keeps=keeps, max_seconds=max_seconds,
+                                  progress=progress, log=log, info=info)  # fmt: skip
     _show(bench.write_outputs(results, out), log)
 
 

@@ -382,13 +382,11 @@ def tables(result: dict) -> list[Table]:
                 if s is None:
                     row.append("")
                 elif kind in EXACT_KINDS:
-                    row.append(
-                        f"{report.number(s['retained'], none='n/a')} ({s['accuracy']:.2f}, n={s['n']})"
-                    )
+                    retained = report.number(s["retained"], none="n/a")
+                    row.append(f"{retained} ({s['accuracy']:.2f}, n={s['n']})")
                 else:
-                    row.append(
-                        f"{report.number(s['recall'], none='n/a')} ({report.number(s['rouge_l'], none='n/a')})"
-                    )
+                    recall, rouge = (report.number(s[k], none="n/a") for k in ("recall", "rouge_l"))
+                    row.append(f"{recall} ({rouge})")
             t.add_row(c, *row)
         out.append(t)
     times = read_times(result)
