@@ -16,7 +16,13 @@ from pathlib import Path
 from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.conversation.catchup import ModelCache
-from mlx_kvlingo.conversation.records import Read, SessionError, SessionFileError, Switch, TurnStats
+from mlx_kvlingo.conversation.transcript import (
+    Read,
+    SessionError,
+    SessionFileError,
+    Switch,
+    TurnStats,
+)
 from mlx_kvlingo.kv.cache import prefix_copy
 from mlx_kvlingo.models.files import parse_json, read_header
 from mlx_kvlingo.models.pair import ModelPair, model_fingerprint

@@ -13,15 +13,18 @@ A turn (`generate`):
                                the small model reads it, the span the large lacks is translated,
                                the large reads the last tokens and recomputes (catchup.py); or
                                the answering model catches up by the mode and reads the rest;
-    2. decode (decode.py)      mlx-lm's `stream_generate` on the answering model's own cache,
-                               reading at least the last conversation token itself;
+    2. decode (`_decode`)      mlx-lm's `stream_generate` on the answering model's own cache,
+                               reading at least the last conversation token itself; each token
+                               is in the answer and the `TurnStats` before it is yielded;
     3. commit (`_commit`)      the emitted tokens become the answer, the cache is cut to match.
 
-Modes: `alternation` translates only the span the other model holds and this one lacks, at its
-true positions; `naive` re-translates everything the other model holds (the drifting baseline);
-`reprefill` reads it all (the exact reference). Nothing here prints: `generate` yields
-mlx-lm-shaped `GenerationResponse`s (the last carries the turn's `TurnStats` as `handoff`), and
-every turn leaves its `TurnStats` in `Session.turns`.
+A turn over n conversation tokens may add at most `max_kv_size - n` (no limit without it), and a
+conversation past either model's context is refused before any work. Modes: `alternation`
+translates only the span the other model holds and this one lacks, at its true positions;
+`naive` re-translates everything the other model holds (the drifting baseline); `reprefill`
+reads it all (the exact reference). Nothing here prints: `generate` yields mlx-lm-shaped
+`GenerationResponse`s (the last carries the turn's `TurnStats` as `handoff`), and every turn
+leaves its `TurnStats` in `Session.turns`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from mlx_kvlingo.config import READERS, ReaderPolicy
@@ -41,29 +45,32 @@ from mlx_kvlingo.conversation.catchup import (
     RemoteLarge,
     check_directions,
 )
-from mlx_kvlingo.conversation.decode import decode, room
-from mlx_kvlingo.conversation.rates import Paths, ReadCosts, costs_of
-from mlx_kvlingo.conversation.records import (
+from mlx_kvlingo.conversation.reader import Paths, ReadCosts, Retention, costs_of
+from mlx_kvlingo.conversation.transcript import (
+    LABEL,
+    ContextOverflowError,
     GenerationResponse,
     SessionError,
+    Transcript,
     TurnStats,
     role,
-    totals,
 )
-from mlx_kvlingo.conversation.retention import Retention
-from mlx_kvlingo.conversation.transcript import Transcript
 from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.capture import needs_recording
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
 
-
-def _kept(part: str, name: str, doc: str) -> property:
-    """An attribute one of the session's parts keeps, read and set through the session."""
-    return property(lambda self: getattr(getattr(self, part), name),
-                    lambda self, v: setattr(getattr(self, part), name, v), doc=doc)  # fmt: skip
+import mlx.core as mx
+from mlx_lm import stream_generate
 
 
-class Session:
+def _kept(name: str, doc: str) -> property:
+    """An attribute the transcript keeps, read and set through the session."""
+    return property(lambda self: getattr(self.transcript, name),
+                    lambda self, v: setattr(self.transcript, name, v), doc=doc)  # fmt: skip
+
+
+class Session(CatchUp):
     """One conversation over a model pair: the source (small) and target (large) model.
 
     `forward` translates source K/V into the target's cache, `backward` the other way; without
@@ -96,25 +103,49 @@ class Session:
         self.switches: list = []  # every `Switch`, in order
         self._cancel = threading.Event()
         self._active: Responses | None = None  # the generation left open
-        #: catching up and who reads a turn: the mode, the reader policy, the read costs
-        self.catchup = CatchUp(pair, forward, backward, transcript=self.transcript,
-                               models=self.models, switches=self.switches, cancel=self._cancel,
-                               read_costs=costs_of(pair) if read_costs is None else read_costs,
-                               remote=remote, mode=mode, policy=policy,
-                               retention=retention)  # fmt: skip
+        self.mode, self.policy = mode, policy or ReaderPolicy()
+        self.read_costs = costs_of(pair) if read_costs is None else read_costs  # reader auto
+        #: what the forward translator keeps of the content by length under this policy
+        #: (reader auto; None: not measured)
+        self.retention = retention
 
-    mode = _kept("catchup", "mode", "alternation, naive or reprefill (catchup.py)")
-    policy = _kept("catchup", "policy", "who reads a turn and what the large model recomputes "
-                   "(mlx_kvlingo/config.py), its reader resolved ('auto' with a forward "
-                   "translator, else 'self'); change it with dataclasses.replace")  # fmt: skip
-    read_costs = _kept("catchup", "read_costs", "what reading costs on this pair (reader auto)")
-    retention = _kept("catchup", "retention", "what the forward translator keeps of the content "
-                      "by length under this policy (reader auto; retention.py)")  # fmt: skip
-    tokens = _kept("transcript", "tokens", "the conversation's token ids")
-    messages = _kept("transcript", "messages", "the role/content dicts of the conversation")
-    system_prompt = _kept("transcript", "system_prompt", "the system message (reset keeps it)")
-    retemplated = _kept("transcript", "retemplated", "times a template was not prefix-stable")
-    pending = _kept("transcript", "pending", "the last message is a user's, not answered yet")
+    tokens = _kept("tokens", "the conversation's token ids")
+    messages = _kept("messages", "the role/content dicts of the conversation")
+    system_prompt = _kept("system_prompt", "the system message (reset keeps it)")
+    retemplated = _kept("retemplated", "times a template was not prefix-stable")
+    pending = _kept("pending", "the last message is a user's, not answered yet")
+
+    @property
+    def mode(self) -> str:
+        """alternation, naive or reprefill (module docstring)."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise SessionError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        self._mode = mode
+
+    @property
+    def policy(self) -> ReaderPolicy:
+        """Who reads a turn and what the large model recomputes (mlx_kvlingo/config.py), its
+        reader resolved ('auto' with a forward translator, else 'self'); change it with
+        dataclasses.replace."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: ReaderPolicy) -> None:
+        if not isinstance(policy, ReaderPolicy):
+            raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
+        if self.remote is not None and policy.recompute_share:  # all layers, in this process
+            raise SessionError(
+                "the recompute (recompute_share > 0) is not available with a pipelined large model"
+            )
+        reader = policy.reader or ("auto" if self.forward else "self")
+        if reader != "self" and self.forward is None:
+            raise SessionError(f"reader {reader!r} needs a forward (small -> large) translator")
+        self._policy = replace(policy, reader=reader)
+        self.ahead_credit = 0.0  # seconds of translating ahead the small model's tokens earned
 
     @property
     def last_turn(self) -> TurnStats | None:
@@ -133,8 +164,34 @@ class Session:
         self._cancel.set()
 
     def stats(self) -> dict:
-        """Totals over the conversation, per model and per direction (`records.totals`)."""
-        return totals(self)
+        """Totals over the conversation, per model and per direction: tokens each model read
+        itself answering (`prompt_tokens`) and for the other (`read_for_other_tokens`),
+        translated into it, and the times; `estimated_saving_ms` sums, over the large model's
+        answers the small one read for, its predicted own TTFT less the TTFT."""
+        per = {}
+        for name, m in self.models.items():
+            turns = [t for t in self.turns if t.model == name]
+            sw = [x for x in self.switches if x.into == name]
+            reads = [t.read for t in self.turns if t.read is not None and t.read.model == name]
+            per[name] = {
+                "turns": len(turns),
+                "generated_tokens": sum(t.generation_tokens for t in turns),
+                "prompt_tokens": sum(t.prompt_tokens for t in turns),
+                "prompt_ms": 1e3 * sum(t.prompt_s for t in turns),
+                "read_for_other_tokens": sum(r.tokens for r in reads),
+                "read_for_other_ms": 1e3 * sum(r.seconds for r in reads),
+                "switches_into": len(sw),
+                "translated_into": sum(x.translated for x in sw),
+                "retranslated_into": sum(x.retranslated for x in sw),
+                "translate_ms": 1e3 * sum(x.seconds for x in sw if x.translated),
+                "held": m.held,
+            }
+        saved = sum(t.alternative_ttft_s - t.ttft_s for t in self.turns if t.read is not None
+                    and t.alternative_ttft_s is not None and t.ttft_s is not None)  # fmt: skip
+        return {"mode": self.mode, **self.policy.to_dict(), "conversation_tokens": len(self.tokens),
+                "messages": len(self.messages), "switches": len(self.switches),
+                "retemplated": self.retemplated, "estimated_saving_ms": 1e3 * saved,
+                "models": per}  # fmt: skip
 
     # -- changes between turns: the transcript changes, both caches are cut to match ----------
 
@@ -168,7 +225,6 @@ class Session:
         """Drop the oldest turns until the conversation fits in `max_tokens` tokens (default:
         half of `max_kv_size`); the system prompt and the last message stay, and the next
         answering model re-reads what moved. Returns the number of messages dropped."""
-        self._claim()
         if max_tokens is None:
             if self.max_kv_size is None:
                 raise SessionError("trim needs a token budget (or a session max_kv_size)")
@@ -188,23 +244,40 @@ class Session:
 
     def _claim(self) -> None:
         """Close the generation left unfinished (it commits what it emitted). A session is not
-        thread-safe: one generation at a time is the pair's lock (lock.py, held by the API)."""
+        thread-safe: one generation at a time is the pair's lock (stream.py, held by the API)."""
         gen, self._active = self._active, None
         if gen is not None:
             gen.close()
 
     def _begin(self, model: str) -> tuple[str, int | None]:
         """Checks before any work on a turn: (the model's role, tokens the turn may add: None
-        for no limit; decode.room)."""
+        for no limit)."""
         name = role(model)
         self._claim()
         n = len(self.tokens)
         if not n:
             raise SessionError("nothing to answer yet: add a user message first")
-        self.catchup.check_mode()
-        left = room(self.pair, n, name, self.max_kv_size)
+        for tr, outgoing in ((self.forward, self.pair.source), (self.backward, self.pair.target)):
+            if self.mode == "naive" and tr and needs_recording(outgoing, tr.config.key_cut):
+                raise SessionError(
+                    "naive mode needs post_norm translators (with a pre_norm one the outgoing "
+                    "model would recompute its keys, hiding the re-translation drift)"
+                )
+        for label, m in (("small", self.pair.source), ("large", self.pair.target)):
+            if m.context_length is not None and n > m.context_length:
+                raise ContextOverflowError(
+                    f"the conversation is {n} tokens; the {label} model ({m.name}) handles at "
+                    f"most {m.context_length}: shorten the message, drop the oldest turns with "
+                    f"/trim (Session.trim) or start over with /reset"
+                )
+        if self.max_kv_size is not None and self.max_kv_size - n < 1:
+            raise ContextOverflowError(
+                f"the conversation is {n} tokens, the {name} model's context limit is "
+                f"{self.max_kv_size} (max_kv_size): drop the oldest turns with /trim "
+                f"(Session.trim) or start over with /reset"
+            )
         self._cancel.clear()
-        return name, left
+        return name, None if self.max_kv_size is None else self.max_kv_size - n
 
     def generate(self, model: str = "target", *, max_tokens: int = 256, sampler=None,
                  logits_processors=None, prefill_step_size: int = READ_CHUNK,
@@ -230,9 +303,7 @@ class Session:
     def _generate(self, name: str, limit: int, capped: bool, kwargs,
                   progress: Progress | None = None) -> Responses:  # fmt: skip
         """The turn: hand off (read, catch up, recompute), decode, commit."""
-        m, catchup = self.models[name], self.catchup
-        t0 = time.perf_counter()
-        n0 = len(self.tokens)
+        m, t0, n0 = self.models[name], time.perf_counter(), len(self.tokens)
         stats = TurnStats(name, self.mode)
         emitted: list[int] = []
         paths = None
@@ -242,21 +313,14 @@ class Session:
             paths = self._hand_off(name, n0, stats, kwargs["prefill_step_size"], progress)
             if stats.finish_reason == "cancelled":
                 return
-            ahead = catchup.ahead_begin(n0 - 1) if name == "source" else None
-            stats.ahead = ahead
-            prompt = self.tokens[m.held :]
-            stats.prompt_tokens = len(prompt)
+            stats.ahead = self.ahead_begin(n0 - 1) if name == "source" else None
             # 2. decode with mlx-lm on the answering model's own cache
-            step = None if ahead is None else lambda s: catchup.ahead_step(ahead, n0 - 1, s)
-            yield from decode(m, self.transcript, prompt, stats, emitted, limit=limit,
-                              capped=capped, kwargs=kwargs, t0=t0, cancel=self._cancel,
-                              first=lambda: catchup.observe(stats, n0 - len(prompt)),
-                              between=step)  # fmt: skip
+            yield from self._decode(m, n0, stats, emitted, limit, capped, kwargs, t0)
         finally:
             # 3. commit, however the turn stopped
             self._commit(m, n0, emitted, stats)
         if emitted and paths is not None:  # the other path's TTFT, predicted with this turn's rates
-            catchup.alternative(stats, paths, self.tokens[:n0])
+            reader.alternative(self, stats, paths, self.tokens[:n0])
 
     def _hand_off(self, name: str, n0: int, stats: TurnStats, chunk: int,
                   progress: Progress | None = None) -> Paths | None:  # fmt: skip
@@ -270,7 +334,7 @@ class Session:
         leaving conversation[held:n0] (at least the last token) for the first step. Where the
         large reads the turn itself, only the catch-up runs. Fills `stats` (a cancel sets its
         finish_reason) and returns the predicted paths (None where no prediction applies)."""
-        catchup, d = self.catchup, reader.choose(self.catchup, name, n0 - 1)
+        d = reader.choose(self, name, n0 - 1)
         stats.read_note, stats.retention, paths = d.note, d.retention, d.paths
         if paths is not None:  # what was predicted for the path taken
             stats.predicted_ttft_s = (paths.small if d.small else paths.large)(self.read_costs)
@@ -279,16 +343,67 @@ class Session:
         upto = n0 - 1  # the answering model reads at least the last token itself
         if d.small:  # the large still reads the turn's last tokens itself (from d.cut)
             upto = d.cut
-            stats.read = catchup.small_reads(upto, chunk, progress)
+            stats.read = self.small_reads(upto, chunk, progress)
             if self._cancel.is_set():  # stopped while the small model read
                 stats.finish_reason = "cancelled"
                 return paths
-        stats.switch = sw = catchup.catch_up(name, upto)
+        stats.switch = sw = self.catch_up(name, upto)
         if d.recompute and sw is not None and sw.translated:  # the tail, then the recompute
-            catchup.recompute(sw, n0)
+            self.recompute(sw, n0)
             if self._cancel.is_set():
                 stats.finish_reason = "cancelled"
         return paths
+
+    def _decode(self, m: ModelCache, n0: int, stats: TurnStats, emitted: list[int], limit: int,
+                capped: bool, kwargs: dict, t0: float) -> Responses:  # fmt: skip
+        """mlx-lm decodes conversation[held:n0] on `m`'s cache, at most `limit` tokens
+        (`capped`: the limit is the context's, so "length" ends as "context"). Each token goes to
+        `emitted` and `stats` (TTFT from `t0`), then is yielded; the last carries `stats`. While
+        the small model answers, the ahead span is translated between its tokens, and its decode
+        time of a token excludes that."""
+        prompt = self.tokens[m.held : n0]
+        stats.prompt_tokens = len(prompt)
+        procs = kwargs.get("logits_processors")
+        if procs:  # they see the earlier answers and this one, not only this turn's
+            kwargs = {**kwargs, "logits_processors": over_answers(procs, self.transcript.answers())}
+        stream = stream_generate(m.loaded.model, self.pair.tokenizer, mx.array(prompt),
+                                 max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
+        try:
+            last_token_at, between_s = None, 0.0
+            for r in stream:
+                now = time.perf_counter()
+                # this token's decode time: the wall time since the last one, less the ahead's
+                decode_s = None if last_token_at is None else now - last_token_at - between_s
+                last_token_at = now
+                if stats.ttft_s is None:
+                    stats.ttft_s = now - t0
+                emitted.append(r.token)
+                stats.text += r.text
+                stats.logprobs.append(r.logprobs[r.token].item())
+                stats.generation_tokens, stats.generation_tps = (
+                    r.generation_tokens,
+                    r.generation_tps,
+                )
+                stats.prompt_tps, stats.peak_memory_gb = r.prompt_tps, r.peak_memory
+                stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
+                if len(emitted) == 1:
+                    reader.observe(self, stats, n0 - len(prompt))
+                end = r.finish_reason
+                if end is None and self._cancel.is_set():
+                    end = "cancelled"
+                if end is not None:
+                    stats.finish_reason = "context" if capped and end == "length" else end
+                out = GenerationResponse(r.text, r.token, r.logprobs, r.from_draft,
+                                         r.prompt_tokens, r.prompt_tps, r.generation_tokens,
+                                         r.generation_tps, r.peak_memory, stats.finish_reason,
+                                         LABEL[m.name], stats if end else None)  # fmt: skip
+                yield out
+                if end is not None:
+                    break
+                if stats.ahead is not None:
+                    between_s = self.ahead_step(stats.ahead, n0 - 1, decode_s)
+        finally:
+            stream.close()
 
     def _commit(self, m: ModelCache, n0: int, emitted, stats: TurnStats) -> None:
         """End a turn: keep the emitted tokens as the answer and make the cache match."""
@@ -336,6 +451,25 @@ class Session:
         """Restore a session saved by `save` for this same pair (refuses any other pair)."""
         self._claim()
         self.policy = persistence.load(path, self)
+
+
+def over_answers(processors: list, answers: list[int]) -> list:
+    """Logits processors that see the conversation's answers, earlier ones first, then this one,
+    never the prompt part mlx-lm passes them (whatever read the turn, the user's text is not
+    penalized, and an answer cannot copy the last one)."""
+    past = mx.array(answers, dtype=mx.int32)
+
+    def wrap(proc):
+        skip = []  # the prompt part: all that the first call gets
+
+        def call(tokens, logits):
+            if not skip:
+                skip.append(tokens.size)
+            return proc(mx.concatenate([past, tokens[skip[0] :]]), logits)
+
+        return call
+
+    return [wrap(p) for p in processors]
 
 
 #: progress(reader, done, total): `reader` ("source" or "target") has read `done` of the turn's

@@ -21,7 +21,7 @@ Each condition's read is timed (`read_s`: the target's own prefill of prompt[:-1
 the whole hand-off for a `Chat`, the small model's read included; scoring and the sparse read
 for a `Peer`), side by side in one run;
 `retention` counts what a `Chat` condition kept of the facts and copies the native read got
-right, per length: what reader "auto" weighs (conversation/retention.py).
+right, per length: what reader "auto" weighs (conversation/reader.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.catchup import READ_CHUNK
-from mlx_kvlingo.conversation.rates import ReadCosts
+from mlx_kvlingo.conversation.reader import ReadCosts
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, KINDS, ContentTask, build_tasks
 from mlx_kvlingo.eval import report
@@ -364,7 +364,7 @@ def _fmt(x: float) -> str:
 def retention(result: dict, condition: str = "chat") -> list[tuple[int, int, int]]:
     """(read length, kept, right) of `condition` per length, facts and copies pooled: right =
     tasks the native answer got right, kept = those `condition` also got right (lengths where
-    native got none are left out); conversation/retention.py weighs them."""
+    native got none are left out); conversation/reader.py weighs them."""
     right: dict = {}
     by_task = {}
     for r in result["records"]:
