@@ -34,7 +34,6 @@ from mlx_kvlingo.models.pair import LoadedModel, ModelPair
 
 import mlx.core as mx
 
-MODES = ("alternation", "naive", "reprefill")
 #: translating ahead: at least AHEAD_MIN tokens at a time, at most AHEAD_SHARE of the small
 #: model's decode time (conversation/README.md, "Translating ahead")
 AHEAD_MIN, AHEAD_SHARE = 8, 0.10
@@ -150,10 +149,6 @@ class CatchUp:
                 span = self._capture(o, tr, s, e)
                 span.tokens = tuple(self.transcript.tokens[s:e])
                 if m.name == "target" and self.remote is not None:
-                    if tr is not self.forward:
-                        raise SessionError(
-                            "a pipelined target translates with the runtime's translator"
-                        )
                     self.remote.place(m.cache, span)
                 else:
                     append_translation(m.loaded, tr, span, m.cache)

@@ -35,10 +35,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from mlx_kvlingo.config import READERS, ReaderPolicy
+from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation import persistence, reader
 from mlx_kvlingo.conversation.catchup import (
-    MODES,
     READ_CHUNK,
     CatchUp,
     ModelCache,
@@ -62,6 +61,8 @@ from mlx_kvlingo.models.pair import ModelPair
 
 import mlx.core as mx
 from mlx_lm import stream_generate
+
+MODES = ("alternation", "naive", "reprefill")
 
 
 def _kept(name: str, doc: str) -> property:
@@ -103,7 +104,7 @@ class Session(CatchUp):
         self.switches: list = []  # every `Switch`, in order
         self._cancel = threading.Event()
         self._active: Responses | None = None  # the generation left open
-        self.mode, self.policy = mode, policy or ReaderPolicy()
+        self.mode, self.policy = mode, ReaderPolicy() if policy is None else policy
         self.read_costs = costs_of(pair) if read_costs is None else read_costs  # reader auto
         #: what the forward translator keeps of the content by length under this policy
         #: (reader auto; None: not measured)
@@ -476,6 +477,3 @@ def over_answers(processors: list, answers: list[int]) -> list:
 #: `total` tokens it reads
 Progress = Callable[[str, int, int], None]
 Responses = Iterator[GenerationResponse]
-
-
-__all__ = ["MODES", "READERS", "Session"]
