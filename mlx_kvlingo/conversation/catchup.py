@@ -78,11 +78,8 @@ class ModelCache:
         reserve(self.loaded, self.cache, n)
 
     def settle(self, want: int) -> None:
-        """Make every layer hold exactly the first tokens it can vouch for (at most `want`).
-
-        After an interruption some layers may have processed more than others; keeping the
-        smallest count over layers leaves a consistent cache.
-        """
+        """Make every layer hold exactly the first tokens all layers hold (at most `want`): after
+        an interruption some layers may have processed more than others."""
         keep = min([want] + [c.offset for c in self.cache])
         for c in self.cache:
             if c.offset > keep:
@@ -109,10 +106,8 @@ class CatchUp:
     # -- catching up ------------------------------------------------------------------------
 
     def catch_up(self, name: str, upto: int) -> Switch | None:
-        """Bring model `name` to hold conversation[:a] with a <= upto, by the mode.
-
-        Returns the `Switch` when the other model held tokens this one lacked, else None.
-        """
+        """Bring model `name` to hold conversation[:a] with a <= upto, by the mode; the `Switch`
+        where the other model held tokens this one lacked, else None."""
         m = self.models[name]
         o = self.models["target" if name == "source" else "source"]
         m.settle(min(m.held, upto))

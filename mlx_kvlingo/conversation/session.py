@@ -325,16 +325,10 @@ class Session(CatchUp):
 
     def _hand_off(self, name: str, n0: int, stats: TurnStats, chunk: int,
                   progress: Progress | None = None) -> Paths | None:  # fmt: skip
-        """The one hand-off, for the model `name` about to answer conversation[:n0]:
-
-            the small model reads the turn           (reader "small": `small_reads`)
-            translate the span the large one lacks   (`catch_up`)
-            the large reads the turn's last tokens   (`large_reads_last`)
-            and recomputes what it attended to most  (`recompute_share`: `recompute`)
-
-        leaving conversation[held:n0] (at least the last token) for the first step. Where the
-        large reads the turn itself, only the catch-up runs. Fills `stats` (a cancel sets its
-        finish_reason) and returns the predicted paths (None where no prediction applies)."""
+        """The hand-off (module docstring, step 1) for the model `name` about to answer
+        conversation[:n0], leaving conversation[held:n0] (at least the last token) for the first
+        step: `small_reads`, `catch_up`, `recompute` as `reader.choose` decides. Fills `stats` (a
+        cancel sets its finish_reason); returns the predicted paths (None: no prediction)."""
         d = reader.choose(self, name, n0 - 1)
         stats.read_note, stats.retention, paths = d.note, d.retention, d.paths
         if paths is not None:  # what was predicted for the path taken
