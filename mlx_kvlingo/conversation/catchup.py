@@ -73,10 +73,6 @@ class ModelCache:
     def clear(self) -> None:
         self.cache, self.held = new_cache(self.loaded), 0
 
-    def reserve(self, n: int) -> None:
-        """Room for `n` tokens in every layer ahead of a long read (`kv.cache.reserve`)."""
-        reserve(self.loaded, self.cache, n)
-
     def settle(self, want: int) -> None:
         """Make every layer hold exactly the first tokens all layers hold (at most `want`): after
         an interruption some layers may have processed more than others."""
@@ -176,7 +172,7 @@ class CatchUp:
         `progress("source", done, total)` is called before the first chunk and after each."""
         m = self.models["source"]
         read = Read("source", catch_up=self.catch_up("source", upto), start=m.held)
-        m.reserve(upto)
+        reserve(m.loaded, m.cache, upto)  # no layer grows (2x its size) while it reads
         t0, total = time.perf_counter(), max(upto - m.held, 0)
         try:
             while m.held < upto and not self._cancel.is_set():

@@ -54,7 +54,7 @@ from mlx_kvlingo.conversation.transcript import (
     TurnStats,
     role,
 )
-from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.cache import new_cache, reserve
 from mlx_kvlingo.kv.capture import needs_recording
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
@@ -334,7 +334,8 @@ class Session(CatchUp):
         if paths is not None:  # what was predicted for the path taken
             stats.predicted_ttft_s = (paths.small if d.small else paths.large)(self.read_costs)
         # room for the turn and the first token: no cache grows (2x its size) while it is read
-        self.models[name].reserve(n0 + 1)
+        m = self.models[name]
+        reserve(m.loaded, m.cache, n0 + 1)
         upto = n0 - 1  # the answering model reads at least the last token itself
         if d.small:  # the large still reads the turn's last tokens itself (from d.cut)
             upto = d.cut
