@@ -94,9 +94,19 @@ def check_directions(pair: ModelPair, forward: Translator | None, backward: Tran
             )
 
 
+def check_mode(mode: str, pair: ModelPair, forward, backward) -> None:
+    """Naive mode refuses a translator whose keys the outgoing model recomputes ("Key cut")."""
+    for tr, outgoing in ((forward, pair.source), (backward, pair.target)):
+        if mode == "naive" and tr and needs_recording(outgoing, tr.config.key_cut):
+            raise SessionError(
+                "naive mode needs post_norm translators (with a pre_norm one the outgoing "
+                "model would recompute its keys, hiding the re-translation drift)"
+            )
+
+
 class CatchUp:
     """The session's catching up (a base of `Session`, whose state it acts on: `pair`,
-    `forward`, `backward`, `remote`, `transcript` (only read), `models`, `switches`, `_cancel`,
+    `forward`, `backward`, `remote`, `transcript` (only read), `models`, `switches`, `cancelled`,
     `mode`, `policy`, `read_costs`); who reads a turn: reader.py."""
 
     # -- catching up ------------------------------------------------------------------------
@@ -175,7 +185,7 @@ class CatchUp:
         reserve(m.loaded, m.cache, upto)  # no layer grows (2x its size) while it reads
         t0, total = time.perf_counter(), max(upto - m.held, 0)
         try:
-            while m.held < upto and not self._cancel.is_set():
+            while m.held < upto and not self.cancelled.is_set():
                 if progress is not None:
                     progress("source", read.tokens, total)
                 n = read_chunk(m.loaded.query_heads, m.held, chunk)

@@ -47,7 +47,8 @@ from pathlib import Path
 from mlx_kvlingo._platform import blas
 from mlx_kvlingo._platform.atomic import write_text
 from mlx_kvlingo._platform.cachedir import cache_root
-from mlx_kvlingo.conversation.transcript import TurnStats
+from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation.transcript import SessionError, TurnStats
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.recompute import Selection, large_reads
 from mlx_kvlingo.models.pair import model_fingerprint
@@ -339,6 +340,21 @@ def write(folder, k: dict, **data) -> Path:
 
 
 # -- the choice ----------------------------------------------------------------------------
+
+
+def resolve_policy(s, policy: ReaderPolicy) -> ReaderPolicy:
+    """`policy` as session `s` follows it: its reader resolved ('auto' with a forward
+    translator, else 'self'); a SessionError where `s` cannot follow it."""
+    if not isinstance(policy, ReaderPolicy):
+        raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
+    if s.remote is not None and policy.recompute_share:  # all layers, in this process
+        raise SessionError(
+            "the recompute (recompute_share > 0) is not available with a pipelined large model"
+        )
+    reader = policy.reader or ("auto" if s.forward else "self")
+    if reader != "self" and s.forward is None:
+        raise SessionError(f"reader {reader!r} needs a forward (small -> large) translator")
+    return replace(policy, reader=reader)
 
 
 @dataclass(frozen=True)

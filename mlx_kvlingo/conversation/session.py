@@ -9,20 +9,18 @@ translated twice.
 
 A turn (`generate`):
 
-    1. hand-off (`_hand_off`)  who reads the turn (reader.py, decided once into a `Decision`):
-                               the small model reads it, the span the large lacks is translated,
-                               the large reads the last tokens and recomputes (catchup.py); or
-                               the answering model catches up by the mode and reads the rest;
-    2. decode (`_decode`)      mlx-lm's `stream_generate` on the answering model's own cache,
-                               reading at least the last conversation token itself; each token
-                               is in the answer and the `TurnStats` before it is yielded;
-    3. commit (`_commit`)      the emitted tokens become the answer, the cache is cut to match.
+    1. hand-off (`_hand_off`)   who reads the turn (reader.py, decided once into a `Decision`):
+                                the small model reads it, the span the large lacks is translated,
+                                the large reads the last tokens and recomputes (catchup.py); or
+                                the answering model catches up by the mode and reads the rest;
+    2. decode (`stream.decode`) mlx-lm's `stream_generate` on the answering model's own cache,
+                                reading at least the last conversation token itself; each token
+                                is in the answer and the `TurnStats` before it is yielded;
+    3. commit (`_commit`)       the emitted tokens become the answer, the cache is cut to match.
 
 A turn over n conversation tokens may add at most `max_kv_size - n` (no limit without it), and a
-conversation past either model's context is refused before any work. Modes: `alternation`
-translates only the span the other model holds and this one lacks, at its true positions;
-`naive` re-translates everything the other model holds (the drifting baseline); `reprefill`
-reads it all (the exact reference). Nothing here prints: `generate` yields mlx-lm-shaped
+conversation past either model's context is refused before any work. The modes (`MODES`), how a
+model catches up: catchup.py. Nothing here prints: `generate` yields mlx-lm-shaped
 `GenerationResponse`s (the last carries the turn's `TurnStats` as `handoff`), and every turn
 leaves its `TurnStats` in `Session.turns`.
 """
@@ -32,35 +30,31 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation import persistence, reader
+from mlx_kvlingo.conversation import persistence, reader, stream
 from mlx_kvlingo.conversation.catchup import (
     READ_CHUNK,
     CatchUp,
     ModelCache,
     RemoteLarge,
     check_directions,
+    check_mode,
 )
 from mlx_kvlingo.conversation.reader import Paths, ReadCosts, Retention, costs_of
 from mlx_kvlingo.conversation.transcript import (
-    LABEL,
     ContextOverflowError,
     GenerationResponse,
     SessionError,
     Transcript,
     TurnStats,
     role,
+    totals,
 )
 from mlx_kvlingo.kv.cache import new_cache, reserve
-from mlx_kvlingo.kv.capture import needs_recording
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
-
-import mlx.core as mx
-from mlx_lm import stream_generate
 
 MODES = ("alternation", "naive", "reprefill")
 
@@ -93,22 +87,18 @@ class Session(CatchUp):
                  remote: RemoteLarge | None = None, retention: Retention | None = None):  # fmt: skip
         check_directions(pair, forward, backward)
         self.pair, self.forward, self.backward = pair, forward, backward
-        #: the large model's cache on other ranks (distributed/): what is gathered from it and
-        #: placed into it goes through `remote`; it cannot recompute, save or load
-        self.remote = remote
+        self.remote = remote  # the large model's cache on other ranks (distributed/), if any
         self.max_kv_size = max_kv_size  # the conversation's token limit (None: none)
         self.transcript = Transcript(pair.tokenizer, system_prompt)
         self.models = {n: ModelCache(n, getattr(pair, n), new_cache(getattr(pair, n)))
                        for n in ("source", "target")}  # fmt: skip
         self.turns: list[TurnStats] = []
         self.switches: list = []  # every `Switch`, in order
-        self._cancel = threading.Event()
+        self.cancelled = threading.Event()  # set by `cancel()`: the turn stops after a token
         self._active: Responses | None = None  # the generation left open
         self.mode, self.policy = mode, ReaderPolicy() if policy is None else policy
         self.read_costs = costs_of(pair) if read_costs is None else read_costs  # reader auto
-        #: what the forward translator keeps of the content by length under this policy
-        #: (reader auto; None: not measured)
-        self.retention = retention
+        self.retention = retention  # what the small path keeps by length (None: not measured)
 
     tokens = _kept("tokens", "the conversation's token ids")
     messages = _kept("messages", "the role/content dicts of the conversation")
@@ -118,7 +108,7 @@ class Session(CatchUp):
 
     @property
     def mode(self) -> str:
-        """alternation, naive or reprefill (module docstring)."""
+        """alternation, naive or reprefill: how a model catches up (catchup.py)."""
         return self._mode
 
     @mode.setter
@@ -129,23 +119,13 @@ class Session(CatchUp):
 
     @property
     def policy(self) -> ReaderPolicy:
-        """Who reads a turn and what the large model recomputes (mlx_kvlingo/config.py), its
-        reader resolved ('auto' with a forward translator, else 'self'); change it with
-        dataclasses.replace."""
+        """Who reads a turn and what the large model recomputes (config.py), as
+        `reader.resolve_policy` resolves it; change it with dataclasses.replace."""
         return self._policy
 
     @policy.setter
     def policy(self, policy: ReaderPolicy) -> None:
-        if not isinstance(policy, ReaderPolicy):
-            raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
-        if self.remote is not None and policy.recompute_share:  # all layers, in this process
-            raise SessionError(
-                "the recompute (recompute_share > 0) is not available with a pipelined large model"
-            )
-        reader = policy.reader or ("auto" if self.forward else "self")
-        if reader != "self" and self.forward is None:
-            raise SessionError(f"reader {reader!r} needs a forward (small -> large) translator")
-        self._policy = replace(policy, reader=reader)
+        self._policy = reader.resolve_policy(self, policy)
         self.ahead_credit = 0.0  # seconds of translating ahead the small model's tokens earned
 
     @property
@@ -162,37 +142,12 @@ class Session(CatchUp):
 
     def cancel(self) -> None:
         """Ask the running generation to stop after its current token (any thread)."""
-        self._cancel.set()
+        self.cancelled.set()
 
     def stats(self) -> dict:
-        """Totals over the conversation, per model and per direction: tokens each model read
-        itself answering (`prompt_tokens`) and for the other (`read_for_other_tokens`),
-        translated into it, and the times; `estimated_saving_ms` sums, over the large model's
-        answers the small one read for, its predicted own TTFT less the TTFT."""
-        per = {}
-        for name, m in self.models.items():
-            turns = [t for t in self.turns if t.model == name]
-            sw = [x for x in self.switches if x.into == name]
-            reads = [t.read for t in self.turns if t.read is not None and t.read.model == name]
-            per[name] = {
-                "turns": len(turns),
-                "generated_tokens": sum(t.generation_tokens for t in turns),
-                "prompt_tokens": sum(t.prompt_tokens for t in turns),
-                "prompt_ms": 1e3 * sum(t.prompt_s for t in turns),
-                "read_for_other_tokens": sum(r.tokens for r in reads),
-                "read_for_other_ms": 1e3 * sum(r.seconds for r in reads),
-                "switches_into": len(sw),
-                "translated_into": sum(x.translated for x in sw),
-                "retranslated_into": sum(x.retranslated for x in sw),
-                "translate_ms": 1e3 * sum(x.seconds for x in sw if x.translated),
-                "held": m.held,
-            }
-        saved = sum(t.alternative_ttft_s - t.ttft_s for t in self.turns if t.read is not None
-                    and t.alternative_ttft_s is not None and t.ttft_s is not None)  # fmt: skip
-        return {"mode": self.mode, **self.policy.to_dict(), "conversation_tokens": len(self.tokens),
-                "messages": len(self.messages), "switches": len(self.switches),
-                "retemplated": self.retemplated, "estimated_saving_ms": 1e3 * saved,
-                "models": per}  # fmt: skip
+        """The mode, the policy and the conversation's totals (`transcript.totals`)."""
+        totaled = totals(self.transcript, self.turns, self.switches, self.models)
+        return {"mode": self.mode, **self.policy.to_dict(), **totaled}
 
     # -- changes between turns: the transcript changes, both caches are cut to match ----------
 
@@ -258,12 +213,7 @@ class Session(CatchUp):
         n = len(self.tokens)
         if not n:
             raise SessionError("nothing to answer yet: add a user message first")
-        for tr, outgoing in ((self.forward, self.pair.source), (self.backward, self.pair.target)):
-            if self.mode == "naive" and tr and needs_recording(outgoing, tr.config.key_cut):
-                raise SessionError(
-                    "naive mode needs post_norm translators (with a pre_norm one the outgoing "
-                    "model would recompute its keys, hiding the re-translation drift)"
-                )
+        check_mode(self.mode, self.pair, self.forward, self.backward)
         for label, m in (("small", self.pair.source), ("large", self.pair.target)):
             if m.context_length is not None and n > m.context_length:
                 raise ContextOverflowError(
@@ -277,7 +227,7 @@ class Session(CatchUp):
                 f"{self.max_kv_size} (max_kv_size): drop the oldest turns with /trim "
                 f"(Session.trim) or start over with /reset"
             )
-        self._cancel.clear()
+        self.cancelled.clear()
         return name, None if self.max_kv_size is None else self.max_kv_size - n
 
     def generate(self, model: str = "target", *, max_tokens: int = 256, sampler=None,
@@ -297,9 +247,8 @@ class Session(CatchUp):
                       prefill_step_size=prefill_step_size)  # fmt: skip
         if progress is not None:  # mlx-lm's prefill reports each chunk the answering model reads
             kwargs["prompt_progress_callback"] = lambda done, total: progress(name, done, total)
-        gen = self._generate(name, limit, limit != max_tokens, kwargs, progress)
-        self._active = gen
-        return gen
+        self._active = self._generate(name, limit, limit != max_tokens, kwargs, progress)
+        return self._active
 
     def _generate(self, name: str, limit: int, capped: bool, kwargs,
                   progress: Progress | None = None) -> Responses:  # fmt: skip
@@ -307,16 +256,14 @@ class Session(CatchUp):
         m, t0, n0 = self.models[name], time.perf_counter(), len(self.tokens)
         stats = TurnStats(name, self.mode)
         emitted: list[int] = []
-        paths = None
         try:
-            # 1. the hand-off: whoever reads the turn, the answering model's cache then holds
-            #    conversation[:held] and the rest (at least the last token) is its prompt
+            # 1. the hand-off: the answering model's cache then holds conversation[:held]
             paths = self._hand_off(name, n0, stats, kwargs["prefill_step_size"], progress)
             if stats.finish_reason == "cancelled":
                 return
             stats.ahead = self.ahead_begin(n0 - 1) if name == "source" else None
             # 2. decode with mlx-lm on the answering model's own cache
-            yield from self._decode(m, n0, stats, emitted, limit, capped, kwargs, t0)
+            yield from stream.decode(self, m, n0, stats, emitted, limit, capped, kwargs, t0)
         finally:
             # 3. commit, however the turn stopped
             self._commit(m, n0, emitted, stats)
@@ -325,9 +272,8 @@ class Session(CatchUp):
 
     def _hand_off(self, name: str, n0: int, stats: TurnStats, chunk: int,
                   progress: Progress | None = None) -> Paths | None:  # fmt: skip
-        """The hand-off (module docstring, step 1) for the model `name` about to answer
-        conversation[:n0], leaving conversation[held:n0] (at least the last token) for the first
-        step: `small_reads`, `catch_up`, `recompute` as `reader.choose` decides. Fills `stats` (a
+        """The hand-off (module docstring, step 1) for `name` about to answer conversation[:n0]:
+        `small_reads`, `catch_up`, `recompute` as `reader.choose` decides. Fills `stats` (a
         cancel sets its finish_reason); returns the predicted paths (None: no prediction)."""
         d = reader.choose(self, name, n0 - 1)
         stats.read_note, stats.retention, paths = d.note, d.retention, d.paths
@@ -340,66 +286,15 @@ class Session(CatchUp):
         if d.small:  # the large still reads the turn's last tokens itself (from d.cut)
             upto = d.cut
             stats.read = self.small_reads(upto, chunk, progress)
-            if self._cancel.is_set():  # stopped while the small model read
+            if self.cancelled.is_set():  # stopped while the small model read
                 stats.finish_reason = "cancelled"
                 return paths
         stats.switch = sw = self.catch_up(name, upto)
         if d.recompute and sw is not None and sw.translated:  # the tail, then the recompute
             self.recompute(sw, n0)
-            if self._cancel.is_set():
+            if self.cancelled.is_set():
                 stats.finish_reason = "cancelled"
         return paths
-
-    def _decode(self, m: ModelCache, n0: int, stats: TurnStats, emitted: list[int], limit: int,
-                capped: bool, kwargs: dict, t0: float) -> Responses:  # fmt: skip
-        """mlx-lm decodes conversation[held:n0] on `m`'s cache, at most `limit` tokens
-        (`capped`: the limit is the context's, so "length" ends as "context"). Each token goes to
-        `emitted` and `stats` (TTFT from `t0`), then is yielded; the last carries `stats`. While
-        the small model answers, the ahead span is translated between its tokens, and its decode
-        time of a token excludes that."""
-        prompt = self.tokens[m.held : n0]
-        stats.prompt_tokens = len(prompt)
-        procs = kwargs.get("logits_processors")
-        if procs:  # they see the earlier answers and this one, not only this turn's
-            kwargs = {**kwargs, "logits_processors": over_answers(procs, self.transcript.answers())}
-        stream = stream_generate(m.loaded.model, self.pair.tokenizer, mx.array(prompt),
-                                 max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
-        try:
-            last_token_at, between_s = None, 0.0
-            for r in stream:
-                now = time.perf_counter()
-                # this token's decode time: the wall time since the last one, less the ahead's
-                decode_s = None if last_token_at is None else now - last_token_at - between_s
-                last_token_at = now
-                if stats.ttft_s is None:
-                    stats.ttft_s = now - t0
-                emitted.append(r.token)
-                stats.text += r.text
-                stats.logprobs.append(r.logprobs[r.token].item())
-                stats.generation_tokens, stats.generation_tps = (
-                    r.generation_tokens,
-                    r.generation_tps,
-                )
-                stats.prompt_tps, stats.peak_memory_gb = r.prompt_tps, r.peak_memory
-                stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
-                if len(emitted) == 1:
-                    reader.observe(self, stats, n0 - len(prompt))
-                end = r.finish_reason
-                if end is None and self._cancel.is_set():
-                    end = "cancelled"
-                if end is not None:
-                    stats.finish_reason = "context" if capped and end == "length" else end
-                out = GenerationResponse(r.text, r.token, r.logprobs, r.from_draft,
-                                         r.prompt_tokens, r.prompt_tps, r.generation_tokens,
-                                         r.generation_tps, r.peak_memory, stats.finish_reason,
-                                         LABEL[m.name], stats if end else None)  # fmt: skip
-                yield out
-                if end is not None:
-                    break
-                if stats.ahead is not None:
-                    between_s = self.ahead_step(stats.ahead, n0 - 1, decode_s)
-        finally:
-            stream.close()
 
     def _commit(self, m: ModelCache, n0: int, emitted, stats: TurnStats) -> None:
         """End a turn: keep the emitted tokens as the answer and make the cache match."""
@@ -410,9 +305,8 @@ class Session(CatchUp):
         self.turns.append(stats)
 
     def hand_off(self, model: str = "target") -> TurnStats:
-        """Bring `model` up to the conversation without answering: `generate`'s hand-off. Its
-        cache then holds conversation[:held(model)], the rest (at least the last token) the
-        prompt of its first step. Returns the records (who read, translated, recomputed)."""
+        """`generate`'s hand-off without the answer: `model`'s cache then holds all but at least
+        the last token. Returns the records (who read, translated, recomputed)."""
         name, _ = self._begin(model)
         stats = TurnStats(name, self.mode)
         self._hand_off(name, len(self.tokens), stats, READ_CHUNK)
@@ -447,25 +341,6 @@ class Session(CatchUp):
         """Restore a session saved by `save` for this same pair (refuses any other pair)."""
         self._claim()
         self.policy = persistence.load(path, self)
-
-
-def over_answers(processors: list, answers: list[int]) -> list:
-    """Logits processors that see the conversation's answers, earlier ones first, then this one,
-    never the prompt part mlx-lm passes them (whatever read the turn, the user's text is not
-    penalized, and an answer cannot copy the last one)."""
-    past = mx.array(answers, dtype=mx.int32)
-
-    def wrap(proc):
-        skip = []  # the prompt part: all that the first call gets
-
-        def call(tokens, logits):
-            if not skip:
-                skip.append(tokens.size)
-            return proc(mx.concatenate([past, tokens[skip[0] :]]), logits)
-
-        return call
-
-    return [wrap(p) for p in processors]
 
 
 #: progress(reader, done, total): `reader` ("source" or "target") has read `done` of the turn's

@@ -1,5 +1,5 @@
 """One answer at a time per model pair, streamed as mlx-lm-shaped responses: the public
-`stream_generate` and `Conversation.send` both run `open_stream`.
+`stream_generate` and `Conversation.send` both run `open_stream`; `decode` yields a turn's tokens.
 
 Invariant: at most one holder drives a pair's models (`PairLock`: a stream from its first
 `next()` until it ends, is closed or is collected; a change to a conversation: add, trim, save,
@@ -21,7 +21,7 @@ BusyError at once. A waiter whose `cancel` event is set gives up (`acquire` retu
 Sampling: `resolve` is the one place settings merge: explicit values over the model folder's
 `generation_config.json` (`do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
 `repetition_penalty`) over `DEFAULTS`, whose repetition penalty covers the conversation's
-answers (session.py), never the user's text. `temp=0` is greedy and stays plain argmax: the
+answers (`over_answers`), never the user's text. `temp=0` is greedy and stays plain argmax: the
 default repetition penalty then applies only when given explicitly. `pair` is the public `Pair`
 (`.models`, `.names`, `.lock`).
 """
@@ -37,7 +37,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlx_kvlingo.conversation.reader import share
+from mlx_kvlingo.conversation.reader import observe, share
 from mlx_kvlingo.conversation.transcript import (
     LABEL,
     ROLE,
@@ -47,9 +47,11 @@ from mlx_kvlingo.conversation.transcript import (
 )
 
 import mlx.core as mx
+from mlx_lm import stream_generate
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 if TYPE_CHECKING:
+    from mlx_kvlingo.conversation.catchup import ModelCache
     from mlx_kvlingo.conversation.session import Session
 
 #: model "auto": the large model answers again where the small answer's confidence is below this
@@ -236,6 +238,25 @@ def seed(value: int | None, messages: list[dict[str, str]]) -> None:
         mx.random.seed(value + sum(1 for m in before if m["role"] == "assistant"))
 
 
+def over_answers(processors: list, answers: list[int]) -> list:
+    """Logits processors that see the conversation's answers, earlier ones first, then this one,
+    never the prompt part mlx-lm passes them (whatever read the turn, the user's text is not
+    penalized, and an answer cannot copy the last one)."""
+    past = mx.array(answers, dtype=mx.int32)
+
+    def wrap(proc):
+        skip = []  # the prompt part: all that the first call gets
+
+        def call(tokens, logits):
+            if not skip:
+                skip.append(tokens.size)
+            return proc(mx.concatenate([past, tokens[skip[0] :]]), logits)
+
+        return call
+
+    return [wrap(p) for p in processors]
+
+
 # -- the stream ----------------------------------------------------------------------------
 
 
@@ -316,6 +337,54 @@ def _answer(pair: Any, cache: Session, model: str | None, cancel: threading.Even
     st = cache.last_turn
     if st is not None and st is not before:
         yield final(pair, st, LABEL[st.model], last)
+
+
+def decode(s: Session, m: ModelCache, n0: int, stats: TurnStats, emitted: list[int], limit: int,
+           capped: bool, kwargs: dict, t0: float) -> Iterator[GenerationResponse]:  # fmt: skip
+    """A turn's decode (session.py, step 2): mlx-lm decodes conversation[held:n0] on `m`'s
+    cache, at most `limit` tokens (`capped`: the limit is the context's, so "length" ends as
+    "context"). Each token goes to `emitted` and `stats` (TTFT from `t0`), then is yielded; the
+    last carries `stats`. While the small model answers, the ahead span is translated between
+    its tokens (`s.ahead_step`), and its decode time of a token excludes that."""
+    prompt = s.tokens[m.held : n0]
+    stats.prompt_tokens = len(prompt)
+    procs = kwargs.get("logits_processors")
+    if procs:  # they see the earlier answers and this one, not only this turn's
+        kwargs = {**kwargs, "logits_processors": over_answers(procs, s.transcript.answers())}
+    steps = stream_generate(m.loaded.model, s.pair.tokenizer, mx.array(prompt),
+                            max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
+    try:
+        last_token_at, between_s = None, 0.0
+        for r in steps:
+            now = time.perf_counter()
+            # this token's decode time: the wall time since the last one, less the ahead's
+            decode_s = None if last_token_at is None else now - last_token_at - between_s
+            last_token_at = now
+            if stats.ttft_s is None:
+                stats.ttft_s = now - t0
+            emitted.append(r.token)
+            stats.text += r.text
+            stats.logprobs.append(r.logprobs[r.token].item())
+            stats.generation_tokens, stats.generation_tps = r.generation_tokens, r.generation_tps
+            stats.prompt_tps, stats.peak_memory_gb = r.prompt_tps, r.peak_memory
+            stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
+            if len(emitted) == 1:
+                observe(s, stats, n0 - len(prompt))
+            end = r.finish_reason
+            if end is None and s.cancelled.is_set():
+                end = "cancelled"
+            if end is not None:
+                stats.finish_reason = "context" if capped and end == "length" else end
+            yield GenerationResponse(r.text, r.token, r.logprobs, r.from_draft, r.prompt_tokens,
+                                     r.prompt_tps, r.generation_tokens, r.generation_tps,
+                                     r.peak_memory, stats.finish_reason, LABEL[m.name],
+                                     stats if end else None)  # fmt: skip
+            if end is not None:
+                break
+            if stats.ahead is not None:
+                between_s = s.ahead_step(stats.ahead, n0 - 1, decode_s)
+    finally:
+        steps.close()
 
 
 def final(pair: Any, st: TurnStats | None, model: str,

@@ -1,5 +1,5 @@
 """The conversation's record: its token list and messages (`Transcript`) and what each turn did
-(`Switch`, `Read`, `TurnStats`), plain data that touches no cache; the errors and role names.
+(`Switch`, `Read`, `TurnStats`; `totals`), plain data that touches no cache; errors, role names.
 
 Invariant: `tokens` is the chat template applied to `messages` (the token ids every cache
 holds a prefix of). A new message is appended as the tokens the template adds (token diff,
@@ -303,6 +303,36 @@ class TurnStats:
     def confidence(self) -> float | None:
         """Mean token log-probability of the answer (0: certain), the score of model "auto"."""
         return float(np.mean(self.logprobs)) if self.logprobs else None
+
+
+def totals(t: Transcript, turns: list[TurnStats], switches: list[Switch], models: dict) -> dict:
+    """A conversation's totals, per model (`models`: each model's cache, `held`) and direction:
+    tokens each model read itself answering (`prompt_tokens`) and for the other
+    (`read_for_other_tokens`), translated into it, and the times; `estimated_saving_ms` sums,
+    over the large model's answers the small one read for, its predicted own TTFT less the TTFT."""
+    per = {}
+    for name, m in models.items():
+        mine = [t for t in turns if t.model == name]
+        sw = [x for x in switches if x.into == name]
+        reads = [t.read for t in turns if t.read is not None and t.read.model == name]
+        per[name] = {
+            "turns": len(mine),
+            "generated_tokens": sum(t.generation_tokens for t in mine),
+            "prompt_tokens": sum(t.prompt_tokens for t in mine),
+            "prompt_ms": 1e3 * sum(t.prompt_s for t in mine),
+            "read_for_other_tokens": sum(r.tokens for r in reads),
+            "read_for_other_ms": 1e3 * sum(r.seconds for r in reads),
+            "switches_into": len(sw),
+            "translated_into": sum(x.translated for x in sw),
+            "retranslated_into": sum(x.retranslated for x in sw),
+            "translate_ms": 1e3 * sum(x.seconds for x in sw if x.translated),
+            "held": m.held,
+        }
+    saved = sum(t.alternative_ttft_s - t.ttft_s for t in turns if t.read is not None
+                and t.alternative_ttft_s is not None and t.ttft_s is not None)  # fmt: skip
+    return {"conversation_tokens": len(t.tokens), "messages": len(t.messages),
+            "switches": len(switches), "retemplated": t.retemplated,
+            "estimated_saving_ms": 1e3 * saved, "models": per}  # fmt: skip
 
 
 @dataclass
