@@ -12,7 +12,7 @@
 ids is appended as it is (no template); None answers what the cache holds unanswered. By default
 the large model answers and the small one reads for it (the cache's `ReaderPolicy`).
 
-Invariant: one generation at a time per pair (`conversation/lock.py`). A stream holds the pair
+Invariant: one generation at a time per pair (`conversation/stream.py`). A stream holds the pair
 from its first `next()` until it ends, is closed or is garbage collected; another thread waits
 (`wait=True`, up to `timeout` s) or gets `BusyError` (`wait=False`). However a stream stops, the
 tokens emitted are the answer and both caches stay consistent.
@@ -29,16 +29,23 @@ from pathlib import Path
 from typing import Any
 
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.lock import BusyError, PairLock, Ticket
-from mlx_kvlingo.conversation.records import AUTO_THRESHOLD, LABEL, GenerationResponse
-from mlx_kvlingo.conversation.records import SessionError as ConversationError
+from mlx_kvlingo.conversation import reader
 from mlx_kvlingo.conversation.session import MODES, Session
-from mlx_kvlingo.conversation.stream import final, open_stream, sampler_kwargs
+from mlx_kvlingo.conversation.stream import (
+    AUTO_THRESHOLD,
+    BusyError,
+    PairLock,
+    final,
+    open_stream,
+    sampler_kwargs,
+)
+from mlx_kvlingo.conversation.transcript import LABEL, GenerationResponse
+from mlx_kvlingo.conversation.transcript import SessionError as ConversationError
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
 
-__all__ = ["AUTO_THRESHOLD", "BusyError", "ConversationError", "Conversation", "GenerationResponse",
-           "Pair", "generate", "load", "load_prompt_cache", "make_prompt_cache",
+__all__ = ["AUTO_THRESHOLD", "MODES", "BusyError", "ConversationError", "Conversation",
+           "GenerationResponse", "Pair", "generate", "load", "load_prompt_cache", "make_prompt_cache",
            "save_prompt_cache", "stream_generate"]  # fmt: skip
 
 PromptCache = Session  # both models' caches and the conversation (conversation/session.py)
@@ -93,20 +100,19 @@ class Pair:
 
     def retention(self, policy: ReaderPolicy | None = None) -> Any:
         """What the forward translator keeps of the content by length under `policy`'s tail
-        and recompute share (conversation/retention.py: this pair's measured counts pooled with
+        and recompute share (conversation/reader.py: this pair's measured counts pooled with
         those a demo translator ships); None where nothing is measured ("auto" weighs time)."""
-        from mlx_kvlingo.conversation import retention as kept
         from mlx_kvlingo.models.demo.pair import shipped_retention
 
         policy = policy or ReaderPolicy()
         settings = (policy.large_reads_last, policy.recompute_share)
         if self.forward is not None and settings not in self._retention:
-            draws = kept.load_retention(kept.retention_key(self.models, self.forward, policy))
+            draws = reader.load_retention(reader.retention_key(self.models, self.forward, policy))
             path = getattr(self.forward, "path", None)
             if path and (shipped := shipped_retention(path, *settings)):
-                draws = {str(shipped.get("source")): kept.counts_of(shipped), **draws}
-            pooled = kept.pooled(*draws.values())
-            self._retention[settings] = kept.Retention.from_counts(pooled, "; ".join(draws))
+                draws = {str(shipped.get("source")): reader.counts_of(shipped), **draws}
+            pooled = reader.pooled(*draws.values())
+            self._retention[settings] = reader.Retention.from_counts(pooled, "; ".join(draws))
         return self._retention.get(settings)
 
     def memory(self) -> dict[str, int]:
@@ -221,7 +227,7 @@ def stream_generate(pair: Pair, prompt: str | list[int] | None,
     default: the cache's policy); `max_tokens` (256); `sampler`, `logits_processors`,
     `prompt_progress_callback(done, total)` as mlx-lm's, or the sampling settings `temp`,
     `top_p`, `top_k`, `min_p`, `repetition_penalty`, `repetition_context_size`, `seed`, each
-    merged over the answering model's defaults (conversation/sampling.py; `seed` plus the
+    merged over the answering model's defaults (conversation/stream.py; `seed` plus the
     number of earlier answers seeds MLX: a new draw each turn, reproducible from the messages);
     `wait`, `timeout`: when another generation holds the pair."""
     cache = make_prompt_cache(pair) if prompt_cache is None else prompt_cache
@@ -289,8 +295,6 @@ class Conversation:
 
     @mode.setter
     def mode(self, mode: str) -> None:
-        if mode not in MODES:
-            raise ConversationError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
         self._locked(lambda: setattr(self.cache, "mode", mode), True, None)
 
     @property
@@ -347,7 +351,7 @@ def _held(cache: PromptCache, fn: Callable[[], Any], wait: bool = True,
           timeout: float | None = None) -> Any:  # fmt: skip
     """`fn()` under the lock of the pair `cache` was made for (one generation at a time)."""
     lock = _LOCKS[cache]
-    lock.acquire(Ticket(cache, threading.Event()), wait, timeout)
+    lock.acquire(cache, wait=wait, timeout=timeout)
     try:
         return fn()
     finally:

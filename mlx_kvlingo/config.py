@@ -13,7 +13,7 @@ Before the large model answers a turn it lacks, someone reads it:
                      `reader.READER_MARGIN` go to the token rule), but the small path only where this
                      translator is measured to keep at least `min_retention` of what the large
                      model gets right reading the turn itself, at the turn's length
-                     (conversation/retention.py; 0: time alone). None: "auto" with a forward
+                     (conversation/reader.py; 0: time alone). None: "auto" with a forward
                      translator, "self" without.
 
 `translate_ahead`: while the small model answers, translate for the large one between its tokens

@@ -64,9 +64,9 @@ def translators(pair, tiny_dir):
 def _own_retention_folder(tmp_path_factory):
     """What `kvlingo eval --task content` stores for reader auto goes to a folder of this run's
     own (the cache folder's models stay shared): a test's few tasks never steer another's auto."""
-    from mlx_kvlingo.conversation import retention
+    from mlx_kvlingo.conversation import reader
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(retention, "RETENTION", tmp_path_factory.mktemp("retention"))  # an absolute path
+    mp.setattr(reader, "RETENTION", tmp_path_factory.mktemp("retention"))  # an absolute path
     yield
     mp.undo()

@@ -74,7 +74,7 @@ def handoff(pair, tr, tokens):
     from types import SimpleNamespace
 
     from mlx_kvlingo.config import ReaderPolicy
-    from mlx_kvlingo.conversation.rates import ReadCosts
+    from mlx_kvlingo.conversation.reader import ReadCosts
     from mlx_kvlingo.conversation.session import Session
 
     plain = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0.0)
@@ -190,10 +190,10 @@ def with_new_head(
 
 
 def fixed_costs(**rates):
-    """Exact read costs no measurement changes (`rates.ReadCosts`, every cost frozen): (a, b) or
+    """Exact read costs no measurement changes (`reader.ReadCosts`, every cost frozen): (a, b) or
     (a, b, c) per name given; the others stay unmeasured, but `target_step` defaults to
     target_read(1)."""
-    from mlx_kvlingo.conversation.rates import NAMES, ReadCosts
+    from mlx_kvlingo.conversation.reader import NAMES, ReadCosts
 
     out = ReadCosts()
     if "target_read" in rates and "target_step" not in rates:

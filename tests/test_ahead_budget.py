@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from mlx_kvlingo.conversation import catchup
 from mlx_kvlingo.conversation.catchup import AHEAD_MIN, AHEAD_SHARE, CatchUp
-from mlx_kvlingo.conversation.rates import ReadCosts
+from mlx_kvlingo.conversation.reader import ReadCosts
 
 import pytest
 from helpers import fixed_costs

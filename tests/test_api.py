@@ -397,7 +397,7 @@ def test_reader_policy_through_the_api(runtime):
     """`reader`, `reader_min_tokens` and `large_reads_last` on a Conversation: auto by default
     (by time, measured by the warm-up at load); the token rule has the small model read the
     opening turn, the large a short later one; bad values raise ConversationError."""
-    from mlx_kvlingo.conversation.rates import costs_of
+    from mlx_kvlingo.conversation.reader import costs_of
 
     assert runtime.load_s >= runtime.warmup_s > 0
     assert costs_of(runtime.models).target_read.ready and costs_of(runtime.models).forward.ready
@@ -533,7 +533,7 @@ def test_sampling_overrides_merge_over_each_models_defaults(runtime, monkeypatch
     own (its generation_config.json), in a new answer, an escalation and both answers of
     model "auto"; a `sampler` is used as given (mlx-lm's); an unknown setting is a
     ConversationError naming it, raised before anything runs."""
-    from mlx_kvlingo.conversation import sampling as S
+    from mlx_kvlingo.conversation import stream as S
 
     small_dir, large_dir = runtime.models.source.folder, runtime.models.target.folder
     own = {small_dir: {"top_p": 0.8}, large_dir: {"top_k": 20}}

@@ -318,7 +318,7 @@ def test_conversation_bench_auto_weighs_the_chats_retention(tiny_pair):
     """The benchmark's reader auto is the chat's: with a measured retention under the threshold
     (`Pair.retention`), it lets the large model read every turn itself, and the report
     measures it against the large path alone; without one, against the faster of both."""
-    from mlx_kvlingo.conversation import rates, retention
+    from mlx_kvlingo.conversation import reader
     from mlx_kvlingo.eval.conversation_bench import ConversationBenchConfig, run_conversation_bench
 
     from helpers import fixed_costs
@@ -327,9 +327,9 @@ def test_conversation_bench_auto_weighs_the_chats_retention(tiny_pair):
     cfg = ConversationBenchConfig(turns=2, user_lengths=(64,), answer_tokens=2,
                                   policies=("large reads", "small reads", "auto reads"),
                                   warmup=False, policy=ReaderPolicy(reader_min_tokens=1))  # fmt: skip
-    k = retention.retention_key(pair, tr, cfg.policy)
-    retention.record_retention(k, "a test", [(8, 0, 3), (64, 0, 3)])
-    path = rates.path_for(retention.RETENTION, k)
+    k = reader.retention_key(pair, tr, cfg.policy)
+    reader.record_retention(k, "a test", [(8, 0, 3), (64, 0, 3)])
+    path = reader.path_for(reader.RETENTION, k)
     # by time the small path wins: the large model's reading costs 10 ms a token
     pair.__dict__["_kvlingo_read_costs"] = fixed_costs(
         source_read=(0, 1e-4), forward=(0, 1e-5), backward=(0, 1e-5), target_read=(0, 1e-2)

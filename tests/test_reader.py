@@ -6,9 +6,9 @@ import json
 from dataclasses import replace
 
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
-from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats, status_line
-from mlx_kvlingo.conversation.sampling import DEFAULTS, GREEDY, Sampling, resolve
 from mlx_kvlingo.conversation.session import Session
+from mlx_kvlingo.conversation.stream import DEFAULTS, Sampling, resolve, status_line
+from mlx_kvlingo.conversation.transcript import Read, SessionError, Switch, TurnStats
 
 import mlx.core as mx
 import pytest
@@ -508,12 +508,12 @@ def test_sampling_defaults_and_generation_config(tmp_path):
     assert resolve(M()) == DEFAULTS
     with pytest.raises(ValueError, match="unknown sampling"):
         resolve(None, {"temperature": 1.0})
-    assert GREEDY.sampler()(mx.array([[0.1, 3.0, 0.2]])).item() == 1
+    assert Sampling(temp=0.0).sampler()(mx.array([[0.1, 3.0, 0.2]])).item() == 1  # argmax
 
 
 def test_sampling_overrides_merge_over_the_model_defaults(tmp_path):
     """A dict of overrides changes only its fields (None: not set), the rest stay the model's
-    own; a `Sampling` is taken whole; an unknown field is a ValueError naming it."""
+    own; an unknown field is a ValueError naming it."""
 
     class M:
         folder = tmp_path
@@ -526,15 +526,11 @@ def test_sampling_overrides_merge_over_the_model_defaults(tmp_path):
     assert got == replace(own, temp=0.3)
     assert (got.top_p, got.top_k, got.repetition_penalty, got.min_p) == (0.95, 20, 1.2, 0.05)
     assert resolve(M(), {"seed": 4}) == replace(own, seed=4)
-    whole = Sampling(temp=0.3)
-    assert resolve(M(), whole) is whole and whole.top_p == DEFAULTS.top_p
     known = r"known: temp, top_p, top_k, min_p, repetition_penalty, repetition_context_size, seed"
     with pytest.raises(ValueError, match=r"\['temperature'\] \(temperature is 'temp'\); " + known):
         resolve(M(), {"temperature": 0.3})
     with pytest.raises(ValueError, match=r"unknown sampling settings \['top'\]; known"):
         resolve(M(), {"temp": 0.3, "top": 1})
-    with pytest.raises(TypeError, match="sampling must be a Sampling, a dict"):
-        resolve(M(), 0.3)
 
 
 @pytest.mark.parametrize("reader", ["small", "self"])
@@ -567,7 +563,7 @@ def test_translate_ahead_makes_escalation_one_step(pair, translators):
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, policy=plain(translate_ahead=True))
     # unbudgeted: 8 tokens after every small token
-    s.catchup.ahead_tokens = lambda remaining, decode_s: min(8, max(remaining, 0))
+    s.ahead_tokens = lambda remaining, decode_s: min(8, max(remaining, 0))
     s.add_user("a long question " * 6)
     n0 = len(s.tokens)
     small = [e.token for e in s.generate("small", max_tokens=N)]
@@ -598,7 +594,7 @@ def test_translate_ahead_within_budget_leaves_the_rest_to_the_escalation(pair, t
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, policy=plain(translate_ahead=True))
     chunks = []
-    s.catchup.ahead_tokens = lambda remaining, decode_s: 0 if chunks else chunks.append(8) or 8
+    s.ahead_tokens = lambda remaining, decode_s: 0 if chunks else chunks.append(8) or 8
     s.add_user("a long question " * 6)
     n0 = len(s.tokens)
     list(s.generate("small", max_tokens=N))

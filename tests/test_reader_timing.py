@@ -7,10 +7,9 @@ import json
 from dataclasses import replace
 
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
-from mlx_kvlingo.conversation.rates import Cost, Paths, ReadCosts, costs_of
-from mlx_kvlingo.conversation.records import share, status_line
-from mlx_kvlingo.conversation.retention import Retention
+from mlx_kvlingo.conversation.reader import Cost, Paths, ReadCosts, Retention, costs_of, share
 from mlx_kvlingo.conversation.session import Session
+from mlx_kvlingo.conversation.stream import status_line
 from mlx_kvlingo.conversation.warmup import PROBE_READ, warm_up
 
 import pytest
@@ -124,7 +123,7 @@ def test_the_tail_is_dropped_where_it_would_more_than_double_the_ttft(pair, tran
         s = Session(pair, fwd, bwd, read_costs=fixed_costs(**rates), policy=ReaderPolicy(large_reads_last=8, recompute_share=0.0, reader="small"))  # fmt: skip
         s.add_user(long)
         n0 = len(s.tokens)
-        plain, with_tail = paths_with(s.catchup, n0 - 1, 1), paths_with(s.catchup, n0 - 1, 8)
+        plain, with_tail = paths_with(s, n0 - 1, 1), paths_with(s, n0 - 1, 8)
         a, b = plain.small(s.read_costs), with_tail.small(s.read_costs)
         assert (b <= max(TAIL_BUDGET * a, a + TAIL_ALLOWANCE_S)) == (tail == 8)
         assert tail == 8 or (b > TAIL_BUDGET * a and b > a + TAIL_ALLOWANCE_S)
@@ -289,18 +288,18 @@ def test_retention_is_kept_in_the_cache_folder_and_found_by_the_runtime(
     lengths it measured (the same tasks never count twice), other draws pool, and a length
     counts once the native read got `MIN_RIGHT` right there."""
     from mlx_kvlingo.api import Conversation, Pair
-    from mlx_kvlingo.conversation import rates, retention
+    from mlx_kvlingo.conversation import reader
 
-    monkeypatch.setattr(retention, "RETENTION", tmp_path / "retention")
+    monkeypatch.setattr(reader, "RETENTION", tmp_path / "retention")
     fwd, bwd = translators
     rt = Pair(pair, fwd, bwd)
     assert rt.retention() is None and Conversation(rt).cache.retention is None
-    k = retention.retention_key(pair, fwd, ReaderPolicy())
-    retention.record_retention(k, "seed 1", [(128, 3, 3), (2048, 1, 2)])
+    k = reader.retention_key(pair, fwd, ReaderPolicy())
+    reader.record_retention(k, "seed 1", [(128, 3, 3), (2048, 1, 2)])
     assert Pair(pair, fwd, bwd).retention().points == ((128, 1.0),)  # 2048: too few yet
-    retention.record_retention(k, "seed 1", [(2048, 0, 2)])  # the same draw again: replaces
-    retention.record_retention(k, "seed 2", [(2048, 2, 3)])  # another draw: pools
-    assert retention.load_retention(k) == {
+    reader.record_retention(k, "seed 1", [(2048, 0, 2)])  # the same draw again: replaces
+    reader.record_retention(k, "seed 2", [(2048, 2, 3)])  # another draw: pools
+    assert reader.load_retention(k) == {
         "seed 1": ((128, 3, 3), (2048, 0, 2)),
         "seed 2": ((2048, 2, 3),),
     }
@@ -310,12 +309,12 @@ def test_retention_is_kept_in_the_cache_folder_and_found_by_the_runtime(
     assert conv.cache.retention == kept and rt.retention() == kept
     conv.policy = replace(conv.policy, recompute_share=0.2)  # measured for other settings
     assert conv.cache.retention is None
-    for broken in ("{not json", json.dumps({"schema": rates.SCHEMA, "key": k,
+    for broken in ("{not json", json.dumps({"schema": reader.SCHEMA, "key": k,
                                             "draws": {"x": [[64, 4, 3]]}})):  # fmt: skip
         (next((tmp_path / "retention").iterdir())).write_text(broken)
         assert Pair(pair, fwd, bwd).retention() is None  # a broken file: unmeasured
     with pytest.raises(ValueError, match="count"):
-        retention.pooled([(64, True, 3)])
+        reader.pooled([(64, True, 3)])
 
 
 def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
@@ -325,10 +324,10 @@ def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
     the file the translator came from, whatever dtype it computes in); counts measured on this
     pair (`kvlingo eval --task content`, in the cache folder) pool with them."""
     from mlx_kvlingo.api import Pair
-    from mlx_kvlingo.conversation import retention
+    from mlx_kvlingo.conversation import reader
     from mlx_kvlingo.models.demo import pair as demo
 
-    monkeypatch.setattr(retention, "RETENTION", tmp_path / "retention")
+    monkeypatch.setattr(reader, "RETENTION", tmp_path / "retention")
     fwd, bwd = translators
     shipped = tmp_path / "forward.safetensors"
     shipped.write_bytes(b"")
@@ -344,8 +343,8 @@ def test_a_demo_translator_ships_its_retention_and_measured_counts_pool_with_it(
         fwd.path = tmp_path / "another.safetensors"
         assert Pair(pair, fwd, bwd).retention() is None  # not the shipped file
         fwd.path = shipped
-        k = retention.retention_key(pair, fwd, ReaderPolicy())
-        retention.record_retention(k, "measured here", [(4096, 3, 4)])
+        k = reader.retention_key(pair, fwd, ReaderPolicy())
+        reader.record_retention(k, "measured here", [(4096, 3, 4)])
         got = Pair(pair, fwd, bwd).retention()
         assert got.points == ((1024, 1.0), (4096, 0.5)) and got.source.endswith("measured here")
         entry["counts"] = [[1024, 4, 3]]  # a malformed manifest: only what was measured here
@@ -380,7 +379,7 @@ def test_the_token_rule_breaks_ties(pair, translators, monkeypatch, ratio, margi
     s.add_user(SHORT[0])
     s.read_costs = opening_tie(pair, len(s.tokens), ratio)
     monkeypatch.setattr(reader, "READER_MARGIN", margin)
-    d = reader.choose(s.catchup, "target", len(s.tokens) - 1)
+    d = reader.choose(s, "target", len(s.tokens) - 1)
     small, why, paths = d.small, d.note, d.paths
     assert small is small_reads and paths == Paths(len(s.tokens), 0, len(s.tokens) - 1, True)
     assert paths.small(s.read_costs) == pytest.approx(ratio * paths.large(s.read_costs))
@@ -391,7 +390,7 @@ def test_the_token_rule_breaks_ties(pair, translators, monkeypatch, ratio, margi
     s.add_user(SHORT[1])
     s.read_costs = fixed_costs(**SMALL_FAST)
     monkeypatch.setattr(reader, "READER_MARGIN", 1e9)
-    d = reader.choose(s.catchup, "target", len(s.tokens) - 1)
+    d = reader.choose(s, "target", len(s.tokens) - 1)
     small, why = d.small, d.note
     assert not small and why == "reader auto, a tie: the large reads turns under 64 tok"
 

@@ -1,13 +1,13 @@
 """Alternation on the known-answer pair: a conversation that crosses models in both directions
 must decode exactly as re-prefill does, translating each missing span exactly once."""
 
-from mlx_kvlingo.conversation.records import (
+from mlx_kvlingo.conversation.session import Session
+from mlx_kvlingo.conversation.transcript import (
     ContextOverflowError,
     SessionError,
     SessionFileError,
-    answer_confidence,
+    TurnStats,
 )
-from mlx_kvlingo.conversation.session import Session
 
 import mlx.core as mx
 import numpy as np
@@ -326,9 +326,8 @@ def _interrupt_now(tokens, logits):
 
 
 def test_confidence(pair, translators):
-    assert answer_confidence([-1.0, -3.0]) == -2.0
-    with pytest.raises(ValueError):
-        answer_confidence([])
+    assert TurnStats("source", "alternation", logprobs=[-1.0, -3.0]).confidence == -2.0
+    assert TurnStats("source", "alternation").confidence is None  # no answer, no score
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, policy=plain(reader="tokens"))
     s.add_user("import json")

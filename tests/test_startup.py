@@ -60,7 +60,7 @@ def rate_files(cache: Path) -> list[Path]:
 
 
 def test_a_second_start_reuses_the_stored_rates(tiny_dir, cache, measures):
-    from mlx_kvlingo.conversation.rates import costs_of
+    from mlx_kvlingo.conversation.reader import costs_of
 
     first = fresh_runtime(tiny_dir)
     first.warm_up(lengths=LENGTHS)
@@ -128,7 +128,7 @@ def test_a_reusing_start_reads_one_probe_per_model(tiny_dir, cache, measures):
     """A start that reuses stored rates reads each model once over a long scratch cache (its
     attention term), and that read replaces the stored one: the only sample that changes.
     Its prediction of a long turn then follows this start's probe."""
-    from mlx_kvlingo.conversation.rates import costs_of
+    from mlx_kvlingo.conversation.reader import costs_of
 
     first = fresh_runtime(tiny_dir)
     first.warm_up(lengths=LENGTHS)
@@ -175,7 +175,7 @@ def test_both_starts_prime_the_recompute(tiny_dir, cache, measures):
 
 def test_a_changed_key_measures_again(tiny_dir, cache, measures, monkeypatch):
     import mlx_kvlingo
-    from mlx_kvlingo.conversation import rates
+    from mlx_kvlingo.conversation import reader
 
     fresh_runtime(tiny_dir).warm_up(lengths=LENGTHS)
     assert len(measures) == 1
@@ -196,7 +196,7 @@ def test_a_changed_key_measures_again(tiny_dir, cache, measures, monkeypatch):
     rt.warm_up(lengths=LENGTHS)
     assert len(measures) == 3 and rt.rates == "measured"
     # another machine: its platform
-    monkeypatch.setattr(rates.platform, "platform", lambda *a, **k: "M9 Ultra")
+    monkeypatch.setattr(reader.platform, "platform", lambda *a, **k: "M9 Ultra")
     rt = fresh_runtime(tiny_dir)
     rt.warm_up(lengths=LENGTHS)
     assert len(measures) == 4 and rt.rates == "measured"
@@ -254,7 +254,7 @@ def test_a_cache_folder_that_cannot_be_written_only_measures(tiny_dir, tmp_path,
 
 
 def test_rates_round_trip_and_malformed_ones_are_refused():
-    from mlx_kvlingo.conversation.rates import ReadCosts
+    from mlx_kvlingo.conversation.reader import ReadCosts
     from mlx_kvlingo.kv.translator import MapReading
 
     costs = fixed_costs(source_read=(0.01, 0.001), target_read=(0.02, 0.01))

@@ -99,7 +99,7 @@ class ChatApp:
                  auto_threshold: float, console: Console | None = None, first: str = "large"):  # fmt: skip
         self.conv = conv
         self.max_tokens = max_tokens
-        self.sampling = sampling or {}  # explicit settings; the rest per model (sampling.py)
+        self.sampling = sampling or {}  # explicit settings; the rest per model (conversation/stream.py)
         self.next = first
         self.auto = False
         self.threshold = auto_threshold

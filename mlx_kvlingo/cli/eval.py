@@ -129,8 +129,8 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
 
 def _store_retention(pair, tr, chat, counts, draw, console) -> None:
     """Add the chat condition's retention counts to those in the cache folder, where reader
-    "auto" of this pair, translator and settings finds them (conversation/retention.py)."""
-    from mlx_kvlingo.conversation import retention as kept
+    "auto" of this pair, translator and settings finds them (conversation/reader.py)."""
+    from mlx_kvlingo.conversation import reader as kept
 
     if not counts:
         return

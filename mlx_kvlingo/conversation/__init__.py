@@ -1,2 +1,2 @@
-"""The conversation: `Session` (session.py) composed of a `Transcript`, two `ModelCache`s and a
-`CatchUp`; records, timing, persistence and warm-up beside it."""
+"""The conversation: `Session` (session.py, its catching up in catchup.py) over a `Transcript`;
+who reads a turn (reader.py), the public stream (stream.py), files and warm-up beside it."""

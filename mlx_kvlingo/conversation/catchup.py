@@ -6,8 +6,8 @@ range [start, end) of conversation positions; it is translated at its true posit
 
     alternation  translate only [held, other's held) (naive: everything the other holds, the
                  drifting baseline; reprefill: none, the model reads it itself);
-    reader       who reads a new turn for the large model (reader policy, reader.py): the
-                 small model (`small_reads`, then `catch_up`, then the large reads the tail and
+    reader       who reads a new turn for the large model (reader.py): the small model
+                 (`small_reads`, then `catch_up`, then the large reads the tail and
                  `recompute`s) or the large itself;
     ahead        while the small model answers, translate for the large between its tokens.
 
@@ -15,39 +15,25 @@ Key cut: the span is read from the outgoing model's cache and un-rotated exactly
 A `pre_norm` translator on a k_norm family needs the keys before k_norm, which caches do not
 keep: the outgoing model recomputes the span on its cached prefix to record them. Naive mode
 refuses such a translator: recomputing would quietly undo the compounding it exists to show.
-
-`CatchUp` receives the state it acts on (the transcript, both model caches, the switch log) when
-it is made, and never changes the transcript.
 """
 
 from __future__ import annotations
 
 import math
-import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Protocol
 
-from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.rates import Paths, ReadCosts
 from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION
-from mlx_kvlingo.conversation.records import Read, SessionError, Switch, TurnStats
-from mlx_kvlingo.conversation.retention import Retention
-from mlx_kvlingo.conversation.transcript import Transcript
+from mlx_kvlingo.conversation.transcript import Read, SessionError, Switch
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy, reserve
 from mlx_kvlingo.kv.capture import SpanKV, needs_recording, prefill
-from mlx_kvlingo.kv.recompute import (
-    large_reads,
-    recompute_attended,
-    sentence_ends,
-    special_ids,
-)
+from mlx_kvlingo.kv.recompute import recompute_attended, sentence_ends, special_ids
 from mlx_kvlingo.kv.translator import Side, Translator, append_translation
 from mlx_kvlingo.models.pair import LoadedModel, ModelPair
 
 import mlx.core as mx
 
-MODES = ("alternation", "naive", "reprefill")
 #: translating ahead: at least AHEAD_MIN tokens at a time, at most AHEAD_SHARE of the small
 #: model's decode time (conversation/README.md, "Translating ahead")
 AHEAD_MIN, AHEAD_SHARE = 8, 0.10
@@ -64,9 +50,6 @@ def read_chunk(heads: int, held: int, chunk: int = READ_CHUNK) -> int:
     n x (held + chunk) x `heads` x 4 bytes (at least its scores) would pass `SCORES_BYTES`;
     never fewer than chunk // 8."""
     return max(chunk // 8, min(chunk, SCORES_BYTES // (4 * heads * (held + chunk))))
-
-
-_PROBE = (16, 64)  # tokens a never-timed large model reads once each, to time it
 
 
 class RemoteLarge(Protocol):
@@ -90,16 +73,9 @@ class ModelCache:
     def clear(self) -> None:
         self.cache, self.held = new_cache(self.loaded), 0
 
-    def reserve(self, n: int) -> None:
-        """Room for `n` tokens in every layer ahead of a long read (`kv.cache.reserve`)."""
-        reserve(self.loaded, self.cache, n)
-
     def settle(self, want: int) -> None:
-        """Make every layer hold exactly the first tokens it can vouch for (at most `want`).
-
-        After an interruption some layers may have processed more than others; keeping the
-        smallest count over layers leaves a consistent cache.
-        """
+        """Make every layer hold exactly the first tokens all layers hold (at most `want`): after
+        an interruption some layers may have processed more than others."""
         keep = min([want] + [c.offset for c in self.cache])
         for c in self.cache:
             if c.offset > keep:
@@ -118,69 +94,26 @@ def check_directions(pair: ModelPair, forward: Translator | None, backward: Tran
             )
 
 
-class CatchUp:
-    """Brings one model's cache up to the conversation (who reads a turn: reader.py)."""
-
-    def __init__(self, pair: ModelPair, forward: Translator | None, backward: Translator | None,
-                 *, transcript: Transcript, models: dict[str, ModelCache], switches: list[Switch],
-                 cancel: threading.Event, read_costs: ReadCosts, remote: RemoteLarge | None = None,
-                 mode: str = "alternation", policy: ReaderPolicy | None = None,
-                 retention: Retention | None = None):  # fmt: skip
-        """`transcript` (only read), `models` and `switches` are the session's, changed in place,
-        never replaced. `retention`: what the forward translator keeps by length (None: not
-        measured)."""
-        self.retention = retention
-        self.pair, self.forward, self.backward, self.remote = pair, forward, backward, remote
-        self.transcript, self.models, self.switches = transcript, models, switches
-        self.cancel, self.read_costs = cancel, read_costs
-        self.mode, self.policy = mode, ReaderPolicy() if policy is None else policy
-
-    @property
-    def mode(self) -> str:
-        return self._mode
-
-    @mode.setter
-    def mode(self, mode: str) -> None:
-        if mode not in MODES:
-            raise SessionError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
-        self._mode = mode
-
-    @property
-    def policy(self) -> ReaderPolicy:
-        """The reader policy, its reader resolved ("auto" with a forward translator, else self)."""
-        return self._policy
-
-    @policy.setter
-    def policy(self, policy: ReaderPolicy) -> None:
-        if not isinstance(policy, ReaderPolicy):
-            raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
-        if self.remote is not None and policy.recompute_share:  # all layers, in this process
+def check_mode(mode: str, pair: ModelPair, forward, backward) -> None:
+    """Naive mode refuses a translator whose keys the outgoing model recomputes ("Key cut")."""
+    for tr, outgoing in ((forward, pair.source), (backward, pair.target)):
+        if mode == "naive" and tr and needs_recording(outgoing, tr.config.key_cut):
             raise SessionError(
-                "the recompute (recompute_share > 0) is not available with a pipelined large model"
+                "naive mode needs post_norm translators (with a pre_norm one the outgoing "
+                "model would recompute its keys, hiding the re-translation drift)"
             )
-        reader = policy.reader or ("auto" if self.forward else "self")
-        if reader != "self" and self.forward is None:
-            raise SessionError(f"reader {reader!r} needs a forward (small -> large) translator")
-        self._policy = replace(policy, reader=reader)
-        self.ahead_credit = 0.0  # seconds of translating ahead the small model's tokens earned
 
-    def check_mode(self) -> None:
-        if self.mode != "naive":
-            return
-        for tr, outgoing in ((self.forward, self.pair.source), (self.backward, self.pair.target)):
-            if tr is not None and needs_recording(outgoing, tr.config.key_cut):
-                raise SessionError(
-                    "naive mode needs post_norm translators (with a pre_norm one the outgoing "
-                    "model would recompute its keys, hiding the re-translation drift)"
-                )
+
+class CatchUp:
+    """The session's catching up (a base of `Session`, whose state it acts on: `pair`,
+    `forward`, `backward`, `remote`, `transcript` (only read), `models`, `switches`, `cancelled`,
+    `mode`, `policy`, `read_costs`); who reads a turn: reader.py."""
 
     # -- catching up ------------------------------------------------------------------------
 
     def catch_up(self, name: str, upto: int) -> Switch | None:
-        """Bring model `name` to hold conversation[:a] with a <= upto, by the mode.
-
-        Returns the `Switch` when the other model held tokens this one lacked, else None.
-        """
+        """Bring model `name` to hold conversation[:a] with a <= upto, by the mode; the `Switch`
+        where the other model held tokens this one lacked, else None."""
         m = self.models[name]
         o = self.models["target" if name == "source" else "source"]
         m.settle(min(m.held, upto))
@@ -217,10 +150,6 @@ class CatchUp:
                 span = self._capture(o, tr, s, e)
                 span.tokens = tuple(self.transcript.tokens[s:e])
                 if m.name == "target" and self.remote is not None:
-                    if tr is not self.forward:
-                        raise SessionError(
-                            "a pipelined target translates with the runtime's translator"
-                        )
                     self.remote.place(m.cache, span)
                 else:
                     append_translation(m.loaded, tr, span, m.cache)
@@ -253,10 +182,10 @@ class CatchUp:
         `progress("source", done, total)` is called before the first chunk and after each."""
         m = self.models["source"]
         read = Read("source", catch_up=self.catch_up("source", upto), start=m.held)
-        m.reserve(upto)
+        reserve(m.loaded, m.cache, upto)  # no layer grows (2x its size) while it reads
         t0, total = time.perf_counter(), max(upto - m.held, 0)
         try:
-            while m.held < upto and not self.cancel.is_set():
+            while m.held < upto and not self.cancelled.is_set():
                 if progress is not None:
                     progress("source", read.tokens, total)
                 n = read_chunk(m.loaded.query_heads, m.held, chunk)
@@ -349,45 +278,6 @@ class CatchUp:
         least = max(AHEAD_MIN, math.ceil(3 * a / b)) if cost.ready else 2 * cost.samples[-1][0]
         most = min(remaining, int((self.ahead_credit - a) / b))
         return most if most >= min(least, remaining) else 0
-
-    # -- what reading costs --------------------------------------------------------------------
-
-    def observe(self, stats: TurnStats, at: int) -> None:
-        """Feed what this turn measured into the pair's read costs (reader "auto"); the
-        answering model read its prompt over the `at` tokens it held."""
-        costs, rd, sw = self.read_costs, stats.read, stats.switch
-        if rd is not None:
-            costs.source_read.observe(rd.tokens, rd.seconds, rd.start)
-            c = rd.catch_up
-            if c is not None and c.translated and not c.retranslated:
-                costs.backward.observe(c.translated, c.seconds)
-        if sw is not None and sw.translated and not sw.retranslated:
-            (costs.forward if sw.into == "target" else costs.backward).observe(
-                sw.translated, sw.seconds
-            )
-        if sw is not None and sw.recompute_s:  # the tail and the recomputed, read at the end
-            n = large_reads(sw.tail_read, sw.recomputed)
-            costs.target_read.observe(n, sw.recompute_s, max(sw.end - sw.recomputed, 0))
-        if stats.model == "target":
-            costs.observe_target(stats.prompt_tokens, stats.prompt_s, at)
-
-    def alternative(self, stats: TurnStats, paths: Paths, conversation: list[int]) -> None:
-        """The TTFT the other way of reading would have had, predicted from the rates this
-        turn updated; the large model's own read is timed once (after the answer, on `_PROBE`
-        tokens of the conversation in a scratch cache) when it never was."""
-        costs = self.read_costs
-        if stats.read is None:
-            stats.alternative_ttft_s = paths.small(costs)
-            return
-        if not costs.target_read.ready:
-            for n in _PROBE:
-                probe = (conversation * (n // max(len(conversation), 1) + 1))[:n]
-                cache = new_cache(self.pair.target)
-                t0 = time.perf_counter()
-                self.pair.target.model(mx.array(probe)[None], cache=cache)
-                mx.eval([c.keys for c in cache])
-                costs.target_read.observe(n, time.perf_counter() - t0)
-        stats.alternative_ttft_s = stats.alone_prefill_s = paths.large(costs)
 
 
 def _placeholders(cache: list, n: int) -> tuple[list, list]:

@@ -16,7 +16,13 @@ from pathlib import Path
 from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.conversation.catchup import ModelCache
-from mlx_kvlingo.conversation.records import Read, SessionError, SessionFileError, Switch, TurnStats
+from mlx_kvlingo.conversation.transcript import (
+    Read,
+    SessionError,
+    SessionFileError,
+    Switch,
+    TurnStats,
+)
 from mlx_kvlingo.kv.cache import prefix_copy
 from mlx_kvlingo.models.files import parse_json, read_header
 from mlx_kvlingo.models.pair import ModelPair, model_fingerprint
@@ -121,7 +127,8 @@ def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:
              "wrote it")  # fmt: skip
     need(not state.get("tokenizer") or state["tokenizer"] == mine["tokenizer"],
          "saved with a different tokenizer")  # fmt: skip
-    tokens, messages, vocab = state["tokens"], state["messages"], _vocab_size(pair)
+    tokens, messages = state["tokens"], state["messages"]
+    vocab = min(int(m.model.model.embed_tokens.weight.shape[0]) for m in (pair.source, pair.target))
     need(isinstance(tokens, list) and all(_is_int(t) and 0 <= t < vocab for t in tokens),
          f"tokens must be a list of token ids below {vocab}")  # fmt: skip
     need(isinstance(messages, list) and all(isinstance(m, dict) and isinstance(m.get("role"), str)
@@ -182,11 +189,6 @@ LEGACY_POLICY_KEYS = ("reader", "reader_min_tokens", "reader_margin", "large_rea
 
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _vocab_size(pair) -> int:
-    """Token ids the models can embed (the smaller embedding table of the two)."""
-    return min(int(m.model.model.embed_tokens.weight.shape[0]) for m in (pair.source, pair.target))
 
 
 def _check_cache(path: Path, m: ModelCache) -> None:

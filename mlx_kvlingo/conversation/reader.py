@@ -1,27 +1,68 @@
-"""Who reads a turn for the large model, decided once per turn into one `Decision`.
+"""Who reads a turn for the large model, decided once per turn (`choose`) from this pair's
+measured read rates and the translator's measured retention.
 
-Invariant: where the small model reads for the large one, it reads conversation[:cut] and the
-large reads conversation[cut : upto + 1] itself, cut = upto + 1 - tail (never below what the
-large holds); `Decision` carries that cut, whether the large recomputes, and why, from the
-choice to the hand-off (session.py), so nothing asks twice. Reader "auto" takes the small path
-where its predicted TTFT (`rates.Paths.small`) beats the large's own read (`Paths.large`) by
-more than READER_MARGIN; a tie, or no timing yet, goes to the token rule; a measured retention
-under `min_retention` turns the small path down. The tail and the recompute are dropped (the
+Time. A read of n tokens by a model holding `at` costs a + b n + c n (at + n / 2) seconds, a
+translation a + b n. Each of the five costs (`NAMES`; target_read: the large model's read of
+n >= 2 tokens up to its first token, target_step: of one) is a nonnegative least-squares fit to
+its last `KEEP` measurements (the warm-up's and every turn's), each weighing `DECAY` of the
+next. Per large turn both ways its answer can start are predicted (`Paths`):
+
+    large reads   target_read(lacked, at=held)
+    small reads   catch-up (backward(k), or the small reads it too) + source_read(read)
+                  + forward(lacked - tail) + target_read(recompute + 2 tail, at the turn's
+                  end) + target_step (target_step alone for a one-token tail, no recompute)
+
+Content. Retention at read length n: of the stated facts and copies the large model gets right
+reading the turn itself (right), those it also gets right on the small path (kept), pooled over
+draws: kept / right where right >= `MIN_RIGHT`, linear in log n between measured lengths, the
+nearest one's outside (measured by `kvlingo eval --task content`).
+
+The choice. Where the small model reads, it reads conversation[:cut] and the large reads
+conversation[cut : upto + 1] itself, cut = upto + 1 - tail (never below what the large holds).
+Reader "auto" takes the small path where its predicted TTFT beats the large's own read by more
+than READER_MARGIN; a tie, or no timing yet, goes to the token rule; a retention under
+`min_retention` turns the small path down. The tail and the recompute are dropped (the
 recompute first) where they would take the small path past TAIL_BUDGET x the plain handoff's
-TTFT and TAIL_ALLOWANCE_S more.
+TTFT and TAIL_ALLOWANCE_S more. `choose` reads the session it is handed and changes nothing.
 
-The functions read the `state` they are handed (the session's `CatchUp`: both translators,
-`models`, `mode`, `policy`, `read_costs`, `retention`) and change nothing.
+Files: `<cache folder>/<folder>/<hash of the key>.json` (`RATES` keyed by `rates_key`: machine,
+pair, versions, lengths; `RETENTION` by `retention_key`), written atomically; one that does not
+parse, or whose schema or key differs, is ignored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import importlib.metadata
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
-from mlx_kvlingo.conversation.rates import Paths
-from mlx_kvlingo.conversation.records import share
-from mlx_kvlingo.kv.recompute import Selection
+from mlx_kvlingo._platform import blas
+from mlx_kvlingo._platform.atomic import write_text
+from mlx_kvlingo._platform.cachedir import cache_root
+from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation.transcript import SessionError, TurnStats
+from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.recompute import Selection, large_reads
+from mlx_kvlingo.models.pair import model_fingerprint
 
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+DECAY, KEEP = 0.7, 12
+NAMES = ("source_read", "forward", "backward", "target_read", "target_step")
+SCHEMA = "mlx-kvlingo/rates-3"  # 3: no load factor; probes replace their own sample
+RATES, RETENTION = "rates", "retention"  # the cache folder's subfolders
+PROBE = (16, 64)  # tokens a never-timed large model reads once each, to time it
+MIN_RIGHT = 3  # fewer native answers right at a length would let one answer swing auto
 #: the large model's read of the turn's last tokens may add to the small path's predicted TTFT
 #: the plain handoff's own TTFT or TAIL_ALLOWANCE_S, whichever is more
 TAIL_BUDGET = 2.0
@@ -31,6 +72,289 @@ READER_MARGIN = 0.05
 #: which translated tokens the large model recomputes: each attention peak with the rest of its
 #: sentence (weights/QUALITY.md, "Sentences, not neighbours")
 RECOMPUTE_SELECTION = Selection()
+
+
+# -- time ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Cost:
+    """seconds = a + b n + c n (at + n / 2) over recent (n, seconds, at); c = 0 without
+    `attention`."""
+
+    samples: deque = field(default_factory=lambda: deque(maxlen=KEEP))
+    frozen: bool = False  # ignores measurements (exact costs a test injects)
+    attention: bool = True
+
+    def observe(self, n: int, seconds: float, at: int = 0, again: bool = False) -> None:
+        """A read of n tokens over `at` took `seconds`; `again`: it replaces the samples of the
+        same (n, at) (a probe repeated by a later start)."""
+        if n > 0 and seconds > 0 and at >= 0 and not self.frozen:
+            if again:
+                self.samples = deque([x for x in self.samples if (x[0], x[2]) != (n, at)], KEEP)
+            self.samples.append((int(n), float(seconds), int(at)))
+
+    @property
+    def ready(self) -> bool:
+        """Measured at two lengths at least (an intercept and a slope)."""
+        return len({n for n, _, _ in self.samples}) >= 2
+
+    def features(self, n: int, at: int = 0) -> tuple[float, ...]:
+        return (1.0, float(n), n * (at + n / 2))[: 3 if self.attention else 2]
+
+    def fit(self) -> tuple[float, ...] | None:
+        """(a, b, c) (without attention (a, b)), each >= 0, None before any measurement: of the
+        subsets of terms whose weighted least squares are all >= 0, the smallest error (b is
+        always fitted, alone through 0 at least)."""
+        if not self.samples:
+            return None
+        k, m = len(self.samples), 3 if self.attention else 2
+        w = np.sqrt([DECAY ** (k - 1 - i) for i in range(k)])[:, None]
+        X = np.array([self.features(n, at) for n, _, at in self.samples]) * w
+        y = np.array([s for _, s, _ in self.samples]) * w[:, 0]
+        best, err = {}, math.inf
+        for terms in (t for t in ([0, 1, 2], [0, 1], [1, 2], [1]) if max(t) < m):
+            coef = np.linalg.lstsq(X[:, terms], y, rcond=None)[0]
+            e = float(np.sum((X[:, terms] @ coef - y) ** 2))
+            ok = np.linalg.matrix_rank(X[:, terms]) == len(terms) and min(coef) >= 0
+            if ok and e < err - 1e-15:
+                best, err = dict(zip(terms, coef.tolist())), e
+        return tuple(best.get(i, 0.0) for i in range(m))
+
+    def predict(self, n: int, at: int = 0) -> float | None:
+        """Seconds to read `n` tokens over `at` held (None before any measurement)."""
+        coef = self.fit() if n > 0 else ()
+        return None if coef is None else float(np.dot(coef, self.features(n, at)[: len(coef)]))
+
+
+@dataclass
+class ReadCosts:
+    """The five costs of one pair in this process (see the module docstring)."""
+
+    source_read: Cost = field(default_factory=Cost)
+    forward: Cost = field(default_factory=lambda: Cost(attention=False))
+    backward: Cost = field(default_factory=lambda: Cost(attention=False))
+    target_read: Cost = field(default_factory=Cost)
+    target_step: Cost = field(default_factory=lambda: Cost(attention=False))
+    warmup_s: float | None = None  # how long the last warm-up took (None: none ran)
+    origin: str | None = None  # the rates "measured" by this process or "cached" (warmup.py)
+
+    def to_dict(self) -> dict[str, list[list[float]]]:
+        """{name: [[n, seconds, at], ...]} oldest first (what `from_dict` takes)."""
+        return {name: [list(x) for x in getattr(self, name).samples] for name in NAMES}
+
+    @classmethod
+    def from_dict(cls, data: object) -> ReadCosts:
+        """ValueError unless `data` is `to_dict`'s: each name, at most KEEP [n, seconds, at]."""
+        out = cls()
+        if not isinstance(data, dict) or set(data) != set(NAMES):
+            raise ValueError(f"expected the costs {', '.join(NAMES)}")
+        for name in NAMES:
+            for n, s, at in data[name] if len(data[name]) <= KEEP else [()]:
+                ok = type(n) is type(at) is int and n > 0 <= at and type(s) in (int, float)
+                if not ok or not 0 < s < math.inf:
+                    raise ValueError(f"{name}: not positive [tokens, seconds, at]")
+                getattr(out, name).samples.append((n, float(s), at))
+        return out
+
+    def observe_target(self, n: int, seconds: float, at: int = 0) -> None:
+        """The large model read n tokens over the `at` it held up to its first token."""
+        (self.target_step if n == 1 else self.target_read).observe(n, seconds, 0 if n == 1 else at)
+
+    def large_reads(self, lacked: int, at: int = 0) -> float | None:
+        """Predicted TTFT with the large model reading `lacked` tokens itself over `at`."""
+        if lacked == 1:
+            return self.target_step.predict(1) if self.target_step.samples else None
+        return self.target_read.predict(lacked, at) if self.target_read.ready else None
+
+
+@dataclass(frozen=True)
+class Paths:
+    """A large answer about to start: the lengths each way of reading its turn involves."""
+
+    lacked: int  # tokens the large model lacks (it reads them all, or the last `tail` only)
+    catch_up: int  # tokens the small model must first catch up on (the large's answers)
+    read: int  # tokens the small model then reads itself
+    backward: bool  # the small catches up by backward translation (else it reads them too)
+    tail: int = 1  # on the small path, the last tokens the large model still reads itself
+    recompute: int = 0  # on the small path, translated tokens the large model recomputes
+    held: int = 0  # tokens the large model holds (the turn starts there)
+    small_held: int = 0  # tokens the small model holds
+
+    def large(self, costs: ReadCosts) -> float | None:
+        return costs.large_reads(self.lacked, self.held)
+
+    def small(self, costs: ReadCosts) -> float | None:
+        """The small path's TTFT (module docstring); None where a cost it needs is unmeasured."""
+        c, back = costs, bool(self.catch_up and self.backward)
+        if not (c.source_read.ready and c.forward.ready and (c.backward.ready or not back)):
+            return None
+        at = self.held + self.lacked - self.recompute - self.tail  # the large model's last read
+        large = c.large_reads(large_reads(self.tail, self.recompute), at)
+        step = c.large_reads(1) if self.recompute else 0.0
+        if large is None or step is None:
+            return None
+        if back:  # the small model catches up by backward translation, then reads
+            small = c.backward.predict(self.catch_up) + c.source_read.predict(
+                self.read, self.small_held + self.catch_up
+            )
+        else:  # it reads what it lacks of the large model's answers with the turn
+            small = c.source_read.predict(self.catch_up + self.read, self.small_held)
+        return small + c.forward.predict(self.lacked - self.tail) + large + step
+
+
+def costs_of(pair) -> ReadCosts:
+    """The costs measured on `pair` in this process, shared by its conversations."""
+    return pair.__dict__.setdefault("_kvlingo_read_costs", ReadCosts())
+
+
+# -- content -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Retention:
+    """(read length, retention in [0, 1]) points, lengths increasing; `source`: where they came
+    from."""
+
+    points: tuple[tuple[int, float], ...]
+    source: str = ""
+
+    @classmethod
+    def from_counts(cls, counts, source: str = "") -> Retention | None:
+        """The lengths of `counts` measured enough (pooled); None where none is."""
+        pts = tuple((n, kept / right) for n, kept, right in pooled(counts) if right >= MIN_RIGHT)
+        return cls(pts, source) if pts else None
+
+    def expected(self, n: int) -> float:
+        """The retention expected at `n` read tokens."""
+        pts = self.points
+        for (n0, r0), (n1, r1) in zip(pts, pts[1:]):
+            if n0 < n < n1:
+                return r0 + math.log(n / n0) / math.log(n1 / n0) * (r1 - r0)
+        return min(pts, key=lambda p: abs(p[0] - n))[1]
+
+
+def share(x: float) -> str:
+    """A retention with two decimals, rounded down: one under a threshold never reads as it."""
+    return f"{math.floor(x * 100 + 1e-9) / 100:.2f}"
+
+
+def pooled(*groups) -> tuple[tuple[int, int, int], ...]:
+    """(read length, kept, right) counts summed per length, lengths increasing; ValueError on a
+    malformed count."""
+    by: dict[int, list[int]] = {}
+    for c in (c for group in groups for c in group):
+        ok = isinstance(c, (tuple, list)) and len(c) == 3 and all(type(x) is int for x in c)
+        if not ok or not 0 <= c[1] <= c[2] or c[0] <= 0:
+            raise ValueError(f"not a (length, kept, right) count: {c!r:.60}")
+        s = by.setdefault(c[0], [0, 0])
+        s[0], s[1] = s[0] + c[1], s[1] + c[2]
+    return tuple((n, k, r) for n, (k, r) in sorted(by.items()))
+
+
+def counts_of(entry: object) -> tuple[tuple[int, int, int], ...]:
+    """A manifest entry's counts ({"counts": [[length, kept, right], ...]}); () if malformed."""
+    try:
+        return pooled(map(tuple, entry["counts"]))  # type: ignore[index]
+    except (KeyError, TypeError, ValueError):
+        return ()
+
+
+def load_retention(k: dict) -> dict[str, tuple[tuple[int, int, int], ...]]:
+    """{draw: its counts} stored for key `k`; empty where none parse."""
+    try:
+        return {str(d): pooled(map(tuple, c)) for d, c in read(RETENTION, k)["draws"].items()}
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return {}
+
+
+def record_retention(k: dict, draw: str, counts) -> dict:
+    """Store `counts` as draw `draw`'s for key `k` and return every draw's: a draw stored before
+    keeps the lengths this run did not measure, so the same tasks never count twice. OSError
+    where the cache folder cannot be written."""
+    draws = load_retention(k)
+    mine = {c[0]: c for c in pooled(counts)}
+    draws[draw] = pooled([c for c in draws.get(draw, ()) if c[0] not in mine], mine.values())
+    write(RETENTION, k, draws={d: [list(c) for c in cs] for d, cs in draws.items()})
+    return draws
+
+
+# -- the files -----------------------------------------------------------------------------
+
+
+def fingerprints(pair, *translators) -> list[str | None]:
+    """Both models (weights, dtype, type, quantization) and each translator (its class,
+    settings and the first entries of each weight), as fingerprints."""
+
+    def translator(tr) -> str:
+        h = hashlib.sha256(f"{type(tr).__name__} {replace(tr.config, metadata={})!r}".encode())
+        for name, w in sorted(tree_flatten(tr.parameters())):
+            h.update(f"{name}:{tuple(w.shape)}:{w.dtype}".encode())
+            h.update(np.array(w.reshape(-1)[:256].astype(mx.float32)).tobytes())
+        return h.hexdigest()[:16]
+
+    models = [f"{model_fingerprint(m)} {m.dtype} {m.config.get('model_type')} "
+              f"{m.config.get('quantization')}" for m in (pair.source, pair.target)]  # fmt: skip
+    return models + [None if t is None else translator(t) for t in translators]
+
+
+def rates_key(pair, forward, backward, lengths) -> dict:
+    """Machine (platform, device, BLAS, threads), pair files, library versions, lengths."""
+    info = mx.device_info()  # its chip (on Linux the CPU's model name) and memory
+    env = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "KVLINGO_CPU_MEMORY")
+    machine = [platform.platform(), os.cpu_count(), str(mx.default_device()), blas.loaded_path,
+               *(str(info.get(k)) for k in ("device_name", "memory_size")),
+               *map(os.environ.get, env)]  # fmt: skip
+    ours = getattr(sys.modules.get("mlx_kvlingo"), "__version__", None)  # a checkout's own
+    versions = [importlib.metadata.version(d) for d in ("mlx", "mlx-lm")] + [ours]
+    return {"machine": machine, "pair": fingerprints(pair, forward, backward), "versions": versions,
+            "lengths": [int(n) for n in lengths]}  # fmt: skip
+
+
+def retention_key(pair, forward, policy) -> dict:
+    return {"pair": fingerprints(pair, forward), "tail": policy.large_reads_last,
+            "recompute_share": policy.recompute_share}  # fmt: skip
+
+
+def path_for(folder: str | Path, k: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(k, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_root() / folder / f"{digest}.json"
+
+
+def read(folder, k: dict) -> dict:
+    """The file stored in `folder` for key `k`; {} where there is none to take (docstring)."""
+    try:
+        data = json.loads(path_for(folder, k).read_text())
+        same = data.get("schema") == SCHEMA and data.get("key") == json.loads(json.dumps(k))
+        return data if same else {}
+    except (OSError, ValueError, AttributeError):  # missing, unreadable, not JSON, not a dict
+        return {}
+
+
+def write(folder, k: dict, **data) -> Path:
+    """Store `data` for key `k` in `folder`, atomically; OSError where it cannot be written."""
+    path = path_for(folder, k)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps({"schema": SCHEMA, "key": k, **data}, indent=1, sort_keys=True)
+    return write_text(path, text + "\n")
+
+
+# -- the choice ----------------------------------------------------------------------------
+
+
+def resolve_policy(s, policy: ReaderPolicy) -> ReaderPolicy:
+    """`policy` as session `s` follows it: its reader resolved ('auto' with a forward
+    translator, else 'self'); a SessionError where `s` cannot follow it."""
+    if not isinstance(policy, ReaderPolicy):
+        raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
+    if s.remote is not None and policy.recompute_share:  # all layers, in this process
+        raise SessionError(
+            "the recompute (recompute_share > 0) is not available with a pipelined large model"
+        )
+    reader = policy.reader or ("auto" if s.forward else "self")
+    if reader != "self" and s.forward is None:
+        raise SessionError(f"reader {reader!r} needs a forward (small -> large) translator")
+    return replace(policy, reader=reader)
 
 
 @dataclass(frozen=True)
@@ -45,20 +369,20 @@ class Decision:
     retention: float | None = None  # the measured retention that turned the small path down
 
 
-def choose(state, name: str, upto: int) -> Decision:
-    """Does the small model read [large's held, upto) for `name` this turn (reader policy,
-    see session.py), where does it stop, and does the large recompute?"""
-    if name != "target" or state.forward is None or state.mode == "reprefill":
+def choose(s, name: str, upto: int) -> Decision:
+    """Does the small model read [large's held, upto) for `name` this turn in session `s`,
+    where does it stop, and does the large recompute?"""
+    if name != "target" or s.forward is None or s.mode == "reprefill":
         return Decision()  # reprefill is the reference: the answering model reads it all
-    p, (tail, recompute) = state.policy, _reading(state, upto)
-    paths = paths_with(state, upto, tail, recompute) if state.mode == "alternation" else None
-    held = min(state.models["target"].held, upto)
+    p, (tail, recompute) = s.policy, _reading(s, upto)
+    paths = paths_with(s, upto, tail, recompute) if s.mode == "alternation" else None
+    held = min(s.models["target"].held, upto)
     cut = max(held, upto + 1 - tail)
-    if cut <= state.models["target"].held:  # one way only
+    if cut <= s.models["target"].held:  # one way only
         why = f"the turn is within the {p.large_reads_last} tok the large reads itself"
         return Decision(note="" if p.reader == "self" else why)
-    small, why, kept = _rule(state, upto, paths)
-    count = recompute_count(state, cut - held)  # 0 unless alternation
+    small, why, kept = _rule(s, upto, paths)
+    count = recompute_count(s, cut - held)  # 0 unless alternation
     over = f"would take over {TAIL_BUDGET:g}x this TTFT and {TAIL_ALLOWANCE_S:g} s more"
     if small and p.large_reads_last > 1 and tail == 1:
         why = f"the large reads the last token only: reading the last {p.large_reads_last} tok"
@@ -68,28 +392,28 @@ def choose(state, name: str, upto: int) -> Decision:
     return Decision(small, why, paths, cut if small else 0, small and recompute and count > 0, kept)
 
 
-def _rule(state, upto: int, paths: Paths | None) -> tuple[bool, str, float | None]:
+def _rule(s, upto: int, paths: Paths | None) -> tuple[bool, str, float | None]:
     """The reader policy's choice: (the small model reads, why the large reads itself, the
     retention that turned the small path down). Reader "auto" decides by time (the token rule
     on a tie or before any timing), then turns a small path down where its measured retention
     is under `min_retention`."""
-    p = state.policy
+    p = s.policy
     if p.reader in ("small", "self"):
         return p.reader == "small", "", None
-    held = state.models["target"].held
+    held = s.models["target"].held
     rule = held == 0 or upto - held >= p.reader_min_tokens
     under = f"the large reads turns under {p.reader_min_tokens} tok"
     if p.reader == "tokens":
         return rule, "" if rule else f"reader tokens: {under}", None
-    large = None if paths is None else paths.large(state.read_costs)
-    small = None if paths is None else paths.small(state.read_costs)
+    large = None if paths is None else paths.large(s.read_costs)
+    small = None if paths is None else paths.small(s.read_costs)
     if large is None or small is None:
         small_reads, why = rule, "" if rule else f"reader auto, not timed yet: {under}"
     elif abs(large - small) <= READER_MARGIN * min(large, small):
         small_reads, why = rule, "" if rule else f"reader auto, a tie: {under}"
     else:
         small_reads, why = small < large, "" if small < large else "reader auto: the faster"
-    r = state.retention  # what the small path keeps at this length (None: not measured)
+    r = s.retention  # what the small path keeps at this length (None: not measured)
     kept = None if r is None or not p.min_retention else r.expected(upto + 1 - held)
     if small_reads and kept is not None and kept < p.min_retention:
         return False, (f"reader auto: the small path keeps ≈{share(kept)} of the content at "
@@ -97,39 +421,79 @@ def _rule(state, upto: int, paths: Paths | None) -> tuple[bool, str, float | Non
     return small_reads, why, None
 
 
-def _reading(state, upto: int) -> tuple[int, bool]:
-    """How much the large model reads itself where the small reads for it: (its last
-    tokens, whether it recomputes). `large_reads_last` and `recompute_share`, unless that
-    is predicted to take more than `TAIL_BUDGET` times the plain handoff's TTFT and
-    `TAIL_ALLOWANCE_S` more than it; then without the recompute, then the last token only
-    (the plain handoff itself)."""
-    k, share = state.policy.large_reads_last, state.policy.recompute_share > 0
+def _reading(s, upto: int) -> tuple[int, bool]:
+    """How much the large model reads itself where the small reads for it: (its last tokens,
+    whether it recomputes): `large_reads_last` and `recompute_share`, else without the
+    recompute, else the last token only, the first within the tail budget (docstring)."""
+    k, share = s.policy.large_reads_last, s.policy.recompute_share > 0
     ways = [(k, share), *([(k, False)] if share else []), *([(1, False)] if k > 1 else [])]
-    if len(ways) == 1 or state.forward is None or state.mode != "alternation":
+    if len(ways) == 1 or s.mode != "alternation":
         return ways[0]
-    a = paths_with(state, upto, 1, False).small(state.read_costs)
+    a = paths_with(s, upto, 1, False).small(s.read_costs)
     if a is None:
         return ways[0]
     limit = max(TAIL_BUDGET * a, a + TAIL_ALLOWANCE_S)
     for tail, recompute in ways:
-        b = paths_with(state, upto, tail, recompute).small(state.read_costs)
+        b = paths_with(s, upto, tail, recompute).small(s.read_costs)
         if b is None or b <= limit:
             return tail, recompute
     return 1, False
 
 
-def paths_with(state, upto: int, tail: int, recompute: bool = True) -> Paths:
+def paths_with(s, upto: int, tail: int, recompute: bool = True) -> Paths:
     """The lengths of both ways where the large reads the last `tail` tokens itself (and
     recomputes, where `recompute`)."""
-    th, sh = min(state.models["target"].held, upto), min(state.models["source"].held, upto)
+    th, sh = min(s.models["target"].held, upto), min(s.models["source"].held, upto)
     cut = max(th, upto + 1 - tail)
     return Paths(upto + 1 - th, max(th - sh, 0), max(cut - max(sh, th), 0),
-                 state.backward is not None, upto + 1 - cut,
-                 recompute_count(state, cut - th) if recompute else 0, th, sh)  # fmt: skip
+                 s.backward is not None, upto + 1 - cut,
+                 recompute_count(s, cut - th) if recompute else 0, th, sh)  # fmt: skip
 
 
-def recompute_count(state, translated: int) -> int:
+def recompute_count(s, translated: int) -> int:
     """How many of `translated` tokens the large model recomputes (`recompute_share`)."""
-    if state.mode != "alternation":
+    if s.mode != "alternation":
         return 0
-    return RECOMPUTE_SELECTION.count(state.policy.recompute_share, translated)
+    return RECOMPUTE_SELECTION.count(s.policy.recompute_share, translated)
+
+
+# -- each turn feeds the rates --------------------------------------------------------------
+
+
+def observe(s, stats: TurnStats, at: int) -> None:
+    """Feed what a turn of session `s` measured into the pair's read costs; the answering model
+    read its prompt over the `at` tokens it held."""
+    costs, rd, sw = s.read_costs, stats.read, stats.switch
+    if rd is not None:
+        costs.source_read.observe(rd.tokens, rd.seconds, rd.start)
+        c = rd.catch_up
+        if c is not None and c.translated and not c.retranslated:
+            costs.backward.observe(c.translated, c.seconds)
+    if sw is not None and sw.translated and not sw.retranslated:
+        (costs.forward if sw.into == "target" else costs.backward).observe(
+            sw.translated, sw.seconds
+        )
+    if sw is not None and sw.recompute_s:  # the tail and the recomputed, read at the end
+        n = large_reads(sw.tail_read, sw.recomputed)
+        costs.target_read.observe(n, sw.recompute_s, max(sw.end - sw.recomputed, 0))
+    if stats.model == "target":
+        costs.observe_target(stats.prompt_tokens, stats.prompt_s, at)
+
+
+def alternative(s, stats: TurnStats, paths: Paths, conversation: list[int]) -> None:
+    """The TTFT the other way of reading would have had, predicted from the rates this turn
+    updated; the large model's own read is timed once (after the answer, on `PROBE` tokens of
+    the conversation in a scratch cache) when it never was."""
+    costs = s.read_costs
+    if stats.read is None:
+        stats.alternative_ttft_s = paths.small(costs)
+        return
+    if not costs.target_read.ready:
+        for n in PROBE:
+            probe = (conversation * (n // max(len(conversation), 1) + 1))[:n]
+            cache = new_cache(s.pair.target)
+            t0 = time.perf_counter()
+            s.pair.target.model(mx.array(probe)[None], cache=cache)
+            mx.eval([c.keys for c in cache])
+            costs.target_read.observe(n, time.perf_counter() - t0)
+    stats.alternative_ttft_s = stats.alone_prefill_s = paths.large(costs)

@@ -9,19 +9,20 @@ translated twice.
 
 A turn (`generate`):
 
-    1. hand-off (`_hand_off`)  who reads the turn (reader.py, decided once into a `Decision`):
-                               the small model reads it, the span the large lacks is translated,
-                               the large reads the last tokens and recomputes (catchup.py); or
-                               the answering model catches up by the mode and reads the rest;
-    2. decode (decode.py)      mlx-lm's `stream_generate` on the answering model's own cache,
-                               reading at least the last conversation token itself;
-    3. commit (`_commit`)      the emitted tokens become the answer, the cache is cut to match.
+    1. hand-off (`_hand_off`)   who reads the turn (reader.py, decided once into a `Decision`):
+                                the small model reads it, the span the large lacks is translated,
+                                the large reads the last tokens and recomputes (catchup.py); or
+                                the answering model catches up by the mode and reads the rest;
+    2. decode (`stream.decode`) mlx-lm's `stream_generate` on the answering model's own cache,
+                                reading at least the last conversation token itself; each token
+                                is in the answer and the `TurnStats` before it is yielded;
+    3. commit (`_commit`)       the emitted tokens become the answer, the cache is cut to match.
 
-Modes: `alternation` translates only the span the other model holds and this one lacks, at its
-true positions; `naive` re-translates everything the other model holds (the drifting baseline);
-`reprefill` reads it all (the exact reference). Nothing here prints: `generate` yields
-mlx-lm-shaped `GenerationResponse`s (the last carries the turn's `TurnStats` as `handoff`), and
-every turn leaves its `TurnStats` in `Session.turns`.
+A turn over n conversation tokens may add at most `max_kv_size - n` (no limit without it), and a
+conversation past either model's context is refused before any work. The modes (`MODES`), how a
+model catches up: catchup.py. Nothing here prints: `generate` yields mlx-lm-shaped
+`GenerationResponse`s (the last carries the turn's `TurnStats` as `handoff`), and every turn
+leaves its `TurnStats` in `Session.turns`.
 """
 
 from __future__ import annotations
@@ -31,39 +32,40 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from mlx_kvlingo.config import READERS, ReaderPolicy
-from mlx_kvlingo.conversation import persistence, reader
+from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation import persistence, reader, stream
 from mlx_kvlingo.conversation.catchup import (
-    MODES,
     READ_CHUNK,
     CatchUp,
     ModelCache,
     RemoteLarge,
     check_directions,
+    check_mode,
 )
-from mlx_kvlingo.conversation.decode import decode, room
-from mlx_kvlingo.conversation.rates import Paths, ReadCosts, costs_of
-from mlx_kvlingo.conversation.records import (
+from mlx_kvlingo.conversation.reader import Paths, ReadCosts, Retention, costs_of
+from mlx_kvlingo.conversation.transcript import (
+    ContextOverflowError,
     GenerationResponse,
     SessionError,
+    Transcript,
     TurnStats,
     role,
     totals,
 )
-from mlx_kvlingo.conversation.retention import Retention
-from mlx_kvlingo.conversation.transcript import Transcript
-from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.cache import new_cache, reserve
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
 
-
-def _kept(part: str, name: str, doc: str) -> property:
-    """An attribute one of the session's parts keeps, read and set through the session."""
-    return property(lambda self: getattr(getattr(self, part), name),
-                    lambda self, v: setattr(getattr(self, part), name, v), doc=doc)  # fmt: skip
+MODES = ("alternation", "naive", "reprefill")
 
 
-class Session:
+def _kept(name: str, doc: str) -> property:
+    """An attribute the transcript keeps, read and set through the session."""
+    return property(lambda self: getattr(self.transcript, name),
+                    lambda self, v: setattr(self.transcript, name, v), doc=doc)  # fmt: skip
+
+
+class Session(CatchUp):
     """One conversation over a model pair: the source (small) and target (large) model.
 
     `forward` translates source K/V into the target's cache, `backward` the other way; without
@@ -85,36 +87,46 @@ class Session:
                  remote: RemoteLarge | None = None, retention: Retention | None = None):  # fmt: skip
         check_directions(pair, forward, backward)
         self.pair, self.forward, self.backward = pair, forward, backward
-        #: the large model's cache on other ranks (distributed/): what is gathered from it and
-        #: placed into it goes through `remote`; it cannot recompute, save or load
-        self.remote = remote
+        self.remote = remote  # the large model's cache on other ranks (distributed/), if any
         self.max_kv_size = max_kv_size  # the conversation's token limit (None: none)
         self.transcript = Transcript(pair.tokenizer, system_prompt)
         self.models = {n: ModelCache(n, getattr(pair, n), new_cache(getattr(pair, n)))
                        for n in ("source", "target")}  # fmt: skip
         self.turns: list[TurnStats] = []
         self.switches: list = []  # every `Switch`, in order
-        self._cancel = threading.Event()
+        self.cancelled = threading.Event()  # set by `cancel()`: the turn stops after a token
         self._active: Responses | None = None  # the generation left open
-        #: catching up and who reads a turn: the mode, the reader policy, the read costs
-        self.catchup = CatchUp(pair, forward, backward, transcript=self.transcript,
-                               models=self.models, switches=self.switches, cancel=self._cancel,
-                               read_costs=costs_of(pair) if read_costs is None else read_costs,
-                               remote=remote, mode=mode, policy=policy,
-                               retention=retention)  # fmt: skip
+        self.mode, self.policy = mode, ReaderPolicy() if policy is None else policy
+        self.read_costs = costs_of(pair) if read_costs is None else read_costs  # reader auto
+        self.retention = retention  # what the small path keeps by length (None: not measured)
 
-    mode = _kept("catchup", "mode", "alternation, naive or reprefill (catchup.py)")
-    policy = _kept("catchup", "policy", "who reads a turn and what the large model recomputes "
-                   "(mlx_kvlingo/config.py), its reader resolved ('auto' with a forward "
-                   "translator, else 'self'); change it with dataclasses.replace")  # fmt: skip
-    read_costs = _kept("catchup", "read_costs", "what reading costs on this pair (reader auto)")
-    retention = _kept("catchup", "retention", "what the forward translator keeps of the content "
-                      "by length under this policy (reader auto; retention.py)")  # fmt: skip
-    tokens = _kept("transcript", "tokens", "the conversation's token ids")
-    messages = _kept("transcript", "messages", "the role/content dicts of the conversation")
-    system_prompt = _kept("transcript", "system_prompt", "the system message (reset keeps it)")
-    retemplated = _kept("transcript", "retemplated", "times a template was not prefix-stable")
-    pending = _kept("transcript", "pending", "the last message is a user's, not answered yet")
+    tokens = _kept("tokens", "the conversation's token ids")
+    messages = _kept("messages", "the role/content dicts of the conversation")
+    system_prompt = _kept("system_prompt", "the system message (reset keeps it)")
+    retemplated = _kept("retemplated", "times a template was not prefix-stable")
+    pending = _kept("pending", "the last message is a user's, not answered yet")
+
+    @property
+    def mode(self) -> str:
+        """alternation, naive or reprefill: how a model catches up (catchup.py)."""
+        return self._mode
+
+    @mode.setter
+    def mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise SessionError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        self._mode = mode
+
+    @property
+    def policy(self) -> ReaderPolicy:
+        """Who reads a turn and what the large model recomputes (config.py), as
+        `reader.resolve_policy` resolves it; change it with dataclasses.replace."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: ReaderPolicy) -> None:
+        self._policy = reader.resolve_policy(self, policy)
+        self.ahead_credit = 0.0  # seconds of translating ahead the small model's tokens earned
 
     @property
     def last_turn(self) -> TurnStats | None:
@@ -130,11 +142,12 @@ class Session:
 
     def cancel(self) -> None:
         """Ask the running generation to stop after its current token (any thread)."""
-        self._cancel.set()
+        self.cancelled.set()
 
     def stats(self) -> dict:
-        """Totals over the conversation, per model and per direction (`records.totals`)."""
-        return totals(self)
+        """The mode, the policy and the conversation's totals (`transcript.totals`)."""
+        totaled = totals(self.transcript, self.turns, self.switches, self.models)
+        return {"mode": self.mode, **self.policy.to_dict(), **totaled}
 
     # -- changes between turns: the transcript changes, both caches are cut to match ----------
 
@@ -168,7 +181,6 @@ class Session:
         """Drop the oldest turns until the conversation fits in `max_tokens` tokens (default:
         half of `max_kv_size`); the system prompt and the last message stay, and the next
         answering model re-reads what moved. Returns the number of messages dropped."""
-        self._claim()
         if max_tokens is None:
             if self.max_kv_size is None:
                 raise SessionError("trim needs a token budget (or a session max_kv_size)")
@@ -188,23 +200,35 @@ class Session:
 
     def _claim(self) -> None:
         """Close the generation left unfinished (it commits what it emitted). A session is not
-        thread-safe: one generation at a time is the pair's lock (lock.py, held by the API)."""
+        thread-safe: one generation at a time is the pair's lock (stream.py, held by the API)."""
         gen, self._active = self._active, None
         if gen is not None:
             gen.close()
 
     def _begin(self, model: str) -> tuple[str, int | None]:
         """Checks before any work on a turn: (the model's role, tokens the turn may add: None
-        for no limit; decode.room)."""
+        for no limit)."""
         name = role(model)
         self._claim()
         n = len(self.tokens)
         if not n:
             raise SessionError("nothing to answer yet: add a user message first")
-        self.catchup.check_mode()
-        left = room(self.pair, n, name, self.max_kv_size)
-        self._cancel.clear()
-        return name, left
+        check_mode(self.mode, self.pair, self.forward, self.backward)
+        for label, m in (("small", self.pair.source), ("large", self.pair.target)):
+            if m.context_length is not None and n > m.context_length:
+                raise ContextOverflowError(
+                    f"the conversation is {n} tokens; the {label} model ({m.name}) handles at "
+                    f"most {m.context_length}: shorten the message, drop the oldest turns with "
+                    f"/trim (Session.trim) or start over with /reset"
+                )
+        if self.max_kv_size is not None and self.max_kv_size - n < 1:
+            raise ContextOverflowError(
+                f"the conversation is {n} tokens, the {name} model's context limit is "
+                f"{self.max_kv_size} (max_kv_size): drop the oldest turns with /trim "
+                f"(Session.trim) or start over with /reset"
+            )
+        self.cancelled.clear()
+        return name, None if self.max_kv_size is None else self.max_kv_size - n
 
     def generate(self, model: str = "target", *, max_tokens: int = 256, sampler=None,
                  logits_processors=None, prefill_step_size: int = READ_CHUNK,
@@ -223,70 +247,52 @@ class Session:
                       prefill_step_size=prefill_step_size)  # fmt: skip
         if progress is not None:  # mlx-lm's prefill reports each chunk the answering model reads
             kwargs["prompt_progress_callback"] = lambda done, total: progress(name, done, total)
-        gen = self._generate(name, limit, limit != max_tokens, kwargs, progress)
-        self._active = gen
-        return gen
+        self._active = self._generate(name, limit, limit != max_tokens, kwargs, progress)
+        return self._active
 
     def _generate(self, name: str, limit: int, capped: bool, kwargs,
                   progress: Progress | None = None) -> Responses:  # fmt: skip
         """The turn: hand off (read, catch up, recompute), decode, commit."""
-        m, catchup = self.models[name], self.catchup
-        t0 = time.perf_counter()
-        n0 = len(self.tokens)
+        m, t0, n0 = self.models[name], time.perf_counter(), len(self.tokens)
         stats = TurnStats(name, self.mode)
         emitted: list[int] = []
-        paths = None
         try:
-            # 1. the hand-off: whoever reads the turn, the answering model's cache then holds
-            #    conversation[:held] and the rest (at least the last token) is its prompt
+            # 1. the hand-off: the answering model's cache then holds conversation[:held]
             paths = self._hand_off(name, n0, stats, kwargs["prefill_step_size"], progress)
             if stats.finish_reason == "cancelled":
                 return
-            ahead = catchup.ahead_begin(n0 - 1) if name == "source" else None
-            stats.ahead = ahead
-            prompt = self.tokens[m.held :]
-            stats.prompt_tokens = len(prompt)
+            stats.ahead = self.ahead_begin(n0 - 1) if name == "source" else None
             # 2. decode with mlx-lm on the answering model's own cache
-            step = None if ahead is None else lambda s: catchup.ahead_step(ahead, n0 - 1, s)
-            yield from decode(m, self.transcript, prompt, stats, emitted, limit=limit,
-                              capped=capped, kwargs=kwargs, t0=t0, cancel=self._cancel,
-                              first=lambda: catchup.observe(stats, n0 - len(prompt)),
-                              between=step)  # fmt: skip
+            yield from stream.decode(self, m, n0, stats, emitted, limit, capped, kwargs, t0)
         finally:
             # 3. commit, however the turn stopped
             self._commit(m, n0, emitted, stats)
         if emitted and paths is not None:  # the other path's TTFT, predicted with this turn's rates
-            catchup.alternative(stats, paths, self.tokens[:n0])
+            reader.alternative(self, stats, paths, self.tokens[:n0])
 
     def _hand_off(self, name: str, n0: int, stats: TurnStats, chunk: int,
                   progress: Progress | None = None) -> Paths | None:  # fmt: skip
-        """The one hand-off, for the model `name` about to answer conversation[:n0]:
-
-            the small model reads the turn           (reader "small": `small_reads`)
-            translate the span the large one lacks   (`catch_up`)
-            the large reads the turn's last tokens   (`large_reads_last`)
-            and recomputes what it attended to most  (`recompute_share`: `recompute`)
-
-        leaving conversation[held:n0] (at least the last token) for the first step. Where the
-        large reads the turn itself, only the catch-up runs. Fills `stats` (a cancel sets its
-        finish_reason) and returns the predicted paths (None where no prediction applies)."""
-        catchup, d = self.catchup, reader.choose(self.catchup, name, n0 - 1)
+        """The hand-off (module docstring, step 1) for `name` about to answer conversation[:n0]:
+        `small_reads`, `catch_up`, `recompute` as `reader.choose` decides. Fills `stats` (a
+        cancel sets its finish_reason); returns the predicted paths (None: no prediction)."""
+        d = reader.choose(self, name, n0 - 1)
         stats.read_note, stats.retention, paths = d.note, d.retention, d.paths
         if paths is not None:  # what was predicted for the path taken
             stats.predicted_ttft_s = (paths.small if d.small else paths.large)(self.read_costs)
         # room for the turn and the first token: no cache grows (2x its size) while it is read
-        self.models[name].reserve(n0 + 1)
+        m = self.models[name]
+        reserve(m.loaded, m.cache, n0 + 1)
         upto = n0 - 1  # the answering model reads at least the last token itself
         if d.small:  # the large still reads the turn's last tokens itself (from d.cut)
             upto = d.cut
-            stats.read = catchup.small_reads(upto, chunk, progress)
-            if self._cancel.is_set():  # stopped while the small model read
+            stats.read = self.small_reads(upto, chunk, progress)
+            if self.cancelled.is_set():  # stopped while the small model read
                 stats.finish_reason = "cancelled"
                 return paths
-        stats.switch = sw = catchup.catch_up(name, upto)
+        stats.switch = sw = self.catch_up(name, upto)
         if d.recompute and sw is not None and sw.translated:  # the tail, then the recompute
-            catchup.recompute(sw, n0)
-            if self._cancel.is_set():
+            self.recompute(sw, n0)
+            if self.cancelled.is_set():
                 stats.finish_reason = "cancelled"
         return paths
 
@@ -299,9 +305,8 @@ class Session:
         self.turns.append(stats)
 
     def hand_off(self, model: str = "target") -> TurnStats:
-        """Bring `model` up to the conversation without answering: `generate`'s hand-off. Its
-        cache then holds conversation[:held(model)], the rest (at least the last token) the
-        prompt of its first step. Returns the records (who read, translated, recomputed)."""
+        """`generate`'s hand-off without the answer: `model`'s cache then holds all but at least
+        the last token. Returns the records (who read, translated, recomputed)."""
         name, _ = self._begin(model)
         stats = TurnStats(name, self.mode)
         self._hand_off(name, len(self.tokens), stats, READ_CHUNK)
@@ -342,6 +347,3 @@ class Session:
 #: `total` tokens it reads
 Progress = Callable[[str, int, int], None]
 Responses = Iterator[GenerationResponse]
-
-
-__all__ = ["MODES", "READERS", "Session"]

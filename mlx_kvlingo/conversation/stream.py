@@ -1,46 +1,225 @@
-"""One answer as mlx-lm-shaped responses, under the pair's one lock: the public
-`stream_generate` and `Conversation.send` both run `open_stream`.
+"""One answer at a time per model pair, streamed as mlx-lm-shaped responses: the public
+`stream_generate` and `Conversation.send` both run `open_stream`; `decode` yields a turn's tokens.
 
-Invariant: the pair is held (`lock.py`) from the stream's first `next()` until it ends, is closed
-or is collected; the session's turn (session.py: hand-off, decode, commit) runs inside, so
-however the stream stops its tokens are the answer and both caches stay consistent. An answer's
-last response (`finish_reason` set) comes once the turn is committed and its record complete.
-`pair` is the public `Pair`: `.models`, `.names`, `.lock`.
+Invariant: at most one holder drives a pair's models (`PairLock`: a stream from its first
+`next()` until it ends, is closed or is collected; a change to a conversation: add, trim, save,
+load, reset; a server's request); MLX evaluation is never interleaved from two threads. The
+session's turn (session.py: hand-off, decode, commit) runs inside, so however the stream stops
+its tokens are the answer and both caches stay consistent; the last response (`finish_reason`
+set) comes once the turn is committed, with its record and status line. Asking for the pair
+again from the thread that holds it:
+
+    under a plain hold (no stream: a change, a server's request)    -> granted, nested
+    for another conversation, or while the holder's stream runs     -> BusyError (no deadlock)
+    for the same conversation, its stream left unfinished           -> that stream is closed
+                                                                       (it commits what it
+                                                                       emitted), then granted
+
+From another thread: wait (up to `timeout` seconds; BusyError after) or, with `wait=False`, a
+BusyError at once. A waiter whose `cancel` event is set gives up (`acquire` returns False).
+
+Sampling: `resolve` is the one place settings merge: explicit values over the model folder's
+`generation_config.json` (`do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
+`repetition_penalty`) over `DEFAULTS`, whose repetition penalty covers the conversation's
+answers (`over_answers`), never the user's text. `temp=0` is greedy and stays plain argmax: the
+default repetition penalty then applies only when given explicitly. `pair` is the public `Pair`
+(`.models`, `.names`, `.lock`).
 """
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 import weakref
-from collections.abc import Iterator
-from dataclasses import replace
-from typing import Any
+from collections.abc import Generator, Iterator, Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from mlx_kvlingo.conversation import sampling
-from mlx_kvlingo.conversation.lock import Ticket
-from mlx_kvlingo.conversation.records import (
-    AUTO_THRESHOLD,
+from mlx_kvlingo.conversation.reader import observe, share
+from mlx_kvlingo.conversation.transcript import (
     LABEL,
     ROLE,
     GenerationResponse,
     SessionError,
     TurnStats,
-    status_line,
 )
-from mlx_kvlingo.conversation.session import Session
 
+import mlx.core as mx
+from mlx_lm import stream_generate
+from mlx_lm.sample_utils import make_logits_processors, make_sampler
+
+if TYPE_CHECKING:
+    from mlx_kvlingo.conversation.catchup import ModelCache
+    from mlx_kvlingo.conversation.session import Session
+
+#: model "auto": the large model answers again where the small answer's confidence is below this
+AUTO_THRESHOLD = -1.5
 OPTIONS = {"model": "large", "reader": None, "max_tokens": 256, "sampler": None,
             "logits_processors": None, "prompt_progress_callback": None,
             "auto_threshold": AUTO_THRESHOLD, "wait": True, "timeout": None, "redo": False}  # fmt: skip
 
 
+# -- the lock ------------------------------------------------------------------------------
+
+
+class BusyError(RuntimeError):
+    """The model pair is in use by another generation (one generation at a time)."""
+
+
+class Ticket:
+    """Who asks for the pair: a conversation's cache (or a server's request), its cancel event
+    and, for a stream, the stream."""
+
+    __slots__ = ("owner", "cancel", "stream")
+
+    def __init__(self, owner: Any, cancel: threading.Event) -> None:
+        self.owner, self.cancel = owner, cancel
+        self.stream: weakref.ref[Generator] | None = None
+
+
+class PairLock:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._thread: int | None = None
+        self._ticket: Ticket | None = None
+        self._nested = 0  # grants nested in this thread's plain hold
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None
+
+    def acquire(self, owner: Any, cancel: threading.Event | None = None, wait: bool = True,
+                timeout: float | None = None) -> bool:  # fmt: skip
+        """Take the pair for `owner` (a stream's `Ticket`, else a plain hold; the rules in the
+        module docstring); False when `cancel` was set while it waited."""
+        ticket = owner if isinstance(owner, Ticket) else Ticket(owner, cancel or threading.Event())
+        me = threading.get_ident()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._cond:
+                if self._thread is None:
+                    self._thread, self._ticket = me, ticket
+                    return True
+                held = self._ticket
+                if self._thread == me and held.stream is None:
+                    self._nested += 1
+                    return True
+                if self._thread == me:
+                    stale = held.stream()
+                    if stale is None or stale.gi_running or held.owner is not ticket.owner:
+                        raise BusyError(
+                            "this thread is streaming another conversation of this pair: "
+                            "finish that stream or close() it first (one generation at a time)"
+                        )
+                elif not wait:
+                    raise BusyError(
+                        "the model pair is busy with another generation; retry later, "
+                        "or wait=True to wait for it"
+                    )
+                elif ticket.cancel.is_set():
+                    return False
+                else:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise BusyError(
+                            f"the model pair stayed busy for {timeout} s (another generation)"
+                        )
+                    self._cond.wait(left)
+                    continue
+            stale.close()  # commits what it emitted and releases the pair
+
+    def release(self) -> None:
+        with self._cond:
+            if self._nested:
+                self._nested -= 1
+                return
+            self._thread, self._ticket = None, None
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Let waiters look at their cancel events again."""
+        with self._cond:
+            self._cond.notify_all()
+
+
+# -- sampling ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temp: float = 0.7
+    top_p: float = 0.9
+    top_k: int = 0  # 0: off
+    min_p: float = 0.05
+    repetition_penalty: float = 1.1  # 1.0: off
+    repetition_context_size: int = 256  # the last answer and the new turn, not only this one
+    seed: int | None = None  # seeds MLX before the answer (None: leave it; `seed`)
+
+    def sampler(self):
+        """mlx-lm's sampler for these settings (argmax when temp is 0)."""
+        return make_sampler(temp=self.temp, top_p=self.top_p, min_p=self.min_p, top_k=self.top_k)
+
+    def logits_processors(self) -> list:
+        """mlx-lm's repetition penalty over the last `repetition_context_size` tokens, if on."""
+        if self.repetition_penalty in (None, 1.0):
+            return []
+        return make_logits_processors(
+            repetition_penalty=self.repetition_penalty,
+            repetition_context_size=self.repetition_context_size,
+        )
+
+
+DEFAULTS = Sampling()
+FIELDS = tuple(f.name for f in fields(Sampling))
+
+
+def generation_config(folder: str | Path | None) -> dict:
+    """The sampling fields of `folder/generation_config.json` as `Sampling` keywords ({}: none)."""
+    try:
+        raw = json.loads((Path(folder) / "generation_config.json").read_text())
+    except (TypeError, OSError, ValueError):  # no folder, no file, not JSON
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    out = {}
+    if raw.get("do_sample") is False:
+        out["temp"] = 0.0
+    elif isinstance(raw.get("temperature"), (int, float)):
+        out["temp"] = float(raw["temperature"])
+    kinds = {"top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
+    for k, kind in kinds.items():
+        if isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool):
+            out[k] = kind(raw[k])
+    return out
+
+
+def resolve(model=None, sampling: Mapping[str, Any] | None = None) -> Sampling:
+    """The settings for `model` (a LoadedModel or None): the fields of `sampling` (None: not
+    set) over the model's generation_config.json over `DEFAULTS` (`{"temp": 0.2}` keeps the
+    model's top-p). An unknown field is a ValueError naming the known ones."""
+    sampling = sampling or {}
+    unknown = set(sampling) - set(FIELDS)
+    if unknown:
+        hint = " (temperature is 'temp')" if "temperature" in unknown else ""
+        raise ValueError(
+            f"unknown sampling settings {sorted(map(str, unknown))}{hint}; known: "
+            f"{', '.join(FIELDS)}"
+        )
+    explicit = {k: v for k, v in sampling.items() if v is not None}
+    base = replace(DEFAULTS, **generation_config(getattr(model, "folder", None)))
+    if explicit.get("temp") == 0 or (base.temp == 0 and "temp" not in explicit):
+        base = replace(base, repetition_penalty=1.0)  # greedy stays plain unless asked
+    return replace(base, **explicit)
+
+
 def sampler_kwargs(pair: Any, model: str, kw: dict, seed: bool = True) -> dict:
     """mlx-lm's sampler keywords for `model`'s answer: `sampler`/`logits_processors` as given,
-    else built from the sampling settings in `kw` over the model's defaults (sampling.resolve);
-    with `seed`, also the seed setting."""
+    else built from the sampling settings in `kw` (`resolve`); with `seed`, also the seed."""
     loaded = pair.models.source if ROLE[model] == "source" else pair.models.target
     try:
-        cfg = sampling.resolve(loaded, {k: v for k, v in kw.items() if k not in OPTIONS})
+        cfg = resolve(loaded, {k: v for k, v in kw.items() if k not in OPTIONS})
     except ValueError as e:
         raise SessionError(str(e)) from None
     out = {"sampler": kw.get("sampler") or cfg.sampler(),
@@ -48,8 +227,41 @@ def sampler_kwargs(pair: Any, model: str, kw: dict, seed: bool = True) -> dict:
     return {**out, "seed": cfg.seed} if seed else out
 
 
+def seed(value: int | None, messages: list[dict[str, str]]) -> None:
+    """The one seed rule: MLX is seeded with `value` plus the number of assistant messages
+    before the user message answered: reproducible from the messages alone (a resent or
+    restored conversation), the same for whichever model answers or re-answers, a new draw
+    each turn."""
+    if value is not None:
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        before = messages[: users[-1]] if users else messages
+        mx.random.seed(value + sum(1 for m in before if m["role"] == "assistant"))
+
+
+def over_answers(processors: list, answers: list[int]) -> list:
+    """Logits processors that see the conversation's answers, earlier ones first, then this one,
+    never the prompt part mlx-lm passes them (whatever read the turn, the user's text is not
+    penalized, and an answer cannot copy the last one)."""
+    past = mx.array(answers, dtype=mx.int32)
+
+    def wrap(proc):
+        skip = []  # the prompt part: all that the first call gets
+
+        def call(tokens, logits):
+            if not skip:
+                skip.append(tokens.size)
+            return proc(mx.concatenate([past, tokens[skip[0] :]]), logits)
+
+        return call
+
+    return [wrap(p) for p in processors]
+
+
+# -- the stream ----------------------------------------------------------------------------
+
+
 def open_stream(pair: Any, cache: Session, prompt: Any, cancel: threading.Event,
-          kw: dict) -> Iterator[GenerationResponse]:  # fmt: skip
+                kw: dict) -> Iterator[GenerationResponse]:  # fmt: skip
     """Checks now (model, sampling, prompt), the work from the first `next()` on."""
     opts = {k: kw.get(k, v) for k, v in OPTIONS.items()}
     model = opts["model"]
@@ -68,7 +280,7 @@ def open_stream(pair: Any, cache: Session, prompt: Any, cancel: threading.Event,
 def _run(pair: Any, cache: Session, prompt: Any, ticket: Ticket, opts: dict,
          kw: dict) -> Iterator[GenerationResponse]:  # fmt: skip
     model = opts["model"]
-    if not pair.lock.acquire(ticket, opts["wait"], opts["timeout"]):
+    if not pair.lock.acquire(ticket, wait=opts["wait"], timeout=opts["timeout"]):
         yield final(pair, None, LABEL[ROLE.get(model, "target")])
         return
     policy, reader = cache.policy, opts["reader"]
@@ -127,6 +339,54 @@ def _answer(pair: Any, cache: Session, model: str | None, cancel: threading.Even
         yield final(pair, st, LABEL[st.model], last)
 
 
+def decode(s: Session, m: ModelCache, n0: int, stats: TurnStats, emitted: list[int], limit: int,
+           capped: bool, kwargs: dict, t0: float) -> Iterator[GenerationResponse]:  # fmt: skip
+    """A turn's decode (session.py, step 2): mlx-lm decodes conversation[held:n0] on `m`'s
+    cache, at most `limit` tokens (`capped`: the limit is the context's, so "length" ends as
+    "context"). Each token goes to `emitted` and `stats` (TTFT from `t0`), then is yielded; the
+    last carries `stats`. While the small model answers, the ahead span is translated between
+    its tokens (`s.ahead_step`), and its decode time of a token excludes that."""
+    prompt = s.tokens[m.held : n0]
+    stats.prompt_tokens = len(prompt)
+    procs = kwargs.get("logits_processors")
+    if procs:  # they see the earlier answers and this one, not only this turn's
+        kwargs = {**kwargs, "logits_processors": over_answers(procs, s.transcript.answers())}
+    steps = stream_generate(m.loaded.model, s.pair.tokenizer, mx.array(prompt),
+                            max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
+    try:
+        last_token_at, between_s = None, 0.0
+        for r in steps:
+            now = time.perf_counter()
+            # this token's decode time: the wall time since the last one, less the ahead's
+            decode_s = None if last_token_at is None else now - last_token_at - between_s
+            last_token_at = now
+            if stats.ttft_s is None:
+                stats.ttft_s = now - t0
+            emitted.append(r.token)
+            stats.text += r.text
+            stats.logprobs.append(r.logprobs[r.token].item())
+            stats.generation_tokens, stats.generation_tps = r.generation_tokens, r.generation_tps
+            stats.prompt_tps, stats.peak_memory_gb = r.prompt_tps, r.peak_memory
+            stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
+            if len(emitted) == 1:
+                observe(s, stats, n0 - len(prompt))
+            end = r.finish_reason
+            if end is None and s.cancelled.is_set():
+                end = "cancelled"
+            if end is not None:
+                stats.finish_reason = "context" if capped and end == "length" else end
+            yield GenerationResponse(r.text, r.token, r.logprobs, r.from_draft, r.prompt_tokens,
+                                     r.prompt_tps, r.generation_tokens, r.generation_tps,
+                                     r.peak_memory, stats.finish_reason, LABEL[m.name],
+                                     stats if end else None)  # fmt: skip
+            if end is not None:
+                break
+            if stats.ahead is not None:
+                between_s = s.ahead_step(stats.ahead, n0 - 1, decode_s)
+    finally:
+        steps.close()
+
+
 def final(pair: Any, st: TurnStats | None, model: str,
           last: GenerationResponse | None = None) -> GenerationResponse:  # fmt: skip
     """An answer's last response: its last token (`last`; none when it ended before one) with
@@ -144,14 +404,64 @@ def final(pair: Any, st: TurnStats | None, model: str,
     )
 
 
-def seed(value: int | None, messages: list[dict[str, str]]) -> None:
-    """The one seed rule: MLX is seeded with `value` plus the number of assistant messages
-    before the user message answered: reproducible from the messages alone (a resent or
-    restored conversation), the same for whichever model answers or re-answers, a new draw
-    each turn."""
-    if value is not None:
-        import mlx.core as mx
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.0f} ms"
 
-        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-        before = messages[: users[-1]] if users else messages
-        mx.random.seed(value + sum(1 for m in before if m["role"] == "assistant"))
+
+def status_line(st: TurnStats, names: dict) -> str:
+    """Who read what and what it cost, then mlx-lm's `N tokens · X tok/s · peak Z GB`.
+
+    With the small model reading: `small read 18 tok 35 ms · translated 19 tok 5 ms · large
+    read 1 tok 20 ms · TTFT 60 ms (large alone: TTFT ≈ 400 ms) · ...`: the path not
+    taken, as a TTFT predicted from the rates measured on this pair.
+    """
+    me = LABEL[st.model]
+    parts = [f"{me} ({names[st.model]})"]
+    rd, sw = st.read, st.switch
+    if rd is not None:
+        other = LABEL[rd.model]
+        c = rd.catch_up
+        if c is not None and c.translated:
+            parts.append(
+                f"{other} got the last answer translated ({c.translated} tok {_ms(c.seconds)})"
+            )
+        elif c is not None:
+            parts.append(
+                f"{other} re-read the last answer ({c.lacked} tok, {c.note or 're-prefill'})"
+            )
+        parts.append(f"{other} read {rd.tokens} tok {_ms(rd.seconds)}")
+    if sw is not None:
+        if sw.translated:
+            again = f" ({sw.retranslated} again)" if sw.retranslated else ""
+            parts.append(f"translated {sw.translated} tok{again} {sw.seconds * 1e3:.1f} ms")
+            if sw.tail_read:
+                parts.append(f"{me} read the last {sw.tail_read} tok and recomputed "
+                             f"{sw.recomputed} translated tok {_ms(sw.recompute_s)}")  # fmt: skip
+        else:
+            parts.append(f"switch {sw.lacked} tok {sw.note or 're-prefill'}")
+    # its read time, as mlx-lm measures it (up to its first token): with the parts before it
+    # the status line accounts for the TTFT
+    read = f"{me} read {st.prompt_tokens} tok"
+    read += f" {_ms(st.prompt_s)}" if st.prompt_tokens and st.prompt_s else ""
+    read += f" {st.prompt_tps:.1f} tok/s" if st.prompt_tokens > 1 else ""
+    parts.append(read + (f" ({st.read_note})" if st.read_note else ""))
+    if st.ttft_s is not None:
+        ttft = f"TTFT {_ms(st.ttft_s)}"
+        alt = st.alternative_ttft_s
+        if alt is not None and st.model == "target":
+            other = f"{me} alone" if rd is not None else f"{LABEL['source']} + translation"
+            why = ""
+            if rd is None and st.retention is not None and alt < st.ttft_s:
+                why = f", {_ms(st.ttft_s - alt)} sooner, keeping ≈{share(st.retention)}"
+            ttft += f" ({other}: TTFT ≈ {_ms(alt)}{why})"
+        parts.append(ttft)
+    if st.ahead is not None and st.ahead.translated:
+        parts.append(f"translated ahead for {LABEL['target']} {st.ahead.translated} tok "
+                     f"{_ms(st.ahead.seconds)}")  # fmt: skip
+    parts.append(f"{st.generation_tokens} tokens {st.generation_tps:.1f} tok/s")
+    parts.append(f"peak {st.peak_memory_gb:.2f} GB")
+    if st.finish_reason in ("cancelled", "interrupted"):
+        parts.append("stopped")
+    elif st.finish_reason == "context":
+        parts.append("context full (/trim or /reset)")
+    return " · ".join(parts)

@@ -1,18 +1,44 @@
-"""The conversation as one token list, and the messages it was templated from.
+"""The conversation's record: its token list and messages (`Transcript`) and what each turn did
+(`Switch`, `Read`, `TurnStats`; `totals`), plain data that touches no cache; errors, role names.
 
 Invariant: `tokens` is the chat template applied to `messages` (the token ids every cache
 holds a prefix of). A new message is appended as the tokens the template adds (token diff,
-else text diff, else re-tokenize everything). The transcript knows no cache: each change
-returns `keep`, how many of the old tokens are still the conversation's, and the caller cuts
-both caches to it. `user_start` is where an unanswered user message starts, `answer` the
-(start, model) of the last answer a model gave (None for one given as text).
+else text diff, else re-tokenize everything). Each change returns `keep`, how many of the old
+tokens are still the conversation's, and the session cuts both caches to it. `user_start` is
+where an unanswered user message starts, `answer` the (start, model) of the last answer a model
+gave (None for one given as text).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from mlx_kvlingo.conversation.records import ContextOverflowError, SessionError
+import numpy as np
+
+#: the two roles by size or by direction: the small model is a forward translation's source
+ROLE = {"small": "source", "large": "target", "source": "source", "target": "target"}
+LABEL: dict[str, Literal["small", "large"]] = {"source": "small", "target": "large"}
+
+
+class SessionError(ValueError):
+    """A request the session cannot honour (nothing to answer, unknown model, ...)."""
+
+
+class ContextOverflowError(SessionError):
+    """The conversation does not fit a model's context (`max_kv_size`)."""
+
+
+class SessionFileError(SessionError):
+    """A session file that is unreadable or was written for another model pair."""
+
+
+def role(model: str) -> str:
+    """'source' or 'target' for any name of a role (small, large, source, target)."""
+    if model not in ROLE:
+        raise SessionError(f"unknown model {model!r}; use 'source'/'small' or 'target'/'large'")
+    return ROLE[model]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -202,3 +228,130 @@ class Transcript:
             if full[: len(before)] == before:
                 self.user_start = len(before)
         return dropped, keep
+
+
+@dataclass
+class Switch:
+    """How a model caught up on the span [start, end) that the other model held and it lacked."""
+
+    into: str
+    mode: str
+    start: int
+    end: int
+    translated: int = 0  # tokens translated at this switch
+    retranslated: int = 0  # of those, tokens this model already held (naive mode)
+    seconds: float = 0.0
+    note: str = ""  # e.g. why it re-prefilled instead of translating
+    #: after the translation, the large model read the turn's last `tail_read` tokens itself
+    #: and recomputed `recomputed` translated tokens that reading attended to most
+    #: (the policy's `recompute_share`), in `recompute_s`
+    recomputed: int = 0
+    tail_read: int = 0
+    recompute_s: float = 0.0
+
+    @property
+    def lacked(self) -> int:
+        return self.end - self.start
+
+    @property
+    def translated_span(self) -> tuple[int, int] | None:
+        return (self.end - self.translated, self.end) if self.translated else None
+
+
+@dataclass
+class Read:
+    """The small model reading for the large one before a large answer (reader "small")."""
+
+    model: str  # the reader: "source"
+    tokens: int = 0  # tokens it read itself (prefill only, no decoding)
+    seconds: float = 0.0
+    catch_up: Switch | None = None  # how it first caught up on the large's last answer
+    start: int = 0  # where its read began (the tokens its cache held then)
+
+
+@dataclass
+class TurnStats:
+    """One answer: which model, what it cost, how it ended."""
+
+    model: str
+    mode: str
+    switch: Switch | None = None
+    prompt_tokens: int = 0  # tokens the answering model read itself this turn
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    ttft_s: float | None = None  # from the call to the first token, switch included
+    peak_memory_gb: float = 0.0
+    finish_reason: str | None = None  # stop | length | context | cancelled | interrupted
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    read: Read | None = None  # the small model's read for this answer (reader "small")
+    ahead: Switch | None = None  # translated ahead for the large model during this answer
+    prompt_s: float = 0.0  # the answering model's own prefill time this turn
+    #: the small model read: the large model's predicted TTFT reading the turn itself (old name)
+    alone_prefill_s: float | None = None
+    read_note: str = ""  # why the large read the new turn itself (readers "auto", "tokens")
+    #: reader "auto" turned the faster small path down: the retention expected at this length
+    retention: float | None = None
+    #: the other way of reading this turn: its TTFT predicted from this pair's rates (reader.py)
+    alternative_ttft_s: float | None = None
+    predicted_ttft_s: float | None = None  # what was predicted for the path taken
+    #: a cascade's small answer (model "auto"): under the threshold, the large answers again
+    escalating: bool = False
+
+    @property
+    def confidence(self) -> float | None:
+        """Mean token log-probability of the answer (0: certain), the score of model "auto"."""
+        return float(np.mean(self.logprobs)) if self.logprobs else None
+
+
+def totals(t: Transcript, turns: list[TurnStats], switches: list[Switch], models: dict) -> dict:
+    """A conversation's totals, per model (`models`: each model's cache, `held`) and direction:
+    tokens each model read itself answering (`prompt_tokens`) and for the other
+    (`read_for_other_tokens`), translated into it, and the times; `estimated_saving_ms` sums,
+    over the large model's answers the small one read for, its predicted own TTFT less the TTFT."""
+    per = {}
+    for name, m in models.items():
+        mine = [t for t in turns if t.model == name]
+        sw = [x for x in switches if x.into == name]
+        reads = [t.read for t in turns if t.read is not None and t.read.model == name]
+        per[name] = {
+            "turns": len(mine),
+            "generated_tokens": sum(t.generation_tokens for t in mine),
+            "prompt_tokens": sum(t.prompt_tokens for t in mine),
+            "prompt_ms": 1e3 * sum(t.prompt_s for t in mine),
+            "read_for_other_tokens": sum(r.tokens for r in reads),
+            "read_for_other_ms": 1e3 * sum(r.seconds for r in reads),
+            "switches_into": len(sw),
+            "translated_into": sum(x.translated for x in sw),
+            "retranslated_into": sum(x.retranslated for x in sw),
+            "translate_ms": 1e3 * sum(x.seconds for x in sw if x.translated),
+            "held": m.held,
+        }
+    saved = sum(t.alternative_ttft_s - t.ttft_s for t in turns if t.read is not None
+                and t.alternative_ttft_s is not None and t.ttft_s is not None)  # fmt: skip
+    return {"conversation_tokens": len(t.tokens), "messages": len(t.messages),
+            "switches": len(switches), "retemplated": t.retemplated,
+            "estimated_saving_ms": 1e3 * saved, "models": per}  # fmt: skip
+
+
+@dataclass
+class GenerationResponse:
+    """mlx-lm's `GenerationResponse` (its fields, in its order), plus who answered and, on an
+    answer's last response (`finish_reason` set), the hand-off record (`handoff`: who read, what
+    was translated and recomputed, where the time went) and the `status` line. An answer stopped
+    before its first token ends with a response whose `token` is None."""
+
+    text: str
+    token: int | None
+    logprobs: Any  # mx.array: the log-probabilities over the vocabulary (None: no token)
+    from_draft: bool
+    prompt_tokens: int  # tokens the answering model read itself
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None
+    model: str = "large"  # "small" or "large"
+    handoff: TurnStats | None = None
+    status: str = ""

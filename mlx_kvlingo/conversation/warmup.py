@@ -1,5 +1,5 @@
 """The warm-up: a new process's one-off costs paid before its first turn, this pair's read rates
-(rates.py) ready for reader "auto".
+(reader.py) ready for reader "auto".
 
     reusing start     the rates and map readings stored for this key, a scratch turn, `probe`
     measuring start   (none stored, or `reuse=False`) `warm_up`: each translator measures how
@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import replace
 
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation import rates
-from mlx_kvlingo.conversation.rates import Cost, ReadCosts, costs_of
+from mlx_kvlingo.conversation import reader
+from mlx_kvlingo.conversation.reader import Cost, ReadCosts, costs_of
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.recompute import sentence_ends, special_ids
@@ -46,8 +46,8 @@ def start(pair, forward, backward=None, *, lengths=LENGTHS, sample=None, reuse=T
     "measured") and `warmup_s` say which start ran and how long it took."""
     t0, costs = time.perf_counter(), costs_of(pair)
     maps = {"forward": forward, "backward": backward}
-    key = rates.rates_key(pair, forward, backward, lengths)
-    data = rates.read(rates.RATES, key) if reuse else {}
+    key = reader.rates_key(pair, forward, backward, lengths)
+    data = reader.read(reader.RATES, key) if reuse else {}
     try:
         stored = ReadCosts.from_dict(data["costs"])
         readings = {d: MapReading.from_dict(data["map_reading"][d]) for d, t in maps.items() if t}
@@ -57,9 +57,9 @@ def start(pair, forward, backward=None, *, lengths=LENGTHS, sample=None, reuse=T
         warm_up(pair, forward, backward, lengths=lengths, sample=sample, costs=costs)
         with contextlib.suppress(OSError):  # an unwritable cache folder: measured every start
             chosen = {d: t.reading.to_dict() for d, t in maps.items() if t}
-            rates.write(rates.RATES, key, costs=costs.to_dict(), map_reading=chosen)
+            reader.write(reader.RATES, key, costs=costs.to_dict(), map_reading=chosen)
     else:
-        for name in rates.NAMES:
+        for name in reader.NAMES:
             getattr(costs, name).samples = getattr(stored, name).samples
         for d, reading in readings.items():
             maps[d].reading = reading

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.catchup import READ_CHUNK
-from mlx_kvlingo.conversation.rates import ReadCosts
+from mlx_kvlingo.conversation.reader import ReadCosts
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.content import Peer

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.catchup import READ_CHUNK
-from mlx_kvlingo.conversation.rates import ReadCosts
+from mlx_kvlingo.conversation.reader import ReadCosts
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, KINDS, ContentTask, build_tasks
 from mlx_kvlingo.eval import report
@@ -341,7 +341,7 @@ def to_json(res: ContentResult, pair, extra: dict | None = None) -> dict:
 def retention(result: dict, condition: str = "chat") -> list[tuple[int, int, int]]:
     """(read length, kept, right) of `condition` per length, facts and copies pooled: right =
     tasks the native answer got right, kept = those `condition` also got right (lengths where
-    native got none are left out); conversation/retention.py weighs them."""
+    native got none are left out); conversation/reader.py weighs them."""
     native = {r["task"]: r for r in result["records"] if r["condition"] == "native"}
     right: dict = {}
     for r in result["records"]:

@@ -79,7 +79,7 @@ SIDES = {
 def new_cache_folder(cache: Path) -> Path:
     """A fresh cache folder holding links to everything in `cache` but the stored rates (the
     converted demo models stay converted: only the rates are new)."""
-    from mlx_kvlingo.conversation.rates import RATES
+    from mlx_kvlingo.conversation.reader import RATES
 
     fresh = Path(tempfile.mkdtemp(prefix="kvlingo-startup-"))
     if cache.is_dir():

@@ -4,7 +4,7 @@
                              accepted | token... | done | error
 
 Invariant: all model work for a request (templating, matching a held conversation, reading,
-translating, decoding) runs while its thread holds the pair lock (`conversation/lock.py`), so MLX
+translating, decoding) runs while its thread holds the pair lock (`conversation/stream.py`), so MLX
 is never driven from two threads and held conversations change only under it. One request runs,
 at most `queue_size` wait (`QueueFull` beyond: 503). `Job.cancel()` (any thread) ends a wait or
 stops the generation after its current token; the conversation keeps what was emitted.
@@ -32,7 +32,6 @@ from mlx_kvlingo.api import (
     GenerationResponse,
     Pair,
 )
-from mlx_kvlingo.conversation.lock import Ticket
 from mlx_kvlingo.serve.pool import Pool
 from mlx_kvlingo.serve.protocol import APIError, ChatRequest, Limits
 
@@ -159,7 +158,7 @@ class Worker:
 
     def _job(self, job: Job) -> None:
         try:
-            if not self.pair.lock.acquire(Ticket(job, job._cancelled)):  # cancelled waiting
+            if not self.pair.lock.acquire(job, job._cancelled):  # cancelled waiting
                 job.put("error", APIError(503, "the server is shutting down", type="server_error")
                         if self._closing else APIError(499, "cancelled", code="cancelled"))  # fmt: skip
                 return

@@ -13,7 +13,7 @@ import sys
 
 from mlx_kvlingo import ReaderPolicy, load
 from mlx_kvlingo.cli._common import content_texts
-from mlx_kvlingo.conversation.rates import ReadCosts
+from mlx_kvlingo.conversation.reader import ReadCosts
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.eval.content import fitting_tasks
 from mlx_kvlingo.kv.cache import new_cache

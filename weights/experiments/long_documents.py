@@ -28,8 +28,7 @@ from pathlib import Path
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo._platform import moe_cpu
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.rates import ReadCosts
-from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION
+from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION, ReadCosts
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.data.examples import read_texts
 from mlx_kvlingo.eval.content import Chat, Peer, cache_kv, evaluate_content, fitting_tasks

@@ -16,7 +16,7 @@ import time
 from mlx_kvlingo import ReaderPolicy, load
 from mlx_kvlingo.cli._common import content_texts
 from mlx_kvlingo.conversation.catchup import _placeholders
-from mlx_kvlingo.conversation.rates import ReadCosts
+from mlx_kvlingo.conversation.reader import ReadCosts
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.eval.content import MAX_TOKENS, answers_from, contains, fitting_tasks
 from mlx_kvlingo.kv.cache import append_kv
