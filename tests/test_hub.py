@@ -1,10 +1,10 @@
 """Translators on the Hub, against a local stand-in (tests/hub_standin.py) on 127.0.0.1.
 
-`huggingface_hub` reads HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE when it is imported, so every
-client runs in a subprocess with them set; the stand-in runs in this process and is stopped
-by its fixture. Round trip: `kvlingo upload`, `kvlingo download` (pinned), `load(
-translator="org/name")`, decode token for token like the local file; then offline from the
-cache, and a clear error offline without it.
+`huggingface_hub` reads HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE when it is imported, so the
+clients run in a subprocess with them set, one per environment (`client`: its steps in turn);
+the stand-in runs in this process and is stopped by its fixture. Round trip: `kvlingo upload`,
+`kvlingo download` (pinned), `load(translator="org/name")`, decode token for token like the
+local file; then offline from the cache, and a clear error offline for what it lacks.
 """
 
 import json
@@ -25,23 +25,43 @@ from hub_standin import HubStandIn
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def parse_args(argv):\n    parser = argparse.ArgumentParser(description="
 REPO = "kvlingo-test/known-pair"
-CLI = [sys.executable, "-c", "from mlx_kvlingo.cli import main; main()"]
-DECODE = r"""
+#: runs its steps (argv[1], JSON) in one process: ["cli", *args] is `kvlingo args`, ["decode",
+#: source, target, translator, prompt, n] prints the greedy tokens after a hand-off. Each step's
+#: output follows a STEP line and ends with "EXIT <status>".
+CLIENT = r"""
 import json, sys
-from mlx_kvlingo import load
-import mlx.core as mx
-from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.session import Session
-from mlx_lm import stream_generate
-src, tgt, spec, prompt, n = sys.argv[1:6]
-rt = load(src, tgt, translator=spec, warmup=False)  # a handoff, not a chat turn
-pair, tokens = rt.models, rt.tokenizer.encode(prompt)
-s = Session(pair, rt.forward, policy=ReaderPolicy("small", large_reads_last=1, recompute_share=0))
-s.add_tokens(tokens)
-s.hand_off("target")
-out = stream_generate(pair.target.model, pair.tokenizer, mx.array(tokens[-1:]),
-                      max_tokens=int(n), prompt_cache=s.cache("target"))
-print("TOKENS", json.dumps([r.token for r in out]))
+from mlx_kvlingo.cli._group import cli
+
+
+def decode(src, tgt, spec, prompt, n):
+    from mlx_kvlingo import load
+    import mlx.core as mx
+    from mlx_kvlingo.config import ReaderPolicy
+    from mlx_kvlingo.conversation.session import Session
+    from mlx_lm import stream_generate
+
+    rt = load(src, tgt, translator=spec, warmup=False)  # a handoff, not a chat turn
+    pair, tokens = rt.models, rt.tokenizer.encode(prompt)
+    s = Session(pair, rt.forward,
+                policy=ReaderPolicy("small", large_reads_last=1, recompute_share=0))
+    s.add_tokens(tokens)
+    s.hand_off("target")
+    out = stream_generate(pair.target.model, pair.tokenizer, mx.array(tokens[-1:]),
+                          max_tokens=int(n), prompt_cache=s.cache("target"))
+    print("TOKENS", json.dumps([r.token for r in out]))
+
+
+for kind, *args in json.loads(sys.argv[1]):
+    print("STEP", flush=True)
+    try:
+        if kind == "cli":
+            cli.main(args, prog_name="kvlingo")  # exits with its status, as the `kvlingo` script
+        else:
+            decode(*args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    print(f"\nEXIT {code}", flush=True)
 """
 
 
@@ -57,9 +77,22 @@ def decode_tokens(pair, tr, n=24):
     return [r.token for r in out]
 
 
-def run(args, env, timeout=180):
-    r = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    return r.returncode, r.stdout + r.stderr
+def client(steps: list[list[str]], env: dict, timeout=300) -> list[tuple[int, str]]:
+    """(exit status, output) of each step, run by one client process (see CLIENT)."""
+    cmd = [sys.executable, "-u", "-c", CLIENT, json.dumps(steps)]  # -u: the outputs in order
+    r = subprocess.run(
+        cmd,
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    parts = r.stdout.split("STEP\n")[1:]
+    assert r.returncode == 0 and len(parts) == len(steps), r.stdout[-3000:]
+    done = [part.rsplit("\nEXIT ", 1) for part in parts]
+    return [(int(code), out) for out, code in done]
 
 
 @pytest.fixture
@@ -112,8 +145,8 @@ def test_round_trip_through_the_hub(known_pair, tiny_dir, tmp_path, hub):
     env = client_env(hf_home, hub.url)
 
     # two files: the default keeps its subfolder on the Hub, as the manifest names it
-    code, out = run([*CLI, "upload", str(local), str(other), REPO, "--manifest", str(manifest),
-                     "-m", "test"], env)  # fmt: skip
+    upload = ["cli", "upload", str(local), str(other), REPO, "--manifest", str(manifest)]
+    [(code, out)] = client([[*upload, "-m", "test"]], env)
     assert code == 0, out
     sha = re.search(r"/commit/([0-9a-f]{40})", out).group(1)
     assert {"POST /api/repos/create", f"POST /api/models/{REPO}/commit/main"} <= set(
@@ -126,33 +159,33 @@ def test_round_trip_through_the_hub(known_pair, tiny_dir, tmp_path, hub):
     card = files["README.md"].decode()
     assert "4x2x32 → 4x2x32" in card and f'translator="{REPO}"' in card
 
-    code, out = run([*CLI, "download", f"{REPO}@{sha}"], env)  # pinned revision
+    decode = ["decode", str(tiny_dir["qwen3"]), str(tiny_dir["known"])]
+    pinned = [["cli", "download", f"{REPO}@{sha}"], [*decode, REPO, PROMPT, str(len(want))]]
+    (code, out), (decoded, tokens) = client(pinned, env)
     assert code == 0, out
     assert f"snapshots/{sha}" in out and "sub/fwd.safetensors" in out
-
-    src, tgt = str(tiny_dir["qwen3"]), str(tiny_dir["known"])
-    decode = [sys.executable, "-c", DECODE, src, tgt]
-    code, out = run([*decode, REPO, PROMPT, str(len(want))], env)
-    assert code == 0, out
-    assert json.loads(out.split("TOKENS", 1)[1].splitlines()[0]) == want
+    assert decoded == 0, tokens
+    assert json.loads(tokens.split("TOKENS", 1)[1].splitlines()[0]) == want
 
     hub.stop()  # from here on, nothing answers: the cache has to serve
-    code, out = run([*decode, f"{REPO}@{sha}", PROMPT, str(len(want))],
-                    client_env(hf_home, offline=True))  # fmt: skip
+    uncached = "kvlingo-test/never-uploaded"
+    offline = [[*decode, f"{REPO}@{sha}", PROMPT, str(len(want))], ["cli", "download", uncached]]
+    (code, out), (missing, message) = client(offline, client_env(hf_home, offline=True))
     assert code == 0, out
     assert json.loads(out.split("TOKENS", 1)[1].splitlines()[0]) == want
-
-    code, out = run([*CLI, "download", REPO], client_env(tmp_path / "empty", offline=True))
-    assert code != 0
-    assert "HF_HUB_OFFLINE=1" in out and f"kvlingo download {REPO}" in out
+    assert missing != 0
+    assert "HF_HUB_OFFLINE=1" in message and f"kvlingo download {uncached}" in message
 
 
 def test_hub_errors_are_named(tmp_path, hub):
     env = client_env(tmp_path / "hf", hub.url)
-    code, out = run([*CLI, "download", "nobody/nothing"], env)
+    steps = [
+        ["cli", "download", "nobody/nothing"],
+        ["cli", "upload", str(ROOT / "pyproject.toml"), "org/x"],
+    ]
+    (code, out), (refused, message) = client(steps, env)
     assert code != 0 and "no such repository" in out
-    code, out = run([*CLI, "upload", str(ROOT / "pyproject.toml"), "org/x"], env)
-    assert code != 0 and "not a translator file" in out
+    assert refused != 0 and "not a translator file" in message
 
 
 def test_card_from_metadata(tmp_path):
