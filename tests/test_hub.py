@@ -1,7 +1,7 @@
 """Translators on the Hub, against a local stand-in (tests/hub_standin.py) on 127.0.0.1.
 
 `huggingface_hub` reads HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE when it is imported, so the
-clients run in a subprocess with them set, one per environment (`client`: its steps in turn);
+clients run in a subprocess with them set, one per environment (`Client`: its steps in turn);
 the stand-in runs in this process and is stopped by its fixture. Round trip: `kvlingo upload`,
 `kvlingo download` (pinned), `load(translator="org/name")`, decode token for token like the
 local file; then offline from the cache, and a clear error offline for what it lacks.
@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
@@ -25,9 +26,9 @@ from hub_standin import HubStandIn
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def parse_args(argv):\n    parser = argparse.ArgumentParser(description="
 REPO = "kvlingo-test/known-pair"
-#: runs its steps (argv[1], JSON) in one process: ["cli", *args] is `kvlingo args`, ["decode",
-#: source, target, translator, prompt, n] prints the greedy tokens after a hand-off. Each step's
-#: output follows a STEP line and ends with "EXIT <status>".
+#: one client process: runs each step it reads (a JSON line) in turn; ["cli", *args] is
+#: `kvlingo args`, ["decode", source, target, translator, prompt, n] prints the greedy tokens
+#: after a hand-off. A step's output ends with a line "EXIT <status>".
 CLIENT = r"""
 import json, sys
 from mlx_kvlingo.cli._group import cli
@@ -51,8 +52,8 @@ def decode(src, tgt, spec, prompt, n):
     print("TOKENS", json.dumps([r.token for r in out]))
 
 
-for kind, *args in json.loads(sys.argv[1]):
-    print("STEP", flush=True)
+for line in sys.stdin:
+    kind, *args = json.loads(line)
     try:
         if kind == "cli":
             cli.main(args, prog_name="kvlingo")  # exits with its status, as the `kvlingo` script
@@ -77,22 +78,39 @@ def decode_tokens(pair, tr, n=24):
     return [r.token for r in out]
 
 
-def client(steps: list[list[str]], env: dict, timeout=300) -> list[tuple[int, str]]:
-    """(exit status, output) of each step, run by one client process (see CLIENT)."""
-    cmd = [sys.executable, "-u", "-c", CLIENT, json.dumps(steps)]  # -u: the outputs in order
-    r = subprocess.run(
-        cmd,
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=timeout,
-    )
-    parts = r.stdout.split("STEP\n")[1:]
-    assert r.returncode == 0 and len(parts) == len(steps), r.stdout[-3000:]
-    done = [part.rsplit("\nEXIT ", 1) for part in parts]
-    return [(int(code), out) for out, code in done]
+class Client:
+    """A client process (see CLIENT) in `env`; `step(*args)` -> (exit status, output)."""
+
+    def __init__(self, env: dict, timeout: float = 300):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-c", CLIENT],  # -u: stdout and stderr in order
+            env=env,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.watchdog = threading.Timer(timeout, self.proc.kill)
+        self.watchdog.start()
+
+    def step(self, *args: str) -> tuple[int, str]:
+        self.proc.stdin.write(json.dumps(args) + "\n")
+        self.proc.stdin.flush()
+        lines = []
+        for line in self.proc.stdout:
+            if line.startswith("EXIT "):
+                return int(line[5:]), "".join(lines)
+            lines.append(line)
+        raise AssertionError(f"the client ended (or ran past its time):\n{''.join(lines)[-3000:]}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait()
+        self.watchdog.cancel()
 
 
 @pytest.fixture
@@ -144,48 +162,49 @@ def test_round_trip_through_the_hub(known_pair, tiny_dir, tmp_path, hub):
     hf_home = tmp_path / "hf"
     env = client_env(hf_home, hub.url)
 
-    # two files: the default keeps its subfolder on the Hub, as the manifest names it
-    upload = ["cli", "upload", str(local), str(other), REPO, "--manifest", str(manifest)]
-    [(code, out)] = client([[*upload, "-m", "test"]], env)
-    assert code == 0, out
-    sha = re.search(r"/commit/([0-9a-f]{40})", out).group(1)
-    assert {"POST /api/repos/create", f"POST /api/models/{REPO}/commit/main"} <= set(
-        hub.store.requests
-    )
-    files = hub.store.repos[REPO]["commits"][sha]
-    assert sorted(files) == ["README.md", "manifest.json", "other.safetensors",
-                             "sub/fwd.safetensors"]  # fmt: skip
-    assert files["sub/fwd.safetensors"] == local.read_bytes()
-    card = files["README.md"].decode()
-    assert "4x2x32 → 4x2x32" in card and f'translator="{REPO}"' in card
-
     decode = ["decode", str(tiny_dir["qwen3"]), str(tiny_dir["known"])]
-    pinned = [["cli", "download", f"{REPO}@{sha}"], [*decode, REPO, PROMPT, str(len(want))]]
-    (code, out), (decoded, tokens) = client(pinned, env)
-    assert code == 0, out
-    assert f"snapshots/{sha}" in out and "sub/fwd.safetensors" in out
-    assert decoded == 0, tokens
-    assert json.loads(tokens.split("TOKENS", 1)[1].splitlines()[0]) == want
+    with Client(env) as client:
+        # two files: the default keeps its subfolder on the Hub, as the manifest names it
+        upload = [str(local), str(other), REPO, "--manifest", str(manifest), "-m", "test"]
+        code, out = client.step("cli", "upload", *upload)
+        assert code == 0, out
+        sha = re.search(r"/commit/([0-9a-f]{40})", out).group(1)
+        assert {"POST /api/repos/create", f"POST /api/models/{REPO}/commit/main"} <= set(
+            hub.store.requests
+        )
+        files = hub.store.repos[REPO]["commits"][sha]
+        assert sorted(files) == ["README.md", "manifest.json", "other.safetensors",
+                                 "sub/fwd.safetensors"]  # fmt: skip
+        assert files["sub/fwd.safetensors"] == local.read_bytes()
+        card = files["README.md"].decode()
+        assert "4x2x32 → 4x2x32" in card and f'translator="{REPO}"' in card
+
+        code, out = client.step("cli", "download", f"{REPO}@{sha}")  # pinned revision
+        assert code == 0, out
+        assert f"snapshots/{sha}" in out and "sub/fwd.safetensors" in out
+
+        code, out = client.step(*decode, REPO, PROMPT, str(len(want)))
+        assert code == 0, out
+        assert json.loads(out.split("TOKENS", 1)[1].splitlines()[0]) == want
 
     hub.stop()  # from here on, nothing answers: the cache has to serve
-    uncached = "kvlingo-test/never-uploaded"
-    offline = [[*decode, f"{REPO}@{sha}", PROMPT, str(len(want))], ["cli", "download", uncached]]
-    (code, out), (missing, message) = client(offline, client_env(hf_home, offline=True))
-    assert code == 0, out
-    assert json.loads(out.split("TOKENS", 1)[1].splitlines()[0]) == want
-    assert missing != 0
-    assert "HF_HUB_OFFLINE=1" in message and f"kvlingo download {uncached}" in message
+    with Client(client_env(hf_home, offline=True)) as client:
+        code, out = client.step(*decode, f"{REPO}@{sha}", PROMPT, str(len(want)))
+        assert code == 0, out
+        assert json.loads(out.split("TOKENS", 1)[1].splitlines()[0]) == want
+
+        uncached = "kvlingo-test/never-uploaded"  # as good as an empty cache
+        code, out = client.step("cli", "download", uncached)
+        assert code != 0
+        assert "HF_HUB_OFFLINE=1" in out and f"kvlingo download {uncached}" in out
 
 
 def test_hub_errors_are_named(tmp_path, hub):
-    env = client_env(tmp_path / "hf", hub.url)
-    steps = [
-        ["cli", "download", "nobody/nothing"],
-        ["cli", "upload", str(ROOT / "pyproject.toml"), "org/x"],
-    ]
-    (code, out), (refused, message) = client(steps, env)
-    assert code != 0 and "no such repository" in out
-    assert refused != 0 and "not a translator file" in message
+    with Client(client_env(tmp_path / "hf", hub.url)) as client:
+        code, out = client.step("cli", "download", "nobody/nothing")
+        assert code != 0 and "no such repository" in out
+        code, out = client.step("cli", "upload", str(ROOT / "pyproject.toml"), "org/x")
+        assert code != 0 and "not a translator file" in out
 
 
 def test_card_from_metadata(tmp_path):
