@@ -166,9 +166,8 @@ def _args(line: str, files: dict) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("line,status,names", CASES, ids=[c[0][:60] for c in CASES])
-def test_bad_input_is_one_line(line, status, names, files):
-    result = CliRunner().invoke(cli, _args(line, files))
+def _error_line(result, status: int) -> str:
+    """The one `Error:` line a failed command printed last, with no traceback or usage."""
     text = result.output
     assert result.exit_code != 0, text
     assert isinstance(result.exception, SystemExit), (
@@ -179,10 +178,49 @@ def test_bad_input_is_one_line(line, status, names, files):
     errors = [x for x in lines if x.startswith("Error:")]
     assert len(errors) == 1 and lines[-1] == errors[0], text  # the message is the last line
     assert not any(x.startswith("Usage:") for x in lines), text
+    assert result.exit_code == status, text
+    return errors[0]
+
+
+@pytest.mark.parametrize("line,status,names", CASES, ids=[c[0][:60] for c in CASES])
+def test_bad_input_is_one_line(line, status, names, files):
+    error = _error_line(CliRunner().invoke(cli, _args(line, files)), status)
     for name in names:
         want = name.format(**{k: str(v) for k, v in files.items()})
-        assert want in errors[0], f"{want!r} not named in {errors[0]!r}"
-    assert result.exit_code == status, text
+        assert want in error, f"{want!r} not named in {error!r}"
+
+
+#: every command that loads a demo pair when no model is named ({D}: a scratch folder)
+DEMO_COMMANDS = [
+    "chat",
+    "generate -m 1 -p hi",
+    "serve",
+    "eval -n 1",
+    "translate --prompt hi -o {D}/o.safetensors",
+    "bench --lengths 8 --no-progress -o {D}/bench",
+]
+
+
+@pytest.mark.parametrize("missing", ["demo-package", "KVLINGO_WEIGHTS-folder"])
+@pytest.mark.parametrize("line", DEMO_COMMANDS, ids=[c.split(" ")[0] for c in DEMO_COMMANDS])
+def test_missing_demo_files_are_one_line(line, missing, tmp_path, monkeypatch):
+    """The demo's files absent (mlx_kvlingo from a wheel without the mlx-kvlingo-demo wheel,
+    or $KVLINGO_WEIGHTS naming no folder): one line saying what is missing and what to do."""
+    from mlx_kvlingo.models.demo import smollm2
+
+    monkeypatch.setenv("KVLINGO_CACHE", str(tmp_path / "cache"))
+    if missing == "KVLINGO_WEIGHTS-folder":
+        monkeypatch.setenv("KVLINGO_WEIGHTS", str(tmp_path / "nowhere"))
+        names = [f"demo weights not found in {tmp_path / 'nowhere'}", "KVLINGO_WEIGHTS"]
+    else:  # as test_wheel_install.py: no weights/ beside the package, no demo package
+        monkeypatch.delenv("KVLINGO_WEIGHTS", raising=False)
+        monkeypatch.setattr(smollm2, "ASSETS_PACKAGE", "kvlingo_demo_stand_in")
+        monkeypatch.setattr(smollm2, "_beside_package", lambda: tmp_path / "site" / "weights")
+        names = ["the demo's files are not installed", "mlx-kvlingo-demo", "KVLINGO_WEIGHTS"]
+    result = CliRunner().invoke(cli, _args(line, {"D": tmp_path}))
+    error = _error_line(result, FAILURE)
+    for name in names:
+        assert name in error, f"{name!r} not named in {error!r}"
 
 
 def test_the_table_covers_every_command():

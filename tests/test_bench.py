@@ -192,18 +192,6 @@ def test_lengths_that_do_not_fit_are_skipped(tiny_pair, monkeypatch, tmp_path):
     assert "Skipped: n=40" in paths["markdown"].read_text()
 
 
-def test_default_pair_missing_gives_a_clear_message(monkeypatch):
-    from mlx_kvlingo.cli import _common
-
-    def missing(*_a, **_k):
-        raise ImportError("cannot import name 'load_demo'")
-
-    monkeypatch.setattr(_common, "resolve_pair", missing)
-    result = CliRunner().invoke(bench_cmd, ["--lengths", "8", "--no-progress"])
-    assert result.exit_code != 0
-    assert "demo pair is not available" in result.output and "--preset" in result.output
-
-
 # -- the opt-in per-expert MoE path -------------------------------------------------------
 
 

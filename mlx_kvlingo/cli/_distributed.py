@@ -41,14 +41,9 @@ def pair_from_options(source, target, translator, backward, demo_pair, distribut
     from mlx_kvlingo.api import load
 
     demo = demo_pair_of(source, target, demo_pair, translator, require_translator=True)
-    try:
-        with rank_errors():
-            return load(source, target, translator, backward, pair=demo,
-                        distributed=wanted(distributed), wire=wire, warmup=False)  # fmt: skip
-    except ImportError as e:
-        raise click.ClickException(
-            f"the demo pair is not available ({e}); pass --small, --large and --translator"
-        ) from None
+    with rank_errors():
+        return load(source, target, translator, backward, pair=demo,
+                    distributed=wanted(distributed), wire=wire, warmup=False)  # fmt: skip
 
 
 def describe(pair) -> str:

@@ -165,13 +165,7 @@ def _load(preset, demo_pair, source, target, translator, dtype, seed, log):
         raise click.UsageError(
             "--dtype applies to presets and --source/--target without --translator"
         )
-    try:
-        pair, tr, backward = resolve_pair(source, target, translator, demo_pair=demo_pair)
-    except ImportError as e:
-        raise click.ClickException(
-            f"the demo pair is not available in this install ({e}); name a pair with "
-            f"--source/--target/--translator or use --preset ({', '.join(PRESETS)})"
-        ) from None
+    pair, tr, backward = resolve_pair(source, target, translator, demo_pair=demo_pair)
     if source:
         return pair, tr, {}, None
     return pair, tr, {"demo_pair": demo_pair}, backward
