@@ -1,6 +1,6 @@
 """Starts like mlx-lm (issue 49): the rates the warm-up measures are kept in the cache folder,
 keyed by the machine, the pair's files and the library versions; a later start with the same
-key reuses them (no measuring: a first-call warm-up and one probe read per model), a changed key
+key reuses them (no measuring and no scratch turn: one probe read per model), a changed key
 measures again, a corrupt or foreign file is ignored. On the tiny known-answer pair, each test with its own
 cache folder."""
 
@@ -110,14 +110,13 @@ def probe_at(loaded) -> int:
 
 
 class Counting:
-    """A model that counts its reads over a long cache (`at` positions or more)."""
+    """A model that records its reads: (tokens, positions its cache held)."""
 
     def __init__(self, model, at: int):
-        self.wrapped, self.at, self.long_reads = model, at, []
+        self.wrapped, self.at, self.reads = model, at, []
 
     def __call__(self, x, cache=None, **kwargs):
-        if cache and cache[0].offset >= self.at:
-            self.long_reads.append((x.shape[1], cache[0].offset))
+        self.reads.append((x.shape[1], cache[0].offset if cache else 0))
         return self.wrapped(x, cache=cache, **kwargs)
 
     def __getattr__(self, name):
@@ -125,9 +124,9 @@ class Counting:
 
 
 def test_a_reusing_start_reads_one_probe_per_model(tiny_dir, cache, measures):
-    """A start that reuses stored rates reads each model once over a long scratch cache (its
-    attention term), and that read replaces the stored one: the only sample that changes.
-    Its prediction of a long turn then follows this start's probe."""
+    """A start that reuses stored rates reads each model once, over a long scratch cache (its
+    attention term), and nothing else (no scratch turn); that read replaces the stored one: the
+    only sample that changes. Its prediction of a long turn then follows this start's probe."""
     from mlx_kvlingo.conversation.reader import costs_of
 
     first = fresh_runtime(tiny_dir)
@@ -139,7 +138,7 @@ def test_a_reusing_start_reads_one_probe_per_model(tiny_dir, cache, measures):
     second.warm_up(lengths=LENGTHS)
     assert len(measures) == 1 and second.rates == "cached"
     for m in models:
-        assert m.long_reads == [(warmup_module.PROBE_READ, m.at)]
+        assert m.reads == [(warmup_module.PROBE_READ, m.at)]
     costs = costs_of(second.models)
     got = costs.to_dict()
     for name in ("source_read", "target_read"):

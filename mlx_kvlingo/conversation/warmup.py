@@ -1,18 +1,21 @@
 """The warm-up: a new process's one-off costs paid before its first turn, this pair's read rates
 (reader.py) ready for reader "auto".
 
-    reusing start     the rates and map readings stored for this key, a scratch turn, `probe`
+    reusing start     the rates and map readings stored for this key, the recompute's lookups,
+                      `probe`
     measuring start   (none stored, or `reuse=False`) `warm_up`: each translator measures how
                       its maps read fastest and faults in a translation's memory, a scratch
-                      turn, one scratch conversation at each of `lengths` measured, `probe`;
-                      then stored
+                      turn, one scratch conversation at each of `lengths` measured, the
+                      recompute's lookups, `probe`; then stored
 
 A scratch conversation runs the product's own turns: per length a turn the small model reads
 for the large one and one the large reads itself, then one the small answers; the first pays
-what a process pays once (kernels compiled, weights faulted in, the template, the sampler).
-`probe`: each model that reads for a turn reads `PROBE_READ` tokens over `PROBE_AT` zero
-positions once (attention costs the same whatever the K/V hold), replacing a stored read of
-that shape: this start's attention term, which long turns follow.
+what a process pays once (kernels compiled, weights faulted in, the template, the sampler), so
+that none of it is measured. A reusing start measures nothing but its probes and runs no
+scratch turn: its first turn pays those costs itself (on the CPU a first turn takes what a
+later one does, READER_TIMING.md). `probe`: each model that reads for a turn reads `PROBE_READ`
+tokens over `PROBE_AT` zero positions once (attention costs the same whatever the K/V hold),
+replacing a stored read of that shape: this start's attention term, which long turns follow.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ _TEXT = (
 
 
 def start(pair, forward, backward=None, *, lengths=LENGTHS, sample=None, reuse=True) -> ReadCosts:
-    """The pair's costs (`costs_of`) ready, the one-off costs paid; their `origin` ("cached",
-    "measured") and `warmup_s` say which start ran and how long it took."""
+    """The pair's costs (`costs_of`) ready, stored or measured (module docstring); their
+    `origin` ("cached", "measured") and `warmup_s` say which start ran and how long it took."""
     t0, costs = time.perf_counter(), costs_of(pair)
     maps = {"forward": forward, "backward": backward}
     key = reader.rates_key(pair, forward, backward, lengths)
@@ -63,7 +66,7 @@ def start(pair, forward, backward=None, *, lengths=LENGTHS, sample=None, reuse=T
             getattr(costs, name).samples = getattr(stored, name).samples
         for d, reading in readings.items():
             maps[d].reading = reading
-        _scratch(pair, forward, backward, (PRIME,), sample, None)
+        prime_lookups(pair.tokenizer)
         probe(pair, forward, costs)
     costs.origin = "measured" if stored is None else "cached"
     costs.warmup_s = time.perf_counter() - t0
@@ -81,6 +84,7 @@ def warm_up(pair, forward, backward=None, *, lengths=LENGTHS, sample=None,
             reserve_translation_memory(into, translator)
     _scratch(pair, forward, backward, (PRIME,), sample, None)
     _scratch(pair, forward, backward, lengths, sample, costs)
+    prime_lookups(pair.tokenizer)
     probe(pair, forward, costs)
     costs.warmup_s = time.perf_counter() - t0
     return costs
@@ -103,8 +107,13 @@ def _scratch(pair, forward, backward, lengths, sample, costs: ReadCosts | None) 
         kwargs = sample(role) if sample else {}
         for _ in s.generate(role, max_tokens=1 if unrecorded else 2, **kwargs):
             pass
-    sentence_ends(pair.tokenizer)  # what the large model's recompute looks up once a process
-    special_ids(pair.tokenizer)
+
+
+def prime_lookups(tokenizer) -> None:
+    """What the large model's recompute looks up once a process (a scan of the vocabulary),
+    so that the first turn the small model reads neither waits for it nor measures it."""
+    sentence_ends(tokenizer)
+    special_ids(tokenizer)
 
 
 def probe(pair, forward, costs: ReadCosts) -> None:
