@@ -1,2 +1,2 @@
-"""Platform helpers, private: BLAS preload, huge pages, CPU memory, cache folder, atomic writes,
+"""Platform helpers, private: BLAS preload, CPU memory, cache folder, atomic writes,
 MoE on the CPU."""

@@ -1,16 +1,12 @@
 """`kvlingo`: a thin command line over the public Python API. One module per command.
 
-`main` is the console script: it first asks glibc for huge pages (`_hugepages`, which may
-re-execute the process), then loads the commands; so the group (`cli`) loads on first use.
+`main` is the console script; the group (`cli`) loads on first use.
 """
 
 from __future__ import annotations
 
 
 def main() -> None:
-    from mlx_kvlingo._platform.hugepages import reexecute_with_hugepages
-
-    reexecute_with_hugepages()  # before the commands' imports (MLX, mlx-lm): seconds each time
     from mlx_kvlingo.cli._group import cli
 
     cli()

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import platform
 import time
 
 from mlx_kvlingo._platform import blas as _blas
 from mlx_kvlingo._platform import cpu_memory as _cpu_memory
-from mlx_kvlingo._platform import hugepages as _hugepages
 from mlx_kvlingo.cli._params import ModelSpec
 
 import click
@@ -51,8 +49,6 @@ def info_cmd(models):
         console.print(f"BLAS: {blas_status()}")
     if device == "CPU":
         console.print(f"memory reuse: {memory_status(_cpu_memory.tune())}")
-        if platform.system() == "Linux":
-            console.print(f"huge pages: {_hugepages.hugepages_status(os.environ)}")
     console.print(f"float32 GEMM 1024^3: {gemm_gflops():.1f} GFLOP/s")
     if not models:
         return
