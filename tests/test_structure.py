@@ -114,6 +114,23 @@ def test_at_most_a_handful_of_top_level_modules():
     assert len(top) <= 6, top
 
 
+def test_no_file_holds_a_merge_conflict_marker():
+    """Text files (code, pages, data recipes) carry no `<<<<<<<` / `>>>>>>>` lines a merge left."""
+    suffixes = {".py", ".md", ".toml", ".json", ".sh", ".txt", ".yml", ".yaml"}
+    marked = [
+        str(p.relative_to(ROOT))
+        for p in ROOT.rglob("*")
+        if p.suffix in suffixes
+        and ".git" not in p.parts
+        and p.is_file()
+        and any(
+            line.startswith(("<<<<<<< ", ">>>>>>> "))
+            for line in p.read_text(errors="ignore").splitlines()
+        )
+    ]
+    assert not marked, marked
+
+
 def test_no_import_circles():
     graph = _graph()
     # drop package __init__ edges to their own submodules (re-exports are not circles)
