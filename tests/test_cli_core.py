@@ -2,6 +2,8 @@
 
 import json
 import re
+import subprocess
+import sys
 
 from mlx_kvlingo.cli import cli
 from mlx_kvlingo.models.files import save_translator
@@ -14,6 +16,27 @@ from mlx_lm import stream_generate
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 PROMPT = "def main(argv=None):\n    parser = argparse.ArgumentParser(prog="
+HEAVY = ("mlx_lm", "transformers", "torch")
+
+
+def test_help_and_usage_errors_import_no_model_library():
+    """`kvlingo --help`, every `kvlingo <cmd> --help` and a usage error load neither mlx-lm nor
+    transformers nor torch: a command imports what it needs only when it runs."""
+    code = (
+        "import sys\n"
+        "from mlx_kvlingo.cli import main\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as e:\n"
+        "    heavy = sorted(m for m in sys.modules if m.split('.')[0] in %r)\n"
+        "    print('EXIT', e.code, 'HEAVY', heavy[:3], file=sys.stderr)\n" % (HEAVY,)
+    )
+    names = sorted(cli.list_commands(None))
+    assert len(names) == 11
+    for args in (["--help"], *([n, "--help"] for n in names), ["chat", "--reader", "nope"]):
+        run = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+        status = 2 if args[-1] == "nope" else 0
+        assert run.stderr.splitlines()[-1] == f"EXIT {status} HEAVY []", (args, run.stderr)
 
 
 def test_translate_prompt_cache_file_for_mlx_lm(tiny_dir, tmp_path):
