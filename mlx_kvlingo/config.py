@@ -28,6 +28,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 READERS = ("auto", "tokens", "small", "self")
+#: how a model catches up on the turns it lacks (conversation/catchup.py)
+MODES = ("alternation", "naive", "reprefill")
+#: model "auto": the large model answers again where the small answer's confidence is below this
+AUTO_THRESHOLD = -1.5
+#: the conversation bench's policies (eval/conversation_bench.py), as changes to the reader policy
+POLICIES = {
+    "large reads": {"reader": "self"},
+    "small reads": {"reader": "small"},
+    "auto reads": {"reader": "auto"},
+    "cascade": {"reader": "self"},
+    "cascade+ahead": {"reader": "self", "translate_ahead": True},
+}
 #: settings that files kept before they became constants beside the code using them: read, dropped
 RETIRED = ("reader_margin", "ahead_chunk", "ahead_share")
 

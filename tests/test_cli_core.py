@@ -28,8 +28,8 @@ def test_help_and_usage_errors_import_no_model_library():
         "try:\n"
         "    main()\n"
         "except SystemExit as e:\n"
-        "    heavy = sorted(m for m in sys.modules if m.split('.')[0] in %r)\n"
-        "    print('EXIT', e.code, 'HEAVY', heavy[:3], file=sys.stderr)\n" % (HEAVY,)
+        f"    heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
+        "    print('EXIT', e.code, 'HEAVY', heavy[:3], file=sys.stderr)\n"
     )
     names = sorted(cli.list_commands(None))
     assert len(names) == 11

@@ -213,17 +213,17 @@ def test_stage1_stage2_and_decoding_stay_quantized(qpair, data):
 
 
 def test_calibrate_cli_dtype_stored(qdir, text_file, tmp_path, monkeypatch):
-    import mlx_kvlingo.cli.calibrate as calibrate_cli
-    from mlx_kvlingo.models.loading import load_models_and_translators
+    import mlx_kvlingo.models.loading as loading
 
+    load = loading.load_models_and_translators
     loaded = []
 
     def spy(*args, **kw):  # the one loader every command goes through
-        got = load_models_and_translators(*args, **kw)
+        got = load(*args, **kw)
         loaded.append((kw.get("dtype", "auto"), got[0]))
         return got
 
-    monkeypatch.setattr(calibrate_cli, "load_models_and_translators", spy)
+    monkeypatch.setattr(loading, "load_models_and_translators", spy)
     out_file = tmp_path / "out.safetensors"
     out = CliRunner().invoke(cli, ["calibrate", "--source", str(qdir["source"]), "--target",
                                    str(qdir["target"]), "--data", str(text_file), "--dtype",

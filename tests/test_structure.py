@@ -272,12 +272,12 @@ def test_eval_accepts_text_records_and_scores_all_of_them(tiny_dir, tmp_path, te
 
 
 def test_eval_refuses_bad_data_before_loading_models(tiny_dir, tmp_path, monkeypatch):
-    import mlx_kvlingo.cli._common as common
+    import mlx_kvlingo.models.loading as loading
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded before the data was checked")
 
-    monkeypatch.setattr(common, "load_models_and_translators", boom)
+    monkeypatch.setattr(loading, "load_models_and_translators", boom)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"prompt": "no"}\n')
     # model folders and a Hub id pass the option checks; the translator is never fetched

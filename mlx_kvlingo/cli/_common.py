@@ -6,7 +6,7 @@ import functools
 
 from mlx_kvlingo.cli._params import ModelSpec, TranslatorSpec
 from mlx_kvlingo.data.examples import DataConfig
-from mlx_kvlingo.models.loading import DEMO_PAIRS, load_models_and_translators
+from mlx_kvlingo.models.demo import DEMO_PAIRS
 
 import click
 
@@ -48,6 +48,8 @@ def resolve_pair(source, target, translator, backward=None, demo_pair: str = "de
                  require_translator: bool = True, dtype="auto"):  # fmt: skip
     """(pair, forward, backward) through the one loader (`mlx_kvlingo.models.loading`): the named pair
     and translators, or a demo pair when no model is named (its shipped translators)."""
+    from mlx_kvlingo.models.loading import load_models_and_translators
+
     demo = demo_pair_of(source, target, demo_pair, translator,
                         require_translator=require_translator)  # fmt: skip
     return load_models_and_translators(source, target, translator, backward, demo, dtype=dtype)

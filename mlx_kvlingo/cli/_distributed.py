@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from mlx_kvlingo.cli._common import demo_pair_of
-from mlx_kvlingo.distributed.pipeline import DistributedError
 
 import click
 
@@ -54,6 +53,8 @@ def describe(pair) -> str:
 @contextmanager
 def rank_errors() -> Iterator[None]:
     """A lost or unreachable rank ends the run with one line (`fail`)."""
+    from mlx_kvlingo.distributed.pipeline import DistributedError
+
     try:
         yield
     except DistributedError as e:

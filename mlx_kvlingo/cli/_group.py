@@ -1,27 +1,35 @@
-"""The `kvlingo` command group: one module per command, each a thin layer over the public API."""
+"""The `kvlingo` command group: one module per command, each a thin layer over the public API.
+
+A command's module (`mlx_kvlingo.cli.<name>`, its command `<name>_cmd`) is imported only when the
+command runs or shows its help, and imports the model libraries only when it runs: `kvlingo
+--help`, `kvlingo <cmd> --help` and a usage error load neither mlx-lm nor transformers.
+"""
 
 from __future__ import annotations
 
+import importlib
+
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo.cli.bench import bench_cmd
-from mlx_kvlingo.cli.calibrate import calibrate_cmd
-from mlx_kvlingo.cli.chat import chat_cmd
-from mlx_kvlingo.cli.convert import convert_cmd
-from mlx_kvlingo.cli.download import download_cmd
 from mlx_kvlingo.cli.errors import DEBUG_ENV, user_errors
-from mlx_kvlingo.cli.eval import eval_cmd
-from mlx_kvlingo.cli.generate import generate_cmd
-from mlx_kvlingo.cli.info import info_cmd
-from mlx_kvlingo.cli.serve import serve_cmd
-from mlx_kvlingo.cli.translate import translate_cmd
-from mlx_kvlingo.cli.upload import upload_cmd
 
 import click
+
+COMMANDS = ("info", "translate", "generate", "chat", "calibrate", "eval", "bench", "convert",
+            "upload", "download", "serve")  # fmt: skip
 
 
 class KvlingoGroup(click.Group):
     """The group that runs every command inside `errors.user_errors`: an error the user caused
-    is one line (exit status 2 for usage, 1 for the rest), a programming error its traceback."""
+    is one line (exit status 2 for usage, 1 for the rest), a programming error its traceback.
+    Its commands resolve lazily, by name (`COMMANDS`)."""
+
+    def list_commands(self, ctx):
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx, name):
+        if name not in COMMANDS:
+            return None
+        return getattr(importlib.import_module(f"mlx_kvlingo.cli.{name}"), f"{name}_cmd")
 
     def make_context(self, info_name, args, parent=None, **extra):
         with user_errors():  # the group's own options (`kvlingo --bogus`)
@@ -38,9 +46,3 @@ class KvlingoGroup(click.Group):
               help=f"Show the traceback of every error (also {DEBUG_ENV}=1)")  # fmt: skip
 def cli(debug):
     """KV-cache translation between two language models on MLX."""
-
-
-COMMANDS = (info_cmd, translate_cmd, generate_cmd, chat_cmd, calibrate_cmd, eval_cmd, bench_cmd,
-            convert_cmd, upload_cmd, download_cmd, serve_cmd)  # fmt: skip
-for _command in COMMANDS:
-    cli.add_command(_command)

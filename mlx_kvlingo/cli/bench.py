@@ -6,8 +6,7 @@ from __future__ import annotations
 
 from mlx_kvlingo.cli._common import pair_option, source_option, target_option, translator_option
 from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, NumberList, OutputFolder
-from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.eval.conversation_bench import POLICIES
+from mlx_kvlingo.config import POLICIES, ReaderPolicy
 from mlx_kvlingo.eval.presets import PRESETS
 
 import click

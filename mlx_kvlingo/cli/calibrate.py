@@ -6,15 +6,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
-from mlx_kvlingo.calibrate.distill import Stage2Config, distill
 from mlx_kvlingo.cli._common import content_texts, data_config, data_options
 from mlx_kvlingo.cli._params import ModelSpec, NumberList, OutputFile, OutputFolder
 from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.data.examples import load_examples, validate_data
-from mlx_kvlingo.eval.evaluate import evaluate, table
-from mlx_kvlingo.models.files import save_translator
-from mlx_kvlingo.models.loading import load_models_and_translators
 
 import click
 import mlx.core as mx
@@ -77,7 +72,7 @@ from rich.console import Console
               help="JSON {key: [[...]...], value: [[...]...]}")  # fmt: skip
 @click.option("--init", type=click.Path(exists=True),
               help="Start stage 2 from this translator (skip stage 1)")  # fmt: skip
-@click.option("--steps", type=click.IntRange(0), default=Stage2Config.steps, show_default=True,
+@click.option("--steps", type=click.IntRange(0), default=100, show_default=True,
               help="Stage-2 (self-distillation) steps after stage 1; 0: stage 1 only")  # fmt: skip
 @click.option("--lr", type=click.FloatRange(0, min_open=True), default=1e-4, show_default=True)
 @click.option("--warmup", type=click.IntRange(0), default=10, show_default=True)
@@ -92,6 +87,12 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
                   checkpoint_dir, resume, dtype, **kw):  # fmt: skip
     """Fit a translator SOURCE -> TARGET (on your data, or with none); swap the two for the
     other direction."""
+    from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
+    from mlx_kvlingo.calibrate.distill import Stage2Config, distill
+    from mlx_kvlingo.eval.evaluate import evaluate, table
+    from mlx_kvlingo.models.files import save_translator
+    from mlx_kvlingo.models.loading import load_models_and_translators
+
     console = Console(stderr=True)
     no_data = kw["data_path"] is None
     content_n = (240 if no_data else 0) if content_n is None else content_n

@@ -12,14 +12,8 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mlx_kvlingo.api import (
-    AUTO_THRESHOLD,
-    MODES,
-    Conversation,
-    ConversationError,
-    GenerationResponse,
-)
 from mlx_kvlingo.cli._common import (
     pair_option,
     policy_options,
@@ -39,11 +33,15 @@ from mlx_kvlingo.cli._distributed import (
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
 from mlx_kvlingo.cli._progress import progress_bar
+from mlx_kvlingo.config import AUTO_THRESHOLD, MODES
 
 import click
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from mlx_kvlingo.api import Conversation, GenerationResponse
 
 #: turns this long or longer show a progress line while they are read
 PROGRESS_MIN_TOKENS = 1000
@@ -99,7 +97,9 @@ class ChatApp:
                  auto_threshold: float, console: Console | None = None, first: str = "large"):  # fmt: skip
         self.conv = conv
         self.max_tokens = max_tokens
-        self.sampling = sampling or {}  # explicit settings; the rest per model (conversation/stream.py)
+        self.sampling = (
+            sampling or {}
+        )  # explicit settings; the rest per model (conversation/stream.py)
         self.next = first
         self.auto = False
         self.threshold = auto_threshold
@@ -169,6 +169,8 @@ class ChatApp:
     def turn(self, text: str | None, escalate: bool = False) -> None:
         """Answer `text` (None: the message left unanswered) with the next model, by the cascade
         (model "auto") when /auto is on, or the last message again with the other model."""
+        from mlx_kvlingo.api import ConversationError
+
         cascade = self.auto and not escalate
         what = {"escalate": True} if escalate else {"prompt": text, "model": "auto" if cascade else self.next}  # fmt: skip
         try:
@@ -219,6 +221,8 @@ class ChatApp:
         except ValueError as e:
             self.error(f"cannot parse {line!r}: {e}")
             return True
+        from mlx_kvlingo.api import ConversationError
+
         try:
             command(self, cmd, args)
         except ConversationError as e:  # context overflow, a bad session file, ...
@@ -413,6 +417,8 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
              **sampling):  # fmt: skip
     """Chat with the pair: the large model answers, the small one reads for it (/small, /large)."""
     import time
+
+    from mlx_kvlingo.api import Conversation
 
     t0 = time.perf_counter()
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")

@@ -18,8 +18,6 @@ from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, KINDS
 from mlx_kvlingo.data.examples import load_examples, validate_data
-from mlx_kvlingo.eval import report
-from mlx_kvlingo.eval.evaluate import evaluate, table
 
 import click
 from rich.console import Console
@@ -67,6 +65,9 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
              per_kind, kinds, plot_out, tail, share, keeps, **kw):  # fmt: skip
     """Score the target on held-out continuations under every cache condition, or (--task
     content) on what it can use of what was read."""
+    from mlx_kvlingo.eval import report
+    from mlx_kvlingo.eval.evaluate import evaluate, table
+
     console = Console()
     if task == "content":
         from mlx_kvlingo.eval import content as c

@@ -13,7 +13,6 @@ import signal
 import sys
 from dataclasses import replace
 
-from mlx_kvlingo.api import AUTO_THRESHOLD, MODES
 from mlx_kvlingo.cli._common import (
     demo_pair_of,
     pair_option,
@@ -23,6 +22,7 @@ from mlx_kvlingo.cli._common import (
     translator_option,
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
+from mlx_kvlingo.config import AUTO_THRESHOLD, MODES
 
 import click
 

@@ -14,12 +14,8 @@ from mlx_kvlingo.cli._common import (
     translator_option,
 )
 from mlx_kvlingo.cli._params import OutputFile, SafetensorsFile
-from mlx_kvlingo.kv.cache import new_cache
-from mlx_kvlingo.kv.capture import capture_from_cache, trace
-from mlx_kvlingo.kv.translator import append_translation
 
 import click
-from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 
 @click.command("translate")
@@ -33,6 +29,12 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
               help="Target prompt cache file for `mlx_lm.generate --prompt-cache-file`")  # fmt: skip
 def translate_cmd(source, target, translator, cache_in, prompt, output):
     """Translate a source prompt cache into the target's, with no target prefill."""
+    from mlx_kvlingo.kv.cache import new_cache
+    from mlx_kvlingo.kv.capture import capture_from_cache, trace
+    from mlx_kvlingo.kv.translator import append_translation
+
+    from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
+
     pair, tr, _ = resolve_pair(source, target, translator)
     if (cache_in is None) == (prompt is None):
         raise click.UsageError("give exactly one of --prompt-cache-file and --prompt")

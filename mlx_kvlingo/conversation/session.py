@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.config import MODES, ReaderPolicy
 from mlx_kvlingo.conversation import persistence, reader, stream
 from mlx_kvlingo.conversation.catchup import (
     READ_CHUNK,
@@ -55,8 +55,6 @@ from mlx_kvlingo.conversation.transcript import (
 from mlx_kvlingo.kv.cache import new_cache, reserve
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
-
-MODES = ("alternation", "naive", "reprefill")
 
 
 def _kept(name: str, doc: str) -> property:

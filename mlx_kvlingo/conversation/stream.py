@@ -37,6 +37,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mlx_kvlingo.config import AUTO_THRESHOLD
 from mlx_kvlingo.conversation.reader import observe, share
 from mlx_kvlingo.conversation.transcript import (
     LABEL,
@@ -54,8 +55,6 @@ if TYPE_CHECKING:
     from mlx_kvlingo.conversation.catchup import ModelCache
     from mlx_kvlingo.conversation.session import Session
 
-#: model "auto": the large model answers again where the small answer's confidence is below this
-AUTO_THRESHOLD = -1.5
 OPTIONS = {"model": "large", "reader": None, "max_tokens": 256, "sampler": None,
             "logits_processors": None, "prompt_progress_callback": None,
             "auto_threshold": AUTO_THRESHOLD, "wait": True, "timeout": None, "redo": False}  # fmt: skip

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from mlx_kvlingo.api import Pair
-from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.config import POLICIES, ReaderPolicy
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.bench import prompt_tokens
@@ -40,14 +40,6 @@ import numpy as np
 from mlx_lm.sample_utils import make_logits_processors
 
 SCHEMA = "mlx-kvlingo/conversation-bench"
-#: each policy's session, as changes to the reader policy
-POLICIES = {
-    "large reads": {"reader": "self"},
-    "small reads": {"reader": "small"},
-    "auto reads": {"reader": "auto"},
-    "cascade": {"reader": "self"},
-    "cascade+ahead": {"reader": "self", "translate_ahead": True},
-}
 
 
 @dataclass

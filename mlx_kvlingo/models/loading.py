@@ -12,9 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_kvlingo.kv.translator import Translator
-
-#: the demo pairs (`demo/pair.py`): the same small source, a dense or an MoE large target
-DEMO_PAIRS = ("dense", "moe")
+from mlx_kvlingo.models.demo import DEMO_PAIRS
 
 
 def resolve_translator_spec(spec: str | Path | None, reverse: bool = False,
