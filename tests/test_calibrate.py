@@ -272,3 +272,11 @@ def test_stage2_kv_weight_pulls_the_maps_toward_the_native_kv(text_file, known_p
     assert errors[10.0] < 0.8 * errors[0.0]
     with pytest.raises(ValueError, match="kv_weight"):
         Stage2Config(kv_weight=-1.0)
+
+
+def test_cli_steps_default_is_stage_2s():
+    """`kvlingo calibrate --steps` states its default (its module imports no stage-2 code)."""
+    from mlx_kvlingo.cli.calibrate import calibrate_cmd
+
+    [steps] = [p for p in calibrate_cmd.params if p.name == "steps"]
+    assert steps.default == Stage2Config.steps
