@@ -405,9 +405,9 @@ def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> 
               help="Which model answers (the small one reads for the large one; /small, /large)")  # fmt: skip
 @policy_options
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
-              help="Before the first prompt, run each path once (compiled kernels, lazy weights) "
-                   "and measure the pair's rates for reader auto (reused from the cache "
-                   "folder on later starts)")  # fmt: skip
+              help="Before the first prompt, measure the pair's rates for reader auto, running "
+                   "each path once (later starts reuse them from the cache folder and read "
+                   "once per model)")  # fmt: skip
 @click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
               help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
 @distributed_option
@@ -439,7 +439,7 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
                   console=console, first=answer)  # fmt: skip
     loaded = None
     if warmup and not pipelined:
-        console.print("[grey50]warming up (each path once; this pair's rates)...[/grey50]")
+        console.print("[grey50]warming up (this pair's read rates)...[/grey50]")
         w = pair.warm_up(**settings)
         loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {pair.rates_note})"
     print_banner(app, {"forward": translator or "demo", "backward": back}, loaded)
