@@ -189,6 +189,38 @@ def test_the_large_recomputes_the_share_of_the_turn_its_reading_attended_to(pair
         ReaderPolicy(large_reads_last=1, recompute_share=1.5)
 
 
+def test_the_small_model_votes_with_its_own_reading_of_the_tail(pair, translators, monkeypatch):
+    """With a recompute, the small model reads the turn's last tokens too, over the span it
+    read itself: its votes are that reading's attention (`read_positions`), exactly, and its
+    cache then holds the turn as its own prefill does."""
+    import mlx_kvlingo.kv.recompute as recompute
+    from mlx_kvlingo.conversation.catchup import _placeholders
+    from mlx_kvlingo.kv.cache import append_kv, new_cache
+    from mlx_kvlingo.kv.capture import prefill
+
+    fwd, bwd = translators
+    seen, real = [], recompute.attended
+    monkeypatch.setattr(
+        recompute, "attended", lambda *a, **kw: seen.append(kw["votes"]) or real(*a, **kw)
+    )
+    policy = ReaderPolicy(large_reads_last=4, recompute_share=0.5, reader="small")
+    s = Session(pair, fwd, bwd, policy=policy)
+    s.add_user(MESSAGES[0])
+    sw = s.hand_off("target").switch
+    toks, cut = list(s.tokens), len(s.tokens) - sw.tail_read
+    assert sw.recomputed and len(seen) == 1 and s.held("source") == len(toks)
+    own = new_cache(pair.source)
+    prefill(pair.source, toks[:cut], own)
+    append_kv(own, *_placeholders(own, len(toks) - cut))
+    want = recompute.read_positions(pair.source.model, own, toks, range(cut, len(toks)), True)
+    assert mx.array_equal(seen[0], want)
+    whole = new_cache(pair.source)
+    prefill(pair.source, toks, whole)
+    for a, b in zip(s.cache("source"), whole):
+        assert mx.allclose(a.keys[..., : len(toks), :], b.keys[..., : len(toks), :], atol=1e-4)
+    assert_consistent(s)
+
+
 def test_an_interrupted_recompute_leaves_the_caches_consistent(pair, translators, monkeypatch):
     """Ctrl-C inside the recompute: the large model's cache keeps what it held before it (the
     translated span), the turn is unanswered, and asking again answers as the re-prefill."""

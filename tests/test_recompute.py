@@ -224,3 +224,15 @@ def test_the_chats_selection_takes_whole_sentences_and_a_floor(known_pair):
                            ends=ends)  # fmt: skip
     with pytest.raises(ValueError, match="sentences must be"):
         Selection(sentences="paragraph")
+
+
+def test_the_small_models_votes_take_turns_with_the_targets_peaks():
+    """`votes`: a second reader's peaks are taken in turn with the target's, first the
+    target's: its best peak, then the votes' best, then the target's second."""
+    mass = mx.array([0.0, 0.1, 0.9, 0.2, 0.8, 0.0, 0.0, 0.0])
+    votes = mx.array([0.0, 0.0, 0.1, 0.0, 0.0, 0.0, 0.9, 0.0])
+    alone = (0, 0)
+    assert attended(mass, 3, spread=alone) == [0, 2, 4]
+    assert attended(mass, 3, spread=alone, votes=votes) == [0, 2, 6]
+    assert attended(mass, 4, spread=alone, votes=votes) == [0, 2, 4, 6]
+    assert attended(mass, 3, spread=alone, votes=mass) == [0, 2, 4]  # agreeing: as alone

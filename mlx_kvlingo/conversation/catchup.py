@@ -28,7 +28,12 @@ from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION
 from mlx_kvlingo.conversation.transcript import Read, SessionError, Switch
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy, reserve
 from mlx_kvlingo.kv.capture import SpanKV, needs_recording, prefill
-from mlx_kvlingo.kv.recompute import recompute_attended, sentence_ends, special_ids
+from mlx_kvlingo.kv.recompute import (
+    read_positions,
+    recompute_attended,
+    sentence_ends,
+    special_ids,
+)
 from mlx_kvlingo.kv.translator import Side, Translator, append_translation
 from mlx_kvlingo.models.pair import LoadedModel, ModelPair
 
@@ -211,17 +216,32 @@ class CatchUp:
         m = self.models["target"]
         cut, toks, tok = m.held, self.transcript.tokens[:n0], self.pair.tokenizer
         t0 = time.perf_counter()
+        votes = self._small_votes(toks, cut) if RECOMPUTE_SELECTION.votes else None
         try:
             append_kv(m.cache, *_placeholders(m.cache, n0 - cut))
             chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut,
                                         self.policy.recompute_share, start=cut - sw.translated,
                                         selection=RECOMPUTE_SELECTION, ends=sentence_ends(tok),
-                                        specials=special_ids(tok))  # fmt: skip
+                                        specials=special_ids(tok), votes=votes)  # fmt: skip
             m.held = n0 - 1
         finally:
             m.settle(m.held)
         sw.recomputed, sw.tail_read = len(chosen), n0 - cut
         sw.recompute_s = time.perf_counter() - t0
+
+    def _small_votes(self, toks: list[int], cut: int) -> mx.array:
+        """The small model reads toks[cut:] over the cache it holds [0, cut) of, and returns
+        the attention its reading put on each position (`read_positions`): it then holds
+        toks. Interrupted, it keeps [0, cut)."""
+        s = self.models["source"]
+        s.settle(cut)
+        try:
+            append_kv(s.cache, *_placeholders(s.cache, len(toks) - cut))
+            votes = read_positions(s.loaded.model, s.cache, toks, range(cut, len(toks)), True)
+            s.held = len(toks)
+        finally:
+            s.settle(s.held)
+        return votes
 
     # -- translating ahead (cascade) ----------------------------------------------------------
 

@@ -8,7 +8,9 @@ chosen positions), and write their K/V back in every layer: CacheBlend's selecti
 (Yao et al., 2024) on a translated cache instead of concatenated precomputed chunks. Which
 positions: those the target's own reading of the turn's last tokens attends to most
 (`attended`: the peak weight of any head in its deeper layers), so a question read at the
-end points at what it asks about, and each such position with the rest of its sentence
+end points at what it asks about, taken in turn with those the small model's reading of the
+same tokens attends to most over the cache it read itself (`votes`: its keys are its own, not
+translated), and each such position with the rest of its sentence
 (`Selection`): a name or a number is retrieved whole or not at all, and so is a sentence to
 repeat (weights/QUALITY.md, "Sentences, not neighbours").
 
@@ -160,6 +162,9 @@ class Selection:
     template: a chat template's markup ("<|im_start|>user\n") is taken as a peak only after
       every other position: the target attends to it whatever a message says, as it does to
       position 0.
+    votes: the small model's peaks, where its cache holds the span, are taken in turn with the
+      target's: the target reads over translated keys and can miss what its question asks
+      about, while the small model read the span itself (eval/RESULTS.md, "Long documents").
     """
 
     sentences: str = "rest"
@@ -167,6 +172,7 @@ class Selection:
     spread: tuple[int, int] = SPREAD
     template: bool = True
     cap: int | None = 2048
+    votes: bool = True
 
     def __post_init__(self):
         if self.sentences not in ("", "rest", "whole"):
@@ -240,10 +246,12 @@ def _span(p: int, lo: int, end: int, spread: tuple[int, int], tokens, ends, whol
 def attended(mass: mx.array, count: int, start: int = 0, end: int | None = None,
              spread: tuple[int, int] = SPREAD, tokens: Sequence[int] | None = None,
              ends: frozenset[int] | None = None, whole: bool = False,
-             skip: set[int] | frozenset[int] = frozenset()) -> list[int]:  # fmt: skip
+             skip: set[int] | frozenset[int] = frozenset(),
+             votes: mx.array | None = None) -> list[int]:  # fmt: skip
     """`count` positions of [start, end), sorted: position 0 where the range holds it (the
-    attention sink every row reads, whatever it holds), then, in order of attention `mass`,
-    each position with `spread` = (before, after) neighbours, until `count` are taken. With
+    attention sink every row reads, whatever it holds), then, in order of attention `mass`
+    (with `votes`, a second reader's attention: the two orders in turn, first of `mass`), each
+    position with `spread` = (before, after) neighbours, until `count` are taken. With
     the span's `tokens` and the sentence `ends` among them, a position brings the one before
     it and the rest of its sentence instead (`whole`: all of it). Positions in `skip` are
     taken as peaks only after all others."""
@@ -255,6 +263,9 @@ def attended(mass: mx.array, count: int, start: int = 0, end: int | None = None,
     if count <= len(chosen):
         return chosen
     order = (mx.argsort(-mass[lo:end]) + lo).tolist()
+    if votes is not None:
+        other = (mx.argsort(-votes[lo:end]) + lo).tolist()
+        order = [p for both in zip(order, other) for p in both]
     if skip:  # skipped positions come last: taken only where a share asks for (nearly) all
         order = [p for p in order if p not in skip] + [p for p in order if p in skip]
     for p in order:
@@ -269,10 +280,12 @@ def attended(mass: mx.array, count: int, start: int = 0, end: int | None = None,
 def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int, share: float,
                        start: int = 0, selection: Selection = Selection(),
                        ends: frozenset[int] | None = None,
-                       specials: frozenset[int] | None = None) -> list[int]:  # fmt: skip
+                       specials: frozenset[int] | None = None,
+                       votes: mx.array | None = None) -> list[int]:  # fmt: skip
     """The target reads the span's last `tail` tokens over the translated rest, recomputes
     the `share` of [start, cut) its reading attended to most (cut: where the tail begins),
-    picked by `selection` (with the tokenizer's `sentence_ends` and `special_ids`), then reads
+    picked by `selection` (with the tokenizer's `sentence_ends` and `special_ids`, and the
+    small model's attention from the same tail, `votes`, where `selection.votes`), then reads
     the tail again over the recomputed positions. Returns the recomputed positions.
 
     The tail (a question, at the end of a document) is read again because its K/V, which the
@@ -292,7 +305,8 @@ def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int, sha
     chosen = attended(mass, selection.count(share, cut - start), start=start, end=cut,
                       spread=selection.spread, tokens=tokens,
                       ends=ends if selection.sentences else None,
-                      whole=selection.sentences == "whole", skip=skip)  # fmt: skip
+                      whole=selection.sentences == "whole", skip=skip,
+                      votes=votes if selection.votes else None)  # fmt: skip
     if chosen:
         read_positions(model, cache, tokens, chosen)
         read_positions(model, cache, tokens, range(cut, T))

@@ -9,9 +9,11 @@ documentation pages, seed `--seed` + step) and answers it greedily under every c
 `kvlingo eval --task content` side by side: the large model's own read ("native"), the chat's
 reading through the product's hand-off ("chat": `content.Chat`, the shipped translator and
 `ReaderPolicy`'s defaults; "chat rS": recompute share S), and speculative prefill keeping
-`--keep` ("specprefill K"); with `--hybrid-only`, the hybrid alone (`Hybrid`: the chat's reading,
-the peer's selection of what the large model recomputes). Every record is appended to OUT.jsonl as soon as its task is done,
-so a killed run loses one task; run it again to go on. A length is done when its native read
+`--keep` ("specprefill K"); with `--target-peaks`, also the chat with the large model's
+attention alone choosing what it recomputes ("chat target-peaks"); with `--hybrid-only`, the
+hybrid alone (`Hybrid`: the chat's reading, the peer's selection of what the large model
+recomputes). Every record is appended to OUT.jsonl as soon as its task is done, so a killed
+run loses one task; run it again to go on. A length is done when its native read
 got `--right` items of every kind right; lengths take turns, shortest first.
 `python -m weights.experiments.long_documents_report OUT.jsonl` tabulates and plots it.
 """
@@ -22,16 +24,24 @@ import argparse
 import json
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo._platform import moe_cpu
 from mlx_kvlingo.config import ReaderPolicy
+from mlx_kvlingo.conversation import catchup
 from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION, ReadCosts
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.data.examples import read_texts
-from mlx_kvlingo.eval.content import Chat, Peer, cache_kv, evaluate_content, fitting_tasks
+from mlx_kvlingo.eval.content import (
+    Chat,
+    Peer,
+    cache_kv,
+    chat_kv,
+    evaluate_content,
+    fitting_tasks,
+)
 from mlx_kvlingo.kv.recompute import read_positions
 from mlx_kvlingo.kv.sparse_prefill import score_tokens, select_chunks
 from mlx_kvlingo.models.demo.pair import demo_content_texts, load_demo
@@ -72,6 +82,22 @@ class Hybrid:
         return cache_kv(cache)
 
 
+@dataclass(frozen=True)
+class TargetPeaks:
+    """The chat's reading with the recompute chosen by the large model's peaks alone, as before
+    the small model voted (`Selection.votes` off)."""
+
+    chat: Chat
+
+    def __call__(self, pair, task, native):
+        saved = catchup.RECOMPUTE_SELECTION
+        catchup.RECOMPUTE_SELECTION = replace(saved, votes=False)
+        try:
+            return chat_kv(pair, self.chat, task)
+        finally:
+            catchup.RECOMPUTE_SELECTION = saved
+
+
 def native_right(path: Path) -> tuple[dict, set]:
     """({(kind, length): native-right count}, the steps done) of an earlier run's records."""
     right, done = {}, set()
@@ -96,6 +122,8 @@ def main() -> None:
     ap.add_argument("--keep", default="0.3", help="speculative prefill's kept shares")
     ap.add_argument("--shares", default="0.2", help="extra recompute shares beside the chat's")
     ap.add_argument("--limit-s", type=float, default=float("inf"))
+    ap.add_argument("--target-peaks", action="store_true",
+                    help="also the chat with the large model's peaks alone choosing")  # fmt: skip
     ap.add_argument("--hybrid-only", action="store_true",
                     help="only the hybrid (the chat's reading, the peer's selection)")  # fmt: skip
     args = ap.parse_args()
@@ -109,6 +137,8 @@ def main() -> None:
     conditions = {"chat": chat,
                   **{f"chat r{s:g}": Chat(tr, chat.tail, s) for s in map(float, args.shares.split(",") if args.shares else [])},
                   **{f"specprefill {k:g}": Peer(k) for k in map(float, args.keep.split(",") if args.keep else [])}}  # fmt: skip
+    if args.target_peaks:
+        conditions["chat target-peaks"] = TargetPeaks(chat)
     if args.hybrid_only:
         conditions = {"hybrid": Hybrid(tr)}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
