@@ -25,6 +25,11 @@ translator_option = click.option("--translator", type=TranslatorSpec(),
                                  help="Translator file (.safetensors) or Hub id org/name[@revision][:file]")  # fmt: skip
 
 
+def pair_options(f):
+    """--small --large --translator --pair."""
+    return _options([source_option, target_option, translator_option, pair_option], f)
+
+
 def _options(opts: list, f):
     """`f` under the click options `opts`, the first shown first."""
     for opt in reversed(opts):

@@ -4,7 +4,7 @@ a conversation under several policies, or a start against mlx-lm's."""
 
 from __future__ import annotations
 
-from mlx_kvlingo.cli._common import pair_option, source_option, target_option, translator_option
+from mlx_kvlingo.cli._common import pair_options
 from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, NumberList, OutputFolder
 from mlx_kvlingo.config import POLICIES, ReaderPolicy
 from mlx_kvlingo.eval.presets import PRESETS
@@ -22,10 +22,7 @@ def default_lengths() -> tuple[int, ...]:
 
 
 @click.command("bench")
-@source_option
-@target_option
-@translator_option
-@pair_option
+@pair_options
 @click.option("--preset", type=click.Choice(list(PRESETS)),
               help="A shape-faithful random pair (built once into the cache folder) instead of "
               "models")  # fmt: skip

@@ -14,22 +14,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mlx_kvlingo.cli import _distributed as dist
 from mlx_kvlingo.cli._common import (
-    pair_option,
+    pair_options,
     policy_options,
     sampling_options,
     sampling_settings,
-    source_option,
-    target_option,
-    translator_option,
-)
-from mlx_kvlingo.cli._distributed import (
-    describe,
-    distributed_option,
-    pair_from_options,
-    rank_errors,
-    wanted,
-    wire_option,
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
 from mlx_kvlingo.cli._progress import progress_bar
@@ -388,10 +378,7 @@ def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> 
 
 
 @click.command("chat")
-@source_option
-@target_option
-@translator_option
-@pair_option
+@pair_options
 @click.option("--backward-translator", type=TranslatorSpec(),
               help="Large -> small translator; without one, switching back to small re-prefills")  # fmt: skip
 @click.option("--system-prompt", default=None, help="System message for the chat template")
@@ -410,8 +397,8 @@ def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> 
                    "once per model)")  # fmt: skip
 @click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
               help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
-@distributed_option
-@wire_option
+@dist.distributed_option
+@dist.wire_option
 def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
              max_kv_size, mode, answer, policy, recompute_given, warmup, auto_threshold,
              **sampling):  # fmt: skip
@@ -424,11 +411,10 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     settings = sampling_settings(sampling)
     console = Console(highlight=False)
-    if not wanted(distributed):
+    if not dist.wanted(distributed):
         console.print("[grey50]loading models...[/grey50]")
-    pair = pair_from_options(
-        source, target, translator, backward_translator, demo_pair, distributed, wire
-    )
+    pair = dist.pair_from_options(source, target, translator, backward_translator, demo_pair,
+                                  distributed, wire)  # fmt: skip
     pipelined = pair.link is not None
     back = backward_translator or ("demo" if pair.backward is not None
                                    else "none: switching back re-reads")  # fmt: skip
@@ -444,7 +430,7 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
         loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {pair.rates_note})"
     print_banner(app, {"forward": translator or "demo", "backward": back}, loaded)
     if pipelined:
-        app.say(f"  {describe(pair)} · /save and /load are not available")
-    with rank_errors():
+        app.say(f"  {dist.describe(pair)} · /save and /load are not available")
+    with dist.rank_errors():
         app.run()
         pair.close()  # pipelined: releases the other ranks

@@ -7,11 +7,8 @@ from mlx_kvlingo.cli._common import (
     content_texts,
     data_config,
     data_options,
-    pair_option,
+    pair_options,
     resolve_pair,
-    source_option,
-    target_option,
-    translator_option,
 )
 from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, NumberList, OutputFile
 from mlx_kvlingo.cli._progress import progress_bar
@@ -24,10 +21,7 @@ from rich.console import Console
 
 
 @click.command("eval")
-@source_option
-@target_option
-@translator_option
-@pair_option
+@pair_options
 @data_options(
     required=False,
     help="Text files, JSONL records ({'messages': [...]} or {'text': ...}) or a folder; every "

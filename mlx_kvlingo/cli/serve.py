@@ -13,14 +13,7 @@ import signal
 import sys
 from dataclasses import replace
 
-from mlx_kvlingo.cli._common import (
-    demo_pair_of,
-    pair_option,
-    policy_options,
-    source_option,
-    target_option,
-    translator_option,
-)
+from mlx_kvlingo.cli._common import demo_pair_of, pair_options, policy_options
 from mlx_kvlingo.cli._params import TranslatorSpec
 from mlx_kvlingo.config import AUTO_THRESHOLD, MODES
 
@@ -41,10 +34,7 @@ def _loopback(host: str) -> bool:
 
 
 @click.command("serve")
-@source_option
-@target_option
-@translator_option
-@pair_option
+@pair_options
 @click.option("--backward-translator", type=TranslatorSpec(),
               help="Large -> small translator (default: the demo's, if any)")  # fmt: skip
 @click.option("--host", default="127.0.0.1", show_default=True,

@@ -138,8 +138,6 @@ def build_preset(name: str, cache_dir=None, log=None) -> Path:
     """Build the preset's folder once (source/, target/, translator.safetensors) in the cache
     folder's presets/ (`cache_root`: `cache_dir`, else $KVLINGO_CACHE, else
     ~/.cache/mlx-kvlingo); return it."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
     preset = PRESETS[name]
     final = cache_root(cache_dir) / "presets" / name.replace(">", "__to__").replace("/", "_")
     stamp = {"build_version": BUILD_VERSION, "preset": asdict(preset)}

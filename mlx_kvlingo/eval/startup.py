@@ -117,8 +117,6 @@ def run_startup_bench(source=None, target=None, translator=None, demo_pair: str 
     from mlx_kvlingo._platform.cachedir import cache_root
     from mlx_kvlingo.models.loading import demo_paths
 
-    if trials < 1:
-        raise ValueError("need trials >= 1")
     named = {"source": source, "target": target, "translator": translator}
     args = {k: None if v is None else str(v) for k, v in named.items()}
     # the large model's folder (or Hub id) as mlx-lm loads it: the demo's converted target
