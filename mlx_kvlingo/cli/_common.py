@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from mlx_kvlingo.cli._params import ModelSpec, TranslatorSpec
 from mlx_kvlingo.data.examples import DataConfig
@@ -28,6 +30,21 @@ translator_option = click.option("--translator", type=TranslatorSpec(),
 def pair_options(f):
     """--small --large --translator --pair."""
     return _options([source_option, target_option, translator_option, pair_option], f)
+
+
+@contextmanager
+def progress_bar(label: str, console=None) -> Iterator[Callable[..., None]]:
+    """`progress(done, total, note="")` drawing one transient rich bar labelled `label`: the
+    library reports progress through such callbacks and draws nothing."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn(label), BarColumn(), TextColumn("{task.fields[count]}"),
+               TextColumn("{task.fields[note]}"), TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(label, total=None, count="", note="")
+        yield lambda done, total, note="": bar.update(
+            task, completed=done, total=total, count=f"{done:,}/{total:,}", note=note
+        )
 
 
 def _options(opts: list, f):

@@ -83,7 +83,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
     from contextlib import nullcontext
 
     from mlx_kvlingo._platform import moe_cpu
-    from mlx_kvlingo.cli._progress import progress_bar
+    from mlx_kvlingo.cli._common import progress_bar
     from mlx_kvlingo.eval import bench
 
     import mlx.core as mx
@@ -143,8 +143,9 @@ def _load(preset, demo_pair, source, target, translator, dtype, seed, log):
     if preset:
         pair, tr, folder = load_preset(preset, log=log, dtype=dtype)
         p = PRESETS[preset]
-        return pair, tr, {"preset": {"name": p.name, "description": p.description,
-                                     "folder": str(folder), "reference": p.reference}}, None  # fmt: skip
+        info = {"name": p.name, "description": p.description, "folder": str(folder),
+                "reference": p.reference}  # fmt: skip
+        return pair, tr, {"preset": info}, None
     if source and target and translator is None:  # latency only: any maps of the right shape
         pair, _, _ = resolve_pair(source, target, None, require_translator=False, dtype=dtype)
         tr = random_translator(pair, seed=seed)
@@ -162,6 +163,4 @@ def _load(preset, demo_pair, source, target, translator, dtype, seed, log):
             "--dtype applies to presets and --source/--target without --translator"
         )
     pair, tr, backward = resolve_pair(source, target, translator, demo_pair=demo_pair)
-    if source:
-        return pair, tr, {}, None
-    return pair, tr, {"demo_pair": demo_pair}, backward
+    return (pair, tr, {}, None) if source else (pair, tr, {"demo_pair": demo_pair}, backward)

@@ -1,8 +1,5 @@
-"""`kvlingo chat`: talk to the small model, hand the conversation to the large one and back.
-
-Like `mlx_lm.chat` (one cache kept across turns, `q` / `r` / `h`, a status line per turn),
-with two models sharing one conversation through KV translation (see `session.py`).
-"""
+"""`kvlingo chat`: `mlx_lm.chat` (`q` / `r` / `h`, a status line per turn) over a `Conversation`
+of two models sharing one conversation through KV translation."""
 
 from __future__ import annotations
 
@@ -18,11 +15,11 @@ from mlx_kvlingo.cli import _distributed as dist
 from mlx_kvlingo.cli._common import (
     pair_options,
     policy_options,
+    progress_bar,
     sampling_options,
     sampling_settings,
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
-from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.config import AUTO_THRESHOLD, MODES
 
 import click
@@ -87,9 +84,7 @@ class ChatApp:
                  auto_threshold: float, console: Console | None = None, first: str = "large"):  # fmt: skip
         self.conv = conv
         self.max_tokens = max_tokens
-        self.sampling = (
-            sampling or {}
-        )  # explicit settings; the rest per model (conversation/stream.py)
+        self.sampling = sampling or {}  # those given; the rest per model
         self.next = first
         self.auto = False
         self.threshold = auto_threshold
@@ -109,9 +104,8 @@ class ChatApp:
         self.console.print(f"[yellow]{escape(msg)}[/yellow]")
 
     def stream(self, events, cascade: bool = False) -> GenerationResponse | None:
-        """Print a streamed answer (a cascade's: one or two), each with its status line;
-        Ctrl-C stops it (the conversation keeps what was emitted). The last answer's last
-        response."""
+        """Print a streamed answer (a cascade's: one or two), each with its status line; Ctrl-C
+        stops it (the conversation keeps what was emitted). The last response."""
         import mlx.core as mx
 
         mx.reset_peak_memory()
@@ -169,15 +163,14 @@ class ChatApp:
             self.error(str(e))
 
     def sample(self) -> dict:
-        """The answer's keywords: max tokens, the explicit sampling settings (the answering
-        model's defaults fill the rest; `--seed` under the API's one seed rule), the cascade's
+        """The answer's keywords: max tokens, the sampling settings given, the cascade's
         threshold and the reading progress."""
         return {"max_tokens": self.max_tokens, **self.sampling, "auto_threshold": self.threshold,
                 "prompt_progress_callback": self.progress}  # fmt: skip
 
     def progress(self, done: int, total: int) -> None:
-        """mlx-lm's prompt progress callback: the faces' one bar (`_progress.py`) while a turn
-        of `PROGRESS_MIN_TOKENS` or more is read, gone once the reading ends."""
+        """mlx-lm's prompt progress callback: a bar while a turn of `PROGRESS_MIN_TOKENS` or more
+        is read, gone once the reading ends."""
         if total >= PROGRESS_MIN_TOKENS and done < total and self.console.is_terminal:
             if self._reading is None:
                 self._reading = ExitStack()
@@ -224,9 +217,8 @@ class ChatApp:
     # -- loop --------------------------------------------------------------------------------
 
     def prompt(self) -> str:
-        """The next line. On a terminal, prompt_toolkit's editor: a paste arrives whole, its
-        line breaks kept (bracketed paste), where `input()` in the terminal's line mode keeps
-        only the first 4,095 characters of a line; elsewhere (a pipe) `input()`."""
+        """The next line: on a terminal prompt_toolkit's editor (a paste arrives whole, where
+        `input()` keeps a line's first 4,095 characters), elsewhere `input()`."""
         tag = "auto" if self.auto else self.next
         if self._editor is None:
             self._editor = False

@@ -1,11 +1,8 @@
 """Every error a user can cause, as one line: the one place `kvlingo` maps exceptions to messages.
 
-`user_errors` (around every command, `_group.py`) shows a click error on one line naming the
-option (exit status 2 for usage errors, else 1), and maps an error the user caused (`message`: a
-refusal of this package, a missing or unreadable file, a Hub id that is malformed or not cached
-offline, a corrupt file) to one line naming the thing and what to do (exit status 1). Anything
-else is a programming error: it keeps its traceback. `--debug` / `KVLINGO_DEBUG=1` shows every
-traceback. The checks before any model loads are `_params.py`'s parameter types.
+`user_errors` (around every command) turns an error the user caused (`message`) into one line
+naming the thing and what to do (exit status 2 for usage errors, else 1); a programming error
+keeps its traceback. `--debug` / `KVLINGO_DEBUG=1` shows every traceback.
 """
 
 from __future__ import annotations
@@ -63,15 +60,14 @@ def _frames(e: BaseException) -> list:
 
 
 def _raised_on_purpose_in(e: BaseException) -> str:
-    """The file whose own `raise` statement raised `e` ("" when a call inside it did: a
-    ValueError from `int("x")` or from NumPy is not a refusal written for the user)."""
+    """The file whose own `raise` statement raised `e` ("" when a call inside it did)."""
     last = traceback.extract_tb(e.__traceback__)[-1:]
     return last[0].filename if last and (last[0].line or "").startswith("raise") else ""
 
 
 def _file_read(e: BaseException) -> str | None:
-    """The file an error without a file name was reading, from the frames it passed through
-    (an open file object, or a path to an existing file of a data or weights kind)."""
+    """The file (an open one, or a path of a data or weights kind) an error without a file name
+    was reading, from the frames it passed through."""
     for frame in _frames(e):
         for value in frame.f_locals.values():
             name = getattr(value, "name", None) if hasattr(value, "read") else None
@@ -169,8 +165,7 @@ def explain(e: BaseException) -> click.ClickException | None:
 
 @contextlib.contextmanager
 def user_errors(ctx: click.Context | None = None) -> Iterator[None]:
-    """Run a command: errors the user caused become one-line click errors; programming errors
-    propagate with their traceback; with --debug every error shows its traceback."""
+    """Errors the user caused as one-line click errors (with --debug, their tracebacks too)."""
     try:
         yield
     except Exception as e:

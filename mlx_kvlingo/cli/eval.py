@@ -8,10 +8,10 @@ from mlx_kvlingo.cli._common import (
     data_config,
     data_options,
     pair_options,
+    progress_bar,
     resolve_pair,
 )
 from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, NumberList, OutputFile
-from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, KINDS
 from mlx_kvlingo.data.examples import load_examples, validate_data
