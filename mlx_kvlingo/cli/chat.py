@@ -184,34 +184,25 @@ class ChatApp:
 
     def handle(self, line: str) -> bool:
         """Process one input line; False means quit."""
-        line = line.strip()
-        if not line:
-            return True
-        if line in ("q", "/quit", "/exit"):
+        line = {"q": "/quit", "r": "/reset", "h": "/help"}.get(line.strip(), line.strip())
+        if line in ("/quit", "/exit"):
             return False
-        if line in ("r", "/reset"):
-            self.conv.reset()
-            self.say("  reset: context cleared", "green")
-            return True
-        if line in ("h", "/help"):
-            print_help(self.console)
-            return True
-        if not line.startswith("/"):
+        if line and not line.startswith("/"):
             self.turn(line)
-            return True
-        try:
-            cmd, *args = shlex.split(line)
-        except ValueError as e:
-            self.error(f"cannot parse {line!r}: {e}")
-            return True
-        from mlx_kvlingo.api import ConversationError
+        elif line:
+            from mlx_kvlingo.api import ConversationError
 
-        try:
-            command(self, cmd, args)
-        except ConversationError as e:  # context overflow, a bad session file, ...
-            self.error(str(e))
-        except (OSError, ValueError) as e:
-            self.error(f"{cmd}: {e}")
+            try:
+                cmd, *args = shlex.split(line)
+            except ValueError as e:
+                self.error(f"cannot parse {line!r}: {e}")
+                return True
+            try:
+                command(self, cmd, args)
+            except ConversationError as e:  # context overflow, a bad session file, ...
+                self.error(str(e))
+            except (OSError, ValueError) as e:
+                self.error(f"{cmd}: {e}")
         return True
 
     # -- loop --------------------------------------------------------------------------------
@@ -246,11 +237,6 @@ class ChatApp:
         self.say("bye")
 
 
-def print_help(console: Console) -> None:
-    """`/help`: the commands (`HELP`), one a line."""
-    _rows(console, HELP, "  [bold]{k}[/bold]  [grey50]{v}[/grey50]")
-
-
 def _rows(console: Console, rows: list, line: str) -> None:
     """`rows` of (key, value), the keys padded to one width, each printed as `line`."""
     w = max(len(k) for k, _ in rows)
@@ -266,6 +252,11 @@ def command(app: ChatApp, cmd: str, args: list[str]) -> None:
             app.auto = False
             app.say("  auto: off")
         app.say(f"  next answers: {cmd[1:]} ({app.names[app.next]})")
+    elif cmd == "/reset":
+        app.conv.reset()
+        app.say("  reset: context cleared", "green")
+    elif cmd == "/help":
+        _rows(app.console, HELP, "  [bold]{k}[/bold]  [grey50]{v}[/grey50]")
     elif cmd == "/file":
         if not args:
             app.error("/file takes a file's path (and a question after it)")

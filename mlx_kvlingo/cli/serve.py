@@ -1,8 +1,5 @@
-"""`kvlingo serve`: the pair behind an OpenAI-compatible endpoint (`mlx_kvlingo.serve`).
-
-Like `mlx_lm.server` (standard-library HTTP server, `--host 127.0.0.1 --port 8080`), with the
-model ids small, large and auto instead of model paths.
-"""
+"""`kvlingo serve`: the pair behind an OpenAI-compatible endpoint (`mlx_kvlingo.serve`), as
+`mlx_lm.server` with the model ids small, large and auto."""
 
 from __future__ import annotations
 
@@ -101,9 +98,7 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, 
         server.serve_forever()  # closes the server and its requests on the way out
     except KeyboardInterrupt:
         click.echo("stopped", err=True)
-    # MLX keeps per-thread state for the request threads that sampled (compiled samplers, their
-    # stream); destroying it in interpreter teardown aborts ("terminate called without an
-    # active exception", exit -6). Everything is closed and flushed: leave without teardown.
+    # MLX's per-thread state of the request threads aborts in interpreter teardown: skip it
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -20,12 +20,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.catchup import READ_CHUNK
-from mlx_kvlingo.conversation.reader import ReadCosts
-from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.eval import report
-from mlx_kvlingo.eval.content import Peer, read
+from mlx_kvlingo.eval.content import Chat, Peer, read
 from mlx_kvlingo.eval.report import md_row, md_table
 from mlx_kvlingo.kv.capture import needs_recording, trace
 from mlx_kvlingo.kv.sparse_prefill import positions_shifted, speculative_prefill
@@ -196,11 +193,8 @@ def run_switch(
 ) -> None:
     """The chat's hand-off (`Session.hand_off`, the large model reading the last token only),
     the target's first step, the maps alone on the span read and a GEMM of their shapes."""
-    plain = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0.0)
-    session = Session(pair, tr, policy=plain, read_costs=ReadCosts())
-    session.add_tokens(tokens)
     mx.reset_peak_memory()
-    stats = session.hand_off("target")
+    session, stats = Chat(tr, 1, 0.0).hand_off(pair, tokens)
     peak = mx.get_peak_memory()
     clock.record("source_prefill", stats.read.seconds, peak)
     clock.record("translate", stats.switch.seconds, peak)

@@ -154,14 +154,20 @@ class Chat:
     tail: int = ReaderPolicy().large_reads_last
     share: float = ReaderPolicy().recompute_share
 
+    def hand_off(self, pair, tokens: Sequence[int]) -> tuple[Session, object]:
+        """A session holding `tokens` after the chat's hand-off to the large model (fresh read
+        rates); the hand-off's stats."""
+        policy = ReaderPolicy(reader="small", large_reads_last=self.tail,
+                              recompute_share=self.share)  # fmt: skip
+        session = Session(pair, self.translator, policy=policy, read_costs=ReadCosts())
+        session.add_tokens(tokens)
+        return session, session.hand_off("target")
+
 
 def chat_kv(pair, cond: Chat, task: ContentTask) -> tuple[list, list]:
-    """The large model's cache for prompt[:-1] as the chat builds it: the hand-off (fresh read
-    rates), then the rest of the prompt but its last token."""
-    policy = ReaderPolicy(reader="small", large_reads_last=cond.tail, recompute_share=cond.share)
-    session = Session(pair, cond.translator, policy=policy, read_costs=ReadCosts())
-    session.add_tokens(task.tokens)
-    session.hand_off("target")
+    """The large model's cache for prompt[:-1] as the chat builds it: the hand-off, then the
+    rest of the prompt but its last token."""
+    session, _ = cond.hand_off(pair, task.tokens)
     cache, held = session.cache("target"), session.held("target")
     rest = list(task.tokens[held:-1])
     if rest:
