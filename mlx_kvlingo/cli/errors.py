@@ -80,15 +80,6 @@ def _file_read(e: BaseException) -> str | None:
     return None
 
 
-def _frame_value(e: BaseException, name: str) -> str | None:
-    """A string local called `name` in the frames `e` passed through (innermost first)."""
-    for frame in _frames(e):
-        value = frame.f_locals.get(name)
-        if isinstance(value, str):
-            return value
-    return None
-
-
 def _os_message(e: OSError) -> str:
     what = e.filename
     if what is None:
@@ -108,7 +99,8 @@ def _hub_message(e: Exception) -> str:
 
     from huggingface_hub import errors
 
-    repo = _frame_value(e, "repo_id")
+    # the Hub id: a string local `repo_id` in the frames it passed through, innermost first
+    repo = next((v for f in _frames(e) if isinstance(v := f.f_locals.get("repo_id"), str)), None)
     if isinstance(e, errors.HFValidationError):
         quoted = re.findall(r"'([^']*)'", str(e))
         value = quoted[-1] if quoted else repo or "?"
