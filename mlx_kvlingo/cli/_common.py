@@ -163,8 +163,9 @@ def content_texts(data_path) -> list[str]:
 
 def policy_options(f):
     """--reader --reader-min-tokens --large-reads-last --recompute
-    --min-retention --translate-ahead, collected into one `policy` argument (a `ReaderPolicy`; its defaults are
-    the library's). A pipelined large model cannot recompute: None there means 0."""
+    --min-retention --translate-ahead, collected into one argument `policy(pair)`: the
+    `ReaderPolicy` for the loaded pair (the library's defaults; no recompute unless given with
+    a pipelined large model, which cannot)."""
     from dataclasses import replace
 
     from mlx_kvlingo.config import READERS, ReaderPolicy
@@ -202,9 +203,11 @@ def policy_options(f):
     @functools.wraps(f)
     def wrapper(*args, **kw):
         share = kw.pop("recompute_share")
-        policy = ReaderPolicy(**{k: kw.pop(k) for k in keys})
-        kw["policy"] = policy if share is None else replace(policy, recompute_share=share)
-        kw["recompute_given"] = share is not None
+        base = ReaderPolicy(**{k: kw.pop(k) for k in keys})
+        if share is None:
+            kw["policy"] = lambda pair: replace(base, recompute_share=0.0) if pair.link else base
+        else:
+            kw["policy"] = lambda pair: replace(base, recompute_share=share)
         return f(*args, **kw)
 
     return _options(opts, wrapper)

@@ -143,9 +143,8 @@ def _load(preset, demo_pair, source, target, translator, dtype, seed, log):
     if preset:
         pair, tr, folder = load_preset(preset, log=log, dtype=dtype)
         p = PRESETS[preset]
-        info = {"name": p.name, "description": p.description, "folder": str(folder),
-                "reference": p.reference}  # fmt: skip
-        return pair, tr, {"preset": info}, None
+        return pair, tr, {"preset": {"name": p.name, "description": p.description,
+                                     "folder": str(folder), "reference": p.reference}}, None  # fmt: skip
     if source and target and translator is None:  # latency only: any maps of the right shape
         pair, _, _ = resolve_pair(source, target, None, require_translator=False, dtype=dtype)
         tr = random_translator(pair, seed=seed)

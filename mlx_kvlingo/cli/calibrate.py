@@ -185,17 +185,18 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
                            int(1.2 * peak))  # fmt: skip
     cache = Path(checkpoint_dir) / "content-answers.jsonl" if checkpoint_dir else None
     texts = shipped_texts() if data_path is None else read_texts(data_path)
-    draws = [(n, seed, 0), (max(4, n // 10) if n else 0, seed + 1000, n)]  # training, held out
-    total = sum(k for k, _, _ in draws)
-    plan.content_to_answer = sum(unanswered(pair, texts, k, lengths, seed=s, cache_file=cache)
-                                 for k, s, _ in draws)  # fmt: skip
+    n_held = max(4, n // 10) if n else 0
+    plan.content_to_answer = unanswered(pair, texts, n, lengths, seed=seed, cache_file=cache) + (
+        unanswered(pair, texts, n_held, lengths, seed=seed + 1000, cache_file=cache))  # fmt: skip
     console.print(plan.describe())
     if cache:
         cache.parent.mkdir(parents=True, exist_ok=True)
     with progress_bar("content answers (target, native)", console) as progress:
-        out, held_out = (content_examples(pair, texts, k, lengths, seed=s, cache_file=cache,
-                                          on_example=lambda d, at=at: progress(at + d, total))
-                         for k, s, at in draws)  # fmt: skip
+        out = content_examples(pair, texts, n, lengths, seed=seed, cache_file=cache,
+                               on_example=lambda k: progress(k, n + n_held))  # fmt: skip
+        held_out = content_examples(pair, texts, n_held, lengths, seed=seed + 1000,
+                                    cache_file=cache,
+                                    on_example=lambda k: progress(n + k, n + n_held))  # fmt: skip
     console.print(f"{len(out)} training and {len(held_out)} held-out content examples "
                   f"(answers cached in {cache})")  # fmt: skip
     return out, held_out

@@ -383,7 +383,7 @@ def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> 
 @dist.distributed_option
 @dist.wire_option
 def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
-             max_kv_size, mode, answer, policy, recompute_given, warmup, auto_threshold,
+             max_kv_size, mode, answer, policy, warmup, auto_threshold,
              **sampling):  # fmt: skip
     """Chat with the pair: the large model answers, the small one reads for it (/small, /large)."""
     import time
@@ -396,14 +396,15 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     console = Console(highlight=False)
     if not dist.wanted(distributed):
         console.print("[grey50]loading models...[/grey50]")
-    pair = dist.pair_from_options(source, target, translator, backward_translator, demo_pair,
-                                  distributed, wire)  # fmt: skip
+    pair = dist.pair_from_options(
+        source, target, translator, backward_translator, demo_pair, distributed, wire
+    )
     pipelined = pair.link is not None
     back = backward_translator or ("demo" if pair.backward is not None
                                    else "none: switching back re-reads")  # fmt: skip
-    if pipelined and not recompute_given:
-        policy = replace(policy, recompute_share=0.0)  # a pipelined large model cannot
-    conv = Conversation(pair, max_kv_size, system_prompt=system_prompt, mode=mode, policy=policy)
+    conv = Conversation(
+        pair, max_kv_size, system_prompt=system_prompt, mode=mode, policy=policy(pair)
+    )
     app = ChatApp(conv, max_tokens=max_tokens, sampling=settings, auto_threshold=auto_threshold,
                   console=console, first=answer)  # fmt: skip
     loaded = None

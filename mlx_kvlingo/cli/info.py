@@ -36,8 +36,10 @@ def info_cmd(models):
         blas = _blas.loaded_path and f"OpenBLAS preloaded ({_blas.loaded_path})"
         console.print(f"BLAS: {blas or f'no preload: {_blas.reason}'}")
     if device == "CPU" and (state := _cpu_memory.tune()):
-        console.print(f"memory reuse: malloc thresholds: {state['malloc']}; MLX buffer cache up "
-                      f"to {state['cache_limit'] / 2**20:.0f} MB")  # fmt: skip
+        console.print(
+            f"memory reuse: malloc thresholds: {state['malloc']}; MLX buffer cache up "
+            f"to {state['cache_limit'] / 2**20:.0f} MB"
+        )
     elif device == "CPU":
         console.print("memory reuse: as MLX and the C library set it (KVLINGO_CPU_MEMORY=default)")
     console.print(f"float32 GEMM 1024^3: {gemm_gflops():.1f} GFLOP/s")

@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import replace
 
 from mlx_kvlingo.cli._common import demo_pair_of, pair_options, policy_options
 from mlx_kvlingo.cli._params import TranslatorSpec
@@ -58,8 +57,8 @@ def _loopback(host: str) -> bool:
 @policy_options
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")
-def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, policy,
-              recompute_given, insecure, verbose, **settings):  # fmt: skip
+def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, policy, insecure,
+              verbose, **settings):  # fmt: skip
     """Serve the pair over the OpenAI chat-completions API (models: small, large, auto)."""
     from mlx_kvlingo.api import load
     from mlx_kvlingo.serve import Limits, ServeConfig, Server
@@ -78,10 +77,8 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, 
     demo = demo_pair_of(source, target, demo_pair)
     click.echo("loading models...", err=True)
     pair = load(source, target, translator, backward_translator, pair=demo)
-    if pair.link is not None and not recompute_given:
-        policy = replace(policy, recompute_share=0.0)  # a pipelined large model cannot
     try:
-        server = Server(pair, config, mode=mode, policy=policy)
+        server = Server(pair, config, mode=mode, policy=policy(pair))
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
     names = pair.names

@@ -157,8 +157,9 @@ class Chat:
     def hand_off(self, pair, tokens: Sequence[int]) -> tuple[Session, object]:
         """A session holding `tokens` after the chat's hand-off to the large model (fresh read
         rates); the hand-off's stats."""
-        policy = ReaderPolicy(reader="small", large_reads_last=self.tail,
-                              recompute_share=self.share)  # fmt: skip
+        policy = ReaderPolicy(
+            reader="small", large_reads_last=self.tail, recompute_share=self.share
+        )
         session = Session(pair, self.translator, policy=policy, read_costs=ReadCosts())
         session.add_tokens(tokens)
         return session, session.hand_off("target")

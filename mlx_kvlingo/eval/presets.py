@@ -26,10 +26,17 @@ QWEN3_06B = dict(
 )  # fmt: skip
 #: the qwen3_moe targets' common shape: Qwen3-30B-A3B's heads, hidden size and experts scaled
 QWEN3_MOE_TARGET = dict(
-    kind="qwen3_moe", hidden_size=1024, intermediate_size=3072, head_dim=128, rope_theta=1e6,
-    max_position_embeddings=40960, num_experts=16, moe_intermediate_size=384,
-    norm_topk_prob=True, tie_word_embeddings=False,
-)  # fmt: skip
+    kind="qwen3_moe",
+    hidden_size=1024,
+    intermediate_size=3072,
+    head_dim=128,
+    rope_theta=1e6,
+    max_position_embeddings=40960,
+    num_experts=16,
+    moe_intermediate_size=384,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+)
 
 
 @dataclass(frozen=True)
