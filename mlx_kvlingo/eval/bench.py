@@ -237,15 +237,6 @@ def prompt_tokens(pair: ModelPair, n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, high, size=n).tolist()
 
 
-def reading_info(reading) -> dict | None:
-    """The map-reading strategy measured per kind and token count (None: not measured)."""
-    if not reading.chosen:  # a translator with one path
-        return None
-    return {f"{kind}@{n}": {"chosen": reading.chosen[(kind, n)],
-                            "ms": {k: 1e3 * v for k, v in reading.timings[(kind, n)].items()}}
-            for kind, n in reading.chosen}  # fmt: skip
-
-
 def run_bench(
     pair: ModelPair,
     translator: Translator,
@@ -280,7 +271,10 @@ def run_bench(
             "max_seconds": max_seconds, "sampling": "greedy",
         },
         "resident_before_GB": resident / 1e9,
-        "map_reading": reading_info(reading),
+        # the map-reading strategy measured per kind and token count (None: one path only)
+        "map_reading": {f"{kind}@{n}": {"chosen": reading.chosen[(kind, n)],
+                                        "ms": {k: 1e3 * v for k, v in reading.timings[(kind, n)].items()}}
+                        for kind, n in reading.chosen} or None,
         "skipped": [],
         "lengths": {},
     }  # fmt: skip
