@@ -110,7 +110,7 @@ def machine_line(m: dict, sw: dict) -> str:
 
 
 def load_span(m: dict) -> str:
-    """ "load average a/b/c at start, d/e/f at end" (`load_average`, `load_average_end`)."""
+    """The load averages at start and end, as "load average a/b/c at start, d/e/f at end"."""
     start, end = (m.get(k) for k in ("load_average", "load_average_end"))
     text = [("n/a" if not a else "/".join(f"{x:.1f}" for x in a)) for a in (start, end)]
     return f"load average {text[0]} at start, {text[1]} at end"
