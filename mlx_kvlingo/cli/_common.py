@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from mlx_kvlingo.cli._params import ModelSpec, TranslatorSpec
 from mlx_kvlingo.data.examples import DataConfig
@@ -23,6 +25,26 @@ pair_option = click.option("--pair", "demo_pair", type=click.Choice(DEMO_PAIRS),
                                 "SmolLM2-135M-Instruct (dense) or -> its exact qwen2_moe upcycle (moe)")  # fmt: skip
 translator_option = click.option("--translator", type=TranslatorSpec(),
                                  help="Translator file (.safetensors) or Hub id org/name[@revision][:file]")  # fmt: skip
+
+
+def pair_options(f):
+    """--small --large --translator --pair."""
+    return _options([source_option, target_option, translator_option, pair_option], f)
+
+
+@contextmanager
+def progress_bar(label: str, console=None) -> Iterator[Callable[..., None]]:
+    """`progress(done, total, note="")` drawing one transient rich bar labelled `label`: the
+    library reports progress through such callbacks and draws nothing."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn(label), BarColumn(), TextColumn("{task.fields[count]}"),
+               TextColumn("{task.fields[note]}"), TimeElapsedColumn())  # fmt: skip
+    with Progress(*columns, console=console, transient=True) as bar:
+        task = bar.add_task(label, total=None, count="", note="")
+        yield lambda done, total, note="": bar.update(
+            task, completed=done, total=total, count=f"{done:,}/{total:,}", note=note
+        )
 
 
 def _options(opts: list, f):
@@ -141,8 +163,9 @@ def content_texts(data_path) -> list[str]:
 
 def policy_options(f):
     """--reader --reader-min-tokens --large-reads-last --recompute
-    --min-retention --translate-ahead, collected into one `policy` argument (a `ReaderPolicy`; its defaults are
-    the library's). A pipelined large model cannot recompute: None there means 0."""
+    --min-retention --translate-ahead, collected into one argument `policy(pair)`: the
+    `ReaderPolicy` for the loaded pair (the library's defaults; no recompute unless given with
+    a pipelined large model, which cannot)."""
     from dataclasses import replace
 
     from mlx_kvlingo.config import READERS, ReaderPolicy
@@ -180,9 +203,11 @@ def policy_options(f):
     @functools.wraps(f)
     def wrapper(*args, **kw):
         share = kw.pop("recompute_share")
-        policy = ReaderPolicy(**{k: kw.pop(k) for k in keys})
-        kw["policy"] = policy if share is None else replace(policy, recompute_share=share)
-        kw["recompute_given"] = share is not None
+        base = ReaderPolicy(**{k: kw.pop(k) for k in keys})
+        if share is None:
+            kw["policy"] = lambda pair: replace(base, recompute_share=0.0) if pair.link else base
+        else:
+            kw["policy"] = lambda pair: replace(base, recompute_share=share)
         return f(*args, **kw)
 
     return _options(opts, wrapper)

@@ -1,9 +1,5 @@
-"""`kvlingo generate` / `kvlingo chat` as ranks of an `mlx.launch` run (target pipelined).
-
-Every rank runs the same command. Rank 0 loads a distributed pair (`load`) and runs the ordinary
-command on it (it owns the terminal); on the other ranks the load serves rank 0's requests
-with their target layers and ends their process when rank 0 is done.
-"""
+"""`kvlingo generate` / `chat` as ranks of an `mlx.launch` run (target pipelined): rank 0 runs
+the command; on the other ranks `load` serves rank 0 and ends the process when it is done."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The `kvlingo` command group: one module per command, each a thin layer over the public API.
-
-A command's module (`mlx_kvlingo.cli.<name>`, its command `<name>_cmd`) is imported only when the
-command runs or shows its help, and imports the model libraries only when it runs: `kvlingo
---help`, `kvlingo <cmd> --help` and a usage error load neither mlx-lm nor transformers.
-"""
+"""The `kvlingo` command group: `mlx_kvlingo.cli.<name>`'s `<name>_cmd`, imported when it runs
+or shows its help; the model libraries only when it runs."""
 
 from __future__ import annotations
 
@@ -19,9 +15,7 @@ COMMANDS = ("info", "translate", "generate", "chat", "calibrate", "eval", "bench
 
 
 class KvlingoGroup(click.Group):
-    """The group that runs every command inside `errors.user_errors`: an error the user caused
-    is one line (exit status 2 for usage, 1 for the rest), a programming error its traceback.
-    Its commands resolve lazily, by name (`COMMANDS`)."""
+    """Runs every command inside `errors.user_errors`; resolves them lazily, by name."""
 
     def list_commands(self, ctx):
         return sorted(COMMANDS)

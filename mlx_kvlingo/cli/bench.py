@@ -4,7 +4,7 @@ a conversation under several policies, or a start against mlx-lm's."""
 
 from __future__ import annotations
 
-from mlx_kvlingo.cli._common import pair_option, source_option, target_option, translator_option
+from mlx_kvlingo.cli._common import pair_options
 from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, NumberList, OutputFolder
 from mlx_kvlingo.config import POLICIES, ReaderPolicy
 from mlx_kvlingo.eval.presets import PRESETS
@@ -22,10 +22,7 @@ def default_lengths() -> tuple[int, ...]:
 
 
 @click.command("bench")
-@source_option
-@target_option
-@translator_option
-@pair_option
+@pair_options
 @click.option("--preset", type=click.Choice(list(PRESETS)),
               help="A shape-faithful random pair (built once into the cache folder) instead of "
               "models")  # fmt: skip
@@ -86,7 +83,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
     from contextlib import nullcontext
 
     from mlx_kvlingo._platform import moe_cpu
-    from mlx_kvlingo.cli._progress import progress_bar
+    from mlx_kvlingo.cli._common import progress_bar
     from mlx_kvlingo.eval import bench
 
     import mlx.core as mx
@@ -165,6 +162,4 @@ def _load(preset, demo_pair, source, target, translator, dtype, seed, log):
             "--dtype applies to presets and --source/--target without --translator"
         )
     pair, tr, backward = resolve_pair(source, target, translator, demo_pair=demo_pair)
-    if source:
-        return pair, tr, {}, None
-    return pair, tr, {"demo_pair": demo_pair}, backward
+    return (pair, tr, {}, None) if source else (pair, tr, {"demo_pair": demo_pair}, backward)

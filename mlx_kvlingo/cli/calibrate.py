@@ -6,9 +6,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from mlx_kvlingo.cli._common import content_texts, data_config, data_options
+from mlx_kvlingo.cli._common import content_texts, data_config, data_options, progress_bar
 from mlx_kvlingo.cli._params import ModelSpec, NumberList, OutputFile, OutputFolder
-from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.data.examples import load_examples, validate_data
 
 import click

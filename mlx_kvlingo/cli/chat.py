@@ -1,8 +1,5 @@
-"""`kvlingo chat`: talk to the small model, hand the conversation to the large one and back.
-
-Like `mlx_lm.chat` (one cache kept across turns, `q` / `r` / `h`, a status line per turn),
-with two models sharing one conversation through KV translation (see `session.py`).
-"""
+"""`kvlingo chat`: `mlx_lm.chat` (`q` / `r` / `h`, a status line per turn) over a `Conversation`
+of two models sharing one conversation through KV translation."""
 
 from __future__ import annotations
 
@@ -14,25 +11,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from mlx_kvlingo.cli import _distributed as dist
 from mlx_kvlingo.cli._common import (
-    pair_option,
+    pair_options,
     policy_options,
+    progress_bar,
     sampling_options,
     sampling_settings,
-    source_option,
-    target_option,
-    translator_option,
-)
-from mlx_kvlingo.cli._distributed import (
-    describe,
-    distributed_option,
-    pair_from_options,
-    rank_errors,
-    wanted,
-    wire_option,
 )
 from mlx_kvlingo.cli._params import TranslatorSpec
-from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.config import AUTO_THRESHOLD, MODES
 
 import click
@@ -97,9 +84,7 @@ class ChatApp:
                  auto_threshold: float, console: Console | None = None, first: str = "large"):  # fmt: skip
         self.conv = conv
         self.max_tokens = max_tokens
-        self.sampling = (
-            sampling or {}
-        )  # explicit settings; the rest per model (conversation/stream.py)
+        self.sampling = sampling or {}  # those given; the rest per model
         self.next = first
         self.auto = False
         self.threshold = auto_threshold
@@ -119,9 +104,8 @@ class ChatApp:
         self.console.print(f"[yellow]{escape(msg)}[/yellow]")
 
     def stream(self, events, cascade: bool = False) -> GenerationResponse | None:
-        """Print a streamed answer (a cascade's: one or two), each with its status line;
-        Ctrl-C stops it (the conversation keeps what was emitted). The last answer's last
-        response."""
+        """Print a streamed answer (a cascade's: one or two), each with its status line; Ctrl-C
+        stops it (the conversation keeps what was emitted). The last response."""
         import mlx.core as mx
 
         mx.reset_peak_memory()
@@ -179,15 +163,14 @@ class ChatApp:
             self.error(str(e))
 
     def sample(self) -> dict:
-        """The answer's keywords: max tokens, the explicit sampling settings (the answering
-        model's defaults fill the rest; `--seed` under the API's one seed rule), the cascade's
+        """The answer's keywords: max tokens, the sampling settings given, the cascade's
         threshold and the reading progress."""
         return {"max_tokens": self.max_tokens, **self.sampling, "auto_threshold": self.threshold,
                 "prompt_progress_callback": self.progress}  # fmt: skip
 
     def progress(self, done: int, total: int) -> None:
-        """mlx-lm's prompt progress callback: the faces' one bar (`_progress.py`) while a turn
-        of `PROGRESS_MIN_TOKENS` or more is read, gone once the reading ends."""
+        """mlx-lm's prompt progress callback: a bar while a turn of `PROGRESS_MIN_TOKENS` or more
+        is read, gone once the reading ends."""
         if total >= PROGRESS_MIN_TOKENS and done < total and self.console.is_terminal:
             if self._reading is None:
                 self._reading = ExitStack()
@@ -201,42 +184,32 @@ class ChatApp:
 
     def handle(self, line: str) -> bool:
         """Process one input line; False means quit."""
-        line = line.strip()
-        if not line:
-            return True
-        if line in ("q", "/quit", "/exit"):
+        line = {"q": "/quit", "r": "/reset", "h": "/help"}.get(line.strip(), line.strip())
+        if line in ("/quit", "/exit"):
             return False
-        if line in ("r", "/reset"):
-            self.conv.reset()
-            self.say("  reset: context cleared", "green")
-            return True
-        if line in ("h", "/help"):
-            print_help(self.console)
-            return True
-        if not line.startswith("/"):
+        if line and not line.startswith("/"):
             self.turn(line)
-            return True
-        try:
-            cmd, *args = shlex.split(line)
-        except ValueError as e:
-            self.error(f"cannot parse {line!r}: {e}")
-            return True
-        from mlx_kvlingo.api import ConversationError
+        elif line:
+            from mlx_kvlingo.api import ConversationError
 
-        try:
-            command(self, cmd, args)
-        except ConversationError as e:  # context overflow, a bad session file, ...
-            self.error(str(e))
-        except (OSError, ValueError) as e:
-            self.error(f"{cmd}: {e}")
+            try:
+                cmd, *args = shlex.split(line)
+            except ValueError as e:
+                self.error(f"cannot parse {line!r}: {e}")
+                return True
+            try:
+                command(self, cmd, args)
+            except ConversationError as e:  # context overflow, a bad session file, ...
+                self.error(str(e))
+            except (OSError, ValueError) as e:
+                self.error(f"{cmd}: {e}")
         return True
 
     # -- loop --------------------------------------------------------------------------------
 
     def prompt(self) -> str:
-        """The next line. On a terminal, prompt_toolkit's editor: a paste arrives whole, its
-        line breaks kept (bracketed paste), where `input()` in the terminal's line mode keeps
-        only the first 4,095 characters of a line; elsewhere (a pipe) `input()`."""
+        """The next line: on a terminal prompt_toolkit's editor (a paste arrives whole, where
+        `input()` keeps a line's first 4,095 characters), elsewhere `input()`."""
         tag = "auto" if self.auto else self.next
         if self._editor is None:
             self._editor = False
@@ -264,11 +237,6 @@ class ChatApp:
         self.say("bye")
 
 
-def print_help(console: Console) -> None:
-    """`/help`: the commands (`HELP`), one a line."""
-    _rows(console, HELP, "  [bold]{k}[/bold]  [grey50]{v}[/grey50]")
-
-
 def _rows(console: Console, rows: list, line: str) -> None:
     """`rows` of (key, value), the keys padded to one width, each printed as `line`."""
     w = max(len(k) for k, _ in rows)
@@ -284,6 +252,11 @@ def command(app: ChatApp, cmd: str, args: list[str]) -> None:
             app.auto = False
             app.say("  auto: off")
         app.say(f"  next answers: {cmd[1:]} ({app.names[app.next]})")
+    elif cmd == "/reset":
+        app.conv.reset()
+        app.say("  reset: context cleared", "green")
+    elif cmd == "/help":
+        _rows(app.console, HELP, "  [bold]{k}[/bold]  [grey50]{v}[/grey50]")
     elif cmd == "/file":
         if not args:
             app.error("/file takes a file's path (and a question after it)")
@@ -388,10 +361,7 @@ def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> 
 
 
 @click.command("chat")
-@source_option
-@target_option
-@translator_option
-@pair_option
+@pair_options
 @click.option("--backward-translator", type=TranslatorSpec(),
               help="Large -> small translator; without one, switching back to small re-prefills")  # fmt: skip
 @click.option("--system-prompt", default=None, help="System message for the chat template")
@@ -410,10 +380,10 @@ def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> 
                    "once per model)")  # fmt: skip
 @click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
               help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
-@distributed_option
-@wire_option
+@dist.distributed_option
+@dist.wire_option
 def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
-             max_kv_size, mode, answer, policy, recompute_given, warmup, auto_threshold,
+             max_kv_size, mode, answer, policy, warmup, auto_threshold,
              **sampling):  # fmt: skip
     """Chat with the pair: the large model answers, the small one reads for it (/small, /large)."""
     import time
@@ -424,17 +394,17 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     settings = sampling_settings(sampling)
     console = Console(highlight=False)
-    if not wanted(distributed):
+    if not dist.wanted(distributed):
         console.print("[grey50]loading models...[/grey50]")
-    pair = pair_from_options(
+    pair = dist.pair_from_options(
         source, target, translator, backward_translator, demo_pair, distributed, wire
     )
     pipelined = pair.link is not None
     back = backward_translator or ("demo" if pair.backward is not None
                                    else "none: switching back re-reads")  # fmt: skip
-    if pipelined and not recompute_given:
-        policy = replace(policy, recompute_share=0.0)  # a pipelined large model cannot
-    conv = Conversation(pair, max_kv_size, system_prompt=system_prompt, mode=mode, policy=policy)
+    conv = Conversation(
+        pair, max_kv_size, system_prompt=system_prompt, mode=mode, policy=policy(pair)
+    )
     app = ChatApp(conv, max_tokens=max_tokens, sampling=settings, auto_threshold=auto_threshold,
                   console=console, first=answer)  # fmt: skip
     loaded = None
@@ -444,7 +414,7 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
         loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {pair.rates_note})"
     print_banner(app, {"forward": translator or "demo", "backward": back}, loaded)
     if pipelined:
-        app.say(f"  {describe(pair)} · /save and /load are not available")
-    with rank_errors():
+        app.say(f"  {dist.describe(pair)} · /save and /load are not available")
+    with dist.rank_errors():
         app.run()
         pair.close()  # pipelined: releases the other ranks

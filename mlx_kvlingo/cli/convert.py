@@ -1,8 +1,5 @@
-"""`kvlingo convert`: a translator trained in PyTorch in, our translator file out.
-
-The work is done by the converters package (`converters/` in a checkout, installed as
-`kvlingo_converters`); this is its command line, also run by `python -m converters`.
-"""
+"""`kvlingo convert`: a translator trained in PyTorch in, our translator file out: the command
+line of the converters package (`converters/`, installed as `kvlingo_converters`)."""
 
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ import click
 
 
 def converters_package():
-    """The converters package: a checkout's `converters` (already imported by `python -m
-    converters`), else the installed `kvlingo_converters`."""
+    """A checkout's `converters`, else the installed `kvlingo_converters`."""
     import importlib
 
     for name in ("converters", "kvlingo_converters"):

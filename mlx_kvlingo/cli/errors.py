@@ -1,11 +1,8 @@
 """Every error a user can cause, as one line: the one place `kvlingo` maps exceptions to messages.
 
-`user_errors` (around every command, `_group.py`) shows a click error on one line naming the
-option (exit status 2 for usage errors, else 1), and maps an error the user caused (`message`: a
-refusal of this package, a missing or unreadable file, a Hub id that is malformed or not cached
-offline, a corrupt file) to one line naming the thing and what to do (exit status 1). Anything
-else is a programming error: it keeps its traceback. `--debug` / `KVLINGO_DEBUG=1` shows every
-traceback. The checks before any model loads are `_params.py`'s parameter types.
+`user_errors` (around every command) turns an error the user caused (`message`) into one line
+naming the thing and what to do (exit status 2 for usage errors, else 1); a programming error
+keeps its traceback. `--debug` / `KVLINGO_DEBUG=1` shows every traceback.
 """
 
 from __future__ import annotations
@@ -63,15 +60,14 @@ def _frames(e: BaseException) -> list:
 
 
 def _raised_on_purpose_in(e: BaseException) -> str:
-    """The file whose own `raise` statement raised `e` ("" when a call inside it did: a
-    ValueError from `int("x")` or from NumPy is not a refusal written for the user)."""
+    """The file whose own `raise` statement raised `e` ("" when a call inside it did)."""
     last = traceback.extract_tb(e.__traceback__)[-1:]
     return last[0].filename if last and (last[0].line or "").startswith("raise") else ""
 
 
 def _file_read(e: BaseException) -> str | None:
-    """The file an error without a file name was reading, from the frames it passed through
-    (an open file object, or a path to an existing file of a data or weights kind)."""
+    """The file (an open one, or a path of a data or weights kind) an error without a file name
+    was reading, from the frames it passed through."""
     for frame in _frames(e):
         for value in frame.f_locals.values():
             name = getattr(value, "name", None) if hasattr(value, "read") else None
@@ -81,15 +77,6 @@ def _file_read(e: BaseException) -> str | None:
                 p = Path(value)
                 if p.suffix in _FILE_SUFFIXES and p.is_file():
                     return str(p)
-    return None
-
-
-def _frame_value(e: BaseException, name: str) -> str | None:
-    """A string local called `name` in the frames `e` passed through (innermost first)."""
-    for frame in _frames(e):
-        value = frame.f_locals.get(name)
-        if isinstance(value, str):
-            return value
     return None
 
 
@@ -112,7 +99,8 @@ def _hub_message(e: Exception) -> str:
 
     from huggingface_hub import errors
 
-    repo = _frame_value(e, "repo_id")
+    # the Hub id: a string local `repo_id` in the frames it passed through, innermost first
+    repo = next((v for f in _frames(e) if isinstance(v := f.f_locals.get("repo_id"), str)), None)
     if isinstance(e, errors.HFValidationError):
         quoted = re.findall(r"'([^']*)'", str(e))
         value = quoted[-1] if quoted else repo or "?"
@@ -169,8 +157,7 @@ def explain(e: BaseException) -> click.ClickException | None:
 
 @contextlib.contextmanager
 def user_errors(ctx: click.Context | None = None) -> Iterator[None]:
-    """Run a command: errors the user caused become one-line click errors; programming errors
-    propagate with their traceback; with --debug every error shows its traceback."""
+    """Errors the user caused as one-line click errors (with --debug, their tracebacks too)."""
     try:
         yield
     except Exception as e:

@@ -7,14 +7,11 @@ from mlx_kvlingo.cli._common import (
     content_texts,
     data_config,
     data_options,
-    pair_option,
+    pair_options,
+    progress_bar,
     resolve_pair,
-    source_option,
-    target_option,
-    translator_option,
 )
 from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, NumberList, OutputFile
-from mlx_kvlingo.cli._progress import progress_bar
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, KINDS
 from mlx_kvlingo.data.examples import load_examples, validate_data
@@ -24,10 +21,7 @@ from rich.console import Console
 
 
 @click.command("eval")
-@source_option
-@target_option
-@translator_option
-@pair_option
+@pair_options
 @data_options(
     required=False,
     help="Text files, JSONL records ({'messages': [...]} or {'text': ...}) or a folder; every "

@@ -5,38 +5,25 @@ from __future__ import annotations
 
 import json
 
+from mlx_kvlingo.cli import _distributed as dist
 from mlx_kvlingo.cli._common import (
-    pair_option,
+    pair_options,
     refuse_long_prompt,
     sampling_options,
     sampling_settings,
-    source_option,
-    target_option,
-    translator_option,
-)
-from mlx_kvlingo.cli._distributed import (
-    describe,
-    distributed_option,
-    pair_from_options,
-    rank_errors,
-    wanted,
-    wire_option,
 )
 
 import click
 
 
 @click.command("generate")
-@source_option
-@target_option
-@translator_option
-@pair_option
+@pair_options
 @click.option("-p", "--prompt", default="What is the capital of France?", show_default=True)
 @click.option("--chat/--no-chat", default=True, help="Apply the chat template to the prompt")
 @click.option("-m", "--max-tokens", type=click.IntRange(1), default=100, show_default=True)
 @sampling_options
-@distributed_option
-@wire_option
+@dist.distributed_option
+@dist.wire_option
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object (token ids, texts, timings) instead of streaming text")  # fmt: skip
 def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens, as_json,
@@ -47,9 +34,9 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
 
     distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
     settings = sampling_settings(sampling)
-    if as_json and wanted(distributed):
+    if as_json and dist.wanted(distributed):
         raise click.UsageError("--json is not available with --distributed")
-    pair = pair_from_options(source, target, translator, None, demo_pair, distributed, wire)
+    pair = dist.pair_from_options(source, target, translator, None, demo_pair, distributed, wire)
     tok = pair.tokenizer
     if chat and getattr(tok, "chat_template", None):
         msgs = [{"role": "user", "content": prompt}]
@@ -63,7 +50,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     policy = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
     cache = make_prompt_cache(pair, policy=policy)
     ids, pieces = [], []
-    with rank_errors():
+    with dist.rank_errors():
         for r in stream_generate(pair, tokens, cache, max_tokens=max_tokens, **settings):
             if r.token is not None:
                 if not as_json:
@@ -72,7 +59,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
                 pieces.append(r.text)
         if pair.link is not None:
             click.echo()
-            click.echo(f"{describe(pair)} · {r.status}", err=True)
+            click.echo(f"{dist.describe(pair)} · {r.status}", err=True)
             return pair.close()
     st = r.handoff
     read_tokens, read_s = (st.read.tokens, st.read.seconds) if st.read else (0, 0.0)

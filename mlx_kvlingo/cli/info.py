@@ -25,19 +25,6 @@ def gemm_gflops(n: int = 1024, repeats: int = 5) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - t) / 1e9
 
 
-def blas_status() -> str:
-    if _blas.loaded_path:
-        return f"OpenBLAS preloaded ({_blas.loaded_path})"
-    return f"no preload: {_blas.reason}"
-
-
-def memory_status(state: dict) -> str:
-    if not state:
-        return "as MLX and the C library set it (KVLINGO_CPU_MEMORY=default)"
-    return (f"malloc thresholds: {state['malloc']}; MLX buffer cache up to "
-            f"{state['cache_limit'] / 2**20:.0f} MB")  # fmt: skip
-
-
 @click.command("info")
 @click.argument("models", nargs=-1, type=ModelSpec())
 def info_cmd(models):
@@ -46,9 +33,15 @@ def info_cmd(models):
     device = "Metal GPU" if mx.metal.is_available() else "CPU"
     console.print(f"mlx {mx.__version__} on {device} ({platform.system()} {platform.machine()})")
     if platform.system() == "Linux":
-        console.print(f"BLAS: {blas_status()}")
-    if device == "CPU":
-        console.print(f"memory reuse: {memory_status(_cpu_memory.tune())}")
+        blas = _blas.loaded_path and f"OpenBLAS preloaded ({_blas.loaded_path})"
+        console.print(f"BLAS: {blas or f'no preload: {_blas.reason}'}")
+    if device == "CPU" and (state := _cpu_memory.tune()):
+        console.print(
+            f"memory reuse: malloc thresholds: {state['malloc']}; MLX buffer cache up "
+            f"to {state['cache_limit'] / 2**20:.0f} MB"
+        )
+    elif device == "CPU":
+        console.print("memory reuse: as MLX and the C library set it (KVLINGO_CPU_MEMORY=default)")
     console.print(f"float32 GEMM 1024^3: {gemm_gflops():.1f} GFLOP/s")
     if not models:
         return

@@ -1,8 +1,5 @@
-"""`kvlingo serve`: the pair behind an OpenAI-compatible endpoint (`mlx_kvlingo.serve`).
-
-Like `mlx_lm.server` (standard-library HTTP server, `--host 127.0.0.1 --port 8080`), with the
-model ids small, large and auto instead of model paths.
-"""
+"""`kvlingo serve`: the pair behind an OpenAI-compatible endpoint (`mlx_kvlingo.serve`), as
+`mlx_lm.server` with the model ids small, large and auto."""
 
 from __future__ import annotations
 
@@ -11,16 +8,8 @@ import logging
 import os
 import signal
 import sys
-from dataclasses import replace
 
-from mlx_kvlingo.cli._common import (
-    demo_pair_of,
-    pair_option,
-    policy_options,
-    source_option,
-    target_option,
-    translator_option,
-)
+from mlx_kvlingo.cli._common import demo_pair_of, pair_options, policy_options
 from mlx_kvlingo.cli._params import TranslatorSpec
 from mlx_kvlingo.config import AUTO_THRESHOLD, MODES
 
@@ -41,10 +30,7 @@ def _loopback(host: str) -> bool:
 
 
 @click.command("serve")
-@source_option
-@target_option
-@translator_option
-@pair_option
+@pair_options
 @click.option("--backward-translator", type=TranslatorSpec(),
               help="Large -> small translator (default: the demo's, if any)")  # fmt: skip
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -71,8 +57,8 @@ def _loopback(host: str) -> bool:
 @policy_options
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")
-def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, policy,
-              recompute_given, insecure, verbose, **settings):  # fmt: skip
+def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, policy, insecure,
+              verbose, **settings):  # fmt: skip
     """Serve the pair over the OpenAI chat-completions API (models: small, large, auto)."""
     from mlx_kvlingo.api import load
     from mlx_kvlingo.serve import Limits, ServeConfig, Server
@@ -91,10 +77,8 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, 
     demo = demo_pair_of(source, target, demo_pair)
     click.echo("loading models...", err=True)
     pair = load(source, target, translator, backward_translator, pair=demo)
-    if pair.link is not None and not recompute_given:
-        policy = replace(policy, recompute_share=0.0)  # a pipelined large model cannot
     try:
-        server = Server(pair, config, mode=mode, policy=policy)
+        server = Server(pair, config, mode=mode, policy=policy(pair))
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
     names = pair.names
@@ -111,9 +95,7 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, 
         server.serve_forever()  # closes the server and its requests on the way out
     except KeyboardInterrupt:
         click.echo("stopped", err=True)
-    # MLX keeps per-thread state for the request threads that sampled (compiled samplers, their
-    # stream); destroying it in interpreter teardown aborts ("terminate called without an
-    # active exception", exit -6). Everything is closed and flushed: leave without teardown.
+    # MLX's per-thread state of the request threads aborts in interpreter teardown: skip it
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

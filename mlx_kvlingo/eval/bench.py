@@ -1,23 +1,16 @@
-"""Time to first token when the large model takes over a prompt of n tokens: it reads the prompt
-itself, the small model reads it and the cache is translated, or the peer drops tokens. Measured
-on this machine, for one pair, with nothing left out.
+"""Time to first token when the large model takes over a prompt of n tokens, on this machine:
 
     re-prefill   target prefill of n-1 tokens, then one step on the last            R
-    switch       translate the source's K/V of n-1 tokens, then the target's step   X
-                 (the conversation's own hand-off, `Session.hand_off`, after the
-                 source's prefill of those n-1 tokens, P): ours, end to end P + X
-    specprefill  speculative prefill at a kept share k (`kv/sparse_prefill.py`): the
-                 small model reads and scores the n tokens, the target reads the
-                 top-scored 32-token chunks at their own positions (about k(n-1)
-                 entries), then its step on the last at position n-1           Q_k
+    switch       the source's prefill of n-1 tokens (P), the hand-off's
+                 translation (`Session.hand_off`), then the target's step           X
+    specprefill  speculative prefill at kept share k (`kv/sparse_prefill.py`),
+                 then the target's step on the last at position n-1                Q_k
 
-Each path's TTFT is reported as a share of R: (P+X)/R for ours beside Q_k/R for the peer, and the
-paper's speed-up R/X (the source's prefill left out: right when the small model had to read the
-prompt anyway). The translator's maps alone and a plain GEMM of their shapes run in the same round,
-so the translation's efficiency is a ratio within one run. Every run checks the goals (`TARGETS`)
-and records them in `targets`: a regression is flagged, not asserted. Trial rounds run every path
-at every length, their order alternating by round, after warm-up rounds that are not recorded.
-Peak memory is MLX's allocator peak during the phase, loaded weights included.
+Reported as shares of R: (P+X)/R (ours) beside Q_k/R (the peer), and the paper's speed-up R/X.
+The maps alone and a plain GEMM of their shapes run in the same round (efficiency = a ratio
+within one run). Every run records the goals (`TARGETS`) in `targets`: flagged, not asserted.
+Trial rounds alternate the paths' order, after unrecorded warm-up rounds; peak memory is MLX's
+allocator peak during the phase, weights included.
 """
 
 from __future__ import annotations
@@ -27,14 +20,10 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.catchup import READ_CHUNK
-from mlx_kvlingo.conversation.reader import ReadCosts
-from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.eval import report
-from mlx_kvlingo.eval.content import Peer
+from mlx_kvlingo.eval.content import Chat, Peer, read
 from mlx_kvlingo.eval.report import md_row, md_table
-from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.capture import needs_recording, trace
 from mlx_kvlingo.kv.sparse_prefill import positions_shifted, speculative_prefill
 from mlx_kvlingo.kv.translator import Translator, reserve_translation_memory
@@ -61,9 +50,8 @@ PHASES: dict[str, tuple[str, str, str, Callable[[int], int]]] = {
     "translate_map": ("kernel", "translator maps alone", "map{m}", lambda n: n - 1),
     "gemm": ("kernel", "plain GEMM, same shapes", "mm{m}", lambda n: n - 1),
 }  # fmt: skip
-#: the goals every run is checked against (`check_targets`): the whole translation at >= 70%
-#: of the same-run GEMM's throughput at every length; at the shortest length, the translation
-#: at most 0.12 of one target decode step and the switch speed-up R/X at least 9
+#: the goals every run is checked against (`check_targets`): GEMM efficiency at every length,
+#: the translation over one target step and the speed-up R/X at the shortest length
 TARGETS = {"gemm_efficiency": 0.70, "translation_vs_target_step": 0.12, "switch_speedup": 9.0}
 
 
@@ -109,10 +97,9 @@ def available_memory() -> int:
 
 
 def working_bytes(pair: ModelPair, translator: Translator, n: int) -> int:
-    """Rough extra memory (beyond the loaded weights) the largest phase at prompt length n
-    needs, in float32: the switch holds the source's K/V, its captured span, the gathered
-    translation inputs (chunks of 4096 tokens) and the target's K/V; a read holds its model's K/V
-    and one chunk's attention scores, mask and softmax. Paths run one after the other."""
+    """Rough float32 bytes beyond the weights of the largest phase at length n: the switch's
+    K/V of both models, span and gathered inputs (4096-token chunks), or one read's K/V and
+    chunk scores, mask and softmax."""
     s, t, c = pair.source.geometry, pair.target.geometry, translator.config
     kv = {m: 2 * g.layers * g.kv_heads * g.head_dim * n for m, g in (("s", s), ("t", t))}
     gathered = 2 * t.layers * max(c.nu_k, c.nu_v) * s.kv_heads * s.head_dim * min(n, 4096)
@@ -196,16 +183,7 @@ class _Clock:
 
 def run_reprefill(target: LoadedModel, tokens: list[int], clock: _Clock) -> None:
     """Target TTFT from scratch: prefill n-1 tokens in the chat's chunks, then the first token."""
-
-    def prefill_all():
-        cache, prompt = new_cache(target), mx.array(tokens[:-1])
-        for s in range(0, prompt.size, READ_CHUNK):
-            target.model(prompt[s : s + READ_CHUNK][None], cache=cache)
-            mx.eval([c.state for c in cache])
-            mx.clear_cache()
-        return cache
-
-    cache = clock("target_prefill", prefill_all)
+    cache = clock("target_prefill", lambda: read(target, tokens[:-1]))
     clock("target_step_reprefill", lambda: first_token(target.model, mx.array(tokens[-1:]), cache))
     clock.total("target_ttft", "target_prefill", "target_step_reprefill")
 
@@ -213,13 +191,10 @@ def run_reprefill(target: LoadedModel, tokens: list[int], clock: _Clock) -> None
 def run_switch(
     pair: ModelPair, tr: Translator, tokens: list[int], clock: _Clock, gemm_inputs: list
 ) -> None:
-    """The conversation's own hand-off (`Session.hand_off`, the large model reading only the last
-    token), the target's first step, the maps alone on the span read and a GEMM of their shapes."""
-    plain = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0.0)
-    session = Session(pair, tr, policy=plain, read_costs=ReadCosts())
-    session.add_tokens(tokens)
+    """The chat's hand-off (`Session.hand_off`, the large model reading the last token only),
+    the target's first step, the maps alone on the span read and a GEMM of their shapes."""
     mx.reset_peak_memory()
-    stats = session.hand_off("target")
+    session, stats = Chat(tr, 1, 0.0).hand_off(pair, tokens)
     peak = mx.get_peak_memory()
     clock.record("source_prefill", stats.read.seconds, peak)
     clock.record("translate", stats.switch.seconds, peak)
@@ -237,9 +212,8 @@ def run_switch(
 
 
 def run_peer(pair: ModelPair, tokens: list[int], peer: Peer, clock: _Clock) -> int:
-    """The peer's TTFT, as `eval.content.peer_kv` reads: `speculative_prefill`, then the large
-    model's first step on the last token at its own position (n-1). Returns the entries the
-    large model's cache held before that step."""
+    """The peer's TTFT (`speculative_prefill`, then the target's step on the last token at
+    position n-1); the entries its cache held before that step."""
     target, M = pair.target, len(tokens)
 
     def read_and_step() -> int:
@@ -263,15 +237,6 @@ def prompt_tokens(pair: ModelPair, n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(0, high, size=n).tolist()
 
 
-def reading_info(reading) -> dict | None:
-    """The map-reading strategy measured per kind and token count (None: not measured)."""
-    if not reading.chosen:  # a translator with one path
-        return None
-    return {f"{kind}@{n}": {"chosen": reading.chosen[(kind, n)],
-                            "ms": {k: 1e3 * v for k, v in reading.timings[(kind, n)].items()}}
-            for kind, n in reading.chosen}  # fmt: skip
-
-
 def run_bench(
     pair: ModelPair,
     translator: Translator,
@@ -286,20 +251,10 @@ def run_bench(
     log: Callable[[str], None] = print,
     info: dict | None = None,
 ) -> dict:
-    """Measure every phase at every length; return the results dict (raw trials included).
-
-    `keeps`: the kept shares speculative prefill runs at (none: the peer is not run). Warm-up
-    rounds run every length, so that no measured trial is the first to touch a weight, a kernel
-    or a length's buffers. A length is skipped, with a message, when its estimated memory
-    exceeds what is available, or (with `max_seconds`) when its trials, extrapolated from the
-    shorter lengths, would overrun the time budget. `progress(done, total, note)` after each
-    length's round.
-    """
-    if trials < 1 or warmup < 0:
-        raise ValueError("need trials >= 1 and warmup >= 0")
+    """Every phase at every length (raw trials included); the peer at each of `keeps`. A
+    length is skipped (logged) when its memory estimate exceeds what is available, or when its
+    trials, extrapolated, would overrun `max_seconds`; `progress(done, total, note)` per round."""
     lengths = sorted({int(n) for n in lengths})
-    if lengths[0] < 2:
-        raise ValueError("prefix lengths must be >= 2 (the target processes the last token)")
     peers = [Peer(float(k), seed) for k in dict.fromkeys(keeps)]
     translator.check_target(pair.target)
     started = time.perf_counter()
@@ -316,7 +271,10 @@ def run_bench(
             "max_seconds": max_seconds, "sampling": "greedy",
         },
         "resident_before_GB": resident / 1e9,
-        "map_reading": reading_info(reading),
+        # the map-reading strategy measured per kind and token count (None: one path only)
+        "map_reading": {f"{kind}@{n}": {"chosen": reading.chosen[(kind, n)],
+                                        "ms": {k: 1e3 * v for k, v in reading.timings[(kind, n)].items()}}
+                        for kind, n in reading.chosen} or None,
         "skipped": [],
         "lengths": {},
     }  # fmt: skip
@@ -374,8 +332,7 @@ def run_bench(
 
 
 def check_targets(results: dict) -> dict:
-    """Each goal of `TARGETS` with the measured value and whether it was met (empty where no
-    length was measured)."""
+    """Each goal of `TARGETS` with the measured value and whether it was met."""
     lens = {int(n): v["derived"] for n, v in results["lengths"].items()}
     if not lens:
         return {}
@@ -542,9 +499,7 @@ def targets_lines(t: dict) -> list[str]:
 
 
 def derived_table(results: dict) -> list[str]:
-    """The figures derived per length (medians): the switch speed-up, the translation against
-    one target decode step (the same-run GEMM of its matmuls alone beside it: its floor) and
-    against the target's prefill, and its throughput and efficiency against that GEMM."""
+    """The figures derived per length (medians), as a markdown table."""
     out = md_table(("n", "switch speed-up R/X", "translation (GEMM) / target step",
                     "translation / target prefill", "translation GFLOP/s", "GB/s", "GEMM GFLOP/s",
                     "GB/s", "efficiency vs GEMM (maps alone)"), "r" * 9)  # fmt: skip

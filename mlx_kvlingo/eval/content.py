@@ -1,16 +1,9 @@
-"""Does what the small model read reach the large one? Content scored against the native answer.
-
-For every task (`content_tasks`) each condition answers greedily:
-  native      the target reading the whole prompt itself (the reference)
-  <label>     the target on a cache built for prompt[:-1] without reading it, then the last
-              prompt token: a `Chat` (the chat's own hand-off), a `Peer` (speculative
-              prefill), a translator (the whole prompt translated) or a callable
-              (pair, task, native K/V) -> (keys, values)
-  small       the source model alone
-Scores per kind and read length: for fact and copy, accuracy and *retained* = right where the
-native answer is right / native right (the headline); for qa and summary, content-word recall
-of the native answer (the headline) and ROUGE-L F1. Each condition's read is timed (`read_s`:
-the target's own prefill; a `Chat`'s whole hand-off; a `Peer`'s scoring and sparse read).
+"""Does what the small model read reach the large one? Each condition answers every task
+(`content_tasks`) greedily: native (the target reading the prompt itself, the reference), each
+<label> (the target on a cache of prompt[:-1] it did not read, then the last token: a `Chat`
+hand-off, a `Peer`, a translator or a callable (pair, task, native K/V) -> (keys, values)) and
+small (the source alone). Headline per kind and length: fact/copy retained = right where native
+is right / native right; qa/summary content-word recall of the native answer (ROUGE-L beside).
 """
 
 from __future__ import annotations
@@ -94,13 +87,8 @@ def rouge_l(reference: str, candidate: str) -> float:
 
 def fitting_tasks(pair, texts: Sequence[str], lengths: Sequence[int], per_kind: int,
                   seed: int = 0, kinds: Sequence[str] = DEFAULT_KINDS) -> list[ContentTask]:  # fmt: skip
-    """`build_tasks` whose prompts leave room for the longest answer in the pair's context.
-
-    Prompts come within 5% of the length asked (whole sentences); a length whose prompts
-    overrun the room (8192 on the demo pair) is built again shorter, by what they overran, and
-    keeps the label asked for (each record keeps its prompt's token count). The draws at the
-    lengths left as asked are those of `build_tasks`. A ValueError for lengths beyond the
-    context, or two so near it that they would be built as one."""
+    """`build_tasks` whose prompts leave room for the longest answer in the pair's context: a
+    length that overruns it is built shorter by the overrun and keeps the label asked for."""
     limit = min(m.context_length or 10**9 for m in (pair.source, pair.target))
     room = limit - max(MAX_TOKENS.values())
     asked = sorted(set(lengths))
@@ -134,14 +122,19 @@ def cache_kv(cache: list) -> tuple[list, list]:
     return keys, values
 
 
-def native_kv(model, tokens: Sequence[int]) -> tuple[list, list]:
-    """The model's own cache contents (rotated keys, values) per layer for `tokens`, read in
-    mlx-lm's prefill chunks."""
+def read(model, tokens: Sequence[int]) -> list:
+    """A new cache of `model` that read `tokens` itself, in the chat's chunks (`READ_CHUNK`)."""
     cache, x = new_cache(model), mx.array(list(tokens))
     for s in range(0, x.size, READ_CHUNK):
         model.model(x[s : s + READ_CHUNK][None], cache=cache)
         mx.eval([c.state for c in cache])
-    return cache_kv(cache)
+        mx.clear_cache()
+    return cache
+
+
+def native_kv(model, tokens: Sequence[int]) -> tuple[list, list]:
+    """The model's own cache contents (rotated keys, values) per layer for `tokens`."""
+    return cache_kv(read(model, tokens))
 
 
 def translated_kv(pair, translator, tokens: Sequence[int]) -> tuple[list, list]:
@@ -161,14 +154,21 @@ class Chat:
     tail: int = ReaderPolicy().large_reads_last
     share: float = ReaderPolicy().recompute_share
 
+    def hand_off(self, pair, tokens: Sequence[int]) -> tuple[Session, object]:
+        """A session holding `tokens` after the chat's hand-off to the large model (fresh read
+        rates); the hand-off's stats."""
+        policy = ReaderPolicy(
+            reader="small", large_reads_last=self.tail, recompute_share=self.share
+        )
+        session = Session(pair, self.translator, policy=policy, read_costs=ReadCosts())
+        session.add_tokens(tokens)
+        return session, session.hand_off("target")
+
 
 def chat_kv(pair, cond: Chat, task: ContentTask) -> tuple[list, list]:
-    """The large model's cache for prompt[:-1] as the chat builds it: the hand-off (fresh read
-    rates: no time budget trims the policy), then the rest of the prompt but its last token."""
-    policy = ReaderPolicy(reader="small", large_reads_last=cond.tail, recompute_share=cond.share)
-    session = Session(pair, cond.translator, policy=policy, read_costs=ReadCosts())
-    session.add_tokens(task.tokens)
-    session.hand_off("target")
+    """The large model's cache for prompt[:-1] as the chat builds it: the hand-off, then the
+    rest of the prompt but its last token."""
+    session, _ = cond.hand_off(pair, task.tokens)
     cache, held = session.cache("target"), session.held("target")
     rest = list(task.tokens[held:-1])
     if rest:
@@ -185,19 +185,13 @@ class Peer:
     seed: int = 0
 
 
-def peer_kv(pair, cond: Peer, task: ContentTask) -> tuple[list, list]:
-    """The large model's cache after the peer's read: the kept tokens of prompt[:-1] only."""
-    mx.random.seed(cond.seed)
-    cache, _ = speculative_prefill(pair, list(task.tokens), cond.keep)
-    return cache_kv(cache)
-
-
 def condition_kv(pair, cond, task: ContentTask, native: tuple[list, list]) -> tuple[list, list]:
     """The target's cache for prompt[:-1] under `cond` (see the module's doc)."""
     if isinstance(cond, Chat):
         return chat_kv(pair, cond, task)
-    if isinstance(cond, Peer):
-        return peer_kv(pair, cond, task)
+    if isinstance(cond, Peer):  # the kept tokens of prompt[:-1] only
+        mx.random.seed(cond.seed)
+        return cache_kv(speculative_prefill(pair, list(task.tokens), cond.keep)[0])
     if hasattr(cond, "translate"):
         return translated_kv(pair, cond, task.tokens[:-1])
     return cond(pair, task, native)
@@ -205,10 +199,8 @@ def condition_kv(pair, cond, task: ContentTask, native: tuple[list, list]) -> tu
 
 def answers_from(model, tokenizer, kvs: Sequence[tuple[list, list]], last: int, max_tokens: int,
                  until: str = "") -> list[str]:  # fmt: skip
-    """`model`'s greedy replies on several caches at once (one batch row per (keys, values)),
-    each reading `last` itself; a row stops at end of turn or once it contains `until` (a fact
-    or copy task is decided then). One batched decode costs about what one row does on a
-    memory-bound backend."""
+    """`model`'s greedy replies on several caches at once (a batch row per (keys, values)), each
+    reading `last` itself; a row stops at end of turn or once it contains `until`."""
     dtype, B = model.dtype, len(kvs)
     cache = new_cache(model)
     for i, c in enumerate(cache):
@@ -236,8 +228,7 @@ def answers_from(model, tokenizer, kvs: Sequence[tuple[list, list]], last: int, 
 
 
 def _answers(pair, task: ContentTask, conditions: dict, small: bool) -> tuple[dict, dict]:
-    """Every condition's reply, and the seconds each took to read the prompt; the target's
-    conditions decode together in one batch."""
+    """Every condition's reply and its seconds to read the prompt; one batched decode."""
     n, until, toks = MAX_TOKENS[task.kind], task.answer, list(task.tokens)
     t0 = time.perf_counter()
     native = native_kv(pair.target, toks[:-1])
@@ -313,9 +304,8 @@ def summarize(rows: list, native: list) -> dict:
 
 def evaluate_content(pair, tasks: Sequence[ContentTask], conditions: dict, small: bool = True,
                      progress=None) -> ContentResult:  # fmt: skip
-    """Every condition's answer to every task ({label: condition}, see the module's doc), with
-    the native one first and the source alone last (`small`), scored against the native one;
-    `progress(done, total)` after each task."""
+    """Every condition's answer to every task, native first and the source alone last
+    (`small`), scored against native; `progress(done, total)` after each task."""
     res = ContentResult(conditions=["native", *conditions, *(["small"] if small else [])])
     for i, task in enumerate(tasks):
         answers, seconds = _answers(pair, task, conditions, small)
@@ -340,8 +330,7 @@ def to_json(res: ContentResult, pair, extra: dict | None = None) -> dict:
 
 def retention(result: dict, condition: str = "chat") -> list[tuple[int, int, int]]:
     """(read length, kept, right) of `condition` per length, facts and copies pooled: right =
-    tasks the native answer got right, kept = those `condition` also got right (lengths where
-    native got none are left out); conversation/reader.py weighs them."""
+    native right, kept = `condition` right too (conversation/reader.py weighs them)."""
     native = {r["task"]: r for r in result["records"] if r["condition"] == "native"}
     right: dict = {}
     for r in result["records"]:

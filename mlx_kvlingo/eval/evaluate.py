@@ -1,13 +1,7 @@
-"""Quality of a translated cache, measured on the target's behaviour, all conditions in one run.
-
-For every held-out example (prefix, continuation) the target scores the continuation given:
-  native      its own cache of the prefix (the ceiling)
-  translated  the cache translated from the source's
-  raw         the source's cache as is (only where the two geometries are identical)
-  source      and, for reference, the source model alone on the same continuation.
-Reported: mean NLL per token, top-1 accuracy on the real tokens, top-1 agreement with the native
-target, KL(native || condition), and gap recovered = (NLL_source - NLL_x) / (NLL_source - NLL_native).
-Raw transfer is the identity translator, layer i to layer i (`kv.translator.identity_translator`).
+"""The target's scores on held-out continuations given its own cache of the prefix (native), the
+translated one, the source's as is (raw: identical geometries only) and the source alone: NLL,
+top-1, agreement with native, KL(native || x) and gap recovered
+= (NLL_source - NLL_x) / (NLL_source - NLL_native).
 """
 
 from __future__ import annotations
@@ -23,8 +17,7 @@ import numpy as np
 from rich.table import Table
 
 CONDITIONS = ("native", "translated", "raw", "source")
-#: nats: when the source alone scores within this of the native target there is no gap to
-#: recover, and the ratio would be noise (it printed 1223.2 once): it is reported as n/a
+#: nats: a smaller gap between the source alone and the native target is reported as n/a
 MIN_GAP = 0.01
 
 
@@ -49,9 +42,8 @@ class Scores:
     def add(self, logp: mx.array, native_logp: mx.array, targets: mx.array) -> None:
         self.nll.append(float(-mx.take_along_axis(logp, targets[:, None], axis=-1).mean()))
         self.top1.append(float((logp.argmax(-1) == targets).astype(mx.float32).mean()))
-        self.agree.append(
-            float((logp.argmax(-1) == native_logp.argmax(-1)).astype(mx.float32).mean())
-        )
+        agree = logp.argmax(-1) == native_logp.argmax(-1)
+        self.agree.append(float(agree.astype(mx.float32).mean()))
         self.kl.append(float((mx.exp(native_logp) * (native_logp - logp)).sum(-1).mean()))
 
     def summary(self, weights) -> dict:
@@ -74,9 +66,8 @@ def raw_transfer(pair):
 
 
 def evaluate(pair, translator, examples, progress=None) -> dict:
-    """Every condition's scores on `examples` (data.Example), token-weighted, each with its gap
-    recovered; the examples and tokens scored; a JSON-ready dict. `progress(done, total)` after
-    each example."""
+    """Every condition's token-weighted scores on `examples` (JSON-ready); `progress(done, total)`
+    after each example."""
     translators = {"translated": translator}
     raw = raw_transfer(pair)
     if not isinstance(raw, str):

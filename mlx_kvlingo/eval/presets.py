@@ -1,10 +1,6 @@
-"""Shape-faithful model pairs with random weights, for benchmarks that need no download.
-
-A preset names a source and a target architecture (mlx-lm `model_type` plus config), a shared
-offline BPE tokenizer (`synthetic`) and a random translator of the right shape, built once into
-`$KVLINGO_CACHE/presets/<name>` and reused while its recipe is unchanged. Timings depend on
-shapes, not on weight values: these pairs measure latency faithfully; their outputs are
-meaningless. Each preset's description and `reference` say what was kept and what was scaled.
+"""Shape-faithful model pairs with random weights (a shared offline tokenizer, a random
+translator), built once into `$KVLINGO_CACHE/presets/<name>`: latency without a download, since
+timings depend on shapes, not weight values; their outputs are meaningless.
 """
 
 from __future__ import annotations
@@ -28,6 +24,19 @@ QWEN3_06B = dict(
     num_attention_heads=16, num_key_value_heads=8, head_dim=128, rope_theta=1e6,
     max_position_embeddings=40960, tie_word_embeddings=True,
 )  # fmt: skip
+#: the qwen3_moe targets' common shape: Qwen3-30B-A3B's heads, hidden size and experts scaled
+QWEN3_MOE_TARGET = dict(
+    kind="qwen3_moe",
+    hidden_size=1024,
+    intermediate_size=3072,
+    head_dim=128,
+    rope_theta=1e6,
+    max_position_embeddings=40960,
+    num_experts=16,
+    moe_intermediate_size=384,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+)
 
 
 @dataclass(frozen=True)
@@ -83,12 +92,8 @@ PRESETS: dict[str, Preset] = {
             "Qwen3-0.6B-shaped source; Qwen3-30B-A3B attention geometry with hidden size, "
             "expert width and expert count scaled to fit 24 GiB in float32",
             source=QWEN3_06B,
-            target=dict(
-                kind="qwen3_moe", hidden_size=1024, num_hidden_layers=48, intermediate_size=3072,
-                num_attention_heads=32, num_key_value_heads=4, head_dim=128, rope_theta=1e6,
-                max_position_embeddings=40960, num_experts=16, num_experts_per_tok=8,
-                moe_intermediate_size=384, norm_topk_prob=True, tie_word_embeddings=False,
-            ),
+            target=dict(QWEN3_MOE_TARGET, num_hidden_layers=48, num_attention_heads=32,
+                        num_key_value_heads=4, num_experts_per_tok=8),
             vocab_size=151936,
             reference={
                 "source": "Qwen/Qwen3-0.6B (exact shape)",
@@ -101,12 +106,8 @@ PRESETS: dict[str, Preset] = {
             "Qwen3-0.6B-shaped source into a shallower qwen3_moe target: 8 layers, 4 KV heads "
             "x 128 (a translator that reads 8 of the source's 28 layers)",
             source=QWEN3_06B,
-            target=dict(
-                kind="qwen3_moe", hidden_size=1024, num_hidden_layers=8, intermediate_size=3072,
-                num_attention_heads=16, num_key_value_heads=4, head_dim=128, rope_theta=1e6,
-                max_position_embeddings=40960, num_experts=16, num_experts_per_tok=4,
-                moe_intermediate_size=384, norm_topk_prob=True, tie_word_embeddings=False,
-            ),
+            target=dict(QWEN3_MOE_TARGET, num_hidden_layers=8, num_attention_heads=16,
+                        num_key_value_heads=4, num_experts_per_tok=4),
             reference={"source": "Qwen/Qwen3-0.6B (exact shape, small vocabulary)",
                        "target": "issue 28's pair: 8-layer qwen3_moe, 4 KV heads x 128"},
         ),
@@ -135,11 +136,8 @@ PRESETS: dict[str, Preset] = {
 
 
 def build_preset(name: str, cache_dir=None, log=None) -> Path:
-    """Build the preset's folder once (source/, target/, translator.safetensors) in the cache
-    folder's presets/ (`cache_root`: `cache_dir`, else $KVLINGO_CACHE, else
-    ~/.cache/mlx-kvlingo); return it."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}")
+    """The preset's folder (source/, target/, translator.safetensors) in `cache_root(cache_dir)`'s
+    presets/, built once."""
     preset = PRESETS[name]
     final = cache_root(cache_dir) / "presets" / name.replace(">", "__to__").replace("/", "_")
     stamp = {"build_version": BUILD_VERSION, "preset": asdict(preset)}
@@ -197,9 +195,7 @@ def random_translator(pair, variant: str = "mixing", nu: int = 1, seed: int = 0)
 
 
 def load_preset(name: str, cache_dir=None, log=None, dtype="auto"):
-    """(pair, translator, folder) for a preset, building it first if needed. `dtype`: what
-    the models and the translator compute in ("auto": float32 on the CPU, as stored on a GPU;
-    presets are stored in float32)."""
+    """(pair, translator, folder) for a preset, built first if needed, computing in `dtype`."""
     from mlx_kvlingo.models.files import load_translator
     from mlx_kvlingo.models.pair import load_pair
 

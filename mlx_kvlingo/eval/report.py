@@ -1,6 +1,5 @@
-"""What the measuring commands write, in one place: the machine and software a result was
-measured on, JSON result files (strict: NaN and infinities as null), markdown tables and headless
-matplotlib figures."""
+"""What the measuring commands write: the machine and software, strict JSON (NaN as null),
+markdown tables and headless figures."""
 
 from __future__ import annotations
 
@@ -24,8 +23,7 @@ import numpy as np
 
 
 def run_info() -> dict:
-    """created (local time), command (the program by its file name), machine and software of a
-    result measured now."""
+    """created, command, machine and software of a result measured now."""
     command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
     return {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command,
             "machine": machine_info(), "software": software_info()}  # fmt: skip
@@ -82,8 +80,7 @@ def software_info() -> dict:
 
 
 def git_commit() -> str | None:
-    """The short commit of the checkout the package runs from (None outside one), with
-    "+dirty" when tracked files differ from it."""
+    """The checkout's short commit ("+dirty" with changes; None outside one)."""
     import subprocess
 
     root = Path(__file__).resolve().parents[2]
@@ -96,8 +93,7 @@ def git_commit() -> str | None:
 
 
 def stats(values: Iterable) -> dict | None:
-    """n, median, mean, std (ddof 1; 0 for one value), min and max of the values that are not
-    None (None where none are)."""
+    """n, median, mean, std (ddof 1), min and max of the values but None (None: no values)."""
     v = np.asarray([x for x in values if x is not None], float)
     if not v.size:
         return None
@@ -114,8 +110,7 @@ def machine_line(m: dict, sw: dict) -> str:
 
 
 def load_span(m: dict) -> str:
-    """The load averages of `machine_info()` at a run's start and (`load_average_end`) its end,
-    as "load average 1.2/0.8/0.5 at start, ... at end" ("n/a" where there is none)."""
+    """The load averages at start and end, as "load average a/b/c at start, d/e/f at end"."""
     start, end = (m.get(k) for k in ("load_average", "load_average_end"))
     text = [("n/a" if not a else "/".join(f"{x:.1f}" for x in a)) for a in (start, end)]
     return f"load average {text[0]} at start, {text[1]} at end"
@@ -133,9 +128,8 @@ def number(x: float | None, fmt: str = ".2f", none: str = "") -> str:
 
 def write(out_dir: str | Path, name: str, result, markdown: str, plot=None,
           figure: str | None = None) -> dict[str, Path]:  # fmt: skip
-    """`out_dir` (created) / NAME.json (`write_json(result)`), NAME.md (`markdown`) and, with
-    `plot(result, path)`, its figure (`figure`, default NAME.png); the paths by role ("json",
-    "markdown", "plot")."""
+    """`out_dir`/NAME.json, NAME.md and with `plot(result, path)` its figure (default NAME.png);
+    the paths by role ("json", "markdown", "plot")."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": write_json(result, out / f"{name}.json"), "markdown": out / f"{name}.md"}
@@ -146,8 +140,7 @@ def write(out_dir: str | Path, name: str, result, markdown: str, plot=None,
 
 
 def jsonable(x):
-    """`x` as strict JSON holds it: keys as strings, tuples as lists, numpy scalars as Python
-    numbers, NaN and infinities as null, anything else unknown as its `str`."""
+    """`x` as strict JSON holds it (NaN and infinities as null, the unknown as its `str`)."""
     if isinstance(x, dict):
         return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
@@ -177,8 +170,7 @@ def md_row(cells: Iterable) -> str:
 
 
 def md_table(columns: Sequence[str], align: str, rows: Iterable[Iterable] = ()) -> list[str]:
-    """Header, rule and rows of a markdown table; `align` has one letter per column, "l"
-    (left) or "r" (right)."""
+    """Header, rule and rows of a markdown table; `align`: "l" or "r" per column."""
     rule = md_row("---:" if a == "r" else "---" for a in align)
     return [md_row(columns), rule, *(md_row(r) for r in rows)]
 

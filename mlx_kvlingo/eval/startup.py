@@ -1,18 +1,8 @@
-"""`kvlingo bench --startup`: start to the first token in a fresh process, against mlx-lm.
-
-Each start is a new Python process, timed from just before it is spawned to its first token of
-a one-word answer ("Answer in one word: ..."; one token, chat-templated; each side's default
-sampling):
-
-    mlx-lm            `mlx_lm.load(target)` + `stream_generate` of the same target
-    kvlingo           `load()` (warm-up included) + `stream_generate(model="large")`,
-                      on the cache folder in use: the rates reused (a machine that ran it before)
-    kvlingo, new      the same on a new cache folder (the converted models linked in, no
-                      stored rates): the first start on a machine, which measures them
-
-One untimed start of each goes first, then the three alternate for `trials` rounds. Each child
-also reports its parts (imports, load, warm-up, first-turn TTFT) and the TTFT of a second answer
-in a new conversation. Both sides preload the same BLAS (`mlx_kvlingo._platform.blas`).
+"""`kvlingo bench --startup`: spawn of a fresh process to its first token of a one-word answer,
+`SIDES` alternating for `trials` rounds after one untimed start each: mlx-lm's `load` +
+`stream_generate` of the target; kvlingo's `load()` (warm-up included) + `stream_generate`, on
+the cache folder in use (rates reused) and on a new one (rates measured). Both sides preload
+the same BLAS.
 """
 
 from __future__ import annotations
@@ -77,8 +67,7 @@ SIDES = {
 
 
 def new_cache_folder(cache: Path) -> Path:
-    """A fresh cache folder holding links to everything in `cache` but the stored rates (the
-    converted demo models stay converted: only the rates are new)."""
+    """A fresh cache folder linking everything in `cache` but the stored rates."""
     from mlx_kvlingo.conversation.reader import RATES
 
     fresh = Path(tempfile.mkdtemp(prefix="kvlingo-startup-"))
@@ -117,8 +106,6 @@ def run_startup_bench(source=None, target=None, translator=None, demo_pair: str 
     from mlx_kvlingo._platform.cachedir import cache_root
     from mlx_kvlingo.models.loading import demo_paths
 
-    if trials < 1:
-        raise ValueError("need trials >= 1")
     named = {"source": source, "target": target, "translator": translator}
     args = {k: None if v is None else str(v) for k, v in named.items()}
     # the large model's folder (or Hub id) as mlx-lm loads it: the demo's converted target
