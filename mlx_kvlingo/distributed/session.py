@@ -301,21 +301,16 @@ def load_runtime(source, target, translator, backward, demo_pair: str | None, *,
     closes the link, then end their process with `SystemExit(0)` (so code after the load runs
     on rank 0 only)."""
     from mlx_kvlingo.kv.translator import Translator
-    from mlx_kvlingo.models.demo import pair as demo
     from mlx_kvlingo.models.files import load_translator
-    from mlx_kvlingo.models.loading import resolve_translator_spec, which_demo
+    from mlx_kvlingo.models.loading import demo_folders, resolve_translator_spec
 
     global _open
     if _open is not None:
         raise DistributedError("close the open distributed runtime before loading another")
     if isinstance(translator, Translator):
         raise ValueError("a distributed runtime takes a translator file (every rank reads it)")
-    demo_pair = which_demo(source, target, demo_pair)
-    small = None
-    if demo_pair is not None:
-        small = demo.source_for(translator, demo_pair)
-        source, target = demo.demo_models(demo_pair, small)
-    elif translator is None:
+    source, target, demo_pair, small = demo_folders(source, target, translator, backward, demo_pair)
+    if demo_pair is None and translator is None:
         raise ValueError("a distributed runtime needs the small -> large translator")
     path = resolve_translator_spec(translator, False, demo_pair, small)
     if not isinstance(backward, Translator):

@@ -3,19 +3,12 @@
     MoE(x) = sum_{e in top-k(g)} softmax(g)_e * (E/k) * MLP(x)  +  sigmoid(s(x)) * 0  = MLP(x)
     when the router logits g are equal (a zero router: softmax_e = 1/E, so k * (1/E) * (E/k) = 1)
 
-Every expert is a copy of the dense layer's MLP with `down_proj` scaled by E/k (a power of two,
-so the product is exact), the gated shared expert has zero weights (it adds exactly 0), the
-q/k/v biases are zero, and the attention is the dense one as it is: the GGUF's interleaved q/k
-rows with `rope_traditional` (qwen2_moe reads it from its config). So the MoE computes the
-dense target's function, logits equal up to the float order of the expert GEMMs, and its K/V
-cache is the dense target's: the dense pair's translators serve it unchanged.
-
-A router of logit scale `router_scale` > 0 (seeded Gaussian) spreads tokens over the experts
-and changes each MLP output by a factor 1 + O(router_scale) (the top-k scores then sum to
-k/E * (1 + O(scale))); weights/moe/moe.json records the scale chosen and what it costs.
-
-Only that record ships (`weights/moe/moe.json`); `ensure_smollm2_moe` builds the model folder
-from the dense target's weights once, atomically, into the cache.
+Every expert is the dense MLP with `down_proj` scaled by E/k (a power of two: exact), the shared
+expert and the q/k/v biases are zero, the attention is the dense one (interleaved q/k rows,
+`rope_traditional`): its K/V cache is the dense target's, so the dense pair's translators serve
+it. A router of logit scale `router_scale` > 0 changes each MLP output by a factor
+1 + O(router_scale); `weights/moe/moe.json` records the recipe, from which
+`ensure_smollm2_moe` builds the folder once into the cache.
 """
 
 from __future__ import annotations
