@@ -1,17 +1,11 @@
-"""Stage 1: per target layer and for K and V, ridge least squares from source features to the
-target's native features, from streaming normal equations in float64 (memory does not grow
-with the number of tokens).
+"""Stage 1: per target layer and for K and V, ridge least squares from the `nu` source layers'
+features (concatenated per token) to the target's native ones, from streaming normal equations
+in float64 (`Moments`); head-wise maps from the per-head blocks of the same equations.
 
-Inputs are the `nu` source layers of the layer map, concatenated per token. Head-wise maps are
-solved per head from the corresponding blocks of the same normal equations. With no layer map
-and nu > 1, source layers are chosen per target layer by the best single-layer fit (lowest
-held-in residual of a one-layer ridge map), among a window of candidates around the
-nearest-by-depth layer.
-
-The ridge can shrink toward a prior map W0 instead of zero (`prior`): the identity on the
-nearest-by-depth layer where head geometry matches, or a translator file (e.g. the fit of a
-related pair); `alpha_grid` picks the strength per target layer and kind by the residual on
-held-out documents (moments accumulated apart, then added back for the final solve).
+With no layer map and nu > 1, each target layer reads the nu best single-layer fits within a
+window around the nearest-by-depth layer. The ridge shrinks toward a prior W0 (`prior`: zero,
+the identity, or a translator file); `alpha_grid` picks its strength per layer and kind by the
+residual on held-out documents.
 """
 
 from __future__ import annotations
@@ -212,11 +206,8 @@ def fit_many(pair, examples, cfgs: list[Stage1Config], progress=None) -> list[Tr
     With an `alpha_grid` in any config, the documents `is_validation` picks are accumulated
     apart and used to choose alpha (then added back for the final solve).
     """
-    acc = Stage1Accumulator(pair, cfgs, examples)
-    acc.add_all(
-        examples, VALIDATION_FRACTION if any(c.alpha_grid for c in cfgs) else None, progress
-    )
-    return acc.solve()
+    fraction = VALIDATION_FRACTION if any(c.alpha_grid for c in cfgs) else None
+    return Stage1Accumulator(pair, cfgs, examples).add_all(examples, fraction, progress).solve()
 
 
 def document_of(ex) -> str:
@@ -313,18 +304,12 @@ class Stage1Accumulator:
         ]
 
 
-# -- priors ------------------------------------------------------------------------------------
-
-
 def _prior_maps(prior: str) -> dict | None:
     """A translator-file prior fixes the layer maps (its weights only fit those)."""
     if prior in PRIORS:
         return None
     config = config_from_metadata(read_metadata(Path(prior)))
-    return {
-        "key": [list(r) for r in config.key_layers],
-        "value": [list(r) for r in config.value_layers],
-    }
+    return {kind: [list(r) for r in getattr(config, f"{kind}_layers")] for kind in KINDS}
 
 
 def prior_weights(config: TranslatorConfig, prior: str) -> dict | None:
@@ -366,9 +351,6 @@ def prior_weights(config: TranslatorConfig, prior: str) -> dict | None:
             for kind in KINDS}  # fmt: skip
 
 
-# -- solving -----------------------------------------------------------------------------------
-
-
 def _finish_split(config, cfg, maps, prior, m: Moments, fit: Moments, val: Moments) -> Translator:
     """The translator solved from the moments `m`; with an alpha grid (and both splits
     non-empty), alpha per target layer by the residual on `val` of the map fitted on `fit`."""
@@ -381,13 +363,10 @@ def _finish_split(config, cfg, maps, prior, m: Moments, fit: Moments, val: Momen
             w0 = None if prior is None else prior[kind][t]
             alpha = cfg.alpha
             if grid:
-                residuals = [
-                    _validation_residual(
-                        config, kind, t, layers, fit, val, w0, replace(cfg, alpha=a)
-                    )
-                    for a in grid
+                at = (config, kind, t, layers, fit, val, w0)
+                alpha = grid[
+                    int(np.argmin([_validation_residual(*at, replace(cfg, alpha=a)) for a in grid]))
                 ]
-                alpha = grid[int(np.argmin(residuals))]
             alphas.append(alpha)
             problem = m.problem(kind, t, layers)
             _, _, _, sy, yy, n = problem

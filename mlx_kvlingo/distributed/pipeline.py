@@ -102,9 +102,6 @@ def _lost_as_error(what: str):
         raise
 
 
-# -- the target, pipelined ---------------------------------------------------------------
-
-
 def pipeline_model(model, group) -> None:
     """Keep only this rank's layers of an mlx-lm model, with mlx-lm's own `pipeline()`.
 
@@ -155,9 +152,6 @@ def load_pipelined(path: str | Path, group) -> LoadedModel:
         _eval(model.parameters())
         _eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return LoadedModel(name, model, tokenizer, config, geometry_of(model, config), _folder_of(name))
-
-
-# -- the pair across ranks ---------------------------------------------------------------
 
 
 @dataclass
@@ -245,9 +239,6 @@ def load_sharded_pair(source, target, translator, group, wire: str, timeout) -> 
     return ShardedPair(group, src, tgt, tr, owners, wire, timeout)
 
 
-# -- rank 0 speaks, the others listen ------------------------------------------------------
-
-
 def _broadcast(x: mx.array, group, timeout, what="waiting for rank 0") -> mx.array:
     """Rank 0's `x` on every rank (a sum where the others add zeros); shapes must agree."""
     x = x if group.rank() == 0 else mx.zeros_like(x)
@@ -255,9 +246,6 @@ def _broadcast(x: mx.array, group, timeout, what="waiting for rank 0") -> mx.arr
         y = mx.distributed.all_sum(x, group=group, stream=mx.cpu)
         _eval(y)
     return y
-
-
-# -- one switch ------------------------------------------------------------------------------
 
 
 def place(

@@ -86,8 +86,6 @@ class Link:
         if _open is self:
             _open = None
 
-    # -- commands --------------------------------------------------------------------------
-
     def _command(
         self, op: int, cache: list | None = None, n=0, start=0, wire=0, first=0, body=None
     ):
@@ -136,8 +134,6 @@ class Link:
             setattr(head, _ID, cid)
             weakref.finalize(head, self._dropped.append, cid)
         return cid
-
-    # -- what the session asks for ---------------------------------------------------------
 
     def forward(self, inputs: mx.array, cache: list) -> None:
         """Announce a forward call of the target on `cache` (rank 0 then runs its own part)."""
@@ -232,9 +228,6 @@ def _last_stage_only():
         yield
     finally:
         mx.distributed.all_gather = real
-
-
-# -- loading, and the ranks that follow ----------------------------------------------------
 
 
 def follow(sp: ShardedPair) -> None:

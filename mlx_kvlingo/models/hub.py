@@ -130,9 +130,6 @@ def resolve_translator(text: str | Path, reverse: bool = False) -> Path:
     )
 
 
-# -- publishing ---------------------------------------------------------------------------
-
-
 def build_repo_folder(
     files, folder: str | Path, repo_id: str, manifest: str | Path | None = None,
     license: str | None = None,

@@ -64,9 +64,6 @@ class ChatRequest:
     logprobs: bool = False
 
 
-# -- fields ------------------------------------------------------------------------------------
-
-
 def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None) -> float:
     v = body[name]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -129,9 +126,6 @@ def sampling_kwargs(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
     if _set(body, name):
         max_tokens = _integer(body, name, 1, limits.max_tokens)
     return {**sampling, "max_tokens": max_tokens}
-
-
-# -- messages ----------------------------------------------------------------------------------
 
 
 def _content(m: dict, i: int) -> str:
@@ -227,9 +221,6 @@ def parse_request(body: Any, limits: Limits) -> ChatRequest:
         raise bad(f"at most {limits.max_stop} stop sequences", "stop", "invalid_value")
     send = sampling_kwargs(body, limits)
     return ChatRequest(model, messages, send, stop, stream, include_usage, logprobs)
-
-
-# -- responses ---------------------------------------------------------------------------------
 
 
 def new_id() -> str:

@@ -32,7 +32,7 @@ from mlx_kvlingo.api import (
     GenerationResponse,
     Pair,
 )
-from mlx_kvlingo.serve.pool import Pool
+from mlx_kvlingo.serve.pool import Pool, templated
 from mlx_kvlingo.serve.protocol import APIError, ChatRequest, Limits
 
 log = logging.getLogger("mlx_kvlingo.serve")
@@ -132,8 +132,6 @@ class Worker:
         self.running: Job | None = None  # the job holding the pair
         self._closing = False
 
-    # -- the handler side ----------------------------------------------------------------------
-
     def submit(self, job: Job) -> None:
         if self._closing or not self._slots.acquire(blocking=False):
             raise QueueFull
@@ -153,8 +151,6 @@ class Worker:
         wait([f for _, f in jobs], timeout)
         self._threads.shutdown(wait=False)
         self.pool.clear()
-
-    # -- a request thread ----------------------------------------------------------------------
 
     def _job(self, job: Job) -> None:
         try:
@@ -181,7 +177,7 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         req = job.request
-        n_prompt = len(self.pool.template(req.messages, True))
+        n_prompt = len(templated(self.pair.tokenizer, req.messages, True))
         if n_prompt > self.limits.max_prompt_tokens:
             raise APIError(400, f"the conversation is {n_prompt} tokens; this server takes at "
                                 f"most {self.limits.max_prompt_tokens} (max_prompt_tokens)",
