@@ -114,13 +114,11 @@ def unanswered(pair, texts: Sequence[str], n: int, lengths: Sequence[int] = (128
 
 def write_shipped_data(folder: str | Path | None = None) -> Path:
     """`shipped_texts()` as a JSONL folder `load_examples` reads (written once, then reused)."""
-    from mlx_kvlingo._platform.cachedir import build_atomically, stamp_ok
+    from mlx_kvlingo._platform.cachedir import build_atomically
     from mlx_kvlingo.models.demo.smollm2 import cache_root
 
     folder = Path(folder) if folder else cache_root() / "data" / "shipped"
     stamp = {"kind": "shipped-text", "version": 1}
-    if stamp_ok(folder, stamp, "kvlingo.json"):
-        return folder
 
     def build(tmp: Path) -> None:
         lines = [json.dumps({"text": t}) for t in shipped_texts()]

@@ -13,11 +13,9 @@ rank 0 the LAST layers, rank N-1 the first):
     wire "target": rank 0 maps every target layer, rank r is sent its rows (b_r - a_r layers)
     every rank: k_norm (pre_norm cut), RoPE at the span's positions, native first token, dtype
 
-Bytes to rank r per span token (float32, the translation's working dtype):
-    "source": 4 * |S_r| * H_s * (D_s + Dv_s)        "target": 4 * (b_r - a_r) * H_t * (D_t + Dv_t)
-`wire="auto"` sends the fewer. Only MLX moves data (send/recv, all_sum); nothing here opens a
-socket. A rank that dies surfaces on the others as `RankLostError`; one that never connects
-or hangs blocks inside MLX with the GIL held, so `watchdog` ends the process with one line.
+`wire="auto"` sends the fewer bytes (`bytes_per_token`). Only MLX moves data. A rank that dies
+surfaces on the others as `RankLostError`; one that never connects or hangs blocks inside MLX
+with the GIL held, so `watchdog` ends the process with one line.
 """
 
 from __future__ import annotations
@@ -103,11 +101,8 @@ def _lost_as_error(what: str):
 
 
 def pipeline_model(model, group) -> None:
-    """Keep only this rank's layers of an mlx-lm model, with mlx-lm's own `pipeline()`.
-
-    mlx-lm has no `pipeline()` for llama: there its split (`PipelineMixin.pipeline`) and its
-    pipelined forward (qwen2's) are applied here.
-    """
+    """Keep only this rank's layers of an mlx-lm model, with mlx-lm's own `pipeline()` (for
+    llama, which has none: `PipelineMixin.pipeline` and qwen2's pipelined forward)."""
     inner = model.model
     if hasattr(inner, "pipeline"):
         inner.pipeline(group)
@@ -130,11 +125,8 @@ def pipeline_model(model, group) -> None:
 
 
 def load_pipelined(path: str | Path, group) -> LoadedModel:
-    """This rank's share of the target: a LoadedModel whose layers are the rank's own.
-
-    Families mlx-lm pipelines load through `mlx_lm.utils.sharded_load` (each rank reads only
-    its files); llama through a lazy `mlx_lm.load` and `pipeline_model`.
-    """
+    """This rank's share of the target, through `mlx_lm.utils.sharded_load` (each rank reads
+    only its files); llama through a lazy `mlx_lm.load` and `pipeline_model`."""
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.utils import sharded_load
 
@@ -211,12 +203,8 @@ class ShardedPair:
 
 
 def load_sharded_pair(source, target, translator, group, wire: str, timeout) -> ShardedPair:
-    """Load the pair on every rank: the source on rank 0 only, the target pipelined.
-
-    The source stays on rank 0 (where the prompt is read): the other ranks need neither its
-    weights nor its memory. `translator` is a file every rank can read; each rank checks it
-    against the whole target, rank 0 also against the pair.
-    """
+    """Load the pair on every rank: the source on rank 0 only, the target pipelined;
+    `translator` a file every rank reads and checks against the whole target (rank 0: the pair)."""
     from mlx_kvlingo.models.files import check_pair, load_translator, read_metadata
     from mlx_kvlingo.models.pair import check_same_tokenizer, load_model
 

@@ -175,10 +175,6 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
     for label in ("bias", "native_first"):
         if not isinstance(meta.get(label, False), bool):
             raise TypeError(f"{label} must be true or false")
-    if meta["variant"] not in Translator.VARIANTS:  # 0.1.0's "lowrank" included
-        raise ValueError(
-            f"unknown variant {meta['variant']!r}; expected one of {Translator.VARIANTS}"
-        )
     skip = {
         "schema", "schema_version", "variant", "key_cut", "bias", "key_layers",
         "value_layers", "source", "target", "native_first",
