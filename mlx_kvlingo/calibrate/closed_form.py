@@ -163,6 +163,17 @@ def residual(xtx, xty, sx, sy, yy, n, w, b) -> float:
     )
 
 
+def _features(pair, ex, cut: str, skip: int = 0, s_span=None, t_span=None) -> dict:
+    """{kind: (source, target) layer features} of an example's positions from `skip` on (spans
+    traced here unless given)."""
+    tokens = ex.prefix + ex.continuation
+    s_span = s_span if s_span is not None else trace(pair.source, tokens, cut)
+    t_span = t_span if t_span is not None else trace(pair.target, tokens, cut)
+    return {
+        k: (layer_features(s_span, k)[:, skip:], layer_features(t_span, k)[:, skip:]) for k in KINDS
+    }
+
+
 def _select_layers(pair, examples, cfg: Stage1Config) -> dict[str, list[list[int]]]:
     """Pick nu source layers per target layer, for K and V, by single-layer ridge fit quality."""
     Ls, Lt = pair.source.geometry.layers, pair.target.geometry.layers
@@ -174,11 +185,7 @@ def _select_layers(pair, examples, cfg: Stage1Config) -> dict[str, list[list[int
     needed = sorted({(kind, t, (s,)) for kind in KINDS for t in range(Lt) for s in cands[t]})
     m = Moments()  # every position, position 0 too
     for ex in examples[: cfg.selection_examples]:
-        tokens = ex.prefix + ex.continuation
-        s_span = trace(pair.source, tokens, cfg.key_cut)
-        t_span = trace(pair.target, tokens, cfg.key_cut)
-        features = {k: (layer_features(s_span, k), layer_features(t_span, k)) for k in KINDS}
-        m.add(features, needed, len(tokens))
+        m.add(_features(pair, ex, cfg.key_cut), needed, len(ex.prefix + ex.continuation))
     maps = {}
     for kind in KINDS:
         rows = []
@@ -269,15 +276,10 @@ class Stage1Accumulator:
 
     def add(self, ex, validation: bool = False, s_span=None, t_span=None) -> None:
         """Accumulate one example (into the validation moments with `validation`)."""
-        tokens = ex.prefix + ex.continuation
-        s_span = s_span if s_span is not None else trace(self.pair.source, tokens, self.cut)
-        t_span = t_span if t_span is not None else trace(self.pair.target, tokens, self.cut)
         skip = 1 if self.cfgs[0].native_first else 0  # position 0 stays native: not fitted
-        features = {
-            kind: (layer_features(s_span, kind)[:, skip:], layer_features(t_span, kind)[:, skip:])
-            for kind in KINDS
-        }
-        (self.validation if validation else self.fit).add(features, self.needed, len(tokens))
+        features = _features(self.pair, ex, self.cut, skip, s_span, t_span)
+        moments = self.validation if validation else self.fit
+        moments.add(features, self.needed, len(ex.prefix + ex.continuation))
 
     def add_all(self, examples, validation_fraction: float | None = None, progress=None):
         """Accumulate `examples` in order; with a `validation_fraction`, the documents

@@ -84,14 +84,9 @@ def _example_at(position: int, n: int, seed: int) -> int:
 def save_checkpoint(
     folder: Path, translator, optimizer, step: int, cfg, history, pair=None, best=None
 ) -> None:
-    """Write a resumable checkpoint; a process killed at any point leaves the previous one.
-
-    The step's translator and optimizer state go to files named after the step, each written
-    atomically; `state.json`, replaced last, names them and is the commit: until it is
-    replaced, a resume reads the previous step's files, which are removed only afterwards.
-    `translator.safetensors` is then pointed at the new translator (the last good one, for
-    use as a translator file). `best.safetensors`, when present, is the held-out best so far.
-    """
+    """Write a resumable checkpoint; a process killed at any point leaves the previous one:
+    the step's files (named after it) first, then `state.json`, which names them (the commit),
+    then `translator.safetensors` linked to the new translator and the old step's files removed."""
     folder.mkdir(parents=True, exist_ok=True)
     names = {"translator": f"translator-{step:07d}.safetensors",
              "optimizer": f"optimizer-{step:07d}.safetensors"}  # fmt: skip

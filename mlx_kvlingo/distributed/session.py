@@ -1,14 +1,10 @@
 """A conversation whose large model is pipelined over `mlx.launch` ranks: rank 0 leads.
 
-Rank 0 runs everything a single process runs (the real `Session`, `kvlingo chat`, the API)
-with the small model and its own target layers. Its target model is `_Mirrored`: each forward
-call it makes (a prefill chunk, each decoding step of mlx-lm's `stream_generate`, teacher
-forcing) is first announced to the other ranks, which run the same call on their layers and
-their copy of the same cache, so mlx-lm's pipeline (send/recv/all_gather inside the model)
-meets on every rank. Only rank 0 samples. A translated span is placed by
-`distributed.place` (each rank is sent only what its layers need); a switch back to the
-small model gathers the span's target K/V on rank 0. The other ranks run `follow`, a loop
-over rank 0's commands; they never see the conversation's text.
+Rank 0 runs everything a single process runs, with the small model and its own target layers.
+Its target model is `_Mirrored`: each forward call is first announced to the other ranks, which
+run it on their layers and their copy of the cache, so mlx-lm's pipeline meets on every rank;
+only rank 0 samples. `place` puts a translated span on every rank; a switch back gathers the
+span's target K/V on rank 0. The other ranks run `follow`, a loop over rank 0's commands.
 
 A command is a small all_sum from rank 0, [op, cache id, cache offset, n, start, wire, first],
 then one with its token ids (forward) or dropped cache ids (drop).

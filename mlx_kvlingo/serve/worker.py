@@ -3,15 +3,11 @@
     handler --submit(job)--> request thread: pair lock (waits) -> run --job.events--> handler
                              accepted | token... | done | error
 
-Invariant: all model work for a request (templating, matching a held conversation, reading,
-translating, decoding) runs while its thread holds the pair lock (`conversation/stream.py`), so MLX
-is never driven from two threads and held conversations change only under it. One request runs,
-at most `queue_size` wait (`QueueFull` beyond: 503). `Job.cancel()` (any thread) ends a wait or
-stops the generation after its current token; the conversation keeps what was emitted.
-
-Model `auto` is the library's cascade: the small answer is buffered until kept (confidence at
-or above `auto_threshold`, or cut by a stop sequence), else the large one answers live; a client
-never sees text that is then withdrawn.
+Invariant: all model work for a request runs while its thread holds the pair lock, so MLX is
+never driven from two threads and held conversations change only under it. One request runs, at
+most `queue_size` wait (`QueueFull`: 503). `Job.cancel()` ends a wait or stops after the current
+token. Model `auto`: the small answer is buffered until kept (confidence >= `auto_threshold`, or
+cut by a stop sequence), else the large one answers live; no client sees withdrawn text.
 """
 
 from __future__ import annotations

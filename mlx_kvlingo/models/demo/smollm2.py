@@ -294,24 +294,16 @@ def ensure_smollm2(cache_dir: str | os.PathLike | None = None,
                             lambda tmp: convert_gguf(gguf, tmp, dequantize), STAMP)  # fmt: skip
 
 
-def shipped_files(folder: str, names: tuple[str, str], build_step: str) -> tuple[Path, Path]:
-    """Two files shipped in `weights/<folder>/`, or a FileNotFoundError saying how to get them."""
-    where = weights_dir() / folder
-    paths = (where / names[0], where / names[1])
-    if not all(p.is_file() for p in paths):
-        raise missing_weights(where, build_step)
-    return paths
-
-
-def _check_source(folder: str) -> None:
+def source_files(folder: str = "source15") -> tuple[Path, Path]:
+    """(safetensors, json) of a demo source's kept layers in `weights/<folder>/`, or a
+    FileNotFoundError saying how to get them."""
     if folder not in DEMO_SOURCES:
         raise ValueError(f"unknown demo source {folder!r} (known: {', '.join(DEMO_SOURCES)})")
-
-
-def source_files(folder: str = "source15") -> tuple[Path, Path]:
-    """(safetensors, json) of a demo source's kept layers in `weights/<folder>/`."""
-    _check_source(folder)
-    return shipped_files(folder, ("model.safetensors", "source.json"), folder)
+    where = weights_dir() / folder
+    paths = (where / "model.safetensors", where / "source.json")
+    if not all(p.is_file() for p in paths):
+        raise missing_weights(where, folder)
+    return paths
 
 
 def source_layers(folder: str = "source15") -> int:
