@@ -182,10 +182,9 @@ _MODEL_FILES = {
 
 
 def tokenizer_identity(path: str | Path | LoadedModel) -> str | None:
-    """A digest of what mlx-lm builds a local model folder's tokenizer from: its tokenizer
-    files, byte for byte, and of its config the model type and end-of-sequence ids. Two folders
-    with the same digest get equal tokenizers (a pair's models often ship the same files: one
-    is then loaded, not two). None for a loaded model, a hub id or an unreadable folder."""
+    """A digest of what mlx-lm builds a local folder's tokenizer from (its tokenizer files, the
+    config's model type and end-of-sequence ids): equal digests, equal tokenizers (loaded once).
+    None for a loaded model, a hub id or an unreadable folder."""
     if isinstance(path, LoadedModel) or not Path(path).is_dir():
         return None
     folder = Path(path)

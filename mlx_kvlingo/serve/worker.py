@@ -104,10 +104,6 @@ class _StopScan:
         out, self.sent = self.text[self.sent :], len(self.text)
         return out
 
-    @property
-    def released(self) -> str:
-        return self.text[: self.sent]
-
 
 class Worker:
     """Requests over one pair: `submit` jobs, `close` when done."""
@@ -278,7 +274,7 @@ class Worker:
                 stream.close()  # a no-op after done; else commits the tokens emitted so far
         if not hit and (rest := scan.flush()):
             emit(rest, 0.0)
-        out.text = scan.released
+        out.text = scan.text[: scan.sent]  # what was released
         out.confidence = sum(logprobs) / len(logprobs) if logprobs else None
         return out
 

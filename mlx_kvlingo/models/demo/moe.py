@@ -104,7 +104,11 @@ def upcycle(dense: dict, config: dict, router_scale: float = 0.0, seed: int = 0)
             out[f"{p}self_attn.{name}.bias"] = mx.zeros((rows,))
         for key, w in dense.items():
             if key.startswith(f"{p}mlp."):
-                w = w * (experts // top_k) if _carries_scale(key, dense) else w
+                # E/k on down_proj's float weight, or on a quantized one's scales and biases
+                packed = (
+                    key.endswith(".weight") and f"{key.removesuffix('.weight')}.scales" in dense
+                )
+                w = w * (experts // top_k) if ".down_proj." in key and not packed else w
                 out[key.replace(".mlp.", ".mlp.switch_mlp.")] = mx.broadcast_to(
                     w, (experts, *w.shape)
                 )
@@ -113,14 +117,6 @@ def upcycle(dense: dict, config: dict, router_scale: float = 0.0, seed: int = 0)
             out[f"{p}mlp.shared_expert.{name}.weight"] = mx.zeros(shape)
         out[f"{p}mlp.shared_expert_gate.weight"] = mx.zeros((1, h))
     return out
-
-
-def _carries_scale(key: str, dense: dict) -> bool:
-    """Whether `key` is a down_proj tensor linear in the weight: a float weight, or a
-    quantized one's scales and biases (its packed integers stay)."""
-    if ".down_proj." not in key:
-        return False
-    return key.endswith((".scales", ".biases")) or f"{key[: -len('.weight')]}.scales" not in dense
 
 
 def record_file() -> Path:
