@@ -11,7 +11,7 @@ residual on held-out documents.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlx_kvlingo.kv.capture import layer_features, trace
@@ -365,18 +365,16 @@ def _finish_split(config, cfg, maps, prior, m: Moments, fit: Moments, val: Momen
             w0 = None if prior is None else prior[kind][t]
             alpha = cfg.alpha
             if grid:
-                at = (config, kind, t, layers, fit, val, w0)
-                alpha = grid[
-                    int(np.argmin([_validation_residual(*at, replace(cfg, alpha=a)) for a in grid]))
-                ]
+                at = (config, kind, t, layers, fit, val, w0, cfg.bias)
+                alpha = grid[int(np.argmin([_validation_residual(*at, a) for a in grid]))]
             alphas.append(alpha)
             problem = m.problem(kind, t, layers)
             _, _, _, sy, yy, n = problem
-            w, b, sse = _solve(config, kind, problem, replace(cfg, alpha=alpha), w0)
+            w, b, sse = _solve(config, kind, problem, alpha, cfg.bias, w0)
             sst = yy - (sy @ sy) / n
             r2.append(1 - sse / max(sst, 1e-12))
             if alpha != 0:  # the unregularized fit, for the report
-                sse0 = _solve(config, kind, problem, replace(cfg, alpha=0.0))[2]
+                sse0 = _solve(config, kind, problem, 0.0, cfg.bias)[2]
                 r2_alpha0.append(1 - sse0 / max(sst, 1e-12))
             ws.append(w)
             bs.append(b)
@@ -406,9 +404,9 @@ def _finish_split(config, cfg, maps, prior, m: Moments, fit: Moments, val: Momen
     return tr
 
 
-def _validation_residual(config, kind, t, layers, fit: Moments, val: Moments, w0, cfg) -> float:
+def _validation_residual(config, kind, t, layers, fit: Moments, val: Moments, w0, center, alpha):
     """Residual on the validation moments of the map fitted on the fitting moments alone."""
-    w, b, _ = _solve(config, kind, fit.problem(kind, t, layers), cfg, w0)
+    w, b, _ = _solve(config, kind, fit.problem(kind, t, layers), alpha, center, w0)
     return _sse(config, kind, val.problem(kind, t, layers), w, b)
 
 
@@ -427,18 +425,18 @@ def _head_blocks(config: TranslatorConfig, kind):
     ]
 
 
-def _solve(config: TranslatorConfig, kind, problem: tuple, cfg, prior=None):
+def _solve(config: TranslatorConfig, kind, problem: tuple, alpha: float, center: bool, prior=None):
     """(W, b, residual) on `problem` (`Moments.problem`). Mixing: one solve. Headwise: per
     head, on the head's blocks of the same moments."""
     xtx, xty, sx, sy, _, n = problem
     if config.variant == "mixing":
-        w, b = ridge(xtx, xty, sx, sy, n, cfg.alpha, cfg.bias, prior)
+        w, b = ridge(xtx, xty, sx, sy, n, alpha, center, prior)
         return w, b, _sse(config, kind, problem, w, b)
     ws, bs = [], []
     for h, (idx, out) in enumerate(_head_blocks(config, kind)):
         w0 = None if prior is None else prior[h]
         w, b = ridge(xtx[np.ix_(idx, idx)], xty[np.ix_(idx, out)], sx[idx], sy[out], n,
-                     cfg.alpha, cfg.bias, w0)  # fmt: skip
+                     alpha, center, w0)  # fmt: skip
         ws.append(w)
         bs.append(b)
     w, b = np.stack(ws), np.stack(bs)

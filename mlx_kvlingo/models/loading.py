@@ -96,7 +96,4 @@ def load_models_and_translators(source: str | Path | None = None, target: str | 
 def demo_paths(demo_pair: str | None, translator: Any = None) -> tuple[Path, Path]:
     """The demo pair's (source folder, target folder), built on first use; the source is the
     one `translator` reads (None: the pair's default)."""
-    from mlx_kvlingo.models.demo import pair as demo
-
-    demo_pair = demo_pair or "dense"
-    return demo.demo_models(demo_pair, demo.source_for(translator, demo_pair))
+    return demo_folders(None, None, translator, None, demo_pair)[:2]
