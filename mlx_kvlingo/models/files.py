@@ -226,10 +226,9 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
             )
         if not np.isfinite(np.array(tensors[name].astype(mx.float32))).all():
             raise TranslatorFileError(f"{path}: tensor {name} contains NaN or Inf")
-    if dtype == "auto":
-        from mlx_kvlingo.models.pair import default_dtype
+    from mlx_kvlingo.models.pair import default_dtype
 
-        dtype = default_dtype()
+    dtype = default_dtype(dtype)
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
     tr = Translator(config, dtype=next(iter(tensors.values())).dtype)
