@@ -7,11 +7,9 @@ from __future__ import annotations
 import json
 
 
-def _hub_id(name) -> str | None:
-    """A model name that looks like a Hub id (org/name, not a local path)."""
-    if not isinstance(name, str) or name.startswith(("/", ".", "~")) or name.count("/") != 1:
-        return None
-    return name
+def _hub_id(name: str) -> str | None:
+    """A name as `_shown` gives it, when it is a Hub id (org/name); else None."""
+    return name if "/" in name else None
 
 
 def _shown(name: str) -> str:

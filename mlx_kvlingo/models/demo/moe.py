@@ -23,6 +23,7 @@ from mlx_kvlingo.models.demo.smollm2 import (
     FORMAT_VERSION,
     STAMP,
     TOKENIZER_FILES,
+    _quantized,
     _save_json,
     cache_root,
     ensure_smollm2,
@@ -105,9 +106,7 @@ def upcycle(dense: dict, config: dict, router_scale: float = 0.0, seed: int = 0)
         for key, w in dense.items():
             if key.startswith(f"{p}mlp."):
                 # E/k on down_proj's float weight, or on a quantized one's scales and biases
-                packed = (
-                    key.endswith(".weight") and f"{key.removesuffix('.weight')}.scales" in dense
-                )
+                packed = key.endswith(".weight") and _quantized(key, dense)
                 w = w * (experts // top_k) if ".down_proj." in key and not packed else w
                 out[key.replace(".mlp.", ".mlp.switch_mlp.")] = mx.broadcast_to(
                     w, (experts, *w.shape)
