@@ -208,11 +208,8 @@ def fit_closed_form(
 
 
 def fit_many(pair, examples, cfgs: list[Stage1Config], progress=None) -> list[Translator]:
-    """Fit several translators from one pass over the data (variants sharing a key cut).
-
-    With an `alpha_grid` in any config, the documents `is_validation` picks are accumulated
-    apart and used to choose alpha (then added back for the final solve).
-    """
+    """Fit several translators (sharing a key cut) from one pass over the data; with an
+    `alpha_grid`, the `is_validation` documents choose alpha, then join the final solve."""
     fraction = VALIDATION_FRACTION if any(c.alpha_grid for c in cfgs) else None
     return Stage1Accumulator(pair, cfgs, examples).add_all(examples, fraction, progress).solve()
 
@@ -230,12 +227,8 @@ def is_validation(ex, fraction: float) -> bool:
 
 class Stage1Accumulator:
     """Streaming normal equations for several configs (one key cut); `solve()` at any point.
-
-    Two `Moments` splits, `fit` and `validation`, each keyed by input layers and target layer,
-    so configs that read the same layers (e.g. headwise and mixing) share them. `add` accepts
-    precomputed spans (callers that fit several pairs sharing a target trace it once);
-    `add_all` is the one streaming pass `fit_many` makes.
-    """
+    Two `Moments` splits, `fit` and `validation`, keyed by input layers and target layer: configs
+    that read the same layers share them. `add` accepts precomputed spans."""
 
     def __init__(self, pair, cfgs: list[Stage1Config], selection_examples=()):
         cuts = {c.key_cut for c in cfgs}

@@ -131,16 +131,11 @@ def distill(
     """Train `translator` in place; returns it with `metadata['calibration']['stage2']` filled.
 
     With `checkpoint_dir`, saves every `save_every` steps, on Ctrl-C, and when the loss turns
-    NaN (then raises `TrainingDivergedError` naming the step); `resume` continues exactly
-    (weights, optimizer moments, data position). `stop_after` ends early after that many steps
-    in this call (for tests of resumption). `progress(step, steps, note)` after each step
-    (mlx-lm's prompt progress callback shape, and a note: the loss and tokens per second).
-
-    With held-out examples, every `eval_every` steps records the held-out KL and top-1
-    agreement with the native target; with `keep_best` the translator returned (and
-    `best.safetensors` in the checkpoint folder) holds the parameters of the lowest held-out
-    KL, the starting point included; `patience` stops after that many evaluations without a
-    new best.
+    NaN (`TrainingDivergedError`); `resume` continues exactly (weights, optimizer moments, data
+    position); `stop_after` ends after that many steps in this call. `progress(step, steps,
+    note)` after each step. With held-out examples, every `eval_every` steps records the
+    held-out KL and top-1 agreement; `keep_best` returns (and saves as `best.safetensors`) the
+    lowest held-out KL's parameters, the start included; `patience`: evaluations without one.
     """
     ckpt = Path(checkpoint_dir) if checkpoint_dir else None
     key_cut = translator.config.key_cut

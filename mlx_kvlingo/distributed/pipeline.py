@@ -239,12 +239,10 @@ def _broadcast(x: mx.array, group, timeout, what="waiting for rank 0") -> mx.arr
 def place(
     sp: ShardedPair, span: SpanKV | None, wire: str, length: int, start: int, first: int
 ) -> tuple[list, list, int]:
-    """Every rank (SPMD): this rank's target layers' K/V for a translated span, ready to append
-    to its cache, and the bytes it sent (rank 0) or received.
-
-    Rank 0 passes the source span (RoPE-free, tokens [start, start + length)); the others pass
-    None and receive what `wire` sends them. `first` is the span's first token id when it
-    starts at 0, else -1 (a native-first translator keeps the target's own K/V there)."""
+    """Every rank (SPMD): this rank's target layers' K/V for a translated span, ready to append,
+    and the bytes it sent (rank 0) or received. Rank 0 passes the source span (RoPE-free,
+    tokens [start, start + length)), the others None; `first`: the span's first token id when
+    it starts at 0, else -1 (a native-first translator keeps the target's own K/V there)."""
     with deadline(sp.rank, sp.timeout, f"placing a {length}-token span"):
         if sp.rank == 0:
             payloads, sent = _send_payloads(sp, span, wire)

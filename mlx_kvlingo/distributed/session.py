@@ -214,10 +214,9 @@ def _uninterrupted():
 
 @contextmanager
 def _last_stage_only():
-    """mlx-lm's pipelined forward ends in an all_gather so that every rank gets the last stage's
-    output (its generation samples on every rank). Here only rank 0, the last stage, samples:
-    the all_gather is left out on every rank while the forward is built (the same graph on
-    each rank otherwise; no rank waits for an output it does not need)."""
+    """mlx-lm's pipelined forward ends in an all_gather of the last stage's output (it samples
+    on every rank); here only rank 0, the last stage, samples: the all_gather is left out on
+    every rank while the forward is built."""
     real = mx.distributed.all_gather
     mx.distributed.all_gather = lambda x, *args, **kwargs: x
     try:
@@ -227,10 +226,8 @@ def _last_stage_only():
 
 
 def follow(sp: ShardedPair) -> None:
-    """Ranks > 0: run rank 0's commands on this rank's layers until it says stop.
-
-    An error here (a lost rank 0, a cache out of step) ends this process with a message:
-    rank 0 then sees the rank as lost instead of waiting for it."""
+    """Ranks > 0: run rank 0's commands on this rank's layers until it says stop. An error here
+    ends this process with a message: rank 0 then sees the rank as lost, not waiting for it."""
     caches: dict[int, list] = {}
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for rank 0 (it stops a turn)
@@ -282,13 +279,10 @@ def follow(sp: ShardedPair) -> None:
 
 def load_runtime(source, target, translator, backward, demo_pair: str | None, *, wire: str = "auto",
                  timeout=None) -> tuple[ModelPair, Any, Any, Link]:  # fmt: skip
-    """Every rank: load a named pair or the demo pair `demo_pair`, the large model pipelined over
-    the `mlx.launch` ranks, the forward translator a file every rank reads.
-
-    Rank 0 gets (pair, forward, backward, link): the pair's large model is its share, mirrored
-    to the other ranks, with the whole model's geometry. The other ranks serve rank 0 until it
-    closes the link, then end their process with `SystemExit(0)` (so code after the load runs
-    on rank 0 only)."""
+    """Every rank: load a named pair or the demo pair, the large model pipelined over the
+    `mlx.launch` ranks, the forward translator a file every rank reads. Rank 0 gets (pair,
+    forward, backward, link), its large model its share mirrored to the others, with the whole
+    model's geometry; the other ranks serve rank 0 until it closes the link, then `SystemExit(0)`."""
     from mlx_kvlingo.kv.translator import Translator
     from mlx_kvlingo.models.files import load_translator
     from mlx_kvlingo.models.loading import demo_folders, resolve_translator_spec

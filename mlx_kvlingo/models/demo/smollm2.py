@@ -321,11 +321,8 @@ def sha256_of(path: Path) -> str:
 
 
 def frozen_layers(target: Path, target_w: dict, kept: list[int], info: dict) -> dict:
-    """The source's first layers, kept as the target's own: not shipped, taken from the target.
-
-    Quantized as the trained layers are (`info["quantization"]`), from the target's float32
-    weights, so the result is bit for bit what training saved (tests/test_demo_smollm2.py).
-    """
+    """The source's first layers, the target's own (not shipped), quantized as the trained ones
+    are (`info["quantization"]`) from float32: bit for bit what training saved."""
     import mlx.core as mx
 
     q = info.get("quantization")
