@@ -1,11 +1,6 @@
-"""Crash-safe file writes: write a temporary file in the target's own directory, flush it to
-disk, then `os.replace` it over the target.
-
-A process killed at any point (SIGKILL, power loss after the fsync) leaves either the previous
-file or the new one, never a torn file: `os.replace` within one directory is atomic on POSIX
-and on Windows. The temporary name is unique per call (pid + random suffix), so two writers of
-the same path never write into each other's temporary file; a killed writer may leave a
-`.NAME.*.tmp.safetensors` file behind, never a damaged NAME.
+"""Crash-safe file writes: a temporary file (unique per call) in the target's directory,
+fsynced, then `os.replace`d over the target (atomic within one directory). A writer killed at
+any point leaves the previous file or the new one, at most with a `.NAME.*.tmp*` file beside it.
 """
 
 from __future__ import annotations

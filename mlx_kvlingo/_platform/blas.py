@@ -1,8 +1,7 @@
 """Load OpenBLAS with global symbols before MLX, so the CPU backend's GEMMs use it.
 
-The `mlx[cpu]` wheel links a reference BLAS (~3.5 GFLOP/s); preloading Debian's
-`libopenblas0-pthread` globally makes its sgemm resolve to OpenBLAS (~20x faster).
-On macOS (Accelerate/Metal) this does nothing.
+The `mlx[cpu]` wheel links a reference BLAS; preloading Debian's `libopenblas0-pthread`
+globally makes its sgemm resolve to OpenBLAS. On macOS (Accelerate/Metal) this does nothing.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""Memory reuse on the CPU backend: glibc's malloc keeps freed memory mapped.
-
-glibc returns chunks above its mmap threshold (128 KB to 32 MB, adjusted at run time) and free
-memory at the heap's top to the kernel at once, so the next translation of the same length
-faults the same pages in again. `tune` sets the mmap threshold to 1 GB and turns trimming off:
-freed memory stays mapped and serves requests of any size, at the price of the heap keeping its
-high-water mark. MLX's own buffer cache (which reuses a buffer only for nearly its size) is left
-as is; `kv.translator.reserve_translation_memory` maps the longest translation's memory once.
-Set KVLINGO_CPU_MEMORY=default to leave malloc as it is.
+"""Memory reuse on the CPU backend: `tune` sets glibc's mmap threshold to 1 GB and turns heap
+trimming off, so freed memory stays mapped and the next translation does not fault its pages
+in again (the heap keeps its high-water mark). KVLINGO_CPU_MEMORY=default leaves malloc as is.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Opt-in, CPU only: run mlx-lm's `SwitchGLU` as one plain GEMM per expert for many tokens.
 
-mlx-lm's mixture-of-experts layers call `mx.gather_mm`, which MLX's CPU backend runs far
-below its BLAS GEMM speed. For prefill (>= 64 token-expert assignments, the same threshold
-at which mlx-lm sorts tokens by expert) this patch groups the tokens of each expert on the
-host and multiplies them with that expert's weights in one GEMM. It computes the same
-function (up to float rounding order); decode steps and quantized experts keep the original
-path. On Metal it does nothing: `gather_mm` is fast there.
+MLX's CPU backend runs mlx-lm's `mx.gather_mm` far below its GEMM speed. From
+`MIN_ASSIGNMENTS` token-expert assignments (mlx-lm's sort threshold) the tokens of each expert
+are grouped on the host and multiplied in one GEMM: the same function up to rounding order.
+Decode steps and quantized experts keep the original path; on Metal nothing changes.
 
     from mlx_kvlingo._platform import moe_cpu
     with moe_cpu.per_expert_loop():

@@ -1,23 +1,17 @@
-"""Stage 1: per target layer and for K and V, ridge least squares from source features to the
-target's native features, from streaming normal equations in float64 (memory does not grow
-with the number of tokens).
+"""Stage 1: per target layer and for K and V, ridge least squares from the `nu` source layers'
+features (concatenated per token) to the target's native ones, from streaming normal equations
+in float64 (`Moments`); head-wise maps from the per-head blocks of the same equations.
 
-Inputs are the `nu` source layers of the layer map, concatenated per token. Head-wise maps are
-solved per head from the corresponding blocks of the same normal equations. With no layer map
-and nu > 1, source layers are chosen per target layer by the best single-layer fit (lowest
-held-in residual of a one-layer ridge map), among a window of candidates around the
-nearest-by-depth layer.
-
-The ridge can shrink toward a prior map W0 instead of zero (`prior`): the identity on the
-nearest-by-depth layer where head geometry matches, or a translator file (e.g. the fit of a
-related pair); `alpha_grid` picks the strength per target layer and kind by the residual on
-held-out documents (moments accumulated apart, then added back for the final solve).
+With no layer map and nu > 1, each target layer reads the nu best single-layer fits within a
+window around the nearest-by-depth layer. The ridge shrinks toward a prior W0 (`prior`: zero,
+the identity, or a translator file); `alpha_grid` picks its strength per layer and kind by the
+residual on held-out documents.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlx_kvlingo.kv.capture import layer_features, trace
@@ -169,6 +163,17 @@ def residual(xtx, xty, sx, sy, yy, n, w, b) -> float:
     )
 
 
+def _features(pair, ex, cut: str, skip: int = 0, s_span=None, t_span=None) -> dict:
+    """{kind: (source, target) layer features} of an example's positions from `skip` on (spans
+    traced here unless given)."""
+    tokens = ex.prefix + ex.continuation
+    s_span = s_span if s_span is not None else trace(pair.source, tokens, cut)
+    t_span = t_span if t_span is not None else trace(pair.target, tokens, cut)
+    return {
+        k: (layer_features(s_span, k)[:, skip:], layer_features(t_span, k)[:, skip:]) for k in KINDS
+    }
+
+
 def _select_layers(pair, examples, cfg: Stage1Config) -> dict[str, list[list[int]]]:
     """Pick nu source layers per target layer, for K and V, by single-layer ridge fit quality."""
     Ls, Lt = pair.source.geometry.layers, pair.target.geometry.layers
@@ -180,11 +185,7 @@ def _select_layers(pair, examples, cfg: Stage1Config) -> dict[str, list[list[int
     needed = sorted({(kind, t, (s,)) for kind in KINDS for t in range(Lt) for s in cands[t]})
     m = Moments()  # every position, position 0 too
     for ex in examples[: cfg.selection_examples]:
-        tokens = ex.prefix + ex.continuation
-        s_span = trace(pair.source, tokens, cfg.key_cut)
-        t_span = trace(pair.target, tokens, cfg.key_cut)
-        features = {k: (layer_features(s_span, k), layer_features(t_span, k)) for k in KINDS}
-        m.add(features, needed, len(tokens))
+        m.add(_features(pair, ex, cfg.key_cut), needed, len(ex.prefix + ex.continuation))
     maps = {}
     for kind in KINDS:
         rows = []
@@ -207,16 +208,10 @@ def fit_closed_form(
 
 
 def fit_many(pair, examples, cfgs: list[Stage1Config], progress=None) -> list[Translator]:
-    """Fit several translators from one pass over the data (variants sharing a key cut).
-
-    With an `alpha_grid` in any config, the documents `is_validation` picks are accumulated
-    apart and used to choose alpha (then added back for the final solve).
-    """
-    acc = Stage1Accumulator(pair, cfgs, examples)
-    acc.add_all(
-        examples, VALIDATION_FRACTION if any(c.alpha_grid for c in cfgs) else None, progress
-    )
-    return acc.solve()
+    """Fit several translators (sharing a key cut) from one pass over the data; with an
+    `alpha_grid`, the `is_validation` documents choose alpha, then join the final solve."""
+    fraction = VALIDATION_FRACTION if any(c.alpha_grid for c in cfgs) else None
+    return Stage1Accumulator(pair, cfgs, examples).add_all(examples, fraction, progress).solve()
 
 
 def document_of(ex) -> str:
@@ -232,12 +227,8 @@ def is_validation(ex, fraction: float) -> bool:
 
 class Stage1Accumulator:
     """Streaming normal equations for several configs (one key cut); `solve()` at any point.
-
-    Two `Moments` splits, `fit` and `validation`, each keyed by input layers and target layer,
-    so configs that read the same layers (e.g. headwise and mixing) share them. `add` accepts
-    precomputed spans (callers that fit several pairs sharing a target trace it once);
-    `add_all` is the one streaming pass `fit_many` makes.
-    """
+    Two `Moments` splits, `fit` and `validation`, keyed by input layers and target layer: configs
+    that read the same layers share them. `add` accepts precomputed spans."""
 
     def __init__(self, pair, cfgs: list[Stage1Config], selection_examples=()):
         cuts = {c.key_cut for c in cfgs}
@@ -278,15 +269,10 @@ class Stage1Accumulator:
 
     def add(self, ex, validation: bool = False, s_span=None, t_span=None) -> None:
         """Accumulate one example (into the validation moments with `validation`)."""
-        tokens = ex.prefix + ex.continuation
-        s_span = s_span if s_span is not None else trace(self.pair.source, tokens, self.cut)
-        t_span = t_span if t_span is not None else trace(self.pair.target, tokens, self.cut)
         skip = 1 if self.cfgs[0].native_first else 0  # position 0 stays native: not fitted
-        features = {
-            kind: (layer_features(s_span, kind)[:, skip:], layer_features(t_span, kind)[:, skip:])
-            for kind in KINDS
-        }
-        (self.validation if validation else self.fit).add(features, self.needed, len(tokens))
+        features = _features(self.pair, ex, self.cut, skip, s_span, t_span)
+        moments = self.validation if validation else self.fit
+        moments.add(features, self.needed, len(ex.prefix + ex.continuation))
 
     def add_all(self, examples, validation_fraction: float | None = None, progress=None):
         """Accumulate `examples` in order; with a `validation_fraction`, the documents
@@ -313,18 +299,12 @@ class Stage1Accumulator:
         ]
 
 
-# -- priors ------------------------------------------------------------------------------------
-
-
 def _prior_maps(prior: str) -> dict | None:
     """A translator-file prior fixes the layer maps (its weights only fit those)."""
     if prior in PRIORS:
         return None
     config = config_from_metadata(read_metadata(Path(prior)))
-    return {
-        "key": [list(r) for r in config.key_layers],
-        "value": [list(r) for r in config.value_layers],
-    }
+    return {kind: [list(r) for r in getattr(config, f"{kind}_layers")] for kind in KINDS}
 
 
 def prior_weights(config: TranslatorConfig, prior: str) -> dict | None:
@@ -366,9 +346,6 @@ def prior_weights(config: TranslatorConfig, prior: str) -> dict | None:
             for kind in KINDS}  # fmt: skip
 
 
-# -- solving -----------------------------------------------------------------------------------
-
-
 def _finish_split(config, cfg, maps, prior, m: Moments, fit: Moments, val: Moments) -> Translator:
     """The translator solved from the moments `m`; with an alpha grid (and both splits
     non-empty), alpha per target layer by the residual on `val` of the map fitted on `fit`."""
@@ -381,21 +358,16 @@ def _finish_split(config, cfg, maps, prior, m: Moments, fit: Moments, val: Momen
             w0 = None if prior is None else prior[kind][t]
             alpha = cfg.alpha
             if grid:
-                residuals = [
-                    _validation_residual(
-                        config, kind, t, layers, fit, val, w0, replace(cfg, alpha=a)
-                    )
-                    for a in grid
-                ]
-                alpha = grid[int(np.argmin(residuals))]
+                at = (config, kind, t, layers, fit, val, w0, cfg.bias)
+                alpha = grid[int(np.argmin([_validation_residual(*at, a) for a in grid]))]
             alphas.append(alpha)
             problem = m.problem(kind, t, layers)
             _, _, _, sy, yy, n = problem
-            w, b, sse = _solve(config, kind, problem, replace(cfg, alpha=alpha), w0)
+            w, b, sse = _solve(config, kind, problem, alpha, cfg.bias, w0)
             sst = yy - (sy @ sy) / n
             r2.append(1 - sse / max(sst, 1e-12))
             if alpha != 0:  # the unregularized fit, for the report
-                sse0 = _solve(config, kind, problem, replace(cfg, alpha=0.0))[2]
+                sse0 = _solve(config, kind, problem, 0.0, cfg.bias)[2]
                 r2_alpha0.append(1 - sse0 / max(sst, 1e-12))
             ws.append(w)
             bs.append(b)
@@ -425,9 +397,9 @@ def _finish_split(config, cfg, maps, prior, m: Moments, fit: Moments, val: Momen
     return tr
 
 
-def _validation_residual(config, kind, t, layers, fit: Moments, val: Moments, w0, cfg) -> float:
+def _validation_residual(config, kind, t, layers, fit: Moments, val: Moments, w0, center, alpha):
     """Residual on the validation moments of the map fitted on the fitting moments alone."""
-    w, b, _ = _solve(config, kind, fit.problem(kind, t, layers), cfg, w0)
+    w, b, _ = _solve(config, kind, fit.problem(kind, t, layers), alpha, center, w0)
     return _sse(config, kind, val.problem(kind, t, layers), w, b)
 
 
@@ -446,18 +418,18 @@ def _head_blocks(config: TranslatorConfig, kind):
     ]
 
 
-def _solve(config: TranslatorConfig, kind, problem: tuple, cfg, prior=None):
+def _solve(config: TranslatorConfig, kind, problem: tuple, alpha: float, center: bool, prior=None):
     """(W, b, residual) on `problem` (`Moments.problem`). Mixing: one solve. Headwise: per
     head, on the head's blocks of the same moments."""
     xtx, xty, sx, sy, _, n = problem
     if config.variant == "mixing":
-        w, b = ridge(xtx, xty, sx, sy, n, cfg.alpha, cfg.bias, prior)
+        w, b = ridge(xtx, xty, sx, sy, n, alpha, center, prior)
         return w, b, _sse(config, kind, problem, w, b)
     ws, bs = [], []
     for h, (idx, out) in enumerate(_head_blocks(config, kind)):
         w0 = None if prior is None else prior[h]
         w, b = ridge(xtx[np.ix_(idx, idx)], xty[np.ix_(idx, out)], sx[idx], sy[out], n,
-                     cfg.alpha, cfg.bias, w0)  # fmt: skip
+                     alpha, center, w0)  # fmt: skip
         ws.append(w)
         bs.append(b)
     w, b = np.stack(ws), np.stack(bs)

@@ -45,11 +45,9 @@ def content_examples(pair, texts: Sequence[str], n: int, lengths: Sequence[int] 
                      kinds: Sequence[str] = DEFAULT_KINDS, seed: int = 0, cache_file: str | Path | None = None,
                      on_example: Callable[[int], None] | None = None,
                      batch: int = 16) -> list[Example]:  # fmt: skip
-    """`n` content tasks spread over `lengths` and `kinds`, each with the target's answer.
-
-    With `cache_file`, answers already there (same seed, same task tokens) are reused and new
-    ones appended as each batch of `batch` is made; `on_example(done)` reports progress.
-    """
+    """`n` content tasks spread over `lengths` and `kinds`, each with the target's answer; with
+    `cache_file`, answers there (same seed and task tokens) are reused, new ones appended per
+    batch. `on_example(done)` reports progress."""
     tasks, keys = _tasks_and_keys(pair, texts, n, lengths, kinds, seed)
     path = Path(cache_file) if cache_file else None
     done = _read_cache(path)
@@ -114,13 +112,11 @@ def unanswered(pair, texts: Sequence[str], n: int, lengths: Sequence[int] = (128
 
 def write_shipped_data(folder: str | Path | None = None) -> Path:
     """`shipped_texts()` as a JSONL folder `load_examples` reads (written once, then reused)."""
-    from mlx_kvlingo._platform.cachedir import build_atomically, stamp_ok
+    from mlx_kvlingo._platform.cachedir import build_atomically
     from mlx_kvlingo.models.demo.smollm2 import cache_root
 
     folder = Path(folder) if folder else cache_root() / "data" / "shipped"
     stamp = {"kind": "shipped-text", "version": 1}
-    if stamp_ok(folder, stamp, "kvlingo.json"):
-        return folder
 
     def build(tmp: Path) -> None:
         lines = [json.dumps({"text": t}) for t in shipped_texts()]

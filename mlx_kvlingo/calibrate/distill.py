@@ -84,14 +84,9 @@ def _example_at(position: int, n: int, seed: int) -> int:
 def save_checkpoint(
     folder: Path, translator, optimizer, step: int, cfg, history, pair=None, best=None
 ) -> None:
-    """Write a resumable checkpoint; a process killed at any point leaves the previous one.
-
-    The step's translator and optimizer state go to files named after the step, each written
-    atomically; `state.json`, replaced last, names them and is the commit: until it is
-    replaced, a resume reads the previous step's files, which are removed only afterwards.
-    `translator.safetensors` is then pointed at the new translator (the last good one, for
-    use as a translator file). `best.safetensors`, when present, is the held-out best so far.
-    """
+    """Write a resumable checkpoint; a process killed at any point leaves the previous one:
+    the step's files (named after it) first, then `state.json`, which names them (the commit),
+    then `translator.safetensors` linked to the new translator and the old step's files removed."""
     folder.mkdir(parents=True, exist_ok=True)
     names = {"translator": f"translator-{step:07d}.safetensors",
              "optimizer": f"optimizer-{step:07d}.safetensors"}  # fmt: skip
@@ -136,16 +131,11 @@ def distill(
     """Train `translator` in place; returns it with `metadata['calibration']['stage2']` filled.
 
     With `checkpoint_dir`, saves every `save_every` steps, on Ctrl-C, and when the loss turns
-    NaN (then raises `TrainingDivergedError` naming the step); `resume` continues exactly
-    (weights, optimizer moments, data position). `stop_after` ends early after that many steps
-    in this call (for tests of resumption). `progress(step, steps, note)` after each step
-    (mlx-lm's prompt progress callback shape, and a note: the loss and tokens per second).
-
-    With held-out examples, every `eval_every` steps records the held-out KL and top-1
-    agreement with the native target; with `keep_best` the translator returned (and
-    `best.safetensors` in the checkpoint folder) holds the parameters of the lowest held-out
-    KL, the starting point included; `patience` stops after that many evaluations without a
-    new best.
+    NaN (`TrainingDivergedError`); `resume` continues exactly (weights, optimizer moments, data
+    position); `stop_after` ends after that many steps in this call. `progress(step, steps,
+    note)` after each step. With held-out examples, every `eval_every` steps records the
+    held-out KL and top-1 agreement; `keep_best` returns (and saves as `best.safetensors`) the
+    lowest held-out KL's parameters, the start included; `patience`: evaluations without one.
     """
     ckpt = Path(checkpoint_dir) if checkpoint_dir else None
     key_cut = translator.config.key_cut

@@ -135,9 +135,11 @@ class TaskBuilder:
 
     def _fit(self, length: int, make) -> tuple[list[int], dict]:
         """`make(budget)` -> (user text, what it drew); the budget is tuned so the prompt is ~`length` tokens
-        (the closest of a few tries: whole sentences make it a little over or under)."""
-        budget, best = max(8, length - 40), None
+        (the closest of a few tries: whole sentences make it a little over or under). Every try
+        draws from the same random state: the same text, only its length changes."""
+        budget, best, state = max(8, length - 40), None, self.rng.getstate()
         for _ in range(5):
+            self.rng.setstate(state)
             user, drawn = make(budget)
             tokens = self._template(user)
             if best is None or abs(len(tokens) - length) < abs(len(best[0]) - length):
@@ -158,10 +160,8 @@ class TaskBuilder:
         text, then `tail` (which asks `question`); the task's depth is the first sentence's."""
         hidden = [hidden] if isinstance(hidden, str) else hidden
         depths = depths or [self.rng.choice(DEPTHS)]
-        state = self.rng.getstate()
 
         def make(budget):
-            self.rng.setstate(state)  # the same text on every retry, only its length changes
             used = sum(map(self._count, hidden)) + self._count(question)
             filler = self._run(budget - used)
             at = [round(d * len(filler)) for d in depths]
@@ -197,10 +197,7 @@ class TaskBuilder:
         return self._hidden("copy", length, marked, question, question, sentence)
 
     def _passage(self, length: int, kind: str, question_of) -> ContentTask:
-        state = self.rng.getstate()
-
         def make(budget):
-            self.rng.setstate(state)
             passage = self._run(budget)
             question, detail = question_of(passage)
             return f"{' '.join(passage)}\n\n{question}", {"q": question, "detail": detail}

@@ -108,10 +108,8 @@ def _read_text(path: Path) -> str:
 
 
 def validate_data(path: str | Path) -> dict:
-    """Read and check every file under `path` (no tokenizer needed); a summary of what is there.
-
-    Raises `DataError` naming the file and line of the first problem.
-    """
+    """Read and check every file under `path` (no tokenizer needed); a summary of what is there
+    (`DataError` naming the file and line of the first problem)."""
     kinds = [kind for _, kind, _ in _documents(path)]
     return {"files": len(_files(Path(path))), "chats": kinds.count("chat"),
             "texts": kinds.count("text")}  # fmt: skip
@@ -128,10 +126,8 @@ def _documents(path: str | Path):
 
 
 def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
-    """Examples at assistant replies: prefix up to the reply's header, continuation = reply.
-
-    Up to `replies_per_chat` replies are drawn per conversation (seeded), for diversity.
-    """
+    """Examples at assistant replies: prefix up to the reply's header, continuation = reply;
+    up to `replies_per_chat` replies per conversation (seeded)."""
     out = []
     replies = [i for i, m in enumerate(msgs) if m["role"] == "assistant" and i > 0]
     if cfg.replies_per_chat is not None and len(replies) > cfg.replies_per_chat:
@@ -196,11 +192,8 @@ def _text_example(name, tokens, rng: random.Random, cfg: DataConfig) -> Example 
 
 
 def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
-    """Return (train, heldout) example lists, deterministic for `cfg.seed`.
-
-    Documents (a conversation, or a block of a text file) are split between train and
-    held-out before any example is drawn, so no held-out text is ever trained on.
-    """
+    """(train, heldout) examples, deterministic for `cfg.seed`. Documents (a conversation, or a
+    block of a text file) are split before any example is drawn: no held-out text is trained on."""
     rng = random.Random(cfg.seed)
     docs: list[tuple[str, object]] = []
     for name, kind, record in _documents(path):

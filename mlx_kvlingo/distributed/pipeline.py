@@ -13,11 +13,9 @@ rank 0 the LAST layers, rank N-1 the first):
     wire "target": rank 0 maps every target layer, rank r is sent its rows (b_r - a_r layers)
     every rank: k_norm (pre_norm cut), RoPE at the span's positions, native first token, dtype
 
-Bytes to rank r per span token (float32, the translation's working dtype):
-    "source": 4 * |S_r| * H_s * (D_s + Dv_s)        "target": 4 * (b_r - a_r) * H_t * (D_t + Dv_t)
-`wire="auto"` sends the fewer. Only MLX moves data (send/recv, all_sum); nothing here opens a
-socket. A rank that dies surfaces on the others as `RankLostError`; one that never connects
-or hangs blocks inside MLX with the GIL held, so `watchdog` ends the process with one line.
+`wire="auto"` sends the fewer bytes (`bytes_per_token`). Only MLX moves data. A rank that dies
+surfaces on the others as `RankLostError`; one that never connects or hangs blocks inside MLX
+with the GIL held, so `watchdog` ends the process with one line.
 """
 
 from __future__ import annotations
@@ -102,15 +100,9 @@ def _lost_as_error(what: str):
         raise
 
 
-# -- the target, pipelined ---------------------------------------------------------------
-
-
 def pipeline_model(model, group) -> None:
-    """Keep only this rank's layers of an mlx-lm model, with mlx-lm's own `pipeline()`.
-
-    mlx-lm has no `pipeline()` for llama: there its split (`PipelineMixin.pipeline`) and its
-    pipelined forward (qwen2's) are applied here.
-    """
+    """Keep only this rank's layers of an mlx-lm model, with mlx-lm's own `pipeline()` (for
+    llama, which has none: `PipelineMixin.pipeline` and qwen2's pipelined forward)."""
     inner = model.model
     if hasattr(inner, "pipeline"):
         inner.pipeline(group)
@@ -133,11 +125,8 @@ def pipeline_model(model, group) -> None:
 
 
 def load_pipelined(path: str | Path, group) -> LoadedModel:
-    """This rank's share of the target: a LoadedModel whose layers are the rank's own.
-
-    Families mlx-lm pipelines load through `mlx_lm.utils.sharded_load` (each rank reads only
-    its files); llama through a lazy `mlx_lm.load` and `pipeline_model`.
-    """
+    """This rank's share of the target, through `mlx_lm.utils.sharded_load` (each rank reads
+    only its files); llama through a lazy `mlx_lm.load` and `pipeline_model`."""
     from mlx_lm import load as mlx_lm_load
     from mlx_lm.utils import sharded_load
 
@@ -155,9 +144,6 @@ def load_pipelined(path: str | Path, group) -> LoadedModel:
         _eval(model.parameters())
         _eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
     return LoadedModel(name, model, tokenizer, config, geometry_of(model, config), _folder_of(name))
-
-
-# -- the pair across ranks ---------------------------------------------------------------
 
 
 @dataclass
@@ -217,12 +203,8 @@ class ShardedPair:
 
 
 def load_sharded_pair(source, target, translator, group, wire: str, timeout) -> ShardedPair:
-    """Load the pair on every rank: the source on rank 0 only, the target pipelined.
-
-    The source stays on rank 0 (where the prompt is read): the other ranks need neither its
-    weights nor its memory. `translator` is a file every rank can read; each rank checks it
-    against the whole target, rank 0 also against the pair.
-    """
+    """Load the pair on every rank: the source on rank 0 only, the target pipelined;
+    `translator` a file every rank reads and checks against the whole target (rank 0: the pair)."""
     from mlx_kvlingo.models.files import check_pair, load_translator, read_metadata
     from mlx_kvlingo.models.pair import check_same_tokenizer, load_model
 
@@ -245,9 +227,6 @@ def load_sharded_pair(source, target, translator, group, wire: str, timeout) -> 
     return ShardedPair(group, src, tgt, tr, owners, wire, timeout)
 
 
-# -- rank 0 speaks, the others listen ------------------------------------------------------
-
-
 def _broadcast(x: mx.array, group, timeout, what="waiting for rank 0") -> mx.array:
     """Rank 0's `x` on every rank (a sum where the others add zeros); shapes must agree."""
     x = x if group.rank() == 0 else mx.zeros_like(x)
@@ -257,18 +236,13 @@ def _broadcast(x: mx.array, group, timeout, what="waiting for rank 0") -> mx.arr
     return y
 
 
-# -- one switch ------------------------------------------------------------------------------
-
-
 def place(
     sp: ShardedPair, span: SpanKV | None, wire: str, length: int, start: int, first: int
 ) -> tuple[list, list, int]:
-    """Every rank (SPMD): this rank's target layers' K/V for a translated span, ready to append
-    to its cache, and the bytes it sent (rank 0) or received.
-
-    Rank 0 passes the source span (RoPE-free, tokens [start, start + length)); the others pass
-    None and receive what `wire` sends them. `first` is the span's first token id when it
-    starts at 0, else -1 (a native-first translator keeps the target's own K/V there)."""
+    """Every rank (SPMD): this rank's target layers' K/V for a translated span, ready to append,
+    and the bytes it sent (rank 0) or received. Rank 0 passes the source span (RoPE-free,
+    tokens [start, start + length)), the others None; `first`: the span's first token id when
+    it starts at 0, else -1 (a native-first translator keeps the target's own K/V there)."""
     with deadline(sp.rank, sp.timeout, f"placing a {length}-token span"):
         if sp.rank == 0:
             payloads, sent = _send_payloads(sp, span, wire)

@@ -1,14 +1,10 @@
 """A conversation whose large model is pipelined over `mlx.launch` ranks: rank 0 leads.
 
-Rank 0 runs everything a single process runs (the real `Session`, `kvlingo chat`, the API)
-with the small model and its own target layers. Its target model is `_Mirrored`: each forward
-call it makes (a prefill chunk, each decoding step of mlx-lm's `stream_generate`, teacher
-forcing) is first announced to the other ranks, which run the same call on their layers and
-their copy of the same cache, so mlx-lm's pipeline (send/recv/all_gather inside the model)
-meets on every rank. Only rank 0 samples. A translated span is placed by
-`distributed.place` (each rank is sent only what its layers need); a switch back to the
-small model gathers the span's target K/V on rank 0. The other ranks run `follow`, a loop
-over rank 0's commands; they never see the conversation's text.
+Rank 0 runs everything a single process runs, with the small model and its own target layers.
+Its target model is `_Mirrored`: each forward call is first announced to the other ranks, which
+run it on their layers and their copy of the cache, so mlx-lm's pipeline meets on every rank;
+only rank 0 samples. `place` puts a translated span on every rank; a switch back gathers the
+span's target K/V on rank 0. The other ranks run `follow`, a loop over rank 0's commands.
 
 A command is a small all_sum from rank 0, [op, cache id, cache offset, n, start, wire, first],
 then one with its token ids (forward) or dropped cache ids (drop).
@@ -86,8 +82,6 @@ class Link:
         if _open is self:
             _open = None
 
-    # -- commands --------------------------------------------------------------------------
-
     def _command(
         self, op: int, cache: list | None = None, n=0, start=0, wire=0, first=0, body=None
     ):
@@ -136,8 +130,6 @@ class Link:
             setattr(head, _ID, cid)
             weakref.finalize(head, self._dropped.append, cid)
         return cid
-
-    # -- what the session asks for ---------------------------------------------------------
 
     def forward(self, inputs: mx.array, cache: list) -> None:
         """Announce a forward call of the target on `cache` (rank 0 then runs its own part)."""
@@ -222,10 +214,9 @@ def _uninterrupted():
 
 @contextmanager
 def _last_stage_only():
-    """mlx-lm's pipelined forward ends in an all_gather so that every rank gets the last stage's
-    output (its generation samples on every rank). Here only rank 0, the last stage, samples:
-    the all_gather is left out on every rank while the forward is built (the same graph on
-    each rank otherwise; no rank waits for an output it does not need)."""
+    """mlx-lm's pipelined forward ends in an all_gather of the last stage's output (it samples
+    on every rank); here only rank 0, the last stage, samples: the all_gather is left out on
+    every rank while the forward is built."""
     real = mx.distributed.all_gather
     mx.distributed.all_gather = lambda x, *args, **kwargs: x
     try:
@@ -234,14 +225,9 @@ def _last_stage_only():
         mx.distributed.all_gather = real
 
 
-# -- loading, and the ranks that follow ----------------------------------------------------
-
-
 def follow(sp: ShardedPair) -> None:
-    """Ranks > 0: run rank 0's commands on this rank's layers until it says stop.
-
-    An error here (a lost rank 0, a cache out of step) ends this process with a message:
-    rank 0 then sees the rank as lost instead of waiting for it."""
+    """Ranks > 0: run rank 0's commands on this rank's layers until it says stop. An error here
+    ends this process with a message: rank 0 then sees the rank as lost, not waiting for it."""
     caches: dict[int, list] = {}
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for rank 0 (it stops a turn)
@@ -293,29 +279,21 @@ def follow(sp: ShardedPair) -> None:
 
 def load_runtime(source, target, translator, backward, demo_pair: str | None, *, wire: str = "auto",
                  timeout=None) -> tuple[ModelPair, Any, Any, Link]:  # fmt: skip
-    """Every rank: load a named pair or the demo pair `demo_pair`, the large model pipelined over
-    the `mlx.launch` ranks, the forward translator a file every rank reads.
-
-    Rank 0 gets (pair, forward, backward, link): the pair's large model is its share, mirrored
-    to the other ranks, with the whole model's geometry. The other ranks serve rank 0 until it
-    closes the link, then end their process with `SystemExit(0)` (so code after the load runs
-    on rank 0 only)."""
+    """Every rank: load a named pair or the demo pair, the large model pipelined over the
+    `mlx.launch` ranks, the forward translator a file every rank reads. Rank 0 gets (pair,
+    forward, backward, link), its large model its share mirrored to the others, with the whole
+    model's geometry; the other ranks serve rank 0 until it closes the link, then `SystemExit(0)`."""
     from mlx_kvlingo.kv.translator import Translator
-    from mlx_kvlingo.models.demo import pair as demo
     from mlx_kvlingo.models.files import load_translator
-    from mlx_kvlingo.models.loading import resolve_translator_spec, which_demo
+    from mlx_kvlingo.models.loading import demo_folders, resolve_translator_spec
 
     global _open
     if _open is not None:
         raise DistributedError("close the open distributed runtime before loading another")
     if isinstance(translator, Translator):
         raise ValueError("a distributed runtime takes a translator file (every rank reads it)")
-    demo_pair = which_demo(source, target, demo_pair)
-    small = None
-    if demo_pair is not None:
-        small = demo.source_for(translator, demo_pair)
-        source, target = demo.demo_models(demo_pair, small)
-    elif translator is None:
+    source, target, demo_pair, small = demo_folders(source, target, translator, backward, demo_pair)
+    if demo_pair is None and translator is None:
         raise ValueError("a distributed runtime needs the small -> large translator")
     path = resolve_translator_spec(translator, False, demo_pair, small)
     if not isinstance(backward, Translator):

@@ -1,10 +1,5 @@
-"""A Hub model card for translator files, generated from their metadata only.
-
-What a card says comes from each file's `kvlingo` metadata (format.py): the pair and, for a
-converted file, the original names and revisions (`provenance`); variant, nu, key cut, dtype;
-the calibration data and report (`calibration`); the held-out quality table
-(`calibration.stage2.heldout`, else `stage1`). Nothing is typed in by hand, so a card cannot
-claim more than the file records.
+"""A Hub model card for translator files, generated from their `kvlingo` metadata only (pair,
+provenance, variant, calibration, held-out table): a card cannot claim more than the files record.
 """
 
 from __future__ import annotations
@@ -12,11 +7,9 @@ from __future__ import annotations
 import json
 
 
-def _hub_id(name) -> str | None:
-    """A model name that looks like a Hub id (org/name, not a local path)."""
-    if not isinstance(name, str) or name.startswith(("/", ".", "~")) or name.count("/") != 1:
-        return None
-    return name
+def _hub_id(name: str) -> str | None:
+    """A name as `_shown` gives it, when it is a Hub id (org/name); else None."""
+    return name if "/" in name else None
 
 
 def _shown(name: str) -> str:

@@ -175,10 +175,6 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
     for label in ("bias", "native_first"):
         if not isinstance(meta.get(label, False), bool):
             raise TypeError(f"{label} must be true or false")
-    if meta["variant"] not in Translator.VARIANTS:  # 0.1.0's "lowrank" included
-        raise ValueError(
-            f"unknown variant {meta['variant']!r}; expected one of {Translator.VARIANTS}"
-        )
     skip = {
         "schema", "schema_version", "variant", "key_cut", "bias", "key_layers",
         "value_layers", "source", "target", "native_first",
@@ -230,10 +226,9 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
             )
         if not np.isfinite(np.array(tensors[name].astype(mx.float32))).all():
             raise TranslatorFileError(f"{path}: tensor {name} contains NaN or Inf")
-    if dtype == "auto":
-        from mlx_kvlingo.models.pair import default_dtype
+    from mlx_kvlingo.models.pair import default_dtype
 
-        dtype = default_dtype()
+    dtype = default_dtype(dtype)
     if dtype is not None:
         tensors = {k: v.astype(dtype) for k, v in tensors.items()}
     tr = Translator(config, dtype=next(iter(tensors.values())).dtype)

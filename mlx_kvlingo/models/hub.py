@@ -5,11 +5,9 @@
     org/name@v1.0               the same at a branch, tag or commit (pinned)
     org/name:forward.safetensors, org/name@abc123:sub/dir/file.safetensors   one file
 
-An existing local path always wins over a Hub id. Files come through `huggingface_hub`
-(`hf_hub_download`, `snapshot_download`) into the user's Hub cache (`HF_HOME`,
-`HF_HUB_CACHE`), from `HF_ENDPOINT`; with `HF_HUB_OFFLINE=1` only the cache is read. A repo
-folder for upload holds the translator file(s), their `manifest.json` and a model card
-generated from the files' metadata (`build_repo_folder`, `upload`).
+An existing local path always wins over a Hub id. Files come through `huggingface_hub` into its
+cache (`HF_HUB_OFFLINE=1`: the cache only). An upload folder holds the translator file(s), their
+`manifest.json` and a model card generated from their metadata.
 """
 
 from __future__ import annotations
@@ -128,9 +126,6 @@ def resolve_translator(text: str | Path, reverse: bool = False) -> Path:
     raise HubError(
         f"{spec}: {len(files)} translators and no manifest.json default; name one: {named}"
     )
-
-
-# -- publishing ---------------------------------------------------------------------------
 
 
 def build_repo_folder(

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mlx_kvlingo.kv.translator import Translator
-from mlx_kvlingo.models.demo import DEMO_PAIRS
+from mlx_kvlingo.models.demo import check_demo_pair
 
 
 def resolve_translator_spec(spec: str | Path | None, reverse: bool = False,
@@ -52,14 +52,29 @@ def which_demo(source, target, demo_pair: str | None) -> str | None:
     """The demo pair to load ("dense" by default, with neither model named), or None for the
     named pair (both named). A ValueError otherwise."""
     if source is None and target is None:
-        if (demo_pair or "dense") not in DEMO_PAIRS:
-            raise ValueError(f"unknown demo pair {demo_pair!r} (known: {', '.join(DEMO_PAIRS)})")
+        check_demo_pair(demo_pair or "dense")
         return demo_pair or "dense"
     if source is None or target is None:
         raise ValueError("give both source and target, or neither for the demo pair")
     if demo_pair is not None:
         raise ValueError("a demo pair is chosen by name only without source/target")
     return None
+
+
+def demo_folders(source, target, translator, backward, demo_pair: str | None) -> tuple:
+    """(source, target, demo pair or None, its small model or None): the named models, or the
+    demo pair's folders (built on first use) with the small model the named translator reads
+    (the backward one's when only it is named; default: the pair's)."""
+    demo_pair = which_demo(source, target, demo_pair)
+    if demo_pair is None:
+        return source, target, None, None
+    from mlx_kvlingo.models.demo import pair as demo
+
+    if translator is not None or backward is None:
+        small = demo.source_for(translator, demo_pair)
+    else:
+        small = demo.source_for(backward, demo_pair, reverse=True)
+    return *demo.demo_models(demo_pair, small), demo_pair, small
 
 
 def load_models_and_translators(source: str | Path | None = None, target: str | Path | None = None,
@@ -71,17 +86,7 @@ def load_models_and_translators(source: str | Path | None = None, target: str | 
     (its shipped translators unless named); each translator checked against its direction."""
     from mlx_kvlingo.models.pair import load_pair
 
-    small = None  # the demo source, for a demo pair
-    demo_pair = which_demo(source, target, demo_pair)
-    if demo_pair is not None:
-        from mlx_kvlingo.models.demo import pair as demo
-
-        # the small model is the demo source the named translator reads (default: the pair's)
-        if translator is not None or backward is None:
-            small = demo.source_for(translator, demo_pair)
-        else:
-            small = demo.source_for(backward, demo_pair, reverse=True)
-        source, target = demo.demo_models(demo_pair, small)
+    source, target, demo_pair, small = demo_folders(source, target, translator, backward, demo_pair)
     pair = load_pair(source, target, dtype=dtype)
     forward = _translator(translator, pair, False, demo_pair, small)
     back = _translator(backward, pair.reversed(), True, demo_pair, small)
@@ -91,7 +96,4 @@ def load_models_and_translators(source: str | Path | None = None, target: str | 
 def demo_paths(demo_pair: str | None, translator: Any = None) -> tuple[Path, Path]:
     """The demo pair's (source folder, target folder), built on first use; the source is the
     one `translator` reads (None: the pair's default)."""
-    from mlx_kvlingo.models.demo import pair as demo
-
-    demo_pair = demo_pair or "dense"
-    return demo.demo_models(demo_pair, demo.source_for(translator, demo_pair))
+    return demo_folders(None, None, translator, None, demo_pair)[:2]

@@ -114,17 +114,18 @@ def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
                       k_norm, dtype.replace("mlx.core.", ""))  # fmt: skip
 
 
-def default_dtype() -> mx.Dtype | None:
-    """float32 on the CPU backend (bf16 and quantized matmuls are slow there); as stored on a
-    GPU (Metal or CUDA)."""
+def default_dtype(dtype="auto") -> mx.Dtype | None:
+    """`dtype`, or for "auto": float32 on the CPU backend (bf16 and quantized matmuls are slow
+    there), None (as stored) on a GPU (Metal or CUDA)."""
+    if dtype != "auto":
+        return dtype
     return None if mx.default_device().type == mx.gpu else mx.float32
 
 
 def with_dtype(model, config: dict, dtype):
     """`model` in `dtype` ("auto": the backend's default; None: as stored), dequantized first
     when stored quantized; returns (model, the dtype applied or None)."""
-    if dtype == "auto":
-        dtype = default_dtype()
+    dtype = default_dtype(dtype)
     if dtype is not None:
         if "quantization" in config or "quantization_config" in config:
             model = dequantize_model(model)
@@ -182,10 +183,9 @@ _MODEL_FILES = {
 
 
 def tokenizer_identity(path: str | Path | LoadedModel) -> str | None:
-    """A digest of what mlx-lm builds a local model folder's tokenizer from: its tokenizer
-    files, byte for byte, and of its config the model type and end-of-sequence ids. Two folders
-    with the same digest get equal tokenizers (a pair's models often ship the same files: one
-    is then loaded, not two). None for a loaded model, a hub id or an unreadable folder."""
+    """A digest of what mlx-lm builds a local folder's tokenizer from (its tokenizer files, the
+    config's model type and end-of-sequence ids): equal digests, equal tokenizers (loaded once).
+    None for a loaded model, a hub id or an unreadable folder."""
     if isinstance(path, LoadedModel) or not Path(path).is_dir():
         return None
     folder = Path(path)
@@ -284,8 +284,7 @@ def estimate_bytes(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") ->
     if not (folder / "config.json").exists():
         return None
     config = json.loads((folder / "config.json").read_text())
-    if dtype == "auto":
-        dtype = default_dtype()
+    dtype = default_dtype(dtype)
     quant = config.get("quantization") or config.get("quantization_config") or {}
     bits = int(quant.get("bits", 4)) if quant else None
     total = 0

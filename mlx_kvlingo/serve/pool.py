@@ -41,9 +41,6 @@ class Pool:
     def __len__(self) -> int:
         return len(self._held)
 
-    def template(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-        return templated(self.tokenizer, messages, generation_prompt)
-
     def checkout(self, messages: list[dict[str, str]]
                  ) -> tuple[Conversation, list[dict[str, str]], int]:  # fmt: skip
         """The conversation to answer `messages` with, the history it still lacks (without the
@@ -55,7 +52,7 @@ class Pool:
             if n >= len(messages) or (best is not None and n <= best[0]):
                 continue
             if n not in prefixes:
-                prefixes[n] = tuple(self.template(messages[:n], False))
+                prefixes[n] = tuple(templated(self.tokenizer, messages[:n], False))
             if prefixes[n] == key:
                 best = (n, conv)
         if best is not None:
@@ -70,7 +67,7 @@ class Pool:
         """Hold `conv` for reuse under its current messages (dropping the least recently used)."""
         if self.size <= 0:
             return
-        self._held[conv] = tuple(self.template(conv.messages, False))
+        self._held[conv] = tuple(templated(self.tokenizer, conv.messages, False))
         self._held.move_to_end(conv)
         while len(self._held) > self.size:
             self._held.popitem(last=False)

@@ -1,10 +1,6 @@
-"""The OpenAI chat-completions wire format: requests checked into a `ChatRequest`, responses,
-stream chunks and error bodies built as plain dicts.
-
-A request is checked completely before it reaches the model pair: every bad field is an
-`APIError` (HTTP status + OpenAI error body `{"error": {"message", "type", "param", "code"}}`).
-Sampling fields map onto `Conversation.send`'s sampling keywords by `sampling_kwargs`: only fields
-the client set are passed (absent fields leave the answering model's defaults).
+"""The OpenAI chat-completions wire format: requests checked completely into a `ChatRequest`
+before they reach the pair (every bad field an `APIError`: HTTP status + OpenAI error body),
+responses, stream chunks and error bodies as plain dicts.
 """
 
 from __future__ import annotations
@@ -64,9 +60,6 @@ class ChatRequest:
     logprobs: bool = False
 
 
-# -- fields ------------------------------------------------------------------------------------
-
-
 def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None) -> float:
     v = body[name]
     if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -107,18 +100,11 @@ _SAMPLING = {
 
 
 def sampling_kwargs(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
-    """The `Conversation.send` keywords for a request: the sampling settings the client set
-    (merged over the answering model's defaults by the library) and `max_tokens`.
-
-    - temperature -> temp; top_p, seed (the library's one seed rule), and top_k, min_p,
-      repetition_penalty, repetition_context_size (as mlx_lm.server reads them) -> the field
-      of the same name, when the client set them;
-    - max_completion_tokens, else max_tokens (deprecated name) -> max_tokens, at most
-      `limits.max_tokens`; absent: `limits.default_max_tokens`;
-    - frequency_penalty / presence_penalty: 0 (OpenAI's default) is accepted and ignored;
-      another value is refused: mlx-lm's multiplicative repetition_penalty is a different
-      thing, and silently swapping one for the other would change what the client asked for.
-    """
+    """The `Conversation.send` keywords for a request: the `_SAMPLING` fields the client set
+    (over the answering model's defaults) and `max_tokens` (max_completion_tokens, else
+    max_tokens; at most `limits.max_tokens`, absent: `limits.default_max_tokens`).
+    frequency_penalty / presence_penalty other than 0 are refused: mlx-lm's multiplicative
+    repetition_penalty is another thing."""
     for name in ("frequency_penalty", "presence_penalty"):
         if _set(body, name) and _number(body, name, -2.0, 2.0) != 0:
             raise bad(f"{name} is not supported by this server (repetition_penalty is mlx-lm's)",
@@ -129,9 +115,6 @@ def sampling_kwargs(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
     if _set(body, name):
         max_tokens = _integer(body, name, 1, limits.max_tokens)
     return {**sampling, "max_tokens": max_tokens}
-
-
-# -- messages ----------------------------------------------------------------------------------
 
 
 def _content(m: dict, i: int) -> str:
@@ -227,9 +210,6 @@ def parse_request(body: Any, limits: Limits) -> ChatRequest:
         raise bad(f"at most {limits.max_stop} stop sequences", "stop", "invalid_value")
     send = sampling_kwargs(body, limits)
     return ChatRequest(model, messages, send, stop, stream, include_usage, logprobs)
-
-
-# -- responses ---------------------------------------------------------------------------------
 
 
 def new_id() -> str:

@@ -118,8 +118,6 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive for JSON answers; event streams close
     server_version = "kvlingo"
 
-    # -- plumbing ------------------------------------------------------------------------------
-
     def log_message(self, format: str, *args: Any) -> None:
         log.info("%s %s", self.address_string(), format % args)
 
@@ -176,8 +174,6 @@ class _Handler(BaseHTTPRequestHandler):
         except (OSError, ValueError):
             return True
 
-    # -- GET -----------------------------------------------------------------------------------
-
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         self._guarded(self._get)
 
@@ -197,8 +193,6 @@ class _Handler(BaseHTTPRequestHandler):
                 raise P.APIError(404, f"the model {path[len(prefix) :]!r} does not exist",
                                  code="model_not_found")  # fmt: skip
         raise P.APIError(404, f"no route {path!r}", code="not_found")
-
-    # -- POST ----------------------------------------------------------------------------------
 
     def do_POST(self) -> None:  # noqa: N802
         self._guarded(self._post)
@@ -272,9 +266,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _complete(self, job: Job, rid: str, model: str, deadline: float) -> None:
         pieces: list[tuple[str, float]] = []
-        while (
-            ev := self._next(job, deadline)
-        ) is not None:  # None: the client left, or time ran out
+        while (ev := self._next(job, deadline)) is not None:
             if ev[0] == "token":
                 pieces.append((ev[1], ev[2]))
             elif ev[0] == "error":
@@ -310,9 +302,7 @@ class _Handler(BaseHTTPRequestHandler):
         usage = req.include_usage
         if not send(P.chunk(rid, model, {"role": "assistant", "content": ""}, usage=usage)):
             return
-        while (
-            ev := self._next(job, deadline)
-        ) is not None:  # None: the client left, or time ran out
+        while (ev := self._next(job, deadline)) is not None:
             if ev[0] == "token":
                 lp = [(ev[1], ev[2])] if req.logprobs else None
                 if not send(P.chunk(rid, model, {"content": ev[1]}, pieces=lp, usage=usage)):

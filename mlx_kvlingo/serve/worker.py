@@ -3,15 +3,11 @@
     handler --submit(job)--> request thread: pair lock (waits) -> run --job.events--> handler
                              accepted | token... | done | error
 
-Invariant: all model work for a request (templating, matching a held conversation, reading,
-translating, decoding) runs while its thread holds the pair lock (`conversation/stream.py`), so MLX
-is never driven from two threads and held conversations change only under it. One request runs,
-at most `queue_size` wait (`QueueFull` beyond: 503). `Job.cancel()` (any thread) ends a wait or
-stops the generation after its current token; the conversation keeps what was emitted.
-
-Model `auto` is the library's cascade: the small answer is buffered until kept (confidence at
-or above `auto_threshold`, or cut by a stop sequence), else the large one answers live; a client
-never sees text that is then withdrawn.
+Invariant: all model work for a request runs while its thread holds the pair lock, so MLX is
+never driven from two threads and held conversations change only under it. One request runs, at
+most `queue_size` wait (`QueueFull`: 503). `Job.cancel()` ends a wait or stops after the current
+token. Model `auto`: the small answer is buffered until kept (confidence >= `auto_threshold`, or
+cut by a stop sequence), else the large one answers live; no client sees withdrawn text.
 """
 
 from __future__ import annotations
@@ -32,7 +28,7 @@ from mlx_kvlingo.api import (
     GenerationResponse,
     Pair,
 )
-from mlx_kvlingo.serve.pool import Pool
+from mlx_kvlingo.serve.pool import Pool, templated
 from mlx_kvlingo.serve.protocol import APIError, ChatRequest, Limits
 
 log = logging.getLogger("mlx_kvlingo.serve")
@@ -108,10 +104,6 @@ class _StopScan:
         out, self.sent = self.text[self.sent :], len(self.text)
         return out
 
-    @property
-    def released(self) -> str:
-        return self.text[: self.sent]
-
 
 class Worker:
     """Requests over one pair: `submit` jobs, `close` when done."""
@@ -132,8 +124,6 @@ class Worker:
         self.running: Job | None = None  # the job holding the pair
         self._closing = False
 
-    # -- the handler side ----------------------------------------------------------------------
-
     def submit(self, job: Job) -> None:
         if self._closing or not self._slots.acquire(blocking=False):
             raise QueueFull
@@ -153,8 +143,6 @@ class Worker:
         wait([f for _, f in jobs], timeout)
         self._threads.shutdown(wait=False)
         self.pool.clear()
-
-    # -- a request thread ----------------------------------------------------------------------
 
     def _job(self, job: Job) -> None:
         try:
@@ -181,7 +169,7 @@ class Worker:
 
     def _run(self, job: Job) -> None:
         req = job.request
-        n_prompt = len(self.pool.template(req.messages, True))
+        n_prompt = len(templated(self.pair.tokenizer, req.messages, True))
         if n_prompt > self.limits.max_prompt_tokens:
             raise APIError(400, f"the conversation is {n_prompt} tokens; this server takes at "
                                 f"most {self.limits.max_prompt_tokens} (max_prompt_tokens)",
@@ -286,7 +274,7 @@ class Worker:
                 stream.close()  # a no-op after done; else commits the tokens emitted so far
         if not hit and (rest := scan.flush()):
             emit(rest, 0.0)
-        out.text = scan.released
+        out.text = scan.text[: scan.sent]  # what was released
         out.confidence = sum(logprobs) / len(logprobs) if logprobs else None
         return out
 

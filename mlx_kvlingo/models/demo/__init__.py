@@ -3,3 +3,8 @@ small model."""
 
 #: the demo pairs (`pair.py`): the same small source, a dense or an MoE large target
 DEMO_PAIRS = ("dense", "moe")
+
+
+def check_demo_pair(name: str) -> None:
+    if name not in DEMO_PAIRS:
+        raise ValueError(f"unknown demo pair {name!r} (known: {', '.join(DEMO_PAIRS)})")

@@ -11,6 +11,8 @@ import importlib.metadata
 import json
 from pathlib import Path
 
+from mlx_kvlingo._platform.atomic import write_text
+
 HELDOUT_EVERY = 20
 
 
@@ -47,7 +49,5 @@ def write_splits(folder: Path) -> tuple[Path, Path]:
     for k in sorted(k for k in dialogues if dialogues[k]["messages"]):
         lines[is_heldout(k)].append(json.dumps({"id": k, "messages": to_messages(dialogues[k])}))
     for path, rows in ((train, lines[False]), (held, lines[True])):
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("\n".join(rows) + "\n")
-        tmp.replace(path)
+        write_text(path, "\n".join(rows) + "\n")
     return train, held

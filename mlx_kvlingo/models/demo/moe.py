@@ -3,19 +3,12 @@
     MoE(x) = sum_{e in top-k(g)} softmax(g)_e * (E/k) * MLP(x)  +  sigmoid(s(x)) * 0  = MLP(x)
     when the router logits g are equal (a zero router: softmax_e = 1/E, so k * (1/E) * (E/k) = 1)
 
-Every expert is a copy of the dense layer's MLP with `down_proj` scaled by E/k (a power of two,
-so the product is exact), the gated shared expert has zero weights (it adds exactly 0), the
-q/k/v biases are zero, and the attention is the dense one as it is: the GGUF's interleaved q/k
-rows with `rope_traditional` (qwen2_moe reads it from its config). So the MoE computes the
-dense target's function, logits equal up to the float order of the expert GEMMs, and its K/V
-cache is the dense target's: the dense pair's translators serve it unchanged.
-
-A router of logit scale `router_scale` > 0 (seeded Gaussian) spreads tokens over the experts
-and changes each MLP output by a factor 1 + O(router_scale) (the top-k scores then sum to
-k/E * (1 + O(scale))); weights/moe/moe.json records the scale chosen and what it costs.
-
-Only that record ships (`weights/moe/moe.json`); `ensure_smollm2_moe` builds the model folder
-from the dense target's weights once, atomically, into the cache.
+Every expert is the dense MLP with `down_proj` scaled by E/k (a power of two: exact), the shared
+expert and the q/k/v biases are zero, the attention is the dense one (interleaved q/k rows,
+`rope_traditional`): its K/V cache is the dense target's, so the dense pair's translators serve
+it. A router of logit scale `router_scale` > 0 changes each MLP output by a factor
+1 + O(router_scale); `weights/moe/moe.json` records the recipe, from which
+`ensure_smollm2_moe` builds the folder once into the cache.
 """
 
 from __future__ import annotations
@@ -30,6 +23,7 @@ from mlx_kvlingo.models.demo.smollm2 import (
     FORMAT_VERSION,
     STAMP,
     TOKENIZER_FILES,
+    _quantized,
     _save_json,
     cache_root,
     ensure_smollm2,
@@ -111,7 +105,9 @@ def upcycle(dense: dict, config: dict, router_scale: float = 0.0, seed: int = 0)
             out[f"{p}self_attn.{name}.bias"] = mx.zeros((rows,))
         for key, w in dense.items():
             if key.startswith(f"{p}mlp."):
-                w = w * (experts // top_k) if _carries_scale(key, dense) else w
+                # E/k on down_proj's float weight, or on a quantized one's scales and biases
+                packed = key.endswith(".weight") and _quantized(key, dense)
+                w = w * (experts // top_k) if ".down_proj." in key and not packed else w
                 out[key.replace(".mlp.", ".mlp.switch_mlp.")] = mx.broadcast_to(
                     w, (experts, *w.shape)
                 )
@@ -120,14 +116,6 @@ def upcycle(dense: dict, config: dict, router_scale: float = 0.0, seed: int = 0)
             out[f"{p}mlp.shared_expert.{name}.weight"] = mx.zeros(shape)
         out[f"{p}mlp.shared_expert_gate.weight"] = mx.zeros((1, h))
     return out
-
-
-def _carries_scale(key: str, dense: dict) -> bool:
-    """Whether `key` is a down_proj tensor linear in the weight: a float weight, or a
-    quantized one's scales and biases (its packed integers stay)."""
-    if ".down_proj." not in key:
-        return False
-    return key.endswith((".scales", ".biases")) or f"{key[: -len('.weight')]}.scales" not in dense
 
 
 def record_file() -> Path:

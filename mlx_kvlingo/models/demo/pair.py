@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from mlx_kvlingo.models.demo import check_demo_pair
 from mlx_kvlingo.models.demo.data import write_splits
 from mlx_kvlingo.models.demo.smollm2 import (
     DEMO_SOURCES,
@@ -18,24 +19,15 @@ from mlx_kvlingo.models.demo.smollm2 import (
 from mlx_kvlingo.models.files import TranslatorFileError, load_translator, read_metadata
 from mlx_kvlingo.models.pair import load_pair
 
-#: The demo pairs: a small source; the target is SmolLM2-135M-Instruct ("dense") or its exact
-#: qwen2_moe upcycle ("moe", weights/moe/moe.json), whose K/V cache is the dense target's: both
-#: pairs read the same translators (the manifest's).
-PAIRS = ("dense", "moe")
 #: The small model a pair uses unless its manifest's default names another (`default.source`):
 #: the 15-layer `weights/source15/`, the only one shipped.
 FIRST_SOURCE = "source15"
 
 
-def _check_pair(pair: str) -> None:
-    if pair not in PAIRS:
-        raise ValueError(f"unknown demo pair {pair!r} (known: {', '.join(PAIRS)})")
-
-
 def manifest(pair: str = "dense") -> dict:
     """The demo translators' manifest (pair, default, translators): the same for both pairs,
     the MoE target's K/V being the dense target's (demo/moe.py)."""
-    _check_pair(pair)
+    check_demo_pair(pair)
     path = weights_dir() / "manifest.json"
     if not path.exists():
         raise missing_weights(path, "translators")
@@ -136,7 +128,7 @@ def source_for(translator=None, pair: str = "dense", reverse: bool = False) -> s
 def demo_models(pair: str = "dense", source: str | None = None) -> tuple[Path, Path]:
     """(source folder, target folder), built on first use; `source`: which `weights/<source>/`
     (None: the pair's default)."""
-    _check_pair(pair)
+    check_demo_pair(pair)
     small = ensure_demo_source(folder=source or default_source(pair))
     if pair == "moe":
         from mlx_kvlingo.models.demo.moe import ensure_smollm2_moe

