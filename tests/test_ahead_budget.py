@@ -4,9 +4,9 @@ most a quarter of theirs, priced by the pair's forward translation cost."""
 
 from types import SimpleNamespace
 
-from mlx_kvlingo.conversation import catchup
-from mlx_kvlingo.conversation.catchup import AHEAD_MIN, AHEAD_SHARE, CatchUp
+from mlx_kvlingo.conversation import session as catchup
 from mlx_kvlingo.conversation.reader import ReadCosts
+from mlx_kvlingo.conversation.session import AHEAD_MIN, AHEAD_SHARE, CatchUp
 
 import pytest
 from helpers import fixed_costs

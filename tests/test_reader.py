@@ -7,8 +7,16 @@ from dataclasses import replace
 
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.conversation.session import Session
-from mlx_kvlingo.conversation.stream import DEFAULTS, Sampling, resolve, status_line
-from mlx_kvlingo.conversation.transcript import Read, SessionError, Switch, TurnStats
+from mlx_kvlingo.conversation.stream import (
+    DEFAULTS,
+    Read,
+    Sampling,
+    SessionError,
+    Switch,
+    TurnStats,
+    resolve,
+    status_line,
+)
 
 import mlx.core as mx
 import pytest
@@ -353,7 +361,7 @@ def test_a_long_span_is_translated_chunk_by_chunk_into_room_reserved_for_the_tur
     that already has room for the whole turn (it never grows while the turn is read); Ctrl-C
     in the third chunk leaves the large model's cache two whole chunks long, and the answer
     then equals the large model's own reading, token for token."""
-    from mlx_kvlingo.conversation import catchup
+    from mlx_kvlingo.conversation import session as catchup
 
     monkeypatch.setattr(catchup, "READ_CHUNK", 8)  # the translation reads it per call
     fwd, bwd = translators
@@ -399,7 +407,7 @@ def test_the_small_read_takes_shorter_chunks_as_its_cache_grows(pair, translator
     """Each chunk of the small model's read keeps its attention scores, rows x cached tokens x
     heads in float32, under `SCORES_BYTES` (the first chunk whole, later ones shorter), and the
     cache it leaves is the one read in a single pass."""
-    from mlx_kvlingo.conversation import catchup
+    from mlx_kvlingo.conversation import session as catchup
     from mlx_kvlingo.kv.cache import new_cache
 
     heads = pair.source.query_heads

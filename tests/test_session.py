@@ -2,7 +2,7 @@
 must decode exactly as re-prefill does, translating each missing span exactly once."""
 
 from mlx_kvlingo.conversation.session import Session
-from mlx_kvlingo.conversation.transcript import (
+from mlx_kvlingo.conversation.stream import (
     ContextOverflowError,
     SessionError,
     SessionFileError,

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
-from mlx_kvlingo.conversation.catchup import ModelCache
-from mlx_kvlingo.conversation.transcript import (
+from mlx_kvlingo.conversation.stream import (
     Read,
     SessionError,
     SessionFileError,
@@ -147,7 +146,7 @@ def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:
         n = state["held"][name]
         need(_is_int(n) and 0 <= n <= len(tokens),
              f"{name} holds {str(n)[:40]} of {len(tokens)} tokens")  # fmt: skip
-        _check_cache(path, ModelCache(name, getattr(pair, name), part, n))
+        _check_cache(path, name, getattr(pair, name).geometry, part, n)
         restored[name] = (part, n)
     answer, user_start, system = (state.get(k) for k in ("answer", "user_start", "system_prompt"))
     need(answer is None or (isinstance(answer, list) and len(answer) == 2 and _is_int(answer[0])
@@ -191,27 +190,26 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_cache(path: Path, m: ModelCache) -> None:
-    """Each layer a plain KVCache holding exactly `m.held` tokens in the model's geometry."""
-    g = m.loaded.geometry
-    for i, c in enumerate(m.cache):
+def _check_cache(path: Path, name: str, g, cache: list, held: int) -> None:
+    """Each layer a plain KVCache holding exactly `held` tokens in geometry `g`."""
+    for i, c in enumerate(cache):
         if type(c) is not KVCache:
             raise SessionFileError(
-                f"{path}: {m.name} layer {i} is a {type(c).__name__}, not a KVCache"
+                f"{path}: {name} layer {i} is a {type(c).__name__}, not a KVCache"
             )
-        if c.offset != m.held:
-            raise SessionFileError(f"{path}: {m.name} cache disagrees with its sync state")
-        if m.held == 0:
+        if c.offset != held:
+            raise SessionFileError(f"{path}: {name} cache disagrees with its sync state")
+        if held == 0:
             continue
         for what, a, dim in (("keys", c.keys, g.head_dim), ("values", c.values, g.value_dim)):
-            if not isinstance(a, mx.array) or tuple(a.shape) != (1, g.kv_heads, m.held, dim):
+            if not isinstance(a, mx.array) or tuple(a.shape) != (1, g.kv_heads, held, dim):
                 shape = tuple(a.shape) if isinstance(a, mx.array) else type(a).__name__
                 raise SessionFileError(
-                    f"{path}: {m.name} layer {i} {what} are {shape}, expected "
-                    f"{(1, g.kv_heads, m.held, dim)}"
+                    f"{path}: {name} layer {i} {what} are {shape}, expected "
+                    f"{(1, g.kv_heads, held, dim)}"
                 )
             if not mx.issubdtype(a.dtype, mx.floating):
-                raise SessionFileError(f"{path}: {m.name} layer {i} {what} are {a.dtype}")
+                raise SessionFileError(f"{path}: {name} layer {i} {what} are {a.dtype}")
 
 
 def _switch(d: dict | None) -> Switch | None:

@@ -48,7 +48,7 @@ from mlx_kvlingo._platform import blas
 from mlx_kvlingo._platform.atomic import write_text
 from mlx_kvlingo._platform.cachedir import cache_root
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.transcript import SessionError, TurnStats
+from mlx_kvlingo.conversation.stream import SessionError, TurnStats, share
 from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.recompute import Selection, large_reads
 from mlx_kvlingo.models.pair import model_fingerprint
@@ -232,11 +232,6 @@ class Retention:
             if n0 < n < n1:
                 return r0 + math.log(n / n0) / math.log(n1 / n0) * (r1 - r0)
         return min(pts, key=lambda p: abs(p[0] - n))[1]
-
-
-def share(x: float) -> str:
-    """A retention with two decimals, rounded down: one under a threshold never reads as it."""
-    return f"{math.floor(x * 100 + 1e-9) / 100:.2f}"
 
 
 def pooled(*groups) -> tuple[tuple[int, int, int], ...]:

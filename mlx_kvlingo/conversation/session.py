@@ -1,60 +1,506 @@
 """One conversation, two models, each with its own cache: the turn loop, top to bottom.
 
-Invariant: the conversation is one list of token ids (`Transcript`); each model's mlx-lm cache
-holds a prefix of it, `held` tokens long, in every layer (`ModelCache`). Every change to the
-conversation cuts both caches to the prefix they still share with it, and a turn always ends in
-`_commit`, however it stops (end, max tokens, `cancel()`, Ctrl-C, the iterator closed or
-collected): the emitted tokens become the answer and the cache is cut to match. No span is
-translated twice.
-
-A turn (`generate`):
+Invariant: the conversation is one list of token ids (`Transcript`: the chat template applied to
+its messages); each model's mlx-lm cache holds a prefix of it, `held` tokens long, in every
+layer (`ModelCache`). Every change to the conversation returns `keep`, how many of the old tokens
+are still the conversation's, and both caches are cut to it; a turn always ends in `_commit`,
+however it stops (end, max tokens, `cancel()`, Ctrl-C, the iterator closed or collected): the
+emitted tokens become the answer and the cache is cut to match. A span [start, end) of
+conversation positions is translated at its true positions, once:
 
     1. hand-off (`_hand_off`)   who reads the turn (reader.py, decided once into a `Decision`):
-                                the small model reads it, the span the large lacks is translated,
-                                the large reads the last tokens and recomputes (catchup.py); or
-                                the answering model catches up by the mode and reads the rest;
-    2. decode (`stream.decode`) mlx-lm's `stream_generate` on the answering model's own cache,
-                                reading at least the last conversation token itself; each token
-                                is in the answer and the `TurnStats` before it is yielded;
+                                the small model reads it (`small_reads`), the span the large
+                                lacks is translated (`catch_up`), the large reads the last tokens
+                                and `recompute`s; or the answering model catches up by the mode
+                                (alternation: only [held, other's held); naive: all the other
+                                holds, the drifting baseline; reprefill: none) and reads the rest;
+    2. decode (`decode`)        mlx-lm's `stream_generate` on the answering model's own cache,
+                                reading at least the last token itself; each token is in the
+                                answer and the `TurnStats` before it is yielded; while the small
+                                model answers, the span the large lacks is translated ahead;
     3. commit (`_commit`)       the emitted tokens become the answer, the cache is cut to match.
 
-A turn over n conversation tokens may add at most `max_kv_size - n` (no limit without it), and a
-conversation past either model's context is refused before any work. The modes (`MODES`), how a
-model catches up: catchup.py. Nothing here prints: `generate` yields mlx-lm-shaped
-`GenerationResponse`s (the last carries the turn's `TurnStats` as `handoff`), and every turn
-leaves its `TurnStats` in `Session.turns`.
+A turn over n conversation tokens may add at most `max_kv_size - n`; a conversation past either
+model's context is refused before any work. Key cut: a span is read from the outgoing model's
+cache and un-rotated exactly (`post_norm`); a `pre_norm` translator on a k_norm family needs the
+keys before k_norm, which caches do not keep: the outgoing model recomputes the span on its
+cached prefix. Naive mode refuses such a translator (it would undo the drift it exists to show).
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from mlx_kvlingo.config import MODES, ReaderPolicy
-from mlx_kvlingo.conversation import persistence, reader, stream
-from mlx_kvlingo.conversation.catchup import (
-    READ_CHUNK,
-    CatchUp,
-    ModelCache,
-    RemoteLarge,
-    check_directions,
-    check_mode,
+from mlx_kvlingo.conversation import persistence, reader
+from mlx_kvlingo.conversation.reader import (
+    RECOMPUTE_SELECTION,
+    Paths,
+    ReadCosts,
+    Retention,
+    costs_of,
+    observe,
 )
-from mlx_kvlingo.conversation.reader import Paths, ReadCosts, Retention, costs_of
-from mlx_kvlingo.conversation.transcript import (
+from mlx_kvlingo.conversation.stream import (
+    LABEL,
     ContextOverflowError,
     GenerationResponse,
+    Read,
     SessionError,
-    Transcript,
+    Switch,
     TurnStats,
+    over_answers,
     role,
-    totals,
 )
-from mlx_kvlingo.kv.cache import new_cache, reserve
-from mlx_kvlingo.kv.translator import Translator
-from mlx_kvlingo.models.pair import ModelPair
+from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy, reserve
+from mlx_kvlingo.kv.capture import SpanKV, needs_recording, prefill
+from mlx_kvlingo.kv.recompute import recompute_attended, sentence_ends, special_ids
+from mlx_kvlingo.kv.translator import Side, Translator, append_translation
+from mlx_kvlingo.models.pair import LoadedModel, ModelPair
+
+import mlx.core as mx
+from mlx_lm import stream_generate
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+class Transcript:
+    """The token list, the messages, the system prompt; templating a message into tokens."""
+
+    def __init__(self, tokenizer, system_prompt: str | None = None):
+        self.tokenizer = tokenizer
+        self.system_prompt = system_prompt
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens: list[int] = []
+        self.messages: list[dict] = (
+            [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        )
+        self.user_start: int | None = None
+        self.answer: tuple[int, str] | None = None
+        self.retemplated = 0  # times a template was not prefix-stable (caches trimmed)
+
+    @property
+    def pending(self) -> bool:
+        """True when the conversation ends with a user message that has no answer yet."""
+        return bool(self.messages) and self.messages[-1]["role"] == "user"
+
+    def cut(self, n: int) -> int:
+        """Cut the conversation to its first n tokens (the messages stay); returns n."""
+        self.tokens = self.tokens[:n]
+        if self.answer and self.answer[0] >= n:
+            self.answer = None
+        return n
+
+    # -- changes (each returns `keep`: the caches hold at most that many tokens) -----------
+
+    def add_user(self, text: str) -> tuple[int, int]:
+        """Append a user message; an earlier one that never got an answer is replaced.
+        Returns (where its tokens start, keep)."""
+        keep = len(self.tokens)
+        if self.pending and self.user_start is not None:
+            keep = self.cut(self.user_start)
+            self.messages.pop()
+        start, kept = self.append({"role": "user", "content": text}, True)
+        self.user_start = start
+        return start, min(keep, kept)
+
+    def add_assistant(self, text: str) -> tuple[int, int]:
+        if not self.pending:
+            raise SessionError("an assistant message must follow a user message")
+        start, keep = self.append({"role": "assistant", "content": text}, False)
+        self.answer = self.user_start = None
+        return start, keep
+
+    def drop_answer(self) -> tuple[int, str]:
+        """Remove the last answer a model gave: (that model, keep: where it started)."""
+        if self.answer is None or not self.messages or self.messages[-1]["role"] != "assistant":
+            raise SessionError("nothing to escalate: there is no answer yet")
+        start, answered = self.answer
+        self.cut(start)
+        self.messages.pop()
+        self.answer = self.user_start = None
+        return answered, start
+
+    def commit(self, n0: int, emitted: list[int], text: str, model: str) -> None:
+        """Keep the tokens a model emitted after conversation[:n0] as its answer."""
+        self.tokens = self.tokens[:n0] + list(emitted)
+        last = self.messages[-1] if self.messages else None
+        if last is not None and last["role"] == "assistant" and self.answer is not None:
+            last["content"] += text  # a continuation of the last answer
+        else:
+            self.messages.append({"role": "assistant", "content": text})
+            self.answer = (n0, model)
+        self.user_start = None
+
+    def answers(self) -> list[int]:
+        """The token ids of the conversation's earlier answers, oldest first."""
+        tok = self.tokenizer
+        return [t for msg in self.messages if msg["role"] == "assistant" and msg["content"]
+                for t in tok.encode(msg["content"], add_special_tokens=False)]  # fmt: skip
+
+    # -- templating ----------------------------------------------------------------------
+
+    def _has_template(self) -> bool:
+        has = getattr(self.tokenizer, "has_chat_template", None)
+        return bool(getattr(self.tokenizer, "chat_template", None)) if has is None else has
+
+    def template(self, messages: list[dict], generation_prompt: bool) -> list[int]:
+        tok = self.tokenizer
+        if self._has_template():
+            out = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+            if not isinstance(out, list):  # BatchEncoding from some transformers versions
+                out = out["input_ids"]
+            return list(out)
+        out: list[int] = []
+        for i, m in enumerate(messages):  # no template: the contents, one line each
+            out += tok.encode(m["content"] + "\n", add_special_tokens=i == 0)
+        return out
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str | None:
+        if not self._has_template():
+            return None
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False
+        )
+
+    def append(self, message: dict, generation_prompt: bool) -> tuple[int, int]:
+        """Append `message` as the tokens the chat template adds: (where they start, keep).
+
+        1. token diff: the templated conversation extends the tokens so far;
+        2. text diff: the templated text extends the decoded conversation (answers whose
+           re-tokenization differs from the generated tokens), encode only the new text;
+        3. otherwise re-tokenize everything; keep the common prefix.
+        """
+        messages = self.messages + [message]
+        full = self.template(messages, generation_prompt)
+        n = keep = len(self.tokens)
+        if full[:n] == self.tokens:
+            self.tokens, start = full, n
+        elif (new := self._text_diff(messages, generation_prompt)) is not None:
+            self.tokens, start = self.tokens + new, n
+        else:
+            gp = message["role"] == "assistant"
+            before = self.template(self.messages, gp) if self.messages else []
+            keep = self.cut(common_prefix(self.tokens, full))
+            start = len(before) if full[: len(before)] == before else keep
+            self.tokens = full
+            self.retemplated += 1
+        self.messages.append(message)
+        return start, keep
+
+    def _text_diff(self, messages: list[dict], generation_prompt: bool) -> list[int] | None:
+        """The new message's tokens from the templated text, or None if that is not possible.
+
+        After a generated answer, anchor on the answer's text: whatever the template puts
+        after it (closing the turn, the new message) is encoded and appended, so answers
+        whose re-tokenization differs from the generated tokens keep their cache.
+        """
+        tok = self.tokenizer
+        text = self._render(messages, generation_prompt)
+        if text is None:
+            return None
+        last = self.messages[-1] if self.messages else None
+        if self.answer is not None and last and last["role"] == "assistant" and last["content"]:
+            prev = self._render(self.messages, False)
+            pos = prev.rfind(last["content"])
+            head = prev[: pos + len(last["content"])] if pos >= 0 else None
+            if head is not None and text.startswith(head):
+                tail = text[len(head) :]
+                if self.tokens and self.tokens[-1] in tok.eos_token_ids:
+                    eos = tok.decode([self.tokens[-1]])
+                    tail = tail[len(eos) :] if eos and tail.startswith(eos) else tail
+                return list(tok.encode(tail, add_special_tokens=False)) if tail else []
+        done = tok.decode(self.tokens)
+        if text.startswith(done) and len(text) > len(done):
+            return list(tok.encode(text[len(done) :], add_special_tokens=False))
+        return None
+
+    def trim(self, max_tokens: int) -> tuple[int, int]:
+        """Drop the oldest turns until the conversation fits in `max_tokens` tokens (the
+        system prompt and the last message stay): (messages dropped, keep)."""
+        head = (
+            self.messages[:1] if self.messages[:1] and self.messages[0]["role"] == "system" else []
+        )
+        rest = self.messages[len(head) :]
+        dropped = 0
+        gp = bool(rest) and rest[-1]["role"] == "user"
+        while len(rest) > 1 and len(self.template(head + rest, gp)) > max_tokens:
+            rest = rest[1:]
+            dropped += 1
+            while len(rest) > 1 and rest[0]["role"] != "user":  # start on a user turn
+                rest = rest[1:]
+                dropped += 1
+        if not dropped:
+            return 0, len(self.tokens)
+        full = self.template(head + rest, gp)
+        if len(full) > max_tokens:
+            raise ContextOverflowError(
+                f"even the last message alone is {len(full)} tokens, over the {max_tokens} budget"
+            )
+        keep = self.cut(common_prefix(self.tokens, full))
+        self.tokens, self.messages = full, head + rest
+        self.answer = self.user_start = None
+        if gp:  # the kept last message awaits its answer
+            before = self.template(head + rest[:-1], False) if head or rest[:-1] else []
+            if full[: len(before)] == before:
+                self.user_start = len(before)
+        return dropped, keep
+
+
+#: translating ahead: at least AHEAD_MIN tokens at a time, at most AHEAD_SHARE of the small
+#: model's decode time (conversation/README.md, "Translating ahead")
+AHEAD_MIN, AHEAD_SHARE = 8, 0.10
+#: a turn is read (by either model) and its span captured and translated this many tokens at a
+#: time: one chunk's scores and maps beside the caches however long the turn
+READ_CHUNK = 512
+#: the bound on one read chunk's float32 attention scores (the chunk's rows over the cache, every
+#: query head), which MLX's CPU backend materializes beside the caches
+SCORES_BYTES = 64 << 20
+
+
+def read_chunk(heads: int, held: int, chunk: int = READ_CHUNK) -> int:
+    """Tokens n the next read chunk takes with `held` tokens cached: `chunk`, or fewer where
+    n x (held + chunk) x `heads` x 4 bytes (at least its scores) would pass `SCORES_BYTES`;
+    never fewer than chunk // 8."""
+    return max(chunk // 8, min(chunk, SCORES_BYTES // (4 * heads * (held + chunk))))
+
+
+class RemoteLarge(Protocol):
+    """The large model's cache where it lives on other ranks (the pipelined target,
+    distributed/): a session gathers spans from it and places translated spans into it."""
+
+    def gather(self, cache: list, start: int, end: int) -> SpanKV: ...
+
+    def place(self, cache: list, span: SpanKV) -> None: ...
+
+
+@dataclass
+class ModelCache:
+    """One model of the pair and its mlx-lm cache, which holds conversation[:held]."""
+
+    name: str  # "source" or "target"
+    loaded: LoadedModel
+    cache: list
+    held: int = 0
+
+    def clear(self) -> None:
+        self.cache, self.held = new_cache(self.loaded), 0
+
+    def settle(self, want: int) -> None:
+        """Make every layer hold exactly the first tokens all layers hold (at most `want`): after
+        an interruption some layers may have processed more than others."""
+        keep = min([want] + [c.offset for c in self.cache])
+        for c in self.cache:
+            if c.offset > keep:
+                c.trim(c.offset - keep)
+        self.held = keep
+
+
+def check_directions(pair: ModelPair, forward: Translator | None, backward: Translator | None):
+    """`forward` maps the small model's K/V into the large one's, `backward` the other way."""
+    src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
+    for label, tr, a, b in (("forward", forward, src, tgt), ("backward", backward, tgt, src)):
+        if tr is not None and (tr.config.source, tr.config.target) != (a, b):
+            raise SessionError(
+                f"the {label} translator maps {tr.config.source} -> {tr.config.target}, "
+                f"but this direction needs {a} -> {b}"
+            )
+
+
+def check_mode(mode: str, pair: ModelPair, forward, backward) -> None:
+    """Naive mode refuses a translator whose keys the outgoing model recomputes ("Key cut")."""
+    for tr, outgoing in ((forward, pair.source), (backward, pair.target)):
+        if mode == "naive" and tr and needs_recording(outgoing, tr.config.key_cut):
+            raise SessionError(
+                "naive mode needs post_norm translators (with a pre_norm one the outgoing "
+                "model would recompute its keys, hiding the re-translation drift)"
+            )
+
+
+class CatchUp:
+    """The session's catching up (a base of `Session`, whose state it acts on: `pair`,
+    `forward`, `backward`, `remote`, `transcript` (only read), `models`, `switches`, `cancelled`,
+    `mode`, `policy`, `read_costs`); who reads a turn: reader.py."""
+
+    # -- catching up ------------------------------------------------------------------------
+
+    def catch_up(self, name: str, upto: int) -> Switch | None:
+        """Bring model `name` to hold conversation[:a] with a <= upto, by the mode; the `Switch`
+        where the other model held tokens this one lacked, else None."""
+        m = self.models[name]
+        o = self.models["target" if name == "source" else "source"]
+        m.settle(min(m.held, upto))
+        end = min(o.held, upto)
+        if end <= m.held:
+            return None
+        sw = Switch(name, self.mode, m.held, end)
+        tr = self.forward if name == "target" else self.backward
+        if self.mode == "reprefill":
+            sw.note = "re-prefill"
+        elif tr is None:
+            sw.note = f"no {'forward' if name == 'target' else 'backward'} translator: re-prefill"
+        else:
+            t0 = time.perf_counter()
+            if self.mode == "naive":
+                sw.retranslated = m.held
+                m.clear()
+            self._translate(o, m, tr, m.held, end)
+            sw.translated = end - sw.start + sw.retranslated  # naive: from 0
+            sw.seconds = time.perf_counter() - t0
+        self.switches.append(sw)
+        return sw
+
+    def _translate(self, o: ModelCache, m: ModelCache, tr, start: int, end: int) -> None:
+        """Append the translation of o's K/V for [start, end) to m (which holds [0, start)),
+        `READ_CHUNK` tokens at a time where both caches are here and o's cache holds the
+        keys the translator reads; m holds whole chunks however it stops."""
+        cut = tr.config.key_cut
+        whole = self.remote is not None or needs_recording(o.loaded, cut)
+        chunk = end - start if whole else READ_CHUNK
+        try:
+            for s in range(start, end, chunk):
+                e = min(end, s + chunk)
+                span = self._capture(o, tr, s, e)
+                span.tokens = tuple(self.transcript.tokens[s:e])
+                if m.name == "target" and self.remote is not None:
+                    self.remote.place(m.cache, span)
+                else:
+                    append_translation(m.loaded, tr, span, m.cache)
+                m.held = e
+        finally:
+            m.settle(m.held)  # an interrupted append leaves no half-written layer
+
+    def _capture(self, o: ModelCache, tr: Translator, start: int, end: int) -> SpanKV:
+        """o's RoPE-free K/V for [start, end) at `tr`'s key cut (read from the cache: of the
+        layers `tr` reads only)."""
+        cut = tr.config.key_cut
+        if o.name == "target" and self.remote is not None:
+            if needs_recording(o.loaded, cut):
+                raise SessionError(
+                    "a pre_norm backward translator is not available with a pipelined large "
+                    "model (it would recompute the large model's keys); use a post_norm one"
+                )
+            return self.remote.gather(o.cache, start, end)
+        if not needs_recording(o.loaded, cut):
+            return tr.capture(o.loaded, o.cache, start, end)
+        # pre-k_norm keys are not in the cache: recompute the span on the prefix
+        return prefill(o.loaded, self.transcript.tokens[start:end], prefix_copy(o.cache, start),
+                       cut=cut)  # fmt: skip
+
+    def small_reads(self, upto: int, chunk: int, progress=None) -> Read:
+        """The small model catches up on the large's last answer, then reads up to `upto`
+        itself (prefill only), `chunk` tokens at a time or fewer on a long cache (`read_chunk`);
+        a cancel stops it between chunks.
+        However it stops (cancel, Ctrl-C), its cache holds exactly what it read.
+        `progress("source", done, total)` is called before the first chunk and after each."""
+        m = self.models["source"]
+        read = Read("source", catch_up=self.catch_up("source", upto), start=m.held)
+        reserve(m.loaded, m.cache, upto)  # no layer grows (2x its size) while it reads
+        t0, total = time.perf_counter(), max(upto - m.held, 0)
+        try:
+            while m.held < upto and not self.cancelled.is_set():
+                if progress is not None:
+                    progress("source", read.tokens, total)
+                n = read_chunk(m.loaded.query_heads, m.held, chunk)
+                piece = self.transcript.tokens[m.held : min(upto, m.held + n)]
+                m.loaded.model(mx.array(piece)[None], cache=m.cache)
+                mx.eval([c.keys for c in m.cache])
+                m.held += len(piece)
+                read.tokens += len(piece)
+            if progress is not None and total:
+                progress("source", read.tokens, total)
+        finally:
+            m.settle(m.held)
+            read.seconds = time.perf_counter() - t0
+        return read
+
+    def recompute(self, sw: Switch, n0: int) -> None:
+        """After translating `sw`'s span into the large model (its cache now holds [0, cut)):
+        it reads conversation[cut:n0] itself and recomputes the `recompute_share` of the span
+        its reading attended to most (`recompute.recompute_attended`). The cache is left
+        holding [0, n0 - 1): the answer reads the last token. Interrupted, the cache keeps
+        [0, cut) (some of its positions recomputed in some layers: K/V of the target's own
+        either way)."""
+        m = self.models["target"]
+        cut, toks, tok = m.held, self.transcript.tokens[:n0], self.pair.tokenizer
+        t0 = time.perf_counter()
+        try:
+            append_kv(m.cache, *_placeholders(m.cache, n0 - cut))
+            chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut,
+                                        self.policy.recompute_share, start=cut - sw.translated,
+                                        selection=RECOMPUTE_SELECTION, ends=sentence_ends(tok),
+                                        specials=special_ids(tok))  # fmt: skip
+            m.held = n0 - 1
+        finally:
+            m.settle(m.held)
+        sw.recomputed, sw.tail_read = len(chosen), n0 - cut
+        sw.recompute_s = time.perf_counter() - t0
+
+    # -- translating ahead (cascade) ----------------------------------------------------------
+
+    def ahead_begin(self, upto: int) -> Switch | None:
+        """While the small model answers, the span the large would lack on escalation,
+        [large's held, upto), is translated chunk by chunk between the small model's tokens
+        (`ahead_step`). Kept either way: it is a prefix of the conversation, so alternation
+        stays exact and no span is translated twice."""
+        p = self.policy
+        if not (p.translate_ahead and self.forward is not None and self.mode == "alternation"):
+            return None
+        t = self.models["target"]
+        t.settle(min(t.held, upto))
+        if t.held >= upto:
+            return None
+        self.ahead_credit = min(self.ahead_credit, 0.0)  # a debt carries over, credit does not
+        return Switch("target", self.mode, t.held, t.held, note=f"translated ahead to {upto}")
+
+    def ahead_step(self, sw: Switch, upto: int, decode_s: float | None) -> float:
+        """After one small token (decoded in `decode_s`, None for the first): translate the
+        next chunk of the ahead span (`ahead_tokens`). Returns the seconds spent."""
+        t, o = self.models["target"], self.models["source"]
+        read = min(c.offset for c in o.cache)  # the small model's cache, mid-answer
+        n = self.ahead_tokens(min(upto, read) - t.held, decode_s)
+        if n <= 0:
+            return 0.0
+        t0 = time.perf_counter()
+        self._translate(o, t, self.forward, t.held, t.held + n)
+        seconds = time.perf_counter() - t0
+        self.ahead_credit -= seconds
+        self.read_costs.forward.observe(n, seconds)
+        if not sw.translated:
+            self.switches.append(sw)
+        sw.end = t.held
+        sw.translated = sw.end - sw.start
+        sw.seconds += seconds
+        return seconds
+
+    def ahead_tokens(self, remaining: int, decode_s: float | None) -> int:
+        """How many of `remaining` tokens to translate ahead now. Each small token earns
+        AHEAD_SHARE x its decode time; a chunk is translated once the credit covers its
+        predicted cost (`read_costs.forward`: a + b n) and it is at least max(AHEAD_MIN, 3a / b)
+        tokens (its per-call cost a quarter at most), as many as the credit covers; what it
+        overruns is a debt. Unmeasured: AHEAD_MIN tokens."""
+        cost = self.read_costs.forward
+        if remaining <= 0:
+            return 0
+        self.ahead_credit += AHEAD_SHARE * max(decode_s or 0.0, 0.0)
+        if self.ahead_credit <= 0 or not cost.samples:  # the first chunk measures
+            return 0 if self.ahead_credit <= 0 else min(remaining, AHEAD_MIN)
+        a, b = cost.fit()
+        b = max(b, 1e-9)
+        # one length measured: twice it, which tells the per-call cost from the per-token one
+        least = max(AHEAD_MIN, math.ceil(3 * a / b)) if cost.ready else 2 * cost.samples[-1][0]
+        most = min(remaining, int((self.ahead_credit - a) / b))
+        return most if most >= min(least, remaining) else 0
 
 
 def _kept(name: str, doc: str) -> property:
@@ -106,7 +552,7 @@ class Session(CatchUp):
 
     @property
     def mode(self) -> str:
-        """alternation, naive or reprefill: how a model catches up (catchup.py)."""
+        """alternation, naive or reprefill: how a model catches up (module docstring)."""
         return self._mode
 
     @mode.setter
@@ -143,9 +589,35 @@ class Session(CatchUp):
         self.cancelled.set()
 
     def stats(self) -> dict:
-        """The mode, the policy and the conversation's totals (`transcript.totals`)."""
-        totaled = totals(self.transcript, self.turns, self.switches, self.models)
-        return {"mode": self.mode, **self.policy.to_dict(), **totaled}
+        """The mode, the policy and the conversation's totals, per model and direction: tokens
+        each model read itself answering (`prompt_tokens`) and for the other
+        (`read_for_other_tokens`), translated into it, and the times; `estimated_saving_ms`
+        sums, over the large model's answers the small one read for, its predicted own TTFT
+        less the TTFT."""
+        turns, per = self.turns, {}
+        for name, m in self.models.items():
+            mine = [t for t in turns if t.model == name]
+            sw = [x for x in self.switches if x.into == name]
+            reads = [t.read for t in turns if t.read is not None and t.read.model == name]
+            per[name] = {
+                "turns": len(mine),
+                "generated_tokens": sum(t.generation_tokens for t in mine),
+                "prompt_tokens": sum(t.prompt_tokens for t in mine),
+                "prompt_ms": 1e3 * sum(t.prompt_s for t in mine),
+                "read_for_other_tokens": sum(r.tokens for r in reads),
+                "read_for_other_ms": 1e3 * sum(r.seconds for r in reads),
+                "switches_into": len(sw),
+                "translated_into": sum(x.translated for x in sw),
+                "retranslated_into": sum(x.retranslated for x in sw),
+                "translate_ms": 1e3 * sum(x.seconds for x in sw if x.translated),
+                "held": m.held,
+            }
+        saved = sum(t.alternative_ttft_s - t.ttft_s for t in turns if t.read is not None
+                    and t.alternative_ttft_s is not None and t.ttft_s is not None)  # fmt: skip
+        return {"mode": self.mode, **self.policy.to_dict(),
+                "conversation_tokens": len(self.tokens), "messages": len(self.messages),
+                "switches": len(self.switches), "retemplated": self.retemplated,
+                "estimated_saving_ms": 1e3 * saved, "models": per}  # fmt: skip
 
     # -- changes between turns: the transcript changes, both caches are cut to match ----------
 
@@ -261,7 +733,7 @@ class Session(CatchUp):
                 return
             stats.ahead = self.ahead_begin(n0 - 1) if name == "source" else None
             # 2. decode with mlx-lm on the answering model's own cache
-            yield from stream.decode(self, m, n0, stats, emitted, limit, capped, kwargs, t0)
+            yield from decode(self, m, n0, stats, emitted, limit, capped, kwargs, t0)
         finally:
             # 3. commit, however the turn stopped
             self._commit(m, n0, emitted, stats)
@@ -339,6 +811,62 @@ class Session(CatchUp):
         """Restore a session saved by `save` for this same pair (refuses any other pair)."""
         self._claim()
         self.policy = persistence.load(path, self)
+
+
+def decode(s: Session, m: ModelCache, n0: int, stats: TurnStats, emitted: list[int], limit: int,
+           capped: bool, kwargs: dict, t0: float) -> Iterator[GenerationResponse]:  # fmt: skip
+    """A turn's decode (session.py, step 2): mlx-lm decodes conversation[held:n0] on `m`'s
+    cache, at most `limit` tokens (`capped`: the limit is the context's, so "length" ends as
+    "context"). Each token goes to `emitted` and `stats` (TTFT from `t0`), then is yielded; the
+    last carries `stats`. While the small model answers, the ahead span is translated between
+    its tokens (`s.ahead_step`), and its decode time of a token excludes that."""
+    prompt = s.tokens[m.held : n0]
+    stats.prompt_tokens = len(prompt)
+    procs = kwargs.get("logits_processors")
+    if procs:  # they see the earlier answers and this one, not only this turn's
+        kwargs = {**kwargs, "logits_processors": over_answers(procs, s.transcript.answers())}
+    steps = stream_generate(m.loaded.model, s.pair.tokenizer, mx.array(prompt),
+                            max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
+    try:
+        last_token_at, between_s = None, 0.0
+        for r in steps:
+            now = time.perf_counter()
+            # this token's decode time: the wall time since the last one, less the ahead's
+            decode_s = None if last_token_at is None else now - last_token_at - between_s
+            last_token_at = now
+            if stats.ttft_s is None:
+                stats.ttft_s = now - t0
+            emitted.append(r.token)
+            stats.text += r.text
+            stats.logprobs.append(r.logprobs[r.token].item())
+            stats.generation_tokens, stats.generation_tps = r.generation_tokens, r.generation_tps
+            stats.prompt_tps, stats.peak_memory_gb = r.prompt_tps, r.peak_memory
+            stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
+            if len(emitted) == 1:
+                observe(s, stats, n0 - len(prompt))
+            end = r.finish_reason
+            if end is None and s.cancelled.is_set():
+                end = "cancelled"
+            if end is not None:
+                stats.finish_reason = "context" if capped and end == "length" else end
+            yield GenerationResponse(r.text, r.token, r.logprobs, r.from_draft, r.prompt_tokens,
+                                     r.prompt_tps, r.generation_tokens, r.generation_tps,
+                                     r.peak_memory, stats.finish_reason, LABEL[m.name],
+                                     stats if end else None)  # fmt: skip
+            if end is not None:
+                break
+            if stats.ahead is not None:
+                between_s = s.ahead_step(stats.ahead, n0 - 1, decode_s)
+    finally:
+        steps.close()
+
+
+def _placeholders(cache: list, n: int) -> tuple[list, list]:
+    """Zero K/V for `n` positions per layer, overwritten before anything attends to them."""
+    keys = [mx.zeros((*c.keys.shape[:2], n, c.keys.shape[-1]), dtype=c.keys.dtype) for c in cache]
+    vals = [mx.zeros((*c.values.shape[:2], n, c.values.shape[-1]), dtype=c.values.dtype)
+            for c in cache]  # fmt: skip
+    return keys, vals
 
 
 #: progress(reader, done, total): `reader` ("source" or "target") has read `done` of the turn's

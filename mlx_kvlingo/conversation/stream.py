@@ -1,13 +1,13 @@
-"""One answer at a time per model pair, streamed as mlx-lm-shaped responses: the public
-`stream_generate` and `Conversation.send` both run `open_stream`; `decode` yields a turn's tokens.
+"""What a user gets: one answer at a time per model pair, streamed as mlx-lm-shaped responses
+(`GenerationResponse`, the last carrying the turn's record `TurnStats` and its status line); the
+public `stream_generate` and `Conversation.send` both run `open_stream`.
 
 Invariant: at most one holder drives a pair's models (`PairLock`: a stream from its first
 `next()` until it ends, is closed or is collected; a change to a conversation: add, trim, save,
 load, reset; a server's request); MLX evaluation is never interleaved from two threads. The
 session's turn (session.py: hand-off, decode, commit) runs inside, so however the stream stops
-its tokens are the answer and both caches stay consistent; the last response (`finish_reason`
-set) comes once the turn is committed, with its record and status line. Asking for the pair
-again from the thread that holds it:
+its tokens are the answer and both caches stay consistent. Asking for the pair again from the
+thread that holds it:
 
     under a plain hold (no stream: a change, a server's request)    -> granted, nested
     for another conversation, or while the holder's stream runs     -> BusyError (no deadlock)
@@ -19,41 +19,152 @@ From another thread: wait (up to `timeout` seconds; BusyError after) or, with `w
 BusyError at once. A waiter whose `cancel` event is set gives up (`acquire` returns False).
 
 Sampling: `resolve` is the one place settings merge: explicit values over the model folder's
-`generation_config.json` (`do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
-`repetition_penalty`) over `DEFAULTS`, whose repetition penalty covers the conversation's
-answers (`over_answers`), never the user's text. `temp=0` is greedy and stays plain argmax: the
-default repetition penalty then applies only when given explicitly. `pair` is the public `Pair`
-(`.models`, `.names`, `.lock`).
+`generation_config.json` over `DEFAULTS`, whose repetition penalty covers the conversation's
+answers (`over_answers`), never the user's text. `temp=0` stays plain argmax: the default
+repetition penalty then applies only when given explicitly. `pair` is the public `Pair`.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import weakref
 from collections.abc import Generator, Iterator, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from mlx_kvlingo.config import AUTO_THRESHOLD
-from mlx_kvlingo.conversation.reader import observe, share
-from mlx_kvlingo.conversation.transcript import (
-    LABEL,
-    ROLE,
-    GenerationResponse,
-    SessionError,
-    TurnStats,
-)
 
 import mlx.core as mx
-from mlx_lm import stream_generate
+import numpy as np
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 if TYPE_CHECKING:
-    from mlx_kvlingo.conversation.catchup import ModelCache
     from mlx_kvlingo.conversation.session import Session
+
+#: the two roles by size or by direction: the small model is a forward translation's source
+ROLE = {"small": "source", "large": "target", "source": "source", "target": "target"}
+LABEL: dict[str, Literal["small", "large"]] = {"source": "small", "target": "large"}
+
+
+class SessionError(ValueError):
+    """A request the session cannot honour (nothing to answer, unknown model, ...)."""
+
+
+class ContextOverflowError(SessionError):
+    """The conversation does not fit a model's context (`max_kv_size`)."""
+
+
+class SessionFileError(SessionError):
+    """A session file that is unreadable or was written for another model pair."""
+
+
+def role(model: str) -> str:
+    """'source' or 'target' for any name of a role (small, large, source, target)."""
+    if model not in ROLE:
+        raise SessionError(f"unknown model {model!r}; use 'source'/'small' or 'target'/'large'")
+    return ROLE[model]
+
+
+@dataclass
+class Switch:
+    """How a model caught up on the span [start, end) that the other model held and it lacked."""
+
+    into: str
+    mode: str
+    start: int
+    end: int
+    translated: int = 0  # tokens translated at this switch
+    retranslated: int = 0  # of those, tokens this model already held (naive mode)
+    seconds: float = 0.0
+    note: str = ""  # e.g. why it re-prefilled instead of translating
+    #: after the translation, the large model read the turn's last `tail_read` tokens itself
+    #: and recomputed `recomputed` translated tokens that reading attended to most
+    #: (the policy's `recompute_share`), in `recompute_s`
+    recomputed: int = 0
+    tail_read: int = 0
+    recompute_s: float = 0.0
+
+    @property
+    def lacked(self) -> int:
+        return self.end - self.start
+
+    @property
+    def translated_span(self) -> tuple[int, int] | None:
+        return (self.end - self.translated, self.end) if self.translated else None
+
+
+@dataclass
+class Read:
+    """The small model reading for the large one before a large answer (reader "small")."""
+
+    model: str  # the reader: "source"
+    tokens: int = 0  # tokens it read itself (prefill only, no decoding)
+    seconds: float = 0.0
+    catch_up: Switch | None = None  # how it first caught up on the large's last answer
+    start: int = 0  # where its read began (the tokens its cache held then)
+
+
+@dataclass
+class TurnStats:
+    """One answer: which model, what it cost, how it ended."""
+
+    model: str
+    mode: str
+    switch: Switch | None = None
+    prompt_tokens: int = 0  # tokens the answering model read itself this turn
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    ttft_s: float | None = None  # from the call to the first token, switch included
+    peak_memory_gb: float = 0.0
+    finish_reason: str | None = None  # stop | length | context | cancelled | interrupted
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    read: Read | None = None  # the small model's read for this answer (reader "small")
+    ahead: Switch | None = None  # translated ahead for the large model during this answer
+    prompt_s: float = 0.0  # the answering model's own prefill time this turn
+    #: the small model read: the large model's predicted TTFT reading the turn itself (old name)
+    alone_prefill_s: float | None = None
+    read_note: str = ""  # why the large read the new turn itself (readers "auto", "tokens")
+    #: reader "auto" turned the faster small path down: the retention expected at this length
+    retention: float | None = None
+    #: the other way of reading this turn: its TTFT predicted from this pair's rates (reader.py)
+    alternative_ttft_s: float | None = None
+    predicted_ttft_s: float | None = None  # what was predicted for the path taken
+    #: a cascade's small answer (model "auto"): under the threshold, the large answers again
+    escalating: bool = False
+
+    @property
+    def confidence(self) -> float | None:
+        """Mean token log-probability of the answer (0: certain), the score of model "auto"."""
+        return float(np.mean(self.logprobs)) if self.logprobs else None
+
+
+@dataclass
+class GenerationResponse:
+    """mlx-lm's `GenerationResponse` (its fields, in its order), plus who answered and, on an
+    answer's last response (`finish_reason` set), the hand-off record (`handoff`: who read, what
+    was translated and recomputed, where the time went) and the `status` line. An answer stopped
+    before its first token ends with a response whose `token` is None."""
+
+    text: str
+    token: int | None
+    logprobs: Any  # mx.array: the log-probabilities over the vocabulary (None: no token)
+    from_draft: bool
+    prompt_tokens: int  # tokens the answering model read itself
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None
+    model: str = "large"  # "small" or "large"
+    handoff: TurnStats | None = None
+    status: str = ""
+
 
 OPTIONS = {"model": "large", "reader": None, "max_tokens": 256, "sampler": None,
             "logits_processors": None, "prompt_progress_callback": None,
@@ -338,54 +449,6 @@ def _answer(pair: Any, cache: Session, model: str | None, cancel: threading.Even
         yield final(pair, st, LABEL[st.model], last)
 
 
-def decode(s: Session, m: ModelCache, n0: int, stats: TurnStats, emitted: list[int], limit: int,
-           capped: bool, kwargs: dict, t0: float) -> Iterator[GenerationResponse]:  # fmt: skip
-    """A turn's decode (session.py, step 2): mlx-lm decodes conversation[held:n0] on `m`'s
-    cache, at most `limit` tokens (`capped`: the limit is the context's, so "length" ends as
-    "context"). Each token goes to `emitted` and `stats` (TTFT from `t0`), then is yielded; the
-    last carries `stats`. While the small model answers, the ahead span is translated between
-    its tokens (`s.ahead_step`), and its decode time of a token excludes that."""
-    prompt = s.tokens[m.held : n0]
-    stats.prompt_tokens = len(prompt)
-    procs = kwargs.get("logits_processors")
-    if procs:  # they see the earlier answers and this one, not only this turn's
-        kwargs = {**kwargs, "logits_processors": over_answers(procs, s.transcript.answers())}
-    steps = stream_generate(m.loaded.model, s.pair.tokenizer, mx.array(prompt),
-                            max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
-    try:
-        last_token_at, between_s = None, 0.0
-        for r in steps:
-            now = time.perf_counter()
-            # this token's decode time: the wall time since the last one, less the ahead's
-            decode_s = None if last_token_at is None else now - last_token_at - between_s
-            last_token_at = now
-            if stats.ttft_s is None:
-                stats.ttft_s = now - t0
-            emitted.append(r.token)
-            stats.text += r.text
-            stats.logprobs.append(r.logprobs[r.token].item())
-            stats.generation_tokens, stats.generation_tps = r.generation_tokens, r.generation_tps
-            stats.prompt_tps, stats.peak_memory_gb = r.prompt_tps, r.peak_memory
-            stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
-            if len(emitted) == 1:
-                observe(s, stats, n0 - len(prompt))
-            end = r.finish_reason
-            if end is None and s.cancelled.is_set():
-                end = "cancelled"
-            if end is not None:
-                stats.finish_reason = "context" if capped and end == "length" else end
-            yield GenerationResponse(r.text, r.token, r.logprobs, r.from_draft, r.prompt_tokens,
-                                     r.prompt_tps, r.generation_tokens, r.generation_tps,
-                                     r.peak_memory, stats.finish_reason, LABEL[m.name],
-                                     stats if end else None)  # fmt: skip
-            if end is not None:
-                break
-            if stats.ahead is not None:
-                between_s = s.ahead_step(stats.ahead, n0 - 1, decode_s)
-    finally:
-        steps.close()
-
-
 def final(pair: Any, st: TurnStats | None, model: str,
           last: GenerationResponse | None = None) -> GenerationResponse:  # fmt: skip
     """An answer's last response: its last token (`last`; none when it ended before one) with
@@ -401,6 +464,11 @@ def final(pair: Any, st: TurnStats | None, model: str,
     return replace(
         out, finish_reason=reason, model=LABEL[st.model], handoff=st, status=status_line(st, names)
     )
+
+
+def share(x: float) -> str:
+    """A retention with two decimals, rounded down: one under a threshold never reads as it."""
+    return f"{math.floor(x * 100 + 1e-9) / 100:.2f}"
 
 
 def _ms(seconds: float) -> str:

@@ -28,9 +28,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.catchup import READ_CHUNK
 from mlx_kvlingo.conversation.reader import ReadCosts
-from mlx_kvlingo.conversation.session import Session
+from mlx_kvlingo.conversation.session import READ_CHUNK, Session
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.content import Peer
 from mlx_kvlingo.eval.report import md_row, md_table
