@@ -2,32 +2,26 @@
 measured read rates and the translator's measured retention.
 
 Time. A read of n tokens by a model holding `at` costs a + b n + c n (at + n / 2) seconds, a
-translation a + b n. Each of the five costs (`NAMES`; target_read: the large model's read of
-n >= 2 tokens up to its first token, target_step: of one) is a nonnegative least-squares fit to
-its last `KEEP` measurements (the warm-up's and every turn's), each weighing `DECAY` of the
-next. Per large turn both ways its answer can start are predicted (`Paths`):
+translation a + b n: each of the five costs (`NAMES`) is a nonnegative least-squares fit to its
+last `KEEP` measurements (the warm-up's and every turn's), each weighing `DECAY` of the next:
 
-    large reads   target_read(lacked, at=held)
+    large reads   target_read(lacked, at=held)   (target_step for a single token)
     small reads   catch-up (backward(k), or the small reads it too) + source_read(read)
                   + forward(lacked - tail) + target_read(recompute + 2 tail, at the turn's
                   end) + target_step (target_step alone for a one-token tail, no recompute)
 
-Content. Retention at read length n: of the stated facts and copies the large model gets right
-reading the turn itself (right), those it also gets right on the small path (kept), pooled over
-draws: kept / right where right >= `MIN_RIGHT`, linear in log n between measured lengths, the
-nearest one's outside (measured by `kvlingo eval --task content`).
+Content. Retention at read length n: of what the large model gets right reading the turn itself
+(right), what it also gets right on the small path (kept), pooled over draws: kept / right where
+right >= `MIN_RIGHT`, linear in log n between measured lengths, the nearest one's outside.
 
-The choice. Where the small model reads, it reads conversation[:cut] and the large reads
-conversation[cut : upto + 1] itself, cut = upto + 1 - tail (never below what the large holds).
-Reader "auto" takes the small path where its predicted TTFT beats the large's own read by more
-than READER_MARGIN; a tie, or no timing yet, goes to the token rule; a retention under
-`min_retention` turns the small path down. The tail and the recompute are dropped (the
-recompute first) where they would take the small path past TAIL_BUDGET x the plain handoff's
-TTFT and TAIL_ALLOWANCE_S more. `choose` reads the session it is handed and changes nothing.
+The choice. The small model reads conversation[:cut], the large conversation[cut : upto + 1],
+cut = upto + 1 - tail. Reader "auto" takes the small path where its predicted TTFT beats the
+large's own read by more than READER_MARGIN (a tie, or no timing yet: the token rule) and its
+retention is at least `min_retention`. The recompute, then the tail, are dropped where they
+would take the small path past TAIL_BUDGET x the plain handoff's TTFT and TAIL_ALLOWANCE_S more.
 
-Files: `<cache folder>/<folder>/<hash of the key>.json` (`RATES` keyed by `rates_key`: machine,
-pair, versions, lengths; `RETENTION` by `retention_key`), written atomically; one that does not
-parse, or whose schema or key differs, is ignored.
+Files: `<cache folder>/<folder>/<hash of the key>.json` (`RATES` by `rates_key`, `RETENTION` by
+`retention_key`), written atomically; one whose schema or key differs is ignored.
 """
 
 from __future__ import annotations
@@ -49,7 +43,7 @@ from mlx_kvlingo._platform.atomic import write_text
 from mlx_kvlingo._platform.cachedir import cache_root
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation.stream import SessionError, TurnStats, share
-from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.recompute import Selection, large_reads
 from mlx_kvlingo.models.pair import model_fingerprint
 
@@ -59,18 +53,13 @@ from mlx.utils import tree_flatten
 
 DECAY, KEEP = 0.7, 12
 NAMES = ("source_read", "forward", "backward", "target_read", "target_step")
-SCHEMA = "mlx-kvlingo/rates-3"  # 3: no load factor; probes replace their own sample
+SCHEMA = "mlx-kvlingo/rates-3"
 RATES, RETENTION = "rates", "retention"  # the cache folder's subfolders
 PROBE = (16, 64)  # tokens a never-timed large model reads once each, to time it
-MIN_RIGHT = 3  # fewer native answers right at a length would let one answer swing auto
-#: the large model's read of the turn's last tokens may add to the small path's predicted TTFT
-#: the plain handoff's own TTFT or TAIL_ALLOWANCE_S, whichever is more
-TAIL_BUDGET = 2.0
-TAIL_ALLOWANCE_S = 0.5
-#: reader auto: predicted TTFTs within this fraction of each other are a tie (the token rule)
+MIN_RIGHT = 3
+TAIL_BUDGET, TAIL_ALLOWANCE_S = 2.0, 0.5
 READER_MARGIN = 0.05
-#: which translated tokens the large model recomputes: each attention peak with the rest of its
-#: sentence (weights/QUALITY.md, "Sentences, not neighbours")
+#: each attention peak with the rest of its sentence (weights/QUALITY.md)
 RECOMPUTE_SELECTION = Selection()
 
 
@@ -80,32 +69,29 @@ RECOMPUTE_SELECTION = Selection()
 @dataclass
 class Cost:
     """seconds = a + b n + c n (at + n / 2) over recent (n, seconds, at); c = 0 without
-    `attention`."""
+    `attention`; `frozen`: ignores measurements (exact costs a test injects)."""
 
     samples: deque = field(default_factory=lambda: deque(maxlen=KEEP))
-    frozen: bool = False  # ignores measurements (exact costs a test injects)
+    frozen: bool = False
     attention: bool = True
 
     def observe(self, n: int, seconds: float, at: int = 0, again: bool = False) -> None:
-        """A read of n tokens over `at` took `seconds`; `again`: it replaces the samples of the
-        same (n, at) (a probe repeated by a later start)."""
+        """`again`: replaces the samples of the same (n, at) (a probe a later start repeats)."""
         if n > 0 and seconds > 0 and at >= 0 and not self.frozen:
             if again:
                 self.samples = deque([x for x in self.samples if (x[0], x[2]) != (n, at)], KEEP)
             self.samples.append((int(n), float(seconds), int(at)))
 
     @property
-    def ready(self) -> bool:
-        """Measured at two lengths at least (an intercept and a slope)."""
+    def ready(self) -> bool:  # an intercept and a slope
         return len({n for n, _, _ in self.samples}) >= 2
 
     def features(self, n: int, at: int = 0) -> tuple[float, ...]:
         return (1.0, float(n), n * (at + n / 2))[: 3 if self.attention else 2]
 
     def fit(self) -> tuple[float, ...] | None:
-        """(a, b, c) (without attention (a, b)), each >= 0, None before any measurement: of the
-        subsets of terms whose weighted least squares are all >= 0, the smallest error (b is
-        always fitted, alone through 0 at least)."""
+        """(a, b, c) (without attention (a, b)), each >= 0: of the subsets of terms whose
+        weighted least squares are all >= 0, the smallest error (b always fitted)."""
         if not self.samples:
             return None
         k, m = len(self.samples), 3 if self.attention else 2
@@ -122,30 +108,29 @@ class Cost:
         return tuple(best.get(i, 0.0) for i in range(m))
 
     def predict(self, n: int, at: int = 0) -> float | None:
-        """Seconds to read `n` tokens over `at` held (None before any measurement)."""
         coef = self.fit() if n > 0 else ()
         return None if coef is None else float(np.dot(coef, self.features(n, at)[: len(coef)]))
 
 
 @dataclass
 class ReadCosts:
-    """The five costs of one pair in this process (see the module docstring)."""
+    """The five costs of one pair in this process; how long the last warm-up took and whether
+    its rates were "measured" or "cached" (warmup.py)."""
 
     source_read: Cost = field(default_factory=Cost)
     forward: Cost = field(default_factory=lambda: Cost(attention=False))
     backward: Cost = field(default_factory=lambda: Cost(attention=False))
     target_read: Cost = field(default_factory=Cost)
     target_step: Cost = field(default_factory=lambda: Cost(attention=False))
-    warmup_s: float | None = None  # how long the last warm-up took (None: none ran)
-    origin: str | None = None  # the rates "measured" by this process or "cached" (warmup.py)
+    warmup_s: float | None = None
+    origin: str | None = None
 
     def to_dict(self) -> dict[str, list[list[float]]]:
-        """{name: [[n, seconds, at], ...]} oldest first (what `from_dict` takes)."""
         return {name: [list(x) for x in getattr(self, name).samples] for name in NAMES}
 
     @classmethod
     def from_dict(cls, data: object) -> ReadCosts:
-        """ValueError unless `data` is `to_dict`'s: each name, at most KEEP [n, seconds, at]."""
+        """ValueError unless `data` is `to_dict`'s."""
         out = cls()
         if not isinstance(data, dict) or set(data) != set(NAMES):
             raise ValueError(f"expected the costs {', '.join(NAMES)}")
@@ -158,11 +143,9 @@ class ReadCosts:
         return out
 
     def observe_target(self, n: int, seconds: float, at: int = 0) -> None:
-        """The large model read n tokens over the `at` it held up to its first token."""
         (self.target_step if n == 1 else self.target_read).observe(n, seconds, 0 if n == 1 else at)
 
     def large_reads(self, lacked: int, at: int = 0) -> float | None:
-        """Predicted TTFT with the large model reading `lacked` tokens itself over `at`."""
         if lacked == 1:
             return self.target_step.predict(1) if self.target_step.samples else None
         return self.target_read.predict(lacked, at) if self.target_read.ready else None
@@ -170,22 +153,22 @@ class ReadCosts:
 
 @dataclass(frozen=True)
 class Paths:
-    """A large answer about to start: the lengths each way of reading its turn involves."""
+    """A large answer about to start: the lengths each way of reading its turn involves (the
+    module docstring's formulas; None where a cost they need is unmeasured)."""
 
-    lacked: int  # tokens the large model lacks (it reads them all, or the last `tail` only)
+    lacked: int  # tokens the large model lacks
     catch_up: int  # tokens the small model must first catch up on (the large's answers)
     read: int  # tokens the small model then reads itself
     backward: bool  # the small catches up by backward translation (else it reads them too)
     tail: int = 1  # on the small path, the last tokens the large model still reads itself
     recompute: int = 0  # on the small path, translated tokens the large model recomputes
-    held: int = 0  # tokens the large model holds (the turn starts there)
-    small_held: int = 0  # tokens the small model holds
+    held: int = 0  # tokens the large model holds
+    small_held: int = 0
 
     def large(self, costs: ReadCosts) -> float | None:
         return costs.large_reads(self.lacked, self.held)
 
     def small(self, costs: ReadCosts) -> float | None:
-        """The small path's TTFT (module docstring); None where a cost it needs is unmeasured."""
         c, back = costs, bool(self.catch_up and self.backward)
         if not (c.source_read.ready and c.forward.ready and (c.backward.ready or not back)):
             return None
@@ -194,17 +177,16 @@ class Paths:
         step = c.large_reads(1) if self.recompute else 0.0
         if large is None or step is None:
             return None
-        if back:  # the small model catches up by backward translation, then reads
+        if back:
             small = c.backward.predict(self.catch_up) + c.source_read.predict(
                 self.read, self.small_held + self.catch_up
             )
-        else:  # it reads what it lacks of the large model's answers with the turn
+        else:
             small = c.source_read.predict(self.catch_up + self.read, self.small_held)
         return small + c.forward.predict(self.lacked - self.tail) + large + step
 
 
 def costs_of(pair) -> ReadCosts:
-    """The costs measured on `pair` in this process, shared by its conversations."""
     return pair.__dict__.setdefault("_kvlingo_read_costs", ReadCosts())
 
 
@@ -213,20 +195,17 @@ def costs_of(pair) -> ReadCosts:
 
 @dataclass(frozen=True)
 class Retention:
-    """(read length, retention in [0, 1]) points, lengths increasing; `source`: where they came
-    from."""
+    """(read length, retention) points, lengths increasing; `source`: where they came from."""
 
     points: tuple[tuple[int, float], ...]
     source: str = ""
 
     @classmethod
     def from_counts(cls, counts, source: str = "") -> Retention | None:
-        """The lengths of `counts` measured enough (pooled); None where none is."""
         pts = tuple((n, kept / right) for n, kept, right in pooled(counts) if right >= MIN_RIGHT)
         return cls(pts, source) if pts else None
 
     def expected(self, n: int) -> float:
-        """The retention expected at `n` read tokens."""
         pts = self.points
         for (n0, r0), (n1, r1) in zip(pts, pts[1:]):
             if n0 < n < n1:
@@ -235,8 +214,7 @@ class Retention:
 
 
 def pooled(*groups) -> tuple[tuple[int, int, int], ...]:
-    """(read length, kept, right) counts summed per length, lengths increasing; ValueError on a
-    malformed count."""
+    """(read length, kept, right) counts summed per length, lengths increasing."""
     by: dict[int, list[int]] = {}
     for c in (c for group in groups for c in group):
         ok = isinstance(c, (tuple, list)) and len(c) == 3 and all(type(x) is int for x in c)
@@ -248,7 +226,7 @@ def pooled(*groups) -> tuple[tuple[int, int, int], ...]:
 
 
 def counts_of(entry: object) -> tuple[tuple[int, int, int], ...]:
-    """A manifest entry's counts ({"counts": [[length, kept, right], ...]}); () if malformed."""
+    """A manifest entry's counts ({"counts": [[length, kept, right], ...]})."""
     try:
         return pooled(map(tuple, entry["counts"]))  # type: ignore[index]
     except (KeyError, TypeError, ValueError):
@@ -256,7 +234,6 @@ def counts_of(entry: object) -> tuple[tuple[int, int, int], ...]:
 
 
 def load_retention(k: dict) -> dict[str, tuple[tuple[int, int, int], ...]]:
-    """{draw: its counts} stored for key `k`; empty where none parse."""
     try:
         return {str(d): pooled(map(tuple, c)) for d, c in read(RETENTION, k)["draws"].items()}
     except (AttributeError, KeyError, TypeError, ValueError):
@@ -265,8 +242,7 @@ def load_retention(k: dict) -> dict[str, tuple[tuple[int, int, int], ...]]:
 
 def record_retention(k: dict, draw: str, counts) -> dict:
     """Store `counts` as draw `draw`'s for key `k` and return every draw's: a draw stored before
-    keeps the lengths this run did not measure, so the same tasks never count twice. OSError
-    where the cache folder cannot be written."""
+    keeps the lengths this run did not measure, so the same tasks never count twice."""
     draws = load_retention(k)
     mine = {c[0]: c for c in pooled(counts)}
     draws[draw] = pooled([c for c in draws.get(draw, ()) if c[0] not in mine], mine.values())
@@ -278,8 +254,6 @@ def record_retention(k: dict, draw: str, counts) -> dict:
 
 
 def fingerprints(pair, *translators) -> list[str | None]:
-    """Both models (weights, dtype, type, quantization) and each translator (its class,
-    settings and the first entries of each weight), as fingerprints."""
 
     def translator(tr) -> str:
         h = hashlib.sha256(f"{type(tr).__name__} {replace(tr.config, metadata={})!r}".encode())
@@ -294,7 +268,6 @@ def fingerprints(pair, *translators) -> list[str | None]:
 
 
 def rates_key(pair, forward, backward, lengths) -> dict:
-    """Machine (platform, device, BLAS, threads), pair files, library versions, lengths."""
     info = mx.device_info()  # its chip (on Linux the CPU's model name) and memory
     env = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "KVLINGO_CPU_MEMORY")
     machine = [platform.platform(), os.cpu_count(), str(mx.default_device()), blas.loaded_path,
@@ -317,7 +290,6 @@ def path_for(folder: str | Path, k: dict) -> Path:
 
 
 def read(folder, k: dict) -> dict:
-    """The file stored in `folder` for key `k`; {} where there is none to take (docstring)."""
     try:
         data = json.loads(path_for(folder, k).read_text())
         same = data.get("schema") == SCHEMA and data.get("key") == json.loads(json.dumps(k))
@@ -327,7 +299,6 @@ def read(folder, k: dict) -> dict:
 
 
 def write(folder, k: dict, **data) -> Path:
-    """Store `data` for key `k` in `folder`, atomically; OSError where it cannot be written."""
     path = path_for(folder, k)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"schema": SCHEMA, "key": k, **data}, indent=1, sort_keys=True)
@@ -446,10 +417,9 @@ def paths_with(s, upto: int, tail: int, recompute: bool = True) -> Paths:
 
 
 def recompute_count(s, translated: int) -> int:
-    """How many of `translated` tokens the large model recomputes (`recompute_share`)."""
-    if s.mode != "alternation":
-        return 0
-    return RECOMPUTE_SELECTION.count(s.policy.recompute_share, translated)
+    """How many of `translated` tokens the large model recomputes (alternation only)."""
+    share = s.policy.recompute_share if s.mode == "alternation" else 0.0
+    return RECOMPUTE_SELECTION.count(share, translated) if share else 0
 
 
 # -- each turn feeds the rates --------------------------------------------------------------
@@ -478,17 +448,26 @@ def observe(s, stats: TurnStats, at: int) -> None:
 def alternative(s, stats: TurnStats, paths: Paths, conversation: list[int]) -> None:
     """The TTFT the other way of reading would have had, predicted from the rates this turn
     updated; the large model's own read is timed once (after the answer, on `PROBE` tokens of
-    the conversation in a scratch cache) when it never was."""
+    the conversation) when it never was."""
     costs = s.read_costs
     if stats.read is None:
         stats.alternative_ttft_s = paths.small(costs)
         return
-    if not costs.target_read.ready:
-        for n in PROBE:
-            probe = (conversation * (n // max(len(conversation), 1) + 1))[:n]
-            cache = new_cache(s.pair.target)
-            t0 = time.perf_counter()
-            s.pair.target.model(mx.array(probe)[None], cache=cache)
-            mx.eval([c.keys for c in cache])
-            costs.target_read.observe(n, time.perf_counter() - t0)
+    for n in PROBE if not costs.target_read.ready else ():
+        probe = (conversation * (n // max(len(conversation), 1) + 1))[:n]
+        costs.target_read.observe(n, timed_read(s.pair.target, probe))
     stats.alternative_ttft_s = stats.alone_prefill_s = paths.large(costs)
+
+
+def timed_read(loaded, ids: list[int], at: int = 0) -> float:
+    """Seconds `loaded` takes to read `ids` over `at` zero positions in a scratch cache (the
+    attention costs the same whatever the K/V hold)."""
+    cache, g = new_cache(loaded), loaded.geometry
+    if at:
+        k = mx.zeros((1, g.kv_heads, at, g.head_dim), dtype=loaded.dtype)
+        v = mx.zeros((1, g.kv_heads, at, g.value_dim), dtype=loaded.dtype)
+        append_kv(cache, [k] * len(cache), [v] * len(cache))
+        mx.eval([c.state for c in cache])
+    t0 = time.perf_counter()
+    mx.eval(loaded.model(mx.array(ids)[None], cache=cache))
+    return time.perf_counter() - t0
