@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from mlx_kvlingo.config import MODES, ReaderPolicy
 from mlx_kvlingo.conversation import persistence, reader
@@ -73,7 +72,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Transcript:
-    """The token list, the messages, the system prompt; templating a message into tokens."""
+    """The token list and its messages (module docstring); `user_start`: where an unanswered
+    user message starts, `answer`: the (start, model) of the last answer a model gave."""
 
     def __init__(self, tokenizer, system_prompt: str | None = None):
         self.tokenizer = tokenizer
@@ -91,21 +91,16 @@ class Transcript:
 
     @property
     def pending(self) -> bool:
-        """True when the conversation ends with a user message that has no answer yet."""
         return bool(self.messages) and self.messages[-1]["role"] == "user"
 
     def cut(self, n: int) -> int:
-        """Cut the conversation to its first n tokens (the messages stay); returns n."""
         self.tokens = self.tokens[:n]
         if self.answer and self.answer[0] >= n:
             self.answer = None
         return n
 
-    # -- changes (each returns `keep`: the caches hold at most that many tokens) -----------
-
     def add_user(self, text: str) -> tuple[int, int]:
-        """Append a user message; an earlier one that never got an answer is replaced.
-        Returns (where its tokens start, keep)."""
+        """(where its tokens start, keep); an earlier one never answered is replaced."""
         keep = len(self.tokens)
         if self.pending and self.user_start is not None:
             keep = self.cut(self.user_start)
@@ -122,7 +117,7 @@ class Transcript:
         return start, keep
 
     def drop_answer(self) -> tuple[int, str]:
-        """Remove the last answer a model gave: (that model, keep: where it started)."""
+        """Remove the last answer a model gave: (that model, keep)."""
         if self.answer is None or not self.messages or self.messages[-1]["role"] != "assistant":
             raise SessionError("nothing to escalate: there is no answer yet")
         start, answered = self.answer
@@ -132,7 +127,6 @@ class Transcript:
         return answered, start
 
     def commit(self, n0: int, emitted: list[int], text: str, model: str) -> None:
-        """Keep the tokens a model emitted after conversation[:n0] as its answer."""
         self.tokens = self.tokens[:n0] + list(emitted)
         last = self.messages[-1] if self.messages else None
         if last is not None and last["role"] == "assistant" and self.answer is not None:
@@ -143,12 +137,9 @@ class Transcript:
         self.user_start = None
 
     def answers(self) -> list[int]:
-        """The token ids of the conversation's earlier answers, oldest first."""
         tok = self.tokenizer
         return [t for msg in self.messages if msg["role"] == "assistant" and msg["content"]
                 for t in tok.encode(msg["content"], add_special_tokens=False)]  # fmt: skip
-
-    # -- templating ----------------------------------------------------------------------
 
     def _has_template(self) -> bool:
         has = getattr(self.tokenizer, "has_chat_template", None)
@@ -174,13 +165,10 @@ class Transcript:
         )
 
     def append(self, message: dict, generation_prompt: bool) -> tuple[int, int]:
-        """Append `message` as the tokens the chat template adds: (where they start, keep).
-
-        1. token diff: the templated conversation extends the tokens so far;
-        2. text diff: the templated text extends the decoded conversation (answers whose
-           re-tokenization differs from the generated tokens), encode only the new text;
-        3. otherwise re-tokenize everything; keep the common prefix.
-        """
+        """Append `message` as the tokens the template adds: (where they start, keep). The
+        templated tokens extend the conversation's, else the templated text its text (after an
+        answer: anchored on the answer's text, whose re-tokenization may differ from the tokens
+        generated) and only the new text is encoded, else all is re-tokenized."""
         messages = self.messages + [message]
         full = self.template(messages, generation_prompt)
         n = keep = len(self.tokens)
@@ -199,12 +187,6 @@ class Transcript:
         return start, keep
 
     def _text_diff(self, messages: list[dict], generation_prompt: bool) -> list[int] | None:
-        """The new message's tokens from the templated text, or None if that is not possible.
-
-        After a generated answer, anchor on the answer's text: whatever the template puts
-        after it (closing the turn, the new message) is encoded and appended, so answers
-        whose re-tokenization differs from the generated tokens keep their cache.
-        """
         tok = self.tokenizer
         text = self._render(messages, generation_prompt)
         if text is None:
@@ -226,8 +208,7 @@ class Transcript:
         return None
 
     def trim(self, max_tokens: int) -> tuple[int, int]:
-        """Drop the oldest turns until the conversation fits in `max_tokens` tokens (the
-        system prompt and the last message stay): (messages dropped, keep)."""
+        """(messages dropped, keep): `Session.trim`."""
         head = (
             self.messages[:1] if self.messages[:1] and self.messages[0]["role"] == "system" else []
         )
@@ -257,31 +238,15 @@ class Transcript:
         return dropped, keep
 
 
-#: translating ahead: at least AHEAD_MIN tokens at a time, at most AHEAD_SHARE of the small
-#: model's decode time (conversation/README.md, "Translating ahead")
-AHEAD_MIN, AHEAD_SHARE = 8, 0.10
-#: a turn is read (by either model) and its span captured and translated this many tokens at a
-#: time: one chunk's scores and maps beside the caches however long the turn
-READ_CHUNK = 512
-#: the bound on one read chunk's float32 attention scores (the chunk's rows over the cache, every
-#: query head), which MLX's CPU backend materializes beside the caches
-SCORES_BYTES = 64 << 20
+AHEAD_MIN, AHEAD_SHARE = 8, 0.10  # `ahead_tokens`
+READ_CHUNK = 512  # tokens a turn is read, captured and translated at a time
+SCORES_BYTES = 64 << 20  # one read chunk's float32 attention scores, at most
 
 
 def read_chunk(heads: int, held: int, chunk: int = READ_CHUNK) -> int:
-    """Tokens n the next read chunk takes with `held` tokens cached: `chunk`, or fewer where
-    n x (held + chunk) x `heads` x 4 bytes (at least its scores) would pass `SCORES_BYTES`;
+    """`chunk`, or fewer where n x (held + chunk) x `heads` x 4 bytes would pass `SCORES_BYTES`;
     never fewer than chunk // 8."""
     return max(chunk // 8, min(chunk, SCORES_BYTES // (4 * heads * (held + chunk))))
-
-
-class RemoteLarge(Protocol):
-    """The large model's cache where it lives on other ranks (the pipelined target,
-    distributed/): a session gathers spans from it and places translated spans into it."""
-
-    def gather(self, cache: list, start: int, end: int) -> SpanKV: ...
-
-    def place(self, cache: list, span: SpanKV) -> None: ...
 
 
 @dataclass
@@ -297,8 +262,8 @@ class ModelCache:
         self.cache, self.held = new_cache(self.loaded), 0
 
     def settle(self, want: int) -> None:
-        """Make every layer hold exactly the first tokens all layers hold (at most `want`): after
-        an interruption some layers may have processed more than others."""
+        """Every layer holds the first tokens all layers hold, at most `want` (an interrupted
+        read may leave some layers ahead)."""
         keep = min([want] + [c.offset for c in self.cache])
         for c in self.cache:
             if c.offset > keep:
@@ -307,7 +272,6 @@ class ModelCache:
 
 
 def check_directions(pair: ModelPair, forward: Translator | None, backward: Translator | None):
-    """`forward` maps the small model's K/V into the large one's, `backward` the other way."""
     src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
     for label, tr, a, b in (("forward", forward, src, tgt), ("backward", backward, tgt, src)):
         if tr is not None and (tr.config.source, tr.config.target) != (a, b):
@@ -317,26 +281,12 @@ def check_directions(pair: ModelPair, forward: Translator | None, backward: Tran
             )
 
 
-def check_mode(mode: str, pair: ModelPair, forward, backward) -> None:
-    """Naive mode refuses a translator whose keys the outgoing model recomputes ("Key cut")."""
-    for tr, outgoing in ((forward, pair.source), (backward, pair.target)):
-        if mode == "naive" and tr and needs_recording(outgoing, tr.config.key_cut):
-            raise SessionError(
-                "naive mode needs post_norm translators (with a pre_norm one the outgoing "
-                "model would recompute its keys, hiding the re-translation drift)"
-            )
-
-
 class CatchUp:
-    """The session's catching up (a base of `Session`, whose state it acts on: `pair`,
-    `forward`, `backward`, `remote`, `transcript` (only read), `models`, `switches`, `cancelled`,
-    `mode`, `policy`, `read_costs`); who reads a turn: reader.py."""
-
-    # -- catching up ------------------------------------------------------------------------
+    """The session's catching up (a base of `Session`, whose state it acts on)."""
 
     def catch_up(self, name: str, upto: int) -> Switch | None:
-        """Bring model `name` to hold conversation[:a] with a <= upto, by the mode; the `Switch`
-        where the other model held tokens this one lacked, else None."""
+        """Bring model `name` to hold conversation[:a], a <= upto, by the mode; the `Switch`
+        where the other model held tokens this one lacked."""
         m = self.models[name]
         o = self.models["target" if name == "source" else "source"]
         m.settle(min(m.held, upto))
@@ -361,9 +311,8 @@ class CatchUp:
         return sw
 
     def _translate(self, o: ModelCache, m: ModelCache, tr, start: int, end: int) -> None:
-        """Append the translation of o's K/V for [start, end) to m (which holds [0, start)),
-        `READ_CHUNK` tokens at a time where both caches are here and o's cache holds the
-        keys the translator reads; m holds whole chunks however it stops."""
+        """Append the translation of o's K/V for [start, end) to m (holding [0, start)),
+        `READ_CHUNK` tokens at a time where it can; m holds whole chunks however it stops."""
         cut = tr.config.key_cut
         whole = self.remote is not None or needs_recording(o.loaded, cut)
         chunk = end - start if whole else READ_CHUNK
@@ -381,8 +330,7 @@ class CatchUp:
             m.settle(m.held)  # an interrupted append leaves no half-written layer
 
     def _capture(self, o: ModelCache, tr: Translator, start: int, end: int) -> SpanKV:
-        """o's RoPE-free K/V for [start, end) at `tr`'s key cut (read from the cache: of the
-        layers `tr` reads only)."""
+        """o's RoPE-free K/V for [start, end) at `tr`'s key cut (the layers `tr` reads)."""
         cut = tr.config.key_cut
         if o.name == "target" and self.remote is not None:
             if needs_recording(o.loaded, cut):
@@ -399,10 +347,8 @@ class CatchUp:
 
     def small_reads(self, upto: int, chunk: int, progress=None) -> Read:
         """The small model catches up on the large's last answer, then reads up to `upto`
-        itself (prefill only), `chunk` tokens at a time or fewer on a long cache (`read_chunk`);
-        a cancel stops it between chunks.
-        However it stops (cancel, Ctrl-C), its cache holds exactly what it read.
-        `progress("source", done, total)` is called before the first chunk and after each."""
+        (prefill only) by chunks (`read_chunk`), a cancel stopping it between two; its cache
+        holds exactly what it read however it stops. `progress`: before and after each chunk."""
         m = self.models["source"]
         read = Read("source", catch_up=self.catch_up("source", upto), start=m.held)
         reserve(m.loaded, m.cache, upto)  # no layer grows (2x its size) while it reads
@@ -425,17 +371,15 @@ class CatchUp:
         return read
 
     def recompute(self, sw: Switch, n0: int) -> None:
-        """After translating `sw`'s span into the large model (its cache now holds [0, cut)):
-        it reads conversation[cut:n0] itself and recomputes the `recompute_share` of the span
-        its reading attended to most (`recompute.recompute_attended`). The cache is left
-        holding [0, n0 - 1): the answer reads the last token. Interrupted, the cache keeps
-        [0, cut) (some of its positions recomputed in some layers: K/V of the target's own
-        either way)."""
+        """After `sw`'s span is translated into the large model (holding [0, cut)): it reads
+        conversation[cut:n0] and recomputes the `recompute_share` of the span that reading
+        attended to most, leaving [0, n0 - 1) (interrupted: [0, cut))."""
         m = self.models["target"]
         cut, toks, tok = m.held, self.transcript.tokens[:n0], self.pair.tokenizer
         t0 = time.perf_counter()
         try:
-            append_kv(m.cache, *_placeholders(m.cache, n0 - cut))
+            zeros = [(_zeros(c.keys, n0 - cut), _zeros(c.values, n0 - cut)) for c in m.cache]
+            append_kv(m.cache, *zip(*zeros))  # overwritten before anything attends to them
             chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut,
                                         self.policy.recompute_share, start=cut - sw.translated,
                                         selection=RECOMPUTE_SELECTION, ends=sentence_ends(tok),
@@ -446,13 +390,9 @@ class CatchUp:
         sw.recomputed, sw.tail_read = len(chosen), n0 - cut
         sw.recompute_s = time.perf_counter() - t0
 
-    # -- translating ahead (cascade) ----------------------------------------------------------
-
     def ahead_begin(self, upto: int) -> Switch | None:
         """While the small model answers, the span the large would lack on escalation,
-        [large's held, upto), is translated chunk by chunk between the small model's tokens
-        (`ahead_step`). Kept either way: it is a prefix of the conversation, so alternation
-        stays exact and no span is translated twice."""
+        [large's held, upto), is translated between its tokens (`ahead_step`); kept either way."""
         p = self.policy
         if not (p.translate_ahead and self.forward is not None and self.mode == "alternation"):
             return None
@@ -464,8 +404,7 @@ class CatchUp:
         return Switch("target", self.mode, t.held, t.held, note=f"translated ahead to {upto}")
 
     def ahead_step(self, sw: Switch, upto: int, decode_s: float | None) -> float:
-        """After one small token (decoded in `decode_s`, None for the first): translate the
-        next chunk of the ahead span (`ahead_tokens`). Returns the seconds spent."""
+        """After one small token (decoded in `decode_s`): the next chunk; the seconds spent."""
         t, o = self.models["target"], self.models["source"]
         read = min(c.offset for c in o.cache)  # the small model's cache, mid-answer
         n = self.ahead_tokens(min(upto, read) - t.held, decode_s)
@@ -484,11 +423,9 @@ class CatchUp:
         return seconds
 
     def ahead_tokens(self, remaining: int, decode_s: float | None) -> int:
-        """How many of `remaining` tokens to translate ahead now. Each small token earns
-        AHEAD_SHARE x its decode time; a chunk is translated once the credit covers its
-        predicted cost (`read_costs.forward`: a + b n) and it is at least max(AHEAD_MIN, 3a / b)
-        tokens (its per-call cost a quarter at most), as many as the credit covers; what it
-        overruns is a debt. Unmeasured: AHEAD_MIN tokens."""
+        """Each small token earns AHEAD_SHARE x its decode time; a chunk is translated once
+        the credit covers its predicted cost a + b n and it is at least max(AHEAD_MIN, 3a / b)
+        tokens, as many as the credit covers; an overrun is a debt. Unmeasured: AHEAD_MIN."""
         cost = self.read_costs.forward
         if remaining <= 0:
             return 0
@@ -501,6 +438,10 @@ class CatchUp:
         least = max(AHEAD_MIN, math.ceil(3 * a / b)) if cost.ready else 2 * cost.samples[-1][0]
         most = min(remaining, int((self.ahead_credit - a) / b))
         return most if most >= min(least, remaining) else 0
+
+
+def _zeros(a: mx.array, n: int) -> mx.array:
+    return mx.zeros((*a.shape[:2], n, a.shape[-1]), dtype=a.dtype)
 
 
 def _kept(name: str, doc: str) -> property:
@@ -528,10 +469,10 @@ class Session(CatchUp):
                  backward: Translator | None = None, mode: str = "alternation", *,
                  system_prompt: str | None = None, max_kv_size: int | None = None,
                  policy: ReaderPolicy | None = None, read_costs: ReadCosts | None = None,
-                 remote: RemoteLarge | None = None, retention: Retention | None = None):  # fmt: skip
+                 remote=None, retention: Retention | None = None):  # fmt: skip
         check_directions(pair, forward, backward)
         self.pair, self.forward, self.backward = pair, forward, backward
-        self.remote = remote  # the large model's cache on other ranks (distributed/), if any
+        self.remote = remote  # the large model's cache on other ranks: gather, place (distributed/)
         self.max_kv_size = max_kv_size  # the conversation's token limit (None: none)
         self.transcript = Transcript(pair.tokenizer, system_prompt)
         self.models = {n: ModelCache(n, getattr(pair, n), new_cache(getattr(pair, n)))
@@ -683,7 +624,12 @@ class Session(CatchUp):
         n = len(self.tokens)
         if not n:
             raise SessionError("nothing to answer yet: add a user message first")
-        check_mode(self.mode, self.pair, self.forward, self.backward)
+        for tr, outgoing in ((self.forward, self.pair.source), (self.backward, self.pair.target)):
+            if self.mode == "naive" and tr and needs_recording(outgoing, tr.config.key_cut):
+                raise SessionError(
+                    "naive mode needs post_norm translators (with a pre_norm one the outgoing "
+                    "model would recompute its keys, hiding the re-translation drift)"
+                )
         for label, m in (("small", self.pair.source), ("large", self.pair.target)):
             if m.context_length is not None and n > m.context_length:
                 raise ContextOverflowError(
@@ -703,12 +649,10 @@ class Session(CatchUp):
     def generate(self, model: str = "target", *, max_tokens: int = 256, sampler=None,
                  logits_processors=None, prefill_step_size: int = READ_CHUNK,
                  progress: Progress | None = None) -> Responses:  # fmt: skip
-        """Stream an answer from `model` ('source'/'small' or 'target'/'large'): the hand-off,
-        then mlx-lm decodes. Stopped early (break, `cancel()`, KeyboardInterrupt, the iterator
-        closed), the tokens emitted are the answer; stopped while a model reads the turn, each
-        cache keeps the chunks it read whole and the turn stays unanswered.
-        `progress(reader, done, total)` is called as the turn is read, chunk by chunk (`reader`:
-        "source" where the small model reads for the large one, else the answering model)."""
+        """Stream an answer from `model` (module docstring). Stopped early (break, `cancel()`,
+        KeyboardInterrupt, the iterator closed), the tokens emitted are the answer; stopped
+        while a model reads the turn, each cache keeps the chunks it read whole and the turn
+        stays unanswered. `progress(reader, done, total)` is called as the turn is read."""
         name, left = self._begin(model)
         limit = max_tokens
         if left is not None and (max_tokens < 0 or max_tokens > left):  # -1: no limit
@@ -722,21 +666,53 @@ class Session(CatchUp):
 
     def _generate(self, name: str, limit: int, capped: bool, kwargs,
                   progress: Progress | None = None) -> Responses:  # fmt: skip
-        """The turn: hand off (read, catch up, recompute), decode, commit."""
+        """The turn: hand off, decode (at most `limit` tokens; `capped`: the context's limit,
+        so "length" ends as "context"), commit. The small model's decode time of a token
+        excludes the translating ahead between its tokens."""
         m, t0, n0 = self.models[name], time.perf_counter(), len(self.tokens)
-        stats = TurnStats(name, self.mode)
-        emitted: list[int] = []
+        stats, emitted, steps = TurnStats(name, self.mode), [], None
         try:
-            # 1. the hand-off: the answering model's cache then holds conversation[:held]
             paths = self._hand_off(name, n0, stats, kwargs["prefill_step_size"], progress)
             if stats.finish_reason == "cancelled":
                 return
             stats.ahead = self.ahead_begin(n0 - 1) if name == "source" else None
-            # 2. decode with mlx-lm on the answering model's own cache
-            yield from decode(self, m, n0, stats, emitted, limit, capped, kwargs, t0)
+            prompt = self.tokens[m.held : n0]
+            stats.prompt_tokens = len(prompt)
+            if kwargs.get("logits_processors"):  # they see the earlier answers and this one
+                procs = over_answers(kwargs["logits_processors"], self.transcript.answers())
+                kwargs = {**kwargs, "logits_processors": procs}
+            steps = stream_generate(m.loaded.model, self.pair.tokenizer, mx.array(prompt),
+                                    max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
+            last_token_at, between_s = None, 0.0
+            for r in steps:
+                now = time.perf_counter()
+                decode_s = None if last_token_at is None else now - last_token_at - between_s
+                last_token_at = now
+                if stats.ttft_s is None:
+                    stats.ttft_s = now - t0
+                emitted.append(r.token)
+                stats.text += r.text
+                stats.logprobs.append(r.logprobs[r.token].item())
+                stats.generation_tokens, stats.prompt_tps = r.generation_tokens, r.prompt_tps
+                stats.generation_tps, stats.peak_memory_gb = r.generation_tps, r.peak_memory
+                stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
+                if len(emitted) == 1:
+                    observe(self, stats, n0 - len(prompt))
+                end = r.finish_reason or ("cancelled" if self.cancelled.is_set() else None)
+                if end is not None:
+                    stats.finish_reason = "context" if capped and end == "length" else end
+                yield GenerationResponse(r.text, r.token, r.logprobs, r.from_draft,
+                                         r.prompt_tokens, r.prompt_tps, r.generation_tokens,
+                                         r.generation_tps, r.peak_memory, stats.finish_reason,
+                                         LABEL[name], stats if end else None)  # fmt: skip
+                if end is not None:
+                    break
+                if stats.ahead is not None:
+                    between_s = self.ahead_step(stats.ahead, n0 - 1, decode_s)
         finally:
-            # 3. commit, however the turn stopped
-            self._commit(m, n0, emitted, stats)
+            if steps is not None:
+                steps.close()
+            self._commit(m, n0, emitted, stats)  # however the turn stopped
         if emitted and paths is not None:  # the other path's TTFT, predicted with this turn's rates
             reader.alternative(self, stats, paths, self.tokens[:n0])
 
@@ -811,62 +787,6 @@ class Session(CatchUp):
         """Restore a session saved by `save` for this same pair (refuses any other pair)."""
         self._claim()
         self.policy = persistence.load(path, self)
-
-
-def decode(s: Session, m: ModelCache, n0: int, stats: TurnStats, emitted: list[int], limit: int,
-           capped: bool, kwargs: dict, t0: float) -> Iterator[GenerationResponse]:  # fmt: skip
-    """A turn's decode (session.py, step 2): mlx-lm decodes conversation[held:n0] on `m`'s
-    cache, at most `limit` tokens (`capped`: the limit is the context's, so "length" ends as
-    "context"). Each token goes to `emitted` and `stats` (TTFT from `t0`), then is yielded; the
-    last carries `stats`. While the small model answers, the ahead span is translated between
-    its tokens (`s.ahead_step`), and its decode time of a token excludes that."""
-    prompt = s.tokens[m.held : n0]
-    stats.prompt_tokens = len(prompt)
-    procs = kwargs.get("logits_processors")
-    if procs:  # they see the earlier answers and this one, not only this turn's
-        kwargs = {**kwargs, "logits_processors": over_answers(procs, s.transcript.answers())}
-    steps = stream_generate(m.loaded.model, s.pair.tokenizer, mx.array(prompt),
-                            max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
-    try:
-        last_token_at, between_s = None, 0.0
-        for r in steps:
-            now = time.perf_counter()
-            # this token's decode time: the wall time since the last one, less the ahead's
-            decode_s = None if last_token_at is None else now - last_token_at - between_s
-            last_token_at = now
-            if stats.ttft_s is None:
-                stats.ttft_s = now - t0
-            emitted.append(r.token)
-            stats.text += r.text
-            stats.logprobs.append(r.logprobs[r.token].item())
-            stats.generation_tokens, stats.generation_tps = r.generation_tokens, r.generation_tps
-            stats.prompt_tps, stats.peak_memory_gb = r.prompt_tps, r.peak_memory
-            stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
-            if len(emitted) == 1:
-                observe(s, stats, n0 - len(prompt))
-            end = r.finish_reason
-            if end is None and s.cancelled.is_set():
-                end = "cancelled"
-            if end is not None:
-                stats.finish_reason = "context" if capped and end == "length" else end
-            yield GenerationResponse(r.text, r.token, r.logprobs, r.from_draft, r.prompt_tokens,
-                                     r.prompt_tps, r.generation_tokens, r.generation_tps,
-                                     r.peak_memory, stats.finish_reason, LABEL[m.name],
-                                     stats if end else None)  # fmt: skip
-            if end is not None:
-                break
-            if stats.ahead is not None:
-                between_s = s.ahead_step(stats.ahead, n0 - 1, decode_s)
-    finally:
-        steps.close()
-
-
-def _placeholders(cache: list, n: int) -> tuple[list, list]:
-    """Zero K/V for `n` positions per layer, overwritten before anything attends to them."""
-    keys = [mx.zeros((*c.keys.shape[:2], n, c.keys.shape[-1]), dtype=c.keys.dtype) for c in cache]
-    vals = [mx.zeros((*c.values.shape[:2], n, c.values.shape[-1]), dtype=c.values.dtype)
-            for c in cache]  # fmt: skip
-    return keys, vals
 
 
 #: progress(reader, done, total): `reader` ("source" or "target") has read `done` of the turn's
