@@ -1,13 +1,11 @@
 """What a user gets: one answer at a time per model pair, streamed as mlx-lm-shaped responses
-(`GenerationResponse`, the last carrying the turn's record `TurnStats` and its status line); the
-public `stream_generate` and `Conversation.send` both run `open_stream`.
+(`GenerationResponse`, the last carrying the turn's record `TurnStats` and its status line), as
+`stream_generate` and `Conversation.send` run them (`open_stream`).
 
 Invariant: at most one holder drives a pair's models (`PairLock`: a stream from its first
-`next()` until it ends, is closed or is collected; a change to a conversation: add, trim, save,
-load, reset; a server's request); MLX evaluation is never interleaved from two threads. The
-session's turn (session.py: hand-off, decode, commit) runs inside, so however the stream stops
-its tokens are the answer and both caches stay consistent. Asking for the pair again from the
-thread that holds it:
+`next()` until it ends, is closed or is collected; a change to a conversation; a server's
+request); MLX evaluation is never interleaved from two threads. Asking for the pair again from
+the thread that holds it:
 
     under a plain hold (no stream: a change, a server's request)    -> granted, nested
     for another conversation, or while the holder's stream runs     -> BusyError (no deadlock)
@@ -20,8 +18,7 @@ BusyError at once. A waiter whose `cancel` event is set gives up (`acquire` retu
 
 Sampling: `resolve` is the one place settings merge: explicit values over the model folder's
 `generation_config.json` over `DEFAULTS`, whose repetition penalty covers the conversation's
-answers (`over_answers`), never the user's text. `temp=0` stays plain argmax: the default
-repetition penalty then applies only when given explicitly. `pair` is the public `Pair`.
+answers (`over_answers`), never the user's text; `temp=0` stays plain argmax unless asked.
 """
 
 from __future__ import annotations
@@ -45,7 +42,7 @@ from mlx_lm.sample_utils import make_logits_processors, make_sampler
 if TYPE_CHECKING:
     from mlx_kvlingo.conversation.session import Session
 
-#: the two roles by size or by direction: the small model is a forward translation's source
+#: the two roles by size or by direction
 ROLE = {"small": "source", "large": "target", "source": "source", "target": "target"}
 LABEL: dict[str, Literal["small", "large"]] = {"source": "small", "target": "large"}
 
@@ -63,7 +60,6 @@ class SessionFileError(SessionError):
 
 
 def role(model: str) -> str:
-    """'source' or 'target' for any name of a role (small, large, source, target)."""
     if model not in ROLE:
         raise SessionError(f"unknown model {model!r}; use 'source'/'small' or 'target'/'large'")
     return ROLE[model]
@@ -81,9 +77,7 @@ class Switch:
     retranslated: int = 0  # of those, tokens this model already held (naive mode)
     seconds: float = 0.0
     note: str = ""  # e.g. why it re-prefilled instead of translating
-    #: after the translation, the large model read the turn's last `tail_read` tokens itself
-    #: and recomputed `recomputed` translated tokens that reading attended to most
-    #: (the policy's `recompute_share`), in `recompute_s`
+    #: then the large model read the last `tail_read` tokens and recomputed `recomputed`
     recomputed: int = 0
     tail_read: int = 0
     recompute_s: float = 0.0
@@ -127,29 +121,24 @@ class TurnStats:
     read: Read | None = None  # the small model's read for this answer (reader "small")
     ahead: Switch | None = None  # translated ahead for the large model during this answer
     prompt_s: float = 0.0  # the answering model's own prefill time this turn
-    #: the small model read: the large model's predicted TTFT reading the turn itself (old name)
-    alone_prefill_s: float | None = None
+    alone_prefill_s: float | None = None  # alternative_ttft_s's old name where the small read
     read_note: str = ""  # why the large read the new turn itself (readers "auto", "tokens")
-    #: reader "auto" turned the faster small path down: the retention expected at this length
-    retention: float | None = None
-    #: the other way of reading this turn: its TTFT predicted from this pair's rates (reader.py)
-    alternative_ttft_s: float | None = None
+    retention: float | None = None  # expected where it turned the faster small path down
+    alternative_ttft_s: float | None = None  # the other way's TTFT, predicted (reader.py)
     predicted_ttft_s: float | None = None  # what was predicted for the path taken
-    #: a cascade's small answer (model "auto"): under the threshold, the large answers again
-    escalating: bool = False
+    escalating: bool = False  # a cascade's small answer under the threshold
 
     @property
     def confidence(self) -> float | None:
-        """Mean token log-probability of the answer (0: certain), the score of model "auto"."""
+        """Mean token log-probability of the answer, the score of model "auto"."""
         return float(np.mean(self.logprobs)) if self.logprobs else None
 
 
 @dataclass
 class GenerationResponse:
-    """mlx-lm's `GenerationResponse` (its fields, in its order), plus who answered and, on an
-    answer's last response (`finish_reason` set), the hand-off record (`handoff`: who read, what
-    was translated and recomputed, where the time went) and the `status` line. An answer stopped
-    before its first token ends with a response whose `token` is None."""
+    """mlx-lm's `GenerationResponse` (its fields, in its order), who answered and, on an
+    answer's last response, its record (`handoff`) and `status` line (`token` None: stopped
+    before its first token)."""
 
     text: str
     token: int | None
@@ -171,16 +160,12 @@ OPTIONS = {"model": "large", "reader": None, "max_tokens": 256, "sampler": None,
             "auto_threshold": AUTO_THRESHOLD, "wait": True, "timeout": None, "redo": False}  # fmt: skip
 
 
-# -- the lock ------------------------------------------------------------------------------
-
-
 class BusyError(RuntimeError):
     """The model pair is in use by another generation (one generation at a time)."""
 
 
 class Ticket:
-    """Who asks for the pair: a conversation's cache (or a server's request), its cancel event
-    and, for a stream, the stream."""
+    """Who asks for the pair (a conversation, a request), its cancel event, its stream."""
 
     __slots__ = ("owner", "cancel", "stream")
 
@@ -202,8 +187,7 @@ class PairLock:
 
     def acquire(self, owner: Any, cancel: threading.Event | None = None, wait: bool = True,
                 timeout: float | None = None) -> bool:  # fmt: skip
-        """Take the pair for `owner` (a stream's `Ticket`, else a plain hold; the rules in the
-        module docstring); False when `cancel` was set while it waited."""
+        """Take the pair for `owner` (a stream's `Ticket`, else a plain hold): module docstring."""
         ticket = owner if isinstance(owner, Ticket) else Ticket(owner, cancel or threading.Event())
         me = threading.get_ident()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -254,9 +238,6 @@ class PairLock:
             self._cond.notify_all()
 
 
-# -- sampling ------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Sampling:
     temp: float = 0.7
@@ -286,7 +267,6 @@ FIELDS = tuple(f.name for f in fields(Sampling))
 
 
 def generation_config(folder: str | Path | None) -> dict:
-    """The sampling fields of `folder/generation_config.json` as `Sampling` keywords ({}: none)."""
     try:
         raw = json.loads((Path(folder) / "generation_config.json").read_text())
     except (TypeError, OSError, ValueError):  # no folder, no file, not JSON
@@ -306,9 +286,8 @@ def generation_config(folder: str | Path | None) -> dict:
 
 
 def resolve(model=None, sampling: Mapping[str, Any] | None = None) -> Sampling:
-    """The settings for `model` (a LoadedModel or None): the fields of `sampling` (None: not
-    set) over the model's generation_config.json over `DEFAULTS` (`{"temp": 0.2}` keeps the
-    model's top-p). An unknown field is a ValueError naming the known ones."""
+    """The settings for `model` (a LoadedModel or None): `sampling`'s set fields over its
+    generation_config.json over `DEFAULTS`; ValueError on an unknown field."""
     sampling = sampling or {}
     unknown = set(sampling) - set(FIELDS)
     if unknown:
@@ -325,8 +304,8 @@ def resolve(model=None, sampling: Mapping[str, Any] | None = None) -> Sampling:
 
 
 def sampler_kwargs(pair: Any, model: str, kw: dict, seed: bool = True) -> dict:
-    """mlx-lm's sampler keywords for `model`'s answer: `sampler`/`logits_processors` as given,
-    else built from the sampling settings in `kw` (`resolve`); with `seed`, also the seed."""
+    """mlx-lm's `sampler`/`logits_processors` for `model`'s answer: as given, else from the
+    sampling settings in `kw`; with `seed`, the seed."""
     loaded = pair.models.source if ROLE[model] == "source" else pair.models.target
     try:
         cfg = resolve(loaded, {k: v for k, v in kw.items() if k not in OPTIONS})
@@ -338,10 +317,8 @@ def sampler_kwargs(pair: Any, model: str, kw: dict, seed: bool = True) -> dict:
 
 
 def seed(value: int | None, messages: list[dict[str, str]]) -> None:
-    """The one seed rule: MLX is seeded with `value` plus the number of assistant messages
-    before the user message answered: reproducible from the messages alone (a resent or
-    restored conversation), the same for whichever model answers or re-answers, a new draw
-    each turn."""
+    """MLX is seeded with `value` plus the number of assistant messages before the user message
+    answered: the same from the messages alone, for whichever model, a new draw each turn."""
     if value is not None:
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
         before = messages[: users[-1]] if users else messages
@@ -350,8 +327,7 @@ def seed(value: int | None, messages: list[dict[str, str]]) -> None:
 
 def over_answers(processors: list, answers: list[int]) -> list:
     """Logits processors that see the conversation's answers, earlier ones first, then this one,
-    never the prompt part mlx-lm passes them (whatever read the turn, the user's text is not
-    penalized, and an answer cannot copy the last one)."""
+    never the prompt mlx-lm passes them (the user's text is not penalized)."""
     past = mx.array(answers, dtype=mx.int32)
 
     def wrap(proc):
@@ -365,9 +341,6 @@ def over_answers(processors: list, answers: list[int]) -> list:
         return call
 
     return [wrap(p) for p in processors]
-
-
-# -- the stream ----------------------------------------------------------------------------
 
 
 def open_stream(pair: Any, cache: Session, prompt: Any, cancel: threading.Event,
@@ -423,8 +396,7 @@ def _run(pair: Any, cache: Session, prompt: Any, ticket: Ticket, opts: dict,
 
 def _answer(pair: Any, cache: Session, model: str | None, cancel: threading.Event,
             opts: dict, kw: dict) -> Iterator[GenerationResponse]:  # fmt: skip
-    """One answer: the session's turn (hand-off, decode, commit), one response per token; the
-    last one (`finish_reason` set) comes once the turn is committed and its record complete."""
+    """One answer, one response per token; the last once the turn is committed."""
     label = model
     if opts["redo"] and model is None:  # escalate: the other model than the last answer's
         last = cache.last_turn
@@ -451,8 +423,7 @@ def _answer(pair: Any, cache: Session, model: str | None, cancel: threading.Even
 
 def final(pair: Any, st: TurnStats | None, model: str,
           last: GenerationResponse | None = None) -> GenerationResponse:  # fmt: skip
-    """An answer's last response: its last token (`last`; none when it ended before one) with
-    the finish reason, the hand-off record and the status line."""
+    """An answer's last response: its last token (`last`, if any), the record, the status."""
     if st is None:
         return GenerationResponse("", None, None, False, 0, 0.0, 0, 0.0, 0.0, "cancelled", model,
                                   status="cancelled")  # fmt: skip
@@ -476,12 +447,8 @@ def _ms(seconds: float) -> str:
 
 
 def status_line(st: TurnStats, names: dict) -> str:
-    """Who read what and what it cost, then mlx-lm's `N tokens · X tok/s · peak Z GB`.
-
-    With the small model reading: `small read 18 tok 35 ms · translated 19 tok 5 ms · large
-    read 1 tok 20 ms · TTFT 60 ms (large alone: TTFT ≈ 400 ms) · ...`: the path not
-    taken, as a TTFT predicted from the rates measured on this pair.
-    """
+    """Who read what and what it cost, the TTFT (and the other way's, predicted), then mlx-lm's
+    `N tokens · X tok/s · peak Z GB`."""
     me = LABEL[st.model]
     parts = [f"{me} ({names[st.model]})"]
     rd, sw = st.read, st.switch
