@@ -1,11 +1,7 @@
 """Session files. Invariant: a file loads only into the pair that wrote it (geometry and a weight
 fingerprint per model), and a load that fails leaves the session as it was, with a one-line
-`SessionFileError`.
-
-The file is an mlx-lm prompt cache (`mlx_lm.models.cache.save_prompt_cache`: the source's
-layers, then the target's; `load_prompt_cache` reads it); its metadata `kvlingo_session` holds
-the rest as JSON. `save` and `load` take the session's state explicitly (the transcript, both
-model caches, the records); a `.safetensors` suffix is added where missing."""
+`SessionFileError`. The file is an mlx-lm prompt cache (the source's layers, then the target's),
+its metadata `kvlingo_session` the rest as JSON; a `.safetensors` suffix is added where missing."""
 
 from __future__ import annotations
 
@@ -30,8 +26,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache, load_prompt_cache, save_prompt_cache
 
 MODELS = ("source", "target")
-SESSION_SCHEMA = "mlx-kvlingo/session"
-SESSION_SCHEMA_VERSION = 1
+SCHEMA, SCHEMA_VERSION = "mlx-kvlingo/session", 1
 
 
 def _local(s, what: str) -> None:
@@ -40,13 +35,12 @@ def _local(s, what: str) -> None:
 
 
 def save(path: str | Path, s) -> Path:
-    """Write session `s`'s caches, conversation and sync state to one prompt cache file."""
     _local(s, "saving")
     pair, t, models = s.pair, s.transcript, s.models
     path = Path(path)
     if path.suffix != ".safetensors":
         path = path.with_name(path.name + ".safetensors")
-    state = {"schema": SESSION_SCHEMA, "schema_version": SESSION_SCHEMA_VERSION, **_identity(pair),
+    state = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **_identity(pair),
              "layers": [pair.source.geometry.layers, pair.target.geometry.layers],
              "held": {n: models[n].held for n in MODELS}, "tokens": t.tokens,
              "messages": t.messages, "system_prompt": t.system_prompt, "mode": s.mode,
@@ -61,16 +55,14 @@ def save(path: str | Path, s) -> Path:
 
 
 def load(path: str | Path, s) -> ReaderPolicy:
-    """Restore a session saved by `save` for this same pair (refuses any other pair) into
-    session `s`, in place, once every check has passed; returns the policy to use."""
+    """Restore into session `s`, once every check has passed; returns the policy to use."""
     _local(s, "loading")
     path = Path(path)
     if not path.is_file() and path.with_name(path.name + ".safetensors").is_file():
         path = path.with_name(path.name + ".safetensors")
     if not path.is_file():
         raise SessionFileError(f"{path}: no such session file")
-    # a well-formed safetensors file, before mlx reads it
-    read_header(path, SessionFileError, "session")
+    read_header(path, SessionFileError, "session")  # well formed, before mlx reads it
     try:
         caches, meta = load_prompt_cache(str(path), return_metadata=True)
     except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError
@@ -82,9 +74,7 @@ def load(path: str | Path, s) -> ReaderPolicy:
             "(write session files with /save or Session.save)"
         )
     state = parse_json(raw, f"{path}: the kvlingo_session metadata", SessionFileError)
-    if state.get("schema") != SESSION_SCHEMA or state.get("schema_version") != (
-        SESSION_SCHEMA_VERSION
-    ):
+    if (state.get("schema"), state.get("schema_version")) != (SCHEMA, SCHEMA_VERSION):
         raise SessionFileError(
             f"{path}: unsupported session schema {state.get('schema')!r:.80} "
             f"v{state.get('schema_version')!r:.40}"
@@ -108,8 +98,6 @@ def _identity(pair: ModelPair) -> dict:
 
 
 def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:
-    """Check a session file's state against this pair, then restore it into session `s`
-    (nothing before every check has passed); returns the policy to use."""
     pair = s.pair
 
     def need(ok, what: str) -> None:
@@ -146,7 +134,7 @@ def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:
         n = state["held"][name]
         need(_is_int(n) and 0 <= n <= len(tokens),
              f"{name} holds {str(n)[:40]} of {len(tokens)} tokens")  # fmt: skip
-        _check_cache(path, name, getattr(pair, name).geometry, part, n)
+        _check_cache(need, name, getattr(pair, name).geometry, part, n)
         restored[name] = (part, n)
     answer, user_start, system = (state.get(k) for k in ("answer", "user_start", "system_prompt"))
     need(answer is None or (isinstance(answer, list) and len(answer) == 2 and _is_int(answer[0])
@@ -168,7 +156,7 @@ def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:
     if policy.reader != "self" and s.forward is None:
         policy = replace(policy, reader="self")  # saved with a translator this pair lacks
     saved_turns = [TurnStats(**{**t, "switch": _switch(t.get("switch")),
-                                "read": _read(t.get("read")), "ahead": _switch(t.get("ahead"))})
+                                "ahead": _switch(t.get("ahead")), "read": _read(t.get("read"))})
                    for t in state.get("turns", [])]  # fmt: skip
     s.switches[:] = [Switch(**x) for x in state.get("switches", [])]  # the last that may fail
     s.turns[:] = saved_turns
@@ -190,26 +178,18 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _check_cache(path: Path, name: str, g, cache: list, held: int) -> None:
+def _check_cache(need, name: str, g, cache: list, held: int) -> None:
     """Each layer a plain KVCache holding exactly `held` tokens in geometry `g`."""
     for i, c in enumerate(cache):
-        if type(c) is not KVCache:
-            raise SessionFileError(
-                f"{path}: {name} layer {i} is a {type(c).__name__}, not a KVCache"
-            )
-        if c.offset != held:
-            raise SessionFileError(f"{path}: {name} cache disagrees with its sync state")
-        if held == 0:
-            continue
-        for what, a, dim in (("keys", c.keys, g.head_dim), ("values", c.values, g.value_dim)):
-            if not isinstance(a, mx.array) or tuple(a.shape) != (1, g.kv_heads, held, dim):
-                shape = tuple(a.shape) if isinstance(a, mx.array) else type(a).__name__
-                raise SessionFileError(
-                    f"{path}: {name} layer {i} {what} are {shape}, expected "
-                    f"{(1, g.kv_heads, held, dim)}"
-                )
-            if not mx.issubdtype(a.dtype, mx.floating):
-                raise SessionFileError(f"{path}: {name} layer {i} {what} are {a.dtype}")
+        need(type(c) is KVCache, f"{name} layer {i} is a {type(c).__name__}, not a KVCache")
+        need(c.offset == held, f"{name} cache disagrees with its sync state")
+        kv = (("keys", c.keys, g.head_dim), ("values", c.values, g.value_dim)) if held else ()
+        for what, a, dim in kv:
+            want = (1, g.kv_heads, held, dim)
+            shape = tuple(a.shape) if isinstance(a, mx.array) else type(a).__name__
+            need(shape == want, f"{name} layer {i} {what} are {shape}, expected {want}")
+            floating = mx.issubdtype(a.dtype, mx.floating)
+            need(floating, f"{name} layer {i} {what} are {a.dtype}")
 
 
 def _switch(d: dict | None) -> Switch | None:
