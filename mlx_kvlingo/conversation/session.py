@@ -271,18 +271,32 @@ class ModelCache:
         self.held = keep
 
 
-def check_directions(pair: ModelPair, forward: Translator | None, backward: Translator | None):
-    src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
-    for label, tr, a, b in (("forward", forward, src, tgt), ("backward", backward, tgt, src)):
-        if tr is not None and (tr.config.source, tr.config.target) != (a, b):
-            raise SessionError(
-                f"the {label} translator maps {tr.config.source} -> {tr.config.target}, "
-                f"but this direction needs {a} -> {b}"
-            )
-
-
 class CatchUp:
     """The session's catching up (a base of `Session`, whose state it acts on)."""
+
+    def _hand_off(self, name: str, n0: int, stats: TurnStats, chunk: int,
+                  progress: Progress | None = None) -> Paths | None:  # fmt: skip
+        """Step 1 for `name` about to answer conversation[:n0], as `reader.choose` decides;
+        fills `stats`, returns the predicted paths."""
+        d = reader.choose(self, name, n0 - 1)
+        stats.read_note, stats.retention, paths = d.note, d.retention, d.paths
+        if paths is not None:  # what was predicted for the path taken
+            stats.predicted_ttft_s = (paths.small if d.small else paths.large)(self.read_costs)
+        m = self.models[name]
+        reserve(m.loaded, m.cache, n0 + 1)  # no cache grows (2x its size) while it is read
+        upto = n0 - 1  # the answering model reads at least the last token itself
+        if d.small:  # the large still reads the turn's last tokens itself (from d.cut)
+            upto = d.cut
+            stats.read = self.small_reads(upto, chunk, progress)
+            if self.cancelled.is_set():  # stopped while the small model read
+                stats.finish_reason = "cancelled"
+                return paths
+        stats.switch = sw = self.catch_up(name, upto)
+        if d.recompute and sw is not None and sw.translated:  # the tail, then the recompute
+            self.recompute(sw, n0)
+            if self.cancelled.is_set():
+                stats.finish_reason = "cancelled"
+        return paths
 
     def catch_up(self, name: str, upto: int) -> Switch | None:
         """Bring model `name` to hold conversation[:a], a <= upto, by the mode; the `Switch`
@@ -451,26 +465,22 @@ def _kept(name: str, doc: str) -> property:
 
 
 class Session(CatchUp):
-    """One conversation over a model pair: the source (small) and target (large) model.
-
-    `forward` translates source K/V into the target's cache, `backward` the other way; without
-    `backward`, handing the conversation back to the source re-prefills (the switch's `note`).
-
-        s = Session(pair, forward, backward)
-        s.add_user("Hello")
-        for ev in s.generate("source"):
-            print(ev.text, end="")
-        s.add_user("Tell me more")
-        for ev in s.generate("target"):   # translates only what the target lacks
-            ...
-    """
+    """One conversation over a model pair: the source (small) and target (large) model;
+    `forward` translates source K/V into the target's cache, `backward` the other way (without
+    it, handing the conversation back to the source re-prefills)."""
 
     def __init__(self, pair: ModelPair, forward: Translator | None,
                  backward: Translator | None = None, mode: str = "alternation", *,
                  system_prompt: str | None = None, max_kv_size: int | None = None,
                  policy: ReaderPolicy | None = None, read_costs: ReadCosts | None = None,
                  remote=None, retention: Retention | None = None):  # fmt: skip
-        check_directions(pair, forward, backward)
+        src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
+        for label, tr, a, b in (("forward", forward, src, tgt), ("backward", backward, tgt, src)):
+            if tr is not None and (tr.config.source, tr.config.target) != (a, b):
+                raise SessionError(
+                    f"the {label} translator maps {tr.config.source} -> {tr.config.target}, "
+                    f"but this direction needs {a} -> {b}"
+                )
         self.pair, self.forward, self.backward = pair, forward, backward
         self.remote = remote  # the large model's cache on other ranks: gather, place (distributed/)
         self.max_kv_size = max_kv_size  # the conversation's token limit (None: none)
@@ -493,7 +503,6 @@ class Session(CatchUp):
 
     @property
     def mode(self) -> str:
-        """alternation, naive or reprefill: how a model catches up (module docstring)."""
         return self._mode
 
     @mode.setter
@@ -504,8 +513,7 @@ class Session(CatchUp):
 
     @property
     def policy(self) -> ReaderPolicy:
-        """Who reads a turn and what the large model recomputes (config.py), as
-        `reader.resolve_policy` resolves it; change it with dataclasses.replace."""
+        """Who reads a turn and what the large model recomputes (config.py), resolved."""
         return self._policy
 
     @policy.setter
@@ -518,11 +526,10 @@ class Session(CatchUp):
         return self.turns[-1] if self.turns else None
 
     def held(self, model: str) -> int:
-        """How many conversation tokens `model`'s cache holds."""
         return self.models[role(model)].held
 
     def cache(self, model: str) -> list:
-        """The mlx-lm cache of `model` (holds `held(model)` tokens). Do not modify it."""
+        """The mlx-lm cache of `model` (holds `held(model)` tokens); read only."""
         return self.models[role(model)].cache
 
     def cancel(self) -> None:
@@ -560,10 +567,8 @@ class Session(CatchUp):
                 "switches": len(self.switches), "retemplated": self.retemplated,
                 "estimated_saving_ms": 1e3 * saved, "models": per}  # fmt: skip
 
-    # -- changes between turns: the transcript changes, both caches are cut to match ----------
-
     def _change(self, change: Callable, *args) -> int:
-        """`change(*args)` returns (its result, keep): both caches keep at most `keep` tokens."""
+        """`change(*args)` returns (its result, keep): both caches are cut to `keep`."""
         self._claim()
         out, keep = change(*args)
         for m in self.models.values():
@@ -571,15 +576,13 @@ class Session(CatchUp):
         return out
 
     def add_user(self, text: str) -> list[int]:
-        """Append a user message (and the template's generation prompt); return its tokens. An
-        earlier user message that never got an answer (stopped before its first token) is
-        replaced."""
+        """Append a user message and the generation prompt; its tokens. An earlier one never
+        answered is replaced."""
         start = self._change(self.transcript.add_user, text)
         return self.tokens[start:]
 
     def add_assistant(self, text: str) -> list[int]:
-        """Append an answer given as text (history from elsewhere); return its tokens. Whichever
-        model answers next catches up on it; it cannot be escalated (no model produced it)."""
+        """Append an answer given as text (history from elsewhere; it cannot be escalated)."""
         start = self._change(self.transcript.add_assistant, text)
         return self.tokens[start:]
 
@@ -589,9 +592,8 @@ class Session(CatchUp):
         self.tokens.extend(int(t) for t in tokens)
 
     def trim(self, max_tokens: int | None = None) -> int:
-        """Drop the oldest turns until the conversation fits in `max_tokens` tokens (default:
-        half of `max_kv_size`); the system prompt and the last message stay, and the next
-        answering model re-reads what moved. Returns the number of messages dropped."""
+        """Drop the oldest turns until the conversation fits in `max_tokens` (default: half of
+        `max_kv_size`), the system prompt and the last message kept; the messages dropped."""
         if max_tokens is None:
             if self.max_kv_size is None:
                 raise SessionError("trim needs a token budget (or a session max_kv_size)")
@@ -607,18 +609,15 @@ class Session(CatchUp):
         self.turns.clear()
         self.switches.clear()
 
-    # -- a turn ---------------------------------------------------------------------------
-
     def _claim(self) -> None:
-        """Close the generation left unfinished (it commits what it emitted). A session is not
-        thread-safe: one generation at a time is the pair's lock (stream.py, held by the API)."""
+        """Close the generation left unfinished (it commits what it emitted). Not thread-safe:
+        the pair's lock (stream.py) is."""
         gen, self._active = self._active, None
         if gen is not None:
             gen.close()
 
     def _begin(self, model: str) -> tuple[str, int | None]:
-        """Checks before any work on a turn: (the model's role, tokens the turn may add: None
-        for no limit)."""
+        """Checks before any work: (the model's role, tokens the turn may add, None: no limit)."""
         name = role(model)
         self._claim()
         n = len(self.tokens)
@@ -716,34 +715,7 @@ class Session(CatchUp):
         if emitted and paths is not None:  # the other path's TTFT, predicted with this turn's rates
             reader.alternative(self, stats, paths, self.tokens[:n0])
 
-    def _hand_off(self, name: str, n0: int, stats: TurnStats, chunk: int,
-                  progress: Progress | None = None) -> Paths | None:  # fmt: skip
-        """The hand-off (module docstring, step 1) for `name` about to answer conversation[:n0]:
-        `small_reads`, `catch_up`, `recompute` as `reader.choose` decides. Fills `stats` (a
-        cancel sets its finish_reason); returns the predicted paths (None: no prediction)."""
-        d = reader.choose(self, name, n0 - 1)
-        stats.read_note, stats.retention, paths = d.note, d.retention, d.paths
-        if paths is not None:  # what was predicted for the path taken
-            stats.predicted_ttft_s = (paths.small if d.small else paths.large)(self.read_costs)
-        # room for the turn and the first token: no cache grows (2x its size) while it is read
-        m = self.models[name]
-        reserve(m.loaded, m.cache, n0 + 1)
-        upto = n0 - 1  # the answering model reads at least the last token itself
-        if d.small:  # the large still reads the turn's last tokens itself (from d.cut)
-            upto = d.cut
-            stats.read = self.small_reads(upto, chunk, progress)
-            if self.cancelled.is_set():  # stopped while the small model read
-                stats.finish_reason = "cancelled"
-                return paths
-        stats.switch = sw = self.catch_up(name, upto)
-        if d.recompute and sw is not None and sw.translated:  # the tail, then the recompute
-            self.recompute(sw, n0)
-            if self.cancelled.is_set():
-                stats.finish_reason = "cancelled"
-        return paths
-
     def _commit(self, m: ModelCache, n0: int, emitted, stats: TurnStats) -> None:
-        """End a turn: keep the emitted tokens as the answer and make the cache match."""
         stats.finish_reason = stats.finish_reason or "interrupted"
         if emitted:
             self.transcript.commit(n0, emitted, stats.text, m.name)
@@ -751,8 +723,7 @@ class Session(CatchUp):
         self.turns.append(stats)
 
     def hand_off(self, model: str = "target") -> TurnStats:
-        """`generate`'s hand-off without the answer: `model`'s cache then holds all but at least
-        the last token. Returns the records (who read, translated, recomputed)."""
+        """`generate`'s hand-off without the answer; its record."""
         name, _ = self._begin(model)
         stats = TurnStats(name, self.mode)
         self._hand_off(name, len(self.tokens), stats, READ_CHUNK)
@@ -760,9 +731,7 @@ class Session(CatchUp):
 
     def escalate(self, model: str | None = None, **generate_kwargs) -> Responses:
         """Answer the last user message again with `model`, else the other model than the one
-        that answered it: its last answer is dropped from the conversation and both caches,
-        and the incoming model catches up by the mode. A message still unanswered (stopped
-        before its first token) is answered as it is."""
+        that answered it (its answer dropped); one still unanswered is answered as it is."""
         self._claim()
         if not self.pending:
             if model:
@@ -775,21 +744,16 @@ class Session(CatchUp):
         other = "target" if answered == "source" else "source"
         return self.generate(model or other, **generate_kwargs)
 
-    # -- files (persistence.py) ------------------------------------------------------------
-
     def save(self, path: str | Path) -> Path:
-        """Write both caches, the conversation and the sync state to one mlx-lm prompt cache
-        file (a `.safetensors` suffix is added where missing)."""
+        """One mlx-lm prompt cache file (persistence.py)."""
         self._claim()
         return persistence.save(path, self)
 
     def load(self, path: str | Path) -> None:
-        """Restore a session saved by `save` for this same pair (refuses any other pair)."""
         self._claim()
         self.policy = persistence.load(path, self)
 
 
-#: progress(reader, done, total): `reader` ("source" or "target") has read `done` of the turn's
-#: `total` tokens it reads
+#: progress(reader, done, total): `reader` has read `done` of the turn's `total` tokens it reads
 Progress = Callable[[str, int, int], None]
 Responses = Iterator[GenerationResponse]
