@@ -36,7 +36,7 @@ def _local(s, what: str) -> None:
 
 def save(path: str | Path, s) -> Path:
     _local(s, "saving")
-    pair, t, models = s.pair, s.transcript, s.models
+    pair, t, models = s.pair, s, s.models
     path = Path(path)
     if path.suffix != ".safetensors":
         path = path.with_name(path.name + ".safetensors")
@@ -160,7 +160,7 @@ def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:
                    for t in state.get("turns", [])]  # fmt: skip
     s.switches[:] = [Switch(**x) for x in state.get("switches", [])]  # the last that may fail
     s.turns[:] = saved_turns
-    t = s.transcript
+    t = s
     t.tokens, t.messages = list(tokens), [dict(m) for m in messages]
     t.system_prompt, t.user_start = system, user_start
     t.answer = tuple(answer) if answer else None

@@ -63,9 +63,6 @@ READER_MARGIN = 0.05
 RECOMPUTE_SELECTION = Selection()
 
 
-# -- time ----------------------------------------------------------------------------------
-
-
 @dataclass
 class Cost:
     """seconds = a + b n + c n (at + n / 2) over recent (n, seconds, at); c = 0 without
@@ -190,9 +187,6 @@ def costs_of(pair) -> ReadCosts:
     return pair.__dict__.setdefault("_kvlingo_read_costs", ReadCosts())
 
 
-# -- content -------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Retention:
     """(read length, retention) points, lengths increasing; `source`: where they came from."""
@@ -250,9 +244,6 @@ def record_retention(k: dict, draw: str, counts) -> dict:
     return draws
 
 
-# -- the files -----------------------------------------------------------------------------
-
-
 def fingerprints(pair, *translators) -> list[str | None]:
 
     def translator(tr) -> str:
@@ -305,12 +296,8 @@ def write(folder, k: dict, **data) -> Path:
     return write_text(path, text + "\n")
 
 
-# -- the choice ----------------------------------------------------------------------------
-
-
 def resolve_policy(s, policy: ReaderPolicy) -> ReaderPolicy:
-    """`policy` as session `s` follows it: its reader resolved ('auto' with a forward
-    translator, else 'self'); a SessionError where `s` cannot follow it."""
+    """`policy` with its reader resolved ('auto' with a forward translator, else 'self')."""
     if not isinstance(policy, ReaderPolicy):
         raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
     if s.remote is not None and policy.recompute_share:  # all layers, in this process
@@ -325,7 +312,7 @@ def resolve_policy(s, policy: ReaderPolicy) -> ReaderPolicy:
 
 @dataclass(frozen=True)
 class Decision:
-    """One turn's reading, decided by `choose` and carried through the hand-off."""
+    """One turn's reading, decided once by `choose` and carried through the hand-off."""
 
     small: bool = False  # the small model reads conversation[:cut] for the large one
     note: str = ""  # why the large reads itself (or reads less), for the status line
@@ -337,9 +324,9 @@ class Decision:
 
 def choose(s, name: str, upto: int) -> Decision:
     """Does the small model read [large's held, upto) for `name` this turn in session `s`,
-    where does it stop, and does the large recompute?"""
+    where does it stop, and does the large recompute? Changes nothing."""
     if name != "target" or s.forward is None or s.mode == "reprefill":
-        return Decision()  # reprefill is the reference: the answering model reads it all
+        return Decision()
     p, (tail, recompute) = s.policy, _reading(s, upto)
     paths = paths_with(s, upto, tail, recompute) if s.mode == "alternation" else None
     held = min(s.models["target"].held, upto)
@@ -359,10 +346,8 @@ def choose(s, name: str, upto: int) -> Decision:
 
 
 def _rule(s, upto: int, paths: Paths | None) -> tuple[bool, str, float | None]:
-    """The reader policy's choice: (the small model reads, why the large reads itself, the
-    retention that turned the small path down). Reader "auto" decides by time (the token rule
-    on a tie or before any timing), then turns a small path down where its measured retention
-    is under `min_retention`."""
+    """(the small model reads, why the large reads itself, the retention that turned the small
+    path down)."""
     p = s.policy
     if p.reader in ("small", "self"):
         return p.reader == "small", "", None
@@ -379,7 +364,7 @@ def _rule(s, upto: int, paths: Paths | None) -> tuple[bool, str, float | None]:
         small_reads, why = rule, "" if rule else f"reader auto, a tie: {under}"
     else:
         small_reads, why = small < large, "" if small < large else "reader auto: the faster"
-    r = s.retention  # what the small path keeps at this length (None: not measured)
+    r = s.retention
     kept = None if r is None or not p.min_retention else r.expected(upto + 1 - held)
     if small_reads and kept is not None and kept < p.min_retention:
         return False, (f"reader auto: the small path keeps ≈{share(kept)} of the content at "
@@ -388,9 +373,8 @@ def _rule(s, upto: int, paths: Paths | None) -> tuple[bool, str, float | None]:
 
 
 def _reading(s, upto: int) -> tuple[int, bool]:
-    """How much the large model reads itself where the small reads for it: (its last tokens,
-    whether it recomputes): `large_reads_last` and `recompute_share`, else without the
-    recompute, else the last token only, the first within the tail budget (docstring)."""
+    """(the last tokens the large model reads itself, whether it recomputes), the first of the
+    policy's, without the recompute, one token, within the tail budget."""
     k, share = s.policy.large_reads_last, s.policy.recompute_share > 0
     ways = [(k, share), *([(k, False)] if share else []), *([(1, False)] if k > 1 else [])]
     if len(ways) == 1 or s.mode != "alternation":
@@ -407,8 +391,6 @@ def _reading(s, upto: int) -> tuple[int, bool]:
 
 
 def paths_with(s, upto: int, tail: int, recompute: bool = True) -> Paths:
-    """The lengths of both ways where the large reads the last `tail` tokens itself (and
-    recomputes, where `recompute`)."""
     th, sh = min(s.models["target"].held, upto), min(s.models["source"].held, upto)
     cut = max(th, upto + 1 - tail)
     return Paths(upto + 1 - th, max(th - sh, 0), max(cut - max(sh, th), 0),
@@ -422,12 +404,8 @@ def recompute_count(s, translated: int) -> int:
     return RECOMPUTE_SELECTION.count(share, translated) if share else 0
 
 
-# -- each turn feeds the rates --------------------------------------------------------------
-
-
 def observe(s, stats: TurnStats, at: int) -> None:
-    """Feed what a turn of session `s` measured into the pair's read costs; the answering model
-    read its prompt over the `at` tokens it held."""
+    """Feed what a turn measured into the read costs; the answering model read over `at`."""
     costs, rd, sw = s.read_costs, stats.read, stats.switch
     if rd is not None:
         costs.source_read.observe(rd.tokens, rd.seconds, rd.start)
@@ -438,7 +416,7 @@ def observe(s, stats: TurnStats, at: int) -> None:
         (costs.forward if sw.into == "target" else costs.backward).observe(
             sw.translated, sw.seconds
         )
-    if sw is not None and sw.recompute_s:  # the tail and the recomputed, read at the end
+    if sw is not None and sw.recompute_s:
         n = large_reads(sw.tail_read, sw.recomputed)
         costs.target_read.observe(n, sw.recompute_s, max(sw.end - sw.recomputed, 0))
     if stats.model == "target":

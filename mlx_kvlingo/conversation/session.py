@@ -72,15 +72,11 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class Transcript:
-    """The token list and its messages (module docstring); `user_start`: where an unanswered
-    user message starts, `answer`: the (start, model) of the last answer a model gave."""
+    """The token list and its messages (a base of `Session`; module docstring), each change
+    returning `keep`; `user_start`: where an unanswered user message starts, `answer`: the
+    (start, model) of the last answer a model gave."""
 
-    def __init__(self, tokenizer, system_prompt: str | None = None):
-        self.tokenizer = tokenizer
-        self.system_prompt = system_prompt
-        self.reset()
-
-    def reset(self) -> None:
+    def _reset_transcript(self) -> None:
         self.tokens: list[int] = []
         self.messages: list[dict] = (
             [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
@@ -99,7 +95,7 @@ class Transcript:
             self.answer = None
         return n
 
-    def add_user(self, text: str) -> tuple[int, int]:
+    def _add_user(self, text: str) -> tuple[int, int]:
         """(where its tokens start, keep); an earlier one never answered is replaced."""
         keep = len(self.tokens)
         if self.pending and self.user_start is not None:
@@ -109,14 +105,14 @@ class Transcript:
         self.user_start = start
         return start, min(keep, kept)
 
-    def add_assistant(self, text: str) -> tuple[int, int]:
+    def _add_assistant(self, text: str) -> tuple[int, int]:
         if not self.pending:
             raise SessionError("an assistant message must follow a user message")
         start, keep = self.append({"role": "assistant", "content": text}, False)
         self.answer = self.user_start = None
         return start, keep
 
-    def drop_answer(self) -> tuple[int, str]:
+    def _drop_answer(self) -> tuple[int, str]:
         """Remove the last answer a model gave: (that model, keep)."""
         if self.answer is None or not self.messages or self.messages[-1]["role"] != "assistant":
             raise SessionError("nothing to escalate: there is no answer yet")
@@ -126,7 +122,7 @@ class Transcript:
         self.answer = self.user_start = None
         return answered, start
 
-    def commit(self, n0: int, emitted: list[int], text: str, model: str) -> None:
+    def _add_answer(self, n0: int, emitted: list[int], text: str, model: str) -> None:
         self.tokens = self.tokens[:n0] + list(emitted)
         last = self.messages[-1] if self.messages else None
         if last is not None and last["role"] == "assistant" and self.answer is not None:
@@ -207,7 +203,7 @@ class Transcript:
             return list(tok.encode(text[len(done) :], add_special_tokens=False))
         return None
 
-    def trim(self, max_tokens: int) -> tuple[int, int]:
+    def _trim(self, max_tokens: int) -> tuple[int, int]:
         """(messages dropped, keep): `Session.trim`."""
         head = (
             self.messages[:1] if self.messages[:1] and self.messages[0]["role"] == "system" else []
@@ -334,7 +330,7 @@ class CatchUp:
             for s in range(start, end, chunk):
                 e = min(end, s + chunk)
                 span = self._capture(o, tr, s, e)
-                span.tokens = tuple(self.transcript.tokens[s:e])
+                span.tokens = tuple(self.tokens[s:e])
                 if m.name == "target" and self.remote is not None:
                     self.remote.place(m.cache, span)
                 else:
@@ -356,7 +352,7 @@ class CatchUp:
         if not needs_recording(o.loaded, cut):
             return tr.capture(o.loaded, o.cache, start, end)
         # pre-k_norm keys are not in the cache: recompute the span on the prefix
-        return prefill(o.loaded, self.transcript.tokens[start:end], prefix_copy(o.cache, start),
+        return prefill(o.loaded, self.tokens[start:end], prefix_copy(o.cache, start),
                        cut=cut)  # fmt: skip
 
     def small_reads(self, upto: int, chunk: int, progress=None) -> Read:
@@ -372,7 +368,7 @@ class CatchUp:
                 if progress is not None:
                     progress("source", read.tokens, total)
                 n = read_chunk(m.loaded.query_heads, m.held, chunk)
-                piece = self.transcript.tokens[m.held : min(upto, m.held + n)]
+                piece = self.tokens[m.held : min(upto, m.held + n)]
                 m.loaded.model(mx.array(piece)[None], cache=m.cache)
                 mx.eval([c.keys for c in m.cache])
                 m.held += len(piece)
@@ -389,7 +385,7 @@ class CatchUp:
         conversation[cut:n0] and recomputes the `recompute_share` of the span that reading
         attended to most, leaving [0, n0 - 1) (interrupted: [0, cut))."""
         m = self.models["target"]
-        cut, toks, tok = m.held, self.transcript.tokens[:n0], self.pair.tokenizer
+        cut, toks, tok = m.held, self.tokens[:n0], self.pair.tokenizer
         t0 = time.perf_counter()
         try:
             zeros = [(_zeros(c.keys, n0 - cut), _zeros(c.values, n0 - cut)) for c in m.cache]
@@ -458,13 +454,7 @@ def _zeros(a: mx.array, n: int) -> mx.array:
     return mx.zeros((*a.shape[:2], n, a.shape[-1]), dtype=a.dtype)
 
 
-def _kept(name: str, doc: str) -> property:
-    """An attribute the transcript keeps, read and set through the session."""
-    return property(lambda self: getattr(self.transcript, name),
-                    lambda self, v: setattr(self.transcript, name, v), doc=doc)  # fmt: skip
-
-
-class Session(CatchUp):
+class Session(CatchUp, Transcript):
     """One conversation over a model pair: the source (small) and target (large) model;
     `forward` translates source K/V into the target's cache, `backward` the other way (without
     it, handing the conversation back to the source re-prefills)."""
@@ -484,7 +474,8 @@ class Session(CatchUp):
         self.pair, self.forward, self.backward = pair, forward, backward
         self.remote = remote  # the large model's cache on other ranks: gather, place (distributed/)
         self.max_kv_size = max_kv_size  # the conversation's token limit (None: none)
-        self.transcript = Transcript(pair.tokenizer, system_prompt)
+        self.tokenizer, self.system_prompt = pair.tokenizer, system_prompt
+        self._reset_transcript()
         self.models = {n: ModelCache(n, getattr(pair, n), new_cache(getattr(pair, n)))
                        for n in ("source", "target")}  # fmt: skip
         self.turns: list[TurnStats] = []
@@ -494,12 +485,6 @@ class Session(CatchUp):
         self.mode, self.policy = mode, ReaderPolicy() if policy is None else policy
         self.read_costs = costs_of(pair) if read_costs is None else read_costs  # reader auto
         self.retention = retention  # what the small path keeps by length (None: not measured)
-
-    tokens = _kept("tokens", "the conversation's token ids")
-    messages = _kept("messages", "the role/content dicts of the conversation")
-    system_prompt = _kept("system_prompt", "the system message (reset keeps it)")
-    retemplated = _kept("retemplated", "times a template was not prefix-stable")
-    pending = _kept("pending", "the last message is a user's, not answered yet")
 
     @property
     def mode(self) -> str:
@@ -537,11 +522,10 @@ class Session(CatchUp):
         self.cancelled.set()
 
     def stats(self) -> dict:
-        """The mode, the policy and the conversation's totals, per model and direction: tokens
-        each model read itself answering (`prompt_tokens`) and for the other
-        (`read_for_other_tokens`), translated into it, and the times; `estimated_saving_ms`
-        sums, over the large model's answers the small one read for, its predicted own TTFT
-        less the TTFT."""
+        """The mode, the policy and the conversation's totals per model: tokens it read itself
+        answering and for the other, translated into it, and the times; `estimated_saving_ms`:
+        over the large model's answers the small one read for, its predicted own TTFT less the
+        TTFT."""
         turns, per = self.turns, {}
         for name, m in self.models.items():
             mine = [t for t in turns if t.model == name]
@@ -576,14 +560,13 @@ class Session(CatchUp):
         return out
 
     def add_user(self, text: str) -> list[int]:
-        """Append a user message and the generation prompt; its tokens. An earlier one never
-        answered is replaced."""
-        start = self._change(self.transcript.add_user, text)
+        """Append a user message and the generation prompt (replacing one never answered)."""
+        start = self._change(self._add_user, text)  # before reading the tokens it replaces
         return self.tokens[start:]
 
     def add_assistant(self, text: str) -> list[int]:
         """Append an answer given as text (history from elsewhere; it cannot be escalated)."""
-        start = self._change(self.transcript.add_assistant, text)
+        start = self._change(self._add_assistant, text)
         return self.tokens[start:]
 
     def add_tokens(self, tokens) -> None:
@@ -598,12 +581,12 @@ class Session(CatchUp):
             if self.max_kv_size is None:
                 raise SessionError("trim needs a token budget (or a session max_kv_size)")
             max_tokens = self.max_kv_size // 2
-        return self._change(self.transcript.trim, max_tokens)
+        return self._change(self._trim, max_tokens)
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and empty both caches."""
         self._claim()
-        self.transcript.reset()
+        self._reset_transcript()
         for m in self.models.values():
             m.clear()
         self.turns.clear()
@@ -678,7 +661,7 @@ class Session(CatchUp):
             prompt = self.tokens[m.held : n0]
             stats.prompt_tokens = len(prompt)
             if kwargs.get("logits_processors"):  # they see the earlier answers and this one
-                procs = over_answers(kwargs["logits_processors"], self.transcript.answers())
+                procs = over_answers(kwargs["logits_processors"], self.answers())
                 kwargs = {**kwargs, "logits_processors": procs}
             steps = stream_generate(m.loaded.model, self.pair.tokenizer, mx.array(prompt),
                                     max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
@@ -718,7 +701,7 @@ class Session(CatchUp):
     def _commit(self, m: ModelCache, n0: int, emitted, stats: TurnStats) -> None:
         stats.finish_reason = stats.finish_reason or "interrupted"
         if emitted:
-            self.transcript.commit(n0, emitted, stats.text, m.name)
+            self._add_answer(n0, emitted, stats.text, m.name)
         m.settle(len(self.tokens))
         self.turns.append(stats)
 
@@ -736,7 +719,7 @@ class Session(CatchUp):
         if not self.pending:
             if model:
                 role(model)  # an unknown name is refused before the answer is dropped
-            answered = self._change(self.transcript.drop_answer)
+            answered = self._change(self._drop_answer)
         elif model is None and self.last_turn is None:
             raise SessionError("the last message has no answer yet: name the model to answer")
         else:
