@@ -174,12 +174,9 @@ class Paths:
         step = c.large_reads(1) if self.recompute else 0.0
         if large is None or step is None:
             return None
-        if back:
-            small = c.backward.predict(self.catch_up) + c.source_read.predict(
-                self.read, self.small_held + self.catch_up
-            )
-        else:
-            small = c.source_read.predict(self.catch_up + self.read, self.small_held)
+        k = 0 if back else self.catch_up  # of the large's answers, what the small reads itself
+        small = c.source_read.predict(self.read + k, self.small_held + self.catch_up - k)
+        small += c.backward.predict(self.catch_up) if back else 0.0
         return small + c.forward.predict(self.lacked - self.tail) + large + step
 
 
@@ -245,7 +242,6 @@ def record_retention(k: dict, draw: str, counts) -> dict:
 
 
 def fingerprints(pair, *translators) -> list[str | None]:
-
     def translator(tr) -> str:
         h = hashlib.sha256(f"{type(tr).__name__} {replace(tr.config, metadata={})!r}".encode())
         for name, w in sorted(tree_flatten(tr.parameters())):

@@ -164,14 +164,13 @@ class BusyError(RuntimeError):
     """The model pair is in use by another generation (one generation at a time)."""
 
 
+@dataclass(eq=False)
 class Ticket:
     """Who asks for the pair (a conversation, a request), its cancel event, its stream."""
 
-    __slots__ = ("owner", "cancel", "stream")
-
-    def __init__(self, owner: Any, cancel: threading.Event) -> None:
-        self.owner, self.cancel = owner, cancel
-        self.stream: weakref.ref[Generator] | None = None
+    owner: Any
+    cancel: threading.Event
+    stream: weakref.ref[Generator] | None = None
 
 
 class PairLock:
@@ -273,15 +272,11 @@ def generation_config(folder: str | Path | None) -> dict:
         return {}
     if not isinstance(raw, dict):
         return {}
-    out = {}
-    if raw.get("do_sample") is False:
-        out["temp"] = 0.0
-    elif isinstance(raw.get("temperature"), (int, float)):
-        out["temp"] = float(raw["temperature"])
-    kinds = {"top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
+    out = {"temp": 0.0} if raw.get("do_sample") is False else {}
+    kinds = dict(temperature=float, top_p=float, top_k=int, min_p=float, repetition_penalty=float)
     for k, kind in kinds.items():
-        if isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool):
-            out[k] = kind(raw[k])
+        if type(raw.get(k)) in (int, float) and not (k == "temperature" and out):
+            out["temp" if k == "temperature" else k] = kind(raw[k])
     return out
 
 
@@ -453,8 +448,7 @@ def status_line(st: TurnStats, names: dict) -> str:
     parts = [f"{me} ({names[st.model]})"]
     rd, sw = st.read, st.switch
     if rd is not None:
-        other = LABEL[rd.model]
-        c = rd.catch_up
+        other, c = LABEL[rd.model], rd.catch_up
         if c is not None and c.translated:
             parts.append(
                 f"{other} got the last answer translated ({c.translated} tok {_ms(c.seconds)})"
@@ -473,9 +467,7 @@ def status_line(st: TurnStats, names: dict) -> str:
                              f"{sw.recomputed} translated tok {_ms(sw.recompute_s)}")  # fmt: skip
         else:
             parts.append(f"switch {sw.lacked} tok {sw.note or 're-prefill'}")
-    # its read time, as mlx-lm measures it (up to its first token): with the parts before it
-    # the status line accounts for the TTFT
-    read = f"{me} read {st.prompt_tokens} tok"
+    read = f"{me} read {st.prompt_tokens} tok"  # as mlx-lm measures it, up to its first token
     read += f" {_ms(st.prompt_s)}" if st.prompt_tokens and st.prompt_s else ""
     read += f" {st.prompt_tps:.1f} tok/s" if st.prompt_tokens > 1 else ""
     parts.append(read + (f" ({st.read_note})" if st.read_note else ""))
