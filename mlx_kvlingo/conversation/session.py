@@ -1,30 +1,20 @@
 """One conversation, two models, each with its own cache: the turn loop, top to bottom.
 
 Invariant: the conversation is one list of token ids (`Transcript`: the chat template applied to
-its messages); each model's mlx-lm cache holds a prefix of it, `held` tokens long, in every
-layer (`ModelCache`). Every change to the conversation returns `keep`, how many of the old tokens
-are still the conversation's, and both caches are cut to it; a turn always ends in `_commit`,
-however it stops (end, max tokens, `cancel()`, Ctrl-C, the iterator closed or collected): the
-emitted tokens become the answer and the cache is cut to match. A span [start, end) of
-conversation positions is translated at its true positions, once:
+its messages); each model's cache holds a prefix of it, `held` tokens long, in every layer
+(`ModelCache`). A change returns `keep`, how many old tokens are still the conversation's, and
+both caches are cut to it; a turn ends in `_commit` however it stops: the emitted tokens are the
+answer, the cache is cut to match. A span is translated at its true positions, once. A turn:
 
-    1. hand-off (`_hand_off`)   who reads the turn (reader.py, decided once into a `Decision`):
-                                the small model reads it (`small_reads`), the span the large
-                                lacks is translated (`catch_up`), the large reads the last tokens
-                                and `recompute`s; or the answering model catches up by the mode
-                                (alternation: only [held, other's held); naive: all the other
-                                holds, the drifting baseline; reprefill: none) and reads the rest;
-    2. decode (`decode`)        mlx-lm's `stream_generate` on the answering model's own cache,
-                                reading at least the last token itself; each token is in the
-                                answer and the `TurnStats` before it is yielded; while the small
-                                model answers, the span the large lacks is translated ahead;
-    3. commit (`_commit`)       the emitted tokens become the answer, the cache is cut to match.
+    1. hand-off   who reads it (reader.py, decided once into a `Decision`): the small model, the
+                  span the large lacks translated, the large reading the last tokens and
+                  recomputing; or the answering model catches up by the mode (alternation: only
+                  [held, other's held); naive: all the other holds; reprefill: none) and reads;
+    2. decode     mlx-lm's `stream_generate` on the answering model's cache;
+    3. commit.
 
-A turn over n conversation tokens may add at most `max_kv_size - n`; a conversation past either
-model's context is refused before any work. Key cut: a span is read from the outgoing model's
-cache and un-rotated exactly (`post_norm`); a `pre_norm` translator on a k_norm family needs the
-keys before k_norm, which caches do not keep: the outgoing model recomputes the span on its
-cached prefix. Naive mode refuses such a translator (it would undo the drift it exists to show).
+Key cut: a `pre_norm` translator on a k_norm family needs keys the cache does not keep, so the
+outgoing model recomputes the span on its cached prefix (naive mode refuses it).
 """
 
 from __future__ import annotations
