@@ -749,7 +749,7 @@ def _local(s, what: str) -> None:
 
 def _save_file(path: str | Path, s) -> Path:
     _local(s, "saving")
-    pair, t, models = s.pair, s, s.models
+    pair, t, models = s.pair, s, s.models  # t: the transcript
     path = Path(path)
     if path.suffix != ".safetensors":
         path = path.with_name(path.name + ".safetensors")
@@ -873,10 +873,9 @@ def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:
                    for t in state.get("turns", [])]  # fmt: skip
     s.switches[:] = [Switch(**x) for x in state.get("switches", [])]  # the last that may fail
     s.turns[:] = saved_turns
-    t = s
-    t.tokens, t.messages = list(tokens), [dict(m) for m in messages]
-    t.system_prompt, t.user_start = system, user_start
-    t.answer = tuple(answer) if answer else None
+    s.tokens, s.messages = list(tokens), [dict(m) for m in messages]
+    s.system_prompt, s.user_start = system, user_start
+    s.answer = tuple(answer) if answer else None
     for name, (part, n) in restored.items():
         s.models[name].cache, s.models[name].held = part, n
     return policy

@@ -4,21 +4,14 @@
 
 Invariant: at most one holder drives a pair's models (`PairLock`: a stream from its first
 `next()` until it ends, is closed or is collected; a change to a conversation; a server's
-request); MLX evaluation is never interleaved from two threads. Asking for the pair again from
-the thread that holds it:
+request); MLX evaluation is never interleaved from two threads. The thread that holds it asking
+again: under a plain hold, granted (nested); for another conversation or while its stream runs,
+BusyError; for the same conversation, its stream left unfinished, that stream is closed (it
+commits what it emitted), then granted. Another thread waits (up to `timeout`, then BusyError;
+`wait=False`: BusyError at once), or gives up once its `cancel` event is set.
 
-    under a plain hold (no stream: a change, a server's request)    -> granted, nested
-    for another conversation, or while the holder's stream runs     -> BusyError (no deadlock)
-    for the same conversation, its stream left unfinished           -> that stream is closed
-                                                                       (it commits what it
-                                                                       emitted), then granted
-
-From another thread: wait (up to `timeout` seconds; BusyError after) or, with `wait=False`, a
-BusyError at once. A waiter whose `cancel` event is set gives up (`acquire` returns False).
-
-Sampling: `resolve` is the one place settings merge: explicit values over the model folder's
-`generation_config.json` over `DEFAULTS`, whose repetition penalty covers the conversation's
-answers (`over_answers`), never the user's text; `temp=0` stays plain argmax unless asked.
+Sampling: explicit settings over the model folder's `generation_config.json` over `DEFAULTS`
+(`resolve`), whose repetition penalty covers the conversation's answers, never the user's text.
 """
 
 from __future__ import annotations
