@@ -3,7 +3,7 @@ measured read rates and the translator's measured retention.
 
 Time. A read of n tokens by a model holding `at` costs a + b n + c n (at + n / 2) seconds, a
 translation a + b n: each of the five costs (`NAMES`) is a nonnegative least-squares fit to its
-last `KEEP` measurements (the warm-up's and every turn's), each weighing `DECAY` of the next:
+last `KEEP` measurements, each weighing `DECAY` of the next:
 
     large reads   target_read(lacked, at=held)   (target_step for a single token)
     small reads   catch-up (backward(k), or the small reads it too) + source_read(read)
@@ -11,17 +11,14 @@ last `KEEP` measurements (the warm-up's and every turn's), each weighing `DECAY`
                   end) + target_step (target_step alone for a one-token tail, no recompute)
 
 Content. Retention at read length n: of what the large model gets right reading the turn itself
-(right), what it also gets right on the small path (kept), pooled over draws: kept / right where
-right >= `MIN_RIGHT`, linear in log n between measured lengths, the nearest one's outside.
+(right), what it also gets right on the small path (kept), pooled: kept / right where right >=
+`MIN_RIGHT`, linear in log n between measured lengths, the nearest one's outside.
 
-The choice. The small model reads conversation[:cut], the large conversation[cut : upto + 1],
-cut = upto + 1 - tail. Reader "auto" takes the small path where its predicted TTFT beats the
-large's own read by more than READER_MARGIN (a tie, or no timing yet: the token rule) and its
-retention is at least `min_retention`. The recompute, then the tail, are dropped where they
-would take the small path past TAIL_BUDGET x the plain handoff's TTFT and TAIL_ALLOWANCE_S more.
-
-Files: `<cache folder>/<folder>/<hash of the key>.json` (`RATES` by `rates_key`, `RETENTION` by
-`retention_key`), written atomically; one whose schema or key differs is ignored.
+The choice. Reader "auto" takes the small path where its predicted TTFT beats the large's own
+read by more than READER_MARGIN (a tie, or no timing yet: the token rule) and its retention is at
+least `min_retention`; the recompute, then the tail, are dropped where they would take it past
+TAIL_BUDGET x the plain handoff's TTFT and TAIL_ALLOWANCE_S more. Files: `<cache folder>/<folder>/
+<hash of the key>.json`, written atomically; one whose schema or key differs is ignored.
 """
 
 from __future__ import annotations
@@ -41,8 +38,7 @@ from pathlib import Path
 from mlx_kvlingo._platform import blas
 from mlx_kvlingo._platform.atomic import write_text
 from mlx_kvlingo._platform.cachedir import cache_root
-from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.stream import SessionError, TurnStats, share
+from mlx_kvlingo.conversation.stream import TurnStats, share
 from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.recompute import Selection, large_reads
 from mlx_kvlingo.models.pair import model_fingerprint
@@ -290,20 +286,6 @@ def write(folder, k: dict, **data) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"schema": SCHEMA, "key": k, **data}, indent=1, sort_keys=True)
     return write_text(path, text + "\n")
-
-
-def resolve_policy(s, policy: ReaderPolicy) -> ReaderPolicy:
-    """`policy` with its reader resolved ('auto' with a forward translator, else 'self')."""
-    if not isinstance(policy, ReaderPolicy):
-        raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
-    if s.remote is not None and policy.recompute_share:  # all layers, in this process
-        raise SessionError(
-            "the recompute (recompute_share > 0) is not available with a pipelined large model"
-        )
-    reader = policy.reader or ("auto" if s.forward else "self")
-    if reader != "self" and s.forward is None:
-        raise SessionError(f"reader {reader!r} needs a forward (small -> large) translator")
-    return replace(policy, reader=reader)
 
 
 @dataclass(frozen=True)

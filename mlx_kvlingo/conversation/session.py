@@ -489,12 +489,22 @@ class Session(CatchUp, Transcript):
 
     @property
     def policy(self) -> ReaderPolicy:
-        """Who reads a turn and what the large model recomputes (config.py), resolved."""
+        """Who reads a turn and what the large model recomputes (config.py); its reader resolved:
+        "auto" with a forward translator, else "self"."""
         return self._policy
 
     @policy.setter
     def policy(self, policy: ReaderPolicy) -> None:
-        self._policy = reader.resolve_policy(self, policy)
+        if not isinstance(policy, ReaderPolicy):
+            raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
+        if self.remote is not None and policy.recompute_share:  # all layers, in this process
+            raise SessionError(
+                "the recompute (recompute_share > 0) is not available with a pipelined large model"
+            )
+        who = policy.reader or ("auto" if self.forward else "self")
+        if who != "self" and self.forward is None:
+            raise SessionError(f"reader {who!r} needs a forward (small -> large) translator")
+        self._policy = replace(policy, reader=who)
         self.ahead_credit = 0.0  # seconds of translating ahead the small model's tokens earned
 
     @property

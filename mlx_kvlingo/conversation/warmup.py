@@ -1,17 +1,11 @@
-"""The warm-up: a new process's one-off costs paid before its first turn, this pair's read rates
-(reader.py) ready for reader "auto".
-
-    reusing start     the rates and map readings stored for this key, then `probe`
-    measuring start   (none stored, or `reuse=False`) `warm_up`: each translator measures how
-                      its maps read fastest and faults in a translation's memory, a scratch turn
-                      (`PRIME` tokens, unmeasured: kernels, weights, template, sampler), one
-                      scratch conversation at each of `lengths` measured, then `probe`; stored
-
-A scratch conversation runs the product's own turns: per length one the small model reads for
-the large one and one the large reads itself, then one the small answers. `probe`: the
-recompute's vocabulary lookups, then each model that reads for a turn reads `PROBE_READ` tokens
-over `PROBE_AT` zero positions once, replacing a stored read of that shape (this start's
-attention term, which long turns follow).
+"""The warm-up: this pair's read rates (reader.py) ready before the first turn. A reusing start
+takes the rates and map readings stored for this key, then `probe`s; a measuring start (none
+stored, or `reuse=False`) runs `warm_up` and stores them: each translator measures how its maps
+read fastest and faults in a translation's memory, a scratch turn pays the one-off costs
+unmeasured, then per length of `lengths` the product's own turns (the small model reading for the
+large one, the large reading itself, then the small answering) are measured, then `probe`:
+each model that reads for a turn reads `PROBE_READ` tokens over `PROBE_AT` zero positions once
+(this start's attention term), replacing a stored read of that shape.
 """
 
 from __future__ import annotations
