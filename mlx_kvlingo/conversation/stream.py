@@ -79,10 +79,6 @@ class Switch:
     def lacked(self) -> int:
         return self.end - self.start
 
-    @property
-    def translated_span(self) -> tuple[int, int] | None:
-        return (self.end - self.translated, self.end) if self.translated else None
-
 
 @dataclass
 class Read:
