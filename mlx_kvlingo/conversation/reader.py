@@ -387,13 +387,11 @@ def observe(s, stats: TurnStats, at: int) -> None:
     costs, rd, sw = s.read_costs, stats.read, stats.switch
     if rd is not None:
         costs.source_read.observe(rd.tokens, rd.seconds, rd.start)
-        c = rd.catch_up
-        if c is not None and c.translated and not c.retranslated:
-            costs.backward.observe(c.translated, c.seconds)
-    if sw is not None and sw.translated and not sw.retranslated:
-        (costs.forward if sw.into == "target" else costs.backward).observe(
-            sw.translated, sw.seconds
-        )
+    for x in (rd and rd.catch_up, sw):  # each translation (a naive one's length is not its own)
+        if x is not None and x.translated and not x.retranslated:
+            (costs.forward if x.into == "target" else costs.backward).observe(
+                x.translated, x.seconds
+            )
     if sw is not None and sw.recompute_s:
         n = large_reads(sw.tail_read, sw.recomputed)
         costs.target_read.observe(n, sw.recompute_s, max(sw.end - sw.recomputed, 0))
