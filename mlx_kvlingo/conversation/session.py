@@ -30,14 +30,6 @@ from pathlib import Path
 from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.config import MODES, PolicyError, ReaderPolicy
 from mlx_kvlingo.conversation import reader
-from mlx_kvlingo.conversation.reader import (
-    RECOMPUTE_SELECTION,
-    Paths,
-    ReadCosts,
-    Retention,
-    costs_of,
-    observe,
-)
 from mlx_kvlingo.conversation.stream import (
     LABEL,
     ContextOverflowError,
@@ -73,9 +65,8 @@ class Transcript:
 
     def _reset_transcript(self) -> None:
         self.tokens: list[int] = []
-        self.messages: list[dict] = (
-            [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
-        )
+        system = [{"role": "system", "content": self.system_prompt}]
+        self.messages: list[dict] = system if self.system_prompt else []
         self.user_start: int | None = None
         self.answer: tuple[int, str] | None = None
         self.retemplated = 0  # times a template was not prefix-stable (caches trimmed)
@@ -140,9 +131,7 @@ class Transcript:
         tok = self.tokenizer
         if self._has_template():
             out = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt)
-            if not isinstance(out, list):  # BatchEncoding from some transformers versions
-                out = out["input_ids"]
-            return list(out)
+            return list(out if isinstance(out, list) else out["input_ids"])  # or a BatchEncoding
         out: list[int] = []
         for i, m in enumerate(messages):  # no template: the contents, one line each
             out += tok.encode(m["content"] + "\n", add_special_tokens=i == 0)
@@ -200,9 +189,7 @@ class Transcript:
 
     def _trim(self, max_tokens: int) -> tuple[int, int]:
         """(messages dropped, keep): `Session.trim`."""
-        head = (
-            self.messages[:1] if self.messages[:1] and self.messages[0]["role"] == "system" else []
-        )
+        head = [m for m in self.messages[:1] if m["role"] == "system"]
         rest = self.messages[len(head) :]
         dropped = 0
         gp = bool(rest) and rest[-1]["role"] == "user"
@@ -260,7 +247,7 @@ class CatchUp:
     """The session's catching up (a base of `Session`, whose state it acts on)."""
 
     def _hand_off(self, name: str, n0: int, stats: TurnStats, chunk: int,
-                  progress: Progress | None = None) -> Paths | None:  # fmt: skip
+                  progress: Progress | None = None) -> reader.Paths | None:  # fmt: skip
         """Step 1 for `name` about to answer conversation[:n0], as `reader.choose` decides;
         fills `stats`, returns the predicted paths."""
         d = reader.choose(self, name, n0 - 1)
@@ -383,8 +370,8 @@ class CatchUp:
             append_kv(m.cache, *zip(*zeros))  # overwritten before anything attends to them
             chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut,
                                         self.policy.recompute_share, start=cut - sw.translated,
-                                        selection=RECOMPUTE_SELECTION, ends=sentence_ends(tok),
-                                        specials=special_ids(tok))  # fmt: skip
+                                        selection=reader.RECOMPUTE_SELECTION,
+                                        ends=sentence_ends(tok), specials=special_ids(tok))  # fmt: skip
             m.held = n0 - 1
         finally:
             m.settle(m.held)
@@ -453,8 +440,8 @@ class Session(CatchUp, Transcript):
     def __init__(self, pair: ModelPair, forward: Translator | None,
                  backward: Translator | None = None, mode: str = "alternation", *,
                  system_prompt: str | None = None, max_kv_size: int | None = None,
-                 policy: ReaderPolicy | None = None, read_costs: ReadCosts | None = None,
-                 remote=None, retention: Retention | None = None):  # fmt: skip
+                 policy: ReaderPolicy | None = None, read_costs: reader.ReadCosts | None = None,
+                 remote=None, retention: reader.Retention | None = None):  # fmt: skip
         src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
         for label, tr, a, b in (("forward", forward, src, tgt), ("backward", backward, tgt, src)):
             if tr is not None and (tr.config.source, tr.config.target) != (a, b):
@@ -474,7 +461,7 @@ class Session(CatchUp, Transcript):
         self.cancelled = threading.Event()  # set by `cancel()`: the turn stops after a token
         self._active: Responses | None = None  # the generation left open
         self.mode, self.policy = mode, ReaderPolicy() if policy is None else policy
-        self.read_costs = costs_of(pair) if read_costs is None else read_costs  # reader auto
+        self.read_costs = reader.costs_of(pair) if read_costs is None else read_costs  # reader auto
         self.retention = retention  # what the small path keeps by length (None: not measured)
 
     @property
@@ -680,7 +667,7 @@ class Session(CatchUp, Transcript):
                 stats.generation_tps, stats.peak_memory_gb = r.generation_tps, r.peak_memory
                 stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
                 if len(emitted) == 1:
-                    observe(self, stats, n0 - len(prompt))
+                    reader.observe(self, stats, n0 - len(prompt))
                 end = r.finish_reason or ("cancelled" if self.cancelled.is_set() else None)
                 if end is not None:
                     stats.finish_reason = "context" if capped and end == "length" else end
