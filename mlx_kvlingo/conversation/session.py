@@ -29,17 +29,14 @@ from pathlib import Path
 
 from mlx_kvlingo._platform.atomic import atomic_write
 from mlx_kvlingo.config import MODES, PolicyError, ReaderPolicy
-from mlx_kvlingo.conversation import reader
+from mlx_kvlingo.conversation import reader, stream
 from mlx_kvlingo.conversation.stream import (
-    LABEL,
     ContextOverflowError,
-    GenerationResponse,
     Read,
     SessionError,
     SessionFileError,
     Switch,
     TurnStats,
-    over_answers,
     role,
 )
 from mlx_kvlingo.kv.cache import append_kv, new_cache, prefix_copy, reserve
@@ -364,14 +361,14 @@ class CatchUp:
         attended to most, leaving [0, n0 - 1) (interrupted: [0, cut))."""
         m = self.models["target"]
         cut, toks, tok = m.held, self.tokens[:n0], self.pair.tokenizer
-        t0 = time.perf_counter()
+        t0, ends, specials = time.perf_counter(), sentence_ends(tok), special_ids(tok)
         try:
             zeros = [(_zeros(c.keys, n0 - cut), _zeros(c.values, n0 - cut)) for c in m.cache]
             append_kv(m.cache, *zip(*zeros))  # overwritten before anything attends to them
             chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut,
                                         self.policy.recompute_share, start=cut - sw.translated,
-                                        selection=reader.RECOMPUTE_SELECTION,
-                                        ends=sentence_ends(tok), specials=special_ids(tok))  # fmt: skip
+                                        selection=reader.RECOMPUTE_SELECTION, ends=ends,
+                                        specials=specials)  # fmt: skip
             m.held = n0 - 1
         finally:
             m.settle(m.held)
@@ -649,7 +646,7 @@ class Session(CatchUp, Transcript):
             prompt = self.tokens[m.held : n0]
             stats.prompt_tokens = len(prompt)
             if kwargs.get("logits_processors"):  # they see the earlier answers and this one
-                procs = over_answers(kwargs["logits_processors"], self.answers())
+                procs = stream.over_answers(kwargs["logits_processors"], self.answers())
                 kwargs = {**kwargs, "logits_processors": procs}
             steps = stream_generate(m.loaded.model, self.pair.tokenizer, mx.array(prompt),
                                     max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
@@ -671,10 +668,11 @@ class Session(CatchUp, Transcript):
                 end = r.finish_reason or ("cancelled" if self.cancelled.is_set() else None)
                 if end is not None:
                     stats.finish_reason = "context" if capped and end == "length" else end
-                yield GenerationResponse(r.text, r.token, r.logprobs, r.from_draft,
-                                         r.prompt_tokens, r.prompt_tps, r.generation_tokens,
-                                         r.generation_tps, r.peak_memory, stats.finish_reason,
-                                         LABEL[name], stats if end else None)  # fmt: skip
+                yield stream.GenerationResponse(r.text, r.token, r.logprobs, r.from_draft,
+                                                r.prompt_tokens, r.prompt_tps, r.generation_tokens,
+                                                r.generation_tps, r.peak_memory,
+                                                stats.finish_reason, stream.LABEL[name],
+                                                stats if end else None)  # fmt: skip
                 if end is not None:
                     break
                 if stats.ahead is not None:
@@ -727,7 +725,7 @@ class Session(CatchUp, Transcript):
 
 #: progress(reader, done, total): `reader` has read `done` of the turn's `total` tokens it reads
 Progress = Callable[[str, int, int], None]
-Responses = Iterator[GenerationResponse]
+Responses = Iterator[stream.GenerationResponse]
 
 
 # -- session files. Invariant: a file loads only into the pair that wrote it (geometry and a weight
