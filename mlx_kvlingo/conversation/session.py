@@ -507,10 +507,8 @@ class Session(CatchUp, Transcript):
         self.cancelled.set()
 
     def stats(self) -> dict:
-        """The mode, the policy and the conversation's totals per model: tokens it read itself
-        answering and for the other, translated into it, and the times; `estimated_saving_ms`:
-        over the large model's answers the small one read for, its predicted own TTFT less the
-        TTFT."""
+        """The mode, the policy and the totals per model; `estimated_saving_ms`: over the large
+        model's answers the small one read for, its predicted own TTFT less the TTFT."""
         turns, per = self.turns, {}
         for name, m in self.models.items():
             mine = [t for t in turns if t.model == name]
@@ -616,10 +614,9 @@ class Session(CatchUp, Transcript):
     def generate(self, model: str = "target", *, max_tokens: int = 256, sampler=None,
                  logits_processors=None, prefill_step_size: int = READ_CHUNK,
                  progress: Progress | None = None) -> Responses:  # fmt: skip
-        """Stream an answer from `model` (module docstring). Stopped early (break, `cancel()`,
-        KeyboardInterrupt, the iterator closed), the tokens emitted are the answer; stopped
-        while a model reads the turn, each cache keeps the chunks it read whole and the turn
-        stays unanswered. `progress(reader, done, total)` is called as the turn is read."""
+        """Stream an answer from `model`. Stopped early, the tokens emitted are the answer;
+        stopped while a model reads the turn, each cache keeps the chunks it read whole and the
+        turn stays unanswered. `progress(reader, done, total)` is called as the turn is read."""
         name, left = self._begin(model)
         limit = max_tokens
         if left is not None and (max_tokens < 0 or max_tokens > left):  # -1: no limit

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation import reader
-from mlx_kvlingo.conversation.reader import Cost, ReadCosts, costs_of, timed_read
+from mlx_kvlingo.conversation.reader import Cost, ReadCosts, costs_of
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.kv.recompute import sentence_ends, special_ids
 from mlx_kvlingo.kv.translator import MapReading, measure, reserve_translation_memory
@@ -102,7 +102,7 @@ def probe(pair, forward, costs: ReadCosts) -> None:
     for loaded, cost in ((pair.target, costs.target_read), (pair.source, costs.source_read)):
         at = min(PROBE_AT, (loaded.context_length or 2 * PROBE_AT) // 2)
         if at >= PROBE_READ and (loaded is pair.target or forward is not None):
-            cost.observe(PROBE_READ, timed_read(loaded, ids, at), at, again=True)
+            cost.observe(PROBE_READ, reader.timed_read(loaded, ids, at), at, again=True)
 
 
 def rates_text(origin: str | None) -> str:
