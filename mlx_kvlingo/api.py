@@ -33,14 +33,15 @@ from mlx_kvlingo.conversation import reader
 from mlx_kvlingo.conversation.session import MODES, Session
 from mlx_kvlingo.conversation.stream import (
     AUTO_THRESHOLD,
+    LABEL,
     BusyError,
+    GenerationResponse,
     PairLock,
     final,
     open_stream,
     sampler_kwargs,
 )
-from mlx_kvlingo.conversation.transcript import LABEL, GenerationResponse
-from mlx_kvlingo.conversation.transcript import SessionError as ConversationError
+from mlx_kvlingo.conversation.stream import SessionError as ConversationError
 from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.pair import ModelPair
 

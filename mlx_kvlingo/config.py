@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 READERS = ("auto", "tokens", "small", "self")
-#: how a model catches up on the turns it lacks (conversation/catchup.py)
+#: how a model catches up on the turns it lacks (conversation/session.py)
 MODES = ("alternation", "naive", "reprefill")
 #: model "auto": the large model answers again where the small answer's confidence is below this
 AUTO_THRESHOLD = -1.5

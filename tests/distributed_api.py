@@ -22,12 +22,12 @@ sys.modules.setdefault("torch", None)  # not needed here; transformers would imp
 import mlx_kvlingo  # noqa: E402,F401  (preloads OpenBLAS before mlx)
 from mlx_kvlingo import Conversation, load  # noqa: E402
 from mlx_kvlingo.api import Pair  # noqa: E402
-from mlx_kvlingo.conversation import catchup  # noqa: E402
+from mlx_kvlingo.conversation import session as sess  # noqa: E402
 
 # Translating ahead spends a share of each small token's decode time (`CatchUp.ahead_tokens`):
 # a rank and the one-process reference run on differently loaded cores and would decide apart.
 # This script compares what they compute, so both translate ahead a fixed chunk per token.
-catchup.CatchUp.ahead_tokens = lambda self, remaining, decode_s: min(remaining, catchup.AHEAD_MIN)
+sess.CatchUp.ahead_tokens = lambda self, remaining, decode_s: min(remaining, sess.AHEAD_MIN)
 
 GREEDY = {"max_tokens": 5, "temp": 0.0}
 

@@ -53,7 +53,7 @@ FAILURES = ("bug", "hang", "crash", "wrote")
 #: the error classes each loader documents (module path, class name); subclasses count
 DOCUMENTED = {
     "translator": [("mlx_kvlingo.models.files", "TranslatorFileError")],
-    "session": [("mlx_kvlingo.conversation.transcript", "SessionFileError")],
+    "session": [("mlx_kvlingo.conversation.stream", "SessionFileError")],
     "knlp-translator": [("converters.common", "ConversionError")],
     "knlp-checkpoint": [("converters.common", "ConversionError")],
     "linear-state-dict": [("converters.common", "ConversionError")],

@@ -49,7 +49,7 @@ def assert_session_consistent(s) -> None:
 
 def translated_spans(s, into: str | None = None) -> list[tuple[str, int, int]]:
     """Every span a session translated so far as (into, start, end), in order."""
-    out = [(x.into, *x.translated_span) for x in s.switches if x.translated]
+    out = [(x.into, x.end - x.translated, x.end) for x in s.switches if x.translated]
     return [t for t in out if into is None or t[0] == into]
 
 

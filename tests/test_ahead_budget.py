@@ -4,9 +4,9 @@ most a quarter of theirs, priced by the pair's forward translation cost."""
 
 from types import SimpleNamespace
 
-from mlx_kvlingo.conversation import catchup
-from mlx_kvlingo.conversation.catchup import AHEAD_MIN, AHEAD_SHARE, CatchUp
+from mlx_kvlingo.conversation import session as sess
 from mlx_kvlingo.conversation.reader import ReadCosts
+from mlx_kvlingo.conversation.session import AHEAD_MIN, AHEAD_SHARE, CatchUp
 
 import pytest
 from helpers import fixed_costs
@@ -50,6 +50,6 @@ def test_the_pairs_measured_forward_cost_prices_the_first_chunk():
 
 
 def test_short_span_is_finished_and_then_nothing_more(monkeypatch):
-    monkeypatch.setattr(catchup, "AHEAD_SHARE", 0.5)
+    monkeypatch.setattr(sess, "AHEAD_SHARE", 0.5)
     spent, chunks, left = simulate(0.02, 0.001, 0.0001, tokens=50, span=40)
     assert left == 0 and sum(chunks) == 40

@@ -108,7 +108,7 @@ def test_generate_and_info(tiny_dir, tmp_path):
 def test_prompt_longer_than_context_is_refused(tiny_dir):
     from mlx_kvlingo.config import ReaderPolicy
     from mlx_kvlingo.conversation.session import Session
-    from mlx_kvlingo.conversation.transcript import ContextOverflowError
+    from mlx_kvlingo.conversation.stream import ContextOverflowError
 
     import pytest
 

@@ -7,8 +7,16 @@ from dataclasses import replace
 
 from mlx_kvlingo.config import PolicyError, ReaderPolicy
 from mlx_kvlingo.conversation.session import Session
-from mlx_kvlingo.conversation.stream import DEFAULTS, Sampling, resolve, status_line
-from mlx_kvlingo.conversation.transcript import Read, SessionError, Switch, TurnStats
+from mlx_kvlingo.conversation.stream import (
+    DEFAULTS,
+    Read,
+    Sampling,
+    SessionError,
+    Switch,
+    TurnStats,
+    resolve,
+    status_line,
+)
 
 import mlx.core as mx
 import pytest
@@ -194,8 +202,7 @@ def test_the_small_model_votes_with_its_own_reading_of_the_tail(pair, translator
     read itself: its votes are that reading's attention (`read_positions`), exactly, and its
     cache then holds the turn as its own prefill does."""
     import mlx_kvlingo.kv.recompute as recompute
-    from mlx_kvlingo.conversation.catchup import _placeholders
-    from mlx_kvlingo.kv.cache import append_kv, new_cache
+    from mlx_kvlingo.kv.cache import append_zeros, new_cache
     from mlx_kvlingo.kv.capture import prefill
 
     fwd, bwd = translators
@@ -211,7 +218,7 @@ def test_the_small_model_votes_with_its_own_reading_of_the_tail(pair, translator
     assert sw.recomputed and len(seen) == 1 and s.held("source") == len(toks)
     own = new_cache(pair.source)
     prefill(pair.source, toks[:cut], own)
-    append_kv(own, *_placeholders(own, len(toks) - cut))
+    append_zeros(own, len(toks) - cut)
     want = recompute.read_positions(pair.source.model, own, toks, range(cut, len(toks)), True)
     assert mx.array_equal(seen[0], want)
     whole = new_cache(pair.source)
@@ -385,13 +392,13 @@ def test_a_long_span_is_translated_chunk_by_chunk_into_room_reserved_for_the_tur
     that already has room for the whole turn (it never grows while the turn is read); Ctrl-C
     in the third chunk leaves the large model's cache two whole chunks long, and the answer
     then equals the large model's own reading, token for token."""
-    from mlx_kvlingo.conversation import catchup
+    from mlx_kvlingo.conversation import session as sess
 
-    monkeypatch.setattr(catchup, "READ_CHUNK", 8)  # the translation reads it per call
+    monkeypatch.setattr(sess, "READ_CHUNK", 8)  # the translation reads it per call
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, policy=plain(reader="small"))
     converse(s, 2)
-    real, seen = catchup.append_translation, []
+    real, seen = sess.append_translation, []
 
     def record(model, tr, span, cache):
         if model is pair.source:  # the small model catching up on the last answer
@@ -401,7 +408,7 @@ def test_a_long_span_is_translated_chunk_by_chunk_into_room_reserved_for_the_tur
             raise KeyboardInterrupt
         real(model, tr, span, cache)
 
-    monkeypatch.setattr(catchup, "append_translation", record)
+    monkeypatch.setattr(sess, "append_translation", record)
     stop = False
     s.add_user("a long user turn that is translated in chunks " * 12)  # past 256: a step
     n0 = len(s.tokens)
@@ -420,7 +427,7 @@ def test_a_long_span_is_translated_chunk_by_chunk_into_room_reserved_for_the_tur
         list(s.generate("large", max_tokens=N))
     assert_consistent(s)
     assert s.pending and s.held("target") == start + 16
-    monkeypatch.setattr(catchup, "append_translation", real)
+    monkeypatch.setattr(sess, "append_translation", real)
     out = [e.token for e in s.generate("large", max_tokens=N)]
     assert out == native(pair.target.model, pair.tokenizer, s.tokens[:n0])
     assert_consistent(s)
@@ -431,11 +438,11 @@ def test_the_small_read_takes_shorter_chunks_as_its_cache_grows(pair, translator
     """Each chunk of the small model's read keeps its attention scores, rows x cached tokens x
     heads in float32, under `SCORES_BYTES` (the first chunk whole, later ones shorter), and the
     cache it leaves is the one read in a single pass."""
-    from mlx_kvlingo.conversation import catchup
+    from mlx_kvlingo.conversation import session as sess
     from mlx_kvlingo.kv.cache import new_cache
 
     heads = pair.source.query_heads
-    monkeypatch.setattr(catchup, "SCORES_BYTES", 4 * heads * 48 * 64)  # 48 rows over 64 tokens
+    monkeypatch.setattr(sess, "SCORES_BYTES", 4 * heads * 48 * 64)  # 48 rows over 64 tokens
     fwd, bwd = translators
     s = Session(pair, fwd, bwd, policy=plain(reader="small"))
     real, reads = pair.source.model.__class__.__call__, []
@@ -451,7 +458,7 @@ def test_the_small_read_takes_shorter_chunks_as_its_cache_grows(pair, translator
     monkeypatch.undo()
     assert reads[0][0] == 32 and reads[-2][0] < 32 and len(reads) > 5
     for n, held in reads[:-1]:  # the last call is the answer's first step, not the read
-        assert n * (held + n) * heads * 4 <= catchup.SCORES_BYTES or n == 32 // 8
+        assert n * (held + n) * heads * 4 <= sess.SCORES_BYTES or n == 32 // 8
     whole = new_cache(pair.source)
     pair.source.model(mx.array(s.tokens[: s.held("source")])[None], cache=whole)
     for c, w in zip(s.cache("source"), whole):

@@ -2,7 +2,7 @@
 must decode exactly as re-prefill does, translating each missing span exactly once."""
 
 from mlx_kvlingo.conversation.session import Session
-from mlx_kvlingo.conversation.transcript import (
+from mlx_kvlingo.conversation.stream import (
     ContextOverflowError,
     SessionError,
     SessionFileError,
@@ -129,7 +129,7 @@ def test_naive_differs_only_by_retranslation(pair, translators):
         assert (n.into, n.start, n.end) == (a.into, a.start, a.end)
         assert n.retranslated == a.start
         assert n.translated == a.translated + n.retranslated
-        assert n.translated_span == (0, a.end)
+        assert (n.end - n.translated, n.end) == (0, a.end)
     extra = sum(n.translated for n in naive.switches) - sum(a.translated for a in alt.switches)
     assert extra == sum(a.start for a in alt.switches) > 0
     assert_consistent(naive)

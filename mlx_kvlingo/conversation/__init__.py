@@ -1,2 +1,2 @@
-"""The conversation: `Session` (session.py, its catching up in catchup.py) over a `Transcript`;
-who reads a turn (reader.py), the public stream (stream.py), files and warm-up beside it."""
+"""The conversation: `Session` (session.py: the transcript, catching up, session files), who
+reads a turn (reader.py, its rates measured by warmup.py), what the stream yields (stream.py)."""

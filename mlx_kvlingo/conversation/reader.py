@@ -2,32 +2,23 @@
 measured read rates and the translator's measured retention.
 
 Time. A read of n tokens by a model holding `at` costs a + b n + c n (at + n / 2) seconds, a
-translation a + b n. Each of the five costs (`NAMES`; target_read: the large model's read of
-n >= 2 tokens up to its first token, target_step: of one) is a nonnegative least-squares fit to
-its last `KEEP` measurements (the warm-up's and every turn's), each weighing `DECAY` of the
-next. Per large turn both ways its answer can start are predicted (`Paths`):
+translation a + b n: each of the five costs (`NAMES`) is a nonnegative least-squares fit to its
+last `KEEP` measurements, each weighing `DECAY` of the next:
 
-    large reads   target_read(lacked, at=held)
+    large reads   target_read(lacked, at=held)   (target_step for a single token)
     small reads   catch-up (backward(k), or the small reads it too) + source_read(read)
                   + forward(lacked - tail) + target_read(recompute + 2 tail, at the turn's
                   end) + target_step (target_step alone for a one-token tail, no recompute)
 
-Content. Retention at read length n: of the stated facts and copies the large model gets right
-reading the turn itself (right), those it also gets right on the small path (kept), pooled over
-draws: kept / right where right >= `MIN_RIGHT`, linear in log n between measured lengths, the
-nearest one's outside (measured by `kvlingo eval --task content`).
+Content. Retention at read length n: of what the large model gets right reading the turn itself
+(right), what it also gets right on the small path (kept), pooled: kept / right where right >=
+`MIN_RIGHT`, linear in log n between measured lengths, the nearest one's outside.
 
-The choice. Where the small model reads, it reads conversation[:cut] and the large reads
-conversation[cut : upto + 1] itself, cut = upto + 1 - tail (never below what the large holds).
-Reader "auto" takes the small path where its predicted TTFT beats the large's own read by more
-than READER_MARGIN; a tie, or no timing yet, goes to the token rule; a retention under
-`min_retention` turns the small path down. The tail and the recompute are dropped (the
-recompute first) where they would take the small path past TAIL_BUDGET x the plain handoff's
-TTFT and TAIL_ALLOWANCE_S more. `choose` reads the session it is handed and changes nothing.
-
-Files: `<cache folder>/<folder>/<hash of the key>.json` (`RATES` keyed by `rates_key`: machine,
-pair, versions, lengths; `RETENTION` by `retention_key`), written atomically; one that does not
-parse, or whose schema or key differs, is ignored.
+The choice. Reader "auto" takes the small path where its predicted TTFT beats the large's own
+read by more than READER_MARGIN (a tie, or no timing yet: the token rule) and its retention is at
+least `min_retention`; the recompute, then the tail, are dropped where they would take it past
+TAIL_BUDGET x the plain handoff's TTFT and TAIL_ALLOWANCE_S more. Files: `<cache folder>/<folder>/
+<hash of the key>.json`, written atomically; one whose schema or key differs is ignored.
 """
 
 from __future__ import annotations
@@ -47,9 +38,8 @@ from pathlib import Path
 from mlx_kvlingo._platform import blas
 from mlx_kvlingo._platform.atomic import write_text
 from mlx_kvlingo._platform.cachedir import cache_root
-from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.transcript import SessionError, TurnStats
-from mlx_kvlingo.kv.cache import new_cache
+from mlx_kvlingo.conversation.stream import TurnStats, share
+from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.recompute import Selection, large_reads
 from mlx_kvlingo.models.pair import model_fingerprint
 
@@ -59,53 +49,42 @@ from mlx.utils import tree_flatten
 
 DECAY, KEEP = 0.7, 12
 NAMES = ("source_read", "forward", "backward", "target_read", "target_step")
-SCHEMA = "mlx-kvlingo/rates-3"  # 3: no load factor; probes replace their own sample
+SCHEMA = "mlx-kvlingo/rates-3"
 RATES, RETENTION = "rates", "retention"  # the cache folder's subfolders
 PROBE = (16, 64)  # tokens a never-timed large model reads once each, to time it
-MIN_RIGHT = 3  # fewer native answers right at a length would let one answer swing auto
-#: the large model's read of the turn's last tokens may add to the small path's predicted TTFT
-#: the plain handoff's own TTFT or TAIL_ALLOWANCE_S, whichever is more
-TAIL_BUDGET = 2.0
-TAIL_ALLOWANCE_S = 0.5
-#: reader auto: predicted TTFTs within this fraction of each other are a tie (the token rule)
+MIN_RIGHT = 3
+TAIL_BUDGET, TAIL_ALLOWANCE_S = 2.0, 0.5
 READER_MARGIN = 0.05
-#: which translated tokens the large model recomputes: each attention peak with the rest of its
-#: sentence (weights/QUALITY.md, "Sentences, not neighbours")
+#: each attention peak with the rest of its sentence (weights/QUALITY.md)
 RECOMPUTE_SELECTION = Selection()
-
-
-# -- time ----------------------------------------------------------------------------------
 
 
 @dataclass
 class Cost:
     """seconds = a + b n + c n (at + n / 2) over recent (n, seconds, at); c = 0 without
-    `attention`."""
+    `attention`; `frozen`: ignores measurements (exact costs a test injects)."""
 
     samples: deque = field(default_factory=lambda: deque(maxlen=KEEP))
-    frozen: bool = False  # ignores measurements (exact costs a test injects)
+    frozen: bool = False
     attention: bool = True
 
     def observe(self, n: int, seconds: float, at: int = 0, again: bool = False) -> None:
-        """A read of n tokens over `at` took `seconds`; `again`: it replaces the samples of the
-        same (n, at) (a probe repeated by a later start)."""
+        """`again`: replaces the samples of the same (n, at) (a probe a later start repeats)."""
         if n > 0 and seconds > 0 and at >= 0 and not self.frozen:
             if again:
                 self.samples = deque([x for x in self.samples if (x[0], x[2]) != (n, at)], KEEP)
             self.samples.append((int(n), float(seconds), int(at)))
 
     @property
-    def ready(self) -> bool:
-        """Measured at two lengths at least (an intercept and a slope)."""
+    def ready(self) -> bool:  # an intercept and a slope
         return len({n for n, _, _ in self.samples}) >= 2
 
     def features(self, n: int, at: int = 0) -> tuple[float, ...]:
         return (1.0, float(n), n * (at + n / 2))[: 3 if self.attention else 2]
 
     def fit(self) -> tuple[float, ...] | None:
-        """(a, b, c) (without attention (a, b)), each >= 0, None before any measurement: of the
-        subsets of terms whose weighted least squares are all >= 0, the smallest error (b is
-        always fitted, alone through 0 at least)."""
+        """(a, b, c) (without attention (a, b)), each >= 0: of the subsets of terms whose
+        weighted least squares are all >= 0, the smallest error (b always fitted)."""
         if not self.samples:
             return None
         k, m = len(self.samples), 3 if self.attention else 2
@@ -122,30 +101,29 @@ class Cost:
         return tuple(best.get(i, 0.0) for i in range(m))
 
     def predict(self, n: int, at: int = 0) -> float | None:
-        """Seconds to read `n` tokens over `at` held (None before any measurement)."""
         coef = self.fit() if n > 0 else ()
         return None if coef is None else float(np.dot(coef, self.features(n, at)[: len(coef)]))
 
 
 @dataclass
 class ReadCosts:
-    """The five costs of one pair in this process (see the module docstring)."""
+    """The five costs of one pair in this process; how long the last warm-up took and whether
+    its rates were "measured" or "cached" (warmup.py)."""
 
     source_read: Cost = field(default_factory=Cost)
     forward: Cost = field(default_factory=lambda: Cost(attention=False))
     backward: Cost = field(default_factory=lambda: Cost(attention=False))
     target_read: Cost = field(default_factory=Cost)
     target_step: Cost = field(default_factory=lambda: Cost(attention=False))
-    warmup_s: float | None = None  # how long the last warm-up took (None: none ran)
-    origin: str | None = None  # the rates "measured" by this process or "cached" (warmup.py)
+    warmup_s: float | None = None
+    origin: str | None = None
 
     def to_dict(self) -> dict[str, list[list[float]]]:
-        """{name: [[n, seconds, at], ...]} oldest first (what `from_dict` takes)."""
         return {name: [list(x) for x in getattr(self, name).samples] for name in NAMES}
 
     @classmethod
     def from_dict(cls, data: object) -> ReadCosts:
-        """ValueError unless `data` is `to_dict`'s: each name, at most KEEP [n, seconds, at]."""
+        """ValueError unless `data` is `to_dict`'s."""
         out = cls()
         if not isinstance(data, dict) or set(data) != set(NAMES):
             raise ValueError(f"expected the costs {', '.join(NAMES)}")
@@ -158,11 +136,9 @@ class ReadCosts:
         return out
 
     def observe_target(self, n: int, seconds: float, at: int = 0) -> None:
-        """The large model read n tokens over the `at` it held up to its first token."""
         (self.target_step if n == 1 else self.target_read).observe(n, seconds, 0 if n == 1 else at)
 
     def large_reads(self, lacked: int, at: int = 0) -> float | None:
-        """Predicted TTFT with the large model reading `lacked` tokens itself over `at`."""
         if lacked == 1:
             return self.target_step.predict(1) if self.target_step.samples else None
         return self.target_read.predict(lacked, at) if self.target_read.ready else None
@@ -170,22 +146,22 @@ class ReadCosts:
 
 @dataclass(frozen=True)
 class Paths:
-    """A large answer about to start: the lengths each way of reading its turn involves."""
+    """A large answer about to start: the lengths each way of reading its turn involves (the
+    module docstring's formulas; None where a cost they need is unmeasured)."""
 
-    lacked: int  # tokens the large model lacks (it reads them all, or the last `tail` only)
+    lacked: int  # tokens the large model lacks
     catch_up: int  # tokens the small model must first catch up on (the large's answers)
     read: int  # tokens the small model then reads itself
     backward: bool  # the small catches up by backward translation (else it reads them too)
     tail: int = 1  # on the small path, the last tokens the large model still reads itself
     recompute: int = 0  # on the small path, translated tokens the large model recomputes
-    held: int = 0  # tokens the large model holds (the turn starts there)
-    small_held: int = 0  # tokens the small model holds
+    held: int = 0  # tokens the large model holds
+    small_held: int = 0
 
     def large(self, costs: ReadCosts) -> float | None:
         return costs.large_reads(self.lacked, self.held)
 
     def small(self, costs: ReadCosts) -> float | None:
-        """The small path's TTFT (module docstring); None where a cost it needs is unmeasured."""
         c, back = costs, bool(self.catch_up and self.backward)
         if not (c.source_read.ready and c.forward.ready and (c.backward.ready or not back)):
             return None
@@ -194,39 +170,29 @@ class Paths:
         step = c.large_reads(1) if self.recompute else 0.0
         if large is None or step is None:
             return None
-        if back:  # the small model catches up by backward translation, then reads
-            small = c.backward.predict(self.catch_up) + c.source_read.predict(
-                self.read, self.small_held + self.catch_up
-            )
-        else:  # it reads what it lacks of the large model's answers with the turn
-            small = c.source_read.predict(self.catch_up + self.read, self.small_held)
+        k = 0 if back else self.catch_up  # of the large's answers, what the small reads itself
+        small = c.source_read.predict(self.read + k, self.small_held + self.catch_up - k)
+        small += c.backward.predict(self.catch_up) if back else 0.0
         return small + c.forward.predict(self.lacked - self.tail) + large + step
 
 
 def costs_of(pair) -> ReadCosts:
-    """The costs measured on `pair` in this process, shared by its conversations."""
     return pair.__dict__.setdefault("_kvlingo_read_costs", ReadCosts())
-
-
-# -- content -------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Retention:
-    """(read length, retention in [0, 1]) points, lengths increasing; `source`: where they came
-    from."""
+    """(read length, retention) points, lengths increasing; `source`: where they came from."""
 
     points: tuple[tuple[int, float], ...]
     source: str = ""
 
     @classmethod
     def from_counts(cls, counts, source: str = "") -> Retention | None:
-        """The lengths of `counts` measured enough (pooled); None where none is."""
         pts = tuple((n, kept / right) for n, kept, right in pooled(counts) if right >= MIN_RIGHT)
         return cls(pts, source) if pts else None
 
     def expected(self, n: int) -> float:
-        """The retention expected at `n` read tokens."""
         pts = self.points
         for (n0, r0), (n1, r1) in zip(pts, pts[1:]):
             if n0 < n < n1:
@@ -234,14 +200,8 @@ class Retention:
         return min(pts, key=lambda p: abs(p[0] - n))[1]
 
 
-def share(x: float) -> str:
-    """A retention with two decimals, rounded down: one under a threshold never reads as it."""
-    return f"{math.floor(x * 100 + 1e-9) / 100:.2f}"
-
-
 def pooled(*groups) -> tuple[tuple[int, int, int], ...]:
-    """(read length, kept, right) counts summed per length, lengths increasing; ValueError on a
-    malformed count."""
+    """(read length, kept, right) counts summed per length, lengths increasing."""
     by: dict[int, list[int]] = {}
     for c in (c for group in groups for c in group):
         ok = isinstance(c, (tuple, list)) and len(c) == 3 and all(type(x) is int for x in c)
@@ -253,7 +213,7 @@ def pooled(*groups) -> tuple[tuple[int, int, int], ...]:
 
 
 def counts_of(entry: object) -> tuple[tuple[int, int, int], ...]:
-    """A manifest entry's counts ({"counts": [[length, kept, right], ...]}); () if malformed."""
+    """A manifest entry's counts ({"counts": [[length, kept, right], ...]})."""
     try:
         return pooled(map(tuple, entry["counts"]))  # type: ignore[index]
     except (KeyError, TypeError, ValueError):
@@ -261,7 +221,6 @@ def counts_of(entry: object) -> tuple[tuple[int, int, int], ...]:
 
 
 def load_retention(k: dict) -> dict[str, tuple[tuple[int, int, int], ...]]:
-    """{draw: its counts} stored for key `k`; empty where none parse."""
     try:
         return {str(d): pooled(map(tuple, c)) for d, c in read(RETENTION, k)["draws"].items()}
     except (AttributeError, KeyError, TypeError, ValueError):
@@ -270,8 +229,7 @@ def load_retention(k: dict) -> dict[str, tuple[tuple[int, int, int], ...]]:
 
 def record_retention(k: dict, draw: str, counts) -> dict:
     """Store `counts` as draw `draw`'s for key `k` and return every draw's: a draw stored before
-    keeps the lengths this run did not measure, so the same tasks never count twice. OSError
-    where the cache folder cannot be written."""
+    keeps the lengths this run did not measure, so the same tasks never count twice."""
     draws = load_retention(k)
     mine = {c[0]: c for c in pooled(counts)}
     draws[draw] = pooled([c for c in draws.get(draw, ()) if c[0] not in mine], mine.values())
@@ -279,13 +237,7 @@ def record_retention(k: dict, draw: str, counts) -> dict:
     return draws
 
 
-# -- the files -----------------------------------------------------------------------------
-
-
 def fingerprints(pair, *translators) -> list[str | None]:
-    """Both models (weights, dtype, type, quantization) and each translator (its class,
-    settings and the first entries of each weight), as fingerprints."""
-
     def translator(tr) -> str:
         h = hashlib.sha256(f"{type(tr).__name__} {replace(tr.config, metadata={})!r}".encode())
         for name, w in sorted(tree_flatten(tr.parameters())):
@@ -299,7 +251,6 @@ def fingerprints(pair, *translators) -> list[str | None]:
 
 
 def rates_key(pair, forward, backward, lengths) -> dict:
-    """Machine (platform, device, BLAS, threads), pair files, library versions, lengths."""
     info = mx.device_info()  # its chip (on Linux the CPU's model name) and memory
     env = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "KVLINGO_CPU_MEMORY")
     machine = [platform.platform(), os.cpu_count(), str(mx.default_device()), blas.loaded_path,
@@ -322,7 +273,6 @@ def path_for(folder: str | Path, k: dict) -> Path:
 
 
 def read(folder, k: dict) -> dict:
-    """The file stored in `folder` for key `k`; {} where there is none to take (docstring)."""
     try:
         data = json.loads(path_for(folder, k).read_text())
         same = data.get("schema") == SCHEMA and data.get("key") == json.loads(json.dumps(k))
@@ -332,34 +282,15 @@ def read(folder, k: dict) -> dict:
 
 
 def write(folder, k: dict, **data) -> Path:
-    """Store `data` for key `k` in `folder`, atomically; OSError where it cannot be written."""
     path = path_for(folder, k)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps({"schema": SCHEMA, "key": k, **data}, indent=1, sort_keys=True)
     return write_text(path, text + "\n")
 
 
-# -- the choice ----------------------------------------------------------------------------
-
-
-def resolve_policy(s, policy: ReaderPolicy) -> ReaderPolicy:
-    """`policy` as session `s` follows it: its reader resolved ('auto' with a forward
-    translator, else 'self'); a SessionError where `s` cannot follow it."""
-    if not isinstance(policy, ReaderPolicy):
-        raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
-    if s.remote is not None and policy.recompute_share:  # all layers, in this process
-        raise SessionError(
-            "the recompute (recompute_share > 0) is not available with a pipelined large model"
-        )
-    reader = policy.reader or ("auto" if s.forward else "self")
-    if reader != "self" and s.forward is None:
-        raise SessionError(f"reader {reader!r} needs a forward (small -> large) translator")
-    return replace(policy, reader=reader)
-
-
 @dataclass(frozen=True)
 class Decision:
-    """One turn's reading, decided by `choose` and carried through the hand-off."""
+    """One turn's reading, decided once by `choose` and carried through the hand-off."""
 
     small: bool = False  # the small model reads conversation[:cut] for the large one
     note: str = ""  # why the large reads itself (or reads less), for the status line
@@ -371,9 +302,9 @@ class Decision:
 
 def choose(s, name: str, upto: int) -> Decision:
     """Does the small model read [large's held, upto) for `name` this turn in session `s`,
-    where does it stop, and does the large recompute?"""
+    where does it stop, and does the large recompute? Changes nothing."""
     if name != "target" or s.forward is None or s.mode == "reprefill":
-        return Decision()  # reprefill is the reference: the answering model reads it all
+        return Decision()
     p, (tail, recompute) = s.policy, _reading(s, upto)
     paths = paths_with(s, upto, tail, recompute) if s.mode == "alternation" else None
     held = min(s.models["target"].held, upto)
@@ -393,10 +324,8 @@ def choose(s, name: str, upto: int) -> Decision:
 
 
 def _rule(s, upto: int, paths: Paths | None) -> tuple[bool, str, float | None]:
-    """The reader policy's choice: (the small model reads, why the large reads itself, the
-    retention that turned the small path down). Reader "auto" decides by time (the token rule
-    on a tie or before any timing), then turns a small path down where its measured retention
-    is under `min_retention`."""
+    """(the small model reads, why the large reads itself, the retention that turned the small
+    path down)."""
     p = s.policy
     if p.reader in ("small", "self"):
         return p.reader == "small", "", None
@@ -413,7 +342,7 @@ def _rule(s, upto: int, paths: Paths | None) -> tuple[bool, str, float | None]:
         small_reads, why = rule, "" if rule else f"reader auto, a tie: {under}"
     else:
         small_reads, why = small < large, "" if small < large else "reader auto: the faster"
-    r = s.retention  # what the small path keeps at this length (None: not measured)
+    r = s.retention
     kept = None if r is None or not p.min_retention else r.expected(upto + 1 - held)
     if small_reads and kept is not None and kept < p.min_retention:
         return False, (f"reader auto: the small path keeps ≈{share(kept)} of the content at "
@@ -422,9 +351,8 @@ def _rule(s, upto: int, paths: Paths | None) -> tuple[bool, str, float | None]:
 
 
 def _reading(s, upto: int) -> tuple[int, bool]:
-    """How much the large model reads itself where the small reads for it: (its last tokens,
-    whether it recomputes): `large_reads_last` and `recompute_share`, else without the
-    recompute, else the last token only, the first within the tail budget (docstring)."""
+    """(the last tokens the large model reads itself, whether it recomputes), the first of the
+    policy's, without the recompute, one token, within the tail budget."""
     k, share = s.policy.large_reads_last, s.policy.recompute_share > 0
     ways = [(k, share), *([(k, False)] if share else []), *([(1, False)] if k > 1 else [])]
     if len(ways) == 1 or s.mode != "alternation":
@@ -441,8 +369,6 @@ def _reading(s, upto: int) -> tuple[int, bool]:
 
 
 def paths_with(s, upto: int, tail: int, recompute: bool = True) -> Paths:
-    """The lengths of both ways where the large reads the last `tail` tokens itself (and
-    recomputes, where `recompute`)."""
     th, sh = min(s.models["target"].held, upto), min(s.models["source"].held, upto)
     cut = max(th, upto + 1 - tail)
     return Paths(upto + 1 - th, max(th - sh, 0), max(cut - max(sh, th), 0),
@@ -451,29 +377,22 @@ def paths_with(s, upto: int, tail: int, recompute: bool = True) -> Paths:
 
 
 def recompute_count(s, translated: int) -> int:
-    """How many of `translated` tokens the large model recomputes (`recompute_share`)."""
-    if s.mode != "alternation":
-        return 0
-    return RECOMPUTE_SELECTION.count(s.policy.recompute_share, translated)
-
-
-# -- each turn feeds the rates --------------------------------------------------------------
+    """How many of `translated` tokens the large model recomputes (alternation only)."""
+    share = s.policy.recompute_share if s.mode == "alternation" else 0.0
+    return RECOMPUTE_SELECTION.count(share, translated) if share else 0
 
 
 def observe(s, stats: TurnStats, at: int) -> None:
-    """Feed what a turn of session `s` measured into the pair's read costs; the answering model
-    read its prompt over the `at` tokens it held."""
+    """Feed what a turn measured into the read costs; the answering model read over `at`."""
     costs, rd, sw = s.read_costs, stats.read, stats.switch
     if rd is not None:
         costs.source_read.observe(rd.tokens, rd.seconds, rd.start)
-        c = rd.catch_up
-        if c is not None and c.translated and not c.retranslated:
-            costs.backward.observe(c.translated, c.seconds)
-    if sw is not None and sw.translated and not sw.retranslated:
-        (costs.forward if sw.into == "target" else costs.backward).observe(
-            sw.translated, sw.seconds
-        )
-    if sw is not None and sw.recompute_s:  # the tail and the recomputed, read at the end
+    for x in (rd and rd.catch_up, sw):  # each translation (a naive one's length is not its own)
+        if x is not None and x.translated and not x.retranslated:
+            (costs.forward if x.into == "target" else costs.backward).observe(
+                x.translated, x.seconds
+            )
+    if sw is not None and sw.recompute_s:
         n = large_reads(sw.tail_read, sw.recomputed)
         costs.target_read.observe(n, sw.recompute_s, max(sw.end - sw.recomputed, 0))
     if stats.model == "target":
@@ -483,17 +402,26 @@ def observe(s, stats: TurnStats, at: int) -> None:
 def alternative(s, stats: TurnStats, paths: Paths, conversation: list[int]) -> None:
     """The TTFT the other way of reading would have had, predicted from the rates this turn
     updated; the large model's own read is timed once (after the answer, on `PROBE` tokens of
-    the conversation in a scratch cache) when it never was."""
+    the conversation) when it never was."""
     costs = s.read_costs
     if stats.read is None:
         stats.alternative_ttft_s = paths.small(costs)
         return
-    if not costs.target_read.ready:
-        for n in PROBE:
-            probe = (conversation * (n // max(len(conversation), 1) + 1))[:n]
-            cache = new_cache(s.pair.target)
-            t0 = time.perf_counter()
-            s.pair.target.model(mx.array(probe)[None], cache=cache)
-            mx.eval([c.keys for c in cache])
-            costs.target_read.observe(n, time.perf_counter() - t0)
+    for n in PROBE if not costs.target_read.ready else ():
+        probe = (conversation * (n // max(len(conversation), 1) + 1))[:n]
+        costs.target_read.observe(n, timed_read(s.pair.target, probe))
     stats.alternative_ttft_s = stats.alone_prefill_s = paths.large(costs)
+
+
+def timed_read(loaded, ids: list[int], at: int = 0) -> float:
+    """Seconds `loaded` takes to read `ids` over `at` zero positions in a scratch cache (the
+    attention costs the same whatever the K/V hold)."""
+    cache, g = new_cache(loaded), loaded.geometry
+    if at:
+        k = mx.zeros((1, g.kv_heads, at, g.head_dim), dtype=loaded.dtype)
+        v = mx.zeros((1, g.kv_heads, at, g.value_dim), dtype=loaded.dtype)
+        append_kv(cache, [k] * len(cache), [v] * len(cache))
+        mx.eval([c.state for c in cache])
+    t0 = time.perf_counter()
+    mx.eval(loaded.model(mx.array(ids)[None], cache=cache))
+    return time.perf_counter() - t0

@@ -1,81 +1,165 @@
-"""One answer at a time per model pair, streamed as mlx-lm-shaped responses: the public
-`stream_generate` and `Conversation.send` both run `open_stream`; `decode` yields a turn's tokens.
+"""What a user gets: one answer at a time per model pair, streamed as mlx-lm-shaped responses
+(`GenerationResponse`, the last carrying the turn's record `TurnStats` and its status line), as
+`stream_generate` and `Conversation.send` run them (`open_stream`).
 
 Invariant: at most one holder drives a pair's models (`PairLock`: a stream from its first
-`next()` until it ends, is closed or is collected; a change to a conversation: add, trim, save,
-load, reset; a server's request); MLX evaluation is never interleaved from two threads. The
-session's turn (session.py: hand-off, decode, commit) runs inside, so however the stream stops
-its tokens are the answer and both caches stay consistent; the last response (`finish_reason`
-set) comes once the turn is committed, with its record and status line. Asking for the pair
-again from the thread that holds it:
+`next()` until it ends, is closed or is collected; a change to a conversation; a server's
+request); MLX evaluation is never interleaved from two threads. The thread that holds it asking
+again: under a plain hold, granted (nested); for another conversation or while its stream runs,
+BusyError; for the same conversation, its stream left unfinished, that stream is closed (it
+commits what it emitted), then granted. Another thread waits (up to `timeout`, then BusyError;
+`wait=False`: BusyError at once), or gives up once its `cancel` event is set.
 
-    under a plain hold (no stream: a change, a server's request)    -> granted, nested
-    for another conversation, or while the holder's stream runs     -> BusyError (no deadlock)
-    for the same conversation, its stream left unfinished           -> that stream is closed
-                                                                       (it commits what it
-                                                                       emitted), then granted
-
-From another thread: wait (up to `timeout` seconds; BusyError after) or, with `wait=False`, a
-BusyError at once. A waiter whose `cancel` event is set gives up (`acquire` returns False).
-
-Sampling: `resolve` is the one place settings merge: explicit values over the model folder's
-`generation_config.json` (`do_sample`, `temperature`, `top_p`, `top_k`, `min_p`,
-`repetition_penalty`) over `DEFAULTS`, whose repetition penalty covers the conversation's
-answers (`over_answers`), never the user's text. `temp=0` is greedy and stays plain argmax: the
-default repetition penalty then applies only when given explicitly. `pair` is the public `Pair`
-(`.models`, `.names`, `.lock`).
+Sampling: explicit settings over the model folder's `generation_config.json` over `DEFAULTS`
+(`resolve`), whose repetition penalty covers the conversation's answers, never the user's text.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 import weakref
 from collections.abc import Generator, Iterator, Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from mlx_kvlingo.config import AUTO_THRESHOLD
-from mlx_kvlingo.conversation.reader import observe, share
-from mlx_kvlingo.conversation.transcript import (
-    LABEL,
-    ROLE,
-    GenerationResponse,
-    SessionError,
-    TurnStats,
-)
 
 import mlx.core as mx
-from mlx_lm import stream_generate
+import numpy as np
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 if TYPE_CHECKING:
-    from mlx_kvlingo.conversation.catchup import ModelCache
     from mlx_kvlingo.conversation.session import Session
+
+#: the two roles by size or by direction
+ROLE = {"small": "source", "large": "target", "source": "source", "target": "target"}
+LABEL: dict[str, Literal["small", "large"]] = {"source": "small", "target": "large"}
+
+
+class SessionError(ValueError):
+    """A request the session cannot honour (nothing to answer, unknown model, ...)."""
+
+
+class ContextOverflowError(SessionError):
+    """The conversation does not fit a model's context (`max_kv_size`)."""
+
+
+class SessionFileError(SessionError):
+    """A session file that is unreadable or was written for another model pair."""
+
+
+def role(model: str) -> str:
+    if model not in ROLE:
+        raise SessionError(f"unknown model {model!r}; use 'source'/'small' or 'target'/'large'")
+    return ROLE[model]
+
+
+@dataclass
+class Switch:
+    """How a model caught up on the span [start, end) that the other model held and it lacked."""
+
+    into: str
+    mode: str
+    start: int
+    end: int
+    translated: int = 0  # tokens translated at this switch
+    retranslated: int = 0  # of those, tokens this model already held (naive mode)
+    seconds: float = 0.0
+    note: str = ""  # e.g. why it re-prefilled instead of translating
+    #: then the large model read the last `tail_read` tokens and recomputed `recomputed`
+    recomputed: int = 0
+    tail_read: int = 0
+    recompute_s: float = 0.0
+
+    @property
+    def lacked(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class Read:
+    """The small model reading for the large one before a large answer (reader "small")."""
+
+    model: str  # the reader: "source"
+    tokens: int = 0  # tokens it read itself (prefill only, no decoding)
+    seconds: float = 0.0
+    catch_up: Switch | None = None  # how it first caught up on the large's last answer
+    start: int = 0  # where its read began (the tokens its cache held then)
+
+
+@dataclass
+class TurnStats:
+    """One answer: which model, what it cost, how it ended."""
+
+    model: str
+    mode: str
+    switch: Switch | None = None
+    prompt_tokens: int = 0  # tokens the answering model read itself this turn
+    prompt_tps: float = 0.0
+    generation_tokens: int = 0
+    generation_tps: float = 0.0
+    ttft_s: float | None = None  # from the call to the first token, switch included
+    peak_memory_gb: float = 0.0
+    finish_reason: str | None = None  # stop | length | context | cancelled | interrupted
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    read: Read | None = None  # the small model's read for this answer (reader "small")
+    ahead: Switch | None = None  # translated ahead for the large model during this answer
+    prompt_s: float = 0.0  # the answering model's own prefill time this turn
+    alone_prefill_s: float | None = None  # alternative_ttft_s's old name where the small read
+    read_note: str = ""  # why the large read the new turn itself (readers "auto", "tokens")
+    retention: float | None = None  # expected where it turned the faster small path down
+    alternative_ttft_s: float | None = None  # the other way's TTFT, predicted (reader.py)
+    predicted_ttft_s: float | None = None  # what was predicted for the path taken
+    escalating: bool = False  # a cascade's small answer under the threshold
+
+    @property
+    def confidence(self) -> float | None:
+        """Mean token log-probability of the answer, the score of model "auto"."""
+        return float(np.mean(self.logprobs)) if self.logprobs else None
+
+
+@dataclass
+class GenerationResponse:
+    """mlx-lm's `GenerationResponse` (its fields, in its order), who answered and, on an
+    answer's last response, its record (`handoff`) and `status` line (`token` None: stopped
+    before its first token)."""
+
+    text: str
+    token: int | None
+    logprobs: Any  # mx.array: the log-probabilities over the vocabulary (None: no token)
+    from_draft: bool
+    prompt_tokens: int  # tokens the answering model read itself
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: float  # GB
+    finish_reason: str | None = None
+    model: str = "large"  # "small" or "large"
+    handoff: TurnStats | None = None
+    status: str = ""
+
 
 OPTIONS = {"model": "large", "reader": None, "max_tokens": 256, "sampler": None,
             "logits_processors": None, "prompt_progress_callback": None,
             "auto_threshold": AUTO_THRESHOLD, "wait": True, "timeout": None, "redo": False}  # fmt: skip
 
 
-# -- the lock ------------------------------------------------------------------------------
-
-
 class BusyError(RuntimeError):
     """The model pair is in use by another generation (one generation at a time)."""
 
 
+@dataclass(eq=False)
 class Ticket:
-    """Who asks for the pair: a conversation's cache (or a server's request), its cancel event
-    and, for a stream, the stream."""
+    """Who asks for the pair (a conversation, a request), its cancel event, its stream."""
 
-    __slots__ = ("owner", "cancel", "stream")
-
-    def __init__(self, owner: Any, cancel: threading.Event) -> None:
-        self.owner, self.cancel = owner, cancel
-        self.stream: weakref.ref[Generator] | None = None
+    owner: Any
+    cancel: threading.Event
+    stream: weakref.ref[Generator] | None = None
 
 
 class PairLock:
@@ -91,8 +175,7 @@ class PairLock:
 
     def acquire(self, owner: Any, cancel: threading.Event | None = None, wait: bool = True,
                 timeout: float | None = None) -> bool:  # fmt: skip
-        """Take the pair for `owner` (a stream's `Ticket`, else a plain hold; the rules in the
-        module docstring); False when `cancel` was set while it waited."""
+        """Take the pair for `owner` (a stream's `Ticket`, else a plain hold): module docstring."""
         ticket = owner if isinstance(owner, Ticket) else Ticket(owner, cancel or threading.Event())
         me = threading.get_ident()
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -143,9 +226,6 @@ class PairLock:
             self._cond.notify_all()
 
 
-# -- sampling ------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Sampling:
     temp: float = 0.7
@@ -175,29 +255,23 @@ FIELDS = tuple(f.name for f in fields(Sampling))
 
 
 def generation_config(folder: str | Path | None) -> dict:
-    """The sampling fields of `folder/generation_config.json` as `Sampling` keywords ({}: none)."""
     try:
         raw = json.loads((Path(folder) / "generation_config.json").read_text())
     except (TypeError, OSError, ValueError):  # no folder, no file, not JSON
         return {}
     if not isinstance(raw, dict):
         return {}
-    out = {}
-    if raw.get("do_sample") is False:
-        out["temp"] = 0.0
-    elif isinstance(raw.get("temperature"), (int, float)):
-        out["temp"] = float(raw["temperature"])
-    kinds = {"top_p": float, "top_k": int, "min_p": float, "repetition_penalty": float}
+    out = {"temp": 0.0} if raw.get("do_sample") is False else {}
+    kinds = dict(temperature=float, top_p=float, top_k=int, min_p=float, repetition_penalty=float)
     for k, kind in kinds.items():
-        if isinstance(raw.get(k), (int, float)) and not isinstance(raw.get(k), bool):
-            out[k] = kind(raw[k])
+        if type(raw.get(k)) in (int, float) and not (k == "temperature" and out):
+            out["temp" if k == "temperature" else k] = kind(raw[k])
     return out
 
 
 def resolve(model=None, sampling: Mapping[str, Any] | None = None) -> Sampling:
-    """The settings for `model` (a LoadedModel or None): the fields of `sampling` (None: not
-    set) over the model's generation_config.json over `DEFAULTS` (`{"temp": 0.2}` keeps the
-    model's top-p). An unknown field is a ValueError naming the known ones."""
+    """The settings for `model` (a LoadedModel or None): `sampling`'s set fields over its
+    generation_config.json over `DEFAULTS`; ValueError on an unknown field."""
     sampling = sampling or {}
     unknown = set(sampling) - set(FIELDS)
     if unknown:
@@ -214,8 +288,8 @@ def resolve(model=None, sampling: Mapping[str, Any] | None = None) -> Sampling:
 
 
 def sampler_kwargs(pair: Any, model: str, kw: dict, seed: bool = True) -> dict:
-    """mlx-lm's sampler keywords for `model`'s answer: `sampler`/`logits_processors` as given,
-    else built from the sampling settings in `kw` (`resolve`); with `seed`, also the seed."""
+    """mlx-lm's `sampler`/`logits_processors` for `model`'s answer: as given, else from the
+    sampling settings in `kw`; with `seed`, the seed."""
     loaded = pair.models.source if ROLE[model] == "source" else pair.models.target
     try:
         cfg = resolve(loaded, {k: v for k, v in kw.items() if k not in OPTIONS})
@@ -227,10 +301,8 @@ def sampler_kwargs(pair: Any, model: str, kw: dict, seed: bool = True) -> dict:
 
 
 def seed(value: int | None, messages: list[dict[str, str]]) -> None:
-    """The one seed rule: MLX is seeded with `value` plus the number of assistant messages
-    before the user message answered: reproducible from the messages alone (a resent or
-    restored conversation), the same for whichever model answers or re-answers, a new draw
-    each turn."""
+    """MLX is seeded with `value` plus the number of assistant messages before the user message
+    answered: the same from the messages alone, for whichever model, a new draw each turn."""
     if value is not None:
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
         before = messages[: users[-1]] if users else messages
@@ -239,8 +311,7 @@ def seed(value: int | None, messages: list[dict[str, str]]) -> None:
 
 def over_answers(processors: list, answers: list[int]) -> list:
     """Logits processors that see the conversation's answers, earlier ones first, then this one,
-    never the prompt part mlx-lm passes them (whatever read the turn, the user's text is not
-    penalized, and an answer cannot copy the last one)."""
+    never the prompt mlx-lm passes them (the user's text is not penalized)."""
     past = mx.array(answers, dtype=mx.int32)
 
     def wrap(proc):
@@ -254,9 +325,6 @@ def over_answers(processors: list, answers: list[int]) -> list:
         return call
 
     return [wrap(p) for p in processors]
-
-
-# -- the stream ----------------------------------------------------------------------------
 
 
 def open_stream(pair: Any, cache: Session, prompt: Any, cancel: threading.Event,
@@ -312,8 +380,7 @@ def _run(pair: Any, cache: Session, prompt: Any, ticket: Ticket, opts: dict,
 
 def _answer(pair: Any, cache: Session, model: str | None, cancel: threading.Event,
             opts: dict, kw: dict) -> Iterator[GenerationResponse]:  # fmt: skip
-    """One answer: the session's turn (hand-off, decode, commit), one response per token; the
-    last one (`finish_reason` set) comes once the turn is committed and its record complete."""
+    """One answer, one response per token; the last once the turn is committed."""
     label = model
     if opts["redo"] and model is None:  # escalate: the other model than the last answer's
         last = cache.last_turn
@@ -338,58 +405,9 @@ def _answer(pair: Any, cache: Session, model: str | None, cancel: threading.Even
         yield final(pair, st, LABEL[st.model], last)
 
 
-def decode(s: Session, m: ModelCache, n0: int, stats: TurnStats, emitted: list[int], limit: int,
-           capped: bool, kwargs: dict, t0: float) -> Iterator[GenerationResponse]:  # fmt: skip
-    """A turn's decode (session.py, step 2): mlx-lm decodes conversation[held:n0] on `m`'s
-    cache, at most `limit` tokens (`capped`: the limit is the context's, so "length" ends as
-    "context"). Each token goes to `emitted` and `stats` (TTFT from `t0`), then is yielded; the
-    last carries `stats`. While the small model answers, the ahead span is translated between
-    its tokens (`s.ahead_step`), and its decode time of a token excludes that."""
-    prompt = s.tokens[m.held : n0]
-    stats.prompt_tokens = len(prompt)
-    procs = kwargs.get("logits_processors")
-    if procs:  # they see the earlier answers and this one, not only this turn's
-        kwargs = {**kwargs, "logits_processors": over_answers(procs, s.transcript.answers())}
-    steps = stream_generate(m.loaded.model, s.pair.tokenizer, mx.array(prompt),
-                            max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
-    try:
-        last_token_at, between_s = None, 0.0
-        for r in steps:
-            now = time.perf_counter()
-            # this token's decode time: the wall time since the last one, less the ahead's
-            decode_s = None if last_token_at is None else now - last_token_at - between_s
-            last_token_at = now
-            if stats.ttft_s is None:
-                stats.ttft_s = now - t0
-            emitted.append(r.token)
-            stats.text += r.text
-            stats.logprobs.append(r.logprobs[r.token].item())
-            stats.generation_tokens, stats.generation_tps = r.generation_tokens, r.generation_tps
-            stats.prompt_tps, stats.peak_memory_gb = r.prompt_tps, r.peak_memory
-            stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
-            if len(emitted) == 1:
-                observe(s, stats, n0 - len(prompt))
-            end = r.finish_reason
-            if end is None and s.cancelled.is_set():
-                end = "cancelled"
-            if end is not None:
-                stats.finish_reason = "context" if capped and end == "length" else end
-            yield GenerationResponse(r.text, r.token, r.logprobs, r.from_draft, r.prompt_tokens,
-                                     r.prompt_tps, r.generation_tokens, r.generation_tps,
-                                     r.peak_memory, stats.finish_reason, LABEL[m.name],
-                                     stats if end else None)  # fmt: skip
-            if end is not None:
-                break
-            if stats.ahead is not None:
-                between_s = s.ahead_step(stats.ahead, n0 - 1, decode_s)
-    finally:
-        steps.close()
-
-
 def final(pair: Any, st: TurnStats | None, model: str,
           last: GenerationResponse | None = None) -> GenerationResponse:  # fmt: skip
-    """An answer's last response: its last token (`last`; none when it ended before one) with
-    the finish reason, the hand-off record and the status line."""
+    """An answer's last response: its last token (`last`, if any), the record, the status."""
     if st is None:
         return GenerationResponse("", None, None, False, 0, 0.0, 0, 0.0, 0.0, "cancelled", model,
                                   status="cancelled")  # fmt: skip
@@ -403,23 +421,23 @@ def final(pair: Any, st: TurnStats | None, model: str,
     )
 
 
+def share(x: float) -> str:
+    """A retention with two decimals, rounded down: one under a threshold never reads as it."""
+    return f"{math.floor(x * 100 + 1e-9) / 100:.2f}"
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.0f} ms"
 
 
 def status_line(st: TurnStats, names: dict) -> str:
-    """Who read what and what it cost, then mlx-lm's `N tokens · X tok/s · peak Z GB`.
-
-    With the small model reading: `small read 18 tok 35 ms · translated 19 tok 5 ms · large
-    read 1 tok 20 ms · TTFT 60 ms (large alone: TTFT ≈ 400 ms) · ...`: the path not
-    taken, as a TTFT predicted from the rates measured on this pair.
-    """
+    """Who read what and what it cost, the TTFT (and the other way's, predicted), then mlx-lm's
+    `N tokens · X tok/s · peak Z GB`."""
     me = LABEL[st.model]
     parts = [f"{me} ({names[st.model]})"]
     rd, sw = st.read, st.switch
     if rd is not None:
-        other = LABEL[rd.model]
-        c = rd.catch_up
+        other, c = LABEL[rd.model], rd.catch_up
         if c is not None and c.translated:
             parts.append(
                 f"{other} got the last answer translated ({c.translated} tok {_ms(c.seconds)})"
@@ -438,9 +456,7 @@ def status_line(st: TurnStats, names: dict) -> str:
                              f"{sw.recomputed} translated tok {_ms(sw.recompute_s)}")  # fmt: skip
         else:
             parts.append(f"switch {sw.lacked} tok {sw.note or 're-prefill'}")
-    # its read time, as mlx-lm measures it (up to its first token): with the parts before it
-    # the status line accounts for the TTFT
-    read = f"{me} read {st.prompt_tokens} tok"
+    read = f"{me} read {st.prompt_tokens} tok"  # as mlx-lm measures it, up to its first token
     read += f" {_ms(st.prompt_s)}" if st.prompt_tokens and st.prompt_s else ""
     read += f" {st.prompt_tps:.1f} tok/s" if st.prompt_tokens > 1 else ""
     parts.append(read + (f" ({st.read_note})" if st.read_note else ""))

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from mlx_kvlingo.conversation.catchup import READ_CHUNK
+from mlx_kvlingo.conversation.session import READ_CHUNK
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.content import Chat, Peer, read
 from mlx_kvlingo.eval.report import md_row, md_table

@@ -17,9 +17,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation.catchup import READ_CHUNK
 from mlx_kvlingo.conversation.reader import ReadCosts
-from mlx_kvlingo.conversation.session import Session
+from mlx_kvlingo.conversation.session import READ_CHUNK, Session
 from mlx_kvlingo.data.content_tasks import DEFAULT_KINDS, KINDS, ContentTask, build_tasks
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.kv.cache import new_cache

@@ -60,3 +60,13 @@ def prefix_copy(cache: list, n: int) -> list:
             k.offset = n
         out.append(k)
     return out
+
+
+def append_zeros(cache: list, n: int) -> None:
+    """Append `n` zero positions to every layer of `cache`, to be overwritten before anything
+    attends to them (`read_positions`)."""
+
+    def zeros(a: mx.array) -> mx.array:
+        return mx.zeros((*a.shape[:2], n, a.shape[-1]), dtype=a.dtype)
+
+    append_kv(cache, [zeros(c.keys) for c in cache], [zeros(c.values) for c in cache])

@@ -30,7 +30,7 @@ from pathlib import Path
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo._platform import moe_cpu
 from mlx_kvlingo.config import ReaderPolicy
-from mlx_kvlingo.conversation import catchup
+from mlx_kvlingo.conversation import reader
 from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION, ReadCosts
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.data.examples import read_texts
@@ -90,12 +90,12 @@ class TargetPeaks:
     chat: Chat
 
     def __call__(self, pair, task, native):
-        saved = catchup.RECOMPUTE_SELECTION
-        catchup.RECOMPUTE_SELECTION = replace(saved, votes=False)
+        saved = reader.RECOMPUTE_SELECTION
+        reader.RECOMPUTE_SELECTION = replace(saved, votes=False)
         try:
             return chat_kv(pair, self.chat, task)
         finally:
-            catchup.RECOMPUTE_SELECTION = saved
+            reader.RECOMPUTE_SELECTION = saved
 
 
 def native_right(path: Path) -> tuple[dict, set]:

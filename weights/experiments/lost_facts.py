@@ -18,7 +18,7 @@ import argparse
 import json
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
-from mlx_kvlingo.conversation import catchup
+from mlx_kvlingo.conversation import session
 from mlx_kvlingo.data.examples import read_texts
 from mlx_kvlingo.eval.content import Chat, chat_kv, evaluate_content, fitting_tasks
 from mlx_kvlingo.kv import recompute
@@ -68,7 +68,7 @@ def main() -> None:
     tok = pair.tokenizer
     texts = [t for p in demo_content_texts() for t in read_texts(p)]
     seen: dict = {}
-    attended, recompute_attended = recompute.attended, catchup.recompute_attended
+    attended, recompute_attended = recompute.attended, session.recompute_attended
 
     def watched(mass, count, start=0, end=None, **kw):
         chosen = attended(mass, count, start=start, end=end, **kw)
@@ -106,11 +106,11 @@ def main() -> None:
             continue
         if args.oracle:
             for label, fn in (("chat", recompute_attended), ("chat+sentence", with_sentence)):
-                catchup.recompute_attended = fn
+                session.recompute_attended = fn
                 res = evaluate_content(pair, [task], {label: Chat(tr)}, small=False)
                 r = next(x for x in res.records if x["condition"] == label)
                 out[label] = {"correct": r["correct"], "reply": r["reply"][:60]}
-            catchup.recompute_attended = recompute_attended
+            session.recompute_attended = recompute_attended
         else:
             chat_kv(pair, Chat(tr), task)
         fact = seen.pop("fact")

@@ -15,11 +15,10 @@ import time
 
 from mlx_kvlingo import ReaderPolicy, load
 from mlx_kvlingo.cli._common import content_texts
-from mlx_kvlingo.conversation.catchup import _placeholders
 from mlx_kvlingo.conversation.reader import ReadCosts
 from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.eval.content import MAX_TOKENS, answers_from, contains, fitting_tasks
-from mlx_kvlingo.kv.cache import append_kv
+from mlx_kvlingo.kv.cache import append_zeros
 from mlx_kvlingo.kv.recompute import (
     Selection,
     attended,
@@ -59,12 +58,12 @@ for t in tasks:
     small = s.cache("source")
     sh = s.held("source")
     # the small model reads the rest (but the last token) with its attention recorded
-    append_kv(small, *_placeholders(small, n - 1 - sh))
+    append_zeros(small, n - 1 - sh)
     mass = read_positions(pair.source.model, small, toks[: n - 1], range(sh, n - 1), attention=True)
     large = s.cache("target")
     rest = toks[cut:-1]
     if mode in ("both", "chunks"):
-        append_kv(large, *_placeholders(large, n - 1 - cut))
+        append_zeros(large, n - 1 - cut)
         lmass = read_positions(
             pair.target.model, large, toks[: n - 1], range(cut, n - 1), attention=True
         )
