@@ -30,7 +30,7 @@ from typing import Any
 
 from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation import reader
-from mlx_kvlingo.conversation.session import MODES, Session
+from mlx_kvlingo.conversation.session import MODES, Session, templated  # noqa: F401  (for serve)
 from mlx_kvlingo.conversation.stream import (
     AUTO_THRESHOLD,
     LABEL,

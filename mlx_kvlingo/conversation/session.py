@@ -60,6 +60,22 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
+def has_template(tokenizer) -> bool:
+    has = getattr(tokenizer, "has_chat_template", None)
+    return bool(getattr(tokenizer, "chat_template", None)) if has is None else has
+
+
+def templated(tokenizer, messages: list[dict], generation_prompt: bool) -> list[int]:
+    """The chat template's token ids for `messages` (no template: the contents, a line each)."""
+    if has_template(tokenizer):
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+        return list(out if isinstance(out, list) else out["input_ids"])  # or a BatchEncoding
+    out: list[int] = []
+    for i, m in enumerate(messages):
+        out += tokenizer.encode(m["content"] + "\n", add_special_tokens=i == 0)
+    return out
+
+
 class Transcript:
     """The token list and its messages (a base of `Session`; module docstring), each change
     returning `keep`; `user_start`: where an unanswered user message starts, `answer`: the
@@ -125,22 +141,8 @@ class Transcript:
         return [t for msg in self.messages if msg["role"] == "assistant" and msg["content"]
                 for t in tok.encode(msg["content"], add_special_tokens=False)]  # fmt: skip
 
-    def _has_template(self) -> bool:
-        has = getattr(self.tokenizer, "has_chat_template", None)
-        return bool(getattr(self.tokenizer, "chat_template", None)) if has is None else has
-
-    def template(self, messages: list[dict], generation_prompt: bool) -> list[int]:
-        tok = self.tokenizer
-        if self._has_template():
-            out = tok.apply_chat_template(messages, add_generation_prompt=generation_prompt)
-            return list(out if isinstance(out, list) else out["input_ids"])  # or a BatchEncoding
-        out: list[int] = []
-        for i, m in enumerate(messages):  # no template: the contents, one line each
-            out += tok.encode(m["content"] + "\n", add_special_tokens=i == 0)
-        return out
-
     def _render(self, messages: list[dict], generation_prompt: bool) -> str | None:
-        if not self._has_template():
+        if not has_template(self.tokenizer):
             return None
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=generation_prompt, tokenize=False
@@ -152,7 +154,7 @@ class Transcript:
         answer: anchored on the answer's text, whose re-tokenization may differ from the tokens
         generated) and only the new text is encoded, else all is re-tokenized."""
         messages = self.messages + [message]
-        full = self.template(messages, generation_prompt)
+        full = templated(self.tokenizer, messages, generation_prompt)
         n = keep = len(self.tokens)
         if full[:n] == self.tokens:
             self.tokens, start = full, n
@@ -160,7 +162,7 @@ class Transcript:
             self.tokens, start = self.tokens + new, n
         else:
             gp = message["role"] == "assistant"
-            before = self.template(self.messages, gp) if self.messages else []
+            before = templated(self.tokenizer, self.messages, gp) if self.messages else []
             keep = self.cut(common_prefix(self.tokens, full))
             start = len(before) if full[: len(before)] == before else keep
             self.tokens = full
@@ -195,7 +197,7 @@ class Transcript:
         rest = self.messages[len(head) :]
         dropped = 0
         gp = bool(rest) and rest[-1]["role"] == "user"
-        while len(rest) > 1 and len(self.template(head + rest, gp)) > max_tokens:
+        while len(rest) > 1 and len(templated(self.tokenizer, head + rest, gp)) > max_tokens:
             rest = rest[1:]
             dropped += 1
             while len(rest) > 1 and rest[0]["role"] != "user":  # start on a user turn
@@ -203,7 +205,7 @@ class Transcript:
                 dropped += 1
         if not dropped:
             return 0, len(self.tokens)
-        full = self.template(head + rest, gp)
+        full = templated(self.tokenizer, head + rest, gp)
         if len(full) > max_tokens:
             raise ContextOverflowError(
                 f"even the last message alone is {len(full)} tokens, over the {max_tokens} budget"
@@ -212,7 +214,7 @@ class Transcript:
         self.tokens, self.messages = full, head + rest
         self.answer = self.user_start = None
         if gp:  # the kept last message awaits its answer
-            before = self.template(head + rest[:-1], False) if head or rest[:-1] else []
+            before = templated(self.tokenizer, head + rest[:-1], False) if head or rest[:-1] else []
             if full[: len(before)] == before:
                 self.user_start = len(before)
         return dropped, keep

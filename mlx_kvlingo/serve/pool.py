@@ -15,19 +15,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from mlx_kvlingo.api import Conversation, Pair
-
-
-def templated(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
-    """The chat template's token ids for `messages` (the content lines where there is none)."""
-    has = getattr(tokenizer, "has_chat_template", None)
-    if has or (has is None and getattr(tokenizer, "chat_template", None)):
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
-        return list(out if isinstance(out, list) else out["input_ids"])
-    ids: list[int] = []
-    for i, m in enumerate(messages):
-        ids += tokenizer.encode(m["content"] + "\n", add_special_tokens=i == 0)
-    return ids
+from mlx_kvlingo.api import Conversation, Pair, templated
 
 
 class Pool:

@@ -27,8 +27,9 @@ from mlx_kvlingo.api import (
     ConversationError,
     GenerationResponse,
     Pair,
+    templated,
 )
-from mlx_kvlingo.serve.pool import Pool, templated
+from mlx_kvlingo.serve.pool import Pool
 from mlx_kvlingo.serve.protocol import APIError, ChatRequest, Limits
 
 log = logging.getLogger("mlx_kvlingo.serve")
