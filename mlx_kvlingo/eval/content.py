@@ -226,12 +226,18 @@ def answers_from(model, tokenizer, kvs: Sequence[tuple[list, list]], last: int, 
     return [tokenizer.decode(r).strip() for r in rows]
 
 
-def _answers(pair, task: ContentTask, conditions: dict, small: bool) -> tuple[dict, dict]:
-    """Every condition's reply and its seconds to read the prompt; one batched decode."""
+def _answers(pair, task: ContentTask, conditions: dict, small: bool,
+             only_native_right: bool = False) -> tuple[dict, dict]:  # fmt: skip
+    """Every condition's reply and its seconds to read the prompt; one batched decode. With
+    `only_native_right`, a task the native read gets wrong ends there (its native reply only)."""
     n, until, toks = MAX_TOKENS[task.kind], task.answer, list(task.tokens)
     t0 = time.perf_counter()
     native = native_kv(pair.target, toks[:-1])
     kvs, seconds = {"native": native}, {"native": time.perf_counter() - t0}
+    if only_native_right:
+        (reply,) = answers_from(pair.target, pair.tokenizer, [native], toks[-1], n, until)
+        if not score(task, reply, reply).get("correct", True):
+            return {"native": reply}, seconds
     for label, c in conditions.items():
         t0 = time.perf_counter()
         kvs[label] = condition_kv(pair, c, task, native)
@@ -302,12 +308,14 @@ def summarize(rows: list, native: list) -> dict:
 
 
 def evaluate_content(pair, tasks: Sequence[ContentTask], conditions: dict, small: bool = True,
-                     progress=None) -> ContentResult:  # fmt: skip
+                     progress=None, only_native_right: bool = False) -> ContentResult:  # fmt: skip
     """Every condition's answer to every task, native first and the source alone last
-    (`small`), scored against native; `progress(done, total)` after each task."""
+    (`small`), scored against native; `progress(done, total)` after each task. With
+    `only_native_right`, the other conditions answer only the tasks native got right (what
+    retention counts; it saves their reads where the large model itself fails)."""
     res = ContentResult(conditions=["native", *conditions, *(["small"] if small else [])])
     for i, task in enumerate(tasks):
-        answers, seconds = _answers(pair, task, conditions, small)
+        answers, seconds = _answers(pair, task, conditions, small, only_native_right)
         for c, reply in answers.items():
             res.records.append({
                 "task": i, "condition": c, "kind": task.kind, "length": task.length,

@@ -124,6 +124,8 @@ def main() -> None:
     ap.add_argument("--limit-s", type=float, default=float("inf"))
     ap.add_argument("--target-peaks", action="store_true",
                     help="also the chat with the large model's peaks alone choosing")  # fmt: skip
+    ap.add_argument("--only-native-right", action="store_true",
+                    help="the other paths answer only what the native read got right")  # fmt: skip
     ap.add_argument("--hybrid-only", action="store_true",
                     help="only the hybrid (the chat's reading, the peer's selection)")  # fmt: skip
     args = ap.parse_args()
@@ -155,7 +157,8 @@ def main() -> None:
                 if (kind, n) not in todo or (kind, n, step) in done:
                     continue
                 (task,) = fitting_tasks(pair, texts, [n], 1, seed=args.seed + step, kinds=[kind])
-                res = evaluate_content(pair, [task], conditions, small=False)
+                res = evaluate_content(pair, [task], conditions, small=False,
+                                       only_native_right=args.only_native_right)  # fmt: skip
                 with args.out.open("a") as f:
                     for r in res.records:
                         f.write(json.dumps({**r, "step": step, "seed": args.seed + step,
