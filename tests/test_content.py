@@ -1,6 +1,7 @@
 """The content benchmark: tasks, scoring, exactness with a known-answer translator, the CLI,
 and the content calibration data (prefix-gain weights, target-answered examples)."""
 
+import dataclasses
 import json
 
 from mlx_kvlingo.cli import cli
@@ -113,6 +114,25 @@ def test_known_answer_translator_answers_as_native(pair, exact):
     for kind in DEFAULT_KINDS:
         assert cells["translated"][kind][64]["rouge_l"] == 1.0
     assert _replies(res, "wrong") != _replies(res, "native")
+
+
+def test_only_native_right_skips_the_other_paths_where_native_is_wrong(pair):
+    """With `only_native_right`, a condition reads only the tasks native answered right (here
+    the first, its answer set to native's own reply); the other task keeps its native record."""
+    tasks = build_tasks(pair.tokenizer, [TEXT], [64], 1, seed=0, kinds=["fact"]) * 2
+    (reply, _) = _replies(evaluate_content(pair, tasks, {}, small=False), "native")
+    tasks = [dataclasses.replace(tasks[0], answer=reply), tasks[1]]
+    calls = []
+
+    def as_native(pair, task, native):
+        calls.append(task.answer)
+        return native
+
+    res = evaluate_content(pair, tasks, {"c": as_native}, small=False, only_native_right=True)
+    assert calls == [reply]
+    read = [(r["task"], r["condition"]) for r in res.records]
+    assert read == [(0, "native"), (0, "c"), (1, "native")]
+    assert _replies(res, "c") == [reply]
 
 
 def _maps(tr, kind):
