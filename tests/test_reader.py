@@ -518,7 +518,6 @@ def test_status_and_stats_show_the_read_and_the_saving(pair, translators):
     line = status_line(st, {"source": "S", "target": "T"})
     assert line.startswith("large (T)") and "small read" in line and "translated" in line
     assert "(large alone: TTFT ≈ " in line and st.alternative_ttft_s > 0
-    assert st.alone_prefill_s == st.alternative_ttft_s
     stats = s.stats()
     assert stats["reader"] == "small"
     src, tgt = stats["models"]["source"], stats["models"]["target"]
@@ -718,7 +717,6 @@ def test_status_line_accounts_for_the_ttft():
         prompt_tps=50.0,
         prompt_s=0.02,
         ttft_s=0.061,
-        alone_prefill_s=0.4,
     )
     st.alternative_ttft_s = 0.42
     line = status_line(st, {"source": "s", "target": "t"})

@@ -456,10 +456,12 @@ def test_warm_up_without_translators(pair):
 
 
 def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
-    """Files written before reader "tokens" existed: "auto" (then the token rule) loads as
-    "auto" (now by time, the token rule breaking ties); settings that are constants now
-    (`config.RETIRED`: the margin, the ahead chunk and share) are read and dropped."""
+    """A file whose policy lacks later settings and has retired ones (`config.RETIRED`: the
+    margin, the ahead chunk and share), whose turns lack later fields and carry 0.2.0's
+    `alone_prefill_s`, loads; one of the flat layout (before the policy value) is refused."""
     import json
+
+    from mlx_kvlingo.conversation.stream import SessionFileError
 
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
@@ -469,16 +471,22 @@ def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
     path = s.save(tmp_path / "new")
     caches, meta = load_prompt_cache(str(path), return_metadata=True)
     state = json.loads(meta["kvlingo_session"])
-    policy = state.pop("policy")  # flat, as files before the policy value kept it
-    del policy["translate_ahead"]
-    state.update(policy, reader_margin=0.3)
-    for t in state["turns"]:  # fields a turn did not have then
+    del state["policy"]["translate_ahead"]
+    state["policy"]["reader_margin"] = 0.3
+    for t in state["turns"]:  # fields a turn did not have then, and one it had
         del t["alternative_ttft_s"], t["predicted_ttft_s"]
+        t["alone_prefill_s"] = 0.4
     old = tmp_path / "old.safetensors"
     save_prompt_cache(str(old), caches, {**meta, "kvlingo_session": json.dumps(state)})
     t = Session(pair, fwd, bwd, policy=plain(reader="self"))
     t.load(old)
     assert (t.policy.reader, t.policy.reader_min_tokens) == ("auto", 40)
+    state.update(state.pop("policy"))  # flat, as files before the policy value kept it
+    flat = tmp_path / "flat.safetensors"
+    save_prompt_cache(str(flat), caches, {**meta, "kvlingo_session": json.dumps(state)})
+    with pytest.raises(SessionFileError, match="start a new conversation") as e:
+        Session(pair, fwd, bwd, policy=PLAIN).load(flat)
+    assert "\n" not in str(e.value)
     # a file of the policy value with the settings since retired
     retired = {"reader_margin": 0.3, "ahead_chunk": 8, "ahead_share": None, "reader_min_tokens": 9}
     assert ReaderPolicy.from_dict(retired, PLAIN) == plain(reader_min_tokens=9)

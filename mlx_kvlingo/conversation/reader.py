@@ -410,7 +410,7 @@ def alternative(s, stats: TurnStats, paths: Paths, conversation: list[int]) -> N
     for n in PROBE if not costs.target_read.ready else ():
         probe = (conversation * (n // max(len(conversation), 1) + 1))[:n]
         costs.target_read.observe(n, timed_read(s.pair.target, probe))
-    stats.alternative_ttft_s = stats.alone_prefill_s = paths.large(costs)
+    stats.alternative_ttft_s = paths.large(costs)
 
 
 def timed_read(loaded, ids: list[int], at: int = 0) -> float:

@@ -782,9 +782,7 @@ def _load_file(path: str | Path, s) -> ReaderPolicy:
     path = Path(path)
     if not path.is_file() and path.with_name(path.name + ".safetensors").is_file():
         path = path.with_name(path.name + ".safetensors")
-    if not path.is_file():
-        raise SessionFileError(f"{path}: no such session file")
-    read_header(path, SessionFileError, "session")  # well formed, before mlx reads it
+    read_header(path, SessionFileError, "session")  # there and well formed, before mlx reads it
     try:
         caches, meta = load_prompt_cache(str(path), return_metadata=True)
     except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError
@@ -844,13 +842,9 @@ def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:
          and isinstance(m.get("content"), str) for m in messages),
          "messages must be role/content objects")  # fmt: skip
     need(messages or not tokens, f"{len(tokens)} tokens but no messages: inconsistent")
-    layers = state["layers"]
-    need(isinstance(layers, list) and len(layers) == 2 and all(map(_is_int, layers)),
-         "layers must be two layer counts")  # fmt: skip
-    ls, lt = layers
-    want = (pair.source.geometry.layers, pair.target.geometry.layers)
-    need((ls, lt) == want and len(caches) == ls + lt, f"holds {len(caches)} cache layers "
-         f"(says {ls} + {lt}), expected {want[0]} + {want[1]}")  # fmt: skip
+    ls, lt = pair.source.geometry.layers, pair.target.geometry.layers
+    need(state["layers"] == [ls, lt] and len(caches) == ls + lt, f"holds {len(caches)} cache "
+         f"layers (says {str(state['layers'])[:40]}), expected {ls} + {lt}")  # fmt: skip
     restored = {}
     for name, part in (("source", caches[:ls]), ("target", caches[ls:])):
         n = state["held"][name]
@@ -865,11 +859,8 @@ def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:
     need(user_start is None or (_is_int(user_start) and 0 <= user_start <= len(tokens)),
          "user_start must be a token position")  # fmt: skip
     need(system is None or isinstance(system, str), "system_prompt must be a string")
-    # the policy whole; older files kept its settings flat, and a setting a file lacks
-    # keeps the session's own
-    saved = state.get("policy")
-    if saved is None:
-        saved = {k: state[k] for k in LEGACY_POLICY_KEYS if k in state}
+    saved = state.get("policy")  # a setting it lacks keeps the session's own
+    need("policy" in state, "an old session file (reader settings flat): start a new conversation")
     need(isinstance(saved, dict), "policy must be an object")
     try:
         policy = ReaderPolicy.from_dict(saved, s.policy)  # names and values checked
@@ -877,6 +868,8 @@ def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:
         raise SessionFileError(f"{path}: {e}") from None
     if policy.reader != "self" and s.forward is None:
         policy = replace(policy, reader="self")  # saved with a translator this pair lacks
+    for t in state.get("turns", []):
+        t.pop("alone_prefill_s", None)  # 0.2.0's name of alternative_ttft_s
     saved_turns = [TurnStats(**{**t, "switch": _switch(t.get("switch")),
                                 "ahead": _switch(t.get("ahead")), "read": _read(t.get("read"))})
                    for t in state.get("turns", [])]  # fmt: skip
@@ -888,11 +881,6 @@ def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:
     for name, (part, n) in restored.items():
         s.models[name].cache, s.models[name].held = part, n
     return policy
-
-
-#: reader settings that files before the policy value kept at the top level
-LEGACY_POLICY_KEYS = ("reader", "reader_min_tokens", "reader_margin", "large_reads_last",
-                      "recompute_share")  # fmt: skip
 
 
 def _is_int(x) -> bool:

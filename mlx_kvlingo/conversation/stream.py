@@ -110,7 +110,6 @@ class TurnStats:
     read: Read | None = None  # the small model's read for this answer (reader "small")
     ahead: Switch | None = None  # translated ahead for the large model during this answer
     prompt_s: float = 0.0  # the answering model's own prefill time this turn
-    alone_prefill_s: float | None = None  # alternative_ttft_s's old name where the small read
     read_note: str = ""  # why the large read the new turn itself (readers "auto", "tokens")
     retention: float | None = None  # expected where it turned the faster small path down
     alternative_ttft_s: float | None = None  # the other way's TTFT, predicted (reader.py)
