@@ -12,9 +12,6 @@ answer, the cache is cut to match. A span is translated at its true positions, o
                   [held, other's held); naive: all the other holds; reprefill: none) and reads;
     2. decode     mlx-lm's `stream_generate` on the answering model's cache;
     3. commit.
-
-Key cut: a `pre_norm` translator on a k_norm family needs keys the cache does not keep, so the
-outgoing model recomputes the span on its cached prefix (naive mode refuses it).
 """
 
 from __future__ import annotations
@@ -78,7 +75,7 @@ def templated(tokenizer, messages: list[dict], generation_prompt: bool) -> list[
 
 class Transcript:
     """The token list and its messages (a base of `Session`; module docstring), each change
-    returning `keep`; `user_start`: where an unanswered user message starts, `answer`: the
+    ending in `_keep`; `user_start`: where an unanswered user message starts, `answer`: the
     (start, model) of the last answer a model gave."""
 
     def _reset_transcript(self) -> None:
@@ -99,32 +96,38 @@ class Transcript:
             self.answer = None
         return n
 
-    def _add_user(self, text: str) -> tuple[int, int]:
-        """(where its tokens start, keep); an earlier one never answered is replaced."""
+    def add_user(self, text: str) -> list[int]:
+        """Append a user message and the generation prompt (replacing one never answered)."""
+        self._claim()
         keep = len(self.tokens)
-        if self.pending and self.user_start is not None:
+        if self.pending and self.user_start is not None:  # before reading the tokens it replaces
             keep = self.cut(self.user_start)
             self.messages.pop()
         start, kept = self.append({"role": "user", "content": text}, True)
         self.user_start = start
-        return start, min(keep, kept)
+        self._keep(min(keep, kept))
+        return self.tokens[start:]
 
-    def _add_assistant(self, text: str) -> tuple[int, int]:
+    def add_assistant(self, text: str) -> list[int]:
+        """Append an answer given as text (history from elsewhere; it cannot be escalated)."""
+        self._claim()
         if not self.pending:
             raise SessionError("an assistant message must follow a user message")
         start, keep = self.append({"role": "assistant", "content": text}, False)
         self.answer = self.user_start = None
-        return start, keep
+        self._keep(keep)
+        return self.tokens[start:]
 
-    def _drop_answer(self) -> tuple[int, str]:
-        """Remove the last answer a model gave: (that model, keep)."""
+    def _drop_answer(self) -> str:
+        """Remove the last answer a model gave: that model."""
         if self.answer is None or not self.messages or self.messages[-1]["role"] != "assistant":
             raise SessionError("nothing to escalate: there is no answer yet")
         start, answered = self.answer
         self.cut(start)
         self.messages.pop()
         self.answer = self.user_start = None
-        return answered, start
+        self._keep(start)
+        return answered
 
     def _add_answer(self, n0: int, emitted: list[int], text: str, model: str) -> None:
         self.tokens = self.tokens[:n0] + list(emitted)
@@ -140,13 +143,6 @@ class Transcript:
         tok = self.tokenizer
         return [t for msg in self.messages if msg["role"] == "assistant" and msg["content"]
                 for t in tok.encode(msg["content"], add_special_tokens=False)]  # fmt: skip
-
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str | None:
-        if not has_template(self.tokenizer):
-            return None
-        return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=False
-        )
 
     def append(self, message: dict, generation_prompt: bool) -> tuple[int, int]:
         """Append `message` as the tokens the template adds: (where they start, keep). The
@@ -170,14 +166,14 @@ class Transcript:
         self.messages.append(message)
         return start, keep
 
-    def _text_diff(self, messages: list[dict], generation_prompt: bool) -> list[int] | None:
+    def _text_diff(self, messages: list[dict], gp: bool) -> list[int] | None:
         tok = self.tokenizer
-        text = self._render(messages, generation_prompt)
-        if text is None:
+        if not has_template(tok):
             return None
+        text = tok.apply_chat_template(messages, add_generation_prompt=gp, tokenize=False)
         last = self.messages[-1] if self.messages else None
         if self.answer is not None and last and last["role"] == "assistant" and last["content"]:
-            prev = self._render(self.messages, False)
+            prev = tok.apply_chat_template(self.messages, tokenize=False)
             pos = prev.rfind(last["content"])
             head = prev[: pos + len(last["content"])] if pos >= 0 else None
             if head is not None and text.startswith(head):
@@ -191,20 +187,24 @@ class Transcript:
             return list(tok.encode(text[len(done) :], add_special_tokens=False))
         return None
 
-    def _trim(self, max_tokens: int) -> tuple[int, int]:
-        """(messages dropped, keep): `Session.trim`."""
+    def trim(self, max_tokens: int | None = None) -> int:
+        """Drop the oldest turns until the conversation fits in `max_tokens` (default: half of
+        `max_kv_size`), the system prompt and the last message kept; the messages dropped."""
+        if max_tokens is None:
+            if self.max_kv_size is None:
+                raise SessionError("trim needs a token budget (or a session max_kv_size)")
+            max_tokens = self.max_kv_size // 2
+        self._claim()
         head = [m for m in self.messages[:1] if m["role"] == "system"]
         rest = self.messages[len(head) :]
-        dropped = 0
         gp = bool(rest) and rest[-1]["role"] == "user"
         while len(rest) > 1 and len(templated(self.tokenizer, head + rest, gp)) > max_tokens:
             rest = rest[1:]
-            dropped += 1
             while len(rest) > 1 and rest[0]["role"] != "user":  # start on a user turn
                 rest = rest[1:]
-                dropped += 1
+        dropped = len(self.messages) - len(head) - len(rest)
         if not dropped:
-            return 0, len(self.tokens)
+            return 0
         full = templated(self.tokenizer, head + rest, gp)
         if len(full) > max_tokens:
             raise ContextOverflowError(
@@ -217,7 +217,8 @@ class Transcript:
             before = templated(self.tokenizer, head + rest[:-1], False) if head or rest[:-1] else []
             if full[: len(before)] == before:
                 self.user_start = len(before)
-        return dropped, keep
+        self._keep(keep)
+        return dropped
 
 
 AHEAD_MIN, AHEAD_SHARE = 8, 0.10  # `ahead_tokens`
@@ -344,10 +345,10 @@ class CatchUp:
         read = Read("source", catch_up=self.catch_up("source", upto), start=m.held)
         reserve(m.loaded, m.cache, upto)  # no layer grows (2x its size) while it reads
         t0, total = time.perf_counter(), max(upto - m.held, 0)
+        progress = progress or (lambda *_: None)
         try:
             while m.held < upto and not self.cancelled.is_set():
-                if progress is not None:
-                    progress("source", read.tokens, total)
+                progress("source", read.tokens, total)
                 most = SCORES_BYTES // (4 * m.loaded.query_heads * (m.held + chunk))
                 n = max(chunk // 8, min(chunk, most))
                 piece = self.tokens[m.held : min(upto, m.held + n)]
@@ -355,7 +356,7 @@ class CatchUp:
                 mx.eval([c.keys for c in m.cache])
                 m.held += len(piece)
                 read.tokens += len(piece)
-            if progress is not None and total:
+            if total:
                 progress("source", read.tokens, total)
         finally:
             m.settle(m.held)
@@ -551,37 +552,15 @@ class Session(CatchUp, Transcript):
                 "switches": len(self.switches), "retemplated": self.retemplated,
                 "estimated_saving_ms": 1e3 * saved, "models": per}  # fmt: skip
 
-    def _change(self, change: Callable, *args) -> int:
-        """`change(*args)` returns (its result, keep): both caches are cut to `keep`."""
-        self._claim()
-        out, keep = change(*args)
+    def _keep(self, keep: int) -> None:
+        """Both caches cut to the first `keep` tokens (those still the conversation's)."""
         for m in self.models.values():
             m.settle(min(m.held, keep))
-        return out
-
-    def add_user(self, text: str) -> list[int]:
-        """Append a user message and the generation prompt (replacing one never answered)."""
-        start = self._change(self._add_user, text)  # before reading the tokens it replaces
-        return self.tokens[start:]
-
-    def add_assistant(self, text: str) -> list[int]:
-        """Append an answer given as text (history from elsewhere; it cannot be escalated)."""
-        start = self._change(self._add_assistant, text)
-        return self.tokens[start:]
 
     def add_tokens(self, tokens) -> None:
         """Append raw token ids to the conversation (no template; for tests and tools)."""
         self._claim()
         self.tokens.extend(int(t) for t in tokens)
-
-    def trim(self, max_tokens: int | None = None) -> int:
-        """Drop the oldest turns until the conversation fits in `max_tokens` (default: half of
-        `max_kv_size`), the system prompt and the last message kept; the messages dropped."""
-        if max_tokens is None:
-            if self.max_kv_size is None:
-                raise SessionError("trim needs a token budget (or a session max_kv_size)")
-            max_tokens = self.max_kv_size // 2
-        return self._change(self._trim, max_tokens)
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays) and empty both caches."""
@@ -719,7 +698,7 @@ class Session(CatchUp, Transcript):
         if not self.pending:
             if model:
                 role(model)  # an unknown name is refused before the answer is dropped
-            answered = self._change(self._drop_answer)
+            answered = self._drop_answer()
         elif model is None and self.last_turn is None:
             raise SessionError("the last message has no answer yet: name the model to answer")
         else:
@@ -897,8 +876,7 @@ def _check_cache(need, name: str, g, cache: list, held: int) -> None:
             want = (1, g.kv_heads, held, dim)
             shape = tuple(a.shape) if isinstance(a, mx.array) else type(a).__name__
             need(shape == want, f"{name} layer {i} {what} are {shape}, expected {want}")
-            floating = mx.issubdtype(a.dtype, mx.floating)
-            need(floating, f"{name} layer {i} {what} are {a.dtype}")
+            need(mx.issubdtype(a.dtype, mx.floating), f"{name} layer {i} {what} are {a.dtype}")
 
 
 def _switch(d: dict | None) -> Switch | None:
