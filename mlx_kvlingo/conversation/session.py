@@ -591,18 +591,17 @@ class Session(CatchUp, Transcript):
                     "naive mode needs post_norm translators (with a pre_norm one the outgoing "
                     "model would recompute its keys, hiding the re-translation drift)"
                 )
-        for label, m in (("small", self.pair.source), ("large", self.pair.target)):
-            if m.context_length is not None and n > m.context_length:
-                raise ContextOverflowError(
-                    f"the conversation is {n} tokens; the {label} model ({m.name}) handles at "
-                    f"most {m.context_length}: shorten the message, drop the oldest turns with "
-                    f"/trim (Session.trim) or start over with /reset"
-                )
+        over = [
+            f"the {label} model ({m.name}) handles at most {m.context_length}"
+            for label, m in (("small", self.pair.source), ("large", self.pair.target))
+            if m.context_length is not None and n > m.context_length
+        ]
         if self.max_kv_size is not None and self.max_kv_size - n < 1:
+            over.append(f"the {name} model's context limit is {self.max_kv_size} (max_kv_size)")
+        if over:
             raise ContextOverflowError(
-                f"the conversation is {n} tokens, the {name} model's context limit is "
-                f"{self.max_kv_size} (max_kv_size): drop the oldest turns with /trim "
-                f"(Session.trim) or start over with /reset"
+                f"the conversation is {n} tokens; {over[0]}: shorten the message, drop the "
+                "oldest turns with /trim (Session.trim) or start over with /reset"
             )
         self.cancelled.clear()
         return name, None if self.max_kv_size is None else self.max_kv_size - n
@@ -847,12 +846,8 @@ def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:
         raise SessionFileError(f"{path}: {e}") from None
     if policy.reader != "self" and s.forward is None:
         policy = replace(policy, reader="self")  # saved with a translator this pair lacks
-    for t in state.get("turns", []):
-        t.pop("alone_prefill_s", None)  # 0.2.0's name of alternative_ttft_s
-    saved_turns = [TurnStats(**{**t, "switch": _switch(t.get("switch")),
-                                "ahead": _switch(t.get("ahead")), "read": _read(t.get("read"))})
-                   for t in state.get("turns", [])]  # fmt: skip
-    s.switches[:] = [Switch(**x) for x in state.get("switches", [])]  # the last that may fail
+    saved_turns = [_record(TurnStats, t) for t in state.get("turns", [])]
+    s.switches[:] = [_record(Switch, x) for x in state.get("switches", [])]  # last that may fail
     s.turns[:] = saved_turns
     s.tokens, s.messages = list(tokens), [dict(m) for m in messages]
     s.system_prompt, s.user_start = system, user_start
@@ -879,9 +874,11 @@ def _check_cache(need, name: str, g, cache: list, held: int) -> None:
             need(mx.issubdtype(a.dtype, mx.floating), f"{name} layer {i} {what} are {a.dtype}")
 
 
-def _switch(d: dict | None) -> Switch | None:
-    return Switch(**d) if d else None
+NESTED = {"switch": Switch, "ahead": Switch, "read": Read, "catch_up": Switch}
 
 
-def _read(d: dict | None) -> Read | None:
-    return Read(**{**d, "catch_up": _switch(d.get("catch_up"))}) if d else None
+def _record(kind: type, d: dict | None):
+    """A saved record and those in it; 0.2.0's `alone_prefill_s` (`alternative_ttft_s`) dropped."""
+    out = {k: _record(NESTED[k], v) if k in NESTED else v for k, v in (d or {}).items()}
+    out.pop("alone_prefill_s", None)
+    return kind(**out) if d else None

@@ -9,9 +9,6 @@ again: under a plain hold, granted (nested); for another conversation or while i
 BusyError; for the same conversation, its stream left unfinished, that stream is closed (it
 commits what it emitted), then granted. Another thread waits (up to `timeout`, then BusyError;
 `wait=False`: BusyError at once), or gives up once its `cancel` event is set.
-
-Sampling: explicit settings over the model folder's `generation_config.json` over `DEFAULTS`
-(`resolve`), whose repetition penalty covers the conversation's answers, never the user's text.
 """
 
 from __future__ import annotations
@@ -256,11 +253,9 @@ FIELDS = tuple(f.name for f in fields(Sampling))
 def generation_config(folder: str | Path | None) -> dict:
     try:
         raw = json.loads((Path(folder) / "generation_config.json").read_text())
-    except (TypeError, OSError, ValueError):  # no folder, no file, not JSON
+        out = {"temp": 0.0} if raw.get("do_sample") is False else {}
+    except (TypeError, OSError, ValueError, AttributeError):  # no folder, file, JSON object
         return {}
-    if not isinstance(raw, dict):
-        return {}
-    out = {"temp": 0.0} if raw.get("do_sample") is False else {}
     kinds = dict(temperature=float, top_p=float, top_k=int, min_p=float, repetition_penalty=float)
     for k, kind in kinds.items():
         if type(raw.get(k)) in (int, float) and not (k == "temperature" and out):
@@ -360,14 +355,11 @@ def _run(pair: Any, cache: Session, prompt: Any, ticket: Ticket, opts: dict,
         if model != "auto":
             yield from _answer(pair, cache, model, ticket.cancel, opts, kw)
             return
-        small = None
+        st = None
         for small in _answer(pair, cache, "small", ticket.cancel, opts, kw):
-            if small.finish_reason is None:
-                yield small
-        st = small.handoff if small is not None else None
-        if st is not None and st.confidence is not None and st.finish_reason != "cancelled":
-            st.escalating = st.confidence < opts["auto_threshold"]
-        if small is not None:
+            st = small.handoff  # on the answer's last response
+            if st is not None and st.confidence is not None and st.finish_reason != "cancelled":
+                st.escalating = st.confidence < opts["auto_threshold"]
             yield small
         if st is not None and st.escalating:
             yield from _answer(pair, cache, "large", ticket.cancel, {**opts, "redo": True}, kw)
@@ -437,14 +429,11 @@ def status_line(st: TurnStats, names: dict) -> str:
     rd, sw = st.read, st.switch
     if rd is not None:
         other, c = LABEL[rd.model], rd.catch_up
-        if c is not None and c.translated:
-            parts.append(
-                f"{other} got the last answer translated ({c.translated} tok {_ms(c.seconds)})"
-            )
-        elif c is not None:
-            parts.append(
-                f"{other} re-read the last answer ({c.lacked} tok, {c.note or 're-prefill'})"
-            )
+        if c is not None:
+            how = f"got the last answer translated ({c.translated} tok {_ms(c.seconds)})"
+            if not c.translated:
+                how = f"re-read the last answer ({c.lacked} tok, {c.note or 're-prefill'})"
+            parts.append(f"{other} {how}")
         parts.append(f"{other} read {rd.tokens} tok {_ms(rd.seconds)}")
     if sw is not None:
         if sw.translated:
