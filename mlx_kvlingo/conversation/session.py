@@ -647,8 +647,6 @@ class Session(CatchUp, Transcript):
                 now = time.perf_counter()
                 decode_s = None if last_token_at is None else now - last_token_at - between_s
                 last_token_at = now
-                if stats.ttft_s is None:
-                    stats.ttft_s = now - t0
                 emitted.append(r.token)
                 stats.text += r.text
                 stats.logprobs.append(r.logprobs[r.token].item())
@@ -656,6 +654,7 @@ class Session(CatchUp, Transcript):
                 stats.generation_tps, stats.peak_memory_gb = r.generation_tps, r.peak_memory
                 stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
                 if len(emitted) == 1:
+                    stats.ttft_s = now - t0
                     reader.observe(self, stats, n0 - len(prompt))
                 end = r.finish_reason or ("cancelled" if self.cancelled.is_set() else None)
                 if end is not None:

@@ -1,11 +1,8 @@
-"""The warm-up: this pair's read rates (reader.py) ready before the first turn. A reusing start
-takes the rates and map readings stored for this key, then `probe`s; a measuring start (none
-stored, or `reuse=False`) runs `warm_up` and stores them: each translator measures how its maps
-read fastest and faults in a translation's memory, a scratch turn pays the one-off costs
-unmeasured, then per length of `lengths` the product's own turns (the small model reading for the
-large one, the large reading itself, then the small answering) are measured, then `probe`:
-each model that reads for a turn reads `PROBE_READ` tokens over `PROBE_AT` zero positions once
-(this start's attention term), replacing a stored read of that shape.
+"""The warm-up: this pair's read rates (reader.py) ready before the first turn. A start reuses
+the rates and map readings stored for its key, else (`reuse=False` too) runs `warm_up` and
+stores them; then `probe`: each model that reads for a turn reads `PROBE_READ` tokens over
+`PROBE_AT` zero positions once (this start's attention term), replacing a stored read of that
+shape.
 """
 
 from __future__ import annotations
@@ -61,8 +58,11 @@ def start(pair, forward, backward=None, *, lengths=LENGTHS, sample=None, reuse=T
 
 def warm_up(pair, forward, backward=None, *, lengths=LENGTHS, sample=None,
             costs: ReadCosts | None = None) -> ReadCosts:  # fmt: skip
-    """Measure this pair's costs into `costs` (default the pair's). `sample(role)`: the generate
-    keyword arguments real turns use (sampler, logits processors), so they compile here too."""
+    """Measure this pair's costs into `costs` (default the pair's): each translator measures how
+    its maps read fastest and faults in a translation's memory, a scratch turn pays the one-off
+    costs unmeasured, then per length the product's own turns are measured (the small reading
+    for the large, the large reading itself, then the small answering). `sample(role)`: the
+    generate keywords real turns use (sampler, logits processors), so they compile here too."""
     costs, t0 = costs_of(pair) if costs is None else costs, time.perf_counter()
     for translator, into in ((forward, pair.target), (backward, pair.source)):
         if translator is not None:
