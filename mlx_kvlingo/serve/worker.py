@@ -194,23 +194,20 @@ class Worker:
         req = job.request
         last = req.messages[-1]["content"]
         escalated = False
-        confidence = None
         if req.model == "auto":
             stream = conv.send(last, "auto", auto_threshold=self.auto_threshold, **req.send)
             try:
-                small = self._pump(job, stream, "small", live=False, close=False)
-                confidence = small.confidence
-                if small.escalating and not job.cancelled:
+                out = small = self._pump(job, conv, stream, live=False, close=False)
+                if small.record.escalating and not job.cancelled:
                     escalated = True
-                    out = self._pump(job, stream, "large", live=True)
+                    out = self._pump(job, conv, stream, live=True)
                 else:
-                    out = small
                     for piece, lp in small.pieces:  # kept: release the buffered answer
                         job.put("token", piece, lp)
             finally:
                 stream.close()  # a no-op at its end; else keeps the small answer as cut
         else:
-            out = self._pump(job, conv.send(last, req.model, **req.send), req.model, live=True)
+            out = self._pump(job, conv, conv.send(last, req.model, **req.send), live=True)
         after = conv.cache.stats()
 
         def grew(role: str, *keys: str) -> int:
@@ -221,26 +218,26 @@ class Worker:
         roles = {"small": "source", "large": "target"}  # a model reads for itself or the other
         read = {m: grew(r, "prompt_tokens", "read_for_other_tokens") for m, r in roles.items()}
         translated = {m: grew(r, "translated_into") for m, r in roles.items()}
-        prompt = conv.tokens - out.tokens
-        cached = max(prompt - read[out.model] - translated[out.model], 0)
+        prompt, model = conv.tokens - out.tokens, out.last.model
+        cached = max(prompt - read[model] - translated[model], 0)
         # read_tokens: what each model read (prefilled) itself; translated_tokens: into its cache
         usage = {"prompt_tokens": prompt, "completion_tokens": out.tokens,
                  "total_tokens": prompt + out.tokens, "prompt_tokens_details": {"cached_tokens": cached},
                  "read_tokens": read, "translated_tokens": translated}  # fmt: skip
         # ttft_s: the answering model's, catch-up included, queueing not
-        extra = {"answered_by": out.model, "escalated": escalated, "confidence": confidence,
-                 "reused_messages": held, "ttft_s": out.ttft_s, "status": out.status}  # fmt: skip
+        confidence = small.record.confidence if req.model == "auto" else None
+        extra = {"answered_by": model, "escalated": escalated, "confidence": confidence,
+                 "reused_messages": held, "ttft_s": out.record.ttft_s, "status": out.last.status}  # fmt: skip
         return Result(out.text, out.reason, usage, extra)
 
-    def _pump(self, job: Job, stream: Iterator[GenerationResponse], label: str, live: bool,
-              close: bool = True) -> _Pumped:  # fmt: skip
-        """Run one answer (up to its done event); emit its text (live) or buffer it. A stop
+    def _pump(self, job: Job, conv: Conversation, stream: Iterator[GenerationResponse],
+              live: bool, close: bool = True) -> _Pumped:  # fmt: skip
+        """Run one answer (up to its last response); emit its text (live) or buffer it. A stop
         sequence ends it; the stream is closed then (which commits the tokens emitted so
         far), and at the end unless `close` is False (a cascade goes on). A cancelled job asks
         the conversation to stop after the current token."""
         scan = _StopScan(job.request.stop)
-        out = _Pumped(model=label)
-        logprobs: list[float] = []
+        out = _Pumped()
         asked = hit = False
 
         def emit(piece: str, lp: float) -> None:
@@ -253,7 +250,6 @@ class Worker:
                 if r.token is not None:
                     out.tokens += 1
                     lp = float(r.logprobs[r.token].item())
-                    logprobs.append(lp)
                     piece, hit = scan.feed(r.text)
                     if piece:
                         emit(piece, lp)
@@ -261,33 +257,30 @@ class Worker:
                         out.reason = "stop"
                         break
                 if r.finish_reason is not None:  # the answer's last response
-                    st = r.handoff
-                    out.model, out.status = r.model, r.status
-                    out.ttft_s = st.ttft_s if st is not None else None
                     out.reason = r.finish_reason
-                    out.escalating = st is not None and st.escalating
                     break
-                if job.cancelled and not asked and job._conv is not None:
-                    job._conv.cancel()  # ends the stream after this token, with a done event
+                if job.cancelled and not asked:
+                    conv.cancel()  # ends the stream after this token, with its last response
                     asked = True
         finally:
             if close or hit:
-                stream.close()  # a no-op after done; else commits the tokens emitted so far
+                stream.close()  # a no-op after the last response; else commits what was emitted
         if not hit and (rest := scan.flush()):
             emit(rest, 0.0)
         out.text = scan.text[: scan.sent]  # what was released
-        out.confidence = sum(logprobs) / len(logprobs) if logprobs else None
+        out.last = conv.last  # the answer's record and status line, also where a stop cut it
         return out
 
 
 @dataclass
 class _Pumped:
-    model: str
     text: str = ""
     tokens: int = 0
-    reason: str = "cancelled"  # until a done event or a stop sequence says otherwise
-    status: str = ""
-    ttft_s: float | None = None
-    confidence: float | None = None  # mean token log-prob, as the record's confidence
-    escalating: bool = False  # a cascade's small answer: the large one answers again
+    reason: str = "cancelled"  # until its last response or a stop sequence says otherwise
+    last: GenerationResponse | None = None
     pieces: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def record(self) -> Any:
+        """The turn's `TurnStats`: its confidence (the mean token log-prob), TTFT, escalation."""
+        return self.last.handoff
