@@ -880,4 +880,4 @@ def _record(kind: type, d: dict | None):
     """A saved record and those in it; 0.2.0's `alone_prefill_s` (`alternative_ttft_s`) dropped."""
     out = {k: _record(NESTED[k], v) if k in NESTED else v for k, v in (d or {}).items()}
     out.pop("alone_prefill_s", None)
-    return kind(**out) if d else None
+    return None if d is None else kind(**out)
