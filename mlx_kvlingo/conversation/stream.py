@@ -298,9 +298,8 @@ def seed(value: int | None, messages: list[dict[str, str]]) -> None:
     """MLX is seeded with `value` plus the number of assistant messages before the user message
     answered: the same from the messages alone, for whichever model, a new draw each turn."""
     if value is not None:
-        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-        before = messages[: users[-1]] if users else messages
-        mx.random.seed(value + sum(1 for m in before if m["role"] == "assistant"))
+        last = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        mx.random.seed(value + sum(m["role"] == "assistant" for m in messages[:last]))
 
 
 def over_answers(processors: list, answers: list[int]) -> list:
