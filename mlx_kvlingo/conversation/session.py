@@ -175,12 +175,10 @@ class Transcript:
         if self.answer is not None and last and last["role"] == "assistant" and last["content"]:
             prev = tok.apply_chat_template(self.messages, tokenize=False)
             pos = prev.rfind(last["content"])
-            head = prev[: pos + len(last["content"])] if pos >= 0 else None
-            if head is not None and text.startswith(head):
+            if pos >= 0 and text.startswith(head := prev[: pos + len(last["content"])]):
                 tail = text[len(head) :]
                 if self.tokens and self.tokens[-1] in tok.eos_token_ids:
-                    eos = tok.decode([self.tokens[-1]])
-                    tail = tail[len(eos) :] if eos and tail.startswith(eos) else tail
+                    tail = tail.removeprefix(tok.decode([self.tokens[-1]]))
                 return list(tok.encode(tail, add_special_tokens=False)) if tail else []
         done = tok.decode(self.tokens)
         if text.startswith(done) and len(text) > len(done):
