@@ -13,7 +13,7 @@ from mlx_kvlingo.cli._common import (
     target_option,
     translator_option,
 )
-from mlx_kvlingo.cli._params import OutputFile, SafetensorsFile
+from mlx_kvlingo.cli._params import OutputFile
 
 import click
 
@@ -22,7 +22,7 @@ import click
 @source_option
 @target_option
 @translator_option
-@click.option("--prompt-cache-file", "cache_in", type=SafetensorsFile(),
+@click.option("--prompt-cache-file", "cache_in", type=click.Path(exists=True, dir_okay=False),
               help="Source cache written by `mlx_lm.cache_prompt`")  # fmt: skip
 @click.option("--prompt", help="Or: a prompt the source prefills now (instead of a cache file)")
 @click.option("-o", "--output", required=True, type=OutputFile(),
