@@ -29,7 +29,7 @@ translator_option = click.option("--translator", type=TranslatorSpec(),
 
 def pair_options(f):
     """--small --large --translator --pair."""
-    return _options([source_option, target_option, translator_option, pair_option], f)
+    return with_options([source_option, target_option, translator_option, pair_option], f)
 
 
 @contextmanager
@@ -47,7 +47,7 @@ def progress_bar(label: str, console=None) -> Iterator[Callable[..., None]]:
         )
 
 
-def _options(opts: list, f):
+def with_options(opts: list, f):
     """`f` under the click options `opts`, the first shown first."""
     for opt in reversed(opts):
         f = opt(f)
@@ -113,7 +113,7 @@ def data_options(*, required=True, help=None, heldout_fraction=0.1, max_examples
                 )
             return f(*args, **kw)
 
-        return _options(opts, checked)
+        return with_options(opts, checked)
 
     return decorate
 
@@ -124,7 +124,9 @@ def data_config(kw) -> DataConfig:
 
 
 def sampling_options(f):
-    """--temp --top-p --top-k --min-p --repetition-penalty --repetition-context-size --seed."""
+    """--temp --top-p --top-k --min-p --repetition-penalty --repetition-context-size --seed,
+    collected into one argument `sampling`: those given, as `stream_generate` keywords (those
+    not given are the answering model's defaults)."""
     opts = [
         click.option("--temp", type=click.FloatRange(0), default=None,
                      help="Temperature; 0 is greedy [default: the model's generation_config.json, else 0.7]"),
@@ -141,13 +143,15 @@ def sampling_options(f):
         click.option("--seed", type=click.IntRange(0), default=None,
                      help="Seed MLX's generator (reproducible answers)"),
     ]  # fmt: skip
-    return _options(opts, f)
+    keys = ("temp", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
+            "seed")  # fmt: skip
 
+    @functools.wraps(f)
+    def wrapper(*args, **kw):
+        given = {k: kw.pop(k) for k in keys}
+        return f(*args, sampling={k: v for k, v in given.items() if v is not None}, **kw)
 
-def sampling_settings(kw: dict) -> dict:
-    """The sampling options given (`sampling_options`), as `stream_generate` keywords; those not
-    given are left out: the answering model's defaults."""
-    return {k: v for k, v in kw.items() if v is not None}
+    return with_options(opts, wrapper)
 
 
 def content_texts(data_path) -> list[str]:
@@ -210,4 +214,4 @@ def policy_options(f):
             kw["policy"] = lambda pair: replace(base, recompute_share=share)
         return f(*args, **kw)
 
-    return _options(opts, wrapper)
+    return with_options(opts, wrapper)

@@ -12,13 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mlx_kvlingo.cli import _distributed as dist
-from mlx_kvlingo.cli._common import (
-    pair_options,
-    policy_options,
-    progress_bar,
-    sampling_options,
-    sampling_settings,
-)
+from mlx_kvlingo.cli._common import pair_options, policy_options, progress_bar, sampling_options
 from mlx_kvlingo.cli._params import TranslatorSpec
 from mlx_kvlingo.config import AUTO_THRESHOLD, MODES
 
@@ -158,15 +152,12 @@ class ChatApp:
         cascade = self.auto and not escalate
         what = {"escalate": True} if escalate else {"prompt": text, "model": "auto" if cascade else self.next}  # fmt: skip
         try:
-            self.stream(self.conv.send(**what, **self.sample()), cascade=cascade)
+            events = self.conv.send(**what, max_tokens=self.max_tokens, **self.sampling,
+                                    auto_threshold=self.threshold,
+                                    prompt_progress_callback=self.progress)  # fmt: skip
+            self.stream(events, cascade=cascade)
         except ConversationError as e:
             self.error(str(e))
-
-    def sample(self) -> dict:
-        """The answer's keywords: max tokens, the sampling settings given, the cascade's
-        threshold and the reading progress."""
-        return {"max_tokens": self.max_tokens, **self.sampling, "auto_threshold": self.threshold,
-                "prompt_progress_callback": self.progress}  # fmt: skip
 
     def progress(self, done: int, total: int) -> None:
         """mlx-lm's prompt progress callback: a bar while a turn of `PROGRESS_MIN_TOKENS` or more
@@ -380,19 +371,13 @@ def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> 
                    "once per model)")  # fmt: skip
 @click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
               help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
-@dist.distributed_option
-@dist.wire_option
+@dist.options
 def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
-             max_kv_size, mode, answer, policy, warmup, auto_threshold,
-             **sampling):  # fmt: skip
+             sampling, max_kv_size, mode, answer, policy, warmup, auto_threshold, distributed,
+             wire):  # fmt: skip
     """Chat with the pair: the large model answers, the small one reads for it (/small, /large)."""
-    import time
-
     from mlx_kvlingo.api import Conversation
 
-    t0 = time.perf_counter()
-    distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
-    settings = sampling_settings(sampling)
     console = Console(highlight=False)
     if not dist.wanted(distributed):
         console.print("[grey50]loading models...[/grey50]")
@@ -405,13 +390,13 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
     conv = Conversation(
         pair, max_kv_size, system_prompt=system_prompt, mode=mode, policy=policy(pair)
     )
-    app = ChatApp(conv, max_tokens=max_tokens, sampling=settings, auto_threshold=auto_threshold,
+    app = ChatApp(conv, max_tokens=max_tokens, sampling=sampling, auto_threshold=auto_threshold,
                   console=console, first=answer)  # fmt: skip
     loaded = None
     if warmup and not pipelined:
         console.print("[grey50]warming up (this pair's read rates)...[/grey50]")
-        w = pair.warm_up(**settings)
-        loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {pair.rates_note})"
+        w = pair.warm_up(**sampling)
+        loaded = f"{pair.load_s + w:.1f} s (warm-up {w:.1f} s, {pair.rates_note})"
     print_banner(app, {"forward": translator or "demo", "backward": back}, loaded)
     if pipelined:
         app.say(f"  {dist.describe(pair)} · /save and /load are not available")
