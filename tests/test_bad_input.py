@@ -3,9 +3,9 @@ through the real command group. Each must exit non-zero (2 for usage errors, 1 f
 without a traceback, with one `Error:` line that names the offending argument or value.
 
 A bad value as typed (no such path, a file for a folder, a malformed Hub id) fails before any
-model loads (the checks of `cli/_params.py`, exit 2); a damaged file where it is read (a model
-folder, a translator, a prompt cache: `cli/errors.py`, exit 1), as do a wrong direction, a
-wrong pair and an over-long prompt, which load the tiny offline models.
+model loads (the checks of `cli/_params.py`, exit 2); a damaged file or an uncached Hub id
+where it is read (a model folder, a translator, a prompt cache: `cli/errors.py`, exit 1), as do
+a wrong direction and a wrong pair; an over-long prompt names the option (exit 2).
 """
 
 import json
@@ -30,7 +30,7 @@ CASES = [
     ("info {bad_config}", FAILURE, ["bad_config/config.json", "JSON"]),
     ("info {cut_weights}", FAILURE, ["cut_weights/model.safetensors", "incomplete download"]),
     ("info {junk}", USAGE, ["junk.safetensors", "not a model folder"]),
-    ("info nobody/nothing", USAGE, ["nobody/nothing", "HF_HUB_OFFLINE"]),
+    ("info nobody/nothing", FAILURE, ["nobody/nothing", "HF_HUB_OFFLINE"]),
     ("info bad..id//x", USAGE, ["bad..id//x", "Hub id"]),
     # generate
     ("generate --source /missing/a --target {T} --translator {FWD}", USAGE, ["--source", "/missing/a"]),

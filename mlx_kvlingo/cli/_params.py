@@ -1,6 +1,7 @@
 """Parameter types that refuse a bad value before any model loads, naming the option (exit
-status 2). They judge the value as typed (a path that exists, of the right kind; a Hub id); a
-damaged file's content is refused where it is read, by `errors.py` (exit status 1)."""
+status 2). They judge the value as typed (a path that exists, of the right kind; a well-formed
+Hub id); a file's content, or a Hub id not to be had, is refused where it is read, by
+`errors.py` (exit status 1)."""
 
 from __future__ import annotations
 
@@ -15,22 +16,16 @@ def looks_like_path(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~", ".\\", "..\\")) or value in (".", "..")
 
 
-def hub_id_problem(value: str) -> str | None:
-    """Why `value` is not a usable Hub id (malformed; not cached while offline), or None."""
-    from huggingface_hub import constants, try_to_load_from_cache
+def hub_id(value: str) -> bool:
+    """`value` is a well-formed Hub id (org/name)."""
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
     try:
         validate_repo_id(value)
     except HFValidationError:
-        return f"{value}: no such folder, and not a Hub id (org/name)"
-    if constants.HF_HUB_OFFLINE:
-        cached = try_to_load_from_cache(value, "config.json")
-        if not isinstance(cached, str):
-            return (f"{value}: no such folder, and not in the Hub cache while HF_HUB_OFFLINE is "
-                    "set: download it once online, or give a local folder")  # fmt: skip
-    return None
+        return False
+    return True
 
 
 class ModelSpec(click.ParamType):
@@ -47,15 +42,12 @@ class ModelSpec(click.ParamType):
             raise click.UsageError("--pair chooses a demo pair: not with --small/--large", ctx)
         path = Path(value).expanduser()
         if path.is_file():
-            self.fail(
-                f"{value} is a file, not a model folder (config.json and *.safetensors)", param, ctx
-            )
-        if not path.exists():
-            problem = (
-                f"{value}: no such folder" if looks_like_path(value) else hub_id_problem(value)
-            )
-            if problem:
-                self.fail(problem, param, ctx)
+            problem = f"{value} is a file, not a model folder (config.json and *.safetensors)"
+            self.fail(problem, param, ctx)
+        if not path.exists() and looks_like_path(value):
+            self.fail(f"{value}: no such folder", param, ctx)
+        if not path.exists() and not hub_id(value):  # a Hub id's files: judged where fetched
+            self.fail(f"{value}: no such folder, and not a Hub id (org/name)", param, ctx)
         return value
 
 
