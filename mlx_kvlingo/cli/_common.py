@@ -165,17 +165,25 @@ def content_texts(data_path) -> list[str]:
     return read_texts(data_path)
 
 
-def policy_options(f):
-    """--reader --reader-min-tokens --large-reads-last --recompute
-    --min-retention --translate-ahead, collected into one argument `policy(pair)`: the
-    `ReaderPolicy` for the loaded pair (the library's defaults; no recompute unless given with
-    a pipelined large model, which cannot)."""
+def conversation_options(f):
+    """--backward-translator --mode --auto-threshold, and --reader --reader-min-tokens
+    --large-reads-last --recompute --min-retention --translate-ahead collected into one argument
+    `policy(pair)`: the `ReaderPolicy` for the loaded pair (the library's defaults; no recompute
+    unless given with a pipelined large model, which cannot)."""
     from dataclasses import replace
 
-    from mlx_kvlingo.config import READERS, ReaderPolicy
+    from mlx_kvlingo.config import AUTO_THRESHOLD, MODES, READERS, ReaderPolicy
 
     d = ReaderPolicy()
     opts = [
+        click.option("--backward-translator", type=TranslatorSpec(),
+                     help="Large -> small translator (default: the demo's, if any); without one, "
+                          "switching back to small re-reads"),
+        click.option("--mode", type=click.Choice(MODES), default="alternation", show_default=True,
+                     help="How a model catches up on the turns it did not see"),
+        click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
+                     help="auto (/auto): the large model answers again when the small answer's "
+                          "mean token log-prob is below this"),
         click.option("--reader", type=click.Choice(READERS), default=None,
                      help="Who reads your turn before the large model answers [default: auto with "
                           "a forward translator]"),

@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mlx_kvlingo.cli import _distributed as dist
-from mlx_kvlingo.cli._common import pair_options, policy_options, progress_bar, sampling_options
-from mlx_kvlingo.cli._params import TranslatorSpec
-from mlx_kvlingo.config import AUTO_THRESHOLD, MODES
+from mlx_kvlingo.cli._common import (
+    conversation_options,
+    pair_options,
+    progress_bar,
+    sampling_options,
+)
 
 import click
 from rich.console import Console
@@ -353,24 +356,19 @@ def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> 
 
 @click.command("chat")
 @pair_options
-@click.option("--backward-translator", type=TranslatorSpec(),
-              help="Large -> small translator; without one, switching back to small re-prefills")  # fmt: skip
 @click.option("--system-prompt", default=None, help="System message for the chat template")
 @click.option("-m", "--max-tokens", type=click.IntRange(1), default=256, show_default=True,
               help="Tokens per answer")  # fmt: skip
 @sampling_options
 @click.option("--max-kv-size", type=click.IntRange(1), default=None,
               help="Context limit in tokens for both models (refuses beyond it; /trim)")  # fmt: skip
-@click.option("--mode", type=click.Choice(MODES), default="alternation", show_default=True)
 @click.option("--answer", type=click.Choice(["small", "large"]), default="large", show_default=True,
               help="Which model answers (the small one reads for the large one; /small, /large)")  # fmt: skip
-@policy_options
+@conversation_options
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
               help="Before the first prompt, measure the pair's rates for reader auto, running "
                    "each path once (later starts reuse them from the cache folder and read "
                    "once per model)")  # fmt: skip
-@click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
-              help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
 @dist.options
 def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
              sampling, max_kv_size, mode, answer, policy, warmup, auto_threshold, distributed,

@@ -143,18 +143,6 @@ def message(e: BaseException) -> str | None:
     return None
 
 
-def explain(e: BaseException) -> click.ClickException | None:
-    """`e` as a one-line click error (usage errors keep exit status 2), or None."""
-    text = message(e)
-    if text is None:
-        return None
-    if isinstance(e, click.UsageError):
-        return OneLineUsageError(text, e.ctx)
-    out = click.ClickException(text)
-    out.exit_code = getattr(e, "exit_code", 1) if isinstance(e, click.ClickException) else 1
-    return out
-
-
 @contextlib.contextmanager
 def user_errors(ctx: click.Context | None = None) -> Iterator[None]:
     """Errors the user caused as one-line click errors (with --debug, their tracebacks too)."""
@@ -168,7 +156,11 @@ def user_errors(ctx: click.Context | None = None) -> Iterator[None]:
             if cause is not None:  # a command's `raise ClickException(...) from None`
                 traceback.print_exception(type(cause), cause, cause.__traceback__)
                 sys.stderr.flush()
-        mapped = explain(e)
-        if mapped is None:
+        text = message(e)
+        if text is None:
             raise
-        raise mapped from e
+        if isinstance(e, click.UsageError):  # exit status 2
+            raise OneLineUsageError(text, e.ctx) from e
+        out = click.ClickException(text)
+        out.exit_code = e.exit_code if isinstance(e, click.ClickException) else 1
+        raise out from e
