@@ -4,6 +4,8 @@ a conversation under several policies, or a start against mlx-lm's."""
 
 from __future__ import annotations
 
+import functools
+
 from mlx_kvlingo.cli._common import pair_options
 from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, NumberList, OutputFolder
 from mlx_kvlingo.config import POLICIES, ReaderPolicy
@@ -89,8 +91,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
     import mlx.core as mx
     from rich.console import Console
 
-    def log(msg):
-        click.echo(msg, err=True)
+    log = functools.partial(click.echo, err=True)
 
     if startup and conversation:
         raise click.UsageError("--startup and --conversation are separate runs")
@@ -105,9 +106,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
                                                  trials=trials, log=log)  # fmt: skip
         return _show(startup_bench.write_outputs(result, out), log)
     dtype = dtype if dtype == "auto" else getattr(mx, dtype)
-    pair, tr, info, backward = _load(
-        preset, demo_pair, source, target, translator, dtype, seed, log
-    )
+    pair, tr, info, back = _load(preset, demo_pair, source, target, translator, dtype, seed, log)
     if conversation:
         from mlx_kvlingo.eval import conversation_bench as cb
 
@@ -116,7 +115,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
                                          answer_tokens=answer_tokens, escalation_rate=escalation_rate,
                                          seed=seed, policies=policies, warmup=warmup > 0, policy=policy)  # fmt: skip
         with moe_cpu.per_expert_loop(moe_loop):
-            results = cb.run_conversation_bench(pair, tr, backward, cfg, log=log, info=info)
+            results = cb.run_conversation_bench(pair, tr, back, cfg, log=log, info=info)
         return _show(cb.write_outputs(results, out), log)
     bar = nullcontext() if no_progress else progress_bar("bench", Console(stderr=True))
     max_seconds = None if max_minutes is None else 60 * max_minutes
@@ -151,12 +150,8 @@ def _load(preset, demo_pair, source, target, translator, dtype, seed, log):
         if dtype != "auto":
             tr.set_dtype(dtype)
         log("no --translator: timing a random translator of the pair's geometry (latency only)")
-        return (
-            pair,
-            tr,
-            {"translator_weights": "random (latency only: no --translator given)"},
-            None,
-        )
+        info = {"translator_weights": "random (latency only: no --translator given)"}
+        return pair, tr, info, None
     if dtype != "auto":
         raise click.UsageError(
             "--dtype applies to presets and --source/--target without --translator"

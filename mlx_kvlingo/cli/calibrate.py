@@ -133,12 +133,19 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
             tr = fit_closed_form(pair, train, cfg, progress)
     cal = tr.config.metadata.setdefault("calibration", {})
     cal.update(data=str(kw["data_path"]), data_config=dcfg.__dict__)
-    if not init:
-        console.print(fit_line(cal["stage1"]))
+
+    def heldout(stage: int) -> None:  # the held-out scores after `stage`, into the metadata
         if held_eval:
             with progress_bar("evaluating", console) as progress:
-                cal["stage1"]["heldout"] = result = evaluate(pair, tr, held_eval, progress)
-            console.print(table(result, "after stage 1"))
+                cal[f"stage{stage}"]["heldout"] = result = evaluate(pair, tr, held_eval, progress)
+            console.print(table(result, f"after stage {stage}"))
+
+    if not init:  # stage 1's training fit at the chosen alpha, the unregularized one beside it
+        s1 = cal["stage1"]
+        fits = [f"{kind} R² {r['r2_mean']:.4f} (alpha 0: {r.get('r2_mean_alpha0', r['r2_mean']):.4f})"
+                for kind, r in s1.get("train_fit", {}).items()]  # fmt: skip
+        console.print(f"stage 1 fit on training data, alpha {s1.get('alpha')}: " + " · ".join(fits))
+        heldout(1)
     if steps:
         s2 = Stage2Config(steps, lr, warmup, accumulate=accumulate, eval_every=eval_every,
                           eval_examples=min(16, eval_examples), seed=kw["seed"], patience=patience,
@@ -151,21 +158,11 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
             raise click.ClickException(
                 f"interrupted; checkpoint kept in {checkpoint_dir}"
             ) from None
-        if held_eval:
-            with progress_bar("evaluating", console) as progress:
-                cal["stage2"]["heldout"] = result = evaluate(pair, tr, held_eval, progress)
-            console.print(table(result, "after stage 2"))
+        heldout(2)
     save_translator(tr, output, pair)
     console.print(f"wrote {output}")
     if no_data:  # what the user got: can the target use what the source read?
         _content_report(pair, tr, console)
-
-
-def fit_line(stage1: dict) -> str:
-    """Stage 1's training fit at the chosen alpha, with the unregularized fit beside it."""
-    parts = [f"{kind} R² {r['r2_mean']:.4f} (alpha 0: {r.get('r2_mean_alpha0', r['r2_mean']):.4f})"
-             for kind, r in stage1.get("train_fit", {}).items()]  # fmt: skip
-    return f"stage 1 fit on training data, alpha {stage1.get('alpha')}: " + " · ".join(parts)
 
 
 def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, accumulate, stage1,
