@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from mlx_kvlingo.cli._params import ModelSpec, TranslatorSpec
+from mlx_kvlingo.config import AUTO_THRESHOLD, MODES, READERS, ReaderPolicy
 from mlx_kvlingo.data.examples import DataConfig
 from mlx_kvlingo.models.demo import DEMO_PAIRS
 
@@ -165,14 +166,35 @@ def content_texts(data_path) -> list[str]:
     return read_texts(data_path)
 
 
+def reading_options(f):
+    """--large-reads-last --recompute, collected into one argument `reading`: those given (how
+    the large model reads a turn the small one read for it), as `ReaderPolicy` keywords."""
+    d = ReaderPolicy()
+    opts = [
+        click.option("--large-reads-last", type=click.IntRange(1), default=None,
+                     help="When the small model reads a turn, the large one still reads its last "
+                          f"this many tokens itself; 1: the last token [default: {d.large_reads_last}]"),
+        click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
+                     help="When the small model reads a turn, the large one also recomputes this "
+                          "share of it (capped on long turns), the sentences its reading of the "
+                          f"turn's end attended to most; 0: none [default: {d.recompute_share:g}; "
+                          "chat and serve: 0 with a pipelined large model]"),
+    ]  # fmt: skip
+
+    @functools.wraps(f)
+    def wrapper(*args, large_reads_last, recompute_share, **kw):
+        given = {"large_reads_last": large_reads_last, "recompute_share": recompute_share}
+        return f(*args, reading={k: v for k, v in given.items() if v is not None}, **kw)
+
+    return with_options(opts, wrapper)
+
+
 def conversation_options(f):
     """--backward-translator --mode --auto-threshold, and --reader --reader-min-tokens
-    --large-reads-last --recompute --min-retention --translate-ahead collected into one argument
+    --min-retention --translate-ahead `reading_options` collected into one argument
     `policy(pair)`: the `ReaderPolicy` for the loaded pair (the library's defaults; no recompute
     unless given with a pipelined large model, which cannot)."""
     from dataclasses import replace
-
-    from mlx_kvlingo.config import AUTO_THRESHOLD, MODES, READERS, ReaderPolicy
 
     d = ReaderPolicy()
     opts = [
@@ -191,15 +213,6 @@ def conversation_options(f):
                      show_default=True,
                      help="Reader tokens (and auto on a tie): later turns shorter than this are "
                           "read by the large model itself"),
-        click.option("--large-reads-last", type=click.IntRange(1), default=d.large_reads_last,
-                     show_default=True,
-                     help="When the small model reads your turn, the large one still reads its "
-                          "last this many tokens itself; 1: the last token"),
-        click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
-                     help="When the small model reads your turn, the large one also recomputes "
-                          "this share of it (capped on long turns), the sentences its reading of "
-                          f"the turn's end attended to most; 0: none; default "
-                          f"{d.recompute_share:g}, 0 with a pipelined large model"),
         click.option("--min-retention", type=click.FloatRange(0, 1), default=d.min_retention,
                      show_default=True,
                      help="Reader auto: the small path only where this translator is measured to "
@@ -210,16 +223,16 @@ def conversation_options(f):
                      help="While the small model answers, translate for the large one within "
                           "10% of its decode time (/escalate, /auto)"),
     ]  # fmt: skip
-    keys = ("reader", "reader_min_tokens", "large_reads_last", "min_retention", "translate_ahead")
+    keys = ("reader", "reader_min_tokens", "min_retention", "translate_ahead")
 
     @functools.wraps(f)
-    def wrapper(*args, **kw):
-        share = kw.pop("recompute_share")
-        base = ReaderPolicy(**{k: kw.pop(k) for k in keys})
+    def wrapper(*args, reading, **kw):
+        share = reading.pop("recompute_share", None)
+        base = ReaderPolicy(**reading, **{k: kw.pop(k) for k in keys})
         if share is None:
             kw["policy"] = lambda pair: replace(base, recompute_share=0.0) if pair.link else base
         else:
             kw["policy"] = lambda pair: replace(base, recompute_share=share)
         return f(*args, **kw)
 
-    return with_options(opts, wrapper)
+    return with_options(opts, reading_options(wrapper))

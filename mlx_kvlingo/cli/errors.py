@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import sys
 import traceback
@@ -30,15 +29,6 @@ _FILE_SUFFIXES = {".json", ".jsonl", ".safetensors", ".gguf", ".npz", ".txt", ".
 def one_line(text: object) -> str:
     """`text` with every run of whitespace (newlines included) as one space."""
     return " ".join(str(text).split())
-
-
-def debugging(ctx: click.Context | None = None) -> bool:
-    """--debug on the group, or KVLINGO_DEBUG set (to anything but 0, false, no, off)."""
-    ctx = ctx or click.get_current_context(silent=True)
-    root = ctx.find_root() if ctx is not None else None
-    if root is not None and root.params.get("debug"):
-        return True
-    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 class OneLineUsageError(click.UsageError):
@@ -149,7 +139,7 @@ def user_errors(ctx: click.Context | None = None) -> Iterator[None]:
     try:
         yield
     except Exception as e:
-        if debugging(ctx):
+        if ctx is not None and ctx.find_root().params.get("debug"):  # --debug or KVLINGO_DEBUG
             if not isinstance(e, click.ClickException):
                 raise  # the whole traceback
             cause = e.__cause__ or e.__context__
