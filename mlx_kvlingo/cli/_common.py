@@ -88,7 +88,8 @@ def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:
 
 
 def data_options(*, required=True, help=None, heldout_fraction=0.1, max_examples=True):
-    """--data and the example-drawing options shared by calibrate, eval and compare."""
+    """--data (`data_path`) and the example-drawing options, collected into one argument `data`:
+    their `DataConfig`."""
     opts = [
         click.option("--data", "data_path", required=required, type=click.Path(exists=True),
                      help=help or "Text files, JSONL records ({'messages': [...]} chats or "
@@ -106,22 +107,18 @@ def data_options(*, required=True, help=None, heldout_fraction=0.1, max_examples
 
     def decorate(f):
         @functools.wraps(f)
-        def checked(*args, **kw):
-            if kw["min_prefix"] > kw["max_prefix"]:
-                raise click.BadParameter(
-                    f"{kw['min_prefix']} is above --max-prefix {kw['max_prefix']}",
-                    param_hint="--min-prefix",
-                )
-            return f(*args, **kw)
+        def checked(*args, min_prefix, max_prefix, continuation, heldout_fraction, seed,
+                    max_examples=None, **kw):  # fmt: skip
+            if min_prefix > max_prefix:
+                raise click.BadParameter(f"{min_prefix} is above --max-prefix {max_prefix}",
+                                         param_hint="--min-prefix")  # fmt: skip
+            data = DataConfig(min_prefix, max_prefix, continuation, heldout_fraction, seed,
+                              max_examples)  # fmt: skip
+            return f(*args, data=data, **kw)
 
         return with_options(opts, checked)
 
     return decorate
-
-
-def data_config(kw) -> DataConfig:
-    return DataConfig(kw["min_prefix"], kw["max_prefix"], kw["continuation"],
-                      kw["heldout_fraction"], kw["seed"], kw.get("max_examples"))  # fmt: skip
 
 
 def sampling_options(f):

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from mlx_kvlingo.cli._common import content_texts, data_config, data_options, progress_bar
+from mlx_kvlingo.cli._common import content_texts, data_options, progress_bar
 from mlx_kvlingo.cli._params import ModelSpec, NumberList, OutputFile, OutputFolder
 from mlx_kvlingo.data.examples import load_examples, validate_data
 
@@ -83,7 +83,7 @@ from rich.console import Console
 def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_weight, output, variant, nu,
                   key_cut, bias, alpha, prior, alpha_grid, patience, reader_share, layer_map,
                   init, steps, lr, warmup, accumulate, eval_every, eval_examples,
-                  checkpoint_dir, resume, dtype, **kw):  # fmt: skip
+                  checkpoint_dir, resume, dtype, data_path, data):  # fmt: skip
     """Fit a translator SOURCE -> TARGET (on your data, or with none); swap the two for the
     other direction."""
     from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
@@ -93,7 +93,7 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
     from mlx_kvlingo.models.loading import load_models_and_translators
 
     console = Console(stderr=True)
-    no_data = kw["data_path"] is None
+    no_data = data_path is None
     content_n = (240 if no_data else 0) if content_n is None else content_n
     gain_weights = no_data if gain_weights is None else gain_weights
     if checkpoint_dir is None and no_data:  # a long run: resumable by default
@@ -101,18 +101,18 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
     if no_data:
         from mlx_kvlingo.calibrate.content_data import write_shipped_data
 
-        kw["data_path"] = str(write_shipped_data())
-    validate_data(kw["data_path"])  # before loading any model
+        data_path = str(write_shipped_data())
+    validate_data(data_path)  # before loading any model
     dtype = {"auto": "auto", "stored": None}.get(dtype, getattr(mx, dtype, None))
     pair, init_tr, _ = load_models_and_translators(source, target, init, dtype=dtype)
-    dcfg = replace(data_config(kw), reply_spans=reader_share > 0)
-    train, held = load_examples(kw["data_path"], pair.tokenizer, dcfg)
-    console.print(f"{len(train)} training and {len(held)} held-out examples from {kw['data_path']}")
+    dcfg = replace(data, reply_spans=reader_share > 0)
+    train, held = load_examples(data_path, pair.tokenizer, dcfg)
+    console.print(f"{len(train)} training and {len(held)} held-out examples from {data_path}")
     content = []
     if content_n or no_data:
         content, held_content = _content_examples(
-            pair, console, content_n, content_lengths, kw["seed"], checkpoint_dir, steps,
-            accumulate, [] if init else train, train, held, None if no_data else kw["data_path"],
+            pair, console, content_n, content_lengths, data.seed, checkpoint_dir, steps,
+            accumulate, [] if init else train, train, held, None if no_data else data_path,
         )  # fmt: skip
         # stage 2's early stopping sees content too: a held-out KL of generic text alone
         # would keep the translator that drops what was read
@@ -132,7 +132,7 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
         with progress_bar("stage 1: accumulating", console) as progress:
             tr = fit_closed_form(pair, train, cfg, progress)
     cal = tr.config.metadata.setdefault("calibration", {})
-    cal.update(data=str(kw["data_path"]), data_config=dcfg.__dict__)
+    cal.update(data=str(data_path), data_config=dcfg.__dict__)
 
     def heldout(stage: int) -> None:  # the held-out scores after `stage`, into the metadata
         if held_eval:
@@ -148,7 +148,7 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
         heldout(1)
     if steps:
         s2 = Stage2Config(steps, lr, warmup, accumulate=accumulate, eval_every=eval_every,
-                          eval_examples=min(16, eval_examples), seed=kw["seed"], patience=patience,
+                          eval_examples=min(16, eval_examples), seed=data.seed, patience=patience,
                           reader_share=reader_share, gain_weights=gain_weights, kv_weight=kv_weight)  # fmt: skip
         try:
             with progress_bar("stage 2", console) as progress:

@@ -106,8 +106,7 @@ class ChatApp:
         import mlx.core as mx
 
         mx.reset_peak_memory()
-        speaker = None
-        done = None
+        speaker = done = None
         try:
             for r in events:
                 self.progress(0, 0)  # the reading is over: clear its progress bar
@@ -211,21 +210,14 @@ class ChatApp:
                 from prompt_toolkit import PromptSession
 
                 self._editor = PromptSession()
-        if self._editor:
-            return self._editor.prompt(f"[{tag}] > ")
-        return input(f"[{tag}] > ")
+        return (self._editor.prompt if self._editor else input)(f"[{tag}] > ")
 
     def run(self) -> None:
         while True:
             try:
-                line = self.prompt()
-            except (EOFError, KeyboardInterrupt):
-                sys.stdout.write("\n")
-                break
-            try:
-                if not self.handle(line):
+                if not self.handle(self.prompt()):
                     break
-            except KeyboardInterrupt:  # outside a generation: a second Ctrl-C exits
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D; Ctrl-C outside a generation exits
                 sys.stdout.write("\n")
                 break
         self.say("bye")
@@ -331,13 +323,13 @@ def print_stats(app: ChatApp) -> None:
     app.console.print(t)
 
 
-def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> None:
+def print_banner(app: ChatApp, forward: str, backward: str, loaded: str | None = None) -> None:
     """The opening lines: both models, the translators and the settings of the chat."""
     rows = [
         ("small", app.names["small"]),
         ("large", app.names["large"]),
-        ("small -> large", translators["forward"]),
-        ("large -> small", translators["backward"]),
+        ("small -> large", forward),
+        ("large -> small", backward),
         ("mode", app.conv.mode),
         ("reader", f"{app.conv.policy.reader} ({describe_reader(app.conv)})"),
         ("answers", app.next),
@@ -383,8 +375,6 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
         source, target, translator, backward_translator, demo_pair, distributed, wire
     )
     pipelined = pair.link is not None
-    back = backward_translator or ("demo" if pair.backward is not None
-                                   else "none: switching back re-reads")  # fmt: skip
     conv = Conversation(
         pair, max_kv_size, system_prompt=system_prompt, mode=mode, policy=policy(pair)
     )
@@ -395,7 +385,8 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
         console.print("[grey50]warming up (this pair's read rates)...[/grey50]")
         w = pair.warm_up(**sampling)
         loaded = f"{pair.load_s + w:.1f} s (warm-up {w:.1f} s, {pair.rates_note})"
-    print_banner(app, {"forward": translator or "demo", "backward": back}, loaded)
+    back = "demo" if pair.backward is not None else "none: switching back re-reads"
+    print_banner(app, translator or "demo", backward_translator or back, loaded)
     if pipelined:
         app.say(f"  {dist.describe(pair)} · /save and /load are not available")
     with dist.rank_errors():

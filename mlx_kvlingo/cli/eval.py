@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mlx_kvlingo.cli._common import (
     content_texts,
-    data_config,
     data_options,
     pair_options,
     progress_bar,
@@ -52,7 +53,7 @@ from rich.console import Console
                    "(the small model's look-ahead picks 32-token chunks, the large model reads "
                    "only those), at these kept shares, e.g. 0.1,0.2,0.3")  # fmt: skip
 def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_out, task, lengths,
-             per_kind, kinds, plot_out, reading, keeps, **kw):  # fmt: skip
+             per_kind, kinds, plot_out, reading, keeps, data):  # fmt: skip
     """Score the target on held-out continuations under every cache condition, or (--task
     content) on what it can use of what was read."""
     from mlx_kvlingo.eval import report
@@ -64,7 +65,7 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
 
         texts = content_texts(data_path)  # before loading any model
         pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
-        seed = kw["seed"]
+        seed = data.seed
         tasks = c.fitting_tasks(pair, texts, lengths, per_kind, seed=seed, kinds=kinds)
         console.print(f"[grey50]{len(tasks)} content tasks ({per_kind} per kind and length, seed "
                       f"{seed}); the target answers natively first, then from the translated "
@@ -100,9 +101,8 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
     if data_path is None:  # the demo's held-out dialogues, never trained on
         from mlx_kvlingo.models.demo.pair import demo_data
 
-        data_path = demo_data()[1]
-        kw["heldout_fraction"] = 1.0
-    _, held = load_examples(data_path, pair.tokenizer, data_config({"data_path": data_path, **kw}))
+        data_path, data = demo_data()[1], replace(data, heldout_fraction=1.0)
+    _, held = load_examples(data_path, pair.tokenizer, data)
     if not held:
         raise click.ClickException(f"{data_path}: no examples to score; raise --heldout-fraction")
     with progress_bar("evaluating", console) as progress:
