@@ -14,10 +14,6 @@ from mlx_kvlingo.cli._common import conversation_options, demo_pair_of, pair_opt
 import click
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def _loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -82,7 +78,7 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, 
     click.echo(f"serving on {server.url}{key} · models small, large, auto · Ctrl-C stops", err=True)
     # SIGTERM (kill, systemd, docker stop) stops as Ctrl-C does: running and waiting requests
     # are told the server is shutting down instead of losing their connection mid-answer
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.serve_forever()  # closes the server and its requests on the way out
     except KeyboardInterrupt:
