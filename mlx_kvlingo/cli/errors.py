@@ -85,17 +85,11 @@ def _os_message(e: OSError) -> str:
 
 
 def _hub_message(e: Exception) -> str:
+    """`models.hub.explain` naming the Hub id: a string local `repo_id` in the frames `e` passed
+    through, innermost first (a malformed id `ModelSpec` refuses before)."""
     from mlx_kvlingo.models.hub import explain
 
-    from huggingface_hub import errors
-
-    # the Hub id: a string local `repo_id` in the frames it passed through, innermost first
     repo = next((v for f in _frames(e) if isinstance(v := f.f_locals.get("repo_id"), str)), None)
-    if isinstance(e, errors.HFValidationError):
-        quoted = re.findall(r"'([^']*)'", str(e))
-        value = quoted[-1] if quoted else repo or "?"
-        return (f"{value}: no such file or folder, and not a Hub id (org/name): check the path, "
-                "or give a Hub id")  # fmt: skip
     return explain(e, repo or "the Hub repository") or one_line(e)
 
 
