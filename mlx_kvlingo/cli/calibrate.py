@@ -39,8 +39,7 @@ from rich.console import Console
                    "prediction of each token; default on without --data")  # fmt: skip
 @click.option("--kv-weight", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Add this times the relative L1 error between the translated and the "
-                   "target's own K/V to stage 2's loss (KV Prediction's cache term): keeps the "
-                   "continuation figures while content examples train; 1.0 for the demo's")  # fmt: skip
+                   "target's own K/V to stage 2's loss (KV Prediction's cache term)")  # fmt: skip
 @click.option("-o", "--output", required=True, type=OutputFile())
 @click.option("--variant", type=click.Choice(["mixing", "headwise"]), default="mixing",
               show_default=True)  # fmt: skip
@@ -52,8 +51,7 @@ from rich.console import Console
               help="Center inputs and fit a bias")  # fmt: skip
 @click.option("--alpha", type=click.FloatRange(0), default=1e-3, show_default=True,
               help="Stage-1 ridge strength, relative to the inputs' mean variance: lambda = alpha * "
-                   "trace(Cov(X)) / d. It shrinks the maps (1e-3 moves a known-answer pair's "
-                   "first-layer maps by ~5%); the report gives the training fit at alpha 0 beside it")  # fmt: skip
+                   "trace(Cov(X)) / d; the report gives the training fit at alpha 0 beside it")  # fmt: skip
 @click.option("--prior", default="zero", show_default=True,
               help="What the stage-1 ridge shrinks toward: zero, identity (same KV heads and head "
                    "sizes: the nearest-by-depth layer copied) or a translator file (e.g. a related "
