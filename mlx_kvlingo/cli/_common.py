@@ -105,15 +105,15 @@ def data_options(*, required=True, help=None, heldout_fraction=0.1, max_examples
         opts.insert(5, click.option("--max-examples", type=click.IntRange(1), default=None,
                                     help="Training examples to draw at most"))  # fmt: skip
 
+    keys = ("min_prefix", "max_prefix", "continuation", "heldout_fraction", "seed", "max_examples")
+
     def decorate(f):
         @functools.wraps(f)
-        def checked(*args, min_prefix, max_prefix, continuation, heldout_fraction, seed,
-                    max_examples=None, **kw):  # fmt: skip
-            if min_prefix > max_prefix:
-                raise click.BadParameter(f"{min_prefix} is above --max-prefix {max_prefix}",
-                                         param_hint="--min-prefix")  # fmt: skip
-            data = DataConfig(min_prefix, max_prefix, continuation, heldout_fraction, seed,
-                              max_examples)  # fmt: skip
+        def checked(*args, **kw):
+            data = DataConfig(*[kw.pop(k, None) for k in keys])
+            if data.min_prefix > data.max_prefix:
+                problem = f"{data.min_prefix} is above --max-prefix {data.max_prefix}"
+                raise click.BadParameter(problem, param_hint="--min-prefix")
             return f(*args, data=data, **kw)
 
         return with_options(opts, checked)
@@ -141,8 +141,7 @@ def sampling_options(f):
         click.option("--seed", type=click.IntRange(0), default=None,
                      help="Seed MLX's generator (reproducible answers)"),
     ]  # fmt: skip
-    keys = ("temp", "top_p", "top_k", "min_p", "repetition_penalty", "repetition_context_size",
-            "seed")  # fmt: skip
+    keys = "temp top_p top_k min_p repetition_penalty repetition_context_size seed".split()
 
     @functools.wraps(f)
     def wrapper(*args, **kw):

@@ -154,9 +154,8 @@ class ChatApp:
         cascade = self.auto and not escalate
         what = {"escalate": True} if escalate else {"prompt": text, "model": "auto" if cascade else self.next}  # fmt: skip
         try:
-            events = self.conv.send(**what, max_tokens=self.max_tokens, **self.sampling,
-                                    auto_threshold=self.threshold,
-                                    prompt_progress_callback=self.progress)  # fmt: skip
+            kw = {"max_tokens": self.max_tokens, **self.sampling, "auto_threshold": self.threshold}
+            events = self.conv.send(**what, **kw, prompt_progress_callback=self.progress)
             self.stream(events, cascade=cascade)
         except ConversationError as e:
             self.error(str(e))
