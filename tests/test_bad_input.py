@@ -2,9 +2,10 @@
 through the real command group. Each must exit non-zero (2 for usage errors, 1 for the rest)
 without a traceback, with one `Error:` line that names the offending argument or value.
 
-Most cases fail before any model loads (the checks of `cli/_params.py`); the few that need a
-pair (wrong direction, wrong pair, a corrupt prompt cache, an over-long prompt) load the tiny
-offline models.
+A bad value as typed (no such path, a file for a folder, a malformed Hub id) fails before any
+model loads (the checks of `cli/_params.py`, exit 2); a damaged file or an uncached Hub id
+where it is read (a model folder, a translator, a prompt cache: `cli/errors.py`, exit 1), as do
+a wrong direction and a wrong pair; an over-long prompt names the option (exit 2).
 """
 
 import json
@@ -25,17 +26,17 @@ USAGE, FAILURE = 2, 1
 CASES = [
     # info
     ("info /some/missing/folder", USAGE, ["MODELS", "/some/missing/folder"]),
-    ("info {no_config}", USAGE, ["no_config", "config.json"]),
-    ("info {bad_config}", USAGE, ["bad_config/config.json", "JSON"]),
-    ("info {cut_weights}", USAGE, ["cut_weights/model.safetensors", "truncated"]),
+    ("info {no_config}", FAILURE, ["no_config", "config.json"]),
+    ("info {bad_config}", FAILURE, ["bad_config/config.json", "JSON"]),
+    ("info {cut_weights}", FAILURE, ["cut_weights/model.safetensors", "incomplete download"]),
     ("info {junk}", USAGE, ["junk.safetensors", "not a model folder"]),
-    ("info nobody/nothing", USAGE, ["nobody/nothing", "HF_HUB_OFFLINE"]),
+    ("info nobody/nothing", FAILURE, ["nobody/nothing", "HF_HUB_OFFLINE"]),
     ("info bad..id//x", USAGE, ["bad..id//x", "Hub id"]),
     # generate
     ("generate --source /missing/a --target {T} --translator {FWD}", USAGE, ["--source", "/missing/a"]),
     ("generate --source {S} --target ./missing/b --translator {FWD}", USAGE, ["--target", "./missing/b"]),
     ("generate --translator /missing/t.safetensors", USAGE, ["--translator", "/missing/t.safetensors"]),
-    ("generate --translator {junk}", USAGE, ["--translator", "junk.safetensors", "truncated"]),
+    ("generate --translator {junk}", FAILURE, ["junk.safetensors", "truncated"]),
     ("generate --translator {D}", USAGE, ["--translator", "a folder"]),
     ("generate --temp -1", USAGE, ["--temp", "-1"]),
     ("generate --top-p 1.5", USAGE, ["--top-p", "1.5"]),
@@ -67,7 +68,7 @@ CASES = [
     ("translate --prompt hi -o {D}/no/such/dir/out.safetensors", USAGE, ["--output", "no/such/dir"]),
     ("translate --prompt hi -o {D}", USAGE, ["--output", "{D}"]),
     ("translate --prompt-cache-file /missing/cache.safetensors -o {D}/o.safetensors", USAGE, ["--prompt-cache-file", "/missing/cache.safetensors"]),
-    ("translate --prompt-cache-file {junk} -o {D}/o.safetensors", USAGE, ["--prompt-cache-file", "junk.safetensors", "truncated"]),
+    ("translate --prompt-cache-file {junk} -o {D}/o.safetensors", FAILURE, ["junk.safetensors", "damaged file"]),
     # eval
     ("eval --data /missing/data.jsonl", USAGE, ["--data", "/missing/data.jsonl"]),
     ("eval --source {S} --target {T} --translator {FWD} --data {bad_jsonl}", FAILURE, ["bad.jsonl:2"]),

@@ -67,7 +67,7 @@ def test_demo_runs_with_no_arguments():
 
     out = CliRunner().invoke(cli, ["generate", "-m", "12"])
     assert out.exit_code == 0, out.output
-    assert "translation" in out.output and len(out.output.split("\n")[0].strip()) > 0
+    assert "translated" in out.output and len(out.output.split("\n")[0].strip()) > 0
 
 
 def test_eval_on_demo_defaults(tmp_path):

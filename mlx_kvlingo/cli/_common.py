@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from mlx_kvlingo.cli._params import ModelSpec, TranslatorSpec
+from mlx_kvlingo.config import AUTO_THRESHOLD, MODES, READERS, ReaderPolicy
 from mlx_kvlingo.data.examples import DataConfig
 from mlx_kvlingo.models.demo import DEMO_PAIRS
 
@@ -29,7 +30,7 @@ translator_option = click.option("--translator", type=TranslatorSpec(),
 
 def pair_options(f):
     """--small --large --translator --pair."""
-    return _options([source_option, target_option, translator_option, pair_option], f)
+    return with_options([source_option, target_option, translator_option, pair_option], f)
 
 
 @contextmanager
@@ -47,7 +48,7 @@ def progress_bar(label: str, console=None) -> Iterator[Callable[..., None]]:
         )
 
 
-def _options(opts: list, f):
+def with_options(opts: list, f):
     """`f` under the click options `opts`, the first shown first."""
     for opt in reversed(opts):
         f = opt(f)
@@ -87,7 +88,8 @@ def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:
 
 
 def data_options(*, required=True, help=None, heldout_fraction=0.1, max_examples=True):
-    """--data and the example-drawing options shared by calibrate, eval and compare."""
+    """--data (`data_path`) and the example-drawing options, collected into one argument `data`:
+    their `DataConfig`."""
     opts = [
         click.option("--data", "data_path", required=required, type=click.Path(exists=True),
                      help=help or "Text files, JSONL records ({'messages': [...]} chats or "
@@ -103,28 +105,26 @@ def data_options(*, required=True, help=None, heldout_fraction=0.1, max_examples
         opts.insert(5, click.option("--max-examples", type=click.IntRange(1), default=None,
                                     help="Training examples to draw at most"))  # fmt: skip
 
+    keys = ("min_prefix", "max_prefix", "continuation", "heldout_fraction", "seed", "max_examples")
+
     def decorate(f):
         @functools.wraps(f)
         def checked(*args, **kw):
-            if kw["min_prefix"] > kw["max_prefix"]:
-                raise click.BadParameter(
-                    f"{kw['min_prefix']} is above --max-prefix {kw['max_prefix']}",
-                    param_hint="--min-prefix",
-                )
-            return f(*args, **kw)
+            data = DataConfig(*[kw.pop(k, None) for k in keys])
+            if data.min_prefix > data.max_prefix:
+                problem = f"{data.min_prefix} is above --max-prefix {data.max_prefix}"
+                raise click.BadParameter(problem, param_hint="--min-prefix")
+            return f(*args, data=data, **kw)
 
-        return _options(opts, checked)
+        return with_options(opts, checked)
 
     return decorate
 
 
-def data_config(kw) -> DataConfig:
-    return DataConfig(kw["min_prefix"], kw["max_prefix"], kw["continuation"],
-                      kw["heldout_fraction"], kw["seed"], kw.get("max_examples"))  # fmt: skip
-
-
 def sampling_options(f):
-    """--temp --top-p --top-k --min-p --repetition-penalty --repetition-context-size --seed."""
+    """--temp --top-p --top-k --min-p --repetition-penalty --repetition-context-size --seed,
+    collected into one argument `sampling`: those given, as `stream_generate` keywords (those
+    not given are the answering model's defaults)."""
     opts = [
         click.option("--temp", type=click.FloatRange(0), default=None,
                      help="Temperature; 0 is greedy [default: the model's generation_config.json, else 0.7]"),
@@ -141,13 +141,14 @@ def sampling_options(f):
         click.option("--seed", type=click.IntRange(0), default=None,
                      help="Seed MLX's generator (reproducible answers)"),
     ]  # fmt: skip
-    return _options(opts, f)
+    keys = "temp top_p top_k min_p repetition_penalty repetition_context_size seed".split()
 
+    @functools.wraps(f)
+    def wrapper(*args, **kw):
+        given = {k: kw.pop(k) for k in keys}
+        return f(*args, sampling={k: v for k, v in given.items() if v is not None}, **kw)
 
-def sampling_settings(kw: dict) -> dict:
-    """The sampling options given (`sampling_options`), as `stream_generate` keywords; those not
-    given are left out: the answering model's defaults."""
-    return {k: v for k, v in kw.items() if v is not None}
+    return with_options(opts, wrapper)
 
 
 def content_texts(data_path) -> list[str]:
@@ -161,17 +162,46 @@ def content_texts(data_path) -> list[str]:
     return read_texts(data_path)
 
 
-def policy_options(f):
-    """--reader --reader-min-tokens --large-reads-last --recompute
-    --min-retention --translate-ahead, collected into one argument `policy(pair)`: the
-    `ReaderPolicy` for the loaded pair (the library's defaults; no recompute unless given with
-    a pipelined large model, which cannot)."""
-    from dataclasses import replace
+def reading_options(f):
+    """--large-reads-last --recompute, collected into one argument `reading`: those given (how
+    the large model reads a turn the small one read for it), as `ReaderPolicy` keywords."""
+    d = ReaderPolicy()
+    opts = [
+        click.option("--large-reads-last", type=click.IntRange(1), default=None,
+                     help="When the small model reads a turn, the large one still reads its last "
+                          f"this many tokens itself; 1: the last token [default: {d.large_reads_last}]"),
+        click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
+                     help="When the small model reads a turn, the large one also recomputes this "
+                          "share of it (capped on long turns), the sentences its reading of the "
+                          f"turn's end attended to most; 0: none [default: {d.recompute_share:g}; "
+                          "chat and serve: 0 with a pipelined large model]"),
+    ]  # fmt: skip
 
-    from mlx_kvlingo.config import READERS, ReaderPolicy
+    @functools.wraps(f)
+    def wrapper(*args, large_reads_last, recompute_share, **kw):
+        given = {"large_reads_last": large_reads_last, "recompute_share": recompute_share}
+        return f(*args, reading={k: v for k, v in given.items() if v is not None}, **kw)
+
+    return with_options(opts, wrapper)
+
+
+def conversation_options(f):
+    """--backward-translator --mode --auto-threshold, and --reader --reader-min-tokens
+    --min-retention --translate-ahead `reading_options` collected into one argument
+    `policy(pair)`: the `ReaderPolicy` for the loaded pair (the library's defaults; no recompute
+    unless given with a pipelined large model, which cannot)."""
+    from dataclasses import replace
 
     d = ReaderPolicy()
     opts = [
+        click.option("--backward-translator", type=TranslatorSpec(),
+                     help="Large -> small translator (default: the demo's, if any); without one, "
+                          "switching back to small re-reads"),
+        click.option("--mode", type=click.Choice(MODES), default="alternation", show_default=True,
+                     help="How a model catches up on the turns it did not see"),
+        click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
+                     help="auto (/auto): the large model answers again when the small answer's "
+                          "mean token log-prob is below this"),
         click.option("--reader", type=click.Choice(READERS), default=None,
                      help="Who reads your turn before the large model answers [default: auto with "
                           "a forward translator]"),
@@ -179,15 +209,6 @@ def policy_options(f):
                      show_default=True,
                      help="Reader tokens (and auto on a tie): later turns shorter than this are "
                           "read by the large model itself"),
-        click.option("--large-reads-last", type=click.IntRange(1), default=d.large_reads_last,
-                     show_default=True,
-                     help="When the small model reads your turn, the large one still reads its "
-                          "last this many tokens itself; 1: the last token"),
-        click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
-                     help="When the small model reads your turn, the large one also recomputes "
-                          "this share of it (capped on long turns), the sentences its reading of "
-                          f"the turn's end attended to most; 0: none; default "
-                          f"{d.recompute_share:g}, 0 with a pipelined large model"),
         click.option("--min-retention", type=click.FloatRange(0, 1), default=d.min_retention,
                      show_default=True,
                      help="Reader auto: the small path only where this translator is measured to "
@@ -198,16 +219,16 @@ def policy_options(f):
                      help="While the small model answers, translate for the large one within "
                           "10% of its decode time (/escalate, /auto)"),
     ]  # fmt: skip
-    keys = ("reader", "reader_min_tokens", "large_reads_last", "min_retention", "translate_ahead")
+    keys = ("reader", "reader_min_tokens", "min_retention", "translate_ahead")
 
     @functools.wraps(f)
-    def wrapper(*args, **kw):
-        share = kw.pop("recompute_share")
-        base = ReaderPolicy(**{k: kw.pop(k) for k in keys})
+    def wrapper(*args, reading, **kw):
+        share = reading.pop("recompute_share", None)
+        base = ReaderPolicy(**reading, **{k: kw.pop(k) for k in keys})
         if share is None:
             kw["policy"] = lambda pair: replace(base, recompute_share=0.0) if pair.link else base
         else:
             kw["policy"] = lambda pair: replace(base, recompute_share=share)
         return f(*args, **kw)
 
-    return _options(opts, wrapper)
+    return with_options(opts, reading_options(wrapper))

@@ -1,9 +1,10 @@
-"""Parameter types that refuse a bad value before any model loads, naming the option (what
-slips past them `errors.py` maps to one line)."""
+"""Parameter types that refuse a bad value before any model loads, naming the option (exit
+status 2). They judge the value as typed (a path that exists, of the right kind; a well-formed
+Hub id); a file's content, or a Hub id not to be had, is refused where it is read, by
+`errors.py` (exit status 1)."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -15,52 +16,16 @@ def looks_like_path(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~", ".\\", "..\\")) or value in (".", "..")
 
 
-def _safetensors_problem(path: Path) -> str | None:
-    """Why the safetensors file `path` cannot be read (header and length only), or None."""
-    from mlx_kvlingo.models.files import read_header
-
-    try:
-        read_header(path, ValueError, "safetensors")
-    except ValueError as e:
-        return str(e)
-    return None
-
-
-def model_folder_problem(folder: Path) -> str | None:
-    """Why `folder` is not a model folder mlx-lm can load, or None."""
-    if not folder.is_dir():
-        return f"{folder} is a file, not a model folder (config.json and *.safetensors)"
-    config = folder / "config.json"
-    if not config.is_file():
-        return f"{folder} is not a model folder: it has no config.json"
-    try:
-        parsed = json.loads(config.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        return f"{config}: not valid JSON ({e}); a damaged or incomplete download?"
-    if not isinstance(parsed, dict) or "model_type" not in parsed:
-        return f"{config}: not a model configuration (no model_type)"
-    weights = sorted(folder.glob("*.safetensors"))
-    if not weights:
-        return f"{folder} is not a model folder: it has no weights (*.safetensors)"
-    return next(filter(None, map(_safetensors_problem, weights)), None)
-
-
-def hub_id_problem(value: str) -> str | None:
-    """Why `value` is not a usable Hub id (malformed; not cached while offline), or None."""
-    from huggingface_hub import constants, try_to_load_from_cache
+def hub_id(value: str) -> bool:
+    """`value` is a well-formed Hub id (org/name)."""
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
     try:
         validate_repo_id(value)
     except HFValidationError:
-        return f"{value}: no such folder, and not a Hub id (org/name)"
-    if constants.HF_HUB_OFFLINE:
-        cached = try_to_load_from_cache(value, "config.json")
-        if not isinstance(cached, str):
-            return (f"{value}: no such folder, and not in the Hub cache while HF_HUB_OFFLINE is "
-                    "set: download it once online, or give a local folder")  # fmt: skip
-    return None
+        return False
+    return True
 
 
 class ModelSpec(click.ParamType):
@@ -76,20 +41,19 @@ class ModelSpec(click.ParamType):
         if ctx is not None and ctx.params.get("demo_pair", "dense") != "dense":
             raise click.UsageError("--pair chooses a demo pair: not with --small/--large", ctx)
         path = Path(value).expanduser()
-        if path.exists():
-            problem = model_folder_problem(path)
-        elif looks_like_path(value):
-            problem = f"{value}: no such folder"
-        else:
-            problem = hub_id_problem(value)
-        if problem:
+        if path.is_file():
+            problem = f"{value} is a file, not a model folder (config.json and *.safetensors)"
             self.fail(problem, param, ctx)
+        if not path.exists() and looks_like_path(value):
+            self.fail(f"{value}: no such folder", param, ctx)
+        if not path.exists() and not hub_id(value):  # a Hub id's files: judged where fetched
+            self.fail(f"{value}: no such folder, and not a Hub id (org/name)", param, ctx)
         return value
 
 
 class TranslatorSpec(click.ParamType):
     """A translator: a .safetensors file, a Hub id org/name[@revision][:file], or (with a demo
-    pair) a demo translator's name. A file is checked here; the rest when the pair loads."""
+    pair) a demo translator's name, judged when the pair loads."""
 
     name = "translator"
 
@@ -99,29 +63,8 @@ class TranslatorSpec(click.ParamType):
         path = Path(value).expanduser()
         if path.is_dir():
             self.fail(f"{value} is a folder, not a translator file (.safetensors)", param, ctx)
-        if path.is_file():
-            from mlx_kvlingo.models.files import TranslatorFileError, read_header
-
-            try:
-                read_header(path)
-            except TranslatorFileError as e:
-                self.fail(str(e), param, ctx)
-        elif looks_like_path(value):
+        if not path.exists() and looks_like_path(value):
             self.fail(f"{value}: no such file", param, ctx)
-        return value
-
-
-class SafetensorsFile(click.Path):
-    """An existing safetensors file whose header and length are whole (a prompt cache)."""
-
-    def __init__(self, **kw):
-        super().__init__(exists=True, dir_okay=False, **kw)
-
-    def convert(self, value, param, ctx):
-        value = super().convert(value, param, ctx)
-        problem = _safetensors_problem(Path(os.fsdecode(value)))
-        if problem:
-            self.fail(problem, param, ctx)
         return value
 
 

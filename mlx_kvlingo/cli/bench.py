@@ -4,7 +4,9 @@ a conversation under several policies, or a start against mlx-lm's."""
 
 from __future__ import annotations
 
-from mlx_kvlingo.cli._common import pair_options
+import functools
+
+from mlx_kvlingo.cli._common import pair_options, reading_options
 from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, NumberList, OutputFolder
 from mlx_kvlingo.config import POLICIES, ReaderPolicy
 from mlx_kvlingo.eval.presets import PRESETS
@@ -61,22 +63,14 @@ def default_lengths() -> tuple[int, ...]:
 @click.option("--policies", type=ChoiceList(POLICIES), default=",".join(POLICIES),
               help="--conversation: comma-separated policies to run [default: all] of: large "
               "reads, small reads, auto reads, cascade, cascade+ahead")  # fmt: skip
-@click.option("--large-reads-last", default=ReaderPolicy().large_reads_last, show_default=True,
-              type=click.IntRange(1),
-              help="--conversation: where the small model reads, the large one still reads the "
-              "turn's last this many tokens itself (as `kvlingo chat`); 1: the last token only")  # fmt: skip
-@click.option("--recompute", "recompute_share", default=ReaderPolicy().recompute_share,
-              show_default=True, type=click.FloatRange(0, 1),
-              help="--conversation: and recomputes this share of the translated turn (as "
-              "`kvlingo chat`)")  # fmt: skip
+@reading_options
 @click.option("--startup", is_flag=True,
               help="Time a start to the first token in fresh processes (-n of each, alternating): "
               "load with the rates reused, on a new cache folder, and mlx-lm's load of the same "
               "target")  # fmt: skip
 def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, trials, warmup, out,
               max_minutes, moe_loop, seed, dtype, no_progress, conversation, turns,
-              user_lengths, answer_tokens, escalation_rate, policies, large_reads_last,
-              recompute_share, startup):  # fmt: skip
+              user_lengths, answer_tokens, escalation_rate, policies, reading, startup):  # fmt: skip
     """Time to first token: the target re-prefills, the source prefills and the cache is
     translated (switch), or speculative prefill. Writes a markdown table, JSON with every trial,
     and a TTFT plot."""
@@ -89,8 +83,7 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
     import mlx.core as mx
     from rich.console import Console
 
-    def log(msg):
-        click.echo(msg, err=True)
+    log = functools.partial(click.echo, err=True)
 
     if startup and conversation:
         raise click.UsageError("--startup and --conversation are separate runs")
@@ -105,18 +98,16 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
                                                  trials=trials, log=log)  # fmt: skip
         return _show(startup_bench.write_outputs(result, out), log)
     dtype = dtype if dtype == "auto" else getattr(mx, dtype)
-    pair, tr, info, backward = _load(
-        preset, demo_pair, source, target, translator, dtype, seed, log
-    )
+    pair, tr, info, back = _load(preset, demo_pair, source, target, translator, dtype, seed, log)
     if conversation:
         from mlx_kvlingo.eval import conversation_bench as cb
 
-        policy = ReaderPolicy(large_reads_last=large_reads_last, recompute_share=recompute_share)
+        policy = ReaderPolicy(**reading)
         cfg = cb.ConversationBenchConfig(turns=turns, user_lengths=user_lengths,
                                          answer_tokens=answer_tokens, escalation_rate=escalation_rate,
                                          seed=seed, policies=policies, warmup=warmup > 0, policy=policy)  # fmt: skip
         with moe_cpu.per_expert_loop(moe_loop):
-            results = cb.run_conversation_bench(pair, tr, backward, cfg, log=log, info=info)
+            results = cb.run_conversation_bench(pair, tr, back, cfg, log=log, info=info)
         return _show(cb.write_outputs(results, out), log)
     bar = nullcontext() if no_progress else progress_bar("bench", Console(stderr=True))
     max_seconds = None if max_minutes is None else 60 * max_minutes
@@ -151,12 +142,8 @@ def _load(preset, demo_pair, source, target, translator, dtype, seed, log):
         if dtype != "auto":
             tr.set_dtype(dtype)
         log("no --translator: timing a random translator of the pair's geometry (latency only)")
-        return (
-            pair,
-            tr,
-            {"translator_weights": "random (latency only: no --translator given)"},
-            None,
-        )
+        info = {"translator_weights": "random (latency only: no --translator given)"}
+        return pair, tr, info, None
     if dtype != "auto":
         raise click.UsageError(
             "--dtype applies to presets and --source/--target without --translator"

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from mlx_kvlingo.cli._common import content_texts, data_config, data_options, progress_bar
+from mlx_kvlingo.cli._common import content_texts, data_options, progress_bar
 from mlx_kvlingo.cli._params import ModelSpec, NumberList, OutputFile, OutputFolder
 from mlx_kvlingo.data.examples import load_examples, validate_data
 
@@ -39,8 +39,7 @@ from rich.console import Console
                    "prediction of each token; default on without --data")  # fmt: skip
 @click.option("--kv-weight", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Add this times the relative L1 error between the translated and the "
-                   "target's own K/V to stage 2's loss (KV Prediction's cache term): keeps the "
-                   "continuation figures while content examples train; 1.0 for the demo's")  # fmt: skip
+                   "target's own K/V to stage 2's loss (KV Prediction's cache term)")  # fmt: skip
 @click.option("-o", "--output", required=True, type=OutputFile())
 @click.option("--variant", type=click.Choice(["mixing", "headwise"]), default="mixing",
               show_default=True)  # fmt: skip
@@ -52,8 +51,7 @@ from rich.console import Console
               help="Center inputs and fit a bias")  # fmt: skip
 @click.option("--alpha", type=click.FloatRange(0), default=1e-3, show_default=True,
               help="Stage-1 ridge strength, relative to the inputs' mean variance: lambda = alpha * "
-                   "trace(Cov(X)) / d. It shrinks the maps (1e-3 moves a known-answer pair's "
-                   "first-layer maps by ~5%); the report gives the training fit at alpha 0 beside it")  # fmt: skip
+                   "trace(Cov(X)) / d; the report gives the training fit at alpha 0 beside it")  # fmt: skip
 @click.option("--prior", default="zero", show_default=True,
               help="What the stage-1 ridge shrinks toward: zero, identity (same KV heads and head "
                    "sizes: the nearest-by-depth layer copied) or a translator file (e.g. a related "
@@ -83,7 +81,7 @@ from rich.console import Console
 def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_weight, output, variant, nu,
                   key_cut, bias, alpha, prior, alpha_grid, patience, reader_share, layer_map,
                   init, steps, lr, warmup, accumulate, eval_every, eval_examples,
-                  checkpoint_dir, resume, dtype, **kw):  # fmt: skip
+                  checkpoint_dir, resume, dtype, data_path, data):  # fmt: skip
     """Fit a translator SOURCE -> TARGET (on your data, or with none); swap the two for the
     other direction."""
     from mlx_kvlingo.calibrate.closed_form import Stage1Config, fit_closed_form
@@ -93,7 +91,7 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
     from mlx_kvlingo.models.loading import load_models_and_translators
 
     console = Console(stderr=True)
-    no_data = kw["data_path"] is None
+    no_data = data_path is None
     content_n = (240 if no_data else 0) if content_n is None else content_n
     gain_weights = no_data if gain_weights is None else gain_weights
     if checkpoint_dir is None and no_data:  # a long run: resumable by default
@@ -101,18 +99,18 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
     if no_data:
         from mlx_kvlingo.calibrate.content_data import write_shipped_data
 
-        kw["data_path"] = str(write_shipped_data())
-    validate_data(kw["data_path"])  # before loading any model
+        data_path = str(write_shipped_data())
+    validate_data(data_path)  # before loading any model
     dtype = {"auto": "auto", "stored": None}.get(dtype, getattr(mx, dtype, None))
     pair, init_tr, _ = load_models_and_translators(source, target, init, dtype=dtype)
-    dcfg = replace(data_config(kw), reply_spans=reader_share > 0)
-    train, held = load_examples(kw["data_path"], pair.tokenizer, dcfg)
-    console.print(f"{len(train)} training and {len(held)} held-out examples from {kw['data_path']}")
+    dcfg = replace(data, reply_spans=reader_share > 0)
+    train, held = load_examples(data_path, pair.tokenizer, dcfg)
+    console.print(f"{len(train)} training and {len(held)} held-out examples from {data_path}")
     content = []
     if content_n or no_data:
         content, held_content = _content_examples(
-            pair, console, content_n, content_lengths, kw["seed"], checkpoint_dir, steps,
-            accumulate, [] if init else train, train, held, None if no_data else kw["data_path"],
+            pair, console, content_n, content_lengths, data.seed, checkpoint_dir, steps,
+            accumulate, [] if init else train, train, held, None if no_data else data_path,
         )  # fmt: skip
         # stage 2's early stopping sees content too: a held-out KL of generic text alone
         # would keep the translator that drops what was read
@@ -132,16 +130,23 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
         with progress_bar("stage 1: accumulating", console) as progress:
             tr = fit_closed_form(pair, train, cfg, progress)
     cal = tr.config.metadata.setdefault("calibration", {})
-    cal.update(data=str(kw["data_path"]), data_config=dcfg.__dict__)
-    if not init:
-        console.print(fit_line(cal["stage1"]))
+    cal.update(data=str(data_path), data_config=dcfg.__dict__)
+
+    def heldout(stage: int) -> None:  # the held-out scores after `stage`, into the metadata
         if held_eval:
             with progress_bar("evaluating", console) as progress:
-                cal["stage1"]["heldout"] = result = evaluate(pair, tr, held_eval, progress)
-            console.print(table(result, "after stage 1"))
+                cal[f"stage{stage}"]["heldout"] = result = evaluate(pair, tr, held_eval, progress)
+            console.print(table(result, f"after stage {stage}"))
+
+    if not init:  # stage 1's training fit at the chosen alpha, the unregularized one beside it
+        s1 = cal["stage1"]
+        fits = [f"{kind} R² {r['r2_mean']:.4f} (alpha 0: {r.get('r2_mean_alpha0', r['r2_mean']):.4f})"
+                for kind, r in s1.get("train_fit", {}).items()]  # fmt: skip
+        console.print(f"stage 1 fit on training data, alpha {s1.get('alpha')}: " + " · ".join(fits))
+        heldout(1)
     if steps:
         s2 = Stage2Config(steps, lr, warmup, accumulate=accumulate, eval_every=eval_every,
-                          eval_examples=min(16, eval_examples), seed=kw["seed"], patience=patience,
+                          eval_examples=min(16, eval_examples), seed=data.seed, patience=patience,
                           reader_share=reader_share, gain_weights=gain_weights, kv_weight=kv_weight)  # fmt: skip
         try:
             with progress_bar("stage 2", console) as progress:
@@ -151,21 +156,11 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
             raise click.ClickException(
                 f"interrupted; checkpoint kept in {checkpoint_dir}"
             ) from None
-        if held_eval:
-            with progress_bar("evaluating", console) as progress:
-                cal["stage2"]["heldout"] = result = evaluate(pair, tr, held_eval, progress)
-            console.print(table(result, "after stage 2"))
+        heldout(2)
     save_translator(tr, output, pair)
     console.print(f"wrote {output}")
     if no_data:  # what the user got: can the target use what the source read?
         _content_report(pair, tr, console)
-
-
-def fit_line(stage1: dict) -> str:
-    """Stage 1's training fit at the chosen alpha, with the unregularized fit beside it."""
-    parts = [f"{kind} R² {r['r2_mean']:.4f} (alpha 0: {r.get('r2_mean_alpha0', r['r2_mean']):.4f})"
-             for kind, r in stage1.get("train_fit", {}).items()]  # fmt: skip
-    return f"stage 1 fit on training data, alpha {stage1.get('alpha')}: " + " · ".join(parts)
 
 
 def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, accumulate, stage1,

@@ -13,14 +13,11 @@ from typing import TYPE_CHECKING
 
 from mlx_kvlingo.cli import _distributed as dist
 from mlx_kvlingo.cli._common import (
+    conversation_options,
     pair_options,
-    policy_options,
     progress_bar,
     sampling_options,
-    sampling_settings,
 )
-from mlx_kvlingo.cli._params import TranslatorSpec
-from mlx_kvlingo.config import AUTO_THRESHOLD, MODES
 
 import click
 from rich.console import Console
@@ -109,8 +106,7 @@ class ChatApp:
         import mlx.core as mx
 
         mx.reset_peak_memory()
-        speaker = None
-        done = None
+        speaker = done = None
         try:
             for r in events:
                 self.progress(0, 0)  # the reading is over: clear its progress bar
@@ -158,15 +154,11 @@ class ChatApp:
         cascade = self.auto and not escalate
         what = {"escalate": True} if escalate else {"prompt": text, "model": "auto" if cascade else self.next}  # fmt: skip
         try:
-            self.stream(self.conv.send(**what, **self.sample()), cascade=cascade)
+            kw = {"max_tokens": self.max_tokens, **self.sampling, "auto_threshold": self.threshold}
+            events = self.conv.send(**what, **kw, prompt_progress_callback=self.progress)
+            self.stream(events, cascade=cascade)
         except ConversationError as e:
             self.error(str(e))
-
-    def sample(self) -> dict:
-        """The answer's keywords: max tokens, the sampling settings given, the cascade's
-        threshold and the reading progress."""
-        return {"max_tokens": self.max_tokens, **self.sampling, "auto_threshold": self.threshold,
-                "prompt_progress_callback": self.progress}  # fmt: skip
 
     def progress(self, done: int, total: int) -> None:
         """mlx-lm's prompt progress callback: a bar while a turn of `PROGRESS_MIN_TOKENS` or more
@@ -217,21 +209,14 @@ class ChatApp:
                 from prompt_toolkit import PromptSession
 
                 self._editor = PromptSession()
-        if self._editor:
-            return self._editor.prompt(f"[{tag}] > ")
-        return input(f"[{tag}] > ")
+        return (self._editor.prompt if self._editor else input)(f"[{tag}] > ")
 
     def run(self) -> None:
         while True:
             try:
-                line = self.prompt()
-            except (EOFError, KeyboardInterrupt):
-                sys.stdout.write("\n")
-                break
-            try:
-                if not self.handle(line):
+                if not self.handle(self.prompt()):
                     break
-            except KeyboardInterrupt:  # outside a generation: a second Ctrl-C exits
+            except (EOFError, KeyboardInterrupt):  # Ctrl-D; Ctrl-C outside a generation exits
                 sys.stdout.write("\n")
                 break
         self.say("bye")
@@ -337,13 +322,13 @@ def print_stats(app: ChatApp) -> None:
     app.console.print(t)
 
 
-def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> None:
+def print_banner(app: ChatApp, forward: str, backward: str, loaded: str | None = None) -> None:
     """The opening lines: both models, the translators and the settings of the chat."""
     rows = [
         ("small", app.names["small"]),
         ("large", app.names["large"]),
-        ("small -> large", translators["forward"]),
-        ("large -> small", translators["backward"]),
+        ("small -> large", forward),
+        ("large -> small", backward),
         ("mode", app.conv.mode),
         ("reader", f"{app.conv.policy.reader} ({describe_reader(app.conv)})"),
         ("answers", app.next),
@@ -362,37 +347,26 @@ def print_banner(app: ChatApp, translators: dict, loaded: str | None = None) -> 
 
 @click.command("chat")
 @pair_options
-@click.option("--backward-translator", type=TranslatorSpec(),
-              help="Large -> small translator; without one, switching back to small re-prefills")  # fmt: skip
 @click.option("--system-prompt", default=None, help="System message for the chat template")
 @click.option("-m", "--max-tokens", type=click.IntRange(1), default=256, show_default=True,
               help="Tokens per answer")  # fmt: skip
 @sampling_options
 @click.option("--max-kv-size", type=click.IntRange(1), default=None,
               help="Context limit in tokens for both models (refuses beyond it; /trim)")  # fmt: skip
-@click.option("--mode", type=click.Choice(MODES), default="alternation", show_default=True)
 @click.option("--answer", type=click.Choice(["small", "large"]), default="large", show_default=True,
               help="Which model answers (the small one reads for the large one; /small, /large)")  # fmt: skip
-@policy_options
+@conversation_options
 @click.option("--warmup/--no-warmup", default=True, show_default=True,
               help="Before the first prompt, measure the pair's rates for reader auto, running "
                    "each path once (later starts reuse them from the cache folder and read "
                    "once per model)")  # fmt: skip
-@click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
-              help="/auto escalates when the small answer's mean token log-prob is below this")  # fmt: skip
-@dist.distributed_option
-@dist.wire_option
+@dist.options
 def chat_cmd(source, target, translator, demo_pair, backward_translator, system_prompt, max_tokens,
-             max_kv_size, mode, answer, policy, warmup, auto_threshold,
-             **sampling):  # fmt: skip
+             sampling, max_kv_size, mode, answer, policy, warmup, auto_threshold, distributed,
+             wire):  # fmt: skip
     """Chat with the pair: the large model answers, the small one reads for it (/small, /large)."""
-    import time
-
     from mlx_kvlingo.api import Conversation
 
-    t0 = time.perf_counter()
-    distributed, wire = sampling.pop("distributed"), sampling.pop("wire")
-    settings = sampling_settings(sampling)
     console = Console(highlight=False)
     if not dist.wanted(distributed):
         console.print("[grey50]loading models...[/grey50]")
@@ -400,19 +374,18 @@ def chat_cmd(source, target, translator, demo_pair, backward_translator, system_
         source, target, translator, backward_translator, demo_pair, distributed, wire
     )
     pipelined = pair.link is not None
-    back = backward_translator or ("demo" if pair.backward is not None
-                                   else "none: switching back re-reads")  # fmt: skip
     conv = Conversation(
         pair, max_kv_size, system_prompt=system_prompt, mode=mode, policy=policy(pair)
     )
-    app = ChatApp(conv, max_tokens=max_tokens, sampling=settings, auto_threshold=auto_threshold,
+    app = ChatApp(conv, max_tokens=max_tokens, sampling=sampling, auto_threshold=auto_threshold,
                   console=console, first=answer)  # fmt: skip
     loaded = None
     if warmup and not pipelined:
         console.print("[grey50]warming up (this pair's read rates)...[/grey50]")
-        w = pair.warm_up(**settings)
-        loaded = f"{time.perf_counter() - t0:.1f} s (warm-up {w:.1f} s, {pair.rates_note})"
-    print_banner(app, {"forward": translator or "demo", "backward": back}, loaded)
+        w = pair.warm_up(**sampling)
+        loaded = f"{pair.load_s + w:.1f} s (warm-up {w:.1f} s, {pair.rates_note})"
+    back = "demo" if pair.backward is not None else "none: switching back re-reads"
+    print_banner(app, translator or "demo", backward_translator or back, loaded)
     if pipelined:
         app.say(f"  {dist.describe(pair)} · /save and /load are not available")
     with dist.rank_errors():

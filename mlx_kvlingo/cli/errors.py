@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import sys
 import traceback
@@ -30,15 +29,6 @@ _FILE_SUFFIXES = {".json", ".jsonl", ".safetensors", ".gguf", ".npz", ".txt", ".
 def one_line(text: object) -> str:
     """`text` with every run of whitespace (newlines included) as one space."""
     return " ".join(str(text).split())
-
-
-def debugging(ctx: click.Context | None = None) -> bool:
-    """--debug on the group, or KVLINGO_DEBUG set (to anything but 0, false, no, off)."""
-    ctx = ctx or click.get_current_context(silent=True)
-    root = ctx.find_root() if ctx is not None else None
-    if root is not None and root.params.get("debug"):
-        return True
-    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 class OneLineUsageError(click.UsageError):
@@ -95,17 +85,11 @@ def _os_message(e: OSError) -> str:
 
 
 def _hub_message(e: Exception) -> str:
+    """`models.hub.explain` naming the Hub id: a string local `repo_id` in the frames `e` passed
+    through, innermost first (a malformed id `ModelSpec` refuses before)."""
     from mlx_kvlingo.models.hub import explain
 
-    from huggingface_hub import errors
-
-    # the Hub id: a string local `repo_id` in the frames it passed through, innermost first
     repo = next((v for f in _frames(e) if isinstance(v := f.f_locals.get("repo_id"), str)), None)
-    if isinstance(e, errors.HFValidationError):
-        quoted = re.findall(r"'([^']*)'", str(e))
-        value = quoted[-1] if quoted else repo or "?"
-        return (f"{value}: no such file or folder, and not a Hub id (org/name): check the path, "
-                "or give a Hub id")  # fmt: skip
     return explain(e, repo or "the Hub repository") or one_line(e)
 
 
@@ -143,32 +127,24 @@ def message(e: BaseException) -> str | None:
     return None
 
 
-def explain(e: BaseException) -> click.ClickException | None:
-    """`e` as a one-line click error (usage errors keep exit status 2), or None."""
-    text = message(e)
-    if text is None:
-        return None
-    if isinstance(e, click.UsageError):
-        return OneLineUsageError(text, e.ctx)
-    out = click.ClickException(text)
-    out.exit_code = getattr(e, "exit_code", 1) if isinstance(e, click.ClickException) else 1
-    return out
-
-
 @contextlib.contextmanager
 def user_errors(ctx: click.Context | None = None) -> Iterator[None]:
     """Errors the user caused as one-line click errors (with --debug, their tracebacks too)."""
     try:
         yield
     except Exception as e:
-        if debugging(ctx):
+        if ctx is not None and ctx.find_root().params.get("debug"):  # --debug or KVLINGO_DEBUG
             if not isinstance(e, click.ClickException):
                 raise  # the whole traceback
             cause = e.__cause__ or e.__context__
             if cause is not None:  # a command's `raise ClickException(...) from None`
                 traceback.print_exception(type(cause), cause, cause.__traceback__)
                 sys.stderr.flush()
-        mapped = explain(e)
-        if mapped is None:
+        text = message(e)
+        if text is None:
             raise
-        raise mapped from e
+        if isinstance(e, click.UsageError):  # exit status 2
+            raise OneLineUsageError(text, e.ctx) from e
+        out = click.ClickException(text)
+        out.exit_code = e.exit_code if isinstance(e, click.ClickException) else 1
+        raise out from e

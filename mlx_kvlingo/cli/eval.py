@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mlx_kvlingo.cli._common import (
     content_texts,
-    data_config,
     data_options,
     pair_options,
     progress_bar,
+    reading_options,
     resolve_pair,
 )
 from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, NumberList, OutputFile
@@ -45,18 +47,13 @@ from rich.console import Console
               help="--task content: the task kinds, comma-separated (also: facts, three facts with one asked)")  # fmt: skip
 @click.option("--plot", "plot_out", type=OutputFile(),
               help="--task content: write the per-length plot here (PNG)")  # fmt: skip
-@click.option("--large-reads-last", "tail", type=click.IntRange(1), default=None,
-              help="--task content: the chat condition's tail, the prompt's last tokens the "
-                   "large model reads itself [default: the chat's, 32]")  # fmt: skip
-@click.option("--recompute", "share", type=click.FloatRange(0, 1), default=None,
-              help="--task content: the chat condition's recompute share [default: the "
-                   "chat's, 0.1]")  # fmt: skip
+@reading_options
 @click.option("--specprefill", "keeps", default="", type=KEPT_SHARES, metavar="SHARES",
               help="--task content: also run the peer that drops tokens, speculative prefill "
                    "(the small model's look-ahead picks 32-token chunks, the large model reads "
                    "only those), at these kept shares, e.g. 0.1,0.2,0.3")  # fmt: skip
 def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_out, task, lengths,
-             per_kind, kinds, plot_out, tail, share, keeps, **kw):  # fmt: skip
+             per_kind, kinds, plot_out, reading, keeps, data):  # fmt: skip
     """Score the target on held-out continuations under every cache condition, or (--task
     content) on what it can use of what was read."""
     from mlx_kvlingo.eval import report
@@ -68,15 +65,15 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
 
         texts = content_texts(data_path)  # before loading any model
         pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
-        seed = kw["seed"]
+        seed = data.seed
         tasks = c.fitting_tasks(pair, texts, lengths, per_kind, seed=seed, kinds=kinds)
         console.print(f"[grey50]{len(tasks)} content tasks ({per_kind} per kind and length, seed "
                       f"{seed}); the target answers natively first, then from the translated "
                       f"cache; greedy[/grey50]")  # fmt: skip
         # both through the chat's own hand-off: the whole turn translated (the large model reads
         # the last token only), and the chat's reading (its last tokens, then the recompute)
-        tail = c.Chat.tail if tail is None else tail
-        chat = c.Chat(tr, tail, c.Chat.share if share is None else share)
+        p = ReaderPolicy(**reading)
+        chat = c.Chat(tr, p.large_reads_last, p.recompute_share)
         conditions = {"translated": c.Chat(tr, 1, 0.0), "chat": chat,
                       **{f"specprefill {k:g}": c.Peer(k, seed) for k in keeps}}  # fmt: skip
         label = {"translator": translator or "demo default", "seed": seed, "lengths": list(lengths)}
@@ -90,8 +87,8 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         if plot_out:
             c.plot(result, plot_out)
         draw = f"data {data_path or 'demo'}, seed {seed}, kinds {','.join(kinds)}"
-        return _store_retention(pair, tr, chat, c.retention(result), draw, console)
-    if tail is not None or share is not None or plot_out is not None or keeps:
+        return _store_retention(pair, tr, p, c.retention(result), draw, console)
+    if reading or plot_out or keeps:
         raise click.UsageError("--large-reads-last, --recompute, --plot and --specprefill go "
                                "with --task content")  # fmt: skip
     if data_path is not None:
@@ -104,9 +101,8 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
     if data_path is None:  # the demo's held-out dialogues, never trained on
         from mlx_kvlingo.models.demo.pair import demo_data
 
-        data_path = demo_data()[1]
-        kw["heldout_fraction"] = 1.0
-    _, held = load_examples(data_path, pair.tokenizer, data_config({"data_path": data_path, **kw}))
+        data_path, data = demo_data()[1], replace(data, heldout_fraction=1.0)
+    _, held = load_examples(data_path, pair.tokenizer, data)
     if not held:
         raise click.ClickException(f"{data_path}: no examples to score; raise --heldout-fraction")
     with progress_bar("evaluating", console) as progress:
@@ -122,14 +118,13 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         report.write_json(result, json_out)
 
 
-def _store_retention(pair, tr, chat, counts, draw, console) -> None:
+def _store_retention(pair, tr, policy, counts, draw, console) -> None:
     """Add the chat condition's retention counts to those in the cache folder, where reader
     "auto" of this pair, translator and settings finds them (conversation/reader.py)."""
     from mlx_kvlingo.conversation import reader as kept
 
     if not counts:
         return
-    policy = ReaderPolicy(large_reads_last=chat.tail, recompute_share=chat.share)
     try:
         draws = kept.record_retention(kept.retention_key(pair, tr, policy), draw, counts)
     except OSError as e:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import platform
 import time
 
-from mlx_kvlingo._platform import blas as _blas
-from mlx_kvlingo._platform import cpu_memory as _cpu_memory
+from mlx_kvlingo._platform import blas, cpu_memory
 from mlx_kvlingo.cli._params import ModelSpec
 
 import click
@@ -33,9 +32,9 @@ def info_cmd(models):
     device = "Metal GPU" if mx.metal.is_available() else "CPU"
     console.print(f"mlx {mx.__version__} on {device} ({platform.system()} {platform.machine()})")
     if platform.system() == "Linux":
-        blas = _blas.loaded_path and f"OpenBLAS preloaded ({_blas.loaded_path})"
-        console.print(f"BLAS: {blas or f'no preload: {_blas.reason}'}")
-    if device == "CPU" and (state := _cpu_memory.tune()):
+        loaded = blas.loaded_path and f"OpenBLAS preloaded ({blas.loaded_path})"
+        console.print(f"BLAS: {loaded or f'no preload: {blas.reason}'}")
+    if device == "CPU" and (state := cpu_memory.tune()):
         console.print(
             f"memory reuse: malloc thresholds: {state['malloc']}; MLX buffer cache up "
             f"to {state['cache_limit'] / 2**20:.0f} MB"

@@ -9,15 +9,9 @@ import os
 import signal
 import sys
 
-from mlx_kvlingo.cli._common import demo_pair_of, pair_options, policy_options
-from mlx_kvlingo.cli._params import TranslatorSpec
-from mlx_kvlingo.config import AUTO_THRESHOLD, MODES
+from mlx_kvlingo.cli._common import conversation_options, demo_pair_of, pair_options
 
 import click
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _loopback(host: str) -> bool:
@@ -31,8 +25,6 @@ def _loopback(host: str) -> bool:
 
 @click.command("serve")
 @pair_options
-@click.option("--backward-translator", type=TranslatorSpec(),
-              help="Large -> small translator (default: the demo's, if any)")  # fmt: skip
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind; anything but loopback needs --api-key (or --insecure)")  # fmt: skip
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
@@ -50,11 +42,7 @@ def _loopback(host: str) -> bool:
               help="Requests that may wait behind the running one (503 beyond)")  # fmt: skip
 @click.option("--max-conversations", type=click.IntRange(0), default=8, show_default=True,
               help="Conversations held for prefix reuse, least recently used dropped first")  # fmt: skip
-@click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
-              help="auto: the large model re-answers below this mean token log-prob")  # fmt: skip
-@click.option("--mode", type=click.Choice(MODES), default="alternation", show_default=True,
-              help="How a model catches up on what it lacks")  # fmt: skip
-@policy_options
+@conversation_options
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
 @click.option("-v", "--verbose", is_flag=True, help="Log every request")
 def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, policy, insecure,
@@ -90,7 +78,7 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, 
     click.echo(f"serving on {server.url}{key} · models small, large, auto · Ctrl-C stops", err=True)
     # SIGTERM (kill, systemd, docker stop) stops as Ctrl-C does: running and waiting requests
     # are told the server is shutting down instead of losing their connection mid-answer
-    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         server.serve_forever()  # closes the server and its requests on the way out
     except KeyboardInterrupt:

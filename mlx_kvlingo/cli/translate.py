@@ -6,28 +6,20 @@ import json
 from pathlib import Path
 
 from mlx_kvlingo._platform.atomic import atomic_write
-from mlx_kvlingo.cli._common import (
-    refuse_long_prompt,
-    resolve_pair,
-    source_option,
-    target_option,
-    translator_option,
-)
-from mlx_kvlingo.cli._params import OutputFile, SafetensorsFile
+from mlx_kvlingo.cli._common import pair_options, refuse_long_prompt, resolve_pair
+from mlx_kvlingo.cli._params import OutputFile
 
 import click
 
 
 @click.command("translate")
-@source_option
-@target_option
-@translator_option
-@click.option("--prompt-cache-file", "cache_in", type=SafetensorsFile(),
+@pair_options
+@click.option("--prompt-cache-file", "cache_in", type=click.Path(exists=True, dir_okay=False),
               help="Source cache written by `mlx_lm.cache_prompt`")  # fmt: skip
 @click.option("--prompt", help="Or: a prompt the source prefills now (instead of a cache file)")
 @click.option("-o", "--output", required=True, type=OutputFile(),
               help="Target prompt cache file for `mlx_lm.generate --prompt-cache-file`")  # fmt: skip
-def translate_cmd(source, target, translator, cache_in, prompt, output):
+def translate_cmd(source, target, translator, demo_pair, cache_in, prompt, output):
     """Translate a source prompt cache into the target's, with no target prefill."""
     from mlx_kvlingo.kv.cache import new_cache
     from mlx_kvlingo.kv.capture import capture_from_cache, trace
@@ -35,7 +27,7 @@ def translate_cmd(source, target, translator, cache_in, prompt, output):
 
     from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
-    pair, tr, _ = resolve_pair(source, target, translator)
+    pair, tr, _ = resolve_pair(source, target, translator, demo_pair=demo_pair)
     if (cache_in is None) == (prompt is None):
         raise click.UsageError("give exactly one of --prompt-cache-file and --prompt")
     metadata = {}
