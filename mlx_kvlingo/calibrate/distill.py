@@ -99,22 +99,17 @@ def save_checkpoint(
     write_text(folder / "state.json", json.dumps(meta, indent=1))  # the commit
     link_or_copy(folder / names["translator"], folder / "translator.safetensors")
     keep = {*names.values(), "translator.safetensors", "best.safetensors"}
-    for old in [*folder.glob("translator-*.safetensors"), *folder.glob("optimizer-*.safetensors"),
-                folder / "optimizer.safetensors"]:  # fmt: skip
+    for old in [*folder.glob("translator-*.safetensors"), *folder.glob("optimizer-*.safetensors")]:
         if old.name not in keep:
             old.unlink(missing_ok=True)
 
 
 def load_checkpoint(folder: Path) -> tuple[dict, Path, Path]:
-    """(state, translator file, optimizer file) of the checkpoint `state.json` commits to
-    (checkpoints from before `files` was recorded: the fixed names)."""
+    """(state, translator file, optimizer file) of the checkpoint `state.json` commits to."""
     state = json.loads((folder / "state.json").read_text())
-    files = state.get("files") or {}
-    return (
-        state,
-        folder / files.get("translator", "translator.safetensors"),
-        folder / files.get("optimizer", "optimizer.safetensors"),
-    )
+    if "files" not in state:
+        raise ValueError(f"{folder}: a checkpoint from before 0.2.0: start over with --no-resume")
+    return state, folder / state["files"]["translator"], folder / state["files"]["optimizer"]
 
 
 def distill(

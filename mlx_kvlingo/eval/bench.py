@@ -79,9 +79,6 @@ def extrapolate(times: dict[int, float], n: int) -> float:
     return times[xs[-1]] * (n / xs[-1]) ** e
 
 
-# -- the machine and the pair ------------------------------------------------------------------
-
-
 def available_memory() -> int:
     """Bytes that can still be allocated (MemAvailable on Linux; Metal's working set else)."""
     try:
@@ -146,9 +143,6 @@ def pair_info(pair: ModelPair, translator: Translator, **extra) -> dict:
         },
         **extra,
     }  # fmt: skip
-
-
-# -- one measurement of each path -------------------------------------------------------------
 
 
 def first_token(model, last: mx.array, cache) -> mx.array:
@@ -225,9 +219,6 @@ def run_peer(pair: ModelPair, tokens: list[int], peer: Peer, clock: _Clock) -> i
         return held
 
     return clock(peer_phase(peer.keep), read_and_step)
-
-
-# -- the sweep -------------------------------------------------------------------------------
 
 
 def prompt_tokens(pair: ModelPair, n: int, seed: int) -> list[int]:
@@ -407,9 +398,6 @@ def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) ->
             "peak_memory_GB": {p: max(v) / 1e9 for p, v in raw["peaks"].items()},
         },
     }  # fmt: skip
-
-
-# -- outputs -------------------------------------------------------------------------------
 
 
 def _mean_std(s: dict, scale: float = 1.0) -> str:

@@ -19,8 +19,6 @@ from mlx_kvlingo.models.pair import physical_memory
 import mlx.core as mx
 import numpy as np
 
-# -- the machine and the software ---------------------------------------------------------------
-
 
 def run_info() -> dict:
     """created, command, machine and software of a result measured now."""
@@ -123,9 +121,6 @@ def number(x: float | None, fmt: str = ".2f", none: str = "") -> str:
     return "n/a" if x != x else format(x, fmt)
 
 
-# -- files ---------------------------------------------------------------------------------------
-
-
 def write(out_dir: str | Path, name: str, result, markdown: str, plot=None,
           figure: str | None = None) -> dict[str, Path]:  # fmt: skip
     """`out_dir`/NAME.json, NAME.md and with `plot(result, path)` its figure (default NAME.png);
@@ -161,9 +156,6 @@ def write_json(result, path: str | Path) -> Path:
     return path
 
 
-# -- markdown ------------------------------------------------------------------------------------
-
-
 def md_row(cells: Iterable) -> str:
     """One markdown table row: `| a | b |`."""
     return "| " + " | ".join(str(c) for c in cells) + " |"
@@ -173,9 +165,6 @@ def md_table(columns: Sequence[str], align: str, rows: Iterable[Iterable] = ()) 
     """Header, rule and rows of a markdown table; `align`: "l" or "r" per column."""
     rule = md_row("---:" if a == "r" else "---" for a in align)
     return [md_row(columns), rule, *(md_row(r) for r in rows)]
-
-
-# -- figures -------------------------------------------------------------------------------------
 
 
 def pyplot():

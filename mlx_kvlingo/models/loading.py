@@ -91,9 +91,3 @@ def load_models_and_translators(source: str | Path | None = None, target: str | 
     forward = _translator(translator, pair, False, demo_pair, small)
     back = _translator(backward, pair.reversed(), True, demo_pair, small)
     return pair, forward, back
-
-
-def demo_paths(demo_pair: str | None, translator: Any = None) -> tuple[Path, Path]:
-    """The demo pair's (source folder, target folder), built on first use; the source is the
-    one `translator` reads (None: the pair's default)."""
-    return demo_folders(None, None, translator, None, demo_pair)[:2]
