@@ -106,15 +106,10 @@ def working_bytes(pair: ModelPair, translator: Translator, n: int) -> int:
     return 4 * max(*reads, 2 * kv["s"] + 2 * gathered + 2 * kv["t"])
 
 
-def map_weights(tr: Translator) -> list[mx.array]:
-    """The matrices the translator multiplies by: one weight per kind."""
-    return [tr.key["weight"], tr.value["weight"]]
-
-
 def gemm_operands(tr: Translator, n_tokens: int) -> list[tuple[mx.array, mx.array]]:
     """(activations, weights) with exactly the translator's matmul shapes for n_tokens."""
     out = [(mx.random.normal((*w.shape[:-2], n_tokens, w.shape[-2])).astype(w.dtype), w)
-           for w in map_weights(tr)]  # fmt: skip
+           for w in (tr.key["weight"], tr.value["weight"])]  # fmt: skip
     mx.eval(out)
     return out
 
@@ -122,7 +117,7 @@ def gemm_operands(tr: Translator, n_tokens: int) -> list[tuple[mx.array, mx.arra
 def kernel_work(tr: Translator, n_tokens: int) -> tuple[float, float]:
     """(FLOPs, minimum bytes moved) of the translator's matmuls for n_tokens (batch 1)."""
     flops = nbytes = 0.0
-    for w in map_weights(tr):
+    for w in (tr.key["weight"], tr.value["weight"]):  # the matrices the maps multiply by
         flops += 2.0 * n_tokens * w.size
         rows = w.size // (w.shape[-2] * w.shape[-1])
         nbytes += w.dtype.size * (w.size + rows * n_tokens * (w.shape[-2] + w.shape[-1]))
@@ -130,7 +125,7 @@ def kernel_work(tr: Translator, n_tokens: int) -> tuple[float, float]:
 
 
 def pair_info(pair: ModelPair, translator: Translator, **extra) -> dict:
-    c, weights = translator.config, map_weights(translator)
+    c, weights = translator.config, (translator.key["weight"], translator.value["weight"])
     return {
         "source": describe_model(pair.source),
         "target": describe_model(pair.target),
