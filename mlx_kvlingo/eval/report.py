@@ -57,20 +57,13 @@ def load_average() -> list[float] | None:
 
 
 def software_info() -> dict:
-    """Versions of Python, mlx, mlx-lm (None when not installed), mlx-kvlingo and numpy."""
-
-    def version(dist):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
+    """Versions of Python, mlx, mlx-lm, mlx-kvlingo and numpy, and the checkout's commit."""
     from mlx_kvlingo import __version__
 
     return {
         "python": platform.python_version(),
         "mlx": mx.__version__,
-        "mlx-lm": version("mlx-lm"),
+        "mlx-lm": importlib.metadata.version("mlx-lm"),
         "mlx-kvlingo": __version__,
         "numpy": np.__version__,
         "commit": git_commit(),
