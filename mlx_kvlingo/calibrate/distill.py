@@ -241,12 +241,10 @@ class _Best:
         resume, the best recorded in the history and its file."""
         evals = [h for h in history if "heldout_kl" in h]
         if ckpt and evals and (ckpt / "best.safetensors").exists():
-            state = json.loads((ckpt / "state.json").read_text())
-            b = state.get("best", {})
+            b = json.loads((ckpt / "state.json").read_text())["best"]
             loaded = load_translator(ckpt / "best.safetensors")
-            best = cls({"key": loaded.key, "value": loaded.value}, b.get("step", 0),
-                       b.get("heldout_kl", min(h["heldout_kl"] for h in evals)),
-                       b.get("start_heldout_kl", float("nan")))  # fmt: skip
+            params = {"key": loaded.key, "value": loaded.value}
+            best = cls(params, b["step"], b["heldout_kl"], b["start_heldout_kl"])
             last = max((h["step"] for h in evals if h["heldout_kl"] <= best.kl), default=0)
             best.evals_since = sum(1 for h in evals if h["step"] > last)
             return best
