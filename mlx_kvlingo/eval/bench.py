@@ -24,7 +24,6 @@ from mlx_kvlingo.conversation.session import READ_CHUNK
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.content import Chat, Peer, read
 from mlx_kvlingo.eval.report import md_row, md_table
-from mlx_kvlingo.kv.capture import needs_recording, trace
 from mlx_kvlingo.kv.sparse_prefill import positions_shifted, speculative_prefill
 from mlx_kvlingo.kv.translator import Translator, reserve_translation_memory
 from mlx_kvlingo.kv.translator import measure as measure_map_reading
@@ -190,11 +189,8 @@ def run_switch(
     last = mx.array(tokens[-1:])
     clock("target_step", lambda: first_token(pair.target.model, last, session.cache("target")))
     clock.total("switch_ttft", "translate", "target_step")
-    n = len(tokens) - 1
-    if needs_recording(pair.source, tr.config.key_cut):  # keys the cache does not keep
-        span = trace(pair.source, tokens[:-1], tr.config.key_cut)
-    else:
-        span = tr.capture(pair.source, session.cache("source"), 0, n)
+    # the span the hand-off translated, captured as the session captures it
+    span = session._capture(session.models["source"], tr, 0, len(tokens) - 1)
     mx.eval(span.keys, span.values)
     clock("translate_map", lambda: mx.eval(tr(span)))
     clock("gemm", lambda: mx.eval([a @ w for a, w in gemm_inputs]))
