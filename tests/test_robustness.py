@@ -134,11 +134,12 @@ def test_checkpoint_commits_through_state_json(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["optimizer-0000010.safetensors", "state.json",
                      "translator-0000010.safetensors", "translator.safetensors"]  # fmt: skip
-    # a checkpoint written before state.json named its files still resumes
+    # a checkpoint from before state.json named its files (before 0.2.0) is refused, saying so
     legacy = json.loads((tmp_path / "state.json").read_text())
     del legacy["files"]
     (tmp_path / "state.json").write_text(json.dumps(legacy))
-    assert load_checkpoint(tmp_path)[1].name == "translator.safetensors"
+    with pytest.raises(ValueError, match="before 0.2.0"):
+        load_checkpoint(tmp_path)
 
 
 def test_atomic_write_keeps_the_old_file_on_error(tmp_path):

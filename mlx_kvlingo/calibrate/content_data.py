@@ -30,7 +30,7 @@ def shipped_texts(max_dialogues: int = 400) -> list[str]:
     """Documentation topics from CPython's `pydoc_data` and chitchat training dialogues."""
     import pydoc_data.topics
 
-    from mlx_kvlingo.models.demo.data import chitchat_dialogues, is_heldout, to_messages
+    from mlx_kvlingo.models.demo.pair import chitchat_dialogues, is_heldout, to_messages
 
     texts = [t for t in pydoc_data.topics.topics.values() if len(t) > 400]
     dialogues = [

@@ -99,22 +99,17 @@ def save_checkpoint(
     write_text(folder / "state.json", json.dumps(meta, indent=1))  # the commit
     link_or_copy(folder / names["translator"], folder / "translator.safetensors")
     keep = {*names.values(), "translator.safetensors", "best.safetensors"}
-    for old in [*folder.glob("translator-*.safetensors"), *folder.glob("optimizer-*.safetensors"),
-                folder / "optimizer.safetensors"]:  # fmt: skip
+    for old in [*folder.glob("translator-*.safetensors"), *folder.glob("optimizer-*.safetensors")]:
         if old.name not in keep:
             old.unlink(missing_ok=True)
 
 
 def load_checkpoint(folder: Path) -> tuple[dict, Path, Path]:
-    """(state, translator file, optimizer file) of the checkpoint `state.json` commits to
-    (checkpoints from before `files` was recorded: the fixed names)."""
+    """(state, translator file, optimizer file) of the checkpoint `state.json` commits to."""
     state = json.loads((folder / "state.json").read_text())
-    files = state.get("files") or {}
-    return (
-        state,
-        folder / files.get("translator", "translator.safetensors"),
-        folder / files.get("optimizer", "optimizer.safetensors"),
-    )
+    if "files" not in state:
+        raise ValueError(f"{folder}: a checkpoint from before 0.2.0: start over with --no-resume")
+    return state, folder / state["files"]["translator"], folder / state["files"]["optimizer"]
 
 
 def distill(
@@ -246,12 +241,10 @@ class _Best:
         resume, the best recorded in the history and its file."""
         evals = [h for h in history if "heldout_kl" in h]
         if ckpt and evals and (ckpt / "best.safetensors").exists():
-            state = json.loads((ckpt / "state.json").read_text())
-            b = state.get("best", {})
+            b = json.loads((ckpt / "state.json").read_text())["best"]
             loaded = load_translator(ckpt / "best.safetensors")
-            best = cls({"key": loaded.key, "value": loaded.value}, b.get("step", 0),
-                       b.get("heldout_kl", min(h["heldout_kl"] for h in evals)),
-                       b.get("start_heldout_kl", float("nan")))  # fmt: skip
+            params = {"key": loaded.key, "value": loaded.value}
+            best = cls(params, b["step"], b["heldout_kl"], b["start_heldout_kl"])
             last = max((h["step"] for h in evals if h["heldout_kl"] <= best.kl), default=0)
             best.evals_since = sum(1 for h in evals if h["step"] > last)
             return best

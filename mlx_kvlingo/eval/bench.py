@@ -24,7 +24,6 @@ from mlx_kvlingo.conversation.session import READ_CHUNK
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.content import Chat, Peer, read
 from mlx_kvlingo.eval.report import md_row, md_table
-from mlx_kvlingo.kv.capture import needs_recording, trace
 from mlx_kvlingo.kv.sparse_prefill import positions_shifted, speculative_prefill
 from mlx_kvlingo.kv.translator import Translator, reserve_translation_memory
 from mlx_kvlingo.kv.translator import measure as measure_map_reading
@@ -79,9 +78,6 @@ def extrapolate(times: dict[int, float], n: int) -> float:
     return times[xs[-1]] * (n / xs[-1]) ** e
 
 
-# -- the machine and the pair ------------------------------------------------------------------
-
-
 def available_memory() -> int:
     """Bytes that can still be allocated (MemAvailable on Linux; Metal's working set else)."""
     try:
@@ -109,15 +105,10 @@ def working_bytes(pair: ModelPair, translator: Translator, n: int) -> int:
     return 4 * max(*reads, 2 * kv["s"] + 2 * gathered + 2 * kv["t"])
 
 
-def map_weights(tr: Translator) -> list[mx.array]:
-    """The matrices the translator multiplies by: one weight per kind."""
-    return [tr.key["weight"], tr.value["weight"]]
-
-
 def gemm_operands(tr: Translator, n_tokens: int) -> list[tuple[mx.array, mx.array]]:
     """(activations, weights) with exactly the translator's matmul shapes for n_tokens."""
     out = [(mx.random.normal((*w.shape[:-2], n_tokens, w.shape[-2])).astype(w.dtype), w)
-           for w in map_weights(tr)]  # fmt: skip
+           for w in (tr.key["weight"], tr.value["weight"])]  # fmt: skip
     mx.eval(out)
     return out
 
@@ -125,7 +116,7 @@ def gemm_operands(tr: Translator, n_tokens: int) -> list[tuple[mx.array, mx.arra
 def kernel_work(tr: Translator, n_tokens: int) -> tuple[float, float]:
     """(FLOPs, minimum bytes moved) of the translator's matmuls for n_tokens (batch 1)."""
     flops = nbytes = 0.0
-    for w in map_weights(tr):
+    for w in (tr.key["weight"], tr.value["weight"]):  # the matrices the maps multiply by
         flops += 2.0 * n_tokens * w.size
         rows = w.size // (w.shape[-2] * w.shape[-1])
         nbytes += w.dtype.size * (w.size + rows * n_tokens * (w.shape[-2] + w.shape[-1]))
@@ -133,7 +124,7 @@ def kernel_work(tr: Translator, n_tokens: int) -> tuple[float, float]:
 
 
 def pair_info(pair: ModelPair, translator: Translator, **extra) -> dict:
-    c, weights = translator.config, map_weights(translator)
+    c, weights = translator.config, (translator.key["weight"], translator.value["weight"])
     return {
         "source": describe_model(pair.source),
         "target": describe_model(pair.target),
@@ -146,9 +137,6 @@ def pair_info(pair: ModelPair, translator: Translator, **extra) -> dict:
         },
         **extra,
     }  # fmt: skip
-
-
-# -- one measurement of each path -------------------------------------------------------------
 
 
 def first_token(model, last: mx.array, cache) -> mx.array:
@@ -201,11 +189,8 @@ def run_switch(
     last = mx.array(tokens[-1:])
     clock("target_step", lambda: first_token(pair.target.model, last, session.cache("target")))
     clock.total("switch_ttft", "translate", "target_step")
-    n = len(tokens) - 1
-    if needs_recording(pair.source, tr.config.key_cut):  # keys the cache does not keep
-        span = trace(pair.source, tokens[:-1], tr.config.key_cut)
-    else:
-        span = tr.capture(pair.source, session.cache("source"), 0, n)
+    # the span the hand-off translated, captured as the session captures it
+    span = session._capture(session.models["source"], tr, 0, len(tokens) - 1)
     mx.eval(span.keys, span.values)
     clock("translate_map", lambda: mx.eval(tr(span)))
     clock("gemm", lambda: mx.eval([a @ w for a, w in gemm_inputs]))
@@ -225,9 +210,6 @@ def run_peer(pair: ModelPair, tokens: list[int], peer: Peer, clock: _Clock) -> i
         return held
 
     return clock(peer_phase(peer.keep), read_and_step)
-
-
-# -- the sweep -------------------------------------------------------------------------------
 
 
 def prompt_tokens(pair: ModelPair, n: int, seed: int) -> list[int]:
@@ -407,9 +389,6 @@ def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) ->
             "peak_memory_GB": {p: max(v) / 1e9 for p, v in raw["peaks"].items()},
         },
     }  # fmt: skip
-
-
-# -- outputs -------------------------------------------------------------------------------
 
 
 def _mean_std(s: dict, scale: float = 1.0) -> str:

@@ -81,9 +81,6 @@ def rouge_l(reference: str, candidate: str) -> float:
     return 2 * p * q / (p + q)
 
 
-# -- the tasks ---------------------------------------------------------------------------------
-
-
 def fitting_tasks(pair, texts: Sequence[str], lengths: Sequence[int], per_kind: int,
                   seed: int = 0, kinds: Sequence[str] = DEFAULT_KINDS) -> list[ContentTask]:  # fmt: skip
     """`build_tasks` whose prompts leave room for the longest answer in the pair's context: a
@@ -108,9 +105,6 @@ def fitting_tasks(pair, texts: Sequence[str], lengths: Sequence[int], per_kind: 
         built = [b - over[b] - 8 if over[b] > 0 else b for b in built]
     raise ValueError(f"no prompts of these lengths fit the pair's {limit}-token context with "
                      f"room for an answer")  # fmt: skip
-
-
-# -- caches and answers ------------------------------------------------------------------------
 
 
 def cache_kv(cache: list) -> tuple[list, list]:
@@ -261,9 +255,6 @@ def score(task: ContentTask, native: str, reply: str) -> dict:
     if task.kind in EXACT_KINDS:
         row["correct"] = contains(task.answer, reply)
     return row
-
-
-# -- the benchmark -----------------------------------------------------------------------------
 
 
 @dataclass

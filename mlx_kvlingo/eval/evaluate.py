@@ -6,10 +6,8 @@ top-1, agreement with native, KL(native || x) and gap recovered
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from mlx_kvlingo.eval.report import number
-from mlx_kvlingo.kv.scoring import native_logp, prepare, student_logp
+from mlx_kvlingo.kv.scoring import kl, native_logp, prepare, student_logp
 from mlx_kvlingo.kv.translator import Side, TranslatorConfig, identity_translator
 
 import mlx.core as mx
@@ -32,25 +30,15 @@ def format_kl(x: float) -> str:
     return f"{x if x > 0 else 0.0:.4f}"
 
 
-@dataclass
-class Scores:
-    nll: list = field(default_factory=list)
-    top1: list = field(default_factory=list)
-    agree: list = field(default_factory=list)
-    kl: list = field(default_factory=list)
-
-    def add(self, logp: mx.array, native_logp: mx.array, targets: mx.array) -> None:
-        self.nll.append(float(-mx.take_along_axis(logp, targets[:, None], axis=-1).mean()))
-        self.top1.append(float((logp.argmax(-1) == targets).astype(mx.float32).mean()))
-        agree = logp.argmax(-1) == native_logp.argmax(-1)
-        self.agree.append(float(agree.astype(mx.float32).mean()))
-        self.kl.append(float((mx.exp(native_logp) * (native_logp - logp)).sum(-1).mean()))
-
-    def summary(self, weights) -> dict:
-        w = np.asarray(weights, dtype=np.float64)
-        avg = lambda xs: float(np.dot(xs, w) / w.sum())  # noqa: E731 - token-weighted mean
-        return {"nll": avg(self.nll), "top1": avg(self.top1), "agree_native": avg(self.agree),
-                "kl_native": avg(self.kl)}  # fmt: skip
+def scores(logp: mx.array, native: mx.array, targets: mx.array) -> dict:
+    """One example's NLL and top-1 on `targets`, top-1 agreement with `native`, KL(native || x)."""
+    agree = (logp.argmax(-1) == native.argmax(-1)).astype(mx.float32).mean()
+    return {
+        "nll": float(-mx.take_along_axis(logp, targets[:, None], axis=-1).mean()),
+        "top1": float((logp.argmax(-1) == targets).astype(mx.float32).mean()),
+        "agree_native": float(agree),
+        "kl_native": float(kl(native, logp)),
+    }
 
 
 def raw_transfer(pair):
@@ -73,21 +61,26 @@ def evaluate(pair, translator, examples, progress=None) -> dict:
     if not isinstance(raw, str):
         translators["raw"] = raw
     cuts = sorted({tr.config.key_cut for tr in translators.values()})
-    scores = {label: Scores() for label in ("native", *translators, "source")}
+    rows: dict = {label: [] for label in ("native", *translators, "source")}
     weights = []
     for i, ex in enumerate(examples):
         preps = {cut: prepare(pair, ex, cut) for cut in cuts}
         teacher = preps[cuts[0]].teacher_logp
         targets = mx.array(list(ex.continuation))
-        scores["native"].add(teacher, teacher, targets)
+        rows["native"].append(scores(teacher, teacher, targets))
         for label, tr in translators.items():
             logp = student_logp(tr, pair, preps[tr.config.key_cut])
-            scores[label].add(logp, teacher, targets)
-        scores["source"].add(native_logp(pair.source, ex), teacher, targets)
+            rows[label].append(scores(logp, teacher, targets))
+        rows["source"].append(scores(native_logp(pair.source, ex), teacher, targets))
         weights.append(len(ex.continuation))
         if progress:
             progress(i + 1, len(examples))
-    out = {label: s.summary(weights) for label, s in scores.items()}
+    w = np.asarray(weights, dtype=np.float64)
+    metrics = ("nll", "top1", "agree_native", "kl_native")
+    out = {  # token-weighted means
+        label: {k: float(np.dot([r[k] for r in rs], w) / w.sum()) for k in metrics}
+        for label, rs in rows.items()
+    }
     src, nat = out["source"]["nll"], out["native"]["nll"]
     for r in out.values():
         r["gap_recovered"] = gap_recovered(src, nat, r["nll"])

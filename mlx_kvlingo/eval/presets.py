@@ -5,7 +5,6 @@ timings depend on shapes, not weight values; their outputs are meaningless.
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -159,13 +158,11 @@ def _build(preset: Preset, folder: Path) -> None:
     import mlx.core as mx
 
     tok = syn.build_tokenizer(folder / "tokenizer", vocab_size=preset.tokenizer_vocab)
-    vocab = len(json.loads((tok / "tokenizer.json").read_text())["model"]["vocab"])
-    vocab += len(syn.SPECIAL)
+    vocab = {"vocab_size": preset.vocab_size} if preset.vocab_size else {}
     for i, side in enumerate(("source", "target")):
-        cfg = preset.config(side, vocab)
-        model = syn.build_model(cfg, seed=preset.seed + i)
-        syn.save_folder(folder / side, model, cfg, tok)
-        del model
+        spec = dict(preset.source if side == "source" else preset.target)
+        kind = spec.pop("kind")
+        syn.make_model_folder(folder / side, kind, tok, preset.seed + i, **spec, **vocab)
         gc.collect()
         mx.clear_cache()
     shutil.rmtree(tok)

@@ -19,8 +19,6 @@ from mlx_kvlingo.models.pair import physical_memory
 import mlx.core as mx
 import numpy as np
 
-# -- the machine and the software ---------------------------------------------------------------
-
 
 def run_info() -> dict:
     """created, command, machine and software of a result measured now."""
@@ -59,20 +57,13 @@ def load_average() -> list[float] | None:
 
 
 def software_info() -> dict:
-    """Versions of Python, mlx, mlx-lm (None when not installed), mlx-kvlingo and numpy."""
-
-    def version(dist):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return None
-
+    """Versions of Python, mlx, mlx-lm, mlx-kvlingo and numpy, and the checkout's commit."""
     from mlx_kvlingo import __version__
 
     return {
         "python": platform.python_version(),
         "mlx": mx.__version__,
-        "mlx-lm": version("mlx-lm"),
+        "mlx-lm": importlib.metadata.version("mlx-lm"),
         "mlx-kvlingo": __version__,
         "numpy": np.__version__,
         "commit": git_commit(),
@@ -123,9 +114,6 @@ def number(x: float | None, fmt: str = ".2f", none: str = "") -> str:
     return "n/a" if x != x else format(x, fmt)
 
 
-# -- files ---------------------------------------------------------------------------------------
-
-
 def write(out_dir: str | Path, name: str, result, markdown: str, plot=None,
           figure: str | None = None) -> dict[str, Path]:  # fmt: skip
     """`out_dir`/NAME.json, NAME.md and with `plot(result, path)` its figure (default NAME.png);
@@ -161,9 +149,6 @@ def write_json(result, path: str | Path) -> Path:
     return path
 
 
-# -- markdown ------------------------------------------------------------------------------------
-
-
 def md_row(cells: Iterable) -> str:
     """One markdown table row: `| a | b |`."""
     return "| " + " | ".join(str(c) for c in cells) + " |"
@@ -173,9 +158,6 @@ def md_table(columns: Sequence[str], align: str, rows: Iterable[Iterable] = ()) 
     """Header, rule and rows of a markdown table; `align`: "l" or "r" per column."""
     rule = md_row("---:" if a == "r" else "---" for a in align)
     return [md_row(columns), rule, *(md_row(r) for r in rows)]
-
-
-# -- figures -------------------------------------------------------------------------------------
 
 
 def pyplot():

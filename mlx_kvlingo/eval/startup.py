@@ -104,12 +104,12 @@ def run_startup_bench(source=None, target=None, translator=None, demo_pair: str 
                       trials: int = 3, timeout: float = 600.0, log=print) -> dict:  # fmt: skip
     """The three sides, one untimed start each, then `trials` alternating rounds."""
     from mlx_kvlingo._platform.cachedir import cache_root
-    from mlx_kvlingo.models.loading import demo_paths
+    from mlx_kvlingo.models.demo.pair import demo_models
 
     named = {"source": source, "target": target, "translator": translator}
     args = {k: None if v is None else str(v) for k, v in named.items()}
     # the large model's folder (or Hub id) as mlx-lm loads it: the demo's converted target
-    args["target_folder"] = str(target if target is not None else demo_paths(demo_pair)[1])
+    args["target_folder"] = str(target or demo_models(demo_pair or "dense")[1])
     args.update(pair=None if source or target else demo_pair, prompt=PROMPT)
     cache = cache_root()
     order = ("kvlingo", "mlx-lm", "kvlingo-new")

@@ -48,26 +48,19 @@ def _translator(spec: str | Path | Translator | None, pair: Any, reverse: bool,
     return load_translator(path, pair)
 
 
-def which_demo(source, target, demo_pair: str | None) -> str | None:
-    """The demo pair to load ("dense" by default, with neither model named), or None for the
-    named pair (both named). A ValueError otherwise."""
-    if source is None and target is None:
-        check_demo_pair(demo_pair or "dense")
-        return demo_pair or "dense"
-    if source is None or target is None:
-        raise ValueError("give both source and target, or neither for the demo pair")
-    if demo_pair is not None:
-        raise ValueError("a demo pair is chosen by name only without source/target")
-    return None
-
-
 def demo_folders(source, target, translator, backward, demo_pair: str | None) -> tuple:
-    """(source, target, demo pair or None, its small model or None): the named models, or the
-    demo pair's folders (built on first use) with the small model the named translator reads
-    (the backward one's when only it is named; default: the pair's)."""
-    demo_pair = which_demo(source, target, demo_pair)
-    if demo_pair is None:
+    """(source, target, demo pair or None, its small model or None): the named models (both, no
+    demo pair: else a ValueError), or with neither the demo pair's folders (default "dense", built
+    on first use) with the small model the named translator reads (the backward one's when only
+    it is named; default: the pair's)."""
+    if source is not None or target is not None:
+        if source is None or target is None:
+            raise ValueError("give both source and target, or neither for the demo pair")
+        if demo_pair is not None:
+            raise ValueError("a demo pair is chosen by name only without source/target")
         return source, target, None, None
+    demo_pair = demo_pair or "dense"
+    check_demo_pair(demo_pair)
     from mlx_kvlingo.models.demo import pair as demo
 
     if translator is not None or backward is None:
@@ -91,9 +84,3 @@ def load_models_and_translators(source: str | Path | None = None, target: str | 
     forward = _translator(translator, pair, False, demo_pair, small)
     back = _translator(backward, pair.reversed(), True, demo_pair, small)
     return pair, forward, back
-
-
-def demo_paths(demo_pair: str | None, translator: Any = None) -> tuple[Path, Path]:
-    """The demo pair's (source folder, target folder), built on first use; the source is the
-    one `translator` reads (None: the pair's default)."""
-    return demo_folders(None, None, translator, None, demo_pair)[:2]

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from mlx_kvlingo._platform import cpu_memory as _cpu_memory
 from mlx_kvlingo.kv.rope import RopeSpec, describe
-from mlx_kvlingo.models.families import has_k_norm
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -23,6 +22,29 @@ from mlx_lm.utils import dequantize_model
 
 class TokenizerMismatchError(ValueError):
     pass
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+#: The families KV translation supports (the one place that knows), model_type -> whether its
+#: attention normalizes the keys (`k_norm`). mlx-lm caches hold keys after `k_norm` (if any) and
+#: RoPE, values as raw `v_proj` output; every family keeps its attention module in a decoder
+#: layer's `self_attn` and its KV head count in `num_key_value_heads` (else the head count).
+HAS_K_NORM = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True, "qwen2_moe": False,
+              "qwen3_moe": True}  # fmt: skip
+
+
+def has_k_norm(model_type: str) -> bool:
+    """Whether `model_type`'s keys pass a `k_norm`; `UnsupportedModelError` for another family."""
+    try:
+        return HAS_K_NORM[model_type]
+    except KeyError:
+        known = ", ".join(sorted(HAS_K_NORM))
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported for KV translation (known: {known})"
+        ) from None
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (preloads OpenBLAS; must come before mlx)
 from mlx_kvlingo.models.demo import smollm2
-from mlx_kvlingo.models.demo.data import HELDOUT_EVERY, chitchat_dialogues, is_heldout, to_messages
+from mlx_kvlingo.models.demo.pair import HELDOUT_EVERY, chitchat_dialogues, is_heldout, to_messages
 
 import mlx.core as mx
 import mlx.nn as nn
