@@ -301,3 +301,62 @@ def test_only_refusals_raised_on_purpose_become_one_line():
     assert message(bug.value) is None
     assert message(KeyError("k")) is None and message(TypeError("t")) is None
     assert message(FileNotFoundError(2, "No such file or directory", "/x/y")).startswith("/x/y:")
+
+
+#: bad translator files, each refused from its header before either model loads
+# fmt: off
+EARLY = [
+    ("generate --translator {junk}", ["junk.safetensors", "truncated"]),
+    ("generate --source {S} --target {T} --translator {cut} -m 2", ["cut.safetensors", "truncated"]),
+    ("generate --source {S} --target {T} --translator {torch_zip} -m 2", ["torch_zip.pt", "PyTorch", "kvlingo convert"]),
+    ("generate --source {S} --target {T} --translator {pickle} -m 2", ["pickle.pt", "pickle", "kvlingo convert"]),
+    ("generate --source {S} --target {T} --translator {schema} -m 2", ["schema.safetensors", "unknown schema"]),
+    ("generate --source {S} --target {T} --translator {BWD} -m 2", ["bwd.safetensors", "other way"]),
+    ("chat --source {S} --target {T} --translator {FWD} --backward-translator {FWD}", ["fwd.safetensors", "other way"]),
+]
+# fmt: on
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fail the test where a model would load."""
+    from mlx_kvlingo.models import pair
+
+    def refuse(*a, **k):
+        pytest.fail("a model loaded before the translator file was refused")
+
+    monkeypatch.setattr(pair, "load_model", refuse)
+    monkeypatch.setattr(pair, "load_pair", refuse)
+
+
+@pytest.mark.parametrize("line,names", EARLY, ids=[c[0][:60] for c in EARLY])
+def test_a_bad_translator_is_refused_before_the_models_load(line, names, files, no_model_loads):
+    import mlx.core as mx
+
+    d = files["D"]
+    (d / "cut.safetensors").write_bytes(files["FWD"].read_bytes()[:300])
+    (d / "torch_zip.pt").write_bytes(b"PK\x03\x04" + b"\0" * 60)
+    (d / "pickle.pt").write_bytes(b"\x80\x02}q\x00.")
+    meta = {"kvlingo": json.dumps({"schema": "someone-else/translator", "schema_version": 1})}
+    mx.save_safetensors(str(d / "schema.safetensors"), {"w": mx.zeros(2)}, metadata=meta)
+    paths = {**files, **{k: d / f"{k}.pt" for k in ("torch_zip", "pickle")}}
+    paths |= {k: d / f"{k}.safetensors" for k in ("cut", "schema")}
+    error = _error_line(CliRunner().invoke(cli, _args(line, paths)), FAILURE)
+    for name in names:
+        assert name in error, f"{name!r} not named in {error!r}"
+
+
+def test_the_api_refuses_a_bad_translator_before_the_models_load(files, no_model_loads):
+    from mlx_kvlingo import load
+    from mlx_kvlingo.models.files import TranslatorFileError
+
+    with pytest.raises(TranslatorFileError, match="truncated or not a safetensors file"):
+        load(files["S"], files["T"], files["junk"])
+    with pytest.raises(
+        TranslatorFileError, match="bwd.safetensors: this translator goes the other"
+    ):
+        load(files["S"], files["T"], files["BWD"])
+    with pytest.raises(
+        TranslatorFileError, match="fwd.safetensors: this translator goes the other"
+    ):
+        load(files["S"], files["T"], files["FWD"], backward_translator=files["FWD"])

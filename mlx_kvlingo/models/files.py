@@ -185,10 +185,10 @@ def config_from_metadata(meta: dict) -> TranslatorConfig:
                             metadata={k: v for k, v in meta.items() if k not in skip})  # fmt: skip
 
 
-def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
-    """Load and validate a translator file (with `pair`: made for it), in `dtype` ("auto": the
-    backend's, `models.pair.default_dtype`)."""
-    path = Path(path)
+def check_file(path: str | Path, source=None, target=None) -> tuple[dict, TranslatorConfig]:
+    """(metadata, config) of a translator file, checked from its header alone (no tensors, no
+    pair): a safetensors file, our schema and version, a consistent config and, given the
+    `source` and `target` models' names, not made for them the other way round."""
     meta = read_metadata(path)
     try:
         config = config_from_metadata(meta)
@@ -196,6 +196,15 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
         raise TranslatorFileError(f"{path}: inconsistent metadata: missing {e}") from None
     except (TypeError, ValueError) as e:
         raise TranslatorFileError(f"{path}: inconsistent metadata: {str(e)[:300]}") from None
+    check_direction(meta, path, source, target)
+    return meta, config
+
+
+def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
+    """Load and validate a translator file (with `pair`: made for it), in `dtype` ("auto": the
+    backend's, `models.pair.default_dtype`)."""
+    path = Path(path)
+    meta, config = check_file(path)
     if pair is not None:
         check_pair(meta, config, pair, path)
     try:
@@ -258,21 +267,26 @@ def declared_names(meta: dict, label: str) -> set[str]:
     return {k for k in map(model_key, names) if k}
 
 
+def check_direction(meta: dict, path, source, target, swapped: bool = False) -> None:
+    """Refuse a file made for the models named `source` -> `target` the other way round: by the
+    names it declares, or (`swapped`, the pair's geometry) its sides' shapes."""
+    names = model_key(source), model_key(target)
+    made = declared_names(meta, "source"), declared_names(meta, "target")
+    by_name = all(names) and names[0] != names[1] and names[0] in made[1] and names[1] in made[0]
+    if (by_name and names[0] not in made[0]) or swapped:
+        raise TranslatorFileError(
+            f"{path}: this translator goes the other way ({meta['source'].get('name')} -> "
+            f"{meta['target'].get('name')}), the pair is {source} -> {target}; swap source "
+            "and target or use the reverse file"
+        )
+
+
 def check_pair(meta: dict, config: TranslatorConfig, pair, path) -> None:
     """Refuse a file made for another pair, or for this pair the other way round (by the names
     it declares, or by its geometry)."""
     src, tgt = Side.of(pair.source.geometry), Side.of(pair.target.geometry)
-    names = model_key(pair.source.name), model_key(pair.target.name)
-    made = declared_names(meta, "source"), declared_names(meta, "target")
-    by_name = all(names) and names[0] != names[1] and names[0] in made[1] and names[1] in made[0]
-    if (by_name and names[0] not in made[0]) or (
-        (config.source, config.target) == (tgt, src) and src != tgt
-    ):
-        raise TranslatorFileError(
-            f"{path}: this translator goes the other way ({meta['source'].get('name')} -> "
-            f"{meta['target'].get('name')}), the pair is {pair.source.name} -> "
-            f"{pair.target.name}; swap source and target or use the reverse file"
-        )
+    swapped = (config.source, config.target) == (tgt, src) and src != tgt
+    check_direction(meta, path, pair.source.name, pair.target.name, swapped)
     for label, want, have, model in (("source", config.source, src, pair.source),
                                      ("target", config.target, tgt, pair.target)):  # fmt: skip
         if want != have:

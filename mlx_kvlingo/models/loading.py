@@ -16,9 +16,13 @@ from mlx_kvlingo.models.demo import check_demo_pair
 
 
 def resolve_translator_spec(spec: str | Path | None, reverse: bool = False,
-                            pair_name: str | None = None, demo_source: str | None = None) -> Path | None:  # fmt: skip
+                            pair_name: str | None = None, demo_source: str | None = None,
+                            models: tuple = (None, None)) -> Path | None:  # fmt: skip
     """The translator file `spec` names for the direction, read against the demo pair
-    `pair_name` and its small model `demo_source` (None: a named pair, the pair's default)."""
+    `pair_name` and its small model `demo_source` (None: a named pair, the pair's default),
+    checked from its header before any model loads (`files.check_file`; `models`: the names of
+    the models it maps from and to)."""
+    from mlx_kvlingo.models.files import check_file
     from mlx_kvlingo.models.hub import resolve_translator
 
     if pair_name is not None:
@@ -26,26 +30,24 @@ def resolve_translator_spec(spec: str | Path | None, reverse: bool = False,
 
         try:
             name = None if spec is None else str(spec)
-            return demo.translator_path(name, reverse, pair_name, demo_source)
+            path = demo.translator_path(name, reverse, pair_name, demo_source)
         except (FileNotFoundError, KeyError):
             if spec is None and reverse:
                 return None  # no shipped backward translator: switching back re-reads
             raise
-    if spec is None:
+    elif spec is None:
         return None
-    return resolve_translator(spec, reverse)  # a path, or a Hub id (HubError: neither)
+    else:
+        path = resolve_translator(spec, reverse)  # a path, or a Hub id (HubError: neither)
+    check_file(path, *models)
+    return path
 
 
-def _translator(spec: str | Path | Translator | None, pair: Any, reverse: bool,
-                pair_name: str | None, demo_source: str | None = None) -> Translator | None:  # fmt: skip
+def _translator(spec: str | Path | Translator | None, reverse: bool, pair_name: str | None,
+                demo_source: str | None, models: tuple) -> Path | Translator | None:  # fmt: skip
     if isinstance(spec, Translator):
         return spec
-    path = resolve_translator_spec(spec, reverse, pair_name, demo_source)
-    if path is None:
-        return None
-    from mlx_kvlingo.models.files import load_translator
-
-    return load_translator(path, pair)
+    return resolve_translator_spec(spec, reverse, pair_name, demo_source, models)
 
 
 def demo_folders(source, target, translator, backward, demo_pair: str | None) -> tuple:
@@ -77,10 +79,16 @@ def load_models_and_translators(source: str | Path | None = None, target: str | 
                                 ) -> tuple[Any, Translator | None, Translator | None]:  # fmt: skip
     """(pair, forward, backward): the named pair, or with neither model the demo pair `demo_pair`
     (its shipped translators unless named); each translator checked against its direction."""
+    from mlx_kvlingo.models.files import load_translator
     from mlx_kvlingo.models.pair import load_pair
 
     source, target, demo_pair, small = demo_folders(source, target, translator, backward, demo_pair)
+    names = tuple(getattr(m, "name", m) for m in (source, target))  # a LoadedModel's, or as given
+    forward = _translator(translator, False, demo_pair, small, names)
+    back = _translator(backward, True, demo_pair, small, names[::-1])
     pair = load_pair(source, target, dtype=dtype)
-    forward = _translator(translator, pair, False, demo_pair, small)
-    back = _translator(backward, pair.reversed(), True, demo_pair, small)
+    if isinstance(forward, Path):
+        forward = load_translator(forward, pair)
+    if isinstance(back, Path):
+        back = load_translator(back, pair.reversed())
     return pair, forward, back
