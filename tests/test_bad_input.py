@@ -5,7 +5,8 @@ without a traceback, with one `Error:` line that names the offending argument or
 A bad value as typed (no such path, a file for a folder, a malformed Hub id) fails before any
 model loads (the checks of `cli/_params.py`, exit 2); a damaged file or an uncached Hub id
 where it is read (a model folder, a translator, a prompt cache: `cli/errors.py`, exit 1), as do
-a wrong direction and a wrong pair; an over-long prompt names the option (exit 2).
+a wrong direction and a wrong pair; a translator is read from its header before either model
+loads. An over-long prompt names the option (exit 2).
 """
 
 import json
