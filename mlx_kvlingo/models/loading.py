@@ -87,8 +87,8 @@ def load_models_and_translators(source: str | Path | None = None, target: str | 
     forward = _translator(translator, False, demo_pair, small, names)
     back = _translator(backward, True, demo_pair, small, names[::-1])
     pair = load_pair(source, target, dtype=dtype)
-    if isinstance(forward, Path):
+    if isinstance(forward, (str, Path)):
         forward = load_translator(forward, pair)
-    if isinstance(back, Path):
+    if isinstance(back, (str, Path)):
         back = load_translator(back, pair.reversed())
     return pair, forward, back
