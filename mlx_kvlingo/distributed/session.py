@@ -295,9 +295,10 @@ def load_runtime(source, target, translator, backward, demo_pair: str | None, *,
     source, target, demo_pair, small = demo_folders(source, target, translator, backward, demo_pair)
     if demo_pair is None and translator is None:
         raise ValueError("a distributed runtime needs the small -> large translator")
-    path = resolve_translator_spec(translator, False, demo_pair, small)
+    names = (str(source), str(target))
+    path = resolve_translator_spec(translator, False, demo_pair, small, names)
     if not isinstance(backward, Translator):
-        backward = resolve_translator_spec(backward, True, demo_pair, small)
+        backward = resolve_translator_spec(backward, True, demo_pair, small, names[::-1])
     timeout = DEFAULT_TIMEOUT if timeout is None else timeout
     group = init(timeout)
     sp = load_sharded_pair(source, target, path, group, wire, timeout)
