@@ -97,7 +97,7 @@ class Pair:
         self.warmup_s = float(costs.warmup_s or 0.0)
         self.rates = costs.origin
         notes = {"measured": "rates measured", "cached": "rates reused from the cache"}
-        self.rates_note = notes.get(costs.origin, "")
+        self.rates_note = notes.get(costs.origin or "", "")
         return self.warmup_s
 
     def retention(self, policy: ReaderPolicy | None = None) -> Any:
