@@ -117,7 +117,7 @@ for dtype in $DTYPES; do
   kvlingo bench --preset "$PRESET" --dtype "$dtype" --lengths "$LENGTHS" -n 3 --warmup 1 \
     --max-minutes 2 --no-progress -o "$OUT/$dtype" >/dev/null
 done
-step "kvlingo bench --conversation (translate-ahead: escalation TTFT, small decode), $last_dtype"
+step "kvlingo bench --conversation (cascade: escalation TTFT, small decode), $last_dtype"
 kvlingo bench --preset "$PRESET" --dtype "$last_dtype" --conversation --turns 6 --user-lengths 64,256 \
   --answer-tokens 32 --escalation-rate 0.5 -o "$OUT/conversation" >/dev/null
 

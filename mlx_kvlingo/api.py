@@ -88,7 +88,7 @@ class Pair:
         rates (measured on a first start and kept in the cache folder, reused from it later:
         `rates`; `reuse=False` measures again). `sampling`: the settings real turns use (as
         `stream_generate` takes them). Seconds."""
-        from mlx_kvlingo.conversation.warmup import rates_text, start
+        from mlx_kvlingo.conversation.warmup import start
 
         if self.link is not None:
             raise ConversationError("warm_up is not available with a pipelined large model")
@@ -96,7 +96,8 @@ class Pair:
                       sample=lambda role: sampler_kwargs(self, LABEL[role], sampling, False))  # fmt: skip
         self.warmup_s = float(costs.warmup_s or 0.0)
         self.rates = costs.origin
-        self.rates_note = rates_text(costs.origin)
+        notes = {"measured": "rates measured", "cached": "rates reused from the cache"}
+        self.rates_note = notes.get(costs.origin or "", "")
         return self.warmup_s
 
     def retention(self, policy: ReaderPolicy | None = None) -> Any:

@@ -16,9 +16,6 @@ Before the large model answers a turn it lacks, someone reads it:
                      (conversation/reader.py; 0: time alone). None: "auto" with a forward
                      translator, "self" without.
 
-`translate_ahead`: while the small model answers, translate for the large one between its tokens
-(within 10% of its decode time: conversation/budget.py).
-
 Change a policy with `dataclasses.replace`; it validates itself on construction, and
 `to_dict` / `from_dict` save and restore it whole (the conversation files keep it).
 """
@@ -38,10 +35,9 @@ POLICIES = {
     "small reads": {"reader": "small"},
     "auto reads": {"reader": "auto"},
     "cascade": {"reader": "self"},
-    "cascade+ahead": {"reader": "self", "translate_ahead": True},
 }
-#: settings that files kept before they became constants beside the code using them: read, dropped
-RETIRED = ("reader_margin", "ahead_chunk", "ahead_share")
+#: settings files kept that became constants beside their code or were retired: read, dropped
+RETIRED = ("reader_margin", "ahead_chunk", "ahead_share", "translate_ahead")
 
 
 class PolicyError(ValueError):
@@ -55,7 +51,6 @@ class ReaderPolicy:
     large_reads_last: int = 32
     recompute_share: float = 0.1
     min_retention: float = 0.8
-    translate_ahead: bool = False
 
     def __post_init__(self):
         if self.reader is not None and self.reader not in READERS:
@@ -66,10 +61,6 @@ class ReaderPolicy:
         _whole("large_reads_last", self.large_reads_last, 1)
         _number("recompute_share", self.recompute_share, 0.0, 1.0)
         _number("min_retention", self.min_retention, 0.0, 1.0)
-        if not isinstance(self.translate_ahead, bool):
-            raise PolicyError(
-                f"translate_ahead must be True or False (got {self.translate_ahead!r})"
-            )
 
     def to_dict(self) -> dict:
         return asdict(self)

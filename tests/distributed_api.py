@@ -22,12 +22,6 @@ sys.modules.setdefault("torch", None)  # not needed here; transformers would imp
 import mlx_kvlingo  # noqa: E402,F401  (preloads OpenBLAS before mlx)
 from mlx_kvlingo import Conversation, load  # noqa: E402
 from mlx_kvlingo.api import Pair  # noqa: E402
-from mlx_kvlingo.conversation import session as sess  # noqa: E402
-
-# Translating ahead spends a share of each small token's decode time (`CatchUp.ahead_tokens`):
-# a rank and the one-process reference run on differently loaded cores and would decide apart.
-# This script compares what they compute, so both translate ahead a fixed chunk per token.
-sess.CatchUp.ahead_tokens = lambda self, remaining, decode_s: min(remaining, sess.AHEAD_MIN)
 
 GREEDY = {"max_tokens": 5, "temp": 0.0}
 
@@ -56,7 +50,7 @@ def _turn(stream, stop_after=None) -> dict:
 def conversation(rt: Pair, short: bool = False) -> dict:
     """Every kind of turn: the small model reading for the large one, alternation both ways,
     escalation both ways (a cache cut back), a stream stopped early, naive re-translation,
-    reset, translate-ahead, two conversations interleaved, the token rule (the small reads the
+    reset, two conversations interleaved, the token rule (the small reads the
     opening, the large a short later turn), the large reading a turn's last 3 tokens itself;
     `short`: the first three turns."""
     a = Conversation(
@@ -83,11 +77,6 @@ def conversation(rt: Pair, short: bool = False) -> dict:
     a.mode = "alternation"
     a.reset()
     turns.append(_turn(a.send("fresh start", "large", **GREEDY)))
-    c = Conversation(
-        rt, policy=ReaderPolicy(translate_ahead=True, large_reads_last=1, recompute_share=0)
-    )
-    turns.append(_turn(c.send("x = 1", "small", **GREEDY)))
-    turns.append(_turn(c.send(escalate=True, **GREEDY)))
     d = Conversation(
         rt, policy=ReaderPolicy(reader="tokens", large_reads_last=1, recompute_share=0)
     )  # the same in every process

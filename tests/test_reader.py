@@ -595,56 +595,6 @@ def test_logits_processors_see_the_answers_not_the_turns(pair, translators, read
     assert seen[1] == answer + out[:1]
 
 
-def test_translate_ahead_makes_escalation_one_step(pair, translators):
-    """While the small model answers, the span the large would lack is translated between
-    its tokens; escalating then costs the large one token of reading, and stays exact."""
-    fwd, bwd = translators
-    s = Session(pair, fwd, bwd, policy=plain(translate_ahead=True))
-    # unbudgeted: 8 tokens after every small token
-    s.ahead_tokens = lambda remaining, decode_s: min(8, max(remaining, 0))
-    s.add_user("a long question " * 6)
-    n0 = len(s.tokens)
-    small = [e.token for e in s.generate("small", max_tokens=N)]
-    st = s.last_turn
-    assert st.ahead is not None and st.ahead.translated == n0 - 1  # all of it, by 8s
-    assert s.held("target") == n0 - 1 and "translated ahead" in status_line(
-        st, {"source": "s", "target": "t"}
-    )
-    big = [e.token for e in s.escalate(max_tokens=N)]
-    esc = s.last_turn
-    assert esc.model == "target" and esc.prompt_tokens == 1
-    assert esc.switch is None or not esc.switch.translated  # nothing left to translate
-    assert big == native(pair.target.model, pair.tokenizer, s.tokens[:n0])
-    assert small and and_translated_ok(s)
-    # not escalated: the span translated ahead is kept, and the next large turn is exact
-    s.add_user(MESSAGES[2])
-    list(s.generate("small", max_tokens=N))
-    s.add_user(MESSAGES[3])
-    n1 = len(s.tokens)
-    out = [e.token for e in s.generate("large", max_tokens=N)]
-    assert out == native(pair.target.model, pair.tokenizer, s.tokens[:n1])
-    assert and_translated_ok(s)
-
-
-def test_translate_ahead_within_budget_leaves_the_rest_to_the_escalation(pair, translators):
-    """A budget that allows one chunk of 8 tokens: those are translated ahead, the rest at the
-    escalation, each span once, and the large model's answer is still its own."""
-    fwd, bwd = translators
-    s = Session(pair, fwd, bwd, policy=plain(translate_ahead=True))
-    chunks = []
-    s.ahead_tokens = lambda remaining, decode_s: 0 if chunks else chunks.append(8) or 8
-    s.add_user("a long question " * 6)
-    n0 = len(s.tokens)
-    list(s.generate("small", max_tokens=N))
-    assert s.last_turn.ahead.translated == 8 and s.held("target") == 8
-    big = [e.token for e in s.escalate(max_tokens=N)]
-    esc = s.last_turn
-    assert (esc.switch.start, esc.switch.end, esc.switch.translated) == (8, n0 - 1, n0 - 9)
-    assert esc.prompt_tokens == 1
-    assert big == native(pair.target.model, pair.tokenizer, s.tokens[:n0])
-    assert and_translated_ok(s)
-
-
 def and_translated_ok(s) -> bool:
     assert_translated_once(s)
     assert_consistent(s)

@@ -457,8 +457,9 @@ def test_warm_up_without_translators(pair):
 
 def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
     """A file whose policy lacks later settings and has retired ones (`config.RETIRED`: the
-    margin, the ahead chunk and share), whose turns lack later fields and carry 0.2.0's
-    `alone_prefill_s`, loads; one of the flat layout (before the policy value) is refused."""
+    margin, translate-ahead), whose turns lack later fields and carry 0.2.0's `alone_prefill_s`
+    and translate-ahead's `ahead`, loads; one of the flat layout (before the policy value) is
+    refused."""
     import json
 
     from mlx_kvlingo.conversation.stream import SessionFileError
@@ -471,11 +472,12 @@ def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
     path = s.save(tmp_path / "new")
     caches, meta = load_prompt_cache(str(path), return_metadata=True)
     state = json.loads(meta["kvlingo_session"])
-    del state["policy"]["translate_ahead"]
-    state["policy"]["reader_margin"] = 0.3
-    for t in state["turns"]:  # fields a turn did not have then, and one it had
+    del state["policy"]["min_retention"]
+    state["policy"].update(reader_margin=0.3, translate_ahead=True)
+    for t in state["turns"]:  # fields a turn did not have then, and ones it had
         del t["alternative_ttft_s"], t["predicted_ttft_s"]
-        t["alone_prefill_s"] = 0.4
+        ahead = {"into": "target", "mode": "alternation", "start": 0, "end": 8, "translated": 8}
+        t.update(alone_prefill_s=0.4, ahead=ahead)
     old = tmp_path / "old.safetensors"
     save_prompt_cache(str(old), caches, {**meta, "kvlingo_session": json.dumps(state)})
     t = Session(pair, fwd, bwd, policy=plain(reader="self"))
@@ -490,6 +492,8 @@ def test_a_session_file_from_before_keeps_loading(pair, translators, tmp_path):
     # a file of the policy value with the settings since retired
     retired = {"reader_margin": 0.3, "ahead_chunk": 8, "ahead_share": None, "reader_min_tokens": 9}
     assert ReaderPolicy.from_dict(retired, PLAIN) == plain(reader_min_tokens=9)
+    ahead = ReaderPolicy.from_dict({"translate_ahead": True, "reader": "small"}, PLAIN)
+    assert ahead == plain(reader="small") and "translate_ahead" not in ahead.to_dict()
     with pytest.raises(PolicyError, match="unknown reader-policy setting"):
         ReaderPolicy.from_dict({"reader_margins": 0.3})
     assert t.turns[0].alternative_ttft_s is None and t.tokens == s.tokens

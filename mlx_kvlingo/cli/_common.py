@@ -187,7 +187,7 @@ def reading_options(f):
 
 def conversation_options(f):
     """--backward-translator --mode --auto-threshold, and --reader --reader-min-tokens
-    --min-retention --translate-ahead `reading_options` collected into one argument
+    --min-retention `reading_options` collected into one argument
     `policy(pair)`: the `ReaderPolicy` for the loaded pair (the library's defaults; no recompute
     unless given with a pipelined large model, which cannot)."""
     from dataclasses import replace
@@ -214,12 +214,8 @@ def conversation_options(f):
                      help="Reader auto: the small path only where this translator is measured to "
                           "keep at least this share of the content at the turn's length "
                           "(kvlingo eval --task content); 0: time alone"),
-        click.option("--translate-ahead/--no-translate-ahead", default=d.translate_ahead,
-                     show_default=True,
-                     help="While the small model answers, translate for the large one within "
-                          "10% of its decode time (/escalate, /auto)"),
     ]  # fmt: skip
-    keys = ("reader", "reader_min_tokens", "min_retention", "translate_ahead")
+    keys = ("reader", "reader_min_tokens", "min_retention")
 
     @functools.wraps(f)
     def wrapper(*args, reading, **kw):

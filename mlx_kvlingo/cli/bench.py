@@ -62,7 +62,7 @@ def default_lengths() -> tuple[int, ...]:
               help="--conversation: share of cascade turns escalated to the large model")  # fmt: skip
 @click.option("--policies", type=ChoiceList(POLICIES), default=",".join(POLICIES),
               help="--conversation: comma-separated policies to run [default: all] of: large "
-              "reads, small reads, auto reads, cascade, cascade+ahead")  # fmt: skip
+              "reads, small reads, auto reads, cascade")  # fmt: skip
 @reading_options
 @click.option("--startup", is_flag=True,
               help="Time a start to the first token in fresh processes (-n of each, alternating): "

@@ -17,7 +17,6 @@ answer, the cache is cut to match. A span is translated at its true positions, o
 from __future__ import annotations
 
 import json
-import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -219,7 +218,6 @@ class Transcript:
         return dropped
 
 
-AHEAD_MIN, AHEAD_SHARE = 8, 0.10  # `ahead_tokens`
 READ_CHUNK = 512  # tokens a turn is read, captured and translated at a time
 SCORES_BYTES = 64 << 20  # one read chunk's float32 attention scores, at most (`small_reads`)
 
@@ -395,55 +393,6 @@ class CatchUp:
             s.settle(s.held)
         return votes
 
-    def ahead_begin(self, upto: int) -> Switch | None:
-        """While the small model answers, the span the large would lack on escalation,
-        [large's held, upto), is translated between its tokens (`ahead_step`); kept either way."""
-        p = self.policy
-        if not (p.translate_ahead and self.forward is not None and self.mode == "alternation"):
-            return None
-        t = self.models["target"]
-        t.settle(min(t.held, upto))
-        if t.held >= upto:
-            return None
-        self.ahead_credit = min(self.ahead_credit, 0.0)  # a debt carries over, credit does not
-        return Switch("target", self.mode, t.held, t.held, note=f"translated ahead to {upto}")
-
-    def ahead_step(self, sw: Switch, upto: int, decode_s: float | None) -> float:
-        """After one small token (decoded in `decode_s`): the next chunk; the seconds spent."""
-        t, o = self.models["target"], self.models["source"]
-        read = min(c.offset for c in o.cache)  # the small model's cache, mid-answer
-        n = self.ahead_tokens(min(upto, read) - t.held, decode_s)
-        if n <= 0:
-            return 0.0
-        t0 = time.perf_counter()
-        self._translate(o, t, self.forward, t.held, t.held + n)
-        seconds = time.perf_counter() - t0
-        self.ahead_credit -= seconds
-        self.read_costs.forward.observe(n, seconds)
-        if not sw.translated:
-            self.switches.append(sw)
-        sw.end = t.held
-        sw.translated = sw.end - sw.start
-        sw.seconds += seconds
-        return seconds
-
-    def ahead_tokens(self, remaining: int, decode_s: float | None) -> int:
-        """Each small token earns AHEAD_SHARE x its decode time; a chunk is translated once
-        the credit covers its predicted cost a + b n and it is at least max(AHEAD_MIN, 3a / b)
-        tokens, as many as the credit covers; an overrun is a debt. Unmeasured: AHEAD_MIN."""
-        cost = self.read_costs.forward
-        if remaining <= 0:
-            return 0
-        self.ahead_credit += AHEAD_SHARE * max(decode_s or 0.0, 0.0)
-        if self.ahead_credit <= 0 or not cost.samples:  # the first chunk measures
-            return 0 if self.ahead_credit <= 0 else min(remaining, AHEAD_MIN)
-        a, b = cost.fit()
-        b = max(b, 1e-9)
-        # one length measured: twice it, which tells the per-call cost from the per-token one
-        least = max(AHEAD_MIN, math.ceil(3 * a / b)) if cost.ready else 2 * cost.samples[-1][0]
-        most = min(remaining, int((self.ahead_credit - a) / b))
-        return most if most >= min(least, remaining) else 0
-
 
 class Session(CatchUp, Transcript):
     """One conversation over a model pair: the source (small) and target (large) model;
@@ -505,7 +454,6 @@ class Session(CatchUp, Transcript):
         if who != "self" and self.forward is None:
             raise SessionError(f"reader {who!r} needs a forward (small -> large) translator")
         self._policy = replace(policy, reader=who)
-        self.ahead_credit = 0.0  # seconds of translating ahead the small model's tokens earned
 
     @property
     def last_turn(self) -> TurnStats | None:
@@ -624,15 +572,13 @@ class Session(CatchUp, Transcript):
     def _generate(self, name: str, limit: int, capped: bool, kwargs,
                   progress: Progress | None = None) -> Responses:  # fmt: skip
         """The turn: hand off, decode (at most `limit` tokens; `capped`: the context's limit,
-        so "length" ends as "context"), commit. The small model's decode time of a token
-        excludes the translating ahead between its tokens."""
+        so "length" ends as "context"), commit."""
         m, t0, n0 = self.models[name], time.perf_counter(), len(self.tokens)
         stats, emitted, steps = TurnStats(name, self.mode), [], None
         try:
             paths = self._hand_off(name, n0, stats, kwargs["prefill_step_size"], progress)
             if stats.finish_reason == "cancelled":
                 return
-            stats.ahead = self.ahead_begin(n0 - 1) if name == "source" else None
             prompt = self.tokens[m.held : n0]
             stats.prompt_tokens = len(prompt)
             if kwargs.get("logits_processors"):  # they see the earlier answers and this one
@@ -640,11 +586,7 @@ class Session(CatchUp, Transcript):
                 kwargs = {**kwargs, "logits_processors": procs}
             steps = stream_generate(m.loaded.model, self.pair.tokenizer, mx.array(prompt),
                                     max_tokens=limit, prompt_cache=m.cache, **kwargs)  # fmt: skip
-            last_token_at, between_s = None, 0.0
             for r in steps:
-                now = time.perf_counter()
-                decode_s = None if last_token_at is None else now - last_token_at - between_s
-                last_token_at = now
                 emitted.append(r.token)
                 stats.text += r.text
                 stats.logprobs.append(r.logprobs[r.token].item())
@@ -652,7 +594,7 @@ class Session(CatchUp, Transcript):
                 stats.generation_tps, stats.peak_memory_gb = r.generation_tps, r.peak_memory
                 stats.prompt_s = len(prompt) / r.prompt_tps if r.prompt_tps else 0.0
                 if len(emitted) == 1:
-                    stats.ttft_s = now - t0
+                    stats.ttft_s = time.perf_counter() - t0
                     reader.observe(self, stats, n0 - len(prompt))
                 end = r.finish_reason or ("cancelled" if self.cancelled.is_set() else None)
                 if end is not None:
@@ -664,8 +606,6 @@ class Session(CatchUp, Transcript):
                                                 stats if end else None)  # fmt: skip
                 if end is not None:
                     break
-                if stats.ahead is not None:
-                    between_s = self.ahead_step(stats.ahead, n0 - 1, decode_s)
         finally:
             if steps is not None:
                 steps.close()
@@ -871,11 +811,13 @@ def _check_cache(need, name: str, g, cache: list, held: int) -> None:
             need(mx.issubdtype(a.dtype, mx.floating), f"{name} layer {i} {what} are {a.dtype}")
 
 
-NESTED = {"switch": Switch, "ahead": Switch, "read": Read, "catch_up": Switch}
+NESTED = {"switch": Switch, "read": Read, "catch_up": Switch}
+#: fields a turn had that are gone: read, dropped (0.2.0's `alternative_ttft_s`; translate-ahead)
+DROPPED = ("alone_prefill_s", "ahead")
 
 
 def _record(kind: type, d: dict | None):
-    """A saved record and those in it; 0.2.0's `alone_prefill_s` (`alternative_ttft_s`) dropped."""
-    out = {k: _record(NESTED[k], v) if k in NESTED else v for k, v in (d or {}).items()}
-    out.pop("alone_prefill_s", None)
+    """A saved record and those in it, its `DROPPED` fields dropped."""
+    items = [(k, v) for k, v in (d or {}).items() if k not in DROPPED]
+    out = {k: _record(NESTED[k], v) if k in NESTED else v for k, v in items}
     return None if d is None else kind(**out)

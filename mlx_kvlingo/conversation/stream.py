@@ -105,7 +105,6 @@ class TurnStats:
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     read: Read | None = None  # the small model's read for this answer (reader "small")
-    ahead: Switch | None = None  # translated ahead for the large model during this answer
     prompt_s: float = 0.0  # the answering model's own prefill time this turn
     read_note: str = ""  # why the large read the new turn itself (readers "auto", "tokens")
     retention: float | None = None  # expected where it turned the faster small path down
@@ -457,9 +456,6 @@ def status_line(st: TurnStats, names: dict) -> str:
                 why = f", {_ms(st.ttft_s - alt)} sooner, keeping ≈{share(st.retention)}"
             ttft += f" ({other}: TTFT ≈ {_ms(alt)}{why})"
         parts.append(ttft)
-    if st.ahead is not None and st.ahead.translated:
-        parts.append(f"translated ahead for {LABEL['target']} {st.ahead.translated} tok "
-                     f"{_ms(st.ahead.seconds)}")  # fmt: skip
     parts.append(f"{st.generation_tokens} tokens {st.generation_tps:.1f} tok/s")
     parts.append(f"peak {st.peak_memory_gb:.2f} GB")
     if st.finish_reason in ("cancelled", "interrupted"):

@@ -103,8 +103,3 @@ def probe(pair, forward, costs: ReadCosts) -> None:
         at = min(PROBE_AT, (loaded.context_length or 2 * PROBE_AT) // 2)
         if at >= PROBE_READ and (loaded is pair.target or forward is not None):
             cost.observe(PROBE_READ, reader.timed_read(loaded, ids, at), at, again=True)
-
-
-def rates_text(origin: str | None) -> str:
-    """Where the rates came from, as the banners say it."""
-    return {"measured": "rates measured", "cached": "rates reused from the cache"}.get(origin, "")

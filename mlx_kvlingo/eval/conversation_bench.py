@@ -1,5 +1,5 @@
 """A multi-turn conversation timed under the policies of `config.POLICIES` side by side (large
-reads / small reads / auto reads / cascade / cascade+ahead), each a `Session`, turn by turn.
+reads / small reads / auto reads / cascade), each a `Session`, turn by turn.
 
 User turns are `user_lengths` tokens (cycled), answers exactly `answer_tokens` tokens (greedy,
 end-of-sequence banned): every policy does the same work. TTFT is as the user sees it (an
@@ -58,8 +58,6 @@ class TurnTiming:
     escalation_ttft_s: float | None = None  # the large model's TTFT after the escalation
     small_decode_tps: float | None = None  # the small model's decode speed (cascades)
     large_decode_tps: float | None = None  # the large model's decode speed once escalated
-    ahead_s: float = 0.0  # translating ahead during the small model's answer
-    small_decode_s: float | None = None  # the small answer after its first token, ahead included
 
 
 def _answer(session: Session, model: str, cfg: ConversationBenchConfig, escalate: bool = False):
@@ -79,8 +77,7 @@ def _answer(session: Session, model: str, cfg: ConversationBenchConfig, escalate
 
 def _translate_s(st) -> float:
     switches = [st.switch] + ([st.read.catch_up] if st.read else [])
-    ahead = st.ahead.seconds if st.ahead is not None else 0.0
-    return ahead + sum(s.seconds for s in switches if s is not None and s.translated)
+    return sum(s.seconds for s in switches if s is not None and s.translated)
 
 
 def _turn(s: Session, policy: str, t: int, n: int, cfg, escalate: bool) -> TurnTiming:
@@ -99,8 +96,7 @@ def _turn(s: Session, policy: str, t: int, n: int, cfg, escalate: bool) -> TurnT
         )  # fmt: skip
     ttft, total, st = _answer(s, "source", cfg)
     tt = TurnTiming(policy, t, n, ttft, total, translate_s=_translate_s(st),
-                    small_decode_tps=st.generation_tps, small_decode_s=total - ttft,
-                    ahead_s=st.ahead.seconds if st.ahead is not None else 0.0)  # fmt: skip
+                    small_decode_tps=st.generation_tps)  # fmt: skip
     if escalate:
         e_ttft, e_total, est = _answer(s, "target", cfg, escalate=True)
         tt.ttft_s, tt.total_s, tt.escalation_ttft_s = total + e_ttft, total + e_total, e_ttft
@@ -180,17 +176,12 @@ def summarize(timings: list[TurnTiming], cfg: ConversationBenchConfig) -> dict:
         esc = _mean(x.escalation_ttft_s for x in mine)
         large = _mean(x.large_decode_tps for x in mine)
         step = 1e3 / large if large else None  # one large decode step, ms
-        spent = sum(x.ahead_s for x in mine)
-        decode = sum(x.small_decode_s for x in mine if x.small_decode_s)
         cascades[p] = {
             "escalations": sum(x.escalated for x in mine),
             "escalation_ttft_ms": None if esc is None else 1e3 * esc,
             "large_step_ms": step,
             "escalation_ttft_in_steps": 1e3 * esc / step if esc and step else None,
             "small_decode_tps": _mean(x.small_decode_tps for x in mine),
-            # the time translating ahead over the small answers' decode time without it: the
-            # slowdown measured within each answer (machine load slows both alike)
-            "ahead_share_of_decode": spent / (decode - spent) if decode > spent else None,
         }
     if cascades:
         out["cascades"] = cascades
@@ -267,16 +258,14 @@ def markdown_report(result: dict) -> str:
                              number(row.get("ttft_ratio_small_over_large"), ".2f"))))  # fmt: skip
     if summary.get("cascades"):
         lines += ["", "Cascades: the large model's TTFT once escalated (against one of its decode "
-                  "steps, goal with translate-ahead <= 1.25), the small model's decode speed and "
-                  "its time translating ahead over its decode time without it, within the same "
-                  "answers (goal <= 10%):", "",
+                  "steps) and the small model's decode speed:", "",
                   *md_table(("policy", "escalations", "escalation TTFT ms", "large step ms",
-                             "TTFT / step", "small decode tok/s", "ahead / decode"), "lrrrrrr")]  # fmt: skip
+                             "TTFT / step", "small decode tok/s"), "lrrrrr")]  # fmt: skip
         for p, c in summary["cascades"].items():
             lines.append(md_row((
                 p, c["escalations"], number(c["escalation_ttft_ms"], ".0f"),
                 number(c["large_step_ms"], ".0f"), number(c["escalation_ttft_in_steps"], ".2f"),
-                number(c["small_decode_tps"], ".1f"), number(c["ahead_share_of_decode"], ".1%"),
+                number(c["small_decode_tps"], ".1f"),
             )))  # fmt: skip
     return "\n".join(lines) + "\n"
 
