@@ -100,7 +100,7 @@ def plot(s: dict, path: Path, kind: str = "fact") -> Path:
         xs, ys = [p[2] for _, p in pts], [p[0] / p[1] for _, p in pts]
         ax.plot(xs, ys, marker="o", label=c)
         for (n, _), x, y in zip(pts, xs, ys):
-            ax.annotate(f"{n / 1024:g}k", (x, y), textcoords="offset points", xytext=(4, 4),
+            ax.annotate(f"{round(n / 1000)}k", (x, y), textcoords="offset points", xytext=(4, 4),
                             fontsize=7)  # fmt: skip
     ax.axhline(MIN_RETENTION, color="grey", lw=0.8, ls=":")
     ax.set_xlabel("time to read the prompt / the large model's own read (median)")
