@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,42 +59,34 @@ class ChatRequest:
     logprobs: bool = False
 
 
-def _number(body: dict, name: str, lo: float | None = None, hi: float | None = None) -> float:
-    v = body[name]
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise bad(f"{name} must be a number, not {type(v).__name__}", name, "invalid_type")
+def _value(body: dict, name: str, lo=None, hi=None, integer: bool = False) -> Any:
+    """body[name], checked: a number (an integer if `integer`; no bool), finite, in [lo, hi]."""
+    v, kind = body[name], "an integer" if integer else "a number"
+    if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+        raise bad(f"{name} must be {kind}, not {type(v).__name__}", name, "invalid_type")
     if not math.isfinite(v):
         raise bad(f"{name} must be finite", name, "invalid_value")
-    if (lo is not None and v < lo) or (hi is not None and v > hi):
-        raise bad(f"{name} must be between {lo} and {hi}, got {v}", name, "invalid_value")
-    return float(v)
-
-
-def _integer(body: dict, name: str, lo: int | None = None, hi: int | None = None) -> int:
-    v = body[name]
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise bad(f"{name} must be an integer, not {type(v).__name__}", name, "invalid_type")
     if lo is not None and v < lo:
         raise bad(f"{name} must be at least {lo}, got {v}", name, "invalid_value")
     if hi is not None and v > hi:
         raise bad(f"{name} must be at most {hi} on this server, got {v}", name, "invalid_value")
-    return v
+    return v if integer else float(v)
 
 
 def _set(body: dict, name: str) -> bool:
     return body.get(name) is not None
 
 
-#: OpenAI field -> (`Sampling` field, checker). Non-OpenAI fields that mlx_lm.server also
-#: accepts (top_k, min_p, repetition_penalty, repetition_context_size) are read the same way.
+#: OpenAI field -> (`Sampling` field, lo, hi, integer). Non-OpenAI fields that mlx_lm.server
+#: also accepts (top_k, min_p, repetition_penalty, repetition_context_size) are read the same way.
 _SAMPLING = {
-    "temperature": ("temp", lambda b, n: _number(b, n, 0.0, 2.0)),
-    "top_p": ("top_p", lambda b, n: _number(b, n, 0.0, 1.0)),
-    "top_k": ("top_k", lambda b, n: _integer(b, n, 0)),
-    "min_p": ("min_p", lambda b, n: _number(b, n, 0.0, 1.0)),
-    "repetition_penalty": ("repetition_penalty", lambda b, n: _number(b, n, 0.0)),
-    "repetition_context_size": ("repetition_context_size", lambda b, n: _integer(b, n, 0)),
-    "seed": ("seed", lambda b, n: _integer(b, n)),
+    "temperature": ("temp", 0.0, 2.0),
+    "top_p": ("top_p", 0.0, 1.0),
+    "top_k": ("top_k", 0, None, True),
+    "min_p": ("min_p", 0.0, 1.0),
+    "repetition_penalty": ("repetition_penalty", 0.0),
+    "repetition_context_size": ("repetition_context_size", 0, None, True),
+    "seed": ("seed", None, None, True),
 }
 
 
@@ -106,14 +97,16 @@ def sampling_kwargs(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
     frequency_penalty / presence_penalty other than 0 are refused: mlx-lm's multiplicative
     repetition_penalty is another thing."""
     for name in ("frequency_penalty", "presence_penalty"):
-        if _set(body, name) and _number(body, name, -2.0, 2.0) != 0:
+        if _set(body, name) and _value(body, name, -2.0, 2.0) != 0:
             raise bad(f"{name} is not supported by this server (repetition_penalty is mlx-lm's)",
                       name, "unsupported_field")  # fmt: skip
-    sampling = {f: check(body, n) for n, (f, check) in _SAMPLING.items() if _set(body, n)}
+    sampling = {
+        f: _value(body, n, *checks) for n, (f, *checks) in _SAMPLING.items() if _set(body, n)
+    }
     name = "max_completion_tokens" if _set(body, "max_completion_tokens") else "max_tokens"
     max_tokens = limits.default_max_tokens
     if _set(body, name):
-        max_tokens = _integer(body, name, 1, limits.max_tokens)
+        max_tokens = _value(body, name, 1, limits.max_tokens, True)
     return {**sampling, "max_tokens": max_tokens}
 
 
@@ -146,26 +139,20 @@ def parse_messages(raw: Any) -> list[dict[str, str]]:
         if not isinstance(m, dict):
             raise bad(f"messages[{i}] must be an object", f"messages[{i}]", "invalid_type")
         role = m.get("role")
-        if role in _SYSTEM_ROLES:
-            if i != 0:
-                raise bad(f"messages[{i}]: a {role} message may only come first",
-                          f"messages[{i}].role", "invalid_value")  # fmt: skip
+        want = ("user", "assistant")[(i - (bool(out) and out[0]["role"] == "system")) % 2]
+        if i == 0 and role in _SYSTEM_ROLES:
             role = "system"
-        elif role not in ("user", "assistant"):
-            raise bad(f"messages[{i}]: role {role!r} is not supported (system, user, assistant)",
-                      f"messages[{i}].role", "invalid_value")  # fmt: skip
+        elif role != want:
+            raise bad(
+                f"messages[{i}] should be a {want} message, not {role!r}: an optional system "
+                "message first, then user and assistant messages alternating",
+                f"messages[{i}].role",
+                "invalid_value",
+            )
         if m.get("tool_calls"):
             raise bad("tool calls are not supported", f"messages[{i}].tool_calls")
         out.append({"role": role, "content": _content(m, i)})
-    turns = out[1:] if out[0]["role"] == "system" else out
-    for j, m in enumerate(turns):
-        want = "user" if j % 2 == 0 else "assistant"
-        if m["role"] != want:
-            i = j + len(out) - len(turns)
-            raise bad(f"messages[{i}] should be a {want} message: after the optional system "
-                      f"message, user and assistant messages alternate, starting with user",
-                      f"messages[{i}].role", "invalid_value")  # fmt: skip
-    if not turns or turns[-1]["role"] != "user":
+    if out[-1]["role"] != "user":
         raise bad("the last message must be a user message", "messages", "invalid_value")
     return out
 
@@ -181,7 +168,7 @@ def parse_request(body: Any, limits: Limits) -> ChatRequest:
         raise APIError(404, f"the model {model!r} does not exist; use one of "
                             f"{', '.join(MODEL_IDS)}", param="model", code="model_not_found")  # fmt: skip
     messages = parse_messages(body.get("messages"))
-    if _set(body, "n") and _integer(body, "n", 1) != 1:
+    if _set(body, "n") and _value(body, "n", 1, None, True) != 1:
         raise bad("n must be 1: one answer per request", "n", "unsupported_value")
     for name in ("tools", "functions", "logit_bias"):
         if body.get(name):
@@ -189,17 +176,11 @@ def parse_request(body: Any, limits: Limits) -> ChatRequest:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise bad("only response_format {'type': 'text'} is supported", "response_format")
-    stream = False if body.get("stream") is None else body["stream"]
-    if not isinstance(stream, bool):
-        raise bad("stream must be a boolean", "stream", "invalid_type")
-    opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, dict):
-        raise bad("stream_options must be an object", "stream_options", "invalid_type")
-    include_usage = bool((opts or {}).get("include_usage", False))
-    logprobs = body.get("logprobs") or False
-    if not isinstance(logprobs, bool):
-        raise bad("logprobs must be a boolean", "logprobs", "invalid_type")
-    if _set(body, "top_logprobs") and _integer(body, "top_logprobs", 0) > 0:
+    for name, kind in (("stream", bool), ("logprobs", bool), ("stream_options", dict)):
+        if _set(body, name) and not isinstance(body[name], kind):
+            what = "a boolean" if kind is bool else "an object"
+            raise bad(f"{name} must be {what}", name, "invalid_type")
+    if _set(body, "top_logprobs") and _value(body, "top_logprobs", 0, None, True) > 0:
         raise bad("top_logprobs is not supported (logprobs of the sampled tokens are)",
                   "top_logprobs", "unsupported_value")  # fmt: skip
     stop = body.get("stop")
@@ -208,17 +189,10 @@ def parse_request(body: Any, limits: Limits) -> ChatRequest:
         raise bad("stop must be a string or a list of non-empty strings", "stop", "invalid_type")
     if len(stop) > limits.max_stop:
         raise bad(f"at most {limits.max_stop} stop sequences", "stop", "invalid_value")
+    include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     send = sampling_kwargs(body, limits)
+    stream, logprobs = bool(body.get("stream")), bool(body.get("logprobs"))
     return ChatRequest(model, messages, send, stop, stream, include_usage, logprobs)
-
-
-def new_id() -> str:
-    return f"chatcmpl-{uuid.uuid4().hex}"
-
-
-def finish_reason(reason: str | None) -> str:
-    """OpenAI's finish reasons: stop | length (the context limit counts as length)."""
-    return "length" if reason in ("length", "context") else "stop"
 
 
 def _logprobs(pieces: list[tuple[str, float]] | None) -> dict | None:
@@ -243,17 +217,14 @@ def completion(rid: str, model: str, text: str, reason: str, usage: dict, extra:
     return _envelope(rid, model, "chat.completion", [choice], usage=usage, kvlingo=extra)
 
 
-def chunk(rid: str, model: str, delta: dict, reason: str | None = None, *,
-          pieces: list[tuple[str, float]] | None = None, usage: bool = False) -> dict:  # fmt: skip
-    """One `chat.completion.chunk` (`usage: null` on every chunk when usage was asked for)."""
+def chunk(rid: str, model: str, delta: dict | None, reason: str | None = None, *,
+          pieces: list[tuple[str, float]] | None = None, **rest: Any) -> dict:  # fmt: skip
+    """One `chat.completion.chunk`; `delta` None: no choices (the usage chunk). `rest`: `usage`
+    (None on every chunk when usage was asked for), `kvlingo`."""
     choice = {"index": 0, "delta": delta, "logprobs": _logprobs(pieces), "finish_reason": reason}
-    rest = {"usage": None} if usage else {}
-    return _envelope(rid, model, "chat.completion.chunk", [choice], **rest)
-
-
-def usage_chunk(rid: str, model: str, usage: dict, extra: dict) -> dict:
-    """The last chunk when `stream_options.include_usage` is set: no choices, the usage."""
-    return _envelope(rid, model, "chat.completion.chunk", [], usage=usage, kvlingo=extra)
+    return _envelope(
+        rid, model, "chat.completion.chunk", [choice] if delta is not None else [], **rest
+    )
 
 
 def model_list(names: dict[str, str]) -> dict:

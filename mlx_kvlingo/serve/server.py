@@ -12,6 +12,7 @@ that disconnects cancels its job; both caches stay consistent.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
@@ -20,31 +21,14 @@ import select
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from mlx_kvlingo.api import AUTO_THRESHOLD, Pair
+from mlx_kvlingo.api import Pair
 from mlx_kvlingo.serve import protocol as P
-from mlx_kvlingo.serve.worker import Job, QueueFull, Result, Worker
+from mlx_kvlingo.serve.worker import Job, Result, ServeConfig, Worker
 
 log = logging.getLogger("mlx_kvlingo.serve")
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """How the server listens and what it accepts (the `kvlingo serve` options)."""
-
-    host: str = "127.0.0.1"
-    port: int = 8080  # 0: any free port
-    api_key: str | None = None  # when set: `Authorization: Bearer <key>` on every request
-    max_body_bytes: int = 1 << 20  # request body limit (413 beyond it)
-    limits: P.Limits = P.Limits()
-    queue_size: int = 8  # requests waiting behind the running one; 503 beyond
-    max_conversations: int = 8  # held conversations (LRU) for prefix reuse; 0: off
-    auto_threshold: float = AUTO_THRESHOLD  # `auto`: the large re-answers below this mean log-prob
-    request_timeout: float = 600.0  # seconds a request may wait and run in all
-    read_timeout: float = 30.0  # seconds to receive a request (slow clients are dropped)
 
 
 class Server:
@@ -60,9 +44,7 @@ class Server:
                  **conversation_kwargs: Any) -> None:  # fmt: skip
         self.pair = pair
         self.config = c = config or ServeConfig()
-        self.worker = Worker(pair, limits=c.limits, queue_size=c.queue_size,
-                             max_conversations=c.max_conversations, auto_threshold=c.auto_threshold,
-                             conversation_kwargs=conversation_kwargs)  # fmt: skip
+        self.worker = Worker(pair, c, conversation_kwargs)
         handler = type("Handler", (_Handler,), {"app": self, "timeout": c.read_timeout})
         try:
             self.httpd = ThreadingHTTPServer((c.host, c.port), handler)
@@ -102,12 +84,6 @@ class Server:
         self.httpd.server_close()
         self.worker.close()
 
-    def __enter__(self) -> Server:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
@@ -136,25 +112,23 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
         self.wfile.flush()
 
-    def _error(self, e: P.APIError, headers: dict[str, str] | None = None) -> None:
-        self._json(e.status, e.body(), headers)
+    def _error(self, e: P.APIError) -> None:
+        self._json(e.status, e.body(), e.headers)
 
     def _guarded(self, fn) -> None:
         self._sent = False
         try:
-            fn()
+            fn(self.path.split("?", 1)[0].rstrip("/"))
         except P.APIError as e:  # a refusal, before anything reached the models
-            self._error(e, e.headers)
+            self._error(e)
         except (TimeoutError, BrokenPipeError, ConnectionResetError):
             self.close_connection = True
         except Exception as e:  # the server never goes down with a request
             log.exception("request handler failed")
             self.close_connection = True
             if not self._sent:
-                try:
+                with contextlib.suppress(OSError):
                     self._error(P.APIError(500, f"internal error: {e}", type="server_error"))
-                except OSError:
-                    pass
 
     def _authorize(self) -> None:
         key = self.app.config.api_key
@@ -168,61 +142,42 @@ class _Handler(BaseHTTPRequestHandler):
         """True when the client closed its end (end-of-file is readable on the socket)."""
         try:
             ready, _, _ = select.select([self.connection], [], [], 0)
-            if not ready:
-                return False
-            return self.connection.recv(1, socket.MSG_PEEK) == b""
+            return bool(ready) and self.connection.recv(1, socket.MSG_PEEK) == b""
         except (OSError, ValueError):
             return True
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         self._guarded(self._get)
 
-    def _get(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
+    def _get(self, path: str) -> None:
         if path == "/health":
             return self._json(200, {"status": "ok"})
         self._authorize()
         models = P.model_list(self.app.pair.names)
-        if path in ("/v1/models", "/models"):
+        route = path.removeprefix("/v1")
+        if route == "/models":
             return self._json(200, models)
-        for prefix in ("/v1/models/", "/models/"):
-            if path.startswith(prefix):
-                for m in models["data"]:
-                    if m["id"] == path[len(prefix) :]:
-                        return self._json(200, m)
-                raise P.APIError(404, f"the model {path[len(prefix) :]!r} does not exist",
-                                 code="model_not_found")  # fmt: skip
+        if route.startswith("/models/"):
+            name = route.removeprefix("/models/")
+            for m in models["data"]:
+                if m["id"] == name:
+                    return self._json(200, m)
+            raise P.APIError(404, f"the model {name!r} does not exist", code="model_not_found")
         raise P.APIError(404, f"no route {path!r}", code="not_found")
 
     def do_POST(self) -> None:  # noqa: N802
         self._guarded(self._post)
 
-    def _post(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
-        if path not in ("/v1/chat/completions", "/chat/completions"):
+    def _post(self, path: str) -> None:
+        if path.removeprefix("/v1") != "/chat/completions":
             raise P.APIError(404, f"no route {path!r}", code="not_found")
         self._authorize()
-        app = self.app
-        req = P.parse_request(self._body(), app.config.limits)
-        job = Job(req)
+        job = Job(P.parse_request(self._body(), self.app.config.limits))
+        self.app.worker.submit(job)
         try:
-            app.worker.submit(job)
-        except QueueFull:
-            raise P.APIError(503, f"the server is busy: one request runs and "
-                             f"{app.config.queue_size} wait; retry later", type="server_error",
-                             code="queue_full", headers={"Retry-After": "1"}) from None  # fmt: skip
-        try:
-            deadline = job.submitted + app.config.request_timeout
-            first = self._next(job, deadline)
-            if first is None:
-                return
-            if first[0] == "error":
-                return self._error(first[1])
-            rid, model = P.new_id(), req.model
-            if req.stream:
-                self._stream(job, rid, model, deadline)
-            else:
-                self._complete(job, rid, model, deadline)
+            deadline = job.submitted + self.app.config.request_timeout
+            if self._next(job, deadline) is not None:  # accepted
+                (self._stream if job.request.stream else self._complete)(job, deadline)
         finally:
             job.cancel()  # a no-op once the job is done; else (handler failed) stop it
 
@@ -246,48 +201,46 @@ class _Handler(BaseHTTPRequestHandler):
             raise P.APIError(400, f"the body is not valid JSON: {e}", code="invalid_json") from None
 
     def _next(self, job: Job, deadline: float) -> tuple | None:
-        """The job's next event; None (job cancelled) when the client left or time ran out."""
+        """The job's next event (its error raised); None (job cancelled) when the client left
+        or time ran out."""
         while True:
             try:
-                return job.events.get(timeout=0.05)
+                ev = job.events.get(timeout=0.05)
+                if ev[0] == "error":
+                    raise ev[1]
+                return ev
             except queue.Empty:
                 pass
-            if self._client_gone():
+            gone = self._client_gone()
+            if gone or time.monotonic() > deadline:
                 job.cancel()
                 self.close_connection = True
-                return None
-            if time.monotonic() > deadline:
-                job.cancel()
-                if not self._sent:
-                    self._error(P.APIError(504, "the request timed out (request_timeout)",
-                                           type="server_error", code="timeout"))  # fmt: skip
-                self.close_connection = True
+                if not (gone or self._sent):
+                    raise P.APIError(504, "the request timed out (request_timeout)",
+                                     type="server_error", code="timeout")  # fmt: skip
                 return None
 
-    def _complete(self, job: Job, rid: str, model: str, deadline: float) -> None:
+    def _complete(self, job: Job, deadline: float) -> None:
         pieces: list[tuple[str, float]] = []
         while (ev := self._next(job, deadline)) is not None:
             if ev[0] == "token":
-                pieces.append((ev[1], ev[2]))
-            elif ev[0] == "error":
-                return self._error(ev[1])
-            elif ev[0] == "done":
+                pieces.append(ev[1:])
+            else:  # done
                 res: Result = ev[1]
-                body = P.completion(rid, model, res.text, P.finish_reason(res.finish_reason),
+                body = P.completion(job.id, job.request.model, res.text, res.finish_reason,
                                     res.usage, res.extra,
                                     pieces if job.request.logprobs else None)  # fmt: skip
-                self._sent = True
                 return self._json(200, body)
 
-    def _stream(self, job: Job, rid: str, model: str, deadline: float) -> None:
-        req = job.request
+    def _stream(self, job: Job, deadline: float) -> None:
+        req, rid = job.request, job.id
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.end_headers()
-        self._sent = True
-        self.close_connection = True
+        self._sent = self.close_connection = True
+        usage = {"usage": None} if req.include_usage else {}
 
         def send(obj: dict | str) -> bool:
             data = obj if isinstance(obj, str) else json.dumps(obj)
@@ -299,20 +252,22 @@ class _Handler(BaseHTTPRequestHandler):
                 job.cancel()
                 return False
 
-        usage = req.include_usage
-        if not send(P.chunk(rid, model, {"role": "assistant", "content": ""}, usage=usage)):
+        if not send(P.chunk(rid, req.model, {"role": "assistant", "content": ""}, **usage)):
             return
-        while (ev := self._next(job, deadline)) is not None:
-            if ev[0] == "token":
-                lp = [(ev[1], ev[2])] if req.logprobs else None
-                if not send(P.chunk(rid, model, {"content": ev[1]}, pieces=lp, usage=usage)):
+        try:
+            while (ev := self._next(job, deadline)) is not None:
+                if ev[0] == "token":
+                    lp = [ev[1:]] if req.logprobs else None
+                    if not send(P.chunk(rid, req.model, {"content": ev[1]}, pieces=lp, **usage)):
+                        return
+                else:  # done
+                    res: Result = ev[1]
+                    end = [P.chunk(rid, req.model, {}, res.finish_reason, **usage)]
+                    if req.include_usage:  # a last chunk: no choices, the usage
+                        end.append(
+                            P.chunk(rid, req.model, None, usage=res.usage, kvlingo=res.extra)
+                        )
+                    all(send(x) for x in [*end, "[DONE]"])  # each only while the client is there
                     return
-            elif ev[0] == "error":
-                send(ev[1].body())
-                return
-            elif ev[0] == "done":
-                res: Result = ev[1]
-                end = [P.chunk(rid, model, {}, P.finish_reason(res.finish_reason), usage=usage)]
-                end += [P.usage_chunk(rid, model, res.usage, res.extra)] if usage else []
-                all(send(x) for x in [*end, "[DONE]"])  # each only while the client is there
-                return
+        except P.APIError as e:
+            send(e.body())

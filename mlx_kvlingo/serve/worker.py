@@ -16,6 +16,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -35,8 +36,20 @@ from mlx_kvlingo.serve.protocol import APIError, ChatRequest, Limits
 log = logging.getLogger("mlx_kvlingo.serve")
 
 
-class QueueFull(Exception):
-    """Every queue slot is taken: one request runs, `queue_size` wait."""
+@dataclass(frozen=True)
+class ServeConfig:
+    """How the server listens and what it accepts (the `kvlingo serve` options)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080  # 0: any free port
+    api_key: str | None = None  # when set: `Authorization: Bearer <key>` on every request
+    max_body_bytes: int = 1 << 20  # request body limit (413 beyond it)
+    limits: Limits = Limits()
+    queue_size: int = 8  # requests waiting behind the running one; 503 beyond
+    max_conversations: int = 8  # held conversations (LRU) for prefix reuse; 0: off
+    auto_threshold: float = AUTO_THRESHOLD  # `auto`: the large re-answers below this mean log-prob
+    request_timeout: float = 600.0  # seconds a request may wait and run in all
+    read_timeout: float = 30.0  # seconds to receive a request (slow clients are dropped)
 
 
 @dataclass
@@ -44,7 +57,7 @@ class Result:
     """What the client gets at the end of a job."""
 
     text: str
-    finish_reason: str  # stop | length | context | cancelled
+    finish_reason: str  # OpenAI's: length (the model's or the context's limit) | stop
     usage: dict[str, Any]
     extra: dict[str, Any]  # the `kvlingo` object: who answered, escalation, reuse
 
@@ -52,6 +65,7 @@ class Result:
 @dataclass(eq=False)  # a job is itself: hashable, by identity
 class Job:
     request: ChatRequest
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     events: queue.Queue = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.monotonic)
     _cancelled: threading.Event = field(default_factory=threading.Event)
@@ -86,9 +100,6 @@ class _StopScan:
     def feed(self, piece: str) -> tuple[str, bool]:
         """Add a piece; return the text now safe to release and whether a stop was hit."""
         self.text += piece
-        if not self.stops:
-            out, self.sent = self.text[self.sent :], len(self.text)
-            return out, False
         hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
         if hits:
             cut = min(hits)
@@ -109,16 +120,11 @@ class _StopScan:
 class Worker:
     """Requests over one pair: `submit` jobs, `close` when done."""
 
-    def __init__(self, pair: Pair, *, limits: Limits, queue_size: int = 8,
-                 max_conversations: int = 8, auto_threshold: float = AUTO_THRESHOLD,
-                 conversation_kwargs: dict[str, Any] | None = None) -> None:  # fmt: skip
-        self.pair = pair
-        self.limits = limits
-        self.auto_threshold = auto_threshold
-        kwargs = dict(conversation_kwargs or {})
-        kwargs.setdefault("max_kv_size", limits.max_prompt_tokens + limits.max_tokens)
-        self.pool = Pool(pair, max_conversations, **kwargs)
-        n = max(queue_size, 0) + 1  # running + waiting
+    def __init__(self, pair: Pair, config: ServeConfig, conversation_kwargs: dict) -> None:
+        self.pair, self.config, lim = pair, config, config.limits
+        kwargs = {"max_kv_size": lim.max_prompt_tokens + lim.max_tokens, **conversation_kwargs}
+        self.pool = Pool(pair, config.max_conversations, **kwargs)
+        n = max(config.queue_size, 0) + 1  # running + waiting
         self._slots = threading.BoundedSemaphore(n)
         self._threads = ThreadPoolExecutor(n, thread_name_prefix="kvlingo-request")
         self._jobs: dict[Job, Future] = {}  # accepted, not finished
@@ -127,7 +133,10 @@ class Worker:
 
     def submit(self, job: Job) -> None:
         if self._closing or not self._slots.acquire(blocking=False):
-            raise QueueFull
+            busy = f"the server is busy: one request runs and {self.config.queue_size} wait"
+            raise APIError(
+                503, busy, type="server_error", code="queue_full", headers={"Retry-After": "1"}
+            )
         job._wake = self.pair.lock.wake
         self._jobs[job] = self._threads.submit(self._job, job)
 
@@ -171,9 +180,9 @@ class Worker:
     def _run(self, job: Job) -> None:
         req = job.request
         n_prompt = len(templated(self.pair.tokenizer, req.messages, True))
-        if n_prompt > self.limits.max_prompt_tokens:
+        if n_prompt > self.config.limits.max_prompt_tokens:
             raise APIError(400, f"the conversation is {n_prompt} tokens; this server takes at "
-                                f"most {self.limits.max_prompt_tokens} (max_prompt_tokens)",
+                                f"most {self.config.limits.max_prompt_tokens} (max_prompt_tokens)",
                            param="messages", code="context_length_exceeded")  # fmt: skip
         queued = time.monotonic() - job.submitted
         conv, history, held = self.pool.checkout(req.messages)
@@ -195,10 +204,10 @@ class Worker:
         last = req.messages[-1]["content"]
         escalated = False
         if req.model == "auto":
-            stream = conv.send(last, "auto", auto_threshold=self.auto_threshold, **req.send)
+            stream = conv.send(last, "auto", auto_threshold=self.config.auto_threshold, **req.send)
             try:
                 out = small = self._pump(job, conv, stream, live=False, close=False)
-                if small.record.escalating and not job.cancelled:
+                if small.last.handoff.escalating and not job.cancelled:
                     escalated = True
                     out = self._pump(job, conv, stream, live=True)
                 else:
@@ -225,10 +234,11 @@ class Worker:
                  "total_tokens": prompt + out.tokens, "prompt_tokens_details": {"cached_tokens": cached},
                  "read_tokens": read, "translated_tokens": translated}  # fmt: skip
         # ttft_s: the answering model's, catch-up included, queueing not
-        confidence = small.record.confidence if req.model == "auto" else None
+        confidence = small.last.handoff.confidence if req.model == "auto" else None
         extra = {"answered_by": model, "escalated": escalated, "confidence": confidence,
-                 "reused_messages": held, "ttft_s": out.record.ttft_s, "status": out.last.status}  # fmt: skip
-        return Result(out.text, out.reason, usage, extra)
+                 "reused_messages": held, "ttft_s": out.last.handoff.ttft_s, "status": out.last.status}  # fmt: skip
+        reason = "length" if out.reason in ("length", "context") else "stop"
+        return Result(out.text, reason, usage, extra)
 
     def _pump(self, job: Job, conv: Conversation, stream: Iterator[GenerationResponse],
               live: bool, close: bool = True) -> _Pumped:  # fmt: skip
@@ -279,8 +289,3 @@ class _Pumped:
     reason: str = "cancelled"  # until its last response or a stop sequence says otherwise
     last: GenerationResponse | None = None
     pieces: list[tuple[str, float]] = field(default_factory=list)
-
-    @property
-    def record(self) -> Any:
-        """The turn's `TurnStats`: its confidence (the mean token log-prob), TTFT, escalation."""
-        return self.last.handoff
