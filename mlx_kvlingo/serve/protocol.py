@@ -69,7 +69,7 @@ def _value(body: dict, name: str, lo=None, hi=None, integer: bool = False) -> An
     if lo is not None and v < lo:
         raise bad(f"{name} must be at least {lo}, got {v}", name, "invalid_value")
     if hi is not None and v > hi:
-        raise bad(f"{name} must be at most {hi} on this server, got {v}", name, "invalid_value")
+        raise bad(f"{name} must be at most {hi}, got {v}", name, "invalid_value")
     return v if integer else float(v)
 
 
@@ -144,7 +144,7 @@ def parse_messages(raw: Any) -> list[dict[str, str]]:
             role = "system"
         elif role != want:
             raise bad(
-                f"messages[{i}] should be a {want} message, not {role!r}: an optional system "
+                f"messages[{i}] should have role {want!r}, not {role!r}: an optional system "
                 "message first, then user and assistant messages alternating",
                 f"messages[{i}].role",
                 "invalid_value",
