@@ -14,63 +14,45 @@ import atexit
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 _CHILD = r"""
-import os, select, signal, sys, time
-ppid, fd, buf, deadline, msg = int(sys.argv[1]), sys.stdin.fileno(), b"", None, ""
-while True:
-    wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-    ready, _, _ = select.select([fd], [], [], wait)
-    if ready:
-        chunk = os.read(fd, 65536)
-        if not chunk:
-            sys.exit(0)
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            cmd, _, rest = line.decode().partition(" ")
-            if cmd == "arm":
-                secs, _, msg = rest.partition(" ")
-                deadline = time.monotonic() + float(secs)
-            else:
-                deadline = None
-    elif deadline is not None and time.monotonic() >= deadline:
-        sys.stderr.write(msg.replace("\\n", "\n") + "\n")
-        sys.stderr.flush()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.kill(ppid, sig)
-            except ProcessLookupError:
-                sys.exit(0)
-            time.sleep(2)
-        sys.exit(0)
+import os, sys, threading, time
+def fire(message):
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    for sig in (15, 9):  # SIGTERM, then SIGKILL
+        try:
+            os.kill(int(sys.argv[1]), sig)
+        except ProcessLookupError:
+            break
+        time.sleep(2)
+    os._exit(0)
+timer = None
+for line in sys.stdin:  # until the parent's end-of-file
+    if timer is not None:
+        timer.cancel()
+    cmd, _, rest = line.rstrip("\n").partition(" ")
+    if cmd == "arm":
+        secs, _, message = rest.partition(" ")
+        timer = threading.Timer(float(secs), fire, (message,))
+        timer.daemon = True
+        timer.start()
 """
 
 _proc: subprocess.Popen | None = None
 
 
-def _child() -> subprocess.Popen:
+def _send(line: str) -> None:
+    """A line to the child, started on first use (it exits at this process's end-of-file)."""
     global _proc
     if _proc is None or _proc.poll() is not None:
         _proc = subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(os.getpid())], stdin=subprocess.PIPE, bufsize=0
         )
-        atexit.register(_stop, _proc)
-    return _proc
-
-
-def _send(line: str) -> None:
-    p = _child()
-    try:
-        p.stdin.write((line.replace("\n", "\\n") + "\n").encode())
-    except BrokenPipeError:  # the child died: run without a deadline rather than fail
-        pass
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.stdin.close()  # the child exits at end-of-file
-    proc.wait()
+        atexit.register(_proc.stdin.close)
+    with suppress(BrokenPipeError):  # the child died: run without a deadline rather than fail
+        _proc.stdin.write((line.replace("\n", " ") + "\n").encode())
 
 
 @contextmanager

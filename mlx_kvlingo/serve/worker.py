@@ -101,16 +101,10 @@ class _StopScan:
         """Add a piece; return the text now safe to release and whether a stop was hit."""
         self.text += piece
         hits = [i for i in (self.text.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            cut = min(hits)
-            out = self.text[self.sent : cut]
-            self.sent = max(self.sent, cut)
-            return out, True
-        ends = (k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k]))
-        keep = max(ends, default=0)
-        end = max(self.sent, len(self.text) - keep)
+        held = (k for s in self.stops for k in range(1, len(s)) if self.text.endswith(s[:k]))
+        end = max(self.sent, min(hits) if hits else len(self.text) - max(held, default=0))
         out, self.sent = self.text[self.sent : end], end
-        return out, False
+        return out, bool(hits)
 
     def flush(self) -> str:
         out, self.sent = self.text[self.sent :], len(self.text)
