@@ -13,55 +13,36 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def temp_path(path: Path, suffix: str = ".safetensors") -> Path:
-    """A fresh temporary name next to `path` (mlx's savers need the `.safetensors` suffix);
-    one that stays within file-name limits when `path`'s own name is near them."""
-    tag = f"{os.getpid()}-{secrets.token_hex(4)}.tmp{suffix}"
-    name = f".{path.name}.{tag}"
-    if len(name.encode()) > 200:
-        name = f".kvlingo-{tag}"
-    return path.with_name(name)
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):  # not possible everywhere (Windows): the rename is atomic
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 @contextlib.contextmanager
 def atomic_write(path: str | Path, suffix: str = ".safetensors") -> Iterator[Path]:
-    """Yield a temporary path to write; on success it replaces `path`, on error it is removed
-    (an mlx saver that cannot write its file raises OSError, as `open` would).
+    """Yield a temporary path to write (mlx's savers need the `.safetensors` suffix); on success
+    it replaces `path`, on error it is removed (an mlx saver that cannot write its file raises
+    OSError, as `open` would).
 
     with atomic_write(out) as tmp:
         mx.save_safetensors(str(tmp), tensors)
     """
     path = Path(path)
-    tmp = temp_path(path, suffix)
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}.tmp{suffix}"
+    name = f".{path.name}.{tag}"
+    tmp = path.with_name(name if len(name.encode()) <= 200 else f".kvlingo-{tag}")  # name limits
     try:
         yield tmp
-        _fsync(tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
         os.replace(tmp, path)
-    except RuntimeError as e:  # mlx's savers: "[save_safetensors] Failed to open file ..."
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        if str(e).startswith("[save"):
+        if isinstance(e, RuntimeError) and str(e).startswith("[save"):  # "[save_safetensors] ..."
             raise OSError(f"cannot write {path}: {e}") from None
         raise
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
-    _fsync_dir(path.parent)
+    with contextlib.suppress(OSError):  # not possible everywhere (Windows): the rename is atomic
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def write_text(path: str | Path, text: str) -> Path:

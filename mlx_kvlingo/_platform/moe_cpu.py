@@ -17,17 +17,11 @@ from contextlib import contextmanager
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models import switch_layers
+from mlx_lm.models.switch_layers import SwitchLinear
 
 _original = switch_layers.SwitchGLU.__call__
 #: token-expert assignments from which the per-expert path is used (mlx-lm's sort threshold)
 MIN_ASSIGNMENTS = 64
-
-
-def _plain(layer) -> bool:
-    return all(
-        type(p) is switch_layers.SwitchLinear
-        for p in (layer.up_proj, layer.gate_proj, layer.down_proj)
-    )
 
 
 def _expert(linear, e: int, x: mx.array) -> mx.array:
@@ -40,7 +34,8 @@ def _expert(linear, e: int, x: mx.array) -> mx.array:
 def switch_glu_per_expert(self, x: mx.array, indices: mx.array) -> mx.array:
     """`SwitchGLU.__call__` with one GEMM per used expert: x (..., D), indices (..., k)
     -> (..., k, D), the output for each of the token's k experts, as mlx-lm returns it."""
-    if indices.size < MIN_ASSIGNMENTS or not _plain(self):
+    projections = (self.up_proj, self.gate_proj, self.down_proj)
+    if indices.size < MIN_ASSIGNMENTS or any(type(p) is not SwitchLinear for p in projections):
         return _original(self, x, indices)
     shape, k, D = indices.shape, indices.shape[-1], x.shape[-1]
     xf = x.reshape(-1, D)
@@ -54,9 +49,7 @@ def switch_glu_per_expert(self, x: mx.array, indices: mx.array) -> mx.array:
         xe = xf[mx.array(rows // k)]
         h = self.activation(_expert(self.up_proj, e, xe), _expert(self.gate_proj, e, xe))
         parts.append(_expert(self.down_proj, e, h))
-    inverse = np.empty_like(order)
-    inverse[order] = np.arange(order.size)
-    y = mx.concatenate(parts)[mx.array(inverse)]
+    y = mx.concatenate(parts)[mx.array(np.argsort(order))]  # back in token order
     return y.reshape(*shape, -1)
 
 
