@@ -33,20 +33,14 @@ class Pool:
                  ) -> tuple[Conversation, list[dict[str, str]], int]:  # fmt: skip
         """The conversation to answer `messages` with, the history it still lacks (without the
         last user message), and how many of `messages` it already held (0: a new one)."""
-        prefixes: dict[int, tuple[int, ...]] = {}
-        best: tuple[int, Conversation] | None = None
+        best, held = None, 0
         for conv, key in self._held.items():
-            n = len(conv.messages)
-            if n >= len(messages) or (best is not None and n <= best[0]):
-                continue
-            if n not in prefixes:
-                prefixes[n] = tuple(templated(self.tokenizer, messages[:n], False))
-            if prefixes[n] == key:
-                best = (n, conv)
+            n, prefix = len(conv.messages), messages[: len(conv.messages)]
+            if held < n < len(messages) and tuple(templated(self.tokenizer, prefix, False)) == key:
+                best, held = conv, n
         if best is not None:
-            n, conv = best
-            del self._held[conv]
-            return conv, messages[n:-1], n
+            del self._held[best]
+            return best, messages[held:-1], held
         system = messages[0]["content"] if messages[0]["role"] == "system" else None
         conv = Conversation(self.pair, system_prompt=system, **self._kwargs)
         return conv, messages[1 if system is not None else 0 : -1], 0

@@ -42,16 +42,11 @@ class Server:
 
     def __init__(self, pair: Pair, config: ServeConfig | None = None,
                  **conversation_kwargs: Any) -> None:  # fmt: skip
-        self.pair = pair
-        self.config = c = config or ServeConfig()
-        self.worker = Worker(pair, c, conversation_kwargs)
+        self.pair, self.config = pair, (c := config or ServeConfig())
         handler = type("Handler", (_Handler,), {"app": self, "timeout": c.read_timeout})
-        try:
-            self.httpd = ThreadingHTTPServer((c.host, c.port), handler)
-        except OSError:
-            self.worker.close()
-            raise
+        self.httpd = ThreadingHTTPServer((c.host, c.port), handler)  # OSError: cannot listen
         self.httpd.daemon_threads = True
+        self.worker = Worker(pair, c, conversation_kwargs)
         self._thread: threading.Thread | None = None
 
     @property

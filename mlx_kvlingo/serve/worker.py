@@ -68,17 +68,13 @@ class Job:
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     events: queue.Queue = field(default_factory=queue.Queue)
     submitted: float = field(default_factory=time.monotonic)
-    _cancelled: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=threading.Event)
     _conv: Conversation | None = None
     _wake: Any = None  # the pair lock's wake (a waiting job looks at its cancel event)
 
-    @property
-    def cancelled(self) -> bool:
-        return self._cancelled.is_set()
-
     def cancel(self) -> None:
         """Stop this job's generation after its current token (any thread)."""
-        self._cancelled.set()
+        self.cancelled.set()
         conv = self._conv
         if conv is not None:
             conv.cancel()
@@ -150,7 +146,7 @@ class Worker:
 
     def _job(self, job: Job) -> None:
         try:
-            if not self.pair.lock.acquire(job, job._cancelled):  # cancelled waiting
+            if not self.pair.lock.acquire(job, job.cancelled):  # cancelled waiting
                 job.put("error", APIError(503, "the server is shutting down", type="server_error")
                         if self._closing else APIError(499, "cancelled", code="cancelled"))  # fmt: skip
                 return
@@ -201,7 +197,7 @@ class Worker:
             stream = conv.send(last, "auto", auto_threshold=self.config.auto_threshold, **req.send)
             try:
                 out = small = self._pump(job, conv, stream, live=False, close=False)
-                if small.last.handoff.escalating and not job.cancelled:
+                if small.last.handoff.escalating and not job.cancelled.is_set():
                     escalated = True
                     out = self._pump(job, conv, stream, live=True)
                 else:
@@ -263,7 +259,7 @@ class Worker:
                 if r.finish_reason is not None:  # the answer's last response
                     out.reason = r.finish_reason
                     break
-                if job.cancelled and not asked:
+                if job.cancelled.is_set() and not asked:
                     conv.cancel()  # ends the stream after this token, with its last response
                     asked = True
         finally:
