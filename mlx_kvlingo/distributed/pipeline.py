@@ -247,7 +247,8 @@ def place(
         if sp.rank == 0:
             payloads, sent = _send_payloads(sp, span, wire)
         else:
-            payloads, sent = _recv_payload(sp, wire, length)
+            payloads = recv_kv(sp, 0, *sp.payload(sp.rank, wire), length)
+            sent = sum(x.nbytes for x in payloads)
         tokens = (first,) if start == 0 and first >= 0 else None
         part = sp.part(wire)
         if wire == "source":
@@ -280,9 +281,12 @@ def _send_payloads(sp: ShardedPair, span: SpanKV, wire: str) -> tuple[tuple, int
     return mine, sent
 
 
-def _recv_payload(sp: ShardedPair, wire: str, T: int) -> tuple[tuple, int]:
-    side, n = sp.payload(sp.rank, wire)
-    k = mx.distributed.recv((n, 1, side.kv_heads, T, side.head_dim), mx.float32, 0, group=sp.group)
-    v = mx.distributed.recv((n, 1, side.kv_heads, T, side.value_dim), mx.float32, 0, group=sp.group)
+def recv_kv(sp: ShardedPair, src: int, side, n: int, length: int) -> tuple[mx.array, mx.array]:
+    """K and V (float32) of `n` layers of geometry `side` and `length` tokens, from rank `src`."""
+    dims = (side.head_dim, side.value_dim)
+    k, v = (
+        mx.distributed.recv((n, 1, side.kv_heads, length, d), mx.float32, src, group=sp.group)
+        for d in dims
+    )
     _eval(k, v)
-    return (k, v), k.nbytes + v.nbytes
+    return k, v

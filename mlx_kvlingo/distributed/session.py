@@ -32,12 +32,12 @@ from mlx_kvlingo.distributed.pipeline import (
     RankLostError,
     ShardedPair,
     _broadcast,
-    _eval,
     _lost_as_error,
     deadline,
     init,
     load_sharded_pair,
     place,
+    recv_kv,
 )
 from mlx_kvlingo.kv.cache import append_kv, new_cache
 from mlx_kvlingo.kv.capture import SpanKV, capture_from_cache
@@ -157,15 +157,11 @@ class Link:
         sp = self.sp
         c = sp.target.geometry
         parts = {0: capture_from_cache(sp.target, cache, start, end)}
-        shape = (1, c.kv_heads, end - start)
         with _uninterrupted(), self._watch():
             self._command(GATHER, cache, end - start, start)
             with deadline(0, sp.timeout, f"gathering a {end - start}-token span"):
                 for r in range(1, sp.size):
-                    n = len(sp.owners[r])
-                    k = mx.distributed.recv((n, *shape, c.head_dim), mx.float32, r, group=sp.group)
-                    v = mx.distributed.recv((n, *shape, c.value_dim), mx.float32, r, group=sp.group)
-                    _eval(k, v)
+                    k, v = recv_kv(sp, r, c, len(sp.owners[r]), end - start)
                     parts[r] = SpanKV(k, v, start)
                     self.bytes_received += k.nbytes + v.nbytes
         order = sorted(parts, key=lambda r: sp.owners[r].start)
