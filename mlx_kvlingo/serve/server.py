@@ -13,6 +13,7 @@ that disconnects cancels its job; both caches stay consistent.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -116,7 +117,7 @@ class _Handler(BaseHTTPRequestHandler):
             fn(self.path.split("?", 1)[0].rstrip("/"))
         except P.APIError as e:  # a refusal, before anything reached the models
             self._error(e)
-        except (TimeoutError, BrokenPipeError, ConnectionResetError):
+        except (TimeoutError, ConnectionError):  # the client left or was too slow
             self.close_connection = True
         except Exception as e:  # the server never goes down with a request
             log.exception("request handler failed")
@@ -228,41 +229,31 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._json(200, body)
 
     def _stream(self, job: Job, deadline: float) -> None:
-        req, rid = job.request, job.id
+        """Server-sent events; a client that left raises ConnectionError (`_post` cancels)."""
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")
         self.end_headers()
         self._sent = self.close_connection = True
+        req, chunk = job.request, functools.partial(P.chunk, job.id, job.request.model)
         usage = {"usage": None} if req.include_usage else {}
 
-        def send(obj: dict | str) -> bool:
+        def send(obj: dict | str) -> None:
             data = obj if isinstance(obj, str) else json.dumps(obj)
-            try:
-                self.wfile.write(f"data: {data}\n\n".encode())
-                self.wfile.flush()
-                return True
-            except OSError:  # the client went away: stop its generation
-                job.cancel()
-                return False
+            self.wfile.write(f"data: {data}\n\n".encode())
+            self.wfile.flush()
 
-        if not send(P.chunk(rid, req.model, {"role": "assistant", "content": ""}, **usage)):
-            return
+        send(chunk({"role": "assistant", "content": ""}, **usage))
         try:
             while (ev := self._next(job, deadline)) is not None:
                 if ev[0] == "token":
                     lp = [ev[1:]] if req.logprobs else None
-                    if not send(P.chunk(rid, req.model, {"content": ev[1]}, pieces=lp, **usage)):
-                        return
+                    send(chunk({"content": ev[1]}, pieces=lp, **usage))
                 else:  # done
-                    res: Result = ev[1]
-                    end = [P.chunk(rid, req.model, {}, res.finish_reason, **usage)]
+                    send(chunk({}, ev[1].finish_reason, **usage))
                     if req.include_usage:  # a last chunk: no choices, the usage
-                        end.append(
-                            P.chunk(rid, req.model, None, usage=res.usage, kvlingo=res.extra)
-                        )
-                    all(send(x) for x in [*end, "[DONE]"])  # each only while the client is there
-                    return
+                        send(chunk(None, usage=ev[1].usage, kvlingo=ev[1].extra))
+                    return send("[DONE]")
         except P.APIError as e:
             send(e.body())
