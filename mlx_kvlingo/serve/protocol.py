@@ -111,22 +111,18 @@ def sampling_kwargs(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
 
 
 def _content(m: dict, i: int) -> str:
+    """A message's text: its string content, or its content parts joined (text parts only)."""
     c = m.get("content")
     if isinstance(c, str):
         return c
-    if isinstance(c, list):  # content parts: text only
-        texts = []
-        for part in c:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise bad(f"messages[{i}]: only text content is supported, not {kind!r}",
-                          f"messages[{i}].content", "unsupported_content")  # fmt: skip
-            if not isinstance(part.get("text"), str):
-                raise bad(f"messages[{i}]: a text part needs a string 'text'",
-                          f"messages[{i}].content", "invalid_type")  # fmt: skip
-            texts.append(part["text"])
-        return "".join(texts)
-    raise bad(f"messages[{i}] needs a string content", f"messages[{i}].content", "invalid_type")
+    if not isinstance(c, list):
+        raise bad(f"messages[{i}] needs a string content", f"messages[{i}].content", "invalid_type")
+    for part in c:
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            why = f"messages[{i}]: only text parts (a string 'text') are supported; got {kind!r}"
+            raise bad(why, f"messages[{i}].content", "unsupported_content")
+    return "".join(part["text"] for part in c)
 
 
 def parse_messages(raw: Any) -> list[dict[str, str]]:
