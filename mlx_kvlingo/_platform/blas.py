@@ -27,23 +27,21 @@ def preload() -> str | None:
     global loaded_path, reason
     if loaded_path is not None:
         return loaded_path
-    if not sys.platform.startswith("linux"):
-        reason = "not Linux (MLX uses Accelerate / Metal)"
+    refusals = {
+        "not Linux (MLX uses Accelerate / Metal)": not sys.platform.startswith("linux"),
+        "disabled by KVLINGO_NO_OPENBLAS": bool(os.environ.get("KVLINGO_NO_OPENBLAS")),
+        "mlx was imported before mlx_kvlingo; import mlx_kvlingo first": "mlx.core" in sys.modules,
+    }
+    reason = next((why for why, refused in refusals.items() if refused), "")
+    if reason:
         return None
-    if os.environ.get("KVLINGO_NO_OPENBLAS"):
-        reason = "disabled by KVLINGO_NO_OPENBLAS"
-        return None
-    if "mlx.core" in sys.modules:
-        reason = "mlx was imported before mlx_kvlingo; import mlx_kvlingo first"
-        return None
-    for path in CANDIDATES:
-        if os.path.exists(path):
-            try:
-                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            except OSError as e:  # pragma: no cover - broken install
-                reason = f"failed to load {path}: {e}"
-                continue
-            loaded_path = path
-            return path
+    for path in filter(os.path.exists, CANDIDATES):
+        try:
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        except OSError as e:  # pragma: no cover - broken install
+            reason = f"failed to load {path}: {e}"
+            continue
+        loaded_path = path
+        return path
     reason = "OpenBLAS not found (apt-get install libopenblas0-pthread)"
     return None

@@ -4,10 +4,6 @@ MLX's CPU backend runs mlx-lm's `mx.gather_mm` far below its GEMM speed. From
 `MIN_ASSIGNMENTS` token-expert assignments (mlx-lm's sort threshold) the tokens of each expert
 are grouped on the host and multiplied in one GEMM: the same function up to rounding order.
 Decode steps and quantized experts keep the original path; on Metal nothing changes.
-
-    from mlx_kvlingo._platform import moe_cpu
-    with moe_cpu.per_expert_loop():
-        ...  # prefill MoE models
 """
 
 from __future__ import annotations

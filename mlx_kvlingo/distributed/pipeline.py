@@ -13,7 +13,7 @@ rank 0 the LAST layers, rank N-1 the first):
     wire "target": rank 0 maps every target layer, rank r is sent its rows (b_r - a_r layers)
     every rank: k_norm (pre_norm cut), RoPE at the span's positions, native first token, dtype
 
-`wire="auto"` sends the fewer bytes (`bytes_per_token`). Only MLX moves data. A rank that dies
+`wire="auto"` sends the fewer bytes (`choose_wire`). Only MLX moves data. A rank that dies
 surfaces on the others as `RankLostError`; one that never connects or hangs blocks inside MLX
 with the GIL held, so `watchdog` ends the process with one line.
 """
@@ -180,19 +180,16 @@ class ShardedPair:
             return c.source, len(self.source_rows(r))
         return c.target, len(self.owners[r])
 
-    def bytes_per_token(self, r: int, wire: str) -> int:
-        """Bytes rank r is sent per prompt token (float32) on `wire`."""
-        side, n = self.payload(r, wire)
-        return 4 * n * side.kv_heads * (side.head_dim + side.value_dim)
-
     def choose_wire(self) -> str:
-        """`wire`, or for "auto" the one that sends the other ranks fewer bytes."""
+        """`wire`, or for "auto" the one that sends the other ranks fewer bytes (a tie: target)."""
         if self.wire != "auto":
             return self.wire
-        others = range(1, self.size)
-        src = sum(self.bytes_per_token(r, "source") for r in others)
-        tgt = sum(self.bytes_per_token(r, "target") for r in others)
-        return "source" if src < tgt else "target"
+
+        def per_token(wire: str) -> int:  # K/V elements per token sent to the other ranks
+            sizes = (self.payload(r, wire) for r in range(1, self.size))
+            return sum(n * side.kv_heads * (side.head_dim + side.value_dim) for side, n in sizes)
+
+        return min(("target", "source"), key=per_token)
 
     def part(self, wire: str) -> Translator:
         """This rank's rows of the translator, fed what `wire` sends it."""

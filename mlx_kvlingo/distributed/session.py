@@ -16,6 +16,7 @@ creates a cache on first use, and drops the ids rank 0 no longer holds.
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import signal
 import sys
@@ -55,22 +56,14 @@ class Link:
     """Rank 0's end: sends commands to the other ranks and keeps the byte count."""
 
     def __init__(self, sp: ShardedPair) -> None:
-        self.sp = sp
+        self.sp, self.ranks, self.owners = sp, sp.size, sp.owners  # owners: each rank's layers
         self.bytes_sent = 0  # translated spans placed on the other ranks
         self.bytes_received = 0  # target K/V gathered for switches back to the small model
         self.closed = False
         self.lost = False  # a rank was lost: nothing more can be asked of the others
-        self._next_id = 0
+        self._ids = itertools.count(1)
         self._dropped: list[int] = []
         atexit.register(self.close)
-
-    @property
-    def ranks(self) -> int:
-        return self.sp.size
-
-    @property
-    def owners(self) -> list[range]:
-        return self.sp.owners
 
     def close(self) -> None:
         """Release the other ranks (their `load` then ends their process)."""
@@ -82,13 +75,10 @@ class Link:
         if _open is self:
             _open = None
 
-    def _command(
-        self, op: int, cache: list | None = None, n=0, start=0, wire=0, first=0, body=None
-    ):
+    def _command(self, op, cache=None, n=0, start=0, wire=0, first=0, body=None) -> None:
         if self.lost or (self.closed and op != STOP):
-            raise DistributedError(
-                "this distributed runtime " + ("lost a rank" if self.lost else "is closed")
-            )
+            state = "lost a rank" if self.lost else "is closed"
+            raise DistributedError(f"this distributed runtime {state}")
         from mlx_lm.generate import generation_stream
 
         # nothing collective may still be running when the next command goes out
@@ -125,8 +115,7 @@ class Link:
                     "this operation is not available when the large model is pipelined: it "
                     "needs a target cache the other ranks do not have"
                 )
-            self._next_id += 1
-            cid = self._next_id
+            cid = next(self._ids)
             setattr(head, _ID, cid)
             weakref.finalize(head, self._dropped.append, cid)
         return cid

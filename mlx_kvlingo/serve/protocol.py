@@ -91,11 +91,8 @@ _SAMPLING = {
 
 
 def sampling_kwargs(body: dict[str, Any], limits: Limits) -> dict[str, Any]:
-    """The `Conversation.send` keywords for a request: the `_SAMPLING` fields the client set
-    (over the answering model's defaults) and `max_tokens` (max_completion_tokens, else
-    max_tokens; at most `limits.max_tokens`, absent: `limits.default_max_tokens`).
-    frequency_penalty / presence_penalty other than 0 are refused: mlx-lm's multiplicative
-    repetition_penalty is another thing."""
+    """The `Conversation.send` keywords: the `_SAMPLING` fields set, and `max_tokens`
+    (max_completion_tokens, else max_tokens, else `limits.default_max_tokens`)."""
     for name in ("frequency_penalty", "presence_penalty"):
         if _set(body, name) and _value(body, name, -2.0, 2.0) != 0:
             raise bad(f"{name} is not supported by this server (repetition_penalty is mlx-lm's)",

@@ -33,13 +33,8 @@ log = logging.getLogger("mlx_kvlingo.serve")
 
 
 class Server:
-    """`kvlingo serve` over one pair. `start()` serves on a thread; `close()` stops it.
-
-    server = Server(pair, ServeConfig(port=0)).start()
-    print(server.url)  # http://127.0.0.1:PORT/v1
-    ...
-    server.close()
-    """
+    """`kvlingo serve` over one pair: `start()` serves on a thread (at `url`, .../v1),
+    `serve_forever()` on this one; `close()` stops it."""
 
     def __init__(self, pair: Pair, config: ServeConfig | None = None,
                  **conversation_kwargs: Any) -> None:  # fmt: skip

@@ -228,7 +228,7 @@ class Worker:
         extra = {"answered_by": model, "escalated": escalated, "confidence": confidence,
                  "reused_messages": held, "ttft_s": out.last.handoff.ttft_s, "status": out.last.status}  # fmt: skip
         reason = "length" if out.reason in ("length", "context") else "stop"
-        return Result(out.text, reason, usage, extra)
+        return Result("".join(p for p, _ in out.pieces), reason, usage, extra)
 
     def _pump(self, job: Job, conv: Conversation, stream: Iterator[GenerationResponse],
               live: bool, close: bool = True) -> _Pumped:  # fmt: skip
@@ -267,14 +267,12 @@ class Worker:
                 stream.close()  # a no-op after the last response; else commits what was emitted
         if not hit and (rest := scan.flush()):
             emit(rest, 0.0)
-        out.text = scan.text[: scan.sent]  # what was released
         out.last = conv.last  # the answer's record and status line, also where a stop cut it
         return out
 
 
 @dataclass
 class _Pumped:
-    text: str = ""
     tokens: int = 0
     reason: str = "cancelled"  # until its last response or a stop sequence says otherwise
     last: GenerationResponse | None = None
