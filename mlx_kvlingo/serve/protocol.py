@@ -201,13 +201,12 @@ def _envelope(rid: str, model: str, kind: str, choices: list, **rest: Any) -> di
             "system_fingerprint": None, "choices": choices, **rest}  # fmt: skip
 
 
-def completion(rid: str, model: str, text: str, reason: str, usage: dict, extra: dict,
-               pieces: list[tuple[str, float]] | None = None) -> dict:  # fmt: skip
-    """A whole `chat.completion` object."""
-    message = {"role": "assistant", "content": text, "refusal": None}
-    lp = _logprobs(pieces)
-    choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": reason}
-    return _envelope(rid, model, "chat.completion", [choice], usage=usage, kvlingo=extra)
+def completion(rid: str, model: str, r: Any, logprobs: bool) -> dict:
+    """A whole `chat.completion` object from a worker's `Result` `r`."""
+    message = {"role": "assistant", "content": "".join(t for t, _ in r.pieces), "refusal": None}
+    lp = _logprobs(r.pieces if logprobs else None)
+    choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": r.finish_reason}
+    return _envelope(rid, model, "chat.completion", [choice], usage=r.usage, kvlingo=r.extra)
 
 
 def chunk(rid: str, model: str, delta: dict | None, reason: str | None = None, *,

@@ -27,7 +27,7 @@ from typing import Any
 
 from mlx_kvlingo.api import Pair
 from mlx_kvlingo.serve import protocol as P
-from mlx_kvlingo.serve.worker import Job, Result, ServeConfig, Worker
+from mlx_kvlingo.serve.worker import Job, ServeConfig, Worker
 
 log = logging.getLogger("mlx_kvlingo.serve")
 
@@ -212,15 +212,9 @@ class _Handler(BaseHTTPRequestHandler):
                 return None
 
     def _complete(self, job: Job, deadline: float) -> None:
-        pieces: list[tuple[str, float]] = []
         while (ev := self._next(job, deadline)) is not None:
-            if ev[0] == "token":
-                pieces.append(ev[1:])
-            else:  # done
-                res: Result = ev[1]
-                body = P.completion(job.id, job.request.model, res.text, res.finish_reason,
-                                    res.usage, res.extra,
-                                    pieces if job.request.logprobs else None)  # fmt: skip
+            if ev[0] == "done":  # its result holds its tokens
+                body = P.completion(job.id, job.request.model, ev[1], job.request.logprobs)
                 return self._json(200, body)
 
     def _stream(self, job: Job, deadline: float) -> None:

@@ -56,7 +56,7 @@ class ServeConfig:
 class Result:
     """What the client gets at the end of a job."""
 
-    text: str
+    pieces: list[tuple[str, float]]  # the answer's text pieces and their log-probs
     finish_reason: str  # OpenAI's: length (the model's or the context's limit) | stop
     usage: dict[str, Any]
     extra: dict[str, Any]  # the `kvlingo` object: who answered, escalation, reuse
@@ -101,10 +101,6 @@ class _StopScan:
         end = max(self.sent, min(hits) if hits else len(self.text) - max(held, default=0))
         out, self.sent = self.text[self.sent : end], end
         return out, bool(hits)
-
-    def flush(self) -> str:
-        out, self.sent = self.text[self.sent :], len(self.text)
-        return out
 
 
 class Worker:
@@ -228,7 +224,7 @@ class Worker:
         extra = {"answered_by": model, "escalated": escalated, "confidence": confidence,
                  "reused_messages": held, "ttft_s": out.last.handoff.ttft_s, "status": out.last.status}  # fmt: skip
         reason = "length" if out.reason in ("length", "context") else "stop"
-        return Result("".join(p for p, _ in out.pieces), reason, usage, extra)
+        return Result(out.pieces, reason, usage, extra)
 
     def _pump(self, job: Job, conv: Conversation, stream: Iterator[GenerationResponse],
               live: bool, close: bool = True) -> _Pumped:  # fmt: skip
@@ -265,7 +261,7 @@ class Worker:
         finally:
             if close or hit:
                 stream.close()  # a no-op after the last response; else commits what was emitted
-        if not hit and (rest := scan.flush()):
+        if not hit and (rest := scan.text[scan.sent :]):  # the tail held back
             emit(rest, 0.0)
         out.last = conv.last  # the answer's record and status line, also where a stop cut it
         return out
