@@ -257,25 +257,17 @@ def place(
 
 
 def _send_payloads(sp: ShardedPair, span: SpanKV, wire: str) -> tuple[tuple, int]:
-    """Rank 0: send every other rank its payload, return its own."""
-    sent, mine, pending = 0, None, []
-    if wire == "target":
-        keys, values = sp.translator(span)  # every target layer, RoPE-free, float32
-        keys, values = keys.astype(mx.float32), values.astype(mx.float32)
+    """Rank 0: send every other rank its payload (float32); -> its own, the bytes sent."""
+    # wire "target": every target layer translated here, RoPE-free; a rank gets its own layers
+    keys, values = sp.translator(span) if wire == "target" else (span.keys, span.values)
+    payloads = []
     for r in range(sp.size):
-        if wire == "source":
-            rows = mx.array(sp.source_rows(r))
-            k, v = span.keys[rows].astype(mx.float32), span.values[rows].astype(mx.float32)
-        else:
-            own = sp.owners[r]
-            k, v = keys[own.start : own.stop], values[own.start : own.stop]
-        if r == 0:
-            mine = (k, v)
-            continue
-        pending += [mx.distributed.send(x, r, group=sp.group) for x in (k, v)]
-        sent += k.nbytes + v.nbytes
-    _eval(pending)
-    return mine, sent
+        rows = mx.array(list(sp.source_rows(r) if wire == "source" else sp.owners[r]))
+        payloads.append((keys[rows].astype(mx.float32), values[rows].astype(mx.float32)))
+    _eval(
+        [mx.distributed.send(x, r, group=sp.group) for r in range(1, sp.size) for x in payloads[r]]
+    )
+    return payloads[0], sum(x.nbytes for kv in payloads[1:] for x in kv)
 
 
 def recv_kv(sp: ShardedPair, src: int, side, n: int, length: int) -> tuple[mx.array, mx.array]:

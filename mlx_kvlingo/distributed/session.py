@@ -254,10 +254,9 @@ def follow(sp: ShardedPair) -> None:
                     mx.eval(sent)
             else:
                 raise DistributedError(f"unknown command {op} from rank 0")
-    except (DistributedError, RuntimeError, ValueError) as e:
-        if isinstance(e, RankLostError):
-            e = RankLostError(f"rank 0 is gone ({e})")
-        sys.stderr.write(f"kvlingo: rank {sp.rank}: {e}\n")
+    except (RuntimeError, ValueError) as e:  # DistributedError included
+        why = f"rank 0 is gone ({e})" if isinstance(e, RankLostError) else e
+        sys.stderr.write(f"kvlingo: rank {sp.rank}: {why}\n")
         sys.stderr.flush()
         os._exit(1)  # MLX's ring may block on teardown once a peer is gone
 
