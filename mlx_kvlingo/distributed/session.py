@@ -48,7 +48,6 @@ import mlx.core as mx
 
 FORWARD, PLACE, GATHER, DROP, STOP = range(1, 6)
 _open: Link | None = None  # rank 0: the followers serve one runtime at a time
-_HEADER = 7
 _ID = "_kvlingo_cache_id"
 
 
@@ -91,11 +90,10 @@ class Link:
         self._send([op, cid, offset, n, start, wire, first], body)
 
     def _send(self, header: list[int], body: mx.array | None) -> None:
-        group, timeout = self.sp.group, self.sp.timeout
         with self._watch():
-            _broadcast(mx.array(header, dtype=mx.int32), group, timeout, "sending a command")
-            if body is not None:
-                _broadcast(body, group, timeout, "sending a command")
+            for x in (mx.array(header, dtype=mx.int32), body):
+                if x is not None:
+                    _broadcast(x, self.sp.group, self.sp.timeout, "sending a command")
 
     @contextmanager
     def _watch(self):
@@ -219,8 +217,8 @@ def follow(sp: ShardedPair) -> None:
     try:
         while True:
             # no deadline: rank 0 may wait for its user as long as it likes
-            head = _broadcast(mx.zeros((_HEADER,), mx.int32), sp.group, None).tolist()
-            op, cid, offset, n, start, wire, first = head
+            head = _broadcast(mx.zeros((7,), mx.int32), sp.group, None).tolist()
+            op, cid, offset, n, start, wire, first = head  # `Link._command`'s header
             if op == STOP:
                 return
             if op == DROP:

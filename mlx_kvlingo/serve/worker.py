@@ -234,7 +234,7 @@ class Worker:
         the conversation to stop after the current token."""
         scan = _StopScan(job.request.stop)
         out = _Pumped()
-        asked = hit = False
+        hit = False
 
         def emit(piece: str, lp: float) -> None:
             out.pieces.append((piece, lp))
@@ -255,9 +255,8 @@ class Worker:
                 if r.finish_reason is not None:  # the answer's last response
                     out.reason = r.finish_reason
                     break
-                if job.cancelled.is_set() and not asked:
+                if job.cancelled.is_set():
                     conv.cancel()  # ends the stream after this token, with its last response
-                    asked = True
         finally:
             if close or hit:
                 stream.close()  # a no-op after the last response; else commits what was emitted
