@@ -142,13 +142,12 @@ class Link:
     def gather(self, cache: list, start: int, end: int) -> SpanKV:
         """The target K/V of [start, end) for every layer, RoPE-free, gathered on rank 0."""
         sp = self.sp
-        c = sp.target.geometry
         parts = {0: capture_from_cache(sp.target, cache, start, end)}
         with _uninterrupted(), self._watch():
             self._command(GATHER, cache, end - start, start)
             with deadline(0, sp.timeout, f"gathering a {end - start}-token span"):
                 for r in range(1, sp.size):
-                    k, v = recv_kv(sp, r, c, len(sp.owners[r]), end - start)
+                    k, v = recv_kv(sp, r, sp.target.geometry, len(sp.owners[r]), end - start)
                     parts[r] = SpanKV(k, v, start)
                     self.bytes_received += k.nbytes + v.nbytes
         order = sorted(parts, key=lambda r: sp.owners[r].start)

@@ -195,13 +195,11 @@ class _Handler(BaseHTTPRequestHandler):
         """The job's next event (its error raised); None (job cancelled) when the client left
         or time ran out."""
         while True:
-            try:
+            with contextlib.suppress(queue.Empty):
                 ev = job.events.get(timeout=0.05)
                 if ev[0] == "error":
                     raise ev[1]
                 return ev
-            except queue.Empty:
-                pass
             gone = self._client_gone()
             if gone or time.monotonic() > deadline:
                 job.cancel()
