@@ -110,7 +110,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._sent = False
         try:
             fn(self.path.split("?", 1)[0].rstrip("/"))
-        except P.APIError as e:  # a refusal, before anything reached the models
+        except P.APIError as e:  # a refusal, or the job's error before its answer began
             self._error(e)
         except (TimeoutError, ConnectionError):  # the client left or was too slow
             self.close_connection = True
