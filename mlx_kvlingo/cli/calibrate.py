@@ -23,7 +23,6 @@ from rich.console import Console
               help="What the models compute in (auto: float32 on a CPU, as stored on a GPU; stored: the "
               "checkpoint's weights as they are, 4- or 8-bit quantized included, as Metal runs them)")  # fmt: skip
 @data_options(
-    required=False,
     help="Text files, JSONL records ({'messages': [...]} chats or {'text': ...}) or a folder of "
     "them; default: text every install has (CPython's documentation topics, the chitchat "
     "dialogues) plus content tasks over it answered by the target itself",

@@ -25,7 +25,6 @@ from rich.console import Console
 @click.command("eval")
 @pair_options
 @data_options(
-    required=False,
     help="Text files, JSONL records ({'messages': [...]} or {'text': ...}) or a folder; every "
     "document is scored unless --heldout-fraction picks a share (drawn as calibrate draws its "
     "held-out split, with the same --seed); default: the demo's held-out dialogues",
