@@ -16,18 +16,6 @@ def looks_like_path(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~", ".\\", "..\\")) or value in (".", "..")
 
 
-def hub_id(value: str) -> bool:
-    """`value` is a well-formed Hub id (org/name)."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(value)
-    except HFValidationError:
-        return False
-    return True
-
-
 class ModelSpec(click.ParamType):
     """A model: a local folder mlx-lm can load, or a Hub id (org/name). Beside a demo pair
     (`--pair`, an eager option, so read first whatever the order typed) it is a wrong
@@ -36,7 +24,10 @@ class ModelSpec(click.ParamType):
     name = "model"
 
     def convert(self, value, param, ctx):
-        if value is None or not isinstance(value, str):
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        if not isinstance(value, str):
             return value
         if ctx is not None and ctx.params.get("demo_pair", "dense") != "dense":
             raise click.UsageError("--pair chooses a demo pair: not with --small/--large", ctx)
@@ -46,8 +37,11 @@ class ModelSpec(click.ParamType):
             self.fail(problem, param, ctx)
         if not path.exists() and looks_like_path(value):
             self.fail(f"{value}: no such folder", param, ctx)
-        if not path.exists() and not hub_id(value):  # a Hub id's files: judged where fetched
-            self.fail(f"{value}: no such folder, and not a Hub id (org/name)", param, ctx)
+        if not path.exists():
+            try:  # a Hub id's files: judged where fetched
+                validate_repo_id(value)
+            except HFValidationError:
+                self.fail(f"{value}: no such folder, and not a Hub id (org/name)", param, ctx)
         return value
 
 
@@ -58,7 +52,7 @@ class TranslatorSpec(click.ParamType):
     name = "translator"
 
     def convert(self, value, param, ctx):
-        if value is None or not isinstance(value, str):
+        if not isinstance(value, str):
             return value
         path = Path(value).expanduser()
         if path.is_dir():
@@ -96,31 +90,21 @@ class OutputFolder(OutputFile):
 
 
 class NumberList(click.ParamType):
-    """Comma-separated numbers of `kind` (int or float), each at least `least` (above it with
-    `open_least`) and at most `most`, as a sorted tuple without repeats; '' is none where
-    `empty` allows it."""
+    """Comma-separated numbers, each a valid `item` (a click number range), as a sorted tuple
+    without repeats; '' is none where `empty` allows it."""
 
-    def __init__(self, kind: type = float, least: float = 0.0, most: float | None = None, *,
-                 open_least: bool = False, empty: bool = False):  # fmt: skip
-        self.kind, self.least, self.most = kind, least, most
-        self.open_least, self.empty = open_least, empty
-        self.name = "integers" if kind is int else "numbers"
+    def __init__(self, item: click.ParamType, empty: bool = False):
+        self.item, self.empty = item, empty
+        self.name = "integers" if isinstance(item, click.IntRange) else "numbers"
+        item.name = self.name[:-1]  # its refusal: "'x' is not a valid integer."
 
     def convert(self, value, param, ctx):
         if not isinstance(value, str):
             return value
-        try:
-            items = tuple(sorted({self.kind(v) for v in value.split(",") if v.strip()}))
-        except ValueError:
-            self.fail(f"{value!r} is not a comma-separated list of {self.name}", param, ctx)
+        items = {self.item.convert(v, param, ctx) for v in value.split(",") if v.strip()}
         if not items and not self.empty:
             self.fail(f"give at least one {self.name[:-1]}", param, ctx)
-        if items and (items[0] <= self.least if self.open_least else items[0] < self.least):
-            bound = "above" if self.open_least else "at least"
-            self.fail(f"{value!r}: every value must be {bound} {self.least:g}", param, ctx)
-        if self.most is not None and items and items[-1] > self.most:
-            self.fail(f"{value!r}: every value must be at most {self.most:g}", param, ctx)
-        return items
+        return tuple(sorted(items))
 
 
 class ChoiceList(click.ParamType):
@@ -143,4 +127,4 @@ class ChoiceList(click.ParamType):
 
 
 #: kept shares of speculative prefill (bench, eval --task content): in (0, 1], '' for none
-KEPT_SHARES = NumberList(float, 0.0, 1.0, open_least=True, empty=True)
+KEPT_SHARES = NumberList(click.FloatRange(0, 1, min_open=True), empty=True)

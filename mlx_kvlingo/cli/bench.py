@@ -28,7 +28,7 @@ def default_lengths() -> tuple[int, ...]:
 @click.option("--preset", type=click.Choice(list(PRESETS)),
               help="A shape-faithful random pair (built once into the cache folder) instead of "
               "models")  # fmt: skip
-@click.option("--lengths", type=NumberList(int, 2), default=None,
+@click.option("--lengths", type=NumberList(click.IntRange(2)), default=None,
               help="Prefix lengths in tokens, comma-separated [default: 64,256,1024 on a CPU, "
               "64,256,1024,4096 on a GPU]")  # fmt: skip
 @click.option("--specprefill", "keeps", default="0.2", show_default=True, type=KEPT_SHARES,
@@ -55,7 +55,7 @@ def default_lengths() -> tuple[int, ...]:
 @click.option("--turns", default=8, show_default=True, type=click.IntRange(1),
               help="--conversation: turns")  # fmt: skip
 @click.option("--user-lengths", default="32,128,512", show_default=True,
-              type=NumberList(int, 2), help="--conversation: user-turn lengths in tokens, cycled")  # fmt: skip
+              type=NumberList(click.IntRange(2)), help="--conversation: user-turn lengths in tokens, cycled")  # fmt: skip
 @click.option("--answer-tokens", default=16, show_default=True, type=click.IntRange(1),
               help="--conversation: tokens per answer (end-of-sequence banned)")  # fmt: skip
 @click.option("--escalation-rate", default=0.25, show_default=True, type=click.FloatRange(0, 1),

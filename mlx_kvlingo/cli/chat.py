@@ -87,7 +87,7 @@ class ChatApp:
         self.threshold = auto_threshold
         self.console = console or Console(highlight=False)
         self.names = conv.pair.names
-        self._editor = None  # prompt_toolkit's line editor, on a terminal (`prompt`)
+        self._editor: Callable[[str], str] | None = None  # `input` or prompt_toolkit's
         self._reading: ExitStack | None = None  # a long turn's reading bar, open (`progress`)
         self._draw: Callable[..., None] = lambda *a: None
 
@@ -202,14 +202,13 @@ class ChatApp:
     def prompt(self) -> str:
         """The next line: on a terminal prompt_toolkit's editor (a paste arrives whole, where
         `input()` keeps a line's first 4,095 characters), elsewhere `input()`."""
-        tag = "auto" if self.auto else self.next
         if self._editor is None:
-            self._editor = False
+            self._editor = input
             if sys.stdin.isatty() and sys.stdout.isatty():
                 from prompt_toolkit import PromptSession
 
-                self._editor = PromptSession()
-        return (self._editor.prompt if self._editor else input)(f"[{tag}] > ")
+                self._editor = PromptSession().prompt
+        return self._editor(f"[{'auto' if self.auto else self.next}] > ")
 
     def run(self) -> None:
         while True:
