@@ -14,6 +14,9 @@ from mlx_kvlingo.models.demo import DEMO_PAIRS
 
 import click
 
+#: every command's options show their defaults in --help
+SHOW_DEFAULTS = {"show_default": True}
+
 
 def with_options(opts: list, f):
     """`f` under the click options `opts`, the first shown first."""
