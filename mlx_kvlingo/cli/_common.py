@@ -14,9 +14,6 @@ from mlx_kvlingo.models.demo import DEMO_PAIRS
 
 import click
 
-#: every command's options show their defaults in --help
-SHOW_DEFAULTS = {"show_default": True}
-
 
 def with_options(opts: list, f):
     """`f` under the click options `opts`, the first shown first."""
@@ -58,7 +55,7 @@ def pair_options(f):
                      help="Translator file (.safetensors) or Hub id org/name[@revision][:file]"),
         # eager: read before --small/--large, which refuse to stand beside it
         click.option("--pair", "demo_pair", type=click.Choice(DEMO_PAIRS), default="dense",
-                     show_default=True, is_eager=True,
+                     is_eager=True,
                      help="Demo pair (no --small/--large): the small model -> "
                           "SmolLM2-135M-Instruct (dense) or -> its exact qwen2_moe upcycle (moe)"),
     ], f)  # fmt: skip
@@ -125,15 +122,15 @@ def data_options(help: str, heldout_fraction=0.1, max_examples=True):
     """--data (`data_path`) and the example-drawing options, collected into one argument `data`:
     their `DataConfig`."""
     opts = [
-        click.option("--min-prefix", type=click.IntRange(1), default=16, show_default=True),
-        click.option("--max-prefix", type=click.IntRange(1), default=256, show_default=True),
-        click.option("--continuation", type=click.IntRange(1), default=32, show_default=True),
+        click.option("--min-prefix", type=click.IntRange(1), default=16),
+        click.option("--max-prefix", type=click.IntRange(1), default=256),
+        click.option("--continuation", type=click.IntRange(1), default=32),
         click.option("--heldout-fraction", type=click.FloatRange(0, 1), default=heldout_fraction,
-                     show_default=True, help="Share of the documents held out (never trained on)"),
-        click.option("--seed", type=click.IntRange(0), default=0, show_default=True),
+                     help="Share of the documents held out (never trained on)"),
+        click.option("--seed", type=click.IntRange(0), default=0),
     ]  # fmt: skip
     if max_examples:
-        opts.insert(4, click.option("--max-examples", type=click.IntRange(1), default=None,
+        opts.insert(4, click.option("--max-examples", type=click.IntRange(1),
                                     help="Training examples to draw at most"))  # fmt: skip
 
     def config(**values) -> DataConfig:
@@ -151,29 +148,26 @@ def data_options(help: str, heldout_fraction=0.1, max_examples=True):
 #: into one argument `sampling`: those given, as `stream_generate` keywords (those not given are
 #: the answering model's defaults)
 sampling_options = gathered("sampling", [
-    click.option("--temp", type=click.FloatRange(0), default=None,
+    click.option("--temp", type=click.FloatRange(0),
                  help="Temperature; 0 is greedy [default: the model's generation_config.json, else 0.7]"),
-    click.option("--top-p", type=click.FloatRange(0, 1), default=None,
-                 help="[default: model's, else 0.9]"),
-    click.option("--top-k", type=click.IntRange(0), default=None,
-                 help="[default: model's, else 0: off]"),
-    click.option("--min-p", type=click.FloatRange(0, 1), default=None,
-                 help="[default: model's, else 0.05]"),
-    click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True), default=None,
+    click.option("--top-p", type=click.FloatRange(0, 1), help="[default: model's, else 0.9]"),
+    click.option("--top-k", type=click.IntRange(0), help="[default: model's, else 0: off]"),
+    click.option("--min-p", type=click.FloatRange(0, 1), help="[default: model's, else 0.05]"),
+    click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True),
                  help="[default: model's, else 1.1; 1: off; with --temp 0 only if given]"),
-    click.option("--repetition-context-size", type=click.IntRange(1), default=None,
+    click.option("--repetition-context-size", type=click.IntRange(1),
                  help="Conversation tokens the penalty looks back over [default: 256]"),
-    click.option("--seed", type=click.IntRange(0), default=None,
+    click.option("--seed", type=click.IntRange(0),
                  help="Seed MLX's generator (reproducible answers)"),
 ])  # fmt: skip
 
 _D = ReaderPolicy()
 #: how the large model reads a turn the small one read for it
 READING = [
-    click.option("--large-reads-last", type=click.IntRange(1), default=None,
+    click.option("--large-reads-last", type=click.IntRange(1),
                  help="When the small model reads a turn, the large one still reads its last "
                       f"this many tokens itself; 1: the last token [default: {_D.large_reads_last}]"),
-    click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
+    click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1),
                  help="When the small model reads a turn, the large one also recomputes this "
                       "share of it (capped on long turns), the sentences its reading of the "
                       f"turn's end attended to most; 0: none [default: {_D.recompute_share:g}; "
@@ -196,15 +190,13 @@ def conversation_options(f):
     """--backward-translator --mode --auto-threshold, then the reader's options collected into one
     argument `policy` (`policy_for`)."""
     policy = gathered("policy", [
-        click.option("--reader", type=click.Choice(READERS), default=None,
+        click.option("--reader", type=click.Choice(READERS),
                      help="Who reads your turn before the large model answers [default: auto with "
                           "a forward translator]"),
         click.option("--reader-min-tokens", type=click.IntRange(0), default=_D.reader_min_tokens,
-                     show_default=True,
                      help="Reader tokens (and auto on a tie): later turns shorter than this are "
                           "read by the large model itself"),
         click.option("--min-retention", type=click.FloatRange(0, 1), default=_D.min_retention,
-                     show_default=True,
                      help="Reader auto: the small path only where this translator is measured to "
                           "keep at least this share of the content at the turn's length "
                           "(kvlingo eval --task content); 0: time alone"),
@@ -214,9 +206,9 @@ def conversation_options(f):
         click.option("--backward-translator", type=TranslatorSpec(),
                      help="Large -> small translator (default: the demo's, if any); without one, "
                           "switching back to small re-reads"),
-        click.option("--mode", type=click.Choice(MODES), default="alternation", show_default=True,
+        click.option("--mode", type=click.Choice(MODES), default="alternation",
                      help="How a model catches up on the turns it did not see"),
-        click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
+        click.option("--auto-threshold", default=AUTO_THRESHOLD,
                      help="auto (/auto): the large model answers again when the small answer's "
                           "mean token log-prob is below this"),
     ], policy(f))  # fmt: skip

@@ -20,7 +20,6 @@ def options(f):
                      help="Run as one rank of an mlx.launch run, the target pipelined over the "
                      "ranks [default: when started by mlx.launch]"),
         click.option("--wire", type=click.Choice(["auto", "source", "target"]), default="auto",
-                     show_default=True,
                      help="Distributed: send each rank the source K/V its layers read (it "
                      "translates) or its translated target K/V; auto sends fewer bytes"),
     ]  # fmt: skip

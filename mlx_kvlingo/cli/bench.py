@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from mlx_kvlingo.cli._common import SHOW_DEFAULTS, gathered, pair_options, reading_options
+from mlx_kvlingo.cli._common import gathered, pair_options, reading_options
 from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, NumberList, OutputFolder
 from mlx_kvlingo.config import POLICIES, ReaderPolicy
 from mlx_kvlingo.eval.presets import PRESETS
@@ -23,7 +23,7 @@ def default_lengths() -> tuple[int, ...]:
     return DEFAULT_LENGTHS["gpu" if mx.default_device().type == mx.gpu else "cpu"]
 
 
-@click.command("bench", context_settings=SHOW_DEFAULTS)
+@click.command("bench", context_settings={"show_default": True})
 @pair_options
 @click.option("--preset", type=click.Choice(list(PRESETS)),
               help="A shape-faithful random pair (built once into the cache folder) instead of "

@@ -7,7 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 from statistics import fmean
 
-from mlx_kvlingo.cli._common import SHOW_DEFAULTS, content_texts, data_options, progress_bar
+from mlx_kvlingo.cli._common import content_texts, data_options, progress_bar
 from mlx_kvlingo.cli._params import ModelSpec, NumberList, OutputFile, OutputFolder
 from mlx_kvlingo.data.examples import load_examples, validate_data
 
@@ -16,7 +16,7 @@ import mlx.core as mx
 from rich.console import Console
 
 
-@click.command("calibrate", context_settings=SHOW_DEFAULTS)
+@click.command("calibrate", context_settings={"show_default": True})
 @click.option("--source", required=True, type=ModelSpec(), help="Source model (reads the prompt)")
 @click.option("--target", required=True, type=ModelSpec(), help="Target model (decodes)")
 @click.option("--dtype", type=click.Choice(["auto", "stored", "float32", "float16", "bfloat16"]),

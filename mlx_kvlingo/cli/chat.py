@@ -344,18 +344,17 @@ def print_banner(app: ChatApp, forward: str, backward: str, loaded: str | None =
     app.say("  /help for commands · q to quit")
 
 
-@click.command("chat")
+@click.command("chat", context_settings={"show_default": True})
 @pair_options
-@click.option("--system-prompt", default=None, help="System message for the chat template")
-@click.option("-m", "--max-tokens", type=click.IntRange(1), default=256, show_default=True,
-              help="Tokens per answer")  # fmt: skip
+@click.option("--system-prompt", help="System message for the chat template")
+@click.option("-m", "--max-tokens", type=click.IntRange(1), default=256, help="Tokens per answer")
 @sampling_options
-@click.option("--max-kv-size", type=click.IntRange(1), default=None,
+@click.option("--max-kv-size", type=click.IntRange(1),
               help="Context limit in tokens for both models (refuses beyond it; /trim)")  # fmt: skip
-@click.option("--answer", type=click.Choice(["small", "large"]), default="large", show_default=True,
+@click.option("--answer", type=click.Choice(["small", "large"]), default="large",
               help="Which model answers (the small one reads for the large one; /small, /large)")  # fmt: skip
 @conversation_options
-@click.option("--warmup/--no-warmup", default=True, show_default=True,
+@click.option("--warmup/--no-warmup", default=True,
               help="Before the first prompt, measure the pair's rates for reader auto, running "
                    "each path once (later starts reuse them from the cache folder and read "
                    "once per model)")  # fmt: skip

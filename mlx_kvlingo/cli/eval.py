@@ -22,7 +22,7 @@ import click
 from rich.console import Console
 
 
-@click.command("eval")
+@click.command("eval", context_settings={"show_default": True})
 @pair_options
 @data_options(
     help="Text files, JSONL records ({'messages': [...]} or {'text': ...}) or a folder; every "
@@ -31,23 +31,22 @@ from rich.console import Console
     heldout_fraction=1.0,
     max_examples=False,
 )
-@click.option("-n", "--examples", type=click.IntRange(1), default=64, show_default=True,
+@click.option("-n", "--examples", type=click.IntRange(1), default=64,
               help="Examples to score at most")  # fmt: skip
 @click.option("--json", "json_out", type=OutputFile(), help="Also write the results here")
 @click.option("--task", type=click.Choice(["continuation", "content"]), default="continuation",
-              show_default=True,
               help="continuation: teacher-forced scores on held-out text; content: can the target use what "
               "was read (stated facts, copies, answers and summaries, scored against its native answer)")  # fmt: skip
-@click.option("--lengths", type=NumberList(click.IntRange(32)), default="128,512,1024", show_default=True,
+@click.option("--lengths", type=NumberList(click.IntRange(32)), default="128,512,1024",
               help="--task content: read lengths in tokens, up to the pair's context")  # fmt: skip
-@click.option("--per-kind", type=click.IntRange(1), default=8, show_default=True,
+@click.option("--per-kind", type=click.IntRange(1), default=8,
               help="--task content: tasks of each kind at each length")  # fmt: skip
-@click.option("--kinds", default=",".join(DEFAULT_KINDS), show_default=True, type=ChoiceList(KINDS),
+@click.option("--kinds", default=",".join(DEFAULT_KINDS), type=ChoiceList(KINDS),
               help="--task content: the task kinds, comma-separated (also: facts, three facts with one asked)")  # fmt: skip
 @click.option("--plot", "plot_out", type=OutputFile(),
               help="--task content: write the per-length plot here (PNG)")  # fmt: skip
 @reading_options
-@click.option("--specprefill", "keeps", default="", type=KEPT_SHARES, metavar="SHARES",
+@click.option("--specprefill", "keeps", default=(), type=KEPT_SHARES, metavar="SHARES",
               help="--task content: also run the peer that drops tokens, speculative prefill "
                    "(the small model's look-ahead picks 32-token chunks, the large model reads "
                    "only those), at these kept shares, e.g. 0.1,0.2,0.3")  # fmt: skip

@@ -11,11 +11,11 @@ from mlx_kvlingo.cli._common import pair_options, refuse_long_prompt, sampling_o
 import click
 
 
-@click.command("generate")
+@click.command("generate", context_settings={"show_default": True})
 @pair_options
-@click.option("-p", "--prompt", default="What is the capital of France?", show_default=True)
+@click.option("-p", "--prompt", default="What is the capital of France?")
 @click.option("--chat/--no-chat", default=True, help="Apply the chat template to the prompt")
-@click.option("-m", "--max-tokens", type=click.IntRange(1), default=100, show_default=True)
+@click.option("-m", "--max-tokens", type=click.IntRange(1), default=100)
 @sampling_options
 @dist.options
 @click.option("--json", "as_json", is_flag=True,

@@ -23,24 +23,24 @@ def _loopback(host: str) -> bool:
         return False
 
 
-@click.command("serve")
+@click.command("serve", context_settings={"show_default": True})
 @pair_options
-@click.option("--host", default="127.0.0.1", show_default=True,
+@click.option("--host", default="127.0.0.1",
               help="Address to bind; anything but loopback needs --api-key (or --insecure)")  # fmt: skip
-@click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535))
-@click.option("--api-key", envvar="KVLINGO_API_KEY", default=None,
+@click.option("--port", default=8080, type=click.IntRange(0, 65535))
+@click.option("--api-key", envvar="KVLINGO_API_KEY",
               help="Require `Authorization: Bearer KEY` (env KVLINGO_API_KEY)")  # fmt: skip
-@click.option("--max-tokens", type=click.IntRange(1), default=2048, show_default=True,
+@click.option("--max-tokens", type=click.IntRange(1), default=2048,
               help="Largest max_tokens a request may ask for")  # fmt: skip
-@click.option("--default-max-tokens", type=click.IntRange(1), default=512, show_default=True,
+@click.option("--default-max-tokens", type=click.IntRange(1), default=512,
               help="max_tokens when a request names none")  # fmt: skip
-@click.option("--max-prompt-tokens", type=click.IntRange(1), default=4096, show_default=True,
+@click.option("--max-prompt-tokens", type=click.IntRange(1), default=4096,
               help="Longest templated conversation accepted (400 beyond)")  # fmt: skip
-@click.option("--max-body-bytes", type=click.IntRange(1), default=1 << 20, show_default=True,
+@click.option("--max-body-bytes", type=click.IntRange(1), default=1 << 20,
               help="Largest request body (413 beyond)")  # fmt: skip
-@click.option("--queue-size", type=click.IntRange(0), default=8, show_default=True,
+@click.option("--queue-size", type=click.IntRange(0), default=8,
               help="Requests that may wait behind the running one (503 beyond)")  # fmt: skip
-@click.option("--max-conversations", type=click.IntRange(0), default=8, show_default=True,
+@click.option("--max-conversations", type=click.IntRange(0), default=8,
               help="Conversations held for prefix reuse, least recently used dropped first")  # fmt: skip
 @conversation_options
 @click.option("--insecure", is_flag=True, help="Allow a non-loopback --host without --api-key")
