@@ -101,7 +101,10 @@ class NumberList(click.ParamType):
     def convert(self, value, param, ctx):
         if not isinstance(value, str):
             return value
-        items = {self.item.convert(v, param, ctx) for v in value.split(",") if v.strip()}
+        try:
+            items = {self.item.convert(v, param, ctx) for v in value.split(",") if v.strip()}
+        except click.BadParameter as e:  # name the whole list
+            self.fail(f"{value!r}: {e.message}", param, ctx)
         if not items and not self.empty:
             self.fail(f"give at least one {self.name[:-1]}", param, ctx)
         return tuple(sorted(items))

@@ -1,6 +1,4 @@
-"""`kvlingo bench`: time to first token of the large model reading a prompt itself, of the small
-model reading it and the switch (ours), and of speculative prefill (the peer), on this machine;
-a conversation under several policies, or a start against mlx-lm's."""
+"""`kvlingo bench`: time to first token on this machine (`mlx_kvlingo.eval`'s benchmarks)."""
 
 from __future__ import annotations
 

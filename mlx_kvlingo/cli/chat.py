@@ -1,5 +1,4 @@
-"""`kvlingo chat`: `mlx_lm.chat` (`q` / `r` / `h`, a status line per turn) over a `Conversation`
-of two models sharing one conversation through KV translation."""
+"""`kvlingo chat`: `mlx_lm.chat` (`q` / `r` / `h`, a status line per turn) over a `Conversation`."""
 
 from __future__ import annotations
 
@@ -336,8 +335,7 @@ def print_banner(app: ChatApp, forward: str, backward: str, loaded: str | None =
     ]
     if loaded:
         rows.append(("loaded in", loaded))
-    if app.conv.cache.system_prompt:
-        sp = app.conv.cache.system_prompt
+    if sp := app.conv.cache.system_prompt:
         rows.append(("system", sp if len(sp) <= 60 else sp[:57] + "..."))
     app.console.print("[bold magenta]kvlingo chat[/bold magenta]")
     _rows(app.console, rows, "  {k}   [bold]{v}[/bold]")

@@ -1,5 +1,4 @@
-"""`kvlingo eval`: native / translated / raw / source-alone quality on held-out data, or
-(`--task content`) what the target can use of what the small model read."""
+"""`kvlingo eval`: quality on held-out data, or (`--task content`) of what the target can use."""
 
 from __future__ import annotations
 
@@ -71,8 +70,8 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         # both through the chat's own hand-off: the whole turn translated (the large model reads
         # the last token only), and the chat's reading (its last tokens, then the recompute)
         p = ReaderPolicy(**reading)
-        chat = c.Chat(tr, p.large_reads_last, p.recompute_share)
-        conditions = {"translated": c.Chat(tr, 1, 0.0), "chat": chat,
+        conditions = {"translated": c.Chat(tr, 1, 0.0),
+                      "chat": c.Chat(tr, p.large_reads_last, p.recompute_share),
                       **{f"specprefill {k:g}": c.Peer(k, seed) for k in keeps}}  # fmt: skip
         label = {"translator": translator or "demo default", "seed": seed, "lengths": list(lengths)}
         with progress_bar("content", console) as progress:

@@ -1,5 +1,4 @@
-"""`kvlingo generate`: the small model reads the prompt, the large one answers from the translated
-cache, through `mlx_kvlingo.stream_generate`."""
+"""`kvlingo generate`: one answer through `mlx_kvlingo.stream_generate`."""
 
 from __future__ import annotations
 
@@ -36,9 +35,8 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     else:
         tokens = tok.encode(prompt)
     refuse_long_prompt(pair.models, len(tokens), "'-p' / '--prompt'")  # before any work
-    # the small model reads the prompt, the large one decodes from the translated cache: no
-    # large prefill, not even of the question (large_reads_last=1: the last token only) and
-    # no recompute
+    # the small model reads the prompt, the large one decodes from the translated cache: no large
+    # prefill (large_reads_last=1: the last token only), no recompute
     policy = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
     cache = make_prompt_cache(pair, policy=policy)
     ids, pieces = [], []

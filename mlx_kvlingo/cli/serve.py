@@ -1,5 +1,4 @@
-"""`kvlingo serve`: the pair behind an OpenAI-compatible endpoint (`mlx_kvlingo.serve`), as
-`mlx_lm.server` with the model ids small, large and auto."""
+"""`kvlingo serve`: the pair behind `mlx_kvlingo.serve`'s endpoint, as `mlx_lm.server`."""
 
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, 
         server = Server(pair, config, mode=mode, policy=policy(pair))
     except OSError as e:
         raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
-    names = pair.names
-    click.echo(f"small: {names['small']}\nlarge: {names['large']}", err=True)
+    click.echo(f"small: {pair.names['small']}\nlarge: {pair.names['large']}", err=True)
     rates = f", {pair.rates_note}" if pair.rates_note else ""  # pipelined: no warm-up
     click.echo(f"loaded in {pair.load_s:.1f} s (warm-up {pair.warmup_s or 0:.1f} s{rates})",
                err=True)  # fmt: skip
