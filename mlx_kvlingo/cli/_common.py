@@ -15,11 +15,9 @@ from mlx_kvlingo.models.demo import DEMO_PAIRS
 import click
 
 
-def with_options(opts: list, f):
-    """`f` under the click options `opts`, the first shown first."""
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
+def with_options(*opts):
+    """A decorator: the click options `opts`, the first shown first."""
+    return lambda f: functools.reduce(lambda g, opt: opt(g), reversed(opts), f)
 
 
 def given(**values) -> dict:
@@ -30,7 +28,7 @@ def given(**values) -> dict:
 def gathered(into: str, opts: list, make: Callable = given):
     """A decorator: the click options `opts`, passed to the command as one argument `into`:
     `make(**their values)`."""
-    names = [p.name for p in with_options(opts, lambda: None).__click_params__]
+    names = [p.name for p in with_options(*opts)(lambda: None).__click_params__]
 
     def decorate(f):
         @functools.wraps(f)
@@ -38,31 +36,29 @@ def gathered(into: str, opts: list, make: Callable = given):
             kw[into] = make(**{k: kw.pop(k) for k in names})
             return f(*args, **kw)
 
-        return with_options(opts, wrapper)
+        return with_options(*opts)(wrapper)
 
     return decorate
 
 
-def pair_options(f):
-    """--small --large --translator --pair. The small model is the source of a forward
-    translation, the large one its target: `--source`/`--target` are their other names."""
-    return with_options([
-        click.option("--small", "--source", "source", type=ModelSpec(),
-                     help="Small model (hub id or folder); default: demo pair"),
-        click.option("--large", "--target", "target", type=ModelSpec(),
-                     help="Large model (hub id or folder); default: demo pair"),
-        click.option("--translator", type=TranslatorSpec(),
-                     help="Translator file (.safetensors) or Hub id org/name[@revision][:file]"),
-        # eager: read before --small/--large, which refuse to stand beside it
-        click.option("--pair", "demo_pair", type=click.Choice(DEMO_PAIRS), default="dense",
-                     is_eager=True,
-                     help="Demo pair (no --small/--large): the small model -> "
-                          "SmolLM2-135M-Instruct (dense) or -> its exact qwen2_moe upcycle (moe)"),
-    ], f)  # fmt: skip
+#: --small --large --translator --pair. The small model is the source of a forward translation, the
+#: large one its target: `--source`/`--target` are their other names.
+pair_options = with_options(
+    click.option("--small", "--source", "source", type=ModelSpec(),
+                 help="Small model (hub id or folder); default: demo pair"),
+    click.option("--large", "--target", "target", type=ModelSpec(),
+                 help="Large model (hub id or folder); default: demo pair"),
+    click.option("--translator", type=TranslatorSpec(),
+                 help="Translator file (.safetensors) or Hub id org/name[@revision][:file]"),
+    # eager: read before --small/--large, which refuse to stand beside it
+    click.option("--pair", "demo_pair", type=click.Choice(DEMO_PAIRS), default="dense",
+                 is_eager=True, help="Demo pair (no --small/--large): the small model -> "
+                                     "SmolLM2-135M-Instruct (dense) or -> its exact qwen2_moe upcycle (moe)"),
+)  # fmt: skip
 
 
 @contextmanager
-def progress_bar(label: str, console=None) -> Iterator[Callable[..., None]]:
+def progress_bar(label: str, console) -> Iterator[Callable[..., None]]:
     """`progress(done, total, note="")` drawing one transient rich bar labelled `label`: the
     library reports progress through such callbacks and draws nothing."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -88,7 +84,7 @@ def demo_pair_of(source, target, demo_pair: str = "dense", translator=None, *,
     return None if source else demo_pair
 
 
-def resolve_pair(source, target, translator, backward=None, demo_pair: str = "dense", *,
+def resolve_pair(source, target, translator, demo_pair: str = "dense", *,
                  require_translator: bool = True, dtype="auto"):  # fmt: skip
     """(pair, forward, backward) through the one loader (`mlx_kvlingo.models.loading`): the named pair
     and translators, or a demo pair when no model is named (its shipped translators)."""
@@ -96,7 +92,7 @@ def resolve_pair(source, target, translator, backward=None, demo_pair: str = "de
 
     demo = demo_pair_of(source, target, demo_pair, translator,
                         require_translator=require_translator)  # fmt: skip
-    return load_models_and_translators(source, target, translator, backward, demo, dtype=dtype)
+    return load_models_and_translators(source, target, translator, None, demo, dtype=dtype)
 
 
 def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:
@@ -202,7 +198,7 @@ def conversation_options(f):
                           "(kvlingo eval --task content); 0: time alone"),
         *READING,
     ], policy_for)  # fmt: skip
-    return with_options([
+    return with_options(
         click.option("--backward-translator", type=TranslatorSpec(),
                      help="Large -> small translator (default: the demo's, if any); without one, "
                           "switching back to small re-reads"),
@@ -211,4 +207,4 @@ def conversation_options(f):
         click.option("--auto-threshold", default=AUTO_THRESHOLD,
                      help="auto (/auto): the large model answers again when the small answer's "
                           "mean token log-prob is below this"),
-    ], policy(f))  # fmt: skip
+    )(policy(f))  # fmt: skip

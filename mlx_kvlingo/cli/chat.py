@@ -24,7 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from mlx_kvlingo.api import Conversation, GenerationResponse
+    from mlx_kvlingo.api import Conversation
 
 #: turns this long or longer show a progress line while they are read
 PROGRESS_MIN_TOKENS = 1000
@@ -99,13 +99,14 @@ class ChatApp:
     def error(self, msg: str) -> None:
         self.console.print(f"[yellow]{escape(msg)}[/yellow]")
 
-    def stream(self, events, cascade: bool = False) -> GenerationResponse | None:
-        """Print a streamed answer (a cascade's: one or two), each with its status line; Ctrl-C
-        stops it (the conversation keeps what was emitted). The last response."""
+    def stream(self, events, cascade: bool = False) -> None:
+        """Print a streamed answer (a cascade's: one or two, the decision on the small one
+        between), each with its status line; Ctrl-C stops it (the conversation keeps what was
+        emitted)."""
         import mlx.core as mx
 
         mx.reset_peak_memory()
-        speaker = done = None
+        speaker = None
         try:
             for r in events:
                 self.progress(0, 0)  # the reading is over: clear its progress bar
@@ -117,31 +118,24 @@ class ChatApp:
                     sys.stdout.flush()
                 if r.finish_reason is None:
                     continue
-                done, speaker = r, None
+                speaker, st = None, r.handoff
                 sys.stdout.write("\n")
                 self.say("  " + escape(r.status))
-                if cascade and r.model == "small":
-                    self.verdict(r)
-                    if r.handoff is not None and r.handoff.escalating:
-                        mx.reset_peak_memory()
+                if not cascade or r.model != "small" or st is None:
+                    continue
+                if st.confidence is not None and r.finish_reason != "cancelled":
+                    t = f"{self.threshold:.2f}"
+                    verdict = f"< {t}: escalating to large" if st.escalating else f">= {t}: kept"
+                    self.say(f"  {escape('[auto]')} confidence {st.confidence:.2f} {verdict}")
+                if st.escalating:
+                    mx.reset_peak_memory()
         except KeyboardInterrupt:
             events.close()
             self.progress(0, 0)
             sys.stdout.write("\n")
             self.say("  " + escape("[stopped]"))
-            done = self.conv.last  # the stopped answer (the conversation kept it)
-            if done is not None:
+            if (done := self.conv.last) is not None:  # the stopped answer (kept)
                 self.say("  " + escape(done.status))
-        return done
-
-    def verdict(self, r: GenerationResponse) -> None:
-        """The cascade's decision on the small answer `r`, in one line."""
-        st = r.handoff
-        if st is None or st.confidence is None or r.finish_reason == "cancelled":
-            return
-        t = self.threshold
-        verdict = f"< {t:.2f}: escalating to large" if st.escalating else f">= {t:.2f}: kept"
-        self.say(f"  {escape('[auto]')} confidence {st.confidence:.2f} {verdict}")
 
     # -- turns -------------------------------------------------------------------------------
 
@@ -323,8 +317,7 @@ def print_stats(app: ChatApp) -> None:
 def print_banner(app: ChatApp, forward: str, backward: str, loaded: str | None = None) -> None:
     """The opening lines: both models, the translators and the settings of the chat."""
     rows = [
-        ("small", app.names["small"]),
-        ("large", app.names["large"]),
+        *app.names.items(),  # small, large
         ("small -> large", forward),
         ("large -> small", backward),
         ("mode", app.conv.mode),

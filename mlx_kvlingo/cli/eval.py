@@ -104,8 +104,7 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         raise click.ClickException(f"{data_path}: no examples to score; raise --heldout-fraction")
     with progress_bar("evaluating", console) as progress:
         result = evaluate(pair, tr, held[:examples], progress)
-    result["translator"] = translator or "demo"
-    result["data"] = str(data_path)
+    result |= {"translator": translator or "demo", "data": str(data_path)}
     console.print(table(result, f"{pair.source.name} -> {pair.target.name}"))
     console.print(
         f"scored {result['examples']} examples, {result['tokens']} continuation tokens "

@@ -57,8 +57,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     sw = st.switch
     translated, translate_s = (sw.translated, sw.seconds) if sw and sw.translated else (0, 0.0)
     out = {
-        "small": pair.names["small"],
-        "large": pair.names["large"],
+        **pair.names,  # small, large
         "prompt": prompt,
         "prompt_token_ids": [int(x) for x in tokens],
         "token_ids": ids,
