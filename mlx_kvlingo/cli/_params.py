@@ -90,24 +90,31 @@ class OutputFolder(OutputFile):
 
 
 class NumberList(click.ParamType):
-    """Comma-separated numbers, each a valid `item` (a click number range), as a sorted tuple
-    without repeats; '' is none where `empty` allows it."""
+    """Comma-separated numbers of `kind` (int or float), each at least `least` (above it with
+    `open_least`) and at most `most`, as a sorted tuple without repeats; '' is none where
+    `empty` allows it."""
 
-    def __init__(self, item: click.ParamType, empty: bool = False):
-        self.item, self.empty = item, empty
-        self.name = "integers" if isinstance(item, click.IntRange) else "numbers"
-        item.name = self.name[:-1]  # its refusal: "'x' is not a valid integer."
+    def __init__(self, kind: type = float, least: float = 0.0, most: float | None = None, *,
+                 open_least: bool = False, empty: bool = False):  # fmt: skip
+        self.kind, self.least, self.most = kind, least, most
+        self.open_least, self.empty = open_least, empty
+        self.name = "integers" if kind is int else "numbers"
 
     def convert(self, value, param, ctx):
         if not isinstance(value, str):
             return value
         try:
-            items = {self.item.convert(v, param, ctx) for v in value.split(",") if v.strip()}
-        except click.BadParameter as e:  # name the whole list
-            self.fail(f"{value!r}: {e.message}", param, ctx)
+            items = tuple(sorted({self.kind(v) for v in value.split(",") if v.strip()}))
+        except ValueError:
+            self.fail(f"{value!r} is not a comma-separated list of {self.name}", param, ctx)
         if not items and not self.empty:
             self.fail(f"give at least one {self.name[:-1]}", param, ctx)
-        return tuple(sorted(items))
+        if items and (items[0] <= self.least if self.open_least else items[0] < self.least):
+            bound = "above" if self.open_least else "at least"
+            self.fail(f"{value!r}: every value must be {bound} {self.least:g}", param, ctx)
+        if self.most is not None and items and items[-1] > self.most:
+            self.fail(f"{value!r}: every value must be at most {self.most:g}", param, ctx)
+        return items
 
 
 class ChoiceList(click.ParamType):
@@ -130,4 +137,4 @@ class ChoiceList(click.ParamType):
 
 
 #: kept shares of speculative prefill (bench, eval --task content): in (0, 1], '' for none
-KEPT_SHARES = NumberList(click.FloatRange(0, 1, min_open=True), empty=True)
+KEPT_SHARES = NumberList(float, 0.0, 1.0, open_least=True, empty=True)

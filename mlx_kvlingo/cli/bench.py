@@ -26,7 +26,7 @@ def default_lengths() -> tuple[int, ...]:
 @click.option("--preset", type=click.Choice(list(PRESETS)),
               help="A shape-faithful random pair (built once into the cache folder) instead of "
               "models")  # fmt: skip
-@click.option("--lengths", type=NumberList(click.IntRange(2)),
+@click.option("--lengths", type=NumberList(int, 2),
               help="Prefix lengths in tokens, comma-separated [default: 64,256,1024 on a CPU, "
               "64,256,1024,4096 on a GPU]")  # fmt: skip
 @click.option("--specprefill", "keeps", default="0.2", type=KEPT_SHARES, metavar="SHARES",
@@ -52,7 +52,7 @@ def default_lengths() -> tuple[int, ...]:
               "cascade")  # fmt: skip
 @gathered("talk", [
     click.option("--turns", default=8, type=click.IntRange(1), help="--conversation: turns"),
-    click.option("--user-lengths", default="32,128,512", type=NumberList(click.IntRange(2)),
+    click.option("--user-lengths", default="32,128,512", type=NumberList(int, 2),
                  help="--conversation: user-turn lengths in tokens, cycled"),
     click.option("--answer-tokens", default=16, type=click.IntRange(1),
                  help="--conversation: tokens per answer (end-of-sequence banned)"),

@@ -32,7 +32,7 @@ from rich.console import Console
               help="Content examples for stage 2: prompts whose answer is only in the text read "
                    "(facts, copies, questions, summaries), answered by the target on its own "
                    "cache; default 0 with --data, 240 without")  # fmt: skip
-@click.option("--content-lengths", type=NumberList(click.IntRange(32)), default="128,256,512",
+@click.option("--content-lengths", type=NumberList(int, 32), default="128,256,512",
               help="Prompt lengths of the content examples, in tokens")  # fmt: skip
 @click.option("--gain-weights/--no-gain-weights", default=None,
               help="Weight stage 2's loss by how much the prefix changes the target's "
@@ -52,7 +52,7 @@ from rich.console import Console
               help="What the stage-1 ridge shrinks toward: zero, identity (same KV heads and head "
                    "sizes: the nearest-by-depth layer copied) or a translator file (e.g. a related "
                    "pair's fit)")  # fmt: skip
-@click.option("--alpha-grid", type=NumberList(click.FloatRange(0)),
+@click.option("--alpha-grid", type=NumberList(float, 0),
               help="Comma-separated alphas; each target layer and kind takes the one with the "
                    "lowest residual on held-out calibration documents (overrides --alpha)")  # fmt: skip
 @click.option("--patience", type=click.IntRange(1),

@@ -63,13 +63,12 @@ def describe_reader(conv) -> str:
         points = ", ".join(f"{r:.2f} at {n:,} tok" for n, r in kept.points)
         rule += (f", but the small path only where it keeps {p.min_retention:g}+ of the "
                  f"content at that length (measured: {points})")  # fmt: skip
-    return {
+    said = {
         "small": "the small model reads every turn, the large one decodes from the translated cache",
         "tokens": rule,
         "auto": f"whichever starts the answer sooner at the rates measured here; on a tie, {rule}",
-    }.get(p.reader, "the answering model reads your turn itself") + (
-        last if p.reader != "self" else ""
-    )
+    }.get(p.reader, "the answering model reads your turn itself")
+    return said if p.reader == "self" else said + last
 
 
 class ChatApp:
@@ -89,8 +88,6 @@ class ChatApp:
         self._editor: Callable[[str], str] | None = None  # `input` or prompt_toolkit's
         self._reading: ExitStack | None = None  # a long turn's reading bar, open (`progress`)
         self._draw: Callable[..., None] = lambda *a: None
-
-    # -- output ------------------------------------------------------------------------------
 
     def say(self, msg: str, style: str = "grey50") -> None:
         # soft wrap: a long status line stays one line (the terminal wraps it, rich does not)
@@ -137,8 +134,6 @@ class ChatApp:
             if (done := self.conv.last) is not None:  # the stopped answer (kept)
                 self.say("  " + escape(done.status))
 
-    # -- turns -------------------------------------------------------------------------------
-
     def turn(self, text: str | None, escalate: bool = False) -> None:
         """Answer `text` (None: the message left unanswered) with the next model, by the cascade
         (model "auto") when /auto is on, or the last message again with the other model."""
@@ -165,8 +160,6 @@ class ChatApp:
             self._reading.close()
             self._reading = None
 
-    # -- commands ----------------------------------------------------------------------------
-
     def handle(self, line: str) -> bool:
         """Process one input line; False means quit."""
         line = {"q": "/quit", "r": "/reset", "h": "/help"}.get(line.strip(), line.strip())
@@ -189,8 +182,6 @@ class ChatApp:
             except (OSError, ValueError) as e:
                 self.error(f"{cmd}: {e}")
         return True
-
-    # -- loop --------------------------------------------------------------------------------
 
     def prompt(self) -> str:
         """The next line: on a terminal prompt_toolkit's editor (a paste arrives whole, where

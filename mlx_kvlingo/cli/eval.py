@@ -36,7 +36,7 @@ from rich.console import Console
 @click.option("--task", type=click.Choice(["continuation", "content"]), default="continuation",
               help="continuation: teacher-forced scores on held-out text; content: can the target use what "
               "was read (stated facts, copies, answers and summaries, scored against its native answer)")  # fmt: skip
-@click.option("--lengths", type=NumberList(click.IntRange(32)), default="128,512,1024",
+@click.option("--lengths", type=NumberList(int, 32), default="128,512,1024",
               help="--task content: read lengths in tokens, up to the pair's context")  # fmt: skip
 @click.option("--per-kind", type=click.IntRange(1), default=8,
               help="--task content: tasks of each kind at each length")  # fmt: skip

@@ -14,10 +14,8 @@ import click
 
 
 def _loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
@@ -53,9 +51,8 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, 
     limits = Limits(**{k: settings.pop(k) for k in ("max_tokens", "default_max_tokens",
                                                     "max_prompt_tokens")})  # fmt: skip
     config = ServeConfig(limits=limits, **settings)  # host, port, api_key, the queue's sizes
-    host, port, api_key = config.host, config.port, config.api_key
-    if not _loopback(host) and not api_key and not insecure:
-        raise click.UsageError(f"--host {host} exposes the models beyond this machine: set "
+    if not _loopback(config.host) and not config.api_key and not insecure:
+        raise click.UsageError(f"--host {config.host} exposes the models beyond this machine: set "
                                "--api-key (or KVLINGO_API_KEY), or pass --insecure")  # fmt: skip
     if limits.default_max_tokens > limits.max_tokens:
         raise click.UsageError("--default-max-tokens must not exceed --max-tokens")
@@ -67,12 +64,12 @@ def serve_cmd(source, target, translator, demo_pair, backward_translator, mode, 
     try:
         server = Server(pair, config, mode=mode, policy=policy(pair))
     except OSError as e:
-        raise click.ClickException(f"cannot listen on {host}:{port}: {e}") from None
+        raise click.ClickException(f"cannot listen on {config.host}:{config.port}: {e}") from None
     click.echo(f"small: {pair.names['small']}\nlarge: {pair.names['large']}", err=True)
     rates = f", {pair.rates_note}" if pair.rates_note else ""  # pipelined: no warm-up
     click.echo(f"loaded in {pair.load_s:.1f} s (warm-up {pair.warmup_s or 0:.1f} s{rates})",
                err=True)  # fmt: skip
-    key = " (API key required)" if api_key else ""
+    key = " (API key required)" if config.api_key else ""
     click.echo(f"serving on {server.url}{key} · models small, large, auto · Ctrl-C stops", err=True)
     # SIGTERM (kill, systemd, docker stop) stops as Ctrl-C does: running and waiting requests
     # are told the server is shutting down instead of losing their connection mid-answer
