@@ -97,9 +97,8 @@ class ChatApp:
         self.console.print(f"[yellow]{escape(msg)}[/yellow]")
 
     def stream(self, events, cascade: bool = False) -> None:
-        """Print a streamed answer (a cascade's: one or two, the decision on the small one
-        between), each with its status line; Ctrl-C stops it (the conversation keeps what was
-        emitted)."""
+        """Print a streamed answer (a cascade's: one or two, the verdict between), each with its
+        status line; Ctrl-C stops it (the conversation keeps what was emitted)."""
         import mlx.core as mx
 
         mx.reset_peak_memory()
