@@ -2,7 +2,4 @@
 
 from mlx_kvlingo.cli._group import cli
 
-
-def main() -> None:
-    """The console script."""
-    cli()
+main = cli  # the console script

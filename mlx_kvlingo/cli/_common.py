@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from mlx_kvlingo.cli._params import ModelSpec, TranslatorSpec
 from mlx_kvlingo.config import AUTO_THRESHOLD, MODES, READERS, ReaderPolicy
@@ -13,28 +14,51 @@ from mlx_kvlingo.models.demo import DEMO_PAIRS
 
 import click
 
-# the small model is the source of a forward translation, the large one its target: the options
-# say small/large, `--source`/`--target` stay as their other names
-source_option = click.option("--small", "--source", "source", type=ModelSpec(),
-                             help="Small model (hub id or folder); default: demo pair")  # fmt: skip
-target_option = click.option("--large", "--target", "target", type=ModelSpec(),
-                             help="Large model (hub id or folder); default: demo pair")  # fmt: skip
-# eager: read before --small/--large, which refuse to stand beside it
-pair_option = click.option("--pair", "demo_pair", type=click.Choice(DEMO_PAIRS), default="dense",
-                           show_default=True, is_eager=True,
-                           help="Demo pair (no --small/--large): the small model -> "
-                                "SmolLM2-135M-Instruct (dense) or -> its exact qwen2_moe upcycle (moe)")  # fmt: skip
-translator_option = click.option("--translator", type=TranslatorSpec(),
-                                 help="Translator file (.safetensors) or Hub id org/name[@revision][:file]")  # fmt: skip
+
+def with_options(*opts):
+    """A decorator: the click options `opts`, the first shown first."""
+    return lambda f: functools.reduce(lambda g, opt: opt(g), reversed(opts), f)
 
 
-def pair_options(f):
-    """--small --large --translator --pair."""
-    return with_options([source_option, target_option, translator_option, pair_option], f)
+def given(**values) -> dict:
+    """The values given (not None)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def gathered(into: str, opts: list, make: Callable = given):
+    """A decorator: the click options `opts`, passed to the command as one argument `into`:
+    `make(**their values)`."""
+    names = [p.name for p in with_options(*opts)(lambda: None).__click_params__]
+
+    def decorate(f):
+        @functools.wraps(f)
+        def wrapper(*args, **kw):
+            kw[into] = make(**{k: kw.pop(k) for k in names})
+            return f(*args, **kw)
+
+        return with_options(*opts)(wrapper)
+
+    return decorate
+
+
+#: --small --large --translator --pair. The small model is the source of a forward translation, the
+#: large one its target: `--source`/`--target` are their other names.
+pair_options = with_options(
+    click.option("--small", "--source", "source", type=ModelSpec(),
+                 help="Small model (hub id or folder); default: demo pair"),
+    click.option("--large", "--target", "target", type=ModelSpec(),
+                 help="Large model (hub id or folder); default: demo pair"),
+    click.option("--translator", type=TranslatorSpec(),
+                 help="Translator file (.safetensors) or Hub id org/name[@revision][:file]"),
+    # eager: read before --small/--large, which refuse to stand beside it
+    click.option("--pair", "demo_pair", type=click.Choice(DEMO_PAIRS), default="dense",
+                 is_eager=True, help="Demo pair (no --small/--large): the small model -> "
+                                     "SmolLM2-135M-Instruct (dense) or -> its exact qwen2_moe upcycle (moe)"),
+)  # fmt: skip
 
 
 @contextmanager
-def progress_bar(label: str, console=None) -> Iterator[Callable[..., None]]:
+def progress_bar(label: str, console) -> Iterator[Callable[..., None]]:
     """`progress(done, total, note="")` drawing one transient rich bar labelled `label`: the
     library reports progress through such callbacks and draws nothing."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -46,13 +70,6 @@ def progress_bar(label: str, console=None) -> Iterator[Callable[..., None]]:
         yield lambda done, total, note="": bar.update(
             task, completed=done, total=total, count=f"{done:,}/{total:,}", note=note
         )
-
-
-def with_options(opts: list, f):
-    """`f` under the click options `opts`, the first shown first."""
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
 
 
 def demo_pair_of(source, target, demo_pair: str = "dense", translator=None, *,
@@ -67,7 +84,7 @@ def demo_pair_of(source, target, demo_pair: str = "dense", translator=None, *,
     return None if source else demo_pair
 
 
-def resolve_pair(source, target, translator, backward=None, demo_pair: str = "dense", *,
+def resolve_pair(source, target, translator, demo_pair: str = "dense", *,
                  require_translator: bool = True, dtype="auto"):  # fmt: skip
     """(pair, forward, backward) through the one loader (`mlx_kvlingo.models.loading`): the named pair
     and translators, or a demo pair when no model is named (its shipped translators)."""
@@ -75,7 +92,7 @@ def resolve_pair(source, target, translator, backward=None, demo_pair: str = "de
 
     demo = demo_pair_of(source, target, demo_pair, translator,
                         require_translator=require_translator)  # fmt: skip
-    return load_models_and_translators(source, target, translator, backward, demo, dtype=dtype)
+    return load_models_and_translators(source, target, translator, None, demo, dtype=dtype)
 
 
 def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:
@@ -87,144 +104,107 @@ def refuse_long_prompt(pair, n_tokens: int, hint: str) -> None:
                                      f"handles at most {limit}: shorten it", param_hint=hint)  # fmt: skip
 
 
-def data_options(*, required=True, help=None, heldout_fraction=0.1, max_examples=True):
+def content_texts(data_path) -> list[str]:
+    """The content benchmark's text: `data_path`, or the demo's held-out documentation (never
+    calibrated on)."""
+    from mlx_kvlingo.data.examples import read_texts
+    from mlx_kvlingo.models.demo.pair import demo_content_texts
+
+    paths = demo_content_texts() if data_path is None else [data_path]
+    return [t for p in paths for t in read_texts(p)]
+
+
+def data_options(help: str, heldout_fraction=0.1, max_examples=True):
     """--data (`data_path`) and the example-drawing options, collected into one argument `data`:
     their `DataConfig`."""
     opts = [
-        click.option("--data", "data_path", required=required, type=click.Path(exists=True),
-                     help=help or "Text files, JSONL records ({'messages': [...]} chats or "
-                                  "{'text': ...}) or a folder of them"),
-        click.option("--min-prefix", type=click.IntRange(1), default=16, show_default=True),
-        click.option("--max-prefix", type=click.IntRange(1), default=256, show_default=True),
-        click.option("--continuation", type=click.IntRange(1), default=32, show_default=True),
+        click.option("--min-prefix", type=click.IntRange(1), default=16),
+        click.option("--max-prefix", type=click.IntRange(1), default=256),
+        click.option("--continuation", type=click.IntRange(1), default=32),
         click.option("--heldout-fraction", type=click.FloatRange(0, 1), default=heldout_fraction,
-                     show_default=True, help="Share of the documents held out (never trained on)"),
-        click.option("--seed", type=click.IntRange(0), default=0, show_default=True),
+                     help="Share of the documents held out (never trained on)"),
+        click.option("--seed", type=click.IntRange(0), default=0),
     ]  # fmt: skip
     if max_examples:
-        opts.insert(5, click.option("--max-examples", type=click.IntRange(1), default=None,
+        opts.insert(4, click.option("--max-examples", type=click.IntRange(1),
                                     help="Training examples to draw at most"))  # fmt: skip
 
-    keys = ("min_prefix", "max_prefix", "continuation", "heldout_fraction", "seed", "max_examples")
+    def config(**values) -> DataConfig:
+        data = DataConfig(**values)
+        if data.min_prefix > data.max_prefix:
+            problem = f"{data.min_prefix} is above --max-prefix {data.max_prefix}"
+            raise click.BadParameter(problem, param_hint="--min-prefix")
+        return data
 
-    def decorate(f):
-        @functools.wraps(f)
-        def checked(*args, **kw):
-            data = DataConfig(*[kw.pop(k, None) for k in keys])
-            if data.min_prefix > data.max_prefix:
-                problem = f"{data.min_prefix} is above --max-prefix {data.max_prefix}"
-                raise click.BadParameter(problem, param_hint="--min-prefix")
-            return f(*args, data=data, **kw)
-
-        return with_options(opts, checked)
-
-    return decorate
+    data = click.option("--data", "data_path", type=click.Path(exists=True), help=help)
+    return lambda f: data(gathered("data", opts, config)(f))
 
 
-def sampling_options(f):
-    """--temp --top-p --top-k --min-p --repetition-penalty --repetition-context-size --seed,
-    collected into one argument `sampling`: those given, as `stream_generate` keywords (those
-    not given are the answering model's defaults)."""
-    opts = [
-        click.option("--temp", type=click.FloatRange(0), default=None,
-                     help="Temperature; 0 is greedy [default: the model's generation_config.json, else 0.7]"),
-        click.option("--top-p", type=click.FloatRange(0, 1), default=None,
-                     help="[default: model's, else 0.9]"),
-        click.option("--top-k", type=click.IntRange(0), default=None,
-                     help="[default: model's, else 0: off]"),
-        click.option("--min-p", type=click.FloatRange(0, 1), default=None,
-                     help="[default: model's, else 0.05]"),
-        click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True), default=None,
-                     help="[default: model's, else 1.1; 1: off; with --temp 0 only if given]"),
-        click.option("--repetition-context-size", type=click.IntRange(1), default=None,
-                     help="Conversation tokens the penalty looks back over [default: 256]"),
-        click.option("--seed", type=click.IntRange(0), default=None,
-                     help="Seed MLX's generator (reproducible answers)"),
-    ]  # fmt: skip
-    keys = "temp top_p top_k min_p repetition_penalty repetition_context_size seed".split()
+#: --temp --top-p --top-k --min-p --repetition-penalty --repetition-context-size --seed, collected
+#: into one argument `sampling`: those given, as `stream_generate` keywords (those not given are
+#: the answering model's defaults)
+sampling_options = gathered("sampling", [
+    click.option("--temp", type=click.FloatRange(0),
+                 help="Temperature; 0 is greedy [default: the model's generation_config.json, else 0.7]"),
+    click.option("--top-p", type=click.FloatRange(0, 1), help="[default: model's, else 0.9]"),
+    click.option("--top-k", type=click.IntRange(0), help="[default: model's, else 0: off]"),
+    click.option("--min-p", type=click.FloatRange(0, 1), help="[default: model's, else 0.05]"),
+    click.option("--repetition-penalty", type=click.FloatRange(0, min_open=True),
+                 help="[default: model's, else 1.1; 1: off; with --temp 0 only if given]"),
+    click.option("--repetition-context-size", type=click.IntRange(1),
+                 help="Conversation tokens the penalty looks back over [default: 256]"),
+    click.option("--seed", type=click.IntRange(0),
+                 help="Seed MLX's generator (reproducible answers)"),
+])  # fmt: skip
 
-    @functools.wraps(f)
-    def wrapper(*args, **kw):
-        given = {k: kw.pop(k) for k in keys}
-        return f(*args, sampling={k: v for k, v in given.items() if v is not None}, **kw)
-
-    return with_options(opts, wrapper)
-
-
-def content_texts(data_path) -> list[str]:
-    """The content benchmark's text: `data_path`, or the demo's held-out documentation."""
-    from mlx_kvlingo.data.examples import read_texts
-
-    if data_path is None:  # the demo's held-out documentation pages, never calibrated on
-        from mlx_kvlingo.models.demo.pair import demo_content_texts
-
-        return [t for p in demo_content_texts() for t in read_texts(p)]
-    return read_texts(data_path)
+_D = ReaderPolicy()
+#: how the large model reads a turn the small one read for it
+READING = [
+    click.option("--large-reads-last", type=click.IntRange(1),
+                 help="When the small model reads a turn, the large one still reads its last "
+                      f"this many tokens itself; 1: the last token [default: {_D.large_reads_last}]"),
+    click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1),
+                 help="When the small model reads a turn, the large one also recomputes this "
+                      "share of it (capped on long turns), the sentences its reading of the "
+                      f"turn's end attended to most; 0: none [default: {_D.recompute_share:g}; "
+                      "chat and serve: 0 with a pipelined large model]"),
+]  # fmt: skip
+#: --large-reads-last --recompute, collected into one argument `reading`: those given, as
+#: `ReaderPolicy` keywords
+reading_options = gathered("reading", READING)
 
 
-def reading_options(f):
-    """--large-reads-last --recompute, collected into one argument `reading`: those given (how
-    the large model reads a turn the small one read for it), as `ReaderPolicy` keywords."""
-    d = ReaderPolicy()
-    opts = [
-        click.option("--large-reads-last", type=click.IntRange(1), default=None,
-                     help="When the small model reads a turn, the large one still reads its last "
-                          f"this many tokens itself; 1: the last token [default: {d.large_reads_last}]"),
-        click.option("--recompute", "recompute_share", type=click.FloatRange(0, 1), default=None,
-                     help="When the small model reads a turn, the large one also recomputes this "
-                          "share of it (capped on long turns), the sentences its reading of the "
-                          f"turn's end attended to most; 0: none [default: {d.recompute_share:g}; "
-                          "chat and serve: 0 with a pipelined large model]"),
-    ]  # fmt: skip
-
-    @functools.wraps(f)
-    def wrapper(*args, large_reads_last, recompute_share, **kw):
-        given = {"large_reads_last": large_reads_last, "recompute_share": recompute_share}
-        return f(*args, reading={k: v for k, v in given.items() if v is not None}, **kw)
-
-    return with_options(opts, wrapper)
+def policy_for(recompute_share=None, **settings) -> Callable:
+    """`policy(pair)`: the `ReaderPolicy` of the settings given for the loaded pair (no recompute
+    unless given with a pipelined large model, which cannot)."""
+    base = ReaderPolicy(**given(**settings, recompute_share=recompute_share))
+    pipelined = replace(base, recompute_share=0.0) if recompute_share is None else base
+    return lambda pair: pipelined if pair.link else base
 
 
 def conversation_options(f):
-    """--backward-translator --mode --auto-threshold, and --reader --reader-min-tokens
-    --min-retention `reading_options` collected into one argument
-    `policy(pair)`: the `ReaderPolicy` for the loaded pair (the library's defaults; no recompute
-    unless given with a pipelined large model, which cannot)."""
-    from dataclasses import replace
-
-    d = ReaderPolicy()
-    opts = [
-        click.option("--backward-translator", type=TranslatorSpec(),
-                     help="Large -> small translator (default: the demo's, if any); without one, "
-                          "switching back to small re-reads"),
-        click.option("--mode", type=click.Choice(MODES), default="alternation", show_default=True,
-                     help="How a model catches up on the turns it did not see"),
-        click.option("--auto-threshold", default=AUTO_THRESHOLD, show_default=True,
-                     help="auto (/auto): the large model answers again when the small answer's "
-                          "mean token log-prob is below this"),
-        click.option("--reader", type=click.Choice(READERS), default=None,
+    """--backward-translator --mode --auto-threshold, then the reader's options collected into one
+    argument `policy` (`policy_for`)."""
+    policy = gathered("policy", [
+        click.option("--reader", type=click.Choice(READERS),
                      help="Who reads your turn before the large model answers [default: auto with "
                           "a forward translator]"),
-        click.option("--reader-min-tokens", type=click.IntRange(0), default=d.reader_min_tokens,
-                     show_default=True,
+        click.option("--reader-min-tokens", type=click.IntRange(0), default=_D.reader_min_tokens,
                      help="Reader tokens (and auto on a tie): later turns shorter than this are "
                           "read by the large model itself"),
-        click.option("--min-retention", type=click.FloatRange(0, 1), default=d.min_retention,
-                     show_default=True,
+        click.option("--min-retention", type=click.FloatRange(0, 1), default=_D.min_retention,
                      help="Reader auto: the small path only where this translator is measured to "
                           "keep at least this share of the content at the turn's length "
                           "(kvlingo eval --task content); 0: time alone"),
-    ]  # fmt: skip
-    keys = ("reader", "reader_min_tokens", "min_retention")
-
-    @functools.wraps(f)
-    def wrapper(*args, reading, **kw):
-        share = reading.pop("recompute_share", None)
-        base = ReaderPolicy(**reading, **{k: kw.pop(k) for k in keys})
-        if share is None:
-            kw["policy"] = lambda pair: replace(base, recompute_share=0.0) if pair.link else base
-        else:
-            kw["policy"] = lambda pair: replace(base, recompute_share=share)
-        return f(*args, **kw)
-
-    return with_options(opts, reading_options(wrapper))
+        *READING,
+    ], policy_for)  # fmt: skip
+    return with_options(
+        click.option("--backward-translator", type=TranslatorSpec(),
+                     help="Large -> small translator (default: the demo's, if any); without one, "
+                          "switching back to small re-reads"),
+        click.option("--mode", type=click.Choice(MODES), default="alternation",
+                     help="How a model catches up on the turns it did not see"),
+        click.option("--auto-threshold", default=AUTO_THRESHOLD,
+                     help="auto (/auto): the large model answers again when the small answer's "
+                          "mean token log-prob is below this"),
+    )(policy(f))  # fmt: skip

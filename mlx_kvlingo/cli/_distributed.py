@@ -12,19 +12,15 @@ from mlx_kvlingo.cli._common import demo_pair_of, with_options
 
 import click
 
-
-def options(f):
-    """--distributed/--single --wire."""
-    opts = [
-        click.option("--distributed/--single", default=None,
-                     help="Run as one rank of an mlx.launch run, the target pipelined over the "
-                     "ranks [default: when started by mlx.launch]"),
-        click.option("--wire", type=click.Choice(["auto", "source", "target"]), default="auto",
-                     show_default=True,
-                     help="Distributed: send each rank the source K/V its layers read (it "
-                     "translates) or its translated target K/V; auto sends fewer bytes"),
-    ]  # fmt: skip
-    return with_options(opts, f)
+#: --distributed/--single --wire
+options = with_options(
+    click.option("--distributed/--single", default=None,
+                 help="Run as one rank of an mlx.launch run, the target pipelined over the "
+                 "ranks [default: when started by mlx.launch]"),
+    click.option("--wire", type=click.Choice(["auto", "source", "target"]), default="auto",
+                 help="Distributed: send each rank the source K/V its layers read (it "
+                 "translates) or its translated target K/V; auto sends fewer bytes"),
+)  # fmt: skip
 
 
 def wanted(flag) -> bool:

@@ -16,18 +16,6 @@ def looks_like_path(value: str) -> bool:
     return value.startswith(("/", "./", "../", "~", ".\\", "..\\")) or value in (".", "..")
 
 
-def hub_id(value: str) -> bool:
-    """`value` is a well-formed Hub id (org/name)."""
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(value)
-    except HFValidationError:
-        return False
-    return True
-
-
 class ModelSpec(click.ParamType):
     """A model: a local folder mlx-lm can load, or a Hub id (org/name). Beside a demo pair
     (`--pair`, an eager option, so read first whatever the order typed) it is a wrong
@@ -36,7 +24,10 @@ class ModelSpec(click.ParamType):
     name = "model"
 
     def convert(self, value, param, ctx):
-        if value is None or not isinstance(value, str):
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        if not isinstance(value, str):
             return value
         if ctx is not None and ctx.params.get("demo_pair", "dense") != "dense":
             raise click.UsageError("--pair chooses a demo pair: not with --small/--large", ctx)
@@ -46,8 +37,11 @@ class ModelSpec(click.ParamType):
             self.fail(problem, param, ctx)
         if not path.exists() and looks_like_path(value):
             self.fail(f"{value}: no such folder", param, ctx)
-        if not path.exists() and not hub_id(value):  # a Hub id's files: judged where fetched
-            self.fail(f"{value}: no such folder, and not a Hub id (org/name)", param, ctx)
+        if not path.exists():
+            try:  # a Hub id's files: judged where fetched
+                validate_repo_id(value)
+            except HFValidationError:
+                self.fail(f"{value}: no such folder, and not a Hub id (org/name)", param, ctx)
         return value
 
 
@@ -58,7 +52,7 @@ class TranslatorSpec(click.ParamType):
     name = "translator"
 
     def convert(self, value, param, ctx):
-        if value is None or not isinstance(value, str):
+        if not isinstance(value, str):
             return value
         path = Path(value).expanduser()
         if path.is_dir():

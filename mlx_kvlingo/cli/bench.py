@@ -1,12 +1,10 @@
-"""`kvlingo bench`: time to first token of the large model reading a prompt itself, of the small
-model reading it and the switch (ours), and of speculative prefill (the peer), on this machine;
-a conversation under several policies, or a start against mlx-lm's."""
+"""`kvlingo bench`: time to first token on this machine (`mlx_kvlingo.eval`'s benchmarks)."""
 
 from __future__ import annotations
 
 import functools
 
-from mlx_kvlingo.cli._common import pair_options, reading_options
+from mlx_kvlingo.cli._common import gathered, pair_options, reading_options
 from mlx_kvlingo.cli._params import KEPT_SHARES, ChoiceList, NumberList, OutputFolder
 from mlx_kvlingo.config import POLICIES, ReaderPolicy
 from mlx_kvlingo.eval.presets import PRESETS
@@ -23,54 +21,56 @@ def default_lengths() -> tuple[int, ...]:
     return DEFAULT_LENGTHS["gpu" if mx.default_device().type == mx.gpu else "cpu"]
 
 
-@click.command("bench")
+@click.command("bench", context_settings={"show_default": True})
 @pair_options
 @click.option("--preset", type=click.Choice(list(PRESETS)),
               help="A shape-faithful random pair (built once into the cache folder) instead of "
               "models")  # fmt: skip
-@click.option("--lengths", type=NumberList(int, 2), default=None,
+@click.option("--lengths", type=NumberList(int, 2),
               help="Prefix lengths in tokens, comma-separated [default: 64,256,1024 on a CPU, "
               "64,256,1024,4096 on a GPU]")  # fmt: skip
-@click.option("--specprefill", "keeps", default="0.2", show_default=True, type=KEPT_SHARES,
-              metavar="SHARES", help="Also time speculative prefill, the peer that drops tokens, "
+@click.option("--specprefill", "keeps", default="0.2", type=KEPT_SHARES, metavar="SHARES",
+              help="Also time speculative prefill, the peer that drops tokens, "
               "at these kept shares (comma-separated, e.g. 0.1,0.2,0.3; '' for none)")  # fmt: skip
-@click.option("-n", "--trials", default=3, show_default=True, type=click.IntRange(1))
-@click.option("--warmup", default=1, show_default=True, type=click.IntRange(0),
+@click.option("-n", "--trials", default=3, type=click.IntRange(1))
+@click.option("--warmup", default=1, type=click.IntRange(0),
               help="Warm-up rounds (all lengths) before the measured ones")  # fmt: skip
-@click.option("-o", "--out", default="bench-results", show_default=True, type=OutputFolder(),
+@click.option("-o", "--out", default="bench-results", type=OutputFolder(),
               help="Folder for the tables (.md), the results (.json) and the plot")  # fmt: skip
-@click.option("--max-minutes", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--max-minutes", type=click.FloatRange(0, min_open=True),
               help="Skip lengths whose extrapolated rounds would overrun this budget")  # fmt: skip
-@click.option("--moe-loop/--no-moe-loop", default=False, show_default=True,
+@click.option("--moe-loop/--no-moe-loop", default=False,
               help="CPU only: run MoE prefill as one GEMM per expert instead of gather_mm")  # fmt: skip
-@click.option("--seed", type=click.IntRange(0), default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=0)
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
-              default="auto", show_default=True,
+              default="auto",
               help="What the models and the translator compute in (auto: float32 on a CPU, as "
               "stored on a GPU); presets and --source/--target without --translator")  # fmt: skip
 @click.option("--no-progress", is_flag=True, help="No progress bar")
 @click.option("--conversation", is_flag=True,
               help="Time a multi-turn conversation: the large reads / the small reads / auto / "
               "cascade")  # fmt: skip
-@click.option("--turns", default=8, show_default=True, type=click.IntRange(1),
-              help="--conversation: turns")  # fmt: skip
-@click.option("--user-lengths", default="32,128,512", show_default=True,
-              type=NumberList(int, 2), help="--conversation: user-turn lengths in tokens, cycled")  # fmt: skip
-@click.option("--answer-tokens", default=16, show_default=True, type=click.IntRange(1),
-              help="--conversation: tokens per answer (end-of-sequence banned)")  # fmt: skip
-@click.option("--escalation-rate", default=0.25, show_default=True, type=click.FloatRange(0, 1),
-              help="--conversation: share of cascade turns escalated to the large model")  # fmt: skip
-@click.option("--policies", type=ChoiceList(POLICIES), default=",".join(POLICIES),
-              help="--conversation: comma-separated policies to run [default: all] of: large "
-              "reads, small reads, auto reads, cascade")  # fmt: skip
+@gathered("talk", [
+    click.option("--turns", default=8, type=click.IntRange(1), help="--conversation: turns"),
+    click.option("--user-lengths", default="32,128,512", type=NumberList(int, 2),
+                 help="--conversation: user-turn lengths in tokens, cycled"),
+    click.option("--answer-tokens", default=16, type=click.IntRange(1),
+                 help="--conversation: tokens per answer (end-of-sequence banned)"),
+    click.option("--escalation-rate", default=0.25, type=click.FloatRange(0, 1),
+                 help="--conversation: share of cascade turns escalated to the large model"),
+    click.option("--policies", type=ChoiceList(POLICIES), default=",".join(POLICIES),
+                 show_default=False,
+                 help="--conversation: comma-separated policies to run [default: all] of: large "
+                 "reads, small reads, auto reads, cascade"),
+])  # fmt: skip
 @reading_options
 @click.option("--startup", is_flag=True,
               help="Time a start to the first token in fresh processes (-n of each, alternating): "
               "load with the rates reused, on a new cache folder, and mlx-lm's load of the same "
               "target")  # fmt: skip
 def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, trials, warmup, out,
-              max_minutes, moe_loop, seed, dtype, no_progress, conversation, turns,
-              user_lengths, answer_tokens, escalation_rate, policies, reading, startup):  # fmt: skip
+              max_minutes, moe_loop, seed, dtype, no_progress, conversation, talk, reading,
+              startup):  # fmt: skip
     """Time to first token: the target re-prefills, the source prefills and the cache is
     translated (switch), or speculative prefill. Writes a markdown table, JSON with every trial,
     and a TTFT plot."""
@@ -102,10 +102,8 @@ def bench_cmd(source, target, translator, demo_pair, preset, lengths, keeps, tri
     if conversation:
         from mlx_kvlingo.eval import conversation_bench as cb
 
-        policy = ReaderPolicy(**reading)
-        cfg = cb.ConversationBenchConfig(turns=turns, user_lengths=user_lengths,
-                                         answer_tokens=answer_tokens, escalation_rate=escalation_rate,
-                                         seed=seed, policies=policies, warmup=warmup > 0, policy=policy)  # fmt: skip
+        cfg = cb.ConversationBenchConfig(**talk, seed=seed, warmup=warmup > 0,
+                                         policy=ReaderPolicy(**reading))  # fmt: skip
         with moe_cpu.per_expert_loop(moe_loop):
             results = cb.run_conversation_bench(pair, tr, back, cfg, log=log, info=info)
         return _show(cb.write_outputs(results, out), log)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from statistics import fmean
 
 from mlx_kvlingo.cli._common import content_texts, data_options, progress_bar
 from mlx_kvlingo.cli._params import ModelSpec, NumberList, OutputFile, OutputFolder
@@ -15,69 +16,64 @@ import mlx.core as mx
 from rich.console import Console
 
 
-@click.command("calibrate")
+@click.command("calibrate", context_settings={"show_default": True})
 @click.option("--source", required=True, type=ModelSpec(), help="Source model (reads the prompt)")
 @click.option("--target", required=True, type=ModelSpec(), help="Target model (decodes)")
 @click.option("--dtype", type=click.Choice(["auto", "stored", "float32", "float16", "bfloat16"]),
-              default="auto", show_default=True,
+              default="auto",
               help="What the models compute in (auto: float32 on a CPU, as stored on a GPU; stored: the "
               "checkpoint's weights as they are, 4- or 8-bit quantized included, as Metal runs them)")  # fmt: skip
 @data_options(
-    required=False,
     help="Text files, JSONL records ({'messages': [...]} chats or {'text': ...}) or a folder of "
     "them; default: text every install has (CPython's documentation topics, the chitchat "
     "dialogues) plus content tasks over it answered by the target itself",
 )
-@click.option("--content", "content_n", type=click.IntRange(min=0), default=None,
+@click.option("--content", "content_n", type=click.IntRange(min=0),
               help="Content examples for stage 2: prompts whose answer is only in the text read "
                    "(facts, copies, questions, summaries), answered by the target on its own "
                    "cache; default 0 with --data, 240 without")  # fmt: skip
-@click.option("--content-lengths", type=NumberList(int, 32), default="128,256,512", show_default=True,
+@click.option("--content-lengths", type=NumberList(int, 32), default="128,256,512",
               help="Prompt lengths of the content examples, in tokens")  # fmt: skip
 @click.option("--gain-weights/--no-gain-weights", default=None,
               help="Weight stage 2's loss by how much the prefix changes the target's "
                    "prediction of each token; default on without --data")  # fmt: skip
-@click.option("--kv-weight", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--kv-weight", type=click.FloatRange(min=0), default=0.0,
               help="Add this times the relative L1 error between the translated and the "
                    "target's own K/V to stage 2's loss (KV Prediction's cache term)")  # fmt: skip
 @click.option("-o", "--output", required=True, type=OutputFile())
-@click.option("--variant", type=click.Choice(["mixing", "headwise"]), default="mixing",
-              show_default=True)  # fmt: skip
-@click.option("--nu", type=click.IntRange(1), default=1, show_default=True,
-              help="Source layers read per target layer")  # fmt: skip
-@click.option("--key-cut", type=click.Choice(["post_norm", "pre_norm"]), default="post_norm",
-              show_default=True)  # fmt: skip
-@click.option("--bias/--no-bias", default=True, show_default=True,
-              help="Center inputs and fit a bias")  # fmt: skip
-@click.option("--alpha", type=click.FloatRange(0), default=1e-3, show_default=True,
+@click.option("--variant", type=click.Choice(["mixing", "headwise"]), default="mixing")
+@click.option("--nu", type=click.IntRange(1), default=1, help="Source layers read per target layer")
+@click.option("--key-cut", type=click.Choice(["post_norm", "pre_norm"]), default="post_norm")
+@click.option("--bias/--no-bias", default=True, help="Center inputs and fit a bias")
+@click.option("--alpha", type=click.FloatRange(0), default=1e-3,
               help="Stage-1 ridge strength, relative to the inputs' mean variance: lambda = alpha * "
                    "trace(Cov(X)) / d; the report gives the training fit at alpha 0 beside it")  # fmt: skip
-@click.option("--prior", default="zero", show_default=True,
+@click.option("--prior", default="zero",
               help="What the stage-1 ridge shrinks toward: zero, identity (same KV heads and head "
                    "sizes: the nearest-by-depth layer copied) or a translator file (e.g. a related "
                    "pair's fit)")  # fmt: skip
-@click.option("--alpha-grid", type=NumberList(float, 0), default=None,
+@click.option("--alpha-grid", type=NumberList(float, 0),
               help="Comma-separated alphas; each target layer and kind takes the one with the "
                    "lowest residual on held-out calibration documents (overrides --alpha)")  # fmt: skip
-@click.option("--patience", type=click.IntRange(1), default=None,
+@click.option("--patience", type=click.IntRange(1),
               help="Stop stage 2 after this many held-out evaluations without a new best (the "
                    "best evaluated translator is what is written in any case)")  # fmt: skip
-@click.option("--reader-share", type=click.FloatRange(0, 1), default=0.0, show_default=True,
+@click.option("--reader-share", type=click.FloatRange(0, 1), default=0.0,
               help="Share of multi-turn chat examples trained as the reader mode builds the "
                    "cache: earlier replies read by the target itself, the rest translated")  # fmt: skip
 @click.option("--layer-map", type=click.Path(exists=True),
               help="JSON {key: [[...]...], value: [[...]...]}")  # fmt: skip
 @click.option("--init", type=click.Path(exists=True),
               help="Start stage 2 from this translator (skip stage 1)")  # fmt: skip
-@click.option("--steps", type=click.IntRange(0), default=100, show_default=True,
+@click.option("--steps", type=click.IntRange(0), default=100,
               help="Stage-2 (self-distillation) steps after stage 1; 0: stage 1 only")  # fmt: skip
-@click.option("--lr", type=click.FloatRange(0, min_open=True), default=1e-4, show_default=True)
-@click.option("--warmup", type=click.IntRange(0), default=10, show_default=True)
-@click.option("--accumulate", type=click.IntRange(1), default=1, show_default=True)
-@click.option("--eval-every", type=click.IntRange(1), default=25, show_default=True)
-@click.option("--eval-examples", type=click.IntRange(0), default=32, show_default=True)
+@click.option("--lr", type=click.FloatRange(0, min_open=True), default=1e-4)
+@click.option("--warmup", type=click.IntRange(0), default=10)
+@click.option("--accumulate", type=click.IntRange(1), default=1)
+@click.option("--eval-every", type=click.IntRange(1), default=25)
+@click.option("--eval-examples", type=click.IntRange(0), default=32)
 @click.option("--checkpoint-dir", type=OutputFolder())
-@click.option("--resume/--no-resume", default=True, show_default=True)
+@click.option("--resume/--no-resume", default=True)
 def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_weight, output, variant, nu,
                   key_cut, bias, alpha, prior, alpha_grid, patience, reader_share, layer_map,
                   init, steps, lr, warmup, accumulate, eval_every, eval_examples,
@@ -94,11 +90,10 @@ def calibrate_cmd(source, target, content_n, content_lengths, gain_weights, kv_w
     no_data = data_path is None
     content_n = (240 if no_data else 0) if content_n is None else content_n
     gain_weights = no_data if gain_weights is None else gain_weights
-    if checkpoint_dir is None and no_data:  # a long run: resumable by default
-        checkpoint_dir = str(Path(output).with_suffix("")) + ".ckpt"
-    if no_data:
+    if no_data:  # a long run: resumable by default
         from mlx_kvlingo.calibrate.content_data import write_shipped_data
 
+        checkpoint_dir = checkpoint_dir or str(Path(output).with_suffix("")) + ".ckpt"
         data_path = str(write_shipped_data())
     validate_data(data_path)  # before loading any model
     dtype = {"auto": "auto", "stored": None}.get(dtype, getattr(mx, dtype, None))
@@ -171,12 +166,10 @@ def _content_examples(pair, console, n, lengths, seed, checkpoint_dir, steps, ac
     from mlx_kvlingo.calibrate.plan import CalibrationPlan, measure_rates, probe_peak
     from mlx_kvlingo.data.examples import read_texts
 
-    rates = measure_rates(pair)
     longest = max(train, key=lambda e: len(e.prefix) + len(e.continuation))
     peak = probe_peak(lambda: pair.target.model(mx.array(list(longest.prefix) * 2)[None]))
-    mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     plan = CalibrationPlan(len(stage1), len(train), len(held), n, steps, accumulate,
-                           mean([len(e.prefix) for e in train]), mean(lengths), rates,
+                           fmean(len(e.prefix) for e in train), fmean(lengths), measure_rates(pair),
                            int(1.2 * peak))  # fmt: skip
     cache = Path(checkpoint_dir) / "content-answers.jsonl" if checkpoint_dir else None
     texts = shipped_texts() if data_path is None else read_texts(data_path)

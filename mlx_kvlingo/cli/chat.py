@@ -1,5 +1,4 @@
-"""`kvlingo chat`: `mlx_lm.chat` (`q` / `r` / `h`, a status line per turn) over a `Conversation`
-of two models sharing one conversation through KV translation."""
+"""`kvlingo chat`: `mlx_lm.chat` (`q` / `r` / `h`, a status line per turn) over a `Conversation`."""
 
 from __future__ import annotations
 
@@ -25,7 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from mlx_kvlingo.api import Conversation, GenerationResponse
+    from mlx_kvlingo.api import Conversation
 
 #: turns this long or longer show a progress line while they are read
 PROGRESS_MIN_TOKENS = 1000
@@ -64,13 +63,12 @@ def describe_reader(conv) -> str:
         points = ", ".join(f"{r:.2f} at {n:,} tok" for n, r in kept.points)
         rule += (f", but the small path only where it keeps {p.min_retention:g}+ of the "
                  f"content at that length (measured: {points})")  # fmt: skip
-    return {
+    said = {
         "small": "the small model reads every turn, the large one decodes from the translated cache",
         "tokens": rule,
         "auto": f"whichever starts the answer sooner at the rates measured here; on a tie, {rule}",
-    }.get(p.reader, "the answering model reads your turn itself") + (
-        last if p.reader != "self" else ""
-    )
+    }.get(p.reader, "the answering model reads your turn itself")
+    return said if p.reader == "self" else said + last
 
 
 class ChatApp:
@@ -87,11 +85,9 @@ class ChatApp:
         self.threshold = auto_threshold
         self.console = console or Console(highlight=False)
         self.names = conv.pair.names
-        self._editor = None  # prompt_toolkit's line editor, on a terminal (`prompt`)
+        self._editor: Callable[[str], str] | None = None  # `input` or prompt_toolkit's
         self._reading: ExitStack | None = None  # a long turn's reading bar, open (`progress`)
         self._draw: Callable[..., None] = lambda *a: None
-
-    # -- output ------------------------------------------------------------------------------
 
     def say(self, msg: str, style: str = "grey50") -> None:
         # soft wrap: a long status line stays one line (the terminal wraps it, rich does not)
@@ -100,13 +96,13 @@ class ChatApp:
     def error(self, msg: str) -> None:
         self.console.print(f"[yellow]{escape(msg)}[/yellow]")
 
-    def stream(self, events, cascade: bool = False) -> GenerationResponse | None:
-        """Print a streamed answer (a cascade's: one or two), each with its status line; Ctrl-C
-        stops it (the conversation keeps what was emitted). The last response."""
+    def stream(self, events, cascade: bool = False) -> None:
+        """Print a streamed answer (a cascade's: one or two, the verdict between), each with its
+        status line; Ctrl-C stops it (the conversation keeps what was emitted)."""
         import mlx.core as mx
 
         mx.reset_peak_memory()
-        speaker = done = None
+        speaker = None
         try:
             for r in events:
                 self.progress(0, 0)  # the reading is over: clear its progress bar
@@ -118,33 +114,24 @@ class ChatApp:
                     sys.stdout.flush()
                 if r.finish_reason is None:
                     continue
-                done, speaker = r, None
+                speaker, st = None, r.handoff
                 sys.stdout.write("\n")
                 self.say("  " + escape(r.status))
-                if cascade and r.model == "small":
-                    self.verdict(r)
-                    if r.handoff is not None and r.handoff.escalating:
-                        mx.reset_peak_memory()
+                if not cascade or r.model != "small" or st is None:
+                    continue
+                if st.confidence is not None and r.finish_reason != "cancelled":
+                    t = f"{self.threshold:.2f}"
+                    verdict = f"< {t}: escalating to large" if st.escalating else f">= {t}: kept"
+                    self.say(f"  {escape('[auto]')} confidence {st.confidence:.2f} {verdict}")
+                if st.escalating:
+                    mx.reset_peak_memory()
         except KeyboardInterrupt:
             events.close()
             self.progress(0, 0)
             sys.stdout.write("\n")
             self.say("  " + escape("[stopped]"))
-            done = self.conv.last  # the stopped answer (the conversation kept it)
-            if done is not None:
+            if (done := self.conv.last) is not None:  # the stopped answer (kept)
                 self.say("  " + escape(done.status))
-        return done
-
-    def verdict(self, r: GenerationResponse) -> None:
-        """The cascade's decision on the small answer `r`, in one line."""
-        st = r.handoff
-        if st is None or st.confidence is None or r.finish_reason == "cancelled":
-            return
-        t = self.threshold
-        verdict = f"< {t:.2f}: escalating to large" if st.escalating else f">= {t:.2f}: kept"
-        self.say(f"  {escape('[auto]')} confidence {st.confidence:.2f} {verdict}")
-
-    # -- turns -------------------------------------------------------------------------------
 
     def turn(self, text: str | None, escalate: bool = False) -> None:
         """Answer `text` (None: the message left unanswered) with the next model, by the cascade
@@ -172,8 +159,6 @@ class ChatApp:
             self._reading.close()
             self._reading = None
 
-    # -- commands ----------------------------------------------------------------------------
-
     def handle(self, line: str) -> bool:
         """Process one input line; False means quit."""
         line = {"q": "/quit", "r": "/reset", "h": "/help"}.get(line.strip(), line.strip())
@@ -197,19 +182,16 @@ class ChatApp:
                 self.error(f"{cmd}: {e}")
         return True
 
-    # -- loop --------------------------------------------------------------------------------
-
     def prompt(self) -> str:
         """The next line: on a terminal prompt_toolkit's editor (a paste arrives whole, where
         `input()` keeps a line's first 4,095 characters), elsewhere `input()`."""
-        tag = "auto" if self.auto else self.next
         if self._editor is None:
-            self._editor = False
+            self._editor = input
             if sys.stdin.isatty() and sys.stdout.isatty():
                 from prompt_toolkit import PromptSession
 
-                self._editor = PromptSession()
-        return (self._editor.prompt if self._editor else input)(f"[{tag}] > ")
+                self._editor = PromptSession().prompt
+        return self._editor(f"[{'auto' if self.auto else self.next}] > ")
 
     def run(self) -> None:
         while True:
@@ -325,8 +307,7 @@ def print_stats(app: ChatApp) -> None:
 def print_banner(app: ChatApp, forward: str, backward: str, loaded: str | None = None) -> None:
     """The opening lines: both models, the translators and the settings of the chat."""
     rows = [
-        ("small", app.names["small"]),
-        ("large", app.names["large"]),
+        *app.names.items(),  # small, large
         ("small -> large", forward),
         ("large -> small", backward),
         ("mode", app.conv.mode),
@@ -337,26 +318,24 @@ def print_banner(app: ChatApp, forward: str, backward: str, loaded: str | None =
     ]
     if loaded:
         rows.append(("loaded in", loaded))
-    if app.conv.cache.system_prompt:
-        sp = app.conv.cache.system_prompt
+    if sp := app.conv.cache.system_prompt:
         rows.append(("system", sp if len(sp) <= 60 else sp[:57] + "..."))
     app.console.print("[bold magenta]kvlingo chat[/bold magenta]")
     _rows(app.console, rows, "  {k}   [bold]{v}[/bold]")
     app.say("  /help for commands · q to quit")
 
 
-@click.command("chat")
+@click.command("chat", context_settings={"show_default": True})
 @pair_options
-@click.option("--system-prompt", default=None, help="System message for the chat template")
-@click.option("-m", "--max-tokens", type=click.IntRange(1), default=256, show_default=True,
-              help="Tokens per answer")  # fmt: skip
+@click.option("--system-prompt", help="System message for the chat template")
+@click.option("-m", "--max-tokens", type=click.IntRange(1), default=256, help="Tokens per answer")
 @sampling_options
-@click.option("--max-kv-size", type=click.IntRange(1), default=None,
+@click.option("--max-kv-size", type=click.IntRange(1),
               help="Context limit in tokens for both models (refuses beyond it; /trim)")  # fmt: skip
-@click.option("--answer", type=click.Choice(["small", "large"]), default="large", show_default=True,
+@click.option("--answer", type=click.Choice(["small", "large"]), default="large",
               help="Which model answers (the small one reads for the large one; /small, /large)")  # fmt: skip
 @conversation_options
-@click.option("--warmup/--no-warmup", default=True, show_default=True,
+@click.option("--warmup/--no-warmup", default=True,
               help="Before the first prompt, measure the pair's rates for reader auto, running "
                    "each path once (later starts reuse them from the cache folder and read "
                    "once per model)")  # fmt: skip

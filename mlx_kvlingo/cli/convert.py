@@ -1,5 +1,4 @@
-"""`kvlingo convert`: a translator trained in PyTorch in, our translator file out: the command
-line of the converters package (`converters/`, installed as `kvlingo_converters`)."""
+"""`kvlingo convert`: the converters package's command line (installed as `kvlingo_converters`)."""
 
 from __future__ import annotations
 
@@ -28,17 +27,6 @@ def converters_package():
     )
 
 
-def _rows(text, name):
-    if text is None or text == "identity":
-        return text
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise click.BadParameter(
-            f"not JSON ({e}); e.g. '[[0,1],[2],[3]]' or 'identity'", param_hint=name
-        ) from None
-
-
 LAYOUT_NAMES = ["kv_lingo_translator_v1", "mapper_directory", "linear_state_dict",
                 "v1", "mapper", "linear"]  # fmt: skip
 
@@ -65,24 +53,23 @@ LAYOUT_NAMES = ["kv_lingo_translator_v1", "mapper_directory", "linear_state_dict
               help="where the keys were taken (after or before k_norm; always RoPE-free): "
                    "required for linear; for v1, overrides a cut string we do not recognise "
                    "(recorded in the provenance)")  # fmt: skip
-def convert_cmd(
-    input_path, output, layout, source, target, source_layers, source_geometry, target_geometry,
-    sidecar, layer_map, key_layers, value_layers, key_cut,
-):  # fmt: skip
+def convert_cmd(input_path, output, layout, source, target, **options):
     """Convert a translator trained in PyTorch (INPUT: file or mapper directory)."""
     conv = converters_package()
     demo_pair_of(source, target)  # both or neither
     try:
-        options = {
-            "source": conv.common.parse_geometry(source_geometry, "--source-geometry"),
-            "target": conv.common.parse_geometry(target_geometry, "--target-geometry"),
-            "source_layers": source_layers,
-            "sidecar": sidecar,
-            "layer_map": _rows(layer_map, "--layer-map"),
-            "key_layers": _rows(key_layers, "--key-layers"),
-            "value_layers": _rows(value_layers, "--value-layers"),
-            "key_cut": key_cut,
-        }
+        for side in ("source", "target"):  # the linear layout's geometries
+            typed = options.pop(f"{side}_geometry")
+            options[side] = conv.common.parse_geometry(typed, f"--{side}-geometry")
+        for name in ("layer_map", "key_layers", "value_layers"):  # JSON rows, or 'identity'
+            if options[name] not in (None, "identity"):
+                try:
+                    options[name] = json.loads(options[name])
+                except json.JSONDecodeError as e:
+                    problem = f"not JSON ({e}); e.g. '[[0,1],[2],[3]]' or 'identity'"
+                    raise click.BadParameter(
+                        problem, param_hint=f"--{name.replace('_', '-')}"
+                    ) from None
         pair = None
         if source is not None:
             from mlx_kvlingo.models.loading import load_models_and_translators

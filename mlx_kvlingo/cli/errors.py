@@ -22,6 +22,10 @@ DEBUG_ENV = "KVLINGO_DEBUG"
 OWN_PACKAGES = ("mlx_kvlingo", "kvlingo_converters", "converters")
 #: MLX's file readers and writers report a bad or unwritable file as a RuntimeError like these
 _MLX_IO = re.compile(r"^\[(load|save|read|write|open)\w*\]")
+_OS_HINTS = {FileNotFoundError: "check the path",
+             PermissionError: "check its permissions, or choose another place",
+             IsADirectoryError: "give a file, not a folder",
+             NotADirectoryError: "a part of the path is a file, not a folder"}  # fmt: skip
 #: file suffixes worth naming when an error does not say which file it read
 _FILE_SUFFIXES = {".json", ".jsonl", ".safetensors", ".gguf", ".npz", ".txt", ".md", ".rst"}
 
@@ -49,12 +53,6 @@ def _frames(e: BaseException) -> list:
     return [frame for frame, _ in traceback.walk_tb(e.__traceback__)][::-1]
 
 
-def _raised_on_purpose_in(e: BaseException) -> str:
-    """The file whose own `raise` statement raised `e` ("" when a call inside it did)."""
-    last = traceback.extract_tb(e.__traceback__)[-1:]
-    return last[0].filename if last and (last[0].line or "").startswith("raise") else ""
-
-
 def _file_read(e: BaseException) -> str | None:
     """The file (an open one, or a path of a data or weights kind) an error without a file name
     was reading, from the frames it passed through."""
@@ -68,29 +66,6 @@ def _file_read(e: BaseException) -> str | None:
                 if p.suffix in _FILE_SUFFIXES and p.is_file():
                     return str(p)
     return None
-
-
-def _os_message(e: OSError) -> str:
-    what = e.filename
-    if what is None:
-        return str(e)  # our own OSErrors (an atomic save that could not write) say what failed
-    reason = e.strerror or str(e)
-    if e.filename2 is not None:
-        what = f"{what} -> {e.filename2}"
-    hint = {"FileNotFoundError": "check the path",
-            "PermissionError": "check its permissions, or choose another place",
-            "IsADirectoryError": "give a file, not a folder",
-            "NotADirectoryError": "a part of the path is a file, not a folder"}.get(type(e).__name__)  # fmt: skip
-    return f"{what}: {reason}" + (f"; {hint}" if hint else "")
-
-
-def _hub_message(e: Exception) -> str:
-    """`models.hub.explain` naming the Hub id: a string local `repo_id` in the frames `e` passed
-    through, innermost first (a malformed id `ModelSpec` refuses before)."""
-    from mlx_kvlingo.models.hub import explain
-
-    repo = next((v for f in _frames(e) if isinstance(v := f.f_locals.get("repo_id"), str)), None)
-    return explain(e, repo or "the Hub repository") or one_line(e)
 
 
 def _corrupt(e: Exception, what: str) -> str:
@@ -109,9 +84,17 @@ def message(e: BaseException) -> str | None:
     if _own(e):  # a refusal of this package: its message names the file and what is wrong
         return one_line(e)
     if type(e).__module__.startswith("huggingface_hub"):  # some are OSErrors too
-        return _hub_message(e)
+        from mlx_kvlingo.models.hub import explain
+
+        # the Hub id: a string local `repo_id` in the frames `e` passed through, innermost first
+        repo = [v for f in _frames(e) if isinstance(v := f.f_locals.get("repo_id"), str)]
+        return explain(e, repo[0] if repo else "the Hub repository") or one_line(e)
+    if isinstance(e, OSError) and e.filename is None:
+        return str(e)  # our own OSErrors (an atomic save that could not write) say what failed
     if isinstance(e, OSError):
-        return _os_message(e)
+        what = e.filename if e.filename2 is None else f"{e.filename} -> {e.filename2}"
+        hint = _OS_HINTS.get(type(e))
+        return f"{what}: {e.strerror or e}" + (f"; {hint}" if hint else "")
     if type(e).__name__ == "SafetensorError":
         return _corrupt(e, "not a valid safetensors file")
     if isinstance(e, RuntimeError) and _MLX_IO.match(str(e)):
@@ -120,8 +103,10 @@ def message(e: BaseException) -> str | None:
         return _corrupt(e, f"not valid JSON at line {e.lineno} column {e.colno}")
     if isinstance(e, UnicodeDecodeError):
         return _corrupt(e, "not UTF-8 text")
-    if type(e) is ValueError:  # raised on purpose by our code or mlx-lm's loader, with a message
-        where = Path(_raised_on_purpose_in(e)).as_posix()
+    # a ValueError raised on purpose (a `raise` statement) by our code or mlx-lm's loader
+    last = traceback.extract_tb(e.__traceback__)[-1:]
+    if type(e) is ValueError and last and (last[0].line or "").startswith("raise"):
+        where = Path(last[0].filename).as_posix()
         if any(f"/{p}/" in where for p in OWN_PACKAGES) or where.endswith("/mlx_lm/utils.py"):
             return one_line(e)
     return None

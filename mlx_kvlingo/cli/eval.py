@@ -1,5 +1,4 @@
-"""`kvlingo eval`: native / translated / raw / source-alone quality on held-out data, or
-(`--task content`) what the target can use of what the small model read."""
+"""`kvlingo eval`: quality on held-out data, or (`--task content`) of what the target can use."""
 
 from __future__ import annotations
 
@@ -22,33 +21,31 @@ import click
 from rich.console import Console
 
 
-@click.command("eval")
+@click.command("eval", context_settings={"show_default": True})
 @pair_options
 @data_options(
-    required=False,
     help="Text files, JSONL records ({'messages': [...]} or {'text': ...}) or a folder; every "
     "document is scored unless --heldout-fraction picks a share (drawn as calibrate draws its "
     "held-out split, with the same --seed); default: the demo's held-out dialogues",
     heldout_fraction=1.0,
     max_examples=False,
 )
-@click.option("-n", "--examples", type=click.IntRange(1), default=64, show_default=True,
+@click.option("-n", "--examples", type=click.IntRange(1), default=64,
               help="Examples to score at most")  # fmt: skip
 @click.option("--json", "json_out", type=OutputFile(), help="Also write the results here")
 @click.option("--task", type=click.Choice(["continuation", "content"]), default="continuation",
-              show_default=True,
               help="continuation: teacher-forced scores on held-out text; content: can the target use what "
               "was read (stated facts, copies, answers and summaries, scored against its native answer)")  # fmt: skip
-@click.option("--lengths", type=NumberList(int, 32), default="128,512,1024", show_default=True,
+@click.option("--lengths", type=NumberList(int, 32), default="128,512,1024",
               help="--task content: read lengths in tokens, up to the pair's context")  # fmt: skip
-@click.option("--per-kind", type=click.IntRange(1), default=8, show_default=True,
+@click.option("--per-kind", type=click.IntRange(1), default=8,
               help="--task content: tasks of each kind at each length")  # fmt: skip
-@click.option("--kinds", default=",".join(DEFAULT_KINDS), show_default=True, type=ChoiceList(KINDS),
+@click.option("--kinds", default=",".join(DEFAULT_KINDS), type=ChoiceList(KINDS),
               help="--task content: the task kinds, comma-separated (also: facts, three facts with one asked)")  # fmt: skip
 @click.option("--plot", "plot_out", type=OutputFile(),
               help="--task content: write the per-length plot here (PNG)")  # fmt: skip
 @reading_options
-@click.option("--specprefill", "keeps", default="", type=KEPT_SHARES, metavar="SHARES",
+@click.option("--specprefill", "keeps", default=(), type=KEPT_SHARES, metavar="SHARES",
               help="--task content: also run the peer that drops tokens, speculative prefill "
                    "(the small model's look-ahead picks 32-token chunks, the large model reads "
                    "only those), at these kept shares, e.g. 0.1,0.2,0.3")  # fmt: skip
@@ -73,8 +70,8 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         # both through the chat's own hand-off: the whole turn translated (the large model reads
         # the last token only), and the chat's reading (its last tokens, then the recompute)
         p = ReaderPolicy(**reading)
-        chat = c.Chat(tr, p.large_reads_last, p.recompute_share)
-        conditions = {"translated": c.Chat(tr, 1, 0.0), "chat": chat,
+        conditions = {"translated": c.Chat(tr, 1, 0.0),
+                      "chat": c.Chat(tr, p.large_reads_last, p.recompute_share),
                       **{f"specprefill {k:g}": c.Peer(k, seed) for k in keeps}}  # fmt: skip
         label = {"translator": translator or "demo default", "seed": seed, "lengths": list(lengths)}
         with progress_bar("content", console) as progress:
@@ -107,8 +104,7 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         raise click.ClickException(f"{data_path}: no examples to score; raise --heldout-fraction")
     with progress_bar("evaluating", console) as progress:
         result = evaluate(pair, tr, held[:examples], progress)
-    result["translator"] = translator or "demo"
-    result["data"] = str(data_path)
+    result |= {"translator": translator or "demo", "data": str(data_path)}
     console.print(table(result, f"{pair.source.name} -> {pair.target.name}"))
     console.print(
         f"scored {result['examples']} examples, {result['tokens']} continuation tokens "

@@ -1,5 +1,4 @@
-"""`kvlingo generate`: the small model reads the prompt, the large one answers from the translated
-cache, through `mlx_kvlingo.stream_generate`."""
+"""`kvlingo generate`: one answer through `mlx_kvlingo.stream_generate`."""
 
 from __future__ import annotations
 
@@ -11,11 +10,11 @@ from mlx_kvlingo.cli._common import pair_options, refuse_long_prompt, sampling_o
 import click
 
 
-@click.command("generate")
+@click.command("generate", context_settings={"show_default": True})
 @pair_options
-@click.option("-p", "--prompt", default="What is the capital of France?", show_default=True)
+@click.option("-p", "--prompt", default="What is the capital of France?")
 @click.option("--chat/--no-chat", default=True, help="Apply the chat template to the prompt")
-@click.option("-m", "--max-tokens", type=click.IntRange(1), default=100, show_default=True)
+@click.option("-m", "--max-tokens", type=click.IntRange(1), default=100)
 @sampling_options
 @dist.options
 @click.option("--json", "as_json", is_flag=True,
@@ -36,9 +35,8 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     else:
         tokens = tok.encode(prompt)
     refuse_long_prompt(pair.models, len(tokens), "'-p' / '--prompt'")  # before any work
-    # the small model reads the prompt, the large one decodes from the translated cache: no
-    # large prefill, not even of the question (large_reads_last=1: the last token only) and
-    # no recompute
+    # the small model reads the prompt, the large one decodes from the translated cache: no large
+    # prefill (large_reads_last=1: the last token only), no recompute
     policy = ReaderPolicy(reader="small", large_reads_last=1, recompute_share=0)
     cache = make_prompt_cache(pair, policy=policy)
     ids, pieces = [], []
@@ -59,8 +57,7 @@ def generate_cmd(source, target, translator, demo_pair, prompt, chat, max_tokens
     sw = st.switch
     translated, translate_s = (sw.translated, sw.seconds) if sw and sw.translated else (0, 0.0)
     out = {
-        "small": pair.names["small"],
-        "large": pair.names["large"],
+        **pair.names,  # small, large
         "prompt": prompt,
         "prompt_token_ids": [int(x) for x in tokens],
         "token_ids": ids,

@@ -48,10 +48,8 @@ def info_cmd(models):
 
     described = [describe_model(load_model(name, dtype=None)) for name in models]
     table = Table("", *[d["name"] for d in described])
+    rope = "{kind} dims={dims} base={base} traditional={traditional}".format
     for key in ("model_type", "layers", "kv_heads", "head_dim", "rope", "has_k_norm", "dtype",
                 "parameters_MB", "kv_bytes_per_token"):  # fmt: skip
-        rope = "{kind} dims={dims} base={base} traditional={traditional}"
-        table.add_row(
-            key, *[rope.format(**d[key]) if key == "rope" else str(d[key]) for d in described]
-        )
+        table.add_row(key, *[rope(**d[key]) if key == "rope" else str(d[key]) for d in described])
     console.print(table)

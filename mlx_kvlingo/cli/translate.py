@@ -12,7 +12,7 @@ from mlx_kvlingo.cli._params import OutputFile
 import click
 
 
-@click.command("translate")
+@click.command("translate", context_settings={"show_default": True})
 @pair_options
 @click.option("--prompt-cache-file", "cache_in", type=click.Path(exists=True, dir_okay=False),
               help="Source cache written by `mlx_lm.cache_prompt`")  # fmt: skip
