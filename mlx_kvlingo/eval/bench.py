@@ -147,26 +147,19 @@ def first_token(model, last: mx.array, cache) -> mx.array:
     return y
 
 
-class _Clock:
-    """Wall time and MLX peak memory of consecutive phases."""
-
-    def __init__(self):
-        self.times: dict[str, float] = {}
-        self.peaks: dict[str, int] = {}
+class _Clock(dict):
+    """phase -> (wall seconds, MLX peak memory) of consecutive phases."""
 
     def __call__(self, phase: str, fn: Callable):
         mx.reset_peak_memory()
         t = time.perf_counter()
         out = fn()
-        self.record(phase, time.perf_counter() - t, mx.get_peak_memory())
+        self[phase] = (time.perf_counter() - t, mx.get_peak_memory())
         return out
-
-    def record(self, phase: str, seconds: float, peak: int) -> None:
-        self.times[phase], self.peaks[phase] = seconds, peak
 
     def total(self, phase: str, *parts: str) -> None:
         """`phase` as the sum of `parts` (peak: the largest)."""
-        self.record(phase, sum(self.times[p] for p in parts), max(self.peaks[p] for p in parts))
+        self[phase] = (sum(self[p][0] for p in parts), max(self[p][1] for p in parts))
 
 
 def run_reprefill(target: LoadedModel, tokens: list[int], clock: _Clock) -> None:
@@ -184,8 +177,8 @@ def run_switch(
     mx.reset_peak_memory()
     session, stats = Chat(tr, 1, 0.0).hand_off(pair, tokens)
     peak = mx.get_peak_memory()
-    clock.record("source_prefill", stats.read.seconds, peak)
-    clock.record("translate", stats.switch.seconds, peak)
+    clock["source_prefill"] = (stats.read.seconds, peak)
+    clock["translate"] = (stats.switch.seconds, peak)
     last = mx.array(tokens[-1:])
     clock("target_step", lambda: first_token(pair.target.model, last, session.cache("target")))
     clock.total("switch_ttft", "translate", "target_step")
@@ -260,7 +253,7 @@ def run_bench(
         "skipped": [],
         "lengths": {},
     }  # fmt: skip
-    raw = {n: {"times": {}, "peaks": {}, "held": {}} for n in lengths}
+    raw: dict[int, list[tuple[_Clock, dict]]] = {n: [] for n in lengths}  # per trial
     round_time: dict[int, float] = {}
     kept = list(lengths)
     rounds, done = warmup + trials, 0
@@ -296,11 +289,7 @@ def run_bench(
             del gemm_in
             round_time[n] = time.perf_counter() - t0
             if not warm:
-                for phase, t in clock.times.items():
-                    raw[n]["times"].setdefault(phase, []).append(t)
-                    raw[n]["peaks"].setdefault(phase, []).append(clock.peaks[phase])
-                for phase, h in held.items():
-                    raw[n]["held"].setdefault(phase, []).append(h)
+                raw[n].append((clock, held))
             done += 1
             if progress:
                 progress(done, rounds * len(lengths),
@@ -355,8 +344,9 @@ def _why_skip(pair, tr, n, round_time, trials, started, max_seconds) -> str | No
     return None
 
 
-def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) -> dict:
-    times = raw["times"]
+def _length_summary(n: int, runs: list, tr: Translator, peers: Sequence[Peer]) -> dict:
+    times = {p: [c[p][0] for c, _ in runs] for p in runs[0][0]}
+    peaks = {p: [c[p][1] for c, _ in runs] for p in runs[0][0]}
     stats = {p: report.stats(v) for p, v in times.items()}
     med = {p: s["median"] for p, s in stats.items()}
     R, X, P = med["target_ttft"], med["switch_ttft"], med["source_prefill"]
@@ -365,13 +355,13 @@ def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) ->
     return {
         "tokens": n,
         "trials": times,
-        "peak_memory": raw["peaks"],
+        "peak_memory": peaks,
         "stats": stats,
         # each path's TTFT over the large model's own read (R): ours end to end beside the peer's
         "ttft_over_target": {"ours": (P + X) / R, "switch alone": X / R,
                              **{peer_phase(p.keep): med[peer_phase(p.keep)] / R for p in peers}},
         "specprefill": {peer_phase(p.keep): {"keep": p.keep, "seed": p.seed,
-                                             "cache_entries": raw["held"][peer_phase(p.keep)]}
+                                             "cache_entries": [h[peer_phase(p.keep)] for _, h in runs]}
                         for p in peers},
         "derived": {
             "switch_speedup": R / X,  # the paper's figure: the source's prefill not counted
@@ -386,7 +376,7 @@ def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) ->
             "gemm_gbs": nbytes / med["gemm"] / 1e9,
             "gemm_efficiency": med["gemm"] / med["translate"],
             "map_efficiency": med["gemm"] / med["translate_map"],  # the maps alone
-            "peak_memory_GB": {p: max(v) / 1e9 for p, v in raw["peaks"].items()},
+            "peak_memory_GB": {p: max(v) / 1e9 for p, v in peaks.items()},
         },
     }  # fmt: skip
 
