@@ -16,6 +16,7 @@ allocator peak during the phase, weights included.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -80,12 +81,9 @@ def extrapolate(times: dict[int, float], n: int) -> float:
 
 def available_memory() -> int:
     """Bytes that can still be allocated (MemAvailable on Linux; Metal's working set else)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        return int(re.search(r"MemAvailable:\s+(\d+)", meminfo.read_text())[1]) * 1024
     if mx.metal.is_available():
         info = mx.metal.device_info()
         return int(info.get("max_recommended_working_set_size", 0)) - mx.get_active_memory()
@@ -254,7 +252,7 @@ def run_bench(
         "lengths": {},
     }  # fmt: skip
     raw: dict[int, list[tuple[_Clock, dict]]] = {n: [] for n in lengths}  # per trial
-    round_time: dict[int, float] = {}
+    round_time: dict[int, float] = {}  # the last round's seconds per length
     kept = list(lengths)
     rounds, done = warmup + trials, 0
     tokens = prompt_tokens(pair, lengths[-1], seed)
@@ -273,7 +271,7 @@ def run_bench(
                     log(f"skipping n={n}: {why}")
                     results["skipped"].append({"length": n, "reason": why})
                     kept.remove(n)
-                    done += rounds - rnd
+                    done += rounds
                     continue
             t0 = time.perf_counter()
             clock, held = _Clock(), {}

@@ -96,9 +96,7 @@ def fitting_tasks(pair, texts: Sequence[str], lengths: Sequence[int], per_kind: 
                          f"context ({room}) are one length: give one of them")  # fmt: skip
     for _ in range(5):
         tasks = build_tasks(pair.tokenizer, texts, built, per_kind, kinds, seed=seed)
-        over = {}
-        for t in tasks:
-            over[t.length] = max(over.get(t.length, 0), len(t.tokens) - room)
+        over = {b: max([len(t.tokens) - room for t in tasks if t.length == b]) for b in built}
         if max(over.values()) <= 0:
             label = dict(zip(built, asked))
             return [replace(t, length=label[t.length]) for t in tasks]
@@ -206,14 +204,11 @@ def answers_from(model, tokenizer, kvs: Sequence[tuple[list, list]], last: int, 
     for _ in range(max_tokens):
         nxt = mx.argmax(model.model(y, cache=cache)[:, -1, :], axis=-1).tolist()
         for b, t in enumerate(nxt):
-            if not live[b]:
-                continue
-            if t in eos:
+            if live[b] and t in eos:
                 live[b] = False
-                continue
-            rows[b].append(t)
-            if until and contains(until, tokenizer.decode(rows[b])):
-                live[b] = False
+            elif live[b]:
+                rows[b].append(t)
+                live[b] = not (until and contains(until, tokenizer.decode(rows[b])))
         if not any(live):
             break
         y = mx.array(nxt)[:, None]
@@ -330,15 +325,12 @@ def retention(result: dict, condition: str = "chat") -> list[tuple[int, int, int
     """(read length, kept, right) of `condition` per length, facts and copies pooled: right =
     native right, kept = `condition` right too (conversation/reader.py weighs them)."""
     native = {r["task"]: r for r in result["records"] if r["condition"] == "native"}
-    right: dict = {}
+    right: dict = {}  # read length -> whether `condition` was right too, per native-right task
     for r in result["records"]:
         nat = native.get(r["task"])
-        if r["condition"] != condition or nat is None or nat["kind"] not in EXACT_KINDS:
-            continue
-        if nat["correct"]:
-            kept, total = right.get(nat["length"], (0, 0))
-            right[nat["length"]] = (kept + bool(r["correct"]), total + 1)
-    return [(n, k, t) for n, (k, t) in sorted(right.items())]
+        if r["condition"] == condition and nat and nat["kind"] in EXACT_KINDS and nat["correct"]:
+            right.setdefault(nat["length"], []).append(bool(r["correct"]))
+    return [(n, sum(kept), len(kept)) for n, kept in sorted(right.items())]
 
 
 def read_times(result: dict) -> dict:
