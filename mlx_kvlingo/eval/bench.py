@@ -385,8 +385,9 @@ def _mean_std(s: dict, scale: float = 1.0) -> str:
 
 def markdown_report(results: dict) -> str:
     """bench.md: llama-bench-style tables (mean ± std over trials), TTFT over R, derived, goals."""
-    p, m, st = results["pair"], results["machine"], results["settings"]
-    base, tr = results.get("resident_before_GB", 0.0), p["translator"]
+    p, m, st, lengths = results["pair"], results["machine"], results["settings"], results["lengths"]
+    base, tr = results["resident_before_GB"], p["translator"]
+    peers = [peer_phase(k) for k in st["specprefill_keep"]]
     out = [
         "# kvlingo bench",
         "",
@@ -401,10 +402,9 @@ def markdown_report(results: dict) -> str:
         *md_table(("path", "phase", "test", "ms", "t/s", "median ms", "peak GB (+ over resident)"),
                   "lllrrrr"),
     ]  # fmt: skip
-    lengths, keeps = results["lengths"], st.get("specprefill_keep") or []
     for key, v in lengths.items():
         n = int(key)
-        for phase in [*(p for p in PHASES if p in v["trials"]), *map(peer_phase, keeps)]:
+        for phase in [*(p for p in PHASES if p in v["trials"]), *peers]:
             path, label, test, tokens = phase_row(phase)
             s, peak = v["stats"][phase], v["derived"]["peak_memory_GB"][phase]
             out.append(md_row((
@@ -419,58 +419,19 @@ def markdown_report(results: dict) -> str:
             "scores it, the large model reads the kept 32-token chunks (its cache's entries in "
             "brackets, of n-1).", "",
             *md_table(("n", "R ms", "ours (P+X)/R", "switch alone X/R",
-                       *(f"specprefill {k:g} kept" for k in keeps)), "r" * (4 + len(keeps)))]  # fmt: skip
+                       *(f"{k} kept" for k in peers)), "r" * (4 + len(peers)))]  # fmt: skip
     for key, v in lengths.items():
         ratio, sp = v["ttft_over_target"], v["specprefill"]
         out.append(md_row((
             key, f"{1e3 * v['stats']['target_ttft']['median']:.1f}", f"{ratio['ours']:.2f}",
             f"{ratio['switch alone']:.3f}",
-            *(f"{ratio[peer_phase(k)]:.2f} ({int(np.median(sp[peer_phase(k)]['cache_entries']))})"
-              for k in keeps),
+            *(f"{ratio[k]:.2f} ({int(np.median(sp[k]['cache_entries']))})" for k in peers),
         )))  # fmt: skip
-    out += ["", "## Derived (medians)", "", *derived_table(results)]
-    reading = results.get("map_reading")
-    if reading:
-        out += ["", "Map reading measured at the start: " + ", ".join(
-            f"{k} {v['chosen']} (" + "/".join(f"{s} {ms:.2f} ms" for s, ms in v["ms"].items()) + ")"
-            for k, v in reading.items()
-        )]  # fmt: skip
-    if results.get("skipped"):
-        skipped = "; ".join(f"n={s['length']}: {s['reason']}" for s in results["skipped"])
-        out += ["", f"Skipped: {skipped}"]
-    return "\n".join(out + targets_lines(results.get("targets") or {})) + "\n"
-
-
-def targets_lines(t: dict) -> list[str]:
-    """The goals, met or missed (`check_targets`), as a markdown section."""
-    if not t:
-        return []
-    eff, step, sp = t["gemm_efficiency"], t["translation_vs_target_step"], t["switch_speedup"]
-
-    def mark(met: bool) -> str:
-        return "met" if met else "**missed**"
-
-    per_n = ", ".join(f"{n}: {100 * v:.0f}% (maps alone {100 * eff['maps_alone'][n]:.0f}%)"
-                      for n, v in eff["value"].items())  # fmt: skip
-    return [
-        "",
-        "## Goals",
-        "",
-        f"- translation (the hand-off's, whole) against the same-run GEMM, at every length "
-        f"(goal {eff['goal']}): {per_n}: {mark(eff['met'])}",
-        f"- translation / one target decode step at n={step['at']} (goal {step['goal']}): "
-        f"{step['value']:.3f} (the GEMM's own {step['gemm_floor']:.3f}): {mark(step['met'])}",
-        f"- switch speed-up R/X at n={sp['at']} (goal {sp['goal']}): {sp['value']:.2f}x: "
-        f"{mark(sp['met'])}",
-    ]
-
-
-def derived_table(results: dict) -> list[str]:
-    """The figures derived per length (medians), as a markdown table."""
-    out = md_table(("n", "switch speed-up R/X", "translation (GEMM) / target step",
-                    "translation / target prefill", "translation GFLOP/s", "GB/s", "GEMM GFLOP/s",
-                    "GB/s", "efficiency vs GEMM (maps alone)"), "r" * 9)  # fmt: skip
-    for key, v in results["lengths"].items():
+    out += ["", "## Derived (medians)", "",
+            *md_table(("n", "switch speed-up R/X", "translation (GEMM) / target step",
+                       "translation / target prefill", "translation GFLOP/s", "GB/s",
+                       "GEMM GFLOP/s", "GB/s", "efficiency vs GEMM (maps alone)"), "r" * 9)]  # fmt: skip
+    for key, v in lengths.items():
         d, sp = v["derived"], v["derived"]["switch_speedup_trials"]
         out.append(md_row((
             key, f"{d['switch_speedup']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})",
@@ -479,7 +440,36 @@ def derived_table(results: dict) -> list[str]:
             f"{d['translate_gbs']:.2f}", f"{d['gemm_gflops']:.1f}", f"{d['gemm_gbs']:.2f}",
             f"{100 * d['gemm_efficiency']:.0f}% ({100 * d['map_efficiency']:.0f}%)",
         )))  # fmt: skip
-    return out
+    if results["map_reading"]:
+        out += ["", "Map reading measured at the start: " + ", ".join(
+            f"{k} {v['chosen']} (" + "/".join(f"{s} {ms:.2f} ms" for s, ms in v["ms"].items()) + ")"
+            for k, v in results["map_reading"].items()
+        )]  # fmt: skip
+    if results["skipped"]:
+        skipped = "; ".join(f"n={s['length']}: {s['reason']}" for s in results["skipped"])
+        out += ["", f"Skipped: {skipped}"]
+    return "\n".join(out + targets_lines(results["targets"])) + "\n"
+
+
+def targets_lines(t: dict) -> list[str]:
+    """The goals, met or missed (`check_targets`), as a markdown section."""
+    if not t:
+        return []
+    eff, step, sp = t["gemm_efficiency"], t["translation_vs_target_step"], t["switch_speedup"]
+    mark = {True: "met", False: "**missed**"}
+    per_n = ", ".join(f"{n}: {100 * v:.0f}% (maps alone {100 * eff['maps_alone'][n]:.0f}%)"
+                      for n, v in eff["value"].items())  # fmt: skip
+    return [
+        "",
+        "## Goals",
+        "",
+        f"- translation (the hand-off's, whole) against the same-run GEMM, at every length "
+        f"(goal {eff['goal']}): {per_n}: {mark[eff['met']]}",
+        f"- translation / one target decode step at n={step['at']} (goal {step['goal']}): "
+        f"{step['value']:.3f} (the GEMM's own {step['gemm_floor']:.3f}): {mark[step['met']]}",
+        f"- switch speed-up R/X at n={sp['at']} (goal {sp['goal']}): {sp['value']:.2f}x: "
+        f"{mark[sp['met']]}",
+    ]
 
 
 def plot(results: dict, path: str | Path) -> Path:
