@@ -121,22 +121,6 @@ def kernel_work(tr: Translator, n_tokens: int) -> tuple[float, float]:
     return flops, nbytes
 
 
-def pair_info(pair: ModelPair, translator: Translator, **extra) -> dict:
-    c, weights = translator.config, (translator.key["weight"], translator.value["weight"])
-    return {
-        "source": describe_model(pair.source),
-        "target": describe_model(pair.target),
-        "tokenizer": pair.tokenizer_fingerprint,
-        "translator": {
-            "variant": c.variant, "nu": [c.nu_k, c.nu_v], "key_cut": c.key_cut, "bias": c.bias,
-            "dtype": str(weights[0].dtype).replace("mlx.core.", ""),
-            "parameters": sum(int(w.size) for w in weights),
-            "provenance": c.metadata.get("provenance"),
-        },
-        **extra,
-    }  # fmt: skip
-
-
 def first_token(model, last: mx.array, cache) -> mx.array:
     """One forward step on the last prompt token and greedy sampling, as mlx-lm does."""
     logits = model(last[None], cache=cache)[:, -1, :]
@@ -233,11 +217,23 @@ def run_bench(
     started = time.perf_counter()
     reading = measure_map_reading(translator)  # as a warm-up at load does
     resident = mx.get_active_memory()  # the loaded weights (and anything else alive)
+    c, weights = translator.config, (translator.key["weight"], translator.value["weight"])
     results = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
         **report.run_info(),
-        "pair": pair_info(pair, translator, **(info or {})),
+        "pair": {
+            "source": describe_model(pair.source),
+            "target": describe_model(pair.target),
+            "tokenizer": pair.tokenizer_fingerprint,
+            "translator": {
+                "variant": c.variant, "nu": [c.nu_k, c.nu_v], "key_cut": c.key_cut, "bias": c.bias,
+                "dtype": str(weights[0].dtype).replace("mlx.core.", ""),
+                "parameters": sum(int(w.size) for w in weights),
+                "provenance": c.metadata.get("provenance"),
+            },
+            **(info or {}),
+        },
         "settings": {
             "lengths": lengths, "trials": trials, "warmup": warmup, "seed": seed,
             "specprefill_keep": [p.keep for p in peers], "prefill_step": READ_CHUNK,
@@ -491,11 +487,9 @@ def plot(results: dict, path: str | Path) -> Path:
         med = np.array([np.median(v) for v in per])
         err = np.array([med - [v.min() for v in per], [v.max() for v in per] - med])
         ax.errorbar(lens, med, yerr=np.maximum(err, 0), fmt=style, capsize=3, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prefix length (tokens)")
-    ax.set_ylabel("time (ms)")
     p = results["pair"]
+    ax.set_xscale("log", base=2)
+    ax.set(yscale="log", xlabel="prefix length (tokens)", ylabel="time (ms)")
     ax.set_title(f"{p['source']['name']} → {p['target']['name']}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

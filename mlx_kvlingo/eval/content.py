@@ -395,9 +395,8 @@ def plot(result: dict, path: str | Path) -> Path:
             pts = sorted((int(n), s["score"]) for n, s in cells[c][kind].items())
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=c)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{kind} ({'retained' if kind in EXACT_KINDS else 'recall'})")
-        ax.set_xlabel("read tokens")
-        ax.set_ylim(0, 1.05)
+        head = "retained" if kind in EXACT_KINDS else "recall"
+        ax.set(title=f"{kind} ({head})", xlabel="read tokens", ylim=(0, 1.05))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("vs the native answer")
     axes[-1].legend(fontsize=8)
