@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from mlx_kvlingo.conversation.reader import RATES
 from mlx_kvlingo.eval import report
 
 PROMPT = "Answer in one word: what is the capital of France?"
@@ -66,24 +67,14 @@ SIDES = {
 }
 
 
-def new_cache_folder(cache: Path) -> Path:
-    """A fresh cache folder linking everything in `cache` but the stored rates."""
-    from mlx_kvlingo.conversation.reader import RATES
-
-    fresh = Path(tempfile.mkdtemp(prefix="kvlingo-startup-"))
-    if cache.is_dir():
-        for entry in cache.iterdir():
-            if entry.name != RATES and not entry.name.startswith("."):
-                (fresh / entry.name).symlink_to(entry.resolve())
-    return fresh
-
-
 def run_one(side: str, args: dict, cache: Path, timeout: float) -> dict:
     """One start in a fresh process; its parts, and `start_s`: spawn to first token."""
-    env = dict(os.environ)
-    fresh = None
-    if side == "kvlingo-new":
-        fresh = new_cache_folder(cache)
+    env, fresh = dict(os.environ), None
+    if side == "kvlingo-new":  # a new cache folder linking everything in `cache` but the rates
+        fresh = Path(tempfile.mkdtemp(prefix="kvlingo-startup-"))
+        for entry in cache.iterdir() if cache.is_dir() else ():
+            if entry.name != RATES and not entry.name.startswith("."):
+                (fresh / entry.name).symlink_to(entry.resolve())
         env["KVLINGO_CACHE"] = str(fresh)
     try:
         spawned = time.time()
