@@ -174,15 +174,13 @@ def run_switch(
 def run_peer(pair: ModelPair, tokens: list[int], peer: Peer, clock: _Clock) -> int:
     """The peer's TTFT (`speculative_prefill`, then the target's step on the last token at
     position n-1); the entries its cache held before that step."""
-    target, M = pair.target, len(tokens)
 
     def read_and_step() -> int:
         mx.random.seed(peer.seed)
         cache, _ = speculative_prefill(pair, tokens, peer.keep)
-        held = cache[0].offset
-        with positions_shifted(target, M - 1 - held):
-            first_token(target.model, mx.array(tokens[-1:]), cache)
-        return held
+        with positions_shifted(pair.target, len(tokens) - 1 - cache[0].offset):
+            first_token(pair.target.model, mx.array(tokens[-1:]), cache)
+        return cache[0].offset
 
     return clock(peer_phase(peer.keep), read_and_step)
 
@@ -326,14 +324,13 @@ def _why_skip(pair, tr, n, round_time, trials, started, max_seconds) -> str | No
     need, have = working_bytes(pair, tr, n), available_memory()
     if need > 0.85 * have:
         return f"needs ~{need / 1e9:.1f} GB beyond the weights, {have / 1e9:.1f} GB available"
-    done = sorted(m for m in round_time if m < n)
-    if max_seconds is None or not done:
+    if max_seconds is None or not round_time:  # round_time: the shorter lengths' first round
         return None
-    est = extrapolate({m: round_time[m] for m in done}, n)
+    est = extrapolate(round_time, n)
     spent = time.perf_counter() - started
-    ahead = sum(round_time[m] for m in done) * (trials - 1) + est * trials
+    ahead = sum(round_time.values()) * (trials - 1) + est * trials
     if spent + ahead > max_seconds:
-        return (f"~{est * trials:.0f} s for its {trials} trials (extrapolated from n={done[-1]}) "
+        return (f"~{est * trials:.0f} s for its {trials} trials (extrapolated from n={max(round_time)}) "
                 f"would overrun the {max_seconds:.0f} s budget ({spent:.0f} s spent)")  # fmt: skip
     return None
 

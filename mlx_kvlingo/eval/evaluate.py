@@ -95,15 +95,13 @@ def table(result: dict, title: str = "evaluation") -> Table:
                       " · KL(native || condition) · gap rec. = (NLL_source - NLL) / (NLL_source - NLL_native),"
                       f" n/a when that gap is under {MIN_GAP} nats")  # fmt: skip
     for c in CONDITIONS:
-        r = result.get(c)
-        if r is None:
-            continue
+        r = result[c]
         if "skipped" in r:
             t.add_row(c, *["n/a"] * 6)
             t.caption += f" · {c}: n/a, {r['skipped']}"
-            continue
-        t.add_row(
-            c, f"{r['nll']:.3f}", f"{np.exp(r['nll']):.1f}", f"{r['top1']:.3f}", f"{r['agree_native']:.3f}",
-            format_kl(r["kl_native"]), number(r.get("gap_recovered"), ".3f"),
-        )  # fmt: skip
+        else:
+            t.add_row(
+                c, f"{r['nll']:.3f}", f"{np.exp(r['nll']):.1f}", f"{r['top1']:.3f}", f"{r['agree_native']:.3f}",
+                format_kl(r["kl_native"]), number(r["gap_recovered"], ".3f"),
+            )  # fmt: skip
     return t
