@@ -178,9 +178,10 @@ def run_peer(pair: ModelPair, tokens: list[int], peer: Peer, clock: _Clock) -> i
     def read_and_step() -> int:
         mx.random.seed(peer.seed)
         cache, _ = speculative_prefill(pair, tokens, peer.keep)
-        with positions_shifted(pair.target, len(tokens) - 1 - cache[0].offset):
+        held = cache[0].offset  # before the step on the last token
+        with positions_shifted(pair.target, len(tokens) - 1 - held):
             first_token(pair.target.model, mx.array(tokens[-1:]), cache)
-        return cache[0].offset
+        return held
 
     return clock(peer_phase(peer.keep), read_and_step)
 

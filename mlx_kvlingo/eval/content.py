@@ -107,7 +107,8 @@ def fitting_tasks(pair, texts: Sequence[str], lengths: Sequence[int], per_kind: 
 
 def cache_kv(cache: list) -> tuple[list, list]:
     """What `cache` holds, per layer: (keys, values) up to its offset, evaluated."""
-    keys, values = map(list, zip(*(c.state for c in cache)))
+    keys = [c.keys[..., : c.offset, :] for c in cache]
+    values = [c.values[..., : c.offset, :] for c in cache]
     mx.eval(keys, values)
     return keys, values
 
