@@ -298,7 +298,7 @@ def evaluate_content(pair, tasks: Sequence[ContentTask], conditions: dict, small
     """Every condition's answer to every task, native first and the source alone last
     (`small`), scored against native; `progress(done, total)` after each task. With
     `only_native_right`, the other conditions answer only the tasks native got right (what
-    retention counts; it saves their reads where the large model itself fails)."""
+    retention counts)."""
     res = ContentResult(conditions=["native", *conditions, *(["small"] if small else [])])
     for i, task in enumerate(tasks):
         answers, seconds = _answers(pair, task, conditions, small, only_native_right)

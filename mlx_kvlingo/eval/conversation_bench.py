@@ -210,8 +210,7 @@ def summarize(timings: list[TurnTiming], cfg: ConversationBenchConfig) -> dict:
 
 
 def markdown_report(result: dict) -> str:
-    """Per turn, each policy's TTFT and how reader auto did against the better of the two fixed
-    readers; means by user-turn length; the cascades' escalations."""
+    """conversation.md: per turn, by user-turn length and the cascades' (`summarize`)."""
     cfg, summary = result["config"], result["summary"]
     policies, auto = cfg["policies"], summary.get("auto")
     auto_by = {r["turn"]: r for r in auto["turns"]} if auto else {}

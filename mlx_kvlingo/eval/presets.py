@@ -150,10 +150,9 @@ def _build(preset: Preset, folder: Path) -> None:
 
     tok = syn.build_tokenizer(folder / "tokenizer", vocab_size=preset.tokenizer_vocab)
     vocab = {"vocab_size": preset.vocab_size} if preset.vocab_size else {}
-    for i, side in enumerate(("source", "target")):
-        spec = dict(preset.source if side == "source" else preset.target)
-        kind = spec.pop("kind")
-        syn.make_model_folder(folder / side, kind, tok, preset.seed + i, **spec, **vocab)
+    for i, (side, spec) in enumerate((("source", preset.source), ("target", preset.target))):
+        shape = {k: v for k, v in spec.items() if k != "kind"}
+        syn.make_model_folder(folder / side, spec["kind"], tok, preset.seed + i, **shape, **vocab)
         gc.collect()
         mx.clear_cache()
     shutil.rmtree(tok)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import re
@@ -22,8 +21,7 @@ import numpy as np
 
 
 def run_info() -> dict:
-    """created, command, machine (the BLAS loaded, the load average now) and software (the
-    checkout's commit) of a result measured now."""
+    """created, command, machine (load average now) and software of a result measured now."""
     from mlx_kvlingo import __version__
 
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
@@ -117,18 +115,10 @@ def write(out_dir: str | Path, name: str, result, markdown: str, plot=None,
 
 
 def jsonable(x):
-    """`x` as strict JSON holds it (NaN and infinities as null, the unknown as its `str`)."""
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, (np.floating, float)):
-        return None if not math.isfinite(float(x)) else float(x)
-    if isinstance(x, np.integer):
-        return int(x)
-    if isinstance(x, (str, int, bool)) or x is None:
-        return x
-    return str(x)
+    """`x` as strict JSON holds it (NaN and infinities as null, NumPy scalars as numbers, the
+    unknown as its `str`)."""
+    text = json.dumps(x, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+    return json.loads(text, parse_constant=lambda _: None)
 
 
 def write_json(result, path: str | Path) -> Path:

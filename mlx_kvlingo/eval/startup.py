@@ -125,11 +125,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                      ("start_s", "import_s", "load_s", "warmup_s", "ttft_s", "later_ttft_s")}  # fmt: skip
         out[side]["rates"] = sorted({str(r.get("rates")) for r in rs})
     base = out["mlx-lm"]["start_s"]
-    for side in ("kvlingo", "kvlingo-new"):
-        mine = out[side]["start_s"]
-        out[side]["vs_mlx_lm"] = {k: mine[k] / base[k] for k in ("min", "median")}
-        ttft, later = out[side]["ttft_s"], out[side]["later_ttft_s"]
-        out[side]["first_vs_later_turn"] = ttft["median"] / later["median"]
+    for mine in (out["kvlingo"], out["kvlingo-new"]):
+        mine["vs_mlx_lm"] = {k: mine["start_s"][k] / base[k] for k in ("min", "median")}
+        mine["first_vs_later_turn"] = mine["ttft_s"]["median"] / mine["later_ttft_s"]["median"]
     return out
 
 
