@@ -385,15 +385,14 @@ def plot(result: dict, path: str | Path) -> Path:
     plt = report.pyplot()
     cells = result["cells"]
     kinds = [k for k in KINDS if any(k in by for by in cells.values())]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.4), sharey=True,
-                             squeeze=False)  # fmt: skip
-    axes = axes[0]
+    fig, (axes,) = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.4), sharey=True,
+                                squeeze=False)  # fmt: skip
     for ax, kind in zip(axes, kinds):
         for c in result["conditions"]:
             if c == "native" or kind not in cells.get(c, {}):
                 continue
             pts = sorted((int(n), s["score"]) for n, s in cells[c][kind].items())
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=c)
+            ax.plot(*zip(*pts), marker="o", label=c)
         ax.set_xscale("log", base=2)
         head = "retained" if kind in EXACT_KINDS else "recall"
         ax.set(title=f"{kind} ({head})", xlabel="read tokens", ylim=(0, 1.05))
