@@ -296,9 +296,8 @@ def summarize(rows: list, native: list) -> dict:
 def evaluate_content(pair, tasks: Sequence[ContentTask], conditions: dict, small: bool = True,
                      progress=None, only_native_right: bool = False) -> ContentResult:  # fmt: skip
     """Every condition's answer to every task, native first and the source alone last
-    (`small`), scored against native; `progress(done, total)` after each task. With
-    `only_native_right`, the other conditions answer only the tasks native got right (what
-    retention counts)."""
+    (`small`), scored against native; `progress(done, total)` after each task; with
+    `only_native_right`, the others answer only where native was right (what retention counts)."""
     res = ContentResult(conditions=["native", *conditions, *(["small"] if small else [])])
     for i, task in enumerate(tasks):
         answers, seconds = _answers(pair, task, conditions, small, only_native_right)
@@ -315,9 +314,8 @@ def evaluate_content(pair, tasks: Sequence[ContentTask], conditions: dict, small
 
 
 def to_json(res: ContentResult, pair, extra: dict | None = None) -> dict:
-    cells = res.cells()
     return {"schema": SCHEMA, "pair": {"source": pair.source.name, "target": pair.target.name},
-            "conditions": res.conditions, "cells": cells, "records": res.records,
+            "conditions": res.conditions, "cells": res.cells(), "records": res.records,
             **(extra or {})}  # fmt: skip
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from mlx_kvlingo.api import Pair
 from mlx_kvlingo.config import POLICIES, ReaderPolicy
 from mlx_kvlingo.conversation.session import Session
+from mlx_kvlingo.conversation.warmup import warm_up
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.bench import prompt_tokens
 from mlx_kvlingo.eval.report import md_row, md_table, number
@@ -113,11 +114,8 @@ def run_conversation_bench(
     info: dict | None = None,
 ) -> dict:
     """Time `cfg.turns` turns under each policy; a JSON-ready dict."""
-    warmup_s = None
+    warmup_s = warm_up(pair, forward, backward).warmup_s if cfg.warmup else None
     if cfg.warmup:
-        from mlx_kvlingo.conversation.warmup import warm_up
-
-        warmup_s = warm_up(pair, forward, backward).warmup_s
         log(f"warm-up {warmup_s:.1f} s")
     runtime = Pair(pair, forward, backward)  # reader auto weighs what the chat's weighs
     policies = {p: replace(cfg.policy, **POLICIES[p]) for p in cfg.policies}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -69,20 +68,16 @@ SIDES = {
 
 def run_one(side: str, args: dict, cache: Path, timeout: float) -> dict:
     """One start in a fresh process; its parts, and `start_s`: spawn to first token."""
-    env, fresh = dict(os.environ), None
-    if side == "kvlingo-new":  # a new cache folder linking everything in `cache` but the rates
-        fresh = Path(tempfile.mkdtemp(prefix="kvlingo-startup-"))
-        for entry in cache.iterdir() if cache.is_dir() else ():
-            if entry.name != RATES and not entry.name.startswith("."):
-                (fresh / entry.name).symlink_to(entry.resolve())
-        env["KVLINGO_CACHE"] = str(fresh)
-    try:
+    env = dict(os.environ)
+    with tempfile.TemporaryDirectory(prefix="kvlingo-startup-", ignore_cleanup_errors=True) as new:
+        if side == "kvlingo-new":  # a new cache folder linking everything in `cache` but the rates
+            for entry in cache.iterdir() if cache.is_dir() else ():
+                if entry.name != RATES and not entry.name.startswith("."):
+                    (Path(new) / entry.name).symlink_to(entry.resolve())
+            env["KVLINGO_CACHE"] = new
         spawned = time.time()
         out = subprocess.run([sys.executable, "-c", _CHILD, side, json.dumps(args)], env=env,
                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    finally:
-        if fresh is not None:
-            shutil.rmtree(fresh, ignore_errors=True)
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["no message"])[-1]
         raise StartupBenchError(f"the {side} start failed (exit {out.returncode}): {last}")
