@@ -16,6 +16,7 @@ allocator peak during the phase, weights included.
 from __future__ import annotations
 
 import math
+import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -80,12 +81,9 @@ def extrapolate(times: dict[int, float], n: int) -> float:
 
 def available_memory() -> int:
     """Bytes that can still be allocated (MemAvailable on Linux; Metal's working set else)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        return int(re.search(r"MemAvailable:\s+(\d+)", meminfo.read_text())[1]) * 1024
     if mx.metal.is_available():
         info = mx.metal.device_info()
         return int(info.get("max_recommended_working_set_size", 0)) - mx.get_active_memory()
@@ -123,22 +121,6 @@ def kernel_work(tr: Translator, n_tokens: int) -> tuple[float, float]:
     return flops, nbytes
 
 
-def pair_info(pair: ModelPair, translator: Translator, **extra) -> dict:
-    c, weights = translator.config, (translator.key["weight"], translator.value["weight"])
-    return {
-        "source": describe_model(pair.source),
-        "target": describe_model(pair.target),
-        "tokenizer": pair.tokenizer_fingerprint,
-        "translator": {
-            "variant": c.variant, "nu": [c.nu_k, c.nu_v], "key_cut": c.key_cut, "bias": c.bias,
-            "dtype": str(weights[0].dtype).replace("mlx.core.", ""),
-            "parameters": sum(int(w.size) for w in weights),
-            "provenance": c.metadata.get("provenance"),
-        },
-        **extra,
-    }  # fmt: skip
-
-
 def first_token(model, last: mx.array, cache) -> mx.array:
     """One forward step on the last prompt token and greedy sampling, as mlx-lm does."""
     logits = model(last[None], cache=cache)[:, -1, :]
@@ -147,26 +129,19 @@ def first_token(model, last: mx.array, cache) -> mx.array:
     return y
 
 
-class _Clock:
-    """Wall time and MLX peak memory of consecutive phases."""
-
-    def __init__(self):
-        self.times: dict[str, float] = {}
-        self.peaks: dict[str, int] = {}
+class _Clock(dict):
+    """phase -> (wall seconds, MLX peak memory) of consecutive phases."""
 
     def __call__(self, phase: str, fn: Callable):
         mx.reset_peak_memory()
         t = time.perf_counter()
         out = fn()
-        self.record(phase, time.perf_counter() - t, mx.get_peak_memory())
+        self[phase] = (time.perf_counter() - t, mx.get_peak_memory())
         return out
-
-    def record(self, phase: str, seconds: float, peak: int) -> None:
-        self.times[phase], self.peaks[phase] = seconds, peak
 
     def total(self, phase: str, *parts: str) -> None:
         """`phase` as the sum of `parts` (peak: the largest)."""
-        self.record(phase, sum(self.times[p] for p in parts), max(self.peaks[p] for p in parts))
+        self[phase] = (sum(self[p][0] for p in parts), max(self[p][1] for p in parts))
 
 
 def run_reprefill(target: LoadedModel, tokens: list[int], clock: _Clock) -> None:
@@ -184,8 +159,8 @@ def run_switch(
     mx.reset_peak_memory()
     session, stats = Chat(tr, 1, 0.0).hand_off(pair, tokens)
     peak = mx.get_peak_memory()
-    clock.record("source_prefill", stats.read.seconds, peak)
-    clock.record("translate", stats.switch.seconds, peak)
+    clock["source_prefill"] = (stats.read.seconds, peak)
+    clock["translate"] = (stats.switch.seconds, peak)
     last = mx.array(tokens[-1:])
     clock("target_step", lambda: first_token(pair.target.model, last, session.cache("target")))
     clock.total("switch_ttft", "translate", "target_step")
@@ -199,14 +174,13 @@ def run_switch(
 def run_peer(pair: ModelPair, tokens: list[int], peer: Peer, clock: _Clock) -> int:
     """The peer's TTFT (`speculative_prefill`, then the target's step on the last token at
     position n-1); the entries its cache held before that step."""
-    target, M = pair.target, len(tokens)
 
     def read_and_step() -> int:
         mx.random.seed(peer.seed)
         cache, _ = speculative_prefill(pair, tokens, peer.keep)
-        held = cache[0].offset
-        with positions_shifted(target, M - 1 - held):
-            first_token(target.model, mx.array(tokens[-1:]), cache)
+        held = cache[0].offset  # before the step on the last token
+        with positions_shifted(pair.target, len(tokens) - 1 - held):
+            first_token(pair.target.model, mx.array(tokens[-1:]), cache)
         return held
 
     return clock(peer_phase(peer.keep), read_and_step)
@@ -242,11 +216,23 @@ def run_bench(
     started = time.perf_counter()
     reading = measure_map_reading(translator)  # as a warm-up at load does
     resident = mx.get_active_memory()  # the loaded weights (and anything else alive)
+    c, weights = translator.config, (translator.key["weight"], translator.value["weight"])
     results = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
         **report.run_info(),
-        "pair": pair_info(pair, translator, **(info or {})),
+        "pair": {
+            "source": describe_model(pair.source),
+            "target": describe_model(pair.target),
+            "tokenizer": pair.tokenizer_fingerprint,
+            "translator": {
+                "variant": c.variant, "nu": [c.nu_k, c.nu_v], "key_cut": c.key_cut, "bias": c.bias,
+                "dtype": str(weights[0].dtype).replace("mlx.core.", ""),
+                "parameters": sum(int(w.size) for w in weights),
+                "provenance": c.metadata.get("provenance"),
+            },
+            **(info or {}),
+        },
         "settings": {
             "lengths": lengths, "trials": trials, "warmup": warmup, "seed": seed,
             "specprefill_keep": [p.keep for p in peers], "prefill_step": READ_CHUNK,
@@ -260,8 +246,8 @@ def run_bench(
         "skipped": [],
         "lengths": {},
     }  # fmt: skip
-    raw = {n: {"times": {}, "peaks": {}, "held": {}} for n in lengths}
-    round_time: dict[int, float] = {}
+    raw: dict[int, list[tuple[_Clock, dict]]] = {n: [] for n in lengths}  # per trial
+    round_time: dict[int, float] = {}  # the last round's seconds per length
     kept = list(lengths)
     rounds, done = warmup + trials, 0
     tokens = prompt_tokens(pair, lengths[-1], seed)
@@ -280,7 +266,7 @@ def run_bench(
                     log(f"skipping n={n}: {why}")
                     results["skipped"].append({"length": n, "reason": why})
                     kept.remove(n)
-                    done += rounds - rnd
+                    done += rounds
                     continue
             t0 = time.perf_counter()
             clock, held = _Clock(), {}
@@ -296,11 +282,7 @@ def run_bench(
             del gemm_in
             round_time[n] = time.perf_counter() - t0
             if not warm:
-                for phase, t in clock.times.items():
-                    raw[n]["times"].setdefault(phase, []).append(t)
-                    raw[n]["peaks"].setdefault(phase, []).append(clock.peaks[phase])
-                for phase, h in held.items():
-                    raw[n]["held"].setdefault(phase, []).append(h)
+                raw[n].append((clock, held))
             done += 1
             if progress:
                 progress(done, rounds * len(lengths),
@@ -343,39 +325,38 @@ def _why_skip(pair, tr, n, round_time, trials, started, max_seconds) -> str | No
     need, have = working_bytes(pair, tr, n), available_memory()
     if need > 0.85 * have:
         return f"needs ~{need / 1e9:.1f} GB beyond the weights, {have / 1e9:.1f} GB available"
-    done = sorted(m for m in round_time if m < n)
-    if max_seconds is None or not done:
+    if max_seconds is None or not round_time:  # round_time: the shorter lengths' first round
         return None
-    est = extrapolate({m: round_time[m] for m in done}, n)
+    est = extrapolate(round_time, n)
     spent = time.perf_counter() - started
-    ahead = sum(round_time[m] for m in done) * (trials - 1) + est * trials
+    ahead = sum(round_time.values()) * (trials - 1) + est * trials
     if spent + ahead > max_seconds:
-        return (f"~{est * trials:.0f} s for its {trials} trials (extrapolated from n={done[-1]}) "
+        return (f"~{est * trials:.0f} s for its {trials} trials (extrapolated from n={max(round_time)}) "
                 f"would overrun the {max_seconds:.0f} s budget ({spent:.0f} s spent)")  # fmt: skip
     return None
 
 
-def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) -> dict:
-    times = raw["times"]
+def _length_summary(n: int, runs: list, tr: Translator, peers: Sequence[Peer]) -> dict:
+    times = {p: [c[p][0] for c, _ in runs] for p in runs[0][0]}
+    peaks = {p: [c[p][1] for c, _ in runs] for p in runs[0][0]}
     stats = {p: report.stats(v) for p, v in times.items()}
     med = {p: s["median"] for p, s in stats.items()}
     R, X, P = med["target_ttft"], med["switch_ttft"], med["source_prefill"]
     flops, nbytes = kernel_work(tr, n - 1)
-    r_, x_ = (np.asarray(times[k]) for k in ("target_ttft", "switch_ttft"))
     return {
         "tokens": n,
         "trials": times,
-        "peak_memory": raw["peaks"],
+        "peak_memory": peaks,
         "stats": stats,
         # each path's TTFT over the large model's own read (R): ours end to end beside the peer's
         "ttft_over_target": {"ours": (P + X) / R, "switch alone": X / R,
                              **{peer_phase(p.keep): med[peer_phase(p.keep)] / R for p in peers}},
         "specprefill": {peer_phase(p.keep): {"keep": p.keep, "seed": p.seed,
-                                             "cache_entries": raw["held"][peer_phase(p.keep)]}
+                                             "cache_entries": [h[peer_phase(p.keep)] for _, h in runs]}
                         for p in peers},
         "derived": {
             "switch_speedup": R / X,  # the paper's figure: the source's prefill not counted
-            "switch_speedup_trials": report.stats(r_ / x_),
+            "switch_speedup_trials": report.stats(np.divide(times["target_ttft"], times["switch_ttft"])),
             "translation_vs_target_step": med["translate"] / med["target_step"],
             # the floor of the line above: the translator's matmuls alone, as a plain GEMM
             "gemm_vs_target_step": med["gemm"] / med["target_step"],
@@ -386,7 +367,7 @@ def _length_summary(n: int, raw: dict, tr: Translator, peers: Sequence[Peer]) ->
             "gemm_gbs": nbytes / med["gemm"] / 1e9,
             "gemm_efficiency": med["gemm"] / med["translate"],
             "map_efficiency": med["gemm"] / med["translate_map"],  # the maps alone
-            "peak_memory_GB": {p: max(v) / 1e9 for p, v in raw["peaks"].items()},
+            "peak_memory_GB": {p: max(v) / 1e9 for p, v in peaks.items()},
         },
     }  # fmt: skip
 
@@ -397,8 +378,9 @@ def _mean_std(s: dict, scale: float = 1.0) -> str:
 
 def markdown_report(results: dict) -> str:
     """bench.md: llama-bench-style tables (mean ± std over trials), TTFT over R, derived, goals."""
-    p, m, st = results["pair"], results["machine"], results["settings"]
-    base, tr = results.get("resident_before_GB", 0.0), p["translator"]
+    p, m, st, lengths = results["pair"], results["machine"], results["settings"], results["lengths"]
+    base, tr = results["resident_before_GB"], p["translator"]
+    peers = [peer_phase(k) for k in st["specprefill_keep"]]
     out = [
         "# kvlingo bench",
         "",
@@ -413,10 +395,9 @@ def markdown_report(results: dict) -> str:
         *md_table(("path", "phase", "test", "ms", "t/s", "median ms", "peak GB (+ over resident)"),
                   "lllrrrr"),
     ]  # fmt: skip
-    lengths, keeps = results["lengths"], st.get("specprefill_keep") or []
     for key, v in lengths.items():
         n = int(key)
-        for phase in [*(p for p in PHASES if p in v["trials"]), *map(peer_phase, keeps)]:
+        for phase in [*(p for p in PHASES if p in v["trials"]), *peers]:
             path, label, test, tokens = phase_row(phase)
             s, peak = v["stats"][phase], v["derived"]["peak_memory_GB"][phase]
             out.append(md_row((
@@ -431,58 +412,19 @@ def markdown_report(results: dict) -> str:
             "scores it, the large model reads the kept 32-token chunks (its cache's entries in "
             "brackets, of n-1).", "",
             *md_table(("n", "R ms", "ours (P+X)/R", "switch alone X/R",
-                       *(f"specprefill {k:g} kept" for k in keeps)), "r" * (4 + len(keeps)))]  # fmt: skip
+                       *(f"{k} kept" for k in peers)), "r" * (4 + len(peers)))]  # fmt: skip
     for key, v in lengths.items():
         ratio, sp = v["ttft_over_target"], v["specprefill"]
         out.append(md_row((
             key, f"{1e3 * v['stats']['target_ttft']['median']:.1f}", f"{ratio['ours']:.2f}",
             f"{ratio['switch alone']:.3f}",
-            *(f"{ratio[peer_phase(k)]:.2f} ({int(np.median(sp[peer_phase(k)]['cache_entries']))})"
-              for k in keeps),
+            *(f"{ratio[k]:.2f} ({int(np.median(sp[k]['cache_entries']))})" for k in peers),
         )))  # fmt: skip
-    out += ["", "## Derived (medians)", "", *derived_table(results)]
-    reading = results.get("map_reading")
-    if reading:
-        out += ["", "Map reading measured at the start: " + ", ".join(
-            f"{k} {v['chosen']} (" + "/".join(f"{s} {ms:.2f} ms" for s, ms in v["ms"].items()) + ")"
-            for k, v in reading.items()
-        )]  # fmt: skip
-    if results.get("skipped"):
-        skipped = "; ".join(f"n={s['length']}: {s['reason']}" for s in results["skipped"])
-        out += ["", f"Skipped: {skipped}"]
-    return "\n".join(out + targets_lines(results.get("targets") or {})) + "\n"
-
-
-def targets_lines(t: dict) -> list[str]:
-    """The goals, met or missed (`check_targets`), as a markdown section."""
-    if not t:
-        return []
-    eff, step, sp = t["gemm_efficiency"], t["translation_vs_target_step"], t["switch_speedup"]
-
-    def mark(met: bool) -> str:
-        return "met" if met else "**missed**"
-
-    per_n = ", ".join(f"{n}: {100 * v:.0f}% (maps alone {100 * eff['maps_alone'][n]:.0f}%)"
-                      for n, v in eff["value"].items())  # fmt: skip
-    return [
-        "",
-        "## Goals",
-        "",
-        f"- translation (the hand-off's, whole) against the same-run GEMM, at every length "
-        f"(goal {eff['goal']}): {per_n}: {mark(eff['met'])}",
-        f"- translation / one target decode step at n={step['at']} (goal {step['goal']}): "
-        f"{step['value']:.3f} (the GEMM's own {step['gemm_floor']:.3f}): {mark(step['met'])}",
-        f"- switch speed-up R/X at n={sp['at']} (goal {sp['goal']}): {sp['value']:.2f}x: "
-        f"{mark(sp['met'])}",
-    ]
-
-
-def derived_table(results: dict) -> list[str]:
-    """The figures derived per length (medians), as a markdown table."""
-    out = md_table(("n", "switch speed-up R/X", "translation (GEMM) / target step",
-                    "translation / target prefill", "translation GFLOP/s", "GB/s", "GEMM GFLOP/s",
-                    "GB/s", "efficiency vs GEMM (maps alone)"), "r" * 9)  # fmt: skip
-    for key, v in results["lengths"].items():
+    out += ["", "## Derived (medians)", "",
+            *md_table(("n", "switch speed-up R/X", "translation (GEMM) / target step",
+                       "translation / target prefill", "translation GFLOP/s", "GB/s",
+                       "GEMM GFLOP/s", "GB/s", "efficiency vs GEMM (maps alone)"), "r" * 9)]  # fmt: skip
+    for key, v in lengths.items():
         d, sp = v["derived"], v["derived"]["switch_speedup_trials"]
         out.append(md_row((
             key, f"{d['switch_speedup']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})",
@@ -491,7 +433,36 @@ def derived_table(results: dict) -> list[str]:
             f"{d['translate_gbs']:.2f}", f"{d['gemm_gflops']:.1f}", f"{d['gemm_gbs']:.2f}",
             f"{100 * d['gemm_efficiency']:.0f}% ({100 * d['map_efficiency']:.0f}%)",
         )))  # fmt: skip
-    return out
+    if results["map_reading"]:
+        out += ["", "Map reading measured at the start: " + ", ".join(
+            f"{k} {v['chosen']} (" + "/".join(f"{s} {ms:.2f} ms" for s, ms in v["ms"].items()) + ")"
+            for k, v in results["map_reading"].items()
+        )]  # fmt: skip
+    if results["skipped"]:
+        skipped = "; ".join(f"n={s['length']}: {s['reason']}" for s in results["skipped"])
+        out += ["", f"Skipped: {skipped}"]
+    return "\n".join(out + targets_lines(results["targets"])) + "\n"
+
+
+def targets_lines(t: dict) -> list[str]:
+    """The goals, met or missed (`check_targets`), as a markdown section."""
+    if not t:
+        return []
+    eff, step, sp = t["gemm_efficiency"], t["translation_vs_target_step"], t["switch_speedup"]
+    mark = {True: "met", False: "**missed**"}
+    per_n = ", ".join(f"{n}: {100 * v:.0f}% (maps alone {100 * eff['maps_alone'][n]:.0f}%)"
+                      for n, v in eff["value"].items())  # fmt: skip
+    return [
+        "",
+        "## Goals",
+        "",
+        f"- translation (the hand-off's, whole) against the same-run GEMM, at every length "
+        f"(goal {eff['goal']}): {per_n}: {mark[eff['met']]}",
+        f"- translation / one target decode step at n={step['at']} (goal {step['goal']}): "
+        f"{step['value']:.3f} (the GEMM's own {step['gemm_floor']:.3f}): {mark[step['met']]}",
+        f"- switch speed-up R/X at n={sp['at']} (goal {sp['goal']}): {sp['value']:.2f}x: "
+        f"{mark[sp['met']]}",
+    ]
 
 
 def plot(results: dict, path: str | Path) -> Path:
@@ -513,11 +484,9 @@ def plot(results: dict, path: str | Path) -> Path:
         med = np.array([np.median(v) for v in per])
         err = np.array([med - [v.min() for v in per], [v.max() for v in per] - med])
         ax.errorbar(lens, med, yerr=np.maximum(err, 0), fmt=style, capsize=3, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("prefix length (tokens)")
-    ax.set_ylabel("time (ms)")
     p = results["pair"]
+    ax.set_xscale("log", base=2)
+    ax.set(yscale="log", xlabel="prefix length (tokens)", ylabel="time (ms)")
     ax.set_title(f"{p['source']['name']} → {p['target']['name']}", fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)

@@ -96,9 +96,7 @@ def fitting_tasks(pair, texts: Sequence[str], lengths: Sequence[int], per_kind: 
                          f"context ({room}) are one length: give one of them")  # fmt: skip
     for _ in range(5):
         tasks = build_tasks(pair.tokenizer, texts, built, per_kind, kinds, seed=seed)
-        over = {}
-        for t in tasks:
-            over[t.length] = max(over.get(t.length, 0), len(t.tokens) - room)
+        over = {b: max([len(t.tokens) - room for t in tasks if t.length == b]) for b in built}
         if max(over.values()) <= 0:
             label = dict(zip(built, asked))
             return [replace(t, length=label[t.length]) for t in tasks]
@@ -206,14 +204,11 @@ def answers_from(model, tokenizer, kvs: Sequence[tuple[list, list]], last: int, 
     for _ in range(max_tokens):
         nxt = mx.argmax(model.model(y, cache=cache)[:, -1, :], axis=-1).tolist()
         for b, t in enumerate(nxt):
-            if not live[b]:
-                continue
-            if t in eos:
+            if live[b] and t in eos:
                 live[b] = False
-                continue
-            rows[b].append(t)
-            if until and contains(until, tokenizer.decode(rows[b])):
-                live[b] = False
+            elif live[b]:
+                rows[b].append(t)
+                live[b] = not (until and contains(until, tokenizer.decode(rows[b])))
         if not any(live):
             break
         y = mx.array(nxt)[:, None]
@@ -301,9 +296,8 @@ def summarize(rows: list, native: list) -> dict:
 def evaluate_content(pair, tasks: Sequence[ContentTask], conditions: dict, small: bool = True,
                      progress=None, only_native_right: bool = False) -> ContentResult:  # fmt: skip
     """Every condition's answer to every task, native first and the source alone last
-    (`small`), scored against native; `progress(done, total)` after each task. With
-    `only_native_right`, the other conditions answer only the tasks native got right (what
-    retention counts; it saves their reads where the large model itself fails)."""
+    (`small`), scored against native; `progress(done, total)` after each task; with
+    `only_native_right`, the others answer only where native was right (what retention counts)."""
     res = ContentResult(conditions=["native", *conditions, *(["small"] if small else [])])
     for i, task in enumerate(tasks):
         answers, seconds = _answers(pair, task, conditions, small, only_native_right)
@@ -320,9 +314,8 @@ def evaluate_content(pair, tasks: Sequence[ContentTask], conditions: dict, small
 
 
 def to_json(res: ContentResult, pair, extra: dict | None = None) -> dict:
-    cells = res.cells()
     return {"schema": SCHEMA, "pair": {"source": pair.source.name, "target": pair.target.name},
-            "conditions": res.conditions, "cells": cells, "records": res.records,
+            "conditions": res.conditions, "cells": res.cells(), "records": res.records,
             **(extra or {})}  # fmt: skip
 
 
@@ -330,15 +323,12 @@ def retention(result: dict, condition: str = "chat") -> list[tuple[int, int, int
     """(read length, kept, right) of `condition` per length, facts and copies pooled: right =
     native right, kept = `condition` right too (conversation/reader.py weighs them)."""
     native = {r["task"]: r for r in result["records"] if r["condition"] == "native"}
-    right: dict = {}
+    right: dict = {}  # read length -> whether `condition` was right too, per native-right task
     for r in result["records"]:
         nat = native.get(r["task"])
-        if r["condition"] != condition or nat is None or nat["kind"] not in EXACT_KINDS:
-            continue
-        if nat["correct"]:
-            kept, total = right.get(nat["length"], (0, 0))
-            right[nat["length"]] = (kept + bool(r["correct"]), total + 1)
-    return [(n, k, t) for n, (k, t) in sorted(right.items())]
+        if r["condition"] == condition and nat and nat["kind"] in EXACT_KINDS and nat["correct"]:
+            right.setdefault(nat["length"], []).append(bool(r["correct"]))
+    return [(n, sum(kept), len(kept)) for n, kept in sorted(right.items())]
 
 
 def read_times(result: dict) -> dict:
@@ -393,19 +383,17 @@ def plot(result: dict, path: str | Path) -> Path:
     plt = report.pyplot()
     cells = result["cells"]
     kinds = [k for k in KINDS if any(k in by for by in cells.values())]
-    fig, axes = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.4), sharey=True,
-                             squeeze=False)  # fmt: skip
-    axes = axes[0]
+    fig, (axes,) = plt.subplots(1, len(kinds), figsize=(4 * len(kinds), 3.4), sharey=True,
+                                squeeze=False)  # fmt: skip
     for ax, kind in zip(axes, kinds):
         for c in result["conditions"]:
             if c == "native" or kind not in cells.get(c, {}):
                 continue
             pts = sorted((int(n), s["score"]) for n, s in cells[c][kind].items())
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=c)
+            ax.plot(*zip(*pts), marker="o", label=c)
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{kind} ({'retained' if kind in EXACT_KINDS else 'recall'})")
-        ax.set_xlabel("read tokens")
-        ax.set_ylim(0, 1.05)
+        head = "retained" if kind in EXACT_KINDS else "recall"
+        ax.set(title=f"{kind} ({head})", xlabel="read tokens", ylim=(0, 1.05))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("vs the native answer")
     axes[-1].legend(fontsize=8)

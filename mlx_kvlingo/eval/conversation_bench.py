@@ -16,6 +16,7 @@ from pathlib import Path
 from mlx_kvlingo.api import Pair
 from mlx_kvlingo.config import POLICIES, ReaderPolicy
 from mlx_kvlingo.conversation.session import Session
+from mlx_kvlingo.conversation.warmup import warm_up
 from mlx_kvlingo.eval import report
 from mlx_kvlingo.eval.bench import prompt_tokens
 from mlx_kvlingo.eval.report import md_row, md_table, number
@@ -61,18 +62,15 @@ class TurnTiming:
 
 
 def _answer(session: Session, model: str, cfg: ConversationBenchConfig, escalate: bool = False):
-    """Run one answer; (ttft_s, total_s, turn stats)."""
-    # every answer runs its full length: end-of-sequence banned through mlx-lm's logit bias
+    """Run one answer to its full length (end-of-sequence banned through mlx-lm's logit bias);
+    (total seconds, turn stats: its TTFT as the session measured it)."""
     procs = make_logits_processors(
         logit_bias=dict.fromkeys(session.pair.tokenizer.eos_token_ids, -1e9)
     )
-    t0 = time.perf_counter()
-    ttft = None
     run = session.escalate if escalate else session.generate
-    args = () if escalate else (model,)
-    for _ in run(*args, max_tokens=cfg.answer_tokens, logits_processors=procs):
-        ttft = ttft if ttft is not None else time.perf_counter() - t0
-    return ttft or 0.0, time.perf_counter() - t0, session.last_turn
+    t0 = time.perf_counter()
+    list(run(model, max_tokens=cfg.answer_tokens, logits_processors=procs))
+    return time.perf_counter() - t0, session.last_turn
 
 
 def _translate_s(st) -> float:
@@ -83,10 +81,10 @@ def _translate_s(st) -> float:
 def _turn(s: Session, policy: str, t: int, n: int, cfg, escalate: bool) -> TurnTiming:
     """One turn of `policy` on its session, timed (the user turn already added)."""
     if not policy.startswith("cascade"):
-        ttft, total, st = _answer(s, "target", cfg)
+        total, st = _answer(s, "target", cfg)
         sw = st.switch
         return TurnTiming(
-            policy, t, n, ttft, total, read_s=st.read.seconds if st.read else 0.0,
+            policy, t, n, st.ttft_s, total, read_s=st.read.seconds if st.read else 0.0,
             translate_s=_translate_s(st),
             # with the recompute the answer reads the tail's last token again
             large_read_tokens=max(st.prompt_tokens, sw.tail_read if sw else 0),
@@ -94,12 +92,13 @@ def _turn(s: Session, policy: str, t: int, n: int, cfg, escalate: bool) -> TurnT
             recompute_s=sw.recompute_s if sw else 0.0, small_read=st.read is not None,
             retention=st.retention,
         )  # fmt: skip
-    ttft, total, st = _answer(s, "source", cfg)
-    tt = TurnTiming(policy, t, n, ttft, total, translate_s=_translate_s(st),
+    total, st = _answer(s, "source", cfg)
+    tt = TurnTiming(policy, t, n, st.ttft_s, total, translate_s=_translate_s(st),
                     small_decode_tps=st.generation_tps)  # fmt: skip
     if escalate:
-        e_ttft, e_total, est = _answer(s, "target", cfg, escalate=True)
-        tt.ttft_s, tt.total_s, tt.escalation_ttft_s = total + e_ttft, total + e_total, e_ttft
+        e_total, est = _answer(s, "target", cfg, escalate=True)
+        tt.ttft_s, tt.total_s = total + est.ttft_s, total + e_total
+        tt.escalation_ttft_s = est.ttft_s
         tt.large_decode_tps, tt.large_read_tokens = est.generation_tps, est.prompt_tokens
         tt.translate_s += _translate_s(est)
         tt.escalated = True
@@ -115,11 +114,8 @@ def run_conversation_bench(
     info: dict | None = None,
 ) -> dict:
     """Time `cfg.turns` turns under each policy; a JSON-ready dict."""
-    warmup_s = None
+    warmup_s = warm_up(pair, forward, backward).warmup_s if cfg.warmup else None
     if cfg.warmup:
-        from mlx_kvlingo.conversation.warmup import warm_up
-
-        warmup_s = warm_up(pair, forward, backward).warmup_s
         log(f"warm-up {warmup_s:.1f} s")
     runtime = Pair(pair, forward, backward)  # reader auto weighs what the chat's weighs
     policies = {p: replace(cfg.policy, **POLICIES[p]) for p in cfg.policies}
@@ -212,8 +208,7 @@ def summarize(timings: list[TurnTiming], cfg: ConversationBenchConfig) -> dict:
 
 
 def markdown_report(result: dict) -> str:
-    """Per turn, each policy's TTFT and how reader auto did against the better of the two fixed
-    readers; means by user-turn length; the cascades' escalations."""
+    """conversation.md: per turn, by user-turn length and the cascades' (`summarize`)."""
     cfg, summary = result["config"], result["summary"]
     policies, auto = cfg["policies"], summary.get("auto")
     auto_by = {r["turn"]: r for r in auto["turns"]} if auto else {}

@@ -62,7 +62,6 @@ def evaluate(pair, translator, examples, progress=None) -> dict:
         translators["raw"] = raw
     cuts = sorted({tr.config.key_cut for tr in translators.values()})
     rows: dict = {label: [] for label in ("native", *translators, "source")}
-    weights = []
     for i, ex in enumerate(examples):
         preps = {cut: prepare(pair, ex, cut) for cut in cuts}
         teacher = preps[cuts[0]].teacher_logp
@@ -72,10 +71,9 @@ def evaluate(pair, translator, examples, progress=None) -> dict:
             logp = student_logp(tr, pair, preps[tr.config.key_cut])
             rows[label].append(scores(logp, teacher, targets))
         rows["source"].append(scores(native_logp(pair.source, ex), teacher, targets))
-        weights.append(len(ex.continuation))
         if progress:
             progress(i + 1, len(examples))
-    w = np.asarray(weights, dtype=np.float64)
+    w = np.array([len(ex.continuation) for ex in examples], dtype=np.float64)
     metrics = ("nll", "top1", "agree_native", "kl_native")
     out = {  # token-weighted means
         label: {k: float(np.dot([r[k] for r in rs], w) / w.sum()) for k in metrics}
@@ -86,7 +84,7 @@ def evaluate(pair, translator, examples, progress=None) -> dict:
         r["gap_recovered"] = gap_recovered(src, nat, r["nll"])
     if isinstance(raw, str):
         out["raw"] = {"skipped": raw}
-    return {**out, "examples": len(examples), "tokens": int(sum(weights)),
+    return {**out, "examples": len(examples), "tokens": int(w.sum()),
             "pair": {"source": pair.source.name, "target": pair.target.name}}  # fmt: skip
 
 
@@ -97,15 +95,13 @@ def table(result: dict, title: str = "evaluation") -> Table:
                       " · KL(native || condition) · gap rec. = (NLL_source - NLL) / (NLL_source - NLL_native),"
                       f" n/a when that gap is under {MIN_GAP} nats")  # fmt: skip
     for c in CONDITIONS:
-        r = result.get(c)
-        if r is None:
-            continue
+        r = result[c]
         if "skipped" in r:
             t.add_row(c, *["n/a"] * 6)
             t.caption += f" · {c}: n/a, {r['skipped']}"
-            continue
-        t.add_row(
-            c, f"{r['nll']:.3f}", f"{np.exp(r['nll']):.1f}", f"{r['top1']:.3f}", f"{r['agree_native']:.3f}",
-            format_kl(r["kl_native"]), number(r.get("gap_recovered"), ".3f"),
-        )  # fmt: skip
+        else:
+            t.add_row(
+                c, f"{r['nll']:.3f}", f"{np.exp(r['nll']):.1f}", f"{r['top1']:.3f}", f"{r['agree_native']:.3f}",
+                format_kl(r["kl_native"]), number(r["gap_recovered"], ".3f"),
+            )  # fmt: skip
     return t

@@ -24,13 +24,10 @@ QWEN3_06B = dict(
     max_position_embeddings=40960, tie_word_embeddings=True,
 )  # fmt: skip
 #: the qwen3_moe targets' common shape: Qwen3-30B-A3B's heads, hidden size and experts scaled
+#: (each target sets its layers, heads and KV heads)
 QWEN3_MOE_TARGET = dict(
+    QWEN3_06B,
     kind="qwen3_moe",
-    hidden_size=1024,
-    intermediate_size=3072,
-    head_dim=128,
-    rope_theta=1e6,
-    max_position_embeddings=40960,
     num_experts=16,
     moe_intermediate_size=384,
     norm_topk_prob=True,
@@ -61,19 +58,13 @@ class Preset:
         kind = spec.pop("kind")
         return model_config(kind, self.vocab_size or vocab, **spec)
 
-    def parameter_count(self, side: str, vocab: int | None = None) -> int:
-        """Parameters of one side, from its config (no model is built)."""
-        c = self.config(side, vocab or self.vocab_size or self.tokenizer_vocab + 3)
-        h, n, v = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
-        d = c.get("head_dim") or h // c["num_attention_heads"]
-        q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
-        attn = h * (q + 2 * kv) + q * h
-        if c["model_type"] == "qwen3_moe":
-            mlp = c["num_experts"] * 3 * h * c["moe_intermediate_size"] + h * c["num_experts"]
-        else:
-            mlp = 3 * h * c["intermediate_size"]
-        emb = v * h * (1 if c.get("tie_word_embeddings") else 2)
-        return n * (attn + mlp) + emb
+    def parameter_count(self, side: str) -> int:
+        """Parameters of one side, from its config (a lazy model: no weights are computed)."""
+        from mlx_lm.utils import _get_classes, get_total_parameters
+
+        c = self.config(side, self.vocab_size or self.tokenizer_vocab + 3)
+        model, args = _get_classes(c)
+        return get_total_parameters(model(args.from_dict(c)))
 
 
 PRESETS: dict[str, Preset] = {
@@ -159,10 +150,9 @@ def _build(preset: Preset, folder: Path) -> None:
 
     tok = syn.build_tokenizer(folder / "tokenizer", vocab_size=preset.tokenizer_vocab)
     vocab = {"vocab_size": preset.vocab_size} if preset.vocab_size else {}
-    for i, side in enumerate(("source", "target")):
-        spec = dict(preset.source if side == "source" else preset.target)
-        kind = spec.pop("kind")
-        syn.make_model_folder(folder / side, kind, tok, preset.seed + i, **spec, **vocab)
+    for i, (side, spec) in enumerate((("source", preset.source), ("target", preset.target))):
+        shape = {k: v for k, v in spec.items() if k != "kind"}
+        syn.make_model_folder(folder / side, spec["kind"], tok, preset.seed + i, **shape, **vocab)
         gc.collect()
         mx.clear_cache()
     shutil.rmtree(tok)

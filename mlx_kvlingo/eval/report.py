@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import math
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -21,53 +21,40 @@ import numpy as np
 
 
 def run_info() -> dict:
-    """created, command, machine and software of a result measured now."""
-    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
-    return {"created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": command,
-            "machine": machine_info(), "software": software_info()}  # fmt: skip
+    """created, command, machine (load average now) and software of a result measured now."""
+    from mlx_kvlingo import __version__
 
-
-def machine_info() -> dict:
-    """OS, CPU, memory, MLX backend and device, the BLAS loaded, the load average now."""
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    cpu = re.search(r"^model name\s*:\s*(.+)$", cpuinfo, re.M)
     gpu = mx.default_device().type == mx.gpu
     return {
-        "os": platform.platform(),
-        "arch": platform.machine(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "memory_GB": round(physical_memory() / 1e9, 1),
-        "backend": ("metal" if mx.metal.is_available() else "cuda") if gpu else "cpu",
-        "device": mx.device_info() if hasattr(mx, "device_info") else {},
-        "blas": _blas.loaded_path or f"none preloaded ({_blas.reason})",
-        "load_average": load_average(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "machine": {
+            "os": platform.platform(),
+            "arch": platform.machine(),
+            "cpu": cpu[1].strip() if cpu else platform.processor(),
+            "cpu_count": os.cpu_count(),
+            "memory_GB": round(physical_memory() / 1e9, 1),
+            "backend": ("metal" if mx.metal.is_available() else "cuda") if gpu else "cpu",
+            "device": mx.device_info() if hasattr(mx, "device_info") else {},
+            "blas": _blas.loaded_path or f"none preloaded ({_blas.reason})",
+            "load_average": load_average(),
+        },
+        "software": {
+            "python": platform.python_version(),
+            "mlx": mx.__version__,
+            "mlx-lm": importlib.metadata.version("mlx-lm"),
+            "mlx-kvlingo": __version__,
+            "numpy": np.__version__,
+            "commit": git_commit(),
+        },
     }
 
 
 def load_average() -> list[float] | None:
     """The 1, 5 and 15 minute load averages (None where the OS has none)."""
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-
-
-def software_info() -> dict:
-    """Versions of Python, mlx, mlx-lm, mlx-kvlingo and numpy, and the checkout's commit."""
-    from mlx_kvlingo import __version__
-
-    return {
-        "python": platform.python_version(),
-        "mlx": mx.__version__,
-        "mlx-lm": importlib.metadata.version("mlx-lm"),
-        "mlx-kvlingo": __version__,
-        "numpy": np.__version__,
-        "commit": git_commit(),
-    }
 
 
 def git_commit() -> str | None:
@@ -128,18 +115,10 @@ def write(out_dir: str | Path, name: str, result, markdown: str, plot=None,
 
 
 def jsonable(x):
-    """`x` as strict JSON holds it (NaN and infinities as null, the unknown as its `str`)."""
-    if isinstance(x, dict):
-        return {str(k): jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [jsonable(v) for v in x]
-    if isinstance(x, (np.floating, float)):
-        return None if not math.isfinite(float(x)) else float(x)
-    if isinstance(x, np.integer):
-        return int(x)
-    if isinstance(x, (str, int, bool)) or x is None:
-        return x
-    return str(x)
+    """`x` as strict JSON holds it (NaN and infinities as null, NumPy scalars as numbers, the
+    unknown as its `str`)."""
+    text = json.dumps(x, default=lambda o: o.item() if isinstance(o, np.generic) else str(o))
+    return json.loads(text, parse_constant=lambda _: None)
 
 
 def write_json(result, path: str | Path) -> Path:

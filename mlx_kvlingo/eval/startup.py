@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from mlx_kvlingo.conversation.reader import RATES
 from mlx_kvlingo.eval import report
 
 PROMPT = "Answer in one word: what is the capital of France?"
@@ -66,32 +66,18 @@ SIDES = {
 }
 
 
-def new_cache_folder(cache: Path) -> Path:
-    """A fresh cache folder linking everything in `cache` but the stored rates."""
-    from mlx_kvlingo.conversation.reader import RATES
-
-    fresh = Path(tempfile.mkdtemp(prefix="kvlingo-startup-"))
-    if cache.is_dir():
-        for entry in cache.iterdir():
-            if entry.name != RATES and not entry.name.startswith("."):
-                (fresh / entry.name).symlink_to(entry.resolve())
-    return fresh
-
-
 def run_one(side: str, args: dict, cache: Path, timeout: float) -> dict:
     """One start in a fresh process; its parts, and `start_s`: spawn to first token."""
     env = dict(os.environ)
-    fresh = None
-    if side == "kvlingo-new":
-        fresh = new_cache_folder(cache)
-        env["KVLINGO_CACHE"] = str(fresh)
-    try:
+    with tempfile.TemporaryDirectory(prefix="kvlingo-startup-", ignore_cleanup_errors=True) as new:
+        if side == "kvlingo-new":  # a new cache folder linking everything in `cache` but the rates
+            for entry in cache.iterdir() if cache.is_dir() else ():
+                if entry.name != RATES and not entry.name.startswith("."):
+                    (Path(new) / entry.name).symlink_to(entry.resolve())
+            env["KVLINGO_CACHE"] = new
         spawned = time.time()
         out = subprocess.run([sys.executable, "-c", _CHILD, side, json.dumps(args)], env=env,
                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
-    finally:
-        if fresh is not None:
-            shutil.rmtree(fresh, ignore_errors=True)
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["no message"])[-1]
         raise StartupBenchError(f"the {side} start failed (exit {out.returncode}): {last}")
@@ -134,11 +120,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict:
                      ("start_s", "import_s", "load_s", "warmup_s", "ttft_s", "later_ttft_s")}  # fmt: skip
         out[side]["rates"] = sorted({str(r.get("rates")) for r in rs})
     base = out["mlx-lm"]["start_s"]
-    for side in ("kvlingo", "kvlingo-new"):
-        mine = out[side]["start_s"]
-        out[side]["vs_mlx_lm"] = {k: mine[k] / base[k] for k in ("min", "median")}
-        ttft, later = out[side]["ttft_s"], out[side]["later_ttft_s"]
-        out[side]["first_vs_later_turn"] = ttft["median"] / later["median"]
+    for mine in (out["kvlingo"], out["kvlingo-new"]):
+        mine["vs_mlx_lm"] = {k: mine["start_s"][k] / base[k] for k in ("min", "median")}
+        mine["first_vs_later_turn"] = mine["ttft_s"]["median"] / mine["later_ttft_s"]["median"]
     return out
 
 
