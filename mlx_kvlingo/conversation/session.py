@@ -3,8 +3,8 @@
 Invariant: the conversation is one list of token ids (`Transcript`: the chat template applied to
 its messages); each model's cache holds a prefix of it, `held` tokens long, in every layer
 (`ModelCache`). A change returns `keep`, how many old tokens are still the conversation's, and
-both caches are cut to it; a turn ends in `_commit` however it stops: the emitted tokens are the
-answer, the cache is cut to match. A span is translated at its true positions, once. A turn:
+both caches are cut to it; however a turn stops, the emitted tokens are the answer and the
+cache is cut to match. A span is translated at its true positions, once. A turn:
 
     1. hand-off   who reads it (reader.py, decided once into a `Decision`): the small model, the
                   span the large lacks translated, the large reading the last tokens and
@@ -36,7 +36,7 @@ from mlx_kvlingo.conversation.stream import (
     role,
 )
 from mlx_kvlingo.kv.cache import append_zeros, new_cache, prefix_copy, reserve
-from mlx_kvlingo.kv.capture import SpanKV, needs_recording, prefill
+from mlx_kvlingo.kv.capture import needs_recording, prefill
 from mlx_kvlingo.kv.recompute import (
     read_positions,
     recompute_attended,
@@ -300,37 +300,32 @@ class CatchUp:
     def _translate(self, o: ModelCache, m: ModelCache, tr, start: int, end: int) -> None:
         """Append the translation of o's K/V for [start, end) to m (holding [0, start)),
         `READ_CHUNK` tokens at a time where it can; m holds whole chunks however it stops."""
-        cut = tr.config.key_cut
-        whole = self.remote is not None or needs_recording(o.loaded, cut)
-        chunk = end - start if whole else READ_CHUNK
+        cut, remote = tr.config.key_cut, self.remote is not None
+        gather = remote and o.name == "target"  # the large model's K/V from the other ranks
+        recorded = needs_recording(o.loaded, cut)  # pre-k_norm keys are not in the cache
+        if gather and recorded:
+            raise SessionError(
+                "a pre_norm backward translator is not available with a pipelined large "
+                "model (it would recompute the large model's keys); use a post_norm one"
+            )
+        chunk = end - start if remote or recorded else READ_CHUNK
         try:
             for s in range(start, end, chunk):
                 e = min(end, s + chunk)
-                span = self._capture(o, tr, s, e)
+                if gather:
+                    span = self.remote.gather(o.cache, s, e)
+                elif recorded:  # recompute the span on the prefix
+                    span = prefill(o.loaded, self.tokens[s:e], prefix_copy(o.cache, s), cut=cut)
+                else:
+                    span = tr.capture(o.loaded, o.cache, s, e)
                 span.tokens = tuple(self.tokens[s:e])
-                if m.name == "target" and self.remote is not None:
+                if m.name == "target" and remote:
                     self.remote.place(m.cache, span)
                 else:
                     append_translation(m.loaded, tr, span, m.cache)
                 m.held = e
         finally:
             m.settle(m.held)  # an interrupted append leaves no half-written layer
-
-    def _capture(self, o: ModelCache, tr: Translator, start: int, end: int) -> SpanKV:
-        """o's RoPE-free K/V for [start, end) at `tr`'s key cut (the layers `tr` reads)."""
-        cut = tr.config.key_cut
-        if o.name == "target" and self.remote is not None:
-            if needs_recording(o.loaded, cut):
-                raise SessionError(
-                    "a pre_norm backward translator is not available with a pipelined large "
-                    "model (it would recompute the large model's keys); use a post_norm one"
-                )
-            return self.remote.gather(o.cache, start, end)
-        if not needs_recording(o.loaded, cut):
-            return tr.capture(o.loaded, o.cache, start, end)
-        # pre-k_norm keys are not in the cache: recompute the span on the prefix
-        return prefill(o.loaded, self.tokens[start:end], prefix_copy(o.cache, start),
-                       cut=cut)  # fmt: skip
 
     def small_reads(self, upto: int, chunk: int, progress=None) -> Read:
         """The small model catches up on the large's last answer, then reads up to `upto` by
@@ -609,16 +604,13 @@ class Session(CatchUp, Transcript):
         finally:
             if steps is not None:
                 steps.close()
-            self._commit(m, n0, emitted, stats)  # however the turn stopped
+            stats.finish_reason = stats.finish_reason or "interrupted"  # however it stopped
+            if emitted:
+                self._add_answer(n0, emitted, stats.text, m.name)
+            m.settle(len(self.tokens))
+            self.turns.append(stats)
         if emitted and paths is not None:  # the other path's TTFT, predicted with this turn's rates
             reader.alternative(self, stats, paths, self.tokens[:n0])
-
-    def _commit(self, m: ModelCache, n0: int, emitted, stats: TurnStats) -> None:
-        stats.finish_reason = stats.finish_reason or "interrupted"
-        if emitted:
-            self._add_answer(n0, emitted, stats.text, m.name)
-        m.settle(len(self.tokens))
-        self.turns.append(stats)
 
     def hand_off(self, model: str = "target") -> TurnStats:
         """`generate`'s hand-off without the answer; its record."""
@@ -642,26 +634,69 @@ class Session(CatchUp, Transcript):
         other = "target" if answered == "source" else "source"
         return self.generate(model or other, **generate_kwargs)
 
+    # Session files. Invariant: a file loads only into the pair that wrote it (geometry and a
+    # weight fingerprint per model), and a load that fails leaves the session as it was, with a
+    # one-line `SessionFileError`. The file is an mlx-lm prompt cache (the source's layers, then
+    # the target's), its metadata `kvlingo_session` the rest as JSON; a `.safetensors` suffix is
+    # added where missing.
+
     def save(self, path: str | Path) -> Path:
-        """One mlx-lm prompt cache file (below)."""
         self._claim()
-        return _save_file(path, self)
+        _local(self, "saving")
+        pair, models = self.pair, self.models
+        path = Path(path)
+        if path.suffix != ".safetensors":
+            path = path.with_name(path.name + ".safetensors")
+        state = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **_identity(pair),
+                 "layers": [pair.source.geometry.layers, pair.target.geometry.layers],
+                 "held": {n: models[n].held for n in MODELS}, "tokens": self.tokens,
+                 "messages": self.messages, "system_prompt": self.system_prompt,
+                 "mode": self.mode, "policy": self.policy.to_dict(),
+                 "answer": list(self.answer) if self.answer else None,
+                 "user_start": self.user_start, "switches": [asdict(x) for x in self.switches],
+                 "turns": [{**asdict(x), "logprobs": []} for x in self.turns]}  # fmt: skip
+        caches = [c for n in MODELS for c in prefix_copy(models[n].cache, models[n].held)]
+        meta = {"kvlingo_session": json.dumps(state), "model": pair.target.name}
+        with atomic_write(path) as tmp:
+            save_prompt_cache(str(tmp), caches, meta)
+        return path
 
     def load(self, path: str | Path) -> None:
         self._claim()
-        self.policy = _load_file(path, self)
+        _local(self, "loading")
+        path = Path(path)
+        if not path.is_file() and path.with_name(path.name + ".safetensors").is_file():
+            path = path.with_name(path.name + ".safetensors")
+        read_header(path, SessionFileError, "session")  # there and well formed, before mlx reads it
+        try:
+            caches, meta = load_prompt_cache(str(path), return_metadata=True)
+        except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError
+            raise SessionFileError(f"{path}: not a readable prompt cache file ({e})") from None
+        raw = meta.get("kvlingo_session") if isinstance(meta, dict) else None
+        if raw is None:
+            raise SessionFileError(
+                f"{path}: an mlx-lm prompt cache without kvlingo session state "
+                "(write session files with /save or Session.save)"
+            )
+        state = parse_json(raw, f"{path}: the kvlingo_session metadata", SessionFileError)
+        if (state.get("schema"), state.get("schema_version")) != (SCHEMA, SCHEMA_VERSION):
+            raise SessionFileError(
+                f"{path}: unsupported session schema {state.get('schema')!r:.80} "
+                f"v{state.get('schema_version')!r:.40}"
+            )
+        try:
+            policy = _restore(path, self, caches, state)
+        except SessionFileError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            what = f"missing {e}" if isinstance(e, KeyError) else str(e)[:300]
+            raise SessionFileError(f"{path}: inconsistent session state: {what}") from None
+        self.policy = policy
 
 
 #: progress(reader, done, total): `reader` has read `done` of the turn's `total` tokens it reads
 Progress = Callable[[str, int, int], None]
 Responses = Iterator[stream.GenerationResponse]
-
-
-# -- session files. Invariant: a file loads only into the pair that wrote it (geometry and a weight
-# fingerprint per model), and a load that fails leaves the session as it was, with a one-line
-# `SessionFileError`. The file is an mlx-lm prompt cache (the source's layers, then the target's),
-# its metadata `kvlingo_session` the rest as JSON; a `.safetensors` suffix is added where missing.
-
 MODELS = ("source", "target")
 SCHEMA, SCHEMA_VERSION = "mlx-kvlingo/session", 1
 
@@ -671,65 +706,11 @@ def _local(s, what: str) -> None:
         raise SessionError(f"{what} is not available when the large model is pipelined over ranks")
 
 
-def _save_file(path: str | Path, s) -> Path:
-    _local(s, "saving")
-    pair, t, models = s.pair, s, s.models  # t: the transcript
-    path = Path(path)
-    if path.suffix != ".safetensors":
-        path = path.with_name(path.name + ".safetensors")
-    state = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **_identity(pair),
-             "layers": [pair.source.geometry.layers, pair.target.geometry.layers],
-             "held": {n: models[n].held for n in MODELS}, "tokens": t.tokens,
-             "messages": t.messages, "system_prompt": t.system_prompt, "mode": s.mode,
-             "policy": s.policy.to_dict(), "answer": list(t.answer) if t.answer else None,
-             "user_start": t.user_start, "switches": [asdict(x) for x in s.switches],
-             "turns": [{**asdict(x), "logprobs": []} for x in s.turns]}  # fmt: skip
-    caches = [c for n in MODELS for c in prefix_copy(models[n].cache, models[n].held)]
-    meta = {"kvlingo_session": json.dumps(state), "model": pair.target.name}
-    with atomic_write(path) as tmp:
-        save_prompt_cache(str(tmp), caches, meta)
-    return path
-
-
-def _load_file(path: str | Path, s) -> ReaderPolicy:
-    """Restore into session `s`, once every check has passed; returns the policy to use."""
-    _local(s, "loading")
-    path = Path(path)
-    if not path.is_file() and path.with_name(path.name + ".safetensors").is_file():
-        path = path.with_name(path.name + ".safetensors")
-    read_header(path, SessionFileError, "session")  # there and well formed, before mlx reads it
-    try:
-        caches, meta = load_prompt_cache(str(path), return_metadata=True)
-    except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError
-        raise SessionFileError(f"{path}: not a readable prompt cache file ({e})") from None
-    raw = meta.get("kvlingo_session") if isinstance(meta, dict) else None
-    if raw is None:
-        raise SessionFileError(
-            f"{path}: an mlx-lm prompt cache without kvlingo session state "
-            "(write session files with /save or Session.save)"
-        )
-    state = parse_json(raw, f"{path}: the kvlingo_session metadata", SessionFileError)
-    if (state.get("schema"), state.get("schema_version")) != (SCHEMA, SCHEMA_VERSION):
-        raise SessionFileError(
-            f"{path}: unsupported session schema {state.get('schema')!r:.80} "
-            f"v{state.get('schema_version')!r:.40}"
-        )
-    try:
-        return _restore(path, s, caches, state)
-    except SessionFileError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-        what = f"missing {e}" if isinstance(e, KeyError) else str(e)[:300]
-        raise SessionFileError(f"{path}: inconsistent session state: {what}") from None
-
-
 def _identity(pair: ModelPair) -> dict:
-    def side(m):
-        return {"name": m.name, "geometry": m.geometry.as_dict(),
-                "fingerprint": model_fingerprint(m)}  # fmt: skip
+    def side(m) -> dict:
+        return dict(name=m.name, geometry=m.geometry.as_dict(), fingerprint=model_fingerprint(m))
 
-    return {"source": side(pair.source), "target": side(pair.target),
-            "tokenizer": pair.tokenizer_fingerprint}  # fmt: skip
+    return {n: side(getattr(pair, n)) for n in MODELS} | {"tokenizer": pair.tokenizer_fingerprint}
 
 
 def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:

@@ -372,8 +372,7 @@ def _answer(pair: Any, cache: Session, model: str | None, cancel: threading.Even
     """One answer, one response per token; the last once the turn is committed."""
     label = model
     if opts["redo"] and model is None:  # escalate: the other model than the last answer's
-        last = cache.last_turn
-        label = "small" if last is not None and last.model == "target" else "large"
+        label = "small" if getattr(cache.last_turn, "model", None) == "target" else "large"
     sample = sampler_kwargs(pair, str(label), kw)
     seed(sample.pop("seed"), cache.messages)
     cb = opts["prompt_progress_callback"]
