@@ -41,7 +41,7 @@ def start(pair, forward, backward=None, *, lengths=LENGTHS, sample=None, reuse=T
     except (KeyError, TypeError, ValueError):  # none stored, or not well formed
         stored = None
     if stored is None:
-        warm_up(pair, forward, backward, lengths=lengths, sample=sample)
+        warm_up(pair, forward, backward, lengths=lengths, sample=sample, costs=costs)
         with contextlib.suppress(OSError):  # an unwritable cache folder: measured every start
             chosen = {d: t.reading.to_dict() for d, t in maps.items() if t}
             reader.write(reader.RATES, key, costs=costs.to_dict(), map_reading=chosen)
@@ -56,13 +56,14 @@ def start(pair, forward, backward=None, *, lengths=LENGTHS, sample=None, reuse=T
     return costs
 
 
-def warm_up(pair, forward, backward=None, *, lengths=LENGTHS, sample=None) -> ReadCosts:
-    """Measure this pair's costs (`costs_of`): each translator measures how its maps read
-    fastest and faults in a translation's memory, a scratch turn pays the one-off costs
-    unmeasured, then per length the product's own turns are measured (the small reading for the
-    large, the large reading itself, then the small answering). `sample(role)`: the generate
-    keywords real turns use (sampler, logits processors), so they compile here too."""
-    costs, t0 = costs_of(pair), time.perf_counter()
+def warm_up(pair, forward, backward=None, *, lengths=LENGTHS, sample=None,
+            costs: ReadCosts | None = None) -> ReadCosts:  # fmt: skip
+    """Measure this pair's costs into `costs` (default the pair's): each translator measures how
+    its maps read fastest and faults in a translation's memory, a scratch turn pays the one-off
+    costs unmeasured, then per length the product's own turns are measured (the small reading
+    for the large, the large reading itself, then the small answering). `sample(role)`: the
+    generate keywords real turns use (sampler, logits processors), so they compile here too."""
+    costs, t0 = costs_of(pair) if costs is None else costs, time.perf_counter()
     for translator, into in ((forward, pair.target), (backward, pair.source)):
         if translator is not None:
             measure(translator)
