@@ -594,11 +594,8 @@ class Session(CatchUp, Transcript):
                 end = r.finish_reason or ("cancelled" if self.cancelled.is_set() else None)
                 if end is not None:
                     stats.finish_reason = "context" if capped and end == "length" else end
-                yield stream.GenerationResponse(r.text, r.token, r.logprobs, r.from_draft,
-                                                r.prompt_tokens, r.prompt_tps, r.generation_tokens,
-                                                r.generation_tps, r.peak_memory,
-                                                stats.finish_reason, stream.LABEL[name],
-                                                stats if end else None)  # fmt: skip
+                r.finish_reason, last = stats.finish_reason, stats if end else None
+                yield stream.GenerationResponse(**vars(r), model=stream.LABEL[name], handoff=last)
                 if end is not None:
                     break
         finally:
