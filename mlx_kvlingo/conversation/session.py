@@ -36,7 +36,7 @@ from mlx_kvlingo.conversation.stream import (
     role,
 )
 from mlx_kvlingo.kv.cache import append_zeros, new_cache, prefix_copy, reserve
-from mlx_kvlingo.kv.capture import needs_recording, prefill
+from mlx_kvlingo.kv.capture import SpanKV, needs_recording, prefill
 from mlx_kvlingo.kv.recompute import (
     read_positions,
     recompute_attended,
@@ -300,32 +300,37 @@ class CatchUp:
     def _translate(self, o: ModelCache, m: ModelCache, tr, start: int, end: int) -> None:
         """Append the translation of o's K/V for [start, end) to m (holding [0, start)),
         `READ_CHUNK` tokens at a time where it can; m holds whole chunks however it stops."""
-        cut, remote = tr.config.key_cut, self.remote is not None
-        gather = remote and o.name == "target"  # the large model's K/V from the other ranks
-        recorded = needs_recording(o.loaded, cut)  # pre-k_norm keys are not in the cache
-        if gather and recorded:
-            raise SessionError(
-                "a pre_norm backward translator is not available with a pipelined large "
-                "model (it would recompute the large model's keys); use a post_norm one"
-            )
-        chunk = end - start if remote or recorded else READ_CHUNK
+        cut = tr.config.key_cut
+        whole = self.remote is not None or needs_recording(o.loaded, cut)
+        chunk = end - start if whole else READ_CHUNK
         try:
             for s in range(start, end, chunk):
                 e = min(end, s + chunk)
-                if gather:
-                    span = self.remote.gather(o.cache, s, e)
-                elif recorded:  # recompute the span on the prefix
-                    span = prefill(o.loaded, self.tokens[s:e], prefix_copy(o.cache, s), cut=cut)
-                else:
-                    span = tr.capture(o.loaded, o.cache, s, e)
+                span = self._capture(o, tr, s, e)
                 span.tokens = tuple(self.tokens[s:e])
-                if m.name == "target" and remote:
+                if m.name == "target" and self.remote is not None:
                     self.remote.place(m.cache, span)
                 else:
                     append_translation(m.loaded, tr, span, m.cache)
                 m.held = e
         finally:
             m.settle(m.held)  # an interrupted append leaves no half-written layer
+
+    def _capture(self, o: ModelCache, tr: Translator, start: int, end: int) -> SpanKV:
+        """o's RoPE-free K/V for [start, end) at `tr`'s key cut (the layers `tr` reads)."""
+        cut = tr.config.key_cut
+        if o.name == "target" and self.remote is not None:
+            if needs_recording(o.loaded, cut):
+                raise SessionError(
+                    "a pre_norm backward translator is not available with a pipelined large "
+                    "model (it would recompute the large model's keys); use a post_norm one"
+                )
+            return self.remote.gather(o.cache, start, end)
+        if not needs_recording(o.loaded, cut):
+            return tr.capture(o.loaded, o.cache, start, end)
+        # pre-k_norm keys are not in the cache: recompute the span on the prefix
+        return prefill(o.loaded, self.tokens[start:end], prefix_copy(o.cache, start),
+                       cut=cut)  # fmt: skip
 
     def small_reads(self, upto: int, chunk: int, progress=None) -> Read:
         """The small model catches up on the large's last answer, then reads up to `upto` by
