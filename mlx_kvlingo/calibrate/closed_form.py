@@ -223,13 +223,10 @@ class Stage1Accumulator:
     that read the same layers share them. `add` accepts precomputed spans."""
 
     def __init__(self, pair, cfgs: list[Stage1Config], selection_examples=()):
-        cuts = {c.key_cut for c in cfgs}
-        if len(cuts) != 1:
-            raise ValueError("fit_many needs one key cut for all configs")
-        if len({c.native_first for c in cfgs}) != 1:
-            raise ValueError("fit_many needs one native_first setting for all configs")
-        (self.cut,) = cuts
         self.pair, self.cfgs = pair, list(cfgs)
+        if len({(c.key_cut, c.native_first) for c in self.cfgs}) != 1:
+            raise ValueError("fit_many needs one key cut and one native_first for all configs")
+        self.cut = self.cfgs[0].key_cut
         src, tgt = pair.source.geometry, pair.target.geometry
         self.configs, self.maps, selected = [], [], {}
         for cfg in cfgs:
