@@ -201,9 +201,15 @@ def fit_closed_form(
 
 def fit_many(pair, examples, cfgs: list[Stage1Config], progress=None) -> list[Translator]:
     """Fit several translators (sharing a key cut) from one pass over the data; with an
-    `alpha_grid`, the `is_validation` documents choose alpha, then join the final solve."""
-    fraction = VALIDATION_FRACTION if any(c.alpha_grid for c in cfgs) else None
-    return Stage1Accumulator(pair, cfgs, examples).add_all(examples, fraction, progress).solve()
+    `alpha_grid`, the `is_validation` documents choose alpha, then join the final solve.
+    `progress(done, total)` after each example (mlx-lm's prompt progress callback shape)."""
+    grid = any(c.alpha_grid for c in cfgs)
+    acc = Stage1Accumulator(pair, cfgs, examples)
+    for i, ex in enumerate(examples):
+        acc.add(ex, validation=grid and is_validation(ex, VALIDATION_FRACTION))
+        if progress:
+            progress(i + 1, len(examples))
+    return acc.solve()
 
 
 def document_of(ex) -> str:
@@ -230,7 +236,10 @@ class Stage1Accumulator:
         src, tgt = pair.source.geometry, pair.target.geometry
         self.configs, self.maps, selected = [], [], {}
         for cfg in cfgs:
-            given = _prior_maps(cfg.prior) or {}
+            given = {}  # a translator-file prior fixes the layer maps (its weights only fit those)
+            if cfg.prior not in PRIORS:
+                meta = config_from_metadata(read_metadata(Path(cfg.prior)))
+                given = {kind: [list(r) for r in getattr(meta, f"{kind}_layers")] for kind in KINDS}
             maps = {kind: getattr(cfg, f"{kind}_layers") or given.get(kind) for kind in KINDS}
             if None in maps.values():
                 key = (cfg.nu, cfg.window, cfg.selection_examples, cfg.alpha, cfg.bias)
@@ -259,17 +268,6 @@ class Stage1Accumulator:
         moments = self.validation if validation else self.fit
         moments.add(features, self.needed, len(ex.prefix + ex.continuation))
 
-    def add_all(self, examples, validation_fraction: float | None = None, progress=None):
-        """Accumulate `examples` in order; with a `validation_fraction`, the documents
-        `is_validation` picks go to the validation moments; `progress(done, total)` after each
-        (mlx-lm's prompt progress callback shape: the faces draw it). Returns self."""
-        for i, ex in enumerate(examples):
-            split = validation_fraction is not None and is_validation(ex, validation_fraction)
-            self.add(ex, validation=split)
-            if progress:
-                progress(i + 1, len(examples))
-        return self
-
     def solve(self, refit_with_validation: bool = True) -> list[Translator]:
         """The translators from the moments so far (does not consume them). The validation
         documents choose alpha, then join the final fit unless `refit_with_validation` is off
@@ -282,14 +280,6 @@ class Stage1Accumulator:
             _finish_split(config, cfg, maps, prior, everything, self.fit, self.validation)
             for config, cfg, maps, prior in zip(self.configs, self.cfgs, self.maps, self.priors)
         ]
-
-
-def _prior_maps(prior: str) -> dict | None:
-    """A translator-file prior fixes the layer maps (its weights only fit those)."""
-    if prior in PRIORS:
-        return None
-    config = config_from_metadata(read_metadata(Path(prior)))
-    return {kind: [list(r) for r in getattr(config, f"{kind}_layers")] for kind in KINDS}
 
 
 def prior_weights(config: TranslatorConfig, prior: str) -> dict | None:
