@@ -123,16 +123,14 @@ class Pair:
         import mlx.core as mx
         from mlx.utils import tree_flatten
 
-        def size(t: Translator) -> int:
-            return sum(int(v.nbytes) for _, v in tree_flatten(t.parameters()))
-
         caches = list(self.caches)
+        maps = tree_flatten([t.parameters() for t in (self.forward, self.backward) if t])
         kv = sum(int(getattr(c, "nbytes", 0) or 0) for s in caches for r in ("source", "target")
                  for c in s.cache(r))  # fmt: skip
         return {"active": int(mx.get_active_memory()), "peak": int(mx.get_peak_memory()),
                 "cache": int(mx.get_cache_memory()), "small": int(self.models.source.nbytes()),
                 "large": int(self.models.target.nbytes()),
-                "translators": sum(size(t) for t in (self.forward, self.backward) if t),
+                "translators": sum(int(v.nbytes) for _, v in maps),
                 "kv": kv, "conversations": len(caches)}  # fmt: skip
 
     def close(self) -> None:
@@ -280,7 +278,7 @@ class Conversation:
     def last(self) -> GenerationResponse | None:
         """The last answer's last response (its record and status), also of one stopped early."""
         st = self.cache.last_turn
-        return None if st is None else final(self.pair, st, LABEL[st.model])
+        return None if st is None else final(self.pair, st)
 
     @property
     def messages(self) -> list[dict[str, str]]:
@@ -297,7 +295,7 @@ class Conversation:
 
     @mode.setter
     def mode(self, mode: str) -> None:
-        self._locked(lambda: setattr(self.cache, "mode", mode), True, None)
+        _held(self.cache, lambda: setattr(self.cache, "mode", mode))
 
     @property
     def policy(self) -> ReaderPolicy:
@@ -310,7 +308,7 @@ class Conversation:
         def change() -> None:
             self.cache.policy, self.cache.retention = policy, self.pair.retention(policy)
 
-        self._locked(change, True, None)
+        _held(self.cache, change)
 
     def add_messages(self, messages: list[dict[str, str]], *, wait: bool = True,
                      timeout: float | None = None) -> None:  # fmt: skip
@@ -325,28 +323,25 @@ class Conversation:
                 add_one = self.cache.add_user if m["role"] == "user" else self.cache.add_assistant
                 add_one(m["content"])
 
-        self._locked(add, wait, timeout)
+        _held(self.cache, add, wait, timeout)
 
     def trim(self, max_tokens: int | None = None, *, wait: bool = True,
              timeout: float | None = None) -> int:  # fmt: skip
         """Drop the oldest turns until the conversation fits `max_tokens` (default: half of
         `max_kv_size`); the system prompt and the last message stay. Messages dropped."""
-        return int(self._locked(lambda: self.cache.trim(max_tokens), wait, timeout))
+        return int(_held(self.cache, lambda: self.cache.trim(max_tokens), wait, timeout))
 
     def save(self, path: str | Path, *, wait: bool = True, timeout: float | None = None) -> Path:
         """`save_prompt_cache`, waiting for the pair as `wait`/`timeout` say."""
-        return Path(self._locked(lambda: save_prompt_cache(path, self.cache), wait, timeout))
+        return Path(_held(self.cache, lambda: save_prompt_cache(path, self.cache), wait, timeout))
 
     def load(self, path: str | Path, *, wait: bool = True, timeout: float | None = None) -> None:
         """Replace this conversation with one saved for the same pair."""
-        self._locked(lambda: self.cache.load(path), wait, timeout)
+        _held(self.cache, lambda: self.cache.load(path), wait, timeout)
 
     def reset(self, *, wait: bool = True, timeout: float | None = None) -> None:
         """Forget the conversation (the system prompt stays) and empty both caches."""
-        self._locked(self.cache.reset, wait, timeout)
-
-    def _locked(self, fn: Callable[[], Any], wait: bool, timeout: float | None) -> Any:
-        return _held(self.cache, fn, wait, timeout)
+        _held(self.cache, self.cache.reset, wait, timeout)
 
 
 def _held(cache: PromptCache, fn: Callable[[], Any], wait: bool = True,

@@ -81,11 +81,9 @@ def _whole(name: str, n, least: int) -> None:
         raise PolicyError(f"{name} must be a whole number >= {least} (got {n!r})")
 
 
-def _number(name: str, x, low: float, high: float | None) -> None:
-    ok = not isinstance(x, bool) and isinstance(x, (int, float)) and x >= low
-    if not ok or (high is not None and not x <= high):
-        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise PolicyError(f"{name} must be a number {bound} (got {x!r})")
+def _number(name: str, x, low: float, high: float) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not low <= x <= high:
+        raise PolicyError(f"{name} must be a number in [{low}, {high}] (got {x!r})")
 
 
 __all__ = ["READERS", "PolicyError", "ReaderPolicy"]

@@ -75,6 +75,7 @@ def check_invariants(conv) -> None:
 
 def _worker(tid, runtime, convs, all_convs, rng, n_ops, deadline, folder, report, lock):
     from mlx_kvlingo import BusyError, Conversation, ConversationError, load_prompt_cache
+    from mlx_kvlingo.api import _held
 
     saved: list[Path] = []
     for k in range(n_ops):
@@ -122,8 +123,8 @@ def _worker(tid, runtime, convs, all_convs, rng, n_ops, deadline, folder, report
                 conv.reset()
             elif op == "trim":
                 n = rng.choice([8, 16, 32, 64])
-                conv._locked(lambda c=conv, n=n: c.cache.trim(n), True, None)
-            conv._locked(lambda c=conv: check_invariants(c), True, 60)
+                conv.trim(n)
+            _held(conv.cache, lambda c=conv: check_invariants(c), True, 60)
             with lock:
                 report.ops[op] += 1
         except (ConversationError, BusyError) as e:
@@ -131,7 +132,7 @@ def _worker(tid, runtime, convs, all_convs, rng, n_ops, deadline, folder, report
                 report.ops[op] += 1
                 report.errors[type(e).__name__] += 1
             try:
-                conv._locked(lambda c=conv: check_invariants(c), True, 60)
+                _held(conv.cache, lambda c=conv: check_invariants(c), True, 60)
             except AssertionError as a:
                 with lock:
                     report.failures.append((tid, k, op, f"after {type(e).__name__}: {a}"))

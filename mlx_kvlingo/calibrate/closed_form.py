@@ -128,19 +128,14 @@ def _acc(d: dict, key, value) -> None:
     d[key] = d[key] + value if key in d else value
 
 
-def centered(xtx, xty, sx, sy, n, center: bool):
-    """Cov-like (X'X, X'Y) sums, centered when the fit has a bias."""
-    if not center:
-        return xtx, xty
-    mx_, my = sx / n, sy / n
-    return xtx - n * np.outer(mx_, mx_), xty - n * np.outer(mx_, my)
-
-
 def ridge(xtx, xty, sx, sy, n, alpha: float, center: bool, prior=None):
     """Solve min ||X W + b - Y||^2 + lam ||W - W0||^2 with lam = alpha * mean diag of the
     covariance: (Cxx + lam I) W = Cxy + lam W0. W0 = `prior` (None: zero); alpha 0 is the
     plain least-squares fit, whatever the prior."""
-    cxx, cxy = centered(xtx, xty, sx, sy, n, center)
+    cxx, cxy = xtx, xty
+    if center:  # cov-like sums
+        mx_, my = sx / n, sy / n
+        cxx, cxy = xtx - n * np.outer(mx_, mx_), xty - n * np.outer(mx_, my)
     if alpha == 0:  # plain least squares; lstsq also copes with rank-deficient inputs
         w = np.linalg.lstsq(cxx, cxy, rcond=None)[0]
     else:
@@ -186,18 +181,15 @@ def _select_layers(pair, examples, cfg: Stage1Config) -> dict[str, list[list[int
     m = Moments()  # every position, position 0 too
     for ex in examples[: cfg.selection_examples]:
         m.add(_features(pair, ex, cfg.key_cut), needed, len(ex.prefix + ex.continuation))
-    maps = {}
-    for kind in KINDS:
-        rows = []
-        for t in range(Lt):
-            scores = []
-            for s in cands[t]:
-                xtx, xty, sx, sy, yy, n = m.problem(kind, t, (s,))
-                w, b = ridge(xtx, xty, sx, sy, n, cfg.alpha, cfg.bias)
-                scores.append((residual(xtx, xty, sx, sy, yy, n, w, b), s))
-            rows.append(sorted(s for _, s in sorted(scores)[: cfg.nu]))
-        maps[kind] = rows
-    return maps
+
+    def chosen(kind: str, t: int) -> list[int]:  # the nu with the smallest residuals
+        scores = []
+        for s in cands[t]:
+            xtx, xty, sx, sy, _, n = problem = m.problem(kind, t, (s,))
+            scores.append((residual(*problem, *ridge(xtx, xty, sx, sy, n, cfg.alpha, cfg.bias)), s))
+        return sorted(s for _, s in sorted(scores)[: cfg.nu])
+
+    return {kind: [chosen(kind, t) for t in range(Lt)] for kind in KINDS}
 
 
 def fit_closed_form(
@@ -209,9 +201,15 @@ def fit_closed_form(
 
 def fit_many(pair, examples, cfgs: list[Stage1Config], progress=None) -> list[Translator]:
     """Fit several translators (sharing a key cut) from one pass over the data; with an
-    `alpha_grid`, the `is_validation` documents choose alpha, then join the final solve."""
-    fraction = VALIDATION_FRACTION if any(c.alpha_grid for c in cfgs) else None
-    return Stage1Accumulator(pair, cfgs, examples).add_all(examples, fraction, progress).solve()
+    `alpha_grid`, the `is_validation` documents choose alpha, then join the final solve.
+    `progress(done, total)` after each example (mlx-lm's prompt progress callback shape)."""
+    grid = any(c.alpha_grid for c in cfgs)
+    acc = Stage1Accumulator(pair, cfgs, examples)
+    for i, ex in enumerate(examples):
+        acc.add(ex, validation=grid and is_validation(ex, VALIDATION_FRACTION))
+        if progress:
+            progress(i + 1, len(examples))
+    return acc.solve()
 
 
 def document_of(ex) -> str:
@@ -231,27 +229,23 @@ class Stage1Accumulator:
     that read the same layers share them. `add` accepts precomputed spans."""
 
     def __init__(self, pair, cfgs: list[Stage1Config], selection_examples=()):
-        cuts = {c.key_cut for c in cfgs}
-        if len(cuts) != 1:
-            raise ValueError("fit_many needs one key cut for all configs")
-        if len({c.native_first for c in cfgs}) != 1:
-            raise ValueError("fit_many needs one native_first setting for all configs")
-        (self.cut,) = cuts
         self.pair, self.cfgs = pair, list(cfgs)
+        if len({(c.key_cut, c.native_first) for c in self.cfgs}) != 1:
+            raise ValueError("fit_many needs one key cut and one native_first for all configs")
+        self.cut = self.cfgs[0].key_cut
         src, tgt = pair.source.geometry, pair.target.geometry
         self.configs, self.maps, selected = [], [], {}
         for cfg in cfgs:
-            given = _prior_maps(cfg.prior)
-            key_layers = cfg.key_layers or (given and given["key"])
-            value_layers = cfg.value_layers or (given and given["value"])
-            if key_layers is None or value_layers is None:
+            given = {}  # a translator-file prior fixes the layer maps (its weights only fit those)
+            if cfg.prior not in PRIORS:
+                meta = config_from_metadata(read_metadata(Path(cfg.prior)))
+                given = {kind: [list(r) for r in getattr(meta, f"{kind}_layers")] for kind in KINDS}
+            maps = {kind: getattr(cfg, f"{kind}_layers") or given.get(kind) for kind in KINDS}
+            if None in maps.values():
                 key = (cfg.nu, cfg.window, cfg.selection_examples, cfg.alpha, cfg.bias)
                 if key not in selected:  # one selection pass shared by configs that agree on it
                     selected[key] = _select_layers(pair, selection_examples, cfg)
-            maps = {
-                "key": key_layers or selected[key]["key"],
-                "value": value_layers or selected[key]["value"],
-            }
+                maps = {kind: maps[kind] or selected[key][kind] for kind in KINDS}
             self.maps.append(maps)
             self.configs.append(TranslatorConfig(
                 cfg.variant, Side.of(src), Side.of(tgt),
@@ -274,17 +268,6 @@ class Stage1Accumulator:
         moments = self.validation if validation else self.fit
         moments.add(features, self.needed, len(ex.prefix + ex.continuation))
 
-    def add_all(self, examples, validation_fraction: float | None = None, progress=None):
-        """Accumulate `examples` in order; with a `validation_fraction`, the documents
-        `is_validation` picks go to the validation moments; `progress(done, total)` after each
-        (mlx-lm's prompt progress callback shape: the faces draw it). Returns self."""
-        for i, ex in enumerate(examples):
-            split = validation_fraction is not None and is_validation(ex, validation_fraction)
-            self.add(ex, validation=split)
-            if progress:
-                progress(i + 1, len(examples))
-        return self
-
     def solve(self, refit_with_validation: bool = True) -> list[Translator]:
         """The translators from the moments so far (does not consume them). The validation
         documents choose alpha, then join the final fit unless `refit_with_validation` is off
@@ -297,14 +280,6 @@ class Stage1Accumulator:
             _finish_split(config, cfg, maps, prior, everything, self.fit, self.validation)
             for config, cfg, maps, prior in zip(self.configs, self.cfgs, self.maps, self.priors)
         ]
-
-
-def _prior_maps(prior: str) -> dict | None:
-    """A translator-file prior fixes the layer maps (its weights only fit those)."""
-    if prior in PRIORS:
-        return None
-    config = config_from_metadata(read_metadata(Path(prior)))
-    return {kind: [list(r) for r in getattr(config, f"{kind}_layers")] for kind in KINDS}
 
 
 def prior_weights(config: TranslatorConfig, prior: str) -> dict | None:
@@ -357,9 +332,12 @@ def _finish_split(config, cfg, maps, prior, m: Moments, fit: Moments, val: Momen
         for t, layers in enumerate(maps[kind]):
             w0 = None if prior is None else prior[kind][t]
             alpha = cfg.alpha
-            if grid:
-                at = (config, kind, t, layers, fit, val, w0, cfg.bias)
-                alpha = grid[int(np.argmin([_validation_residual(*at, a) for a in grid]))]
+            if grid:  # the residual on `val` of the map fitted on `fit` alone
+                errors = []
+                for a in grid:
+                    w, b, _ = _solve(config, kind, fit.problem(kind, t, layers), a, cfg.bias, w0)
+                    errors.append(_sse(config, kind, val.problem(kind, t, layers), w, b))
+                alpha = grid[int(np.argmin(errors))]
             alphas.append(alpha)
             problem = m.problem(kind, t, layers)
             _, _, _, sy, yy, n = problem
@@ -395,12 +373,6 @@ def _finish_split(config, cfg, maps, prior, m: Moments, fit: Moments, val: Momen
                       validation_examples=val.examples)  # fmt: skip
     tr.config.metadata["calibration"] = {"stage1": stage1, **cfg.report}
     return tr
-
-
-def _validation_residual(config, kind, t, layers, fit: Moments, val: Moments, w0, center, alpha):
-    """Residual on the validation moments of the map fitted on the fitting moments alone."""
-    w, b, _ = _solve(config, kind, fit.problem(kind, t, layers), alpha, center, w0)
-    return _sse(config, kind, val.problem(kind, t, layers), w, b)
 
 
 def _head_blocks(config: TranslatorConfig, kind):

@@ -62,12 +62,11 @@ def content_examples(pair, texts: Sequence[str], n: int, lengths: Sequence[int] 
             write_text(path, "\n".join(lines) + "\n")
         if on_example:
             on_example(len(tasks) - len(todo) + b + len(chunk))
-    out = []
-    for i, task in enumerate(tasks):
-        if done[keys[i]]:
-            out.append(Example(task.tokens, tuple(done[keys[i]]),
-                               f"content:{task.kind}@{task.length}#{i}"))  # fmt: skip
-    return out
+    return [
+        Example(task.tokens, tuple(done[key]), f"content:{task.kind}@{task.length}#{i}")
+        for i, (task, key) in enumerate(zip(tasks, keys))
+        if done[key]
+    ]
 
 
 def native_answers(pair, tasks) -> list[list[int]]:

@@ -67,14 +67,6 @@ def _reader_mode(index: int, cfg: Stage2Config) -> bool:
     return share > 0 and int(index * share) != int((index + 1) * share)
 
 
-def schedule(cfg: Stage2Config):
-    warm = max(cfg.warmup, 1)
-    decay = optim.cosine_decay(cfg.learning_rate, max(cfg.steps - warm, 1), cfg.learning_rate * 0.1)
-    return optim.join_schedules(
-        [optim.linear_schedule(0.0, cfg.learning_rate, warm), decay], [warm]
-    )
-
-
 def _example_at(position: int, n: int, seed: int) -> int:
     """The example at `position` of the training order: a fresh permutation per epoch."""
     epoch, i = divmod(position, n)
@@ -134,7 +126,10 @@ def distill(
     """
     ckpt = Path(checkpoint_dir) if checkpoint_dir else None
     key_cut = translator.config.key_cut
-    optimizer = optim.AdamW(learning_rate=schedule(cfg), weight_decay=cfg.weight_decay)
+    warm, lr = max(cfg.warmup, 1), cfg.learning_rate  # linear warm-up, then cosine to lr / 10
+    decay = optim.cosine_decay(lr, max(cfg.steps - warm, 1), lr * 0.1)
+    schedule = optim.join_schedules([optim.linear_schedule(0.0, lr, warm), decay], [warm])
+    optimizer = optim.AdamW(learning_rate=schedule, weight_decay=cfg.weight_decay)
     optimizer.init(translator.trainable_parameters())
     step, history = 0, []
     if ckpt and resume and (ckpt / "state.json").exists():

@@ -336,10 +336,9 @@ def _rule(s, upto: int, paths: Paths | None) -> tuple[bool, str, float | None]:
         return rule, "" if rule else f"reader tokens: {under}", None
     large = None if paths is None else paths.large(s.read_costs)
     small = None if paths is None else paths.small(s.read_costs)
-    if large is None or small is None:
-        small_reads, why = rule, "" if rule else f"reader auto, not timed yet: {under}"
-    elif abs(large - small) <= READER_MARGIN * min(large, small):
-        small_reads, why = rule, "" if rule else f"reader auto, a tie: {under}"
+    if large is None or small is None or abs(large - small) <= READER_MARGIN * min(large, small):
+        how = "not timed yet" if large is None or small is None else "a tie"
+        small_reads, why = rule, "" if rule else f"reader auto, {how}: {under}"
     else:
         small_reads, why = small < large, "" if small < large else "reader auto: the faster"
     r = s.retention
@@ -389,9 +388,8 @@ def observe(s, stats: TurnStats, at: int) -> None:
         costs.source_read.observe(rd.tokens, rd.seconds, rd.start)
     for x in (rd and rd.catch_up, sw):  # each translation (a naive one's length is not its own)
         if x is not None and x.translated and not x.retranslated:
-            (costs.forward if x.into == "target" else costs.backward).observe(
-                x.translated, x.seconds
-            )
+            cost = costs.forward if x.into == "target" else costs.backward
+            cost.observe(x.translated, x.seconds)
     if sw is not None and sw.recompute_s:
         n = large_reads(sw.tail_read, sw.recomputed)
         costs.target_read.observe(n, sw.recompute_s, max(sw.end - sw.recomputed, 0))

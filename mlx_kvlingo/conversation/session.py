@@ -3,8 +3,8 @@
 Invariant: the conversation is one list of token ids (`Transcript`: the chat template applied to
 its messages); each model's cache holds a prefix of it, `held` tokens long, in every layer
 (`ModelCache`). A change returns `keep`, how many old tokens are still the conversation's, and
-both caches are cut to it; a turn ends in `_commit` however it stops: the emitted tokens are the
-answer, the cache is cut to match. A span is translated at its true positions, once. A turn:
+both caches are cut to it; however a turn stops, the emitted tokens are the answer and the
+cache is cut to match. A span is translated at its true positions, once. A turn:
 
     1. hand-off   who reads it (reader.py, decided once into a `Decision`): the small model, the
                   span the large lacks translated, the large reading the last tokens and
@@ -599,26 +599,20 @@ class Session(CatchUp, Transcript):
                 end = r.finish_reason or ("cancelled" if self.cancelled.is_set() else None)
                 if end is not None:
                     stats.finish_reason = "context" if capped and end == "length" else end
-                yield stream.GenerationResponse(r.text, r.token, r.logprobs, r.from_draft,
-                                                r.prompt_tokens, r.prompt_tps, r.generation_tokens,
-                                                r.generation_tps, r.peak_memory,
-                                                stats.finish_reason, stream.LABEL[name],
-                                                stats if end else None)  # fmt: skip
+                r.finish_reason, last = stats.finish_reason, stats if end else None
+                yield stream.GenerationResponse(**vars(r), model=stream.LABEL[name], handoff=last)
                 if end is not None:
                     break
         finally:
             if steps is not None:
                 steps.close()
-            self._commit(m, n0, emitted, stats)  # however the turn stopped
+            stats.finish_reason = stats.finish_reason or "interrupted"  # however it stopped
+            if emitted:
+                self._add_answer(n0, emitted, stats.text, m.name)
+            m.settle(len(self.tokens))
+            self.turns.append(stats)
         if emitted and paths is not None:  # the other path's TTFT, predicted with this turn's rates
             reader.alternative(self, stats, paths, self.tokens[:n0])
-
-    def _commit(self, m: ModelCache, n0: int, emitted, stats: TurnStats) -> None:
-        stats.finish_reason = stats.finish_reason or "interrupted"
-        if emitted:
-            self._add_answer(n0, emitted, stats.text, m.name)
-        m.settle(len(self.tokens))
-        self.turns.append(stats)
 
     def hand_off(self, model: str = "target") -> TurnStats:
         """`generate`'s hand-off without the answer; its record."""
@@ -642,26 +636,69 @@ class Session(CatchUp, Transcript):
         other = "target" if answered == "source" else "source"
         return self.generate(model or other, **generate_kwargs)
 
+    # Session files. Invariant: a file loads only into the pair that wrote it (geometry and a
+    # weight fingerprint per model), and a load that fails leaves the session as it was, with a
+    # one-line `SessionFileError`. The file is an mlx-lm prompt cache (the source's layers, then
+    # the target's), its metadata `kvlingo_session` the rest as JSON; a `.safetensors` suffix is
+    # added where missing.
+
     def save(self, path: str | Path) -> Path:
-        """One mlx-lm prompt cache file (below)."""
         self._claim()
-        return _save_file(path, self)
+        _local(self, "saving")
+        pair, models = self.pair, self.models
+        path = Path(path)
+        if path.suffix != ".safetensors":
+            path = path.with_name(path.name + ".safetensors")
+        state = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **_identity(pair),
+                 "layers": [pair.source.geometry.layers, pair.target.geometry.layers],
+                 "held": {n: models[n].held for n in MODELS}, "tokens": self.tokens,
+                 "messages": self.messages, "system_prompt": self.system_prompt,
+                 "mode": self.mode, "policy": self.policy.to_dict(),
+                 "answer": list(self.answer) if self.answer else None,
+                 "user_start": self.user_start, "switches": [asdict(x) for x in self.switches],
+                 "turns": [{**asdict(x), "logprobs": []} for x in self.turns]}  # fmt: skip
+        caches = [c for n in MODELS for c in prefix_copy(models[n].cache, models[n].held)]
+        meta = {"kvlingo_session": json.dumps(state), "model": pair.target.name}
+        with atomic_write(path) as tmp:
+            save_prompt_cache(str(tmp), caches, meta)
+        return path
 
     def load(self, path: str | Path) -> None:
         self._claim()
-        self.policy = _load_file(path, self)
+        _local(self, "loading")
+        path = Path(path)
+        if not path.is_file() and path.with_name(path.name + ".safetensors").is_file():
+            path = path.with_name(path.name + ".safetensors")
+        read_header(path, SessionFileError, "session")  # there and well formed, before mlx reads it
+        try:
+            caches, meta = load_prompt_cache(str(path), return_metadata=True)
+        except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError
+            raise SessionFileError(f"{path}: not a readable prompt cache file ({e})") from None
+        raw = meta.get("kvlingo_session") if isinstance(meta, dict) else None
+        if raw is None:
+            raise SessionFileError(
+                f"{path}: an mlx-lm prompt cache without kvlingo session state "
+                "(write session files with /save or Session.save)"
+            )
+        state = parse_json(raw, f"{path}: the kvlingo_session metadata", SessionFileError)
+        if (state.get("schema"), state.get("schema_version")) != (SCHEMA, SCHEMA_VERSION):
+            raise SessionFileError(
+                f"{path}: unsupported session schema {state.get('schema')!r:.80} "
+                f"v{state.get('schema_version')!r:.40}"
+            )
+        try:
+            policy = _restore(path, self, caches, state)
+        except SessionFileError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            what = f"missing {e}" if isinstance(e, KeyError) else str(e)[:300]
+            raise SessionFileError(f"{path}: inconsistent session state: {what}") from None
+        self.policy = policy
 
 
 #: progress(reader, done, total): `reader` has read `done` of the turn's `total` tokens it reads
 Progress = Callable[[str, int, int], None]
 Responses = Iterator[stream.GenerationResponse]
-
-
-# -- session files. Invariant: a file loads only into the pair that wrote it (geometry and a weight
-# fingerprint per model), and a load that fails leaves the session as it was, with a one-line
-# `SessionFileError`. The file is an mlx-lm prompt cache (the source's layers, then the target's),
-# its metadata `kvlingo_session` the rest as JSON; a `.safetensors` suffix is added where missing.
-
 MODELS = ("source", "target")
 SCHEMA, SCHEMA_VERSION = "mlx-kvlingo/session", 1
 
@@ -671,65 +708,11 @@ def _local(s, what: str) -> None:
         raise SessionError(f"{what} is not available when the large model is pipelined over ranks")
 
 
-def _save_file(path: str | Path, s) -> Path:
-    _local(s, "saving")
-    pair, t, models = s.pair, s, s.models  # t: the transcript
-    path = Path(path)
-    if path.suffix != ".safetensors":
-        path = path.with_name(path.name + ".safetensors")
-    state = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, **_identity(pair),
-             "layers": [pair.source.geometry.layers, pair.target.geometry.layers],
-             "held": {n: models[n].held for n in MODELS}, "tokens": t.tokens,
-             "messages": t.messages, "system_prompt": t.system_prompt, "mode": s.mode,
-             "policy": s.policy.to_dict(), "answer": list(t.answer) if t.answer else None,
-             "user_start": t.user_start, "switches": [asdict(x) for x in s.switches],
-             "turns": [{**asdict(x), "logprobs": []} for x in s.turns]}  # fmt: skip
-    caches = [c for n in MODELS for c in prefix_copy(models[n].cache, models[n].held)]
-    meta = {"kvlingo_session": json.dumps(state), "model": pair.target.name}
-    with atomic_write(path) as tmp:
-        save_prompt_cache(str(tmp), caches, meta)
-    return path
-
-
-def _load_file(path: str | Path, s) -> ReaderPolicy:
-    """Restore into session `s`, once every check has passed; returns the policy to use."""
-    _local(s, "loading")
-    path = Path(path)
-    if not path.is_file() and path.with_name(path.name + ".safetensors").is_file():
-        path = path.with_name(path.name + ".safetensors")
-    read_header(path, SessionFileError, "session")  # there and well formed, before mlx reads it
-    try:
-        caches, meta = load_prompt_cache(str(path), return_metadata=True)
-    except Exception as e:  # noqa: BLE001 - mlx raises plain RuntimeError/ValueError
-        raise SessionFileError(f"{path}: not a readable prompt cache file ({e})") from None
-    raw = meta.get("kvlingo_session") if isinstance(meta, dict) else None
-    if raw is None:
-        raise SessionFileError(
-            f"{path}: an mlx-lm prompt cache without kvlingo session state "
-            "(write session files with /save or Session.save)"
-        )
-    state = parse_json(raw, f"{path}: the kvlingo_session metadata", SessionFileError)
-    if (state.get("schema"), state.get("schema_version")) != (SCHEMA, SCHEMA_VERSION):
-        raise SessionFileError(
-            f"{path}: unsupported session schema {state.get('schema')!r:.80} "
-            f"v{state.get('schema_version')!r:.40}"
-        )
-    try:
-        return _restore(path, s, caches, state)
-    except SessionFileError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-        what = f"missing {e}" if isinstance(e, KeyError) else str(e)[:300]
-        raise SessionFileError(f"{path}: inconsistent session state: {what}") from None
-
-
 def _identity(pair: ModelPair) -> dict:
-    def side(m):
-        return {"name": m.name, "geometry": m.geometry.as_dict(),
-                "fingerprint": model_fingerprint(m)}  # fmt: skip
+    def side(m) -> dict:
+        return dict(name=m.name, geometry=m.geometry.as_dict(), fingerprint=model_fingerprint(m))
 
-    return {"source": side(pair.source), "target": side(pair.target),
-            "tokenizer": pair.tokenizer_fingerprint}  # fmt: skip
+    return {n: side(getattr(pair, n)) for n in MODELS} | {"tokenizer": pair.tokenizer_fingerprint}
 
 
 def _restore(path: Path, s, caches: list, state: dict) -> ReaderPolicy:

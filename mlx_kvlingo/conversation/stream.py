@@ -27,6 +27,7 @@ from mlx_kvlingo.config import AUTO_THRESHOLD
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import GenerationResponse as MlxResponse
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
 
 if TYPE_CHECKING:
@@ -119,21 +120,11 @@ class TurnStats:
 
 
 @dataclass
-class GenerationResponse:
-    """mlx-lm's `GenerationResponse` (its fields, in its order), who answered and, on an
-    answer's last response, its record (`handoff`) and `status` line (`token` None: stopped
-    before its first token)."""
+class GenerationResponse(MlxResponse):
+    """mlx-lm's `GenerationResponse` (its fields, in its order; `token` and `logprobs` None:
+    stopped before its first token), who answered and, on an answer's last response, its
+    record (`handoff`) and `status` line."""
 
-    text: str
-    token: int | None
-    logprobs: Any  # mx.array: the log-probabilities over the vocabulary (None: no token)
-    from_draft: bool
-    prompt_tokens: int  # tokens the answering model read itself
-    prompt_tps: float
-    generation_tokens: int
-    generation_tps: float
-    peak_memory: float  # GB
-    finish_reason: str | None = None
     model: str = "large"  # "small" or "large"
     handoff: TurnStats | None = None
     status: str = ""
@@ -340,7 +331,10 @@ def _run(pair: Any, cache: Session, prompt: Any, ticket: Ticket, opts: dict,
          kw: dict) -> Iterator[GenerationResponse]:  # fmt: skip
     model = opts["model"]
     if not pair.lock.acquire(ticket, wait=opts["wait"], timeout=opts["timeout"]):
-        yield final(pair, None, LABEL[ROLE.get(model, "target")])
+        label = LABEL[ROLE.get(model, "target")]  # cancelled while it waited
+        yield GenerationResponse(
+            "", None, None, False, 0, 0.0, 0, 0.0, 0.0, "cancelled", label, status="cancelled"
+        )
         return
     policy, reader = cache.policy, opts["reader"]
     try:
@@ -372,8 +366,7 @@ def _answer(pair: Any, cache: Session, model: str | None, cancel: threading.Even
     """One answer, one response per token; the last once the turn is committed."""
     label = model
     if opts["redo"] and model is None:  # escalate: the other model than the last answer's
-        last = cache.last_turn
-        label = "small" if last is not None and last.model == "target" else "large"
+        label = "small" if getattr(cache.last_turn, "model", None) == "target" else "large"
     sample = sampler_kwargs(pair, str(label), kw)
     seed(sample.pop("seed"), cache.messages)
     cb = opts["prompt_progress_callback"]
@@ -391,15 +384,11 @@ def _answer(pair: Any, cache: Session, model: str | None, cancel: threading.Even
         events.close()  # commits what was emitted, trims the caches to match
     st = cache.last_turn
     if st is not None and st is not before:
-        yield final(pair, st, LABEL[st.model], last)
+        yield final(pair, st, last)
 
 
-def final(pair: Any, st: TurnStats | None, model: str,
-          last: GenerationResponse | None = None) -> GenerationResponse:  # fmt: skip
+def final(pair: Any, st: TurnStats, last: GenerationResponse | None = None) -> GenerationResponse:
     """An answer's last response: its last token (`last`, if any), the record, the status."""
-    if st is None:
-        return GenerationResponse("", None, None, False, 0, 0.0, 0, 0.0, 0.0, "cancelled", model,
-                                  status="cancelled")  # fmt: skip
     reason = "cancelled" if st.finish_reason == "interrupted" else st.finish_reason
     names = {ROLE[k]: v for k, v in pair.names.items()}
     out = last or GenerationResponse("", None, None, False, st.prompt_tokens, st.prompt_tps,
