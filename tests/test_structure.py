@@ -22,25 +22,13 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _type_only(tree: ast.AST) -> set[int]:
-    """ids of import nodes under `if TYPE_CHECKING:` (annotations only: no arrow at run time)."""
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            out |= {id(n) for b in node.body for n in ast.walk(b)}
-    return out
-
-
 def _imports(path: Path) -> set[str]:
-    """Every mlx_kvlingo module `path` imports at run time, at any depth (lazy imports count)."""
+    """Every mlx_kvlingo module `path` imports, at any depth (lazy and type-only imports count)."""
     me = _module_name(path)
     package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
     out = set()
     tree = ast.parse(path.read_text())
-    skip = _type_only(tree)
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             out |= {a.name for a in node.names if a.name.startswith("mlx_kvlingo")}
         elif isinstance(node, ast.ImportFrom):
@@ -82,7 +70,7 @@ ALLOWED = {
     "conversation": {"config", "models", "kv", "_platform"},
     "distributed": {"config", "conversation", "models", "kv", "_platform"},
     "api": {"config", "conversation", "distributed", "models", "kv", "_platform"},
-    "init": {"api", "_platform"},
+    "init": {"api", "config", "_platform"},
     "calibrate": {"data", "models", "kv", "_platform"},
     "eval": {"api", "config", "conversation", "distributed", "data", "models", "kv", "_platform",
              "init"},

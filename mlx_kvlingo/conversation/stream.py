@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Generator, Iterator, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from mlx_kvlingo.config import AUTO_THRESHOLD
 
@@ -29,9 +29,6 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.generate import GenerationResponse as MlxResponse
 from mlx_lm.sample_utils import make_logits_processors, make_sampler
-
-if TYPE_CHECKING:
-    from mlx_kvlingo.conversation.session import Session
 
 #: the two roles by size or by direction
 ROLE = {"small": "source", "large": "target", "source": "source", "target": "target"}
@@ -310,7 +307,7 @@ def over_answers(processors: list, answers: list[int]) -> list:
     return [wrap(p) for p in processors]
 
 
-def open_stream(pair: Any, cache: Session, prompt: Any, cancel: threading.Event,
+def open_stream(pair: Any, cache: Any, prompt: Any, cancel: threading.Event,
                 kw: dict) -> Iterator[GenerationResponse]:  # fmt: skip
     """Checks now (model, sampling, prompt), the work from the first `next()` on."""
     opts = {k: kw.get(k, v) for k, v in OPTIONS.items()}
@@ -327,7 +324,7 @@ def open_stream(pair: Any, cache: Session, prompt: Any, cancel: threading.Event,
     return stream
 
 
-def _run(pair: Any, cache: Session, prompt: Any, ticket: Ticket, opts: dict,
+def _run(pair: Any, cache: Any, prompt: Any, ticket: Ticket, opts: dict,
          kw: dict) -> Iterator[GenerationResponse]:  # fmt: skip
     model = opts["model"]
     if not pair.lock.acquire(ticket, wait=opts["wait"], timeout=opts["timeout"]):
@@ -361,7 +358,7 @@ def _run(pair: Any, cache: Session, prompt: Any, ticket: Ticket, opts: dict,
         pair.lock.release()
 
 
-def _answer(pair: Any, cache: Session, model: str | None, cancel: threading.Event,
+def _answer(pair: Any, cache: Any, model: str | None, cancel: threading.Event,
             opts: dict, kw: dict) -> Iterator[GenerationResponse]:  # fmt: skip
     """One answer, one response per token; the last once the turn is committed."""
     label = model
