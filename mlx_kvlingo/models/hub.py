@@ -49,11 +49,6 @@ def parse_spec(text: str) -> HubSpec | None:
     return HubSpec(m["repo"], m["rev"], m["file"])
 
 
-def is_hub_spec(text) -> bool:
-    """True for a string that names no existing local path but parses as a Hub id."""
-    return isinstance(text, str) and not Path(text).expanduser().exists() and bool(parse_spec(text))
-
-
 def explain(e: Exception, named: str, fetch: str = "give a local folder") -> str | None:
     """One line for a failed Hub lookup of `named` (None: not a Hub error); `fetch` says what
     to do when it is not in the cache while offline."""

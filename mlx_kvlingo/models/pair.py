@@ -36,17 +36,6 @@ HAS_K_NORM = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True, "
               "qwen3_moe": True}  # fmt: skip
 
 
-def has_k_norm(model_type: str) -> bool:
-    """Whether `model_type`'s keys pass a `k_norm`; `UnsupportedModelError` for another family."""
-    try:
-        return HAS_K_NORM[model_type]
-    except KeyError:
-        known = ", ".join(sorted(HAS_K_NORM))
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported for KV translation (known: {known})"
-        ) from None
-
-
 @dataclass(frozen=True)
 class KVGeometry:
     """The shape of one model's KV cache, and how its keys are made."""
@@ -124,7 +113,11 @@ def weights_dtype(model: nn.Module) -> mx.Dtype:
 
 def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
     model_type = config["model_type"]
-    k_norm = has_k_norm(model_type)  # an unsupported family is refused first
+    if model_type not in HAS_K_NORM:  # an unsupported family is refused first
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported for KV "
+            f"translation (known: {', '.join(sorted(HAS_K_NORM))})"
+        )
     layers = model.layers
     attn = layers[0].self_attn
     heads = config["num_attention_heads"]
@@ -133,7 +126,7 @@ def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     dtype = str(weights_dtype(model))
     return KVGeometry(model_type, len(layers), kv_heads, head_dim, head_dim, describe(attn.rope),
-                      k_norm, dtype.replace("mlx.core.", ""))  # fmt: skip
+                      HAS_K_NORM[model_type], dtype.replace("mlx.core.", ""))  # fmt: skip
 
 
 def default_dtype(dtype="auto") -> mx.Dtype | None:

@@ -74,24 +74,20 @@ def defaults(pair: str = "dense", source: str | None = None) -> dict:
 
 def translator_path(name: str | None = None, reverse: bool = False, pair: str = "dense",
                     source: str | None = None) -> Path:  # fmt: skip
-    """A shipped translator by file name, or the default one for the direction and the demo
-    source `source` (None: the pair's default source)."""
-    from mlx_kvlingo.models.hub import is_hub_spec, resolve_translator
+    """A file, a shipped translator by file name, a Hub id (`hub.parse_spec`), or the default one
+    for the direction and the demo source `source` (None: the pair's default source)."""
+    from mlx_kvlingo.models.hub import parse_spec, resolve_translator
 
-    shipped = name is not None and (weights_dir() / "translators" / name).is_file()
-    if name is not None and not shipped and not Path(name).exists() and is_hub_spec(name):
-        return resolve_translator(name, reverse)  # org/name[@rev][:file]
-    if name is None:
-        name = defaults(pair, source)["backward" if reverse else "forward"]
-    path = Path(name)
-    if not path.exists():
-        path = weights_dir() / "translators" / name
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{name}: no such translator file, nor a demo translator in "
-            f"{weights_dir() / 'translators'}"
-        )
-    return path
+    named = name is not None
+    name = name if named else defaults(pair, source)["backward" if reverse else "forward"]
+    for path in (Path(name), weights_dir() / "translators" / name):
+        if path.exists():
+            return path
+    if named and parse_spec(name):
+        return resolve_translator(name, reverse)
+    raise FileNotFoundError(
+        f"{name}: no such translator file, nor a demo translator in {weights_dir() / 'translators'}"
+    )
 
 
 def source_for(translator=None, pair: str = "dense", reverse: bool = False) -> str:
@@ -176,8 +172,10 @@ def is_heldout(conv_id: str) -> bool:
     return int(hashlib.sha1(conv_id.encode()).hexdigest(), 16) % HELDOUT_EVERY == 0
 
 
-def write_splits(folder: Path) -> tuple[Path, Path]:
-    """Write train.jsonl and heldout.jsonl ({"messages": [...]} per line) once; return paths."""
+def demo_data() -> tuple[Path, Path]:
+    """(train.jsonl, heldout.jsonl) chitchat dialogues ({"id", "messages"} per line), split as
+    the demo was trained; written once into the cache."""
+    folder = cache_root() / "data"
     folder.mkdir(parents=True, exist_ok=True)
     train, held = folder / "chitchat-train.jsonl", folder / "chitchat-heldout.jsonl"
     if train.exists() and held.exists():
@@ -189,11 +187,6 @@ def write_splits(folder: Path) -> tuple[Path, Path]:
     for path, rows in ((train, lines[False]), (held, lines[True])):
         write_text(path, "\n".join(rows) + "\n")
     return train, held
-
-
-def demo_data() -> tuple[Path, Path]:
-    """(train.jsonl, heldout.jsonl) chitchat dialogues, split as the demo was trained."""
-    return write_splits(cache_root() / "data")
 
 
 def demo_content_texts() -> list[Path]:
