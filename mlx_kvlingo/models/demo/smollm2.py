@@ -162,22 +162,11 @@ def dequantized(tensors: dict, group_size: int, bits: int | None = None) -> dict
     return out
 
 
-def convert_weights(gguf: dict, dequantize: bool) -> dict:
-    """Rename GGUF tensors (block quants: groups of 32); float32, or quantized kept as is."""
-    import mlx.core as mx
-
-    if dequantize:
-        return {map_name(k): v for k, v in dequantized(gguf, 32).items()}
-    return {
-        map_name(k): v if _quantized(k, gguf) else v.astype(mx.float32) for k, v in gguf.items()
-    }
-
-
-def model_config(meta: dict, num_layers: int | None = None, tied: bool = True) -> dict:
+def model_config(meta: dict, tied: bool = True) -> dict:
     """mlx-lm llama config.json from the GGUF metadata."""
 
-    def get(key):
-        v = meta[f"llama.{key}"]
+    def get(key, default=None):
+        v = meta.get(f"llama.{key}", default)
         return v.item() if hasattr(v, "item") else v
 
     heads = get("attention.head_count")
@@ -186,13 +175,11 @@ def model_config(meta: dict, num_layers: int | None = None, tied: bool = True) -
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
-        "num_hidden_layers": num_layers or get("block_count"),
+        "num_hidden_layers": get("block_count"),
         "intermediate_size": get("feed_forward_length"),
         "num_attention_heads": heads,
         "num_key_value_heads": get("attention.head_count_kv"),
-        "head_dim": get("rope.dimension_count")
-        if "llama.rope.dimension_count" in meta
-        else hidden // heads,
+        "head_dim": get("rope.dimension_count", hidden // heads),
         "rms_norm_eps": float(f"{get('attention.layer_norm_rms_epsilon'):.7g}"),
         "vocab_size": get("vocab_size"),
         "max_position_embeddings": get("context_length"),
@@ -269,7 +256,12 @@ def convert_gguf(gguf_path: Path, out: Path, dequantize: bool) -> None:
     gguf, meta = mx.load(str(gguf_path), return_metadata=True)
     if meta.get("general.architecture") != "llama":
         raise ValueError(f"expected a llama GGUF, got {meta.get('general.architecture')!r}")
-    weights = convert_weights(gguf, dequantize)
+    # float32 weights, or the block-quantized ones (groups of 32) as they are
+    if dequantize:
+        gguf = dequantized(gguf, 32)
+    weights = {
+        map_name(k): v if _quantized(k, gguf) else v.astype(mx.float32) for k, v in gguf.items()
+    }
     config = model_config(meta, tied="lm_head.weight" not in weights)
     _save_model(out, weights, config)
     write_tokenizer(meta, out)
@@ -285,8 +277,7 @@ def ensure_smollm2(cache_dir: str | os.PathLike | None = None,
                    dequantize: bool | None = None) -> Path:  # fmt: skip
     """The GGUF converted once into an mlx-lm folder under the cache; `dequantize` (default:
     except on macOS) stores float32 weights instead of the Q4_1 ones, slow on MLX's CPU."""
-    if dequantize is None:
-        dequantize = DEQUANTIZE
+    dequantize = DEQUANTIZE if dequantize is None else dequantize
     gguf = find_gguf()
     name = TARGET_NAME if dequantize else f"{TARGET_NAME}-Q4_1"
     stamp = {"format": FORMAT_VERSION, "gguf": GGUF_NAME, "size": gguf.stat().st_size}
@@ -370,8 +361,7 @@ def assemble_source(target: Path, st: Path, cfg: Path, out: Path, dequantize: bo
 def ensure_demo_source(cache_dir: str | os.PathLike | None = None, dequantize: bool | None = None,
                        folder: str = "source15") -> Path:  # fmt: skip
     """Assemble a demo source model folder (cached) from `weights/<folder>/`; return its path."""
-    if dequantize is None:
-        dequantize = DEQUANTIZE
+    dequantize = DEQUANTIZE if dequantize is None else dequantize
     st, cfg = source_files(folder)
     target = ensure_smollm2(cache_dir, dequantize)
     name = DEMO_SOURCES[folder] if dequantize else f"{DEMO_SOURCES[folder]}-quantized"
