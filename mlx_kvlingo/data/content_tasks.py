@@ -18,6 +18,7 @@ training text gives calibration examples that need the prefix (`content_examples
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from collections.abc import Sequence
@@ -107,12 +108,10 @@ class TaskBuilder:
         self.tokenizer = tokenizer
         self.docs = sentences(texts)
         self.rng = random.Random(seed)
-        self._ntok: dict[str, int] = {}
-
-    def _count(self, s: str) -> int:
-        if s not in self._ntok:
-            self._ntok[s] = len(self.tokenizer.encode(" " + s, add_special_tokens=False))
-        return self._ntok[s]
+        # a sentence's tokens within a text, counted once
+        self._count = functools.cache(
+            lambda s: len(tokenizer.encode(" " + s, add_special_tokens=False))
+        )
 
     def _template(self, user: str) -> list[int]:
         msgs = [{"role": "user", "content": user}]
@@ -135,9 +134,8 @@ class TaskBuilder:
 
     def _fit(self, length: int, make) -> tuple[list[int], object]:
         """(tokens, what it drew) of `make(budget)` -> (user text, what it drew), the budget tuned
-        so the prompt is ~`length` tokens (the closest of a few tries: whole sentences make it a
-        little over or under). Every try draws from the same random state: the same text, only
-        its length changes."""
+        so the prompt is ~`length` tokens (the closest of 5 tries); every try draws from the same
+        random state: the same text, only its length changes."""
         budget, best, state = max(8, length - 40), None, self.rng.getstate()
         for _ in range(5):
             self.rng.setstate(state)

@@ -86,9 +86,7 @@ def save_translator(translator: Translator, path: str | Path, pair=None, dtype=N
             "source": _side_meta(pair.source if pair else None, c.source),
             "target": _side_meta(pair.target if pair else None, c.target),
             "tokenizer": pair.tokenizer_fingerprint if pair else None,
-            "dtype": None}  # fmt: skip
-    meta.update(c.metadata)
-    meta.update(extra)
+            "dtype": None, **c.metadata, **extra}  # fmt: skip
     meta["dtype"] = str(next(iter(tensors.values())).dtype).replace("mlx.core.", "")
     if bits:
         tensors, meta["quantization"] = quantize(tensors, bits)
@@ -258,20 +256,16 @@ def model_key(name) -> str | None:
     return str(name).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].lower() or None
 
 
-def declared_names(meta: dict, label: str) -> set[str]:
-    """The names a translator file gives one side: its metadata and, for a converted file,
-    the names the original file declared (provenance)."""
-    side, prov = meta.get(label), meta.get("provenance")
-    names = (side.get("name") if isinstance(side, dict) else None,
-             prov.get(f"{label}_model") if isinstance(prov, dict) else None)  # fmt: skip
-    return {k for k in map(model_key, names) if k}
-
-
 def check_direction(meta: dict, path, source, target, swapped: bool = False) -> None:
     """Refuse a file made for the models named `source` -> `target` the other way round: by the
     names it declares, or (`swapped`, the pair's geometry) its sides' shapes."""
     names = model_key(source), model_key(target)
-    made = declared_names(meta, "source"), declared_names(meta, "target")
+    # the names the file gives each side: its own and, converted, the original file's
+    prov = meta.get("provenance") if isinstance(meta.get("provenance"), dict) else {}
+    made = [
+        {model_key(meta[s].get("name")), model_key(prov.get(f"{s}_model"))} - {None}
+        for s in ("source", "target")
+    ]
     by_name = all(names) and names[0] != names[1] and names[0] in made[1] and names[1] in made[0]
     if (by_name and names[0] not in made[0]) or swapped:
         raise TranslatorFileError(

@@ -307,9 +307,8 @@ def estimate_bytes(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") ->
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
         for name, t in header.items():
-            if name == "__metadata__":
-                continue
             stored = t["data_offsets"][1] - t["data_offsets"][0]
             numel = math.prod(t["shape"])
             if dtype is None:

