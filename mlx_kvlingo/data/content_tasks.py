@@ -151,6 +151,8 @@ class TaskBuilder:
     def build(self, kind: str, length: int) -> ContentTask:
         if kind not in KINDS:
             raise ValueError(f"unknown task kind {kind!r} (known: {', '.join(KINDS)})")
+        if kind == "fact":
+            return self._hidden("fact", length, *_fact(self.rng))
         if kind in ("qa", "summary"):
             return self._passage(length, kind)
         return getattr(self, f"_{kind}")(length)
@@ -174,9 +176,6 @@ class TaskBuilder:
 
         tokens, _ = self._fit(length, make)
         return ContentTask(kind, length, tuple(tokens), answer, question, depths[0], detail)
-
-    def _fact(self, length: int) -> ContentTask:
-        return self._hidden("fact", length, *_fact(self.rng))
 
     def _facts(self, length: int) -> ContentTask:
         types = self.rng.sample(FACT_TYPES, 3)

@@ -156,18 +156,6 @@ def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
     return out
 
 
-def _text_example(name, tokens, rng: random.Random, cfg: DataConfig) -> Example | None:
-    room = len(tokens) - 2
-    hi = min(cfg.max_prefix, room)
-    if hi < cfg.min_prefix:
-        return None
-    # log-uniform prefix length: short and long prefixes both well represented
-    n = int(round(math.exp(rng.uniform(math.log(cfg.min_prefix), math.log(hi)))))
-    start = rng.randint(0, len(tokens) - n - 2)
-    cont = tokens[start + n : start + n + cfg.continuation]
-    return Example(tuple(tokens[start : start + n]), tuple(cont), f"{name}+{start}")
-
-
 def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
     """(train, heldout) examples, deterministic for `cfg.seed`. Documents (a conversation, or a
     block of a text file) are split before any example is drawn: no held-out text is trained on."""
@@ -202,9 +190,14 @@ def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
         name, (kind, payload) = docs[i]
         if kind == "chat":
             exs = _chat_examples(tokenizer, payload, name, cfg)
-        else:
-            ex = _text_example(name, payload, random.Random(f"{cfg.seed}:{name}"), cfg)
-            exs = [ex] if ex else []
+        elif (hi := min(cfg.max_prefix, len(payload) - 2)) < cfg.min_prefix:
+            exs = []
+        else:  # a log-uniform prefix length: short and long prefixes both well represented
+            draw = random.Random(f"{cfg.seed}:{name}")
+            n = int(round(math.exp(draw.uniform(math.log(cfg.min_prefix), math.log(hi)))))
+            start = draw.randint(0, len(payload) - n - 2)
+            cont = payload[start + n : start + n + cfg.continuation]
+            exs = [Example(tuple(payload[start : start + n]), tuple(cont), f"{name}+{start}")]
         bucket.extend(exs[: None if cap is None else cap - len(bucket)])
     if not train and cfg.heldout_fraction < 1.0:
         raise DataError(

@@ -15,7 +15,7 @@ from mlx_kvlingo.models.demo.smollm2 import (
     ensure_demo_source,
     ensure_smollm2,
     missing_weights,
-    source_layers,
+    source_files,
     weights_dir,
 )
 from mlx_kvlingo.models.files import TranslatorFileError, load_translator, read_metadata
@@ -106,7 +106,7 @@ def source_for(translator=None, pair: str = "dense", reverse: bool = False) -> s
     known = {}
     for folder in DEMO_SOURCES:
         try:
-            known[folder] = source_layers(folder)
+            known[folder] = len(json.loads(source_files(folder)[1].read_text())["kept_layers"])
         except FileNotFoundError:
             continue
         if known[folder] == layers:

@@ -290,11 +290,6 @@ def source_files(folder: str = "source15") -> tuple[Path, Path]:
     return paths
 
 
-def source_layers(folder: str = "source15") -> int:
-    """How many transformer layers the demo source in `weights/<folder>/` has."""
-    return len(json.loads(source_files(folder)[1].read_text())["kept_layers"])
-
-
 def sha256_of(path: Path) -> str:
     """Hex SHA-256 of a file, read in 1 MiB chunks."""
     h = hashlib.sha256()
