@@ -155,7 +155,7 @@ class TaskBuilder:
             return self._hidden("fact", length, *_fact(self.rng))
         if kind in ("qa", "summary"):
             return self._passage(length, kind)
-        return getattr(self, f"_{kind}")(length)
+        return self._facts(length) if kind == "facts" else self._copy(length)
 
     def _hidden(self, kind: str, length: int, hidden: str | list, question: str, answer: str,
                 detail: str = "", depths=None, tail=None) -> ContentTask:  # fmt: skip

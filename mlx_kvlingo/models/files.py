@@ -95,20 +95,20 @@ def save_translator(translator: Translator, path: str | Path, pair=None, dtype=N
     return Path(path)
 
 
-def parse_json(text, what: str, error=TranslatorFileError, want=dict):
-    """JSON text (str or bytes) that must hold a `want`; anything else raises `error`."""
+def parse_json(text, what: str, error=TranslatorFileError) -> dict:
+    """JSON text (str or bytes) that must hold an object; anything else raises `error`."""
     try:
         value = json.loads(text)
     except (UnicodeDecodeError, ValueError, RecursionError, TypeError) as e:
         raise error(f"{what} is not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
-    if not isinstance(value, want):
-        raise error(f"{what} must be a JSON {want.__name__}, not {type(value).__name__}")
+    if not isinstance(value, dict):
+        raise error(f"{what} must be a JSON dict, not {type(value).__name__}")
     return value
 
 
 def read_header(path: str | Path, error=TranslatorFileError, what: str = "translator") -> dict:
     """Check a safetensors file without loading its tensors (the `safetensors` library's checks:
-    header, dtypes, shapes and offsets, the file's length); {"__metadata__": its metadata}.
+    header, dtypes, shapes and offsets, the file's length); its metadata.
     `what` the file should be, for the messages; `error` the class to raise."""
     from safetensors import SafetensorError, safe_open
 
@@ -117,7 +117,7 @@ def read_header(path: str | Path, error=TranslatorFileError, what: str = "transl
         raise error(f"{path}: no such {what} file")
     try:
         with safe_open(str(path), "numpy") as f:
-            return {"__metadata__": f.metadata() or {}}
+            return f.metadata() or {}
     except SafetensorError as e:
         why = str(e).removeprefix("Error while deserializing header: ")
     with open(path, "rb") as f:
@@ -134,8 +134,7 @@ def read_header(path: str | Path, error=TranslatorFileError, what: str = "transl
 
 
 def read_metadata(path: str | Path) -> dict:
-    header = read_header(path)
-    raw = (header.get("__metadata__") or {}).get("kvlingo")
+    raw = read_header(path).get("kvlingo")
     if raw is None:
         raise TranslatorFileError(f"{path}: no kvlingo metadata: not a translator file")
     meta = parse_json(raw, f"{path}: the kvlingo metadata")

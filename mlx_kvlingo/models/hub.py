@@ -21,7 +21,6 @@ from pathlib import Path
 
 __all__ = ["HubError", "HubSpec", "parse_spec", "resolve_translator", "download", "upload"]
 
-#: org/name, then optional @revision, then optional :path inside the repo
 SPEC = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[^:@\s]+))?(?::(?P<file>\S+))?$")
 ALLOW = ["*.safetensors", "manifest.json", "README.md"]
 
@@ -150,9 +149,7 @@ def build_repo_folder(
         given = ", ".join(sorted(names.values())[:6])
         raise HubError(f"{manifest}: its default {', '.join(missing)} is not among the files "
                        f"given (paths below {root}: {given})")  # fmt: skip
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    metas = {}
+    folder, metas = Path(folder), {}
     for f, name in names.items():
         try:
             metas[name] = read_metadata(f)

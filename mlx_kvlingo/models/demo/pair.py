@@ -64,12 +64,9 @@ def defaults(pair: str = "dense", source: str | None = None) -> dict:
     m = manifest(pair)
     if source is None or source == m["default"].get("source", FIRST_SOURCE):
         return m["default"]
-    try:
-        return m["by_source"][source]
-    except KeyError:
-        raise FileNotFoundError(
-            f"the {pair!r} demo pair ships no translators for {source!r}"
-        ) from None
+    if source not in m.get("by_source", {}):
+        raise FileNotFoundError(f"the {pair!r} demo pair ships no translators for {source!r}")
+    return m["by_source"][source]
 
 
 def translator_path(name: str | None = None, reverse: bool = False, pair: str = "dense",
