@@ -214,12 +214,10 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
         except (KeyError, TypeError, ValueError) as e:
             raise TranslatorFileError(f"{path}: bad quantized tensors: {str(e)[:300]}") from None
     expected = config.weight_shapes()
-    for what, names in (
-        ("missing", set(expected) - set(tensors)),
-        ("unexpected", set(tensors) - set(expected)),
-    ):
-        if names:
-            raise TranslatorFileError(f"{path}: {what} tensors {sorted(names)}")
+    missing, unexpected = set(expected) - set(tensors), set(tensors) - set(expected)
+    if missing or unexpected:
+        what, names = ("missing", missing) if missing else ("unexpected", unexpected)
+        raise TranslatorFileError(f"{path}: {what} tensors {sorted(names)}")
     for name, shape in expected.items():
         if not mx.issubdtype(tensors[name].dtype, mx.floating):
             raise TranslatorFileError(

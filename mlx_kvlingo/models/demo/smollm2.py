@@ -267,10 +267,9 @@ GENERATION_CONFIG = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def ensure_smollm2(cache_dir: str | os.PathLike | None = None,
-                   dequantize: bool | None = None) -> Path:  # fmt: skip
+                   dequantize: bool = DEQUANTIZE) -> Path:  # fmt: skip
     """The GGUF converted once into an mlx-lm folder under the cache; `dequantize` (default:
     except on macOS) stores float32 weights instead of the Q4_1 ones, slow on MLX's CPU."""
-    dequantize = DEQUANTIZE if dequantize is None else dequantize
     gguf = find_gguf()
     name = TARGET_NAME if dequantize else f"{TARGET_NAME}-Q4_1"
     stamp = {"format": FORMAT_VERSION, "gguf": GGUF_NAME, "size": gguf.stat().st_size}
@@ -346,10 +345,9 @@ def assemble_source(target: Path, st: Path, cfg: Path, out: Path, dequantize: bo
         shutil.copy2(target / name, out / name)
 
 
-def ensure_demo_source(cache_dir: str | os.PathLike | None = None, dequantize: bool | None = None,
+def ensure_demo_source(cache_dir: str | os.PathLike | None = None, dequantize: bool = DEQUANTIZE,
                        folder: str = "source15") -> Path:  # fmt: skip
     """Assemble a demo source model folder (cached) from `weights/<folder>/`; return its path."""
-    dequantize = DEQUANTIZE if dequantize is None else dequantize
     st, cfg = source_files(folder)
     target = ensure_smollm2(cache_dir, dequantize)
     name = DEMO_SOURCES[folder] if dequantize else f"{DEMO_SOURCES[folder]}-quantized"
