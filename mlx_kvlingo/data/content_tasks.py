@@ -178,8 +178,7 @@ class TaskBuilder:
         return ContentTask(kind, length, tuple(tokens), answer, question, depths[0], detail)
 
     def _facts(self, length: int) -> ContentTask:
-        types = self.rng.sample(FACT_TYPES, 3)
-        facts = [_fact(self.rng, t) for t in types]
+        facts = [_fact(self.rng, t) for t in self.rng.sample(FACT_TYPES, 3)]
         depths = self.rng.sample([d / 10 for d in range(1, 10)], 3)
         asked = self.rng.randrange(3)  # the task is the asked fact's, listed first
         order = [asked, *(i for i in range(3) if i != asked)]
