@@ -230,9 +230,8 @@ def model_fingerprint(loaded: LoadedModel) -> str:
 
     h = hashlib.sha256(json.dumps(loaded.geometry.as_dict(), sort_keys=True).encode())
     for name, w in sorted(tree_flatten(loaded.model.parameters())):
-        if not any(s in name for s in ("embed_tokens", "k_proj", "v_proj")):
-            continue
-        if not mx.issubdtype(w.dtype, mx.floating):
+        keep = any(s in name for s in ("embed_tokens", "k_proj", "v_proj"))
+        if not keep or not mx.issubdtype(w.dtype, mx.floating):
             continue
         x = np.array(w.reshape(-1)[:256].astype(mx.float32))
         big = np.abs(x) > 0.5 * (x.std() + 1e-12)
