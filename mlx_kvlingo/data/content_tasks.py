@@ -1,7 +1,7 @@
 """Prompts whose right answer is only in the text read: the content benchmark's tasks.
 
 A task is a chat prompt of about `length` tokens built, with a seed, from ordinary text
-(documents the pair never saw in calibration, for evaluation) and one of four kinds:
+(documents the pair never saw in calibration, for evaluation) and one of five kinds:
 
   fact     one sentence stating a value (a number, a name, an attribute, a date) hidden at a
            depth (0.1, 0.5 or 0.9) inside unrelated text, then a question for that value

@@ -81,9 +81,7 @@ def build_tokenizer(folder: str | Path, vocab_size: int = 512) -> Path:
 
 
 def model_config(kind: str, vocab_size: int, **overrides) -> dict:
-    cfg = {**BASE[kind], "vocab_size": vocab_size, **overrides}
-    cfg.setdefault("eos_token_id", None)
-    return cfg
+    return {**BASE[kind], "vocab_size": vocab_size, **overrides}
 
 
 def build_model(config: dict, seed: int = 0, logit_scale: float = 4.0) -> nn.Module:
