@@ -1,7 +1,7 @@
 """Prompts whose right answer is only in the text read: the content benchmark's tasks.
 
 A task is a chat prompt of about `length` tokens built, with a seed, from ordinary text
-(documents the pair never saw in calibration, for evaluation) and one of four kinds:
+(documents the pair never saw in calibration, for evaluation) and one of five kinds:
 
   fact     one sentence stating a value (a number, a name, an attribute, a date) hidden at a
            depth (0.1, 0.5 or 0.9) inside unrelated text, then a question for that value
@@ -18,6 +18,7 @@ training text gives calibration examples that need the prefix (`content_examples
 
 from __future__ import annotations
 
+import functools
 import random
 import re
 from collections.abc import Sequence
@@ -107,12 +108,10 @@ class TaskBuilder:
         self.tokenizer = tokenizer
         self.docs = sentences(texts)
         self.rng = random.Random(seed)
-        self._ntok: dict[str, int] = {}
-
-    def _count(self, s: str) -> int:
-        if s not in self._ntok:
-            self._ntok[s] = len(self.tokenizer.encode(" " + s, add_special_tokens=False))
-        return self._ntok[s]
+        # a sentence's tokens within a text, counted once
+        self._count = functools.cache(
+            lambda s: len(tokenizer.encode(" " + s, add_special_tokens=False))
+        )
 
     def _template(self, user: str) -> list[int]:
         msgs = [{"role": "user", "content": user}]
@@ -133,10 +132,10 @@ class TaskBuilder:
                 d, i = (d + 1) % len(self.docs), 0
         return out
 
-    def _fit(self, length: int, make) -> tuple[list[int], dict]:
-        """`make(budget)` -> (user text, what it drew); the budget is tuned so the prompt is ~`length` tokens
-        (the closest of a few tries: whole sentences make it a little over or under). Every try
-        draws from the same random state: the same text, only its length changes."""
+    def _fit(self, length: int, make) -> tuple[list[int], object]:
+        """(tokens, what it drew) of `make(budget)` -> (user text, what it drew), the budget tuned
+        so the prompt is ~`length` tokens (the closest of 5 tries); every try draws from the same
+        random state: the same text, only its length changes."""
         budget, best, state = max(8, length - 40), None, self.rng.getstate()
         for _ in range(5):
             self.rng.setstate(state)
@@ -152,13 +151,19 @@ class TaskBuilder:
     def build(self, kind: str, length: int) -> ContentTask:
         if kind not in KINDS:
             raise ValueError(f"unknown task kind {kind!r} (known: {', '.join(KINDS)})")
-        return getattr(self, f"_{kind}")(length)
+        if kind == "fact":
+            return self._hidden("fact", length, *_fact(self.rng))
+        if kind in ("qa", "summary"):
+            return self._passage(length, kind)
+        return self._facts(length) if kind == "facts" else self._copy(length)
 
-    def _hidden(self, kind: str, length: int, hidden: str | list, question: str, tail: str,
-                answer: str, detail: str = "", depths=None) -> ContentTask:  # fmt: skip
+    def _hidden(self, kind: str, length: int, hidden: str | list, question: str, answer: str,
+                detail: str = "", depths=None, tail=None) -> ContentTask:  # fmt: skip
         """`hidden` (a sentence, or several at `depths`) at a random depth inside unrelated
-        text, then `tail` (which asks `question`); the task's depth is the first sentence's."""
+        text, then `tail` (default: `question`, to answer briefly); the task's depth is the
+        first sentence's."""
         hidden = [hidden] if isinstance(hidden, str) else hidden
+        tail = tail or f"Question: {question} Answer briefly."
         depths = depths or [self.rng.choice(DEPTHS)]
 
         def make(budget):
@@ -167,26 +172,19 @@ class TaskBuilder:
             at = [round(d * len(filler)) for d in depths]
             for a, h in sorted(zip(at, hidden), key=lambda x: -x[0]):  # the last first
                 filler.insert(a, h)
-            return f"{' '.join(filler)}\n\n{tail}", {}
+            return f"{' '.join(filler)}\n\n{tail}", None
 
         tokens, _ = self._fit(length, make)
         return ContentTask(kind, length, tuple(tokens), answer, question, depths[0], detail)
 
-    def _fact(self, length: int) -> ContentTask:
-        statement, question, answer, ftype = _fact(self.rng)
-        tail = f"Question: {question} Answer briefly."
-        return self._hidden("fact", length, statement, question, tail, answer, ftype)
-
     def _facts(self, length: int) -> ContentTask:
-        types = self.rng.sample(FACT_TYPES, 3)
-        facts = [_fact(self.rng, t) for t in types]
+        facts = [_fact(self.rng, t) for t in self.rng.sample(FACT_TYPES, 3)]
         depths = self.rng.sample([d / 10 for d in range(1, 10)], 3)
         asked = self.rng.randrange(3)  # the task is the asked fact's, listed first
         order = [asked, *(i for i in range(3) if i != asked)]
-        statement, question, answer, ftype = facts[asked]
-        tail = f"Question: {question} Answer briefly."
-        return self._hidden("facts", length, [facts[i][0] for i in order], question, tail,
-                            answer, ftype, depths=[depths[i] for i in order])  # fmt: skip
+        _, question, answer, ftype = facts[asked]
+        return self._hidden("facts", length, [facts[i][0] for i in order], question, answer,
+                            ftype, depths=[depths[i] for i in order])  # fmt: skip
 
     def _copy(self, length: int) -> ContentTask:
         near = [s for s in self._run(96) if 6 <= len(s.split()) <= 20 and _PLAIN.fullmatch(s)]
@@ -194,29 +192,24 @@ class TaskBuilder:
         sentence = self.rng.choice(near) if near else _fact(self.rng)[0]
         marked = f'Remember this sentence: "{sentence}"'
         question = "Repeat the sentence I asked you to remember, word for word."
-        return self._hidden("copy", length, marked, question, question, sentence)
+        return self._hidden("copy", length, marked, question, sentence, tail=question)
 
-    def _passage(self, length: int, kind: str, question_of) -> ContentTask:
+    def _passage(self, length: int, kind: str) -> ContentTask:
+        """A passage, then (qa) a question about one of its words or (summary) "summarize"."""
+
         def make(budget):
             passage = self._run(budget)
-            question, detail = question_of(passage)
-            return f"{' '.join(passage)}\n\n{question}", {"q": question, "detail": detail}
+            question, word = "Summarize the text above in one sentence.", ""
+            if kind == "qa":
+                words = [
+                    w for s in passage for w in _WORD.findall(s) if len(w) >= 6 and w.islower()
+                ]
+                word = self.rng.choice(words) if words else passage[0].split()[0]
+                question = f'What does the text above say about "{word}"?'
+            return f"{' '.join(passage)}\n\n{question}", (question, word)
 
-        tokens, drawn = self._fit(length, make)
-        return ContentTask(kind, length, tuple(tokens), "", drawn["q"], None, drawn["detail"])
-
-    def _qa(self, length: int) -> ContentTask:
-        def question_of(passage):
-            words = [w for s in passage for w in _WORD.findall(s) if len(w) >= 6 and w.islower()]
-            word = self.rng.choice(words) if words else passage[0].split()[0]
-            return f'What does the text above say about "{word}"?', word
-
-        return self._passage(length, "qa", question_of)
-
-    def _summary(self, length: int) -> ContentTask:
-        return self._passage(
-            length, "summary", lambda _: ("Summarize the text above in one sentence.", "")
-        )
+        tokens, (question, word) = self._fit(length, make)
+        return ContentTask(kind, length, tuple(tokens), "", question, None, word)
 
 
 def build_tasks(tokenizer, texts: Sequence[str], lengths: Sequence[int], per_kind: int,

@@ -100,13 +100,6 @@ def _read_bytes(path: Path) -> bytes:
         raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
 
 
-def _read_text(path: Path) -> str:
-    text = _read_bytes(path).decode("utf-8", errors="replace")
-    if not text.strip():
-        raise DataError(f"{path}: empty text file")
-    return text
-
-
 def validate_data(path: str | Path) -> dict:
     """Read and check every file under `path` (no tokenizer needed); a summary of what is there
     (`DataError` naming the file and line of the first problem)."""
@@ -122,7 +115,10 @@ def _documents(path: str | Path):
             for i, (kind, record) in enumerate(_read_jsonl(f), 1):
                 yield f"{f.name}:{i}", kind, record
         else:
-            yield f.name, "text", _read_text(f)
+            text = _read_bytes(f).decode("utf-8", errors="replace")
+            if not text.strip():
+                raise DataError(f"{f}: empty text file")
+            yield f.name, "text", text
 
 
 def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
@@ -133,10 +129,15 @@ def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
     if cfg.replies_per_chat is not None and len(replies) > cfg.replies_per_chat:
         rng = random.Random(f"{cfg.seed}:{name}")
         replies = sorted(rng.sample(replies, cfg.replies_per_chat))
-    # each earlier reply's start and tokens, templated once per conversation, not per example
+    # (index, start token, tokens) of each earlier reply: where its own text would lie in the
+    # templated conversation (a span of a prefix only where the prefix holds these tokens there)
     candidates = []
-    if cfg.reply_spans and replies:
-        candidates = _reply_candidates(tokenizer, msgs[: replies[-1]])
+    for j in range(1, replies[-1] if cfg.reply_spans and replies else 0):
+        if msgs[j]["role"] == "assistant":
+            start = len(tokenizer.apply_chat_template(msgs[:j], add_generation_prompt=True))
+            text = list(tokenizer.encode(msgs[j]["content"], add_special_tokens=False))
+            if text:
+                candidates.append((j, start, text))
     for i in replies:
         prefix = tokenizer.apply_chat_template(msgs[:i], add_generation_prompt=True)
         full = tokenizer.apply_chat_template(msgs[: i + 1])
@@ -155,54 +156,20 @@ def _chat_examples(tokenizer, msgs, name, cfg: DataConfig) -> list[Example]:
     return out
 
 
-def _reply_candidates(tokenizer, msgs) -> list[tuple[int, int, list[int]]]:
-    """(message index, start token, tokens) of each assistant reply after the first message:
-    where its own text would lie in the templated conversation. A reply is kept as a span of
-    an example's prefix only where the prefix really holds these tokens there."""
-    out = []
-    for j, m in enumerate(msgs):
-        if m["role"] != "assistant" or j == 0:
-            continue
-        start = len(tokenizer.apply_chat_template(msgs[:j], add_generation_prompt=True))
-        text = list(tokenizer.encode(m["content"], add_special_tokens=False))
-        if text:
-            out.append((j, start, text))
-    return out
-
-
-def _text_documents(
-    tokenizer, name: str, text: str, cfg: DataConfig
-) -> list[tuple[str, list[int]]]:
-    tokens = tokenizer.encode(text)
-    block = cfg.max_prefix + cfg.continuation
-    docs = [(f"{name}@{s}", tokens[s : s + block]) for s in range(0, len(tokens), block)]
-    return [d for d in docs if len(d[1]) >= cfg.min_prefix + 2]
-
-
-def _text_example(name, tokens, rng: random.Random, cfg: DataConfig) -> Example | None:
-    room = len(tokens) - 2
-    hi = min(cfg.max_prefix, room)
-    if hi < cfg.min_prefix:
-        return None
-    # log-uniform prefix length: short and long prefixes both well represented
-    n = int(round(math.exp(rng.uniform(math.log(cfg.min_prefix), math.log(hi)))))
-    start = rng.randint(0, len(tokens) - n - 2)
-    cont = tokens[start + n : start + n + cfg.continuation]
-    return Example(tuple(tokens[start : start + n]), tuple(cont), f"{name}+{start}")
-
-
 def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
     """(train, heldout) examples, deterministic for `cfg.seed`. Documents (a conversation, or a
     block of a text file) are split before any example is drawn: no held-out text is trained on."""
     rng = random.Random(cfg.seed)
     docs: list[tuple[str, object]] = []
+    block = cfg.max_prefix + cfg.continuation  # a text is split into documents of this many
     for name, kind, record in _documents(path):
         if kind == "chat":
             docs.append((name, ("chat", record)))
-        else:
-            docs += [
-                (n, ("text", toks)) for n, toks in _text_documents(tokenizer, name, record, cfg)
-            ]
+            continue
+        tokens = tokenizer.encode(record)
+        for s in range(0, len(tokens), block):
+            if len(tokens[s : s + block]) >= cfg.min_prefix + 2:
+                docs.append((f"{name}@{s}", ("text", tokens[s : s + block])))
     if not docs:
         raise DataError(f"{path}: no documents long enough for min_prefix={cfg.min_prefix}")
     order = list(range(len(docs)))
@@ -223,9 +190,14 @@ def load_examples(path: str | Path, tokenizer, cfg: DataConfig = DataConfig()):
         name, (kind, payload) = docs[i]
         if kind == "chat":
             exs = _chat_examples(tokenizer, payload, name, cfg)
-        else:
-            ex = _text_example(name, payload, random.Random(f"{cfg.seed}:{name}"), cfg)
-            exs = [ex] if ex else []
+        elif (hi := min(cfg.max_prefix, len(payload) - 2)) < cfg.min_prefix:
+            exs = []
+        else:  # a log-uniform prefix length: short and long prefixes both well represented
+            draw = random.Random(f"{cfg.seed}:{name}")
+            n = int(round(math.exp(draw.uniform(math.log(cfg.min_prefix), math.log(hi)))))
+            start = draw.randint(0, len(payload) - n - 2)
+            cont = payload[start + n : start + n + cfg.continuation]
+            exs = [Example(tuple(payload[start : start + n]), tuple(cont), f"{name}+{start}")]
         bucket.extend(exs[: None if cap is None else cap - len(bucket)])
     if not train and cfg.heldout_fraction < 1.0:
         raise DataError(

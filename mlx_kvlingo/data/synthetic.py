@@ -81,9 +81,7 @@ def build_tokenizer(folder: str | Path, vocab_size: int = 512) -> Path:
 
 
 def model_config(kind: str, vocab_size: int, **overrides) -> dict:
-    cfg = {**BASE[kind], "vocab_size": vocab_size, **overrides}
-    cfg.setdefault("eos_token_id", None)
-    return cfg
+    return {**BASE[kind], "vocab_size": vocab_size, **overrides}
 
 
 def build_model(config: dict, seed: int = 0, logit_scale: float = 4.0) -> nn.Module:
@@ -101,22 +99,16 @@ def build_model(config: dict, seed: int = 0, logit_scale: float = 4.0) -> nn.Mod
     return model
 
 
-def save_folder(folder: str | Path, model: nn.Module, config: dict, tokenizer_dir: Path) -> Path:
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    save_model(folder, model)
-    cfg = {k: v for k, v in config.items() if v is not None}
-    save_config(cfg, folder / "config.json")
-    for f in Path(tokenizer_dir).iterdir():
-        if f.is_file():
-            shutil.copy(f, folder / f.name)
-    return folder
-
-
 def make_model_folder(
     folder: str | Path, kind: str, tokenizer_dir: Path, seed: int = 0, **overrides
 ) -> Path:
+    """A random-weight `kind` model (`BASE[kind]` with `overrides`) with the tokenizer (and
+    every other file) in `tokenizer_dir`."""
     vocab = len(json.loads((Path(tokenizer_dir) / "tokenizer.json").read_text())["model"]["vocab"])
-    vocab += len(SPECIAL)
-    cfg = model_config(kind, vocab, **overrides)
-    return save_folder(folder, build_model(cfg, seed), cfg, tokenizer_dir)
+    cfg = model_config(kind, vocab + len(SPECIAL), **overrides)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_model(folder, build_model(cfg, seed))
+    save_config({k: v for k, v in cfg.items() if v is not None}, folder / "config.json")
+    shutil.copytree(tokenizer_dir, folder, dirs_exist_ok=True)
+    return folder

@@ -86,9 +86,7 @@ def save_translator(translator: Translator, path: str | Path, pair=None, dtype=N
             "source": _side_meta(pair.source if pair else None, c.source),
             "target": _side_meta(pair.target if pair else None, c.target),
             "tokenizer": pair.tokenizer_fingerprint if pair else None,
-            "dtype": None}  # fmt: skip
-    meta.update(c.metadata)
-    meta.update(extra)
+            "dtype": None, **c.metadata, **extra}  # fmt: skip
     meta["dtype"] = str(next(iter(tensors.values())).dtype).replace("mlx.core.", "")
     if bits:
         tensors, meta["quantization"] = quantize(tensors, bits)
@@ -97,20 +95,20 @@ def save_translator(translator: Translator, path: str | Path, pair=None, dtype=N
     return Path(path)
 
 
-def parse_json(text, what: str, error=TranslatorFileError, want=dict):
-    """JSON text (str or bytes) that must hold a `want`; anything else raises `error`."""
+def parse_json(text, what: str, error=TranslatorFileError) -> dict:
+    """JSON text (str or bytes) that must hold an object; anything else raises `error`."""
     try:
         value = json.loads(text)
     except (UnicodeDecodeError, ValueError, RecursionError, TypeError) as e:
         raise error(f"{what} is not valid JSON ({type(e).__name__}: {str(e)[:120]})") from None
-    if not isinstance(value, want):
-        raise error(f"{what} must be a JSON {want.__name__}, not {type(value).__name__}")
+    if not isinstance(value, dict):
+        raise error(f"{what} must be a JSON dict, not {type(value).__name__}")
     return value
 
 
 def read_header(path: str | Path, error=TranslatorFileError, what: str = "translator") -> dict:
     """Check a safetensors file without loading its tensors (the `safetensors` library's checks:
-    header, dtypes, shapes and offsets, the file's length); {"__metadata__": its metadata}.
+    header, dtypes, shapes and offsets, the file's length); its metadata.
     `what` the file should be, for the messages; `error` the class to raise."""
     from safetensors import SafetensorError, safe_open
 
@@ -119,7 +117,7 @@ def read_header(path: str | Path, error=TranslatorFileError, what: str = "transl
         raise error(f"{path}: no such {what} file")
     try:
         with safe_open(str(path), "numpy") as f:
-            return {"__metadata__": f.metadata() or {}}
+            return f.metadata() or {}
     except SafetensorError as e:
         why = str(e).removeprefix("Error while deserializing header: ")
     with open(path, "rb") as f:
@@ -136,8 +134,7 @@ def read_header(path: str | Path, error=TranslatorFileError, what: str = "transl
 
 
 def read_metadata(path: str | Path) -> dict:
-    header = read_header(path)
-    raw = (header.get("__metadata__") or {}).get("kvlingo")
+    raw = read_header(path).get("kvlingo")
     if raw is None:
         raise TranslatorFileError(f"{path}: no kvlingo metadata: not a translator file")
     meta = parse_json(raw, f"{path}: the kvlingo metadata")
@@ -217,12 +214,10 @@ def load_translator(path: str | Path, pair=None, dtype="auto") -> Translator:
         except (KeyError, TypeError, ValueError) as e:
             raise TranslatorFileError(f"{path}: bad quantized tensors: {str(e)[:300]}") from None
     expected = config.weight_shapes()
-    for what, names in (
-        ("missing", set(expected) - set(tensors)),
-        ("unexpected", set(tensors) - set(expected)),
-    ):
-        if names:
-            raise TranslatorFileError(f"{path}: {what} tensors {sorted(names)}")
+    missing, unexpected = set(expected) - set(tensors), set(tensors) - set(expected)
+    if missing or unexpected:
+        what, names = ("missing", missing) if missing else ("unexpected", unexpected)
+        raise TranslatorFileError(f"{path}: {what} tensors {sorted(names)}")
     for name, shape in expected.items():
         if not mx.issubdtype(tensors[name].dtype, mx.floating):
             raise TranslatorFileError(
@@ -258,20 +253,16 @@ def model_key(name) -> str | None:
     return str(name).rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1].lower() or None
 
 
-def declared_names(meta: dict, label: str) -> set[str]:
-    """The names a translator file gives one side: its metadata and, for a converted file,
-    the names the original file declared (provenance)."""
-    side, prov = meta.get(label), meta.get("provenance")
-    names = (side.get("name") if isinstance(side, dict) else None,
-             prov.get(f"{label}_model") if isinstance(prov, dict) else None)  # fmt: skip
-    return {k for k in map(model_key, names) if k}
-
-
 def check_direction(meta: dict, path, source, target, swapped: bool = False) -> None:
     """Refuse a file made for the models named `source` -> `target` the other way round: by the
     names it declares, or (`swapped`, the pair's geometry) its sides' shapes."""
     names = model_key(source), model_key(target)
-    made = declared_names(meta, "source"), declared_names(meta, "target")
+    # the names the file gives each side: its own and, converted, the original file's
+    prov = meta.get("provenance") if isinstance(meta.get("provenance"), dict) else {}
+    made = [
+        {model_key(meta[s].get("name")), model_key(prov.get(f"{s}_model"))} - {None}
+        for s in ("source", "target")
+    ]
     by_name = all(names) and names[0] != names[1] and names[0] in made[1] and names[1] in made[0]
     if (by_name and names[0] not in made[0]) or swapped:
         raise TranslatorFileError(

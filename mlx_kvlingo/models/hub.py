@@ -21,7 +21,6 @@ from pathlib import Path
 
 __all__ = ["HubError", "HubSpec", "parse_spec", "resolve_translator", "download", "upload"]
 
-#: org/name, then optional @revision, then optional :path inside the repo
 SPEC = re.compile(r"^(?P<repo>[\w.-]+/[\w.-]+)(?:@(?P<rev>[^:@\s]+))?(?::(?P<file>\S+))?$")
 ALLOW = ["*.safetensors", "manifest.json", "README.md"]
 
@@ -47,11 +46,6 @@ def parse_spec(text: str) -> HubSpec | None:
     if m is None or str(text).startswith((".", "/", "~")):
         return None
     return HubSpec(m["repo"], m["rev"], m["file"])
-
-
-def is_hub_spec(text) -> bool:
-    """True for a string that names no existing local path but parses as a Hub id."""
-    return isinstance(text, str) and not Path(text).expanduser().exists() and bool(parse_spec(text))
 
 
 def explain(e: Exception, named: str, fetch: str = "give a local folder") -> str | None:
@@ -155,9 +149,7 @@ def build_repo_folder(
         given = ", ".join(sorted(names.values())[:6])
         raise HubError(f"{manifest}: its default {', '.join(missing)} is not among the files "
                        f"given (paths below {root}: {given})")  # fmt: skip
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    metas = {}
+    folder, metas = Path(folder), {}
     for f, name in names.items():
         try:
             metas[name] = read_metadata(f)
@@ -191,11 +183,6 @@ def upload(folder: str | Path, repo_id: str, private: bool = False,
     return str(info)
 
 
-def _hub_id(name: str) -> str | None:
-    """A name as `_shown` gives it, when it is a Hub id (org/name); else None."""
-    return name if "/" in name else None
-
-
 def _shown(name: str) -> str:
     """A Hub id as is, a local path by its last component (a card never shows local paths)."""
     if name.startswith(("/", ".", "~")) or name.count("/") > 1:
@@ -203,24 +190,14 @@ def _shown(name: str) -> str:
     return name
 
 
-def _side(meta: dict, label: str) -> tuple[str, str | None]:
-    """(name, revision) of one side: a Hub id as is, a local folder by its last component."""
+def _side(meta: dict, label: str) -> str:
+    """One side's model: a Hub id (with a "/" still) as is, a local folder by its last component."""
     prov = meta.get("provenance") or {}
-    name = str(prov.get(f"{label}_model") or (meta.get(label) or {}).get("name") or "?")
-    return _shown(name), prov.get(f"{label}_revision")
+    return _shown(str(prov.get(f"{label}_model") or (meta.get(label) or {}).get("name") or "?"))
 
 
 def _geometry(d: dict) -> str:
     return f"{d.get('layers')}x{d.get('kv_heads')}x{d.get('head_dim')}"
-
-
-def _heldout(meta: dict) -> tuple[str, dict] | None:
-    cal = meta.get("calibration") or {}
-    for stage in ("stage2", "stage1"):
-        h = (cal.get(stage) or {}).get("heldout")
-        if isinstance(h, dict) and "translated" in h:
-            return stage, h
-    return None
 
 
 def _fmt(v) -> str:
@@ -233,10 +210,10 @@ def model_card(repo_id: str, metas: dict[str, dict], manifest: dict | None = Non
     files = list(metas)
     default = ((manifest or {}).get("default") or {}).get("forward") or files[0]
     first = metas.get(default, metas[files[0]])
-    src, src_rev = _side(first, "source")
-    tgt, tgt_rev = _side(first, "target")
-    bases = sorted({b for m in metas.values() for b in map(_hub_id, (_side(m, "source")[0],
-                    _side(m, "target")[0])) if b})  # fmt: skip
+    src, tgt = _side(first, "source"), _side(first, "target")
+    cal, prov = first.get("calibration") or {}, first.get("provenance") or {}
+    bases = sorted({n for m in metas.values() for n in (_side(m, "source"), _side(m, "target"))})
+    bases = [n for n in bases if "/" in n]
     front = ["---", "library_name: mlx-kvlingo", "tags:", "- mlx", "- kv-cache", "- kv-lingo"]
     if license:
         front.append(f"license: {license}")
@@ -251,20 +228,19 @@ def model_card(repo_id: str, metas: dict[str, dict], manifest: dict | None = Non
                    "| file | source → target | geometry (layers×kv heads×head dim) | variant | "
                    "nu (K/V) | key cut | dtype |", "|---|---|---|---|---|---|---|"]  # fmt: skip
     for f, m in metas.items():
-        s, t = _side(m, "source")[0], _side(m, "target")[0]
+        s, t = _side(m, "source"), _side(m, "target")
         nu = f"{len(m['key_layers'][0])}/{len(m['value_layers'][0])}"
         star = " (default)" if f == default else ""
         out.append(
             f"| `{f}`{star} | {s} → {t} | {_geometry(m['source'])} → {_geometry(m['target'])} "
             f"| {m['variant']} | {nu} | {m['key_cut']} | {m.get('dtype')} |"
         )
+    src_rev, tgt_rev = prov.get("source_revision"), prov.get("target_revision")
     out += ["", "## Pair", "", f"- source: `{src}`" + (f" at `{src_rev}`" if src_rev else "")]
     out.append(f"- target: `{tgt}`" + (f" at `{tgt_rev}`" if tgt_rev else ""))
     out.append(f"- tokenizer fingerprint: `{first.get('tokenizer')}`")
     out.append("- key cut `post_norm`: keys after k_norm, before RoPE; `pre_norm`: `k_proj` "
                "outputs, the target's k_norm applied after the map. Values are `v_proj` outputs.")  # fmt: skip
-    cal = first.get("calibration") or {}
-    prov = first.get("provenance") or {}
     if cal:
         which = f" of `{default}`" if len(files) > 1 else ""
         out += ["", f"## Calibration{which}", ""]
@@ -289,13 +265,15 @@ def model_card(repo_id: str, metas: dict[str, dict], manifest: dict | None = Non
             )
     rows, seen = [], set()
     for f, m in metas.items():
-        h = _heldout(m)
-        if h is None:
+        for stage in ("stage2", "stage1"):  # the last stage's held-out table
+            table = ((m.get("calibration") or {}).get(stage) or {}).get("heldout")
+            if isinstance(table, dict) and "translated" in table:
+                break
+        else:
             continue
-        stage, table = h
         n = f"{table.get('examples')} / {table.get('tokens')}"
         # the native and source-alone rows once per direction and held-out set
-        key = (_side(m, "source")[0], _side(m, "target")[0], n)
+        key = (_side(m, "source"), _side(m, "target"), n)
         for arm in ("native", "translated", "source", "raw"):
             r = table.get(arm) or {}
             if "skipped" in r or not r or (arm != "translated" and (key, arm) in seen):
@@ -312,7 +290,7 @@ def model_card(repo_id: str, metas: dict[str, dict], manifest: dict | None = Non
                 "source-to-native NLL gap recovered. Rows on different held-out sets do not compare.",
                 "", "| file | stage | held-out | arm | NLL | top-1 | agree | KL | gap recovered |",
                 "|---|---|---|---|---|---|---|---|---|", *rows]  # fmt: skip
-    s_arg, t_arg = _hub_id(src) or "SOURCE", _hub_id(tgt) or "TARGET"
+    s_arg, t_arg = (src if "/" in src else "SOURCE"), (tgt if "/" in tgt else "TARGET")
     return (
         "\n".join(out)
         + f"""

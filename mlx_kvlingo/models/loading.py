@@ -15,16 +15,18 @@ from mlx_kvlingo.kv.translator import Translator
 from mlx_kvlingo.models.demo import check_demo_pair
 
 
-def resolve_translator_spec(spec: str | Path | None, reverse: bool = False,
+def resolve_translator_spec(spec: str | Path | Translator | None, reverse: bool = False,
                             pair_name: str | None = None, demo_source: str | None = None,
-                            models: tuple = (None, None)) -> Path | None:  # fmt: skip
+                            models: tuple = (None, None)) -> Path | Translator | None:  # fmt: skip
     """The translator file `spec` names for the direction, read against the demo pair
     `pair_name` and its small model `demo_source` (None: a named pair, the pair's default),
     checked from its header before any model loads (`files.check_file`; `models`: the names of
-    the models it maps from and to)."""
+    the models it maps from and to); a `Translator` as it is."""
     from mlx_kvlingo.models.files import check_file
     from mlx_kvlingo.models.hub import resolve_translator
 
+    if isinstance(spec, Translator):
+        return spec
     if pair_name is not None:
         from mlx_kvlingo.models.demo import pair as demo
 
@@ -41,13 +43,6 @@ def resolve_translator_spec(spec: str | Path | None, reverse: bool = False,
         path = resolve_translator(spec, reverse)  # a path, or a Hub id (HubError: neither)
     check_file(path, *models)
     return path
-
-
-def _translator(spec: str | Path | Translator | None, reverse: bool, pair_name: str | None,
-                demo_source: str | None, models: tuple) -> Path | Translator | None:  # fmt: skip
-    if isinstance(spec, Translator):
-        return spec
-    return resolve_translator_spec(spec, reverse, pair_name, demo_source, models)
 
 
 def demo_folders(source, target, translator, backward, demo_pair: str | None) -> tuple:
@@ -84,8 +79,8 @@ def load_models_and_translators(source: str | Path | None = None, target: str | 
 
     source, target, demo_pair, small = demo_folders(source, target, translator, backward, demo_pair)
     names = tuple(getattr(m, "name", m) for m in (source, target))  # a LoadedModel's, or as given
-    forward = _translator(translator, False, demo_pair, small, names)
-    back = _translator(backward, True, demo_pair, small, names[::-1])
+    forward = resolve_translator_spec(translator, False, demo_pair, small, names)
+    back = resolve_translator_spec(backward, True, demo_pair, small, names[::-1])
     pair = load_pair(source, target, dtype=dtype)
     if isinstance(forward, (str, Path)):
         forward = load_translator(forward, pair)

@@ -36,17 +36,6 @@ HAS_K_NORM = {"llama": False, "mistral": False, "qwen2": False, "qwen3": True, "
               "qwen3_moe": True}  # fmt: skip
 
 
-def has_k_norm(model_type: str) -> bool:
-    """Whether `model_type`'s keys pass a `k_norm`; `UnsupportedModelError` for another family."""
-    try:
-        return HAS_K_NORM[model_type]
-    except KeyError:
-        known = ", ".join(sorted(HAS_K_NORM))
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported for KV translation (known: {known})"
-        ) from None
-
-
 @dataclass(frozen=True)
 class KVGeometry:
     """The shape of one model's KV cache, and how its keys are made."""
@@ -124,7 +113,11 @@ def weights_dtype(model: nn.Module) -> mx.Dtype:
 
 def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
     model_type = config["model_type"]
-    k_norm = has_k_norm(model_type)  # an unsupported family is refused first
+    if model_type not in HAS_K_NORM:  # an unsupported family is refused first
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported for KV "
+            f"translation (known: {', '.join(sorted(HAS_K_NORM))})"
+        )
     layers = model.layers
     attn = layers[0].self_attn
     heads = config["num_attention_heads"]
@@ -133,7 +126,7 @@ def geometry_of(model: nn.Module, config: dict) -> KVGeometry:
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     dtype = str(weights_dtype(model))
     return KVGeometry(model_type, len(layers), kv_heads, head_dim, head_dim, describe(attn.rope),
-                      k_norm, dtype.replace("mlx.core.", ""))  # fmt: skip
+                      HAS_K_NORM[model_type], dtype.replace("mlx.core.", ""))  # fmt: skip
 
 
 def default_dtype(dtype="auto") -> mx.Dtype | None:
@@ -237,9 +230,8 @@ def model_fingerprint(loaded: LoadedModel) -> str:
 
     h = hashlib.sha256(json.dumps(loaded.geometry.as_dict(), sort_keys=True).encode())
     for name, w in sorted(tree_flatten(loaded.model.parameters())):
-        if not any(s in name for s in ("embed_tokens", "k_proj", "v_proj")):
-            continue
-        if not mx.issubdtype(w.dtype, mx.floating):
+        keep = any(s in name for s in ("embed_tokens", "k_proj", "v_proj"))
+        if not keep or not mx.issubdtype(w.dtype, mx.floating):
             continue
         x = np.array(w.reshape(-1)[:256].astype(mx.float32))
         big = np.abs(x) > 0.5 * (x.std() + 1e-12)
@@ -314,9 +306,8 @@ def estimate_bytes(path_or_repo: str | Path, dtype: mx.Dtype | None = "auto") ->
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
             header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
         for name, t in header.items():
-            if name == "__metadata__":
-                continue
             stored = t["data_offsets"][1] - t["data_offsets"][0]
             numel = math.prod(t["shape"])
             if dtype is None:

@@ -118,14 +118,6 @@ def upcycle(dense: dict, config: dict, router_scale: float = 0.0, seed: int = 0)
     return out
 
 
-def record_file() -> Path:
-    """`weights/moe/moe.json`: the upcycle's recipe (experts, top_k, router) and measurements."""
-    path = weights_dir() / "moe" / RECORD
-    if not path.is_file():
-        raise missing_weights(path.parent, "moe")
-    return path
-
-
 def assemble_moe(dense_dir: Path, record: dict, out: Path) -> None:
     """Write the MoE model folder into `out` from the dense target folder and the recipe."""
     import mlx.core as mx
@@ -143,8 +135,12 @@ def assemble_moe(dense_dir: Path, record: dict, out: Path) -> None:
 
 
 def ensure_smollm2_moe(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Build the MoE target folder (cached, atomically) from the demo target and moe.json."""
-    record = json.loads(record_file().read_text())
+    """Build the MoE target folder (cached, atomically) from the demo target and
+    `weights/moe/moe.json`, the upcycle's recipe (experts, top_k, router) and measurements."""
+    path = weights_dir() / "moe" / RECORD
+    if not path.is_file():
+        raise missing_weights(path.parent, "moe")
+    record = json.loads(path.read_text())
     dense_dir = ensure_smollm2(cache_dir)
     recipe = {k: record.get(k) for k in RECIPE}
     stamp = {"format": MOE_FORMAT_VERSION, "dense_format": FORMAT_VERSION, "dense": dense_dir.name,

@@ -15,7 +15,7 @@ from mlx_kvlingo.models.demo.smollm2 import (
     ensure_demo_source,
     ensure_smollm2,
     missing_weights,
-    source_layers,
+    source_files,
     weights_dir,
 )
 from mlx_kvlingo.models.files import TranslatorFileError, load_translator, read_metadata
@@ -64,34 +64,27 @@ def defaults(pair: str = "dense", source: str | None = None) -> dict:
     m = manifest(pair)
     if source is None or source == m["default"].get("source", FIRST_SOURCE):
         return m["default"]
-    try:
-        return m["by_source"][source]
-    except KeyError:
-        raise FileNotFoundError(
-            f"the {pair!r} demo pair ships no translators for {source!r}"
-        ) from None
+    if source not in m.get("by_source", {}):
+        raise FileNotFoundError(f"the {pair!r} demo pair ships no translators for {source!r}")
+    return m["by_source"][source]
 
 
 def translator_path(name: str | None = None, reverse: bool = False, pair: str = "dense",
                     source: str | None = None) -> Path:  # fmt: skip
-    """A shipped translator by file name, or the default one for the direction and the demo
-    source `source` (None: the pair's default source)."""
-    from mlx_kvlingo.models.hub import is_hub_spec, resolve_translator
+    """A file, a shipped translator by file name, a Hub id (`hub.parse_spec`), or the default one
+    for the direction and the demo source `source` (None: the pair's default source)."""
+    from mlx_kvlingo.models.hub import parse_spec, resolve_translator
 
-    shipped = name is not None and (weights_dir() / "translators" / name).is_file()
-    if name is not None and not shipped and not Path(name).exists() and is_hub_spec(name):
-        return resolve_translator(name, reverse)  # org/name[@rev][:file]
-    if name is None:
-        name = defaults(pair, source)["backward" if reverse else "forward"]
-    path = Path(name)
-    if not path.exists():
-        path = weights_dir() / "translators" / name
-    if not path.exists():
-        raise FileNotFoundError(
-            f"{name}: no such translator file, nor a demo translator in "
-            f"{weights_dir() / 'translators'}"
-        )
-    return path
+    named = name is not None
+    name = name if named else defaults(pair, source)["backward" if reverse else "forward"]
+    for path in (Path(name), weights_dir() / "translators" / name):
+        if path.exists():
+            return path
+    if named and parse_spec(name):
+        return resolve_translator(name, reverse)
+    raise FileNotFoundError(
+        f"{name}: no such translator file, nor a demo translator in {weights_dir() / 'translators'}"
+    )
 
 
 def source_for(translator=None, pair: str = "dense", reverse: bool = False) -> str:
@@ -110,7 +103,7 @@ def source_for(translator=None, pair: str = "dense", reverse: bool = False) -> s
     known = {}
     for folder in DEMO_SOURCES:
         try:
-            known[folder] = source_layers(folder)
+            known[folder] = len(json.loads(source_files(folder)[1].read_text())["kept_layers"])
         except FileNotFoundError:
             continue
         if known[folder] == layers:
@@ -176,8 +169,10 @@ def is_heldout(conv_id: str) -> bool:
     return int(hashlib.sha1(conv_id.encode()).hexdigest(), 16) % HELDOUT_EVERY == 0
 
 
-def write_splits(folder: Path) -> tuple[Path, Path]:
-    """Write train.jsonl and heldout.jsonl ({"messages": [...]} per line) once; return paths."""
+def demo_data() -> tuple[Path, Path]:
+    """(train.jsonl, heldout.jsonl) chitchat dialogues ({"id", "messages"} per line), split as
+    the demo was trained; written once into the cache."""
+    folder = cache_root() / "data"
     folder.mkdir(parents=True, exist_ok=True)
     train, held = folder / "chitchat-train.jsonl", folder / "chitchat-heldout.jsonl"
     if train.exists() and held.exists():
@@ -189,11 +184,6 @@ def write_splits(folder: Path) -> tuple[Path, Path]:
     for path, rows in ((train, lines[False]), (held, lines[True])):
         write_text(path, "\n".join(rows) + "\n")
     return train, held
-
-
-def demo_data() -> tuple[Path, Path]:
-    """(train.jsonl, heldout.jsonl) chitchat dialogues, split as the demo was trained."""
-    return write_splits(cache_root() / "data")
 
 
 def demo_content_texts() -> list[Path]:

