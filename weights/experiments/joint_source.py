@@ -55,7 +55,6 @@ from mlx_kvlingo.kv.scoring import (
 from mlx_kvlingo.models.demo.pair import (
     demo_content_texts,
     demo_data,
-    demo_eval_data,
     demo_models,
     load_demo,
 )
@@ -195,7 +194,7 @@ def main(argv=None) -> None:
         cfg = DataConfig(max_examples=a.ordinary, max_heldout=0)
         train += load_examples(demo_data()[0], pair.tokenizer, cfg)[0][: a.ordinary]
     held = [prepare(pair, ex, "post_norm")
-            for ex in load_examples(demo_eval_data(), pair.tokenizer,
+            for ex in load_examples(demo_data()[1], pair.tokenizer,
                                     DataConfig(heldout_fraction=1.0, max_heldout=16))[1]]  # fmt: skip
     content = [t for p in demo_content_texts() for t in read_texts(p)]
     tasks = build_tasks(pair.tokenizer, content, [int(x) for x in a.eval_lengths.split(",")],

@@ -46,10 +46,10 @@ def content(lengths: list[int], per_kind: int, seed: int) -> None:
 
 
 def ttft(length: int, trials: int, loop: bool) -> None:
-    from mlx_kvlingo import Runtime
+    import mlx_kvlingo as kvl
 
-    rt = Runtime.load(pair="moe")
-    tok = rt.pair.tokenizer
+    pair = kvl.load(pair="moe")
+    tok = pair.tokenizer
     tasks = build_tasks(tok, content_texts(None), [length], trials + 1, ("fact",), seed=11)
 
     def user(t):  # the user message of the templated prompt
@@ -59,11 +59,12 @@ def ttft(length: int, trials: int, loop: bool) -> None:
     with moe_cpu.per_expert_loop(loop) as active:
         for i, task in enumerate(tasks):  # round 0 warms up
             for reader in ("self", "small") if i % 2 else ("small", "self"):
-                conv = rt.new_conversation(policy=ReaderPolicy(reader=reader))
-                t = conv.ask(user(task), max_tokens=1, sampling={"temp": 0}).timings
+                cache = kvl.make_prompt_cache(pair, policy=ReaderPolicy(reader=reader))
+                kvl.generate(pair, user(task), prompt_cache=cache, max_tokens=1, temp=0.0)
+                h = cache.last_turn
                 if i:
-                    got[reader].append(t.ttft_s)
-                print(reader, i, f"{t.ttft_s:.2f} s", t.read_tokens, t.prompt_tokens, flush=True)
+                    got[reader].append(h.ttft_s)
+                print(reader, i, f"{h.ttft_s:.2f} s", h.prompt_tokens, flush=True)
     small, own = statistics.median(got["small"]), statistics.median(got["self"])
     print(f"per_expert_loop={active} {length} tokens: small {small:.2f} s, self {own:.2f} s, "
           f"ratio {small / own:.3f}")  # fmt: skip
