@@ -382,3 +382,40 @@ def test_docs_links_and_module_names_resolve():
             if not _resolves(dotted):
                 broken.append(f"{name}: {dotted}")
     assert not broken, broken
+
+
+def _defined(module: str) -> set[str] | None:
+    """Names a package module binds at its top level or below (None: no such module)."""
+    path = ROOT / (module.replace(".", "/") + ".py")
+    path = path if path.exists() else ROOT / module.replace(".", "/") / "__init__.py"
+    if not path.exists():
+        return None
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    return names
+
+
+def test_scripts_import_only_what_the_package_has():
+    """Every `from mlx_kvlingo... import name` in the scripts, apps and converters (lazy ones too,
+    which only a run would reach) names a module or a name that exists."""
+    missing = []
+    for folder in ("weights", "apps", "converters"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (
+                    isinstance(node, ast.ImportFrom)
+                    and (node.module or "").startswith("mlx_kvlingo")
+                ):
+                    continue
+                names = _defined(node.module)
+                for a in node.names:
+                    sub = ROOT / f"{node.module}.{a.name}".replace(".", "/")
+                    if not (names and a.name in names) and not sub.with_suffix(".py").exists():
+                        missing.append(f"{path.relative_to(ROOT)}: {node.module}.{a.name}")
+    assert not missing, missing
