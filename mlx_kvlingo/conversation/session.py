@@ -306,7 +306,7 @@ class CatchUp:
         try:
             for s in range(start, end, chunk):
                 e = min(end, s + chunk)
-                span = self._capture(o, tr, s, e)
+                span = self.capture(o, tr, s, e)
                 span.tokens = tuple(self.tokens[s:e])
                 if m.name == "target" and self.remote is not None:
                     self.remote.place(m.cache, span)
@@ -316,7 +316,7 @@ class CatchUp:
         finally:
             m.settle(m.held)  # an interrupted append leaves no half-written layer
 
-    def _capture(self, o: ModelCache, tr: Translator, start: int, end: int) -> SpanKV:
+    def capture(self, o: ModelCache, tr: Translator, start: int, end: int) -> SpanKV:
         """o's RoPE-free K/V for [start, end) at `tr`'s key cut (the layers `tr` reads)."""
         cut = tr.config.key_cut
         if o.name == "target" and self.remote is not None:

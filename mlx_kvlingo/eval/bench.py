@@ -165,7 +165,7 @@ def run_switch(
     clock("target_step", lambda: first_token(pair.target.model, last, session.cache("target")))
     clock.total("switch_ttft", "translate", "target_step")
     # the span the hand-off translated, captured as the session captures it
-    span = session._capture(session.models["source"], tr, 0, len(tokens) - 1)
+    span = session.capture(session.models["source"], tr, 0, len(tokens) - 1)
     mx.eval(span.keys, span.values)
     clock("translate_map", lambda: mx.eval(tr(span)))
     clock("gemm", lambda: mx.eval([a @ w for a, w in gemm_inputs]))
