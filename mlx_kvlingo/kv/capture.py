@@ -78,11 +78,17 @@ def capture_from_cache(
         c = cache[i]
         if c.offset < end:
             raise ValueError(f"cache layer {i} holds {c.offset} tokens, span needs {end}")
-        k, v = _layer_kv(c)
+        if type(c).__name__ == "RotatingKVCache":
+            raise ValueError(
+                "cannot capture from a RotatingKVCache (use a plain KVCache for the source)"
+            )
+        k, v = c.keys, c.values
+        if hasattr(c, "bits"):  # QuantizedKVCache: dequantize
+            k = mx.dequantize(*k, group_size=c.group_size, bits=c.bits)
+            v = mx.dequantize(*v, group_size=c.group_size, bits=c.bits)
         keys.append(k[..., start:end, :])
-        values.append(
-            v[..., start:end, :] if not token_major else v[..., start:end, :].swapaxes(1, 2)
-        )
+        v = v[..., start:end, :]
+        values.append(v.swapaxes(1, 2) if token_major else v)
     keys = unrotate_layers([model.attention(i).rope for i in held], keys, start, token_major)
     values = _float(mx.stack(values))
     values = values.swapaxes(2, 3) if token_major else values
@@ -92,19 +98,6 @@ def capture_from_cache(
 def _float(x: mx.array) -> mx.array:
     """float32 for translation; float64 is kept (exactness tests run models in float64)."""
     return x if x.dtype == mx.float64 else x.astype(mx.float32)
-
-
-def _layer_kv(c):
-    if hasattr(c, "bits"):  # QuantizedKVCache: dequantize
-        (kq, vq) = c.keys, c.values
-        k = mx.dequantize(*kq, group_size=c.group_size, bits=c.bits)
-        v = mx.dequantize(*vq, group_size=c.group_size, bits=c.bits)
-        return k, v
-    if type(c).__name__ == "RotatingKVCache":
-        raise ValueError(
-            "cannot capture from a RotatingKVCache (use a plain KVCache for the source)"
-        )
-    return c.keys, c.values
 
 
 class OutputRecorder(nn.Module):

@@ -1,18 +1,13 @@
 """The target recomputes chosen tokens of a translated span, attending to the rest as it is.
 
 A translated cache keeps the style of what the small model read and loses what the target's
-deeper layers add to a token from its context (weights/QUALITY.md, "Where it is lost"). Run
-the target's own layers over a few chosen positions of the span, at their true positions,
-attending causally to the whole cache (translated K/V elsewhere, the recomputed ones at the
-chosen positions), and write their K/V back in every layer: CacheBlend's selective recompute
-(Yao et al., 2024) on a translated cache instead of concatenated precomputed chunks. Which
-positions: those the target's own reading of the turn's last tokens attends to most
-(`attended`: the peak weight of any head in its deeper layers), so a question read at the
-end points at what it asks about, taken in turn with those the small model's reading of the
-same tokens attends to most over the cache it read itself (`votes`: its keys are its own, not
-translated), and each such position with the rest of its sentence
-(`Selection`): a name or a number is retrieved whole or not at all, and so is a sentence to
-repeat (weights/QUALITY.md, "Sentences, not neighbours").
+deeper layers add to a token from its context. Run the target's own layers over a few chosen
+positions of the span, at their true positions, attending causally to the whole cache
+(translated K/V elsewhere, the recomputed ones at the chosen positions), and write their K/V
+back in every layer: CacheBlend's selective recompute (Yao et al., 2024) on a translated
+cache. Which positions: those the target's reading of the turn's last tokens attends to most
+(`attended`), taken in turn with the small model's (`votes`), each with the rest of its
+sentence (`Selection`).
 
 The model's own layer modules run unchanged: a cache shim scatters the chosen positions' K/V
 into the layer's buffer and hands back the whole span, and the layer's RoPE module is called
@@ -89,17 +84,12 @@ def read_positions(model, cache: list, tokens: Sequence[int], positions: Sequenc
     holds (cache.offset == len(tokens)), writing their K/V into every layer in place.
 
     With `attention`, returns the largest attention weight any head and row put on each span
-    position in the deeper two thirds of the layers (T,): a question is answered by a few
-    heads there that look up what it asks about (retrieval heads), while a sum over every
-    head is dominated by local and positional ones (weights/QUALITY.md, "Selective
-    recompute").
+    position in the deeper two thirds of the layers (T,): the retrieval heads there, not a
+    sum that local and positional heads dominate.
 
-    Positions are read `POSITIONS_CHUNK` at a time, in order: a position attends only to
-    those before it, which an earlier chunk has recomputed by then in every layer, so chunks
-    read what one pass reads, with one chunk's attention scores in memory (one pass over the
-    10% of an 8,000-token turn held 230 MB of them), each over the span up to its last
-    position only: a row attends over the columns between its position and the chunk's last
-    too, masked, so shorter chunks waste less (`POSITIONS_CHUNK`)."""
+    Positions are read `POSITIONS_CHUNK` at a time, in order, each chunk over the span up to
+    its last position: a position attends only to those before it, which an earlier chunk has
+    recomputed by then in every layer, so chunks read what one pass reads."""
     T = len(tokens)
     if any(c.offset != T for c in cache):
         raise ValueError(f"the cache holds {[c.offset for c in cache][:1]} tokens, not {T}")
@@ -131,13 +121,10 @@ def read_positions(model, cache: list, tokens: Sequence[int], positions: Sequenc
     return mass
 
 
-#: positions read at a time (`read_positions`): 410 positions at 4,096 tokens took 6.0 s in
-#: chunks of 64, 6.2 s of 128 and 6.9 s of 256 (the masked columns of each row)
+#: positions read at a time (`read_positions`): bounds the attention scores held at once
 POSITIONS_CHUNK = 64
 
-#: each attended position brings the next few with it: a stated fact is several tokens (a
-#: name, the five digits of a number) and the peak marks one of them, mostly the first
-#: (weights/QUALITY.md, "Selective recompute")
+#: (before, after) neighbours an attended position brings: a fact is several tokens
 SPREAD = (1, 6)
 #: a sentence a peak brings is cut at this many tokens
 SENTENCE_MAX = 32
@@ -153,18 +140,13 @@ class Selection:
       neighbours only.
     floor: at least this many tokens, where the share is above 0 and the span holds them: on a
       short turn 10% is a few tokens, less than one sentence.
-    cap: a span longer than this recomputes as many tokens as one this long (None: no cap).
-      What a question attends to does not grow with the document (the fact's first token ranked
-      30th of 4,085 positions at 4,096 tokens, 48th-130th of about 2,000 at 2,048), while each
-      recomputed token attends over the whole span: 5% of 4,096 tokens kept the facts 10% kept
-      over three draws, in 0.60-0.61 of the large model's own read instead of 0.67-0.68
-      (eval/RESULTS.md, "Long documents").
+    cap: a span longer than this recomputes as many tokens as one this long (None: no cap):
+      what a question attends to does not grow with the document.
     template: a chat template's markup ("<|im_start|>user\n") is taken as a peak only after
       every other position: the target attends to it whatever a message says, as it does to
       position 0.
     votes: the small model's peaks, where its cache holds the span, are taken in turn with the
-      target's: the target reads over translated keys and can miss what its question asks
-      about, while the small model read the span itself (eval/RESULTS.md, "Long documents").
+      target's (the small model read the span itself; the target reads translated keys).
     """
 
     sentences: str = "rest"
@@ -215,9 +197,8 @@ def template_positions(tokens: Sequence[int], specials: frozenset[int],
 @lru_cache(maxsize=4)
 def sentence_ends(tokenizer) -> frozenset[int]:
     """The token ids whose text ends a sentence (".", "!" or "?", then perhaps closing quotes or
-    brackets) or holds a line break. The vocabulary is decoded in one batch by the Rust
-    tokenizer where there is one (a 49k vocabulary: 0.1 s, one id at a time 0.7 s), which also
-    counts it (`get_vocab` builds a dict of it: 0.1 s)."""
+    brackets) or holds a line break; decoded in one batch by the Rust tokenizer where there is
+    one."""
     fast = getattr(getattr(tokenizer, "_tokenizer", None), "_tokenizer", None)
     if hasattr(fast, "decode_batch"):
         ids = [[i] for i in range(fast.get_vocab_size(with_added_tokens=True))]
@@ -288,12 +269,9 @@ def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int, sha
     small model's attention from the same tail, `votes`, where `selection.votes`), then reads
     the tail again over the recomputed positions. Returns the recomputed positions.
 
-    The tail (a question, at the end of a document) is read again because its K/V, which the
-    answer reads, would otherwise be those of its first reading over the translated rest, the
-    fact it asks for still translated: read again, it kept 4 of 7 facts at 4,096 tokens where
-    read once it kept 3, and never fewer (eval/RESULTS.md, "Long documents"). With every
-    position recomputed (share 1) the cache is then the target's own (within float rounding,
-    `tests/test_recompute.py`). It costs a second read of `tail` tokens (`large_reads`)."""
+    The tail is read again so that its K/V, which the answer reads, are those of a reading over
+    the recomputed positions; with share 1 the cache is then the target's own (within float
+    rounding)."""
     if (selection.sentences or selection.template) and ends is None:
         raise ValueError("this selection needs the tokenizer's sentence_ends")
     if selection.template and specials is None:

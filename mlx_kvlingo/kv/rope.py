@@ -35,11 +35,6 @@ def _dims(rope: nn.Module) -> int:
     return getattr(rope, "dims", None) or rope.dim
 
 
-def _input_scale(rope: nn.Module) -> float:
-    # YarnRoPE scales the rotated part by `mscale`, SuScaledRoPE by `_scale`.
-    return float(getattr(rope, "mscale", None) or getattr(rope, "_scale", None) or 1.0)
-
-
 def describe(rope: nn.Module) -> RopeSpec:
     if isinstance(rope, nn.RoPE):
         return RopeSpec("default", rope.dims, rope.traditional, rope.base, rope.scale)
@@ -52,10 +47,8 @@ def describe(rope: nn.Module) -> RopeSpec:
 
 def rotate(rope: nn.Module, x: mx.array, offset: int) -> mx.array:
     """Apply the model's RoPE to `x` (..., T, D) whose first token sits at `offset`."""
-    if isinstance(rope, nn.RoPE) and _fused_applies(x, rope.dims):
-        args = dict(traditional=rope.traditional, base=rope.base, scale=rope.scale)
-        return _fused([x], rope.dims, offset, args)
-    return rope(x, offset=offset)
+    y = rotate_sum(rope, [x], offset)
+    return rope(x, offset=offset) if y is None else y
 
 
 def unrotate(rope: nn.Module, x: mx.array, offset: int, token_major: bool = False) -> mx.array:
@@ -76,7 +69,8 @@ def unrotate(rope: nn.Module, x: mx.array, offset: int, token_major: bool = Fals
         y = mx.fast.rope(x.swapaxes(-3, -2), dims, offset=offset, **args).swapaxes(-3, -2)
     else:
         y = mx.fast.rope(x, dims, offset=offset, **args)
-    s = _input_scale(rope)
+    # YarnRoPE scales the rotated part by `mscale`, SuScaledRoPE by `_scale`
+    s = float(getattr(rope, "mscale", None) or getattr(rope, "_scale", None) or 1.0)
     return y if s == 1.0 else y.at[..., :dims].multiply(1.0 / s)
 
 
@@ -152,11 +146,8 @@ def rotate_sum(
     order, so the result is bit for bit the sum, the product and the rotation done apart; with
     `token_major` they are (..., T, H, D) (a mixing map's output before its transpose to the
     cache's (..., H, T, D)) and so is the result, which saves writing a transposed copy."""
-    x = terms[0]
-    if not (isinstance(rope, nn.RoPE) and x.dtype == mx.float32):
-        return None
-    if not _fused_applies(x, rope.dims) or any(t.shape[-1] != rope.dims for t in terms):
-        return None
+    if not isinstance(rope, nn.RoPE) or not _fused_applies(terms[0], rope.dims):
+        return None  # (every term has terms[0]'s last axis: a map's products and bias)
     args = dict(traditional=rope.traditional, base=rope.base, scale=rope.scale)
     return _fused(terms, rope.dims, offset, args, token_major, scale)
 

@@ -40,17 +40,14 @@ CHUNK = 32  # tokens kept or dropped together
 STEP = 512  # tokens per forward pass while reading (the chat's READ_CHUNK)
 
 
-def _pool(x: mx.array, width: int) -> mx.array:
-    """Moving average over the last axis, zeros past both ends, divided by `width` (odd)."""
-    if width <= 1:
-        return x
-    half = width // 2
+def _pool(x: mx.array) -> mx.array:
+    """Moving average over the last axis, zeros past both ends, divided by `POOL` (odd)."""
+    half = POOL // 2
     c = mx.cumsum(mx.pad(x, [(0, 0)] * (x.ndim - 1) + [(half + 1, half)]), axis=-1)
-    return (c[..., width:] - c[..., :-width]) / width
+    return (c[..., POOL:] - c[..., :-POOL]) / POOL
 
 
-def score_tokens(model, tokens: Sequence[int], lookahead: int = LOOKAHEAD, pool: int = POOL,
-                 temp: float = 0.6, top_p: float = 0.95, step: int = STEP,
+def score_tokens(model, tokens: Sequence[int], temp: float = 0.6,
                  cache: list | None = None) -> mx.array:  # fmt: skip
     """Each prompt token's importance to `model` (the small one) by the formula above: (M,).
     `cache`: the model's cache already holding tokens[:-1] (its read is then skipped; the
@@ -58,20 +55,18 @@ def score_tokens(model, tokens: Sequence[int], lookahead: int = LOOKAHEAD, pool:
     M, x = len(tokens), mx.array(list(tokens))
     if cache is None:
         cache = new_cache(model)
-        for s in range(0, M - 1, step):
-            model.model(x[s : min(s + step, M - 1)][None], cache=cache)
+        for s in range(0, M - 1, STEP):
+            model.model(x[s : min(s + STEP, M - 1)][None], cache=cache)
             mx.eval([c.state for c in cache])
     elif any(c.offset != M - 1 for c in cache):
         raise ValueError(f"the cache must hold the prompt but its last token ({M - 1})")
     logits = model.model(x[M - 1 :][None], cache=cache)
-    sampler = make_sampler(temp=temp, top_p=top_p)
+    sampler = make_sampler(temp=temp, top_p=0.95)
     queries: list[list] = [[] for _ in model.layers]
-    for s in range(lookahead):
+    for s in range(LOOKAHEAD):
         y = sampler(logits[:, -1, :])
-        with ExitStack() as swaps:  # each layer's first RoPE call in a step rotates its queries
-            for layer, kept in zip(model.layers, queries):
-                row = _RowPositions(layer.self_attn.rope, mx.array([M + s]), kept)
-                swaps.enter_context(_rope_swapped(layer, row))
+        row = mx.array([M + s])  # each layer's first RoPE call in a step rotates its queries
+        with _ropes(model, lambda i, rope, row=row: _RowPositions(rope, row, queries[i])):
             logits = model.model(y[None], cache=cache)
         mx.eval(logits, queries)
     peak = None
@@ -79,9 +74,9 @@ def score_tokens(model, tokens: Sequence[int], lookahead: int = LOOKAHEAD, pool:
         q = mx.concatenate(kept, axis=2).astype(mx.float32)  # (1, H, S, D)
         k = c.keys[..., :M, :].astype(mx.float32)  # (1, Hkv, M, D)
         H, Hkv = q.shape[1], k.shape[1]
-        q = q.reshape(Hkv, H // Hkv, lookahead, q.shape[-1])
+        q = q.reshape(Hkv, H // Hkv, LOOKAHEAD, q.shape[-1])
         w = mx.softmax((q @ k[0][:, None].swapaxes(-1, -2)) * layer.self_attn.scale, axis=-1)
-        w = _pool(w.reshape(H, lookahead, M), pool).max(axis=0)  # (S, M)
+        w = _pool(w.reshape(H, LOOKAHEAD, M)).max(axis=0)  # (S, M)
         peak = w if peak is None else mx.maximum(peak, w)
     importance = peak.mean(axis=0)
     mx.eval(importance)
@@ -90,10 +85,10 @@ def score_tokens(model, tokens: Sequence[int], lookahead: int = LOOKAHEAD, pool:
     return importance
 
 
-def select_chunks(importance: mx.array, keep: float, chunk: int = CHUNK) -> list[int]:
+def select_chunks(importance: mx.array, keep: float) -> list[int]:
     """The kept token indices, sorted: vllm-mlx's `select_chunks` with no backbone.
 
-    Of the n = ceil(M / chunk) chunks (the last may be short), take them in descending order
+    Of the n = ceil(M / CHUNK) chunks (the last may be short), take them in descending order
     of their mean importance (ties: the earlier first) until at least keep_n = max(1,
     ceil(n * keep)) are taken and they hold at least max(1, ceil(M * keep)) tokens; keep >= 1
     keeps every token."""
@@ -102,17 +97,17 @@ def select_chunks(importance: mx.array, keep: float, chunk: int = CHUNK) -> list
         raise ValueError(f"the kept share must be above 0, got {keep}")
     if keep >= 1.0:
         return list(range(M))
-    n = math.ceil(M / chunk)
+    n = math.ceil(M / CHUNK)
     keep_n, want = max(1, math.ceil(n * keep)), max(1, math.ceil(M * keep))
-    means = mx.stack([mx.mean(importance[i * chunk : (i + 1) * chunk]) for i in range(n)])
+    means = mx.stack([mx.mean(importance[i * CHUNK : (i + 1) * CHUNK]) for i in range(n)])
     means = means.tolist()
     chosen, size = [], 0
     for i in sorted(range(n), key=lambda i: means[i], reverse=True):
         if len(chosen) >= keep_n and size >= want:
             break
         chosen.append(i)
-        size += min(chunk, M - i * chunk)
-    return [p for i in sorted(chosen) for p in range(i * chunk, min((i + 1) * chunk, M))]
+        size += min(CHUNK, M - i * CHUNK)
+    return [p for i in sorted(chosen) for p in range(i * CHUNK, min((i + 1) * CHUNK, M))]
 
 
 def sparse_prefill(model, tokens: Sequence[int], kept: Sequence[int], step: int = STEP) -> list:
@@ -121,10 +116,8 @@ def sparse_prefill(model, tokens: Sequence[int], kept: Sequence[int], step: int 
     cache = new_cache(model)
     for s in range(0, len(kept), step):
         pos = list(kept[s : s + step])
-        with ExitStack() as swaps:
-            for layer in model.layers:
-                row = _RowPositions(layer.self_attn.rope, mx.array(pos), None)
-                swaps.enter_context(_rope_swapped(layer, row))
+        rows = mx.array(pos)
+        with _ropes(model, lambda i, rope, rows=rows: _RowPositions(rope, rows, None)):
             model.model(mx.array([tokens[p] for p in pos])[None], cache=cache)
         mx.eval([c.state for c in cache])
     return cache
@@ -141,13 +134,18 @@ class _Shifted(nn.Module):
         return self._rope(x, offset=offset + self._shift)
 
 
-@contextmanager
 def positions_shifted(model, shift: int):
     """While inside, `model` reads the token after its cache's N entries at position N + shift
     (shift = M - N after a sparse read of N of M tokens)."""
+    return _ropes(model, lambda i, rope: _Shifted(rope, shift))
+
+
+@contextmanager
+def _ropes(model, make):
+    """While inside, layer i's RoPE module is `make(i, its own)`."""
     with ExitStack() as swaps:
-        for layer in model.layers:
-            swaps.enter_context(_rope_swapped(layer, _Shifted(layer.self_attn.rope, shift)))
+        for i, layer in enumerate(model.layers):
+            swaps.enter_context(_rope_swapped(layer, make(i, layer.self_attn.rope)))
         yield
 
 

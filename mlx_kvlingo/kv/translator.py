@@ -125,8 +125,6 @@ def nearest_layer_map(source_layers: int, target_layers: int, nu: int = 1) -> li
 class Translator(nn.Module):
     """Maps a source span's K/V to the target's cache layout (see module docstring)."""
 
-    VARIANTS = VARIANTS
-
     def __init__(self, config: TranslatorConfig, dtype: mx.Dtype = mx.float32):
         super().__init__()
         self.config = config
@@ -162,7 +160,9 @@ class Translator(nn.Module):
         used, index = source_rows(tuple(map(tuple, layer_map)))
         w = params["weight"]
         Lt, nu = index.shape
-        x = take_layers(x.astype(w.dtype), used, layers)
+        at = list(used) if layers is None else [layers.index(s) for s in used]
+        x = x.astype(w.dtype)
+        x = x if at == list(range(x.shape[0])) else x[mx.array(at)]
         U, B, Hs, T, D = x.shape
         strategy = (reading or self.reading).strategy(kind, B * T, w.dtype)
         if self.config.variant == "mixing":
@@ -230,8 +230,7 @@ class Translator(nn.Module):
                 self.translate(span.sub(s, min(s + chunk, span.end)), target, chunk)
                 for s in range(span.start, span.end, chunk)
             ]
-            ks = [mx.concatenate([p[0][i] for p in parts], axis=2) for i in range(len(parts[0][0]))]
-            vs = [mx.concatenate([p[1][i] for p in parts], axis=2) for i in range(len(parts[0][1]))]
+            ks, vs = ([mx.concatenate(x, axis=2) for x in zip(*kind)] for kind in zip(*parts))
             return ks, vs
         self.check_target(target)
         fused = self._translate_fused(span, target)
@@ -356,13 +355,11 @@ def identity_translator(config: TranslatorConfig) -> Translator:
 # -- the anchor token: position 0's K/V depend only on its id (nothing precedes it), so a
 # `native_first` translator keeps the target's own, computed once per (model, token id) ------
 
-_CACHE_ATTR = "_kvlingo_first_token_kv"
-
 
 def first_token_kv(target, token: int) -> tuple[mx.array, mx.array]:
     """The target's native keys and values for `token` at position 0, stacked over layers
     as (L, 1, H, 1, D) float32; computed once per (model, token id)."""
-    memo = target.__dict__.setdefault(_CACHE_ATTR, {})
+    memo = target.__dict__.setdefault("_kvlingo_first_token_kv", {})
     if token not in memo:
         cache = new_cache(target)
         target.model(mx.array([[token]]), cache=cache)
@@ -381,13 +378,9 @@ def with_native_first(
     k0, v0 = first_token_kv(target, token)
 
     def put(first, rest):
-        L, B = rest.shape[:2]
         first = first.transpose(0, 1, 3, 2, 4) if token_major else first
-        first = mx.broadcast_to(first, (L, B, *first.shape[2:])).astype(rest.dtype)
-        if token_major:
-            rest[:, :, :1] = first
-        else:
-            rest[..., :1, :] = first
+        at = (slice(None),) * (2 if token_major else 3) + (slice(0, 1),)  # position 0
+        rest[at] = mx.broadcast_to(first, (*rest.shape[:2], *first.shape[2:])).astype(rest.dtype)
         return rest
 
     return put(k0, keys), put(v0, values)
@@ -422,13 +415,6 @@ def source_rows(rows: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], mx.
     used = tuple(sorted({s for r in rows for s in r}))
     where = {s: i for i, s in enumerate(used)}
     return used, mx.array([[where[s] for s in r] for r in rows])
-
-
-def take_layers(x: mx.array, want: tuple[int, ...], held: tuple[int, ...] | None) -> mx.array:
-    """Rows `want` (source layer ids) of x, whose rows are source layers `held` (None: row i
-    is layer i): x itself where they are all of its rows, in order."""
-    at = list(want) if held is None else [held.index(s) for s in want]
-    return x if at == list(range(x.shape[0])) else x[mx.array(at)]
 
 
 @dataclass
@@ -498,11 +484,17 @@ def measure(translator, n_tokens=BUCKETS, rounds: int = 2) -> MapReading:
         for kind, width in (("key", s.head_dim), ("value", s.value_dim)):
             x = mx.random.normal((s.layers, 1, s.kv_heads, n, width)).astype(dtype)
             mx.eval(x)
-            times = {
-                name: _best_time(translator, x, kind, MapReading({(kind, n): name}), rounds)
-                for name in STRATEGIES
-                if name != "in_place" or _in_place_applies(dtype)
-            }
+            times = {}
+            for name in STRATEGIES:
+                if name == "in_place" and not _in_place_applies(dtype):
+                    continue
+                one = MapReading({(kind, n): name})
+                mx.eval(translator.map_features(x, kind, reading=one))  # first call: allocations
+                times[name] = math.inf
+                for _ in range(rounds):
+                    t0 = time.perf_counter()
+                    mx.eval(translator.map_features(x, kind, reading=one))
+                    times[name] = min(times[name], time.perf_counter() - t0)
             reading.timings[(kind, n)] = times
             reading.chosen[(kind, n)] = pick(times, rule(dtype))
     translator.reading = reading
@@ -515,16 +507,6 @@ def pick(times: dict[str, float], default: str) -> str:
     if default in times and times[fastest] > (1 - MARGIN) * times[default]:
         return default
     return fastest
-
-
-def _best_time(translator, x: mx.array, kind: str, reading: MapReading, rounds: int) -> float:
-    mx.eval(translator.map_features(x, kind, reading=reading))  # first call: allocations
-    best = math.inf
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        mx.eval(translator.map_features(x, kind, reading=reading))
-        best = min(best, time.perf_counter() - t0)
-    return best
 
 
 # -- into a cache -------------------------------------------------------------------------
@@ -540,13 +522,7 @@ def append_translation(model, translator: Translator, span: SpanKV, cache: list)
     append_kv(cache, *translator.translate(span, model))
 
 
-#: the scratch span `reserve_translation_memory` translates: shorter spans reuse its pages
-RESERVE_TOKENS = 1024
-
-
-def reserve_translation_memory(
-    model, translator: Translator, n_tokens: int = RESERVE_TOKENS
-) -> bool:
+def reserve_translation_memory(model, translator: Translator, n_tokens: int = 1024) -> bool:
     """On the CPU backend, translate a random span of `n_tokens` into a scratch cache of
     `model` and free both to malloc (which `cpu_memory.tune` keeps mapped), so that the first
     translation of any length up to `n_tokens` costs what a repeat costs. Returns whether it
