@@ -1,9 +1,7 @@
-"""mlx-lm KV caches as this package uses them: build, reserve room, append translated K/V,
-copy a prefix.
+"""mlx-lm KV caches as this package uses them.
 
 A cache is a list with one mlx-lm cache object per layer; each holds keys after k_norm and
-RoPE and raw values, (B, n_kv_heads, T, head_dim). Nothing here knows about translation or
-generation: the translation layer and the conversation both build on it.
+RoPE and raw values, (B, n_kv_heads, T, head_dim). Nothing here knows about translation.
 """
 
 from __future__ import annotations

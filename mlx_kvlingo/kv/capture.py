@@ -4,9 +4,8 @@ Keys come out RoPE-free at one of two cuts: `post_norm` (what the cache holds, u
 exactly with the model's own RoPE) or `pre_norm` (the `k_proj` output before `k_norm`,
 recorded during prefill). For families without `k_norm` the two cuts coincide.
 
-A span holds every layer, or only the layers a translator reads (`SpanKV.layers`): a
-translator into a shallower target reads few of the source's layers, and the layers it does
-not read are neither copied nor un-rotated.
+A span holds every layer, or only the layers a translator reads (`SpanKV.layers`): the
+others are neither copied nor un-rotated.
 """
 
 from __future__ import annotations
@@ -115,16 +114,10 @@ class OutputRecorder(nn.Module):
 
 
 def prefill(
-    model: Any,
-    tokens: mx.array | list[int],
-    cache: list,
-    cut: str = "post_norm",
-    step: int = 2048,
+    model: Any, tokens: mx.array | list[int], cache: list, cut: str = "post_norm"
 ) -> SpanKV:
-    """Run `tokens` through the model on top of `cache` (extending it) and return their K/V.
-
-    Prefills in chunks of `step` tokens like mlx-lm does, so memory stays bounded.
-    """
+    """Run `tokens` through the model on top of `cache` (extending it), 2,048 at a time as
+    mlx-lm does, and return their K/V."""
     tokens = mx.array(tokens) if not isinstance(tokens, mx.array) else tokens
     if tokens.ndim == 1:
         tokens = tokens[None]
@@ -137,8 +130,8 @@ def prefill(
             recorders.append(OutputRecorder(attn.k_proj))
             attn.k_proj = recorders[-1]
     try:
-        for s in range(0, tokens.shape[1], step):
-            model.model(tokens[:, s : s + step], cache=cache)
+        for s in range(0, tokens.shape[1], 2048):
+            model.model(tokens[:, s : s + 2048], cache=cache)
             mx.eval([(c.keys, c.values) for c in cache])
     finally:
         for i, rec in enumerate(recorders):
@@ -147,10 +140,9 @@ def prefill(
     span.tokens = tuple(int(t) for t in tokens[0].tolist())
     if record:
         g = model.geometry
-        B = tokens.shape[0]
         keys = [
             mx.concatenate(r.outputs, axis=1)
-            .reshape(B, -1, g.kv_heads, g.head_dim)
+            .reshape(tokens.shape[0], -1, g.kv_heads, g.head_dim)
             .transpose(0, 2, 1, 3)
             .astype(span.values.dtype)
             for r in recorders

@@ -45,16 +45,15 @@ class _ScatterCache:
     """Stands in for one layer's mlx-lm KVCache: writes the chosen positions, returns the span."""
 
     def __init__(self, cache, positions: mx.array, length: int):
-        self._cache, self._pos, self._length = cache, positions, length
-        self.offset = length
+        self._cache, self._pos, self.offset = cache, positions, length
         self.keys = None
 
     def update_and_fetch(self, keys, values):
         c = self._cache
         c.keys[..., self._pos, :] = keys.astype(c.keys.dtype)
         c.values[..., self._pos, :] = values.astype(c.values.dtype)
-        self.keys = c.keys[..., : self._length, :]
-        return self.keys, c.values[..., : self._length, :]
+        self.keys = c.keys[..., : self.offset, :]
+        return self.keys, c.values[..., : self.offset, :]
 
 
 @contextmanager
@@ -115,8 +114,7 @@ def read_positions(model, cache: list, tokens: Sequence[int], positions: Sequenc
         if attention and 3 * i >= len(layers):
             peak = _attention_peak(kept[0], shim.keys, layer.self_attn.scale, mask)
             mass = mx.maximum(mass, peak)
-    if attention:
-        mass = mx.concatenate([mass, mx.zeros((T - L,), dtype=mass.dtype)])
+    mass = mx.pad(mass, (0, T - L)) if attention else None
     mx.eval(h, [(c.keys, c.values) for c in cache], *([mass] if attention else []))
     return mass
 
@@ -211,13 +209,12 @@ def sentence_ends(tokenizer) -> frozenset[int]:
 
 def _span(p: int, lo: int, end: int, spread: tuple[int, int], tokens, ends, whole) -> range:
     """The positions peak `p` brings, within [lo, end)."""
-    before, after = spread
+    a = max(lo, p - spread[0])
     if ends is None:
-        return range(max(lo, p - before), min(end, p + after + 1))
+        return range(a, min(end, p + spread[1] + 1))
     q = p
     while q + 1 < min(end, p + SENTENCE_MAX) and tokens[q] not in ends:
         q += 1
-    a = max(lo, p - before)
     if whole:
         while a > max(lo, q + 1 - SENTENCE_MAX) and tokens[a - 1] not in ends:
             a -= 1

@@ -31,17 +31,13 @@ class RopeSpec:
         return asdict(self)
 
 
-def _dims(rope: nn.Module) -> int:
-    return getattr(rope, "dims", None) or rope.dim
-
-
 def describe(rope: nn.Module) -> RopeSpec:
     if isinstance(rope, nn.RoPE):
         return RopeSpec("default", rope.dims, rope.traditional, rope.base, rope.scale)
     if hasattr(rope, "_freqs"):
-        return RopeSpec(
-            type(rope).__name__, _dims(rope), bool(getattr(rope, "traditional", False)), None, 1.0
-        )
+        dims = getattr(rope, "dims", None) or rope.dim
+        traditional = bool(getattr(rope, "traditional", False))
+        return RopeSpec(type(rope).__name__, dims, traditional, None, 1.0)
     raise ValueError(f"unsupported RoPE module {type(rope).__name__}")
 
 
@@ -55,14 +51,11 @@ def unrotate(rope: nn.Module, x: mx.array, offset: int, token_major: bool = Fals
     """Exact inverse of `rotate`, computed in float32: negative angles, same frequencies.
     x is (..., T, D), or with `token_major` (..., T, H, D), and so is the result."""
     x = x if x.dtype == mx.float64 else x.astype(mx.float32)
-    dims = _dims(rope)
-    if isinstance(rope, nn.RoPE):
-        args = dict(traditional=rope.traditional, base=rope.base, scale=-rope.scale)
-    elif hasattr(rope, "_freqs"):
-        traditional = bool(getattr(rope, "traditional", False))
-        args = dict(traditional=traditional, base=None, scale=-1.0, freqs=rope._freqs)
-    else:
-        raise ValueError(f"cannot invert RoPE module {type(rope).__name__}")
+    spec = describe(rope)
+    dims = spec.dims
+    args = dict(traditional=spec.traditional, base=spec.base, scale=-spec.scale)
+    if not isinstance(rope, nn.RoPE):  # a RoPE kind with its own frequencies (`describe`)
+        args["freqs"] = rope._freqs
     if _fused_applies(x, dims):
         y = _fused([x], dims, offset, args, token_major)
     elif token_major:

@@ -53,12 +53,11 @@ def prepare(
     pair,
     ex,
     key_cut: str,
-    span: SpanKV | None = None,
     reader_mode: bool = False,
     gain_weights: bool = False,
     native_kv: bool = False,
 ) -> Prepared:
-    """The source's K/V of prefix[:-1] at `key_cut` (or `span`) and the teacher's log-probs.
+    """The source's K/V of prefix[:-1] at `key_cut` and the teacher's log-probs.
 
     `reader_mode`: the student cache is built as in a conversation the small model reads for
     the target: the example's earlier replies (`ex.replies`) are read by the target itself on
@@ -66,7 +65,7 @@ def prepare(
     `gain_weights`: weight the loss by `prefix_gain` (tokens the prefix determines count more).
     `native_kv`: also keep the target's own K/V of the prefix (for `kv_error`).
     """
-    span = span if span is not None else trace(pair.source, list(ex.prefix)[:-1], key_cut)
+    span = trace(pair.source, list(ex.prefix)[:-1], key_cut)
     teacher = native_logp(pair.target, ex)
     weights = prefix_gain(pair.target, ex) if gain_weights else None
     native = trace(pair.target, list(ex.prefix)[:-1], key_cut) if native_kv else None
@@ -104,11 +103,8 @@ def kv_error(method, prep: Prepared) -> mx.array:
     KV Prediction's L1 cache term (apple/corenet), scale-free (0 exact, 2 for zeros)."""
     if prep.native is None:
         raise ValueError("kv_error needs examples prepared with native_kv=True")
-    keys, values = method(prep.span)
-    err = 0.0
-    for mapped, native in ((keys, prep.native.keys), (values, prep.native.values)):
-        err = err + mx.abs(mapped - native).mean() / mx.abs(native).mean()
-    return err
+    pairs = zip(method(prep.span), (prep.native.keys, prep.native.values), strict=True)
+    return sum(mx.abs(mapped - native).mean() / mx.abs(native).mean() for mapped, native in pairs)
 
 
 def prefix_gain(model, ex, context: int = 4, floor: float = 0.1) -> mx.array:

@@ -8,18 +8,16 @@ The small model reads the whole prompt (M tokens), then decodes `LOOKAHEAD` = 8 
 layer and head, k the rotated prompt keys its cache holds (a query head reads its GQA group's
 key head), the softmax runs over the prompt alone, pool13 is a 13-wide moving average with
 zeros past the ends (always divided by 13), the max goes over layers and heads, the mean over
-the steps. `select_chunks` keeps whole 32-token chunks by their mean importance (its rule is
-in its docstring), nothing else is always kept. The large model then reads only the kept
-tokens, each at its own position, and decodes with positions going on after the whole prompt:
-step i at M + i while its cache holds N + i entries (`positions_shifted`).
+the steps. `select_chunks` keeps whole 32-token chunks by their mean importance, nothing else
+is always kept. The large model then reads only the kept tokens, each at its own position,
+and decodes with positions going on after the whole prompt: step i at M + i while its cache
+holds N + i entries (`positions_shifted`).
 
 Positions go through each layer's own RoPE module: a prompt row at position p is rotated by
 `rope(row, offset=p)` (kv/recompute.py's per-row offsets), the decode's by `rope(x, offset +
 shift)`. So traditional and non-traditional layouts and every RoPE kind are rotated as the
-model rotates them, and keeping every token reads the native cache bit for bit. (The shipped
-code rotates with its own non-traditional formula, and looks a layer's RoPE up with
-`attn.rope or attn.rotary_emb`, which skips a plain `nn.RoPE`: an empty module tests false.)
-"""
+model rotates them, and keeping every token reads the native cache bit for bit (the shipped
+code rotates with its own non-traditional formula and misses a plain `nn.RoPE`)."""
 
 from __future__ import annotations
 
@@ -99,8 +97,7 @@ def select_chunks(importance: mx.array, keep: float) -> list[int]:
         return list(range(M))
     n = math.ceil(M / CHUNK)
     keep_n, want = max(1, math.ceil(n * keep)), max(1, math.ceil(M * keep))
-    means = mx.stack([mx.mean(importance[i * CHUNK : (i + 1) * CHUNK]) for i in range(n)])
-    means = means.tolist()
+    means = mx.stack([mx.mean(importance[i * CHUNK : (i + 1) * CHUNK]) for i in range(n)]).tolist()
     chosen, size = [], 0
     for i in sorted(range(n), key=lambda i: means[i], reverse=True):
         if len(chosen) >= keep_n and size >= want:

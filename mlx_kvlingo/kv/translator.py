@@ -148,13 +148,10 @@ class Translator(nn.Module):
     def map_terms(
         self, x: mx.array, kind: str, reading: MapReading | None = None, layers=None
     ) -> tuple[list[mx.array], bool]:
-        """The terms whose sum (in order) is `kind`'s mapped features: the nu products and
-        the bias, and whether they are token-major, (Lt, B, T, Ht, D') (mixing), rather than
-        the cache's (Lt, B, Ht, T, D') (headwise). All are views of the products, no copy.
-
-        A map reading nu layers is the sum of nu products, so the nu layers are never
-        concatenated; only the source layers some target layer reads are touched, and how
-        each product reads them is `reading`'s (default: this translator's) strategy."""
+        """The terms whose sum (in order) is `kind`'s mapped features, the nu products (the
+        nu layers are never concatenated) and the bias, and whether they are token-major,
+        (Lt, B, T, Ht, D') (mixing), rather than the cache's (Lt, B, Ht, T, D') (headwise).
+        Each product reads the source by `reading`'s (default: this translator's) strategy."""
         params = self.key if kind == "key" else self.value
         layer_map = self.config.key_layers if kind == "key" else self.config.value_layers
         used, index = source_rows(tuple(map(tuple, layer_map)))
@@ -199,9 +196,7 @@ class Translator(nn.Module):
     def source_layers_read(self) -> tuple[int, ...]:
         """The source layers some map reads, ascending: all a span needs to hold."""
         c = self.config
-        return tuple(
-            sorted({s for rows in (c.key_layers, c.value_layers) for r in rows for s in r})
-        )
+        return tuple(sorted({s for r in (*c.key_layers, *c.value_layers) for s in r}))
 
     def capture(self, model, cache: list, start: int, end: int) -> SpanKV:
         """`model`'s span [start, end) from its `cache` (post_norm cut) as this translator
@@ -220,11 +215,8 @@ class Translator(nn.Module):
     # -- into the target's cache ----------------------------------------------------------
 
     def translate(self, span: SpanKV, target, chunk: int = 4096) -> tuple[list, list]:
-        """Keys and values per target layer, ready for its cache: (B, Ht, T, D) in its dtype.
-
-        `target` is the LoadedModel whose k_norm and RoPE finish the keys. Long spans are
-        processed in chunks of `chunk` tokens to bound memory.
-        """
+        """Keys and values per target layer, ready for `target`'s cache: (B, Ht, T, D) in its
+        dtype, its k_norm and RoPE applied; `chunk` tokens at a time."""
         if span.length > chunk:
             parts = [
                 self.translate(span.sub(s, min(s + chunk, span.end)), target, chunk)
@@ -241,11 +233,8 @@ class Translator(nn.Module):
 
     def _translate_fused(self, span: SpanKV, target) -> tuple[list, list] | None:
         """`finish(*self(span), ...)` bit for bit, with the sums, the bias, k_norm's weights
-        and RoPE in one compiled pass per kind on the CPU (rope.rotate_sum) and a mixing
-        map's output never transposed into a copy: the cache writes read it where it lies.
-        None where that pass does not apply (another backend, dtype or RoPE; k_norms that are
-        not one RMSNorm). A native first token is written over position 0 in place
-        (`with_native_first`)."""
+        and RoPE in one compiled pass per kind on the CPU (`rope.rotate_sum`), a mixing map's
+        output never transposed into a copy; None where that pass does not apply."""
         if target_dtype(target) != mx.float32 or self.key["weight"].dtype != mx.float32:
             return None
         k_terms, k_major = self.map_terms(span.keys, "key", layers=span.layers)
@@ -320,8 +309,7 @@ def k_norm_all(target, keys: mx.array) -> mx.array:
     if norm is not None:
         eps, weights = norm
         return mx.fast.rms_norm(keys, None, eps) * weights
-    norms = [target.attention(t).k_norm for t in range(keys.shape[0])]
-    return mx.stack([norm(k) for norm, k in zip(norms, keys, strict=True)])
+    return mx.stack([target.attention(t).k_norm(k) for t, k in enumerate(keys)])
 
 
 def _one_rms_norm(target, layers: int) -> tuple[float, mx.array] | None:
@@ -342,9 +330,8 @@ def identity_translator(config: TranslatorConfig) -> Translator:
     if s.kv_heads * s.head_dim != t.kv_heads * t.head_dim:
         raise ValueError("raw transfer needs equal KV widths")
     tr = Translator(config)
-    shapes = config.weight_shapes()
     for kind, nu in (("key", config.nu_k), ("value", config.nu_v)):
-        shape = shapes[f"{kind}.weight"]
+        shape = config.weight_shapes()[f"{kind}.weight"]
         eye = mx.eye(shape[-1])  # the first of the nu layers is copied, the others ignored
         getattr(tr, kind)["weight"] = mx.broadcast_to(
             mx.concatenate([eye] + [mx.zeros_like(eye)] * (nu - 1)), shape
@@ -352,22 +339,7 @@ def identity_translator(config: TranslatorConfig) -> Translator:
     return tr
 
 
-# -- the anchor token: position 0's K/V depend only on its id (nothing precedes it), so a
-# `native_first` translator keeps the target's own, computed once per (model, token id) ------
-
-
-def first_token_kv(target, token: int) -> tuple[mx.array, mx.array]:
-    """The target's native keys and values for `token` at position 0, stacked over layers
-    as (L, 1, H, 1, D) float32; computed once per (model, token id)."""
-    memo = target.__dict__.setdefault("_kvlingo_first_token_kv", {})
-    if token not in memo:
-        cache = new_cache(target)
-        target.model(mx.array([[token]]), cache=cache)
-        keys = mx.stack([c.keys[..., :1, :] for c in cache]).astype(mx.float32)
-        values = mx.stack([c.values[..., :1, :] for c in cache]).astype(mx.float32)
-        mx.eval(keys, values)
-        memo[token] = (keys, values)
-    return memo[token]
+# -- the anchor token (`TranslatorConfig.native_first`) -----------------------------------
 
 
 def with_native_first(
@@ -375,7 +347,14 @@ def with_native_first(
 ) -> tuple[mx.array, mx.array]:
     """Position 0 of stacked translated K/V, (L, B, H, T, D) or with `token_major` (L, B, T,
     H, D), replaced by the target's own, in place (the rest is not copied)."""
-    k0, v0 = first_token_kv(target, token)
+    memo = target.__dict__.setdefault("_kvlingo_first_token_kv", {})
+    if token not in memo:  # the target's K/V of `token` at position 0: (L, 1, H, 1, D) float32
+        cache = new_cache(target)
+        target.model(mx.array([[token]]), cache=cache)
+        first = [(c.keys[..., :1, :], c.values[..., :1, :]) for c in cache]
+        memo[token] = [mx.stack(kind).astype(mx.float32) for kind in zip(*first)]
+        mx.eval(memo[token])
+    k0, v0 = memo[token]
 
     def put(first, rest):
         first = first.transpose(0, 1, 3, 2, 4) if token_major else first
@@ -390,8 +369,7 @@ def with_native_first(
 #
 # rows[index] @ W_t for the source layers some target layer reads, by one of two strategies:
 # `in_place` (`mx.gather_mm` reads each source layer where it lies; MLX's CPU kernel, float32
-# only) or `gathered` (copy the rows per target layer, then one batched matmul). `MapReading`
-# holds the strategy `measure` timed fastest per kind and token count; before that, `rule`.
+# only) or `gathered` (copy the rows per target layer, then one batched matmul).
 
 STRATEGIES = ("in_place", "gathered")
 #: token counts a measurement times; a span uses the one nearest in log scale
@@ -419,8 +397,7 @@ def source_rows(rows: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], mx.
 
 @dataclass
 class MapReading:
-    """The strategy per (kind, token count measured); empty until `measure` fills it (until
-    then, and for a dtype the measured strategy cannot run in, the rule)."""
+    """The strategy `measure` chose per (kind, token count); else, or where it can't run, `rule`."""
 
     chosen: dict[tuple[str, int], str] = field(default_factory=dict)
     #: seconds per strategy per (kind, bucket), from the last measurement (for reports)
@@ -447,11 +424,8 @@ class MapReading:
         chosen = {}
         for k, name in data.items():
             kind, _, n = str(k).partition(":")
-            if (
-                kind not in ("key", "value")
-                or not (n.isascii() and n.isdigit())
-                or name not in STRATEGIES
-            ):
+            ok = kind in ("key", "value") and n.isascii() and n.isdigit() and name in STRATEGIES
+            if not ok:
                 raise ValueError(f"not a map-reading choice: {k!r:.40}: {name!r:.40}")
             chosen[(kind, int(n))] = name
         return cls(chosen)
@@ -485,9 +459,7 @@ def measure(translator, n_tokens=BUCKETS, rounds: int = 2) -> MapReading:
             x = mx.random.normal((s.layers, 1, s.kv_heads, n, width)).astype(dtype)
             mx.eval(x)
             times = {}
-            for name in STRATEGIES:
-                if name == "in_place" and not _in_place_applies(dtype):
-                    continue
+            for name in STRATEGIES if _in_place_applies(dtype) else ("gathered",):
                 one = MapReading({(kind, n): name})
                 mx.eval(translator.map_features(x, kind, reading=one))  # first call: allocations
                 times[name] = math.inf
@@ -533,8 +505,7 @@ def reserve_translation_memory(model, translator: Translator, n_tokens: int = 10
     keys = mx.random.normal((side.layers, 1, side.kv_heads, n_tokens, side.head_dim))
     values = mx.random.normal((side.layers, 1, side.kv_heads, n_tokens, side.value_dim))
     cache = new_cache(model)
-    append_kv(cache, *translator.translate(SpanKV(keys, values, start=0), model))
-    mx.eval([(c.keys, c.values) for c in cache])
+    append_kv(cache, *translator.translate(SpanKV(keys, values, start=0), model))  # evaluated
     del cache, keys, values
     mx.clear_cache()  # MLX's cache reuses a buffer for nearly its size only; malloc for any
     return True
