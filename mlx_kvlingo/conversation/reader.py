@@ -263,8 +263,9 @@ def rates_key(pair, forward, backward, lengths) -> dict:
 
 
 def retention_key(pair, forward, policy) -> dict:
-    return {"pair": fingerprints(pair, forward), "tail": policy.large_reads_last,
-            "recompute_share": policy.recompute_share}  # fmt: skip
+    k = {"pair": fingerprints(pair, forward), "tail": policy.large_reads_last,
+         "recompute_share": policy.recompute_share}  # fmt: skip
+    return k | ({"reread_share": policy.reread_share} if policy.reread_share else {})
 
 
 def path_for(folder: str | Path, k: dict) -> Path:
@@ -352,7 +353,7 @@ def _rule(s, upto: int, paths: Paths | None) -> tuple[bool, str, float | None]:
 def _reading(s, upto: int) -> tuple[int, bool]:
     """(the last tokens the large model reads itself, whether it recomputes), the first of the
     policy's, without the recompute, one token, within the tail budget."""
-    k, share = s.policy.large_reads_last, s.policy.recompute_share > 0
+    k, share = s.policy.large_reads_last, s.policy.recompute_share + s.policy.reread_share > 0
     ways = [(k, share), *([(k, False)] if share else []), *([(1, False)] if k > 1 else [])]
     if len(ways) == 1 or s.mode != "alternation":
         return ways[0]
@@ -376,9 +377,12 @@ def paths_with(s, upto: int, tail: int, recompute: bool = True) -> Paths:
 
 
 def recompute_count(s, translated: int) -> int:
-    """How many of `translated` tokens the large model recomputes (alternation only)."""
-    share = s.policy.recompute_share if s.mode == "alternation" else 0.0
-    return RECOMPUTE_SELECTION.count(share, translated) if share else 0
+    """How many of `translated` tokens the large model recomputes (alternation only): the
+    attended share and the re-read chunks (at most, where the two overlap)."""
+    if s.mode != "alternation":
+        return 0
+    share, chunks = s.policy.recompute_share, round(s.policy.reread_share * translated)
+    return min(translated, RECOMPUTE_SELECTION.count(share, translated) + chunks)
 
 
 def observe(s, stats: TurnStats, at: int) -> None:

@@ -43,6 +43,7 @@ from mlx_kvlingo.kv.recompute import (
     sentence_ends,
     special_ids,
 )
+from mlx_kvlingo.kv.sparse_prefill import score_tokens, select_chunks
 from mlx_kvlingo.kv.translator import Side, Translator, append_translation
 from mlx_kvlingo.models.files import parse_json, read_header
 from mlx_kvlingo.models.pair import LoadedModel, ModelPair, model_fingerprint
@@ -367,17 +368,34 @@ class CatchUp:
         cut, toks, tok = m.held, self.tokens[:n0], self.pair.tokenizer
         t0, ends, specials = time.perf_counter(), sentence_ends(tok), special_ids(tok)
         votes = self._small_votes(toks, cut) if reader.RECOMPUTE_SELECTION.votes else None
+        start, share = cut - sw.translated, self.policy.reread_share
+        chunks = self._lookahead_chunks(toks, start, cut, share) if share else ()
         try:
             append_zeros(m.cache, n0 - cut)
             chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut,
-                                        self.policy.recompute_share, start=cut - sw.translated,
+                                        self.policy.recompute_share, start=start,
                                         selection=reader.RECOMPUTE_SELECTION, ends=ends,
-                                        specials=specials, votes=votes)  # fmt: skip
+                                        specials=specials, votes=votes, also=chunks)  # fmt: skip
             m.held = n0 - 1
         finally:
             m.settle(m.held)
         sw.recomputed, sw.tail_read = len(chosen), n0 - cut
         sw.recompute_s = time.perf_counter() - t0
+
+    def _lookahead_chunks(self, toks: list[int], start: int, cut: int, share: float) -> list[int]:
+        """The `share` of [start, cut) in whole chunks that speculative prefill would keep: the
+        small model's greedy look-ahead from toks scores each position (`score_tokens`), then
+        `select_chunks`. The small model then holds toks[:-1] (interrupted: at most that)."""
+        s, last = self.models["source"], len(toks) - 1
+        s.settle(last)
+        try:
+            if s.held < last:
+                s.loaded.model(mx.array(toks[s.held : last])[None], cache=s.cache)
+                s.held = last
+            importance = score_tokens(s.loaded, toks, temp=0.0, cache=s.cache)
+        finally:
+            s.settle(min(s.held, last))
+        return [start + p for p in select_chunks(importance[start:cut], share)]
 
     def _small_votes(self, toks: list[int], cut: int) -> mx.array:
         """The small model reads toks[cut:] over the cache it holds [0, cut) of and returns the

@@ -2,7 +2,7 @@
 
     python -m weights.experiments.long_documents OUT.jsonl [--lengths 1024,2048,4096]
         [--kinds fact,facts] [--right 20] [--seed 100] [--pair dense] [--keep 0.3]
-        [--shares 0.2] [--limit-s SECONDS]
+        [--shares 0.2] [--reread 0.3] [--limit-s SECONDS]
 
 Each step draws one task of each kind at one length (`fitting_tasks`, the demo's held-out
 documentation pages, seed `--seed` + step) and answers it greedily under every condition of
@@ -10,11 +10,13 @@ documentation pages, seed `--seed` + step) and answers it greedily under every c
 reading through the product's hand-off ("chat": `content.Chat`, the shipped translator and
 `ReaderPolicy`'s defaults; "chat rS": recompute share S), and speculative prefill keeping
 `--keep` ("specprefill K"); with `--target-peaks`, also the chat with the large model's
-attention alone choosing what it recomputes ("chat target-peaks"); with `--hybrid-only`, the
-hybrid alone (`Hybrid`: the chat's reading, the peer's selection of what the large model
-recomputes). Every record is appended to OUT.jsonl as soon as its task is done, so a killed
+attention alone choosing what it recomputes ("chat target-peaks"); with `--reread`, the chat
+also re-reading that share as the chunks the peer would keep ("chat reread S",
+`ReaderPolicy.reread_share`). Every record is appended to OUT.jsonl as soon as its task is done, so a killed
 run loses one task; run it again to go on. A length is done when its native read
-got `--right` items of every kind right; lengths take turns, shortest first.
+got `--right` items of every kind right (`qa`, questions about a passage, has no right answer:
+every item counts, scored by the recall of the native answer's content words); lengths take
+turns, shortest first.
 `python -m weights.experiments.long_documents_report OUT.jsonl` tabulates and plots it.
 """
 
@@ -29,57 +31,16 @@ from pathlib import Path
 
 import mlx_kvlingo  # noqa: F401  (OpenBLAS before mlx)
 from mlx_kvlingo._platform import moe_cpu
-from mlx_kvlingo.config import ReaderPolicy
 from mlx_kvlingo.conversation import reader
-from mlx_kvlingo.conversation.reader import RECOMPUTE_SELECTION, ReadCosts
-from mlx_kvlingo.conversation.session import Session
 from mlx_kvlingo.data.examples import read_texts
 from mlx_kvlingo.eval.content import (
     Chat,
     Peer,
-    cache_kv,
     chat_kv,
     evaluate_content,
     fitting_tasks,
 )
-from mlx_kvlingo.kv.recompute import read_positions
-from mlx_kvlingo.kv.sparse_prefill import score_tokens, select_chunks
 from mlx_kvlingo.models.demo.pair import demo_content_texts, load_demo
-
-import mlx.core as mx
-
-
-@dataclass(frozen=True)
-class Hybrid:
-    """The chat's reading with the peer's selection: the small model reads, the span is
-    translated, the large model reads the last `tail` tokens; then the small model's
-    look-ahead (speculative prefill's scores, over the cache it already holds) picks the
-    32-token chunks the large model recomputes, as many positions as the chat's recompute
-    takes (`share`, its cap), and the tail is read again."""
-
-    translator: object
-    tail: int = ReaderPolicy().large_reads_last
-    share: float = ReaderPolicy().recompute_share
-
-    def __call__(self, pair, task, native):
-        toks = list(task.tokens)
-        policy = ReaderPolicy(reader="small", large_reads_last=self.tail, recompute_share=0.0)
-        session = Session(pair, self.translator, policy=policy, read_costs=ReadCosts())
-        session.add_tokens(toks)
-        session.hand_off("target")
-        cache, held = session.cache("target"), session.held("target")
-        small = session.held("source")
-        cut = held - self.tail
-        scores = score_tokens(pair.source, toks[: small + 1], cache=session.cache("source"))
-        scores = mx.concatenate([scores, mx.zeros((max(0, cut - scores.shape[0]),))])[:cut]
-        count = RECOMPUTE_SELECTION.count(self.share, cut)
-        chosen = sorted({0, *select_chunks(scores, count / cut)})  # whole chunks: <= 1 over
-        read_positions(pair.target.model, cache, toks[:held], chosen)
-        read_positions(pair.target.model, cache, toks[:held], range(cut, held))
-        rest = toks[held:-1]
-        if rest:
-            pair.target.model(mx.array(rest)[None], cache=cache)
-        return cache_kv(cache)
 
 
 @dataclass(frozen=True)
@@ -107,8 +68,12 @@ def native_right(path: Path) -> tuple[dict, set]:
             done.add((r["kind"], r["length"], r["step"]))
             if r["condition"] == "native":
                 key = (r["kind"], r["length"])
-                right[key] = right.get(key, 0) + bool(r["correct"])
+                right[key] = right.get(key, 0) + bool(r.get("correct", True))
     return right, done
+
+
+def _mark(r: dict) -> str:
+    return ("ok" if r["correct"] else "--") if "correct" in r else f"recall {r['recall']:.2f}"
 
 
 def main() -> None:
@@ -126,8 +91,7 @@ def main() -> None:
                     help="also the chat with the large model's peaks alone choosing")  # fmt: skip
     ap.add_argument("--only-native-right", action="store_true",
                     help="the other paths answer only what the native read got right")  # fmt: skip
-    ap.add_argument("--hybrid-only", action="store_true",
-                    help="only the hybrid (the chat's reading, the peer's selection)")  # fmt: skip
+    ap.add_argument("--reread", default="", help="the chat re-reading these shares too")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     kinds = args.kinds.split(",")
@@ -141,8 +105,8 @@ def main() -> None:
                   **{f"specprefill {k:g}": Peer(k) for k in map(float, args.keep.split(",") if args.keep else [])}}  # fmt: skip
     if args.target_peaks:
         conditions["chat target-peaks"] = TargetPeaks(chat)
-    if args.hybrid_only:
-        conditions = {"hybrid": Hybrid(tr)}
+    for r in map(float, args.reread.split(",") if args.reread else []):
+        conditions[f"chat reread {r:g}"] = Chat(tr, reread=r)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
     start = time.monotonic()
@@ -165,7 +129,7 @@ def main() -> None:
                                             "commit": commit, "pair": args.pair}) + "\n")  # fmt: skip
                 by = {r["condition"]: r for r in res.records}
                 print(f"step {step} {kind} {n} tok: " + ", ".join(
-                    f"{c} {'ok' if r['correct'] else '--'} {r['read_s']:.1f}s" for c, r in by.items()),
+                    f"{c} {_mark(r)} {r['read_s']:.1f}s" for c, r in by.items()),
                     flush=True)  # fmt: skip
         step += 1
 
