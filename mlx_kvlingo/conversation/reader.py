@@ -395,8 +395,8 @@ def observe(s, stats: TurnStats, at: int) -> None:
             cost = costs.forward if x.into == "target" else costs.backward
             cost.observe(x.translated, x.seconds)
     if sw is not None and sw.recompute_s:
-        n = large_reads(sw.tail_read, sw.recomputed)
-        costs.target_read.observe(n, sw.recompute_s, max(sw.end - sw.recomputed, 0))
+        n = large_reads(sw.tail_read, sw.recomputed + sw.reread)
+        costs.target_read.observe(n, sw.recompute_s, max(sw.end - sw.recomputed - sw.reread, 0))
     if stats.model == "target":
         costs.observe_target(stats.prompt_tokens, stats.prompt_s, at)
 

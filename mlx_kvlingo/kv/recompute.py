@@ -259,13 +259,12 @@ def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int, sha
                        start: int = 0, selection: Selection = Selection(),
                        ends: frozenset[int] | None = None,
                        specials: frozenset[int] | None = None,
-                       votes: mx.array | None = None, also: Sequence[int] = ()) -> list[int]:  # fmt: skip
+                       votes: mx.array | None = None) -> list[int]:  # fmt: skip
     """The target reads the span's last `tail` tokens over the translated rest, recomputes
     the `share` of [start, cut) its reading attended to most (cut: where the tail begins),
     picked by `selection` (with the tokenizer's `sentence_ends` and `special_ids`, and the
-    small model's attention from the same tail, `votes`, where `selection.votes`), and the
-    positions `also` besides, then reads the tail again over the recomputed positions. Returns
-    the recomputed positions.
+    small model's attention from the same tail, `votes`, where `selection.votes`), then reads
+    the tail again over the recomputed positions. Returns the recomputed positions.
 
     The tail is read again so that its K/V, which the answer reads, are those of a reading over
     the recomputed positions; with share 1 the cache is then the target's own (within float
@@ -283,7 +282,6 @@ def recompute_attended(model, cache: list, tokens: Sequence[int], tail: int, sha
                       ends=ends if selection.sentences else None,
                       whole=selection.sentences == "whole", skip=skip,
                       votes=votes if selection.votes else None)  # fmt: skip
-    chosen = sorted(set(chosen).union(p for p in also if start <= p < cut))
     if chosen:
         read_positions(model, cache, tokens, chosen)
         read_positions(model, cache, tokens, range(cut, T))

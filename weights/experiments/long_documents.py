@@ -10,9 +10,10 @@ documentation pages, seed `--seed` + step) and answers it greedily under every c
 reading through the product's hand-off ("chat": `content.Chat`, the shipped translator and
 `ReaderPolicy`'s defaults; "chat rS": recompute share S), and speculative prefill keeping
 `--keep` ("specprefill K"); with `--target-peaks`, also the chat with the large model's
-attention alone choosing what it recomputes ("chat target-peaks"); with `--reread`, the chat
-also re-reading that share as the chunks the peer would keep ("chat reread S",
-`ReaderPolicy.reread_share`). Every record is appended to OUT.jsonl as soon as its task is done, so a killed
+attention alone choosing what it recomputes ("chat target-peaks"); with `--reread`, the chat's
+reading with the large model reading that share of the turn itself in chunks instead of the
+recompute ("reread S", `ReaderPolicy(recompute_share=0, reread_share=S)`); `--no-chat` drops the
+chat's default reading (its records from an earlier run on the same seeds stand in). Every record is appended to OUT.jsonl as soon as its task is done, so a killed
 run loses one task; run it again to go on. A length is done when its native read
 got `--right` items of every kind right (`qa`, questions about a passage, has no right answer:
 every item counts, scored by the recall of the native answer's content words); lengths take
@@ -91,7 +92,9 @@ def main() -> None:
                     help="also the chat with the large model's peaks alone choosing")  # fmt: skip
     ap.add_argument("--only-native-right", action="store_true",
                     help="the other paths answer only what the native read got right")  # fmt: skip
-    ap.add_argument("--reread", default="", help="the chat re-reading these shares too")
+    ap.add_argument("--reread", default="", help="the chat re-reading these shares instead "
+                    "of the recompute")  # fmt: skip
+    ap.add_argument("--no-chat", action="store_true", help="not the chat's default reading")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     kinds = args.kinds.split(",")
@@ -106,7 +109,9 @@ def main() -> None:
     if args.target_peaks:
         conditions["chat target-peaks"] = TargetPeaks(chat)
     for r in map(float, args.reread.split(",") if args.reread else []):
-        conditions[f"chat reread {r:g}"] = Chat(tr, reread=r)
+        conditions[f"reread {r:g}"] = Chat(tr, share=0.0, reread=r)
+    if args.no_chat:
+        del conditions["chat"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()  # fmt: skip
     start = time.monotonic()
