@@ -8,9 +8,9 @@ Before the large model answers a turn it lacks, someone reads it:
                      large reads the last `large_reads_last` tokens itself and recomputes
                      `recompute_share` of the translated span (the tokens its read attended to;
                      on a span past 2,048 tokens as many as on one of 2,048: kv.recompute.Selection)
-                     and `reread_share` of it as whole 32-token chunks, those the small model's
-                     greedy look-ahead attends to most (speculative prefill's choice,
-                     kv.sparse_prefill) over the translated rest: for questions about a passage;
+                     and reads `reread_share` of it itself, whole 32-token chunks the small
+                     model's look-ahead and votes chose, as speculative prefill reads them
+                     (kv.sparse_prefill.reread; the translation fills the rest);
     reader "tokens"  "small" for the opening span and spans of `reader_min_tokens` or more;
     reader "auto"    whichever path is predicted to start the answer sooner (ties within
                      `reader.READER_MARGIN` go to the token rule), but the small path only where this

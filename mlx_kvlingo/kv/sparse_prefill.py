@@ -17,7 +17,11 @@ Positions go through each layer's own RoPE module: a prompt row at position p is
 `rope(row, offset=p)` (kv/recompute.py's per-row offsets), the decode's by `rope(x, offset +
 shift)`. So traditional and non-traditional layouts and every RoPE kind are rotated as the
 model rotates them, and keeping every token reads the native cache bit for bit (the shipped
-code rotates with its own non-traditional formula and misses a plain `nn.RoPE`)."""
+code rotates with its own non-traditional formula and misses a plain `nn.RoPE`).
+
+`reread` is the same read inside a translated span (`ReaderPolicy.reread_share`): the kept
+chunks' K/V replace their translation, and the translation fills the positions the peer
+drops, so the cache stays whole for the turns after."""
 
 from __future__ import annotations
 

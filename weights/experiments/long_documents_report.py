@@ -5,7 +5,8 @@
 Per kind and read length: the items drawn, those the native read got right, and for each path
 the ones it kept of those (kept / right, the share) and the median of its read time over the
 native read's on the same item ("read"; everything before the first decode step, side by side
-in one process). The plot: read time against facts kept, one line per path across the lengths.
+in one process). Questions about a passage (`qa`) have no right answer: each path's mean recall
+of the native answer's content words over the items instead. The plot: read time against facts kept, one line per path across the lengths.
 """
 
 from __future__ import annotations
@@ -44,13 +45,16 @@ def summary(items: dict) -> dict:
             continue
         cell = out.setdefault((kind, n), {"n": 0, "right": 0, "commits": set(), "paths": {}})
         cell["n"] += 1
-        cell["right"] += bool(nat["correct"])
+        cell["recall"] = "correct" not in nat  # qa: no right answer, the native's words recalled
+        cell["right"] += bool(nat.get("correct", True))
         cell["commits"].add(nat.get("commit", "?"))
         for c, r in by.items():
             if c == "native":
                 continue
             kept, ratios = cell["paths"].setdefault(c, ([], []))
-            if nat["correct"]:
+            if cell["recall"]:
+                kept.append(r["recall"])
+            elif nat["correct"]:
                 kept.append(bool(r["correct"]))
             ratios.append(r["read_s"] / r["native_s"])
     for cell in out.values():
@@ -73,6 +77,9 @@ def markdown(s: dict) -> str:
                 cols.append("")
                 continue
             k, r, ratio = cell["paths"][c]
+            if cell["recall"]:
+                cols.append(f"recall {k / r:.2f} of {r}, {ratio:.2f}")
+                continue
             share = f" ({k / r:.2f})" if r else ""
             cols.append(f"{k}/{r}{share}, {ratio:.2f}")
         rows.append(f"| {kind} | {n} | {cell['right']}/{cell['n']} | " + " | ".join(cols) + " |")
