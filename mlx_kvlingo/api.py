@@ -107,7 +107,7 @@ class Pair:
         from mlx_kvlingo.models.demo.pair import shipped_retention
 
         policy = policy or ReaderPolicy()
-        settings = (policy.large_reads_last, policy.recompute_share, policy.reread_share)
+        settings = (policy.large_reads_last, policy.recompute_share)
         if self.forward is not None and settings not in self._retention:
             draws = reader.load_retention(reader.retention_key(self.models, self.forward, policy))
             path = getattr(self.forward, "path", None)

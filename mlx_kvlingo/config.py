@@ -7,10 +7,7 @@ Before the large model answers a turn it lacks, someone reads it:
     reader "small"   the small model reads it, the span the large lacks is translated, then the
                      large reads the last `large_reads_last` tokens itself and recomputes
                      `recompute_share` of the translated span (the tokens its read attended to;
-                     on a span past 2,048 tokens as many as on one of 2,048: kv.recompute.Selection)
-                     and reads `reread_share` of it itself, whole 32-token chunks the small
-                     model's look-ahead and votes chose, as speculative prefill reads them
-                     (kv.sparse_prefill.reread; the translation fills the rest);
+                     on a span past 2,048 tokens as many as on one of 2,048: kv.recompute.Selection);
     reader "tokens"  "small" for the opening span and spans of `reader_min_tokens` or more;
     reader "auto"    whichever path is predicted to start the answer sooner (ties within
                      `reader.READER_MARGIN` go to the token rule), but the small path only where this
@@ -53,7 +50,6 @@ class ReaderPolicy:
     reader_min_tokens: int = 64
     large_reads_last: int = 32
     recompute_share: float = 0.1
-    reread_share: float = 0.0
     min_retention: float = 0.8
 
     def __post_init__(self):
@@ -64,7 +60,6 @@ class ReaderPolicy:
         _whole("reader_min_tokens", self.reader_min_tokens, 0)
         _whole("large_reads_last", self.large_reads_last, 1)
         _number("recompute_share", self.recompute_share, 0.0, 1.0)
-        _number("reread_share", self.reread_share, 0.0, 1.0)
         _number("min_retention", self.min_retention, 0.0, 1.0)
 
     def to_dict(self) -> dict:

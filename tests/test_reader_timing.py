@@ -156,19 +156,6 @@ def test_the_hand_off_follows_the_one_decision(pair, translators, monkeypatch, s
     assert s.models["target"].held == (len(s.tokens) - 1 if d.recompute else d.cut)
 
 
-def test_the_predicted_recompute_counts_the_reread_chunks(pair, translators):
-    """The small path's predicted large read counts the attended share and the re-read
-    chunks (`reread_share` of the span), at most the span."""
-    from mlx_kvlingo.conversation import reader
-
-    s = Session(pair, *translators, policy=ReaderPolicy(recompute_share=0.1))
-    assert reader.recompute_count(s, 1000) == 100
-    s.policy = replace(s.policy, reread_share=0.3)
-    assert reader.recompute_count(s, 1000) == 400
-    s.policy = replace(s.policy, recompute_share=1.0)
-    assert reader.recompute_count(s, 1000) == 1000
-
-
 def test_the_recompute_is_dropped_before_the_tail_where_it_would_exceed_the_budget(
     pair, translators
 ):
@@ -322,10 +309,6 @@ def test_retention_is_kept_in_the_cache_folder_and_found_by_the_runtime(
     assert conv.cache.retention == kept and rt.retention() == kept
     conv.policy = replace(conv.policy, recompute_share=0.2)  # measured for other settings
     assert conv.cache.retention is None
-    conv.policy = replace(conv.policy, recompute_share=0.1, reread_share=0.3)
-    assert conv.cache.retention is None
-    conv.policy = replace(conv.policy, reread_share=0.0)
-    assert conv.cache.retention == kept
     for broken in ("{not json", json.dumps({"schema": reader.SCHEMA, "key": k,
                                             "draws": {"x": [[64, 4, 3]]}})):  # fmt: skip
         (next((tmp_path / "retention").iterdir())).write_text(broken)

@@ -181,32 +181,6 @@ def test_recompute_shares_zero_and_one_are_the_tail_read_and_native(known_pair, 
     assert not mx.any(cache[-1].keys[..., mx.array(chosen), :] == 0).item()
 
 
-def test_reread_reads_whole_chunks_itself_and_keeps_the_translation_elsewhere(known_pair, tiny_dir):
-    """`reread_share`: the large model reads that share of the translated span itself, whole
-    32-token chunks from the span's start (its first chunk among them), and every other
-    position keeps the (zero) translation; with the recompute off nothing else changes before
-    the tail. Reread 1: every position the target's own."""
-    pair = known_pair
-    exact = exact_translator(pair, tiny_dir["known_answer"])
-    zero = exact_translator(pair, {"key_maps": [m * 0 for m in _maps(exact, "key")],
-                                   "value_maps": [m * 0 for m in _maps(exact, "value")]})  # fmt: skip
-    task = build_tasks(pair.tokenizer, [TEXT], [192], 1, ("qa",), seed=2)[0]
-    toks, tail = list(task.tokens), 6
-    cut = len(toks) - 1 - tail  # the hand-off leaves the last token to the decode
-    session, stats = Chat(zero, tail, 0.0, reread=0.25).hand_off(pair, toks[:-1])
-    keys = session.cache("target")[-1].keys[..., :cut, :]
-    read = [p for p, r in enumerate(mx.any(keys != 0, axis=(0, 1, 3)).tolist()) if r]
-    chunks = sorted({p // 32 for p in read})
-    assert read == [p for c in chunks for p in range(32 * c, min(32 * c + 32, cut))]
-    assert chunks[0] == 0 and 1 < len(chunks) < cut // 32
-    assert len(read) >= 0.25 * cut and stats.switch.reread == len(read)
-    assert stats.switch.recomputed == 0
-    nk, _ = native_kv(pair.target, toks[:-1])
-    ak, _ = chat_kv(pair, Chat(zero, tail, 0.0, reread=1.0), task)
-    for a, n in zip(ak, nk):
-        assert mx.allclose(a, n, atol=1e-5).item()
-
-
 def _zero_kv(keys):
     return [mx.zeros_like(k) for k in keys], [mx.zeros_like(k) for k in keys]
 

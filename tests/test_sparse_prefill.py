@@ -83,52 +83,6 @@ def test_chunk_rule_is_the_published_one():
         select_chunks(scores, 0.0)
 
 
-def test_votes_take_their_chunks_in_turn_with_the_scores():
-    """With `votes`, the chunk holding the largest vote comes first, then the best by mean
-    score, and so on in turn; `first` takes chunk 0 before all."""
-    scores = mx.zeros((320,)).at[100].add(5.0).at[200].add(4.0)  # chunks 3 and 6 by mean
-    votes = mx.zeros((320,)).at[290].add(1.0).at[40].add(0.5)  # chunks 9 and 1 by peak
-    chunk = lambda *cs: [p for c in sorted(cs) for p in range(32 * c, 32 * c + 32)]  # noqa: E731
-    assert select_chunks(scores, 0.2) == chunk(3, 6)
-    assert select_chunks(scores, 0.2, votes) == chunk(9, 3)
-    assert select_chunks(scores, 0.4, votes) == chunk(9, 3, 1, 6)
-    assert select_chunks(scores, 0.2, votes, first=True) == chunk(0, 9)
-    assert select_chunks(scores, 0.2, first=True) == chunk(0, 3)
-
-
-def test_reread_is_the_peers_read_inside_a_translated_span(pair):
-    """`reread`: the kept positions of a translated span get the K/V speculative prefill gives
-    them over the native prefix (each attends to [0, start) and the kept ones before it, at
-    its own position, both RoPE layouts); every other span position keeps its translation
-    (zeros here), the prefix is untouched."""
-    from mlx_kvlingo.kv.cache import append_kv
-    from mlx_kvlingo.kv.sparse_prefill import reread
-
-    model, tokens = pair.target, pair.tokenizer.encode(PROMPT)
-    T, start = len(tokens) - 1, 20
-    kept = [p for p in range(start, T) if (p - start) // 32 in (0, 2)]
-    keys, values = native_kv(model, tokens[:start])
-    cache = sparse_prefill(model, tokens, list(range(start)))
-    zeros = [mx.zeros((*k.shape[:2], T - start, k.shape[3]), dtype=k.dtype) for k in keys]
-    append_kv(cache, zeros, [mx.zeros_like(z) for z in zeros])
-    reread(model, cache, tokens, start, kept)
-    ref = sparse_prefill(model, tokens, list(range(start)) + kept)
-    rows, rest = mx.array(kept), mx.array([p for p in range(start, T) if p not in kept])
-    for c, r, k in zip(cache, ref, keys):
-        assert c.offset == T
-        assert mx.allclose(c.keys[..., rows, :], r.keys[..., start : r.offset, :], atol=1e-5).item()
-        assert mx.allclose(
-            c.values[..., rows, :], r.values[..., start : r.offset, :], atol=1e-5
-        ).item()
-        assert mx.array_equal(c.keys[..., :start, :], k).item()
-        assert not mx.any(c.keys[..., rest, :]).item()
-    assert not mx.allclose(
-        cache[-1].keys[..., rows, :], native_kv(model, tokens[:-1])[0][-1][..., rows, :], atol=1e-3
-    ).item()
-    with pytest.raises(ValueError, match="translated span"):
-        reread(model, cache, tokens, start, [start - 1])
-
-
 def published_scores(model, tokens, n_lookahead=8, pool_kernel=13):
     """vllm-mlx 0.6.0's `score_tokens` (greedy look-ahead), transcribed: queries rebuilt from
     each attention's input (q_proj, q_norm where the family has it, RoPE at the cache offset),

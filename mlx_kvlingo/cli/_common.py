@@ -168,11 +168,6 @@ READING = [
                       "share of it (capped on long turns), the sentences its reading of the "
                       f"turn's end attended to most; 0: none [default: {_D.recompute_share:g}; "
                       "chat and serve: 0 with a pipelined large model]"),
-    click.option("--reread", "reread_share", type=click.FloatRange(0, 1),
-                 help="When the small model reads a turn, the large one also reads this share "
-                      "of it itself, whole 32-token chunks the small model chose (for questions "
-                      "about a passage; e.g. --recompute 0 --reread 0.2) "
-                      f"[default: {_D.reread_share:g}]"),
 ]  # fmt: skip
 #: --large-reads-last --recompute, collected into one argument `reading`: those given, as
 #: `ReaderPolicy` keywords

@@ -57,8 +57,6 @@ def describe_reader(conv) -> str:
             if p.large_reads_last > 1 else "")  # fmt: skip
     if p.recompute_share:
         last += f" and recomputes {p.recompute_share:.0%} of the translated turn"
-    if p.reread_share:
-        last += f" and reads {p.reread_share:.0%} of it itself in chunks the small model chose"
     rule = (f"the small model reads the opening and turns of {p.reader_min_tokens}+ tokens, "
             "the large one shorter turns")  # fmt: skip
     if p.reader == "auto" and kept is not None and p.min_retention:

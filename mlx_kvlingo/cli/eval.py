@@ -71,7 +71,7 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         # the last token only), and the chat's reading (its last tokens, then the recompute)
         p = ReaderPolicy(**reading)
         conditions = {"translated": c.Chat(tr, 1, 0.0),
-                      "chat": c.Chat(tr, p.large_reads_last, p.recompute_share, p.reread_share),
+                      "chat": c.Chat(tr, p.large_reads_last, p.recompute_share),
                       **{f"specprefill {k:g}": c.Peer(k, seed) for k in keeps}}  # fmt: skip
         label = {"translator": translator or "demo default", "seed": seed, "lengths": list(lengths)}
         with progress_bar("content", console) as progress:
@@ -86,8 +86,8 @@ def eval_cmd(source, target, translator, demo_pair, data_path, examples, json_ou
         draw = f"data {data_path or 'demo'}, seed {seed}, kinds {','.join(kinds)}"
         return _store_retention(pair, tr, p, c.retention(result), draw, console)
     if reading or plot_out or keeps:
-        raise click.UsageError("--large-reads-last, --recompute, --reread, --plot and "
-                               "--specprefill go with --task content")  # fmt: skip
+        raise click.UsageError("--large-reads-last, --recompute, --plot and --specprefill go "
+                               "with --task content")  # fmt: skip
     if data_path is not None:
         summary = validate_data(data_path)  # before loading any model
         console.print(

@@ -263,9 +263,8 @@ def rates_key(pair, forward, backward, lengths) -> dict:
 
 
 def retention_key(pair, forward, policy) -> dict:
-    k = {"pair": fingerprints(pair, forward), "tail": policy.large_reads_last,
-         "recompute_share": policy.recompute_share}  # fmt: skip
-    return k | ({"reread_share": policy.reread_share} if policy.reread_share else {})
+    return {"pair": fingerprints(pair, forward), "tail": policy.large_reads_last,
+            "recompute_share": policy.recompute_share}  # fmt: skip
 
 
 def path_for(folder: str | Path, k: dict) -> Path:
@@ -353,7 +352,7 @@ def _rule(s, upto: int, paths: Paths | None) -> tuple[bool, str, float | None]:
 def _reading(s, upto: int) -> tuple[int, bool]:
     """(the last tokens the large model reads itself, whether it recomputes), the first of the
     policy's, without the recompute, one token, within the tail budget."""
-    k, share = s.policy.large_reads_last, s.policy.recompute_share + s.policy.reread_share > 0
+    k, share = s.policy.large_reads_last, s.policy.recompute_share > 0
     ways = [(k, share), *([(k, False)] if share else []), *([(1, False)] if k > 1 else [])]
     if len(ways) == 1 or s.mode != "alternation":
         return ways[0]
@@ -377,12 +376,9 @@ def paths_with(s, upto: int, tail: int, recompute: bool = True) -> Paths:
 
 
 def recompute_count(s, translated: int) -> int:
-    """How many of `translated` tokens the large model recomputes (alternation only): the
-    attended share and the re-read chunks (at most, where the two overlap)."""
-    if s.mode != "alternation":
-        return 0
-    share, chunks = s.policy.recompute_share, round(s.policy.reread_share * translated)
-    return min(translated, RECOMPUTE_SELECTION.count(share, translated) + chunks)
+    """How many of `translated` tokens the large model recomputes (alternation only)."""
+    share = s.policy.recompute_share if s.mode == "alternation" else 0.0
+    return RECOMPUTE_SELECTION.count(share, translated) if share else 0
 
 
 def observe(s, stats: TurnStats, at: int) -> None:
@@ -395,8 +391,8 @@ def observe(s, stats: TurnStats, at: int) -> None:
             cost = costs.forward if x.into == "target" else costs.backward
             cost.observe(x.translated, x.seconds)
     if sw is not None and sw.recompute_s:
-        n = large_reads(sw.tail_read, sw.recomputed + sw.reread)
-        costs.target_read.observe(n, sw.recompute_s, max(sw.end - sw.recomputed - sw.reread, 0))
+        n = large_reads(sw.tail_read, sw.recomputed)
+        costs.target_read.observe(n, sw.recompute_s, max(sw.end - sw.recomputed, 0))
     if stats.model == "target":
         costs.observe_target(stats.prompt_tokens, stats.prompt_s, at)
 

@@ -43,7 +43,6 @@ from mlx_kvlingo.kv.recompute import (
     sentence_ends,
     special_ids,
 )
-from mlx_kvlingo.kv.sparse_prefill import reread, score_tokens, select_chunks
 from mlx_kvlingo.kv.translator import Side, Translator, append_translation
 from mlx_kvlingo.models.files import parse_json, read_header
 from mlx_kvlingo.models.pair import LoadedModel, ModelPair, model_fingerprint
@@ -367,38 +366,18 @@ class CatchUp:
         m = self.models["target"]
         cut, toks, tok = m.held, self.tokens[:n0], self.pair.tokenizer
         t0, ends, specials = time.perf_counter(), sentence_ends(tok), special_ids(tok)
-        start, share = cut - sw.translated, self.policy.reread_share
-        votes = None
-        if reader.RECOMPUTE_SELECTION.votes or share:
-            votes = self._small_votes(toks, cut)
-        chunks = self._chunks(toks, start, cut, share, votes) if share else []
+        votes = self._small_votes(toks, cut) if reader.RECOMPUTE_SELECTION.votes else None
         try:
-            reread(m.loaded, m.cache, toks, start, chunks)
             append_zeros(m.cache, n0 - cut)
             chosen = recompute_attended(m.loaded.model, m.cache, toks, n0 - cut,
-                                        self.policy.recompute_share, start=start,
+                                        self.policy.recompute_share, start=cut - sw.translated,
                                         selection=reader.RECOMPUTE_SELECTION, ends=ends,
                                         specials=specials, votes=votes)  # fmt: skip
             m.held = n0 - 1
         finally:
             m.settle(m.held)
-        sw.recomputed, sw.reread, sw.tail_read = len(chosen), len(chunks), n0 - cut
+        sw.recomputed, sw.tail_read = len(chosen), n0 - cut
         sw.recompute_s = time.perf_counter() - t0
-
-    def _chunks(self, toks: list[int], start: int, cut: int, share: float,
-                votes: mx.array) -> list[int]:  # fmt: skip
-        """The `share` of [start, cut) in whole chunks, the large model to read them itself:
-        speculative prefill's (the small model's greedy look-ahead from toks scores each
-        position, `score_tokens`) in turn with those holding the small model's `votes`, the
-        span's first chunk first. The small model then holds toks[:-1] (interrupted: at most)."""
-        s, last = self.models["source"], len(toks) - 1
-        s.settle(last)
-        try:
-            importance = score_tokens(s.loaded, toks, temp=0.0, cache=s.cache)
-        finally:
-            s.settle(last)
-        return [start + p for p in select_chunks(importance[start:cut], share,
-                                                 votes[start:cut], first=True)]  # fmt: skip
 
     def _small_votes(self, toks: list[int], cut: int) -> mx.array:
         """The small model reads toks[cut:] over the cache it holds [0, cut) of and returns the
@@ -467,10 +446,9 @@ class Session(CatchUp, Transcript):
     def policy(self, policy: ReaderPolicy) -> None:
         if not isinstance(policy, ReaderPolicy):
             raise SessionError(f"policy must be a ReaderPolicy (got {type(policy).__name__})")
-        if self.remote is not None and (policy.recompute_share or policy.reread_share):
-            raise SessionError(  # all layers, in this process
-                "the recompute (recompute_share or reread_share > 0) is not available with a "
-                "pipelined large model"
+        if self.remote is not None and policy.recompute_share:  # all layers, in this process
+            raise SessionError(
+                "the recompute (recompute_share > 0) is not available with a pipelined large model"
             )
         who = policy.reader or ("auto" if self.forward else "self")
         if who != "self" and self.forward is None:

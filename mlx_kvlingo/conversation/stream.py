@@ -65,10 +65,8 @@ class Switch:
     retranslated: int = 0  # of those, tokens this model already held (naive mode)
     seconds: float = 0.0
     note: str = ""  # e.g. why it re-prefilled instead of translating
-    #: then the large model read `reread` tokens of it itself (whole chunks), the last
-    #: `tail_read` tokens and recomputed `recomputed`
+    #: then the large model read the last `tail_read` tokens and recomputed `recomputed`
     recomputed: int = 0
-    reread: int = 0
     tail_read: int = 0
     recompute_s: float = 0.0
 
@@ -426,8 +424,7 @@ def status_line(st: TurnStats, names: dict) -> str:
             again = f" ({sw.retranslated} again)" if sw.retranslated else ""
             parts.append(f"translated {sw.translated} tok{again} {sw.seconds * 1e3:.1f} ms")
             if sw.tail_read:
-                chunks = f"{sw.reread} tok of it in chunks, " if sw.reread else ""
-                parts.append(f"{me} read {chunks}the last {sw.tail_read} tok and recomputed "
+                parts.append(f"{me} read the last {sw.tail_read} tok and recomputed "
                              f"{sw.recomputed} translated tok {_ms(sw.recompute_s)}")  # fmt: skip
         else:
             parts.append(f"switch {sw.lacked} tok {sw.note or 're-prefill'}")

@@ -139,19 +139,18 @@ def translated_kv(pair, translator, tokens: Sequence[int]) -> tuple[list, list]:
 @dataclass(frozen=True)
 class Chat:
     """A condition: the turn as `kvlingo chat` reads it when the small model reads for the large
-    one (`Session.hand_off`): the large model reads the last `tail` tokens, recomputes `share`
-    and re-reads the `reread` share in chunks."""
+    one (`Session.hand_off`): the large model reads the last `tail` tokens, recomputes `share`."""
 
     translator: object
     tail: int = ReaderPolicy().large_reads_last
     share: float = ReaderPolicy().recompute_share
-    reread: float = ReaderPolicy().reread_share
 
     def hand_off(self, pair, tokens: Sequence[int]) -> tuple[Session, object]:
         """A session holding `tokens` after the chat's hand-off to the large model (fresh read
         rates); the hand-off's stats."""
-        policy = ReaderPolicy(reader="small", large_reads_last=self.tail,
-                              recompute_share=self.share, reread_share=self.reread)  # fmt: skip
+        policy = ReaderPolicy(
+            reader="small", large_reads_last=self.tail, recompute_share=self.share
+        )
         session = Session(pair, self.translator, policy=policy, read_costs=ReadCosts())
         session.add_tokens(tokens)
         return session, session.hand_off("target")

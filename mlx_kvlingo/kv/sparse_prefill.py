@@ -17,11 +17,7 @@ Positions go through each layer's own RoPE module: a prompt row at position p is
 `rope(row, offset=p)` (kv/recompute.py's per-row offsets), the decode's by `rope(x, offset +
 shift)`. So traditional and non-traditional layouts and every RoPE kind are rotated as the
 model rotates them, and keeping every token reads the native cache bit for bit (the shipped
-code rotates with its own non-traditional formula and misses a plain `nn.RoPE`).
-
-`reread` is the same read inside a translated span (`ReaderPolicy.reread_share`): the kept
-chunks' K/V replace their translation, and the translation fills the positions the peer
-drops, so the cache stays whole for the turns after."""
+code rotates with its own non-traditional formula and misses a plain `nn.RoPE`)."""
 
 from __future__ import annotations
 
@@ -29,7 +25,7 @@ import math
 from collections.abc import Sequence
 from contextlib import ExitStack, contextmanager
 
-from mlx_kvlingo.kv.cache import new_cache, prefix_copy
+from mlx_kvlingo.kv.cache import new_cache
 from mlx_kvlingo.kv.recompute import _rope_swapped, _RowPositions
 
 import mlx.core as mx
@@ -87,16 +83,13 @@ def score_tokens(model, tokens: Sequence[int], temp: float = 0.6,
     return importance
 
 
-def select_chunks(importance: mx.array, keep: float, votes: mx.array | None = None,
-                  first: bool = False) -> list[int]:  # fmt: skip
+def select_chunks(importance: mx.array, keep: float) -> list[int]:
     """The kept token indices, sorted: vllm-mlx's `select_chunks` with no backbone.
 
     Of the n = ceil(M / CHUNK) chunks (the last may be short), take them in descending order
     of their mean importance (ties: the earlier first) until at least keep_n = max(1,
     ceil(n * keep)) are taken and they hold at least max(1, ceil(M * keep)) tokens; keep >= 1
-    keeps every token. With `votes` (M,), a second reader's attention, the chunks in
-    descending order of their largest vote are taken in turn with those (first of the
-    votes'); `first`: the first chunk before all."""
+    keeps every token."""
     M = importance.shape[0]
     if not keep > 0:
         raise ValueError(f"the kept share must be above 0, got {keep}")
@@ -104,29 +97,20 @@ def select_chunks(importance: mx.array, keep: float, votes: mx.array | None = No
         return list(range(M))
     n = math.ceil(M / CHUNK)
     keep_n, want = max(1, math.ceil(n * keep)), max(1, math.ceil(M * keep))
-    parts = [slice(i * CHUNK, (i + 1) * CHUNK) for i in range(n)]
-    means = mx.stack([mx.mean(importance[c]) for c in parts]).tolist()
-    order = sorted(range(n), key=lambda i: means[i], reverse=True)
-    if votes is not None:
-        peaks = mx.stack([mx.max(votes[c]) for c in parts]).tolist()
-        other = sorted(range(n), key=lambda i: peaks[i], reverse=True)
-        order = [i for pair in zip(other, order) for i in pair]
+    means = mx.stack([mx.mean(importance[i * CHUNK : (i + 1) * CHUNK]) for i in range(n)]).tolist()
     chosen, size = [], 0
-    for i in [0] * first + order:
+    for i in sorted(range(n), key=lambda i: means[i], reverse=True):
         if len(chosen) >= keep_n and size >= want:
             break
-        if i not in chosen:
-            chosen.append(i)
-            size += min(CHUNK, M - i * CHUNK)
+        chosen.append(i)
+        size += min(CHUNK, M - i * CHUNK)
     return [p for i in sorted(chosen) for p in range(i * CHUNK, min((i + 1) * CHUNK, M))]
 
 
-def sparse_prefill(model, tokens: Sequence[int], kept: Sequence[int], step: int = STEP,
-                   cache: list | None = None) -> list:  # fmt: skip
+def sparse_prefill(model, tokens: Sequence[int], kept: Sequence[int], step: int = STEP) -> list:
     """A new cache of `model` holding only `tokens[p]` for the sorted positions `kept`, each
-    read at position p (each attends to the kept tokens before it), `step` at a time; or
-    `cache` (its entries then read first) with those appended."""
-    cache = new_cache(model) if cache is None else cache
+    read at position p (each attends to the kept tokens before it), `step` at a time."""
+    cache = new_cache(model)
     for s in range(0, len(kept), step):
         pos = list(kept[s : s + step])
         rows = mx.array(pos)
@@ -169,20 +153,3 @@ def speculative_prefill(pair, tokens: Sequence[int], keep: float) -> tuple[list,
     N)`). Returns the target's cache (N entries) and the kept indices."""
     kept = select_chunks(score_tokens(pair.source, tokens), keep)
     return sparse_prefill(pair.target, tokens, [p for p in kept if p < len(tokens) - 1]), kept
-
-
-def reread(model, cache: list, tokens: Sequence[int], start: int, kept: Sequence[int]) -> None:
-    """Speculative prefill inside a translated span: `cache` holds tokens[:T] with [start, T)
-    translated; `model` reads the sorted positions `kept` of the span as `sparse_prefill` does
-    (each attends to [0, start) and the kept ones before it) and their K/V replace the
-    translated ones in every layer. The rest of the span keeps its translation."""
-    if not kept:
-        return
-    if kept[0] < start or kept[-1] >= min(c.offset for c in cache):
-        raise ValueError(f"kept positions must lie in the translated span [{start}, ...)")
-    scratch = sparse_prefill(model, tokens, kept, cache=prefix_copy(cache, start))
-    rows = mx.array(list(kept))
-    for c, s in zip(cache, scratch):
-        c.keys[..., rows, :] = s.keys[..., start : s.offset, :]
-        c.values[..., rows, :] = s.values[..., start : s.offset, :]
-    mx.eval([(c.keys, c.values) for c in cache])

@@ -2,7 +2,7 @@
 
     python -m weights.experiments.long_documents OUT.jsonl [--lengths 1024,2048,4096]
         [--kinds fact,facts] [--right 20] [--seed 100] [--pair dense] [--keep 0.3]
-        [--shares 0.2] [--reread 0.3] [--limit-s SECONDS]
+        [--shares 0.2] [--no-chat] [--limit-s SECONDS]
 
 Each step draws one task of each kind at one length (`fitting_tasks`, the demo's held-out
 documentation pages, seed `--seed` + step) and answers it greedily under every condition of
@@ -10,10 +10,11 @@ documentation pages, seed `--seed` + step) and answers it greedily under every c
 reading through the product's hand-off ("chat": `content.Chat`, the shipped translator and
 `ReaderPolicy`'s defaults; "chat rS": recompute share S), and speculative prefill keeping
 `--keep` ("specprefill K"); with `--target-peaks`, also the chat with the large model's
-attention alone choosing what it recomputes ("chat target-peaks"); with `--reread`, the chat's
-reading with the large model reading that share of the turn itself in chunks instead of the
-recompute ("reread S", `ReaderPolicy(recompute_share=0, reread_share=S)`); `--no-chat` drops the
-chat's default reading (its records from an earlier run on the same seeds stand in). Every record is appended to OUT.jsonl as soon as its task is done, so a killed
+attention alone choosing what it recomputes ("chat target-peaks"); `--no-chat` drops the
+chat's default reading (its records from an earlier run on the same seeds stand in). The
+"reread 0.2" records (`runs/long_documents_reread_*.jsonl`) came from commit `1c15239`, where
+the product had that reading (`--reread 0.2 --no-chat` there); it was measured no better than
+the chat's and taken out (eval/RESULTS.md). Every record is appended to OUT.jsonl as soon as its task is done, so a killed
 run loses one task; run it again to go on. A length is done when its native read
 got `--right` items of every kind right (`qa`, questions about a passage, has no right answer:
 every item counts, scored by the recall of the native answer's content words); lengths take
@@ -92,8 +93,6 @@ def main() -> None:
                     help="also the chat with the large model's peaks alone choosing")  # fmt: skip
     ap.add_argument("--only-native-right", action="store_true",
                     help="the other paths answer only what the native read got right")  # fmt: skip
-    ap.add_argument("--reread", default="", help="the chat re-reading these shares instead "
-                    "of the recompute")  # fmt: skip
     ap.add_argument("--no-chat", action="store_true", help="not the chat's default reading")
     args = ap.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -108,8 +107,6 @@ def main() -> None:
                   **{f"specprefill {k:g}": Peer(k) for k in map(float, args.keep.split(",") if args.keep else [])}}  # fmt: skip
     if args.target_peaks:
         conditions["chat target-peaks"] = TargetPeaks(chat)
-    for r in map(float, args.reread.split(",") if args.reread else []):
-        conditions[f"reread {r:g}"] = Chat(tr, share=0.0, reread=r)
     if args.no_chat:
         del conditions["chat"]
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

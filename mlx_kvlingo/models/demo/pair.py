@@ -36,20 +36,18 @@ def manifest(pair: str = "dense") -> dict:
     return json.loads(path.read_text())
 
 
-def shipped_retention(path, large_reads_last: int, recompute_share: float,
-                      reread_share: float = 0.0) -> dict | None:  # fmt: skip
+def shipped_retention(path, large_reads_last: int, recompute_share: float) -> dict | None:
     """The content retention the demos' default forward translator file `path` ships with
     (manifest `default.retention`: {"large_reads_last", "recompute_share", "counts": [[read
-    length, kept, right], ...], "source"}, "reread_share" where above 0) for these reader
-    settings; else None."""
+    length, kept, right], ...], "source"}) for these reader settings; else None."""
     try:
         r = manifest()["default"].get("retention")
         if not r or Path(path).resolve() != translator_path().resolve():
             return None
-        settings = (r.get("large_reads_last"), r.get("recompute_share"), r.get("reread_share", 0))
+        settings = (r.get("large_reads_last"), r.get("recompute_share"))
     except (FileNotFoundError, KeyError, ValueError, OSError, AttributeError):
         return None
-    return r if settings == (large_reads_last, recompute_share, reread_share) else None
+    return r if settings == (large_reads_last, recompute_share) else None
 
 
 def default_source(pair: str = "dense") -> str:
