@@ -14,9 +14,9 @@ attention alone choosing what it recomputes ("chat target-peaks"); `--no-chat` d
 chat's default reading (its records from an earlier run on the same seeds stand in). The
 "reread 0.2" records (`runs/long_documents_reread_*.jsonl`) came from commit `1c15239`, where
 the product had that reading (`--reread 0.2 --no-chat` there); it was measured no better than
-the chat's and taken out (eval/RESULTS.md). Every record is appended to OUT.jsonl as soon as its task is done, so a killed
-run loses one task; run it again to go on. A length is done when its native read
-got `--right` items of every kind right (`qa`, questions about a passage, has no right answer:
+the chat's and taken out (eval/RESULTS.md). Every record is appended to OUT.jsonl as soon as
+its task is done, so a killed run loses one task; run it again to go on. A length is done when
+its native read got `--right` items of every kind right (`qa`, questions about a passage, has no right answer:
 every item counts, scored by the recall of the native answer's content words); lengths take
 turns, shortest first.
 `python -m weights.experiments.long_documents_report OUT.jsonl` tabulates and plots it.
